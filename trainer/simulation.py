@@ -1,0 +1,202 @@
+"""The federated simulation protocol of METRICS.md on an evaluation table.
+
+One seed: Dirichlet(alpha) task split of the train queries over N clients, one logged model per
+query from each client's skewed preference ``pi_i ~ Dir(0.5)``, then for each router kind the
+settings **local** (each client alone), **federated** and **centralised** (all sparse logs pooled)
+trained on the *same* sparse logs, plus **federated + personalised** (paper 002 interpolation per
+client), all evaluated on the shared test split with the METRICS.md curve metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sdk.personalisation import interpolation_weights, personalise
+from trainer import metrics
+from trainer.data.routerbench import EvalTable
+from trainer.federated.client_data import ClientData
+from trainer.federated.partition import dirichlet_partition, sparse_logging
+from trainer.routers.base import Router
+from trainer.routers.kmeans_router import KMeansRouterConfig, fit_federated_kmeans_router, fit_kmeans_router
+from trainer.routers.mlp_router import MLPRouterConfig, train_mlp_router
+
+ROUTER_KINDS = ("mlp", "kmeans")
+SETTINGS = ("local", "federated", "centralised", "personalised")
+
+
+@dataclass
+class SimulationConfig:
+    """Protocol settings (defaults: METRICS.md).
+
+    n_clients : N. alpha : Dirichlet concentration of the task split.
+    preference_concentration : Dirichlet concentration of each client's model preference.
+    participation : share of clients per round. routers : kinds to train.
+    """
+
+    n_clients: int = 10
+    alpha: float = 0.6
+    preference_concentration: float = 0.5
+    participation: float = 0.6
+    routers: tuple[str, ...] = ROUTER_KINDS
+    mlp: MLPRouterConfig = field(default_factory=MLPRouterConfig)
+    kmeans: KMeansRouterConfig = field(default_factory=KMeansRouterConfig)
+
+    def __post_init__(self) -> None:
+        from sdk.errors import InvalidInputError
+
+        unknown = set(self.routers) - set(ROUTER_KINDS)
+        if unknown:
+            raise InvalidInputError(f"unknown router kind(s) {sorted(unknown)}; valid: {list(ROUTER_KINDS)}")
+        self.mlp.participation = self.participation
+        self.kmeans.participation = self.participation
+
+
+@dataclass
+class SeedResult:
+    """Metrics of one seed: ``reports[kind][setting]`` is a list of CurveReports (one per client for
+    local/personalised, one otherwise); ``federated_routers[kind]`` the trained federated router."""
+
+    seed: int
+    reports: dict[str, dict[str, list[metrics.CurveReport]]]
+    federated_routers: dict[str, Router]
+    n_samples_per_client: list[int]
+
+
+def simulate_clients(
+    train: EvalTable, train_embeddings: np.ndarray, config: SimulationConfig, rng: np.random.Generator
+) -> list[ClientData]:
+    """Partition the train table over clients and reveal one model per query (METRICS.md).
+
+    Rows with no labelled model are dropped first (they cannot be logged)."""
+    keep = train.labelled().any(axis=1)
+    acc, cost, emb, tasks = train.accuracy[keep], train.cost[keep], train_embeddings[keep], train.tasks[keep]
+    part = dirichlet_partition(tasks, config.n_clients, config.alpha, rng)
+    log = sparse_logging(acc, cost, part.client, config.n_clients, rng, config.preference_concentration)
+    clients = []
+    for i in range(config.n_clients):
+        idx = part.indices(i)
+        clients.append(ClientData(emb[idx], log.model[idx], log.accuracy[idx], log.cost[idx]))
+    return clients
+
+
+def _personalised_predictions(global_router: Router, local_router: Router, data: ClientData,
+                              test_embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Paper 002 interpolation: per model, weights from the MAE of both estimators on local data."""
+    n_models = len(global_router.models)
+    ga, gc = global_router.predict(data.embeddings)
+    la, lc = local_router.predict(data.embeddings)
+    rows = np.arange(data.n_samples)
+
+    def mae(pred: np.ndarray, truth: np.ndarray) -> np.ndarray:
+        err = np.abs(pred[rows, data.model] - truth)
+        n = np.bincount(data.model, minlength=n_models)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.bincount(data.model, weights=np.nan_to_num(err, nan=0.0), minlength=n_models) / n
+
+    w_acc = interpolation_weights(mae(ga, data.accuracy), mae(la, data.accuracy))
+    w_cost = interpolation_weights(mae(gc, data.cost), mae(lc, data.cost))
+    tga, tgc = global_router.predict(test_embeddings)
+    tla, tlc = local_router.predict(test_embeddings)
+    return personalise(tga, tla, w_acc), personalise(tgc, tlc, w_cost)
+
+
+def run_seed(
+    train: EvalTable,
+    train_embeddings: np.ndarray,
+    test: EvalTable,
+    test_embeddings: np.ndarray,
+    config: SimulationConfig,
+    seed: int,
+    progress: Callable[[str], None] | None = None,
+) -> SeedResult:
+    """One seed of the protocol; ``test`` must be fully labelled (see ``EvalTable.complete_rows``)."""
+    rng = np.random.default_rng(seed)
+    clients = simulate_clients(train, train_embeddings, config, rng)
+    active = [c for c in clients if c.n_samples > 0]
+    models = train.models
+    true_acc, true_cost = test.accuracy, test.cost
+    say = progress or (lambda _msg: None)
+
+    def evaluate(acc: np.ndarray, cost: np.ndarray) -> metrics.CurveReport:
+        return metrics.evaluate_router(acc, cost, true_acc, true_cost)
+
+    fitters: dict[str, tuple[Callable[[ClientData], Router], Callable[[], Router]]] = {
+        "kmeans": (
+            lambda c: fit_kmeans_router(c, models, config.kmeans, int(rng.integers(2**31))),
+            lambda: fit_federated_kmeans_router(clients, models, config.kmeans, rng),
+        ),
+        "mlp": (
+            lambda c: train_mlp_router([c], models, config.mlp, rng, federated=False),
+            lambda: train_mlp_router(clients, models, config.mlp, rng, federated=True),
+        ),
+    }
+    reports: dict[str, dict[str, list[metrics.CurveReport]]] = {}
+    federated_routers: dict[str, Router] = {}
+    for kind in config.routers:
+        fit_one, fit_federated = fitters[kind]
+        say(f"seed {seed}: {kind} local ({len(active)} clients)")
+        local_routers = [fit_one(c) for c in active]
+        say(f"seed {seed}: {kind} federated")
+        fed = fit_federated()
+        say(f"seed {seed}: {kind} centralised")
+        central = fit_one(ClientData.pool(active))
+        reports[kind] = {
+            "local": [evaluate(*r.predict(test_embeddings)) for r in local_routers],
+            "federated": [evaluate(*fed.predict(test_embeddings))],
+            "centralised": [evaluate(*central.predict(test_embeddings))],
+            "personalised": [
+                evaluate(*_personalised_predictions(fed, loc, c, test_embeddings))
+                for loc, c in zip(local_routers, active)
+            ],
+        }
+        federated_routers[kind] = fed
+    return SeedResult(seed, reports, federated_routers, [c.n_samples for c in clients])
+
+
+def reference_reports(test: EvalTable) -> dict[str, metrics.CurveReport]:
+    """Oracle, zero-router and random references on the (fully labelled) test table."""
+    return {
+        "oracle": metrics.oracle_report(test.accuracy, test.cost),
+        "zero": metrics.zero_router_report(test.accuracy, test.cost),
+        "random": metrics.random_router_report(test.accuracy, test.cost),
+    }
+
+
+def summarise(seed_results: Sequence[SeedResult], references: dict[str, metrics.CurveReport]) -> dict:
+    """Mean and std over seeds (and over clients for local/personalised) of each metric.
+
+    ``cost_at_best_acc`` is the median over routers (inf where most never reach the best accuracy).
+    For federated and centralised, ``auc_std`` is the std over seeds; for local and personalised it
+    is the std over all (seed, client) routers, and ``auc_mean`` their mean.
+    """
+    auc_zero, auc_oracle = references["zero"].auc, references["oracle"].auc
+    out: dict = {
+        "references": {
+            name: {"auc": r.auc, "acc_at_best_cost": r.acc_at_best_cost, "cost_at_best_acc": r.cost_at_best_acc}
+            for name, r in references.items()
+        },
+        "routers": {},
+    }
+    for name in out["references"]:
+        out["references"][name]["gain"] = metrics.gain(references[name].auc, auc_zero, auc_oracle)
+    kinds = seed_results[0].reports.keys()
+    for kind in kinds:
+        out["routers"][kind] = {}
+        for setting in SETTINGS:
+            reps = [r for s in seed_results for r in s.reports[kind][setting]]
+            aucs = np.array([r.auc for r in reps])
+            per_seed = np.array([np.mean([r.auc for r in s.reports[kind][setting]]) for s in seed_results])
+            auc_mean = float(aucs.mean())
+            out["routers"][kind][setting] = {
+                "auc_mean": auc_mean,
+                "auc_std": float(aucs.std(ddof=0)),
+                "auc_per_seed": per_seed.tolist(),
+                "gain": metrics.gain(auc_mean, auc_zero, auc_oracle),
+                "acc_at_best_cost": float(np.mean([r.acc_at_best_cost for r in reps])),
+                "cost_at_best_acc": float(np.median([r.cost_at_best_acc for r in reps])),
+                "n_routers": len(reps),
+            }
+    return out
