@@ -150,22 +150,64 @@ class CellStatistics:
         keep = self.count >= min_count
         return CellStatistics(self.count * keep, self.sum_accuracy * keep, self.sum_cost * keep)
 
-    def model_means(self) -> tuple[np.ndarray, np.ndarray]:
+    def model_means(self, prior_strength: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """Mean accuracy and mean cost (USD) per model over all cells.
+
+        With ``prior_strength = kappa0 > 0`` the accuracy mean is shrunk toward the count-weighted
+        mean accuracy of all models: ``(S^m + kappa0 * Abar) / (n^m + kappa0)``, so that a model
+        seen a few times cannot outrank a well-measured one by luck. Costs are never shrunk across
+        models (their prices differ by orders of magnitude).
 
         Returns
         -------
         (accuracy, cost) : ndarrays of shape (n_models,), float64; NaN for a model never observed.
         """
+        kappa0 = _check_strength(prior_strength)
         n = self.count.sum(axis=0)
+        s_acc = self.sum_accuracy.sum(axis=0)
         with np.errstate(invalid="ignore", divide="ignore"):
-            return self.sum_accuracy.sum(axis=0) / n, self.sum_cost.sum(axis=0) / n
+            grand = s_acc.sum() / n.sum() if n.sum() > 0 else 0.0
+            acc = (s_acc + kappa0 * grand) / (n + kappa0)
+            cost = self.sum_cost.sum(axis=0) / n
+        acc[n == 0] = np.nan
+        return acc, cost
 
-    def means(self, prior_strength: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-        """Per-(cell, model) mean accuracy and cost, shrunk toward each model's overall mean.
+    def additive_effects(self, n_iter: int = 25) -> tuple[np.ndarray, np.ndarray]:
+        """Two-way additive fit ``abar_k^m ~ a^m + b_k`` by count-weighted backfitting.
 
-        ``A_k^m = (S_k^m + kappa * Abar^m) / (n_k^m + kappa)`` with ``kappa = prior_strength``;
-        ``kappa = 0`` gives the plain merged means of paper 002 (NaN in empty cells).
+        Minimises ``sum_km n_k^m (abar_k^m - a^m - b_k)^2``. The model effect ``a^m`` is compared
+        *within* cells, so it is not confounded by which cells a model happened to be logged in
+        (in sparse logs a model's plain mean mixes its quality with its clients' task mix); the
+        cell effect ``b_k`` is the cell's difficulty for all models.
+
+        Returns
+        -------
+        (a, b) : ndarrays of shape (n_models,) and (n_cells,), float64; ``a`` is NaN for a model
+        never observed, ``b`` is 0 for an empty cell.
+        """
+        n = self.count
+        n_m, n_k = n.sum(axis=0), n.sum(axis=1)
+        s_m, s_k = self.sum_accuracy.sum(axis=0), self.sum_accuracy.sum(axis=1)
+        a = np.zeros(self.n_models)
+        b = np.zeros(self.n_cells)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            for _ in range(n_iter):
+                a = np.where(n_m > 0, (s_m - n.T @ b) / n_m, 0.0)
+                b = np.where(n_k > 0, (s_k - n @ a) / n_k, 0.0)
+            a = np.where(n_m > 0, (s_m - n.T @ b) / n_m, np.nan)
+        return a, b
+
+    def means(
+        self, prior_strength: float = 0.0, model_prior_strength: float = 0.0, prior: str = "additive"
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per-(cell, model) mean accuracy and cost, shrunk toward a prior (empirical Bayes).
+
+        ``A_k^m = (S_k^m + kappa * P_k^m) / (n_k^m + kappa)`` with ``kappa = prior_strength``.
+        The prior ``P`` is, for ``prior="model"``, the model's mean over all cells and, for
+        ``prior="additive"``, ``clip(a^m + b_k, 0, 1)`` from :meth:`additive_effects`. The model
+        part is itself shrunk toward the all-model mean with ``model_prior_strength`` pseudo-counts.
+        Costs shrink toward the model's mean cost (never across models). ``kappa = 0`` gives the
+        plain merged means of paper 002 (NaN in empty cells).
 
         Returns
         -------
@@ -175,18 +217,37 @@ class CellStatistics:
         Raises
         ------
         ShapeError
-            ``prior_strength`` is negative or not finite.
+            A prior strength is negative or not finite, or ``prior`` is unknown.
         """
-        kappa = float(prior_strength)
-        if not np.isfinite(kappa) or kappa < 0:
-            raise ShapeError(f"prior_strength must be finite and >= 0, got {prior_strength!r}")
-        acc_prior, cost_prior = self.model_means()
+        kappa = _check_strength(prior_strength)
+        kappa0 = _check_strength(model_prior_strength)
+        model_acc, cost_prior = self.model_means(0.0)
+        n_m = self.count.sum(axis=0)
+        if prior == "model":
+            effect, cell = model_acc, np.zeros(self.n_cells)
+        elif prior == "additive":
+            effect, cell = self.additive_effects()
+        else:
+            raise ShapeError(f"prior must be 'model' or 'additive', got {prior!r}")
+        grand = self.sum_accuracy.sum() / n_m.sum() if n_m.sum() > 0 else 0.0
         with np.errstate(invalid="ignore", divide="ignore"):
+            effect = (n_m * effect + kappa0 * grand) / (n_m + kappa0)
+            acc_prior = np.clip(effect[None, :] + cell[:, None], 0.0, 1.0)
             denom = self.count + kappa
-            acc = (self.sum_accuracy + kappa * acc_prior[None, :]) / denom
+            acc = (self.sum_accuracy + kappa * acc_prior) / denom
             cost = (self.sum_cost + kappa * cost_prior[None, :]) / denom
+        unseen = n_m == 0
+        acc[:, unseen] = np.nan
+        cost[:, unseen] = np.nan
         if kappa == 0.0:
             empty = self.count == 0
             acc[empty] = np.nan
             cost[empty] = np.nan
         return acc, cost
+
+
+def _check_strength(value: float) -> float:
+    kappa = float(value)
+    if not np.isfinite(kappa) or kappa < 0:
+        raise ShapeError(f"prior strengths must be finite and >= 0, got {value!r}")
+    return kappa

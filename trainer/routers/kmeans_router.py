@@ -40,14 +40,18 @@ class KMeansRouterConfig:
     n_clusters : K_global, cells of the global router.
     n_local_clusters : K_local, centroids each client uploads.
     prior_strength : kappa >= 0, pseudo-observations of the model mean in each cell mean.
+    model_prior_strength : kappa0 >= 0, pseudo-observations of the all-model mean accuracy in each
+        model mean (see :meth:`sdk.CellStatistics.model_means`).
     centroid_rounds, statistics_rounds : rounds of each phase.
     participation : share of clients taking part in a round, in (0, 1].
     min_count : (cell, model) entries with fewer samples are not reported by a client (privacy).
     """
 
-    n_clusters: int = 12
+    n_clusters: int = 6
     n_local_clusters: int = 8
-    prior_strength: float = 8.0
+    prior_strength: float = 16.0
+    model_prior_strength: float = 10.0
+    prior: str = "additive"
     centroid_rounds: int = 3
     statistics_rounds: int = 5
     participation: float = 0.6
@@ -60,7 +64,7 @@ class KMeansRouterConfig:
             )
         if not 0 < self.participation <= 1:
             raise InvalidInputError(f"participation must lie in (0, 1], got {self.participation}")
-        if self.prior_strength < 0 or self.min_count < 1:
+        if self.prior_strength < 0 or self.model_prior_strength < 0 or self.min_count < 1:
             raise InvalidInputError(
                 f"prior_strength={self.prior_strength} must be >= 0 and min_count={self.min_count} >= 1"
             )
@@ -87,6 +91,8 @@ class KMeansRouter(Router):
         statistics: CellStatistics,
         models: Sequence[str],
         prior_strength: float,
+        model_prior_strength: float = 0.0,
+        prior: str = "additive",
     ) -> None:
         centroids = np.asarray(centroids, dtype=np.float32)
         if statistics.n_cells != centroids.shape[0] or statistics.n_models != len(models):
@@ -99,7 +105,9 @@ class KMeansRouter(Router):
         self.models = tuple(models)
         self.d_emb = int(centroids.shape[1])
         self.prior_strength = float(prior_strength)
-        self.accuracy_, self.cost_ = statistics.means(self.prior_strength)
+        self.model_prior_strength = float(model_prior_strength)
+        self.prior = prior
+        self.accuracy_, self.cost_ = statistics.means(self.prior_strength, self.model_prior_strength, self.prior)
 
     def _predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cells = nearest_cell(embeddings, self.centroids_)
@@ -119,14 +127,20 @@ class KMeansRouter(Router):
             cost=self.cost_,
         )
         tmp.replace(directory / KMEANS_FILE)
-        self._write_meta(directory, {"prior_strength": self.prior_strength, "n_cells": int(self.centroids_.shape[0])})
+        self._write_meta(directory, {
+            "prior_strength": self.prior_strength,
+            "model_prior_strength": self.model_prior_strength,
+            "prior": self.prior,
+            "n_cells": int(self.centroids_.shape[0]),
+        })
 
     @classmethod
     def load(cls, directory: Path) -> KMeansRouter:
         meta = read_meta(directory)
         with np.load(Path(directory) / KMEANS_FILE) as z:
             stats = CellStatistics(z["count"], z["sum_accuracy"], z["sum_cost"])
-            return cls(z["centroids"], stats, meta["models"], meta["prior_strength"])
+            return cls(z["centroids"], stats, meta["models"], meta["prior_strength"],
+                       meta["model_prior_strength"], meta["prior"])
 
 
 def lloyd(
@@ -169,7 +183,8 @@ def fit_kmeans_router(data: ClientData, models: Sequence[str], config: KMeansRou
     (all clients' logs pooled)."""
     centroids, _ = lloyd(data.embeddings, config.n_clusters, seed)
     stats = client_statistics(data, centroids, len(models))
-    return KMeansRouter(centroids, stats, models, config.prior_strength)
+    return KMeansRouter(centroids, stats, models, config.prior_strength, config.model_prior_strength,
+                        config.prior)
 
 
 def fit_federated_kmeans_router(
@@ -200,7 +215,8 @@ def fit_federated_kmeans_router(
         for i in rng.choice(active, size=n_part, replace=False):
             latest_stats[int(i)] = client_statistics(clients[i], global_centroids, len(models), config.min_count)
     merged = CellStatistics.merge(list(latest_stats.values()))
-    return KMeansRouter(global_centroids, merged, models, config.prior_strength)
+    return KMeansRouter(global_centroids, merged, models, config.prior_strength, config.model_prior_strength,
+                        config.prior)
 
 
 

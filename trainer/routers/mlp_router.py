@@ -64,6 +64,9 @@ class MLPRouterConfig:
     epoch_patience: int = 8
     participation: float = 0.6
     val_fraction: float = 0.2
+    head_l2: float = 0.0
+    model_prior_strength: float = 10.0
+    ema: float = 0.0
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -92,11 +95,15 @@ def build_network(d_emb: int, n_models: int, hidden: int, dropout: float):
                 nn.Linear(hidden, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Dropout(dropout),
             )
             self.accuracy_head = nn.Linear(hidden, n_models)
+            self.shared_accuracy = nn.Linear(hidden, 1, bias=False)
             self.cost_head = nn.Linear(hidden, n_models)
 
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             h = self.trunk(x)
-            return self.accuracy_head(h), self.cost_head(h)
+            # Per-model linear heads, parametrised as shared part + per-model part:
+            # A(x, m) = (u + w_m) . h(x) + b_m. Only w_m is penalised (head_l2), so what all models
+            # share (query difficulty) is learned from every observation.
+            return self.accuracy_head(h) + self.shared_accuracy(h), self.cost_head(h)
 
     return MLPRouterNet()
 
@@ -180,12 +187,13 @@ def _initial_state(d_emb: int, stats: CellStatistics, config: MLPRouterConfig, s
 
     torch.manual_seed(seed)
     net = build_network(d_emb, stats.n_models, config.hidden, config.dropout)
-    acc_mean, cost_mean = stats.model_means()
+    acc_mean, cost_mean = stats.model_means(config.model_prior_strength)
     with torch.no_grad():
         for head, bias in ((net.accuracy_head, np.nan_to_num(acc_mean, nan=0.0)),
                            (net.cost_head, np.where(np.isfinite(cost_mean), 1.0, 0.0))):
             head.weight.zero_()
             head.bias.copy_(torch.as_tensor(bias, dtype=torch.float32))
+        net.shared_accuracy.weight.zero_()
     return net
 
 
@@ -222,6 +230,8 @@ def _local_train(net, party: _Party, cost_scale: np.ndarray, config: MLPRouterCo
             b = perm[start : start + config.batch_size]
             opt.zero_grad()
             loss = _observed_loss(net, x[b], m[b], acc[b], cnorm[b]) / b.shape[0]
+            if config.head_l2 > 0:
+                loss = loss + config.head_l2 * (net.accuracy_head.weight**2).sum()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), config.grad_clip)
             opt.step()
@@ -290,6 +300,7 @@ def train_mlp_router(
     patience = config.patience if federated else config.epoch_patience
     n_part = max(1, int(round(config.participation * len(parties)))) if federated else 1
     best_state, best_loss, since_best = global_state, _val_loss(net, parties, cost_scale, config.device), 0
+    ema_state = None
     rounds = range(max_rounds)
     if progress:
         from tqdm.auto import tqdm
@@ -306,10 +317,16 @@ def train_mlp_router(
             updates.append(({k: v.detach().cpu().numpy() for k, v in net.state_dict().items()}, party.train.n_samples))
         if updates:
             global_state = {k: v.astype(np.float32) for k, v in fedavg(updates).items()}
-        net.load_state_dict({k: torch.as_tensor(v) for k, v in global_state.items()})
+        if config.ema > 0:
+            ema_state = {k: (config.ema * ema_state[k] + (1 - config.ema) * v).astype(np.float32)
+                         if ema_state is not None else v for k, v in global_state.items()}
+            eval_state = ema_state
+        else:
+            eval_state = global_state
+        net.load_state_dict({k: torch.as_tensor(v) for k, v in eval_state.items()})
         loss = _val_loss(net, parties, cost_scale, config.device)
         if loss < best_loss - 1e-6 or not np.isfinite(best_loss):
-            best_state, best_loss, since_best = global_state, loss, 0
+            best_state, best_loss, since_best = eval_state, loss, 0
         else:
             since_best += 1
             if since_best >= patience:

@@ -1,0 +1,96 @@
+"""Per-(cell, model) statistics: pooled == merged, shrinkage by hand, Voronoi lookup by hand."""
+
+import numpy as np
+import pytest
+
+from sdk import CellStatistics, nearest_cell
+from sdk.errors import ShapeError
+
+
+def _random_log(rng, n, n_cells, n_models):
+    return (
+        rng.integers(0, n_cells, n),
+        rng.integers(0, n_models, n),
+        rng.integers(0, 2, n).astype(float),
+        rng.random(n) * 1e-3,
+    )
+
+
+def test_merge_equals_the_statistics_of_the_pooled_data():
+    rng = np.random.default_rng(0)
+    parts = [_random_log(rng, n, 4, 3) for n in (50, 7, 120)]
+    merged = CellStatistics.merge([CellStatistics.from_samples(*p, 4, 3) for p in parts])
+    pooled = CellStatistics.from_samples(*[np.concatenate(x) for x in zip(*parts)], 4, 3)
+    np.testing.assert_array_equal(merged.count, pooled.count)
+    np.testing.assert_allclose(merged.sum_accuracy, pooled.sum_accuracy, rtol=1e-12)
+    np.testing.assert_allclose(merged.sum_cost, pooled.sum_cost, rtol=1e-12)
+    for a, b in zip(merged.means(3.0), pooled.means(3.0)):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def test_from_samples_hand_computed():
+    stats = CellStatistics.from_samples(
+        cells=[0, 0, 1, 1, 1], models=[0, 1, 1, 1, 0], accuracy=[1, 0, 1, 0, 1], cost=[1, 2, 3, 5, 7],
+        n_cells=2, n_models=2,
+    )
+    assert stats.count.tolist() == [[1, 1], [1, 2]]
+    assert stats.sum_accuracy.tolist() == [[1, 0], [1, 1]]
+    assert stats.sum_cost.tolist() == [[1, 2], [7, 8]]
+    acc, cost = stats.means(0.0)
+    assert acc.tolist() == [[1.0, 0.0], [1.0, 0.5]]
+    assert cost.tolist() == [[1.0, 2.0], [7.0, 4.0]]
+
+
+def test_shrinkage_toward_the_model_mean_hand_computed():
+    # Model 0: cell 0 has 1/1 correct, cell 1 has 0/3 -> model mean 1/4. kappa = 2:
+    # cell 0: (1 + 2 * 0.25) / (1 + 2) = 0.5 ; cell 1: (0 + 0.5) / (3 + 2) = 0.1 ; empty cell 2: 0.25.
+    stats = CellStatistics(
+        count=np.array([[1.0], [3.0], [0.0]]),
+        sum_accuracy=np.array([[1.0], [0.0], [0.0]]),
+        sum_cost=np.array([[4.0], [0.0], [0.0]]),
+    )
+    acc, cost = stats.means(2.0, prior="model")
+    np.testing.assert_allclose(acc[:, 0], [0.5, 0.1, 0.25])
+    np.testing.assert_allclose(cost[:, 0], [(4 + 2) / 3, 2 / 5, 1.0])
+    raw_acc, _ = stats.means(0.0)
+    assert np.isnan(raw_acc[2, 0])
+
+
+def test_a_model_never_observed_has_no_estimate():
+    stats = CellStatistics.from_samples([0], [0], [1.0], [1.0], n_cells=1, n_models=2)
+    acc, cost = stats.means(5.0)
+    assert acc[0, 0] == 1.0 and np.isnan(acc[0, 1]) and np.isnan(cost[0, 1])
+
+
+def test_min_count_suppresses_small_cells():
+    stats = CellStatistics.from_samples([0, 0, 1], [0, 0, 0], [1, 1, 1], [1, 1, 1], 2, 1)
+    kept = stats.suppress_below(2)
+    assert kept.count.tolist() == [[2], [0]]
+    assert kept.sum_accuracy.tolist() == [[2], [0]]
+
+
+@pytest.mark.parametrize(
+    "count, sum_acc, sum_cost, message",
+    [
+        ([[-1.0]], [[0.0]], [[0.0]], "count must be >= 0"),
+        ([[1.0]], [[2.0]], [[0.0]], "sum_accuracy must lie in"),
+        ([[1.0]], [[1.0]], [[-0.5]], "sum_cost must be >= 0"),
+        ([[np.nan]], [[0.0]], [[0.0]], "finite"),
+        ([[1.0, 1.0]], [[1.0]], [[1.0]], "one shape"),
+    ],
+)
+def test_invalid_statistics_are_refused(count, sum_acc, sum_cost, message):
+    with pytest.raises(ShapeError, match=message):
+        CellStatistics(np.array(count), np.array(sum_acc), np.array(sum_cost))
+
+
+def test_nearest_cell_hand_computed():
+    centroids = np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]])
+    x = np.array([[0.1, 0.1], [0.9, -0.5], [0.0, 1.5], [0.5, 0.0]])
+    # The last point is equidistant from cells 0 and 1 -> the lower index.
+    assert nearest_cell(x, centroids).tolist() == [0, 1, 2, 0]
+
+
+def test_nearest_cell_rejects_dimension_mismatch():
+    with pytest.raises(ShapeError, match="dimension 3 differs from centroid dimension 2"):
+        nearest_cell(np.zeros((1, 3)), np.zeros((2, 2)))

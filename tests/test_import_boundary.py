@@ -1,0 +1,16 @@
+"""``import sdk`` must not pull in torch, transformers, sentence-transformers, trainer or export."""
+
+import subprocess
+import sys
+
+FORBIDDEN = ("torch", "transformers", "sentence_transformers", "trainer", "export", "sklearn")
+
+
+def test_import_sdk_loads_no_heavy_or_server_side_package():
+    code = (
+        "import sys, sdk, sdk.utility, sdk.voronoi, sdk.cell_statistics, sdk.personalisation, sdk.errors\n"
+        f"bad = [m for m in {FORBIDDEN!r} if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -1,0 +1,127 @@
+"""``fedroute`` command line: ``simulate`` (the main job) and ``ablate``.
+
+Heavy libraries (torch, sentence-transformers) are imported inside the commands, so ``fedroute
+--help`` works with the base (SDK-only) install and a missing extra gives a clear message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
+
+
+def _need_trainer() -> None:
+    try:
+        import sentence_transformers  # noqa: F401
+        import sklearn  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise typer.BadParameter(
+            f"this command needs the trainer extra ({exc.name} is missing): pip install 'fedroute[trainer]'"
+        ) from exc
+
+
+def _load_tables(data: Optional[Path], train: Optional[Path], test: Optional[Path]):
+    from trainer.data.routerbench import load_eval_file, load_routerbench_dir
+
+    if train is not None or test is not None:
+        if train is None or test is None:
+            raise typer.BadParameter("--train and --test go together")
+        return load_eval_file(train), load_eval_file(test)
+    if data is None:
+        raise typer.BadParameter("give --data DIR (with train.parquet and test.parquet) or --train FILE --test FILE")
+    return load_routerbench_dir(data)
+
+
+DataOpt = Annotated[Optional[Path], typer.Option(help="folder with train.parquet and test.parquet (RouterBench schema)")]
+TrainOpt = Annotated[Optional[Path], typer.Option(help="train log file (.parquet/.csv, same schema); overrides --data")]
+TestOpt = Annotated[Optional[Path], typer.Option(help="test file scored by the run (.parquet/.csv, same schema)")]
+OutOpt = Annotated[Path, typer.Option(help="output folder")]
+SeedsOpt = Annotated[int, typer.Option(min=1, help="number of seeds (0..K-1)")]
+RoutersOpt = Annotated[str, typer.Option(help="comma-separated router kinds: mlp,kmeans")]
+EmbedderOpt = Annotated[str, typer.Option(help="embedder: local path, 'all-MiniLM-L6-v2' or a hub id")]
+CacheOpt = Annotated[Optional[Path], typer.Option(help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
+DeviceOpt = Annotated[str, typer.Option(help="torch device for embedding and MLP training: cpu, cuda, cuda:1")]
+
+
+def _config(n_clients: int, alpha: float, routers: str, device: str):
+    from sdk.errors import InvalidInputError
+    from trainer.routers.mlp_router import MLPRouterConfig
+    from trainer.simulation import SimulationConfig
+
+    kinds = tuple(k.strip() for k in routers.split(",") if k.strip())
+    try:
+        return SimulationConfig(n_clients=n_clients, alpha=alpha, routers=kinds, mlp=MLPRouterConfig(device=device))
+    except InvalidInputError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+@app.command()
+def simulate(
+    data: DataOpt = None,
+    train: TrainOpt = None,
+    test: TestOpt = None,
+    out: OutOpt = Path("results"),
+    seeds: SeedsOpt = 3,
+    n_clients: Annotated[int, typer.Option(min=1, help="N, number of clients")] = 10,
+    alpha: Annotated[float, typer.Option(min=1e-6, help="Dirichlet concentration of the task split")] = 0.6,
+    routers: RoutersOpt = "mlp,kmeans",
+    embedder: EmbedderOpt = "all-MiniLM-L6-v2",
+    max_tokens: Annotated[int, typer.Option(min=8, help="tokens the embedder reads (from the end of the prompt)")] = 256,
+    cache_dir: CacheOpt = None,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Run the federated simulation protocol (METRICS.md) and write results.json, results.md, curves.png."""
+    _need_trainer()
+    from trainer.embeddings import EmbedderConfig
+    from trainer.experiments import run_simulation
+
+    train_t, test_t = _load_tables(data, train, test)
+    summary = run_simulation(
+        train_t, test_t, out, _config(n_clients, alpha, routers, device), range(seeds),
+        EmbedderConfig(model=embedder, max_tokens=max_tokens, device=device), cache_dir,
+    )
+    typer.echo((out / "results.md").read_text())
+    typer.echo(f"results: {out / 'results.json'}  ({summary['seconds']} s)")
+
+
+@app.command()
+def ablate(
+    data: DataOpt = None,
+    train: TrainOpt = None,
+    test: TestOpt = None,
+    out: OutOpt = Path("results/ablation"),
+    seeds: SeedsOpt = 3,
+    routers: RoutersOpt = "mlp,kmeans",
+    embedder: EmbedderOpt = "all-MiniLM-L6-v2",
+    cache_dir: CacheOpt = None,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """N in {5, 10, 20, 40} and alpha in {0.03, 0.1, 0.6, 5.0} ablations into ablation.{json,md,png}."""
+    _need_trainer()
+    from trainer.embeddings import EmbedderConfig
+    from trainer.experiments import run_ablation
+
+    train_t, test_t = _load_tables(data, train, test)
+    run_ablation(train_t, test_t, out, _config(10, 0.6, routers, device), range(seeds),
+                 EmbedderConfig(model=embedder, device=device), cache_dir)
+    typer.echo((out / "ablation.md").read_text())
+
+
+def main() -> None:
+    """Console-script entry point: errors of ours print one line and exit 2, not a traceback."""
+    from sdk.errors import FedrouteError
+
+    try:
+        app()
+    except FedrouteError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise SystemExit(2) from exc
+
+
+if __name__ == "__main__":
+    main()

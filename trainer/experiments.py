@@ -1,0 +1,182 @@
+"""The main job (``fedroute simulate``) and the ablations (``fedroute ablate``) end to end:
+load logs -> embed (cached) -> simulate seeds -> metrics -> results.json / results.md / PNG ->
+trained federated routers under ``out/routers/{mlp,kmeans}`` for ``export``."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from trainer import metrics, report
+from trainer.data.routerbench import EvalTable
+from trainer.embeddings import EmbedderConfig, embed_texts
+from trainer.simulation import SimulationConfig, reference_reports, run_seed, summarise
+
+ABLATION_N = (5, 10, 20, 40)
+ABLATION_ALPHA = (0.03, 0.1, 0.6, 5.0)
+
+
+def _log(msg: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
+
+
+def embed_tables(train: EvalTable, test: EvalTable, embedder: EmbedderConfig, cache_dir: Path | None):
+    """Embeddings of both tables' prompts, shape (n, d_emb) float32 each (one cached pass)."""
+    _log(f"embedding {train.n_queries + test.n_queries} prompts with {embedder.model} "
+         f"(last {embedder.max_tokens} tokens; cached)")
+    emb = embed_texts(list(train.prompts) + list(test.prompts), embedder, cache_dir)
+    return emb[: train.n_queries], emb[train.n_queries :]
+
+
+def _evaluation_table(test: EvalTable, test_emb: np.ndarray) -> tuple[EvalTable, np.ndarray]:
+    keep = test.labelled().all(axis=1)
+    dropped = int((~keep).sum())
+    if dropped:
+        _log(f"test: {dropped} of {test.n_queries} rows lack a label for some model; scored on the other {int(keep.sum())}")
+    return test.subset(np.flatnonzero(keep)), test_emb[keep]
+
+
+def run_simulation(
+    train: EvalTable,
+    test: EvalTable,
+    out: Path,
+    config: SimulationConfig,
+    seeds: Sequence[int],
+    embedder: EmbedderConfig,
+    cache_dir: Path | None = None,
+    save_routers: bool = True,
+) -> dict:
+    """The default protocol over ``seeds``; writes results under ``out`` and returns the summary."""
+    if tuple(train.models) != tuple(test.models):
+        from sdk.errors import InvalidInputError
+
+        raise InvalidInputError(f"train models {list(train.models)} differ from test models {list(test.models)}")
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    train_emb, test_emb = embed_tables(train, test, embedder, cache_dir)
+    test, test_emb = _evaluation_table(test, test_emb)
+    references = reference_reports(test)
+    results = []
+    from tqdm.auto import tqdm
+
+    for seed in tqdm(list(seeds), desc="seeds"):
+        results.append(run_seed(train, train_emb, test, test_emb, config, seed, progress=_log))
+    summary = summarise(results, references)
+    summary["config"] = {
+        "simulation": dataclasses.asdict(config),
+        "seeds": list(seeds),
+        "embedder": dataclasses.asdict(embedder),
+        "train": {"source": train.source, "n_queries": train.n_queries},
+        "test": {"source": test.source, "n_queries_scored": test.n_queries},
+        "models": list(train.models),
+    }
+    summary["seconds"] = round(time.time() - started, 1)
+    report.write_json(out / "results.json", summary)
+    (out / "results.md").write_text(report.markdown_table(summary))
+    first = results[0]
+    curves = {
+        "oracle": references["oracle"].points,
+        "zero router": references["zero"].points,
+        "random": references["random"].points,
+    }
+    for kind, by_setting in first.reports.items():
+        name = report.KIND_NAMES[kind]
+        curves[f"{name} federated"] = by_setting["federated"][0].points
+        curves[f"{name} centralised"] = by_setting["centralised"][0].points
+        best_local = max(by_setting["local"], key=lambda r: r.auc)
+        curves[f"{name} local (best client)"] = best_local.points
+    report.plot_curves(
+        out / "curves.png", curves, metrics.single_model_points(test.accuracy, test.cost), list(test.models),
+        f"Accuracy-cost frontiers on {Path(test.source).name} (seed {first.seed}, N={config.n_clients}, alpha={config.alpha})",
+    )
+    if save_routers:
+        for kind, router in first.federated_routers.items():
+            router.embedder = {
+                "name": embedder.model, "dim": router.d_emb, "max_tokens": embedder.max_tokens,
+                "truncation_side": embedder.truncation_side, "pooling": "mean", "normalised": True,
+            }
+            router.save(out / "routers" / kind)
+    _log(f"wrote {out / 'results.json'}, results.md, curves.png in {summary['seconds']} s")
+    return summary
+
+
+def run_ablation(
+    train: EvalTable,
+    test: EvalTable,
+    out: Path,
+    base: SimulationConfig,
+    seeds: Sequence[int],
+    embedder: EmbedderConfig,
+    cache_dir: Path | None = None,
+    n_values: Sequence[int] = ABLATION_N,
+    alpha_values: Sequence[float] = ABLATION_ALPHA,
+) -> dict:
+    """N and alpha ablations of METRICS.md: one simulation per value, the other at its default."""
+    out.mkdir(parents=True, exist_ok=True)
+    train_emb, test_emb = embed_tables(train, test, embedder, cache_dir)
+    test, test_emb = _evaluation_table(test, test_emb)
+    references = reference_reports(test)
+    table: dict = {"n_clients": {}, "alpha": {}}
+    for axis, values in (("n_clients", n_values), ("alpha", alpha_values)):
+        for value in values:
+            cfg = dataclasses.replace(base, **{axis: value})
+            _log(f"ablation {axis}={value}")
+            results = [run_seed(train, train_emb, test, test_emb, cfg, s) for s in seeds]
+            table[axis][str(value)] = summarise(results, references)["routers"]
+    payload = {"references": {k: v.auc for k, v in references.items()}, "ablations": table, "seeds": list(seeds)}
+    report.write_json(out / "ablation.json", payload)
+    (out / "ablation.md").write_text(ablation_markdown(payload))
+    plot_ablation(out / "ablation.png", payload)
+    return payload
+
+
+def ablation_markdown(payload: dict) -> str:
+    lines = []
+    for axis, rows in payload["ablations"].items():
+        kinds = list(next(iter(rows.values())).keys())
+        header = " | ".join(f"{report.KIND_NAMES[k]} {s}" for k in kinds for s in ("federated", "local"))
+        lines += [f"\n### {axis}\n", f"| {axis} | {header} |", "|---" * (1 + 2 * len(kinds)) + "|"]
+        for value, by_kind in rows.items():
+            cells = " | ".join(
+                f"{by_kind[k][s]['auc_mean']:.4f} ± {by_kind[k][s]['auc_std']:.4f}"
+                for k in kinds for s in ("federated", "local")
+            )
+            lines.append(f"| {value} | {cells} |")
+    refs = payload["references"]
+    lines.append(f"\nReferences: oracle {refs['oracle']:.4f}, zero router {refs['zero']:.4f}, random {refs['random']:.4f}.\n")
+    return "\n".join(lines)
+
+
+def plot_ablation(path: Path, payload: dict) -> None:
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120)
+    for ax, (axis, rows) in zip(axes, payload["ablations"].items()):
+        xs = [float(v) for v in rows]
+        for kind in next(iter(rows.values())):
+            for setting, style in (("federated", "-o"), ("local", "--s")):
+                ys = [rows[v][kind][setting]["auc_mean"] for v in rows]
+                es = [rows[v][kind][setting]["auc_std"] for v in rows]
+                ax.errorbar(xs, ys, yerr=es, fmt=style, capsize=3, label=f"{report.KIND_NAMES[kind]} {setting}")
+        ax.axhline(payload["references"]["zero"], color="gray", linestyle=":", label="zero router")
+        ax.set_xscale("log")
+        ax.set_xlabel(axis)
+        ax.set_ylabel("normalised AUC")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
