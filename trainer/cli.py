@@ -66,7 +66,7 @@ def simulate(
     train: TrainOpt = None,
     test: TestOpt = None,
     out: OutOpt = Path("results"),
-    seeds: SeedsOpt = 3,
+    seeds: SeedsOpt = 5,
     n_clients: Annotated[int, typer.Option(min=1, help="N, number of clients")] = 10,
     alpha: Annotated[float, typer.Option(min=1e-6, help="Dirichlet concentration of the task split")] = 0.6,
     routers: RoutersOpt = "mlp,kmeans",

@@ -9,10 +9,18 @@ grad-clip 1.0, batch 128, one local epoch per round; FedAvg weighted by sample c
 
 Learning from one observed model per query with ~200 observations per model needs care; we use:
 
-- **Shrinkage to per-model means**: head weights start at 0 and head biases at the model's mean
-  accuracy / normalised cost (one round of per-model count/sum statistics, the same privacy-safe
-  aggregate as the K-means router), so training starts from the per-model-mean router and moves
-  away only as far as the data support.
+- **Shrinkage toward an additive prediction**: each accuracy head is parametrised as a shared part
+  plus a per-model part, ``A(x, m) = (u + w_m) . h(x) + b_m`` (still one linear head per model;
+  ``export`` folds ``u`` into each head). The per-model interaction ``w_m . h(x)`` is penalised on
+  *every* model at every query (``interaction_penalty``, a ridge in function space), so a model
+  seen ~200 times stays near ``b_m + u . h(x)`` unless its data say otherwise; ``u . h(x)`` (query
+  difficulty) learns from all observations. Without it the heads fit the noise of single binary
+  outcomes (per-task predictions of 0.01 or 0.98 where the truth is 0.4 or 0.85) and the router
+  falls below the zero router.
+- **Initialisation at per-model means**: head weights start at 0, accuracy biases at the model's
+  mean accuracy shrunk toward the all-model mean (``model_prior_strength``), cost biases at 1
+  (costs are normalised by the model's mean cost); these come from one round of per-model
+  count/sum statistics, the same privacy-safe aggregate as the K-means router.
 - **Validation-based early stopping**: each client holds out ``val_fraction`` of its log; the server
   keeps the global parameters with the lowest sample-weighted validation MSE and stops after
   ``patience`` rounds without improvement.
@@ -48,6 +56,8 @@ class MLPRouterConfig:
     rounds, patience : max rounds and early-stopping patience of federated training.
     epochs, epoch_patience : the same for one party training alone (local, centralised).
     participation : share of clients per round. val_fraction : held-out share of each log.
+    interaction_penalty : weight of the per-model interaction penalty (see module docstring).
+    model_prior_strength : pseudo-observations of the all-model mean in each head's initial bias.
     device : torch device string (``"cpu"``, ``"cuda"``).
     """
 
@@ -64,9 +74,8 @@ class MLPRouterConfig:
     epoch_patience: int = 8
     participation: float = 0.6
     val_fraction: float = 0.2
-    head_l2: float = 0.0
+    interaction_penalty: float = 1.0
     model_prior_strength: float = 10.0
-    ema: float = 0.0
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -78,6 +87,11 @@ class MLPRouterConfig:
             raise InvalidInputError(f"participation must lie in (0, 1], got {self.participation}")
         if not 0 <= self.val_fraction < 1:
             raise InvalidInputError(f"val_fraction must lie in [0, 1), got {self.val_fraction}")
+        if self.interaction_penalty < 0 or self.model_prior_strength < 0:
+            raise InvalidInputError(
+                f"interaction_penalty={self.interaction_penalty} and "
+                f"model_prior_strength={self.model_prior_strength} must be >= 0"
+            )
         if self.patience > self.rounds:
             raise InvalidInputError(f"patience={self.patience} must be <= rounds={self.rounds}")
 
@@ -101,7 +115,7 @@ def build_network(d_emb: int, n_models: int, hidden: int, dropout: float):
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             h = self.trunk(x)
             # Per-model linear heads, parametrised as shared part + per-model part:
-            # A(x, m) = (u + w_m) . h(x) + b_m. Only w_m is penalised (head_l2), so what all models
+            # A(x, m) = (u + w_m) . h(x) + b_m. Only w_m . h(x) is penalised, so what all models
             # share (query difficulty) is learned from every observation.
             return self.accuracy_head(h) + self.shared_accuracy(h), self.cost_head(h)
 
@@ -216,6 +230,15 @@ def _observed_loss(net, x, m, acc, cnorm):
     return ((a_obs - acc) ** 2 + (c_obs - cnorm) ** 2).sum()
 
 
+def _interaction_penalty(net, x):
+    """Mean over the batch of ``sum_m (w_m . h(x))^2``: the per-model deviation from the additive
+    prediction ``b_m + u . h(x)``, penalised on *every* model at every query (a ridge in function
+    space, so rescaling the trunk cannot evade it). It plays the role of the K-means router's
+    ``prior_strength``: models with few observations stay near the additive prediction."""
+    h = net.trunk(x)
+    return ((net.accuracy_head(h) - net.accuracy_head.bias) ** 2).sum(dim=1).mean()
+
+
 def _local_train(net, party: _Party, cost_scale: np.ndarray, config: MLPRouterConfig, gen) -> None:
     import torch
 
@@ -230,8 +253,8 @@ def _local_train(net, party: _Party, cost_scale: np.ndarray, config: MLPRouterCo
             b = perm[start : start + config.batch_size]
             opt.zero_grad()
             loss = _observed_loss(net, x[b], m[b], acc[b], cnorm[b]) / b.shape[0]
-            if config.head_l2 > 0:
-                loss = loss + config.head_l2 * (net.accuracy_head.weight**2).sum()
+            if config.interaction_penalty > 0:
+                loss = loss + config.interaction_penalty * _interaction_penalty(net, x[b])
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), config.grad_clip)
             opt.step()
@@ -300,7 +323,6 @@ def train_mlp_router(
     patience = config.patience if federated else config.epoch_patience
     n_part = max(1, int(round(config.participation * len(parties)))) if federated else 1
     best_state, best_loss, since_best = global_state, _val_loss(net, parties, cost_scale, config.device), 0
-    ema_state = None
     rounds = range(max_rounds)
     if progress:
         from tqdm.auto import tqdm
@@ -317,16 +339,10 @@ def train_mlp_router(
             updates.append(({k: v.detach().cpu().numpy() for k, v in net.state_dict().items()}, party.train.n_samples))
         if updates:
             global_state = {k: v.astype(np.float32) for k, v in fedavg(updates).items()}
-        if config.ema > 0:
-            ema_state = {k: (config.ema * ema_state[k] + (1 - config.ema) * v).astype(np.float32)
-                         if ema_state is not None else v for k, v in global_state.items()}
-            eval_state = ema_state
-        else:
-            eval_state = global_state
-        net.load_state_dict({k: torch.as_tensor(v) for k, v in eval_state.items()})
+        net.load_state_dict({k: torch.as_tensor(v) for k, v in global_state.items()})
         loss = _val_loss(net, parties, cost_scale, config.device)
         if loss < best_loss - 1e-6 or not np.isfinite(best_loss):
-            best_state, best_loss, since_best = eval_state, loss, 0
+            best_state, best_loss, since_best = global_state, loss, 0
         else:
             since_best += 1
             if since_best >= patience:
