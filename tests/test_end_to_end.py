@@ -51,7 +51,7 @@ def test_results_json_holds_the_documented_keys(run):
             assert {"auc_mean", "auc_std", "gain"} <= entry.keys()
     ref = results["references"]
     assert ref["oracle"]["auc"] > ref["zero"]["auc"] > ref["random"]["auc"]
-    assert (out / "results.md").read_text().count("\n") == 2 + 2 * 4 + 3
+    assert (out / "results.md").read_text().count("\n") == 2 + 2 * 4 + 3 + 5 + 2
     assert (out / "curves.png").stat().st_size > 10_000
 
 

@@ -89,8 +89,8 @@ def run_simulation(
         name = report.KIND_NAMES[kind]
         curves[f"{name} federated"] = by_setting["federated"][0].points
         curves[f"{name} centralised"] = by_setting["centralised"][0].points
-        best_local = max(by_setting["local"], key=lambda r: r.auc)
-        curves[f"{name} local (best client)"] = best_local.points
+        by_auc = sorted(by_setting["local"], key=lambda r: r.auc)
+        curves[f"{name} local (median client)"] = by_auc[len(by_auc) // 2].points
     report.plot_curves(
         out / "curves.png", curves, metrics.single_model_points(test.accuracy, test.cost), list(test.models),
         f"Accuracy-cost frontiers on {Path(test.source).name} (seed {first.seed}, N={config.n_clients}, alpha={config.alpha})",

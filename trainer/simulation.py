@@ -4,7 +4,9 @@ One seed: Dirichlet(alpha) task split of the train queries over N clients, one l
 query from each client's skewed preference ``pi_i ~ Dir(0.5)``, then for each router kind the
 settings **local** (each client alone), **federated** and **centralised** (all sparse logs pooled)
 trained on the *same* sparse logs, plus **federated + personalised** (paper 002 interpolation per
-client), all evaluated on the shared test split with the METRICS.md curve metrics.
+client), all evaluated on the shared test split with the METRICS.md curve metrics. Local, federated
+and personalised routers are also scored on each client's own task mix (test rows drawn to match
+the client's tasks), where personalisation is meant to help.
 """
 
 from __future__ import annotations
@@ -54,32 +56,67 @@ class SimulationConfig:
         self.kmeans.participation = self.participation
 
 
+CLIENT_VIEW = ("local", "federated", "personalised", "zero", "oracle")
+
+
 @dataclass
 class SeedResult:
-    """Metrics of one seed: ``reports[kind][setting]`` is a list of CurveReports (one per client for
-    local/personalised, one otherwise); ``federated_routers[kind]`` the trained federated router."""
+    """Metrics of one seed.
+
+    reports[kind][setting] : CurveReports on the shared test split (one per client for
+        local/personalised, one otherwise).
+    client_reports[kind][setting] : CurveReports on each client's own task mix (one per client), for
+        the settings of ``CLIENT_VIEW`` (``zero``/``oracle`` are the references on that client's set).
+    federated_routers[kind] : the trained federated router.
+    """
 
     seed: int
     reports: dict[str, dict[str, list[metrics.CurveReport]]]
+    client_reports: dict[str, dict[str, list[metrics.CurveReport]]]
     federated_routers: dict[str, Router]
     n_samples_per_client: list[int]
 
 
+def client_test_indices(
+    test_tasks: np.ndarray, client_tasks: np.ndarray, rng: np.random.Generator, size: int = 300
+) -> np.ndarray:
+    """Test rows drawn to match one client's task mix: about ``size * share_t`` rows of each task t
+    (capped by what the test split holds), without replacement.
+
+    Returns
+    -------
+    ndarray of shape (n_rows,), int64, sorted indices into the test split.
+    """
+    tasks, counts = np.unique(client_tasks, return_counts=True)
+    picks = []
+    for task, count in zip(tasks, counts):
+        pool = np.flatnonzero(test_tasks == task)
+        n = min(int(round(size * count / counts.sum())), pool.shape[0])
+        picks.append(rng.choice(pool, size=n, replace=False))
+    return np.sort(np.concatenate(picks)).astype(np.int64)
+
+
 def simulate_clients(
     train: EvalTable, train_embeddings: np.ndarray, config: SimulationConfig, rng: np.random.Generator
-) -> list[ClientData]:
+) -> tuple[list[ClientData], list[np.ndarray]]:
     """Partition the train table over clients and reveal one model per query (METRICS.md).
 
-    Rows with no labelled model are dropped first (they cannot be logged)."""
+    Rows with no labelled model are dropped first (they cannot be logged).
+
+    Returns
+    -------
+    (clients, tasks) : each client's log, and the task label of each of its queries (for the
+    client-distribution evaluation only; routers never see it)."""
     keep = train.labelled().any(axis=1)
     acc, cost, emb, tasks = train.accuracy[keep], train.cost[keep], train_embeddings[keep], train.tasks[keep]
     part = dirichlet_partition(tasks, config.n_clients, config.alpha, rng)
     log = sparse_logging(acc, cost, part.client, config.n_clients, rng, config.preference_concentration)
-    clients = []
+    clients, client_tasks = [], []
     for i in range(config.n_clients):
         idx = part.indices(i)
         clients.append(ClientData(emb[idx], log.model[idx], log.accuracy[idx], log.cost[idx]))
-    return clients
+        client_tasks.append(tasks[idx])
+    return clients, client_tasks
 
 
 def _personalised_predictions(global_router: Router, local_router: Router, data: ClientData,
@@ -114,8 +151,10 @@ def run_seed(
 ) -> SeedResult:
     """One seed of the protocol; ``test`` must be fully labelled (see ``EvalTable.complete_rows``)."""
     rng = np.random.default_rng(seed)
-    clients = simulate_clients(train, train_embeddings, config, rng)
+    clients, client_tasks = simulate_clients(train, train_embeddings, config, rng)
     active = [c for c in clients if c.n_samples > 0]
+    active_tasks = [t for c, t in zip(clients, client_tasks) if c.n_samples > 0]
+    client_sets = [client_test_indices(test.tasks, t, rng) for t in active_tasks]
     models = train.models
     true_acc, true_cost = test.accuracy, test.cost
     say = progress or (lambda _msg: None)
@@ -133,7 +172,15 @@ def run_seed(
             lambda: train_mlp_router(clients, models, config.mlp, rng, federated=True),
         ),
     }
+    def evaluate_on(rows: np.ndarray, acc: np.ndarray, cost: np.ndarray) -> metrics.CurveReport:
+        return metrics.evaluate_router(acc[rows], cost[rows], true_acc[rows], true_cost[rows])
+
+    references = {
+        "zero": [metrics.zero_router_report(true_acc[r], true_cost[r]) for r in client_sets],
+        "oracle": [metrics.oracle_report(true_acc[r], true_cost[r]) for r in client_sets],
+    }
     reports: dict[str, dict[str, list[metrics.CurveReport]]] = {}
+    client_reports: dict[str, dict[str, list[metrics.CurveReport]]] = {}
     federated_routers: dict[str, Router] = {}
     for kind in config.routers:
         fit_one, fit_federated = fitters[kind]
@@ -143,17 +190,23 @@ def run_seed(
         fed = fit_federated()
         say(f"seed {seed}: {kind} centralised")
         central = fit_one(ClientData.pool(active))
+        local_pred = [r.predict(test_embeddings) for r in local_routers]
+        fed_pred = fed.predict(test_embeddings)
+        pers_pred = [_personalised_predictions(fed, loc, c, test_embeddings) for loc, c in zip(local_routers, active)]
         reports[kind] = {
-            "local": [evaluate(*r.predict(test_embeddings)) for r in local_routers],
-            "federated": [evaluate(*fed.predict(test_embeddings))],
+            "local": [evaluate(*p) for p in local_pred],
+            "federated": [evaluate(*fed_pred)],
             "centralised": [evaluate(*central.predict(test_embeddings))],
-            "personalised": [
-                evaluate(*_personalised_predictions(fed, loc, c, test_embeddings))
-                for loc, c in zip(local_routers, active)
-            ],
+            "personalised": [evaluate(*p) for p in pers_pred],
+        }
+        client_reports[kind] = {
+            "local": [evaluate_on(r, *p) for r, p in zip(client_sets, local_pred)],
+            "federated": [evaluate_on(r, *fed_pred) for r in client_sets],
+            "personalised": [evaluate_on(r, *p) for r, p in zip(client_sets, pers_pred)],
+            **references,
         }
         federated_routers[kind] = fed
-    return SeedResult(seed, reports, federated_routers, [c.n_samples for c in clients])
+    return SeedResult(seed, reports, client_reports, federated_routers, [c.n_samples for c in clients])
 
 
 def reference_reports(test: EvalTable) -> dict[str, metrics.CurveReport]:
@@ -199,4 +252,19 @@ def summarise(seed_results: Sequence[SeedResult], references: dict[str, metrics.
                 "cost_at_best_acc": float(np.median([r.cost_at_best_acc for r in reps])),
                 "n_routers": len(reps),
             }
+    out["client_distribution"] = {}
+    for kind in kinds:
+        per_client = {
+            setting: np.array([r.auc for s in seed_results for r in s.client_reports[kind][setting]])
+            for setting in CLIENT_VIEW
+        }
+        headroom = per_client["oracle"] - per_client["zero"]
+        out["client_distribution"][kind] = {
+            setting: {
+                "auc_mean": float(aucs.mean()),
+                "auc_std": float(aucs.std(ddof=0)),
+                "gain_mean": float(np.mean((aucs - per_client["zero"]) / headroom)),
+            }
+            for setting, aucs in per_client.items()
+        }
     return out

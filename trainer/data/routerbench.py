@@ -566,6 +566,13 @@ def _check_model_columns(
             )
 
 
+def _raise_at_first(bad: np.ndarray, values: np.ndarray, source: str, column: str, message: str) -> None:
+    """Raise DataFormatError at the first row where ``bad`` holds; ``message`` gets the value."""
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise DataFormatError(message.format(float(values[i])), path=source, column=column, row=i)
+
+
 def _build_table(
     frame: pd.DataFrame,
     *,
@@ -598,33 +605,16 @@ def _build_table(
     for j, model in enumerate(models):
         column = correctness_of(model)
         values = _numeric_column(frame[column], source=source, column=column, what="correctness")
-        bad = ~np.isnan(values) & ((values < 0.0) | (values > 1.0))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise DataFormatError(
-                f"correctness must be in [0, 1] (NaN = unlabelled), got {float(values[i])}",
-                path=source,
-                column=column,
-                row=i,
-            )
+        _raise_at_first(
+            ~np.isnan(values) & ((values < 0.0) | (values > 1.0)), values, source, column,
+            "correctness must be in [0, 1] (NaN = unlabelled), got {}",
+        )
         accuracy[:, j] = values
         column = cost_of(model)
         values = _numeric_column(frame[column], source=source, column=column, what="cost")
-        bad = ~np.isfinite(values)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise DataFormatError(
-                f"cost must be a finite number of USD per query, got {float(values[i])}",
-                path=source,
-                column=column,
-                row=i,
-            )
-        bad = values < 0.0
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise DataFormatError(
-                f"cost must be >= 0 USD, got {float(values[i])}", path=source, column=column, row=i
-            )
+        _raise_at_first(~np.isfinite(values), values, source, column,
+                        "cost must be a finite number of USD per query, got {}")
+        _raise_at_first(values < 0.0, values, source, column, "cost must be >= 0 USD, got {}")
         cost[:, j] = values
     return EvalTable(
         prompts=tuple(prompts),  # type: ignore[arg-type]  # checked above
