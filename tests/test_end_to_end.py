@@ -98,3 +98,69 @@ def test_cli_rejects_an_unknown_router_kind(tmp_path, routerbench_dir):
                                       "--out", str(tmp_path)])
     assert result.exit_code != 0
     assert "valid: ['mlp', 'kmeans']" in result.output
+
+
+def _write_pair(tmp_path, routerbench_dir, mutate_test=None, mutate_train=None, n=40):
+    import pandas as pd
+
+    train = pd.read_parquet(routerbench_dir / "train.parquet").iloc[:n]
+    test = pd.read_parquet(routerbench_dir / "test.parquet").iloc[:n]
+    if mutate_train:
+        train = mutate_train(train)
+    if mutate_test:
+        test = mutate_test(test)
+    train.to_parquet(tmp_path / "train.parquet")
+    test.to_parquet(tmp_path / "test.parquet")
+    return ["--train", str(tmp_path / "train.parquet"), "--test", str(tmp_path / "test.parquet")]
+
+
+def _drop_model(df, model="claude-v2"):
+    return df.drop(columns=[c for c in df.columns if c.startswith(model + "|")])
+
+
+def _unlabel(df, model="claude-v2"):
+    df = df.copy()
+    df[model + "|correctness"] = float("nan")
+    return df
+
+
+def _only_one_model(df):
+    keep = [c for c in df.columns if "|" not in c or c.startswith("claude-v2|")]
+    return df[keep]
+
+
+@pytest.mark.parametrize(
+    "mutate_train, mutate_test, message",
+    [
+        (None, _drop_model, "test.parquet lacks ['claude-v2']"),
+        (None, _unlabel, "no row has labels for every model (0 of 40 scorable)"),
+        (_only_one_model, _only_one_model, "routing needs at least 2 models"),
+        (lambda df: df.iloc[:0], None, "no row has any labelled model (0 rows)"),
+    ],
+)
+def test_unscorable_inputs_fail_before_any_work(tmp_path, routerbench_dir, mutate_train, mutate_test, message):
+    args = _write_pair(tmp_path, routerbench_dir, mutate_test, mutate_train)
+    result = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "out"), "--routers", "kmeans"])
+    assert result.exit_code != 0
+    assert message in str(result.exception) or message in result.output
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--routers", ""], "no router kind given"),
+        (["--device", "banana"], "is not a torch device"),
+    ],
+)
+def test_bad_options_are_refused_with_one_line(tmp_path, routerbench_dir, extra, message):
+    result = CliRunner().invoke(app, ["simulate", "--data", str(routerbench_dir), "--out", str(tmp_path), *extra])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_out_must_be_a_folder(tmp_path, routerbench_dir):
+    args = _write_pair(tmp_path, routerbench_dir)
+    (tmp_path / "taken").write_text("x")
+    result = CliRunner().invoke(app, ["simulate", *args, "--out", str(tmp_path / "taken"), "--routers", "kmeans"])
+    assert result.exit_code != 0
+    assert "exists and is not a folder" in str(result.exception)

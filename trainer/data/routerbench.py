@@ -334,7 +334,8 @@ def load_routerbench_dir(data_dir: str | os.PathLike[str]) -> tuple[EvalTable, E
     Parameters
     ----------
     data_dir : str or os.PathLike
-        Folder holding ``train.parquet`` and ``test.parquet`` (local wide schema).
+        Folder holding ``train.parquet`` and ``test.parquet`` (local wide schema); ``.csv`` files
+        of the same names are used where no ``.parquet`` exists.
 
     Returns
     -------
@@ -349,7 +350,12 @@ def load_routerbench_dir(data_dir: str | os.PathLike[str]) -> tuple[EvalTable, E
         Either file does not exist.
     """
     folder = Path(data_dir)
-    return load_eval_file(folder / "train.parquet"), load_eval_file(folder / "test.parquet")
+
+    def pick(stem: str) -> Path:
+        parquet, csv = folder / f"{stem}.parquet", folder / f"{stem}.csv"
+        return csv if not parquet.exists() and csv.exists() else parquet
+
+    return load_eval_file(pick("train")), load_eval_file(pick("test"))
 
 
 def from_upstream_frame(df: pd.DataFrame, source: str) -> EvalTable:
