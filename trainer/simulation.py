@@ -164,9 +164,10 @@ def run_seed(
     true_acc, true_cost = test.accuracy, test.cost
     say = progress or (lambda _msg: None)
 
-    def evaluate(acc: np.ndarray, cost: np.ndarray) -> metrics.CurveReport:
-        return metrics.evaluate_router(acc, cost, true_acc, true_cost)
+    def evaluate_on(rows: np.ndarray, acc: np.ndarray, cost: np.ndarray) -> metrics.CurveReport:
+        return metrics.evaluate_router(acc[rows], cost[rows], true_acc[rows], true_cost[rows])
 
+    all_rows = np.arange(test.n_queries)
     fitters: dict[str, tuple[Callable[[ClientData], Router], Callable[[], Router]]] = {
         "kmeans": (
             lambda c: fit_kmeans_router(c, models, config.kmeans, int(rng.integers(2**31))),
@@ -177,9 +178,6 @@ def run_seed(
             lambda: train_mlp_router(clients, models, config.mlp, rng, federated=True, progress=show_rounds),
         ),
     }
-    def evaluate_on(rows: np.ndarray, acc: np.ndarray, cost: np.ndarray) -> metrics.CurveReport:
-        return metrics.evaluate_router(acc[rows], cost[rows], true_acc[rows], true_cost[rows])
-
     references = {
         "zero": [metrics.zero_router_report(true_acc[r], true_cost[r]) for r in client_sets],
         "oracle": [metrics.oracle_report(true_acc[r], true_cost[r]) for r in client_sets],
@@ -199,10 +197,10 @@ def run_seed(
         fed_pred = fed.predict(test_embeddings)
         pers_pred = [_personalised_predictions(fed, loc, c, test_embeddings) for loc, c in zip(local_routers, active)]
         reports[kind] = {
-            "local": [evaluate(*p) for p in local_pred],
-            "federated": [evaluate(*fed_pred)],
-            "centralised": [evaluate(*central.predict(test_embeddings))],
-            "personalised": [evaluate(*p) for p in pers_pred],
+            "local": [evaluate_on(all_rows, *p) for p in local_pred],
+            "federated": [evaluate_on(all_rows, *fed_pred)],
+            "centralised": [evaluate_on(all_rows, *central.predict(test_embeddings))],
+            "personalised": [evaluate_on(all_rows, *p) for p in pers_pred],
         }
         client_reports[kind] = {
             "local": [evaluate_on(r, *p) for r, p in zip(client_sets, local_pred)],
