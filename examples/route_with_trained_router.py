@@ -10,13 +10,11 @@ next step of the project.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from trainer.embeddings import EmbedderConfig, embed_texts
-from trainer.routers.kmeans_router import KMeansRouter
-from trainer.routers.mlp_router import MLPRouter
+from trainer.routers import load_router
 
 PROMPTS = [
     "Write a function to find the longest common prefix of a list of strings.",
@@ -28,8 +26,7 @@ LAMBDAS = (0.0, 30.0, 300.0, 3000.0)
 
 
 def main(router_dir: Path) -> None:
-    kind = json.loads((router_dir / "router.json").read_text())["kind"]
-    router = {"kmeans": KMeansRouter, "mlp": MLPRouter}[kind].load(router_dir)
+    router = load_router(router_dir)
     spec = router.embedder or {}
     config = EmbedderConfig(model=spec.get("name", "all-MiniLM-L6-v2"), max_tokens=spec.get("max_tokens", 256),
                             truncation_side=spec.get("truncation_side", "left"))

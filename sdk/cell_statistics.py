@@ -172,29 +172,39 @@ class CellStatistics:
         acc[n == 0] = np.nan
         return acc, cost
 
-    def additive_effects(self, n_iter: int = 25) -> tuple[np.ndarray, np.ndarray]:
-        """Two-way additive fit ``abar_k^m ~ a^m + b_k`` by count-weighted backfitting.
+    def additive_effects(self) -> tuple[np.ndarray, np.ndarray]:
+        """Two-way additive fit ``abar_k^m ~ a^m + b_k`` by count-weighted least squares.
 
-        Minimises ``sum_km n_k^m (abar_k^m - a^m - b_k)^2``. The model effect ``a^m`` is compared
-        *within* cells, so it is not confounded by which cells a model happened to be logged in
-        (in sparse logs a model's plain mean mixes its quality with its clients' task mix); the
-        cell effect ``b_k`` is the cell's difficulty for all models.
+        Minimises ``sum_km n_k^m (abar_k^m - a^m - b_k)^2`` exactly (a least-squares solve over the
+        observed (cell, model) entries). The model effect ``a^m`` is compared *within* cells, so it is
+        not confounded by which cells a model happened to be logged in (in sparse logs a model's
+        plain mean mixes its quality with its clients' task mix); the cell effect ``b_k`` is the
+        cell's difficulty for all models, centred so that ``sum_k n_k b_k = 0`` (``a^m`` is then the
+        model's accuracy on an average cell).
 
         Returns
         -------
         (a, b) : ndarrays of shape (n_models,) and (n_cells,), float64; ``a`` is NaN for a model
         never observed, ``b`` is 0 for an empty cell.
         """
-        n = self.count
-        n_m, n_k = n.sum(axis=0), n.sum(axis=1)
-        s_m, s_k = self.sum_accuracy.sum(axis=0), self.sum_accuracy.sum(axis=1)
-        a = np.zeros(self.n_models)
+        k_idx, m_idx = np.nonzero(self.count > 0)
+        a = np.full(self.n_models, np.nan)
         b = np.zeros(self.n_cells)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            for _ in range(n_iter):
-                a = np.where(n_m > 0, (s_m - n.T @ b) / n_m, 0.0)
-                b = np.where(n_k > 0, (s_k - n @ a) / n_k, 0.0)
-            a = np.where(n_m > 0, (s_m - n.T @ b) / n_m, np.nan)
+        if k_idx.size == 0:
+            return a, b
+        n = self.count[k_idx, m_idx]
+        mean = self.sum_accuracy[k_idx, m_idx] / n
+        design = np.zeros((k_idx.size, self.n_models + self.n_cells))
+        design[np.arange(k_idx.size), m_idx] = 1.0
+        design[np.arange(k_idx.size), self.n_models + k_idx] = 1.0
+        w = np.sqrt(n)
+        coef, *_ = np.linalg.lstsq(design * w[:, None], mean * w, rcond=None)
+        a_fit, b_fit = coef[: self.n_models], coef[self.n_models :]
+        n_k = self.count.sum(axis=1)
+        shift = float(n_k @ b_fit / n_k.sum())
+        seen_m = self.count.sum(axis=0) > 0
+        a[seen_m] = a_fit[seen_m] + shift
+        b = np.where(n_k > 0, b_fit - shift, 0.0)
         return a, b
 
     def means(

@@ -59,7 +59,7 @@ def test_shrinkage_toward_the_model_mean_hand_computed():
 def test_a_model_never_observed_has_no_estimate():
     stats = CellStatistics.from_samples([0], [0], [1.0], [1.0], n_cells=1, n_models=2)
     acc, cost = stats.means(5.0)
-    assert acc[0, 0] == 1.0 and np.isnan(acc[0, 1]) and np.isnan(cost[0, 1])
+    assert acc[0, 0] == pytest.approx(1.0) and np.isnan(acc[0, 1]) and np.isnan(cost[0, 1])
 
 
 def test_min_count_suppresses_small_cells():
@@ -94,3 +94,20 @@ def test_nearest_cell_hand_computed():
 def test_nearest_cell_rejects_dimension_mismatch():
     with pytest.raises(ShapeError, match="dimension 3 differs from centroid dimension 2"):
         nearest_cell(np.zeros((1, 3)), np.zeros((2, 2)))
+
+
+def test_additive_effects_undo_the_confounding_of_plain_model_means():
+    # Cell 1 is 0.3 easier than cell 0 for every model; model B is truly 0.1 better than model A,
+    # but A was logged mostly in the hard cell and B mostly in the easy one.
+    a_true, b_true = np.array([0.4, 0.5]), np.array([0.0, 0.3])
+    count = np.array([[9.0, 1.0], [1.0, 9.0]])
+    stats = CellStatistics(count, count * (a_true[None, :] + b_true[:, None]), count * 1e-3)
+    plain, _ = stats.model_means()
+    np.testing.assert_allclose(plain, [0.43, 0.77])  # plain means: B looks 0.34 better
+    a, b = stats.additive_effects()
+    np.testing.assert_allclose(a[1] - a[0], 0.1, atol=1e-9)
+    np.testing.assert_allclose(b[1] - b[0], 0.3, atol=1e-9)
+    np.testing.assert_allclose(a[None, :] + b[:, None], a_true[None, :] + b_true[:, None], atol=1e-9)
+    # With the additive prior, even a heavily shrunk table keeps the true per-cell values here.
+    acc, _ = stats.means(prior_strength=1e6)
+    np.testing.assert_allclose(acc, a_true[None, :] + b_true[:, None], atol=1e-6)

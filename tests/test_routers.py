@@ -126,3 +126,14 @@ def test_configs_validate_cross_field_values():
         KMeansRouterConfig(participation=0.0)
     with pytest.raises(InvalidInputError):
         KMeansRouter(np.zeros((2, 3)), CellStatistics.zeros(3, 2), MODELS, 1.0)
+
+
+def test_registry_loads_by_kind_and_lists_valid_kinds(tmp_path):
+    from trainer.routers import load_router, router_class
+
+    rng = np.random.default_rng(6)
+    clients, x_test, _ = two_topic_clients(rng)
+    fit_kmeans_router(clients[0], MODELS, KMeansRouterConfig(n_clusters=2), seed=0).save(tmp_path / "r")
+    assert isinstance(load_router(tmp_path / "r"), KMeansRouter)
+    with pytest.raises(InvalidInputError, match=r"unknown router kind 'forest'; valid: \['kmeans', 'mlp'\]"):
+        router_class("forest")

@@ -21,11 +21,12 @@ from trainer import metrics
 from trainer.data.routerbench import EvalTable
 from trainer.federated.client_data import ClientData
 from trainer.federated.partition import dirichlet_partition, sparse_logging
+from trainer.routers import ROUTERS
 from trainer.routers.base import Router
 from trainer.routers.kmeans_router import KMeansRouterConfig, fit_federated_kmeans_router, fit_kmeans_router
 from trainer.routers.mlp_router import MLPRouterConfig, train_mlp_router
 
-ROUTER_KINDS = ("mlp", "kmeans")
+ROUTER_KINDS = tuple(ROUTERS)
 SETTINGS = ("local", "federated", "centralised", "personalised")
 
 
