@@ -63,6 +63,7 @@ SeedsOpt = Annotated[int, typer.Option(min=1, help="number of seeds (0..K-1)")]
 RoutersOpt = Annotated[str, typer.Option(help="comma-separated router kinds: mlp,kmeans")]
 EmbedderOpt = Annotated[str, typer.Option(help="embedder: local path, 'all-MiniLM-L6-v2' or a hub id")]
 CacheOpt = Annotated[Optional[Path], typer.Option(help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
+MaxTokensOpt = Annotated[int, typer.Option(min=8, help="tokens the embedder reads (from the end of the prompt)")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device for embedding and MLP training: cpu, cuda, cuda:1")]
 
 
@@ -101,7 +102,7 @@ def simulate(
     alpha: Annotated[float, typer.Option(min=1e-6, help="Dirichlet concentration of the task split")] = 0.6,
     routers: RoutersOpt = "mlp,kmeans",
     embedder: EmbedderOpt = "all-MiniLM-L6-v2",
-    max_tokens: Annotated[int, typer.Option(min=8, help="tokens the embedder reads (from the end of the prompt)")] = 256,
+    max_tokens: MaxTokensOpt = 256,
     cache_dir: CacheOpt = None,
     device: DeviceOpt = "cpu",
 ) -> None:
@@ -129,7 +130,7 @@ def ablate(
     seeds: SeedsOpt = 3,
     routers: RoutersOpt = "mlp,kmeans",
     embedder: EmbedderOpt = "all-MiniLM-L6-v2",
-    max_tokens: Annotated[int, typer.Option(min=8, help="tokens the embedder reads (from the end of the prompt)")] = 256,
+    max_tokens: MaxTokensOpt = 256,
     cache_dir: CacheOpt = None,
     device: DeviceOpt = "cpu",
 ) -> None:
