@@ -134,7 +134,7 @@ def run_simulation(
     }
     summary["seconds"] = round(time.time() - started, 1)
     report.write_json(out / "results.json", summary)
-    (out / "results.md").write_text(report.markdown_table(summary))
+    report.write_text(out / "results.md", report.markdown_table(summary))
     first = results[0]
     curves = {
         "oracle": references["oracle"].points,
@@ -194,7 +194,7 @@ def run_ablation(
             table[axis][str(value)] = summarise(results, references)["routers"]
     payload = {"references": {k: v.auc for k, v in references.items()}, "ablations": table, "seeds": list(seeds)}
     report.write_json(out / "ablation.json", payload)
-    (out / "ablation.md").write_text(ablation_markdown(payload))
+    report.write_text(out / "ablation.md", ablation_markdown(payload))
     plot_ablation(out / "ablation.png", payload)
     return payload
 

@@ -30,8 +30,13 @@ def write_json(path: Path, payload: dict) -> None:
             return clean(obj.item())
         return obj
 
+    write_text(path, json.dumps(clean(payload), indent=2))
+
+
+def write_text(path: Path, text: str) -> None:
+    """Atomic write (temp file + rename) of a text file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(clean(payload), indent=2))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
