@@ -122,9 +122,15 @@ def simulate_clients(
     return clients, client_tasks
 
 
-def _personalised_predictions(global_router: Router, local_router: Router, data: ClientData,
-                              test_embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Paper 002 interpolation: per model, weights from the MAE of both estimators on local data."""
+def _personalised_predictions(
+    global_router: Router,
+    local_router: Router,
+    data: ClientData,
+    global_test: tuple[np.ndarray, np.ndarray],
+    local_test: tuple[np.ndarray, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Paper 002 interpolation: per model, weights from the MAE of both estimators on the client's
+    own log, applied to the two routers' (already computed) test predictions ``(accuracy, cost)``."""
     n_models = len(global_router.models)
     ga, gc = global_router.predict(data.embeddings)
     la, lc = local_router.predict(data.embeddings)
@@ -138,9 +144,7 @@ def _personalised_predictions(global_router: Router, local_router: Router, data:
 
     w_acc = interpolation_weights(mae(ga, data.accuracy), mae(la, data.accuracy))
     w_cost = interpolation_weights(mae(gc, data.cost), mae(lc, data.cost))
-    tga, tgc = global_router.predict(test_embeddings)
-    tla, tlc = local_router.predict(test_embeddings)
-    return personalise(tga, tla, w_acc), personalise(tgc, tlc, w_cost)
+    return personalise(global_test[0], local_test[0], w_acc), personalise(global_test[1], local_test[1], w_cost)
 
 
 def run_seed(
@@ -196,7 +200,10 @@ def run_seed(
         central = fit_one(ClientData.pool(active))
         local_pred = [r.predict(test_embeddings) for r in local_routers]
         fed_pred = fed.predict(test_embeddings)
-        pers_pred = [_personalised_predictions(fed, loc, c, test_embeddings) for loc, c in zip(local_routers, active)]
+        pers_pred = [
+            _personalised_predictions(fed, loc, c, fed_pred, loc_pred)
+            for loc, c, loc_pred in zip(local_routers, active, local_pred)
+        ]
         reports[kind] = {
             "local": [evaluate_on(all_rows, *p) for p in local_pred],
             "federated": [evaluate_on(all_rows, *fed_pred)],

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -349,7 +349,3 @@ def train_mlp_router(
                 break
     return MLPRouter(best_state, models, d_emb, np.where(available, cost_scale, np.nan), available,
                      config.hidden, config.dropout)
-
-
-def config_dict(config: MLPRouterConfig) -> dict:
-    return asdict(config)
