@@ -3,6 +3,12 @@
 Imports only numpy and the standard library here (onnxruntime, tokenizers and httpx in the modules
 that need them); never torch, transformers, ``trainer`` or ``export``.
 
+On the device:
+
+- :class:`sdk.Router` — ``Router.load(bundle_dir, public_key)`` verifies a signed bundle, then
+  ``choose(query, lam)`` returns a :class:`Choice` (embedding in onnxruntime, no network, no torch);
+- :class:`sdk.EvalLog` — the SQLite log of sparse evaluations that the federated sync reads.
+
 The math shared by the device and the trainer lives here once:
 
 - :mod:`sdk.utility` — utility ``U = A - lam * C`` and the decision rule (METRICS.md tie-break);
@@ -13,21 +19,37 @@ The math shared by the device and the trainer lives here once:
 
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import (
+    BudgetError,
+    BundleError,
+    EvalLogError,
     FedrouteError,
     InvalidInputError,
     InvalidLambdaError,
+    InvalidQueryError,
     ShapeError,
     UnknownModelError,
 )
+from sdk.eval_log import EvalLog, Evaluations
 from sdk.personalisation import interpolation_weights, personalise
+from sdk.router import Choice, ModelInfo, ModelScore, Router
 from sdk.utility import check_lambda, decide, utility
 from sdk.voronoi import nearest_cell
 
 __all__ = [
+    "BudgetError",
+    "BundleError",
     "CellStatistics",
+    "Choice",
+    "EvalLog",
+    "EvalLogError",
+    "Evaluations",
     "FedrouteError",
     "InvalidInputError",
     "InvalidLambdaError",
+    "InvalidQueryError",
+    "ModelInfo",
+    "ModelScore",
+    "Router",
     "ShapeError",
     "UnknownModelError",
     "check_lambda",

@@ -6,8 +6,12 @@ derive from the built-in class a caller would expect, so ``except ValueError`` k
     FedrouteError
     ├── InvalidInputError (ValueError)      bad argument values at a public boundary
     │   ├── InvalidLambdaError              lam negative, NaN, inf or not a real number
-    │   └── ShapeError                      array of the wrong shape, dtype or with non-finite values
-    └── UnknownModelError (KeyError)        a model id the router or log does not know
+    │   ├── InvalidQueryError               a query that is not a str, or is empty / whitespace only
+    │   ├── ShapeError                      array of the wrong shape, dtype or with non-finite values
+    │   └── BudgetError                     a cost budget that no lambda can meet
+    ├── UnknownModelError (KeyError)        a model id the router or log does not know
+    ├── BundleError                         a bundle that is missing, corrupt, tampered or inconsistent
+    └── EvalLogError                        the evaluation log file is unusable (not SQLite, wrong schema)
 
 Library exceptions that cross our boundary are re-raised as the most specific class here with
 ``raise ... from exc``.
@@ -28,6 +32,10 @@ class InvalidLambdaError(InvalidInputError):
     """The cost trade-off ``lam`` (USD^-1) is negative, NaN, infinite or not a real number."""
 
 
+class InvalidQueryError(InvalidInputError):
+    """A query is not a ``str`` or is empty / whitespace only (over-long queries are truncated, not rejected)."""
+
+
 class ShapeError(InvalidInputError):
     """An array has the wrong shape or dtype, or holds NaN/inf where finite values are required."""
 
@@ -37,3 +45,16 @@ class UnknownModelError(FedrouteError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
         return str(self.args[0]) if self.args else ""
+
+
+class BundleError(FedrouteError):
+    """A bundle cannot be used: missing file, hash or signature mismatch, bad manifest, or router,
+    embedder and price table that disagree. Nothing of the bundle is loaded when this is raised."""
+
+
+class BudgetError(InvalidInputError):
+    """A cost budget that no ``lam >= 0`` meets (below the cost of always choosing the cheapest model)."""
+
+
+class EvalLogError(FedrouteError):
+    """The evaluation log file cannot be opened or has a schema this version does not understand."""

@@ -22,3 +22,97 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def routerbench_dir(shared_data: Path) -> Path:
     return shared_data / "routerbench"
+
+
+# --- bundles: a real exported MiniLM encoder and small routers fitted on real RouterBench rows ----
+
+BUNDLE_MAX_TOKENS = 64
+N_FIT_PROMPTS = 300
+N_PARITY_PROMPTS = 120
+
+
+@pytest.fixture(scope="session")
+def signing_keys(tmp_path_factory) -> tuple[Path, Path]:
+    """(signing.key, signing.pub) of a fresh Ed25519 key pair."""
+    from export.signing import generate_keypair
+
+    return generate_keypair(tmp_path_factory.mktemp("keys"))
+
+
+@pytest.fixture(scope="session")
+def exported_embedder(tmp_path_factory):
+    """all-MiniLM-L6-v2 exported by optimum, plus its int8 variant: (ExportedEmbedder, int8 path)."""
+    from export.embedder_onnx import export_embedder, quantize_embedder
+    from trainer.embeddings import resolve_model_path
+
+    out = tmp_path_factory.mktemp("embedder")
+    exported = export_embedder(resolve_model_path("all-MiniLM-L6-v2"), out, BUNDLE_MAX_TOKENS, "left")
+    return exported, quantize_embedder(exported.model, out / "embedder.int8.onnx")
+
+
+@pytest.fixture(scope="session")
+def fitted_routers(routerbench_dir: Path, tmp_path_factory):
+    """A K-means and an MLP router fitted centrally on real RouterBench train rows (dense labels),
+    with the embedder identity and a test file of real prompts recorded for export's parity check.
+
+    Returns dict with ``kmeans``, ``mlp`` (trainer routers), ``test_file`` (parquet, fully labelled
+    rows), ``test`` (EvalTable), ``test_embeddings`` (sentence-transformers, (n, 384) float32).
+    """
+    from trainer.data.routerbench import load_routerbench_dir
+    from trainer.embeddings import EmbedderConfig, embed_texts
+    from trainer.federated.client_data import ClientData
+    from trainer.routers.kmeans_router import KMeansRouterConfig, fit_kmeans_router
+    from trainer.routers.mlp_router import MLPRouterConfig, train_mlp_router
+
+    import numpy as np
+    import pandas as pd
+
+    train, test = load_routerbench_dir(routerbench_dir)
+    rng = np.random.default_rng(0)
+    train = train.subset(np.sort(rng.choice(train.n_queries, N_FIT_PROMPTS, replace=False)))
+    test = test.complete_rows()
+    test = test.subset(np.sort(rng.choice(test.n_queries, N_PARITY_PROMPTS, replace=False)))
+    tmp = tmp_path_factory.mktemp("routers")
+    config = EmbedderConfig(max_tokens=BUNDLE_MAX_TOKENS)
+    cache = tmp / "cache"
+    train_emb = embed_texts(list(train.prompts), config, cache, show_progress=False)
+    test_emb = embed_texts(list(test.prompts), config, cache, show_progress=False)
+    rows, cols = np.nonzero(train.labelled())
+    dense = ClientData(train_emb[rows], cols.astype(np.int64), train.accuracy[rows, cols], train.cost[rows, cols])
+    kmeans = fit_kmeans_router(dense, train.models, KMeansRouterConfig(n_clusters=6), seed=0)
+    mlp = train_mlp_router([dense], train.models, MLPRouterConfig(hidden=64, epochs=3, epoch_patience=3),
+                           np.random.default_rng(0), federated=False)
+    frame = pd.read_parquet(routerbench_dir / "test.parquet")
+    test_file = tmp / "test_subset.parquet"
+    frame[frame["prompt"].isin(set(test.prompts))].to_parquet(test_file)
+    identity = {"name": "all-MiniLM-L6-v2", "dim": 384, "max_tokens": BUNDLE_MAX_TOKENS,
+                "truncation_side": "left", "pooling": "mean", "normalised": True}
+    for router in (kmeans, mlp):
+        router.embedder = dict(identity)
+        router.provenance = {"test": str(test_file)}
+        router.save(tmp / router.kind)
+    return {"kmeans": kmeans, "mlp": mlp, "dir": tmp, "test_file": test_file, "test": test,
+            "test_embeddings": test_emb, "cache": cache}
+
+
+@pytest.fixture(scope="session")
+def make_bundle(exported_embedder, fitted_routers, signing_keys):
+    """``make_bundle(out, kind="kmeans", int8=True, **field_overrides) -> Path``: a signed bundle of the
+    fitted router, written by the exporter's own assembly and writer (no parity step)."""
+    from export.bundle_writer import write_bundle
+    from export.pipeline import assemble
+    from export.signing import load_signing_key
+
+    exported, int8_path = exported_embedder
+    key = load_signing_key(signing_keys[0])
+
+    def build(out: Path, kind: str = "kmeans", int8: bool = True, files: dict | None = None, **overrides) -> Path:
+        router = fitted_routers[kind]
+        parts, fields = assemble(router, exported, int8_path if int8 else None, "all-MiniLM-L6-v2",
+                                 BUNDLE_MAX_TOKENS, "left", {}, 1)
+        parts.update(files or {})
+        fields.update(overrides)
+        write_bundle(out, parts, fields, key)
+        return out
+
+    return build

@@ -1,4 +1,4 @@
-"""``fedroute`` command line: ``simulate`` (the main job) and ``ablate``.
+"""``fedroute`` command line: ``simulate`` (the main job), ``ablate``, ``keygen`` and ``export``.
 
 Heavy libraries (torch, sentence-transformers) are imported inside the commands, so ``fedroute
 --help`` works with the base (SDK-only) install and a missing extra gives a clear message.
@@ -144,6 +144,52 @@ def ablate(
     run_ablation(train_t, test_t, out, config, range(seeds),
                  EmbedderConfig(model=embedder, max_tokens=max_tokens, device=device), cache_dir)
     typer.echo((out / "ablation.md").read_text())
+
+
+@app.command()
+def keygen(
+    out: Annotated[Path, typer.Option(help="folder for signing.key (private, mode 0600) and signing.pub")],
+    force: Annotated[bool, typer.Option(help="replace an existing signing.key")] = False,
+) -> None:
+    """Create an Ed25519 key pair for signing bundles."""
+    from export.signing import generate_keypair
+
+    private, public = generate_keypair(out, overwrite=force)
+    typer.echo(f"wrote {private} (keep it secret) and {public} (ship it with the app)")
+
+
+def _parse_prices(spec: Optional[Path]) -> dict:
+    if spec is None:
+        return {}
+    import json
+
+    try:
+        raw = json.loads(spec.read_text())
+        return {str(m): (v.get("input"), v.get("output")) for m, v in raw.items()}
+    except (OSError, ValueError, AttributeError) as exc:
+        raise typer.BadParameter(f"--prices {spec}: expected JSON {{model: {{input: USD/1k, output: USD/1k}}}} ({exc})") from exc
+
+
+@app.command("export")
+def export_cmd(
+    router: Annotated[Path, typer.Option(help="trained router folder, e.g. results/routers/kmeans")],
+    out: Annotated[Path, typer.Option(help="bundle folder to write (replaced atomically)")],
+    signing_key: Annotated[Path, typer.Option(help="signing.key from `fedroute keygen`")],
+    int8: Annotated[bool, typer.Option("--int8", help="also ship the int8 embedder (the SDK's default when present)")] = False,
+    data: Annotated[Optional[Path], typer.Option(help="RouterBench folder or test file for parity checks (default: the one recorded at training)")] = None,
+    prices: Annotated[Optional[Path], typer.Option(help="JSON {model: {input: USD per 1k tokens, output: ...}} for the price table")] = None,
+    bundle_version: Annotated[Optional[int], typer.Option(min=1, help="default: previous version at --out + 1")] = None,
+    cache_dir: CacheOpt = None,
+) -> None:
+    """Compile a trained router into a signed, parity-checked bundle for the SDK."""
+    _need_trainer()
+    from export.pipeline import export_bundle
+
+    result = export_bundle(router, out, signing_key, int8=int8, data=data, bundle_version=bundle_version,
+                           prices=_parse_prices(prices), cache_dir=cache_dir, progress=typer.echo)
+    typer.echo(f"bundle v{result.manifest['bundle_version']} ({result.manifest['router_kind']}, "
+               f"{len(result.manifest['models'])} models, embedder {sorted(result.manifest['embedder']['files'])}) "
+               f"at {result.out}; parity passed")
 
 
 def main() -> None:

@@ -161,6 +161,7 @@ def run_simulation(
                 "name": embedder.model, "dim": router.d_emb, "max_tokens": embedder.max_tokens,
                 "truncation_side": embedder.truncation_side, "pooling": "mean", "normalised": True,
             }
+            router.provenance = {"train": train.source, "test": test.source, "seed": first.seed}
             router.save(staging / kind)
         shutil.rmtree(out / "routers", ignore_errors=True)
         staging.rename(out / "routers")

@@ -21,8 +21,13 @@ def router_class(kind: str) -> type[Router]:
 
 
 def load_router(directory: str | Path) -> Router:
-    """Load a router saved by ``Router.save`` (its kind is read from ``router.json``)."""
-    return router_class(read_meta(Path(directory))["kind"]).load(Path(directory))
+    """Load a router saved by ``Router.save`` (its kind is read from ``router.json``), with its
+    ``embedder`` and ``provenance`` entries."""
+    meta = read_meta(Path(directory))
+    router = router_class(meta["kind"]).load(Path(directory))
+    router.embedder = meta.get("embedder")
+    router.provenance = meta.get("provenance")
+    return router
 
 
 __all__ = ["ROUTERS", "Router", "load_router", "router_class"]

@@ -28,6 +28,9 @@ class Router(abc.ABC):
     #: Which embedder produced the training embeddings (name, dim, max_tokens, truncation side);
     #: saved in ``router.json`` so that ``export`` can bundle the matching embedder.
     embedder: dict | None = None
+    #: Where the router's training data came from (``train``/``test`` file paths, seed); saved in
+    #: ``router.json`` so that ``export`` can find real prompts for its parity checks.
+    provenance: dict | None = None
 
     @abc.abstractmethod
     def _predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -64,6 +67,8 @@ class Router(abc.ABC):
         meta = {"kind": self.kind, "models": list(self.models), "d_emb": self.d_emb, **extra}
         if getattr(self, "embedder", None) is not None:
             meta["embedder"] = self.embedder
+        if getattr(self, "provenance", None) is not None:
+            meta["provenance"] = self.provenance
         tmp = directory / (ROUTER_FILE + ".tmp")
         tmp.write_text(json.dumps(meta, indent=2, sort_keys=True))
         tmp.replace(directory / ROUTER_FILE)

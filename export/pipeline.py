@@ -1,0 +1,175 @@
+"""``fedroute export``: trained router -> signed, parity-checked bundle.
+
+Steps: load the router and the signing key; export the router's embedder to ONNX (and int8); write
+the router file; stage a signed bundle and load it with the SDK exactly as an app would; check
+parity against the trainer on real RouterBench test prompts (:mod:`export.parity`); then write the
+final bundle, with the parity figures in its signed ``parity.json``. A failed check raises
+:class:`~export.errors.ParityError` and writes nothing at ``out``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from export import parity
+from export.bundle_writer import next_bundle_version, write_bundle
+from export.embedder_onnx import ExportedEmbedder, export_embedder, quantize_embedder
+from export.errors import ExportError, ParityError
+from export.router_export import kmeans_to_npz, mean_costs, mlp_to_onnx
+from export.signing import load_signing_key
+from sdk import bundle_manifest as fmt
+
+PARITY_FILE = "parity.json"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_bundle` wrote: ``manifest`` (dict) and the ``parity`` report (dict)."""
+
+    out: Path
+    manifest: dict
+    parity: dict
+
+
+def _load_test_table(router, data: Path | None):
+    from trainer.data.routerbench import load_eval_file, load_routerbench_dir
+
+    if data is not None:
+        data = Path(data)
+        table = load_routerbench_dir(data)[1] if data.is_dir() else load_eval_file(data)
+    else:
+        source = (getattr(router, "provenance", None) or {}).get("test")
+        if not source or not Path(source).exists():
+            raise ExportError("parity needs real test prompts: pass --data (RouterBench dir or test file); "
+                              f"router.json names {source!r}")
+        table = load_eval_file(source)
+    return table.complete_rows()
+
+
+def assemble(router, exported: ExportedEmbedder, int8_model: Path | None, embedder_name: str, max_tokens: int,
+             truncation_side: str, prices: dict[str, tuple[float | None, float | None]],
+             bundle_version: int) -> tuple[dict[str, bytes], dict]:
+    """The bundle's files and manifest fields (before signing) for ``router`` and an exported embedder.
+
+    Returns
+    -------
+    (files: name -> bytes, fields: manifest fields without format_version/created_utc/files/signature)
+
+    Raises
+    ------
+    ExportError
+        Prices for models the router does not have, a bundle_version < 1, or an embedder whose
+        dimension is not the router's input dimension.
+    """
+    if exported.dim != router.d_emb:
+        raise ExportError(f"embedder {embedder_name} has dim {exported.dim}, the router expects {router.d_emb}")
+    if bundle_version < 1:
+        raise ExportError(f"bundle_version must be >= 1, got {bundle_version}")
+    unknown = set(prices) - set(router.models)
+    if unknown:
+        raise ExportError(f"prices name models the router does not have: {sorted(unknown)}")
+    files = {fmt.TOKENIZER_FILE: exported.tokenizer.read_bytes(),
+             fmt.EMBEDDER_FILES["fp32"]: exported.model.read_bytes()}
+    precisions = {"fp32": fmt.EMBEDDER_FILES["fp32"]}
+    if int8_model is not None:
+        files[fmt.EMBEDDER_FILES["int8"]] = Path(int8_model).read_bytes()
+        precisions["int8"] = fmt.EMBEDDER_FILES["int8"]
+    files[fmt.ROUTER_FILES[router.kind]] = mlp_to_onnx(router) if router.kind == "mlp" else kmeans_to_npz(router)
+    fields = {
+        "bundle_version": int(bundle_version),
+        "router_kind": router.kind,
+        "models": [
+            {"id": m, "price_per_1k_input_usd": prices.get(m, (None, None))[0],
+             "price_per_1k_output_usd": prices.get(m, (None, None))[1], "mean_cost_usd": c}
+            for m, c in zip(router.models, mean_costs(router))
+        ],
+        "embedder": {"name": embedder_name, "dim": exported.dim, "max_tokens": int(max_tokens),
+                     "truncation_side": truncation_side, "pooling": "mean", "normalised": True,
+                     "files": precisions},
+    }
+    return files, fields
+
+
+def export_bundle(
+    router_dir: Path,
+    out: Path,
+    signing_key: Path,
+    *,
+    int8: bool = False,
+    data: Path | None = None,
+    bundle_version: int | None = None,
+    prices: dict[str, tuple[float | None, float | None]] | None = None,
+    cache_dir: Path | None = None,
+    progress: Callable[[str], None] = print,
+) -> ExportResult:
+    """Export the router saved at ``router_dir`` as a signed bundle at ``out``.
+
+    Parameters
+    ----------
+    router_dir : folder written by ``fedroute simulate`` (``results/routers/{mlp,kmeans}``).
+    out : bundle directory to create or replace (atomically).
+    signing_key : path of ``signing.key`` (see ``fedroute keygen``).
+    int8 : also ship ``embedder.int8.onnx`` (the SDK then loads it by default).
+    data : RouterBench folder or test file for the parity checks; default: the test file recorded
+        in ``router.json`` at training time.
+    bundle_version : default: 1 + the version at ``out``, or 1.
+    prices : optional model id -> (USD per 1k input tokens, USD per 1k output tokens).
+    cache_dir : embedding cache of the trainer (reused for the sentence-transformers side).
+    progress : callable receiving one-line progress messages.
+
+    Returns
+    -------
+    ExportResult
+
+    Raises
+    ------
+    ExportError
+        Unreadable router or key, router without embedder identity, no test data.
+    ParityError
+        An exported part misses a parity threshold (:mod:`export.parity`); nothing is written.
+    """
+    from trainer.embeddings import EmbedderConfig, embed_texts, resolve_model_path
+    from trainer.routers import load_router
+
+    key = load_signing_key(signing_key)
+    try:
+        router = load_router(router_dir)
+    except Exception as exc:  # noqa: BLE001 - any unreadable router is one clear error
+        raise ExportError(f"cannot load the router at {router_dir}: {exc}") from exc
+    emb = router.embedder or {}
+    if "name" not in emb:
+        raise ExportError(f"{router_dir}/router.json has no embedder entry; retrain with this fedroute version")
+    config = EmbedderConfig(model=emb["name"], max_tokens=int(emb.get("max_tokens", 256)),
+                            truncation_side=emb.get("truncation_side", "left"))
+    test = _load_test_table(router, data).with_models(router.models)
+    progress(f"parity set: {test.n_queries} fully labelled test prompts from {test.source}")
+
+    with tempfile.TemporaryDirectory(prefix="fedroute-export-") as tmp:
+        tmp = Path(tmp)
+        progress(f"exporting embedder {config.model} to ONNX with optimum (opset 17)")
+        exported = export_embedder(resolve_model_path(config.model), tmp / "embedder", config.max_tokens,
+                                   config.truncation_side)
+        int8_model = None
+        if int8:
+            progress("quantising the embedder to int8 (onnxruntime dynamic, per-channel weights)")
+            int8_model = quantize_embedder(exported.model, tmp / "embedder.int8.onnx")
+        progress(f"exporting the {router.kind} router")
+        files, fields = assemble(router, exported, int8_model, config.model, config.max_tokens,
+                                 config.truncation_side, prices or {},
+                                 bundle_version if bundle_version is not None else next_bundle_version(out))
+        staged = tmp / "staged"
+        write_bundle(staged, files, fields, key)
+        progress("checking parity of the staged bundle against the trainer")
+        reference = embed_texts(list(test.prompts), config, cache_dir, show_progress=False)
+        report = parity.check_bundle(staged, key.public_key(), router, reference, test, list(fields["embedder"]["files"]),
+                                     progress=progress)
+        if not report["passed"]:
+            raise ParityError("parity check failed: " + "; ".join(report["failures"]), report)
+        files[PARITY_FILE] = (json.dumps(report, indent=2, sort_keys=True) + "\n").encode()
+        manifest = write_bundle(Path(out), files, fields, key)
+    progress(f"wrote bundle v{manifest['bundle_version']} to {out}")
+    return ExportResult(Path(out), manifest, report)

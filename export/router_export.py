@@ -1,0 +1,124 @@
+"""Trained routers -> the bundle's router file (ARCHITECTURE.md §5).
+
+- MLP (paper 002, MLP router): ``router.onnx`` via ``torch.onnx.export`` (TorchScript exporter,
+  ``dynamo=False``, opset 17). optimum's exporter covers Hugging Face architectures only; this is
+  our own small network. The graph is input ``embedding (batch, d_emb) float32`` -> outputs
+  ``accuracy`` and ``cost`` ``(batch, n_models) float32``, with
+
+  * the shared accuracy head folded into each model's head: ``A = (W_m + u) . h + b_m``
+    (one Gemm instead of two; same function);
+  * the cost scale folded in, so ``cost`` is USD per query;
+  * NaN for models the router never observed (``available = False``), as in the trainer.
+
+  Model ids and the embedder's name and dimension go into the ONNX metadata, so the SDK can check
+  them against the manifest.
+- K-means (paper 002, K-means router): ``kmeans.npz`` with ``centroids (K, d_emb) float32``, the
+  shrunk cell means ``accuracy`` and ``cost`` (USD) ``(K, n_models) float64``, ``count``
+  ``(K, n_models) float64``, ``models``, ``embedder_name``, ``embedder_dim``. No pickle.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from export.errors import ExportError
+
+OPSET = 17
+
+
+def _embedder_identity(router) -> tuple[str, int]:
+    emb = getattr(router, "embedder", None)
+    if not emb or "name" not in emb:
+        raise ExportError("router.json has no 'embedder' entry (name, dim): retrain with this fedroute version")
+    if int(emb.get("dim", router.d_emb)) != router.d_emb:
+        raise ExportError(f"router.json embedder dim {emb.get('dim')} != router input dim {router.d_emb}")
+    return str(emb["name"]), int(router.d_emb)
+
+
+def mlp_to_onnx(router) -> bytes:
+    """``router.onnx`` bytes for a trained :class:`trainer.routers.mlp_router.MLPRouter`.
+
+    Raises
+    ------
+    ExportError
+        The router has no embedder identity.
+    """
+    import onnx
+    import torch
+    from torch import nn
+
+    name, dim = _embedder_identity(router)
+    net = router.network.eval()
+    n_models = len(router.models)
+    scale = np.where(np.isfinite(router.cost_scale_), router.cost_scale_, 0.0)
+    mask = np.where(router.available_, 0.0, np.nan)
+
+    class Exported(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.trunk = net.trunk
+            self.accuracy = nn.Linear(net.accuracy_head.in_features, n_models)
+            self.cost = net.cost_head
+            with torch.no_grad():
+                self.accuracy.weight.copy_(net.accuracy_head.weight + net.shared_accuracy.weight)
+                self.accuracy.bias.copy_(net.accuracy_head.bias)
+            self.register_buffer("scale", torch.tensor(scale, dtype=torch.float32))
+            self.register_buffer("mask", torch.tensor(mask, dtype=torch.float32))
+
+        def forward(self, embedding: torch.Tensor):
+            h = self.trunk(embedding)
+            return self.accuracy(h) + self.mask, self.cost(h) * self.scale + self.mask
+
+    module = Exported().eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "router.onnx"
+        with torch.no_grad():
+            torch.onnx.export(
+                module, (torch.zeros(2, dim),), str(path), dynamo=False, opset_version=OPSET,
+                input_names=["embedding"], output_names=["accuracy", "cost"],
+                dynamic_axes={"embedding": {0: "batch"}, "accuracy": {0: "batch"}, "cost": {0: "batch"}},
+            )
+        model = onnx.load(str(path))
+    for key, value in {"models": json.dumps(list(router.models)), "embedder_name": name,
+                       "embedder_dim": str(dim), "router_kind": "mlp"}.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def kmeans_to_npz(router) -> bytes:
+    """``kmeans.npz`` bytes for a trained :class:`trainer.routers.kmeans_router.KMeansRouter`.
+
+    Raises
+    ------
+    ExportError
+        The router has no embedder identity.
+    """
+    name, dim = _embedder_identity(router)
+    buf = io.BytesIO()
+    np.savez(
+        buf,
+        centroids=np.ascontiguousarray(router.centroids_, dtype=np.float32),
+        accuracy=np.asarray(router.accuracy_, dtype=np.float64),
+        cost=np.asarray(router.cost_, dtype=np.float64),
+        count=np.asarray(router.statistics_.count, dtype=np.float64),
+        models=np.array(list(router.models), dtype=np.str_),
+        embedder_name=np.array(name, dtype=np.str_),
+        embedder_dim=np.array(dim, dtype=np.int64),
+    )
+    return buf.getvalue()
+
+
+def mean_costs(router) -> list[float | None]:
+    """Per-model mean cost per query in the router's training logs (USD), None if never observed."""
+    if router.kind == "kmeans":
+        stats = router.statistics_
+        n, total = stats.count.sum(axis=0), stats.sum_cost.sum(axis=0)
+        return [float(t / c) if c > 0 else None for t, c in zip(total, n)]
+    return [float(s) if ok and np.isfinite(s) else None for s, ok in zip(router.cost_scale_, router.available_)]

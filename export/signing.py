@@ -1,0 +1,89 @@
+"""Ed25519 signing keys for bundles (``cryptography``): generate, load, sign.
+
+``fedroute keygen --out KEYDIR`` writes ``signing.key`` (PKCS#8 PEM, unencrypted, mode 0600: keep it
+on the build server) and ``signing.pub`` (SubjectPublicKeyInfo PEM: ship it with the app, pass it
+to ``sdk.Router.load``). The signature covers the canonical manifest
+(:func:`sdk.bundle_manifest.canonical_bytes`), which holds the sha256 of every file.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+
+from export.errors import ExportError
+from sdk.bundle_manifest import canonical_bytes, public_key_id
+
+PRIVATE_FILE = "signing.key"
+PUBLIC_FILE = "signing.pub"
+
+
+def generate_keypair(out_dir: Path, overwrite: bool = False) -> tuple[Path, Path]:
+    """Write a new Ed25519 key pair into ``out_dir``; returns (private path, public path).
+
+    Raises
+    ------
+    ExportError
+        ``signing.key`` already exists and ``overwrite`` is False (a lost key cannot sign updates
+        that deployed apps accept, so it is never replaced silently).
+    """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    private_path, public_path = out_dir / PRIVATE_FILE, out_dir / PUBLIC_FILE
+    if private_path.exists() and not overwrite:
+        raise ExportError(f"{private_path} exists; refusing to replace a signing key (pass overwrite=True / --force)")
+    key = Ed25519PrivateKey.generate()
+    private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
+    public_pem = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                               serialization.PublicFormat.SubjectPublicKeyInfo)
+    tmp = private_path.with_suffix(".key.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(private_pem)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, private_path)
+    tmp_pub = public_path.with_suffix(".pub.tmp")
+    tmp_pub.write_bytes(public_pem)
+    os.replace(tmp_pub, public_path)
+    return private_path, public_path
+
+
+def load_signing_key(path: Path):
+    """The Ed25519 private key in PEM file ``path``.
+
+    Raises
+    ------
+    ExportError
+        Missing file, not a PEM private key, encrypted, or not Ed25519.
+    """
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ExportError(f"cannot read signing key {path}: {exc}") from exc
+    try:
+        key = load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise ExportError(f"{path} is not an unencrypted PEM private key: {exc}") from exc
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ExportError(f"{path} holds a {type(key).__name__}, expected an Ed25519 key")
+    return key
+
+
+def sign_manifest(manifest: dict, key) -> dict:
+    """``manifest`` with ``signature = {algorithm, key_id, value}`` over its canonical bytes."""
+    body = {k: v for k, v in manifest.items() if k != "signature"}
+    signature = key.sign(canonical_bytes(body))
+    return {**body, "signature": {
+        "algorithm": "ed25519",
+        "key_id": public_key_id(key.public_key()),
+        "value": base64.b64encode(signature).decode("ascii"),
+    }}

@@ -1,0 +1,241 @@
+"""The bundle format shared by ``export`` (writer) and ``sdk`` (reader): ARCHITECTURE.md §5.
+
+A bundle is a directory holding ``manifest.json`` and the files it names. The manifest lists the
+sha256 of every file and carries an Ed25519 signature over its *canonical* form: the manifest
+without its ``signature`` entry, serialised as JSON with sorted keys, no whitespace, ASCII only
+and no NaN (:func:`canonical_bytes`). Verification order in :func:`read_verified` is: manifest
+size and JSON, signature, schema, then each file's size and hash. Files are read into memory once
+and the verified bytes are what the caller uses, so a file swapped after the check is never loaded.
+
+Ed25519 comes from ``cryptography`` (never hand-written crypto).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+from sdk.errors import BundleError
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+ROUTER_KINDS = ("mlp", "kmeans")
+ROUTER_FILES = {"mlp": "router.onnx", "kmeans": "kmeans.npz"}
+TOKENIZER_FILE = "tokenizer.json"
+EMBEDDER_FILES = {"fp32": "embedder.onnx", "int8": "embedder.int8.onnx"}
+#: Largest manifest and largest single file accepted (bytes); a bigger one is a corrupt bundle.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_FILE_BYTES = 1 << 30
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def canonical_bytes(manifest: Mapping) -> bytes:
+    """The bytes that are signed: ``manifest`` minus ``signature``, as canonical JSON (UTF-8).
+
+    Raises
+    ------
+    BundleError
+        The manifest holds NaN/inf or values JSON cannot represent.
+    """
+    body = {k: v for k, v in manifest.items() if k != "signature"}
+    try:
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise BundleError(f"manifest is not canonical JSON: {exc}") from exc
+    return text.encode("ascii")
+
+
+def sha256_hex(data: bytes) -> str:
+    """Lower-case hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def load_public_key(public_key):
+    """An Ed25519 public key from a PEM file path, PEM bytes or a ``cryptography`` key object.
+
+    Raises
+    ------
+    BundleError
+        The file is missing or is not an Ed25519 public key.
+    """
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    if isinstance(public_key, Ed25519PublicKey):
+        return public_key
+    if isinstance(public_key, (str, Path)):
+        try:
+            data = Path(public_key).read_bytes()
+        except OSError as exc:
+            raise BundleError(f"cannot read public key {public_key}: {exc}") from exc
+    elif isinstance(public_key, bytes):
+        data = public_key
+    else:
+        raise BundleError(f"public_key must be a path, PEM bytes or Ed25519PublicKey, got {type(public_key).__name__}")
+    try:
+        key = load_pem_public_key(data)
+    except (ValueError, TypeError) as exc:
+        raise BundleError(f"public key is not a PEM public key: {exc}") from exc
+    if not isinstance(key, Ed25519PublicKey):
+        raise BundleError(f"public key is {type(key).__name__}, expected Ed25519")
+    return key
+
+
+def public_key_id(key) -> str:
+    """sha256 (hex) of the raw 32-byte Ed25519 public key: names the key in the manifest."""
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    return sha256_hex(key.public_bytes(Encoding.Raw, PublicFormat.Raw))
+
+
+@dataclass(frozen=True)
+class VerifiedBundle:
+    """A bundle whose signature and hashes verified.
+
+    Attributes
+    ----------
+    directory : Path of the bundle.
+    manifest : dict, the parsed manifest (signature included).
+    files : dict file name -> bytes, only the files asked for (all verified against the manifest).
+    """
+
+    directory: Path
+    manifest: dict
+    files: dict[str, bytes]
+
+
+def _read_limited(path: Path, limit: int) -> bytes:
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise BundleError(f"{path.name}: {size} bytes is over the {limit}-byte limit")
+        return path.read_bytes()
+    except FileNotFoundError as exc:
+        raise BundleError(f"{path.name}: missing from bundle {path.parent}") from exc
+    except IsADirectoryError as exc:
+        raise BundleError(f"{path.name}: is a directory, expected a file") from exc
+    except OSError as exc:
+        raise BundleError(f"{path.name}: cannot be read ({exc})") from exc
+
+
+def _check_schema(manifest: dict) -> None:
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise BundleError(f"manifest: {what}")
+
+    need(manifest.get("format_version") == FORMAT_VERSION,
+         f"format_version {manifest.get('format_version')!r} is not supported (this SDK reads {FORMAT_VERSION})")
+    need(isinstance(manifest.get("bundle_version"), int) and manifest["bundle_version"] >= 1,
+         "bundle_version must be an integer >= 1")
+    need(manifest.get("router_kind") in ROUTER_KINDS, f"router_kind must be one of {ROUTER_KINDS}")
+    models = manifest.get("models")
+    need(isinstance(models, list) and len(models) >= 1 and all(isinstance(m, dict) for m in models),
+         "models must be a non-empty list of objects")
+    ids = [m.get("id") for m in models]
+    need(all(isinstance(i, str) and i for i in ids), "every model needs a non-empty string id")
+    need(len(set(ids)) == len(ids), f"duplicate model ids in {ids}")
+    emb = manifest.get("embedder")
+    need(isinstance(emb, dict), "embedder must be an object")
+    need(isinstance(emb.get("name"), str) and emb["name"], "embedder.name must be a non-empty string")
+    need(isinstance(emb.get("dim"), int) and emb["dim"] > 0, "embedder.dim must be a positive integer")
+    need(isinstance(emb.get("max_tokens"), int) and emb["max_tokens"] > 2, "embedder.max_tokens must be an integer > 2")
+    need(emb.get("truncation_side") in ("left", "right"), "embedder.truncation_side must be 'left' or 'right'")
+    need(isinstance(emb.get("files"), dict) and emb["files"], "embedder.files must map precision -> file name")
+    files = manifest.get("files")
+    need(isinstance(files, dict) and files, "files must map file name -> sha256")
+    for name, digest in files.items():
+        need(isinstance(name, str) and bool(_FILE_NAME.match(name)) and name != MANIFEST_FILE,
+             f"file name {name!r} is not a plain file name")
+        need(isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) is not None,
+             f"sha256 of {name} is not 64 lower-case hex digits")
+    for precision, name in emb["files"].items():
+        need(name in files, f"embedder file {name!r} ({precision}) is not listed in files")
+    need(TOKENIZER_FILE in files, f"{TOKENIZER_FILE} is not listed in files")
+    need(ROUTER_FILES[manifest["router_kind"]] in files,
+         f"{ROUTER_FILES[manifest['router_kind']]} is not listed in files")
+
+
+def read_verified(directory, public_key,
+                  wanted: Iterable[str] | Callable[[dict], Iterable[str]] | None = None) -> VerifiedBundle:
+    """Read ``manifest.json`` and files of the bundle at ``directory``, verifying everything.
+
+    Parameters
+    ----------
+    directory : path of the bundle.
+    public_key : path to ``signing.pub`` (PEM), PEM bytes or an ``Ed25519PublicKey``.
+    wanted : names of the files to return, or a function of the (signature-verified) manifest
+        that returns them; files not wanted are verified too, by streaming, and not kept.
+        ``None`` returns all.
+
+    Returns
+    -------
+    VerifiedBundle
+
+    Raises
+    ------
+    BundleError
+        Missing/oversized/unparsable manifest, missing or invalid signature, a signature by another
+        key, unsupported format, a listed file missing or whose sha256 differs, or a wanted file
+        that the manifest does not list.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise BundleError(f"bundle {directory} is not a directory")
+    key = load_public_key(public_key)
+    raw = _read_limited(directory / MANIFEST_FILE, MAX_MANIFEST_BYTES)
+    try:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{MANIFEST_FILE} is not valid JSON: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{MANIFEST_FILE} must hold a JSON object")
+    sig = manifest.get("signature")
+    if not isinstance(sig, dict) or sig.get("algorithm") != "ed25519" or not isinstance(sig.get("value"), str):
+        raise BundleError("manifest has no Ed25519 signature (expected signature.algorithm == 'ed25519')")
+    from cryptography.exceptions import InvalidSignature
+
+    try:
+        signature = base64.b64decode(sig["value"], validate=True)
+        key.verify(signature, canonical_bytes(manifest))
+    except (InvalidSignature, ValueError) as exc:
+        raise BundleError(
+            f"manifest signature does not verify with public key {public_key_id(key)[:16]}…: "
+            "the bundle was modified or signed by another key"
+        ) from exc
+    _check_schema(manifest)
+    files: dict[str, bytes] = {}
+    if callable(wanted):
+        wanted = wanted(manifest)
+    wanted_set = set(manifest["files"]) if wanted is None else set(wanted)
+    unknown = wanted_set - set(manifest["files"])
+    if unknown:
+        raise BundleError(f"bundle does not list {sorted(unknown)}")
+    for name, digest in manifest["files"].items():
+        path = directory / name
+        if name in wanted_set:
+            data = _read_limited(path, MAX_FILE_BYTES)
+            actual = sha256_hex(data)
+            files[name] = data
+        else:
+            actual = _stream_sha256(path)
+        if actual != digest:
+            raise BundleError(f"{name}: sha256 {actual[:16]}… does not match the manifest's {digest[:16]}… (file corrupt or tampered)")
+    return VerifiedBundle(directory, manifest, files)
+
+
+def _stream_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except FileNotFoundError as exc:
+        raise BundleError(f"{path.name}: missing from bundle {path.parent}") from exc
+    except OSError as exc:
+        raise BundleError(f"{path.name}: cannot be read ({exc})") from exc
+    return h.hexdigest()

@@ -1,0 +1,121 @@
+"""Sentence embeddings on the device: Hugging Face ``tokenizers`` + an ONNX encoder in onnxruntime.
+
+The ONNX graph written by ``export`` (optimum's sentence-transformers exporter) holds the whole
+sentence-transformers pipeline: transformer, attention-masked mean pooling and L2 normalisation,
+output ``sentence_embedding (batch, dim) float32``. Pooling and normalisation therefore live in the
+graph, in one place, and this module only tokenises and runs it.
+
+Truncation: a query longer than ``max_tokens`` tokens (special tokens included) is truncated, not
+rejected. With ``truncation_side="left"`` (the trainer's setting) the *last* tokens are kept, where
+the question of a long few-shot prompt sits.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from sdk.errors import BundleError, InvalidInputError
+
+OUTPUT = "sentence_embedding"
+
+
+def session_options(intra_op_threads: int = 1, inter_op_threads: int = 1):
+    """onnxruntime ``SessionOptions`` with the given thread counts (>= 1) and all graph optimisations.
+
+    Raises
+    ------
+    InvalidInputError
+        A thread count that is not an integer >= 1.
+    """
+    import onnxruntime as ort
+
+    for name, value in (("intra_op_threads", intra_op_threads), ("inter_op_threads", inter_op_threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidInputError(f"{name} must be an integer >= 1, got {value!r}")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = intra_op_threads
+    opts.inter_op_num_threads = inter_op_threads
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return opts
+
+
+def inference_session(model: bytes, options, what: str):
+    """An onnxruntime CPU session from model bytes; a model onnxruntime cannot load -> BundleError."""
+    import onnxruntime as ort
+
+    try:
+        return ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... classes
+        raise BundleError(f"{what}: onnxruntime cannot load it ({exc})") from exc
+
+
+class OnnxEmbedder:
+    """Query -> L2-normalised sentence embedding, shape (n_queries, dim) float32.
+
+    Parameters
+    ----------
+    tokenizer_json : str, the ``tokenizer.json`` of the embedder (Hugging Face ``tokenizers``).
+    model : bytes, the ONNX encoder with output ``sentence_embedding``.
+    dim : int, the embedding dimension the bundle declares.
+    max_tokens : int, tokens kept per query, special tokens included.
+    truncation_side : ``"left"`` (keep the end) or ``"right"`` (keep the start).
+    options : onnxruntime ``SessionOptions`` (see :func:`session_options`).
+
+    Raises
+    ------
+    BundleError
+        The tokenizer or the graph cannot be loaded, or the graph's inputs/outputs/dimension do not
+        match what the bundle declares.
+
+    Thread safety: :meth:`embed` may be called from several threads at once (the tokenizer is
+    configured once here and only read afterwards; onnxruntime's ``run`` is thread-safe).
+    """
+
+    def __init__(self, tokenizer_json: str, model: bytes, dim: int, max_tokens: int,
+                 truncation_side: str, options) -> None:
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_str(tokenizer_json)
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+            raise BundleError(f"tokenizer.json cannot be loaded ({exc})") from exc
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_tokens, direction=truncation_side)
+        pad_id = tokenizer.token_to_id("[PAD]")
+        tokenizer.enable_padding(pad_id=0 if pad_id is None else pad_id, pad_token="[PAD]")
+        self._tokenizer = tokenizer
+        self._session = inference_session(model, options, "embedder")
+        inputs = {i.name for i in self._session.get_inputs()}
+        if not {"input_ids", "attention_mask"} <= inputs:
+            raise BundleError(f"embedder inputs {sorted(inputs)} lack input_ids/attention_mask")
+        self._token_types = "token_type_ids" in inputs
+        outputs = {o.name: o for o in self._session.get_outputs()}
+        if OUTPUT not in outputs:
+            raise BundleError(f"embedder has no '{OUTPUT}' output (outputs: {sorted(outputs)})")
+        graph_dim = outputs[OUTPUT].shape[-1]
+        if isinstance(graph_dim, int) and graph_dim != dim:
+            raise BundleError(f"embedder outputs dimension {graph_dim}, the manifest declares {dim}")
+        self.dim = int(dim)
+        self.max_tokens = int(max_tokens)
+        self.truncation_side = truncation_side
+
+    def n_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens per text after truncation (special tokens included)."""
+        return [len(e.ids) - sum(1 for m in e.attention_mask if m == 0) for e in self._tokenizer.encode_batch(list(texts))]
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Embeddings of already validated, non-empty ``texts``: (n, dim) float32, unit L2 norm."""
+        encodings = self._tokenizer.encode_batch(list(texts))
+        feeds = {
+            "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+        }
+        if self._token_types:
+            feeds["token_type_ids"] = np.array([e.type_ids for e in encodings], dtype=np.int64)
+        (out,) = self._session.run([OUTPUT], feeds)
+        out = np.asarray(out, dtype=np.float32)
+        if out.shape != (len(encodings), self.dim):
+            raise BundleError(f"embedder returned shape {out.shape}, expected ({len(encodings)}, {self.dim})")
+        return out

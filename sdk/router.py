@@ -1,0 +1,342 @@
+"""``Router``: load a signed bundle and choose, on the device, the model that maximises utility.
+
+``choose(query, lam)`` embeds the query (ONNX encoder), predicts each model's accuracy and cost in
+USD (MLP head or K-means cell table) and returns ``argmax_m A(x, m) - lam * C(x, m)`` with the
+METRICS.md tie-break (paper 002, "Overall framework"). ``lam`` is in USD^-1: ``lam = 0`` ignores
+cost; ``lam = 100`` trades 1 accuracy point (0.01) for 0.0001 USD per query.
+
+Loading verifies the manifest signature and every file's sha256 before any of it is used, and
+checks that embedder, router heads and price table agree; on any failure a :class:`BundleError`
+is raised and no ``Router`` exists (nothing is half-loaded).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from sdk import bundle_manifest as fmt
+from sdk.embedder import OnnxEmbedder, session_options
+from sdk.errors import BudgetError, BundleError, InvalidInputError, InvalidQueryError, ShapeError
+from sdk.scorers import KMeansScorer, MlpScorer
+from sdk.utility import _decide_unchecked, check_lambda
+
+#: Upper end of the lambda search in :meth:`Router.lam_for_budget`, USD^-1.
+MAX_LAMBDA = 1e12
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One entry of the bundle's price table.
+
+    Attributes
+    ----------
+    id : model id as the app's LLM client names it.
+    price_per_1k_input_usd, price_per_1k_output_usd : list price in USD per 1000 tokens, or None
+        when unknown.
+    mean_cost_usd : mean cost of one query in the router's training logs, USD (None if unseen).
+    """
+
+    id: str
+    price_per_1k_input_usd: float | None
+    price_per_1k_output_usd: float | None
+    mean_cost_usd: float | None
+
+
+@dataclass(frozen=True)
+class ModelScore:
+    """Prediction for one model: accuracy in [0, 1], cost in USD per query, utility ``A - lam*C``
+    (all NaN when the router has no estimate for this model)."""
+
+    model: str
+    accuracy: float
+    cost_usd: float
+    utility: float
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The routing decision for one query.
+
+    Attributes
+    ----------
+    model : chosen model id.
+    index : its position in :attr:`Router.model_ids`.
+    accuracy, cost_usd, utility : predictions for the chosen model (cost in USD per query).
+    lam : the trade-off used, USD^-1.
+    scores : tuple of :class:`ModelScore`, one per model in :attr:`Router.model_ids` order.
+    embedding : ndarray of shape (d_emb,), float32: the query embedding (stays on the device; an
+        :class:`~sdk.eval_log.EvalLog` stores it so the sync job can compute cell statistics).
+    cell : Voronoi cell id for a K-means router, else None.
+    bundle_version : version of the bundle that made the choice.
+    """
+
+    model: str
+    index: int
+    accuracy: float
+    cost_usd: float
+    utility: float
+    lam: float
+    scores: tuple[ModelScore, ...]
+    embedding: np.ndarray
+    cell: int | None
+    bundle_version: int
+
+
+def check_query(query: object, position: int | None = None) -> str:
+    """Return ``query`` if it is a non-blank ``str``.
+
+    Raises
+    ------
+    InvalidQueryError
+        Not a ``str``, or empty / whitespace only.
+    """
+    where = "query" if position is None else f"queries[{position}]"
+    if not isinstance(query, str):
+        raise InvalidQueryError(f"{where} must be a str, got {type(query).__name__}")
+    if not query.strip():
+        raise InvalidQueryError(f"{where} is empty or whitespace only; there is nothing to route")
+    return query
+
+
+def _check_queries(queries: object) -> list[str]:
+    if isinstance(queries, str) or not isinstance(queries, Sequence):
+        raise InvalidQueryError(f"queries must be a list of str, got {type(queries).__name__}")
+    if len(queries) == 0:
+        raise InvalidQueryError("queries is empty")
+    return [check_query(q, i) for i, q in enumerate(queries)]
+
+
+class Router:
+    """An on-device router loaded from a verified bundle. Use :meth:`load`, not the constructor.
+
+    Thread-safe: :meth:`choose`, :meth:`choose_batch`, :meth:`predict` and :meth:`lam_for_budget`
+    may run concurrently from several threads (no state changes after loading).
+    """
+
+    def __init__(self, manifest: dict, embedder: OnnxEmbedder, scorer, precision: str) -> None:
+        self.manifest = manifest
+        self._embedder = embedder
+        self._scorer = scorer
+        self.precision = precision
+        self.models = tuple(
+            ModelInfo(m["id"], m.get("price_per_1k_input_usd"), m.get("price_per_1k_output_usd"), m.get("mean_cost_usd"))
+            for m in manifest["models"]
+        )
+        self.model_ids = tuple(m.id for m in self.models)
+        self.bundle_version = int(manifest["bundle_version"])
+        self.router_kind = manifest["router_kind"]
+        self.embedder_name = manifest["embedder"]["name"]
+        self.d_emb = int(manifest["embedder"]["dim"])
+        self.max_tokens = int(manifest["embedder"]["max_tokens"])
+
+    @classmethod
+    def load(cls, bundle_dir, public_key, *, precision: str = "auto", intra_op_threads: int = 1,
+             inter_op_threads: int = 1) -> Router:
+        """Verify and load the bundle at ``bundle_dir``.
+
+        Parameters
+        ----------
+        bundle_dir : path of a bundle written by ``fedroute export``.
+        public_key : path of ``signing.pub`` (PEM), PEM bytes or an ``Ed25519PublicKey``.
+        precision : ``"int8"``, ``"fp32"`` or ``"auto"`` (int8 when the bundle has it).
+        intra_op_threads, inter_op_threads : onnxruntime thread counts, integers >= 1. One
+            intra-op thread gives the lowest single-query latency on a busy device.
+
+        Raises
+        ------
+        BundleError
+            Signature or any sha256 does not verify, a file is missing or unloadable, the format is
+            unsupported, the requested precision is absent, or embedder, router and price table
+            disagree (model names, order, embedder name or dimension).
+        InvalidInputError
+            ``precision`` or a thread count is not valid.
+        """
+        if precision not in ("auto", "int8", "fp32"):
+            raise InvalidInputError(f"precision must be 'auto', 'int8' or 'fp32', got {precision!r}")
+        options = session_options(intra_op_threads, inter_op_threads)
+        chosen: dict[str, str] = {}
+
+        def files_needed(manifest: dict) -> tuple[str, ...]:
+            # Called once the signature has verified: pick the files to keep in memory.
+            available = manifest["embedder"]["files"]
+            want = ("int8" if "int8" in available else "fp32") if precision == "auto" else precision
+            if want not in available:
+                raise BundleError(f"bundle has no {want} embedder (it has {sorted(available)})")
+            chosen["precision"] = want
+            return (fmt.TOKENIZER_FILE, available[want], fmt.ROUTER_FILES[manifest["router_kind"]])
+
+        verified = fmt.read_verified(bundle_dir, public_key, wanted=files_needed)
+        manifest = verified.manifest
+        precision = chosen["precision"]
+        router_file = fmt.ROUTER_FILES[manifest["router_kind"]]
+        emb_meta = manifest["embedder"]
+        try:
+            tokenizer_json = verified.files[fmt.TOKENIZER_FILE].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BundleError(f"tokenizer.json is not UTF-8 ({exc})") from exc
+        embedder = OnnxEmbedder(tokenizer_json, verified.files[emb_meta["files"][precision]], emb_meta["dim"],
+                                emb_meta["max_tokens"], emb_meta["truncation_side"], options)
+        ids = [m["id"] for m in manifest["models"]]
+        if manifest["router_kind"] == "mlp":
+            scorer = MlpScorer(verified.files[router_file], ids, emb_meta, options)
+        else:
+            scorer = KMeansScorer(verified.files[router_file], ids, emb_meta)
+        return cls(manifest, embedder, scorer, precision)
+
+    # -- prediction ---------------------------------------------------------------------------
+
+    def embed(self, queries: Sequence[str]) -> np.ndarray:
+        """Embeddings of ``queries``: (n_queries, d_emb) float32, unit L2 norm.
+
+        Raises
+        ------
+        InvalidQueryError
+            ``queries`` is not a non-empty list of non-blank ``str``.
+        """
+        return self._embedder.embed(_check_queries(queries))
+
+    def predict(self, queries: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted (accuracy, cost USD per query), each (n_queries, n_models) float64; NaN = no estimate.
+
+        Raises
+        ------
+        InvalidQueryError
+        """
+        acc, cost, _, _ = self._predict(_check_queries(queries))
+        return acc, cost
+
+    def predict_from_embeddings(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted (accuracy, cost USD) for precomputed embeddings of this bundle's embedder.
+
+        Parameters
+        ----------
+        embeddings : ndarray of shape (n_queries, d_emb), float32, finite.
+
+        Returns
+        -------
+        (accuracy, cost), each (n_queries, n_models) float64; NaN = no estimate.
+
+        Raises
+        ------
+        ShapeError
+            Wrong shape or non-finite values.
+        """
+        x = np.ascontiguousarray(embeddings, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.d_emb or len(x) == 0:
+            raise ShapeError(f"embeddings must have shape (n_queries >= 1, {self.d_emb}), got {x.shape}")
+        if not np.isfinite(x).all():
+            raise ShapeError("embeddings must be finite")
+        acc, cost, _ = self._scorer.predict(x)
+        return acc, cost
+
+    def _predict(self, queries: list[str]):
+        emb = self._embedder.embed(queries)
+        acc, cost, cells = self._scorer.predict(emb)
+        return acc, cost, cells, emb
+
+    # -- decisions ----------------------------------------------------------------------------
+
+    def choose(self, query: str, lam: float) -> Choice:
+        """The model maximising ``A - lam * C`` for ``query``.
+
+        Parameters
+        ----------
+        query : non-blank str; longer than ``max_tokens`` tokens is truncated (see :mod:`sdk.embedder`).
+        lam : float, USD^-1, finite and >= 0.
+
+        Raises
+        ------
+        InvalidQueryError, InvalidLambdaError
+        """
+        lam = check_lambda(lam)
+        return self._choices([check_query(query)], lam)[0]
+
+    def choose_batch(self, queries: Sequence[str], lam: float) -> list[Choice]:
+        """:meth:`choose` for each query, one encoder call for the batch (same answers).
+
+        Raises
+        ------
+        InvalidQueryError, InvalidLambdaError
+        """
+        lam = check_lambda(lam)
+        return self._choices(_check_queries(queries), lam)
+
+    def _choices(self, queries: list[str], lam: float) -> list[Choice]:
+        acc, cost, cells, emb = self._predict(queries)
+        u = acc - lam * cost
+        picked = _decide_unchecked(u, cost)
+        out = []
+        for i, j in enumerate(picked):
+            scores = tuple(ModelScore(m, float(acc[i, k]), float(cost[i, k]), float(u[i, k]))
+                           for k, m in enumerate(self.model_ids))
+            out.append(Choice(
+                model=self.model_ids[j], index=int(j), accuracy=float(acc[i, j]), cost_usd=float(cost[i, j]),
+                utility=float(u[i, j]), lam=lam, scores=scores, embedding=emb[i],
+                cell=None if cells is None else int(cells[i]), bundle_version=self.bundle_version,
+            ))
+        return out
+
+    def lam_for_budget(self, usd_per_1k_queries: float, sample_queries: Sequence[str]) -> float:
+        """The smallest ``lam`` whose predicted mean cost on ``sample_queries`` fits the budget.
+
+        The predicted cost of the chosen model is non-increasing in ``lam`` for every query, so the
+        mean is too, and bisection over ``[0, MAX_LAMBDA]`` finds the boundary (to a relative
+        1e-9). Returns 0.0 when even ``lam = 0`` fits.
+
+        Parameters
+        ----------
+        usd_per_1k_queries : float > 0, budget in USD per 1000 queries.
+        sample_queries : non-empty list of non-blank str, representative of the app's traffic.
+
+        Returns
+        -------
+        float, lam in USD^-1.
+
+        Raises
+        ------
+        InvalidInputError
+            Budget not a finite positive number.
+        InvalidQueryError
+            Bad ``sample_queries``.
+        BudgetError
+            The budget is below the predicted cost of always choosing the cheapest model.
+        """
+        budget = usd_per_1k_queries
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not math.isfinite(budget) or budget <= 0:
+            raise InvalidInputError(f"usd_per_1k_queries must be a finite number > 0, got {budget!r}")
+        target = float(budget) / 1000.0
+        acc, cost, _, _ = self._predict(_check_queries(sample_queries))
+
+        def mean_cost(lam: float) -> float:
+            picked = _decide_unchecked(acc - lam * cost, cost)
+            return float(cost[np.arange(len(picked)), picked].mean())
+
+        if mean_cost(0.0) <= target:
+            return 0.0
+        floor = mean_cost(MAX_LAMBDA)
+        if floor > target:
+            raise BudgetError(
+                f"budget {budget} USD per 1k queries is below {floor * 1000:.6g} USD per 1k, the predicted "
+                "cost of always choosing the cheapest model on these sample queries"
+            )
+        lo, hi = 0.0, 1.0
+        while mean_cost(hi) > target:
+            lo, hi = hi, min(hi * 10.0, MAX_LAMBDA)
+        while hi - lo > 1e-9 * hi:
+            mid = 0.5 * (lo + hi)
+            if mean_cost(mid) <= target:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    def __repr__(self) -> str:
+        return (f"Router(kind={self.router_kind!r}, models={len(self.model_ids)}, bundle_version={self.bundle_version}, "
+                f"embedder={self.embedder_name!r}/{self.precision})")
+

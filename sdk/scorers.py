@@ -1,0 +1,131 @@
+"""Router heads on the device: embedding -> predicted accuracy and cost (USD) per model.
+
+- :class:`MlpScorer` runs ``router.onnx`` (paper 002, MLP router: trunk + per-model accuracy and
+  cost heads; the export folds the cost scale in, so ``cost`` is USD per query).
+- :class:`KMeansScorer` looks up the Voronoi cell of the embedding in ``kmeans.npz`` and returns that
+  cell's per-model accuracy and cost (paper 002, K-means router).
+
+Both check, at construction, that the router file names the same models in the same order as the
+manifest's price table and was trained on the bundle's embedder; any mismatch is a BundleError.
+NaN in a prediction means "no estimate for this model"; such a model is never chosen.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from typing import Sequence
+
+import numpy as np
+
+from sdk.errors import BundleError
+from sdk.voronoi import nearest_cell
+
+
+def _check_models(router_models: Sequence[str], manifest_models: Sequence[str], where: str) -> None:
+    router_models, manifest_models = list(router_models), list(manifest_models)
+    if router_models == manifest_models:
+        return
+    no_head = [m for m in manifest_models if m not in router_models]
+    no_price = [m for m in router_models if m not in manifest_models]
+    if no_head or no_price:
+        raise BundleError(
+            f"price table and {where} disagree: models without a router head {no_head}, "
+            f"router heads without a price-table entry {no_price}"
+        )
+    raise BundleError(f"{where} orders models {router_models}, the price table {manifest_models}")
+
+
+def _check_embedder(name: str, dim: int, embedder: dict, where: str) -> None:
+    if name != embedder["name"] or dim != embedder["dim"]:
+        raise BundleError(
+            f"{where} was trained on embedder {name!r} (dim {dim}) but the bundle ships "
+            f"{embedder['name']!r} (dim {embedder['dim']})"
+        )
+
+
+class MlpScorer:
+    """``router.onnx``: input ``embedding (batch, d_emb) float32``, outputs ``accuracy`` and
+    ``cost`` ``(batch, n_models) float32`` (cost in USD per query; NaN for models never observed).
+
+    Raises
+    ------
+    BundleError
+        Unloadable graph, wrong input/output names or dimensions, missing metadata, or models /
+        embedder that differ from the manifest.
+    """
+
+    cells = False
+
+    def __init__(self, model: bytes, models: Sequence[str], embedder: dict, options) -> None:
+        from sdk.embedder import inference_session
+
+        self._session = inference_session(model, options, "router.onnx")
+        meta = self._session.get_modelmeta().custom_metadata_map
+        try:
+            router_models = json.loads(meta["models"])
+            emb_name, emb_dim = meta["embedder_name"], int(meta["embedder_dim"])
+        except (KeyError, ValueError) as exc:
+            raise BundleError(f"router.onnx lacks models/embedder metadata ({exc})") from exc
+        _check_models(router_models, models, "router.onnx")
+        _check_embedder(emb_name, emb_dim, embedder, "router.onnx")
+        (inp,) = self._session.get_inputs()
+        if inp.shape[-1] != embedder["dim"]:
+            raise BundleError(f"router.onnx input dimension {inp.shape[-1]} != embedder dim {embedder['dim']}")
+        outputs = {o.name: o.shape for o in self._session.get_outputs()}
+        for name in ("accuracy", "cost"):
+            if name not in outputs or outputs[name][-1] != len(models):
+                raise BundleError(f"router.onnx output {name!r} must have shape (batch, {len(models)}), got {outputs.get(name)}")
+        self._input = inp.name
+
+    def predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+        """(accuracy, cost USD) of shape (n, n_models) float64, and no cell ids."""
+        acc, cost = self._session.run(["accuracy", "cost"], {self._input: embeddings})
+        return acc.astype(np.float64), cost.astype(np.float64), None
+
+
+class KMeansScorer:
+    """``kmeans.npz``: ``centroids (K, d_emb) float32``, ``accuracy``, ``cost`` ``(K, n_models)``
+    (shrunk cell means, cost in USD; NaN where no estimate), ``count (K, n_models)``, ``models``,
+    ``embedder_name``, ``embedder_dim``.
+
+    Raises
+    ------
+    BundleError
+        Unreadable archive, missing arrays, wrong shapes, non-finite centroids, accuracy outside
+        [0, 1], negative costs, or models / embedder that differ from the manifest.
+    """
+
+    cells = True
+
+    def __init__(self, data: bytes, models: Sequence[str], embedder: dict) -> None:
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                arrays = {k: z[k] for k in ("centroids", "accuracy", "cost", "count", "models", "embedder_name", "embedder_dim")}
+        except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise BundleError(f"kmeans.npz cannot be read ({exc})") from exc
+        _check_models([str(m) for m in arrays["models"]], models, "kmeans.npz")
+        _check_embedder(str(arrays["embedder_name"]), int(arrays["embedder_dim"]), embedder, "kmeans.npz")
+        centroids = np.ascontiguousarray(arrays["centroids"], dtype=np.float32)
+        k, m = centroids.shape[0], len(models)
+        if centroids.ndim != 2 or centroids.shape[1] != embedder["dim"] or k < 1:
+            raise BundleError(f"kmeans.npz centroids must be (K, {embedder['dim']}), got {centroids.shape}")
+        if not np.isfinite(centroids).all():
+            raise BundleError("kmeans.npz centroids hold NaN/inf")
+        for name in ("accuracy", "cost", "count"):
+            if arrays[name].shape != (k, m):
+                raise BundleError(f"kmeans.npz {name} must be ({k}, {m}), got {arrays[name].shape}")
+        acc, cost = arrays["accuracy"].astype(np.float64), arrays["cost"].astype(np.float64)
+        if np.isinf(acc).any() or np.isinf(cost).any() or (acc[~np.isnan(acc)] < 0).any() or (acc[~np.isnan(acc)] > 1).any():
+            raise BundleError("kmeans.npz accuracy must lie in [0, 1] (NaN = no estimate)")
+        if (cost[~np.isnan(cost)] < 0).any():
+            raise BundleError("kmeans.npz cost must be >= 0 USD (NaN = no estimate)")
+        self.centroids = centroids
+        self.accuracy, self.cost = acc, cost
+        self.count = arrays["count"]
+
+    def predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(accuracy, cost USD) of shape (n, n_models) float64, and the cell id per query (n,) int64."""
+        cells = nearest_cell(embeddings, self.centroids)
+        return self.accuracy[cells], self.cost[cells], cells
