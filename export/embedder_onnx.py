@@ -5,10 +5,9 @@ Export uses optimum's ONNX exporter (``optimum.exporters.onnx.main_export`` with
 transformer, mean pooling and L2 normalisation, so the graph's ``sentence_embedding`` output is
 the trainer's embedding and the SDK does no pooling of its own. Opset 17 (onnxruntime >= 1.14).
 
-Quantisation uses onnxruntime's dynamic quantisation through optimum's ``ORTQuantizer``: int8
-weights (per output channel, symmetric), uint8 activations quantised at run time. Per-channel
-weights matter: per-tensor weights give a min cosine of ~0.92 against the fp32 encoder on real
-prompts, per-channel ~0.98. ``exclude`` keeps chosen MatMuls in fp32 to trade speed for fidelity.
+Quantisation is onnxruntime's dynamic quantisation (:func:`quantize_embedder`): int8 weights per
+output channel, uint8 activations quantised at run time, with the most sensitive MatMuls kept in
+fp32 (:func:`sensitive_matmuls`, measured figures there).
 
 The tokenizer is saved as ``tokenizer.json`` with padding off and truncation to ``max_tokens``
 on ``truncation_side``, matching the trainer's embedder (the packaged file pads and truncates
@@ -18,8 +17,6 @@ every input to 128 tokens).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -83,40 +80,51 @@ def export_embedder(model_path: str, out_dir: Path, max_tokens: int, truncation_
     return ExportedEmbedder(model, tokenizer_path, int(out.shape[-1]))
 
 
-def ffn_output_matmuls(model: Path) -> list[str]:
-    """Names of the MatMul nodes that project each layer's FFN back to the hidden size
-    (``.../output/dense/MatMul`` in BERT-style graphs): the most quantisation-sensitive ones."""
+def sensitive_matmuls(model: Path) -> list[str]:
+    """MatMuls kept in fp32 by :func:`quantize_embedder`: the FFN output projections
+    (``.../output/dense/MatMul``, not the attention's) of the first two thirds of the encoder layers.
+
+    Measured on the 754 RouterBench test prompts (all-MiniLM-L6-v2, last 32 tokens, cosine
+    against sentence-transformers, mean / min): every weight MatMul in int8 0.9926 / 0.9836;
+    FFN outputs of layers 0-2 in fp32 0.9954 / 0.9893; of layers 0-3 (this rule) 0.9956 / 0.9904;
+    all six 0.9962 / 0.9907. Each fp32 projection adds ~0.15-0.25 ms per query at 32 tokens on one
+    thread. Those projections read the GELU activations, whose outliers make
+    per-tensor uint8 activation scales coarse."""
     import onnx
 
     graph = onnx.load(str(model), load_external_data=False).graph
-    return [n.name for n in graph.node if n.op_type == "MatMul" and "/output/dense/" in n.name and "attention" not in n.name]
+    ffn_out = [n.name for n in graph.node
+               if n.op_type == "MatMul" and "/output/dense/" in n.name and "attention" not in n.name]
+    return ffn_out[: (2 * len(ffn_out) + 2) // 3]
 
 
-def quantize_embedder(model: Path, out: Path, exclude: Sequence[str] = ()) -> Path:
-    """Dynamic int8 quantisation (per-channel int8 weights, uint8 activations) of ``model``.
+def quantize_embedder(model: Path, out: Path, exclude: Sequence[str] | None = None) -> Path:
+    """Dynamic int8 quantisation of ``model`` with onnxruntime (``quantize_dynamic``).
+
+    int8 weights per output channel (symmetric), uint8 activations quantised at run time, MatMuls
+    with a constant weight only, and the word-embedding table (``Gather``) in int8, which shrinks
+    the file from 61 to 28 MB and the loaded encoder's peak RSS from 258 to 159 MB. onnxruntime's ``quantize_dynamic`` is used directly rather than
+    optimum's ``ORTQuantizer``, which does not set ``MatMulConstBOnly`` and so also quantises the
+    attention's activation x activation MatMuls (measured: min cosine 0.980 instead of 0.984).
 
     Parameters
     ----------
     model : Path of the fp32 ONNX encoder.
-    out : Path where the int8 model is written.
-    exclude : node names kept in fp32 (see :func:`ffn_output_matmuls`).
+    out : Path where the int8 model is written (atomically).
+    exclude : node names kept in fp32; default :func:`sensitive_matmuls`.
 
     Returns
     -------
     Path ``out``.
     """
-    from optimum.onnxruntime import ORTQuantizer
-    from optimum.onnxruntime.configuration import AutoQuantizationConfig
+    from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    config = AutoQuantizationConfig.avx512_vnni(
-        is_static=False, per_channel=True, operators_to_quantize=["MatMul"],
-        nodes_to_exclude=list(exclude),
+    exclude = sensitive_matmuls(model) if exclude is None else list(exclude)
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    quantize_dynamic(
+        str(model), str(tmp), per_channel=True, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gather"],
+        nodes_to_exclude=exclude, extra_options={"MatMulConstBOnly": True},
     )
-    with tempfile.TemporaryDirectory(dir=Path(out).parent) as tmp:
-        staged = Path(tmp) / "model.onnx"
-        shutil.copyfile(model, staged)
-        quantizer = ORTQuantizer.from_pretrained(tmp, file_name="model.onnx")
-        written = quantizer.quantize(quantization_config=config, save_dir=tmp, file_suffix="int8")
-        result = Path(written) / "model_int8.onnx" if Path(written).is_dir() else Path(written)
-        os.replace(result, out)
-    return Path(out)
+    os.replace(tmp, out)
+    return out

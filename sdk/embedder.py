@@ -62,6 +62,10 @@ class OnnxEmbedder:
     max_tokens : int, tokens kept per query, special tokens included.
     truncation_side : ``"left"`` (keep the end) or ``"right"`` (keep the start).
     options : onnxruntime ``SessionOptions`` (see :func:`session_options`).
+    batched : run several texts in one padded call. Off for dynamically quantised (int8) graphs:
+        their activation scales are computed over the whole input tensor, padding included, so a
+        text's embedding would depend on the other texts of its batch; each text then runs alone
+        and ``embed(texts)`` equals ``[embed([t]) for t in texts]`` exactly.
 
     Raises
     ------
@@ -74,7 +78,7 @@ class OnnxEmbedder:
     """
 
     def __init__(self, tokenizer_json: str, model: bytes, dim: int, max_tokens: int,
-                 truncation_side: str, options) -> None:
+                 truncation_side: str, options, batched: bool = True) -> None:
         from tokenizers import Tokenizer
 
         try:
@@ -84,7 +88,8 @@ class OnnxEmbedder:
         tokenizer.no_padding()
         tokenizer.enable_truncation(max_tokens, direction=truncation_side)
         pad_id = tokenizer.token_to_id("[PAD]")
-        tokenizer.enable_padding(pad_id=0 if pad_id is None else pad_id, pad_token="[PAD]")
+        self._pad_id = 0 if pad_id is None else pad_id
+        tokenizer.enable_padding(pad_id=self._pad_id, pad_token="[PAD]")
         self._tokenizer = tokenizer
         self._session = inference_session(model, options, "embedder")
         inputs = {i.name for i in self._session.get_inputs()}
@@ -100,14 +105,47 @@ class OnnxEmbedder:
         self.dim = int(dim)
         self.max_tokens = int(max_tokens)
         self.truncation_side = truncation_side
+        self.batched = batched
 
     def n_tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens per text after truncation (special tokens included)."""
-        return [len(e.ids) - sum(1 for m in e.attention_mask if m == 0) for e in self._tokenizer.encode_batch(list(texts))]
+        return [sum(e.attention_mask) for e in self._encode(list(texts))]
+
+    def _encode(self, texts: list[str]):
+        """Tokenise with truncation; for left truncation, long texts are first cut to their tail.
+
+        Tokenising a 2,000-character prompt to keep its last 32 tokens costs more than the cut
+        tail. The cut is exact: BERT-style normalisation and pre-tokenisation act per character and
+        per word, so only the (possibly broken) first word of the tail can differ from the full
+        text's tokens, and the tail is used only when that word was truncated away (its word id 0
+        is not among the kept tokens). Otherwise the full text is tokenised.
+        """
+        if self.truncation_side != "left":
+            return self._tokenizer.encode_batch(texts)
+        tail_chars = 24 * self.max_tokens
+        cut = [t[-tail_chars:] if len(t) > tail_chars else t for t in texts]
+        encodings = self._tokenizer.encode_batch(cut)
+        for i, (text, short, enc) in enumerate(zip(texts, cut, encodings)):
+            if short is not text and 0 in enc.word_ids:
+                encodings[i] = None
+        redo = [i for i, e in enumerate(encodings) if e is None]
+        if redo:
+            for i, enc in zip(redo, self._tokenizer.encode_batch([texts[i] for i in redo])):
+                encodings[i] = enc
+        if len({len(e.ids) for e in encodings}) > 1:  # mixed paths: pad again to one length
+            longest = max(len(e.ids) for e in encodings)
+            for e in encodings:
+                e.pad(longest, pad_id=self._pad_id, pad_token="[PAD]")
+        return encodings
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embeddings of already validated, non-empty ``texts``: (n, dim) float32, unit L2 norm."""
-        encodings = self._tokenizer.encode_batch(list(texts))
+        texts = list(texts)
+        if not self.batched and len(texts) > 1:
+            return np.concatenate([self._run(self._encode([t])) for t in texts])
+        return self._run(self._encode(texts))
+
+    def _run(self, encodings) -> np.ndarray:
         feeds = {
             "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
             "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),

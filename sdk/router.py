@@ -181,7 +181,8 @@ class Router:
         except UnicodeDecodeError as exc:
             raise BundleError(f"tokenizer.json is not UTF-8 ({exc})") from exc
         embedder = OnnxEmbedder(tokenizer_json, verified.files[emb_meta["files"][precision]], emb_meta["dim"],
-                                emb_meta["max_tokens"], emb_meta["truncation_side"], options)
+                                emb_meta["max_tokens"], emb_meta["truncation_side"], options,
+                                batched=precision == "fp32")
         ids = [m["id"] for m in manifest["models"]]
         if manifest["router_kind"] == "mlp":
             scorer = MlpScorer(verified.files[router_file], ids, emb_meta, options)
@@ -200,6 +201,15 @@ class Router:
             ``queries`` is not a non-empty list of non-blank ``str``.
         """
         return self._embedder.embed(_check_queries(queries))
+
+    def token_counts(self, queries: Sequence[str]) -> list[int]:
+        """Tokens the embedder reads per query (after truncation to ``max_tokens``, special tokens included).
+
+        Raises
+        ------
+        InvalidQueryError
+        """
+        return self._embedder.n_tokens(_check_queries(queries))
 
     def predict(self, queries: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Predicted (accuracy, cost USD per query), each (n_queries, n_models) float64; NaN = no estimate.
@@ -258,7 +268,8 @@ class Router:
         return self._choices([check_query(query)], lam)[0]
 
     def choose_batch(self, queries: Sequence[str], lam: float) -> list[Choice]:
-        """:meth:`choose` for each query, one encoder call for the batch (same answers).
+        """:meth:`choose` for each query, with the same answers: the fp32 encoder embeds the batch in
+        one padded call, the int8 encoder one query at a time (see :class:`sdk.embedder.OnnxEmbedder`).
 
         Raises
         ------

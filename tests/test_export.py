@@ -1,0 +1,146 @@
+"""Exporter: parity measures (hand-computed), keys, and the full `fedroute export` on real prompts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from export.errors import ExportError
+from export.parity import cosine_stats, decision_agreement
+from export.signing import generate_keypair, load_signing_key
+from sdk import EvalLog, Router
+from trainer.cli import app
+
+
+def test_cosine_stats_hand_computed():
+    a = np.array([[1.0, 0.0], [1.0, 1.0], [0.0, 2.0]])
+    b = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, -1.0]])
+    stats = cosine_stats(a, b)
+    assert stats["n"] == 3
+    assert stats["min"] == pytest.approx(-1.0)
+    assert stats["mean"] == pytest.approx((1.0 + 1 / np.sqrt(2) - 1.0) / 3)
+
+
+def test_decision_agreement_hand_computed():
+    # Two queries, two models (accuracy, cost USD). Router a and b agree at lam = 0 on both
+    # queries; at lam = 100, a picks the cheap model for query 0, b still the accurate one.
+    acc_a = np.array([[0.9, 0.8], [0.5, 0.9]])
+    cost_a = np.array([[0.01, 0.0], [0.0, 0.001]])
+    acc_b = np.array([[0.9, 0.2], [0.5, 0.9]])
+    cost_b = cost_a.copy()
+    # lam = 100: a: q0 0.9-1=-0.1 vs 0.8 -> 1; b: q0 -0.1 vs 0.2 -> 1 (agree); q1 both 0.8 vs 0.5 -> 1.
+    # lam = 1000: a: q0 -9.1 vs 0.8 -> 1; b: -9.1 vs 0.2 -> 1; q1: 0.5 vs -0.1 -> 0 both.
+    assert decision_agreement((acc_a, cost_a), (acc_b, cost_b), [0.0, 100.0, 1000.0]) == 1.0
+    acc_c = np.array([[0.9, 0.95], [0.5, 0.9]])  # at lam = 0 q0 now picks model 1
+    assert decision_agreement((acc_a, cost_a), (acc_c, cost_a), [0.0]) == 0.5
+
+
+def test_keygen_refuses_to_overwrite_and_bad_keys_are_export_errors(tmp_path):
+    private, public = generate_keypair(tmp_path)
+    assert oct(private.stat().st_mode & 0o777) == "0o600"
+    assert public.read_text().startswith("-----BEGIN PUBLIC KEY-----")
+    with pytest.raises(ExportError, match="refusing to replace"):
+        generate_keypair(tmp_path)
+    (tmp_path / "junk.key").write_text("not a key")
+    with pytest.raises(ExportError, match="not an unencrypted PEM private key"):
+        load_signing_key(tmp_path / "junk.key")
+    with pytest.raises(ExportError, match="cannot read signing key"):
+        load_signing_key(tmp_path / "missing.key")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["kmeans", "mlp"])
+def test_fedroute_export_end_to_end_with_parity(kind, fitted_routers, tmp_path):
+    runner = CliRunner()
+    keys = tmp_path / "keys"
+    assert runner.invoke(app, ["keygen", "--out", str(keys)]).exit_code == 0
+    out = tmp_path / "bundle"
+    result = runner.invoke(app, [
+        "export", "--router", str(fitted_routers["dir"] / kind), "--out", str(out), "--int8",
+        "--signing-key", str(keys / "signing.key"), "--cache-dir", str(fitted_routers["cache"]),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "parity passed" in result.output
+    parity = json.loads((out / "parity.json").read_text())
+    assert parity["passed"] and parity["n_queries"] == len(fitted_routers["test"].prompts)
+    for precision in ("fp32", "int8"):
+        entry = parity["precisions"][precision]
+        assert entry["decision_agreement"] >= 0.99
+        assert entry["auc_gap"] <= 0.005
+    assert parity["precisions"]["fp32"]["cosine"]["min"] >= 0.999
+    assert parity["precisions"]["int8"]["cosine"]["mean"] >= 0.995
+    # The bundle the app loads routes like the trainer's router.
+    router = Router.load(out, keys / "signing.pub")
+    assert router.precision == "int8" and router.router_kind == kind
+    trained = fitted_routers[kind]
+    emb = fitted_routers["test_embeddings"]
+    expected = trained.decide(emb, 50.0)
+    got = [c.index for c in router.choose_batch(list(fitted_routers["test"].prompts), 50.0)]
+    assert np.mean(np.array(got) == expected) >= 0.95
+    # Exporting again bumps the version.
+    again = runner.invoke(app, ["export", "--router", str(fitted_routers["dir"] / kind), "--out", str(out),
+                                "--signing-key", str(keys / "signing.key"), "--cache-dir", str(fitted_routers["cache"])])
+    assert again.exit_code == 0, again.output
+    assert Router.load(out, keys / "signing.pub").bundle_version == 2
+
+
+def test_export_without_test_data_says_what_to_pass(fitted_routers, tmp_path, signing_keys):
+    import shutil
+
+    router_dir = tmp_path / "router"
+    shutil.copytree(fitted_routers["dir"] / "kmeans", router_dir)
+    meta = json.loads((router_dir / "router.json").read_text())
+    meta["provenance"] = {"test": str(tmp_path / "gone.parquet")}
+    (router_dir / "router.json").write_text(json.dumps(meta))
+    from export.pipeline import export_bundle
+
+    with pytest.raises(ExportError, match="pass --data"):
+        export_bundle(router_dir, tmp_path / "out", signing_keys[0], progress=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_cli_rejects_prices_for_unknown_models(fitted_routers, tmp_path, signing_keys):
+    prices = tmp_path / "prices.json"
+    prices.write_text(json.dumps({"not-a-model": {"input": 0.001, "output": 0.002}}))
+    from trainer.cli import main
+
+    import sys
+
+    argv = sys.argv
+    sys.argv = ["fedroute", "export", "--router", str(fitted_routers["dir"] / "kmeans"), "--out", str(tmp_path / "b"),
+                "--signing-key", str(signing_keys[0]), "--prices", str(prices),
+                "--cache-dir", str(fitted_routers["cache"])]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+    finally:
+        sys.argv = argv
+    assert exit_info.value.code == 2
+    assert not (tmp_path / "b").exists()
+
+
+def test_example_cost_aware_chat_dry_run_records_outcomes(make_bundle, signing_keys, tmp_path, capsys):
+    import runpy
+
+    from conftest import ROOT
+
+    bundle = make_bundle(tmp_path / "bundle")
+    log_path = tmp_path / "log.sqlite"
+    module = runpy.run_path(str(ROOT / "examples" / "cost_aware_chat.py"))
+    code = module["main"](["--bundle", str(bundle), "--public-key", str(signing_keys[1]), "--log", str(log_path),
+                           "--dry-run", "--score", "1", "--lam", "50", "What is the boiling point of water?",
+                           "Summarise the causes of the French revolution."])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.count("recorded evaluation") == 2
+    router = Router.load(bundle, signing_keys[1])
+    with EvalLog(log_path, router.model_ids) as log:
+        rows = log.rows()
+    assert len(rows) == 2 and list(rows.score) == [1.0, 1.0] and list(rows.cost_usd) == [0.0, 0.0]
+    expected = router.choose("What is the boiling point of water?", 50.0)
+    assert rows.model[0] == expected.model and rows.cell[0] == expected.cell
+    np.testing.assert_allclose(rows.embedding[0], expected.embedding, atol=1e-6)
+    assert all(q is None for q in rows.query)  # the text is not stored
