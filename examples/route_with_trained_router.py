@@ -4,8 +4,8 @@
     HF_HUB_OFFLINE=1 python examples/route_with_trained_router.py results/routers/kmeans
 
 Prints, per prompt and lam (1/USD), the chosen model with its predicted accuracy and cost (USD).
-This uses the trainer's Python routers; the on-device path (ONNX bundle + ``sdk.Router``) is the
-next step of the project.
+This uses the trainer's Python routers (torch); the on-device path is ``fedroute export`` +
+``sdk.Router`` (see ``examples/cost_aware_chat.py``).
 """
 
 from __future__ import annotations

@@ -144,3 +144,60 @@ def test_example_cost_aware_chat_dry_run_records_outcomes(make_bundle, signing_k
     assert rows.model[0] == expected.model and rows.cell[0] == expected.cell
     np.testing.assert_allclose(rows.embedding[0], expected.embedding, atol=1e-6)
     assert all(q is None for q in rows.query)  # the text is not stored
+
+
+def test_example_calls_an_openai_compatible_endpoint_and_logs_the_priced_cost(make_bundle, signing_keys, tmp_path,
+                                                                               monkeypatch, capsys):
+    """The live path of the example against a local OpenAI-compatible server (stdlib http.server)."""
+    import runpy
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from conftest import ROOT
+    from test_bundle import ROUTERBENCH_MODELS
+
+    received: list[dict] = []
+
+    class ChatCompletions(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's naming
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append({"path": self.path, **body})
+            reply = {"id": "c1", "object": "chat.completion", "created": 0, "model": body["model"],
+                     "choices": [{"index": 0, "finish_reason": "stop",
+                                  "message": {"role": "assistant", "content": "100 degrees Celsius."}}],
+                     "usage": {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}}
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ChatCompletions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        models = [{"id": m, "price_per_1k_input_usd": 0.001, "price_per_1k_output_usd": 0.002, "mean_cost_usd": None}
+                  for m in ROUTERBENCH_MODELS]
+        bundle = make_bundle(tmp_path / "bundle", models=models)
+        model_map = tmp_path / "map.json"
+        model_map.write_text(json.dumps({m: "local-model" for m in ROUTERBENCH_MODELS}))
+        monkeypatch.setenv("OPENAI_API_KEY", "test-key")
+        module = runpy.run_path(str(ROOT / "examples" / "cost_aware_chat.py"))
+        log_path = tmp_path / "log.sqlite"
+        code = module["main"](["--bundle", str(bundle), "--public-key", str(signing_keys[1]), "--log", str(log_path),
+                               "--score", "0.5", "--base-url", f"http://127.0.0.1:{server.server_port}/v1",
+                               "--model-map", str(model_map), "What is the boiling point of water?"])
+    finally:
+        server.shutdown()
+    assert code == 0
+    assert "100 degrees Celsius." in capsys.readouterr().out
+    assert received[0]["path"] == "/v1/chat/completions" and received[0]["model"] == "local-model"
+    assert received[0]["messages"] == [{"role": "user", "content": "What is the boiling point of water?"}]
+    with EvalLog(log_path, ROUTERBENCH_MODELS) as log:
+        rows = log.rows()
+    assert len(rows) == 1 and rows.score[0] == 0.5
+    assert rows.cost_usd[0] == pytest.approx((12 * 0.001 + 30 * 0.002) / 1000)
+    assert rows.latency_ms[0] > 0

@@ -149,3 +149,22 @@ def test_thread_options_are_validated(bundle_dir, signing_keys):
         Router.load(bundle_dir, signing_keys[1], intra_op_threads=0)
     with pytest.raises(InvalidInputError, match="precision"):
         Router.load(bundle_dir, signing_keys[1], precision="fp16")
+
+
+def test_tail_tokenisation_equals_full_tokenisation(router, fitted_routers, exported_embedder):
+    """The SDK tokenises only the tail of long queries; the kept tokens must be exactly the full text's."""
+    from tokenizers import Tokenizer
+
+    full = Tokenizer.from_file(str(exported_embedder[0].tokenizer))
+    full.no_padding()
+    full.enable_truncation(BUNDLE_MAX_TOKENS, direction="left")
+    hostile = [
+        "What is 2 + 2?" + " " * 5000,                 # the tail is only whitespace
+        "x" * 3000 + " what now?",                     # one giant word
+        "word " * 1000 + "supercalifragilisticexpialidocious " * 40,
+        "é" * 800 + " 日本語のテキスト " * 50,
+    ]
+    texts = list(fitted_routers["test"].prompts) + hostile
+    for text in texts:
+        (enc,) = router._embedder._encode([text])
+        assert enc.ids == full.encode(text).ids, text[:60]
