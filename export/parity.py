@@ -56,6 +56,8 @@ def check_bundle(bundle_dir, public_key, router, reference: np.ndarray, test, pr
     dict with ``trainer_auc``, ``lambdas``, per-precision ``cosine``, ``decision_agreement``,
     ``auc``, ``auc_gap``, and ``passed`` / ``failures``.
     """
+    from tqdm.auto import tqdm
+
     from sdk.router import Router
     from trainer import metrics
 
@@ -67,7 +69,9 @@ def check_bundle(bundle_dir, public_key, router, reference: np.ndarray, test, pr
     for precision in precisions:
         bundle = Router.load(bundle_dir, public_key, precision=precision, intra_op_threads=2)
         prompts = list(test.prompts)
-        emb = np.concatenate([bundle.embed(prompts[i:i + batch_size]) for i in range(0, len(prompts), batch_size)])
+        starts = range(0, len(prompts), batch_size)
+        emb = np.concatenate([bundle.embed(prompts[i:i + batch_size])
+                              for i in tqdm(starts, desc=f"parity {precision}", unit="batch", leave=False)])
         pred = bundle.predict_from_embeddings(emb)
         auc = metrics.evaluate_router(*pred, test.accuracy, test.cost).auc
         entry = {
