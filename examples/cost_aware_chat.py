@@ -5,7 +5,9 @@ Build a bundle from the main job first (see README), then:
     python examples/cost_aware_chat.py --bundle bundles/kmeans --public-key keys/signing.pub \
         --log chat_log.sqlite --dry-run --score 1
 
-``--dry-run`` prints the choice instead of calling a model. Without it the prompt goes to the chosen
+``--dry-run`` prints the choice instead of calling a model and records the ``--score`` you give (cost 0)
+in a separate log, ``chat_log.dry_run.sqlite`` unless ``--log`` says otherwise, so made-up outcomes
+never reach the log the sync job reads. Without it the prompt goes to the chosen
 model through an OpenAI-compatible client (``pip install openai``; ``--base-url`` / ``OPENAI_BASE_URL``
 and ``OPENAI_API_KEY``; ``--model-map`` maps router model ids to the endpoint's model names).
 Each outcome (score in [0, 1], cost in USD, latency in ms) is recorded in an ``sdk.EvalLog``; the
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("prompts", nargs="*", help="prompts to route (default: three examples)")
     parser.add_argument("--bundle", type=Path, required=True)
     parser.add_argument("--public-key", type=Path, required=True)
-    parser.add_argument("--log", type=Path, default=Path("chat_log.sqlite"), help="EvalLog SQLite file")
+    parser.add_argument("--log", type=Path, default=None,
+                        help="EvalLog SQLite file (default chat_log.sqlite, chat_log.dry_run.sqlite with --dry-run)")
     trade = parser.add_mutually_exclusive_group()
     trade.add_argument("--lam", type=float, default=None, help="cost trade-off, 1/USD (default 100)")
     trade.add_argument("--budget", type=float, default=None, help="USD per 1000 queries; lam is derived")
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     prompts = args.prompts or PROMPTS
+    log_path = args.log or Path("chat_log.dry_run.sqlite" if args.dry_run else "chat_log.sqlite")
     try:
         router = Router.load(args.bundle, args.public_key)
         lam = 100.0 if args.lam is None else args.lam
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lam = {lam:.4g} /USD keeps the predicted cost under {args.budget} USD per 1k queries")
         model_map = json.loads(args.model_map.read_text()) if args.model_map else {}
         prices = {m.id: m for m in router.models}
-        with EvalLog(args.log, router.model_ids) as log:
+        with EvalLog(log_path, router.model_ids) as log:
             for prompt in prompts:
                 choice = router.choose(prompt, lam)
                 print(f"\n> {prompt[:70]!r}\n  -> {choice.model}: predicted accuracy {choice.accuracy:.3f}, "
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                     print("  (no score given: outcome not recorded)")
                     continue
                 row = log.record_choice(choice, score, cost, latency_ms=latency_ms)
-                print(f"  recorded evaluation #{row} in {args.log} (score {score}, cost {cost:.6f} USD)")
+                note = " (dry run: no model was called)" if args.dry_run else ""
+                print(f"  recorded evaluation #{row} in {log_path} (score {score}, cost {cost:.6f} USD){note}")
     except FedrouteError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

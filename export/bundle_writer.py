@@ -27,6 +27,23 @@ def next_bundle_version(out: Path) -> int:
         return 1
 
 
+def check_replaceable(out: Path) -> None:
+    """Raise ExportError unless ``out`` is absent, an empty folder, or a folder holding a bundle."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / fmt.MANIFEST_FILE).exists())):
+        raise ExportError(f"{out} exists and is not a bundle; refusing to replace it")
+
+
+def check_version(out: Path, bundle_version: int) -> None:
+    """Raise ExportError unless ``bundle_version`` is >= 1 and above the version of the bundle at
+    ``out`` (versions are monotonic: a device never takes an older bundle for a newer one)."""
+    if bundle_version < 1:
+        raise ExportError(f"bundle_version must be >= 1, got {bundle_version}")
+    current = next_bundle_version(out) - 1
+    if bundle_version <= current:
+        raise ExportError(f"bundle_version {bundle_version} is not above the version {current} already at {out}")
+
+
 def build_manifest(files: Mapping[str, bytes], fields: Mapping, key) -> dict:
     """Signed manifest for ``files``: ``fields`` + format_version, created_utc, files {name: sha256}.
 
@@ -78,8 +95,7 @@ def write_bundle(out: Path, files: Mapping[str, bytes], fields: Mapping, key) ->
         ``out`` exists and is a file, or a non-empty directory that is not a bundle.
     """
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / fmt.MANIFEST_FILE).exists())):
-        raise ExportError(f"{out} exists and is not a bundle; refusing to replace it")
+    check_replaceable(out)
     manifest = build_manifest(files, fields, key)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.staging-{os.getpid()}"

@@ -16,12 +16,33 @@ every input to 128 tokens).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 OPSET = 17
+_NOISY_LOGGERS = ("optimum", "transformers", "onnxruntime", "")
+
+
+@contextlib.contextmanager
+def quiet_libraries():
+    """Silence the exporters' own chatter (tracer warnings, deprecation notices, advice to use
+    opset 18 or pre-processing) while keeping errors; fedroute reports progress itself."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
 
 
 @dataclass(frozen=True)
@@ -56,10 +77,11 @@ def export_embedder(model_path: str, out_dir: Path, max_tokens: int, truncation_
     from tokenizers import Tokenizer
 
     out_dir = Path(out_dir)
-    main_export(
-        model_path, output=out_dir, task="feature-extraction", library_name="sentence_transformers",
-        opset=OPSET, device="cpu", do_validation=True,
-    )
+    with quiet_libraries():
+        main_export(
+            model_path, output=out_dir, task="feature-extraction", library_name="sentence_transformers",
+            opset=OPSET, device="cpu", do_validation=True,
+        )
     model = out_dir / "model.onnx"
     tokenizer_path = out_dir / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
@@ -122,9 +144,11 @@ def quantize_embedder(model: Path, out: Path, exclude: Sequence[str] | None = No
     exclude = sensitive_matmuls(model) if exclude is None else list(exclude)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
-    quantize_dynamic(
-        str(model), str(tmp), per_channel=True, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gather"],
-        nodes_to_exclude=exclude, extra_options={"MatMulConstBOnly": True},
-    )
+    with quiet_libraries():
+        quantize_dynamic(
+            str(model), str(tmp), per_channel=True, weight_type=QuantType.QInt8,
+            op_types_to_quantize=["MatMul", "Gather"], nodes_to_exclude=exclude,
+            extra_options={"MatMulConstBOnly": True},
+        )
     os.replace(tmp, out)
     return out

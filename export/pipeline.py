@@ -10,13 +10,14 @@ final bundle, with the parity figures in its signed ``parity.json``. A failed ch
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from export import parity
-from export.bundle_writer import next_bundle_version, write_bundle
+from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle
 from export.embedder_onnx import ExportedEmbedder, export_embedder, quantize_embedder
 from export.errors import ExportError, ParityError
 from export.router_export import kmeans_to_npz, mean_costs, mlp_to_onnx
@@ -35,11 +36,39 @@ class ExportResult:
     parity: dict
 
 
+def check_prices(prices: dict, models) -> dict[str, tuple[float | None, float | None]]:
+    """Validate ``{model: (USD per 1k input tokens, USD per 1k output tokens)}``; None = unknown.
+
+    Prices are the app's list prices, written to the manifest for its own cost accounting; the
+    router's decisions use its predicted cost per query, not these.
+
+    Raises
+    ------
+    ExportError
+        A model the router does not have, or a price that is not a finite number >= 0 or None.
+    """
+    unknown = sorted(set(prices) - set(models))
+    if unknown:
+        raise ExportError(f"prices name models the router does not have: {unknown}")
+    out = {}
+    for model, pair in prices.items():
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ExportError(f"prices[{model!r}] must be (input, output) USD per 1k tokens, got {pair!r}")
+        for side, value in zip(("input", "output"), pair):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0):
+                raise ExportError(f"prices[{model!r}].{side} must be a number >= 0 (USD per 1k tokens) or null, got {value!r}")
+        out[model] = (None if pair[0] is None else float(pair[0]), None if pair[1] is None else float(pair[1]))
+    return out
+
+
 def _load_test_table(router, data: Path | None):
     from trainer.data.routerbench import load_eval_file, load_routerbench_dir
 
     if data is not None:
         data = Path(data)
+        if not data.exists():
+            raise ExportError(f"--data {data} does not exist (give a RouterBench folder or a test file)")
         table = load_routerbench_dir(data)[1] if data.is_dir() else load_eval_file(data)
     else:
         source = (getattr(router, "provenance", None) or {}).get("test")
@@ -69,9 +98,7 @@ def assemble(router, exported: ExportedEmbedder, int8_model: Path | None, embedd
         raise ExportError(f"embedder {embedder_name} has dim {exported.dim}, the router expects {router.d_emb}")
     if bundle_version < 1:
         raise ExportError(f"bundle_version must be >= 1, got {bundle_version}")
-    unknown = set(prices) - set(router.models)
-    if unknown:
-        raise ExportError(f"prices name models the router does not have: {sorted(unknown)}")
+    prices = check_prices(prices, router.models)
     files = {fmt.TOKENIZER_FILE: exported.tokenizer.read_bytes(),
              fmt.EMBEDDER_FILES["fp32"]: exported.model.read_bytes()}
     precisions = {"fp32": fmt.EMBEDDER_FILES["fp32"]}
@@ -136,6 +163,10 @@ def export_bundle(
     from trainer.routers import load_router
 
     key = load_signing_key(signing_key)
+    out = Path(out)
+    check_replaceable(out)
+    version = bundle_version if bundle_version is not None else next_bundle_version(out)
+    check_version(out, version)
     try:
         router = load_router(router_dir)
     except Exception as exc:  # noqa: BLE001 - any unreadable router is one clear error
@@ -145,6 +176,7 @@ def export_bundle(
         raise ExportError(f"{router_dir}/router.json has no embedder entry; retrain with this fedroute version")
     config = EmbedderConfig(model=emb["name"], max_tokens=int(emb.get("max_tokens", 256)),
                             truncation_side=emb.get("truncation_side", "left"))
+    prices = check_prices(prices or {}, router.models)
     test = _load_test_table(router, data).with_models(router.models)
     progress(f"parity set: {test.n_queries} fully labelled test prompts from {test.source}")
 
@@ -159,8 +191,7 @@ def export_bundle(
             int8_model = quantize_embedder(exported.model, tmp / "embedder.int8.onnx")
         progress(f"exporting the {router.kind} router")
         files, fields = assemble(router, exported, int8_model, config.model, config.max_tokens,
-                                 config.truncation_side, prices or {},
-                                 bundle_version if bundle_version is not None else next_bundle_version(out))
+                                 config.truncation_side, prices, version)
         staged = tmp / "staged"
         write_bundle(staged, files, fields, key)
         progress("checking parity of the staged bundle against the trainer")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from export.embedder_onnx import quiet_libraries
 from export.errors import ExportError
 
 OPSET = 17
@@ -77,7 +78,7 @@ def mlp_to_onnx(router) -> bytes:
     module = Exported().eval()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "router.onnx"
-        with torch.no_grad():
+        with torch.no_grad(), quiet_libraries():
             torch.onnx.export(
                 module, (torch.zeros(2, dim),), str(path), dynamo=False, opset_version=OPSET,
                 input_names=["embedding"], output_names=["accuracy", "cost"],

@@ -25,17 +25,20 @@ def generate_keypair(out_dir: Path, overwrite: bool = False) -> tuple[Path, Path
     Raises
     ------
     ExportError
-        ``signing.key`` already exists and ``overwrite`` is False (a lost key cannot sign updates
+        ``out_dir`` is a file, or it already holds ``signing.key`` or ``signing.pub`` and
+        ``overwrite`` is False (a lost key cannot sign updates
         that deployed apps accept, so it is never replaced silently).
     """
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"{out_dir} is a file; give a folder for signing.key and signing.pub")
     out_dir.mkdir(parents=True, exist_ok=True)
     private_path, public_path = out_dir / PRIVATE_FILE, out_dir / PUBLIC_FILE
-    if private_path.exists() and not overwrite:
-        raise ExportError(f"{private_path} exists; refusing to replace a signing key (pass overwrite=True / --force)")
+    if (private_path.exists() or public_path.exists()) and not overwrite:
+        raise ExportError(f"{out_dir} already holds a signing key pair; refusing to replace it (pass overwrite=True / --force)")
     key = Ed25519PrivateKey.generate()
     private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption())

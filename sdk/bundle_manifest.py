@@ -15,7 +15,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -56,7 +59,7 @@ def sha256_hex(data: bytes) -> str:
 
 
 def load_public_key(public_key):
-    """An Ed25519 public key from a PEM file path, PEM bytes or a ``cryptography`` key object.
+    """An Ed25519 public key from a PEM file path, PEM text (str or bytes) or a ``cryptography`` key.
 
     Raises
     ------
@@ -68,7 +71,9 @@ def load_public_key(public_key):
 
     if isinstance(public_key, Ed25519PublicKey):
         return public_key
-    if isinstance(public_key, (str, Path)):
+    if isinstance(public_key, str) and public_key.lstrip().startswith("-----BEGIN"):
+        data = public_key.encode("ascii", "replace")
+    elif isinstance(public_key, (str, Path)):
         try:
             data = Path(public_key).read_bytes()
         except OSError as exc:
@@ -109,9 +114,17 @@ class VerifiedBundle:
     files: dict[str, bytes]
 
 
+def _regular_file(path: Path) -> os.stat_result:
+    """stat of ``path``, which must be a regular file (not a FIFO, device, directory)."""
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise BundleError(f"{path.name}: is not a regular file")
+    return st
+
+
 def _read_limited(path: Path, limit: int) -> bytes:
     try:
-        size = path.stat().st_size
+        size = _regular_file(path).st_size
         if size > limit:
             raise BundleError(f"{path.name}: {size} bytes is over the {limit}-byte limit")
         return path.read_bytes()
@@ -139,6 +152,12 @@ def _check_schema(manifest: dict) -> None:
     ids = [m.get("id") for m in models]
     need(all(isinstance(i, str) and i for i in ids), "every model needs a non-empty string id")
     need(len(set(ids)) == len(ids), f"duplicate model ids in {ids}")
+    for m in models:
+        for field in ("price_per_1k_input_usd", "price_per_1k_output_usd", "mean_cost_usd"):
+            value = m.get(field)
+            need(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                   and math.isfinite(value) and value >= 0),
+                 f"model {m['id']!r}: {field} must be a number >= 0 (USD) or null, got {value!r}")
     emb = manifest.get("embedder")
     need(isinstance(emb, dict), "embedder must be an object")
     need(isinstance(emb.get("name"), str) and emb["name"], "embedder.name must be a non-empty string")
@@ -190,8 +209,8 @@ def read_verified(directory, public_key,
     raw = _read_limited(directory / MANIFEST_FILE, MAX_MANIFEST_BYTES)
     try:
         manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{MANIFEST_FILE} is not valid JSON: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise BundleError(f"{MANIFEST_FILE} is not valid JSON: {type(exc).__name__}") from exc
     if not isinstance(manifest, dict):
         raise BundleError(f"{MANIFEST_FILE} must hold a JSON object")
     sig = manifest.get("signature")
@@ -231,6 +250,7 @@ def read_verified(directory, public_key,
 def _stream_sha256(path: Path) -> str:
     h = hashlib.sha256()
     try:
+        _regular_file(path)
         with path.open("rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)

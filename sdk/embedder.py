@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from sdk.errors import BundleError, InvalidInputError
+from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 
 OUTPUT = "sentence_embedding"
 
@@ -111,7 +111,7 @@ class OnnxEmbedder:
         """Tokens per text after truncation (special tokens included)."""
         return [sum(e.attention_mask) for e in self._encode(list(texts))]
 
-    def _encode(self, texts: list[str]):
+    def _encode(self, texts: list[str], first_position: int = 0):
         """Tokenise with truncation; for left truncation, long texts are first cut to their tail.
 
         Tokenising a 2,000-character prompt to keep its last 32 tokens costs more than the cut
@@ -119,7 +119,12 @@ class OnnxEmbedder:
         pre-tokenisation act per character and per word, so only the (possibly broken) first word
         of the tail can differ from the full text's tokens, and the tail is used only when it was
         itself truncated and that first word was truncated away (word id 0 is not among the kept
-        tokens). Otherwise the full text is tokenised.
+        tokens). Otherwise the last ``512 * max_tokens`` characters are tokenised.
+
+        Raises
+        ------
+        InvalidQueryError
+            A text with no token left after normalisation (e.g. only control characters).
         """
         if self.truncation_side != "left":
             return self._tokenizer.encode_batch(texts)
@@ -131,8 +136,17 @@ class OnnxEmbedder:
                 encodings[i] = None
         redo = [i for i, e in enumerate(encodings) if e is None]
         if redo:
-            for i, enc in zip(redo, self._tokenizer.encode_batch([texts[i] for i in redo])):
+            # Second stage: a much longer tail, used as it is. It differs from the full text only
+            # when the query ends in one "word" of over 512 * max_tokens characters, and it bounds
+            # the time a multi-megabyte query can take.
+            long_tail = 512 * self.max_tokens
+            for i, enc in zip(redo, self._tokenizer.encode_batch([texts[i][-long_tail:] for i in redo])):
                 encodings[i] = enc
+        for i, enc in enumerate(encodings):
+            if sum(enc.attention_mask) <= 2:  # [CLS] and [SEP] only
+                raise InvalidQueryError(
+                    f"query at position {first_position + i} has no token the embedder can read "
+                    "(only control or zero-width characters?)")
         if len({len(e.ids) for e in encodings}) > 1:  # mixed paths: pad again to one length
             longest = max(len(e.ids) for e in encodings)
             for e in encodings:
@@ -143,7 +157,7 @@ class OnnxEmbedder:
         """Embeddings of already validated, non-empty ``texts``: (n, dim) float32, unit L2 norm."""
         texts = list(texts)
         if not self.batched and len(texts) > 1:
-            return np.concatenate([self._run(self._encode([t])) for t in texts])
+            return np.concatenate([self._run(self._encode([t], j)) for j, t in enumerate(texts)])
         return self._run(self._encode(texts))
 
     def _run(self, encodings) -> np.ndarray:

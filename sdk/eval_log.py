@@ -339,7 +339,8 @@ class EvalLog:
         bundle_version : int >= 0 or None, the routing bundle that made the decision.
         query : str or None, the query text. Stored only if the log was opened with
             ``store_text=True``; otherwise dropped without being written anywhere.
-        timestamp : real number, unix seconds, or None for ``time.time()``.
+        timestamp : real number, unix seconds, at most one day ahead of the clock, or None for
+            ``time.time()``.
 
         Returns
         -------
@@ -377,7 +378,11 @@ class EvalLog:
                 raise InvalidInputError(f"latency_ms must be >= 0 (milliseconds), got {latency_f!r}")
         cell_i = None if cell is None else _check_index("cell", cell)
         bundle_i = None if bundle_version is None else _check_index("bundle_version", bundle_version)
-        ts = time.time() if timestamp is None else _check_real("timestamp", timestamp)
+        now = time.time()
+        ts = now if timestamp is None else _check_real("timestamp", timestamp)
+        if ts > now + _SECONDS_PER_DAY:
+            # A row from the future would never age out of the retention window.
+            raise InvalidInputError(f"timestamp {ts!r} is more than a day in the future (now {now:.0f})")
         if query is not None and not isinstance(query, str):
             raise InvalidInputError(f"query must be a str or None, got {type(query).__name__}")
         blob = None

@@ -12,6 +12,7 @@ is raised and no ``Router`` exists (nothing is half-loaded).
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from dataclasses import dataclass
@@ -94,13 +95,19 @@ def check_query(query: object, position: int | None = None) -> str:
     Raises
     ------
     InvalidQueryError
-        Not a ``str``, or empty / whitespace only.
+        Not a ``str``, empty / whitespace only, or not encodable as UTF-8 (lone surrogates).
+        (A query whose every character the tokenizer drops, e.g. only control characters, is
+        refused later, by the embedder.)
     """
     where = "query" if position is None else f"queries[{position}]"
     if not isinstance(query, str):
         raise InvalidQueryError(f"{where} must be a str, got {type(query).__name__}")
     if not query.strip():
         raise InvalidQueryError(f"{where} is empty or whitespace only; there is nothing to route")
+    try:
+        query.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidQueryError(f"{where} is not valid Unicode ({exc.reason} at position {exc.start})") from exc
     return query
 
 
@@ -120,7 +127,7 @@ class Router:
     """
 
     def __init__(self, manifest: dict, embedder: OnnxEmbedder, scorer, precision: str) -> None:
-        self.manifest = manifest
+        self._manifest = copy.deepcopy(manifest)
         self._embedder = embedder
         self._scorer = scorer
         self.precision = precision
@@ -134,6 +141,17 @@ class Router:
         self.embedder_name = manifest["embedder"]["name"]
         self.d_emb = int(manifest["embedder"]["dim"])
         self.max_tokens = int(manifest["embedder"]["max_tokens"])
+        self._frozen = True
+
+    def __setattr__(self, name: str, value) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"Router is immutable after loading (tried to set {name!r}); load another bundle instead")
+        object.__setattr__(self, name, value)
+
+    @property
+    def manifest(self) -> dict:
+        """A copy of the bundle's verified manifest."""
+        return copy.deepcopy(self._manifest)
 
     @classmethod
     def load(cls, bundle_dir, public_key, *, precision: str = "auto", intra_op_threads: int = 1,

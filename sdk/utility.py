@@ -34,7 +34,10 @@ def check_lambda(lam: object) -> float:
         raise InvalidLambdaError(
             f"lam must be a real number in USD^-1, got {type(lam).__name__} {lam!r}"
         )
-    value = float(lam)
+    try:
+        value = float(lam)
+    except OverflowError as exc:  # e.g. an int with 400 digits
+        raise InvalidLambdaError("lam must be finite, got an integer too large for a float") from exc
     if not math.isfinite(value):
         raise InvalidLambdaError(f"lam must be finite, got {value!r}")
     if value < 0:

@@ -246,3 +246,35 @@ def test_loading_and_choosing_imports_no_torch(kmeans_bundle, signing_keys):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("bad", [-1.0, "0.008", [1, 2], True])
+def test_price_table_values_must_be_non_negative_numbers(make_bundle, tmp_path, signing_keys, bad):
+    from sdk.bundle_manifest import MANIFEST_FILE
+
+    bundle = make_bundle(tmp_path / "p")
+    manifest = json.loads((bundle / MANIFEST_FILE).read_text())
+    manifest["models"][0]["price_per_1k_input_usd"] = bad
+    from export.signing import load_signing_key, sign_manifest
+
+    (bundle / MANIFEST_FILE).write_text(json.dumps(sign_manifest(manifest, load_signing_key(signing_keys[0]))))
+    with pytest.raises(BundleError, match="price_per_1k_input_usd must be a number >= 0"):
+        Router.load(bundle, signing_keys[1])
+
+
+def test_deeply_nested_manifest_and_fifo_files_are_bundle_errors(bundle_copy, signing_keys, tmp_path):
+    import os
+
+    fifo_bundle = tmp_path / "fifo"
+    shutil.copytree(bundle_copy, fifo_bundle)
+    (fifo_bundle / "kmeans.npz").unlink()
+    os.mkfifo(fifo_bundle / "kmeans.npz")
+    with pytest.raises(BundleError, match="not a regular file"):
+        Router.load(fifo_bundle, signing_keys[1])
+    (bundle_copy / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(BundleError, match="not valid JSON"):
+        Router.load(bundle_copy, signing_keys[1])
+
+
+def test_public_key_may_be_given_as_pem_text(kmeans_bundle, signing_keys):
+    assert Router.load(kmeans_bundle, signing_keys[1].read_text()).bundle_version == 1

@@ -436,3 +436,11 @@ def test_import_loads_no_torch_or_trainer():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT)
     assert out.stdout.strip() == ""
+
+
+def test_timestamp_from_the_future_is_refused(tmp_path):
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
+        with pytest.raises(InvalidInputError, match="more than a day in the future"):
+            log.record(MODELS[0], 1.0, 0.001, cell=0, timestamp=time.time() + 3 * 86_400)
+        log.record(MODELS[0], 1.0, 0.001, cell=0, timestamp=time.time() + 60)  # clock skew is fine
+        assert len(log) == 1

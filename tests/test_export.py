@@ -201,3 +201,47 @@ def test_example_calls_an_openai_compatible_endpoint_and_logs_the_priced_cost(ma
     assert len(rows) == 1 and rows.score[0] == 0.5
     assert rows.cost_usd[0] == pytest.approx((12 * 0.001 + 30 * 0.002) / 1000)
     assert rows.latency_ms[0] > 0
+
+
+def test_export_refuses_bad_targets_before_any_work(fitted_routers, tmp_path, signing_keys, make_bundle):
+    from export.pipeline import export_bundle
+
+    def run(out, **kwargs):
+        export_bundle(fitted_routers["dir"] / "kmeans", out, signing_keys[0], progress=lambda _: None, **kwargs)
+
+    precious = tmp_path / "docs"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="not a bundle"):
+        run(precious)
+    existing = make_bundle(tmp_path / "b", bundle_version=5)
+    with pytest.raises(ExportError, match="not above the version 5"):
+        run(existing, bundle_version=1)
+    for bad, match in (({"not-a-model": (0.1, 0.2)}, "does not have"), ({"claude-v1": ("0.008", 1.0)}, "number >= 0"),
+                       ({"claude-v1": (-1.0, 1.0)}, "number >= 0"), ({"claude-v1": (float("nan"), None)}, "number >= 0")):
+        with pytest.raises(ExportError, match=match):
+            run(tmp_path / "new", prices=bad)
+    with pytest.raises(ExportError, match="does not exist"):
+        run(tmp_path / "new", data=tmp_path / "nowhere")
+    assert not (tmp_path / "new").exists() and Router.load(existing, signing_keys[1]).bundle_version == 5
+
+
+def test_keygen_into_a_file_is_a_clear_error(tmp_path):
+    target = tmp_path / "afile"
+    target.write_text("x")
+    with pytest.raises(ExportError, match="is a file"):
+        generate_keypair(target)
+
+
+def test_example_dry_run_never_writes_the_real_log(make_bundle, signing_keys, tmp_path, monkeypatch, capsys):
+    import runpy
+
+    from conftest import ROOT
+
+    bundle = make_bundle(tmp_path / "bundle")
+    monkeypatch.chdir(tmp_path)
+    module = runpy.run_path(str(ROOT / "examples" / "cost_aware_chat.py"))
+    assert module["main"](["--bundle", str(bundle), "--public-key", str(signing_keys[1]), "--dry-run", "--score", "1",
+                           "What is 2 + 2?"]) == 0
+    assert "dry run: no model was called" in capsys.readouterr().out
+    assert (tmp_path / "chat_log.dry_run.sqlite").exists() and not (tmp_path / "chat_log.sqlite").exists()

@@ -168,3 +168,34 @@ def test_tail_tokenisation_equals_full_tokenisation(router, fitted_routers, expo
     for text in texts:
         (enc,) = router._embedder._encode([text])
         assert enc.ids == full.encode(text).ids, text[:60]
+
+
+@pytest.mark.parametrize("query, match", [
+    ("abc\ud800def", "not valid Unicode"),
+    ("\x00\x01\x02", "no token the embedder can read"),
+    ("\u200b\u200b", "no token the embedder can read"),
+])
+def test_queries_without_readable_text_are_refused(router, query, match):
+    with pytest.raises(InvalidQueryError, match=match):
+        router.choose(query, 1.0)
+    with pytest.raises(InvalidQueryError, match="position 1" if "token" in match else match):
+        router.choose_batch(["a fine query", query], 1.0)
+
+
+def test_huge_lambda_integer_is_an_invalid_lambda(router):
+    with pytest.raises(InvalidLambdaError, match="too large"):
+        router.choose("What is 2 + 2?", 10**400)
+    assert router.choose("What is 2 + 2?", np.float32(1.0)).lam == 1.0  # numpy scalars are fine
+
+
+def test_multi_megabyte_query_without_spaces_is_routed(router):
+    choice = router.choose("x" * 2_000_000 + " and then the question: what is the capital of Peru?", 10.0)
+    assert choice.model in router.model_ids
+
+
+def test_router_is_immutable(router):
+    with pytest.raises(AttributeError, match="immutable"):
+        router.precision = "fp32"
+    manifest = router.manifest
+    manifest["bundle_version"] = 99
+    assert router.manifest["bundle_version"] == router.bundle_version == 1

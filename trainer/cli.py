@@ -163,11 +163,18 @@ def _parse_prices(spec: Optional[Path]) -> dict:
         return {}
     import json
 
+    shape = "JSON {model: {\"input\": USD per 1k tokens, \"output\": USD per 1k tokens}}"
     try:
         raw = json.loads(spec.read_text())
-        return {str(m): (v.get("input"), v.get("output")) for m, v in raw.items()}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise typer.BadParameter(f"--prices {spec}: expected JSON {{model: {{input: USD/1k, output: USD/1k}}}} ({exc})") from exc
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"--prices {spec}: expected {shape} ({exc})") from exc
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise typer.BadParameter(f"--prices {spec}: expected {shape}")
+    for model, entry in raw.items():
+        extra = set(entry) - {"input", "output"}
+        if extra:
+            raise typer.BadParameter(f"--prices {spec}: {model!r} has unknown keys {sorted(extra)}; expected {shape}")
+    return {str(m): (v.get("input"), v.get("output")) for m, v in raw.items()}
 
 
 @app.command("export")
