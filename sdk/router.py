@@ -161,7 +161,7 @@ class Router:
         Parameters
         ----------
         bundle_dir : path of a bundle written by ``fedroute export``.
-        public_key : path of ``signing.pub`` (PEM), PEM bytes or an ``Ed25519PublicKey``.
+        public_key : path of ``signing.pub``, its PEM text (str or bytes) or an ``Ed25519PublicKey``.
         precision : ``"int8"``, ``"fp32"`` or ``"auto"`` (int8 when the bundle has it).
         intra_op_threads, inter_op_threads : onnxruntime thread counts, integers >= 1. One
             intra-op thread gives the lowest single-query latency on a busy device.
