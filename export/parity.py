@@ -39,8 +39,28 @@ def decision_agreement(pred_a: tuple[np.ndarray, np.ndarray], pred_b: tuple[np.n
     return float(np.mean(same))
 
 
+def gate_failures(precision: str, entry: dict, trainer_auc: float) -> list[str]:
+    """Thresholds missed by one precision's parity ``entry``; NaN never passes a gate."""
+    def below(value: float, threshold: float) -> bool:
+        return not value >= threshold  # NaN -> True
+
+    cos, out = entry["cosine"], []
+    if precision == "fp32" and below(cos["min"], FP32_MIN_COSINE):
+        out.append(f"fp32 min cosine {cos['min']:.5f} < {FP32_MIN_COSINE}")
+    if precision == "int8" and (below(cos["mean"], INT8_MEAN_COSINE) or below(cos["min"], INT8_MIN_COSINE)):
+        out.append(f"int8 cosine mean {cos['mean']:.5f} / min {cos['min']:.5f} below "
+                   f"{INT8_MEAN_COSINE} / {INT8_MIN_COSINE}")
+    if below(entry["decision_agreement"], MIN_DECISION_AGREEMENT):
+        out.append(f"{precision} decisions agree on {entry['decision_agreement']:.4f} "
+                   f"< {MIN_DECISION_AGREEMENT} of (query, lambda) pairs")
+    if not entry["auc_gap"] <= MAX_AUC_GAP:
+        out.append(f"{precision} AUC {entry['auc']:.4f} is {entry['auc_gap']:.4f} from the trainer's "
+                   f"{trainer_auc:.4f} (> {MAX_AUC_GAP})")
+    return out
+
+
 def check_bundle(bundle_dir, public_key, router, reference: np.ndarray, test, precisions: Sequence[str],
-                 batch_size: int = 32, progress: Callable[[str], None] = print) -> dict:
+                 progress: Callable[[str], None] = print) -> dict:
     """Parity report of the bundle at ``bundle_dir`` (see module docstring).
 
     Parameters
@@ -68,10 +88,9 @@ def check_bundle(bundle_dir, public_key, router, reference: np.ndarray, test, pr
                     "trainer_auc": float(trainer_auc), "precisions": {}, "failures": []}
     for precision in precisions:
         bundle = Router.load(bundle_dir, public_key, precision=precision, intra_op_threads=2)
-        prompts = list(test.prompts)
-        starts = range(0, len(prompts), batch_size)
-        emb = np.concatenate([bundle.embed(prompts[i:i + batch_size])
-                              for i in tqdm(starts, desc=f"parity {precision}", unit="batch", leave=False)])
+        # One query at a time, as choose() embeds on the device (no padding in the input).
+        emb = np.concatenate([bundle.embed([q]) for q in tqdm(test.prompts, desc=f"parity {precision}",
+                                                                   unit="query", leave=False)])
         pred = bundle.predict_from_embeddings(emb)
         auc = metrics.evaluate_router(*pred, test.accuracy, test.cost).auc
         entry = {
@@ -83,18 +102,7 @@ def check_bundle(bundle_dir, public_key, router, reference: np.ndarray, test, pr
         report["precisions"][precision] = entry
         progress(f"  {precision}: cosine mean {entry['cosine']['mean']:.5f} min {entry['cosine']['min']:.5f}, "
                  f"decisions agree {entry['decision_agreement']:.4f}, AUC {auc:.4f} (trainer {trainer_auc:.4f})")
-        cos = entry["cosine"]
-        if precision == "fp32" and cos["min"] < FP32_MIN_COSINE:
-            report["failures"].append(f"fp32 min cosine {cos['min']:.5f} < {FP32_MIN_COSINE}")
-        if precision == "int8" and (cos["mean"] < INT8_MEAN_COSINE or cos["min"] < INT8_MIN_COSINE):
-            report["failures"].append(f"int8 cosine mean {cos['mean']:.5f} / min {cos['min']:.5f} below "
-                                      f"{INT8_MEAN_COSINE} / {INT8_MIN_COSINE}")
-        if entry["decision_agreement"] < MIN_DECISION_AGREEMENT:
-            report["failures"].append(f"{precision} decisions agree on {entry['decision_agreement']:.4f} "
-                                      f"< {MIN_DECISION_AGREEMENT} of (query, lambda) pairs")
-        if entry["auc_gap"] > MAX_AUC_GAP:
-            report["failures"].append(f"{precision} AUC {auc:.4f} is {entry['auc_gap']:.4f} from the trainer's "
-                                      f"{trainer_auc:.4f} (> {MAX_AUC_GAP})")
+        report["failures"].extend(gate_failures(precision, entry, trainer_auc))
     report["thresholds"] = {"fp32_min_cosine": FP32_MIN_COSINE, "int8_mean_cosine": INT8_MEAN_COSINE,
                             "int8_min_cosine": INT8_MIN_COSINE, "min_decision_agreement": MIN_DECISION_AGREEMENT,
                             "max_auc_gap": MAX_AUC_GAP}

@@ -45,7 +45,8 @@ def generate_keypair(out_dir: Path, overwrite: bool = False) -> tuple[Path, Path
     public_pem = key.public_key().public_bytes(serialization.Encoding.PEM,
                                                serialization.PublicFormat.SubjectPublicKeyInfo)
     tmp = private_path.with_suffix(".key.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp.unlink(missing_ok=True)  # never write the key through a planted file or symlink
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(private_pem)
         f.flush()

@@ -3,7 +3,9 @@
 A bundle is a directory holding ``manifest.json`` and the files it names. The manifest lists the
 sha256 of every file and carries an Ed25519 signature over its *canonical* form: the manifest
 without its ``signature`` entry, serialised as JSON with sorted keys, no whitespace, ASCII only
-and no NaN (:func:`canonical_bytes`). Verification order in :func:`read_verified` is: manifest
+and no NaN (:func:`canonical_bytes`; Python's float repr, so a verifier in another language must
+re-serialise floats the same way). Manifests with duplicate keys are refused, so every JSON
+parser reads the same signed content. Verification order in :func:`read_verified` is: manifest
 size and JSON, signature, schema, then each file's size and hash. Files are read into memory once
 and the verified bytes are what the caller uses, so a file swapped after the check is never loaded.
 
@@ -34,7 +36,19 @@ EMBEDDER_FILES = {"fp32": "embedder.onnx", "int8": "embedder.int8.onnx"}
 #: Largest manifest and largest single file accepted (bytes); a bigger one is a corrupt bundle.
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_FILE_BYTES = 1 << 30
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def is_plain_file_name(name: object) -> bool:
+    """True for a bundle file name: letters, digits, ``.``, ``_``, ``-``, not starting with a dot."""
+    return isinstance(name, str) and _FILE_NAME.fullmatch(name) is not None
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})}")
+    return dict(pairs)
 
 
 def canonical_bytes(manifest: Mapping) -> bytes:
@@ -114,26 +128,35 @@ class VerifiedBundle:
     files: dict[str, bytes]
 
 
-def _regular_file(path: Path) -> os.stat_result:
-    """stat of ``path``, which must be a regular file (not a FIFO, device, directory)."""
-    st = path.stat()
-    if not stat.S_ISREG(st.st_mode):
+def _open_regular(path: Path) -> int:
+    """A read-only descriptor on ``path``, which must be a regular file and not a symlink.
+
+    The checks run on the opened descriptor (``fstat``), so a path swapped after the check is
+    never read; ``O_NONBLOCK`` keeps a FIFO from blocking the open.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError as exc:
+        raise BundleError(f"{path.name}: missing from bundle {path.parent}") from exc
+    except OSError as exc:  # ELOOP for a symlink, EISDIR, EACCES, ...
+        raise BundleError(f"{path.name}: cannot be opened as a regular file ({exc.strerror})") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
         raise BundleError(f"{path.name}: is not a regular file")
-    return st
+    return fd
 
 
 def _read_limited(path: Path, limit: int) -> bytes:
+    fd = _open_regular(path)
     try:
-        size = _regular_file(path).st_size
-        if size > limit:
-            raise BundleError(f"{path.name}: {size} bytes is over the {limit}-byte limit")
-        return path.read_bytes()
-    except FileNotFoundError as exc:
-        raise BundleError(f"{path.name}: missing from bundle {path.parent}") from exc
-    except IsADirectoryError as exc:
-        raise BundleError(f"{path.name}: is a directory, expected a file") from exc
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            data = f.read(limit + 1)
     except OSError as exc:
         raise BundleError(f"{path.name}: cannot be read ({exc})") from exc
+    if len(data) > limit:
+        raise BundleError(f"{path.name}: over the {limit}-byte limit")
+    return data
 
 
 def _check_schema(manifest: dict) -> None:
@@ -168,7 +191,7 @@ def _check_schema(manifest: dict) -> None:
     files = manifest.get("files")
     need(isinstance(files, dict) and files, "files must map file name -> sha256")
     for name, digest in files.items():
-        need(isinstance(name, str) and bool(_FILE_NAME.match(name)) and name != MANIFEST_FILE,
+        need(is_plain_file_name(name) and name != MANIFEST_FILE,
              f"file name {name!r} is not a plain file name")
         need(isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) is not None,
              f"sha256 of {name} is not 64 lower-case hex digits")
@@ -202,14 +225,17 @@ def read_verified(directory, public_key,
         key, unsupported format, a listed file missing or whose sha256 differs, or a wanted file
         that the manifest does not list.
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise BundleError(f"bundle {directory} is not a directory")
+    given = Path(directory)
+    if not given.is_dir():
+        raise BundleError(f"bundle {given} is not a directory")
+    # Resolve a published bundle's symlink once: every file is read from the same version even if
+    # the link is swapped to a newer one meanwhile.
+    directory = given.resolve()
     key = load_public_key(public_key)
     raw = _read_limited(directory / MANIFEST_FILE, MAX_MANIFEST_BYTES)
     try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        manifest = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
         raise BundleError(f"{MANIFEST_FILE} is not valid JSON: {type(exc).__name__}") from exc
     if not isinstance(manifest, dict):
         raise BundleError(f"{MANIFEST_FILE} must hold a JSON object")
@@ -249,13 +275,15 @@ def read_verified(directory, public_key,
 
 def _stream_sha256(path: Path) -> str:
     h = hashlib.sha256()
+    fd = _open_regular(path)
     try:
-        _regular_file(path)
-        with path.open("rb") as f:
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            read = 0
             for block in iter(lambda: f.read(1 << 20), b""):
+                read += len(block)
+                if read > MAX_FILE_BYTES:
+                    raise BundleError(f"{path.name}: over the {MAX_FILE_BYTES}-byte limit")
                 h.update(block)
-    except FileNotFoundError as exc:
-        raise BundleError(f"{path.name}: missing from bundle {path.parent}") from exc
     except OSError as exc:
         raise BundleError(f"{path.name}: cannot be read ({exc})") from exc
     return h.hexdigest()

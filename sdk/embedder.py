@@ -7,7 +7,7 @@ graph, in one place, and this module only tokenises and runs it.
 
 Truncation: a query longer than ``max_tokens`` tokens (special tokens included) is truncated, not
 rejected. With ``truncation_side="left"`` (the trainer's setting) the *last* tokens are kept, where
-the question of a long few-shot prompt sits.
+the question of a long few-shot prompt sits, read from at most the query's last 65,536 characters.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import numpy as np
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 
 OUTPUT = "sentence_embedding"
+#: With left truncation a query is read from at most its last this many characters (64 Ki).
+MAX_QUERY_CHARS = 65_536
 
 
 def session_options(intra_op_threads: int = 1, inter_op_threads: int = 1):
@@ -112,14 +114,17 @@ class OnnxEmbedder:
         return [sum(e.attention_mask) for e in self._encode(list(texts))]
 
     def _encode(self, texts: list[str], first_position: int = 0):
-        """Tokenise with truncation; for left truncation, long texts are first cut to their tail.
+        """Tokenise with truncation to ``max_tokens``.
 
-        Tokenising a 2,000-character prompt to keep its last 32 tokens costs more than the cut
-        tail (~0.15 ms saved a query). The cut is exact: BERT-style normalisation and
-        pre-tokenisation act per character and per word, so only the (possibly broken) first word
-        of the tail can differ from the full text's tokens, and the tail is used only when it was
-        itself truncated and that first word was truncated away (word id 0 is not among the kept
-        tokens). Otherwise the last ``512 * max_tokens`` characters are tokenised.
+        With left truncation (keep the end) a query is read from its last :data:`MAX_QUERY_CHARS`
+        characters, which bounds the time a multi-megabyte query takes; within those, the last
+        ``max_tokens`` tokens are kept. Tokenising a 2,000-character prompt to keep its last 32
+        tokens also costs more than tokenising a short tail (~0.15 ms a query), so the last
+        ``12 * max_tokens`` characters are tried first. That shortcut is exact: BERT-style
+        normalisation and pre-tokenisation act per character and per word, so only the (possibly
+        broken) first word of the tail can differ from the full text's tokens, and the tail is
+        used only when it was itself truncated and that first word was truncated away (word id 0
+        is not among the kept tokens). Otherwise the whole (capped) text is tokenised.
 
         Raises
         ------
@@ -128,25 +133,20 @@ class OnnxEmbedder:
         """
         if self.truncation_side != "left":
             return self._tokenizer.encode_batch(texts)
+        texts = [t[-MAX_QUERY_CHARS:] for t in texts]
         tail_chars = 12 * self.max_tokens  # ~3x the characters max_tokens English tokens span
         cut = [t[-tail_chars:] if len(t) > tail_chars else t for t in texts]
         encodings = self._tokenizer.encode_batch(cut)
-        for i, (text, short, enc) in enumerate(zip(texts, cut, encodings)):
-            if short is not text and (not enc.overflowing or 0 in enc.word_ids):
-                encodings[i] = None
-        redo = [i for i, e in enumerate(encodings) if e is None]
+        redo = [i for i, (text, short, enc) in enumerate(zip(texts, cut, encodings))
+                if len(short) < len(text) and (not enc.overflowing or 0 in enc.word_ids)]
         if redo:
-            # Second stage: a much longer tail, used as it is. It differs from the full text only
-            # when the query ends in one "word" of over 512 * max_tokens characters, and it bounds
-            # the time a multi-megabyte query can take.
-            long_tail = 512 * self.max_tokens
-            for i, enc in zip(redo, self._tokenizer.encode_batch([texts[i][-long_tail:] for i in redo])):
+            for i, enc in zip(redo, self._tokenizer.encode_batch([texts[i] for i in redo])):
                 encodings[i] = enc
         for i, enc in enumerate(encodings):
             if sum(enc.attention_mask) <= 2:  # [CLS] and [SEP] only
                 raise InvalidQueryError(
-                    f"query at position {first_position + i} has no token the embedder can read "
-                    "(only control or zero-width characters?)")
+                    f"query at position {first_position + i} has no token the embedder can read in its last "
+                    f"{MAX_QUERY_CHARS} characters (only whitespace, control or zero-width characters?)")
         if len({len(e.ids) for e in encodings}) > 1:  # mixed paths: pad again to one length
             longest = max(len(e.ids) for e in encodings)
             for e in encodings:

@@ -18,8 +18,10 @@ The raw query text is written only when the log is opened with ``store_text=True
 ``query`` passed to :meth:`EvalLog.record` is dropped before anything is written: it never touches
 the database file nor its ``-wal`` journal. The file is created with mode 0600 (owner only), and
 ``PRAGMA secure_delete`` is on, so rows removed by retention are overwritten with zeros instead of
-lingering in free pages. (Text stored by an earlier ``store_text=True`` session stays until its row
-is removed by retention.)
+lingering in free pages of the database file. In WAL mode their old content can stay in the
+``-wal`` file until the next checkpoint (SQLite's automatic one, every ~1000 pages, or
+:meth:`EvalLog.close`); the WAL is truncated at each checkpoint (``journal_size_limit=0``). (Text
+stored by an earlier ``store_text=True`` session stays until its row is removed by retention.)
 
 Retention
 ---------
@@ -274,6 +276,7 @@ class EvalLog:
         conn.execute(f"PRAGMA fullfsync={'ON' if self._durable else 'OFF'}")  # macOS/iOS only
         conn.execute(f"PRAGMA checkpoint_fullfsync={'ON' if self._durable else 'OFF'}")
         conn.execute("PRAGMA secure_delete=ON")
+        conn.execute("PRAGMA journal_size_limit=0")  # truncate the -wal file at each checkpoint
         conn.execute("BEGIN IMMEDIATE")
         try:
             # Re-read under the write lock: another process may have created the schema meanwhile.

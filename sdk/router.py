@@ -155,7 +155,7 @@ class Router:
 
     @classmethod
     def load(cls, bundle_dir, public_key, *, precision: str = "auto", intra_op_threads: int = 1,
-             inter_op_threads: int = 1) -> Router:
+             inter_op_threads: int = 1, min_bundle_version: int = 1) -> Router:
         """Verify and load the bundle at ``bundle_dir``.
 
         Parameters
@@ -165,13 +165,16 @@ class Router:
         precision : ``"int8"``, ``"fp32"`` or ``"auto"`` (int8 when the bundle has it).
         intra_op_threads, inter_op_threads : onnxruntime thread counts, integers >= 1. One
             intra-op thread gives the lowest single-query latency on a busy device.
+        min_bundle_version : refuse a bundle older than this. Pass the version the app last
+            loaded, so that a replayed old bundle (validly signed, but superseded) is refused.
 
         Raises
         ------
         BundleError
             Signature or any sha256 does not verify, a file is missing or unloadable, the format is
-            unsupported, the requested precision is absent, or embedder, router and price table
-            disagree (model names, order, embedder name or dimension).
+            unsupported, the requested precision is absent, the bundle is older than
+            ``min_bundle_version``, or embedder, router and price table disagree (model names,
+            order, embedder name or dimension).
         InvalidInputError
             ``precision`` or a thread count is not valid.
         """
@@ -180,8 +183,14 @@ class Router:
         options = session_options(intra_op_threads, inter_op_threads)
         chosen: dict[str, str] = {}
 
+        if isinstance(min_bundle_version, bool) or not isinstance(min_bundle_version, int):
+            raise InvalidInputError(f"min_bundle_version must be an int, got {min_bundle_version!r}")
+
         def files_needed(manifest: dict) -> tuple[str, ...]:
             # Called once the signature has verified: pick the files to keep in memory.
+            if manifest["bundle_version"] < min_bundle_version:
+                raise BundleError(f"bundle version {manifest['bundle_version']} is older than "
+                                  f"min_bundle_version {min_bundle_version} (a superseded bundle)")
             available = manifest["embedder"]["files"]
             want = ("int8" if "int8" in available else "fp32") if precision == "auto" else precision
             if want not in available:

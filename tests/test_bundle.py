@@ -32,7 +32,7 @@ def kmeans_bundle(make_bundle, tmp_path_factory) -> Path:
 @pytest.fixture()
 def bundle_copy(kmeans_bundle, tmp_path) -> Path:
     dst = tmp_path / "copy"
-    shutil.copytree(kmeans_bundle, dst)
+    shutil.copytree(kmeans_bundle.resolve(), dst)
     return dst
 
 
@@ -92,7 +92,10 @@ def test_mlp_bundle_predicts_what_the_trainer_predicts(make_bundle, tmp_path, si
     t_acc, t_cost = fitted_routers["mlp"].predict(emb)
     np.testing.assert_allclose(acc, t_acc, atol=2e-5)
     np.testing.assert_allclose(cost, t_cost, rtol=2e-5, atol=1e-9)
-    assert np.isnan(acc).sum() == np.isnan(t_acc).sum()
+    # The last model was never observed: NaN in both (never chosen), every other model finite.
+    assert np.isnan(acc[:, -1]).all() and np.isnan(t_acc[:, -1]).all() and np.isnan(cost[:, -1]).all()
+    assert np.isfinite(acc[:, :-1]).all() and np.isfinite(cost[:, :-1]).all()
+    assert all(c.index != len(ROUTERBENCH_MODELS) - 1 for c in router.choose_batch(["What is 2 + 2?", "Name a prime."], 0.0))
 
 
 def test_auto_precision_prefers_int8_and_missing_precision_is_refused(kmeans_bundle, make_bundle, tmp_path, signing_keys):
@@ -102,7 +105,7 @@ def test_auto_precision_prefers_int8_and_missing_precision_is_refused(kmeans_bun
         Router.load(fp32_only, signing_keys[1], precision="int8")
 
 
-@pytest.mark.parametrize("name", ["kmeans.npz", "embedder.int8.onnx", "tokenizer.json"])
+@pytest.mark.parametrize("name", ["kmeans.npz", "embedder.int8.onnx", "tokenizer.json", "embedder.onnx"])
 def test_tampered_file_is_rejected(bundle_copy, signing_keys, name):
     path = bundle_copy / name
     data = bytearray(path.read_bytes())
@@ -214,21 +217,58 @@ def test_export_over_an_existing_bundle_replaces_it_whole(make_bundle, tmp_path,
     from export.bundle_writer import next_bundle_version
 
     out = make_bundle(tmp_path / "b", bundle_version=1)
-    assert next_bundle_version(out) == 2
+    first = out.resolve()
+    assert out.is_symlink() and next_bundle_version(out) == 2
     make_bundle(out, kind="mlp", int8=False, bundle_version=2)
     router = Router.load(out, signing_keys[1])
     assert router.bundle_version == 2 and router.router_kind == "mlp"
     assert sorted(p.name for p in out.iterdir()) == ["embedder.onnx", "manifest.json", "router.onnx", "tokenizer.json"]
-    assert [p.name for p in tmp_path.iterdir()] == ["b"]  # no staging or old folder left behind
+    assert first.exists()  # the previous version stays for readers still loading it
+    make_bundle(out, bundle_version=3)
+    assert not first.exists()  # two versions back: removed
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["b"]
 
 
-def test_writer_refuses_to_replace_a_folder_that_is_not_a_bundle(make_bundle, tmp_path):
+def test_a_reader_holding_the_old_version_still_loads_it_after_a_new_export(make_bundle, tmp_path, signing_keys):
+    out = make_bundle(tmp_path / "b", bundle_version=1)
+    old_dir = out.resolve()
+    make_bundle(out, bundle_version=2)
+    assert Router.load(old_dir, signing_keys[1]).bundle_version == 1
+    assert Router.load(out, signing_keys[1]).bundle_version == 2
+    with pytest.raises(BundleError, match="older than min_bundle_version 2"):
+        Router.load(old_dir, signing_keys[1], min_bundle_version=2)
+
+
+def test_a_crash_before_publishing_leaves_the_old_bundle_and_the_version_count(make_bundle, tmp_path, signing_keys,
+                                                                                monkeypatch):
+    import os
+
+    from export.bundle_writer import next_bundle_version
+
+    out = make_bundle(tmp_path / "b", bundle_version=4)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        make_bundle(out, bundle_version=5)
+    monkeypatch.undo()
+    assert Router.load(out, signing_keys[1]).bundle_version == 4
+    assert next_bundle_version(out) == 5
+    assert len([p for p in tmp_path.iterdir() if ".v" in p.name]) == 1  # the failed version's folder is gone
+
+
+@pytest.mark.parametrize("content", ["notes", "manifest"])
+def test_writer_refuses_to_replace_a_folder_that_is_not_a_bundle(make_bundle, tmp_path, content):
     from export.errors import ExportError
 
-    precious = tmp_path / "docs"
+    precious = tmp_path / "webapp"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    with pytest.raises(ExportError, match="not a bundle"):
+    if content == "manifest":  # a web app's manifest.json is not a bundle
+        (precious / "manifest.json").write_text(json.dumps({"name": "my app", "files": {}, "bundle_version": 3}))
+    with pytest.raises(ExportError, match="not a fedroute bundle"):
         make_bundle(precious)
     assert (precious / "notes.txt").read_text() == "keep me"
 
@@ -267,11 +307,27 @@ def test_deeply_nested_manifest_and_fifo_files_are_bundle_errors(bundle_copy, si
 
     fifo_bundle = tmp_path / "fifo"
     shutil.copytree(bundle_copy, fifo_bundle)
+    (fifo_bundle / "tokenizer.json").unlink()
+    (fifo_bundle / "tokenizer.json").symlink_to(bundle_copy / "tokenizer.json")
+    with pytest.raises(BundleError, match="tokenizer.json: cannot be opened as a regular file"):
+        Router.load(fifo_bundle, signing_keys[1])
+    (fifo_bundle / "tokenizer.json").unlink()
+    shutil.copy(bundle_copy / "tokenizer.json", fifo_bundle / "tokenizer.json")
     (fifo_bundle / "kmeans.npz").unlink()
     os.mkfifo(fifo_bundle / "kmeans.npz")
     with pytest.raises(BundleError, match="not a regular file"):
         Router.load(fifo_bundle, signing_keys[1])
     (bundle_copy / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(BundleError, match="not valid JSON"):
+        Router.load(bundle_copy, signing_keys[1])
+
+
+def test_duplicate_keys_and_huge_integers_in_the_manifest_are_bundle_errors(bundle_copy, signing_keys):
+    text = (bundle_copy / "manifest.json").read_text()
+    (bundle_copy / "manifest.json").write_text(text.replace('"bundle_version": 1,', '"bundle_version": 1, "bundle_version": 9,'))
+    with pytest.raises(BundleError, match="not valid JSON"):
+        Router.load(bundle_copy, signing_keys[1])
+    (bundle_copy / "manifest.json").write_text(text.replace('"bundle_version": 1,', '"bundle_version": 1' + "0" * 5000 + ","))
     with pytest.raises(BundleError, match="not valid JSON"):
         Router.load(bundle_copy, signing_keys[1])
 

@@ -25,17 +25,41 @@ def test_cosine_stats_hand_computed():
 
 
 def test_decision_agreement_hand_computed():
-    # Two queries, two models (accuracy, cost USD). Router a and b agree at lam = 0 on both
-    # queries; at lam = 100, a picks the cheap model for query 0, b still the accurate one.
+    # Two queries, two models (accuracy, cost USD); router b differs from a only in A(q0, m1).
     acc_a = np.array([[0.9, 0.8], [0.5, 0.9]])
-    cost_a = np.array([[0.01, 0.0], [0.0, 0.001]])
+    cost = np.array([[0.01, 0.0], [0.0, 0.001]])
     acc_b = np.array([[0.9, 0.2], [0.5, 0.9]])
-    cost_b = cost_a.copy()
-    # lam = 100: a: q0 0.9-1=-0.1 vs 0.8 -> 1; b: q0 -0.1 vs 0.2 -> 1 (agree); q1 both 0.8 vs 0.5 -> 1.
-    # lam = 1000: a: q0 -9.1 vs 0.8 -> 1; b: -9.1 vs 0.2 -> 1; q1: 0.5 vs -0.1 -> 0 both.
-    assert decision_agreement((acc_a, cost_a), (acc_b, cost_b), [0.0, 100.0, 1000.0]) == 1.0
+    # lam = 0: a picks (0, 1), b picks (0, 1). lam = 100: a: q0 -0.1 vs 0.8 -> 1, b: -0.1 vs 0.2 -> 1;
+    # q1 0.5 vs 0.8 -> 1 for both. lam = 1000: q0 -> 1 for both; q1 0.5 vs -0.1 -> 0 for both.
+    assert decision_agreement((acc_a, cost), (acc_b, cost), [0.0, 100.0, 1000.0]) == 1.0
+    # lam = 10: a: q0 0.8 vs 0.8 -> tie -> cheaper model 1; b: 0.8 vs 0.2 -> 0. q1 agree: 3 of 4 pairs.
+    assert decision_agreement((acc_a, cost), (acc_b, cost), [0.0, 10.0]) == 0.75
     acc_c = np.array([[0.9, 0.95], [0.5, 0.9]])  # at lam = 0 q0 now picks model 1
-    assert decision_agreement((acc_a, cost_a), (acc_c, cost_a), [0.0]) == 0.5
+    assert decision_agreement((acc_a, cost), (acc_c, cost), [0.0]) == 0.5
+
+
+def test_parity_gates_fail_on_misses_and_on_nan():
+    from export.parity import gate_failures
+
+    good = {"cosine": {"mean": 0.999, "min": 0.99}, "decision_agreement": 0.995, "auc": 0.85, "auc_gap": 0.001}
+    assert gate_failures("int8", good, 0.85) == []
+    assert gate_failures("fp32", good, 0.85) == ["fp32 min cosine 0.99000 < 0.999"]
+    nan = {"cosine": {"mean": float("nan"), "min": float("nan")}, "decision_agreement": float("nan"),
+           "auc": float("nan"), "auc_gap": float("nan")}
+    assert len(gate_failures("int8", nan, 0.85)) == 3
+    worse = dict(good, decision_agreement=0.98, auc_gap=0.01)
+    assert [f.split(" ")[1] for f in gate_failures("int8", worse, 0.85)] == ["decisions", "AUC"]
+
+
+def test_parity_of_a_bundle_against_another_router_fails(make_bundle, tmp_path, signing_keys, fitted_routers):
+    from export.parity import check_bundle
+
+    bundle = make_bundle(tmp_path / "b", kind="kmeans", int8=False)
+    report = check_bundle(bundle, signing_keys[1], fitted_routers["mlp"], fitted_routers["test_embeddings"],
+                          fitted_routers["test"].with_models(fitted_routers["mlp"].models), ["fp32"],
+                          progress=lambda _: None)
+    assert not report["passed"]
+    assert any("decisions agree" in f for f in report["failures"])
 
 
 def test_keygen_refuses_to_overwrite_and_bad_keys_are_export_errors(tmp_path):
@@ -212,7 +236,7 @@ def test_export_refuses_bad_targets_before_any_work(fitted_routers, tmp_path, si
     precious = tmp_path / "docs"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    with pytest.raises(ExportError, match="not a bundle"):
+    with pytest.raises(ExportError, match="not a fedroute bundle"):
         run(precious)
     existing = make_bundle(tmp_path / "b", bundle_version=5)
     with pytest.raises(ExportError, match="not above the version 5"):

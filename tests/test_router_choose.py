@@ -160,6 +160,8 @@ def test_tail_tokenisation_equals_full_tokenisation(router, fitted_routers, expo
     full.enable_truncation(BUNDLE_MAX_TOKENS, direction="left")
     hostile = [
         "What is 2 + 2?" + " " * 5000,                 # the tail is only whitespace
+        "What is the capital of Peru? " + " " * 40000,  # more whitespace than the second look used to read
+        "alpha beta gamma " * 20 + "Which one? " + "\u200b" * 30000,
         "x" * 3000 + " what now?",                     # one giant word
         "word " * 1000 + "supercalifragilisticexpialidocious " * 40,
         "é" * 800 + " 日本語のテキスト " * 50,
@@ -186,6 +188,11 @@ def test_huge_lambda_integer_is_an_invalid_lambda(router):
     with pytest.raises(InvalidLambdaError, match="too large"):
         router.choose("What is 2 + 2?", 10**400)
     assert router.choose("What is 2 + 2?", np.float32(1.0)).lam == 1.0  # numpy scalars are fine
+
+
+def test_only_the_last_64k_characters_are_read(router):
+    with pytest.raises(InvalidQueryError, match="in its last 65536 characters"):
+        router.choose("A question lost in front: what is 2 + 2?" + " " * 70_000, 1.0)
 
 
 def test_multi_megabyte_query_without_spaces_is_routed(router):
