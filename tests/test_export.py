@@ -198,7 +198,7 @@ def test_example_calls_an_openai_compatible_endpoint_and_logs_the_priced_cost(ma
             self.wfile.write(data)
 
         def log_message(self, *args):
-            pass
+            """Keep the test output clean: no per-request log line on stderr."""
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), ChatCompletions)
     threading.Thread(target=server.serve_forever, daemon=True).start()
