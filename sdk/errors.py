@@ -11,7 +11,9 @@ derive from the built-in class a caller would expect, so ``except ValueError`` k
     │   └── BudgetError                     a cost budget that no lambda can meet
     ├── UnknownModelError (KeyError)        a model id the router or log does not know
     ├── BundleError                         a bundle that is missing, corrupt, tampered or inconsistent
-    └── EvalLogError                        the evaluation log file is unusable (not SQLite, wrong schema)
+    ├── EvalLogError                        the evaluation log file is unusable (not SQLite, wrong schema)
+    └── SyncError                           the federated sync could not complete (network, server, state)
+        └── SyncRejectedError               the server answered with a 4xx; ``status`` and ``detail`` say why
 
 Library exceptions that cross our boundary are re-raised as the most specific class here with
 ``raise ... from exc``.
@@ -58,3 +60,25 @@ class BudgetError(InvalidInputError):
 
 class EvalLogError(FedrouteError):
     """The evaluation log file cannot be opened or has a schema this version does not understand."""
+
+
+class SyncError(FedrouteError):
+    """The federated sync could not complete: the server stayed unreachable or kept failing (5xx)
+    after the retries, sent a malformed answer, or the local sync state is unusable. Nothing is lost:
+    the evaluation log is only read, and the bundle in use is replaced only by a verified one."""
+
+
+class SyncRejectedError(SyncError):
+    """The server refused a request with a 4xx status (not retried).
+
+    Attributes
+    ----------
+    status : int, the HTTP status (401 bad token, 403 acting for another client, 409 wrong round,
+        413 body too large, 422 invalid update).
+    detail : str, the server's explanation.
+    """
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"server rejected the request ({status}): {detail}")
+        self.status = int(status)
+        self.detail = str(detail)
