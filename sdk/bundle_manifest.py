@@ -21,9 +21,9 @@ import math
 import os
 import re
 import stat
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
 
 from sdk.errors import BundleError
 
@@ -202,6 +202,50 @@ def _check_schema(manifest: dict) -> None:
          f"{ROUTER_FILES[manifest['router_kind']]} is not listed in files")
 
 
+def verify_manifest(raw: bytes, public_key) -> dict:
+    """Parse ``manifest.json`` bytes, verify their Ed25519 signature, then the schema.
+
+    Parameters
+    ----------
+    raw : the manifest's bytes (at most MAX_MANIFEST_BYTES).
+    public_key : path to ``signing.pub`` (PEM), PEM bytes or an ``Ed25519PublicKey``.
+
+    Returns
+    -------
+    dict, the verified manifest.
+
+    Raises
+    ------
+    BundleError
+        Oversized or unparsable JSON, duplicate keys, missing or invalid signature, a signature by
+        another key, an unsupported format or a schema violation.
+    """
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{MANIFEST_FILE} is over the {MAX_MANIFEST_BYTES}-byte limit")
+    key = load_public_key(public_key)
+    try:
+        manifest = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+        raise BundleError(f"{MANIFEST_FILE} is not valid JSON: {type(exc).__name__}") from exc
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{MANIFEST_FILE} must hold a JSON object")
+    sig = manifest.get("signature")
+    if not isinstance(sig, dict) or sig.get("algorithm") != "ed25519" or not isinstance(sig.get("value"), str):
+        raise BundleError("manifest has no Ed25519 signature (expected signature.algorithm == 'ed25519')")
+    from cryptography.exceptions import InvalidSignature
+
+    try:
+        signature = base64.b64decode(sig["value"], validate=True)
+        key.verify(signature, canonical_bytes(manifest))
+    except (InvalidSignature, ValueError) as exc:
+        raise BundleError(
+            f"manifest signature does not verify with public key {public_key_id(key)[:16]}…: "
+            "the bundle was modified or signed by another key"
+        ) from exc
+    _check_schema(manifest)
+    return manifest
+
+
 def read_verified(directory, public_key,
                   wanted: Iterable[str] | Callable[[dict], Iterable[str]] | None = None) -> VerifiedBundle:
     """Read ``manifest.json`` and files of the bundle at ``directory``, verifying everything.
@@ -231,28 +275,7 @@ def read_verified(directory, public_key,
     # Resolve a published bundle's symlink once: every file is read from the same version even if
     # the link is swapped to a newer one meanwhile.
     directory = given.resolve()
-    key = load_public_key(public_key)
-    raw = _read_limited(directory / MANIFEST_FILE, MAX_MANIFEST_BYTES)
-    try:
-        manifest = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
-        raise BundleError(f"{MANIFEST_FILE} is not valid JSON: {type(exc).__name__}") from exc
-    if not isinstance(manifest, dict):
-        raise BundleError(f"{MANIFEST_FILE} must hold a JSON object")
-    sig = manifest.get("signature")
-    if not isinstance(sig, dict) or sig.get("algorithm") != "ed25519" or not isinstance(sig.get("value"), str):
-        raise BundleError("manifest has no Ed25519 signature (expected signature.algorithm == 'ed25519')")
-    from cryptography.exceptions import InvalidSignature
-
-    try:
-        signature = base64.b64decode(sig["value"], validate=True)
-        key.verify(signature, canonical_bytes(manifest))
-    except (InvalidSignature, ValueError) as exc:
-        raise BundleError(
-            f"manifest signature does not verify with public key {public_key_id(key)[:16]}…: "
-            "the bundle was modified or signed by another key"
-        ) from exc
-    _check_schema(manifest)
+    manifest = verify_manifest(_read_limited(directory / MANIFEST_FILE, MAX_MANIFEST_BYTES), public_key)
     files: dict[str, bytes] = {}
     if callable(wanted):
         wanted = wanted(manifest)
