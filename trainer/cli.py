@@ -199,6 +199,18 @@ def export_cmd(
                f"at {result.out}; parity passed")
 
 
+def _register_server_commands() -> None:
+    from trainer.server.cli import register
+
+    from sdk.sync_cli import sync
+
+    register(app)
+    app.command("sync")(sync)
+
+
+_register_server_commands()
+
+
 def main() -> None:
     """Console-script entry point: errors of ours print one line and exit 2, not a traceback."""
     from sdk.errors import FedrouteError

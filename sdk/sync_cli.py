@@ -1,0 +1,59 @@
+"""``fedroute-sync`` (also ``fedroute sync``): one federated sync of a device, for cron or systemd.
+
+Example crontab line (every 15 minutes)::
+
+    */15 * * * * FEDROUTE_TOKEN=$(cat ~/.fedroute/token) fedroute-sync --server https://fed.example:8443 \
+        --log ~/.fedroute/eval_log.sqlite --bundle ~/.fedroute/bundle --public-key ~/.fedroute/signing.pub
+
+Prints one JSON line (:class:`sdk.sync.SyncResult`); exit status 0 on success, 2 on an error of ours
+(message on stderr), so a timer unit can alert on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+def sync(
+    server: Annotated[str, typer.Option(help="https://host:port of the aggregation server")],
+    log: Annotated[Path, typer.Option(help="the device's EvalLog (SQLite file)")],
+    bundle: Annotated[Path, typer.Option(help="bundle in use; replaced atomically by newer ones")],
+    public_key: Annotated[Path, typer.Option(help="signing.pub that must have signed any bundle")],
+    token_file: Annotated[Optional[Path], typer.Option(help="file holding the bearer token (else $FEDROUTE_TOKEN)")] = None,
+    ca_cert: Annotated[Optional[Path], typer.Option(help="PEM of the CA of the server certificate")] = None,
+    state: Annotated[Optional[Path], typer.Option(help="sync state file (default beside the bundle)")] = None,
+    retries: Annotated[int, typer.Option(min=0, help="retries on connection errors and 5xx")] = 5,
+) -> None:
+    """Upload this round's statistics and install a newer bundle, once."""
+    from sdk import bundle_manifest as fmt
+    from sdk.eval_log import EvalLog
+    from sdk.sync import SyncClient
+
+    token = token_file.read_text().strip() if token_file else os.environ.get("FEDROUTE_TOKEN", "")
+    if not token:
+        raise typer.BadParameter("give --token-file or set FEDROUTE_TOKEN")
+    if not log.is_file():
+        raise typer.BadParameter(f"--log {log} does not exist (the app's EvalLog file)")
+    models = [m["id"] for m in fmt.read_verified(bundle, public_key, wanted=()).manifest["models"]]
+    with EvalLog(log, models) as eval_log, SyncClient(server, token, eval_log, bundle, public_key,
+                                                       ca_cert=ca_cert, state_path=state, retries=retries) as client:
+        result = client.run_once()
+    typer.echo(json.dumps(result.to_json()))
+
+
+def main() -> None:
+    """Console-script entry point of ``fedroute-sync``."""
+    from sdk.errors import FedrouteError
+
+    app = typer.Typer(add_completion=False)
+    app.command()(sync)
+    try:
+        app()
+    except FedrouteError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise SystemExit(2) from exc

@@ -1,0 +1,207 @@
+"""The aggregation server's HTTP API (FastAPI; served over TLS by uvicorn, see :mod:`trainer.server.cli`).
+
+Sync protocol v1 (ARCHITECTURE.md §6). Every route but ``/v1/health`` needs
+``Authorization: Bearer <token>`` (401 otherwise).
+
+``GET /v1/rounds/current``
+    200: the open round (:meth:`trainer.server.store.Round.describe`) plus ``client_id``; 204: none.
+``POST /v1/rounds/{round_id}/updates``
+    Header ``Idempotency-Key`` (1-128 of ``[A-Za-z0-9_.:-]``). Body: JSON or MessagePack
+    (:mod:`trainer.server.validation`), at most ``max_body_bytes``. 201 with a receipt once the
+    update is committed to the store; 200 with the same receipt for a retry with the same key and
+    body. 400 undecodable body or missing key, 403 ``client_id`` is not the token's client, 409 a
+    round that is neither open nor the last one closed (or other centroids), 413 too large, 415 other
+    content type, 422 invalid update (names the field). An upload for the last closed round is
+    stored and counted in the next round (receipt ``late: true``).
+``GET /v1/bundles/latest``
+    The published bundle's ``manifest.json`` bytes, ``ETag`` = sha256 of them; 304 on a matching
+    ``If-None-Match``; 404 when nothing is published.
+``GET /v1/bundles/files/{sha256}``
+    A file of the published bundle by its sha256; 404 if the current manifest does not list it.
+
+Rounds close in the background (quorum or deadline, checked every ``tick_s`` seconds and right after
+each accepted upload), also after a restart.
+"""
+# No "from __future__ import annotations": FastAPI resolves the route annotations, which name locals.
+
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import re
+import threading
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from trainer.server.rounds import close_due_rounds
+from trainer.server.store import Store
+from trainer.server.validation import (
+    UploadRejected,
+    decode_body,
+    parse_envelope,
+    validate_update,
+)
+
+log = logging.getLogger("fedroute.server")
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               tick_s: float = 1.0) -> FastAPI:
+    """The FastAPI application over ``store``, serving the bundle published at ``bundle_dir``.
+
+    Parameters
+    ----------
+    store : the server's :class:`trainer.server.store.Store`.
+    bundle_dir : published bundle (symlink) served at ``/v1/bundles``; None serves none (404).
+    max_body_bytes : largest accepted upload body (413 above).
+    tick_s : seconds between checks for rounds to close.
+    """
+    wake = asyncio.Event()
+    close_lock = threading.Lock()
+
+    def close_due() -> None:
+        with close_lock:
+            for done in close_due_rounds(store, progress=log.info):
+                log.info("closed round %s: %s", done["round_id"], done["result"])
+
+    async def closer() -> None:
+        while True:
+            try:
+                await run_in_threadpool(close_due)
+            except Exception:
+                log.exception("closing rounds failed; retrying")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=tick_s)
+            wake.clear()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        task = asyncio.create_task(closer())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app = FastAPI(title="fedroute aggregation server", version="1", lifespan=lifespan)
+    bearer = HTTPBearer(auto_error=False)
+
+    def client_of(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
+        client = None if credentials is None else store.authenticate(credentials.credentials)
+        if client is None:
+            raise HTTPException(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+        return client
+
+    @app.exception_handler(UploadRejected)
+    async def _rejected(_request: Request, exc: UploadRejected) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+
+    @app.get("/v1/health")
+    def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/rounds/current")
+    def current_round(client: Annotated[str, Depends(client_of)]):
+        r = store.current_round()
+        if r is None:
+            return Response(status_code=204)
+        return {**r.describe(), "client_id": client}
+
+    @app.post("/v1/rounds/{round_id}/updates")
+    async def upload(round_id: int, request: Request, client: Annotated[str, Depends(client_of)],
+                     idempotency_key: Annotated[str | None, Header()] = None):
+        if idempotency_key is None or not _KEY.fullmatch(idempotency_key):
+            raise UploadRejected(400, "header Idempotency-Key (1-128 of [A-Za-z0-9_.:-]) is required")
+        raw = await _read_limited(request, max_body_bytes)
+        body = parse_envelope(decode_body(raw, request.headers.get("content-type", "")))
+        if body.client_id != client:
+            raise UploadRejected(403, f"this token belongs to client {client!r}, not {body.client_id!r}")
+        if body.round_id != round_id:
+            raise UploadRejected(422, f"body round_id {body.round_id} differs from the URL's {round_id}")
+        digest = hashlib.sha256(raw).hexdigest()
+        receipt, created = await run_in_threadpool(_accept, round_id, client, idempotency_key, digest, body)
+        if created:
+            wake.set()
+        return JSONResponse(receipt, status_code=201 if created else 200)
+
+    def _accept(round_id: int, client: str, key: str, digest: str, body) -> tuple[dict, bool]:
+        old = store.find_update(client, key)
+        if old is not None:
+            if old.body_sha256 != digest:
+                raise UploadRejected(422, "Idempotency-Key was already used with a different body")
+            return json.loads(old.receipt), False
+        r = store.get_round(round_id)
+        latest = store.latest_round()
+        if r is None:
+            raise UploadRejected(409, f"round {round_id} does not exist")
+        if r.status != "open" and r.id != latest.id:
+            raise UploadRejected(409, f"round {round_id} is closed and round {latest.id} is newer; fetch /v1/rounds/current")
+        update = validate_update(body, r)
+
+        def receipt_for(update_id: int, late: bool, counted: int | None) -> dict:
+            return {"update_id": update_id, "client_id": client, "round_id": round_id, "late": late,
+                    "counted_in_round": counted, "log_size": update.log_size}
+
+        try:
+            return store.add_update(client_id=client, round_=r, key=key, body_sha256=digest, update=update,
+                                    receipt_for=receipt_for)
+        except KeyError as exc:
+            raise UploadRejected(422, str(exc.args[0])) from exc
+
+    def published() -> tuple[Path, bytes]:
+        if bundle_dir is None or not Path(bundle_dir).exists():
+            raise HTTPException(404, "no bundle is published")
+        directory = Path(bundle_dir).resolve()
+        try:
+            return directory, (directory / "manifest.json").read_bytes()
+        except OSError as exc:
+            raise HTTPException(404, "no bundle is published") from exc
+
+    @app.get("/v1/bundles/latest")
+    def latest_bundle(request: Request, _client: Annotated[str, Depends(client_of)]):
+        _, manifest = published()
+        etag = '"' + hashlib.sha256(manifest).hexdigest() + '"'
+        if request.headers.get("if-none-match") == etag:
+            return Response(status_code=304, headers={"ETag": etag})
+        return Response(manifest, media_type="application/json", headers={"ETag": etag})
+
+    @app.get("/v1/bundles/files/{sha256}")
+    def bundle_file(sha256: str, _client: Annotated[str, Depends(client_of)]):
+        if not _SHA256.fullmatch(sha256):
+            raise HTTPException(404, "not a sha256")
+        directory, manifest = published()
+        try:
+            names = [n for n, h in json.loads(manifest)["files"].items() if h == sha256]
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise HTTPException(404, "the published manifest is unreadable") from exc
+        if not names:
+            raise HTTPException(404, f"the published bundle lists no file with sha256 {sha256}")
+        return FileResponse(directory / names[0], media_type="application/octet-stream")
+
+    return app
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    """The request body, or 413 as soon as it (or its Content-Length) exceeds ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise UploadRejected(413, f"body of {declared} bytes is over the {limit}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise UploadRejected(413, f"body is over the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,188 @@
+"""Server and operator commands: ``fedroute serve``, ``fedroute clients ...``, ``fedroute rounds ...``,
+``fedroute publish``. All take ``--db``, a SQLAlchemy URL (``sqlite:///fed.db`` by default, or
+``postgresql+psycopg://user@host/db``); operator commands work while the server runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+DbOpt = Annotated[str, typer.Option("--db", help="SQLAlchemy database URL, e.g. sqlite:///fed.db")]
+
+clients_app = typer.Typer(no_args_is_help=True, help="create, list and revoke device clients")
+rounds_app = typer.Typer(no_args_is_help=True, help="open, close and inspect federated rounds")
+
+
+def _store(db: str):
+    from trainer.server.store import Store
+
+    try:
+        return Store(db)
+    except Exception as exc:
+        raise typer.BadParameter(f"cannot open database {db!r}: {exc}") from exc
+
+
+def serve(
+    db: DbOpt = "sqlite:///fed.db",
+    tls_cert: Annotated[Path, typer.Option(help="PEM certificate chain of the server", exists=True, dir_okay=False)] = ...,
+    tls_key: Annotated[Path, typer.Option(help="PEM private key of the certificate", exists=True, dir_okay=False)] = ...,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port")] = 8443,
+    bundle_dir: Annotated[Path | None, typer.Option(help="published bundle served at /v1/bundles")] = None,
+    max_body_bytes: Annotated[int, typer.Option(min=1024, help="largest accepted upload (bytes)")] = 4 << 20,
+    tick_s: Annotated[float, typer.Option(min=0.05, help="seconds between checks for rounds to close")] = 1.0,
+) -> None:
+    """Run the aggregation server over HTTPS (uvicorn, one process: SQLite has one writer)."""
+    import logging
+
+    import uvicorn
+
+    from trainer.server.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    app = create_app(_store(db), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s)
+    uvicorn.run(app, host=host, port=port, ssl_certfile=str(tls_cert), ssl_keyfile=str(tls_key),
+                log_level="info", timeout_graceful_shutdown=5)
+
+
+@clients_app.command("add")
+def clients_add(client_id: Annotated[str, typer.Argument(help="client id, 1-64 of [A-Za-z0-9_.-]")],
+                db: DbOpt = "sqlite:///fed.db") -> None:
+    """Create a client; prints its bearer token once on stdout (only a hash is stored)."""
+    try:
+        token = _store(db).add_client(client_id)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(f"client {client_id} created; its token (shown once):", err=True)
+    typer.echo(token)
+
+
+@clients_app.command("list")
+def clients_list(db: DbOpt = "sqlite:///fed.db") -> None:
+    """List clients as JSON lines (id, created time, revoked)."""
+    for c in _store(db).list_clients():
+        typer.echo(json.dumps(c))
+
+
+@clients_app.command("revoke")
+def clients_revoke(client_id: str, db: DbOpt = "sqlite:///fed.db") -> None:
+    """Revoke a client's token (its accepted updates stay)."""
+    if not _store(db).revoke_client(client_id):
+        raise typer.BadParameter(f"no client {client_id!r}")
+    typer.echo(f"client {client_id} revoked")
+
+
+@rounds_app.command("open")
+def rounds_open(
+    bundle_dir: Annotated[Path, typer.Option(help="published K-means bundle whose centroids the round uses")],
+    db: DbOpt = "sqlite:///fed.db",
+    signing_key: Annotated[Path | None, typer.Option(help="signing.key: publish a new bundle at close")] = None,
+    public_key: Annotated[Path | None, typer.Option(help="signing.pub, when the round does not publish")] = None,
+    deadline_s: Annotated[float, typer.Option(min=0.001, help="seconds until the round closes")] = 3600.0,
+    quorum: Annotated[int, typer.Option(min=1, help="the round closes early once this many clients uploaded")] = 1,
+    min_count: Annotated[int, typer.Option(min=1, help="privacy threshold: smallest reported (cell, model) count")] = 5,
+    recluster: Annotated[bool, typer.Option(help="use the Lloyd step of the last aggregated round as centroids")] = False,
+    clip_count: Annotated[float | None, typer.Option(help="most queries one client may weigh")] = None,
+    max_cost_usd: Annotated[float | None, typer.Option(help="bound on one query's cost (USD), for clipping/DP")] = None,
+    trim_fraction: Annotated[float, typer.Option(min=0.0, max=0.49, help="share of clients trimmed at each end")] = 0.0,
+    noise_multiplier: Annotated[float, typer.Option(min=0.0, help="Gaussian DP noise, std / sensitivity")] = 0.0,
+    delta: Annotated[float, typer.Option(help="delta of the (epsilon, delta) guarantee")] = 1e-5,
+    seed: Annotated[int, typer.Option(help="seed of the DP noise")] = 0,
+) -> None:
+    """Open a K-means round over the bundle's centroids (or the last Lloyd step with --recluster)."""
+    from trainer.federated.kmeans_aggregation import AggregationConfig, gaussian_epsilon
+    from trainer.server.rounds import open_round_from_bundle, round_settings
+
+    if (signing_key is None) == (public_key is None):
+        raise typer.BadParameter("give --signing-key (publish at close) or --public-key (no publishing), not both")
+    key = public_key
+    if signing_key is not None:
+        from export.signing import load_signing_key
+
+        key = load_signing_key(signing_key).public_key()
+    store = _store(db)
+    centroids = None
+    if recluster:
+        last = store.last_aggregate()
+        if last is None:
+            raise typer.BadParameter("--recluster needs an aggregated round before this one")
+        centroids = last["next_centroids"]
+    config = AggregationConfig(clip_count, max_cost_usd, trim_fraction, noise_multiplier, delta)
+    settings = round_settings(aggregation=config, bundle_dir=bundle_dir if signing_key else None,
+                              signing_key=signing_key, seed=seed)
+    try:
+        r = open_round_from_bundle(store, bundle_dir, key, deadline_s=deadline_s, quorum=quorum,
+                                   min_count=min_count, settings=settings, centroids=centroids)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    eps = gaussian_epsilon(noise_multiplier, delta) if noise_multiplier > 0 else None
+    typer.echo(json.dumps({"round_id": r.id, "n_cells": int(r.centroids.shape[0]), "models": len(r.models),
+                           "deadline_unix": r.deadline_unix, "quorum": quorum, "min_count": min_count,
+                           "epsilon_per_release": eps}))
+
+
+@rounds_app.command("close")
+def rounds_close(db: DbOpt = "sqlite:///fed.db",
+                 round_id: Annotated[int | None, typer.Option("--round", help="default: the open round")] = None) -> None:
+    """Close a round now: aggregate and publish (as at its deadline)."""
+    from trainer.server.rounds import close_round
+
+    store = _store(db)
+    if round_id is None:
+        current = store.current_round() or store.latest_round()
+        if current is None or current.status == "closed":
+            raise typer.BadParameter("no round is open")
+        round_id = current.id
+    outcome = close_round(store, round_id, progress=lambda m: typer.echo(m, err=True))
+    if outcome is None:
+        raise typer.BadParameter(f"round {round_id} is already closed (or does not exist)")
+    typer.echo(json.dumps({"round_id": round_id, **outcome}))
+
+
+@rounds_app.command("status")
+def rounds_status(db: DbOpt = "sqlite:///fed.db") -> None:
+    """The latest round as JSON (id, status, deadline, quorum, updates in it, outcome)."""
+    store = _store(db)
+    r = store.latest_round()
+    if r is None:
+        typer.echo(json.dumps({"round_id": None}))
+        return
+    typer.echo(json.dumps({"round_id": r.id, "status": r.status, "deadline_unix": r.deadline_unix,
+                           "quorum": r.quorum, "min_count": r.min_count, "n_cells": int(r.centroids.shape[0]),
+                           "updates_counted": len(store.round_updates(r.id)), "outcome": r.outcome}))
+
+
+def publish(
+    round_id: Annotated[int, typer.Option("--round", help="an aggregated round")],
+    bundle_dir: Annotated[Path, typer.Option(help="bundle to publish a new version of")],
+    signing_key: Annotated[Path, typer.Option(help="signing.key")],
+    db: DbOpt = "sqlite:///fed.db",
+) -> None:
+    """Publish a closed round's aggregate as a new signed bundle (for rounds opened without --signing-key)."""
+    from sdk.cell_statistics import CellStatistics
+    from trainer.server.publish import publish_kmeans
+
+    store = _store(db)
+    r = store.get_round(round_id)
+    agg = store.aggregate_of(round_id)
+    if r is None or agg is None:
+        raise typer.BadParameter(f"round {round_id} has no aggregate (not closed, or a no-op)")
+    s = r.settings
+    manifest = publish_kmeans(bundle_dir, signing_key, agg["centroids"],
+                              CellStatistics(agg["count"], agg["sum_accuracy"], agg["sum_cost"]),
+                              prior_strength=s["prior_strength"], model_prior_strength=s["model_prior_strength"],
+                              prior=s["prior"], provenance={"federated_round": round_id,
+                                                            "clients": len(r.outcome.get("clients", []))})
+    typer.echo(f"bundle v{manifest['bundle_version']} published at {bundle_dir}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the server and operator commands to the ``fedroute`` CLI."""
+    app.command("serve")(serve)
+    app.command("publish")(publish)
+    app.add_typer(clients_app, name="clients")
+    app.add_typer(rounds_app, name="rounds")

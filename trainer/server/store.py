@@ -1,0 +1,417 @@
+"""Durable state of the aggregation server: clients, rounds and accepted updates (SQLAlchemy Core).
+
+Any SQLAlchemy database URL works (``postgresql+psycopg://...``); the default is one SQLite file in
+WAL mode with ``synchronous=FULL``, so a write acknowledged to a client survives a killed server
+process (and a power loss). Every write is one transaction (``BEGIN IMMEDIATE`` on SQLite, so two
+writers never deadlock on a lock upgrade).
+
+Tables
+------
+clients : id, sha256 of the bearer token (never the token), created time, revoked flag.
+rounds : id, kind, status (open -> closing -> closed), deadline, quorum, min_count, the global
+    centroids (float32 .npy bytes) and their hash, models, embedder, per-round settings (JSON), and
+    at close the outcome (JSON) and the aggregate (.npz bytes).
+updates : one row per accepted upload: client, round it was sent for, round it is counted in (NULL
+    while waiting for the next round), Idempotency-Key, sha256 of the body, the update (.npz bytes)
+    and the receipt returned to the client. ``(client_id, idempotency_key)`` is unique.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from sdk.cell_statistics import CellStatistics
+from sdk.local_update import KMeansUpdate, centroids_hash
+
+metadata = sa.MetaData()
+
+clients = sa.Table(
+    "clients", metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("token_sha256", sa.String(64), nullable=False, unique=True),
+    sa.Column("created_unix", sa.Float, nullable=False),
+    sa.Column("revoked", sa.Boolean, nullable=False, default=False),
+)
+
+rounds = sa.Table(
+    "rounds", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("opened_unix", sa.Float, nullable=False),
+    sa.Column("deadline_unix", sa.Float, nullable=False),
+    sa.Column("quorum", sa.Integer, nullable=False),
+    sa.Column("min_count", sa.Integer, nullable=False),
+    sa.Column("centroids", sa.LargeBinary, nullable=False),
+    sa.Column("centroids_hash", sa.String(64), nullable=False),
+    sa.Column("models", sa.Text, nullable=False),
+    sa.Column("embedder", sa.Text, nullable=False),
+    sa.Column("settings", sa.Text, nullable=False),
+    sa.Column("close_snapshot", sa.Integer),
+    sa.Column("closed_unix", sa.Float),
+    sa.Column("outcome", sa.Text),
+    sa.Column("aggregate", sa.LargeBinary),
+)
+
+updates = sa.Table(
+    "updates", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("client_id", sa.String(64), sa.ForeignKey("clients.id"), nullable=False),
+    sa.Column("sent_round", sa.Integer, sa.ForeignKey("rounds.id"), nullable=False),
+    sa.Column("counted_round", sa.Integer),
+    sa.Column("late", sa.Boolean, nullable=False),
+    sa.Column("centroids_hash", sa.String(64), nullable=False),
+    sa.Column("idempotency_key", sa.String(128), nullable=False),
+    sa.Column("body_sha256", sa.String(64), nullable=False),
+    sa.Column("received_unix", sa.Float, nullable=False),
+    sa.Column("log_size", sa.Integer, nullable=False),
+    sa.Column("payload", sa.LargeBinary, nullable=False),
+    sa.Column("receipt", sa.Text, nullable=False),
+    sa.UniqueConstraint("client_id", "idempotency_key", name="one_update_per_key"),
+)
+sa.Index("updates_by_hash", updates.c.centroids_hash, updates.c.client_id, updates.c.id)
+
+
+def create_engine(url: str) -> Engine:
+    """Engine for ``url``; SQLite gets WAL, ``synchronous=FULL``, a busy timeout and BEGIN IMMEDIATE.
+
+    Raises
+    ------
+    sqlalchemy.exc.ArgumentError
+        An unparsable URL.
+    """
+    engine = sa.create_engine(url, future=True)
+    if engine.dialect.name == "sqlite":
+        @sa.event.listens_for(engine, "connect")
+        def _connect(dbapi_conn, _record) -> None:  # SQLAlchemy docs: "Serializable isolation / Savepoints"
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=FULL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        @sa.event.listens_for(engine, "begin")
+        def _begin(conn) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+    return engine
+
+
+def hash_token(token: str) -> str:
+    """sha256 (hex) of a bearer token. Tokens carry 256 random bits, so a fast hash is enough."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def array_bytes(**arrays: np.ndarray) -> bytes:
+    """``.npz`` bytes of named arrays (no pickle)."""
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def read_arrays(data: bytes) -> dict[str, np.ndarray]:
+    """Arrays of ``.npz`` bytes written by :func:`array_bytes` (pickle refused)."""
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def update_bytes(update: KMeansUpdate) -> bytes:
+    s = update.statistics
+    return array_bytes(count=s.count, sum_accuracy=s.sum_accuracy, sum_cost=s.sum_cost,
+                       centroid_cells=update.centroid_cells, local_centroids=update.local_centroids,
+                       local_weights=update.local_weights, log_size=np.array(update.log_size))
+
+
+def read_update(data: bytes) -> KMeansUpdate:
+    a = read_arrays(data)
+    return KMeansUpdate(CellStatistics(a["count"], a["sum_accuracy"], a["sum_cost"]), a["centroid_cells"],
+                        a["local_centroids"], a["local_weights"], int(a["log_size"]))
+
+
+@dataclass(frozen=True)
+class Round:
+    """A round as stored. ``centroids`` (n_cells, d_emb) float32; times in unix seconds."""
+
+    id: int
+    kind: str
+    status: str
+    opened_unix: float
+    deadline_unix: float
+    quorum: int
+    min_count: int
+    centroids: np.ndarray
+    centroids_hash: str
+    models: tuple[str, ...]
+    embedder: dict
+    settings: dict
+    closed_unix: float | None
+    outcome: dict | None
+
+    def describe(self) -> dict:
+        """JSON of ``GET /v1/rounds/current`` (parsed by :class:`sdk.local_update.RoundSpec`)."""
+        import datetime as dt
+
+        deadline = dt.datetime.fromtimestamp(self.deadline_unix, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        return {
+            "round_id": self.id, "kind": self.kind, "status": self.status,
+            "centroids": self.centroids.astype(np.float64).tolist(), "centroids_hash": self.centroids_hash,
+            "models": list(self.models), "embedder_name": self.embedder["name"], "d_emb": int(self.centroids.shape[1]),
+            "min_count": self.min_count, "quorum": self.quorum, "deadline_utc": deadline,
+        }
+
+
+def _round(row) -> Round:
+    return Round(
+        id=row.id, kind=row.kind, status=row.status, opened_unix=row.opened_unix, deadline_unix=row.deadline_unix,
+        quorum=row.quorum, min_count=row.min_count,
+        centroids=np.load(io.BytesIO(row.centroids), allow_pickle=False),
+        centroids_hash=row.centroids_hash, models=tuple(json.loads(row.models)), embedder=json.loads(row.embedder),
+        settings=json.loads(row.settings), closed_unix=row.closed_unix,
+        outcome=None if row.outcome is None else json.loads(row.outcome),
+    )
+
+
+class Store:
+    """Transactions of the server over one SQLAlchemy engine. Thread-safe (one connection per call)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = create_engine(url)
+        metadata.create_all(self.engine)
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        with self.engine.begin() as conn:
+            yield conn
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- clients ---------------------------------------------------------------------------------
+
+    def add_client(self, client_id: str) -> str:
+        """Create a client and return its new bearer token (shown once; only its hash is stored).
+
+        Raises
+        ------
+        ValueError
+            The id exists or is not 1-64 characters of ``[A-Za-z0-9_.-]``.
+        """
+        import re
+
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", client_id or ""):
+            raise ValueError(f"client id must be 1-64 characters of [A-Za-z0-9_.-], got {client_id!r}")
+        token = "fr_" + secrets.token_urlsafe(32)
+        with self.transaction() as conn:
+            if conn.execute(sa.select(clients.c.id).where(clients.c.id == client_id)).first():
+                raise ValueError(f"client {client_id!r} exists (revoke it or pick another id)")
+            conn.execute(clients.insert().values(id=client_id, token_sha256=hash_token(token),
+                                                 created_unix=time.time(), revoked=False))
+        return token
+
+    def revoke_client(self, client_id: str) -> bool:
+        """Revoke a client's token; False if no such client."""
+        with self.transaction() as conn:
+            return conn.execute(clients.update().where(clients.c.id == client_id).values(revoked=True)).rowcount > 0
+
+    def list_clients(self) -> list[dict]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(clients.c.id, clients.c.created_unix, clients.c.revoked)
+                                .order_by(clients.c.id)).all()
+        return [{"id": r.id, "created_unix": r.created_unix, "revoked": bool(r.revoked)} for r in rows]
+
+    def authenticate(self, token: str) -> str | None:
+        """The id of the active client whose token this is, else None."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(clients.c.id).where(
+                (clients.c.token_sha256 == hash_token(token)) & (clients.c.revoked == sa.false()))).first()
+        return None if row is None else row.id
+
+    # -- rounds ----------------------------------------------------------------------------------
+
+    def open_round(self, *, kind: str, centroids: np.ndarray, models, embedder: dict, deadline_unix: float,
+                   quorum: int, min_count: int, settings: dict) -> Round:
+        """Open a new round.
+
+        Raises
+        ------
+        ValueError
+            A round is still open or closing.
+        """
+        c = np.ascontiguousarray(centroids, dtype=np.float32)
+        buf = io.BytesIO()
+        np.save(buf, c, allow_pickle=False)
+        with self.transaction() as conn:
+            busy = conn.execute(sa.select(rounds.c.id).where(rounds.c.status != "closed")).first()
+            if busy:
+                raise ValueError(f"round {busy.id} is still open; close it first")
+            rid = conn.execute(rounds.insert().values(
+                kind=kind, status="open", opened_unix=time.time(), deadline_unix=float(deadline_unix),
+                quorum=int(quorum), min_count=int(min_count), centroids=buf.getvalue(),
+                centroids_hash=centroids_hash(c), models=json.dumps(list(models)), embedder=json.dumps(embedder),
+                settings=json.dumps(settings, sort_keys=True),
+            )).inserted_primary_key[0]
+        return self.get_round(int(rid))
+
+    def get_round(self, round_id: int) -> Round | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(rounds).where(rounds.c.id == round_id)).first()
+        return None if row is None else _round(row)
+
+    def current_round(self) -> Round | None:
+        """The open round, else None."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(rounds).where(rounds.c.status == "open")).first()
+        return None if row is None else _round(row)
+
+    def latest_round(self) -> Round | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(rounds).order_by(rounds.c.id.desc()).limit(1)).first()
+        return None if row is None else _round(row)
+
+    def rounds_to_close(self, now: float) -> list[int]:
+        """Open rounds past their deadline or with ``quorum`` clients in, and rounds left closing
+        by a crash."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(rounds.c.id, rounds.c.status, rounds.c.deadline_unix, rounds.c.quorum)
+                                .where(rounds.c.status != "closed")).all()
+            due = []
+            for r in rows:
+                if r.status == "closing" or r.deadline_unix <= now:
+                    due.append(r.id)
+                    continue
+                n = conn.execute(sa.select(sa.func.count(sa.distinct(updates.c.client_id)))
+                                 .where(updates.c.counted_round == r.id)).scalar_one()
+                if n >= r.quorum:
+                    due.append(r.id)
+        return due
+
+    def claim_close(self, round_id: int) -> int | None:
+        """Move an open round to ``closing`` (uploads for it are then late) and return the snapshot:
+        the highest update id it aggregates. A round left closing by a crash returns its recorded
+        snapshot; a closed or unknown round returns None."""
+        with self.transaction() as conn:
+            row = conn.execute(sa.select(rounds.c.status, rounds.c.close_snapshot)
+                               .where(rounds.c.id == round_id)).first()
+            if row is None or row.status == "closed":
+                return None
+            if row.status == "closing":
+                return int(row.close_snapshot)
+            snapshot = conn.execute(sa.select(sa.func.coalesce(sa.func.max(updates.c.id), 0))).scalar_one()
+            conn.execute(rounds.update().where(rounds.c.id == round_id)
+                         .values(status="closing", close_snapshot=int(snapshot)))
+            return int(snapshot)
+
+    def finish_close(self, round_id: int, outcome: dict, aggregate: bytes | None,
+                     counted_late: list[int], stale: list[int]) -> None:
+        """Record the close: the outcome, the aggregate, and which waiting late updates were counted."""
+        with self.transaction() as conn:
+            if counted_late:
+                conn.execute(updates.update().where(updates.c.id.in_(counted_late)).values(counted_round=round_id))
+            if stale:
+                conn.execute(updates.update().where(updates.c.id.in_(stale)).values(counted_round=-1))
+            conn.execute(rounds.update().where(rounds.c.id == round_id).values(
+                status="closed", closed_unix=time.time(), outcome=json.dumps(outcome, sort_keys=True),
+                aggregate=aggregate))
+
+    def aggregate_of(self, round_id: int) -> dict[str, np.ndarray] | None:
+        with self.engine.connect() as conn:
+            data = conn.execute(sa.select(rounds.c.aggregate).where(rounds.c.id == round_id)).scalar_one_or_none()
+        return None if data is None else read_arrays(data)
+
+    def last_aggregate(self) -> dict[str, np.ndarray] | None:
+        """Arrays of the most recent aggregated round (``next_centroids`` etc.), else None."""
+        with self.engine.connect() as conn:
+            data = conn.execute(sa.select(rounds.c.aggregate).where(rounds.c.aggregate.is_not(None))
+                                .order_by(rounds.c.id.desc()).limit(1)).scalar_one_or_none()
+        return None if data is None else read_arrays(data)
+
+    # -- updates ---------------------------------------------------------------------------------
+
+    def find_update(self, client_id: str, key: str):
+        with self.engine.connect() as conn:
+            return conn.execute(sa.select(updates.c.body_sha256, updates.c.receipt).where(
+                (updates.c.client_id == client_id) & (updates.c.idempotency_key == key))).first()
+
+    def add_update(self, *, client_id: str, round_: Round, key: str, body_sha256: str, update: KMeansUpdate,
+                   receipt_for) -> tuple[dict, bool]:
+        """Store an accepted update durably (committed before this returns) and return
+        ``(receipt, created)``. A retry with a stored key returns the stored receipt and False.
+
+        ``receipt_for(update_id, late, counted_round)`` builds the receipt. The update counts in the
+        round it was sent for if that round is open now, else it waits for the next round (late).
+
+        Raises
+        ------
+        KeyError
+            The key was used before with a different body (``args[0]`` says so).
+        """
+        while True:
+            try:
+                with self.transaction() as conn:
+                    old = conn.execute(sa.select(updates.c.body_sha256, updates.c.receipt).where(
+                        (updates.c.client_id == client_id) & (updates.c.idempotency_key == key))).first()
+                    if old is not None:
+                        if old.body_sha256 != body_sha256:
+                            raise KeyError("Idempotency-Key was already used with a different body")
+                        return json.loads(old.receipt), False
+                    status = conn.execute(sa.select(rounds.c.status).where(rounds.c.id == round_.id)).scalar_one()
+                    late = status != "open"
+                    counted = None if late else round_.id
+                    uid = conn.execute(updates.insert().values(
+                        client_id=client_id, sent_round=round_.id, counted_round=counted, late=late,
+                        centroids_hash=round_.centroids_hash, idempotency_key=key, body_sha256=body_sha256,
+                        received_unix=time.time(), log_size=update.log_size, payload=update_bytes(update),
+                        receipt="{}",
+                    )).inserted_primary_key[0]
+                    receipt = receipt_for(int(uid), late, counted)
+                    conn.execute(updates.update().where(updates.c.id == uid).values(receipt=json.dumps(receipt)))
+                    return receipt, True
+            except sa.exc.IntegrityError:
+                continue  # a concurrent request with the same key won the insert: answer as a retry
+
+    def round_updates(self, round_id: int) -> list[int]:
+        """Ids of the updates counted in ``round_id`` (sent on time)."""
+        with self.engine.connect() as conn:
+            return list(conn.execute(sa.select(updates.c.id).where(updates.c.counted_round == round_id)).scalars())
+
+    def waiting_late(self, up_to_id: int) -> list[tuple[int, str]]:
+        """(id, centroids_hash) of late updates with id <= ``up_to_id`` not yet counted in a round."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(updates.c.id, updates.c.centroids_hash).where(
+                (updates.c.late == sa.true()) & updates.c.counted_round.is_(None) & (updates.c.id <= up_to_id))).all()
+        return [(r.id, r.centroids_hash) for r in rows]
+
+    def latest_updates(self, centroids_hash_: str, up_to_id: int | None = None) -> dict[str, tuple[int, KMeansUpdate]]:
+        """Each client's latest update for the partition ``centroids_hash_`` (paper 002 keeps it in
+        use until replaced), excluding stale ones, optionally only ids <= ``up_to_id``."""
+        cond = (updates.c.centroids_hash == centroids_hash_) & (
+            updates.c.counted_round.is_(None) | (updates.c.counted_round != -1))
+        if up_to_id is not None:
+            cond = cond & (updates.c.id <= up_to_id)
+        latest = (sa.select(updates.c.client_id, sa.func.max(updates.c.id).label("id"))
+                  .where(cond).group_by(updates.c.client_id).subquery())
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(updates.c.client_id, updates.c.id, updates.c.payload)
+                                .join(latest, updates.c.id == latest.c.id)).all()
+        return {r.client_id: (r.id, read_update(r.payload)) for r in rows}
+
+    def count_updates(self) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(sa.select(sa.func.count()).select_from(updates)).scalar_one())
+
+    def update_ids(self) -> set[int]:
+        with self.engine.connect() as conn:
+            return set(conn.execute(sa.select(updates.c.id)).scalars())
