@@ -19,8 +19,8 @@ Algorithms
   distributed learning"): for each (cell, model) entry, of the ``n`` clients with data there, the
   ``floor(beta * n)`` with the lowest and the ``floor(beta * n)`` with the highest mean score are
   dropped before the sum.
-- **Gaussian mechanism** (Dwork & Roth 2014, Thm. A.1; accounting by privacy loss distributions,
-  Google ``dp_accounting``): with clipping, one client changes the vector
+- **Gaussian mechanism** (Dwork & Roth 2014, App. A; exact epsilon of Balle & Wang 2018 through
+  Google's ``dp_accounting``): with clipping, one client changes the vector
   ``(count, sum_accuracy, sum_cost / c_max, weights, weights * mu) / C`` by at most
   ``sqrt(5)`` in L2 norm (each part has L1 norm, hence L2 norm, at most 1 since scores are in
   [0, 1], costs are at most ``c_max`` per query and embeddings have unit norm). Adding
@@ -193,7 +193,11 @@ def _centroids_from_sums(c: np.ndarray, weights: np.ndarray, sums: np.ndarray) -
 
 def gaussian_epsilon(noise_multiplier: float, delta: float, releases: int = 1) -> float:
     """Epsilon of ``releases`` compositions of the Gaussian mechanism with noise multiplier ``z``
-    (std / L2 sensitivity) at ``delta``, by privacy loss distributions (``dp_accounting``).
+    (std / L2 sensitivity) at ``delta``.
+
+    ``r`` Gaussian releases compose exactly into one with multiplier ``z / sqrt(r)`` (Dong, Roth &
+    Su 2022, Gaussian differential privacy, Cor. 3.3); its epsilon is the analytic one of Balle &
+    Wang 2018 (ICML, Thm. 8), computed by ``dp_accounting.get_epsilon_gaussian``.
 
     Returns inf for ``z = 0``.
 
@@ -206,12 +210,9 @@ def gaussian_epsilon(noise_multiplier: float, delta: float, releases: int = 1) -
         raise InvalidInputError(f"need z >= 0, 0 < delta < 1, releases >= 1; got {noise_multiplier}, {delta}, {releases}")
     if noise_multiplier == 0:
         return math.inf
-    from dp_accounting import dp_event
-    from dp_accounting.pld import PLDAccountant
+    from dp_accounting import get_epsilon_gaussian
 
-    accountant = PLDAccountant()
-    accountant.compose(dp_event.GaussianDpEvent(noise_multiplier), count=int(releases))
-    return float(accountant.get_epsilon(delta))
+    return float(get_epsilon_gaussian(noise_multiplier / math.sqrt(releases), delta))
 
 
 def aggregate_kmeans(
