@@ -1,0 +1,262 @@
+"""The aggregation server's HTTP API (trainer.server) in-process: every rejection of ARCHITECTURE.md §6
+with its status, the idempotent retry, the empty round, the straggler and stale updates.
+
+The app and its SQLite store are the real ones; requests go through Starlette's TestClient. The
+end-to-end run with real processes and TLS is in test_sync_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from sdk.cell_statistics import CellStatistics
+from trainer.federated.kmeans_aggregation import AggregationConfig
+from trainer.server.app import create_app
+from trainer.server.rounds import close_round, open_round_from_bundle, round_settings
+from trainer.server.store import Store
+
+MAX_BODY = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def kmeans_bundle(make_bundle, tmp_path_factory):
+    return make_bundle(tmp_path_factory.mktemp("srv") / "bundle", "kmeans")
+
+
+@pytest.fixture
+def server(tmp_path, kmeans_bundle, signing_keys):
+    store = Store(f"sqlite:///{tmp_path / 'fed.db'}")
+    tokens = {c: store.add_client(c) for c in ("alice", "bob", "carol")}
+
+    def open_round(centroids=None, min_count=2):
+        return open_round_from_bundle(store, kmeans_bundle, signing_keys[1], deadline_s=3600, quorum=100,
+                                      min_count=min_count, settings=round_settings(aggregation=AggregationConfig()),
+                                      centroids=centroids)
+
+    r = open_round()
+    app = create_app(store, kmeans_bundle, max_body_bytes=MAX_BODY, tick_s=60)
+    with TestClient(app, base_url="https://testserver") as http:
+        yield {"store": store, "tokens": tokens, "round": r, "http": http, "open_round": open_round}
+
+
+def payload(r, client="alice", scale=1):
+    k, m, d = r.centroids.shape[0], len(r.models), r.centroids.shape[1]
+    count = np.zeros((k, m))
+    count[0, 0], count[1, 2] = 2 * scale, 3 * scale
+    acc = count * 0.5
+    cost = count * 0.002
+    mean = np.zeros(d)
+    mean[0] = 0.6
+    return {"client_id": client, "round_id": r.id, "kind": "kmeans", "centroids_hash": r.centroids_hash,
+            "models": list(r.models), "log_size": int(count.sum()), "count": count.tolist(),
+            "sum_accuracy": acc.tolist(), "sum_cost": cost.tolist(), "centroid_cells": [0],
+            "local_centroids": [mean.tolist()], "local_weights": [2.0 * scale]}
+
+
+def post(s, body, client="alice", key="k1", round_id=None, raw=None, headers=None):
+    round_id = s["round"].id if round_id is None else round_id
+    h = {"Authorization": f"Bearer {s['tokens'][client]}", "Idempotency-Key": key, "Content-Type": "application/json"}
+    h.update(headers or {})
+    data = raw if raw is not None else json.dumps(body).encode()
+    return s["http"].post(f"/v1/rounds/{round_id}/updates", content=data, headers=h)
+
+
+def test_accepts_a_valid_update_and_describes_the_round(server):
+    got = server["http"].get("/v1/rounds/current", headers={"Authorization": f"Bearer {server['tokens']['bob']}"})
+    assert got.status_code == 200
+    desc = got.json()
+    assert desc["client_id"] == "bob" and desc["round_id"] == server["round"].id and desc["min_count"] == 2
+    assert np.asarray(desc["centroids"]).shape == server["round"].centroids.shape
+    answer = post(server, payload(server["round"]))
+    assert answer.status_code == 201, answer.text
+    assert answer.json()["late"] is False and answer.json()["counted_in_round"] == server["round"].id
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer nope", "Basic abc"])
+def test_bad_or_missing_token_is_401(server, auth):
+    headers = {"Idempotency-Key": "k", "Content-Type": "application/json"}
+    if auth:
+        headers["Authorization"] = auth
+    answer = server["http"].post(f"/v1/rounds/{server['round'].id}/updates", content=b"{}", headers=headers)
+    assert answer.status_code == 401
+    assert server["http"].get("/v1/rounds/current", headers=headers).status_code == 401
+    assert server["http"].get("/v1/bundles/latest", headers=headers).status_code == 401
+
+
+def test_revoked_token_is_401(server):
+    server["store"].revoke_client("alice")
+    assert post(server, payload(server["round"])).status_code == 401
+
+
+def test_token_acting_for_another_client_is_403(server):
+    answer = post(server, payload(server["round"], client="bob"), client="alice")
+    assert answer.status_code == 403 and "alice" in answer.json()["detail"]
+
+
+def test_wrong_round_is_409(server):
+    r1 = server["round"]
+    assert post(server, payload(r1), round_id=r1.id + 5, raw=json.dumps({**payload(r1), "round_id": r1.id + 5}).encode()).status_code == 409
+    close_round(server["store"], r1.id)
+    r2 = server["open_round"]()
+    close_round(server["store"], r2.id)
+    server["open_round"]()
+    old = post(server, payload(r1), key="old")  # round 1 closed, and round 2 closed after it
+    assert old.status_code == 409 and "newer" in old.json()["detail"]
+
+
+def test_update_for_other_centroids_is_409(server):
+    body = {**payload(server["round"]), "centroids_hash": "0" * 64}
+    assert post(server, body).status_code == 409
+
+
+def test_body_over_the_size_limit_is_413(server):
+    big = b"{" + b" " * (MAX_BODY + 10) + b"}"
+    assert post(server, None, raw=big).status_code == 413
+
+    def chunks():  # no Content-Length: the limit is enforced while streaming
+        for _ in range(40):
+            yield b" " * 8192
+
+    answer = server["http"].post(f"/v1/rounds/{server['round'].id}/updates", content=chunks(), headers={
+        "Authorization": f"Bearer {server['tokens']['alice']}", "Idempotency-Key": "k", "Content-Type": "application/json"})
+    assert answer.status_code == 413
+
+
+def test_undecodable_body_missing_key_and_content_type(server):
+    assert post(server, None, raw=b"{not json").status_code == 400
+    assert post(server, payload(server["round"]), key="bad key with spaces").status_code == 400
+    assert post(server, payload(server["round"]), headers={"Content-Type": "text/plain"}).status_code == 415
+
+
+def _mutate(body, field, fn):
+    body = json.loads(json.dumps(body))
+    body[field] = fn(body[field])
+    return body
+
+
+def _set(matrix, value, i=0, j=0):
+    matrix[i][j] = value
+    return matrix
+
+
+INVALID = {
+    "wrong shape": lambda b: _mutate(b, "count", lambda c: c[:-1]),
+    "ragged rows": lambda b: _mutate(b, "sum_cost", lambda c: [c[0][:-1], *c[1:]]),
+    "negative count": lambda b: _mutate(b, "count", lambda c: _set(c, -2.0, 3, 3)),
+    "fractional count": lambda b: _mutate(b, "count", lambda c: _set(c, 2.5)),
+    "counts above log size": lambda b: {**b, "log_size": 4},
+    "score above 1": lambda b: _mutate(b, "sum_accuracy", lambda c: _set(c, 2.5)),
+    "score below 0": lambda b: _mutate(b, "sum_accuracy", lambda c: _set(c, -0.5)),
+    "negative cost": lambda b: _mutate(b, "sum_cost", lambda c: _set(c, -0.001)),
+    "below min_count": lambda b: _mutate(_mutate(b, "count", lambda c: _set(c, 1.0)), "sum_accuracy", lambda c: _set(c, 0.5)),
+    "single-query cell mean": lambda b: {**b, "local_weights": [1.0]},
+    "mean of norm > 1": lambda b: _mutate(b, "local_centroids", lambda c: _set(c, 1.5)),
+    "cell out of range": lambda b: {**b, "centroid_cells": [99]},
+    "models reordered": lambda b: _mutate(b, "models", lambda m: m[::-1]),
+    "unknown field": lambda b: {**b, "query": "hello"},
+    "string number": lambda b: {**b, "log_size": "5"},
+    "missing field": lambda b: {k: v for k, v in b.items() if k != "sum_cost"},
+    "round id differs from url": lambda b: {**b, "round_id": b["round_id"] + 1},
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID))
+def test_invalid_updates_are_422(server, case):
+    answer = post(server, INVALID[case](payload(server["round"])), key=f"k-{len(case)}")
+    assert answer.status_code == 422, (case, answer.text)
+    assert answer.json()["detail"]
+    assert server["store"].count_updates() == 0
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_inf_are_422(server, token):
+    body = json.dumps(payload(server["round"])).replace("0.004", token, 1)  # a sum_cost entry
+    assert token in body
+    answer = post(server, None, raw=body.encode())
+    assert answer.status_code == 422 and "NaN or infinity" in answer.json()["detail"]
+
+
+def test_msgpack_body_is_accepted(server):
+    answer = post(server, None, raw=msgpack.packb(payload(server["round"])),
+                  headers={"Content-Type": "application/msgpack"})
+    assert answer.status_code == 201, answer.text
+
+
+def test_retry_with_the_same_key_is_accepted_once(server):
+    body = payload(server["round"])
+    first = post(server, body, key="retry-1")
+    again = post(server, body, key="retry-1")
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json() == again.json()
+    assert server["store"].count_updates() == 1
+    other = post(server, payload(server["round"], scale=2), key="retry-1")
+    assert other.status_code == 422 and "different body" in other.json()["detail"]
+    assert server["store"].count_updates() == 1
+
+
+def test_empty_round_closes_as_a_no_op(server):
+    outcome = close_round(server["store"], server["round"].id)
+    assert outcome["result"] == "no-op" and outcome["on_time_updates"] == 0
+    assert server["store"].aggregate_of(server["round"].id) is None
+    assert server["store"].get_round(server["round"].id).status == "closed"
+    assert close_round(server["store"], server["round"].id) is None  # closing twice does nothing
+
+
+def test_straggler_is_counted_in_the_next_round(server):
+    r1 = server["round"]
+    assert post(server, payload(r1, client="alice"), client="alice", key="a").status_code == 201
+    assert close_round(server["store"], r1.id)["clients"] == ["alice"]
+    late = post(server, payload(r1, client="bob", scale=3), client="bob", key="b")
+    assert late.status_code == 201
+    assert late.json()["late"] is True and late.json()["counted_in_round"] is None
+    r2 = server["open_round"]()  # same centroids: bob's statistics merge
+    outcome = close_round(server["store"], r2.id)
+    assert outcome["result"] == "aggregated" and outcome["late_updates_counted"] == 1
+    assert outcome["clients"] == ["alice", "bob"]  # alice still counts with her round-1 update
+    agg = server["store"].aggregate_of(r2.id)
+    expected = CellStatistics.merge([_stats(payload(r1)), _stats(payload(r1, scale=3))])
+    np.testing.assert_allclose(agg["count"], expected.count)
+    np.testing.assert_allclose(agg["sum_accuracy"], expected.sum_accuracy)
+
+
+def test_straggler_for_other_centroids_is_kept_as_stale(server):
+    r1 = server["round"]
+    close_round(server["store"], r1.id)
+    assert post(server, payload(r1, client="bob"), client="bob", key="b").status_code == 201
+    r2 = server["open_round"](centroids=r1.centroids[::-1].copy())
+    assert post(server, {**payload(r2, client="carol")}, client="carol", key="c", round_id=r2.id).status_code == 201
+    outcome = close_round(server["store"], r2.id)
+    assert outcome["stale_updates"] == 1 and outcome["clients"] == ["carol"]
+    assert server["store"].count_updates() == 2  # kept, not lost
+
+
+def test_latest_update_of_a_client_replaces_its_earlier_one(server):
+    r = server["round"]
+    assert post(server, payload(r), key="first").status_code == 201
+    assert post(server, payload(r, scale=2), key="second").status_code == 201
+    close_round(server["store"], r.id)
+    np.testing.assert_allclose(server["store"].aggregate_of(r.id)["count"], _stats(payload(r, scale=2)).count)
+
+
+def test_bundle_endpoints_serve_the_published_manifest_with_etag(server, kmeans_bundle):
+    auth = {"Authorization": f"Bearer {server['tokens']['alice']}"}
+    latest = server["http"].get("/v1/bundles/latest", headers=auth)
+    assert latest.status_code == 200
+    manifest = json.loads(latest.content)
+    assert latest.content == (kmeans_bundle / "manifest.json").read_bytes()
+    same = server["http"].get("/v1/bundles/latest", headers={**auth, "If-None-Match": latest.headers["etag"]})
+    assert same.status_code == 304
+    name, digest = sorted(manifest["files"].items())[0]
+    file = server["http"].get(f"/v1/bundles/files/{digest}", headers=auth)
+    assert file.status_code == 200 and file.content == (kmeans_bundle / name).read_bytes()
+    assert server["http"].get(f"/v1/bundles/files/{'0' * 64}", headers=auth).status_code == 404
+    assert server["http"].get("/v1/bundles/files/..%2Fmanifest.json", headers=auth).status_code == 404
+
+
+def _stats(body) -> CellStatistics:
+    return CellStatistics(np.array(body["count"]), np.array(body["sum_accuracy"]), np.array(body["sum_cost"]))
