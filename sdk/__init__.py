@@ -7,7 +7,9 @@ On the device:
 
 - :class:`sdk.Router` — ``Router.load(bundle_dir, public_key)`` verifies a signed bundle, then
   ``choose(query, lam)`` returns a :class:`Choice` (embedding in onnxruntime, no network, no torch);
-- :class:`sdk.EvalLog` — the SQLite log of sparse evaluations that the federated sync reads.
+- :class:`sdk.EvalLog` — the SQLite log of sparse evaluations that the federated sync reads;
+- :class:`sdk.SyncClient` — the periodic federated sync (upload statistics, install new bundles;
+  httpx, imported on first use).
 
 The math shared by the device and the trainer lives here once:
 
@@ -27,6 +29,8 @@ from sdk.errors import (
     InvalidLambdaError,
     InvalidQueryError,
     ShapeError,
+    SyncError,
+    SyncRejectedError,
     UnknownModelError,
 )
 from sdk.eval_log import EvalLog, Evaluations
@@ -51,6 +55,10 @@ __all__ = [
     "ModelScore",
     "Router",
     "ShapeError",
+    "SyncClient",
+    "SyncError",
+    "SyncRejectedError",
+    "SyncResult",
     "UnknownModelError",
     "check_lambda",
     "decide",
@@ -59,3 +67,12 @@ __all__ = [
     "personalise",
     "utility",
 ]
+
+
+def __getattr__(name: str):
+    # httpx is imported only by code that syncs.
+    if name in ("SyncClient", "SyncResult"):
+        from sdk import sync
+
+        return getattr(sync, name)
+    raise AttributeError(f"module 'sdk' has no attribute {name!r}")

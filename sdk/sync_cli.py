@@ -57,3 +57,7 @@ def main() -> None:
     except FedrouteError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise SystemExit(2) from exc
+
+
+if __name__ == "__main__":
+    main()
