@@ -2,10 +2,11 @@
 
 The body is JSON (``application/json``) or MessagePack (``application/msgpack``) holding the object
 written by :meth:`sdk.local_update.KMeansUpdate.to_payload`. Checks, in order: the envelope's types
-(pydantic, unknown fields refused), the round's kind, partition and models, shapes, finite values,
-counts that are whole numbers >= 0 and sum to at most ``log_size``, the privacy threshold
-``min_count`` (entries and reported cell means), sums of scores in ``[0, count]`` (scores in
-[0, 1]), sums of costs >= 0, and mean embeddings of norm <= 1 (means of unit vectors).
+(pydantic, unknown fields refused), the round's kind, partition and models, shapes and finite values,
+then :class:`sdk.CellStatistics` (counts >= 0, sums of scores in ``[0, count]`` i.e. scores in
+[0, 1], sums of costs >= 0) and :func:`trainer.federated.update_checks.check_kmeans_update` (whole
+counts summing to at most ``log_size``, the privacy threshold ``min_count`` for entries and reported
+cell means, mean embeddings of norm <= 1).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sdk.cell_statistics import CellStatistics
-from sdk.local_update import KMeansUpdate, centroid_threshold
+from sdk.errors import ShapeError
+from sdk.local_update import KMeansUpdate
+from trainer.federated.update_checks import check_kmeans_update
 from trainer.server.store import Round
-
-_TOL = 1e-9
 
 
 class UploadRejected(Exception):
@@ -99,7 +100,8 @@ def validate_update(body: UpdateBody, round_: Round) -> KMeansUpdate:
     ------
     UploadRejected
         409 for an update computed for another partition (centroids) or of another kind; 422 for
-        everything else listed in the module docstring.
+        everything else listed in the module docstring (the checks of
+        :func:`trainer.federated.update_checks.check_kmeans_update`, shared with Flower).
     """
     if body.kind != round_.kind:
         raise UploadRejected(409, f"round {round_.id} is a {round_.kind!r} round, got a {body.kind!r} update")
@@ -112,36 +114,13 @@ def validate_update(body: UpdateBody, round_: Round) -> KMeansUpdate:
     count = _matrix("count", body.count, shape)
     s_acc = _matrix("sum_accuracy", body.sum_accuracy, shape)
     s_cost = _matrix("sum_cost", body.sum_cost, shape)
-    if (count < 0).any():
-        raise UploadRejected(422, "count must be >= 0")
-    if not np.array_equal(count, np.round(count)):
-        raise UploadRejected(422, "count must hold whole numbers")
-    if count.sum() > body.log_size:
-        raise UploadRejected(422, f"counts sum to {count.sum():.0f}, above the declared log_size {body.log_size}")
-    if ((count > 0) & (count < round_.min_count)).any():
-        raise UploadRejected(422, f"entries with fewer than min_count={round_.min_count} samples must not be "
-                                  "reported (privacy rule)")
-    tol = _TOL * np.maximum(1.0, count)
-    if (s_acc < -tol).any() or (s_acc > count + tol).any():
-        raise UploadRejected(422, "sum_accuracy must lie in [0, count]: scores must lie in [0, 1]")
-    if (s_cost < 0).any():
-        raise UploadRejected(422, "sum_cost must be >= 0: costs are non-negative USD")
-    if ((count == 0) & ((s_acc != 0) | (s_cost != 0))).any():
-        raise UploadRejected(422, "sums must be 0 where count is 0")
-
-    cells = np.array(body.centroid_cells, dtype=np.int64)
-    n_rep = cells.size
-    if n_rep and (cells.min() < 0 or cells.max() >= shape[0] or np.unique(cells).size != n_rep):
-        raise UploadRejected(422, f"centroid_cells must be distinct cells in [0, {shape[0]})")
+    n_rep = len(body.centroid_cells)
     means = _matrix("local_centroids", body.local_centroids, (n_rep, round_.centroids.shape[1]))
     weights = np.array(body.local_weights, dtype=np.float64)
-    if weights.shape != (n_rep,) or not np.isfinite(weights).all():
-        raise UploadRejected(422, f"local_weights must hold {n_rep} finite numbers")
-    threshold = centroid_threshold(round_.min_count)
-    if n_rep and (weights < threshold).any():
-        raise UploadRejected(422, f"a cell mean must average at least {threshold} queries (privacy rule)")
-    if not np.array_equal(weights, np.round(weights)) or weights.sum() > body.log_size:
-        raise UploadRejected(422, f"local_weights must be whole numbers summing to at most log_size {body.log_size}")
-    if n_rep and (np.linalg.norm(means, axis=1) > 1.0 + 1e-4).any():
-        raise UploadRejected(422, "local_centroids must be means of unit-norm embeddings (norm <= 1)")
-    return KMeansUpdate(CellStatistics(count, s_acc, s_cost), cells, means, weights, int(body.log_size))
+    try:
+        update = KMeansUpdate(CellStatistics(count, s_acc, s_cost), np.array(body.centroid_cells, dtype=np.int64),
+                              means, weights, int(body.log_size))
+        check_kmeans_update(update, round_.centroids, len(round_.models), round_.min_count)
+    except ShapeError as exc:
+        raise UploadRejected(422, f"invalid update: {exc}") from exc
+    return update

@@ -1,0 +1,348 @@
+"""Federated K-means on Flower (trainer.federated.flower_app): a Ray simulation of 3 nodes whose EvalLogs
+hold real RouterBench rows and MiniLM embeddings of their prompts must give exactly the pooled
+statistics and the centralised Lloyd step; the wire format round-trips and bad replies are refused."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.serverapp import Grid  # noqa: E402
+
+from sdk.cell_statistics import CellStatistics  # noqa: E402
+from sdk.errors import ShapeError  # noqa: E402
+from sdk.eval_log import EvalLog  # noqa: E402
+from sdk.local_update import KMeansUpdate, RoundSpec, centroid_threshold, centroids_hash  # noqa: E402
+from sdk.voronoi import nearest_cell  # noqa: E402
+from trainer.federated.flower_app import (  # noqa: E402
+    UPDATE_ARRAYS,
+    FederatedKMeansStrategy,
+    centroids_record,
+    client_update,
+    make_client_app,
+    make_server_app,
+    update_from_ndarrays,
+    update_from_record,
+    update_to_ndarrays,
+    update_to_record,
+    validate_update,
+)
+from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans, gaussian_epsilon  # noqa: E402
+from trainer.routers.kmeans_router import KMeansRouter  # noqa: E402
+
+N_CLIENTS = 3
+EMBEDDER = "all-MiniLM-L6-v2"
+
+
+# ------------------------------------------------------------------ real sparse logs
+
+
+@pytest.fixture(scope="module")
+def logs(fitted_routers, tmp_path_factory):
+    """Three EvalLogs of real RouterBench test rows (one model per query, a client-specific skewed
+    model mix, clients split by task) with MiniLM embeddings of the real prompts, plus one row
+    without an embedding (skipped by the protocol). Returns the paths and the pooled columns."""
+    table, emb = fitted_routers["test"], fitted_routers["test_embeddings"]
+    rng = np.random.default_rng(7)
+    order = np.argsort(table.tasks.astype(str), kind="stable")
+    parts = np.array_split(order, N_CLIENTS)
+    out = tmp_path_factory.mktemp("flower-logs")
+    paths, pooled = {}, {"client": [], "embedding": [], "model": [], "score": [], "cost": []}
+    for c, rows in enumerate(parts):
+        mix = rng.dirichlet(np.full(len(table.models), 0.6))
+        models = rng.choice(len(table.models), size=rows.size, p=mix)
+        paths[c] = out / f"client{c}.sqlite"
+        with EvalLog(paths[c], table.models) as log:
+            for i, m in zip(rows, models):
+                log.record(table.models[m], float(table.accuracy[i, m]), float(table.cost[i, m]), embedding=emb[i],
+                           query=table.prompts[i])  # dropped: store_text is off
+            log.record(table.models[0], 1.0, 0.01, cell=0)  # no embedding: not part of any update
+        pooled["client"] += [c] * rows.size
+        pooled["embedding"].append(emb[rows])
+        pooled["model"].append(models)
+        pooled["score"].append(table.accuracy[rows, models])
+        pooled["cost"].append(table.cost[rows, models])
+    pooled = {k: np.asarray(v) if k == "client" else np.concatenate(v) for k, v in pooled.items()}
+    return {"paths": paths, "models": table.models, **pooled}
+
+
+def pooled_statistics(logs, centroids) -> CellStatistics:
+    cells = nearest_cell(logs["embedding"], centroids)
+    return CellStatistics.from_samples(cells, logs["model"], logs["score"], logs["cost"], len(centroids),
+                                       len(logs["models"]))
+
+
+def centralised_lloyd_step(logs, centroids) -> np.ndarray:
+    """One Lloyd step on the pooled embeddings (a cell with no query keeps its centroid)."""
+    x = logs["embedding"].astype(np.float64)
+    cells = nearest_cell(x, centroids)
+    out = np.asarray(centroids, dtype=np.float64).copy()
+    for k in np.unique(cells):
+        out[k] = x[cells == k].mean(axis=0)
+    return out.astype(np.float32)
+
+
+def smallest_client_cell(logs, centroids) -> int:
+    """Fewest queries of one client in one non-empty cell (a device reports no mean of fewer than 2)."""
+    group = logs["client"] * len(centroids) + nearest_cell(logs["embedding"], centroids)
+    sizes = np.bincount(group)
+    return int(sizes[sizes > 0].min())
+
+
+def seed_centroids(logs, k: int = 4) -> np.ndarray:
+    """k of the logged real embeddings, evenly spaced, as initial centroids."""
+    return logs["embedding"][:: len(logs["embedding"]) // k][:k]
+
+
+# ------------------------------------------------------------------ the Flower simulation
+
+
+def test_flower_simulation_gives_the_pooled_statistics_and_the_centralised_lloyd_step(
+        logs, fitted_routers, monkeypatch):
+    pytest.importorskip("ray")
+    from flwr.simulation import run_simulation
+
+    for name in ("flwr.supercore.telemetry", "flwr.common.telemetry"):  # hermetic: no usage events sent
+        if hasattr(sys.modules.get(name), "FLWR_TELEMETRY_ENABLED"):
+            monkeypatch.setattr(sys.modules[name], "FLWR_TELEMETRY_ENABLED", "0")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # silences a FutureWarning; no GPU used
+    c0 = fitted_routers["kmeans"].centroids_  # 6 cells fitted on real train prompts
+    strategy = FederatedKMeansStrategy(logs["models"], EMBEDDER, min_count=1, centroid_rounds=1,
+                                       min_train_nodes=N_CLIENTS, min_available_nodes=N_CLIENTS,
+                                       rng=np.random.default_rng(0))
+    run_simulation(
+        make_server_app(strategy, c0, num_rounds=2, timeout=120.0),
+        make_client_app(logs["paths"]),
+        num_supernodes=N_CLIENTS,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                        "init_args": {"num_cpus": 2, "include_dashboard": False}},
+    )
+
+    assert strategy.rejected_ == []
+    assert len(strategy.clients_) == N_CLIENTS and strategy.n_aggregates_ == 2
+    # With min_count=1 a device holds back only single-query cell means; these logs have none, so
+    # the federated step must equal the pooled one exactly.
+    assert smallest_client_cell(logs, c0) >= 2 and smallest_client_cell(logs, strategy.centroids_) >= 2
+    # Round 1 moved the centroids by one Lloyd step; round 2 kept them and merged statistics.
+    c1 = centralised_lloyd_step(logs, c0)
+    assert np.abs(c1 - c0).max() > 1e-2
+    np.testing.assert_allclose(strategy.centroids_, c1, rtol=0, atol=1e-6)
+    expected = pooled_statistics(logs, strategy.centroids_)
+    for name in ("count", "sum_accuracy", "sum_cost"):
+        np.testing.assert_allclose(getattr(strategy.statistics_, name), getattr(expected, name), rtol=1e-12, atol=0)
+    assert strategy.statistics_.count.sum() == len(logs["model"])  # every embedded row, none twice
+    np.testing.assert_allclose(strategy.next_centroids_, centralised_lloyd_step(logs, strategy.centroids_),
+                               rtol=0, atol=1e-6)
+    # Only aggregates left the devices: cell means of >= 2 queries, never a single embedding.
+    for _, update in strategy.latest_updates_.values():
+        assert update.local_weights.min() >= centroid_threshold(1)
+        gaps = np.linalg.norm(update.local_centroids[:, None] - logs["embedding"][None], axis=-1)
+        assert gaps.min() > 1e-4
+    # The router built from the merge predicts as the centralised router on the same cells.
+    identity = fitted_routers["kmeans"].embedder
+    router = strategy.to_router(prior_strength=16.0, model_prior_strength=10.0, embedder=identity)
+    central = KMeansRouter(strategy.centroids_, expected, logs["models"], 16.0, 10.0)
+    for got, want in zip(router.predict(logs["embedding"]), central.predict(logs["embedding"])):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert router.embedder == identity
+
+
+# ------------------------------------------------------------------ in process, without Ray
+
+
+class InProcessGrid(Grid):
+    """Delivers each message to a real ClientApp in this process (Flower's own Message path, no
+    transport); nodes in ``absent`` do not answer."""
+
+    def __init__(self, client_app, n_nodes: int, absent=()):
+        self.app, self.absent = client_app, set(absent)
+        self.contexts = {100 + i: Context(run_id=1, node_id=100 + i, node_config={"partition-id": i},
+                                          state=RecordDict(), run_config={}) for i in range(n_nodes)}
+
+    def set_run(self, run):  # pragma: no cover - not used by Strategy.start
+        raise NotImplementedError
+
+    @property
+    def run(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def create_message(self, *args, **kwargs):  # pragma: no cover
+        raise NotImplementedError
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def push_messages(self, messages):  # pragma: no cover
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # pragma: no cover
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return [self.app(m, self.contexts[m.metadata.dst_node_id]) for m in messages
+                if m.metadata.dst_node_id not in self.absent]
+
+
+def test_a_node_that_misses_a_round_keeps_its_latest_update(logs, tmp_path):
+    c0 = seed_centroids(logs)
+    paths = {c: tmp_path / f"c{c}.sqlite" for c in range(N_CLIENTS)}
+    for c, src in logs["paths"].items():
+        paths[c].write_bytes(src.read_bytes())
+    strategy = FederatedKMeansStrategy(logs["models"], EMBEDDER, centroid_rounds=0, rng=np.random.default_rng(0))
+    app = make_client_app(paths)
+    strategy.start(grid=InProcessGrid(app, N_CLIENTS), initial_arrays=centroids_record(c0), num_rounds=1)
+    first = strategy.statistics_
+    # Node 0 logs more, then node 2 misses the next round: its round-1 update stays in the merge.
+    extra = logs["embedding"][logs["client"] == 1][:5]
+    with EvalLog(paths[0], logs["models"]) as log:
+        for e in extra:
+            log.record(logs["models"][1], 1.0, 0.5, embedding=e)
+    strategy.start(grid=InProcessGrid(app, N_CLIENTS, absent={102}), initial_arrays=centroids_record(c0), num_rounds=1)
+
+    assert strategy.clients_ == ("100", "101", "102")
+    cells = nearest_cell(extra, c0)
+    added = CellStatistics.from_samples(cells, np.ones(5, dtype=np.int64), np.ones(5), np.full(5, 0.5), len(c0),
+                                        len(logs["models"]))
+    np.testing.assert_allclose(strategy.statistics_.count, pooled_statistics(logs, c0).count + added.count)
+    np.testing.assert_allclose(strategy.statistics_.sum_cost, first.sum_cost + added.sum_cost, rtol=1e-12)
+    np.testing.assert_array_equal(strategy.centroids_, c0)  # centroid_rounds=0: the partition never moves
+
+
+def test_a_failing_or_stale_reply_is_dropped_and_listed(logs, tmp_path):
+    c0 = seed_centroids(logs)
+    paths = dict(logs["paths"])
+    paths[2] = tmp_path / "missing.sqlite"  # node 102 has no log: Flower error reply
+    strategy = FederatedKMeansStrategy(logs["models"], EMBEDDER, rng=np.random.default_rng(0))
+    app = make_client_app(paths)
+
+    class ErrorGrid(InProcessGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            out = []
+            for m in messages:
+                try:
+                    out.append(self.app(m, self.contexts[m.metadata.dst_node_id]))
+                except Exception as exc:  # what Flower's runtime turns into an error reply
+                    out.append(Message(Error(code=0, reason=str(exc)), reply_to=m))
+            return out
+
+    strategy.start(grid=ErrorGrid(app, N_CLIENTS), initial_arrays=centroids_record(c0), num_rounds=1)
+    assert strategy.clients_ == ("100", "101")
+    assert [(r.client_id, "no evaluation log" in r.reason) for r in strategy.rejected_] == [("102", True)]
+
+    # A reply computed for other centroids is refused, not merged.
+    spec_hash = "0" * 64
+    update = strategy.latest_updates_["100"][1]
+    instruction = Message(RecordDict(), dst_node_id=100, message_type=MessageType.TRAIN)
+    strategy.configure_train(2, centroids_record(c0), ConfigRecord(), InProcessGrid(app, N_CLIENTS))
+    strategy.aggregate_train(2, [Message(update_to_record(update, spec_hash), reply_to=instruction)])
+    assert strategy.rejected_[-1].client_id == "100" and "centroids" in strategy.rejected_[-1].reason
+
+
+def test_the_strategy_applies_the_aggregation_options_as_the_pure_function(logs):
+    c0 = seed_centroids(logs)
+    config = AggregationConfig(clip_count=20.0, max_cost_usd=0.05, trim_fraction=0.34)
+    strategy = FederatedKMeansStrategy(logs["models"], EMBEDDER, aggregation=config, centroid_rounds=0,
+                                       rng=np.random.default_rng(0))
+    strategy.start(grid=InProcessGrid(make_client_app(logs["paths"]), N_CLIENTS),
+                   initial_arrays=centroids_record(c0), num_rounds=1)
+
+    spec = RoundSpec(1, "kmeans", c0, centroids_hash(c0), tuple(logs["models"]), EMBEDDER, c0.shape[1], 1, "")
+    updates = {str(100 + c): client_update(path, spec) for c, path in logs["paths"].items()}
+    assert min(u.log_size for u in updates.values()) > config.clip_count  # clipping is at work
+    expected = aggregate_kmeans(c0, updates, config, np.random.default_rng(0))
+    for name in ("count", "sum_accuracy", "sum_cost"):
+        np.testing.assert_array_equal(getattr(strategy.statistics_, name), getattr(expected.statistics, name))
+    np.testing.assert_array_equal(strategy.next_centroids_, expected.next_centroids)
+
+
+def test_noise_is_accounted_over_the_published_aggregates(logs):
+    pytest.importorskip("dp_accounting")
+    config = AggregationConfig(clip_count=20.0, max_cost_usd=0.05, noise_multiplier=1.0, delta=1e-5)
+    strategy = FederatedKMeansStrategy(logs["models"], EMBEDDER, aggregation=config, rng=np.random.default_rng(0))
+    strategy.start(grid=InProcessGrid(make_client_app(logs["paths"]), N_CLIENTS),
+                   initial_arrays=centroids_record(seed_centroids(logs)), num_rounds=2)
+    assert strategy.n_aggregates_ == 2
+    assert strategy.epsilon_ == gaussian_epsilon(1.0, 1e-5)
+    assert strategy.epsilon_spent() == gaussian_epsilon(1.0, 1e-5, 2) > strategy.epsilon_
+
+
+# ------------------------------------------------------------------ wire format and validation
+
+
+def small_update() -> KMeansUpdate:
+    stats = CellStatistics(np.array([[2.0, 0.0], [0.0, 3.0]]), np.array([[1.0, 0.0], [0.0, 2.5]]),
+                           np.array([[0.002, 0.0], [0.0, 0.3]]))
+    return KMeansUpdate(stats, np.array([0, 1], dtype=np.int64), np.array([[0.6, 0.8], [1.0, 0.0]]),
+                        np.array([2.0, 3.0]), log_size=6)
+
+
+def test_update_round_trips_exactly_through_numpy_and_flower_records():
+    update = small_update()
+    arrays = update_to_ndarrays(update)
+    assert list(arrays) == list(UPDATE_ARRAYS)
+    assert {k: (str(a.dtype), a.shape) for k, a in arrays.items()} == {
+        "count": ("float64", (2, 2)), "sum_accuracy": ("float64", (2, 2)), "sum_cost": ("float64", (2, 2)),
+        "centroid_cells": ("int64", (2,)), "local_centroids": ("float64", (2, 2)), "local_weights": ("float64", (2,)),
+        "log_size": ("int64", ()),
+    }
+    for back in (update_from_ndarrays(arrays), update_from_record(update_to_record(update, "h" * 64))[0]):
+        for name, a in update_to_ndarrays(back).items():
+            np.testing.assert_array_equal(a, arrays[name])
+            assert a.dtype == arrays[name].dtype
+    record = update_to_record(update, "h" * 64)
+    assert set(record) == {"update", "config", "metrics"}
+    assert record["metrics"] == MetricRecord({"num-examples": 6})
+
+
+def _with(name, value):
+    arrays = update_to_ndarrays(small_update())
+    arrays[name] = value
+    return arrays
+
+
+@pytest.mark.parametrize("arrays, message", [
+    ({k: v for k, v in update_to_ndarrays(small_update()).items() if k != "log_size"}, "missing ['log_size']"),
+    ({**update_to_ndarrays(small_update()), "queries": np.zeros(1)}, "unexpected ['queries']"),
+    (_with("centroid_cells", np.array([0.0, 1.0])), "must hold integers"),
+    (_with("count", np.array([2.0, 3.0])), "must be 2-D"),
+    (_with("sum_accuracy", np.array([[3.0, 0.0], [0.0, 2.5]])), "sum_accuracy must lie in [0, count]"),
+    (_with("sum_cost", np.array([[-1.0, 0.0], [0.0, 0.3]])), "sum_cost must be >= 0"),
+])
+def test_malformed_arrays_are_refused(arrays, message):
+    with pytest.raises(ShapeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        update_from_ndarrays(arrays)
+
+
+@pytest.mark.parametrize("arrays, min_count, message", [
+    (update_to_ndarrays(small_update()), 3, r"count\[0, 0\]=2 is below min_count=3"),
+    (_with("log_size", np.array(4)), 1, "counts sum to 5, more than log_size=4"),
+    (_with("count", np.array([[1.5, 0.0], [0.0, 3.0]])), 1, "whole numbers"),
+    (_with("centroid_cells", np.array([0, 5])), 1, r"centroid_cells must lie in \[0, 2\)"),
+    (_with("centroid_cells", np.array([1, 1])), 1, "must not repeat"),
+    (_with("local_centroids", np.zeros((2, 3))), 1, r"must have shapes \(2, 2\)"),
+    (_with("local_weights", np.array([1.0, 3.0])), 1, "local_weights must be >= 2"),
+    (_with("local_centroids", np.array([[np.nan, 0.0], [1.0, 0.0]])), 1, "must be finite"),
+])
+def test_an_update_that_breaks_the_round_is_refused(arrays, min_count, message):
+    with pytest.raises(ShapeError, match=message):
+        validate_update(update_from_ndarrays(arrays), np.zeros((2, 2), dtype=np.float32), 2, min_count)
+
+
+def test_a_valid_update_passes_and_a_wrong_shape_of_statistics_does_not():
+    validate_update(small_update(), np.zeros((2, 2), dtype=np.float32), 2, 2)
+    with pytest.raises(ShapeError, match=r"statistics have shape \(2, 2\), the round expects \(3, 2\)"):
+        validate_update(small_update(), np.zeros((3, 2), dtype=np.float32), 2, 1)
+
+
+def test_centroids_record_refuses_bad_centroids():
+    assert centroids_record(np.eye(2))["centroids"].numpy().dtype == np.float32
+    with pytest.raises(ShapeError, match="finite"):
+        centroids_record(np.array([[np.inf, 0.0]]))
+    with pytest.raises(ShapeError, match=r"shape \(n_cells, d_emb\)"):
+        centroids_record(np.zeros(3))

@@ -1,0 +1,266 @@
+"""End to end over real HTTPS between real processes (issue: federated sync).
+
+The server runs as ``fedroute serve`` on 127.0.0.1 over TLS (a local CA made with trustme); the
+operator uses the real CLI; three devices hold real :class:`sdk.EvalLog` files built from RouterBench
+rows, embedded by the bundle's own ONNX embedder as ``Router.choose`` does on a device. One device
+syncs in-process through :class:`sdk.SyncClient` with a transport that records every request it
+sends (privacy check), the other two run the ``fedroute-sync`` command. One round closes on quorum,
+a new bundle is published and picked up by every device, and the merged statistics equal the
+centralised statistics of the pooled logs. A second round shows a device restarted mid-round with
+the same identity: counted once, with its latest log.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import ssl
+import subprocess
+import sys
+import time
+import httpx
+import numpy as np
+import pytest
+
+from sdk import EvalLog, Router
+from sdk.cell_statistics import CellStatistics
+from sdk.sync import SyncClient
+from sdk.voronoi import nearest_cell
+
+pytestmark = pytest.mark.slow
+
+CLI = (sys.executable, "-m", "trainer.cli")
+SYNC_CLI = (sys.executable, "-m", "sdk.sync_cli")
+PER_CLIENT = 40
+
+
+class RecordingTransport(httpx.HTTPTransport):
+    """httpx's own transport, keeping a copy of every request (method, path, body) it sends."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.sent: list[tuple[str, str, bytes]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append((request.method, request.url.path, request.read()))
+        return super().handle_request(request)
+
+
+def cli(*args: str) -> str:
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def wait_for(predicate, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, make_bundle, signing_keys, routerbench_dir):
+    """Server bundle, three device bundles and logs, the TLS files, clients and an open round."""
+    import trustme
+
+    from trainer.data.routerbench import load_routerbench_dir
+
+    work = tmp_path_factory.mktemp("sync_e2e")
+    server_bundle = make_bundle(work / "server" / "bundle", "kmeans")
+    ca = trustme.CA()
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(work / "server.pem"))
+    ca.cert_pem.write_to_path(str(work / "ca.pem"))
+    db = f"sqlite:///{work / 'fed.db'}"
+    tokens = {c: cli("clients", "add", c, "--db", db).strip() for c in ("dev-a", "dev-b", "dev-c")}
+    opened = json.loads(cli("rounds", "open", "--db", db, "--bundle-dir", str(server_bundle), "--signing-key",
+                            str(signing_keys[0]), "--quorum", "3", "--min-count", "1", "--deadline-s", "600"))
+
+    train, _ = load_routerbench_dir(routerbench_dir)
+    rng = np.random.default_rng(11)
+    rows = rng.choice(train.n_queries, 3 * PER_CLIENT + 10, replace=False)
+    router = Router.load(server_bundle, signing_keys[1])
+    prompts = [train.prompts[i] for i in rows]
+    embeddings = router.embed(prompts)
+    labelled = train.labelled()
+    logs, pooled = {}, []
+    for j, client in enumerate(tokens):
+        shutil.copytree(server_bundle, work / client / "bundle")  # the device's copy of v1
+        logs[client] = work / client / "eval_log.sqlite"
+        with EvalLog(logs[client], train.models) as log:
+            for k in range(j * PER_CLIENT, (j + 1) * PER_CLIENT):
+                i = rows[k]
+                m = int(rng.choice(np.flatnonzero(labelled[i])))  # the one model this query went to
+                log.record(train.models[m], float(train.accuracy[i, m]), float(train.cost[i, m]),
+                           embedding=embeddings[k])
+                pooled.append((client, k, m, float(train.accuracy[i, m]), float(train.cost[i, m])))
+    return {"work": work, "db": db, "tokens": tokens, "round_id": opened["round_id"], "server_bundle": server_bundle,
+            "logs": logs, "pooled": pooled, "embeddings": embeddings, "prompts": prompts, "rows": rows,
+            "models": train.models, "train": train, "ca": work / "ca.pem", "pub": signing_keys[1]}
+
+
+@pytest.fixture(scope="module")
+def server(deployment):
+    import socket
+
+    work = deployment["work"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (work / "server.log").open("ab")
+    process = subprocess.Popen([*CLI, "serve", "--db", deployment["db"], "--tls-cert", str(work / "server.pem"),
+                                "--tls-key", str(work / "server.pem"), "--port", str(port), "--bundle-dir",
+                                str(deployment["server_bundle"]), "--tick-s", "0.2"], stdout=log, stderr=log)
+    url = f"https://127.0.0.1:{port}"
+    context = ssl.create_default_context(cafile=str(deployment["ca"]))
+
+    def healthy():
+        try:
+            return httpx.get(f"{url}/v1/health", verify=context, timeout=2).status_code == 200
+        except httpx.TransportError:
+            return process.poll() is not None and pytest.fail((work / "server.log").read_text())
+
+    wait_for(healthy)
+    yield url
+    process.terminate()
+    process.wait(15)
+
+
+def sync_in_process(deployment, server, client, transport=None):
+    with EvalLog(deployment["logs"][client], deployment["models"]) as log, SyncClient(
+            server, deployment["tokens"][client], log, deployment["work"] / client / "bundle", deployment["pub"],
+            ca_cert=deployment["ca"], transport=transport) as sync:
+        return sync.run_once()
+
+
+def sync_command(deployment, server, client) -> dict:
+    token_file = deployment["work"] / client / "token"
+    token_file.write_text(deployment["tokens"][client])
+    done = subprocess.run([*SYNC_CLI, "--server", server, "--log", str(deployment["logs"][client]), "--bundle",
+                           str(deployment["work"] / client / "bundle"), "--public-key", str(deployment["pub"]),
+                           "--token-file", str(token_file), "--ca-cert", str(deployment["ca"])],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def first_round(deployment, server):
+    context = ssl.create_default_context(cafile=str(deployment["ca"]))
+    transport = RecordingTransport(verify=context)
+    results = {"dev-a": sync_in_process(deployment, server, "dev-a", transport)}
+    for client in ("dev-b", "dev-c"):
+        results[client] = sync_command(deployment, server, client)
+
+    def closed():
+        status = json.loads(cli("rounds", "status", "--db", deployment["db"]))
+        return status if status["status"] == "closed" else None
+
+    status = wait_for(closed)
+    picked = {"dev-a": sync_in_process(deployment, server, "dev-a")}
+    for client in ("dev-b", "dev-c"):
+        picked[client] = sync_command(deployment, server, client)
+    return {"uploads": results, "status": status, "picked": picked, "sent": transport.sent}
+
+
+def centralised(deployment, centroids, clients=("dev-a", "dev-b", "dev-c"), extra=()) -> CellStatistics:
+    rows = [r for r in deployment["pooled"] if r[0] in clients] + list(extra)
+    emb = deployment["embeddings"][[r[1] for r in rows]]
+    return CellStatistics.from_samples(nearest_cell(emb, centroids), [r[2] for r in rows], [r[3] for r in rows],
+                                       [r[4] for r in rows], centroids.shape[0], len(deployment["models"]))
+
+
+def test_round_closes_on_quorum_and_statistics_equal_the_centralised_ones(deployment, first_round):
+    from trainer.server.store import Store
+
+    for client, result in first_round["uploads"].items():
+        assert result["uploaded"] if isinstance(result, dict) else result.uploaded, client
+    outcome = first_round["status"]["outcome"]
+    assert outcome["result"] == "aggregated" and outcome["clients"] == ["dev-a", "dev-b", "dev-c"]
+    assert outcome["total_count"] == 3 * PER_CLIENT and outcome["bundle_version"] == 2
+    store = Store(deployment["db"])
+    r = store.get_round(deployment["round_id"])
+    agg = store.aggregate_of(r.id)
+    expected = centralised(deployment, r.centroids)
+    np.testing.assert_array_equal(agg["count"], expected.count)
+    np.testing.assert_allclose(agg["sum_accuracy"], expected.sum_accuracy, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(agg["sum_cost"], expected.sum_cost, rtol=1e-12, atol=1e-15)
+
+
+def test_new_bundle_is_published_and_picked_up_by_every_device(deployment, first_round):
+    from trainer.server.store import Store
+
+    r = Store(deployment["db"]).get_round(deployment["round_id"])
+    expected = centralised(deployment, r.centroids)
+    for client, result in first_round["picked"].items():
+        version = result["bundle_version"] if isinstance(result, dict) else result.bundle_version
+        assert version == 2, client
+        bundle = deployment["work"] / client / "bundle"
+        assert bundle.is_symlink()
+        router = Router.load(bundle, deployment["pub"])
+        assert router.bundle_version == 2 and router.manifest["provenance"] == {"federated_round": 1, "clients": 3}
+        with np.load(bundle / "kmeans.npz") as z:
+            np.testing.assert_array_equal(z["count"], expected.count)
+        choice = router.choose(deployment["prompts"][-1], lam=0.0)  # a query no device logged
+        assert choice.model in deployment["models"]
+    server_manifest = json.loads((deployment["server_bundle"] / "manifest.json").read_text())
+    assert server_manifest["bundle_version"] == 2 and "parity.json" not in server_manifest["files"]
+
+
+def test_requests_carry_no_text_and_no_per_query_embedding(deployment, first_round):
+    sent = first_round["sent"]
+    assert [(m, p) for m, p, _ in sent][:2] == [("GET", "/v1/rounds/current"), ("POST", "/v1/rounds/1/updates")]
+    posts = [body for method, _, body in sent if method == "POST"]
+    assert len(posts) == 1 and all(body == b"" for method, _, body in sent if method == "GET")
+    body = posts[0]
+    text = body.decode()
+    for prompt in deployment["prompts"]:
+        for start in range(0, max(1, len(prompt) - 24), 24):  # no 24-character piece of any prompt
+            piece = prompt[start:start + 24]
+            if len(piece.strip()) >= 16:
+                assert piece not in text
+    upload = json.loads(body)
+    own = deployment["embeddings"][:PER_CLIENT].astype(np.float64)
+    means = np.asarray(upload["local_centroids"])
+    assert means.shape[0] >= 1 and (np.asarray(upload["local_weights"]) >= 2).all()
+    distance = np.linalg.norm(means[:, None, :] - own[None, :, :], axis=2)
+    assert distance.min() > 1e-3  # no reported vector is (numerically) one query's embedding
+    assert set(upload) == {"client_id", "round_id", "kind", "centroids_hash", "models", "log_size", "count",
+                           "sum_accuracy", "sum_cost", "centroid_cells", "local_centroids", "local_weights"}
+
+
+def test_device_restarted_mid_round_is_counted_once_with_its_latest_log(deployment, server, first_round, signing_keys):
+    from trainer.server.store import Store
+
+    opened = json.loads(cli("rounds", "open", "--db", deployment["db"], "--bundle-dir", str(deployment["server_bundle"]),
+                            "--signing-key", str(signing_keys[0]), "--quorum", "3", "--min-count", "1",
+                            "--deadline-s", "600"))
+    first = sync_in_process(deployment, server, "dev-a")
+    assert first.uploaded and first.round_id == opened["round_id"]
+    # The device dies after the upload was acknowledged, before it saved its state: it runs again.
+    state = deployment["work"] / "dev-a" / ".bundle.sync.json"
+    state.unlink()
+    again = sync_in_process(deployment, server, "dev-a")
+    assert again.update_id == first.update_id  # the server recognised the retry (same key, same body)
+    # It then logs more evaluations and syncs again within the same round: its new update replaces the old.
+    train, extra = deployment["train"], []
+    with EvalLog(deployment["logs"]["dev-a"], deployment["models"]) as log:
+        for k in range(3 * PER_CLIENT, 3 * PER_CLIENT + 10):
+            i = deployment["rows"][k]
+            m = int(np.flatnonzero(train.labelled()[i])[0])
+            log.record(train.models[m], float(train.accuracy[i, m]), float(train.cost[i, m]),
+                       embedding=deployment["embeddings"][k])
+            extra.append(("dev-a", k, m, float(train.accuracy[i, m]), float(train.cost[i, m])))
+    grown = sync_in_process(deployment, server, "dev-a")
+    assert grown.uploaded and grown.update_id != first.update_id and grown.log_size == PER_CLIENT + 10
+    store = Store(deployment["db"])
+    assert len(store.round_updates(opened["round_id"])) == 2  # two distinct bodies, no duplicate
+    outcome = json.loads(cli("rounds", "close", "--db", deployment["db"]))
+    assert outcome["clients"] == ["dev-a", "dev-b", "dev-c"]  # b and c still count with round 1
+    r = store.get_round(opened["round_id"])
+    expected = centralised(deployment, r.centroids, extra=extra)
+    np.testing.assert_array_equal(store.aggregate_of(r.id)["count"], expected.count)
+    assert outcome["total_count"] == 3 * PER_CLIENT + 10

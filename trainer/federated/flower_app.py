@@ -1,0 +1,592 @@
+"""Federated K-means (paper 002) on Flower: a message-API ``Strategy``, a ``ClientApp`` and their wire format.
+
+The same protocol as the built-in HTTPS server (ARCHITECTURE.md §6), carried by Flower
+(https://flower.ai, ``flwr >= 1.21``, message API of :mod:`flwr.serverapp.strategy`) instead of our
+own transport. The maths is not repeated here: the device side is :func:`sdk.local_update.kmeans_update`,
+the server side :func:`trainer.federated.kmeans_aggregation.aggregate_kmeans`.
+
+One Flower round ``r``
+----------------------
+1. Server -> each sampled node, message type ``"train"``:
+
+   - ``arrays["centroids"]``: ndarray of shape (n_cells, d_emb), float32, the global centroids ``C_r``;
+   - ``config``: ``round-id`` (int), ``centroids-hash`` (:func:`sdk.local_update.centroids_hash`),
+     ``models`` (list of str, the column order), ``embedder-name`` (str), ``min-count`` (int).
+
+2. Node -> server, the reply (:func:`update_to_record`): the node's
+   :class:`sdk.local_update.KMeansUpdate` for ``C_r`` as named arrays (:data:`UPDATE_ARRAYS`), the
+   ``centroids-hash`` it was computed for, and ``metrics["num-examples"]`` (its log size). Only
+   aggregates travel: counts and sums per (cell, model) and mean embeddings of cells with at least
+   ``max(min_count, 2)`` queries; never a query text nor a per-query embedding.
+
+3. Server: each reply is validated (:func:`validate_update`; an invalid one is dropped and listed
+   in :attr:`FederatedKMeansStrategy.rejected_`, never fatal), kept as the node's *latest* update,
+   and the latest updates computed for ``C_r`` are aggregated. A node that misses a round is not
+   lost (paper 002): its latest update stays in every later aggregate over the same centroids.
+   While ``r <= centroid_rounds`` the aggregate's Lloyd step gives the next broadcast ``C_{r+1}``;
+   afterwards the centroids stay fixed and rounds only refresh the statistics.
+
+Clients are identified by Flower's node id (``message.metadata.src_node_id``), which the SuperLink
+assigns and, with node authentication, verifies: a node cannot report for another one.
+
+Running it
+----------
+Simulation (needs ``flwr[simulation]``, i.e. Ray)::
+
+    strategy = FederatedKMeansStrategy(models, "all-MiniLM-L6-v2", centroid_rounds=1)
+    run_simulation(make_server_app(strategy, centroids, num_rounds=2),
+                   make_client_app({0: "a.sqlite", 1: "b.sqlite"}), num_supernodes=2)
+    router = strategy.to_router(prior_strength=16.0)
+
+Deployment: each SuperNode is started with ``--node-config 'eval-log="/path/to/log.sqlite"'`` and
+runs :func:`make_client_app` ``()``; the ServerApp calls :meth:`FederatedKMeansStrategy.start`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from pathlib import Path
+
+import numpy as np
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.clientapp import ClientApp
+from flwr.common import log
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy.strategy_utils import sample_nodes
+
+from sdk.cell_statistics import CellStatistics
+from sdk.errors import EvalLogError, InvalidInputError, ShapeError
+from sdk.eval_log import EvalLog
+from sdk.local_update import (
+    KMeansUpdate,
+    RoundSpec,
+    centroids_hash,
+    kmeans_update,
+)
+from trainer.federated.kmeans_aggregation import (
+    AggregationConfig,
+    aggregate_kmeans,
+    gaussian_epsilon,
+)
+from trainer.federated.update_checks import check_kmeans_update as validate_update
+from trainer.routers.kmeans_router import KMeansRouter
+
+#: Names of the arrays of a serialised :class:`KMeansUpdate`, in order (see :func:`update_to_ndarrays`).
+UPDATE_ARRAYS = ("count", "sum_accuracy", "sum_cost", "centroid_cells", "local_centroids", "local_weights", "log_size")
+
+#: Record keys of the messages (module docstring).
+CENTROIDS_KEY = "centroids"
+ARRAYS_KEY = "arrays"
+UPDATE_KEY = "update"
+CONFIG_KEY = "config"
+METRICS_KEY = "metrics"
+
+#: Node-config key holding the EvalLog path of a deployed SuperNode.
+EVAL_LOG_NODE_CONFIG = "eval-log"
+
+_ROUND_CONFIG_KEYS = ("round-id", "centroids-hash", "models", "embedder-name", "min-count")
+
+
+# --------------------------------------------------------------------------- wire format
+
+
+def update_to_ndarrays(update: KMeansUpdate) -> dict[str, np.ndarray]:
+    """A :class:`KMeansUpdate` as named numpy arrays (the keys of :data:`UPDATE_ARRAYS`).
+
+    Returns
+    -------
+    dict with ``count``, ``sum_accuracy``, ``sum_cost`` : ndarrays of shape (n_cells, n_models),
+    float64 (sum_cost in USD); ``centroid_cells`` : (n_reported,) int64; ``local_centroids`` :
+    (n_reported, d_emb) float64; ``local_weights`` : (n_reported,) float64; ``log_size`` : shape (),
+    int64. Values are copied exactly (no rounding).
+    """
+    s = update.statistics
+    return {
+        "count": np.asarray(s.count, dtype=np.float64),
+        "sum_accuracy": np.asarray(s.sum_accuracy, dtype=np.float64),
+        "sum_cost": np.asarray(s.sum_cost, dtype=np.float64),
+        "centroid_cells": np.asarray(update.centroid_cells, dtype=np.int64),
+        "local_centroids": np.asarray(update.local_centroids, dtype=np.float64),
+        "local_weights": np.asarray(update.local_weights, dtype=np.float64),
+        "log_size": np.asarray(update.log_size, dtype=np.int64),
+    }
+
+
+def update_from_ndarrays(arrays: Mapping[str, np.ndarray]) -> KMeansUpdate:
+    """Inverse of :func:`update_to_ndarrays`; checks names, dtypes and ranks (not the round: see
+    :func:`validate_update`).
+
+    Raises
+    ------
+    ShapeError
+        A name of :data:`UPDATE_ARRAYS` is missing or another one is present, an array has a
+        non-numeric dtype or the wrong rank, or the statistics are invalid (negative or non-finite
+        counts, ``sum_accuracy`` outside ``[0, count]``, negative costs).
+    """
+    names = set(arrays)
+    if names != set(UPDATE_ARRAYS):
+        raise ShapeError(
+            f"an update holds exactly the arrays {list(UPDATE_ARRAYS)}; missing {sorted(set(UPDATE_ARRAYS) - names)}, "
+            f"unexpected {sorted(names - set(UPDATE_ARRAYS))}"
+        )
+    ranks = {"count": 2, "sum_accuracy": 2, "sum_cost": 2, "centroid_cells": 1, "local_centroids": 2,
+             "local_weights": 1, "log_size": 0}
+    out: dict[str, np.ndarray] = {}
+    for name in UPDATE_ARRAYS:
+        arr = np.asarray(arrays[name])
+        integral = name in ("centroid_cells", "log_size")
+        if arr.dtype.kind not in ("iu" if integral else "fiu"):
+            kind = "integers" if integral else "numbers"
+            raise ShapeError(f"update array {name!r} must hold {kind}, got dtype {arr.dtype}")
+        if arr.ndim != ranks[name]:
+            raise ShapeError(f"update array {name!r} must be {ranks[name]}-D, got shape {arr.shape}")
+        out[name] = arr
+    return KMeansUpdate(
+        statistics=CellStatistics(out["count"], out["sum_accuracy"], out["sum_cost"]),
+        centroid_cells=out["centroid_cells"].astype(np.int64),
+        local_centroids=out["local_centroids"].astype(np.float64),
+        local_weights=out["local_weights"].astype(np.float64),
+        log_size=int(out["log_size"]),
+    )
+
+
+def update_to_record(update: KMeansUpdate, partition_hash: str) -> RecordDict:
+    """The content of a node's reply: ``update`` (ArrayRecord of :func:`update_to_ndarrays`),
+    ``config`` (``centroids-hash``: the partition it was computed for) and ``metrics``
+    (``num-examples``: the log size, Flower's conventional weight key)."""
+    arrays = ArrayRecord({name: Array(a) for name, a in update_to_ndarrays(update).items()})
+    return RecordDict({
+        UPDATE_KEY: arrays,
+        CONFIG_KEY: ConfigRecord({"centroids-hash": str(partition_hash)}),
+        METRICS_KEY: MetricRecord({"num-examples": int(update.log_size)}),
+    })
+
+
+def update_from_record(content: RecordDict) -> tuple[KMeansUpdate, str]:
+    """``(update, centroids hash)`` from a reply's content (:func:`update_to_record`).
+
+    Raises
+    ------
+    ShapeError
+        A record or key is missing or has the wrong type, or :func:`update_from_ndarrays` refuses
+        the arrays.
+    """
+    try:
+        arrays = content.array_records[UPDATE_KEY]
+        partition_hash = content.config_records[CONFIG_KEY]["centroids-hash"]
+    except KeyError as exc:
+        raise ShapeError(f"a K-means reply needs the array record {UPDATE_KEY!r} and "
+                         f"{CONFIG_KEY}['centroids-hash'], missing {exc}") from exc
+    if not isinstance(partition_hash, str):
+        raise ShapeError(f"centroids-hash must be a str, got {type(partition_hash).__name__}")
+    try:
+        ndarrays = {name: arrays[name].numpy() for name in arrays}
+    except (TypeError, ValueError) as exc:
+        raise ShapeError(f"update arrays are not numpy arrays: {exc}") from exc
+    return update_from_ndarrays(ndarrays), partition_hash
+
+
+def centroids_record(centroids: np.ndarray) -> ArrayRecord:
+    """The broadcast ArrayRecord: ``{"centroids": ndarray of shape (n_cells, d_emb), float32}``.
+
+    Raises
+    ------
+    ShapeError
+        ``centroids`` is not 2-D with at least one cell, or holds non-finite values.
+    """
+    c = _check_centroids(centroids)
+    return ArrayRecord({CENTROIDS_KEY: Array(c)})
+
+
+def _check_centroids(centroids: np.ndarray) -> np.ndarray:
+    c = np.asarray(centroids, dtype=np.float32)
+    if c.ndim != 2 or c.shape[0] < 1 or c.shape[1] < 1:
+        raise ShapeError(f"centroids must have shape (n_cells, d_emb) with n_cells, d_emb >= 1, got {c.shape}")
+    if not np.isfinite(c).all():
+        raise ShapeError("centroids must be finite")
+    return c
+
+
+# --------------------------------------------------------------------------- server
+
+
+@dataclass(frozen=True)
+class RejectedReply:
+    """A reply the strategy did not use: ``server_round``, ``client_id`` (Flower node id) and ``reason``."""
+
+    server_round: int
+    client_id: str
+    reason: str
+
+
+class FederatedKMeansStrategy(Strategy):
+    """Flower strategy for the federated K-means router (paper 002; protocol in the module docstring).
+
+    Parameters
+    ----------
+    models : sequence of str, the model ids, column order of the statistics.
+    embedder_name : str, the embedder the centroids live in (sent to the nodes; a node whose log
+        has another dimension refuses the round).
+    min_count : int >= 1, privacy threshold: (cell, model) entries with fewer samples are not reported.
+    aggregation : :class:`AggregationConfig` or None (plain merge): clipping, trimmed merge, noise.
+    centroid_rounds : int >= 0 or None, rounds that end with a Lloyd step moving the centroids;
+        later rounds keep them and only refresh the statistics. None: every round moves them.
+    fraction_train : float in (0, 1], share of the connected nodes sampled each round.
+    min_train_nodes : int >= 1, nodes sampled at least.
+    min_available_nodes : int >= 1, nodes to wait for before sampling.
+    rng : numpy Generator for node sampling and the Gaussian noise (None: seeded from the OS).
+
+    Attributes
+    ----------
+    centroids_ : ndarray of shape (n_cells, d_emb), float32, the partition of the last aggregate.
+    statistics_ : CellStatistics of shape (n_cells, n_models), merged statistics for ``centroids_``.
+    next_centroids_ : ndarray of shape (n_cells, d_emb), float32, one Lloyd step from ``centroids_``.
+    cell_weights_ : ndarray of shape (n_cells,), float64, queries behind each next centroid.
+    clients_ : tuple of str, node ids in the last aggregate.
+    epsilon_ : float, epsilon of the last aggregate at ``aggregation.delta`` (inf without noise).
+    n_aggregates_ : int, aggregates published so far.
+    latest_updates_ : dict str -> (centroids hash, KMeansUpdate), each node's latest valid update.
+    rejected_ : list of :class:`RejectedReply`.
+
+    Raises
+    ------
+    InvalidInputError
+        On construction, for values out of the ranges above or repeated / empty model ids.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[str],
+        embedder_name: str,
+        min_count: int = 1,
+        aggregation: AggregationConfig | None = None,
+        centroid_rounds: int | None = None,
+        fraction_train: float = 1.0,
+        min_train_nodes: int = 1,
+        min_available_nodes: int = 1,
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        self.models = tuple(models)
+        self.embedder_name = embedder_name
+        self.min_count = min_count
+        self.aggregation = aggregation
+        self.centroid_rounds = centroid_rounds
+        self.fraction_train = fraction_train
+        self.min_train_nodes = min_train_nodes
+        self.min_available_nodes = min_available_nodes
+        self.rng = rng
+        valid_ids = all(isinstance(m, str) and m for m in self.models)
+        if not self.models or len(set(self.models)) != len(self.models) or not valid_ids:
+            raise InvalidInputError(f"models must be distinct non-empty strings, got {list(self.models)}")
+        if not isinstance(embedder_name, str) or not embedder_name:
+            raise InvalidInputError(f"embedder_name must be a non-empty str, got {embedder_name!r}")
+        for name in ("min_count", "min_train_nodes", "min_available_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
+        if centroid_rounds is not None and (isinstance(centroid_rounds, bool) or not isinstance(centroid_rounds, int)
+                                            or centroid_rounds < 0):
+            raise InvalidInputError(f"centroid_rounds must be an int >= 0 or None, got {centroid_rounds!r}")
+        if not (isinstance(fraction_train, (int, float)) and 0.0 < fraction_train <= 1.0):
+            raise InvalidInputError(f"fraction_train must lie in (0, 1], got {fraction_train!r}")
+        self._config = aggregation if aggregation is not None else AggregationConfig()
+        self._rng = rng if rng is not None else np.random.default_rng()
+        self._round_centroids: np.ndarray | None = None
+        self._round_hash = ""
+        self.centroids_: np.ndarray | None = None
+        self.statistics_: CellStatistics | None = None
+        self.next_centroids_: np.ndarray | None = None
+        self.cell_weights_: np.ndarray | None = None
+        self.clients_: tuple[str, ...] = ()
+        self.epsilon_ = math.inf
+        self.n_aggregates_ = 0
+        self.latest_updates_: dict[str, tuple[str, KMeansUpdate]] = {}
+        self.rejected_: list[RejectedReply] = []
+
+    # -- Strategy API
+
+    def summary(self) -> None:
+        """Log the configuration (Flower calls this at :meth:`start`)."""
+        log(INFO, "\t├──> Federated K-means (paper 002): %d models, embedder %s, min_count %d",
+            len(self.models), self.embedder_name, self.min_count)
+        log(INFO, "\t├──> Centroid rounds: %s", "all" if self.centroid_rounds is None else self.centroid_rounds)
+        log(INFO, "\t└──> Sampling: fraction %.2f, min train nodes %d, min available %d; aggregation %s",
+            self.fraction_train, self.min_train_nodes, self.min_available_nodes, self._config)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Messages broadcasting ``arrays["centroids"]`` and the round config to the sampled nodes.
+
+        Raises
+        ------
+        ShapeError
+            ``arrays`` holds no ``"centroids"`` of shape (n_cells, d_emb), finite.
+        InvalidInputError
+            ``config`` sets one of the keys this strategy writes (``round-id``, ``centroids-hash``,
+            ``models``, ``embedder-name``, ``min-count``).
+        """
+        if CENTROIDS_KEY not in arrays:
+            raise ShapeError(f"the broadcast ArrayRecord must hold {CENTROIDS_KEY!r} (see centroids_record), "
+                             f"got keys {list(arrays)}")
+        clash = sorted(set(config) & set(_ROUND_CONFIG_KEYS))
+        if clash:
+            raise InvalidInputError(f"train config keys {clash} are set by the strategy; rename them")
+        centroids = _check_centroids(arrays[CENTROIDS_KEY].numpy())
+        self._round_centroids = centroids
+        self._round_hash = centroids_hash(centroids)
+        # Flower's helper waits until enough nodes are connected; the sample is drawn from self.rng.
+        _, connected = sample_nodes(grid, max(self.min_available_nodes, self.min_train_nodes), 0)
+        sample_size = min(len(connected), max(int(len(connected) * self.fraction_train), self.min_train_nodes))
+        connected = sorted(connected)  # node ids are uint64: index them, never put them in a float array
+        node_ids = [connected[i] for i in sorted(self._rng.choice(len(connected), size=sample_size, replace=False))]
+        log(INFO, "configure_train: round %d, %d cells, sampled %d of %d nodes",
+            server_round, centroids.shape[0], len(node_ids), len(connected))
+        round_config = ConfigRecord(dict(config))
+        round_config.update({
+            "round-id": int(server_round),
+            "centroids-hash": self._round_hash,
+            "models": list(self.models),
+            "embedder-name": self.embedder_name,
+            "min-count": int(self.min_count),
+        })
+        content = RecordDict({ARRAYS_KEY: ArrayRecord({CENTROIDS_KEY: Array(centroids)}), CONFIG_KEY: round_config})
+        return [Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN) for node_id in node_ids]
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate and keep the replies, aggregate every node's latest update for this round's
+        centroids, and return the next broadcast centroids and summary metrics.
+
+        Returns ``(None, None)`` (the centroids stay) when no update for this round's centroids is kept.
+        """
+        if self._round_centroids is None:
+            raise InvalidInputError("aggregate_train called before configure_train")
+        for msg in replies:
+            self._keep(server_round, msg)
+        current = {cid: u for cid, (h, u) in self.latest_updates_.items() if h == self._round_hash}
+        if not current:
+            log(WARNING, "aggregate_train: round %d has no valid update for its centroids", server_round)
+            return None, None
+        agg = aggregate_kmeans(self._round_centroids, current, self._config, self._rng)
+        self.centroids_ = self._round_centroids
+        self.statistics_ = agg.statistics
+        self.next_centroids_ = agg.next_centroids
+        self.cell_weights_ = agg.cell_weights
+        self.clients_ = agg.clients
+        self.epsilon_ = agg.epsilon
+        self.n_aggregates_ += 1
+        moves = self.centroid_rounds is None or server_round <= self.centroid_rounds
+        broadcast = agg.next_centroids if moves else self._round_centroids
+        metrics = {"clients": len(agg.clients), "count": float(agg.statistics.count.sum())}
+        if math.isfinite(agg.epsilon):
+            metrics["epsilon"] = float(agg.epsilon)
+        return ArrayRecord({CENTROIDS_KEY: Array(np.asarray(broadcast, dtype=np.float32))}), MetricRecord(metrics)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """No federated evaluation round: the K-means router is evaluated offline. Returns no message."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Nothing to aggregate (see :meth:`configure_evaluate`)."""
+        return None
+
+    # -- results
+
+    def epsilon_spent(self) -> float:
+        """Epsilon at ``aggregation.delta`` of all aggregates published so far (composition of
+        :attr:`n_aggregates_` Gaussian mechanisms); inf without noise, 0 before any aggregate."""
+        if self.n_aggregates_ == 0:
+            return 0.0
+        if self._config.noise_multiplier == 0:
+            return math.inf
+        return gaussian_epsilon(self._config.noise_multiplier, self._config.delta, self.n_aggregates_)
+
+    def to_router(
+        self,
+        prior_strength: float,
+        model_prior_strength: float = 0.0,
+        prior: str = "additive",
+        embedder: Mapping[str, object] | None = None,
+    ) -> KMeansRouter:
+        """A :class:`KMeansRouter` of ``centroids_`` and ``statistics_`` (the statistics belong to
+        the centroids they were computed for, not to ``next_centroids_``).
+
+        Parameters
+        ----------
+        prior_strength, model_prior_strength, prior : shrinkage, as in :class:`KMeansRouter`.
+        embedder : the embedder identity recorded in the router (``name``, ``dim``, ``max_tokens``,
+            ``truncation_side``, ``pooling``, ``normalised``) for ``export``; None leaves it unset.
+
+        Raises
+        ------
+        InvalidInputError
+            No aggregate yet.
+        """
+        if self.statistics_ is None or self.centroids_ is None:
+            raise InvalidInputError("no aggregate yet: run at least one round with a valid update")
+        router = KMeansRouter(self.centroids_, self.statistics_, self.models, prior_strength,
+                              model_prior_strength, prior)
+        if embedder is not None:
+            router.embedder = dict(embedder)
+        return router
+
+    # -- internals
+
+    def _keep(self, server_round: int, msg: Message) -> None:
+        cid = str(msg.metadata.src_node_id)
+        if msg.has_error():
+            self._reject(server_round, cid, f"node error {msg.error.code}: {msg.error.reason}")
+            return
+        try:
+            update, partition_hash = update_from_record(msg.content)
+            if partition_hash != self._round_hash:
+                raise ShapeError(f"update is for centroids {partition_hash[:12]}..., "
+                                 f"the round broadcast {self._round_hash[:12]}...")
+            validate_update(update, self._round_centroids, len(self.models), self.min_count)
+        except InvalidInputError as exc:  # ShapeError included
+            self._reject(server_round, cid, str(exc))
+            return
+        self.latest_updates_[cid] = (partition_hash, update)
+
+    def _reject(self, server_round: int, cid: str, reason: str) -> None:
+        log(WARNING, "aggregate_train: round %d, reply of node %s dropped: %s", server_round, cid, reason)
+        self.rejected_.append(RejectedReply(server_round, cid, reason))
+
+
+def make_server_app(
+    strategy: FederatedKMeansStrategy, initial_centroids: np.ndarray, num_rounds: int, timeout: float = 3600.0
+) -> ServerApp:
+    """A Flower ``ServerApp`` running ``strategy`` for ``num_rounds`` rounds from ``initial_centroids``
+    (ndarray of shape (n_cells, d_emb), float32); ``timeout`` : seconds to wait for replies per round.
+    Results are read from ``strategy`` afterwards.
+
+    Raises
+    ------
+    ShapeError
+        ``initial_centroids`` is not (n_cells, d_emb) finite.
+    InvalidInputError
+        ``num_rounds < 1`` or ``timeout <= 0``.
+    """
+    initial = centroids_record(initial_centroids)
+    if isinstance(num_rounds, bool) or not isinstance(num_rounds, int) or num_rounds < 1:
+        raise InvalidInputError(f"num_rounds must be an int >= 1, got {num_rounds!r}")
+    if not (timeout > 0):
+        raise InvalidInputError(f"timeout must be > 0 seconds, got {timeout!r}")
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy.start(grid=grid, initial_arrays=initial, num_rounds=num_rounds, timeout=timeout)
+
+    return app
+
+
+# --------------------------------------------------------------------------- client
+
+
+def round_spec_from_message(msg: Message) -> RoundSpec:
+    """The :class:`sdk.local_update.RoundSpec` a train message announces (validated by
+    :meth:`RoundSpec.from_json`: shapes, distinct models, and centroids matching their hash).
+
+    Raises
+    ------
+    SyncError
+        The message lacks a field or carries inconsistent values.
+    """
+    content = msg.content
+    data: dict[str, object] = {"kind": "kmeans", "deadline_utc": ""}  # Flower's message TTL is the deadline
+    arrays = content.array_records.get(ARRAYS_KEY)
+    if arrays is not None and CENTROIDS_KEY in arrays:
+        centroids = arrays[CENTROIDS_KEY].numpy()
+        data["centroids"] = np.asarray(centroids, dtype=np.float64).tolist()
+        data["d_emb"] = int(centroids.shape[-1]) if centroids.ndim else 0
+    config = content.config_records.get(CONFIG_KEY, {})
+    for key in _ROUND_CONFIG_KEYS:
+        if key in config:
+            data[key.replace("-", "_")] = config[key]
+    return RoundSpec.from_json(data)
+
+
+def client_update(log_path: str | os.PathLike[str], spec: RoundSpec) -> KMeansUpdate:
+    """The update of the EvalLog at ``log_path`` for ``spec`` (:func:`sdk.local_update.kmeans_update`).
+
+    Raises
+    ------
+    EvalLogError
+        No file at ``log_path`` (a missing log is not silently created), or the file is unusable.
+    ShapeError
+        The log's embeddings do not have the round's dimension.
+    """
+    path = Path(log_path)
+    if not path.is_file():
+        raise EvalLogError(f"no evaluation log at {str(path)!r}")
+    with EvalLog(path, spec.models) as log_:
+        return kmeans_update(log_.rows(), spec)
+
+
+def make_client_app(log_paths: Mapping[int, str | os.PathLike[str]] | None = None) -> ClientApp:
+    """A Flower ``ClientApp`` answering train messages with the node's K-means update.
+
+    Parameters
+    ----------
+    log_paths : simulation: partition id (``context.node_config["partition-id"]``) -> EvalLog path.
+        None (deployment): the path is the node config ``eval-log`` of the SuperNode.
+
+    The reply holds :func:`update_to_record` of :func:`client_update` only: no query text, no
+    per-query embedding. A failure (missing log, wrong dimension, malformed round) becomes Flower's
+    error reply, which the strategy lists in ``rejected_``.
+    """
+    paths = None if log_paths is None else {int(k): str(v) for k, v in log_paths.items()}
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        spec = round_spec_from_message(msg)
+        if paths is None:
+            path = context.node_config.get(EVAL_LOG_NODE_CONFIG)
+            if not isinstance(path, str):
+                raise EvalLogError(f"node config {EVAL_LOG_NODE_CONFIG!r} (the EvalLog path) is not set")
+        else:
+            pid = int(context.node_config["partition-id"])
+            if pid not in paths:
+                raise EvalLogError(f"no EvalLog path for partition {pid}; known {sorted(paths)}")
+            path = paths[pid]
+        update = client_update(path, spec)
+        return Message(update_to_record(update, spec.centroids_hash), reply_to=msg)
+
+    return app
+
+
+__all__ = [
+    "UPDATE_ARRAYS",
+    "FederatedKMeansStrategy",
+    "RejectedReply",
+    "centroids_record",
+    "client_update",
+    "make_client_app",
+    "make_server_app",
+    "round_spec_from_message",
+    "update_from_ndarrays",
+    "update_from_record",
+    "update_to_ndarrays",
+    "update_to_record",
+    "validate_update",
+]

@@ -1,0 +1,83 @@
+"""Checks of one device's K-means update against the round it answers (ARCHITECTURE.md §6).
+
+One function, used by both transports: the built-in HTTPS server (:mod:`trainer.server.validation`,
+which answers 422 with the message) and the Flower strategy (:mod:`trainer.federated.flower_app`,
+which drops the reply). Pure.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sdk.errors import ShapeError
+from sdk.local_update import KMeansUpdate, centroid_threshold
+
+
+def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: int, min_count: int) -> None:
+    """Check a decoded update against the round it answers (ARCHITECTURE.md §6). Pure.
+
+    Parameters
+    ----------
+    update : the node's update.
+    centroids : ndarray of shape (n_cells, d_emb), the round's centroids.
+    n_models : int, columns of the statistics.
+    min_count : int, the round's privacy threshold.
+
+    Raises
+    ------
+    ShapeError
+        Statistics of another shape than (n_cells, n_models); non-integral counts; an entry with
+        ``0 < count < min_count`` (privacy rule broken); counts summing above ``log_size``;
+        reported cells out of range or repeated; local centroids of the wrong shape or non-finite;
+        local weights non-integral, below ``max(min_count, 2)`` or summing above ``log_size``; a
+        negative ``log_size``; mean embeddings of norm above 1 (means of unit vectors); sums where
+        the count is 0. The message quotes the offending values. (Negative counts, sums of scores
+        outside ``[0, count]``, negative costs and NaN/inf are refused earlier, by
+        :class:`sdk.CellStatistics`.)
+    """
+    n_cells, d_emb = np.shape(centroids)
+    s = update.statistics
+    if s.count.shape != (n_cells, n_models):
+        raise ShapeError(f"statistics have shape {s.count.shape}, the round expects ({n_cells}, {n_models})")
+    if update.log_size < 0:
+        raise ShapeError(f"log_size={update.log_size} must be >= 0")
+    if not np.array_equal(s.count, np.round(s.count)):
+        raise ShapeError("counts must be whole numbers (a device reports raw counts)")
+    small = (s.count > 0) & (s.count < min_count)
+    if small.any():
+        k, m = np.argwhere(small)[0]
+        raise ShapeError(
+            f"count[{k}, {m}]={s.count[k, m]:g} is below min_count={min_count}: such entries are not reported"
+        )
+    total = float(s.count.sum())
+    if total > update.log_size:
+        raise ShapeError(f"counts sum to {total:g}, more than log_size={update.log_size}")
+    cells, means, weights = update.centroid_cells, update.local_centroids, update.local_weights
+    n_rep = cells.shape[0]
+    if cells.size and (cells.min() < 0 or cells.max() >= n_cells):
+        raise ShapeError(f"centroid_cells must lie in [0, {n_cells}), got {cells.tolist()}")
+    if np.unique(cells).size != n_rep:
+        raise ShapeError(f"centroid_cells must not repeat, got {cells.tolist()}")
+    if means.shape != (n_rep, d_emb) or weights.shape != (n_rep,):
+        raise ShapeError(
+            f"local_centroids {means.shape} and local_weights {weights.shape} must have shapes "
+            f"({n_rep}, {d_emb}) and ({n_rep},) for {n_rep} reported cells"
+        )
+    if not (np.isfinite(means).all() and np.isfinite(weights).all()):
+        raise ShapeError("local_centroids and local_weights must be finite")
+    if not np.array_equal(weights, np.round(weights)):
+        raise ShapeError("local_weights must be whole numbers (queries per cell)")
+    threshold = centroid_threshold(min_count)
+    if n_rep and weights.min() < threshold:
+        raise ShapeError(f"local_weights must be >= {threshold} (a mean of fewer queries is not reported), "
+                         f"got {weights.min():g}")
+    if float(weights.sum()) > update.log_size:
+        raise ShapeError(f"local_weights sum to {weights.sum():g}, more than log_size={update.log_size}")
+    if n_rep and (np.linalg.norm(means, axis=1) > 1.0 + 1e-4).any():
+        raise ShapeError("local_centroids must be means of unit-norm embeddings (norm <= 1)")
+    empty = s.count == 0
+    if (s.sum_accuracy[empty] != 0).any() or (s.sum_cost[empty] != 0).any():
+        raise ShapeError("sum_accuracy and sum_cost must be 0 where count is 0")
+
+
+__all__ = ["check_kmeans_update"]
