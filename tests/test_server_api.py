@@ -251,7 +251,7 @@ def test_bundle_endpoints_serve_the_published_manifest_with_etag(server, kmeans_
     assert latest.content == (kmeans_bundle / "manifest.json").read_bytes()
     same = server["http"].get("/v1/bundles/latest", headers={**auth, "If-None-Match": latest.headers["etag"]})
     assert same.status_code == 304
-    name, digest = sorted(manifest["files"].items())[0]
+    name, digest = min(manifest["files"].items())
     file = server["http"].get(f"/v1/bundles/files/{digest}", headers=auth)
     assert file.status_code == 200 and file.content == (kmeans_bundle / name).read_bytes()
     assert server["http"].get(f"/v1/bundles/files/{'0' * 64}", headers=auth).status_code == 404
@@ -260,3 +260,18 @@ def test_bundle_endpoints_serve_the_published_manifest_with_etag(server, kmeans_
 
 def _stats(body) -> CellStatistics:
     return CellStatistics(np.array(body["count"]), np.array(body["sum_accuracy"]), np.array(body["sum_cost"]))
+
+
+def test_a_close_interrupted_by_a_crash_is_finished_from_the_same_snapshot(server):
+    from trainer.server.rounds import close_due_rounds
+
+    r = server["round"]
+    assert post(server, payload(r, client="alice"), client="alice", key="a").status_code == 201
+    snapshot = server["store"].claim_close(r.id)  # the closer claimed the round, then the process died
+    late = post(server, payload(r, client="bob"), client="bob", key="b")
+    assert late.status_code == 201 and late.json()["late"] is True  # closing: uploads now wait
+    assert server["store"].claim_close(r.id) == snapshot  # a restarted closer gets the same snapshot
+    done = close_due_rounds(server["store"])  # what the restarted server's background task runs
+    assert [d["round_id"] for d in done] == [r.id]
+    assert done[0]["clients"] == ["alice"] and done[0]["late_updates_counted"] == 0
+    np.testing.assert_allclose(server["store"].aggregate_of(r.id)["count"], _stats(payload(r)).count)
