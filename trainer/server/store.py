@@ -3,7 +3,8 @@
 Any SQLAlchemy database URL works (``postgresql+psycopg://...``); the default is one SQLite file in
 WAL mode with ``synchronous=FULL``, so a write acknowledged to a client survives a killed server
 process (and a power loss). Every write is one transaction (``BEGIN IMMEDIATE`` on SQLite, so two
-writers never deadlock on a lock upgrade).
+writers never deadlock on a lock upgrade); reads are deferred transactions that never wait for a
+writer (WAL).
 
 Tables
 ------
@@ -81,6 +82,7 @@ updates = sa.Table(
     sa.UniqueConstraint("client_id", "idempotency_key", name="one_update_per_key"),
 )
 sa.Index("updates_by_hash", updates.c.centroids_hash, updates.c.client_id, updates.c.id)
+sa.Index("updates_by_counted_round", updates.c.counted_round, updates.c.client_id)
 
 
 def create_engine(url: str) -> Engine:
@@ -104,8 +106,8 @@ def create_engine(url: str) -> Engine:
             cur.close()
 
         @sa.event.listens_for(engine, "begin")
-        def _begin(conn) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        def _begin(conn) -> None:  # writes (Store.transaction) lock up front; reads stay deferred (WAL)
+            conn.exec_driver_sql("BEGIN " + conn.get_execution_options().get("sqlite_begin", "DEFERRED"))
     return engine
 
 
@@ -189,11 +191,15 @@ class Store:
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = create_engine(url)
+        self._writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
         metadata.create_all(self.engine)
+        for index in updates.indexes:  # create_all skips indexes of tables that already exist
+            index.create(self.engine, checkfirst=True)
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
-        with self.engine.begin() as conn:
+        """A write transaction (``BEGIN IMMEDIATE`` on SQLite), committed on exit."""
+        with self._writer.begin() as conn:
             yield conn
 
     def close(self) -> None:
@@ -380,6 +386,8 @@ class Store:
                     conn.execute(updates.update().where(updates.c.id == uid).values(receipt=json.dumps(receipt)))
                     return receipt, True
             except sa.exc.IntegrityError:
+                if self.find_update(client_id, key) is None:
+                    raise  # not the (client_id, idempotency_key) race
                 continue  # a concurrent request with the same key won the insert: answer as a retry
 
     def round_updates(self, round_id: int) -> list[int]:

@@ -1,0 +1,321 @@
+"""Sync server load benchmark (METRICS.md): uploads/s and latency under >= 32 devices, and ``kill -9``.
+
+Loopback only, bounded in time (about a minute with the defaults). In a fresh folder
+(:func:`sync_fleet.deploy`): a trustme CA and server certificate, a SQLite database, ``--clients``
+devices created with ``fedroute clients add``, and one K-means round of ``--n-cells`` cells over the
+bundle's models (11 for RouterBench) whose centroids are unit vectors drawn from ``--seed`` in the
+bundle's embedding space; its quorum is above the number of devices, so it stays open throughout.
+``fedroute serve`` runs as a child process (TLS, 127.0.0.1, a free port). Each device uploads
+synthetic statistics built with the SDK's own ``kmeans_update`` (JSON, as ``SyncClient`` sends them),
+back to back, a fresh ``Idempotency-Key`` per upload, retrying connection errors and 5xx with the same
+key and body. Runs, in one process:
+
+1. baseline: raw SQLite ``INSERT`` + ``COMMIT`` (WAL, ``synchronous=FULL``, one thread, no HTTP) of a
+   row as large as the server stores per upload, for ``--baseline-s``;
+2. baseline: 1 device over HTTPS for ``--single-s``;
+3. load: ``--clients`` devices for ``--duration-s`` (the first ``--warmup-s`` not counted);
+4. crash: ``--clients`` devices for ``--crash-duration-s``; at ``--kill-at-s`` the server gets SIGKILL
+   and is restarted on the same database and port while the devices retry. Then every receipt any
+   device got (all runs) is checked against the store (0 acknowledged uploads may be missing, each
+   (device, key) is stored once), each device's last upload is re-sent (must answer the same
+   receipt), the round is closed with ``fedroute rounds close`` and its aggregate compared with the
+   sum of each device's latest acknowledged counts.
+
+    python benchmarks/sync_load.py --bundle bundles/kmeans --public-key keys/signing.pub
+
+Writes ``sync_load.json``, ``sync_load.md`` and ``sync_load.png`` under ``--out``; exits 1 if a check
+of the crash run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Run as a script: this folder is on sys.path.
+from sync_fleet import (
+    Fleet,
+    ServerProcess,
+    check_recovery,
+    deploy,
+    fetch_round,
+    run_with_kill,
+    synthetic_uploads,
+)
+
+
+def raw_sqlite_inserts(path: Path, row_bytes: bytes, seconds: float) -> dict:
+    """Durable single-row inserts per second into a fresh SQLite file with the server's settings
+    (WAL, ``synchronous=FULL``, ``BEGIN IMMEDIATE``), one thread; p50/p99 per insert in ms."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("CREATE TABLE rows (id INTEGER PRIMARY KEY, key TEXT UNIQUE NOT NULL, payload BLOB NOT NULL)")
+        samples = []
+        start = time.monotonic()
+        while time.monotonic() - start < seconds:
+            t = time.perf_counter()
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("INSERT INTO rows (key, payload) VALUES (?, ?)", (f"k{len(samples)}", row_bytes))
+            conn.execute("COMMIT")
+            samples.append(time.perf_counter() - t)
+        elapsed = time.monotonic() - start
+    finally:
+        conn.close()
+    ms = np.asarray(samples) * 1e3
+    return {"inserts_per_s": len(samples) / elapsed, "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "row_bytes": len(row_bytes),
+            "n": len(samples)}
+
+
+def summary(result, warmup_s: float = 0.0) -> dict:
+    """JSON of a :class:`sync_fleet.LoadResult`."""
+    return {"devices": result.n_clients, "duration_s": result.duration_s, "warmup_s": warmup_s,
+            "accepted_per_s": result.accepted_per_s(warmup_s), "accepted": sum(a.status == 201 for a in result.acks),
+            "latency": result.latency_ms(warmup_s), "latency_with_retries": result.latency_ms(warmup_s, total=True),
+            "errors_retried": dict(result.errors), "rejected": {str(k): v for k, v in result.rejected.items()},
+            "rejected_details": result.rejected_details, "gave_up": result.gave_up, "ended_s": result.ended_s}
+
+
+def timeline(result, bin_s: float) -> list[float]:
+    """Stored uploads (201) per second in bins of ``bin_s`` seconds from the load's start."""
+    n_bins = int(np.ceil(max(result.ended_s, result.duration_s) / bin_s))
+    t = np.array([a.acked_s for a in result.acks if a.status == 201])
+    counts = np.histogram(t, bins=n_bins, range=(0, n_bins * bin_s))[0]
+    return (counts / bin_s).tolist()
+
+
+LATENCY_EDGES_MS = np.geomspace(1.0, 100_000.0, 51)
+
+
+def latency_histogram(result, warmup_s: float = 0.0) -> list[int]:
+    """Counts of answered-request latencies in the bins of :data:`LATENCY_EDGES_MS`."""
+    ms = [a.latency_s * 1e3 for a in result.acks if a.acked_s >= warmup_s]
+    return np.histogram(np.clip(ms, LATENCY_EDGES_MS[0], LATENCY_EDGES_MS[-1]), bins=LATENCY_EDGES_MS)[0].tolist()
+
+
+def _progress(desc: str, seconds: float):
+    from tqdm.auto import tqdm
+
+    return tqdm(desc=desc, unit=" uploads", leave=True, mininterval=0.5, postfix={"load s": seconds})
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bundle", type=Path, required=True, help="signed K-means bundle (fedroute export)")
+    parser.add_argument("--public-key", type=Path, required=True, help="signing.pub that verifies the bundle")
+    parser.add_argument("--out", type=Path, default=Path("results/benchmarks"))
+    parser.add_argument("--work", type=Path, default=None, help="folder for the database and certificates "
+                        "(default: a temporary folder, deleted)")
+    parser.add_argument("--clients", type=int, default=64, help="concurrent devices (>= 32)")
+    parser.add_argument("--n-cells", type=int, default=32)
+    parser.add_argument("--min-count", type=int, default=2)
+    parser.add_argument("--duration-s", type=float, default=20.0)
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--crash-duration-s", type=float, default=10.0)
+    parser.add_argument("--kill-at-s", type=float, default=4.0)
+    parser.add_argument("--single-s", type=float, default=3.0)
+    parser.add_argument("--baseline-s", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.clients < 32:
+        parser.error(f"--clients={args.clients} should be >= 32 (METRICS.md asks for >= 32 concurrent devices)")
+    if not 0 < args.warmup_s < args.duration_s:
+        parser.error(f"--warmup-s={args.warmup_s} must lie in (0, --duration-s={args.duration_s})")
+    if not 0 < args.kill_at_s < args.crash_duration_s:
+        parser.error(f"--kill-at-s={args.kill_at_s} must lie in (0, --crash-duration-s={args.crash_duration_s})")
+
+    with tempfile.TemporaryDirectory(prefix="sync_load_") as tmp:
+        work = args.work if args.work is not None else Path(tmp)
+        results = run(args, work)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sync_load.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "sync_load.md").write_text(markdown(results))
+    plot(results, args.out / "sync_load.png")
+    print(markdown(results))
+    if results["crash"]["failed_checks"]:
+        print(f"FAILED: {results['crash']['failed_checks']}", file=sys.stderr)
+        raise SystemExit(1)
+    return results
+
+
+def run(args, work: Path) -> dict:
+    from trainer.server.store import update_bytes
+
+    started = time.time()
+    print(f"deploying in {work}: {args.clients} devices (fedroute clients add), a round of {args.n_cells} cells",
+          flush=True)
+    d = deploy(work, args.bundle, args.public_key, n_clients=args.clients, n_cells=args.n_cells,
+               min_count=args.min_count, seed=args.seed)
+    clients = list(d.tokens)
+    manifest = json.loads((args.bundle / "manifest.json").read_text())
+    server = ServerProcess(d).start()
+    try:
+        spec = fetch_round(server.url, d, clients[0])
+        rng = np.random.default_rng(args.seed)
+        uploads = {c: synthetic_uploads(spec, c, rng) for c in clients}
+        bodies = [len(u.body) for us in uploads.values() for u in us]
+        by_size = sorted((u for us in uploads.values() for u in us), key=lambda u: len(u.body))
+        print(f"{len(bodies)} bodies, median {np.median(bodies) / 1e3:.0f} KB; baseline: raw SQLite inserts", flush=True)
+        raw = raw_sqlite_inserts(work / "raw_baseline.db", update_bytes(by_size[len(by_size) // 2].update), args.baseline_s)
+        fleet = Fleet(server.url, d, uploads, seed=args.seed)
+
+        with _progress("1 device", args.single_s) as bar:
+            single = asyncio.run(fleet.run(args.single_s, clients[:1], on_ack=lambda a: bar.update()))
+        cpu0, own0 = server.cpu_seconds(), time.process_time()
+        with _progress(f"{args.clients} devices", args.duration_s) as bar:
+            load = asyncio.run(fleet.run(args.duration_s, clients, on_ack=lambda a: bar.update()))
+        cpu1, own1 = server.cpu_seconds(), time.process_time()
+        with _progress(f"{args.clients} devices, kill -9 at {args.kill_at_s:g} s", args.crash_duration_s) as bar:
+            crash, times = asyncio.run(run_with_kill(fleet, server, args.crash_duration_s, args.kill_at_s, clients,
+                                                     on_ack=lambda a: bar.update()))
+        print("checking receipts against the store; replaying; fedroute rounds close", flush=True)
+        check = check_recovery(fleet, single.acks + load.acks + crash.acks)
+    finally:
+        server.stop()
+    load_summary = summary(load, args.warmup_s)
+    n_accepted_load = load_summary["accepted"]
+    failed = [name for name, bad in [
+        ("acknowledged_missing", check.acknowledged_missing != 0), ("receipt_mismatch", check.receipt_mismatch != 0),
+        ("duplicate_keys", check.duplicate_keys != 0), ("replay_mismatch", check.replay_mismatch != 0),
+        ("stored_unacknowledged", check.stored_unacknowledged != 0),
+        ("gave_up", single.gave_up + load.gave_up + crash.gave_up != 0),
+        ("rejected", bool(single.rejected or load.rejected or crash.rejected)),
+        ("round_not_aggregated", check.outcome.get("result") != "aggregated"),
+        ("aggregate_total", check.aggregated_total_count != check.expected_total_count),
+        ("aggregate_counts", not check.count_matrix_equal)] if bad]
+    return {
+        "setup": {
+            "devices": args.clients, "n_cells": d.n_cells, "n_models": len(d.models), "d_emb": d.d_emb,
+            "min_count": d.min_count, "centroids": f"{d.n_cells} unit vectors drawn with seed {args.seed} "
+            "(standard normal, normalised) in the bundle's embedding space",
+            "bundle": {"version": manifest["bundle_version"], "embedder": manifest["embedder"]["name"]},
+            "body_bytes": {"median": float(np.median(bodies)), "max": int(max(bodies))},
+            "stored_row_bytes": raw["row_bytes"], "transport": "HTTPS (TLS, trustme CA) on 127.0.0.1, JSON bodies",
+            "server": "fedroute serve: 1 uvicorn process, SQLite WAL synchronous=FULL",
+            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                        "python": platform.python_version()},
+        },
+        "baseline": {"raw_sqlite": raw, "single_device": {**summary(single),
+                                                          "latency_histogram": latency_histogram(single)}},
+        "latency_edges_ms": LATENCY_EDGES_MS.tolist(),
+        "load": {**load_summary, "timeline_per_s": timeline(load, 0.5),
+                 "latency_histogram": latency_histogram(load, args.warmup_s),
+                 "server_cpu_ms_per_upload": None if cpu0 is None or cpu1 is None or not n_accepted_load
+                 else (cpu1 - cpu0) * 1e3 / n_accepted_load,
+                 "devices_cpu_ms_per_upload": (own1 - own0) * 1e3 / max(n_accepted_load, 1)},
+        "ratios": {
+            "load_vs_raw_sqlite": load_summary["accepted_per_s"] / raw["inserts_per_s"],
+            "load_vs_single_device": load_summary["accepted_per_s"] / max(summary(single)["accepted_per_s"], 1e-9),
+        },
+        "crash": {**summary(crash), **times, "timeline_per_s": timeline(crash, 0.5), "recovery": check.to_json(),
+                  "failed_checks": failed},
+        "wall_s": time.time() - started,
+    }
+
+
+def markdown(r: dict) -> str:
+    s, raw, single, load, crash = r["setup"], r["baseline"]["raw_sqlite"], r["baseline"]["single_device"], r["load"], r["crash"]
+    rec = crash["recovery"]
+
+    def row(name, devices, rate, lat, errors="", rejected=""):
+        return (f"| {name} | {devices} | {rate:.1f} | {lat['p50_ms']:.1f} | {lat['p99_ms']:.1f} | {lat['max_ms']:.1f} | "
+                f"{errors} | {rejected} |")
+
+    def errs(x):
+        return ", ".join(f"{k} {v}" for k, v in x["errors_retried"].items()) or "0"
+
+    def rej(x):
+        return ", ".join(f"{k}: {v}" for k, v in x["rejected"].items()) or "0"
+
+    lines = [
+        (f"Sync server under load: {s['devices']} devices uploading K-means statistics for {s['n_cells']} cells x "
+         f"{s['n_models']} models (JSON bodies, median {s['body_bytes']['median'] / 1e3:.0f} KB: counts, sums and "
+         f"{s['d_emb']}-d cell means), {s['transport']}; {s['server']}; {s['machine']['cores']} cores shared by the "
+         "server and the devices."),
+        "",
+        "| run | devices | accepted uploads/s | p50 ms | p99 ms | max ms | errors (retried) | rejected (4xx) |",
+        "|---|---|---|---|---|---|---|---|",
+        (f"| raw SQLite INSERT + COMMIT of a {raw['row_bytes'] / 1e3:.0f} KB row (fsync, 1 thread, no HTTP) | - | "
+         f"{raw['inserts_per_s']:.1f} | {raw['p50_ms']:.1f} | {raw['p99_ms']:.1f} | {raw['max_ms']:.1f} | | |"),
+        row("server, 1 device", 1, single["accepted_per_s"], single["latency"], errs(single), rej(single)),
+        row(f"server, {load['devices']} devices ({load['duration_s']:g} s, first {load['warmup_s']:g} s not counted)",
+            load["devices"], load["accepted_per_s"], load["latency"], errs(load), rej(load)),
+        row(f"server, {crash['devices']} devices, kill -9 at {crash['kill_s']:.1f} s of {crash['duration_s']:g} s",
+            crash["devices"], crash["accepted_per_s"], crash["latency"], errs(crash), rej(crash)),
+        "",
+        (f"Ratios (same run): {load['devices']} devices / raw SQLite = **{r['ratios']['load_vs_raw_sqlite']:.2f}x**; "
+         f"{load['devices']} devices / 1 device = **{r['ratios']['load_vs_single_device']:.2f}x**."
+         + ("" if load["server_cpu_ms_per_upload"] is None
+            else (f" CPU per upload: server {load['server_cpu_ms_per_upload']:.1f} ms, devices (this process) "
+                  f"{load['devices_cpu_ms_per_upload']:.1f} ms."))),
+        "",
+        (f"kill -9 at {crash['kill_s']:.2f} s; the restarted server answered at {crash['ready_s']:.2f} s; "
+         + ("no receipt after the kill" if crash["first_ack_after_s"] is None
+            else f"first receipt after the kill at {crash['first_ack_after_s']:.2f} s")
+         + f"; p99 with retries {crash['latency_with_retries']['p99_ms']:.0f} ms."),
+        "",
+        (f"- acknowledged uploads missing after the restart: **{rec['acknowledged_missing']}** of "
+         f"{rec['acknowledged']} acknowledged (all runs)"),
+        (f"- receipts that disagree with the store: {rec['receipt_mismatch']}; (device, key) stored twice: "
+         f"{rec['duplicate_keys']}; stored but never acknowledged: {rec['stored_unacknowledged']}"),
+        (f"- uploads retried: {rec['retried']} ({rec['retried_already_stored']} answered 200: stored before the kill, "
+         f"receipt lost with the connection); each device's last upload re-sent: {rec['replayed']}, "
+         f"answers that differ: {rec['replay_mismatch']}"),
+        (f"- `fedroute rounds close`: {rec['outcome'].get('result')}, {len(rec['outcome'].get('clients', []))} "
+         f"devices, {rec['outcome'].get('on_time_updates')} updates; total count {rec['aggregated_total_count']:.0f}, "
+         f"expected {rec['expected_total_count']:.0f} (sum of each device's latest acknowledged upload); "
+         f"count matrix equal: {'yes' if rec['count_matrix_equal'] else 'NO'}"),
+        f"- failed checks: {', '.join(crash['failed_checks']) or 'none'}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    load, crash = r["load"], r["crash"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for series, label, color in [(load["timeline_per_s"], f"{load['devices']} devices", "tab:blue"),
+                                 (crash["timeline_per_s"], f"{crash['devices']} devices, kill -9", "tab:orange")]:
+        t = (np.arange(len(series)) + 0.5) * 0.5
+        ax1.plot(t, series, label=label, color=color)
+    ax1.axvline(crash["kill_s"], color="red", linestyle="--", label="kill -9")
+    ax1.axvline(crash["ready_s"], color="green", linestyle=":", label="restarted")
+    ax1.set_xlabel("seconds from the start of the run")
+    ax1.set_ylabel("stored uploads/s (0.5 s bins)")
+    ax1.set_title(f"Accepted uploads (raw SQLite: {r['baseline']['raw_sqlite']['inserts_per_s']:.0f} inserts/s)",
+                  fontsize=10)
+    ax1.legend(fontsize=8)
+    edges = np.asarray(r["latency_edges_ms"])
+    for run, label in [(r["baseline"]["single_device"], "1 device"), (load, f"{load['devices']} devices")]:
+        counts = np.asarray(run["latency_histogram"], dtype=float)
+        ax2.stairs(counts / max(counts.sum(), 1), edges, label=f"{label} (p99 {run['latency']['p99_ms']:.0f} ms)")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("upload latency, ms (request to receipt)")
+    ax2.set_ylabel("share of uploads")
+    ax2.set_title("Latency", fontsize=10)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+if __name__ == "__main__":
+    main()
