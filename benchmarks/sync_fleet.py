@@ -161,19 +161,29 @@ def ssl_context(deployment: Deployment) -> ssl.SSLContext:
 
 
 class ServerProcess:
-    """``fedroute serve`` of a deployment as a child process on ``127.0.0.1:port``.
+    """``fedroute serve`` as a child process on ``127.0.0.1:port`` over TLS (``server_pem`` holds the
+    key and certificate chain, ``ca_pem`` the CA that clients trust), serving the bundle at
+    ``bundle_dir`` if given.
 
     Its output is appended to ``work/server.log`` across restarts. :meth:`start` again after
     :meth:`kill9` restarts it on the same database and port.
     """
 
-    def __init__(self, deployment: Deployment, port: int | None = None, tick_s: float = 1.0) -> None:
-        self.deployment = deployment
+    def __init__(self, work: Path, db_url: str, server_pem: Path, ca_pem: Path, *, bundle_dir: Path | None = None,
+                 port: int | None = None, tick_s: float = 1.0) -> None:
+        self.work, self.db_url, self.server_pem, self.ca_pem = Path(work), db_url, Path(server_pem), Path(ca_pem)
+        self.bundle_dir = bundle_dir
         self.port = free_port() if port is None else int(port)
         self.tick_s = tick_s
-        self.log_path = deployment.work / "server.log"
+        self.log_path = self.work / "server.log"
         self.process: subprocess.Popen | None = None
         self.starts = 0
+
+    @classmethod
+    def for_deployment(cls, deployment: Deployment, **kwargs) -> ServerProcess:
+        """The server of a :func:`deploy` ment."""
+        d = deployment
+        return cls(d.work, d.db_url, d.server_pem, d.ca_pem, **kwargs)
 
     @property
     def url(self) -> str:
@@ -189,14 +199,15 @@ class ServerProcess:
         """
         if self.process is not None and self.process.poll() is None:
             raise RuntimeError(f"server pid {self.process.pid} is still running")
-        d = self.deployment
+        extra = [] if self.bundle_dir is None else ["--bundle-dir", str(self.bundle_dir)]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [*CLI, "serve", "--db", d.db_url, "--tls-cert", str(d.server_pem), "--tls-key", str(d.server_pem),
-                 "--host", "127.0.0.1", "--port", str(self.port), "--tick-s", str(self.tick_s)],
+                [*CLI, "serve", "--db", self.db_url, "--tls-cert", str(self.server_pem), "--tls-key",
+                 str(self.server_pem), "--host", "127.0.0.1", "--port", str(self.port), "--tick-s", str(self.tick_s),
+                 *extra],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.starts += 1
-        context = ssl_context(d)
+        context = ssl.create_default_context(cafile=str(self.ca_pem))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -160,7 +160,7 @@ def run(args, work: Path) -> dict:
                min_count=args.min_count, seed=args.seed)
     clients = list(d.tokens)
     manifest = json.loads((args.bundle / "manifest.json").read_text())
-    server = ServerProcess(d).start()
+    server = ServerProcess.for_deployment(d).start()
     try:
         spec = fetch_round(server.url, d, clients[0])
         rng = np.random.default_rng(args.seed)

@@ -35,7 +35,7 @@ import httpx
 from sdk import bundle_install
 from sdk import bundle_manifest as fmt
 from sdk.errors import BundleError, InvalidInputError, SyncError, SyncRejectedError
-from sdk.eval_log import EvalLog
+from sdk.eval_log import EvalLog, Evaluations
 from sdk.local_update import RoundSpec, kmeans_update
 
 STATE_VERSION = 1
@@ -53,6 +53,8 @@ class SyncResult:
     log_size : evaluations the update summarises, or None.
     bundle_version : version of the bundle in use after the run, or None if there is none.
     bundle_updated : True if a new bundle was installed.
+    skipped : why nothing was uploaded for an open round (an MLP round on a client without an
+        ``mlp_trainer``, or too few evaluations to train), else None.
     """
 
     round_id: int | None
@@ -62,6 +64,7 @@ class SyncResult:
     log_size: int | None
     bundle_version: int | None
     bundle_updated: bool
+    skipped: str | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -84,6 +87,9 @@ class SyncClient:
     backoff_s : first backoff in seconds; doubles each retry (with jitter), capped at ``max_backoff_s``.
     transport : an ``httpx.BaseTransport`` to send requests through (default: httpx's own).
     sleep : function used to wait between retries (seconds).
+    mlp_trainer : for MLP rounds, ``f(evaluations, round_json, parameters_bytes, client_id) ->
+        upload bytes or None`` (the SDK has no torch; ``trainer.federated.mlp_local.train_on_log`` is
+        one). Without it MLP rounds are skipped (``SyncResult.skipped`` says so).
 
     Raises
     ------
@@ -95,7 +101,8 @@ class SyncClient:
                  ca_cert=None, state_path=None, timeout_s: float = 30.0, retries: int = 5,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  transport: httpx.BaseTransport | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 mlp_trainer: Callable[[Evaluations, dict, bytes, str], bytes | None] | None = None) -> None:
         url = httpx.URL(str(server_url))
         if url.scheme != "https":
             raise InvalidInputError(f"server_url must be https://..., got {str(server_url)!r}")
@@ -108,6 +115,7 @@ class SyncClient:
         self.public_key = fmt.load_public_key(public_key)
         self.state_path = Path(state_path) if state_path else self.bundle_dir.parent / f".{self.bundle_dir.name}.sync.json"
         self.retries, self.backoff_s, self.max_backoff_s, self._sleep = int(retries), backoff_s, max_backoff_s, sleep
+        self.mlp_trainer = mlp_trainer
         verify = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else True
         self._http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token.strip()}"},
                                   timeout=timeout_s, verify=verify, transport=transport)
@@ -138,34 +146,59 @@ class SyncClient:
             The log's embeddings do not fit the round's embedder.
         """
         state = self._read_state()
-        round_id = update_id = log_size = None
+        round_id = update_id = log_size = skipped = None
         uploaded = late = False
         answer = self._request("GET", "/v1/rounds/current")
         if answer.status_code == 200:
             body = _json(answer)
-            spec = RoundSpec.from_json(body)
-            round_id = spec.round_id
-            update = kmeans_update(self.eval_log.rows(), spec)
-            client_id = str(body.get("client_id", ""))
-            payload = json.dumps(update.to_payload(client_id, spec), allow_nan=False,
-                                 separators=(",", ":")).encode()
-            key = f"r{spec.round_id}-{hashlib.sha256(payload).hexdigest()}"
-            log_size = update.log_size
-            last = state.get("last_upload") or {}
-            if last.get("key") == key:  # acknowledged before: same round, same log
-                update_id, late = last.get("update_id"), bool(last.get("late"))
-            else:
-                receipt = _json(self._request(
-                    "POST", f"/v1/rounds/{spec.round_id}/updates", content=payload,
-                    headers={"Idempotency-Key": key, "Content-Type": "application/json"}))
-                update_id, late, uploaded = receipt.get("update_id"), bool(receipt.get("late")), True
-                state["last_upload"] = {"round_id": spec.round_id, "key": key, "update_id": update_id,
-                                        "late": late, "log_size": log_size}
-                self._write_state(state)
+            round_id, payload, content_type, skipped = self._prepare_upload(body)
+            if payload is not None:
+                key = f"r{round_id}-{hashlib.sha256(payload).hexdigest()}"
+                last = state.get("last_upload") or {}
+                if last.get("key") == key:  # acknowledged before: same round, same log
+                    update_id, late, log_size = last.get("update_id"), bool(last.get("late")), last.get("log_size")
+                else:
+                    receipt = _json(self._request(
+                        "POST", f"/v1/rounds/{round_id}/updates", content=payload,
+                        headers={"Idempotency-Key": key, "Content-Type": content_type}))
+                    update_id, late, uploaded = receipt.get("update_id"), bool(receipt.get("late")), True
+                    log_size = receipt.get("log_size")
+                    state["last_upload"] = {"round_id": round_id, "key": key, "update_id": update_id,
+                                            "late": late, "log_size": log_size}
+                    self._write_state(state)
         elif answer.status_code != 204:
             raise SyncError(f"GET /v1/rounds/current answered {answer.status_code}")
         version, updated = self._update_bundle(state)
-        return SyncResult(round_id, uploaded, late, update_id, log_size, version, updated)
+        return SyncResult(round_id, uploaded, late, update_id, log_size, version, updated, skipped)
+
+    def _prepare_upload(self, body: dict) -> tuple[int, bytes | None, str, str | None]:
+        """(round id, upload body or None, its content type, why nothing is uploaded)."""
+        client_id = str(body.get("client_id", ""))
+        if body.get("kind") == "mlp":
+            return self._prepare_mlp(body, client_id)
+        spec = RoundSpec.from_json(body)
+        update = kmeans_update(self.eval_log.rows(), spec)
+        payload = json.dumps(update.to_payload(client_id, spec), allow_nan=False, separators=(",", ":")).encode()
+        return spec.round_id, payload, "application/json", None
+
+    def _prepare_mlp(self, body: dict, client_id: str) -> tuple[int, bytes | None, str, str | None]:
+        try:
+            round_id, url, digest = int(body["round_id"]), str(body["parameters_url"]), str(body["parameters_hash"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SyncError(f"malformed MLP round description from the server: {exc!r}") from exc
+        ctype = "application/x-safetensors"
+        if self.mlp_trainer is None:
+            why = "MLP round: this client cannot train (no mlp_trainer; `fedroute sync` with the trainer extra can)"
+            return round_id, None, ctype, why
+        if not url.startswith("/v1/rounds/"):
+            raise SyncError(f"MLP round: unexpected parameters URL {url!r}")
+        parameters = self._request("GET", url).content
+        if hashlib.sha256(parameters).hexdigest() != digest:
+            raise SyncError(f"round {round_id}: parameters do not match their hash")
+        payload = self.mlp_trainer(self.eval_log.rows(), body, parameters, client_id)
+        if payload is None:
+            return round_id, None, ctype, f"MLP round: fewer than min_count={body.get('min_count')} evaluations to train on"
+        return round_id, payload, ctype, None
 
     # -- bundle -------------------------------------------------------------------------------
 

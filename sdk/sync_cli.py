@@ -14,36 +14,46 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 
-def sync(
-    server: Annotated[str, typer.Option(help="https://host:port of the aggregation server")],
-    log: Annotated[Path, typer.Option(help="the device's EvalLog (SQLite file)")],
-    bundle: Annotated[Path, typer.Option(help="bundle in use; replaced atomically by newer ones")],
-    public_key: Annotated[Path, typer.Option(help="signing.pub that must have signed any bundle")],
-    token_file: Annotated[Optional[Path], typer.Option(help="file holding the bearer token (else $FEDROUTE_TOKEN)")] = None,
-    ca_cert: Annotated[Optional[Path], typer.Option(help="PEM of the CA of the server certificate")] = None,
-    state: Annotated[Optional[Path], typer.Option(help="sync state file (default beside the bundle)")] = None,
-    retries: Annotated[int, typer.Option(min=0, help="retries on connection errors and 5xx")] = 5,
-) -> None:
-    """Upload this round's statistics and install a newer bundle, once."""
-    from sdk import bundle_manifest as fmt
-    from sdk.eval_log import EvalLog
-    from sdk.sync import SyncClient
+def make_sync_command(mlp_trainer=None):
+    """The ``sync`` command; ``mlp_trainer`` (see :class:`sdk.SyncClient`) lets it take part in MLP
+    rounds (``fedroute sync`` passes the trainer's; ``fedroute-sync`` has none and skips them)."""
 
-    token = token_file.read_text().strip() if token_file else os.environ.get("FEDROUTE_TOKEN", "")
-    if not token:
-        raise typer.BadParameter("give --token-file or set FEDROUTE_TOKEN")
-    if not log.is_file():
-        raise typer.BadParameter(f"--log {log} does not exist (the app's EvalLog file)")
-    models = [m["id"] for m in fmt.read_verified(bundle, public_key, wanted=()).manifest["models"]]
-    with EvalLog(log, models) as eval_log, SyncClient(server, token, eval_log, bundle, public_key,
-                                                       ca_cert=ca_cert, state_path=state, retries=retries) as client:
-        result = client.run_once()
-    typer.echo(json.dumps(result.to_json()))
+    def sync(
+        server: Annotated[str, typer.Option(help="https://host:port of the aggregation server")],
+        log: Annotated[Path, typer.Option(help="the device's EvalLog (SQLite file)")],
+        bundle: Annotated[Path, typer.Option(help="bundle in use; replaced atomically by newer ones")],
+        public_key: Annotated[Path, typer.Option(help="signing.pub that must have signed any bundle")],
+        token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token (else $FEDROUTE_TOKEN)")] = None,
+        ca_cert: Annotated[Path | None, typer.Option(help="PEM of the CA of the server certificate")] = None,
+        state: Annotated[Path | None, typer.Option(help="sync state file (default beside the bundle)")] = None,
+        retries: Annotated[int, typer.Option(min=0, help="retries on connection errors and 5xx")] = 5,
+    ) -> None:
+        """Upload this round's statistics and install a newer bundle, once."""
+        from sdk import bundle_manifest as fmt
+        from sdk.eval_log import EvalLog
+        from sdk.sync import SyncClient
+
+        token = token_file.read_text().strip() if token_file else os.environ.get("FEDROUTE_TOKEN", "")
+        if not token:
+            raise typer.BadParameter("give --token-file or set FEDROUTE_TOKEN")
+        if not log.is_file():
+            raise typer.BadParameter(f"--log {log} does not exist (the app's EvalLog file)")
+        models = [m["id"] for m in fmt.read_verified(bundle, public_key, wanted=()).manifest["models"]]
+        with EvalLog(log, models) as eval_log, SyncClient(
+                server, token, eval_log, bundle, public_key, ca_cert=ca_cert, state_path=state, retries=retries,
+                mlp_trainer=mlp_trainer) as client:
+            result = client.run_once()
+        typer.echo(json.dumps(result.to_json()))
+
+    return sync
+
+
+sync = make_sync_command()
 
 
 def main() -> None:

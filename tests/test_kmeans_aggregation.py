@@ -74,7 +74,7 @@ def test_merge_equals_pooled_statistics_and_lloyd_step_equals_centralised(settin
 def test_lloyd_step_keeps_a_cell_without_data():
     c = np.array([[1.0, 0.0], [0.0, 1.0]])
     u = KMeansUpdate(CellStatistics.zeros(2, 1), np.array([0]), np.array([[0.6, 0.8]]), np.array([4.0]), 4)
-    weights, sums, nxt = lloyd_step(c, [u])
+    weights, _, nxt = lloyd_step(c, [u])
     np.testing.assert_allclose(weights, [4, 0])
     np.testing.assert_allclose(nxt, [[0.6, 0.8], [0.0, 1.0]], rtol=1e-6)
 

@@ -9,7 +9,12 @@ import pytest
 
 from sdk import EvalLog
 from sdk.errors import ShapeError, SyncError
-from sdk.local_update import RoundSpec, centroid_threshold, centroids_hash, kmeans_update
+from sdk.local_update import (
+    RoundSpec,
+    centroid_threshold,
+    centroids_hash,
+    kmeans_update,
+)
 
 MODELS = ("cheap", "mid", "strong")
 CENTROIDS = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=np.float32)

@@ -33,7 +33,7 @@ N_DEVICES = 8
 def test_kill_9_mid_round_loses_no_acknowledged_upload(tmp_path, make_bundle, signing_keys):
     bundle = make_bundle(tmp_path / "bundle")
     d = deploy(tmp_path / "server", bundle, signing_keys[1], n_clients=N_DEVICES, n_cells=32, min_count=2)
-    server = ServerProcess(d, tick_s=0.2).start()
+    server = ServerProcess.for_deployment(d, tick_s=0.2).start()
     try:
         spec = fetch_round(server.url, d, "dev000")
         rng = np.random.default_rng(0)

@@ -104,29 +104,13 @@ def deployment(tmp_path_factory, make_bundle, signing_keys, routerbench_dir):
 
 @pytest.fixture(scope="module")
 def server(deployment):
-    import socket
+    from benchmarks.sync_fleet import ServerProcess
 
     work = deployment["work"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = (work / "server.log").open("ab")
-    process = subprocess.Popen([*CLI, "serve", "--db", deployment["db"], "--tls-cert", str(work / "server.pem"),
-                                "--tls-key", str(work / "server.pem"), "--port", str(port), "--bundle-dir",
-                                str(deployment["server_bundle"]), "--tick-s", "0.2"], stdout=log, stderr=log)
-    url = f"https://127.0.0.1:{port}"
-    context = ssl.create_default_context(cafile=str(deployment["ca"]))
-
-    def healthy():
-        try:
-            return httpx.get(f"{url}/v1/health", verify=context, timeout=2).status_code == 200
-        except httpx.TransportError:
-            return process.poll() is not None and pytest.fail((work / "server.log").read_text())
-
-    wait_for(healthy)
-    yield url
-    process.terminate()
-    process.wait(15)
+    process = ServerProcess(work, deployment["db"], work / "server.pem", deployment["ca"],
+                            bundle_dir=deployment["server_bundle"], tick_s=0.2).start()
+    yield process.url
+    process.stop()
 
 
 def sync_in_process(deployment, server, client, transport=None):

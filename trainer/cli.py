@@ -202,10 +202,11 @@ def export_cmd(
 def _register_server_commands() -> None:
     from trainer.server.cli import register
 
-    from sdk.sync_cli import sync
+    from sdk.sync_cli import make_sync_command
+    from trainer.federated.mlp_local import train_on_log
 
     register(app)
-    app.command("sync")(sync)
+    app.command("sync")(make_sync_command(mlp_trainer=train_on_log))
 
 
 _register_server_commands()

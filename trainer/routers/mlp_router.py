@@ -188,7 +188,7 @@ class MLPRouter(Router):
 
 
 @dataclass
-class _Party:
+class Party:
     """A client's training state in simulation: its train/val split and its own optimiser state."""
 
     train: ClientData
@@ -239,7 +239,10 @@ def _interaction_penalty(net, x):
     return ((net.accuracy_head(h) - net.accuracy_head.bias) ** 2).sum(dim=1).mean()
 
 
-def _local_train(net, party: _Party, cost_scale: np.ndarray, config: MLPRouterConfig, gen) -> None:
+def local_train(net, party: Party, cost_scale: np.ndarray, config: MLPRouterConfig, gen) -> None:
+    """One client's local training of ``net`` in place (paper 002, ``L_i``): ``config.local_epochs``
+    epochs of AdamW on the observed pairs of ``party.train`` plus the interaction penalty, resuming the
+    party's optimiser state. ``cost_scale`` (n_models,) USD normalises costs; ``gen`` a torch Generator."""
     import torch
 
     x, m, acc, cnorm = _tensors(party.train, cost_scale, config.device)
@@ -261,7 +264,7 @@ def _local_train(net, party: _Party, cost_scale: np.ndarray, config: MLPRouterCo
     party.optimizer_state = copy.deepcopy(opt.state_dict())
 
 
-def _val_loss(net, parties: Sequence[_Party], cost_scale: np.ndarray, device: str) -> float:
+def _val_loss(net, parties: Sequence[Party], cost_scale: np.ndarray, device: str) -> float:
     """Sample-weighted validation MSE over all parties (each sends a sum and a count)."""
     import torch
 
@@ -308,7 +311,7 @@ def train_mlp_router(
         raise InvalidInputError("no client holds any sample")
     n_models = len(models)
     d_emb = int(active[0].embeddings.shape[1])
-    parties = [_Party(*c.split(config.val_fraction, rng)) for c in active]
+    parties = [Party(*c.split(config.val_fraction, rng)) for c in active]
     # Round 0: per-model count/sum statistics (train splits) fix cost scales and head biases.
     stats = CellStatistics.merge([p.train.model_statistics(n_models) for p in parties])
     _, cost_mean = stats.model_means()
@@ -335,7 +338,7 @@ def train_mlp_router(
             if party.train.n_samples == 0:
                 continue
             net.load_state_dict({k: torch.as_tensor(v) for k, v in global_state.items()})
-            _local_train(net, party, cost_scale, config, gen)
+            local_train(net, party, cost_scale, config, gen)
             updates.append(({k: v.detach().cpu().numpy() for k, v in net.state_dict().items()}, party.train.n_samples))
         if updates:
             global_state = {k: v.astype(np.float32) for k, v in fedavg(updates).items()}

@@ -13,6 +13,9 @@ Sync protocol v1 (ARCHITECTURE.md §6). Every route but ``/v1/health`` needs
     round that is neither open nor the last one closed (or other centroids), 413 too large, 415 other
     content type, 422 invalid update (names the field). An upload for the last closed round is
     stored and counted in the next round (receipt ``late: true``).
+``GET /v1/rounds/{round_id}/parameters``
+    The global parameters of an MLP round (safetensors); their sha256 is the round's
+    ``parameters_hash``. MLP uploads are safetensors bodies (:mod:`trainer.federated.mlp_local`).
 ``GET /v1/bundles/latest``
     The published bundle's ``manifest.json`` bytes, ``ETag`` = sha256 of them; 304 on a matching
     ``If-None-Match``; 404 when nothing is published.
@@ -42,12 +45,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from trainer.server.rounds import close_due_rounds
 from trainer.server.store import Store
-from trainer.server.validation import (
-    UploadRejected,
-    decode_body,
-    parse_envelope,
-    validate_update,
-)
+from trainer.server.validation import UploadRejected, parse_upload, validate_upload
 
 log = logging.getLogger("fedroute.server")
 
@@ -125,18 +123,18 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         if idempotency_key is None or not _KEY.fullmatch(idempotency_key):
             raise UploadRejected(400, "header Idempotency-Key (1-128 of [A-Za-z0-9_.:-]) is required")
         raw = await _read_limited(request, max_body_bytes)
-        body = parse_envelope(decode_body(raw, request.headers.get("content-type", "")))
-        if body.client_id != client:
-            raise UploadRejected(403, f"this token belongs to client {client!r}, not {body.client_id!r}")
-        if body.round_id != round_id:
-            raise UploadRejected(422, f"body round_id {body.round_id} differs from the URL's {round_id}")
+        upload = await run_in_threadpool(parse_upload, raw, request.headers.get("content-type", ""))
+        if upload.client_id != client:
+            raise UploadRejected(403, f"this token belongs to client {client!r}, not {upload.client_id!r}")
+        if upload.round_id != round_id:
+            raise UploadRejected(422, f"body round_id {upload.round_id} differs from the URL's {round_id}")
         digest = hashlib.sha256(raw).hexdigest()
-        receipt, created = await run_in_threadpool(_accept, round_id, client, idempotency_key, digest, body)
+        receipt, created = await run_in_threadpool(_accept, round_id, client, idempotency_key, digest, upload)
         if created:
             wake.set()
         return JSONResponse(receipt, status_code=201 if created else 200)
 
-    def _accept(round_id: int, client: str, key: str, digest: str, body) -> tuple[dict, bool]:
+    def _accept(round_id: int, client: str, key: str, digest: str, upload) -> tuple[dict, bool]:
         old = store.find_update(client, key)
         if old is not None:
             if old.body_sha256 != digest:
@@ -148,15 +146,15 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             raise UploadRejected(409, f"round {round_id} does not exist")
         if r.status != "open" and r.id != latest.id:
             raise UploadRejected(409, f"round {round_id} is closed and round {latest.id} is newer; fetch /v1/rounds/current")
-        update = validate_update(body, r)
+        payload, log_size = validate_upload(upload, r)
 
         def receipt_for(update_id: int, late: bool, counted: int | None) -> dict:
             return {"update_id": update_id, "client_id": client, "round_id": round_id, "late": late,
-                    "counted_in_round": counted, "log_size": update.log_size}
+                    "counted_in_round": counted, "log_size": log_size}
 
         try:
-            return store.add_update(client_id=client, round_=r, key=key, body_sha256=digest, update=update,
-                                    receipt_for=receipt_for)
+            return store.add_update(client_id=client, round_=r, key=key, body_sha256=digest, payload=payload,
+                                    log_size=log_size, receipt_for=receipt_for)
         except KeyError as exc:
             raise UploadRejected(422, str(exc.args[0])) from exc
 
@@ -168,6 +166,13 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             return directory, (directory / "manifest.json").read_bytes()
         except OSError as exc:
             raise HTTPException(404, "no bundle is published") from exc
+
+    @app.get("/v1/rounds/{round_id}/parameters")
+    def round_parameters(round_id: int, _client: Annotated[str, Depends(client_of)]):
+        r = store.get_round(round_id)
+        if r is None or r.parameters is None:
+            raise HTTPException(404, f"round {round_id} is not an MLP round")
+        return Response(r.parameters, media_type="application/x-safetensors", headers={"ETag": f'"{r.base_hash}"'})
 
     @app.get("/v1/bundles/latest")
     def latest_bundle(request: Request, _client: Annotated[str, Depends(client_of)]):

@@ -78,25 +78,32 @@ def clients_revoke(client_id: str, db: DbOpt = "sqlite:///fed.db") -> None:
 
 @rounds_app.command("open")
 def rounds_open(
-    bundle_dir: Annotated[Path, typer.Option(help="published K-means bundle whose centroids the round uses")],
+    bundle_dir: Annotated[Path, typer.Option(help="published bundle the round starts from (K-means or MLP)")],
     db: DbOpt = "sqlite:///fed.db",
+    kind: Annotated[str, typer.Option(help="kmeans (statistics, any device) or mlp (FedAvg, clients with torch)")] = "kmeans",
     signing_key: Annotated[Path | None, typer.Option(help="signing.key: publish a new bundle at close")] = None,
     public_key: Annotated[Path | None, typer.Option(help="signing.pub, when the round does not publish")] = None,
     deadline_s: Annotated[float, typer.Option(min=0.001, help="seconds until the round closes")] = 3600.0,
     quorum: Annotated[int, typer.Option(min=1, help="the round closes early once this many clients uploaded")] = 1,
-    min_count: Annotated[int, typer.Option(min=1, help="privacy threshold: smallest reported (cell, model) count")] = 5,
-    recluster: Annotated[bool, typer.Option(help="use the Lloyd step of the last aggregated round as centroids")] = False,
-    clip_count: Annotated[float | None, typer.Option(help="most queries one client may weigh")] = None,
-    max_cost_usd: Annotated[float | None, typer.Option(help="bound on one query's cost (USD), for clipping/DP")] = None,
+    min_count: Annotated[int, typer.Option(min=1, help="privacy threshold: smallest reported (cell, model) count, "
+                                                      "or smallest MLP training set")] = 5,
+    recluster: Annotated[bool, typer.Option(help="kmeans: use the Lloyd step of the last aggregated round")] = False,
+    router: Annotated[Path | None, typer.Option(help="mlp: trained router folder with the starting parameters")] = None,
+    resume: Annotated[bool, typer.Option("--continue", help="mlp: start from the last aggregated MLP round")] = False,
+    clip_count: Annotated[float | None, typer.Option(help="most queries (or samples) one client may weigh")] = None,
+    max_cost_usd: Annotated[float | None, typer.Option(help="kmeans: bound on one query's cost (USD), for clipping/DP")] = None,
+    clip_norm: Annotated[float | None, typer.Option(help="mlp: L2 bound of each client's delta (DP-FedAvg)")] = None,
     trim_fraction: Annotated[float, typer.Option(min=0.0, max=0.49, help="share of clients trimmed at each end")] = 0.0,
     noise_multiplier: Annotated[float, typer.Option(min=0.0, help="Gaussian DP noise, std / sensitivity")] = 0.0,
     delta: Annotated[float, typer.Option(help="delta of the (epsilon, delta) guarantee")] = 1e-5,
     seed: Annotated[int, typer.Option(help="seed of the DP noise")] = 0,
 ) -> None:
-    """Open a K-means round over the bundle's centroids (or the last Lloyd step with --recluster)."""
-    from trainer.federated.kmeans_aggregation import AggregationConfig, gaussian_epsilon
-    from trainer.server.rounds import open_round_from_bundle, round_settings
+    """Open a round: K-means over the bundle's centroids (or the last Lloyd step with --recluster), or
+    MLP from a trained router (--router) or the last MLP aggregate (--continue)."""
+    from trainer.federated.kmeans_aggregation import gaussian_epsilon
 
+    if kind not in ("kmeans", "mlp"):
+        raise typer.BadParameter(f"--kind must be kmeans or mlp, got {kind!r}")
     if (signing_key is None) == (public_key is None):
         raise typer.BadParameter("give --signing-key (publish at close) or --public-key (no publishing), not both")
     key = public_key
@@ -105,24 +112,64 @@ def rounds_open(
 
         key = load_signing_key(signing_key).public_key()
     store = _store(db)
-    centroids = None
-    if recluster:
-        last = store.last_aggregate()
-        if last is None:
-            raise typer.BadParameter("--recluster needs an aggregated round before this one")
-        centroids = last["next_centroids"]
-    config = AggregationConfig(clip_count, max_cost_usd, trim_fraction, noise_multiplier, delta)
-    settings = round_settings(aggregation=config, bundle_dir=bundle_dir if signing_key else None,
-                              signing_key=signing_key, seed=seed)
+    publish = {"bundle_dir": bundle_dir if signing_key else None, "signing_key": signing_key, "seed": seed}
     try:
-        r = open_round_from_bundle(store, bundle_dir, key, deadline_s=deadline_s, quorum=quorum,
-                                   min_count=min_count, settings=settings, centroids=centroids)
+        if kind == "kmeans":
+            r = _open_kmeans(store, bundle_dir, key, recluster, router, resume, clip_norm, publish, deadline_s=deadline_s,
+                             quorum=quorum, min_count=min_count, config=(clip_count, max_cost_usd, trim_fraction,
+                                                                         noise_multiplier, delta))
+        else:
+            r = _open_mlp(store, bundle_dir, key, recluster, router, resume, max_cost_usd, publish, deadline_s=deadline_s,
+                          quorum=quorum, min_count=min_count, config=(clip_count, trim_fraction, clip_norm,
+                                                                      noise_multiplier, delta))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     eps = gaussian_epsilon(noise_multiplier, delta) if noise_multiplier > 0 else None
-    typer.echo(json.dumps({"round_id": r.id, "n_cells": int(r.centroids.shape[0]), "models": len(r.models),
+    size = {"n_cells": int(r.centroids.shape[0])} if r.kind == "kmeans" else {"parameters_hash": r.base_hash}
+    typer.echo(json.dumps({"round_id": r.id, "kind": r.kind, **size, "models": len(r.models),
                            "deadline_unix": r.deadline_unix, "quorum": quorum, "min_count": min_count,
                            "epsilon_per_release": eps}))
+
+
+def _open_kmeans(store, bundle_dir, key, recluster, router, resume, clip_norm, publish, *, config, **round_args):
+    from trainer.federated.kmeans_aggregation import AggregationConfig
+    from trainer.server.rounds import open_round_from_bundle, round_settings
+
+    if router is not None or resume or clip_norm is not None:
+        raise typer.BadParameter("--router, --continue and --clip-norm are for --kind mlp")
+    centroids = None
+    if recluster:
+        last = store.last_aggregate_of_kind("kmeans")
+        if last is None:
+            raise typer.BadParameter("--recluster needs an aggregated K-means round before this one")
+        centroids = last[1]["next_centroids"]
+    settings = round_settings(aggregation=AggregationConfig(*config), **publish)
+    return open_round_from_bundle(store, bundle_dir, key, settings=settings, centroids=centroids, **round_args)
+
+
+def _open_mlp(store, bundle_dir, key, recluster, router, resume, max_cost_usd, publish, *, config, **round_args):
+    from trainer.federated.mlp_aggregation import MLPAggregationConfig
+    from trainer.server.mlp_rounds import network_settings, open_mlp_round
+    from trainer.server.rounds import round_settings
+
+    if recluster or max_cost_usd is not None:
+        raise typer.BadParameter("--recluster and --max-cost-usd are for --kind kmeans")
+    if (router is None) == (not resume):
+        raise typer.BadParameter("an MLP round starts from --router DIR or --continue (one of them)")
+    if router is not None:
+        from trainer.routers.mlp_router import MLPRouter
+
+        trained = MLPRouter.load(router)
+        parameters, network, models = trained.state(), network_settings(trained), trained.models
+    else:
+        last = store.last_aggregate_of_kind("mlp")
+        if last is None:
+            raise typer.BadParameter("--continue needs an aggregated MLP round before this one")
+        previous = store.get_round(last[0])
+        parameters, network, models = last[1], previous.settings["network"], previous.models
+    settings = round_settings(aggregation=MLPAggregationConfig(*config), **publish)
+    return open_mlp_round(store, bundle_dir, key, parameters=parameters, network=network, models=models,
+                          settings=settings, **round_args)
 
 
 @rounds_app.command("close")
@@ -152,7 +199,7 @@ def rounds_status(db: DbOpt = "sqlite:///fed.db") -> None:
         typer.echo(json.dumps({"round_id": None}))
         return
     typer.echo(json.dumps({"round_id": r.id, "status": r.status, "deadline_unix": r.deadline_unix,
-                           "quorum": r.quorum, "min_count": r.min_count, "n_cells": int(r.centroids.shape[0]),
+                           "quorum": r.quorum, "min_count": r.min_count, "kind": r.kind,
                            "updates_counted": len(store.round_updates(r.id)), "outcome": r.outcome}))
 
 
@@ -172,11 +219,17 @@ def publish(
     if r is None or agg is None:
         raise typer.BadParameter(f"round {round_id} has no aggregate (not closed, or a no-op)")
     s = r.settings
-    manifest = publish_kmeans(bundle_dir, signing_key, agg["centroids"],
-                              CellStatistics(agg["count"], agg["sum_accuracy"], agg["sum_cost"]),
-                              prior_strength=s["prior_strength"], model_prior_strength=s["model_prior_strength"],
-                              prior=s["prior"], provenance={"federated_round": round_id,
-                                                            "clients": len(r.outcome.get("clients", []))})
+    provenance = {"federated_round": round_id, "clients": len(r.outcome.get("clients", []))}
+    if r.kind == "mlp":
+        from trainer.server.mlp_rounds import router_of
+        from trainer.server.publish import publish_router
+
+        manifest = publish_router(bundle_dir, signing_key, router_of(agg, r), provenance)
+    else:
+        manifest = publish_kmeans(bundle_dir, signing_key, agg["centroids"],
+                                  CellStatistics(agg["count"], agg["sum_accuracy"], agg["sum_cost"]),
+                                  prior_strength=s["prior_strength"], model_prior_strength=s["model_prior_strength"],
+                                  prior=s["prior"], provenance=provenance)
     typer.echo(f"bundle v{manifest['bundle_version']} published at {bundle_dir}")
 
 

@@ -1,8 +1,9 @@
-"""Publish the K-means router of a closed round as a new signed bundle (through :mod:`export`).
+"""Publish the router of a closed round as a new signed bundle (through :mod:`export`).
 
-The embedder of a federated round is the one of the bundle the round started from (the centroids
-live in its space), so the new bundle reuses that bundle's verified tokenizer and embedder files
-byte for byte and replaces ``kmeans.npz`` (written by :func:`export.router_export.kmeans_to_npz`).
+The embedder of a federated round is the one of the bundle the round started from (the centroids and
+the MLP's inputs live in its space), so the new bundle reuses that bundle's verified tokenizer and
+embedder files byte for byte and replaces the router file (``kmeans.npz`` by
+:func:`export.router_export.kmeans_to_npz`, ``router.onnx`` by :func:`~export.router_export.mlp_to_onnx`).
 The manifest is rebuilt, version bumped, and signed by :func:`export.bundle_writer.write_bundle`.
 The old bundle's ``parity.json`` is dropped: it measured the previous router. No embedder export,
 no torch: publishing takes about as long as copying the embedder files.
@@ -13,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from export.bundle_writer import next_bundle_version, write_bundle
-from export.router_export import kmeans_to_npz, mean_costs
+from export.router_export import kmeans_to_npz, mean_costs, mlp_to_onnx
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
 from sdk.cell_statistics import CellStatistics
@@ -40,6 +41,38 @@ def read_base_bundle(bundle_dir: Path, public_key) -> fmt.VerifiedBundle:
     return bundle
 
 
+def publish_router(bundle_dir: Path, signing_key: Path, router, provenance: dict) -> dict:
+    """Write a new version of the bundle at ``bundle_dir`` with ``router`` (a trainer
+    :class:`~trainer.routers.kmeans_router.KMeansRouter` or :class:`~trainer.routers.mlp_router.MLPRouter`
+    of the bundle's kind and models) in place of its router file; return the signed manifest.
+
+    Raises
+    ------
+    BundleError
+        The current bundle does not verify with the signing key's public key, or is of another
+        router kind, or lists other models.
+    ExportError
+        The key is unreadable or the bundle cannot be written.
+    """
+    from sdk.errors import BundleError
+
+    key = load_signing_key(signing_key)
+    base = fmt.read_verified(bundle_dir, key.public_key())
+    manifest = base.manifest
+    if manifest["router_kind"] != router.kind:
+        raise BundleError(f"{bundle_dir} holds a {manifest['router_kind']!r} bundle, the round a {router.kind!r} router")
+    if [m["id"] for m in manifest["models"]] != list(router.models):
+        raise BundleError(f"{bundle_dir} lists other models than the round's router")
+    router.embedder = {"name": manifest["embedder"]["name"], "dim": int(manifest["embedder"]["dim"])}
+    files = {name: data for name, data in base.files.items() if name != PARITY_FILE}
+    files[fmt.ROUTER_FILES[router.kind]] = mlp_to_onnx(router) if router.kind == "mlp" else kmeans_to_npz(router)
+    fields = {k: v for k, v in manifest.items() if k not in _WRITER_FIELDS}
+    fields["bundle_version"] = next_bundle_version(Path(bundle_dir))
+    fields["models"] = [{**m, "mean_cost_usd": cost} for m, cost in zip(manifest["models"], mean_costs(router))]
+    fields["provenance"] = provenance
+    return write_bundle(Path(bundle_dir), files, fields, key)
+
+
 def publish_kmeans(
     bundle_dir: Path,
     signing_key: Path,
@@ -51,36 +84,18 @@ def publish_kmeans(
     prior: str,
     provenance: dict,
 ) -> dict:
-    """Write a new version of the bundle at ``bundle_dir`` with the router built from ``statistics``
-    over ``centroids`` (the round's partition), and return its signed manifest.
+    """:func:`publish_router` of the K-means router built from ``statistics`` over ``centroids``.
 
     Parameters
     ----------
-    bundle_dir : the published bundle (symlink) the round started from.
-    signing_key : path of ``signing.key``; its public key must verify the current bundle.
-    centroids : ndarray of shape (n_cells, d_emb), float32.
+    centroids : ndarray of shape (n_cells, d_emb), float32, the round's partition.
     statistics : merged CellStatistics of shape (n_cells, n_models).
     prior_strength, model_prior_strength, prior : shrinkage of the cell means
         (:meth:`sdk.CellStatistics.means`).
     provenance : JSON-able facts recorded in the manifest (round id, clients).
-
-    Raises
-    ------
-    BundleError
-        The current bundle does not verify with the signing key's public key.
-    ExportError
-        The key is unreadable or the bundle cannot be written.
     """
     key = load_signing_key(signing_key)
     base = read_base_bundle(bundle_dir, key.public_key())
-    manifest = base.manifest
-    models = [m["id"] for m in manifest["models"]]
+    models = [m["id"] for m in base.manifest["models"]]
     router = KMeansRouter(centroids, statistics, models, prior_strength, model_prior_strength, prior)
-    router.embedder = {"name": manifest["embedder"]["name"], "dim": int(manifest["embedder"]["dim"])}
-    files = {name: data for name, data in base.files.items() if name != PARITY_FILE}
-    files[fmt.ROUTER_FILES["kmeans"]] = kmeans_to_npz(router)
-    fields = {k: v for k, v in manifest.items() if k not in _WRITER_FIELDS}
-    fields["bundle_version"] = next_bundle_version(Path(bundle_dir))
-    fields["models"] = [{**m, "mean_cost_usd": cost} for m, cost in zip(manifest["models"], mean_costs(router))]
-    fields["provenance"] = provenance
-    return write_bundle(Path(bundle_dir), files, fields, key)
+    return publish_router(bundle_dir, signing_key, router, provenance)

@@ -1,4 +1,5 @@
-"""Opening and closing federated K-means rounds (ARCHITECTURE.md §4, §6; paper 002).
+"""Opening and closing federated K-means rounds (ARCHITECTURE.md §4, §6; paper 002); MLP rounds
+are in :mod:`trainer.server.mlp_rounds` and closed through :func:`close_round` too.
 
 A round announces a cell partition (global centroids), collects each client's statistics for it,
 and closes when ``quorum`` clients have uploaded or at its deadline, whichever comes first. The close
@@ -17,6 +18,7 @@ a bundle to publish to.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -30,7 +32,7 @@ from trainer.server.store import Round, Store, array_bytes
 
 def round_settings(
     *,
-    aggregation: AggregationConfig,
+    aggregation,
     prior_strength: float = 16.0,
     model_prior_strength: float = 10.0,
     prior: str = "additive",
@@ -38,9 +40,11 @@ def round_settings(
     signing_key: Path | None = None,
     seed: int = 0,
 ) -> dict:
-    """The JSON settings stored with a round: aggregation options, shrinkage of the published
-    router (defaults of :class:`trainer.routers.kmeans_router.KMeansRouterConfig`), where to publish
-    and the noise seed.
+    """The JSON settings stored with a round: aggregation options (an
+    :class:`~trainer.federated.kmeans_aggregation.AggregationConfig` for K-means rounds, an
+    :class:`~trainer.federated.mlp_aggregation.MLPAggregationConfig` for MLP rounds), shrinkage of the
+    published K-means router (defaults of :class:`trainer.routers.kmeans_router.KMeansRouterConfig`),
+    where to publish and the noise seed.
 
     Raises
     ------
@@ -50,11 +54,7 @@ def round_settings(
     if (bundle_dir is None) != (signing_key is None):
         raise InvalidInputError("publishing needs both a bundle dir and a signing key")
     return {
-        "aggregation": {
-            "clip_count": aggregation.clip_count, "max_cost_usd": aggregation.max_cost_usd,
-            "trim_fraction": aggregation.trim_fraction, "noise_multiplier": aggregation.noise_multiplier,
-            "delta": aggregation.delta,
-        },
+        "aggregation": dataclasses.asdict(aggregation),
         "prior_strength": float(prior_strength), "model_prior_strength": float(model_prior_strength), "prior": prior,
         "publish": None if bundle_dir is None else {"bundle_dir": str(Path(bundle_dir).absolute()),
                                                     "signing_key": str(Path(signing_key).absolute())},
@@ -117,8 +117,12 @@ def close_round(store: Store, round_id: int, progress=lambda msg: None) -> dict 
     if snapshot is None:
         return None
     r = store.get_round(round_id)
+    if r.kind == "mlp":
+        from trainer.server.mlp_rounds import close_mlp_round
+
+        return close_mlp_round(store, r, snapshot, progress)
     on_time = store.round_updates(round_id)
-    waiting = store.waiting_late(snapshot)
+    waiting = store.waiting_late(snapshot, "kmeans")
     carried = [i for i, h in waiting if h == r.centroids_hash]
     stale = [i for i, h in waiting if h != r.centroids_hash]
     outcome = {"on_time_updates": len(on_time), "late_updates_counted": len(carried), "stale_updates": len(stale)}

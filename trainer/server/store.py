@@ -9,9 +9,10 @@ writer (WAL).
 Tables
 ------
 clients : id, sha256 of the bearer token (never the token), created time, revoked flag.
-rounds : id, kind, status (open -> closing -> closed), deadline, quorum, min_count, the global
-    centroids (float32 .npy bytes) and their hash, models, embedder, per-round settings (JSON), and
-    at close the outcome (JSON) and the aggregate (.npz bytes).
+rounds : id, kind (``kmeans`` or ``mlp``), status (open -> closing -> closed), deadline, quorum,
+    min_count, the round's *base* and its sha256 ``base_hash`` (K-means: the global centroids as
+    float32 .npy bytes; MLP: the global parameters as safetensors bytes), models, embedder,
+    per-round settings (JSON), and at close the outcome (JSON) and the aggregate (.npz bytes).
 updates : one row per accepted upload: client, round it was sent for, round it is counted in (NULL
     while waiting for the next round), Idempotency-Key, sha256 of the body, the update (.npz bytes)
     and the receipt returned to the client. ``(client_id, idempotency_key)`` is unique.
@@ -54,8 +55,9 @@ rounds = sa.Table(
     sa.Column("deadline_unix", sa.Float, nullable=False),
     sa.Column("quorum", sa.Integer, nullable=False),
     sa.Column("min_count", sa.Integer, nullable=False),
-    sa.Column("centroids", sa.LargeBinary, nullable=False),
-    sa.Column("centroids_hash", sa.String(64), nullable=False),
+    sa.Column("centroids", sa.LargeBinary),
+    sa.Column("parameters", sa.LargeBinary),
+    sa.Column("base_hash", sa.String(64), nullable=False),
     sa.Column("models", sa.Text, nullable=False),
     sa.Column("embedder", sa.Text, nullable=False),
     sa.Column("settings", sa.Text, nullable=False),
@@ -72,7 +74,7 @@ updates = sa.Table(
     sa.Column("sent_round", sa.Integer, sa.ForeignKey("rounds.id"), nullable=False),
     sa.Column("counted_round", sa.Integer),
     sa.Column("late", sa.Boolean, nullable=False),
-    sa.Column("centroids_hash", sa.String(64), nullable=False),
+    sa.Column("base_hash", sa.String(64), nullable=False),
     sa.Column("idempotency_key", sa.String(128), nullable=False),
     sa.Column("body_sha256", sa.String(64), nullable=False),
     sa.Column("received_unix", sa.Float, nullable=False),
@@ -81,7 +83,7 @@ updates = sa.Table(
     sa.Column("receipt", sa.Text, nullable=False),
     sa.UniqueConstraint("client_id", "idempotency_key", name="one_update_per_key"),
 )
-sa.Index("updates_by_hash", updates.c.centroids_hash, updates.c.client_id, updates.c.id)
+sa.Index("updates_by_hash", updates.c.base_hash, updates.c.client_id, updates.c.id)
 sa.Index("updates_by_counted_round", updates.c.counted_round, updates.c.client_id)
 
 
@@ -144,7 +146,13 @@ def read_update(data: bytes) -> KMeansUpdate:
 
 @dataclass(frozen=True)
 class Round:
-    """A round as stored. ``centroids`` (n_cells, d_emb) float32; times in unix seconds."""
+    """A round as stored; times in unix seconds.
+
+    K-means rounds: ``centroids`` (n_cells, d_emb) float32, ``parameters`` None. MLP rounds:
+    ``parameters`` the global parameters (safetensors bytes), ``centroids`` None. ``base_hash`` is
+    the sha256 that identifies the base (:func:`sdk.local_update.centroids_hash` of the centroids,
+    or of the parameters bytes).
+    """
 
     id: int
     kind: str
@@ -153,33 +161,43 @@ class Round:
     deadline_unix: float
     quorum: int
     min_count: int
-    centroids: np.ndarray
-    centroids_hash: str
+    centroids: np.ndarray | None
+    parameters: bytes | None
+    base_hash: str
     models: tuple[str, ...]
     embedder: dict
     settings: dict
     closed_unix: float | None
     outcome: dict | None
 
+    @property
+    def centroids_hash(self) -> str:
+        """The base hash of a K-means round (the name the K-means wire format uses)."""
+        return self.base_hash
+
     def describe(self) -> dict:
-        """JSON of ``GET /v1/rounds/current`` (parsed by :class:`sdk.local_update.RoundSpec`)."""
+        """JSON of ``GET /v1/rounds/current``: K-means rounds are parsed by
+        :class:`sdk.local_update.RoundSpec`; MLP rounds name their parameters' URL and hash."""
         import datetime as dt
 
         deadline = dt.datetime.fromtimestamp(self.deadline_unix, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        return {
-            "round_id": self.id, "kind": self.kind, "status": self.status,
-            "centroids": self.centroids.astype(np.float64).tolist(), "centroids_hash": self.centroids_hash,
-            "models": list(self.models), "embedder_name": self.embedder["name"], "d_emb": int(self.centroids.shape[1]),
-            "min_count": self.min_count, "quorum": self.quorum, "deadline_utc": deadline,
-        }
+        common = {"round_id": self.id, "kind": self.kind, "status": self.status, "models": list(self.models),
+                  "embedder_name": self.embedder["name"], "d_emb": int(self.embedder["dim"]),
+                  "min_count": self.min_count, "quorum": self.quorum, "deadline_utc": deadline}
+        if self.kind == "mlp":
+            net = self.settings["network"]
+            return {**common, "parameters_hash": self.base_hash, "parameters_url": f"/v1/rounds/{self.id}/parameters",
+                    "hidden": net["hidden"], "dropout": net["dropout"], "cost_scale_usd": net["cost_scale_usd"],
+                    "available": net["available"], "local_epochs": net.get("local_epochs", 1)}
+        return {**common, "centroids": self.centroids.astype(np.float64).tolist(), "centroids_hash": self.base_hash}
 
 
 def _round(row) -> Round:
     return Round(
         id=row.id, kind=row.kind, status=row.status, opened_unix=row.opened_unix, deadline_unix=row.deadline_unix,
         quorum=row.quorum, min_count=row.min_count,
-        centroids=np.load(io.BytesIO(row.centroids), allow_pickle=False),
-        centroids_hash=row.centroids_hash, models=tuple(json.loads(row.models)), embedder=json.loads(row.embedder),
+        centroids=None if row.centroids is None else np.load(io.BytesIO(row.centroids), allow_pickle=False),
+        parameters=row.parameters, base_hash=row.base_hash, models=tuple(json.loads(row.models)), embedder=json.loads(row.embedder),
         settings=json.loads(row.settings), closed_unix=row.closed_unix,
         outcome=None if row.outcome is None else json.loads(row.outcome),
     )
@@ -247,26 +265,33 @@ class Store:
 
     # -- rounds ----------------------------------------------------------------------------------
 
-    def open_round(self, *, kind: str, centroids: np.ndarray, models, embedder: dict, deadline_unix: float,
-                   quorum: int, min_count: int, settings: dict) -> Round:
-        """Open a new round.
+    def open_round(self, *, kind: str, models, embedder: dict, deadline_unix: float, quorum: int, min_count: int,
+                   settings: dict, centroids: np.ndarray | None = None, parameters: bytes | None = None) -> Round:
+        """Open a new round over ``centroids`` (K-means) or ``parameters`` (MLP, safetensors bytes).
 
         Raises
         ------
         ValueError
-            A round is still open or closing.
+            A round is still open or closing, or the base does not match the kind.
         """
-        c = np.ascontiguousarray(centroids, dtype=np.float32)
-        buf = io.BytesIO()
-        np.save(buf, c, allow_pickle=False)
+        if (kind == "kmeans") != (centroids is not None) or (kind == "mlp") != (parameters is not None):
+            raise ValueError(f"a {kind!r} round needs {'centroids' if kind == 'kmeans' else 'parameters'} only")
+        blob = base_hash = None
+        if centroids is not None:
+            c = np.ascontiguousarray(centroids, dtype=np.float32)
+            buf = io.BytesIO()
+            np.save(buf, c, allow_pickle=False)
+            blob, base_hash = buf.getvalue(), centroids_hash(c)
+        else:
+            base_hash = hashlib.sha256(parameters).hexdigest()
         with self.transaction() as conn:
             busy = conn.execute(sa.select(rounds.c.id).where(rounds.c.status != "closed")).first()
             if busy:
                 raise ValueError(f"round {busy.id} is still open; close it first")
             rid = conn.execute(rounds.insert().values(
                 kind=kind, status="open", opened_unix=time.time(), deadline_unix=float(deadline_unix),
-                quorum=int(quorum), min_count=int(min_count), centroids=buf.getvalue(),
-                centroids_hash=centroids_hash(c), models=json.dumps(list(models)), embedder=json.dumps(embedder),
+                quorum=int(quorum), min_count=int(min_count), centroids=blob, parameters=parameters,
+                base_hash=base_hash, models=json.dumps(list(models)), embedder=json.dumps(embedder),
                 settings=json.dumps(settings, sort_keys=True),
             )).inserted_primary_key[0]
         return self.get_round(int(rid))
@@ -337,13 +362,6 @@ class Store:
             data = conn.execute(sa.select(rounds.c.aggregate).where(rounds.c.id == round_id)).scalar_one_or_none()
         return None if data is None else read_arrays(data)
 
-    def last_aggregate(self) -> dict[str, np.ndarray] | None:
-        """Arrays of the most recent aggregated round (``next_centroids`` etc.), else None."""
-        with self.engine.connect() as conn:
-            data = conn.execute(sa.select(rounds.c.aggregate).where(rounds.c.aggregate.is_not(None))
-                                .order_by(rounds.c.id.desc()).limit(1)).scalar_one_or_none()
-        return None if data is None else read_arrays(data)
-
     # -- updates ---------------------------------------------------------------------------------
 
     def find_update(self, client_id: str, key: str):
@@ -351,8 +369,8 @@ class Store:
             return conn.execute(sa.select(updates.c.body_sha256, updates.c.receipt).where(
                 (updates.c.client_id == client_id) & (updates.c.idempotency_key == key))).first()
 
-    def add_update(self, *, client_id: str, round_: Round, key: str, body_sha256: str, update: KMeansUpdate,
-                   receipt_for) -> tuple[dict, bool]:
+    def add_update(self, *, client_id: str, round_: Round, key: str, body_sha256: str, payload: bytes,
+                   log_size: int, receipt_for) -> tuple[dict, bool]:
         """Store an accepted update durably (committed before this returns) and return
         ``(receipt, created)``. A retry with a stored key returns the stored receipt and False.
 
@@ -378,8 +396,8 @@ class Store:
                     counted = None if late else round_.id
                     uid = conn.execute(updates.insert().values(
                         client_id=client_id, sent_round=round_.id, counted_round=counted, late=late,
-                        centroids_hash=round_.centroids_hash, idempotency_key=key, body_sha256=body_sha256,
-                        received_unix=time.time(), log_size=update.log_size, payload=update_bytes(update),
+                        base_hash=round_.base_hash, idempotency_key=key, body_sha256=body_sha256,
+                        received_unix=time.time(), log_size=int(log_size), payload=payload,
                         receipt="{}",
                     )).inserted_primary_key[0]
                     receipt = receipt_for(int(uid), late, counted)
@@ -395,17 +413,19 @@ class Store:
         with self.engine.connect() as conn:
             return list(conn.execute(sa.select(updates.c.id).where(updates.c.counted_round == round_id)).scalars())
 
-    def waiting_late(self, up_to_id: int) -> list[tuple[int, str]]:
-        """(id, centroids_hash) of late updates with id <= ``up_to_id`` not yet counted in a round."""
+    def waiting_late(self, up_to_id: int, kind: str) -> list[tuple[int, str]]:
+        """(id, base_hash) of late updates of ``kind`` rounds with id <= ``up_to_id`` not yet counted."""
         with self.engine.connect() as conn:
-            rows = conn.execute(sa.select(updates.c.id, updates.c.centroids_hash).where(
-                (updates.c.late == sa.true()) & updates.c.counted_round.is_(None) & (updates.c.id <= up_to_id))).all()
-        return [(r.id, r.centroids_hash) for r in rows]
+            rows = conn.execute(sa.select(updates.c.id, updates.c.base_hash)
+                                .join(rounds, rounds.c.id == updates.c.sent_round).where(
+                (updates.c.late == sa.true()) & updates.c.counted_round.is_(None) & (updates.c.id <= up_to_id)
+                & (rounds.c.kind == kind))).all()
+        return [(r.id, r.base_hash) for r in rows]
 
-    def latest_updates(self, centroids_hash_: str, up_to_id: int | None = None) -> dict[str, tuple[int, KMeansUpdate]]:
-        """Each client's latest update for the partition ``centroids_hash_`` (paper 002 keeps it in
+    def latest_updates(self, base_hash: str, up_to_id: int | None = None) -> dict[str, tuple[int, KMeansUpdate]]:
+        """Each client's latest K-means update for the partition ``base_hash`` (paper 002 keeps it in
         use until replaced), excluding stale ones, optionally only ids <= ``up_to_id``."""
-        cond = (updates.c.centroids_hash == centroids_hash_) & (
+        cond = (updates.c.base_hash == base_hash) & (
             updates.c.counted_round.is_(None) | (updates.c.counted_round != -1))
         if up_to_id is not None:
             cond = cond & (updates.c.id <= up_to_id)
@@ -415,6 +435,22 @@ class Store:
             rows = conn.execute(sa.select(updates.c.client_id, updates.c.id, updates.c.payload)
                                 .join(latest, updates.c.id == latest.c.id)).all()
         return {r.client_id: (r.id, read_update(r.payload)) for r in rows}
+
+    def update_payloads(self, ids: list[int]) -> list[tuple[int, str, int, bytes]]:
+        """(id, client_id, sent_round, payload) of the given updates, by id."""
+        if not ids:
+            return []
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(updates.c.id, updates.c.client_id, updates.c.sent_round, updates.c.payload)
+                                .where(updates.c.id.in_(ids)).order_by(updates.c.id)).all()
+        return [(r.id, r.client_id, r.sent_round, r.payload) for r in rows]
+
+    def last_aggregate_of_kind(self, kind: str) -> tuple[int, dict[str, np.ndarray]] | None:
+        """(round id, arrays) of the most recent aggregated round of ``kind``, else None."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(rounds.c.id, rounds.c.aggregate).where(
+                rounds.c.aggregate.is_not(None) & (rounds.c.kind == kind)).order_by(rounds.c.id.desc()).limit(1)).first()
+        return None if row is None else (row.id, read_arrays(row.aggregate))
 
     def count_updates(self) -> int:
         with self.engine.connect() as conn:

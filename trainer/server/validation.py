@@ -1,4 +1,7 @@
-"""Validation of an uploaded K-means update (ARCHITECTURE.md §6): every check names the field.
+"""Validation of an uploaded update (ARCHITECTURE.md §6): every check names the field.
+
+MLP uploads (safetensors, :mod:`trainer.federated.mlp_local`) must have the round's parameter names
+and shapes, finite values, and ``min_count <= n_samples <= log_size``. K-means uploads:
 
 The body is JSON (``application/json``) or MessagePack (``application/msgpack``) holding the object
 written by :meth:`sdk.local_update.KMeansUpdate.to_payload`. Checks, in order: the envelope's types
@@ -12,6 +15,7 @@ cell means, mean embeddings of norm <= 1).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -51,6 +55,101 @@ class UpdateBody(BaseModel):
     local_weights: list[float | int]
 
 
+SAFETENSORS_TYPES = ("application/x-safetensors", "application/vnd.safetensors")
+
+
+@dataclass(frozen=True)
+class ParsedUpload:
+    """A decoded upload before its checks against the round: the envelope (``client_id``,
+    ``round_id``, ``kind``) and either the K-means ``body`` or the MLP ``parameters`` and ``metadata``."""
+
+    client_id: str
+    round_id: int
+    kind: str
+    body: UpdateBody | None = None
+    parameters: dict | None = None
+    metadata: dict | None = None
+    raw: bytes = b""
+
+
+def parse_upload(raw: bytes, content_type: str) -> ParsedUpload:
+    """Decode an upload: K-means statistics as JSON/MessagePack, MLP parameters as safetensors.
+
+    Raises
+    ------
+    UploadRejected
+        400 undecodable, 415 other content type, 422 a malformed envelope.
+    """
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media in SAFETENSORS_TYPES:
+        from trainer.federated.mlp_local import UPLOAD_FIELDS, read_parameters
+
+        try:
+            parameters, metadata = read_parameters(raw)
+        except ShapeError as exc:
+            raise UploadRejected(400, str(exc)) from exc
+        missing = [f for f in UPLOAD_FIELDS if f not in metadata]
+        if missing:
+            raise UploadRejected(422, f"the upload's envelope (safetensors metadata 'fedroute') lacks {missing}")
+        round_id = metadata["round_id"]
+        if not isinstance(round_id, int) or isinstance(round_id, bool):
+            raise UploadRejected(422, f"round_id {round_id!r} is not an integer")
+        return ParsedUpload(str(metadata["client_id"]), round_id, str(metadata["kind"]), parameters=parameters,
+                            metadata=metadata, raw=raw)
+    body = parse_envelope(decode_body(raw, content_type))
+    return ParsedUpload(body.client_id, body.round_id, body.kind, body=body)
+
+
+def validate_upload(upload: ParsedUpload, round_: Round) -> tuple[bytes, int]:
+    """Check an upload against its round; return ``(payload to store, log_size)``.
+
+    Raises
+    ------
+    UploadRejected
+        409 another kind or base than the round's; 422 an invalid update.
+    """
+    if upload.kind != round_.kind:
+        raise UploadRejected(409, f"round {round_.id} is a {round_.kind!r} round, got a {upload.kind!r} update")
+    if upload.body is not None:
+        from trainer.server.store import update_bytes
+
+        update = validate_update(upload.body, round_)
+        return update_bytes(update), update.log_size
+    return upload.raw, validate_mlp_update(upload.parameters, upload.metadata, round_)
+
+
+def validate_mlp_update(parameters: dict, metadata: dict, round_: Round) -> int:
+    """Check MLP parameters against the round's; return the upload's log size.
+
+    Raises
+    ------
+    UploadRejected
+        409 trained from other parameters than the round's; 422 other names, shapes, NaN/inf,
+        ``n_samples`` below ``min_count`` or above ``log_size``.
+    """
+    from trainer.federated.mlp_local import read_parameters
+
+    if str(metadata["parameters_hash"]) != round_.base_hash:
+        raise UploadRejected(409, f"update was trained from other parameters than round {round_.id}'s")
+    try:
+        n_samples, log_size = metadata["n_samples"], metadata["log_size"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (n_samples, log_size)):
+            raise ValueError("not integers")
+    except ValueError as exc:
+        raise UploadRejected(422, "n_samples and log_size must be integers") from exc
+    if not round_.min_count <= n_samples <= log_size:
+        raise UploadRejected(422, f"need min_count={round_.min_count} <= n_samples={n_samples} <= log_size={log_size}")
+    base, _ = read_parameters(round_.parameters)
+    if set(parameters) != set(base):
+        raise UploadRejected(422, f"parameter names differ from the round's: {sorted(set(parameters) ^ set(base))[:5]}")
+    for name, value in parameters.items():
+        if value.shape != base[name].shape:
+            raise UploadRejected(422, f"'{name}' has shape {value.shape}, the round's has {base[name].shape}")
+        if not np.isfinite(value).all():
+            raise UploadRejected(422, f"'{name}' holds NaN or infinity")
+    return log_size
+
+
 def decode_body(raw: bytes, content_type: str) -> object:
     """Decode a JSON or MessagePack body.
 
@@ -71,7 +170,8 @@ def decode_body(raw: bytes, content_type: str) -> object:
         raise UploadRejected(400, f"body is not valid {media}: {type(exc).__name__}") from exc
     except Exception as exc:
         raise UploadRejected(400, f"body is not valid {media}: {type(exc).__name__}") from exc
-    raise UploadRejected(415, f"content type must be application/json or application/msgpack, got {content_type!r}")
+    raise UploadRejected(415, "content type must be application/json or application/msgpack (K-means) or "
+                              f"application/x-safetensors (MLP), got {content_type!r}")
 
 
 def parse_envelope(obj: object) -> UpdateBody:
@@ -103,8 +203,6 @@ def validate_update(body: UpdateBody, round_: Round) -> KMeansUpdate:
         everything else listed in the module docstring (the checks of
         :func:`trainer.federated.update_checks.check_kmeans_update`, shared with Flower).
     """
-    if body.kind != round_.kind:
-        raise UploadRejected(409, f"round {round_.id} is a {round_.kind!r} round, got a {body.kind!r} update")
     if body.centroids_hash != round_.centroids_hash:
         raise UploadRejected(409, f"update was computed for other centroids than round {round_.id}'s; "
                                   "fetch /v1/rounds/current again")

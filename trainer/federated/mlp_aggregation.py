@@ -1,0 +1,157 @@
+"""Server-side aggregation of federated MLP-router updates: FedAvg on deltas, robust and private options.
+
+Pure functions (no I/O, no clock; randomness only from a passed ``numpy.random.Generator``).
+
+Each client trains the round's global parameters ``theta_r`` on its log for one local epoch
+(paper 002, "Federated parametric optimisation") and uploads its parameters ``theta_i`` and its
+number of samples ``n_i``. The server works on deltas ``d_i = theta_i - theta_base(i)``, so an update
+computed from the previous round's parameters (a straggler) still applies (buffered asynchronous
+FedAvg, Nguyen et al. 2022, "FedBuff"):
+
+- **FedAvg** (McMahan et al. 2017): ``theta_{r+1} = theta_r + sum_i w_i d_i / sum_i w_i`` with
+  ``w_i = n_i``; with every delta based on ``theta_r`` this is the sample-weighted mean of the
+  uploaded parameters (:func:`trainer.federated.fedavg.fedavg`).
+- **Weight clipping**: ``w_i = min(n_i, C)``.
+- **Trimmed mean** (Yin et al. 2018): per coordinate, the ``floor(beta n)`` lowest and highest deltas
+  are dropped and the rest averaged (unweighted).
+- **DP-FedAvg** (McMahan et al. 2018, ICLR, "Learning differentially private recurrent language
+  models", fixed-size variant): each delta is clipped to L2 norm ``S`` over all parameters, the
+  clipped deltas are summed with equal weights, ``N(0, (z S)^2)`` is added to every coordinate of the
+  sum and it is divided by the number of clients. One client changes the sum by at most ``S``, so a
+  release is (epsilon, delta)-DP for adding or removing one client with epsilon
+  ``gaussian_epsilon(z, delta)`` (no amplification by sampling is claimed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from sdk.errors import InvalidInputError, ShapeError
+from trainer.federated.fedavg import fedavg
+from trainer.federated.kmeans_aggregation import gaussian_epsilon
+
+Parameters = Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class MLPUpdate:
+    """One client's upload: ``parameters`` (name -> float32 array), ``n_samples`` > 0, and the
+    parameters it started from (``base``, the global parameters of the round it was computed for)."""
+
+    parameters: Parameters
+    n_samples: int
+    base: Parameters
+
+
+@dataclass(frozen=True)
+class MLPAggregationConfig:
+    """clip_count : C, largest weight of one client (None: n_i). trim_fraction : beta in [0, 0.5).
+    clip_norm : S, L2 bound of each delta (needed with noise). noise_multiplier : z >= 0.
+    delta : the delta of the DP guarantee.
+
+    Raises
+    ------
+    InvalidInputError
+        Values out of range, noise without clip_norm, or noise with trimming (the sensitivity
+        argument holds for the plain clipped sum).
+    """
+
+    clip_count: float | None = None
+    trim_fraction: float = 0.0
+    clip_norm: float | None = None
+    noise_multiplier: float = 0.0
+    delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("clip_count", "clip_norm"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise InvalidInputError(f"{name} must be a number > 0, got {value!r}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise InvalidInputError(f"trim_fraction must lie in [0, 0.5), got {self.trim_fraction!r}")
+        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
+            raise InvalidInputError(f"noise_multiplier must be >= 0, got {self.noise_multiplier!r}")
+        if self.noise_multiplier > 0 and (self.clip_norm is None or self.trim_fraction > 0):
+            raise InvalidInputError("DP-FedAvg noise needs clip_norm and no trimming")
+        if not 0 < self.delta < 1:
+            raise InvalidInputError(f"delta must lie in (0, 1), got {self.delta!r}")
+
+
+@dataclass(frozen=True)
+class MLPAggregate:
+    """parameters : the next global parameters (name -> float32). clients : ids aggregated (sorted).
+    n_samples : total samples behind them. epsilon : of this release (inf without noise)."""
+
+    parameters: dict[str, np.ndarray]
+    clients: tuple[str, ...]
+    n_samples: int
+    epsilon: float
+
+
+def _check(global_params: Parameters, cid: str, p: Parameters) -> None:
+    if set(p) != set(global_params):
+        raise ShapeError(f"client {cid}: parameter names {sorted(set(p) ^ set(global_params))} differ from the round's")
+    for k, v in p.items():
+        if np.shape(v) != np.shape(global_params[k]):
+            raise ShapeError(f"client {cid}: '{k}' has shape {np.shape(v)}, expected {np.shape(global_params[k])}")
+        if not np.isfinite(v).all():
+            raise ShapeError(f"client {cid}: '{k}' holds NaN or inf")
+
+
+def aggregate_mlp(global_params: Parameters, updates: Mapping[str, MLPUpdate], config: MLPAggregationConfig,
+                  rng: np.random.Generator) -> MLPAggregate:
+    """The next global parameters from the clients' updates (module docstring).
+
+    Parameters
+    ----------
+    global_params : the current round's parameters, name -> array.
+    updates : client id -> MLPUpdate, at least one.
+
+    Raises
+    ------
+    InvalidInputError
+        No update, or a sample count that is not > 0.
+    ShapeError
+        Parameters (or bases) of other names or shapes than ``global_params``, or non-finite values.
+    """
+    if not updates:
+        raise InvalidInputError("aggregation needs at least one client update, got 0")
+    ids = tuple(sorted(updates))
+    names = sorted(global_params)
+    deltas, weights = [], []
+    for cid in ids:
+        u = updates[cid]
+        _check(global_params, cid, u.parameters)
+        _check(global_params, cid, u.base)
+        if not u.n_samples > 0:
+            raise InvalidInputError(f"client {cid}: n_samples must be > 0, got {u.n_samples}")
+        deltas.append({k: np.asarray(u.parameters[k], np.float64) - np.asarray(u.base[k], np.float64) for k in names})
+        weights.append(float(u.n_samples if config.clip_count is None else min(u.n_samples, config.clip_count)))
+    epsilon = math.inf
+    if config.noise_multiplier > 0:
+        clipped = []
+        for d in deltas:
+            norm = math.sqrt(sum(float((v * v).sum()) for v in d.values()))
+            scale = min(1.0, config.clip_norm / norm) if norm > 0 else 1.0
+            clipped.append({k: v * scale for k, v in d.items()})
+        sigma = config.noise_multiplier * config.clip_norm
+        mean = {k: (sum(c[k] for c in clipped) + rng.normal(0.0, sigma, np.shape(global_params[k]))) / len(ids)
+                for k in names}
+        epsilon = gaussian_epsilon(config.noise_multiplier, config.delta)
+    elif config.trim_fraction > 0 and len(ids) >= 3:
+        n_trim = int(math.floor(config.trim_fraction * len(ids)))
+        mean = {}
+        for k in names:
+            stacked = np.sort(np.stack([d[k] for d in deltas]), axis=0)
+            mean[k] = stacked[n_trim:len(ids) - n_trim].mean(axis=0)
+    else:
+        mean = fedavg(list(zip(deltas, weights)))
+    new = {k: (np.asarray(global_params[k], np.float64) + mean[k]).astype(np.float32) for k in names}
+    return MLPAggregate(new, ids, int(sum(updates[c].n_samples for c in ids)), epsilon)
+
+
+__all__ = ["MLPAggregate", "MLPAggregationConfig", "MLPUpdate", "aggregate_mlp"]
