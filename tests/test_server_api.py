@@ -1,8 +1,9 @@
 """The aggregation server's HTTP API (trainer.server) in-process: every rejection of ARCHITECTURE.md §6
 with its status, the idempotent retry, the empty round, the straggler and stale updates.
 
-The app and its SQLite store are the real ones; requests go through Starlette's TestClient. The
-end-to-end run with real processes and TLS is in test_sync_e2e.py.
+The app and its store are the real ones, on SQLite and on PostgreSQL (a throwaway server, see
+postgres_server.py; skipped where PostgreSQL is not installed); requests go through Starlette's
+TestClient. The end-to-end run with real processes and TLS is in test_sync_e2e.py.
 """
 
 from __future__ import annotations
@@ -28,9 +29,28 @@ def kmeans_bundle(make_bundle, tmp_path_factory):
     return make_bundle(tmp_path_factory.mktemp("srv") / "bundle", "kmeans")
 
 
-@pytest.fixture
-def server(tmp_path, kmeans_bundle, signing_keys):
-    store = Store(f"sqlite:///{tmp_path / 'fed.db'}")
+@pytest.fixture(scope="module")
+def postgres():
+    from postgres_server import start
+
+    server, why = start()
+    yield server, why
+    if server is not None:
+        server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def server(request, tmp_path, kmeans_bundle, signing_keys, postgres):
+    """The app over a fresh store: a SQLite file, or a database on a throwaway PostgreSQL server."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'fed.db'}"
+    else:
+        from postgres_server import fresh_database
+
+        if postgres[0] is None:
+            pytest.skip(postgres[1])
+        url = fresh_database(postgres[0])
+    store = Store(url)
     tokens = {c: store.add_client(c) for c in ("alice", "bob", "carol")}
 
     def open_round(centroids=None, min_count=2):
@@ -42,6 +62,7 @@ def server(tmp_path, kmeans_bundle, signing_keys):
     app = create_app(store, kmeans_bundle, max_body_bytes=MAX_BODY, tick_s=60)
     with TestClient(app, base_url="https://testserver") as http:
         yield {"store": store, "tokens": tokens, "round": r, "http": http, "open_round": open_round}
+    store.close()
 
 
 def payload(r, client="alice", scale=1):

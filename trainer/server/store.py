@@ -334,8 +334,10 @@ class Store:
         the highest update id it aggregates. A round left closing by a crash returns its recorded
         snapshot; a closed or unknown round returns None."""
         with self.transaction() as conn:
+            # The round's row lock orders this against add_update (which locks it too): an upload
+            # either commits before the snapshot (and is in it) or sees the round closing (late).
             row = conn.execute(sa.select(rounds.c.status, rounds.c.close_snapshot)
-                               .where(rounds.c.id == round_id)).first()
+                               .where(rounds.c.id == round_id).with_for_update()).first()
             if row is None or row.status == "closed":
                 return None
             if row.status == "closing":
@@ -391,7 +393,8 @@ class Store:
                         if old.body_sha256 != body_sha256:
                             raise KeyError("Idempotency-Key was already used with a different body")
                         return json.loads(old.receipt), False
-                    status = conn.execute(sa.select(rounds.c.status).where(rounds.c.id == round_.id)).scalar_one()
+                    status = conn.execute(sa.select(rounds.c.status).where(rounds.c.id == round_.id)
+                                          .with_for_update(read=True)).scalar_one()  # see claim_close
                     late = status != "open"
                     counted = None if late else round_.id
                     uid = conn.execute(updates.insert().values(
