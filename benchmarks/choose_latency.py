@@ -155,6 +155,8 @@ def plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from trainer.report import save_figure
+
     names = ["torch (encode)"] + [f"choose() {p}" for p in r["choose"]]
     med = [r["baseline"]["median_ms"]] + [c["median_ms"] for c in r["choose"].values()]
     p95 = [r["baseline"]["p95_ms"]] + [c["p95_ms"] for c in r["choose"].values()]
@@ -166,11 +168,7 @@ def plot(r: dict, path: Path) -> None:
     ax.set_ylabel("ms per query (1 thread)")
     ax.set_title(f"Single-query latency, {r['n_prompts']} RouterBench prompts")
     ax.legend()
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

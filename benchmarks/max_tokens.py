@@ -18,8 +18,6 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
-
 from choose_latency import time_calls
 
 LENGTHS = (32, 64, 128, 256)
@@ -80,6 +78,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from trainer.report import save_figure
+
     x = [r["max_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     for key, label in (("torch_ms", "sentence-transformers + torch"), ("fp32_ms", "ONNX fp32"), ("int8_ms", "ONNX int8")):
@@ -90,9 +90,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_xlabel("tokens read per query (max_tokens)")
     ax.set_ylabel("median ms per query (1 thread)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -288,6 +288,8 @@ def plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from trainer.report import save_figure
+
     load, crash = r["load"], r["crash"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
     for series, label, color in [(load["timeline_per_s"], f"{load['devices']} devices", "tab:blue"),
@@ -310,11 +312,7 @@ def plot(r: dict, path: Path) -> None:
     ax2.set_ylabel("share of uploads")
     ax2.set_title("Latency", fontsize=10)
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -218,7 +218,6 @@ def ablation_markdown(payload: dict) -> str:
 
 
 def plot_ablation(path: Path, payload: dict) -> None:
-    import os
 
     import matplotlib
 
@@ -242,8 +241,4 @@ def plot_ablation(path: Path, payload: dict) -> None:
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Ablations: normalised AUC, mean ± std over seeds {payload['seeds']}", fontsize=10)
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    report.save_figure(fig, path)

@@ -40,6 +40,17 @@ def write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def save_figure(fig, path: Path, dpi: int | None = None) -> None:
+    """Lay out, save atomically (temp file + rename) as PNG, and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    tmp = Path(path).with_name(Path(path).stem + ".tmp.png")
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def _fmt_ratio(x: float) -> str:
     return "never" if not math.isfinite(x) else f"{x:.3f}"
 
@@ -129,8 +140,4 @@ def plot_curves(path: Path, curves: dict[str, np.ndarray], single_models: np.nda
             ax.set_xlabel("mean cost per query (USD, log scale)")
     axes[1].legend(fontsize=8, loc="lower center", ncol=2)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
