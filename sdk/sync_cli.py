@@ -58,15 +58,11 @@ sync = make_sync_command()
 
 def main() -> None:
     """Console-script entry point of ``fedroute-sync``."""
-    from sdk.errors import FedrouteError
+    from sdk.console import run_app
 
     app = typer.Typer(add_completion=False)
     app.command()(sync)
-    try:
-        app()
-    except FedrouteError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise SystemExit(2) from exc
+    run_app(app)
 
 
 if __name__ == "__main__":

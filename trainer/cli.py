@@ -214,13 +214,9 @@ _register_server_commands()
 
 def main() -> None:
     """Console-script entry point: errors of ours print one line and exit 2, not a traceback."""
-    from sdk.errors import FedrouteError
+    from sdk.console import run_app
 
-    try:
-        app()
-    except FedrouteError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise SystemExit(2) from exc
+    run_app(app)
 
 
 if __name__ == "__main__":
