@@ -47,21 +47,27 @@ def test_weight_clipping_and_trimmed_mean():
     np.testing.assert_allclose(robust.parameters["w"], [[(1.1 + 1.2) / 2, 2.0]], rtol=1e-6)
 
 
-def test_dp_fedavg_clips_each_delta_and_adds_noise_of_z_s():
+def test_dp_fedavg_clips_each_delta_and_adds_noise_of_z_s_over_the_expected_clients():
     big = upd([1 + 30, 2 + 40], 0.5, 5)  # delta (30, 40, 0): norm 50 -> clipped to S = 5: (3, 4, 0)
-    config = MLPAggregationConfig(clip_norm=5.0, noise_multiplier=1e-9)
+    config = MLPAggregationConfig(clip_norm=5.0, noise_multiplier=1e-9, expected_clients=1)
     agg = aggregate_mlp(G, {"a": big}, config, np.random.default_rng(0))
     np.testing.assert_allclose(agg.parameters["w"], [[4.0, 6.0]], atol=1e-6)
     assert agg.epsilon == pytest.approx(gaussian_epsilon(1e-9, 1e-5))
     wide = {"w": np.zeros((200, 50), dtype=np.float32), "b": np.zeros(1, dtype=np.float32)}
     noisy = aggregate_mlp(wide, {"a": MLPUpdate(wide, 5, wide), "b": MLPUpdate(wide, 5, wide)},
-                          MLPAggregationConfig(clip_norm=2.0, noise_multiplier=1.5), np.random.default_rng(1))
-    assert np.std(noisy.parameters["w"]) == pytest.approx(1.5 * 2.0 / 2, rel=0.05)  # sigma = z S / n_clients
+                          MLPAggregationConfig(clip_norm=2.0, noise_multiplier=1.5, expected_clients=4),
+                          np.random.default_rng(1))
+    assert np.std(noisy.parameters["w"]) == pytest.approx(1.5 * 2.0 / 4, rel=0.05)  # sigma = z S / W
+    half = aggregate_mlp(G, {"a": big}, MLPAggregationConfig(clip_norm=5.0, noise_multiplier=1e-9, expected_clients=2),
+                         np.random.default_rng(0))
+    np.testing.assert_allclose(half.parameters["w"], [[2.5, 4.0]], atol=1e-6)  # (3, 4) / W = 2
 
 
 def test_errors():
     with pytest.raises(InvalidInputError, match="clip_norm"):
         MLPAggregationConfig(noise_multiplier=1.0)
+    with pytest.raises(InvalidInputError, match="expected_clients"):
+        MLPAggregationConfig(noise_multiplier=1.0, clip_norm=1.0)
     with pytest.raises(InvalidInputError, match="at least one"):
         aggregate_mlp(G, {}, MLPAggregationConfig(), np.random.default_rng(0))
     with pytest.raises(ShapeError, match="shape"):

@@ -290,8 +290,9 @@ def test_a_close_interrupted_by_a_crash_is_finished_from_the_same_snapshot(serve
 
     r = server["round"]
     assert post(server, payload(r, client="alice"), client="alice", key="a").status_code == 201
-    snapshot = server["store"].claim_close(r.id)  # the closer claimed the round, then the process died
-    assert server["store"].claim_close(r.id) == snapshot  # a restarted closer gets the same snapshot
+    # A closer claimed the round, then its process died (its lease has run out).
+    snapshot = server["store"].claim_close(r.id, "dead-server", lease_s=0.0)
+    assert server["store"].claim_close(r.id, "dead-server", lease_s=0.0) == snapshot  # same snapshot on retry
     late = post(server, payload(r, client="bob"), client="bob", key="b")
     assert late.status_code == 201 and late.json()["late"] is True  # closing: uploads now wait
     # The server's background closer (woken by that upload) finishes the round, as after a restart.
@@ -302,3 +303,80 @@ def test_a_close_interrupted_by_a_crash_is_finished_from_the_same_snapshot(serve
     assert outcome["clients"] == ["alice"] and outcome["late_updates_counted"] == 0  # bob waits for round 2
     np.testing.assert_allclose(server["store"].aggregate_of(r.id)["count"], _stats(payload(r)).count)
     assert close_due_rounds(server["store"]) == []
+
+
+def test_a_closer_holding_the_lease_keeps_others_out(server):
+    r = server["round"]
+    assert post(server, payload(r), key="a").status_code == 201
+    snapshot = server["store"].claim_close(r.id, "operator", lease_s=600)
+    assert server["store"].claim_close(r.id, "server") is None  # held: the server does not close it twice
+    assert close_round(server["store"], r.id) is None
+    assert server["store"].claim_close(r.id, "server", force=True) == snapshot  # a restart takes over
+    assert not server["store"].finish_close(r.id, {"result": "no-op"}, None, [], [], "operator")  # lost it
+
+
+def test_revoked_clients_no_longer_count(server):
+    r = server["round"]
+    assert post(server, payload(r, client="alice", scale=5), client="alice", key="a").status_code == 201
+    assert post(server, payload(r, client="bob"), client="bob", key="b").status_code == 201
+    server["store"].revoke_client("alice")  # e.g. found poisoning the statistics
+    outcome = close_round(server["store"], r.id)
+    assert outcome["clients"] == ["bob"]
+    np.testing.assert_allclose(server["store"].aggregate_of(r.id)["count"], _stats(payload(r)).count)
+
+
+HOSTILE = {
+    "count beyond float64": lambda b: _mutate(b, "count", lambda c: _set(c, 10**309)),
+    "count beyond INTEGER": lambda b: {**_mutate(b, "count", lambda c: _set(c, 2.0**40)), "log_size": 2**40},
+    "log_size beyond INTEGER": lambda b: {**b, "log_size": 2**63},
+    "cell index beyond INTEGER": lambda b: {**b, "centroid_cells": [2**64]},
+    "weight beyond float64": lambda b: {**b, "local_weights": [10**400]},
+    "cost above the per-query bound": lambda b: _mutate(b, "sum_cost", lambda c: _set(c, 1e308)),
+    "nothing to report": lambda b: {**b, "count": np.zeros_like(np.array(b["count"])).tolist(),
+                                    "sum_accuracy": np.zeros_like(np.array(b["count"])).tolist(),
+                                    "sum_cost": np.zeros_like(np.array(b["count"])).tolist(),
+                                    "centroid_cells": [], "local_centroids": [], "local_weights": []},
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_numbers_are_422_not_500(server, case):
+    answer = post(server, HOSTILE[case](payload(server["round"])), key="h")
+    assert answer.status_code == 422, (case, answer.text)
+    assert server["store"].count_updates() == 0
+
+
+def test_out_of_range_round_ids_in_paths_are_422(server):
+    auth = {"Authorization": f"Bearer {server['tokens']['alice']}"}
+    assert server["http"].get(f"/v1/rounds/{10**23}/parameters", headers=auth).status_code == 422
+    answer = post(server, payload(server["round"]), round_id=10**23)
+    assert answer.status_code == 422
+
+
+def test_api_schema_pages_are_not_served(server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert server["http"].get(path).status_code == 404
+
+
+def test_a_round_that_cannot_close_is_marked_failed_and_a_new_one_can_open(server, tmp_path):
+    from trainer.server.rounds import MAX_CLOSE_ATTEMPTS, close_due_rounds
+
+    store, r = server["store"], server["round"]
+    close_round(store, r.id)
+    broken = server["open_round"]()  # publishes with a signing key that has since gone missing
+    settings = {**broken.settings, "publish": {"bundle_dir": str(tmp_path / "b"), "signing_key": str(tmp_path / "gone")}}
+    import json as _json
+
+    from trainer.server import store as tables
+
+    with store.transaction() as conn:  # what an operator's typo in `rounds open --signing-key` stores
+        conn.execute(tables.rounds.update().where(tables.rounds.c.id == broken.id)
+                     .values(settings=_json.dumps(settings), deadline_unix=0.0))
+    assert post(server, payload(broken), key="x", round_id=broken.id).status_code == 201
+    for _ in range(MAX_CLOSE_ATTEMPTS):  # the app's own closer (woken by the upload) may attempt too
+        close_due_rounds(store, owner="operator", takeover={broken.id})
+    outcome = store.get_round(broken.id).outcome
+    assert store.get_round(broken.id).status == "closed" and outcome["result"] == "failed"
+    assert "gone" in outcome["error"]
+    assert store.count_updates() == 1  # the upload is kept
+    server["open_round"]()  # no longer blocked

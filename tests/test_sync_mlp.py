@@ -22,7 +22,7 @@ from trainer.federated.mlp_local import parameters_bytes, read_parameters, train
 pytestmark = pytest.mark.slow
 
 CLI = (sys.executable, "-m", "trainer.cli")
-PER_CLIENT = 30
+SIZES = {"gpu-box": 30, "laptop": 45, "phone": 30}  # unequal: FedAvg weights by sample count
 
 
 def cli(*args: str) -> str:
@@ -50,16 +50,18 @@ def fleet(tmp_path_factory, make_bundle, signing_keys, fitted_routers, routerben
                             "--quorum", "2", "--min-count", "5", "--deadline-s", "600"))
     train, _ = load_routerbench_dir(routerbench_dir)
     rng = np.random.default_rng(5)
-    rows = rng.choice(train.n_queries, 3 * PER_CLIENT, replace=False)
+    rows = rng.choice(train.n_queries, sum(SIZES.values()), replace=False)
     embeddings = Router.load(bundle, signing_keys[1]).embed([train.prompts[i] for i in rows])
     labelled = train.labelled()
-    for j, client in enumerate(tokens):
+    start = 0
+    for client in tokens:
         shutil.copytree(bundle, work / client / "bundle")
         with EvalLog(work / client / "log.sqlite", train.models) as log:
-            for k in range(j * PER_CLIENT, (j + 1) * PER_CLIENT):
+            for k in range(start, start + SIZES[client]):
                 i = rows[k]
                 m = int(rng.choice(np.flatnonzero(labelled[i])))
                 log.record(train.models[m], float(train.accuracy[i, m]), float(train.cost[i, m]), embedding=embeddings[k])
+        start += SIZES[client]
         (work / client / "token").write_text(tokens[client])
     server = ServerProcess(work, db, work / "server.pem", work / "ca.pem", bundle_dir=bundle, tick_s=0.2).start()
     yield {"work": work, "db": db, "tokens": tokens, "round_id": opened["round_id"], "bundle": bundle,
@@ -108,15 +110,17 @@ def test_round_averages_the_uploads_by_sample_count(fleet, first_round):
     assert first_round["a"].uploaded and first_round["b"]["uploaded"]
     outcome = first_round["status"]["outcome"]
     assert outcome["result"] == "aggregated" and outcome["clients"] == ["gpu-box", "laptop"]
-    assert outcome["total_count"] == 2 * PER_CLIENT and outcome["bundle_version"] == 2
+    assert outcome["total_count"] == SIZES["gpu-box"] + SIZES["laptop"] and outcome["bundle_version"] == 2
     store = Store(fleet["db"])
     r = store.get_round(fleet["round_id"])
     base, _ = read_parameters(r.parameters)
-    uploads = [read_parameters(p) for *_, p in store.update_payloads(store.round_updates(r.id))]
-    assert len(uploads) == 2 and all(meta["n_samples"] == PER_CLIENT for _, meta in uploads)
+    uploads = {client: read_parameters(p) for _, client, _, p in store.update_payloads(store.round_updates(r.id))}
+    assert sorted(uploads) == ["gpu-box", "laptop"]
+    assert all(uploads[c][1]["n_samples"] == SIZES[c] for c in uploads)
     agg = store.aggregate_of(r.id)
-    for name in base:  # FedAvg with n_1 = n_2: the plain mean of the two uploads
-        expected = (uploads[0][0][name].astype(np.float64) + uploads[1][0][name]) / 2
+    n_a, n_b = SIZES["gpu-box"], SIZES["laptop"]
+    for name in base:  # FedAvg: sum_i n_i theta_i / sum_i n_i
+        expected = (n_a * uploads["gpu-box"][0][name].astype(np.float64) + n_b * uploads["laptop"][0][name]) / (n_a + n_b)
         np.testing.assert_allclose(agg[name], expected, rtol=1e-5, atol=1e-6)
     assert any(not np.array_equal(agg[n], base[n]) for n in base)  # the round moved the parameters
 

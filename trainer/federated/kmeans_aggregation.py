@@ -56,7 +56,7 @@ class AggregationConfig:
         (None: cost sums are clipped only through C).
     trim_fraction : beta in [0, 0.5), share of clients trimmed at each end per entry.
     noise_multiplier : z >= 0; Gaussian noise of std ``z * sqrt(5) * C`` (needs clip_count and
-        max_cost_usd). 0 disables noise.
+        max_cost_usd, and no trimming). 0 disables noise.
     delta : the delta of the (epsilon, delta) guarantee, in (0, 1).
 
     Raises
@@ -82,6 +82,9 @@ class AggregationConfig:
             raise InvalidInputError(f"noise_multiplier must be >= 0, got {self.noise_multiplier!r}")
         if self.noise_multiplier > 0 and (self.clip_count is None or self.max_cost_usd is None):
             raise InvalidInputError("Gaussian noise needs clip_count and max_cost_usd (they bound the sensitivity)")
+        if self.noise_multiplier > 0 and self.trim_fraction > 0:
+            raise InvalidInputError("Gaussian noise needs trim_fraction=0: trimming lets one client change which "
+                                    "others are kept, beyond the sensitivity bound")
         if not (0.0 < self.delta < 1.0):
             raise InvalidInputError(f"delta must lie in (0, 1), got {self.delta!r}")
 

@@ -17,7 +17,8 @@ FedAvg, Nguyen et al. 2022, "FedBuff"):
 - **DP-FedAvg** (McMahan et al. 2018, ICLR, "Learning differentially private recurrent language
   models", fixed-size variant): each delta is clipped to L2 norm ``S`` over all parameters, the
   clipped deltas are summed with equal weights, ``N(0, (z S)^2)`` is added to every coordinate of the
-  sum and it is divided by the number of clients. One client changes the sum by at most ``S``, so a
+  sum and it is divided by the *expected* number of clients ``W`` (fixed in advance, e.g. the round's
+  quorum; dividing by the actual number would make the scale depend on who took part). One client changes the sum by at most ``S``, so a
   release is (epsilon, delta)-DP for adding or removing one client with epsilon
   ``gaussian_epsilon(z, delta)`` (no amplification by sampling is claimed).
 """
@@ -51,6 +52,7 @@ class MLPUpdate:
 class MLPAggregationConfig:
     """clip_count : C, largest weight of one client (None: n_i). trim_fraction : beta in [0, 0.5).
     clip_norm : S, L2 bound of each delta (needed with noise). noise_multiplier : z >= 0.
+    expected_clients : W, the fixed denominator of DP-FedAvg (needed with noise).
     delta : the delta of the DP guarantee.
 
     Raises
@@ -65,6 +67,7 @@ class MLPAggregationConfig:
     clip_norm: float | None = None
     noise_multiplier: float = 0.0
     delta: float = 1e-5
+    expected_clients: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("clip_count", "clip_norm"):
@@ -75,8 +78,9 @@ class MLPAggregationConfig:
             raise InvalidInputError(f"trim_fraction must lie in [0, 0.5), got {self.trim_fraction!r}")
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
             raise InvalidInputError(f"noise_multiplier must be >= 0, got {self.noise_multiplier!r}")
-        if self.noise_multiplier > 0 and (self.clip_norm is None or self.trim_fraction > 0):
-            raise InvalidInputError("DP-FedAvg noise needs clip_norm and no trimming")
+        if self.noise_multiplier > 0 and (self.clip_norm is None or self.trim_fraction > 0
+                                          or not self.expected_clients or self.expected_clients < 1):
+            raise InvalidInputError("DP-FedAvg noise needs clip_norm, expected_clients >= 1 and no trimming")
         if not 0 < self.delta < 1:
             raise InvalidInputError(f"delta must lie in (0, 1), got {self.delta!r}")
 
@@ -108,8 +112,14 @@ def aggregate_mlp(global_params: Parameters, updates: Mapping[str, MLPUpdate], c
 
     Parameters
     ----------
-    global_params : the current round's parameters, name -> array.
-    updates : client id -> MLPUpdate, at least one.
+    global_params : the current round's parameters, name -> float32 array of any shape.
+    updates : client id -> MLPUpdate (parameters and base of the same names and shapes), at least one.
+    config : the robust and private options.
+    rng : source of the DP noise (unused without noise).
+
+    Returns
+    -------
+    MLPAggregate, the new parameters as float32 arrays of the same shapes.
 
     Raises
     ------
@@ -139,8 +149,8 @@ def aggregate_mlp(global_params: Parameters, updates: Mapping[str, MLPUpdate], c
             scale = min(1.0, config.clip_norm / norm) if norm > 0 else 1.0
             clipped.append({k: v * scale for k, v in d.items()})
         sigma = config.noise_multiplier * config.clip_norm
-        mean = {k: (sum(c[k] for c in clipped) + rng.normal(0.0, sigma, np.shape(global_params[k]))) / len(ids)
-                for k in names}
+        mean = {k: (sum(c[k] for c in clipped) + rng.normal(0.0, sigma, np.shape(global_params[k])))
+                / config.expected_clients for k in names}
         epsilon = gaussian_epsilon(config.noise_multiplier, config.delta)
     elif config.trim_fraction > 0 and len(ids) >= 3:
         n_trim = int(math.floor(config.trim_fraction * len(ids)))
@@ -151,6 +161,8 @@ def aggregate_mlp(global_params: Parameters, updates: Mapping[str, MLPUpdate], c
     else:
         mean = fedavg(list(zip(deltas, weights)))
     new = {k: (np.asarray(global_params[k], np.float64) + mean[k]).astype(np.float32) for k in names}
+    if not all(np.isfinite(v).all() for v in new.values()):
+        raise ShapeError("the aggregate overflowed float32 (extreme client parameters)")
     return MLPAggregate(new, ids, int(sum(updates[c].n_samples for c in ids)), epsilon)
 
 

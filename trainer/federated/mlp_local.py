@@ -62,7 +62,7 @@ def read_parameters(data: bytes) -> tuple[dict[str, np.ndarray], dict]:
         (n,) = struct.unpack("<Q", data[:8])
         metadata = json.loads(data[8:8 + n]).get("__metadata__") or {}
         envelope = json.loads(metadata[ENVELOPE_KEY]) if ENVELOPE_KEY in metadata else {}
-    except (SafetensorError, ValueError, TypeError, AttributeError, struct.error) as exc:
+    except (SafetensorError, ValueError, TypeError, AttributeError, RecursionError, struct.error) as exc:
         raise ShapeError(f"not a valid safetensors body: {exc}") from exc
     for k, v in arrays.items():
         if v.dtype != np.float32:

@@ -33,23 +33,32 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import re
+import secrets
 import threading
 from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi import Path as FastApiPath
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from trainer.server.rounds import close_due_rounds
 from trainer.server.store import Store
-from trainer.server.validation import UploadRejected, parse_upload, validate_upload
+from trainer.server.validation import (
+    MAX_COUNT,
+    UploadRejected,
+    parse_upload,
+    validate_upload,
+)
 
 log = logging.getLogger("fedroute.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+RoundId = Annotated[int, FastApiPath(ge=1, le=MAX_COUNT)]
 _KEY = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -67,10 +76,12 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
     """
     wake = asyncio.Event()
     close_lock = threading.Lock()
+    owner = f"server-{os.getpid()}-{secrets.token_hex(4)}"
+    orphaned: set[int] = set()  # rounds a crashed server left closing: taken over at once
 
     def close_due() -> None:
         with close_lock:
-            for done in close_due_rounds(store, progress=log.info):
+            for done in close_due_rounds(store, progress=log.info, owner=owner, takeover=orphaned):
                 log.info("closed round %s: %s", done["round_id"], done["result"])
 
     async def closer() -> None:
@@ -85,6 +96,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
+        orphaned.update(await run_in_threadpool(store.closing_rounds))
         task = asyncio.create_task(closer())
         try:
             yield
@@ -93,7 +105,9 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    app = FastAPI(title="fedroute aggregation server", version="1", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: the API is documented here and in the README, not served.
+    app = FastAPI(title="fedroute aggregation server", version="1", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
     bearer = HTTPBearer(auto_error=False)
 
     def client_of(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
@@ -118,7 +132,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         return {**r.describe(), "client_id": client}
 
     @app.post("/v1/rounds/{round_id}/updates")
-    async def upload(round_id: int, request: Request, client: Annotated[str, Depends(client_of)],
+    async def upload(round_id: RoundId, request: Request, client: Annotated[str, Depends(client_of)],
                      idempotency_key: Annotated[str | None, Header()] = None):
         if idempotency_key is None or not _KEY.fullmatch(idempotency_key):
             raise UploadRejected(400, "header Idempotency-Key (1-128 of [A-Za-z0-9_.:-]) is required")
@@ -168,7 +182,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             raise HTTPException(404, "no bundle is published") from exc
 
     @app.get("/v1/rounds/{round_id}/parameters")
-    def round_parameters(round_id: int, _client: Annotated[str, Depends(client_of)]):
+    def round_parameters(round_id: RoundId, _client: Annotated[str, Depends(client_of)]):
         r = store.get_round(round_id)
         if r is None or r.parameters is None:
             raise HTTPException(404, f"round {round_id} is not an MLP round")

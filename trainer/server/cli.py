@@ -96,7 +96,12 @@ def rounds_open(
     trim_fraction: Annotated[float, typer.Option(min=0.0, max=0.49, help="share of clients trimmed at each end")] = 0.0,
     noise_multiplier: Annotated[float, typer.Option(min=0.0, help="Gaussian DP noise, std / sensitivity")] = 0.0,
     delta: Annotated[float, typer.Option(help="delta of the (epsilon, delta) guarantee")] = 1e-5,
-    seed: Annotated[int, typer.Option(help="seed of the DP noise")] = 0,
+    seed: Annotated[int | None, typer.Option(help="seed of the DP noise (tests only: whoever knows it can remove "
+                                                 "the noise; default: secret, random)")] = None,
+    prior_router: Annotated[Path | None, typer.Option(help="kmeans: trained router whose statistics (same "
+                                                           "centroids) are merged into every aggregate")] = None,
+    min_total_count: Annotated[int, typer.Option(min=1, help="kmeans: publish only aggregates of at least this many "
+                                                            "evaluations")] = 100,
 ) -> None:
     """Open a round: K-means over the bundle's centroids (or the last Lloyd step with --recluster), or
     MLP from a trained router (--router) or the last MLP aggregate (--continue)."""
@@ -113,15 +118,19 @@ def rounds_open(
         key = load_signing_key(signing_key).public_key()
     store = _store(db)
     publish = {"bundle_dir": bundle_dir if signing_key else None, "signing_key": signing_key, "seed": seed}
+    if kind == "mlp" and prior_router is not None:
+        raise typer.BadParameter("--prior-router is for --kind kmeans")
     try:
         if kind == "kmeans":
-            r = _open_kmeans(store, bundle_dir, key, recluster, router, resume, clip_norm, publish, deadline_s=deadline_s,
-                             quorum=quorum, min_count=min_count, config=(clip_count, max_cost_usd, trim_fraction,
-                                                                         noise_multiplier, delta))
+            r = _open_kmeans(store, bundle_dir, key, recluster, router, resume, clip_norm,
+                             {**publish, "min_total_count": min_total_count,
+                              "prior_statistics": _prior_statistics(prior_router)},
+                             deadline_s=deadline_s, quorum=quorum, min_count=min_count,
+                             config=(clip_count, max_cost_usd, trim_fraction, noise_multiplier, delta))
         else:
             r = _open_mlp(store, bundle_dir, key, recluster, router, resume, max_cost_usd, publish, deadline_s=deadline_s,
-                          quorum=quorum, min_count=min_count, config=(clip_count, trim_fraction, clip_norm,
-                                                                      noise_multiplier, delta))
+                          quorum=quorum, min_count=min_count,
+                          config=(clip_count, trim_fraction, clip_norm, noise_multiplier, delta, quorum))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     eps = gaussian_epsilon(noise_multiplier, delta) if noise_multiplier > 0 else None
@@ -129,6 +138,14 @@ def rounds_open(
     typer.echo(json.dumps({"round_id": r.id, "kind": r.kind, **size, "models": len(r.models),
                            "deadline_unix": r.deadline_unix, "quorum": quorum, "min_count": min_count,
                            "epsilon_per_release": eps}))
+
+
+def _prior_statistics(router_dir: Path | None):
+    if router_dir is None:
+        return None
+    from trainer.routers.kmeans_router import KMeansRouter
+
+    return KMeansRouter.load(router_dir)
 
 
 def _open_kmeans(store, bundle_dir, key, recluster, router, resume, clip_norm, publish, *, config, **round_args):
@@ -143,6 +160,22 @@ def _open_kmeans(store, bundle_dir, key, recluster, router, resume, clip_norm, p
         if last is None:
             raise typer.BadParameter("--recluster needs an aggregated K-means round before this one")
         centroids = last[1]["next_centroids"]
+    prior = publish.pop("prior_statistics")
+    if prior is not None:
+        import io
+
+        import numpy as np
+
+        from sdk.local_update import centroids_hash
+        from trainer.server.publish import read_base_bundle
+
+        if centroids is not None:
+            raise typer.BadParameter("--prior-router and --recluster do not go together (other cells)")
+        with np.load(io.BytesIO(read_base_bundle(bundle_dir, key).files["kmeans.npz"]), allow_pickle=False) as z:
+            if centroids_hash(prior.centroids_) != centroids_hash(z["centroids"]):
+                raise typer.BadParameter("--prior-router has other centroids than the bundle: give the router the "
+                                         "bundle was exported from")
+        publish["prior_statistics"] = prior.statistics_
     settings = round_settings(aggregation=AggregationConfig(*config), **publish)
     return open_round_from_bundle(store, bundle_dir, key, settings=settings, centroids=centroids, **round_args)
 
@@ -167,7 +200,10 @@ def _open_mlp(store, bundle_dir, key, recluster, router, resume, max_cost_usd, p
             raise typer.BadParameter("--continue needs an aggregated MLP round before this one")
         previous = store.get_round(last[0])
         parameters, network, models = last[1], previous.settings["network"], previous.models
-    settings = round_settings(aggregation=MLPAggregationConfig(*config), **publish)
+    clip_count, trim, clip_norm, noise, delta, quorum = config
+    settings = round_settings(aggregation=MLPAggregationConfig(clip_count, trim, clip_norm, noise, delta,
+                                                               quorum if noise > 0 else None), **publish)
+    settings["continued_from"] = last[0] if resume else None
     return open_mlp_round(store, bundle_dir, key, parameters=parameters, network=network, models=models,
                           settings=settings, **round_args)
 

@@ -11,7 +11,8 @@ a new MLP bundle (``router.onnx``). The next round starts from it (``rounds open
 - A round with no update closes as a no-op (``theta`` unchanged).
 - Each client counts once per round (its latest upload in the round).
 - A straggler's upload, trained from ``theta_{r-1}``, is kept and its delta applied in the next
-  MLP round (buffered asynchronous FedAvg).
+  MLP round if that round continues from ``theta_{r-1}``'s aggregate (buffered asynchronous FedAvg);
+  a round started from other parameters (``--router``) keeps it as stale.
 """
 
 from __future__ import annotations
@@ -92,20 +93,27 @@ def router_of(parameters: dict[str, np.ndarray], r: Round):
                      net["hidden"], net["dropout"])
 
 
-def close_mlp_round(store: Store, r: Round, snapshot: int, progress=lambda msg: None) -> dict:
-    """Aggregate an MLP round claimed for closing (see :func:`trainer.server.rounds.close_round`)."""
+def close_mlp_round(store: Store, r: Round, snapshot: int, owner: str, progress=lambda msg: None) -> dict | None:
+    """Aggregate an MLP round claimed for closing by ``owner`` (see
+    :func:`trainer.server.rounds.close_round`); None if another closer took it over."""
     on_time = store.round_updates(r.id)
-    carried = [i for i, _ in store.waiting_late(snapshot, "mlp")]
-    outcome = {"on_time_updates": len(on_time), "late_updates_counted": len(carried), "stale_updates": 0}
-    if not on_time and not carried:
-        outcome["result"] = "no-op"
-        store.finish_close(r.id, outcome, None, [], [])
-        progress(f"round {r.id}: no update arrived; closed as a no-op")
-        return outcome
+    # A straggler's delta applies only to the parameters it was trained from continued here.
+    waiting = store.waiting_late(snapshot, "mlp")
+    parent = r.settings.get("continued_from")
+    carried = [i for i, _, sent in waiting if sent == parent]
+    stale = [i for i, _, sent in waiting if sent != parent]
     latest: dict[str, tuple[int, int, bytes]] = {}
     for uid, client, sent_round, payload in store.update_payloads(sorted(on_time + carried)):
         if client not in latest or sent_round >= latest[client][1]:  # a client's on-time upload wins
             latest[client] = (uid, sent_round, payload)
+    used_late = sum(1 for _, sent, _ in latest.values() if sent != r.id)
+    outcome = {"on_time_updates": len(on_time), "late_updates_counted": used_late, "stale_updates": len(stale)}
+    if not latest:
+        outcome["result"] = "no-op"
+        if store.finish_close(r.id, outcome, None, carried, stale, owner):
+            progress(f"round {r.id}: no update arrived; closed as a no-op")
+            return outcome
+        return None
     bases = {sent: read_parameters(store.get_round(sent).parameters)[0] for _, sent, _ in latest.values()}
     updates = {}
     for client, (_, sent_round, payload) in latest.items():
@@ -113,19 +121,24 @@ def close_mlp_round(store: Store, r: Round, snapshot: int, progress=lambda msg: 
         updates[client] = MLPUpdate(params, int(meta["n_samples"]), bases[sent_round])
     settings = r.settings
     config = MLPAggregationConfig(**settings["aggregation"])
-    rng = np.random.default_rng([int(settings.get("seed", 0)), r.id])
+    rng = np.random.default_rng([int(settings["seed"]), r.id])
     global_params = read_parameters(r.parameters)[0]
     agg = aggregate_mlp(global_params, updates, config, rng)
-    outcome.update(result="aggregated", clients=list(agg.clients), total_count=float(agg.n_samples),
-                   epsilon=None if math.isinf(agg.epsilon) else agg.epsilon, bundle_version=None)
+    noisy = not math.isinf(agg.epsilon)
+    outcome.update(result="aggregated", total_count=float(agg.n_samples),
+                   epsilon=agg.epsilon if noisy else None, bundle_version=None)
+    if not noisy:  # under DP the exact number of participants would leak membership
+        outcome["clients"] = list(agg.clients)
     if settings.get("publish"):
         from trainer.server.publish import publish_router
 
         manifest = publish_router(Path(settings["publish"]["bundle_dir"]), Path(settings["publish"]["signing_key"]),
                                   router_of(agg.parameters, r),
-                                  {"federated_round": r.id, "clients": len(agg.clients)})
+                                  {"federated_round": r.id, **({} if noisy else {"clients": len(agg.clients)})},
+                                  embedder=r.embedder)
         outcome["bundle_version"] = manifest["bundle_version"]
-    store.finish_close(r.id, outcome, array_bytes(**agg.parameters), carried, [])
+    if not store.finish_close(r.id, outcome, array_bytes(**agg.parameters), carried, stale, owner):
+        return None
     progress(f"round {r.id}: FedAvg of {len(agg.clients)} clients ({agg.n_samples} samples); "
              f"bundle v{outcome['bundle_version']}")
     return outcome

@@ -21,6 +21,10 @@ from sdk.cell_statistics import CellStatistics
 from trainer.routers.kmeans_router import KMeansRouter
 
 _WRITER_FIELDS = {"format_version", "created_utc", "files", "signature"}
+
+
+class PublishRefused(Exception):
+    """The aggregate is not published (the message says why); the round's aggregate is still stored."""
 PARITY_FILE = "parity.json"
 
 
@@ -41,16 +45,21 @@ def read_base_bundle(bundle_dir: Path, public_key) -> fmt.VerifiedBundle:
     return bundle
 
 
-def publish_router(bundle_dir: Path, signing_key: Path, router, provenance: dict) -> dict:
+def publish_router(bundle_dir: Path, signing_key: Path, router, provenance: dict, embedder: dict | None = None) -> dict:
     """Write a new version of the bundle at ``bundle_dir`` with ``router`` (a trainer
     :class:`~trainer.routers.kmeans_router.KMeansRouter` or :class:`~trainer.routers.mlp_router.MLPRouter`
     of the bundle's kind and models) in place of its router file; return the signed manifest.
 
+    Idempotent per round: if the bundle at ``bundle_dir`` already comes from
+    ``provenance["federated_round"]`` (a closer that crashed after publishing), its manifest is
+    returned and nothing is written. ``embedder`` (name, dim), when given, must be the bundle's: the
+    round's centroids and inputs live in that embedder's space.
+
     Raises
     ------
     BundleError
-        The current bundle does not verify with the signing key's public key, or is of another
-        router kind, or lists other models.
+        The current bundle does not verify with the signing key's public key, is of another router
+        kind, lists other models, or has another embedder than ``embedder``.
     ExportError
         The key is unreadable or the bundle cannot be written.
     """
@@ -63,6 +72,12 @@ def publish_router(bundle_dir: Path, signing_key: Path, router, provenance: dict
         raise BundleError(f"{bundle_dir} holds a {manifest['router_kind']!r} bundle, the round a {router.kind!r} router")
     if [m["id"] for m in manifest["models"]] != list(router.models):
         raise BundleError(f"{bundle_dir} lists other models than the round's router")
+    if embedder is not None and (manifest["embedder"]["name"], int(manifest["embedder"]["dim"])) != (
+            embedder["name"], int(embedder["dim"])):
+        raise BundleError(f"{bundle_dir} now holds embedder {manifest['embedder']['name']!r}; the round was opened "
+                          f"on {embedder['name']!r}: its router does not fit that bundle")
+    if (manifest.get("provenance") or {}).get("federated_round") == provenance.get("federated_round"):
+        return manifest
     router.embedder = {"name": manifest["embedder"]["name"], "dim": int(manifest["embedder"]["dim"])}
     files = {name: data for name, data in base.files.items() if name != PARITY_FILE}
     files[fmt.ROUTER_FILES[router.kind]] = mlp_to_onnx(router) if router.kind == "mlp" else kmeans_to_npz(router)
@@ -83,8 +98,14 @@ def publish_kmeans(
     model_prior_strength: float,
     prior: str,
     provenance: dict,
+    embedder: dict | None = None,
+    min_total_count: float = 1,
 ) -> dict:
     """:func:`publish_router` of the K-means router built from ``statistics`` over ``centroids``.
+
+    Refused (:class:`PublishRefused`) when the statistics hold fewer than ``min_total_count``
+    evaluations, or no evaluation of a model that the current bundle has data for: devices would
+    stop routing to that model for good (it would never be chosen, so never observed again).
 
     Parameters
     ----------
@@ -94,8 +115,21 @@ def publish_kmeans(
         (:meth:`sdk.CellStatistics.means`).
     provenance : JSON-able facts recorded in the manifest (round id, clients).
     """
+    import io
+
+    import numpy as np
+
     key = load_signing_key(signing_key)
     base = read_base_bundle(bundle_dir, key.public_key())
     models = [m["id"] for m in base.manifest["models"]]
+    total = float(statistics.count.sum())
+    if total < min_total_count:
+        raise PublishRefused(f"{total:.0f} evaluations, below min_total_count={min_total_count:g}")
+    with np.load(io.BytesIO(base.files[fmt.ROUTER_FILES["kmeans"]]), allow_pickle=False) as z:
+        had = z["count"].sum(axis=0) > 0
+    lost = [m for m, h, n in zip(models, had, statistics.count.sum(axis=0)) if h and n == 0]
+    if lost:
+        raise PublishRefused(f"no evaluation of {lost} (the current bundle has some): open the round with the "
+                             "shipped statistics merged in (--prior-router) or wait for more clients")
     router = KMeansRouter(centroids, statistics, models, prior_strength, model_prior_strength, prior)
-    return publish_router(bundle_dir, signing_key, router, provenance)
+    return publish_router(bundle_dir, signing_key, router, provenance, embedder)

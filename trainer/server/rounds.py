@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import secrets
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
 
+from sdk.cell_statistics import CellStatistics
 from sdk.errors import InvalidInputError
 from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans
 from trainer.server.store import Round, Store, array_bytes
@@ -38,13 +42,18 @@ def round_settings(
     prior: str = "additive",
     bundle_dir: Path | None = None,
     signing_key: Path | None = None,
-    seed: int = 0,
+    seed: int | None = None,
+    min_total_count: int = 1,
+    prior_statistics: CellStatistics | None = None,
 ) -> dict:
     """The JSON settings stored with a round: aggregation options (an
     :class:`~trainer.federated.kmeans_aggregation.AggregationConfig` for K-means rounds, an
     :class:`~trainer.federated.mlp_aggregation.MLPAggregationConfig` for MLP rounds), shrinkage of the
     published K-means router (defaults of :class:`trainer.routers.kmeans_router.KMeansRouterConfig`),
-    where to publish and the noise seed.
+    where to publish, the smallest total count worth publishing, statistics already published to
+    merge in (``prior_statistics``, e.g. the shipped router's: without them the first round's router
+    knows only that round's clients), and the noise seed: secret by default (random, kept on the
+    server; whoever knows it can subtract the noise).
 
     Raises
     ------
@@ -58,7 +67,11 @@ def round_settings(
         "prior_strength": float(prior_strength), "model_prior_strength": float(model_prior_strength), "prior": prior,
         "publish": None if bundle_dir is None else {"bundle_dir": str(Path(bundle_dir).absolute()),
                                                     "signing_key": str(Path(signing_key).absolute())},
-        "seed": int(seed),
+        "seed": secrets.randbits(63) if seed is None else int(seed),
+        "min_total_count": int(min_total_count),
+        "prior_statistics": None if prior_statistics is None else {
+            "count": prior_statistics.count.tolist(), "sum_accuracy": prior_statistics.sum_accuracy.tolist(),
+            "sum_cost": prior_statistics.sum_cost.tolist()},
     }
 
 
@@ -105,63 +118,98 @@ def open_round_from_bundle(
     )
 
 
-def close_round(store: Store, round_id: int, progress=lambda msg: None) -> dict | None:
-    """Close ``round_id``: aggregate, store the aggregate, publish. Returns the outcome, or None if
-    the round is already closed (another closer won).
+#: Failed close attempts after which a round is closed as "failed" (its updates stay stored).
+MAX_CLOSE_ATTEMPTS = 3
 
-    Outcome keys: ``result`` ("aggregated" or "no-op"), ``on_time_updates``, ``late_updates_counted``,
-    ``stale_updates``, and when aggregated ``clients``, ``total_count``, ``epsilon`` (None without
-    noise) and ``bundle_version`` (None when the round does not publish).
+
+def close_round(store: Store, round_id: int, progress=lambda msg: None, owner: str | None = None,
+                force: bool = False) -> dict | None:
+    """Close ``round_id``: aggregate, store the aggregate, publish. Returns the outcome, or None if
+    the round is closed already or another closer holds it (see :meth:`Store.claim_close`).
+
+    Outcome keys: ``result`` ("aggregated", "no-op" or "failed"), ``on_time_updates``,
+    ``late_updates_counted``, ``stale_updates``, and when aggregated ``clients`` (omitted under DP
+    noise), ``total_count``, ``epsilon`` (None without noise), ``bundle_version`` (None when nothing
+    was published) and ``publish_skipped`` (why not, when the round publishes but did not).
     """
-    snapshot = store.claim_close(round_id)
+    owner = owner or f"closer-{os.getpid()}-{secrets.token_hex(4)}"
+    snapshot = store.claim_close(round_id, owner, force=force)
     if snapshot is None:
         return None
     r = store.get_round(round_id)
     if r.kind == "mlp":
         from trainer.server.mlp_rounds import close_mlp_round
 
-        return close_mlp_round(store, r, snapshot, progress)
+        return close_mlp_round(store, r, snapshot, owner, progress)
     on_time = store.round_updates(round_id)
     waiting = store.waiting_late(snapshot, "kmeans")
-    carried = [i for i, h in waiting if h == r.centroids_hash]
-    stale = [i for i, h in waiting if h != r.centroids_hash]
+    carried = [i for i, h, _ in waiting if h == r.centroids_hash]
+    stale = [i for i, h, _ in waiting if h != r.centroids_hash]
     outcome = {"on_time_updates": len(on_time), "late_updates_counted": len(carried), "stale_updates": len(stale)}
-    if not on_time and not carried:
-        outcome["result"] = "no-op"
-        store.finish_close(round_id, outcome, None, [], stale)
-        progress(f"round {round_id}: no update arrived; closed as a no-op")
-        return outcome
     latest = store.latest_updates(r.centroids_hash, up_to_id=snapshot)
+    if not latest or (not on_time and not carried):
+        outcome["result"] = "no-op"
+        if store.finish_close(round_id, outcome, None, [], stale, owner):
+            progress(f"round {round_id}: no update arrived; closed as a no-op")
+            return outcome
+        return None
     settings = r.settings
     config = AggregationConfig(**settings["aggregation"])
-    rng = np.random.default_rng([int(settings.get("seed", 0)), round_id])
+    rng = np.random.default_rng([int(settings["seed"]), round_id])
     agg = aggregate_kmeans(r.centroids, {cid: u for cid, (_, u) in latest.items()}, config, rng)
-    outcome.update(result="aggregated", clients=list(agg.clients), total_count=float(agg.statistics.count.sum()),
-                   epsilon=None if math.isinf(agg.epsilon) else agg.epsilon, bundle_version=None)
+    stats = agg.statistics
+    if settings.get("prior_statistics"):  # already published: merged after the noise
+        p = settings["prior_statistics"]
+        stats = CellStatistics.merge([stats, CellStatistics(np.array(p["count"]), np.array(p["sum_accuracy"]),
+                                                            np.array(p["sum_cost"]))])
+    noisy = not math.isinf(agg.epsilon)
+    outcome.update(result="aggregated", total_count=float(stats.count.sum()),
+                   epsilon=None if not noisy else agg.epsilon, bundle_version=None)
+    if not noisy:  # under DP the exact number of participants would leak membership
+        outcome["clients"] = list(agg.clients)
     if settings.get("publish"):
-        from trainer.server.publish import publish_kmeans
+        from trainer.server.publish import PublishRefused, publish_kmeans
 
-        manifest = publish_kmeans(
-            Path(settings["publish"]["bundle_dir"]), Path(settings["publish"]["signing_key"]), r.centroids,
-            agg.statistics, prior_strength=settings["prior_strength"],
-            model_prior_strength=settings["model_prior_strength"], prior=settings["prior"],
-            provenance={"federated_round": round_id, "clients": len(agg.clients)},
-        )
-        outcome["bundle_version"] = manifest["bundle_version"]
-    aggregate = array_bytes(count=agg.statistics.count, sum_accuracy=agg.statistics.sum_accuracy,
-                            sum_cost=agg.statistics.sum_cost, next_centroids=agg.next_centroids,
-                            cell_weights=agg.cell_weights, centroids=r.centroids)
-    store.finish_close(round_id, outcome, aggregate, carried, stale)
-    progress(f"round {round_id}: aggregated {len(agg.clients)} clients "
-             f"({outcome['total_count']:.0f} evaluations); bundle v{outcome['bundle_version']}")
+        try:
+            manifest = publish_kmeans(
+                Path(settings["publish"]["bundle_dir"]), Path(settings["publish"]["signing_key"]), r.centroids, stats,
+                prior_strength=settings["prior_strength"], model_prior_strength=settings["model_prior_strength"],
+                prior=settings["prior"], embedder=r.embedder, min_total_count=settings.get("min_total_count", 1),
+                provenance={"federated_round": round_id, **({} if noisy else {"clients": len(agg.clients)})},
+            )
+            outcome["bundle_version"] = manifest["bundle_version"]
+        except PublishRefused as exc:
+            outcome["publish_skipped"] = str(exc)
+    aggregate = array_bytes(count=stats.count, sum_accuracy=stats.sum_accuracy, sum_cost=stats.sum_cost,
+                            next_centroids=agg.next_centroids, cell_weights=agg.cell_weights, centroids=r.centroids)
+    if not store.finish_close(round_id, outcome, aggregate, carried, stale, owner):
+        return None
+    progress(f"round {round_id}: aggregated {len(agg.clients)} clients ({outcome['total_count']:.0f} evaluations); "
+             f"bundle v{outcome['bundle_version']}{' (' + outcome['publish_skipped'] + ')' if 'publish_skipped' in outcome else ''}")
     return outcome
 
 
-def close_due_rounds(store: Store, now: float | None = None, progress=lambda msg: None) -> list[dict]:
-    """Close every round that is due (deadline passed, quorum reached, or left closing)."""
+def close_due_rounds(store: Store, now: float | None = None, progress=lambda msg: None,
+                     owner: str | None = None, takeover: Collection[int] = ()) -> list[dict]:
+    """Close every round that is due (deadline passed, quorum reached, or left closing), as ``owner``;
+    rounds in ``takeover`` (left closing by a crashed server) are taken over even if their lease
+    has not run out. A close that raises is retried at the next call; after
+    :data:`MAX_CLOSE_ATTEMPTS` failures the round is closed as ``"failed"`` (with the error; its
+    updates stay stored) so a new round can open."""
+    import logging
+
     done = []
     for rid in store.rounds_to_close(time.time() if now is None else now):
-        outcome = close_round(store, rid, progress)
+        try:
+            outcome = close_round(store, rid, progress, owner=owner, force=rid in takeover)
+        except Exception as exc:
+            failures = store.record_close_failure(rid)
+            logging.getLogger("fedroute.server").exception("closing round %s failed (attempt %s)", rid, failures)
+            if failures < MAX_CLOSE_ATTEMPTS or owner is None:
+                continue
+            outcome = {"result": "failed", "error": f"{type(exc).__name__}: {exc}"[:500]}
+            if not store.finish_close(rid, outcome, None, [], [], owner):
+                continue
         if outcome is not None:
             done.append({"round_id": rid, **outcome})
     return done

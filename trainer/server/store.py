@@ -62,6 +62,9 @@ rounds = sa.Table(
     sa.Column("embedder", sa.Text, nullable=False),
     sa.Column("settings", sa.Text, nullable=False),
     sa.Column("close_snapshot", sa.Integer),
+    sa.Column("close_owner", sa.String(64)),
+    sa.Column("close_lease_unix", sa.Float),
+    sa.Column("close_failures", sa.Integer, nullable=False, default=0),
     sa.Column("closed_unix", sa.Float),
     sa.Column("outcome", sa.Text),
     sa.Column("aggregate", sa.LargeBinary),
@@ -85,6 +88,8 @@ updates = sa.Table(
 )
 sa.Index("updates_by_hash", updates.c.base_hash, updates.c.client_id, updates.c.id)
 sa.Index("updates_by_counted_round", updates.c.counted_round, updates.c.client_id)
+# At most one round that is not closed, on any database (NULL for closed rounds, 1 otherwise).
+sa.Index("one_unclosed_round", sa.func.nullif(sa.case((rounds.c.status == "closed", 0), else_=1), 0), unique=True)
 
 
 def create_engine(url: str) -> Engine:
@@ -211,8 +216,6 @@ class Store:
         self.engine = create_engine(url)
         self._writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
         metadata.create_all(self.engine)
-        for index in updates.indexes:  # create_all skips indexes of tables that already exist
-            index.create(self.engine, checkfirst=True)
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
@@ -284,17 +287,21 @@ class Store:
             blob, base_hash = buf.getvalue(), centroids_hash(c)
         else:
             base_hash = hashlib.sha256(parameters).hexdigest()
-        with self.transaction() as conn:
-            busy = conn.execute(sa.select(rounds.c.id).where(rounds.c.status != "closed")).first()
-            if busy:
-                raise ValueError(f"round {busy.id} is still open; close it first")
-            rid = conn.execute(rounds.insert().values(
-                kind=kind, status="open", opened_unix=time.time(), deadline_unix=float(deadline_unix),
-                quorum=int(quorum), min_count=int(min_count), centroids=blob, parameters=parameters,
-                base_hash=base_hash, models=json.dumps(list(models)), embedder=json.dumps(embedder),
-                settings=json.dumps(settings, sort_keys=True),
-            )).inserted_primary_key[0]
+        try:
+            with self.transaction() as conn:
+                busy = conn.execute(sa.select(rounds.c.id).where(rounds.c.status != "closed")).first()
+                if busy:
+                    raise ValueError(f"round {busy.id} is still open; close it first")
+                rid = conn.execute(rounds.insert().values(
+                    kind=kind, status="open", opened_unix=time.time(), deadline_unix=float(deadline_unix),
+                    quorum=int(quorum), min_count=int(min_count), centroids=blob, parameters=parameters,
+                    base_hash=base_hash, models=json.dumps(list(models)), embedder=json.dumps(embedder),
+                    settings=json.dumps(settings, sort_keys=True), close_failures=0,
+                )).inserted_primary_key[0]
+        except sa.exc.IntegrityError as exc:  # a concurrent open won (one_unclosed_round)
+            raise ValueError("another round is open; close it first") from exc
         return self.get_round(int(rid))
+
 
     def get_round(self, round_id: int) -> Round | None:
         with self.engine.connect() as conn:
@@ -324,40 +331,73 @@ class Store:
                     due.append(r.id)
                     continue
                 n = conn.execute(sa.select(sa.func.count(sa.distinct(updates.c.client_id)))
-                                 .where(updates.c.counted_round == r.id)).scalar_one()
+                                 .join(clients, clients.c.id == updates.c.client_id)
+                                 .where((updates.c.counted_round == r.id) & (clients.c.revoked == sa.false()))
+                                 ).scalar_one()
                 if n >= r.quorum:
                     due.append(r.id)
         return due
 
-    def claim_close(self, round_id: int) -> int | None:
-        """Move an open round to ``closing`` (uploads for it are then late) and return the snapshot:
-        the highest update id it aggregates. A round left closing by a crash returns its recorded
-        snapshot; a closed or unknown round returns None."""
+    def claim_close(self, round_id: int, owner: str, lease_s: float = 600.0, force: bool = False) -> int | None:
+        """Move an open round to ``closing`` (uploads for it are then late) for ``owner`` and return the
+        snapshot: the highest update id it aggregates.
+
+        A round already closing is handed over (with its recorded snapshot, so the result does not
+        depend on who finishes) only to the same owner, after its lease of ``lease_s`` seconds has
+        run out, or with ``force`` (a server restarting after a crash takes over its own closes).
+        Returns None for a closed or unknown round, or one another owner is closing.
+        """
+        now = time.time()
         with self.transaction() as conn:
+            if conn.dialect.name == "postgresql":  # in-flight uploads (ids below max) commit first
+                conn.exec_driver_sql("LOCK TABLE updates IN SHARE MODE")
             # The round's row lock orders this against add_update (which locks it too): an upload
             # either commits before the snapshot (and is in it) or sees the round closing (late).
-            row = conn.execute(sa.select(rounds.c.status, rounds.c.close_snapshot)
+            row = conn.execute(sa.select(rounds.c.status, rounds.c.close_snapshot, rounds.c.close_owner,
+                                         rounds.c.close_lease_unix)
                                .where(rounds.c.id == round_id).with_for_update()).first()
             if row is None or row.status == "closed":
                 return None
+            lease = {"close_owner": owner, "close_lease_unix": now + lease_s}
             if row.status == "closing":
+                if row.close_owner != owner and not force and (row.close_lease_unix or 0) > now:
+                    return None
+                conn.execute(rounds.update().where(rounds.c.id == round_id).values(**lease))
                 return int(row.close_snapshot)
             snapshot = conn.execute(sa.select(sa.func.coalesce(sa.func.max(updates.c.id), 0))).scalar_one()
             conn.execute(rounds.update().where(rounds.c.id == round_id)
-                         .values(status="closing", close_snapshot=int(snapshot)))
+                         .values(status="closing", close_snapshot=int(snapshot), **lease))
             return int(snapshot)
 
-    def finish_close(self, round_id: int, outcome: dict, aggregate: bytes | None,
-                     counted_late: list[int], stale: list[int]) -> None:
-        """Record the close: the outcome, the aggregate, and which waiting late updates were counted."""
+    def closing_rounds(self) -> list[int]:
+        """Rounds left ``closing`` (by a crash, or by a closer still at work)."""
+        with self.engine.connect() as conn:
+            return list(conn.execute(sa.select(rounds.c.id).where(rounds.c.status == "closing")).scalars())
+
+    def record_close_failure(self, round_id: int) -> int:
+        """Count a failed close attempt of ``round_id``; returns the failures so far."""
         with self.transaction() as conn:
+            conn.execute(rounds.update().where(rounds.c.id == round_id)
+                         .values(close_failures=rounds.c.close_failures + 1))
+            return int(conn.execute(sa.select(rounds.c.close_failures).where(rounds.c.id == round_id)).scalar_one())
+
+    def finish_close(self, round_id: int, outcome: dict, aggregate: bytes | None,
+                     counted_late: list[int], stale: list[int], owner: str) -> bool:
+        """Record the close (outcome, aggregate, which waiting late updates were counted or are
+        stale) if ``owner`` still holds it; returns False (nothing written) if another closer took
+        the round over or finished it."""
+        with self.transaction() as conn:
+            done = conn.execute(rounds.update().where(
+                (rounds.c.id == round_id) & (rounds.c.status == "closing") & (rounds.c.close_owner == owner)).values(
+                status="closed", closed_unix=time.time(), outcome=json.dumps(outcome, sort_keys=True),
+                aggregate=aggregate))
+            if done.rowcount != 1:
+                return False
             if counted_late:
                 conn.execute(updates.update().where(updates.c.id.in_(counted_late)).values(counted_round=round_id))
             if stale:
                 conn.execute(updates.update().where(updates.c.id.in_(stale)).values(counted_round=-1))
-            conn.execute(rounds.update().where(rounds.c.id == round_id).values(
-                status="closed", closed_unix=time.time(), outcome=json.dumps(outcome, sort_keys=True),
-                aggregate=aggregate))
+            return True
 
     def aggregate_of(self, round_id: int) -> dict[str, np.ndarray] | None:
         with self.engine.connect() as conn:
@@ -416,22 +456,25 @@ class Store:
         with self.engine.connect() as conn:
             return list(conn.execute(sa.select(updates.c.id).where(updates.c.counted_round == round_id)).scalars())
 
-    def waiting_late(self, up_to_id: int, kind: str) -> list[tuple[int, str]]:
-        """(id, base_hash) of late updates of ``kind`` rounds with id <= ``up_to_id`` not yet counted."""
+    def waiting_late(self, up_to_id: int, kind: str) -> list[tuple[int, str, int]]:
+        """(id, base_hash, sent_round) of late updates of ``kind`` rounds with id <= ``up_to_id`` not
+        yet counted."""
         with self.engine.connect() as conn:
-            rows = conn.execute(sa.select(updates.c.id, updates.c.base_hash)
+            rows = conn.execute(sa.select(updates.c.id, updates.c.base_hash, updates.c.sent_round)
                                 .join(rounds, rounds.c.id == updates.c.sent_round).where(
                 (updates.c.late == sa.true()) & updates.c.counted_round.is_(None) & (updates.c.id <= up_to_id)
                 & (rounds.c.kind == kind))).all()
-        return [(r.id, r.base_hash) for r in rows]
+        return [(r.id, r.base_hash, r.sent_round) for r in rows]
 
     def latest_updates(self, base_hash: str, up_to_id: int | None = None) -> dict[str, tuple[int, KMeansUpdate]]:
-        """Each client's latest K-means update for the partition ``base_hash`` (paper 002 keeps it in
-        use until replaced), excluding stale ones, optionally only ids <= ``up_to_id``."""
+        """Each active client's latest K-means update for the partition ``base_hash`` (paper 002 keeps
+        it in use until replaced), excluding stale ones and revoked clients, optionally only ids <=
+        ``up_to_id``."""
         cond = (updates.c.base_hash == base_hash) & (
             updates.c.counted_round.is_(None) | (updates.c.counted_round != -1))
         if up_to_id is not None:
             cond = cond & (updates.c.id <= up_to_id)
+        cond = cond & updates.c.client_id.in_(sa.select(clients.c.id).where(clients.c.revoked == sa.false()))
         latest = (sa.select(updates.c.client_id, sa.func.max(updates.c.id).label("id"))
                   .where(cond).group_by(updates.c.client_id).subquery())
         with self.engine.connect() as conn:
@@ -440,12 +483,14 @@ class Store:
         return {r.client_id: (r.id, read_update(r.payload)) for r in rows}
 
     def update_payloads(self, ids: list[int]) -> list[tuple[int, str, int, bytes]]:
-        """(id, client_id, sent_round, payload) of the given updates, by id."""
+        """(id, client_id, sent_round, payload) of the given updates of active (not revoked) clients, by id."""
         if not ids:
             return []
+        active = sa.select(clients.c.id).where(clients.c.revoked == sa.false())
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(updates.c.id, updates.c.client_id, updates.c.sent_round, updates.c.payload)
-                                .where(updates.c.id.in_(ids)).order_by(updates.c.id)).all()
+                                .where(updates.c.id.in_(ids) & updates.c.client_id.in_(active))
+                                .order_by(updates.c.id)).all()
         return [(r.id, r.client_id, r.sent_round, r.payload) for r in rows]
 
     def last_aggregate_of_kind(self, kind: str) -> tuple[int, dict[str, np.ndarray]] | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -36,6 +37,16 @@ class UploadRejected(Exception):
         self.detail = detail
 
 
+#: Largest count, weight or sample number accepted (the SQLite/PostgreSQL INTEGER range, and far
+#: beyond any device's log).
+MAX_COUNT = 2**31 - 1
+#: Cost bound of one query (USD) when the round sets no max_cost_usd: rejects absurd sums that
+#: would overflow the merge.
+MAX_COST_PER_QUERY_USD = 1000.0
+
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+
+
 class UpdateBody(BaseModel):
     """Envelope of ``POST /v1/rounds/{round_id}/updates``."""
 
@@ -46,11 +57,11 @@ class UpdateBody(BaseModel):
     kind: str
     centroids_hash: str = Field(min_length=64, max_length=64)
     models: list[str]
-    log_size: int = Field(ge=0)
+    log_size: Count
     count: list[list[float | int]]
     sum_accuracy: list[list[float | int]]
     sum_cost: list[list[float | int]]
-    centroid_cells: list[int]
+    centroid_cells: list[Count]
     local_centroids: list[list[float | int]]
     local_weights: list[float | int]
 
@@ -92,7 +103,7 @@ def parse_upload(raw: bytes, content_type: str) -> ParsedUpload:
         if missing:
             raise UploadRejected(422, f"the upload's envelope (safetensors metadata 'fedroute') lacks {missing}")
         round_id = metadata["round_id"]
-        if not isinstance(round_id, int) or isinstance(round_id, bool):
+        if not isinstance(round_id, int) or isinstance(round_id, bool) or not 1 <= round_id <= MAX_COUNT:
             raise UploadRejected(422, f"round_id {round_id!r} is not an integer")
         return ParsedUpload(str(metadata["client_id"]), round_id, str(metadata["kind"]), parameters=parameters,
                             metadata=metadata, raw=raw)
@@ -133,10 +144,11 @@ def validate_mlp_update(parameters: dict, metadata: dict, round_: Round) -> int:
         raise UploadRejected(409, f"update was trained from other parameters than round {round_.id}'s")
     try:
         n_samples, log_size = metadata["n_samples"], metadata["log_size"]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (n_samples, log_size)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT
+                   for v in (n_samples, log_size)):
             raise ValueError("not integers")
     except ValueError as exc:
-        raise UploadRejected(422, "n_samples and log_size must be integers") from exc
+        raise UploadRejected(422, f"n_samples and log_size must be integers in [0, {MAX_COUNT}]") from exc
     if not round_.min_count <= n_samples <= log_size:
         raise UploadRejected(422, f"need min_count={round_.min_count} <= n_samples={n_samples} <= log_size={log_size}")
     base, _ = read_parameters(round_.parameters)
@@ -187,7 +199,10 @@ def _matrix(name: str, rows: list, shape: tuple[int, int]) -> np.ndarray:
     if len(rows) != shape[0] or any(len(r) != shape[1] for r in rows):
         got = (len(rows), sorted({len(r) for r in rows}))
         raise UploadRejected(422, f"{name} must have shape {shape}, got {got[0]} rows of lengths {got[1]}")
-    arr = np.array(rows, dtype=np.float64).reshape(shape)
+    try:
+        arr = np.array(rows, dtype=np.float64).reshape(shape)
+    except OverflowError as exc:
+        raise UploadRejected(422, f"{name} holds a number outside the float64 range") from exc
     if not np.isfinite(arr).all():
         raise UploadRejected(422, f"{name} holds NaN or infinity")
     return arr
@@ -212,9 +227,18 @@ def validate_update(body: UpdateBody, round_: Round) -> KMeansUpdate:
     count = _matrix("count", body.count, shape)
     s_acc = _matrix("sum_accuracy", body.sum_accuracy, shape)
     s_cost = _matrix("sum_cost", body.sum_cost, shape)
+    if (count > MAX_COUNT).any():
+        raise UploadRejected(422, f"count must be <= {MAX_COUNT}")
+    c_max = (round_.settings.get("aggregation") or {}).get("max_cost_usd") or MAX_COST_PER_QUERY_USD
+    if (s_cost > count * c_max).any():
+        raise UploadRejected(422, f"sum_cost is above {c_max:g} USD per query")
     n_rep = len(body.centroid_cells)
     means = _matrix("local_centroids", body.local_centroids, (n_rep, round_.centroids.shape[1]))
-    weights = np.array(body.local_weights, dtype=np.float64)
+    weights = _matrix("local_weights", [body.local_weights], (1, len(body.local_weights)))[0]
+    if (weights > MAX_COUNT).any():
+        raise UploadRejected(422, f"local_weights must be <= {MAX_COUNT}")
+    if count.sum() == 0 and n_rep == 0:
+        raise UploadRejected(422, "the update reports nothing (no evaluation above min_count): do not upload it")
     try:
         update = KMeansUpdate(CellStatistics(count, s_acc, s_cost), np.array(body.centroid_cells, dtype=np.int64),
                               means, weights, int(body.log_size))
