@@ -89,7 +89,7 @@ def new_version_dir(out: Path, version: int) -> Path:
     out = Path(out)
     previous = out.resolve() if out.is_symlink() else None
     for stale in version_dirs(out):  # left by a crash: never published, or two versions old
-        if stale != previous:
+        if stale.resolve() != previous:  # compare resolved: ``out`` may be relative or hold ".."
             shutil.rmtree(stale, ignore_errors=True)
     target = out.parent / f".{out.name}.v{int(version)}-{secrets.token_hex(6)}"
     target.mkdir()

@@ -239,6 +239,20 @@ def test_a_reader_holding_the_old_version_still_loads_it_after_a_new_export(make
         Router.load(old_dir, signing_keys[1], min_bundle_version=2)
 
 
+@pytest.mark.parametrize("spelling", ["relative", "dot-dot"])
+def test_a_bundle_path_that_is_relative_or_has_dot_dot_keeps_the_version_in_use(make_bundle, tmp_path, signing_keys,
+                                                                                  monkeypatch, spelling):
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    out = Path("../b") if spelling == "dot-dot" else Path("b")
+    make_bundle(out, bundle_version=1)
+    make_bundle(out, bundle_version=2)
+    in_use = out.resolve()
+    make_bundle(out, bundle_version=3)  # removes v1 (two back), must keep v2 (now the previous one)
+    assert in_use.exists() and Router.load(in_use, signing_keys[1]).bundle_version == 2
+    assert Router.load(out, signing_keys[1]).bundle_version == 3
+
+
 def test_a_crash_before_publishing_leaves_the_old_bundle_and_the_version_count(make_bundle, tmp_path, signing_keys,
                                                                                 monkeypatch):
     import os
