@@ -4,21 +4,31 @@
 
 1. ``GET /v1/rounds/current``; if a round is open, compute the device's update for its centroids
    from the :class:`sdk.EvalLog` (:func:`sdk.local_update.kmeans_update`: counts and sums per
-   (cell, model), mean embeddings of cells with enough queries; never text, never a per-query
-   embedding) and ``POST`` it with an ``Idempotency-Key`` derived from the round and the body, so a
-   retry, or a rerun after a crash with the same log, is counted once.
+   (cell, model), mean embeddings of cells with enough distinct queries; never text, never a
+   per-query embedding), with the privacy threshold ``max(round min_count, min_count_floor)``;
+   hold every change smaller than that threshold since the update last *sent* for the same
+   centroids (:func:`sdk.local_update.hold_small_changes`, so the server cannot subtract two uploads
+   to recover one query); record what is about to be sent in the state; and ``POST`` it with an
+   ``Idempotency-Key`` derived from the round and the body, so a retry, or a rerun after a crash
+   with the same log, is counted once. An update that reports nothing is not sent.
 2. ``GET /v1/bundles/latest`` (with ``If-None-Match``); if a newer bundle is published, verify its
-   manifest signature, fetch the files it lists by sha256 (reusing identical files of the bundle in
-   use, so an unchanged embedder is not downloaded again), verify every hash, check that it loads,
-   and swap it in atomically (:mod:`sdk.bundle_install`). A failure leaves the old bundle in place.
+   manifest signature, fetch the files it lists by sha256 (copying identical files of the bundle in
+   use, checked against their sha256, so an unchanged embedder is not downloaded again; a damaged
+   local file is downloaded instead), verify every hash, check that it loads and that some model
+   has an estimate for a probe query, and swap it in atomically (:mod:`sdk.bundle_install`). A
+   failure leaves the old bundle in place. This step also runs when the upload step was refused
+   (4xx) or the log does not fit the round (another embedder): the newer bundle may be the fix.
 
 Connection errors and 5xx answers are retried with exponential backoff and jitter; 4xx answers are
-not (they raise :class:`sdk.errors.SyncRejectedError`). The state (last acknowledged upload, the
-bundle's ETag) is a small JSON file written atomically, so it survives restarts. httpx, no torch.
+not (they raise :class:`sdk.errors.SyncRejectedError`), nor are other unexpected statuses (3xx, an
+unexpected 2xx: :class:`sdk.errors.SyncError`). Answers are read with a size limit. The state (last
+acknowledged upload, last sent update, the bundle's ETag) is a small JSON file written atomically,
+so it survives restarts. httpx, no torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -31,14 +41,37 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from sdk import bundle_install
 from sdk import bundle_manifest as fmt
-from sdk.errors import BundleError, InvalidInputError, SyncError, SyncRejectedError
+from sdk.cell_statistics import CellStatistics
+from sdk.errors import (
+    BundleError,
+    FedrouteError,
+    InvalidInputError,
+    ShapeError,
+    SyncError,
+    SyncRejectedError,
+)
 from sdk.eval_log import EvalLog, Evaluations
-from sdk.local_update import RoundSpec, kmeans_update
+from sdk.local_update import (
+    KMeansUpdate,
+    RoundSpec,
+    centroid_threshold,
+    hold_small_changes,
+    kmeans_update,
+)
 
 STATE_VERSION = 1
+#: Largest round description (``GET /v1/rounds/current``: the centroids) and MLP parameters read.
+MAX_ANSWER_BYTES = 64 << 20
+#: Largest receipt (``POST .../updates``) read.
+MAX_RECEIPT_BYTES = 1 << 20
+#: Bytes of an error answer read for its detail.
+MAX_ERROR_BYTES = 64 << 10
+#: Query a downloaded bundle must give an estimate for (some model with a finite accuracy).
+PROBE_QUERY = "hello"
 
 
 @dataclass(frozen=True)
@@ -53,8 +86,9 @@ class SyncResult:
     log_size : evaluations the update summarises, or None.
     bundle_version : version of the bundle in use after the run, or None if there is none.
     bundle_updated : True if a new bundle was installed.
-    skipped : why nothing was uploaded for an open round (an MLP round on a client without an
-        ``mlp_trainer``, or too few evaluations to train), else None.
+    skipped : why nothing was uploaded for an open round (nothing to report, an MLP round on a
+        client without an ``mlp_trainer``, an MLP round whose ``min_count`` is below the device's
+        ``min_count_floor``, or too few evaluations to train), else None.
     """
 
     round_id: int | None
@@ -90,11 +124,15 @@ class SyncClient:
     mlp_trainer : for MLP rounds, ``f(evaluations, round_json, parameters_bytes, client_id) ->
         upload bytes or None`` (the SDK has no torch; ``trainer.federated.mlp_local.train_on_log`` is
         one). Without it MLP rounds are skipped (``SyncResult.skipped`` says so).
+    min_count_floor : int >= 1, the smallest privacy threshold this device accepts, whatever the
+        server announces: K-means rounds use ``max(round min_count, min_count_floor)`` (the server
+        accepts stricter suppression), MLP rounds with a lower ``min_count`` are skipped.
 
     Raises
     ------
     InvalidInputError
-        A URL that is not https, an empty token, or negative retry settings.
+        A URL that is not https, an empty token, negative retry settings or a ``min_count_floor``
+        below 1.
     """
 
     def __init__(self, server_url: str, token: str, eval_log: EvalLog, bundle_dir, public_key, *,
@@ -102,7 +140,8 @@ class SyncClient:
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  transport: httpx.BaseTransport | None = None,
                  sleep: Callable[[float], None] = time.sleep,
-                 mlp_trainer: Callable[[Evaluations, dict, bytes, str], bytes | None] | None = None) -> None:
+                 mlp_trainer: Callable[[Evaluations, dict, bytes, str], bytes | None] | None = None,
+                 min_count_floor: int = 5) -> None:
         url = httpx.URL(str(server_url))
         if url.scheme != "https":
             raise InvalidInputError(f"server_url must be https://..., got {str(server_url)!r}")
@@ -110,12 +149,15 @@ class SyncClient:
             raise InvalidInputError("token must be a non-empty string")
         if retries < 0 or backoff_s < 0 or max_backoff_s < 0:
             raise InvalidInputError("retries, backoff_s and max_backoff_s must be >= 0")
+        if isinstance(min_count_floor, bool) or not isinstance(min_count_floor, int) or min_count_floor < 1:
+            raise InvalidInputError(f"min_count_floor must be an int >= 1, got {min_count_floor!r}")
         self.eval_log = eval_log
         self.bundle_dir = Path(bundle_dir)
         self.public_key = fmt.load_public_key(public_key)
         self.state_path = Path(state_path) if state_path else self.bundle_dir.parent / f".{self.bundle_dir.name}.sync.json"
         self.retries, self.backoff_s, self.max_backoff_s, self._sleep = int(retries), backoff_s, max_backoff_s, sleep
         self.mlp_trainer = mlp_trainer
+        self.min_count_floor = min_count_floor
         verify = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else True
         self._http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token.strip()}"},
                                   timeout=timeout_s, verify=verify, transport=transport)
@@ -134,70 +176,145 @@ class SyncClient:
     def run_once(self) -> SyncResult:
         """Upload this round's update (if a round is open), then install a newer bundle (if any).
 
+        The bundle step runs even when the upload step raised :class:`SyncRejectedError` or
+        :class:`ShapeError`; that error is raised afterwards (with a note saying what happened to
+        the bundle). Any other error stops the run where it happened.
+
         Raises
         ------
         SyncRejectedError
             The server refused a request (4xx); ``status`` says why.
         SyncError
-            The server stayed unreachable or failing after the retries, or answered nonsense.
+            The server stayed unreachable or failing (5xx) after the retries, answered an
+            unexpected status (3xx, another 2xx) or nonsense, an answer was over its size limit, or
+            the state file is unreadable.
         BundleError
-            A published bundle failed verification (nothing was installed).
+            A published bundle failed verification, or no model of it has an estimate for a probe
+            query (nothing was installed).
         ShapeError
             The log's embeddings do not fit the round's embedder.
+        EvalLogError
+            The evaluation log cannot be read.
+        OSError
+            Writing the state file or the new bundle's files failed (disk full, permissions).
+        Exception
+            Whatever ``mlp_trainer`` raises, unchanged.
         """
         state = self._read_state()
-        round_id = update_id = log_size = skipped = None
-        uploaded = late = False
-        answer = self._request("GET", "/v1/rounds/current")
-        if answer.status_code == 200:
-            body = _json(answer)
-            round_id, payload, content_type, skipped = self._prepare_upload(body)
-            if payload is not None:
-                key = f"r{round_id}-{hashlib.sha256(payload).hexdigest()}"
-                last = state.get("last_upload") or {}
-                if last.get("key") == key:  # acknowledged before: same round, same log
-                    update_id, late, log_size = last.get("update_id"), bool(last.get("late")), last.get("log_size")
-                else:
-                    receipt = _json(self._request(
-                        "POST", f"/v1/rounds/{round_id}/updates", content=payload,
-                        headers={"Idempotency-Key": key, "Content-Type": content_type}))
-                    update_id, late, uploaded = receipt.get("update_id"), bool(receipt.get("late")), True
-                    log_size = receipt.get("log_size")
-                    state["last_upload"] = {"round_id": round_id, "key": key, "update_id": update_id,
-                                            "late": late, "log_size": log_size}
-                    self._write_state(state)
-        elif answer.status_code != 204:
-            raise SyncError(f"GET /v1/rounds/current answered {answer.status_code}")
+        try:
+            round_id, uploaded, late, update_id, log_size, skipped = self._sync_round(state)
+        except (SyncRejectedError, ShapeError) as upload_error:
+            try:
+                version, updated = self._update_bundle(state)
+            except (FedrouteError, OSError) as bundle_error:
+                upload_error.add_note(f"the bundle update failed too: {bundle_error!r}")
+                raise upload_error  # the upload error is the one to report; the bundle's is its context
+            upload_error.add_note(f"the bundle step still ran: version {version} in use"
+                                  f"{' (newly installed)' if updated else ''}")
+            raise
         version, updated = self._update_bundle(state)
         return SyncResult(round_id, uploaded, late, update_id, log_size, version, updated, skipped)
 
-    def _prepare_upload(self, body: dict) -> tuple[int, bytes | None, str, str | None]:
-        """(round id, upload body or None, its content type, why nothing is uploaded)."""
+    def _sync_round(self, state: dict) -> tuple[int | None, bool, bool, int | None, int | None, str | None]:
+        """The upload step: (round id, uploaded, late, update id, log size, why skipped)."""
+        round_id = update_id = log_size = skipped = None
+        uploaded = late = False
+        answer = self._request("GET", "/v1/rounds/current", limit=MAX_ANSWER_BYTES)
+        if answer.status_code == 204:
+            return round_id, uploaded, late, update_id, log_size, skipped
+        if answer.status_code != 200:
+            raise SyncError(f"GET /v1/rounds/current answered {answer.status_code}")
+        round_id, payload, content_type, skipped, sent = self._prepare_upload(_json(answer), state)
+        if payload is None:
+            return round_id, uploaded, late, update_id, log_size, skipped
+        key = f"r{round_id}-{hashlib.sha256(payload).hexdigest()}"
+        last = state.get("last_upload") or {}
+        if last.get("key") == key:  # acknowledged before: same round, same body
+            return round_id, False, bool(last.get("late")), last.get("update_id"), last.get("log_size"), None
+        if sent is not None:  # what the server may see from now on, recorded before it is sent
+            state["sent"] = sent
+            self._write_state(state)
+        receipt = _json(self._request(
+            "POST", f"/v1/rounds/{round_id}/updates", content=payload, limit=MAX_RECEIPT_BYTES,
+            headers={"Idempotency-Key": key, "Content-Type": content_type}))
+        update_id, late, uploaded = receipt.get("update_id"), bool(receipt.get("late")), True
+        log_size = receipt.get("log_size")
+        state["last_upload"] = {"round_id": round_id, "key": key, "update_id": update_id,
+                                "late": late, "log_size": log_size}
+        self._write_state(state)
+        return round_id, uploaded, late, update_id, log_size, None
+
+    def _prepare_upload(self, body: dict, state: dict) -> tuple[int, bytes | None, str, str | None, dict | None]:
+        """(round id, upload body or None, its content type, why nothing is uploaded, the sent
+        record to keep in the state or None)."""
         client_id = str(body.get("client_id", ""))
         if body.get("kind") == "mlp":
-            return self._prepare_mlp(body, client_id)
+            return (*self._prepare_mlp(body, client_id), None)
         spec = RoundSpec.from_json(body)
+        spec = dataclasses.replace(spec, min_count=max(spec.min_count, self.min_count_floor))
         update = kmeans_update(self.eval_log.rows(), spec)
+        update = hold_small_changes(update, self._sent_update(state, spec), spec.min_count)
+        if update.is_empty():
+            why = (f"nothing to report: no (cell, model) entry reaches min_count={spec.min_count} and no cell "
+                   f"holds {centroid_threshold(spec.min_count)} distinct queries (log size {update.log_size})")
+            return spec.round_id, None, "application/json", why, None
         payload = json.dumps(update.to_payload(client_id, spec), allow_nan=False, separators=(",", ":")).encode()
-        return spec.round_id, payload, "application/json", None
+        return spec.round_id, payload, "application/json", None, _sent_record(update, spec)
+
+    def _sent_update(self, state: dict, spec: RoundSpec) -> KMeansUpdate | None:
+        """The update last sent for ``spec``'s centroids, its columns in ``spec.models`` order (a
+        model it did not have counts as never sent), or None if none was sent for them.
+
+        Raises SyncError if the record in the state is damaged (rather than dropping the guarantee)."""
+        record = state.get("sent")
+        if not isinstance(record, dict) or record.get("centroids_hash") != spec.centroids_hash:
+            return None
+        try:
+            models = [str(m) for m in record["models"]]
+            n_cells = spec.centroids.shape[0]
+            stats = {k: np.asarray(record[k], dtype=np.float64).reshape(n_cells, len(models))
+                     for k in ("count", "sum_accuracy", "sum_cost")}
+            column = {m: j for j, m in enumerate(models)}
+            aligned = {k: np.zeros((n_cells, len(spec.models))) for k in stats}
+            for i, m in enumerate(spec.models):
+                if m in column:
+                    for k in stats:
+                        aligned[k][:, i] = stats[k][:, column[m]]
+            cells = np.asarray(record["centroid_cells"], dtype=np.int64).reshape(-1)
+            return KMeansUpdate(
+                CellStatistics(aligned["count"], aligned["sum_accuracy"], aligned["sum_cost"]), cells,
+                np.asarray(record["local_centroids"], dtype=np.float64).reshape(cells.size, spec.d_emb),
+                np.asarray(record["local_weights"], dtype=np.float64).reshape(cells.size),
+                int(record["log_size"]),
+                np.asarray(record["local_distinct"], dtype=np.int64).reshape(cells.size))
+        except (KeyError, TypeError, ValueError) as exc:  # ShapeError is a ValueError
+            raise SyncError(f"sync state {self.state_path}: the record of the last sent update is damaged "
+                            f"({exc!r}); delete the file to start over") from exc
 
     def _prepare_mlp(self, body: dict, client_id: str) -> tuple[int, bytes | None, str, str | None]:
         try:
             round_id, url, digest = int(body["round_id"]), str(body["parameters_url"]), str(body["parameters_hash"])
+            min_count = body["min_count"]
+            if isinstance(min_count, bool) or not isinstance(min_count, int):
+                raise TypeError(f"min_count must be an integer, got {min_count!r}")
         except (KeyError, TypeError, ValueError) as exc:
             raise SyncError(f"malformed MLP round description from the server: {exc!r}") from exc
         ctype = "application/x-safetensors"
         if self.mlp_trainer is None:
             why = "MLP round: this client cannot train (no mlp_trainer; `fedroute sync` with the trainer extra can)"
             return round_id, None, ctype, why
+        if min_count < self.min_count_floor:
+            why = (f"MLP round: its min_count={min_count} is below this device's min_count_floor="
+                   f"{self.min_count_floor} (an update over so few samples would reveal too much)")
+            return round_id, None, ctype, why
         if not url.startswith("/v1/rounds/"):
             raise SyncError(f"MLP round: unexpected parameters URL {url!r}")
-        parameters = self._request("GET", url).content
+        parameters = self._request("GET", url, ok=(200,), limit=MAX_ANSWER_BYTES).content
         if hashlib.sha256(parameters).hexdigest() != digest:
             raise SyncError(f"round {round_id}: parameters do not match their hash")
         payload = self.mlp_trainer(self.eval_log.rows(), body, parameters, client_id)
         if payload is None:
-            return round_id, None, ctype, f"MLP round: fewer than min_count={body.get('min_count')} evaluations to train on"
+            return round_id, None, ctype, f"MLP round: fewer than min_count={min_count} evaluations to train on"
         return round_id, payload, ctype, None
 
     # -- bundle -------------------------------------------------------------------------------
@@ -207,41 +324,50 @@ class SyncClient:
         headers = {}
         if state.get("bundle_etag") and state.get("bundle_version") == current:
             headers["If-None-Match"] = state["bundle_etag"]
-        answer = self._request("GET", "/v1/bundles/latest", headers=headers, ok=(200, 304, 404))
+        answer = self._request("GET", "/v1/bundles/latest", headers=headers, ok=(200, 304, 404),
+                               limit=fmt.MAX_MANIFEST_BYTES)
         if answer.status_code in (304, 404):
             return current, False
         raw = answer.content
         manifest = fmt.verify_manifest(raw, self.public_key)
         version = int(manifest["bundle_version"])
-        if current is None or version > current:
-            self._install(manifest, raw)
-        state.update(bundle_etag=answer.headers.get("etag"), bundle_version=max(version, current or 0))
+        installed = (current is None or version > current) and self._install(manifest, raw)
+        in_use = bundle_install.read_version(self.bundle_dir)
+        state.update(bundle_etag=answer.headers.get("etag"), bundle_version=in_use)
         self._write_state(state)
-        return max(version, current or 0), current is None or version > current
+        return in_use, installed
 
-    def _install(self, manifest: dict, raw: bytes) -> None:
-        local = self._local_files()
+    def _install(self, manifest: dict, raw: bytes) -> bool:
+        """Install the verified ``manifest`` (bytes ``raw``) as the new bundle; False if a version at
+        least as new was installed meanwhile (by another process)."""
+        from sdk.router import Router
+
+        version = int(manifest["bundle_version"])
         with bundle_install.locked(self.bundle_dir):
-            target = bundle_install.new_version_dir(self.bundle_dir, manifest["bundle_version"])
+            if (bundle_install.read_version(self.bundle_dir) or 0) >= version:
+                return False
+            local = self._local_files()  # under the lock: new_version_dir keeps the bundle in use
+            target = bundle_install.new_version_dir(self.bundle_dir, version)
             try:
                 for name, digest in manifest["files"].items():
-                    if digest in local:
-                        shutil.copyfile(local[digest], target / name)
-                    else:
+                    if not (digest in local and _copy_verified(local[digest], target / name, digest)):
                         self._download(digest, target / name)
                 bundle_install.write_synced(target / fmt.MANIFEST_FILE, raw)
                 fmt.read_verified(target, self.public_key, wanted=())
-                from sdk.router import Router
-
-                Router.load(target, self.public_key)  # refuses router/embedder/price mismatches
+                router = Router.load(target, self.public_key)  # refuses router/embedder/price mismatches
+                accuracy, _ = router.predict([PROBE_QUERY])
+                if not np.isfinite(accuracy).any():
+                    raise BundleError(f"bundle version {version}: no model has an accuracy estimate for the probe "
+                                      f"query {PROBE_QUERY!r}, so every choose() would fail; not installed")
             except BaseException:
                 shutil.rmtree(target, ignore_errors=True)
                 raise
             bundle_install.publish(self.bundle_dir, target)
+        return True
 
     def _local_files(self) -> dict[str, Path]:
-        """sha256 -> path of the files of the bundle in use (as its manifest lists them; the copy
-        is re-verified after installation)."""
+        """sha256 -> path of the files of the bundle in use, as its manifest lists them (unverified:
+        :func:`_copy_verified` checks each copy). Call under :func:`bundle_install.locked`."""
         try:
             directory = self.bundle_dir.resolve()
             listed = json.loads((directory / fmt.MANIFEST_FILE).read_text())["files"]
@@ -258,7 +384,8 @@ class SyncClient:
                     if 500 <= answer.status_code < 600 and attempt < self.retries:
                         self._backoff(attempt)
                         continue
-                    _raise_for_status(answer, read=True)
+                    if answer.status_code != 200:
+                        raise _rejection(answer)
                     with path.open("wb") as f:
                         for chunk in answer.iter_bytes(1 << 20):
                             size += len(chunk)
@@ -278,19 +405,26 @@ class SyncClient:
 
     # -- HTTP with retries --------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, *, ok=(200, 201, 204), **kwargs) -> httpx.Response:
+    def _request(self, method: str, path: str, *, ok=(200, 201, 204), limit: int = MAX_RECEIPT_BYTES,
+                 **kwargs) -> _Reply:
+        """One request, retried after transport errors and 5xx; the body read up to ``limit`` bytes.
+
+        Raises SyncRejectedError (4xx), SyncError (another status not in ``ok``, a body over
+        ``limit``, or still failing after the retries)."""
         last: str = ""
         for attempt in range(self.retries + 1):
             try:
-                answer = self._http.request(method, path, **kwargs)
+                with self._http.stream(method, path, **kwargs) as answer:
+                    if answer.status_code in ok:
+                        return _Reply(answer.status_code, answer.headers,
+                                      _read_limited(answer, limit, f"{method} {path}"), path)
+                    if not 500 <= answer.status_code < 600:
+                        raise _rejection(answer)
+                    last = f"{answer.status_code} {_detail(answer)[:200]}"
             except httpx.TransportError as exc:  # connect/read/write errors and timeouts
                 last = repr(exc)
-            else:
-                if answer.status_code in ok:
-                    return answer
-                if not 500 <= answer.status_code < 600:
-                    _raise_for_status(answer)
-                last = f"{answer.status_code} {answer.text[:200]}"
+            except httpx.DecodingError as exc:  # a body its Content-Encoding cannot decode
+                raise SyncError(f"{method} {path}: undecodable answer ({exc})") from exc
             if attempt < self.retries:
                 self._backoff(attempt)
         raise SyncError(f"{method} {path} failed after {self.retries + 1} attempts: {last}")
@@ -320,25 +454,98 @@ class SyncClient:
         bundle_install.fsync_dir(self.state_path.parent)
 
 
-def _json(answer: httpx.Response) -> dict:
+@dataclass(frozen=True)
+class _Reply:
+    """An answer read in full (within its size limit)."""
+
+    status_code: int
+    headers: httpx.Headers
+    content: bytes
+    path: str
+
+
+def _read_limited(answer: httpx.Response, limit: int, what: str) -> bytes:
+    """The (decoded) body of a streamed ``answer``, refusing more than ``limit`` bytes (SyncError)."""
+    declared = answer.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise SyncError(f"{what}: answer of {declared} bytes is over the {limit}-byte limit")
+    body = bytearray()
+    for chunk in answer.iter_bytes():
+        body += chunk
+        if len(body) > limit:
+            raise SyncError(f"{what}: answer over the {limit}-byte limit")
+    return bytes(body)
+
+
+def _json(answer: _Reply) -> dict:
     try:
-        body = answer.json()
+        body = json.loads(answer.content)
     except ValueError as exc:
-        raise SyncError(f"{answer.request.url.path} answered non-JSON ({answer.status_code})") from exc
+        raise SyncError(f"{answer.path} answered non-JSON ({answer.status_code})") from exc
     if not isinstance(body, dict):
-        raise SyncError(f"{answer.request.url.path} answered JSON that is not an object")
+        raise SyncError(f"{answer.path} answered JSON that is not an object")
     return body
 
 
-def _raise_for_status(answer: httpx.Response, read: bool = False) -> None:
-    if answer.status_code < 400:
-        return
-    if read:
-        answer.read()
+def _detail(answer: httpx.Response) -> str:
+    """The server's explanation in a streamed error ``answer`` (its first MAX_ERROR_BYTES)."""
+    body = bytearray()
     try:
-        detail = answer.json().get("detail", answer.text)
+        for chunk in answer.iter_bytes():
+            body += chunk
+            if len(body) >= MAX_ERROR_BYTES:
+                break
+    except httpx.HTTPError:
+        pass
+    text = bytes(body[:MAX_ERROR_BYTES]).decode("utf-8", "replace")
+    try:
+        detail = json.loads(text).get("detail", text)
     except (ValueError, AttributeError):
-        detail = answer.text
-    if answer.status_code < 500:
-        raise SyncRejectedError(answer.status_code, str(detail)[:500])
-    raise SyncError(f"{answer.request.url.path} answered {answer.status_code}: {str(detail)[:200]}")
+        detail = text
+    return str(detail)
+
+
+def _rejection(answer: httpx.Response) -> SyncError:
+    """The error for an unexpected status: SyncRejectedError for 4xx, else SyncError (not retried here)."""
+    status = answer.status_code
+    detail = _detail(answer)
+    if 400 <= status < 500:
+        return SyncRejectedError(status, detail[:500])
+    where = answer.headers.get("location")
+    return SyncError(f"{answer.request.url.path} answered {status}{f' (to {where})' if where else ''}: "
+                     f"{detail[:200]}")
+
+
+def _copy_verified(source: Path, target: Path, digest: str) -> bool:
+    """Copy ``source`` to ``target`` (fsynced) if its sha256 is ``digest``; False (and nothing at
+    ``target``) if it is not, is over the size limit or cannot be read."""
+    h = hashlib.sha256()
+    size = 0
+    try:
+        with source.open("rb") as fin, target.open("wb") as fout:
+            while chunk := fin.read(1 << 20):
+                size += len(chunk)
+                if size > fmt.MAX_FILE_BYTES:
+                    break
+                h.update(chunk)
+                fout.write(chunk)
+            fout.flush()
+            os.fsync(fout.fileno())
+    except OSError:
+        target.unlink(missing_ok=True)
+        return False
+    if size > fmt.MAX_FILE_BYTES or h.hexdigest() != digest:
+        target.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def _sent_record(update: KMeansUpdate, spec: RoundSpec) -> dict:
+    """The state's record of an update about to be sent (JSON; floats exact)."""
+    return {"centroids_hash": spec.centroids_hash, "models": list(spec.models), "min_count": spec.min_count,
+            "count": update.statistics.count.tolist(), "sum_accuracy": update.statistics.sum_accuracy.tolist(),
+            "sum_cost": update.statistics.sum_cost.tolist(), "centroid_cells": update.centroid_cells.tolist(),
+            "local_centroids": update.local_centroids.tolist(), "local_weights": update.local_weights.tolist(),
+            "local_distinct": np.asarray(update.local_distinct, dtype=np.int64).tolist()
+            if update.local_distinct is not None else update.local_weights.astype(np.int64).tolist(),
+            "log_size": int(update.log_size)}

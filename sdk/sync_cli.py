@@ -32,6 +32,9 @@ def make_sync_command(mlp_trainer=None):
         ca_cert: Annotated[Path | None, typer.Option(help="PEM of the CA of the server certificate")] = None,
         state: Annotated[Path | None, typer.Option(help="sync state file (default beside the bundle)")] = None,
         retries: Annotated[int, typer.Option(min=0, help="retries on connection errors and 5xx")] = 5,
+        min_count_floor: Annotated[int, typer.Option(
+            min=1, help="smallest privacy threshold accepted: K-means rounds use max(the round's min_count, this); "
+                        "MLP rounds with a lower min_count are skipped")] = 5,
     ) -> None:
         """Upload this round's statistics and install a newer bundle, once."""
         from sdk import bundle_manifest as fmt
@@ -46,7 +49,7 @@ def make_sync_command(mlp_trainer=None):
         models = [m["id"] for m in fmt.read_verified(bundle, public_key, wanted=()).manifest["models"]]
         with EvalLog(log, models) as eval_log, SyncClient(
                 server, token, eval_log, bundle, public_key, ca_cert=ca_cert, state_path=state, retries=retries,
-                mlp_trainer=mlp_trainer) as client:
+                mlp_trainer=mlp_trainer, min_count_floor=min_count_floor) as client:
             result = client.run_once()
         typer.echo(json.dumps(result.to_json()))
 

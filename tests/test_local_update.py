@@ -1,4 +1,5 @@
-"""A device's K-means round update from its EvalLog (sdk.local_update), against hand-computed values."""
+"""A device's K-means round update from its EvalLog (sdk.local_update), against hand-computed values;
+holding small changes between two uploads (differencing), duplicate prompts, empty logs."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import numpy as np
 import pytest
 
 from sdk import EvalLog
-from sdk.errors import ShapeError, SyncError
+from sdk.cell_statistics import CellStatistics
+from sdk.errors import InvalidInputError, ShapeError, SyncError
 from sdk.local_update import (
+    KMeansUpdate,
     RoundSpec,
     centroid_threshold,
     centroids_hash,
+    hold_small_changes,
     kmeans_update,
 )
 
@@ -114,3 +118,161 @@ def test_round_spec_refuses_tampered_or_malformed_answers():
         RoundSpec.from_json({**good, "d_emb": 4})
     with pytest.raises(SyncError, match="distinct"):
         RoundSpec.from_json({**good, "models": ["a", "a", "b"]})
+
+
+# --- one upload: duplicates, empty logs --------------------------------------------------------
+
+
+def test_a_prompt_logged_many_times_is_not_reported_as_a_cell_mean(tmp_path):
+    with EvalLog(tmp_path / "dup.sqlite", MODELS) as eval_log:
+        for _ in range(5):  # one prompt, five times: the cell's mean would be its embedding
+            eval_log.record("cheap", 1.0, 0.001, embedding=unit(1, 0.2, 0))
+        u = kmeans_update(eval_log.rows(), spec(min_count=1))
+        assert u.statistics.count[0, 0] == 5  # its statistics are reported ...
+        assert u.centroid_cells.size == 0 and u.local_centroids.shape == (0, 3)  # ... its embedding is not
+        eval_log.record("mid", 0.0, 0.002, embedding=unit(1, -0.2, 0))  # a second distinct embedding
+        u = kmeans_update(eval_log.rows(), spec(min_count=1))
+    np.testing.assert_array_equal(u.centroid_cells, [0])
+    np.testing.assert_array_equal(u.local_weights, [6])  # the weight counts every query (Lloyd step)
+    np.testing.assert_array_equal(u.local_distinct, [2])
+    expected = (5 * unit(1, 0.2, 0).astype(np.float64) + unit(1, -0.2, 0)) / 6
+    np.testing.assert_allclose(u.local_centroids[0], expected, rtol=1e-7)
+
+
+@pytest.mark.parametrize("rows", ["none", "cells_only"])
+def test_a_log_with_nothing_usable_gives_an_empty_update(tmp_path, rows):
+    with EvalLog(tmp_path / "empty.sqlite", MODELS) as eval_log:
+        if rows == "cells_only":
+            eval_log.record("cheap", 1.0, 0.001, cell=0)  # no embedding: the log's dimension stays 0
+            eval_log.record("mid", 0.0, 0.002, cell=1)
+        u = kmeans_update(eval_log.rows(), spec(min_count=2))
+    assert u.is_empty() and u.log_size == 0
+    assert u.statistics.count.shape == (2, 3) and not u.statistics.count.any()
+    assert u.centroid_cells.shape == (0,) and u.local_centroids.shape == (0, 3) and u.local_weights.shape == (0,)
+    assert not kmeans_update_of_one_row(tmp_path).is_empty()
+
+
+def kmeans_update_of_one_row(tmp_path) -> KMeansUpdate:
+    with EvalLog(tmp_path / "one_row.sqlite", MODELS) as eval_log:
+        eval_log.record("cheap", 1.0, 0.001, embedding=unit(1, 0.2, 0))
+        return kmeans_update(eval_log.rows(), spec(min_count=1))
+
+
+# --- two uploads: hold_small_changes -----------------------------------------------------------
+
+
+def update(count, sum_acc, sum_cost, cells=(), means=(), weights=(), distinct=None, log_size=None) -> KMeansUpdate:
+    """A hand-written update over 2 cells x 2 models, embeddings in 2-d."""
+    count = np.asarray(count, dtype=np.float64)
+    return KMeansUpdate(CellStatistics(count, sum_acc, sum_cost), np.asarray(cells, dtype=np.int64),
+                        np.asarray(means, dtype=np.float64).reshape(-1, 2), np.asarray(weights, dtype=np.float64),
+                        int(count.sum()) if log_size is None else log_size,
+                        None if distinct is None else np.asarray(distinct, dtype=np.int64))
+
+
+SENT = update([[30, 0], [0, 10]], [[15.0, 0], [0, 9.0]], [[0.3, 0], [0, 0.5]],
+              cells=[0], means=[[0.6, 0.8]], weights=[30], distinct=[30])
+
+
+def test_an_entry_that_grew_by_one_keeps_its_sent_values():
+    new = update([[31, 0], [0, 10]], [[16.0, 0], [0, 9.0]], [[0.31, 0], [0, 0.5]],
+                 cells=[0], means=[[0.61, 0.79]], weights=[31], distinct=[31])
+    out = hold_small_changes(new, SENT, min_count=5)
+    np.testing.assert_array_equal(out.statistics.count, [[30, 0], [0, 10]])  # 30 -> 31: held
+    np.testing.assert_array_equal(out.statistics.sum_accuracy, [[15.0, 0], [0, 9.0]])
+    np.testing.assert_array_equal(out.statistics.sum_cost, [[0.3, 0], [0, 0.5]])
+    np.testing.assert_array_equal(out.centroid_cells, [0])  # 30 -> 31 queries: the sent mean
+    np.testing.assert_array_equal(out.local_centroids, [[0.6, 0.8]])
+    np.testing.assert_array_equal(out.local_weights, [30])
+    assert out.log_size == 41  # the log's size, >= every reported total
+
+
+def test_an_entry_that_grew_by_min_count_is_sent():
+    new = update([[35, 0], [0, 10]], [[18.0, 0], [0, 9.0]], [[0.35, 0], [0, 0.5]],
+                 cells=[0], means=[[0.62, 0.78]], weights=[35], distinct=[35])
+    out = hold_small_changes(new, SENT, min_count=5)
+    np.testing.assert_array_equal(out.statistics.count, [[35, 0], [0, 10]])  # 30 -> 35: sent
+    np.testing.assert_array_equal(out.statistics.sum_accuracy, [[18.0, 0], [0, 9.0]])
+    np.testing.assert_array_equal(out.statistics.sum_cost, [[0.35, 0], [0, 0.5]])
+    np.testing.assert_array_equal(out.local_centroids, [[0.62, 0.78]])
+    np.testing.assert_array_equal(out.local_weights, [35])
+    np.testing.assert_array_equal(out.local_distinct, [35])
+
+
+def test_a_cell_mean_that_grew_by_one_query_keeps_its_sent_mean():
+    # min_count = 1: entries are sent at every change, but a cell mean needs a change of 2 queries
+    sent = update([[3, 0], [0, 0]], [[2.0, 0], [0, 0]], [[0.03, 0], [0, 0]],
+                  cells=[0], means=[[0.6, 0.8]], weights=[3], distinct=[3])
+    new = update([[4, 0], [0, 0]], [[3.0, 0], [0, 0]], [[0.04, 0], [0, 0]],
+                 cells=[0], means=[[0.7, 0.7]], weights=[4], distinct=[4])
+    out = hold_small_changes(new, sent, min_count=1)
+    np.testing.assert_array_equal(out.statistics.count, [[4, 0], [0, 0]])
+    np.testing.assert_array_equal(out.local_centroids, [[0.6, 0.8]])  # (4 mu2 - 3 mu1) would be the query
+    np.testing.assert_array_equal(out.local_weights, [3])
+    new2 = update([[5, 0], [0, 0]], [[4.0, 0], [0, 0]], [[0.05, 0], [0, 0]],
+                  cells=[0], means=[[0.66, 0.74]], weights=[5], distinct=[5])
+    out2 = hold_small_changes(new2, out, min_count=1)  # 3 -> 5 queries since what was sent: sent
+    np.testing.assert_array_equal(out2.local_centroids, [[0.66, 0.74]])
+    np.testing.assert_array_equal(out2.local_weights, [5])
+
+
+def test_a_cell_whose_new_queries_repeat_one_prompt_keeps_its_sent_mean():
+    # weight 30 -> 40, but the 10 new queries are one prompt logged 10 times: 30 -> 31 distinct
+    new = update([[30, 0], [0, 10]], [[15.0, 0], [0, 9.0]], [[0.3, 0], [0, 0.5]],
+                 cells=[0], means=[[0.65, 0.75]], weights=[40], distinct=[31], log_size=50)
+    out = hold_small_changes(new, SENT, min_count=5)
+    np.testing.assert_array_equal(out.local_centroids, [[0.6, 0.8]])
+    np.testing.assert_array_equal(out.local_weights, [30])
+
+
+def test_new_cells_are_sent_and_vanished_ones_dropped():
+    new = update([[30, 0], [0, 10]], [[15.0, 0], [0, 9.0]], [[0.3, 0], [0, 0.5]],
+                 cells=[1], means=[[0.0, 1.0]], weights=[10], distinct=[10], log_size=40)
+    out = hold_small_changes(new, SENT, min_count=5)
+    np.testing.assert_array_equal(out.centroid_cells, [1])  # cell 0 went 30 -> 0 (>= 5), cell 1 0 -> 10
+    np.testing.assert_array_equal(out.local_weights, [10])
+
+
+def test_held_values_below_a_higher_min_count_are_not_sent():
+    sent = update([[3, 0], [0, 0]], [[2.0, 0], [0, 0]], [[0.03, 0], [0, 0]],
+                  cells=[0], means=[[0.6, 0.8]], weights=[3], distinct=[3])
+    new = update([[4, 0], [0, 0]], [[3.0, 0], [0, 0]], [[0.04, 0], [0, 0]], log_size=4)  # suppressed at 5
+    out = hold_small_changes(new, sent, min_count=5)
+    assert out.is_empty()  # 3 was sent under min_count 3; under 5 it is not re-sent
+
+
+def test_nothing_sent_before_or_nothing_changed():
+    assert hold_small_changes(SENT, None, min_count=5) is SENT
+    out = hold_small_changes(SENT, SENT, min_count=5)
+    np.testing.assert_array_equal(out.statistics.count, SENT.statistics.count)
+    np.testing.assert_array_equal(out.local_centroids, SENT.local_centroids)
+    assert out.log_size == SENT.log_size
+
+
+def test_hold_small_changes_refuses_incomparable_updates():
+    other = KMeansUpdate(CellStatistics.zeros(3, 2), np.zeros(0, np.int64), np.zeros((0, 2)), np.zeros(0), 0)
+    with pytest.raises(ShapeError, match="cannot be compared"):
+        hold_small_changes(other, SENT, min_count=5)
+    with pytest.raises(InvalidInputError, match="min_count"):
+        hold_small_changes(SENT, SENT, min_count=0)
+
+
+def test_one_more_logged_query_cannot_be_recovered_from_two_uploads(tmp_path):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(31, 3)) + np.array([4.0, 0, 0])
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    s = spec(min_count=5)
+    with EvalLog(tmp_path / "grow.sqlite", MODELS) as eval_log:
+        for i in range(30):
+            eval_log.record("cheap", float(i % 2), 0.001 * (1 + i % 3), embedding=x[i])
+        first = hold_small_changes(kmeans_update(eval_log.rows(), s), None, s.min_count)
+        eval_log.record("cheap", 1.0, 0.0123, embedding=x[30])  # the secret query
+        raw = kmeans_update(eval_log.rows(), s)
+        second = hold_small_changes(raw, first, s.min_count)
+    assert raw.statistics.count[0, 0] == 31 and raw.local_weights[0] == 31  # unheld, it would reveal x[30]
+    np.testing.assert_array_equal(second.statistics.count, first.statistics.count)
+    np.testing.assert_array_equal(second.statistics.sum_accuracy, first.statistics.sum_accuracy)
+    np.testing.assert_array_equal(second.statistics.sum_cost, first.statistics.sum_cost)
+    np.testing.assert_array_equal(second.local_centroids, first.local_centroids)
+    np.testing.assert_array_equal(second.local_weights, first.local_weights)
+    assert second.log_size == 31

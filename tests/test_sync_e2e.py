@@ -113,10 +113,15 @@ def server(deployment):
     process.stop()
 
 
+# The rounds of this module run with --min-count 1 so that the merged statistics can be compared with
+# the centralised ones entry by entry; the devices accept it (their default floor is 5).
+FLOOR = 1
+
+
 def sync_in_process(deployment, server, client, transport=None):
     with EvalLog(deployment["logs"][client], deployment["models"]) as log, SyncClient(
             server, deployment["tokens"][client], log, deployment["work"] / client / "bundle", deployment["pub"],
-            ca_cert=deployment["ca"], transport=transport) as sync:
+            ca_cert=deployment["ca"], transport=transport, min_count_floor=FLOOR) as sync:
         return sync.run_once()
 
 
@@ -125,7 +130,8 @@ def sync_command(deployment, server, client) -> dict:
     token_file.write_text(deployment["tokens"][client])
     done = subprocess.run([*SYNC_CLI, "--server", server, "--log", str(deployment["logs"][client]), "--bundle",
                            str(deployment["work"] / client / "bundle"), "--public-key", str(deployment["pub"]),
-                           "--token-file", str(token_file), "--ca-cert", str(deployment["ca"])],
+                           "--token-file", str(token_file), "--ca-cert", str(deployment["ca"]),
+                           "--min-count-floor", str(FLOOR)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -248,3 +254,56 @@ def test_device_restarted_mid_round_is_counted_once_with_its_latest_log(deployme
     expected = centralised(deployment, r.centroids, extra=extra)
     np.testing.assert_array_equal(store.aggregate_of(r.id)["count"], expected.count)
     assert outcome["total_count"] == 3 * PER_CLIENT + 10
+
+
+def test_one_more_query_between_two_uploads_cannot_be_recovered_by_subtracting_them(deployment, server):
+    """A device (default min_count_floor 5) logs one more query between two syncs of one round: the
+    server, subtracting the two bodies, learns neither its embedding nor its score and cost."""
+    from trainer.server.store import Store
+
+    opened = json.loads(cli("rounds", "open", "--db", deployment["db"], "--bundle-dir", str(deployment["server_bundle"]),
+                            "--public-key", str(deployment["pub"]), "--quorum", "10", "--min-count", "1",
+                            "--deadline-s", "600"))
+    centroids = Store(deployment["db"]).get_round(opened["round_id"]).centroids
+    token = cli("clients", "add", "dev-d", "--db", deployment["db"]).strip()
+    work = deployment["work"] / "dev-d"
+    shutil.copytree(deployment["server_bundle"], work / "bundle")
+    emb, model = deployment["embeddings"], deployment["models"][0]
+    transport = RecordingTransport(verify=ssl.create_default_context(cafile=str(deployment["ca"])))
+
+    def sync():
+        with EvalLog(work / "log.sqlite", deployment["models"]) as log, SyncClient(
+                server, token, log, work / "bundle", deployment["pub"], ca_cert=deployment["ca"],
+                transport=transport) as client:
+            return client.run_once()
+
+    with EvalLog(work / "log.sqlite", deployment["models"]) as log:
+        for k in range(2 * PER_CLIENT):
+            log.record(model, float(k % 2), 0.001 * (1 + k % 3), embedding=emb[k])
+    assert sync().uploaded
+    first = json.loads(next(body for method, _, body in transport.sent if method == "POST"))
+    weights = dict(zip(first["centroid_cells"], first["local_weights"]))
+    cells = nearest_cell(emb, centroids)
+    secret = next(k for k in range(2 * PER_CLIENT, len(emb)) if weights.get(int(cells[k]), 0) >= 5)
+    cell = int(cells[secret])  # a cell whose mean is reported: unheld, n -> n + 1 would reveal the query
+    with EvalLog(work / "log.sqlite", deployment["models"]) as log:
+        log.record(model, 1.0, 0.0123, embedding=emb[secret])
+    assert sync().uploaded
+    a, b = (json.loads(body) for method, _, body in transport.sent if method == "POST")
+    assert b["log_size"] == a["log_size"] + 1 == 2 * PER_CLIENT + 1
+    assert first["count"][cell][0] >= 5  # the entry the query falls in is reported ...
+    count_a, count_b = np.asarray(a["count"]), np.asarray(b["count"])
+    changed = count_a != count_b
+    assert not ((np.abs(count_b - count_a) < 5) & changed).any()  # ... and no entry moved by fewer than 5
+    for name in ("sum_accuracy", "sum_cost"):
+        np.testing.assert_array_equal(np.asarray(b[name])[~changed], np.asarray(a[name])[~changed])
+    means_a = dict(zip(a["centroid_cells"], np.asarray(a["local_centroids"])))
+    for k, w, mu in zip(b["centroid_cells"], b["local_weights"], np.asarray(b["local_centroids"])):
+        w_a = weights.get(k, 0.0)
+        if w != w_a:
+            assert abs(w - w_a) >= 5
+            recovered = (w * mu - w_a * means_a.get(k, 0.0)) / (w - w_a)
+            assert np.linalg.norm(recovered - emb[secret]) > 1e-3
+        else:
+            np.testing.assert_array_equal(mu, means_a[k])
+    assert weights[cell] == dict(zip(b["centroid_cells"], b["local_weights"]))[cell]
