@@ -38,11 +38,19 @@ def serve(
 ) -> None:
     """Run the aggregation server over HTTPS (uvicorn, one process: SQLite has one writer)."""
     import logging
+    import ssl
 
     import uvicorn
 
     from trainer.server.app import create_app
 
+    try:  # a clear error now rather than a traceback from inside uvicorn
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(tls_cert), str(tls_key))
+    except (ssl.SSLError, OSError) as exc:
+        raise typer.BadParameter(f"--tls-cert {tls_cert} / --tls-key {tls_key}: {exc}") from exc
+    if bundle_dir is not None and not bundle_dir.exists():
+        typer.echo(f"warning: --bundle-dir {bundle_dir} does not exist yet; /v1/bundles answers 404 until a round "
+                   "publishes there", err=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(_store(db), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s)
     uvicorn.run(app, host=host, port=port, ssl_certfile=str(tls_cert), ssl_keyfile=str(tls_key),
@@ -68,6 +76,17 @@ def clients_list(db: DbOpt = "sqlite:///fed.db") -> None:
         typer.echo(json.dumps(c))
 
 
+@clients_app.command("rotate")
+def clients_rotate(client_id: str, db: DbOpt = "sqlite:///fed.db") -> None:
+    """Give a client a new token (printed once on stdout); the old one stops working, and a revoked
+    client becomes active again with the new one."""
+    token = _store(db).rotate_token(client_id)
+    if token is None:
+        raise typer.BadParameter(f"no client {client_id!r}")
+    typer.echo(f"client {client_id}: new token (shown once):", err=True)
+    typer.echo(token)
+
+
 @clients_app.command("revoke")
 def clients_revoke(client_id: str, db: DbOpt = "sqlite:///fed.db") -> None:
     """Revoke a client's token (its accepted updates stay)."""
@@ -90,7 +109,8 @@ def rounds_open(
     recluster: Annotated[bool, typer.Option(help="kmeans: use the Lloyd step of the last aggregated round")] = False,
     router: Annotated[Path | None, typer.Option(help="mlp: trained router folder with the starting parameters")] = None,
     resume: Annotated[bool, typer.Option("--continue", help="mlp: start from the last aggregated MLP round")] = False,
-    clip_count: Annotated[float | None, typer.Option(help="most queries (or samples) one client may weigh")] = None,
+    clip_count: Annotated[float | None, typer.Option(help="most queries (or samples) one client may weigh "
+                                                        "(default: 20,000, an EvalLog's default retention)")] = 20000.0,
     max_cost_usd: Annotated[float | None, typer.Option(help="kmeans: bound on one query's cost (USD), for clipping/DP")] = None,
     clip_norm: Annotated[float | None, typer.Option(help="mlp: L2 bound of each client's delta (DP-FedAvg)")] = None,
     trim_fraction: Annotated[float, typer.Option(min=0.0, max=0.49, help="share of clients trimmed at each end")] = 0.0,
@@ -110,7 +130,7 @@ def rounds_open(
     if kind not in ("kmeans", "mlp"):
         raise typer.BadParameter(f"--kind must be kmeans or mlp, got {kind!r}")
     if (signing_key is None) == (public_key is None):
-        raise typer.BadParameter("give --signing-key (publish at close) or --public-key (no publishing), not both")
+        raise typer.BadParameter("give exactly one of --signing-key (publish at close) or --public-key (no publishing)")
     key = public_key
     if signing_key is not None:
         from export.signing import load_signing_key
@@ -192,7 +212,10 @@ def _open_mlp(store, bundle_dir, key, recluster, router, resume, max_cost_usd, p
     if router is not None:
         from trainer.routers.mlp_router import MLPRouter
 
-        trained = MLPRouter.load(router)
+        try:
+            trained = MLPRouter.load(router)
+        except (OSError, KeyError, ValueError) as exc:
+            raise typer.BadParameter(f"--router {router} is not a trained MLP router folder ({exc})") from exc
         parameters, network, models = trained.state(), network_settings(trained), trained.models
     else:
         last = store.last_aggregate_of_kind("mlp")

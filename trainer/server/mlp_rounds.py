@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from sdk import bundle_manifest as fmt
-from sdk.errors import BundleError, InvalidInputError
+from sdk.errors import BundleError
 from trainer.federated.mlp_aggregation import (
     MLPAggregationConfig,
     MLPUpdate,
@@ -67,8 +67,9 @@ def open_mlp_round(
     ValueError
         A round is still open.
     """
-    if not (math.isfinite(deadline_s) and deadline_s > 0) or quorum < 1 or min_count < 1:
-        raise InvalidInputError(f"need deadline_s > 0, quorum >= 1, min_count >= 1; got {deadline_s}, {quorum}, {min_count}")
+    from trainer.server.rounds import check_round_args
+
+    check_round_args(deadline_s, quorum, min_count)
     manifest = fmt.read_verified(bundle_dir, public_key, wanted=()).manifest
     if manifest["router_kind"] != "mlp":
         raise BundleError(f"{bundle_dir} holds a {manifest['router_kind']!r} bundle; an MLP round needs an MLP bundle")
@@ -91,6 +92,21 @@ def router_of(parameters: dict[str, np.ndarray], r: Round):
     scale = np.array([np.nan if s is None else s for s in net["cost_scale_usd"]], dtype=np.float64)
     return MLPRouter(parameters, r.models, int(r.embedder["dim"]), scale, np.array(net["available"]),
                      net["hidden"], net["dropout"])
+
+
+def check_predictions(router, n_probes: int = 32) -> None:
+    """Refuse (:class:`~trainer.server.publish.PublishRefused`) a router whose predictions are not
+    finite for every model it has data for, on fixed random unit-norm probe embeddings: extreme
+    client parameters (a poisoned upload) would otherwise ship a bundle on which every ``choose``
+    fails."""
+    from trainer.server.publish import PublishRefused
+
+    probes = np.random.default_rng(0).normal(size=(n_probes, router.d_emb)).astype(np.float32)
+    probes /= np.linalg.norm(probes, axis=1, keepdims=True)
+    acc, cost = router.predict(probes)
+    ok = np.isfinite(acc[:, router.available_]).all() and np.isfinite(cost[:, router.available_]).all()
+    if not ok or not np.abs(acc[:, router.available_]).max() < 1e6:
+        raise PublishRefused("the aggregate predicts non-finite or absurd values (a poisoned or diverged update?)")
 
 
 def close_mlp_round(store: Store, r: Round, snapshot: int, owner: str, progress=lambda msg: None) -> dict | None:
@@ -130,13 +146,17 @@ def close_mlp_round(store: Store, r: Round, snapshot: int, owner: str, progress=
     if not noisy:  # under DP the exact number of participants would leak membership
         outcome["clients"] = list(agg.clients)
     if settings.get("publish"):
-        from trainer.server.publish import publish_router
+        from trainer.server.publish import PublishRefused, publish_router
 
-        manifest = publish_router(Path(settings["publish"]["bundle_dir"]), Path(settings["publish"]["signing_key"]),
-                                  router_of(agg.parameters, r),
-                                  {"federated_round": r.id, **({} if noisy else {"clients": len(agg.clients)})},
-                                  embedder=r.embedder)
-        outcome["bundle_version"] = manifest["bundle_version"]
+        router = router_of(agg.parameters, r)
+        try:
+            check_predictions(router)
+            manifest = publish_router(Path(settings["publish"]["bundle_dir"]), Path(settings["publish"]["signing_key"]),
+                                      router, {"federated_round": r.id, **({} if noisy else {"clients": len(agg.clients)})},
+                                      embedder=r.embedder)
+            outcome["bundle_version"] = manifest["bundle_version"]
+        except PublishRefused as exc:
+            outcome["publish_skipped"] = str(exc)
     if not store.finish_close(r.id, outcome, array_bytes(**agg.parameters), carried, stale, owner):
         return None
     progress(f"round {r.id}: FedAvg of {len(agg.clients)} clients ({agg.n_samples} samples); "

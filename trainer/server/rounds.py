@@ -75,6 +75,13 @@ def round_settings(
     }
 
 
+def check_round_args(deadline_s: float, quorum: int, min_count: int) -> None:
+    """Raise InvalidInputError unless 0 < deadline_s <= MAX_DEADLINE_S, quorum >= 1, min_count >= 1."""
+    if not (math.isfinite(deadline_s) and 0 < deadline_s <= MAX_DEADLINE_S) or quorum < 1 or min_count < 1:
+        raise InvalidInputError(f"need 0 < deadline_s <= {MAX_DEADLINE_S:.0f} (a year), quorum >= 1, min_count >= 1; "
+                                f"got {deadline_s}, {quorum}, {min_count}")
+
+
 def open_round_from_bundle(
     store: Store,
     bundle_dir: Path,
@@ -102,8 +109,7 @@ def open_round_from_bundle(
 
     from trainer.server.publish import read_base_bundle
 
-    if not (math.isfinite(deadline_s) and deadline_s > 0) or quorum < 1 or min_count < 1:
-        raise InvalidInputError(f"need deadline_s > 0, quorum >= 1, min_count >= 1; got {deadline_s}, {quorum}, {min_count}")
+    check_round_args(deadline_s, quorum, min_count)
     bundle = read_base_bundle(bundle_dir, public_key)
     with np.load(io.BytesIO(bundle.files["kmeans.npz"]), allow_pickle=False) as z:
         base_centroids = z["centroids"]
@@ -116,6 +122,10 @@ def open_round_from_bundle(
         embedder={"name": emb["name"], "dim": int(emb["dim"]), "bundle_version": bundle.manifest["bundle_version"]},
         deadline_unix=time.time() + float(deadline_s), quorum=quorum, min_count=min_count, settings=settings,
     )
+
+
+#: Longest round (seconds): deadlines stay representable as dates (a year).
+MAX_DEADLINE_S = 366 * 86400.0
 
 
 #: Failed close attempts after which a round is closed as "failed" (its updates stay stored).

@@ -213,6 +213,9 @@ class Store:
 
     def __init__(self, url: str) -> None:
         self.url = url
+        parsed = sa.engine.make_url(url)
+        if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+            raise ValueError(f"{url!r} is an in-memory database: nothing would be kept (use sqlite:///fed.db)")
         self.engine = create_engine(url)
         self._writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
         metadata.create_all(self.engine)
@@ -243,10 +246,19 @@ class Store:
         token = "fr_" + secrets.token_urlsafe(32)
         with self.transaction() as conn:
             if conn.execute(sa.select(clients.c.id).where(clients.c.id == client_id)).first():
-                raise ValueError(f"client {client_id!r} exists (revoke it or pick another id)")
+                raise ValueError(f"client {client_id!r} exists (give it a new token with `clients rotate`)")
             conn.execute(clients.insert().values(id=client_id, token_sha256=hash_token(token),
                                                  created_unix=time.time(), revoked=False))
         return token
+
+    def rotate_token(self, client_id: str) -> str | None:
+        """A new bearer token for an existing client (the old one stops working; a revoked client is
+        re-activated); None if no such client."""
+        token = "fr_" + secrets.token_urlsafe(32)
+        with self.transaction() as conn:
+            done = conn.execute(clients.update().where(clients.c.id == client_id)
+                                .values(token_sha256=hash_token(token), revoked=False))
+        return token if done.rowcount == 1 else None
 
     def revoke_client(self, client_id: str) -> bool:
         """Revoke a client's token; False if no such client."""

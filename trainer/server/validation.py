@@ -121,6 +121,9 @@ def validate_upload(upload: ParsedUpload, round_: Round) -> tuple[bytes, int]:
     """
     if upload.kind != round_.kind:
         raise UploadRejected(409, f"round {round_.id} is a {round_.kind!r} round, got a {upload.kind!r} update")
+    if (upload.body is None) != (round_.kind == "mlp"):
+        wanted = "application/x-safetensors" if round_.kind == "mlp" else "application/json or application/msgpack"
+        raise UploadRejected(415, f"round {round_.id} is a {round_.kind!r} round: its uploads are {wanted}")
     if upload.body is not None:
         from trainer.server.store import update_bytes
 
