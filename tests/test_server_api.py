@@ -380,3 +380,36 @@ def test_a_round_that_cannot_close_is_marked_failed_and_a_new_one_can_open(serve
     assert "gone" in outcome["error"]
     assert store.count_updates() == 1  # the upload is kept
     server["open_round"]()  # no longer blocked
+
+
+def test_an_update_that_differs_from_the_last_one_by_a_few_queries_is_422(server):
+    r = server["round"]  # min_count 2
+    assert post(server, payload(r), key="first").status_code == 201
+    grown = _mutate(payload(r), "count", lambda c: _set(c, 3.0))  # entry (0, 0): 2 -> 3, one new query
+    grown = _mutate(grown, "sum_accuracy", lambda c: _set(c, 1.5))
+    grown = {**_mutate(grown, "sum_cost", lambda c: _set(c, 0.006)), "log_size": 6}
+    answer = post(server, grown, key="second")
+    assert answer.status_code == 422 and "moved by 1" in answer.json()["detail"]
+    more = _mutate(_mutate(_mutate(payload(r), "count", lambda c: _set(c, 4.0)), "sum_accuracy",
+                           lambda c: _set(c, 2.0)), "sum_cost", lambda c: _set(c, 0.008))
+    assert post(server, {**more, "log_size": 7}, key="third").status_code == 201  # moved by 2 = min_count
+
+
+def test_store_refuses_in_memory_databases_and_rotates_tokens(tmp_path):
+    with pytest.raises(ValueError, match="in-memory"):
+        Store("sqlite:///")
+    store = Store(f"sqlite:///{tmp_path / 'x.db'}")
+    old = store.add_client("dev")
+    store.revoke_client("dev")
+    new = store.rotate_token("dev")
+    assert store.authenticate(old) is None and store.authenticate(new) == "dev"
+    assert store.rotate_token("nobody") is None
+
+
+def test_round_deadline_is_bounded(server, kmeans_bundle, signing_keys):
+    from sdk.errors import InvalidInputError
+
+    close_round(server["store"], server["round"].id)
+    with pytest.raises(InvalidInputError, match="a year"):
+        open_round_from_bundle(server["store"], kmeans_bundle, signing_keys[1], deadline_s=1e300, quorum=1,
+                               min_count=1, settings=round_settings(aggregation=AggregationConfig()))

@@ -209,7 +209,26 @@ def test_mlp_upload_checks(mlp_api):
     garbage = mlp_api["http"].post(f"/v1/rounds/{r.id}/updates", content=b"\x00" * 64, headers={
         "Authorization": f"Bearer {mlp_api['token']}", "Idempotency-Key": "g", "Content-Type": "application/x-safetensors"})
     assert garbage.status_code == 400
+    json_body = mlp_api["http"].post(f"/v1/rounds/{r.id}/updates", json={"client_id": "dev", "round_id": r.id,
+        "kind": "mlp", "centroids_hash": r.base_hash, "models": list(r.models), "log_size": 0, "count": [],
+        "sum_accuracy": [], "sum_cost": [], "centroid_cells": [], "local_centroids": [], "local_weights": []},
+        headers={"Authorization": f"Bearer {mlp_api['token']}", "Idempotency-Key": "j"})
+    assert json_body.status_code == 415  # an MLP round takes safetensors
     assert mlp_api["store"].count_updates() == 1
+
+
+def test_an_aggregate_with_non_finite_predictions_is_not_published(fitted_routers):
+    from trainer.routers.mlp_router import MLPRouter
+    from trainer.server.mlp_rounds import check_predictions
+    from trainer.server.publish import PublishRefused
+
+    trained = MLPRouter.load(fitted_routers["dir"] / "mlp")
+    check_predictions(trained)  # the trained router is fine
+    poisoned = {k: np.full_like(v, 3e38) for k, v in trained.state().items()}  # what one hostile upload can force
+    router = MLPRouter(poisoned, trained.models, trained.d_emb, trained.cost_scale_, trained.available_,
+                       trained.hidden, trained.dropout)
+    with pytest.raises(PublishRefused, match="non-finite"):
+        check_predictions(router)
 
 
 def test_train_on_log_needs_min_count_samples(tmp_path, fitted_routers):

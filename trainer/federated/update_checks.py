@@ -80,4 +80,40 @@ def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: i
         raise ShapeError("sum_accuracy and sum_cost must be 0 where count is 0")
 
 
-__all__ = ["check_kmeans_update"]
+def check_difference(update: KMeansUpdate, previous: KMeansUpdate | None, min_count: int) -> None:
+    """Refuse an update that differs from the same client's previous update for the same centroids
+    by fewer than the privacy threshold anywhere: subtracting the two would reveal a handful of
+    queries (an entry whose count moved by ``0 < |d| < min_count``, or a cell mean whose weight moved
+    by ``0 < |d| < max(min_count, 2)``). Devices hold such changes back (:func:`sdk.local_update.hold_small_changes`);
+    this is the server's check of the same rule. Pure.
+
+    Raises
+    ------
+    ShapeError
+        The update breaks the rule (the message names the first entry or cell).
+    """
+    if previous is None or previous.statistics.count.shape != update.statistics.count.shape:
+        return
+    d = np.abs(update.statistics.count - previous.statistics.count)
+    small = (d > 0) & (d < min_count)
+    if small.any():
+        k, m = np.argwhere(small)[0]
+        raise ShapeError(f"count[{k}, {m}] moved by {d[k, m]:g} since your last upload for these centroids, fewer "
+                         f"than min_count={min_count}: hold it back until it moves by at least that")
+    n_cells = update.statistics.n_cells
+
+    def dense(u: KMeansUpdate) -> np.ndarray:
+        w = np.zeros(n_cells)
+        w[np.asarray(u.centroid_cells, dtype=np.int64)] = u.local_weights
+        return w
+
+    dw = np.abs(dense(update) - dense(previous))
+    threshold = centroid_threshold(min_count)
+    small = (dw > 0) & (dw < threshold)
+    if small.any():
+        k = int(np.flatnonzero(small)[0])
+        raise ShapeError(f"the mean of cell {k} moved by {dw[k]:g} queries since your last upload, fewer than "
+                         f"{threshold}: hold it back")
+
+
+__all__ = ["check_difference", "check_kmeans_update"]

@@ -160,7 +160,8 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             raise UploadRejected(409, f"round {round_id} does not exist")
         if r.status != "open" and r.id != latest.id:
             raise UploadRejected(409, f"round {round_id} is closed and round {latest.id} is newer; fetch /v1/rounds/current")
-        payload, log_size = validate_upload(upload, r)
+        previous = store.latest_update_of(client, r.base_hash) if r.kind == "kmeans" else None
+        payload, log_size = validate_upload(upload, r, previous)
 
         def receipt_for(update_id: int, late: bool, counted: int | None) -> dict:
             return {"update_id": update_id, "client_id": client, "round_id": round_id, "late": late,

@@ -494,6 +494,14 @@ class Store:
                                 .join(latest, updates.c.id == latest.c.id)).all()
         return {r.client_id: (r.id, read_update(r.payload)) for r in rows}
 
+    def latest_update_of(self, client_id: str, base_hash: str) -> KMeansUpdate | None:
+        """The client's latest stored K-means update for the partition ``base_hash``, if any."""
+        with self.engine.connect() as conn:
+            data = conn.execute(sa.select(updates.c.payload).where(
+                (updates.c.client_id == client_id) & (updates.c.base_hash == base_hash))
+                .order_by(updates.c.id.desc()).limit(1)).scalar_one_or_none()
+        return None if data is None else read_update(data)
+
     def update_payloads(self, ids: list[int]) -> list[tuple[int, str, int, bytes]]:
         """(id, client_id, sent_round, payload) of the given updates of active (not revoked) clients, by id."""
         if not ids:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import ShapeError
 from sdk.local_update import KMeansUpdate
-from trainer.federated.update_checks import check_kmeans_update
+from trainer.federated.update_checks import check_difference, check_kmeans_update
 from trainer.server.store import Round
 
 
@@ -111,8 +111,9 @@ def parse_upload(raw: bytes, content_type: str) -> ParsedUpload:
     return ParsedUpload(body.client_id, body.round_id, body.kind, body=body)
 
 
-def validate_upload(upload: ParsedUpload, round_: Round) -> tuple[bytes, int]:
-    """Check an upload against its round; return ``(payload to store, log_size)``.
+def validate_upload(upload: ParsedUpload, round_: Round, previous=None) -> tuple[bytes, int]:
+    """Check an upload against its round (and, for K-means, against ``previous``, the same client's
+    last stored update for the round's centroids); return ``(payload to store, log_size)``.
 
     Raises
     ------
@@ -128,6 +129,10 @@ def validate_upload(upload: ParsedUpload, round_: Round) -> tuple[bytes, int]:
         from trainer.server.store import update_bytes
 
         update = validate_update(upload.body, round_)
+        try:
+            check_difference(update, previous, round_.min_count)
+        except ShapeError as exc:
+            raise UploadRejected(422, f"invalid update: {exc}") from exc
         return update_bytes(update), update.log_size
     return upload.raw, validate_mlp_update(upload.parameters, upload.metadata, round_)
 
