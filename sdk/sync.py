@@ -158,7 +158,10 @@ class SyncClient:
         self.retries, self.backoff_s, self.max_backoff_s, self._sleep = int(retries), backoff_s, max_backoff_s, sleep
         self.mlp_trainer = mlp_trainer
         self.min_count_floor = min_count_floor
-        verify = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else True
+        try:
+            verify = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else True
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidInputError(f"ca_cert {ca_cert} is not a readable PEM certificate file ({exc})") from exc
         self._http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token.strip()}"},
                                   timeout=timeout_s, verify=verify, transport=transport)
 
@@ -399,6 +402,7 @@ class SyncClient:
                     raise BundleError(f"{path.name}: downloaded sha256 does not match the manifest")
                 return
             except httpx.TransportError as exc:
+                _raise_if_certificate_error(exc)
                 if attempt >= self.retries:
                     raise SyncError(f"downloading {path.name} failed after {attempt + 1} attempts: {exc!r}") from exc
                 self._backoff(attempt)
@@ -422,6 +426,7 @@ class SyncClient:
                         raise _rejection(answer)
                     last = f"{answer.status_code} {_detail(answer)[:200]}"
             except httpx.TransportError as exc:  # connect/read/write errors and timeouts
+                _raise_if_certificate_error(exc)
                 last = repr(exc)
             except httpx.DecodingError as exc:  # a body its Content-Encoding cannot decode
                 raise SyncError(f"{method} {path}: undecodable answer ({exc})") from exc
@@ -442,7 +447,8 @@ class SyncClient:
             return {"version": STATE_VERSION}
         except (OSError, ValueError) as exc:
             raise SyncError(f"sync state {self.state_path} is unreadable ({exc}); delete it to start over") from exc
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION or not isinstance(
+                state.get("last_upload") or {}, dict):
             raise SyncError(f"sync state {self.state_path} has an unknown format; delete it to start over")
         return state
 
@@ -549,3 +555,14 @@ def _sent_record(update: KMeansUpdate, spec: RoundSpec) -> dict:
             "local_distinct": np.asarray(update.local_distinct, dtype=np.int64).tolist()
             if update.local_distinct is not None else update.local_weights.astype(np.int64).tolist(),
             "log_size": int(update.log_size)}
+
+
+def _raise_if_certificate_error(exc: BaseException) -> None:
+    """A server certificate that does not verify is not a transient error: raise SyncError at once."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            reason = getattr(seen, "verify_message", None) or seen
+            raise SyncError(f"the server's TLS certificate does not verify ({reason}); pass the CA that "
+                            "signed it as ca_cert / --ca-cert") from exc
+        seen = seen.__cause__ or seen.__context__

@@ -29,7 +29,8 @@ def make_sync_command(mlp_trainer=None):
         bundle: Annotated[Path, typer.Option(help="bundle in use; replaced atomically by newer ones")],
         public_key: Annotated[Path, typer.Option(help="signing.pub that must have signed any bundle")],
         token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token (else $FEDROUTE_TOKEN)")] = None,
-        ca_cert: Annotated[Path | None, typer.Option(help="PEM of the CA of the server certificate")] = None,
+        ca_cert: Annotated[Path | None, typer.Option(help="PEM of the CA of the server certificate", exists=True,
+                                                     dir_okay=False)] = None,
         state: Annotated[Path | None, typer.Option(help="sync state file (default beside the bundle)")] = None,
         retries: Annotated[int, typer.Option(min=0, help="retries on connection errors and 5xx")] = 5,
         min_count_floor: Annotated[int, typer.Option(

@@ -469,3 +469,46 @@ def test_a_log_of_another_embedder_still_updates_the_bundle_then_raises(device, 
         client.run_once()
     assert type(info.value) is ShapeError and server.posts() == []
     assert_still(device_bundle, 2)
+
+
+def test_a_certificate_that_does_not_verify_is_not_retried(tmp_path, signing_keys):
+    import ssl
+
+    import httpx
+
+    from sdk.errors import SyncError
+
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        try:
+            raise ssl.SSLCertVerificationError(1, "certificate verify failed: self-signed certificate")
+        except ssl.SSLCertVerificationError as exc:
+            raise httpx.ConnectError("[SSL: CERTIFICATE_VERIFY_FAILED]", request=request) from exc
+
+    from sdk import EvalLog
+    from sdk.sync import SyncClient
+
+    with EvalLog(tmp_path / "log.sqlite", ["a", "b"]) as log, SyncClient(
+            "https://fed.test", "tok", log, tmp_path / "bundle", signing_keys[1], transport=httpx.MockTransport(handler),
+            sleep=lambda s: None, retries=5) as client:
+        with pytest.raises(SyncError, match="does not verify"):
+            client.run_once()
+    assert len(calls) == 1
+
+
+def test_a_state_file_of_the_wrong_shape_is_a_sync_error(tmp_path, signing_keys):
+    import httpx
+
+    from sdk import EvalLog
+    from sdk.errors import SyncError
+    from sdk.sync import SyncClient
+
+    state = tmp_path / "state.json"
+    state.write_text('{"version": 1, "last_upload": "x"}')
+    with EvalLog(tmp_path / "log.sqlite", ["a", "b"]) as log, SyncClient(
+            "https://fed.test", "tok", log, tmp_path / "bundle", signing_keys[1], state_path=state,
+            transport=httpx.MockTransport(lambda r: httpx.Response(204)), sleep=lambda s: None) as client:
+        with pytest.raises(SyncError, match="unknown format"):
+            client.run_once()
