@@ -49,7 +49,7 @@ import httpx
 import numpy as np
 
 from sdk.eval_log import Evaluations
-from sdk.local_update import KMeansUpdate, RoundSpec, kmeans_update
+from sdk.local_update import KMeansUpdate, RoundSpec, hold_small_changes, kmeans_update
 
 CLI = (sys.executable, "-m", "trainer.cli")
 
@@ -302,7 +302,10 @@ def synthetic_log(rng: np.random.Generator, spec: RoundSpec, n_queries: int, spr
 def synthetic_uploads(spec: RoundSpec, client_id: str, rng: np.random.Generator, *, n_variants: int = 3,
                       log_sizes: tuple[int, int] = (500, 2000)) -> list[SyntheticUpload]:
     """``n_variants`` uploads of one device for ``spec``: its log (size drawn in ``log_sizes``)
-    read at growing lengths, as a device whose log grows between syncs."""
+    read at growing lengths, as a device whose log grows between syncs. Later variants hold back
+    changes below the privacy threshold relative to the first (:func:`sdk.local_update.hold_small_changes`,
+    as a device does), and :class:`Fleet` alternates the first with the others, so every upload
+    passes the server's check against the device's previous one."""
     size = int(rng.integers(log_sizes[0], log_sizes[1] + 1))
     log = synthetic_log(rng, spec, size)
     uploads = []
@@ -311,6 +314,8 @@ def synthetic_uploads(spec: RoundSpec, client_id: str, rng: np.random.Generator,
         part = Evaluations(log.id[:n], log.timestamp[:n], log.model[:n], log.score[:n], log.cost_usd[:n],
                            log.latency_ms[:n], log.cell[:n], log.embedding[:n], log.bundle_version[:n], log.query[:n])
         update = kmeans_update(part, spec)
+        if uploads:
+            update = hold_small_changes(update, uploads[0].update, spec.min_count)
         body = json.dumps(update.to_payload(client_id, spec), allow_nan=False, separators=(",", ":")).encode()
         uploads.append(SyntheticUpload(body, update))
     return uploads
@@ -411,7 +416,8 @@ class Fleet:
             i = 0
             while time.monotonic() - t0 < result.duration_s:
                 key = f"{client_id}.{uuid.uuid4().hex}"
-                ack = await self.send(http, client_id, key, i % len(bodies), t0, result)
+                index = 0 if i % 2 == 0 or len(bodies) == 1 else 1 + (i // 2) % (len(bodies) - 1)
+                ack = await self.send(http, client_id, key, index, t0, result)
                 if ack is not None and on_ack is not None:
                     on_ack(ack)
                 i += 1

@@ -137,6 +137,8 @@ def read_arrays(data: bytes) -> dict[str, np.ndarray]:
 
 
 def update_bytes(update: KMeansUpdate) -> bytes:
+    """``.npz`` bytes of a K-means update as stored (statistics (n_cells, n_models) float64, reported
+    cells (n,) int64, their means (n, d_emb) float64 and weights (n,) float64, log size)."""
     s = update.statistics
     return array_bytes(count=s.count, sum_accuracy=s.sum_accuracy, sum_cost=s.sum_cost,
                        centroid_cells=update.centroid_cells, local_centroids=update.local_centroids,
@@ -144,6 +146,7 @@ def update_bytes(update: KMeansUpdate) -> bytes:
 
 
 def read_update(data: bytes) -> KMeansUpdate:
+    """The K-means update of :func:`update_bytes` bytes."""
     a = read_arrays(data)
     return KMeansUpdate(CellStatistics(a["count"], a["sum_accuracy"], a["sum_cost"]), a["centroid_cells"],
                         a["local_centroids"], a["local_weights"], int(a["log_size"]))
