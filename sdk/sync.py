@@ -127,6 +127,10 @@ class SyncClient:
     min_count_floor : int >= 1, the smallest privacy threshold this device accepts, whatever the
         server announces: K-means rounds use ``max(round min_count, min_count_floor)`` (the server
         accepts stricter suppression), MLP rounds with a lower ``min_count`` are skipped.
+    allow_repartition : False (default) skips a K-means round over other centroids than the device's
+        last upload: per-model totals and weighted sums of cell means do not depend on the
+        partition, so two uploads over two partitions can be subtracted to recover single queries
+        (:func:`sdk.local_update.hold_small_changes` only protects uploads over the same centroids).
 
     Raises
     ------
@@ -141,7 +145,7 @@ class SyncClient:
                  transport: httpx.BaseTransport | None = None,
                  sleep: Callable[[float], None] = time.sleep,
                  mlp_trainer: Callable[[Evaluations, dict, bytes, str], bytes | None] | None = None,
-                 min_count_floor: int = 5) -> None:
+                 min_count_floor: int = 5, allow_repartition: bool = False) -> None:
         url = httpx.URL(str(server_url))
         if url.scheme != "https":
             raise InvalidInputError(f"server_url must be https://..., got {str(server_url)!r}")
@@ -157,6 +161,7 @@ class SyncClient:
         self.state_path = Path(state_path) if state_path else self.bundle_dir.parent / f".{self.bundle_dir.name}.sync.json"
         self.retries, self.backoff_s, self.max_backoff_s, self._sleep = int(retries), backoff_s, max_backoff_s, sleep
         self.mlp_trainer = mlp_trainer
+        self.allow_repartition = bool(allow_repartition)
         self.min_count_floor = min_count_floor
         try:
             verify = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else True
@@ -203,6 +208,11 @@ class SyncClient:
         Exception
             Whatever ``mlp_trainer`` raises, unchanged.
         """
+        # One sync at a time per device: two would hold back against the same sent record.
+        with bundle_install.locked(self.state_path):
+            return self._run_once()
+
+    def _run_once(self) -> SyncResult:
         state = self._read_state()
         try:
             round_id, uploaded, late, update_id, log_size, skipped = self._sync_round(state)
@@ -234,12 +244,22 @@ class SyncClient:
         last = state.get("last_upload") or {}
         if last.get("key") == key:  # acknowledged before: same round, same body
             return round_id, False, bool(last.get("late")), last.get("update_id"), last.get("log_size"), None
+        previous_sent = state.get("sent")
         if sent is not None:  # what the server may see from now on, recorded before it is sent
             state["sent"] = sent
             self._write_state(state)
-        receipt = _json(self._request(
-            "POST", f"/v1/rounds/{round_id}/updates", content=payload, limit=MAX_RECEIPT_BYTES,
-            headers={"Idempotency-Key": key, "Content-Type": content_type}))
+        try:
+            receipt = _json(self._request(
+                "POST", f"/v1/rounds/{round_id}/updates", content=payload, limit=MAX_RECEIPT_BYTES,
+                headers={"Idempotency-Key": key, "Content-Type": content_type}))
+        except SyncRejectedError:  # refused (4xx): not stored, so hold against what the server has
+            if sent is not None:
+                if previous_sent is None:
+                    state.pop("sent", None)
+                else:
+                    state["sent"] = previous_sent
+                self._write_state(state)
+            raise
         update_id, late, uploaded = receipt.get("update_id"), bool(receipt.get("late")), True
         log_size = receipt.get("log_size")
         state["last_upload"] = {"round_id": round_id, "key": key, "update_id": update_id,
@@ -255,6 +275,12 @@ class SyncClient:
             return (*self._prepare_mlp(body, client_id), None)
         spec = RoundSpec.from_json(body)
         spec = dataclasses.replace(spec, min_count=max(spec.min_count, self.min_count_floor))
+        record = state.get("sent")
+        if (isinstance(record, dict) and record.get("centroids_hash") != spec.centroids_hash
+                and not self.allow_repartition):
+            return spec.round_id, None, "application/json", (
+                "round over other centroids than this device's last upload: uploads for two partitions can be "
+                "combined to recover single queries; skipped (allow_repartition=True sends it)"), None
         update = kmeans_update(self.eval_log.rows(), spec)
         update = hold_small_changes(update, self._sent_update(state, spec), spec.min_count)
         if update.is_empty():

@@ -36,6 +36,9 @@ def make_sync_command(mlp_trainer=None):
         min_count_floor: Annotated[int, typer.Option(
             min=1, help="smallest privacy threshold accepted: K-means rounds use max(the round's min_count, this); "
                         "MLP rounds with a lower min_count are skipped")] = 5,
+        allow_repartition: Annotated[bool, typer.Option(
+            help="also upload for rounds over other centroids than the last upload (weakens privacy: "
+                 "uploads over two partitions can be combined)")] = False,
     ) -> None:
         """Upload this round's statistics and install a newer bundle, once."""
         from sdk import bundle_manifest as fmt
@@ -50,7 +53,8 @@ def make_sync_command(mlp_trainer=None):
         models = [m["id"] for m in fmt.read_verified(bundle, public_key, wanted=()).manifest["models"]]
         with EvalLog(log, models) as eval_log, SyncClient(
                 server, token, eval_log, bundle, public_key, ca_cert=ca_cert, state_path=state, retries=retries,
-                mlp_trainer=mlp_trainer, min_count_floor=min_count_floor) as client:
+                mlp_trainer=mlp_trainer, min_count_floor=min_count_floor,
+                allow_repartition=allow_repartition) as client:
             result = client.run_once()
         typer.echo(json.dumps(result.to_json()))
 

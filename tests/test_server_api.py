@@ -359,6 +359,8 @@ def test_api_schema_pages_are_not_served(server):
 
 
 def test_a_round_that_cannot_close_is_marked_failed_and_a_new_one_can_open(server, tmp_path):
+    import time
+
     from trainer.server.rounds import MAX_CLOSE_ATTEMPTS, close_due_rounds
 
     store, r = server["store"], server["round"]
@@ -371,14 +373,18 @@ def test_a_round_that_cannot_close_is_marked_failed_and_a_new_one_can_open(serve
 
     with store.transaction() as conn:  # what an operator's typo in `rounds open --signing-key` stores
         conn.execute(tables.rounds.update().where(tables.rounds.c.id == broken.id)
-                     .values(settings=_json.dumps(settings), deadline_unix=0.0))
+                     .values(settings=_json.dumps(settings)))
     assert post(server, payload(broken), key="x", round_id=broken.id).status_code == 201
-    for _ in range(MAX_CLOSE_ATTEMPTS):  # the app's own closer (woken by the upload) may attempt too
-        close_due_rounds(store, owner="operator", takeover={broken.id})
+    bob = payload(broken, client="bob")
+    assert post(server, bob, client="bob", key="y", round_id=broken.id).status_code == 201
+    with store.transaction() as conn:  # its deadline passes
+        conn.execute(tables.rounds.update().where(tables.rounds.c.id == broken.id).values(deadline_unix=0.0))
+    for attempt in range(MAX_CLOSE_ATTEMPTS + 1):  # the app's own closer (woken by the upload) may try too
+        close_due_rounds(store, now=time.time() + 1000.0 * (attempt + 1), owner="operator", takeover={broken.id})
     outcome = store.get_round(broken.id).outcome
     assert store.get_round(broken.id).status == "closed" and outcome["result"] == "failed"
     assert "gone" in outcome["error"]
-    assert store.count_updates() == 1  # the upload is kept
+    assert store.count_updates() == 2  # the uploads are kept
     server["open_round"]()  # no longer blocked
 
 
@@ -413,3 +419,28 @@ def test_round_deadline_is_bounded(server, kmeans_bundle, signing_keys):
     with pytest.raises(InvalidInputError, match="a year"):
         open_round_from_bundle(server["store"], kmeans_bundle, signing_keys[1], deadline_s=1e300, quorum=1,
                                min_count=1, settings=round_settings(aggregation=AggregationConfig()))
+
+
+def test_an_entry_that_drops_to_zero_is_accepted(server):
+    r = server["round"]
+    assert post(server, payload(r), key="first").status_code == 201  # (0, 0): 2 queries, (1, 2): 3
+    dropped = _mutate(_mutate(_mutate(payload(r), "count", lambda c: _set(c, 0.0)), "sum_accuracy",
+                              lambda c: _set(c, 0.0)), "sum_cost", lambda c: _set(c, 0.0))
+    assert post(server, {**dropped, "log_size": 3}, key="second").status_code == 201  # e.g. min_count went up
+
+
+def test_one_clients_statistics_are_never_published_alone(server, kmeans_bundle, signing_keys, tmp_path):
+    import shutil
+
+    store = server["store"]
+    close_round(store, server["round"].id)
+    bundle = tmp_path / "published"
+    shutil.copytree(kmeans_bundle, bundle)
+    settings = round_settings(aggregation=AggregationConfig(), bundle_dir=bundle, signing_key=signing_keys[0])
+    r = open_round_from_bundle(store, bundle, signing_keys[1], deadline_s=600, quorum=100, min_count=2,
+                               settings=settings)
+    assert post(server, payload(r), key="solo", round_id=r.id).status_code == 201
+    outcome = close_round(store, r.id)
+    assert outcome["result"] == "aggregated" and outcome["bundle_version"] is None
+    assert "1 client(s)" in outcome["publish_skipped"]
+    assert json.loads((bundle / "manifest.json").read_text())["bundle_version"] == 1  # nothing published

@@ -512,3 +512,32 @@ def test_a_state_file_of_the_wrong_shape_is_a_sync_error(tmp_path, signing_keys)
             transport=httpx.MockTransport(lambda r: httpx.Response(204)), sleep=lambda s: None) as client:
         with pytest.raises(SyncError, match="unknown format"):
             client.run_once()
+
+
+def test_a_round_over_other_centroids_is_skipped_after_an_upload(device, tmp_path):
+    server = FakeServer(kmeans_round(min_count=1))
+    log = filled_log(tmp_path / "log.sqlite", n=30)
+    client, _ = device(server, log=log)
+    assert client.run_once().uploaded
+    moved = np.array([[0.9, 0.1, 0.0], [0.0, 1.0, 0.0]], dtype=np.float32)  # a re-clustered partition
+    server.round = {**kmeans_round(min_count=1, round_id=4), "centroids": moved.tolist(),
+                    "centroids_hash": centroids_hash(moved)}
+    log.record("cheap", 1.0, 0.0123, embedding=unit_rows(1, seed=9)[0])
+    result = client.run_once()
+    assert not result.uploaded and "other centroids" in result.skipped and len(server.posts()) == 1
+    opted_in, _ = device(server, log=log, allow_repartition=True)
+    assert opted_in.run_once().uploaded
+
+
+def test_a_refused_upload_is_not_kept_as_the_sent_record(device, tmp_path):
+    server = FakeServer(kmeans_round(min_count=1))
+    log = filled_log(tmp_path / "log.sqlite", n=30)
+    client, _ = device(server, log=log)
+    assert client.run_once().uploaded
+    sent = json.loads((tmp_path / "state.json").read_text())["sent"]
+    for e in unit_rows(6, seed=11):
+        log.record("cheap", 1.0, 0.001, embedding=e)
+    server.routes[("POST", "/v1/rounds/3/updates")] = lambda r: httpx.Response(422, json={"detail": "moved by 1"})
+    with pytest.raises(SyncRejectedError):
+        client.run_once()
+    assert json.loads((tmp_path / "state.json").read_text())["sent"] == sent  # still what the server holds

@@ -94,8 +94,9 @@ def check_difference(update: KMeansUpdate, previous: KMeansUpdate | None, min_co
     """
     if previous is None or previous.statistics.count.shape != update.statistics.count.shape:
         return
+    # A move to zero (an entry no longer reported, e.g. after min_count went up) reveals nothing new.
     d = np.abs(update.statistics.count - previous.statistics.count)
-    small = (d > 0) & (d < min_count)
+    small = (d > 0) & (d < min_count) & (update.statistics.count > 0)
     if small.any():
         k, m = np.argwhere(small)[0]
         raise ShapeError(f"count[{k}, {m}] moved by {d[k, m]:g} since your last upload for these centroids, fewer "
@@ -107,9 +108,10 @@ def check_difference(update: KMeansUpdate, previous: KMeansUpdate | None, min_co
         w[np.asarray(u.centroid_cells, dtype=np.int64)] = u.local_weights
         return w
 
-    dw = np.abs(dense(update) - dense(previous))
+    now = dense(update)
+    dw = np.abs(now - dense(previous))
     threshold = centroid_threshold(min_count)
-    small = (dw > 0) & (dw < threshold)
+    small = (dw > 0) & (dw < threshold) & (now > 0)
     if small.any():
         k = int(np.flatnonzero(small)[0])
         raise ShapeError(f"the mean of cell {k} moved by {dw[k]:g} queries since your last upload, fewer than "

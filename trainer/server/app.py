@@ -96,7 +96,9 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        orphaned.update(await run_in_threadpool(store.closing_rounds))
+        # Only closes a server left behind: a `fedroute rounds close` may be at work on another.
+        orphaned.update(rid for rid, who in await run_in_threadpool(store.closing_rounds)
+                        if (who or "").startswith("server-"))
         task = asyncio.create_task(closer())
         try:
             yield
@@ -160,8 +162,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             raise UploadRejected(409, f"round {round_id} does not exist")
         if r.status != "open" and r.id != latest.id:
             raise UploadRejected(409, f"round {round_id} is closed and round {latest.id} is newer; fetch /v1/rounds/current")
-        previous = store.latest_update_of(client, r.base_hash) if r.kind == "kmeans" else None
-        payload, log_size = validate_upload(upload, r, previous)
+        payload, log_size, check_previous = validate_upload(upload, r)
 
         def receipt_for(update_id: int, late: bool, counted: int | None) -> dict:
             return {"update_id": update_id, "client_id": client, "round_id": round_id, "late": late,
@@ -169,7 +170,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
 
         try:
             return store.add_update(client_id=client, round_=r, key=key, body_sha256=digest, payload=payload,
-                                    log_size=log_size, receipt_for=receipt_for)
+                                    log_size=log_size, receipt_for=receipt_for, check_previous=check_previous)
         except KeyError as exc:
             raise UploadRejected(422, str(exc.args[0])) from exc
 

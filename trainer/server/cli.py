@@ -218,9 +218,10 @@ def _open_mlp(store, bundle_dir, key, recluster, router, resume, max_cost_usd, p
             raise typer.BadParameter(f"--router {router} is not a trained MLP router folder ({exc})") from exc
         parameters, network, models = trained.state(), network_settings(trained), trained.models
     else:
-        last = store.last_aggregate_of_kind("mlp")
+        last = store.last_aggregate_of_kind("mlp", published_only=True)
         if last is None:
-            raise typer.BadParameter("--continue needs an aggregated MLP round before this one")
+            raise typer.BadParameter("--continue needs an aggregated MLP round before this one whose publishing "
+                                     "was not refused")
         previous = store.get_round(last[0])
         parameters, network, models = last[1], previous.settings["network"], previous.models
     clip_count, trim, clip_norm, noise, delta, quorum = config

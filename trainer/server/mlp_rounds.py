@@ -152,7 +152,8 @@ def close_mlp_round(store: Store, r: Round, snapshot: int, owner: str, progress=
         try:
             check_predictions(router)
             manifest = publish_router(Path(settings["publish"]["bundle_dir"]), Path(settings["publish"]["signing_key"]),
-                                      router, {"federated_round": r.id, **({} if noisy else {"clients": len(agg.clients)})},
+                                      router, {"federated_round": r.id, "round_uid": settings.get("round_uid"),
+                                               **({} if noisy else {"clients": len(agg.clients)})},
                                       embedder=r.embedder)
             outcome["bundle_version"] = manifest["bundle_version"]
         except PublishRefused as exc:

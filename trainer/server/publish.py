@@ -50,33 +50,33 @@ def publish_router(bundle_dir: Path, signing_key: Path, router, provenance: dict
     :class:`~trainer.routers.kmeans_router.KMeansRouter` or :class:`~trainer.routers.mlp_router.MLPRouter`
     of the bundle's kind and models) in place of its router file; return the signed manifest.
 
-    Idempotent per round: if the bundle at ``bundle_dir`` already comes from
-    ``provenance["federated_round"]`` (a closer that crashed after publishing), its manifest is
-    returned and nothing is written. ``embedder`` (name, dim), when given, must be the bundle's: the
+    Idempotent per round: if the bundle at ``bundle_dir`` already comes from the round
+    ``provenance["round_uid"]`` (a closer that crashed after publishing), its manifest is returned
+    and nothing is written. ``embedder`` (name, dim), when given, must be the bundle's: the
     round's centroids and inputs live in that embedder's space.
 
     Raises
     ------
     BundleError
-        The current bundle does not verify with the signing key's public key, is of another router
-        kind, lists other models, or has another embedder than ``embedder``.
+        The current bundle does not verify with the signing key's public key.
+    PublishRefused
+        It is of another router kind, lists other models, or has another embedder than ``embedder``
+        (the bundle changed since the round opened; the aggregate is kept, not published).
     ExportError
         The key is unreadable or the bundle cannot be written.
     """
-    from sdk.errors import BundleError
-
     key = load_signing_key(signing_key)
     base = fmt.read_verified(bundle_dir, key.public_key())
     manifest = base.manifest
     if manifest["router_kind"] != router.kind:
-        raise BundleError(f"{bundle_dir} holds a {manifest['router_kind']!r} bundle, the round a {router.kind!r} router")
+        raise PublishRefused(f"{bundle_dir} holds a {manifest['router_kind']!r} bundle, the round a {router.kind!r} router")
     if [m["id"] for m in manifest["models"]] != list(router.models):
-        raise BundleError(f"{bundle_dir} lists other models than the round's router")
+        raise PublishRefused(f"{bundle_dir} lists other models than the round's router")
     if embedder is not None and (manifest["embedder"]["name"], int(manifest["embedder"]["dim"])) != (
             embedder["name"], int(embedder["dim"])):
-        raise BundleError(f"{bundle_dir} now holds embedder {manifest['embedder']['name']!r}; the round was opened "
+        raise PublishRefused(f"{bundle_dir} now holds embedder {manifest['embedder']['name']!r}; the round was opened "
                           f"on {embedder['name']!r}: its router does not fit that bundle")
-    if (manifest.get("provenance") or {}).get("federated_round") == provenance.get("federated_round"):
+    if provenance.get("round_uid") and (manifest.get("provenance") or {}).get("round_uid") == provenance["round_uid"]:
         return manifest
     router.embedder = {"name": manifest["embedder"]["name"], "dim": int(manifest["embedder"]["dim"])}
     files = {name: data for name, data in base.files.items() if name != PARITY_FILE}

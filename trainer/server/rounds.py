@@ -68,6 +68,7 @@ def round_settings(
         "publish": None if bundle_dir is None else {"bundle_dir": str(Path(bundle_dir).absolute()),
                                                     "signing_key": str(Path(signing_key).absolute())},
         "seed": secrets.randbits(63) if seed is None else int(seed),
+        "round_uid": secrets.token_hex(8),  # identifies the round across databases (idempotent publishing)
         "min_total_count": int(min_total_count),
         "prior_statistics": None if prior_statistics is None else {
             "count": prior_statistics.count.tolist(), "sum_accuracy": prior_statistics.sum_accuracy.tolist(),
@@ -128,8 +129,10 @@ def open_round_from_bundle(
 MAX_DEADLINE_S = 366 * 86400.0
 
 
-#: Failed close attempts after which a round is closed as "failed" (its updates stay stored).
+#: Failed close attempts after which a round is closed as "failed" (its updates stay stored), and
+#: the first wait before retrying (doubled after each failure): 30 s, 60 s, then failed.
 MAX_CLOSE_ATTEMPTS = 3
+CLOSE_RETRY_S = 30.0
 
 
 def close_round(store: Store, round_id: int, progress=lambda msg: None, owner: str | None = None,
@@ -177,15 +180,23 @@ def close_round(store: Store, round_id: int, progress=lambda msg: None, owner: s
                    epsilon=None if not noisy else agg.epsilon, bundle_version=None)
     if not noisy:  # under DP the exact number of participants would leak membership
         outcome["clients"] = list(agg.clients)
-    if settings.get("publish"):
+    federated = float(agg.statistics.count.sum())
+    if settings.get("publish") and (federated < settings.get("min_total_count", 1) or (not noisy and len(agg.clients) < 2)):
+        # Checked on the federated part (the prior is public): one client's statistics are never
+        # published alone, nor a handful of evaluations.
+        outcome["publish_skipped"] = (f"{federated:.0f} federated evaluations from {len(agg.clients)} client(s): "
+                                      f"need min_total_count={settings.get('min_total_count', 1)} and, without "
+                                      "noise, at least 2 clients")
+    elif settings.get("publish"):
         from trainer.server.publish import PublishRefused, publish_kmeans
 
         try:
             manifest = publish_kmeans(
                 Path(settings["publish"]["bundle_dir"]), Path(settings["publish"]["signing_key"]), r.centroids, stats,
                 prior_strength=settings["prior_strength"], model_prior_strength=settings["model_prior_strength"],
-                prior=settings["prior"], embedder=r.embedder, min_total_count=settings.get("min_total_count", 1),
-                provenance={"federated_round": round_id, **({} if noisy else {"clients": len(agg.clients)})},
+                prior=settings["prior"], embedder=r.embedder, min_total_count=0,
+                provenance={"federated_round": round_id, "round_uid": settings.get("round_uid"),
+                            **({} if noisy else {"clients": len(agg.clients)})},
             )
             outcome["bundle_version"] = manifest["bundle_version"]
         except PublishRefused as exc:
@@ -203,17 +214,21 @@ def close_due_rounds(store: Store, now: float | None = None, progress=lambda msg
                      owner: str | None = None, takeover: Collection[int] = ()) -> list[dict]:
     """Close every round that is due (deadline passed, quorum reached, or left closing), as ``owner``;
     rounds in ``takeover`` (left closing by a crashed server) are taken over even if their lease
-    has not run out. A close that raises is retried at the next call; after
-    :data:`MAX_CLOSE_ATTEMPTS` failures the round is closed as ``"failed"`` (with the error; its
+    has not run out. A close that raises is retried after ``CLOSE_RETRY_S * 2**(failures - 1)``
+    seconds; after :data:`MAX_CLOSE_ATTEMPTS` failures the round is closed as ``"failed"`` (with the error; its
     updates stay stored) so a new round can open."""
     import logging
 
     done = []
-    for rid in store.rounds_to_close(time.time() if now is None else now):
+    now = time.time() if now is None else now
+    for rid in store.rounds_to_close(now):
+        failures, last_failure = store.close_failures(rid)
+        if failures and now < last_failure + CLOSE_RETRY_S * 2 ** (failures - 1):
+            continue  # back off: a transient error (a locked database, a full disk) gets time to clear
         try:
             outcome = close_round(store, rid, progress, owner=owner, force=rid in takeover)
         except Exception as exc:
-            failures = store.record_close_failure(rid)
+            failures = store.record_close_failure(rid, now)
             logging.getLogger("fedroute.server").exception("closing round %s failed (attempt %s)", rid, failures)
             if failures < MAX_CLOSE_ATTEMPTS or owner is None:
                 continue

@@ -65,6 +65,7 @@ rounds = sa.Table(
     sa.Column("close_owner", sa.String(64)),
     sa.Column("close_lease_unix", sa.Float),
     sa.Column("close_failures", sa.Integer, nullable=False, default=0),
+    sa.Column("close_failed_unix", sa.Float),
     sa.Column("closed_unix", sa.Float),
     sa.Column("outcome", sa.Text),
     sa.Column("aggregate", sa.LargeBinary),
@@ -222,6 +223,12 @@ class Store:
         self.engine = create_engine(url)
         self._writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
         metadata.create_all(self.engine)
+        inspector = sa.inspect(self.engine)
+        for table in (clients, rounds, updates):
+            missing = {c.name for c in table.columns} - {c["name"] for c in inspector.get_columns(table.name)}
+            if missing:  # no migrations yet: refuse rather than fail on the first query
+                raise ValueError(f"database {url!r} was created by another fedroute version (table {table.name} "
+                                 f"lacks {sorted(missing)}); use a new database")
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
@@ -384,16 +391,24 @@ class Store:
                          .values(status="closing", close_snapshot=int(snapshot), **lease))
             return int(snapshot)
 
-    def closing_rounds(self) -> list[int]:
-        """Rounds left ``closing`` (by a crash, or by a closer still at work)."""
+    def closing_rounds(self) -> list[tuple[int, str | None]]:
+        """(id, owner) of rounds left ``closing`` (by a crash, or by a closer still at work)."""
         with self.engine.connect() as conn:
-            return list(conn.execute(sa.select(rounds.c.id).where(rounds.c.status == "closing")).scalars())
+            rows = conn.execute(sa.select(rounds.c.id, rounds.c.close_owner).where(rounds.c.status == "closing")).all()
+        return [(r.id, r.close_owner) for r in rows]
 
-    def record_close_failure(self, round_id: int) -> int:
-        """Count a failed close attempt of ``round_id``; returns the failures so far."""
+    def close_failures(self, round_id: int) -> tuple[int, float]:
+        """(failed close attempts, unix time of the last one) of ``round_id``."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(rounds.c.close_failures, rounds.c.close_failed_unix)
+                               .where(rounds.c.id == round_id)).first()
+        return (0, 0.0) if row is None else (int(row.close_failures or 0), float(row.close_failed_unix or 0.0))
+
+    def record_close_failure(self, round_id: int, when: float | None = None) -> int:
+        """Count a failed close attempt of ``round_id`` (at ``when``, default now); returns the failures so far."""
         with self.transaction() as conn:
-            conn.execute(rounds.update().where(rounds.c.id == round_id)
-                         .values(close_failures=rounds.c.close_failures + 1))
+            conn.execute(rounds.update().where(rounds.c.id == round_id).values(
+                close_failures=rounds.c.close_failures + 1, close_failed_unix=time.time() if when is None else when))
             return int(conn.execute(sa.select(rounds.c.close_failures).where(rounds.c.id == round_id)).scalar_one())
 
     def finish_close(self, round_id: int, outcome: dict, aggregate: bytes | None,
@@ -427,12 +442,15 @@ class Store:
                 (updates.c.client_id == client_id) & (updates.c.idempotency_key == key))).first()
 
     def add_update(self, *, client_id: str, round_: Round, key: str, body_sha256: str, payload: bytes,
-                   log_size: int, receipt_for) -> tuple[dict, bool]:
+                   log_size: int, receipt_for, check_previous=None) -> tuple[dict, bool]:
         """Store an accepted update durably (committed before this returns) and return
         ``(receipt, created)``. A retry with a stored key returns the stored receipt and False.
 
         ``receipt_for(update_id, late, counted_round)`` builds the receipt. The update counts in the
         round it was sent for if that round is open now, else it waits for the next round (late).
+        ``check_previous(previous KMeansUpdate or None)``, if given, runs inside the transaction with
+        the client's row locked (so two concurrent uploads of one client are checked one after the
+        other) and may raise to refuse the update.
 
         Raises
         ------
@@ -442,12 +460,18 @@ class Store:
         while True:
             try:
                 with self.transaction() as conn:
+                    conn.execute(sa.select(clients.c.id).where(clients.c.id == client_id).with_for_update())
                     old = conn.execute(sa.select(updates.c.body_sha256, updates.c.receipt).where(
                         (updates.c.client_id == client_id) & (updates.c.idempotency_key == key))).first()
                     if old is not None:
                         if old.body_sha256 != body_sha256:
                             raise KeyError("Idempotency-Key was already used with a different body")
                         return json.loads(old.receipt), False
+                    if check_previous is not None:
+                        prev = conn.execute(sa.select(updates.c.payload).where(
+                            (updates.c.client_id == client_id) & (updates.c.base_hash == round_.base_hash))
+                            .order_by(updates.c.id.desc()).limit(1)).scalar_one_or_none()
+                        check_previous(None if prev is None else read_update(prev))
                     status = conn.execute(sa.select(rounds.c.status).where(rounds.c.id == round_.id)
                                           .with_for_update(read=True)).scalar_one()  # see claim_close
                     late = status != "open"
@@ -497,14 +521,6 @@ class Store:
                                 .join(latest, updates.c.id == latest.c.id)).all()
         return {r.client_id: (r.id, read_update(r.payload)) for r in rows}
 
-    def latest_update_of(self, client_id: str, base_hash: str) -> KMeansUpdate | None:
-        """The client's latest stored K-means update for the partition ``base_hash``, if any."""
-        with self.engine.connect() as conn:
-            data = conn.execute(sa.select(updates.c.payload).where(
-                (updates.c.client_id == client_id) & (updates.c.base_hash == base_hash))
-                .order_by(updates.c.id.desc()).limit(1)).scalar_one_or_none()
-        return None if data is None else read_update(data)
-
     def update_payloads(self, ids: list[int]) -> list[tuple[int, str, int, bytes]]:
         """(id, client_id, sent_round, payload) of the given updates of active (not revoked) clients, by id."""
         if not ids:
@@ -516,11 +532,15 @@ class Store:
                                 .order_by(updates.c.id)).all()
         return [(r.id, r.client_id, r.sent_round, r.payload) for r in rows]
 
-    def last_aggregate_of_kind(self, kind: str) -> tuple[int, dict[str, np.ndarray]] | None:
-        """(round id, arrays) of the most recent aggregated round of ``kind``, else None."""
+    def last_aggregate_of_kind(self, kind: str, published_only: bool = False) -> tuple[int, dict[str, np.ndarray]] | None:
+        """(round id, arrays) of the most recent aggregated round of ``kind`` (with
+        ``published_only``, whose publishing was not refused), else None."""
+        cond = rounds.c.aggregate.is_not(None) & (rounds.c.kind == kind)
+        if published_only:
+            cond = cond & ~rounds.c.outcome.like('%"publish_skipped"%')
         with self.engine.connect() as conn:
-            row = conn.execute(sa.select(rounds.c.id, rounds.c.aggregate).where(
-                rounds.c.aggregate.is_not(None) & (rounds.c.kind == kind)).order_by(rounds.c.id.desc()).limit(1)).first()
+            row = conn.execute(sa.select(rounds.c.id, rounds.c.aggregate).where(cond)
+                               .order_by(rounds.c.id.desc()).limit(1)).first()
         return None if row is None else (row.id, read_arrays(row.aggregate))
 
     def count_updates(self) -> int:

@@ -111,9 +111,11 @@ def parse_upload(raw: bytes, content_type: str) -> ParsedUpload:
     return ParsedUpload(body.client_id, body.round_id, body.kind, body=body)
 
 
-def validate_upload(upload: ParsedUpload, round_: Round, previous=None) -> tuple[bytes, int]:
-    """Check an upload against its round (and, for K-means, against ``previous``, the same client's
-    last stored update for the round's centroids); return ``(payload to store, log_size)``.
+def validate_upload(upload: ParsedUpload, round_: Round):
+    """Check an upload against its round; return ``(payload to store, log_size, check_previous)``,
+    where ``check_previous(previous update or None)`` (K-means; None for MLP) applies
+    :func:`~trainer.federated.update_checks.check_difference` against the client's last stored
+    update for the round's centroids, to run where that read is serialised with the insert.
 
     Raises
     ------
@@ -129,12 +131,15 @@ def validate_upload(upload: ParsedUpload, round_: Round, previous=None) -> tuple
         from trainer.server.store import update_bytes
 
         update = validate_update(upload.body, round_)
-        try:
-            check_difference(update, previous, round_.min_count)
-        except ShapeError as exc:
-            raise UploadRejected(422, f"invalid update: {exc}") from exc
-        return update_bytes(update), update.log_size
-    return upload.raw, validate_mlp_update(upload.parameters, upload.metadata, round_)
+
+        def check_previous(previous) -> None:
+            try:
+                check_difference(update, previous, round_.min_count)
+            except ShapeError as exc:
+                raise UploadRejected(422, f"invalid update: {exc}") from exc
+
+        return update_bytes(update), update.log_size, check_previous
+    return upload.raw, validate_mlp_update(upload.parameters, upload.metadata, round_), None
 
 
 def validate_mlp_update(parameters: dict, metadata: dict, round_: Round) -> int:
