@@ -16,7 +16,6 @@ import copy
 import math
 import numbers
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
