@@ -382,8 +382,9 @@ class SyncClient:
                     if not (digest in local and _copy_verified(local[digest], target / name, digest)):
                         self._download(digest, target / name)
                 bundle_install.write_synced(target / fmt.MANIFEST_FILE, raw)
-                fmt.read_verified(target, self.public_key, wanted=())
-                router = Router.load(target, self.public_key)  # refuses router/embedder/price mismatches
+                # Router.load verifies the signature and every file's sha256, and refuses router /
+                # embedder / price mismatches.
+                router = Router.load(target, self.public_key)
                 accuracy, _ = router.predict([PROBE_QUERY])
                 if not np.isfinite(accuracy).any():
                     raise BundleError(f"bundle version {version}: no model has an accuracy estimate for the probe "

@@ -45,7 +45,8 @@ def read_base_bundle(bundle_dir: Path, public_key) -> fmt.VerifiedBundle:
     return bundle
 
 
-def publish_router(bundle_dir: Path, signing_key: Path, router, provenance: dict, embedder: dict | None = None) -> dict:
+def publish_router(bundle_dir: Path, signing_key: Path, router, provenance: dict, embedder: dict | None = None,
+                   base: fmt.VerifiedBundle | None = None) -> dict:
     """Write a new version of the bundle at ``bundle_dir`` with ``router`` (a trainer
     :class:`~trainer.routers.kmeans_router.KMeansRouter` or :class:`~trainer.routers.mlp_router.MLPRouter`
     of the bundle's kind and models) in place of its router file; return the signed manifest.
@@ -53,7 +54,8 @@ def publish_router(bundle_dir: Path, signing_key: Path, router, provenance: dict
     Idempotent per round: if the bundle at ``bundle_dir`` already comes from the round
     ``provenance["round_uid"]`` (a closer that crashed after publishing), its manifest is returned
     and nothing is written. ``embedder`` (name, dim), when given, must be the bundle's: the
-    round's centroids and inputs live in that embedder's space.
+    round's centroids and inputs live in that embedder's space. ``base``, when given, is the bundle
+    at ``bundle_dir`` already read and verified with the signing key's public key (not read again).
 
     Raises
     ------
@@ -66,7 +68,8 @@ def publish_router(bundle_dir: Path, signing_key: Path, router, provenance: dict
         The key is unreadable or the bundle cannot be written.
     """
     key = load_signing_key(signing_key)
-    base = fmt.read_verified(bundle_dir, key.public_key())
+    if base is None:
+        base = fmt.read_verified(bundle_dir, key.public_key())
     manifest = base.manifest
     if manifest["router_kind"] != router.kind:
         raise PublishRefused(f"{bundle_dir} holds a {manifest['router_kind']!r} bundle, the round a {router.kind!r} router")
@@ -132,4 +135,4 @@ def publish_kmeans(
         raise PublishRefused(f"no evaluation of {lost} (the current bundle has some): open the round with the "
                              "shipped statistics merged in (--prior-router) or wait for more clients")
     router = KMeansRouter(centroids, statistics, models, prior_strength, model_prior_strength, prior)
-    return publish_router(bundle_dir, signing_key, router, provenance, embedder)
+    return publish_router(bundle_dir, signing_key, router, provenance, embedder, base=base)
