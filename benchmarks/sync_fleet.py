@@ -103,6 +103,18 @@ class Deployment:
     min_count: int
 
 
+def write_tls_files(work: Path) -> tuple[Path, Path]:
+    """A local CA (``trustme``) and a certificate for 127.0.0.1 / localhost in ``work``: returns
+    ``(server.pem, ca.pem)``, the first holding the server's key and certificate chain."""
+    import trustme
+
+    ca = trustme.CA()
+    server_pem, ca_pem = Path(work) / "server.pem", Path(work) / "ca.pem"
+    ca.issue_cert("127.0.0.1", "localhost").private_key_and_cert_chain_pem.write_to_path(str(server_pem))
+    ca.cert_pem.write_to_path(str(ca_pem))
+    return server_pem, ca_pem
+
+
 def deploy(work: Path, bundle: Path, public_key, *, n_clients: int, n_cells: int = 32, min_count: int = 2,
            seed: int = 0, cli_jobs: int = 4) -> Deployment:
     """Certificates, database, ``n_clients`` clients (``fedroute clients add``, ``cli_jobs`` at a
@@ -122,18 +134,13 @@ def deploy(work: Path, bundle: Path, public_key, *, n_clients: int, n_cells: int
     RuntimeError
         A CLI call failed.
     """
-    import trustme
-
     from trainer.federated.kmeans_aggregation import AggregationConfig
     from trainer.server.rounds import open_round_from_bundle, round_settings
     from trainer.server.store import Store
 
     work = Path(work).absolute()
     work.mkdir(parents=True, exist_ok=True)
-    ca = trustme.CA()
-    server_pem, ca_pem = work / "server.pem", work / "ca.pem"
-    ca.issue_cert("127.0.0.1", "localhost").private_key_and_cert_chain_pem.write_to_path(str(server_pem))
-    ca.cert_pem.write_to_path(str(ca_pem))
+    server_pem, ca_pem = write_tls_files(work)
     db_url = f"sqlite:///{work / 'fed.db'}"
     store = Store(db_url)  # creates the schema once, before CLI processes race to create it
     try:

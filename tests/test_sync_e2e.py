@@ -65,15 +65,12 @@ def wait_for(predicate, timeout_s: float = 60.0):
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory, make_bundle, signing_keys, routerbench_dir):
     """Server bundle, three device bundles and logs, the TLS files, clients and an open round."""
-    import trustme
-
+    from benchmarks.sync_fleet import write_tls_files
     from trainer.data.routerbench import load_routerbench_dir
 
     work = tmp_path_factory.mktemp("sync_e2e")
     server_bundle = make_bundle(work / "server" / "bundle", "kmeans")
-    ca = trustme.CA()
-    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(work / "server.pem"))
-    ca.cert_pem.write_to_path(str(work / "ca.pem"))
+    write_tls_files(work)
     db = f"sqlite:///{work / 'fed.db'}"
     tokens = {c: cli("clients", "add", c, "--db", db).strip() for c in ("dev-a", "dev-b", "dev-c")}
     opened = json.loads(cli("rounds", "open", "--db", db, "--bundle-dir", str(server_bundle), "--signing-key",

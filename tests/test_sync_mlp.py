@@ -33,16 +33,12 @@ def cli(*args: str) -> str:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, make_bundle, signing_keys, fitted_routers, routerbench_dir):
-    import trustme
-
-    from benchmarks.sync_fleet import ServerProcess
+    from benchmarks.sync_fleet import ServerProcess, write_tls_files
     from trainer.data.routerbench import load_routerbench_dir
 
     work = tmp_path_factory.mktemp("sync_mlp")
     bundle = make_bundle(work / "server" / "bundle", "mlp")
-    ca = trustme.CA()
-    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(work / "server.pem"))
-    ca.cert_pem.write_to_path(str(work / "ca.pem"))
+    write_tls_files(work)
     db = f"sqlite:///{work / 'fed.db'}"
     tokens = {c: cli("clients", "add", c, "--db", db).strip() for c in ("gpu-box", "laptop", "phone")}
     opened = json.loads(cli("rounds", "open", "--kind", "mlp", "--db", db, "--bundle-dir", str(bundle),
