@@ -173,6 +173,12 @@ def test_the_registries_refuse_a_kind_that_is_not_registered():
         SimulationConfig(routers=("mean",))
     with pytest.raises(InvalidInputError, match="already registered"):
         sdk_kinds.register(sdk_kinds.get("router", "kmeans"))
+    with pytest.raises(InvalidInputError, match="router_class must be a Router subclass whose kind is 'average'"):
+
+        class Misnamed(MeanTrainerKind):
+            name = "average"  # its router_class says "mean"
+
+        trainer_kinds.register(Misnamed())
     with pytest.raises(InvalidInputError, match="unknown artefact family 'selectorz'"):
 
         class Stray(MeanSdkKind):

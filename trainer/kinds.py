@@ -93,8 +93,8 @@ def register(kind: TrainerKind, *, replace: bool = False) -> TrainerKind:
     """
     cls = getattr(kind, "router_class", None)
     if isinstance(kind, RouterTrainerKind) and (cls is None or cls.kind != kind.name):
-        raise InvalidInputError(f"trainer kind {kind.name!r}: router_class must be a Router subclass with "
-                                f"kind == {kind.name!r}, got {cls!r}")
+        raise InvalidInputError(f"trainer kind {kind.name!r}: router_class must be a Router subclass whose "
+                                f"kind is {kind.name!r}, got {cls!r}")
     return REGISTRY.register(kind, replace=replace)
 
 
