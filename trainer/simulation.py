@@ -47,7 +47,7 @@ class SimulationConfig:
     kmeans: KMeansRouterConfig = field(default_factory=KMeansRouterConfig)
 
     def __post_init__(self) -> None:
-        valid = kinds.names()
+        valid = kinds.in_order()  # registration order: mlp, kmeans (the CLI has always listed them so)
         unknown = set(self.routers) - set(valid)
         if not self.routers:
             raise InvalidInputError(f"no router kind given; valid: {list(valid)}")
