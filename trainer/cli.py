@@ -205,8 +205,11 @@ def _register_server_commands() -> None:
     from sdk.sync_cli import make_sync_command
     from trainer.federated.mlp_local import train_on_log
 
+    from trainer.demo_log import demo_log
+
     register(app)
     app.command("sync")(make_sync_command(mlp_trainer=train_on_log))
+    app.command("demo-log")(demo_log)
 
 
 _register_server_commands()

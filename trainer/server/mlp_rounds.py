@@ -160,6 +160,7 @@ def close_mlp_round(store: Store, r: Round, snapshot: int, owner: str, progress=
             outcome["publish_skipped"] = str(exc)
     if not store.finish_close(r.id, outcome, array_bytes(**agg.parameters), carried, stale, owner):
         return None
-    progress(f"round {r.id}: FedAvg of {len(agg.clients)} clients ({agg.n_samples} samples); "
-             f"bundle v{outcome['bundle_version']}")
+    progress(f"round {r.id}: FedAvg of {len(agg.clients)} clients ({agg.n_samples} samples); " + (
+        f"bundle v{outcome['bundle_version']}" if outcome["bundle_version"] is not None else
+        f"nothing published ({outcome.get('publish_skipped', 'round opened without --signing-key')})"))
     return outcome

@@ -205,8 +205,11 @@ def close_round(store: Store, round_id: int, progress=lambda msg: None, owner: s
                             next_centroids=agg.next_centroids, cell_weights=agg.cell_weights, centroids=r.centroids)
     if not store.finish_close(round_id, outcome, aggregate, carried, stale, owner):
         return None
-    progress(f"round {round_id}: aggregated {len(agg.clients)} clients ({outcome['total_count']:.0f} evaluations); "
-             f"bundle v{outcome['bundle_version']}{' (' + outcome['publish_skipped'] + ')' if 'publish_skipped' in outcome else ''}")
+    prior = outcome["total_count"] - federated  # the prior router's statistics are not the clients' evaluations
+    progress(f"round {round_id}: aggregated {len(agg.clients)} clients ({federated:.0f} evaluations"
+             f"{f', plus {prior:.0f} of the prior' if prior else ''}); " + (
+                 f"bundle v{outcome['bundle_version']}" if outcome["bundle_version"] is not None else
+                 f"nothing published ({outcome.get('publish_skipped', 'round opened without --signing-key')})"))
     return outcome
 
 
