@@ -136,6 +136,8 @@ def demo_log(
     record the chosen model's labelled outcome (no LLM is called, no text is stored)."""
     from trainer.data.routerbench import load_eval_file, load_routerbench_dir
 
+    if not data.exists():
+        raise typer.BadParameter(f"--data {data} does not exist (a RouterBench folder or a .parquet/.csv file)")
     table = load_routerbench_dir(data)[0] if data.is_dir() else load_eval_file(data)
     router = Router.load(bundle, public_key)
     with EvalLog(out, router.model_ids) as log:
