@@ -232,6 +232,16 @@ def test_empty_round_closes_as_a_no_op(server):
     assert close_round(server["store"], server["round"].id) is None  # closing twice does nothing
 
 
+def test_close_message_counts_the_clients_evaluations_and_says_why_nothing_was_published(server):
+    r = server["round"]  # opened without --signing-key: aggregated, not published
+    assert post(server, payload(r, client="alice"), client="alice", key="a").status_code == 201
+    assert post(server, payload(r, client="bob", scale=2), client="bob", key="b").status_code == 201
+    messages = []
+    close_round(server["store"], r.id, progress=messages.append)
+    assert messages == [f"round {r.id}: aggregated 2 clients (15 evaluations); "
+                        "nothing published (round opened without --signing-key)"]  # 2 + 3, then twice that
+
+
 def test_straggler_is_counted_in_the_next_round(server):
     r1 = server["round"]
     assert post(server, payload(r1, client="alice"), client="alice", key="a").status_code == 201

@@ -207,8 +207,11 @@ def _register_server_commands() -> None:
     from trainer.federated.mlp_local import train_on_log  # trainer extra: `fedroute --help` works without it
     from trainer.server.cli import register  # typer commands; the server extra is imported inside them
 
+    from trainer.demo_log import demo_log  # sdk.Router + the RouterBench loader
+
     register(app, publisher=BundlePublisher())
     app.command("sync")(make_sync_command(mlp_trainer=train_on_log))
+    app.command("demo-log")(demo_log)
 
 
 _register_server_commands()

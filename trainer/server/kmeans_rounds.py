@@ -279,9 +279,9 @@ class KMeansRoundKind(ServerRoundKind):
                                 next_centroids=agg.next_centroids, cell_weights=agg.cell_weights, centroids=r.centroids)
         if not store.finish_close(round_id, outcome, aggregate, carried, stale, owner):
             return None
-        skipped = f" ({outcome.publish_skipped})" if outcome.publish_skipped is not None else ""
-        progress(f"round {round_id}: aggregated {len(agg.clients)} clients ({outcome.total_count:.0f} evaluations); "
-                 f"bundle v{outcome.bundle_version}{skipped}")
+        prior = outcome.total_count - federated  # the prior router's statistics are not the clients' evaluations
+        progress(f"round {round_id}: aggregated {len(agg.clients)} clients ({federated:.0f} evaluations"
+                 f"{f', plus {prior:.0f} of the prior' if prior else ''}); " + outcome.published_note())
         return outcome
 
     def publish(self, round_: Round, aggregate: dict, bundle_dir: Path, signing_key: Path, provenance: dict,

@@ -229,7 +229,7 @@ class MlpRoundKind(ServerRoundKind):
         if not store.finish_close(r.id, outcome, array_bytes(**agg.parameters), carried, stale, owner):
             return None
         progress(f"round {r.id}: FedAvg of {len(agg.clients)} clients ({agg.n_samples} samples); "
-                 f"bundle v{outcome.bundle_version}")
+                 + outcome.published_note())
         return outcome
 
     def publish(self, round_: Round, aggregate: dict, bundle_dir: Path, signing_key: Path, provenance: dict,

@@ -189,6 +189,12 @@ class RoundOutcome:
         """True if the aggregate was published or publishing was not asked (not refused or skipped)."""
         return self.result == "aggregated" and self.publish_skipped is None
 
+    def published_note(self) -> str:
+        """``"bundle vN"``, or ``"nothing published (why)"`` for the operator's progress line."""
+        if self.bundle_version is not None:
+            return f"bundle v{self.bundle_version}"
+        return f"nothing published ({self.publish_skipped or 'round opened without --signing-key'})"
+
     def to_json(self) -> dict:
         """The stored JSON: ``result``; the update counts unless failed; ``total_count``,
         ``epsilon`` and ``bundle_version`` (null when none) when aggregated, ``clients`` and
