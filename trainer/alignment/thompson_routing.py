@@ -235,6 +235,17 @@ class NeuralThompsonRouting:
             z = z + b.to(torch.float64)
         return torch.sigmoid(z)
 
+    def logits(self, contexts) -> np.ndarray:
+        """The router's current logits ``z = W a(c) + b``: (n, K) float64.
+
+        Raises
+        ------
+        ShapeError
+        """
+        W, b = self._unflatten(self._phi().detach())
+        z = self.features(contexts).to(torch.float64) @ W.to(torch.float64).T
+        return (z if b is None else z + b.to(torch.float64)).numpy()
+
     def _unflatten(self, phi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         K, h = self.n_arms, self._h
         return phi[:K * h].reshape(K, h), (phi[K * h:] if self._has_bias else None)
@@ -352,6 +363,12 @@ class NeuralThompsonRouting:
         """``U += sum_i g_i g_i^T / m`` for gradients of shape (n, p) (float64); private kernel."""
         g = grads.to(torch.float64)
         self.U_ = self.U_ + g.T @ g / self.width_
+
+    def argmax_changed(self, contexts) -> float:
+        """Share of ``contexts`` (n, d) whose argmax client under the current router differs from the
+        offline router's (``phi_0``): how much the online updates changed the router's own choices."""
+        a = self.features(contexts)
+        return float(np.mean(self.scores(a).argmax(1).numpy() != self.scores(a, self.phi0_).argmax(1).numpy()))
 
     def drift(self) -> float:
         """``||phi - phi_0||_2``: how far the online updates moved the last layer."""
