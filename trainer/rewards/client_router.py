@@ -211,6 +211,17 @@ class ClientRouterData:
         return int(self.features_chosen.shape[0])
 
 
+def local_rng(seed: int, server_round: int, client_index: int) -> np.random.Generator:
+    """The shuffling generator of client k in round r: the same in the simulation and on Flower."""
+    return np.random.default_rng([int(seed), int(server_round), int(client_index)])
+
+
+def initial_router(d_in: int, n_clients: int, config: RouterConfig, client_names: Sequence[str] | None = None) -> ClientRouter:
+    """The round-0 global router ``phi^(0)`` (initialised under ``torch.manual_seed(config.seed)``)."""
+    torch.manual_seed(config.seed)
+    return ClientRouter(d_in, n_clients, config.hidden, config.dropout, client_names)
+
+
 def local_router_update(router: ClientRouter, data: ClientRouterData, config: RouterConfig,
                         rng: np.random.Generator) -> tuple[dict[str, np.ndarray], int]:
     """Client k's local step: ``local_epochs`` of AdamW on ``L_router^(k)`` from the router's current
@@ -251,18 +262,17 @@ class FederatedRouterTrainer:
         for c in clients:
             if c.features_chosen.shape[1] != d_in:
                 raise ShapeError(f"client {c.client_index}: features of width {c.features_chosen.shape[1]}, expected {d_in}")
-        torch.manual_seed(a.seed)
         rng = np.random.default_rng(a.seed)
-        glob = ClientRouter(d_in, len(clients), a.hidden, a.dropout, client_names)
+        glob = initial_router(d_in, len(clients), a, client_names)
         local = ClientRouter(d_in, len(clients), a.hidden, a.dropout, client_names)
         params = glob.get_parameters()
         n_per_round = max(1, int(round(a.participation * len(clients))))
-        for _ in tqdm(range(a.rounds), desc=f"router ({a.weighting})", disable=not self.show_progress, leave=False):
+        for r in tqdm(range(1, a.rounds + 1), desc=f"router ({a.weighting})", disable=not self.show_progress, leave=False):
             chosen = sorted(rng.choice(len(clients), n_per_round, replace=False).tolist())
             updates = []
             for k in chosen:
                 local.set_parameters(params)
-                updates.append(local_router_update(local, clients[k], a, rng))
+                updates.append(local_router_update(local, clients[k], a, local_rng(a.seed, r, k)))
             params = aggregate_routers(updates, a.weighting)
             self.bytes_per_round_ = 2 * len(chosen) * sum(v.nbytes for v in params.values())
         glob.set_parameters(params)
