@@ -35,7 +35,7 @@ def alpaca_dir(tmp_path: Path) -> Path:
     pd.DataFrame({"instruction_id": [0, 1], "instruction": ["q0", "q1"], "dataset": ["koala", "oasst"]}).to_parquet(
         root / "instructions.parquet")
     rows = []
-    prefs = {"m1": (1.9, 1.0), "m2": (1.0, 1.7), "m3": (1.45, 1.3), "NullModel": (2.0, 2.0),
+    prefs = {"m1": (1.9, 1.0), "m2": (1.0, 1.8), "m3": (1.45, 1.35), "NullModel": (2.0, 2.0),
              "gpt4_gamed": (1.0, 2.0), "m1_concise": (2.0, 1.0), "m2_verbose": (1.0, 1.0),
              "gpt4_1106_preview": (1.5, 1.5)}
     for g, (p0, p1) in prefs.items():
@@ -51,7 +51,7 @@ def test_alpacaeval_model_vs_model_pairs_follow_the_margin_and_exclusions(alpaca
     df = load_alpacaeval_pairs(alpaca_dir, margin=0.5, max_pairs_per_instruction=None, include_reference_pairs=False)
     assert list(df.columns) == list(PAIR_COLUMNS)
     # instruction 0: m1 1.9, m2 1.0, m3 1.45 -> (m1>m2) gap .9; (m1>m3) gap .45 < .5 dropped; (m3>m2) .45 dropped
-    # instruction 1: m1 1.0, m2 1.7, m3 1.3 -> (m2>m1) gap .7 kept; others < .5
+    # instruction 1: m1 1.0, m2 1.8, m3 1.35 -> (m2>m1) gap .8 kept; others < .5
     got = {(r.prompt_id, w, l) for r, (w, l) in zip(df.itertuples(), [
         (r.source_a, r.source_b) if r.label == 1 else (r.source_b, r.source_a) for r in df.itertuples()])}
     assert got == {("alpacaeval:0", "m1", "m2"), ("alpacaeval:1", "m2", "m1")}
@@ -65,7 +65,7 @@ def test_alpacaeval_reference_pairs_use_half_the_margin_around_indifference(alpa
     df = load_alpacaeval_pairs(alpaca_dir, margin=0.5, max_pairs_per_instruction=None, include_reference_pairs=True)
     ref = df[(df.source_a == "gpt4_1106_preview") | (df.source_b == "gpt4_1106_preview")]
     # |p - 1.5| >= 0.25: inst 0: m1 (1.9, wins), m2 (1.0, loses); m3 1.45 no.
-    # inst 1: m1 (1.0, loses), m2 (1.7, wins); m3 1.3 no.
+    # inst 1: m1 (1.0, loses), m2 (1.8, wins); m3 1.35 no.
     got = {(r.prompt_id, *w) for r, w in zip(ref.itertuples(), [
         (r.source_a, r.source_b) if r.label == 1 else (r.source_b, r.source_a) for r in ref.itertuples()])}
     assert got == {("alpacaeval:0", "m1", "gpt4_1106_preview"), ("alpacaeval:0", "gpt4_1106_preview", "m2"),
