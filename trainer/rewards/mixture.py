@@ -16,12 +16,13 @@ Saved layout (:func:`save_mixture` / :func:`load_mixture`)::
 
     DIR/mixture.json   {"format_version": 1, "mode": "sparse"|"soft", "normalise": bool,
                         "client_names": [K str], "embedder": {EmbedderConfig fields},
+                        "length_features": bool,
                         "router": "router", "clients": {"<name>": "clients/<name>"}}
     DIR/router/        ClientRouter.save layout (router.json, router.safetensors)
     DIR/clients/<name>/ reward model layout of trainer.rewards.reward_models (reward_model.json + weights)
 
 The router reads ``PairEncoder(EmbedderConfig(**embedder)).encode(prompts, responses)``, i.e.
-``[e(x), e(y)]`` of width 2 * 384 for MiniLM; client ``k`` of the router's logits is
+``[e(x), e(y), l(y)]`` of width 2 * 384 + 3 for MiniLM (``2 * 384`` when ``length_features`` is false); client ``k`` of the router's logits is
 ``client_names[k]``.
 """
 
@@ -136,7 +137,8 @@ def save_mixture(mixture: RoutedReward, directory: Path) -> Path:
     for name, rm in zip(names, mixture.reward_models):
         rm.save(directory / "clients" / name)
     meta = {"format_version": FORMAT_VERSION, "mode": mixture.mode, "normalise": mixture.normalise,
-            "client_names": names, "embedder": asdict(mixture.encoder.embedder), "router": "router",
+            "client_names": names, "embedder": asdict(mixture.encoder.embedder),
+            "length_features": mixture.encoder.length_features, "router": "router",
             "clients": {n: f"clients/{n}" for n in names}}
     tmp = directory / "mixture.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2))
@@ -154,10 +156,10 @@ def load_mixture(directory: Path, cache_dir: Path | None = None, mode: str | Non
     meta = json.loads(path.read_text())
     if meta.get("format_version") != FORMAT_VERSION:
         raise InvalidInputError(f"{path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-    encoder = PairEncoder(EmbedderConfig(**meta["embedder"]), cache_dir)
+    encoder = PairEncoder(EmbedderConfig(**meta["embedder"]), cache_dir, length_features=meta["length_features"])
     router = ClientRouter.load(directory / meta["router"])
     rms = [load_reward_model(directory / meta["clients"][n], cache_dir) for n in meta["client_names"]]
     for rm in rms:
         if isinstance(rm, MLPRewardModel):
-            rm.encoder = PairEncoder(rm.encoder.embedder, cache_dir)
+            rm.encoder = PairEncoder(rm.encoder.embedder, cache_dir, length_features=rm.encoder.length_features)
     return RoutedReward(router, rms, encoder, mode or meta["mode"], meta["normalise"])

@@ -21,8 +21,10 @@ Saved layout (:meth:`ClientRewardModel.save` / :func:`load_reward_model`), one f
 
     reward_model.json    {"format_version": 1, "arch": "mlp"|"lora", "mean": float, "std": float,
                           "eps": float, "clip": float|null, + architecture fields (below)}
-    mlp:  weights.safetensors   keys "net.0.weight" (hidden, 2 d_emb), "net.0.bias", "net.3.weight"
-                                (1, hidden), "net.3.bias"; json: d_in, hidden, embedder (identity)
+    mlp:  weights.safetensors   keys "net.0.weight" (hidden, d_in), "net.0.bias", "net.3.weight"
+                                (1, hidden), "net.3.bias"; json: d_in (2 d_emb + 3 with length
+                                features), hidden, dropout, embedder (EmbedderConfig fields),
+                                length_features (bool): the input is PairEncoder(...).encode(x, y)
     lora: adapter/              peft ``save_pretrained`` of the LoRA adapter over ``base_model``
           head.safetensors      "weight" (1, d_model), "bias" (1,); json: base_model, max_tokens,
                                 truncation_side, lora_r, lora_alpha
@@ -45,7 +47,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from sdk.errors import InvalidInputError
+from sdk.errors import InvalidInputError, ShapeError
 from trainer.embeddings import EmbedderConfig, resolve_model_path
 from trainer.rewards.pair_features import PairEncoder
 
@@ -124,14 +126,17 @@ def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torc
 
 
 def pairwise_accuracy(score_chosen: np.ndarray, score_rejected: np.ndarray) -> float:
-    """Share of pairs with ``score(x, y_w) > score(x, y_l)``, a tie counting 0.5 (METRICS.md).
+    """Share of pairs with ``score(x, y_w) > score(x, y_l)``, a tie counting 0.5 (METRICS.md), via the
+    project's one metric function :func:`trainer.preference_metrics.pairwise_accuracy`.
 
-    score_chosen, score_rejected : arrays of shape (n,). Raises InvalidInputError on n = 0 or a shape mismatch.
+    score_chosen, score_rejected : arrays of shape (n,). Raises ShapeError on n = 0, a shape mismatch or NaN.
     """
+    from trainer.preference_metrics import pairwise_accuracy as metric
+
     sc, sr = np.asarray(score_chosen, dtype=np.float64), np.asarray(score_rejected, dtype=np.float64)
-    if sc.shape != sr.shape or sc.ndim != 1 or sc.size == 0:
-        raise InvalidInputError(f"scores must be two equal 1-d non-empty arrays, got {sc.shape} and {sr.shape}")
-    return float(np.mean((sc > sr) + 0.5 * (sc == sr)))
+    if sc.shape != sr.shape:
+        raise ShapeError(f"chosen scores {sc.shape} and rejected scores {sr.shape} differ in shape")
+    return metric(0.5 + 0.5 * np.sign(sc - sr), np.ones(sc.shape, dtype=np.int64))
 
 
 # --------------------------------------------------------------------------- normalisation
@@ -262,7 +267,8 @@ class MLPRewardModel(ClientRewardModel):
         state = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
         _atomic(directory / "weights.safetensors", lambda p: save_file(state, str(p)))
         meta = self._meta() | {"d_in": self.d_in, "hidden": self.hidden, "dropout": self.dropout,
-                               "embedder": asdict(self.encoder.embedder)}
+                               "embedder": asdict(self.encoder.embedder),
+                               "length_features": self.encoder.length_features}
         _atomic_text(directory / "reward_model.json", json.dumps(meta, indent=2))
 
     @classmethod
@@ -270,7 +276,8 @@ class MLPRewardModel(ClientRewardModel):
         from safetensors.torch import load_file
 
         meta = _read_meta(directory, "mlp")
-        model = cls(PairEncoder(EmbedderConfig(**meta["embedder"]), cache_dir), meta["d_in"], meta["hidden"], meta["dropout"])
+        encoder = PairEncoder(EmbedderConfig(**meta["embedder"]), cache_dir, length_features=meta["length_features"])
+        model = cls(encoder, meta["d_in"], meta["hidden"], meta["dropout"])
         model.module.load_state_dict(load_file(str(Path(directory) / "weights.safetensors")))
         model.normaliser_ = ScoreNormaliser(meta["mean"], meta["std"], meta["eps"], meta["clip"])
         return model
@@ -470,7 +477,7 @@ class RewardModelTrainer:
         torch.manual_seed(a.seed)
         fit, val = pairs.split_by_prompt(a.val_fraction, rng) if a.early_stopping else (pairs, None)
         if a.arch == "mlp":
-            model = MLPRewardModel(self.encoder, 2 * self._d_emb(), a.hidden, a.dropout)
+            model = MLPRewardModel(self.encoder, self._d_in(), a.hidden, a.dropout)
             self._train_mlp(model, fit, val, rng)
         else:
             model = LoRARewardModel(a.base_model, a.max_tokens, a.lora_r, a.lora_alpha, a.lora_dropout)
@@ -478,8 +485,8 @@ class RewardModelTrainer:
         model.fit_normaliser(pairs, a.eps, a.clip)
         return model
 
-    def _d_emb(self) -> int:
-        return int(self.encoder.encode(["a"], ["b"]).shape[1] // 2)
+    def _d_in(self) -> int:
+        return int(self.encoder.encode(["a"], ["b"]).shape[1])
 
     def _loop(self, module: nn.Module, n_fit: int, batch_loss, val_loss, rng: np.random.Generator) -> None:
         a = self.args
