@@ -209,7 +209,14 @@ def _register_server_commands() -> None:
     app.command("sync")(make_sync_command(mlp_trainer=train_on_log))
 
 
+def _register_mor_commands() -> None:
+    from trainer.rewards.cli import mor_app
+
+    app.add_typer(mor_app, name="mor")
+
+
 _register_server_commands()
+_register_mor_commands()
 
 
 def main() -> None:

@@ -458,3 +458,82 @@ def write_history(out: Path, config: dict, history: list[dict], summary: dict) -
 def load_history(path: Path) -> dict:
     """Read a ``history.json`` written by :func:`write_history`."""
     return json.loads(Path(path).read_text())
+
+
+def from_mixture(mixture, thompson: ThompsonConfig) -> RoutedGRPOReward:
+    """A :class:`RoutedGRPOReward` over a trained MoR mixture (``trainer.rewards.mixture.RoutedReward``).
+
+    The router is copied (the online update never changes the saved, offline router); the encoder is
+    the mixture's ``PairEncoder``; client ``k`` answers with its normalised score (raw when the
+    mixture has ``normalise=False``). The routing mode is the mixture's.
+    """
+    import copy
+
+    router = copy.deepcopy(mixture.router)
+    clients = [_ClientScore(rm, mixture.normalise) for rm in mixture.reward_models]
+    return RoutedGRPOReward(mixture.encoder.encode, clients, NeuralThompsonRouting(router, thompson), mixture.mode)
+
+
+class _ClientScore:
+    """Client ``rm`` queried by the server: ``rm.score(prompts, responses, normalise)``."""
+
+    def __init__(self, rm, normalise: bool) -> None:
+        self.rm, self.normalise = rm, normalise
+
+    def __call__(self, prompts, responses) -> np.ndarray:
+        return self.rm.score(list(prompts), list(responses), normalise=self.normalise)
+
+
+def compare_online(config: RoutedGRPOConfig, make_reward: Callable[[ThompsonConfig], RoutedGRPOReward],
+                   prompts: Sequence[str], progress: Callable[[str], None] | None = None) -> dict:
+    """Run the same GRPO twice, online routing on then off (same seed, same policy start), and write
+    ``comparison.json``, ``comparison.md`` and ``comparison.png`` into ``config.output_dir``.
+
+    Parameters
+    ----------
+    config : RoutedGRPOConfig; its ``thompson`` settings are used for the online run.
+    make_reward : builds a fresh RoutedGRPOReward for a ThompsonConfig (e.g. ``lambda t: from_mixture(mix, t)``).
+    prompts : the GRPO prompts.
+
+    Returns
+    -------
+    dict ``{"online": summary, "offline": summary}``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trainer.report import save_figure, write_json, write_text
+
+    out = Path(config.output_dir)
+    runs: dict[str, GRPOResult] = {}
+    for name, enabled in (("online", True), ("offline", False)):
+        thompson = ThompsonConfig(**{**config.thompson.to_dict(), "enabled": enabled})
+        cfg = RoutedGRPOConfig(**{**config.to_dict(), "output_dir": out / name, "thompson": thompson})
+        if progress is not None:
+            progress(f"GRPO with online routing {'on' if enabled else 'off'} -> {cfg.output_dir}")
+        runs[name] = RoutedGRPOTrainer(cfg, make_reward(thompson), prompts).train(progress)
+    summary = {name: r.summary for name, r in runs.items()}
+    write_json(out / "comparison.json", {"config": config.to_dict(), "summary": summary,
+                                         "history": {name: r.history for name, r in runs.items()}})
+    rows = ["| online routing | reward, first quarter | reward, last quarter | max KL | share routed away from offline router "
+            "| router argmax changed (last pairs) | router drift | client queries |", "|---|---|---|---|---|---|---|---|"]
+    for name, s in summary.items():
+        rows.append(f"| {'on' if name == 'online' else 'off'} | {s['reward_first_quarter']:+.3f} | "
+                    f"{s['reward_last_quarter']:+.3f} | {s['kl_max']:.4f} | {s['changed_vs_offline_mean']:.3f} | "
+                    f"{s.get('router_argmax_changed', float('nan')):.3f} | {s['router_drift']:.4f} | {s['client_queries']} |")
+    write_text(out / "comparison.md", "\n".join(rows) + "\n")
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for name, r in runs.items():
+        steps = [h["step"] for h in r.history]
+        label = f"online routing {'on' if name == 'online' else 'off'}"
+        axes[0].plot(steps, [h["reward"] for h in r.history], marker=".", label=label)
+        axes[1].plot(steps, [h["kl"] for h in r.history], marker=".", label=label)
+        axes[2].plot(steps, [h["changed_vs_offline"] for h in r.history], marker=".", label=label)
+    axes[0].set(title="routed reward (mean per step)", xlabel="GRPO step")
+    axes[1].set(title="KL to reference policy", xlabel="GRPO step")
+    axes[2].set(title="share of pairs routed away from\nthe offline router's choice", xlabel="GRPO step", ylim=(-0.02, 1.02))
+    axes[0].legend()
+    save_figure(fig, out / "comparison.png")
+    return summary
