@@ -212,6 +212,16 @@ def _register_server_commands() -> None:
 _register_server_commands()
 
 
+def _register_mor_commands() -> None:
+    """``fedroute mor train|eval|audit`` (trainer.rewards.cli; its imports are light)."""
+    from trainer.rewards.cli import app as mor_app
+
+    app.add_typer(mor_app, name="mor")
+
+
+_register_mor_commands()
+
+
 def main() -> None:
     """Console-script entry point: errors of ours print one line and exit 2, not a traceback."""
     from sdk.console import run_app
