@@ -209,13 +209,16 @@ def _register_server_commands() -> None:
     app.command("sync")(make_sync_command(mlp_trainer=train_on_log))
 
 
+_register_server_commands()
+
+
 def _register_mor_commands() -> None:
-    from trainer.rewards.cli import mor_app
+    """``fedroute mor train|eval|audit`` (trainer.rewards.cli; its imports are light)."""
+    from trainer.rewards.cli import app as mor_app
 
     app.add_typer(mor_app, name="mor")
 
 
-_register_server_commands()
 _register_mor_commands()
 
 

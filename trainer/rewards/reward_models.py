@@ -477,16 +477,13 @@ class RewardModelTrainer:
         torch.manual_seed(a.seed)
         fit, val = pairs.split_by_prompt(a.val_fraction, rng) if a.early_stopping else (pairs, None)
         if a.arch == "mlp":
-            model = MLPRewardModel(self.encoder, self._d_in(), a.hidden, a.dropout)
-            self._train_mlp(model, fit, val, rng)
+            self._train_mlp(fit, val, rng)
+            model = self.model_
         else:
             model = LoRARewardModel(a.base_model, a.max_tokens, a.lora_r, a.lora_alpha, a.lora_dropout)
             self._train_lora(model, fit, val, rng)
         model.fit_normaliser(pairs, a.eps, a.clip)
         return model
-
-    def _d_in(self) -> int:
-        return int(self.encoder.encode(["a"], ["b"]).shape[1])
 
     def _loop(self, module: nn.Module, n_fit: int, batch_loss, val_loss, rng: np.random.Generator) -> None:
         a = self.args
@@ -521,10 +518,12 @@ class RewardModelTrainer:
             module.load_state_dict(best_state)
         module.eval()
 
-    def _train_mlp(self, model: MLPRewardModel, fit: PreferencePairs, val: PreferencePairs | None, rng) -> None:
+    def _train_mlp(self, fit: PreferencePairs, val: PreferencePairs | None, rng) -> None:
         enc = self.encoder.encode
         fc = torch.from_numpy(enc(fit.prompts, fit.chosen))
         fr = torch.from_numpy(enc(fit.prompts, fit.rejected))
+        a = self.args
+        self.model_ = model = MLPRewardModel(self.encoder, fc.shape[1], a.hidden, a.dropout)
         m = model.module
 
         def batch_loss(idx):
