@@ -25,13 +25,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from sdk import kinds
+from sdk.builtin_kinds import TOKENIZER_FILE
 from sdk.errors import BundleError
 
+#: Version 1 names each artefact's kind with a ``"<family>_kind"`` key (:mod:`sdk.kinds`); every
+#: bundle written before artefact families existed (``router_kind`` only) is already of this form.
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
-ROUTER_KINDS = ("mlp", "kmeans")
-ROUTER_FILES = {"mlp": "router.onnx", "kmeans": "kmeans.npz"}
-TOKENIZER_FILE = "tokenizer.json"
 EMBEDDER_FILES = {"fp32": "embedder.onnx", "int8": "embedder.int8.onnx"}
 #: Largest manifest and largest single file accepted (bytes); a bigger one is a corrupt bundle.
 MAX_MANIFEST_BYTES = 1 << 20
@@ -159,25 +160,34 @@ def _read_limited(path: Path, limit: int) -> bytes:
     return data
 
 
-def _need(cond: bool, what: str) -> None:
-    if not cond:
-        raise BundleError(f"manifest: {what}")
+def _check_schema(manifest: dict) -> None:
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise BundleError(f"manifest: {what}")
 
-
-def check_common_schema(manifest: dict) -> None:
-    """Checks shared by every bundle kind: format and bundle version, the embedder entry, the file
-    table, and that the embedder files and ``tokenizer.json`` are listed.
-
-    Raises
-    ------
-    BundleError
-        The first violation, naming the field.
-    """
-    need = _need
     need(manifest.get("format_version") == FORMAT_VERSION,
          f"format_version {manifest.get('format_version')!r} is not supported (this SDK reads {FORMAT_VERSION})")
     need(isinstance(manifest.get("bundle_version"), int) and manifest["bundle_version"] >= 1,
          "bundle_version must be an integer >= 1")
+    for family in kinds.families():
+        key = kinds.manifest_key(family)
+        need(key not in manifest or isinstance(manifest[key], str), f"{key} must be a string")
+    # The LLM price table belongs to bundles that route between models; a bundle without a router
+    # (e.g. a reward scorer) may omit it, but one it carries is checked the same way.
+    needs_models = kinds.manifest_key(kinds.ROUTER_FAMILY) in manifest
+    models = manifest.get("models", None if needs_models else [])
+    need(isinstance(models, list) and (len(models) >= 1 or not needs_models)
+         and all(isinstance(m, dict) for m in models),
+         "models must be a non-empty list of objects")
+    ids = [m.get("id") for m in models]
+    need(all(isinstance(i, str) and i for i in ids), "every model needs a non-empty string id")
+    need(len(set(ids)) == len(ids), f"duplicate model ids in {ids}")
+    for m in models:
+        for field in ("price_per_1k_input_usd", "price_per_1k_output_usd", "mean_cost_usd"):
+            value = m.get(field)
+            need(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                   and math.isfinite(value) and value >= 0),
+                 f"model {m['id']!r}: {field} must be a number >= 0 (USD) or null, got {value!r}")
     emb = manifest.get("embedder")
     need(isinstance(emb, dict), "embedder must be an object")
     need(isinstance(emb.get("name"), str) and emb["name"], "embedder.name must be a non-empty string")
@@ -194,39 +204,16 @@ def check_common_schema(manifest: dict) -> None:
              f"sha256 of {name} is not 64 lower-case hex digits")
     for precision, name in emb["files"].items():
         need(name in files, f"embedder file {name!r} ({precision}) is not listed in files")
-    need(TOKENIZER_FILE in files, f"{TOKENIZER_FILE} is not listed in files")
+    kinds.check_manifest_kinds(manifest)  # registered kinds, the files each needs, their own fields
 
 
-def _check_schema(manifest: dict) -> None:
-    """The router bundle's schema (ARCHITECTURE.md §5): common checks, router kind, price table."""
-    need = _need
-    check_common_schema(manifest)
-    need(manifest.get("router_kind") in ROUTER_KINDS, f"router_kind must be one of {ROUTER_KINDS}")
-    models = manifest.get("models")
-    need(isinstance(models, list) and len(models) >= 1 and all(isinstance(m, dict) for m in models),
-         "models must be a non-empty list of objects")
-    ids = [m.get("id") for m in models]
-    need(all(isinstance(i, str) and i for i in ids), "every model needs a non-empty string id")
-    need(len(set(ids)) == len(ids), f"duplicate model ids in {ids}")
-    for m in models:
-        for field in ("price_per_1k_input_usd", "price_per_1k_output_usd", "mean_cost_usd"):
-            value = m.get(field)
-            need(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                   and math.isfinite(value) and value >= 0),
-                 f"model {m['id']!r}: {field} must be a number >= 0 (USD) or null, got {value!r}")
-    need(ROUTER_FILES[manifest["router_kind"]] in manifest["files"],
-         f"{ROUTER_FILES[manifest['router_kind']]} is not listed in files")
-
-
-def verify_manifest(raw: bytes, public_key, schema: Callable[[dict], None] | None = None) -> dict:
+def verify_manifest(raw: bytes, public_key) -> dict:
     """Parse ``manifest.json`` bytes, verify their Ed25519 signature, then the schema.
 
     Parameters
     ----------
     raw : the manifest's bytes (at most MAX_MANIFEST_BYTES).
     public_key : path to ``signing.pub`` (PEM), PEM bytes or an ``Ed25519PublicKey``.
-    schema : the bundle kind's schema check, run after the signature verified; default the
-        router bundle's (reward-scorer bundles pass :func:`sdk.reward_scorer.check_reward_schema`).
 
     Returns
     -------
@@ -260,13 +247,12 @@ def verify_manifest(raw: bytes, public_key, schema: Callable[[dict], None] | Non
             f"manifest signature does not verify with public key {public_key_id(key)[:16]}…: "
             "the bundle was modified or signed by another key"
         ) from exc
-    (schema or _check_schema)(manifest)
+    _check_schema(manifest)
     return manifest
 
 
 def read_verified(directory, public_key,
-                  wanted: Iterable[str] | Callable[[dict], Iterable[str]] | None = None,
-                  schema: Callable[[dict], None] | None = None) -> VerifiedBundle:
+                  wanted: Iterable[str] | Callable[[dict], Iterable[str]] | None = None) -> VerifiedBundle:
     """Read ``manifest.json`` and files of the bundle at ``directory``, verifying everything.
 
     Parameters
@@ -276,7 +262,6 @@ def read_verified(directory, public_key,
     wanted : names of the files to return, or a function of the (signature-verified) manifest
         that returns them; files not wanted are verified too, by streaming, and not kept.
         ``None`` returns all.
-    schema : the bundle kind's schema check (see :func:`verify_manifest`); default the router's.
 
     Returns
     -------
@@ -295,7 +280,7 @@ def read_verified(directory, public_key,
     # Resolve a published bundle's symlink once: every file is read from the same version even if
     # the link is swapped to a newer one meanwhile.
     directory = given.resolve()
-    manifest = verify_manifest(_read_limited(directory / MANIFEST_FILE, MAX_MANIFEST_BYTES), public_key, schema)
+    manifest = verify_manifest(_read_limited(directory / MANIFEST_FILE, MAX_MANIFEST_BYTES), public_key)
     files: dict[str, bytes] = {}
     if callable(wanted):
         wanted = wanted(manifest)
