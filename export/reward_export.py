@@ -18,8 +18,8 @@ staged bundle, on real pairs:
 - graphs: on the trainer's own features, ``max |reward_onnx - reward_torch|`` and the same for raw
   rewards and router logits must be <= :data:`MAX_ABS_DIFF` (1e-3, fp32);
 - end to end (the device's ONNX embedder and length features vs the trainer's sentence-transformers
-  features): the same differences are reported, and the router's client choice must agree on
-  >= :data:`MIN_CHOICE_AGREEMENT` of the pairs.
+  features): reward and logits within the same :data:`MAX_ABS_DIFF`, and the router's client choice
+  agreeing on >= :data:`MIN_CHOICE_AGREEMENT` of the pairs.
 """
 
 from __future__ import annotations
@@ -32,12 +32,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from export import kinds
 from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle
 from export.embedder_onnx import ExportedEmbedder, export_embedder, quiet_libraries
 from export.errors import ExportError, ParityError
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
-from sdk.reward_scorer import CLIENT_ROUTER_FILE, KIND, REWARD_FILE
+from sdk import kinds as sdk_kinds
+from sdk.builtin_kinds import TOKENIZER_FILE
+from sdk.reward_scorer import CLIENT_ROUTER_FILE, FAMILY, KIND, REWARD_FILE
 
 OPSET = 17
 MAX_ABS_DIFF = 1e-3
@@ -99,66 +102,111 @@ def reward_mlp_to_onnx(model) -> bytes:
             return raw, reward
 
     return _to_onnx(Normalised(), model.d_in, ["raw", "reward"], {"raw": {0: "batch"}, "reward": {0: "batch"}},
-                    {"kind": KIND, "arch": "mlp", "d_in": str(model.d_in)})
+                    {"family": FAMILY, "kind": KIND, "arch": "mlp", "d_in": str(model.d_in)})
 
 
 def client_router_to_onnx(router) -> bytes:
     """``client_router.onnx`` for a :class:`trainer.rewards.client_router.ClientRouter`:
     ``features (batch, d_in) float32`` -> ``logits (batch, K) float32``."""
     return _to_onnx(router, router.d_in, ["logits"], {"logits": {0: "batch"}},
-                    {"kind": KIND, "clients": json.dumps(list(router.client_names)), "d_in": str(router.d_in)})
+                    {"family": FAMILY, "kind": KIND, "clients": json.dumps(list(router.client_names)),
+                     "d_in": str(router.d_in)})
+
+
+@dataclass(frozen=True)
+class ClientRewardArtefact:
+    """What the ``reward_scorer/mor`` export kind exports: one ``client`` of a trained ``mixture``
+    (``trainer.rewards.mixture.RoutedReward``) and the embedder dimension its features use."""
+
+    mixture: object
+    client: str
+    embedder_dim: int
+
+    @property
+    def index(self) -> int:
+        return list(self.mixture.client_names).index(self.client)
+
+
+class MoRRewardExportKind(kinds.ExportKind):
+    """``reward_scorer/mor``: ``reward.onnx`` + ``client_router.onnx``, the kind's manifest fields, and
+    the parity gate of the module docstring."""
+
+    family = FAMILY
+    name = KIND
+
+    def check(self, artefact: ClientRewardArtefact) -> None:
+        """Raises ExportError: unknown client, a reward model that is not the MLP kind, a reward model
+        and router that read different features, or features of another width than the embedder's."""
+        mixture, client = artefact.mixture, artefact.client
+        names = list(mixture.client_names)
+        if client not in names:
+            raise ExportError(f"unknown client {client!r}; the mixture has {names}")
+        rm = mixture.reward_models[names.index(client)]
+        if getattr(rm, "arch", None) != "mlp":
+            raise ExportError(f"client {client!r} has a {getattr(rm, 'arch', None)!r} reward model; only 'mlp' "
+                              "(MLP on frozen pair features) exports to a reward-scorer bundle in this version")
+        if rm.encoder.identity != mixture.encoder.identity:
+            raise ExportError(f"client {client!r}'s reward model reads {rm.encoder.identity}, "
+                              f"the router {mixture.encoder.identity}")
+        d_in = 2 * artefact.embedder_dim + (3 if mixture.encoder.length_features else 0)
+        if rm.d_in != d_in or mixture.router.d_in != d_in:
+            raise ExportError(f"features of width {d_in} (embedder dim {artefact.embedder_dim}) but the reward model "
+                              f"reads {rm.d_in} and the router {mixture.router.d_in}")
+
+    def files(self, artefact: ClientRewardArtefact) -> dict[str, bytes]:
+        self.check(artefact)
+        return {REWARD_FILE: reward_mlp_to_onnx(artefact.mixture.reward_models[artefact.index]),
+                CLIENT_ROUTER_FILE: client_router_to_onnx(artefact.mixture.router)}
+
+    def manifest_fields(self, artefact: ClientRewardArtefact) -> dict:
+        from trainer.rewards.pair_features import LENGTH_SCALE
+
+        self.check(artefact)
+        mixture = artefact.mixture
+        encoder, norm = mixture.encoder, mixture.reward_models[artefact.index].normaliser_
+        length = bool(encoder.length_features)
+        return {
+            sdk_kinds.manifest_key(FAMILY): KIND,
+            "client": {"name": artefact.client, "index": artefact.index},
+            "clients": list(mixture.client_names),
+            "features": {"layout": encoder.identity["layout"], "length_features": length,
+                         "length_scale": LENGTH_SCALE, "d_in": 2 * artefact.embedder_dim + (3 if length else 0)},
+            "reward": {"arch": "mlp", "normaliser": {"mean": norm.mean, "std": norm.std, "eps": norm.eps,
+                                                    "clip": norm.clip}},
+        }
+
+    def parity(self, bundle_dir, public_key, artefact, reference, test, precisions=("fp32",), progress=print) -> dict:
+        """``reference`` = the trainer's features (n, d_in) float32 of ``test`` = (prompts, responses)."""
+        from sdk.reward_scorer import RewardScorer
+
+        scorer = RewardScorer.load(bundle_dir, public_key)
+        prompts, responses = test
+        return check_parity(scorer, artefact.mixture, artefact.index, prompts, responses, reference)
+
+
+if KIND not in kinds.REGISTRY.names(FAMILY):
+    kinds.register(MoRRewardExportKind())
 
 
 def assemble(mixture, client: str, exported: ExportedEmbedder, bundle_version: int) -> tuple[dict[str, bytes], dict]:
-    """Files and manifest fields (before signing) of the reward-scorer bundle of ``client``.
-
-    Parameters
-    ----------
-    mixture : trainer.rewards.mixture.RoutedReward (router, reward models, pair encoder).
-    client : name of the client whose reward model ships.
-    exported : the embedder exported to ONNX (its dimension must match the features).
-    bundle_version : int >= 1.
+    """Files and manifest fields (before signing) of the reward-scorer bundle of ``client``: the
+    embedder's files and fields, then the ``reward_scorer/mor`` kind's (:class:`MoRRewardExportKind`).
 
     Raises
     ------
     ExportError
-        Unknown client (the message lists the valid ones), a reward model that is not the MLP kind,
-        a reward model and router that read different features, or an embedder of another dimension.
+        A bundle_version < 1, or the kind's checks (:meth:`MoRRewardExportKind.check`).
     """
-    names = list(mixture.client_names)
-    if client not in names:
-        raise ExportError(f"unknown client {client!r}; the mixture has {names}")
     if bundle_version < 1:
         raise ExportError(f"bundle_version must be >= 1, got {bundle_version}")
-    k = names.index(client)
-    rm = mixture.reward_models[k]
-    if getattr(rm, "arch", None) != "mlp":
-        raise ExportError(f"client {client!r} has a {getattr(rm, 'arch', None)!r} reward model; only 'mlp' "
-                          "(MLP on frozen pair features) exports to a reward-scorer bundle in this version")
-    encoder = mixture.encoder
-    if rm.encoder.identity != encoder.identity:
-        raise ExportError(f"client {client!r}'s reward model reads {rm.encoder.identity}, the router {encoder.identity}")
-    length = bool(encoder.length_features)
-    d_in = 2 * exported.dim + (3 if length else 0)
-    if rm.d_in != d_in or mixture.router.d_in != d_in:
-        raise ExportError(f"features of width {d_in} (embedder dim {exported.dim}) but the reward model reads "
-                          f"{rm.d_in} and the router {mixture.router.d_in}")
-    from trainer.rewards.pair_features import LENGTH_SCALE
-
-    emb = encoder.embedder
-    files = {fmt.TOKENIZER_FILE: exported.tokenizer.read_bytes(),
-             fmt.EMBEDDER_FILES["fp32"]: exported.model.read_bytes(),
-             REWARD_FILE: reward_mlp_to_onnx(rm),
-             CLIENT_ROUTER_FILE: client_router_to_onnx(mixture.router)}
-    norm = rm.normaliser_
+    kind = kinds.REGISTRY.get(FAMILY, KIND)
+    artefact = ClientRewardArtefact(mixture, client, exported.dim)
+    emb = mixture.encoder.embedder
+    files = {TOKENIZER_FILE: exported.tokenizer.read_bytes(),
+             fmt.EMBEDDER_FILES["fp32"]: exported.model.read_bytes(), **kind.files(artefact)}
     fields = {
         "bundle_version": int(bundle_version),
-        "kind": KIND,
-        "client": {"name": client, "index": k},
-        "clients": names,
-        "features": {"layout": encoder.identity["layout"], "length_features": length, "length_scale": LENGTH_SCALE,
-                     "d_in": d_in},
-        "reward": {"arch": "mlp", "normaliser": {"mean": norm.mean, "std": norm.std, "eps": norm.eps, "clip": norm.clip}},
+        **kind.manifest_fields(artefact),
         "embedder": {"name": emb.model, "dim": exported.dim, "max_tokens": int(emb.max_tokens),
                      "truncation_side": emb.truncation_side, "pooling": "mean", "normalised": True,
                      "files": {"fp32": fmt.EMBEDDER_FILES["fp32"]}},
@@ -201,6 +249,8 @@ def check_parity(scorer, mixture, client_index: int, prompts: Sequence[str], res
     failures = [f"graphs: {name} {graphs[name]:.3g} > {MAX_ABS_DIFF}"
                 for name in ("reward_max_abs_diff", "raw_max_abs_diff", "logits_max_abs_diff")
                 if not graphs[name] <= MAX_ABS_DIFF]
+    failures += [f"end to end: {name} {end_to_end[name]:.3g} > {MAX_ABS_DIFF}"
+                 for name in ("reward_max_abs_diff", "logits_max_abs_diff") if not end_to_end[name] <= MAX_ABS_DIFF]
     if not end_to_end["choice_agreement"] >= MIN_CHOICE_AGREEMENT:
         failures.append(f"end to end: the router's client choice agrees on {end_to_end['choice_agreement']:.4f} "
                         f"< {MIN_CHOICE_AGREEMENT} of the pairs")
@@ -262,11 +312,10 @@ def export_reward_bundle(mixture, client: str, out: Path, signing_key: Path, pro
         staged = tmp / "staged"
         write_bundle(staged, files, fields, key)
         progress(f"checking parity of the staged bundle on {len(prompts)} real pairs")
-        from sdk.reward_scorer import RewardScorer
-
-        scorer = RewardScorer.load(staged, key.public_key())
         features = mixture.encoder.encode(list(prompts), list(responses))
-        report = check_parity(scorer, mixture, fields["client"]["index"], prompts, responses, features)
+        kind = kinds.REGISTRY.get(FAMILY, KIND)
+        report = kind.parity(staged, key.public_key(), ClientRewardArtefact(mixture, client, exported.dim), features,
+                             (list(prompts), list(responses)))
         g, e = report["graphs"], report["end_to_end"]
         progress(f"  graphs: reward max|diff| {g['reward_max_abs_diff']:.2e}, logits {g['logits_max_abs_diff']:.2e}; "
                  f"end to end: reward {e['reward_max_abs_diff']:.2e}, client choice agrees {e['choice_agreement']:.4f}")

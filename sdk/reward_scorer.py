@@ -1,8 +1,10 @@
 """``RewardScorer``: a client's own MoR reward model and the federated client router, on the device.
 
-A reward-scorer bundle (``kind = "reward_scorer"``, written by :mod:`export.reward_export`) lets a
-device score its own (prompt, response) pairs locally, with numpy, onnxruntime and tokenizers only
-(MoR, paper 001: the reward model never leaves its client):
+A reward-scorer bundle (family ``reward_scorer``, kind ``mor``: the manifest says
+``"reward_scorer_kind": "mor"``, :mod:`sdk.kinds`; written by :mod:`export.reward_export`) lets a device
+score its own (prompt, response) pairs locally, with numpy, onnxruntime and tokenizers only (MoR,
+paper 001: the reward model never leaves its client). This module declares the family (runtime
+interface :class:`RewardGraphs`) and registers the kind (:class:`MoRRewardScorerKind`) at import.
 
 - ``tokenizer.json`` + ``embedder.onnx``: the frozen sentence encoder ``e(.)`` (as :class:`sdk.Router`);
 - ``reward.onnx``: input ``features (batch, d_in) float32`` -> outputs ``raw (batch,)`` (the
@@ -17,9 +19,10 @@ is true, ``l(y) = log1p([characters, words, lines](y)) / length_scale`` from
 :func:`sdk.pair_encoding.length_features_many`, measured on the full response. A response that is empty
 or whitespace only is read as ``"(empty)"``, exactly as the trainer does.
 
-Loading verifies the signature and every hash before any file is used (:func:`sdk.bundle_manifest.read_verified`
-with :func:`check_reward_schema`), then that the graphs' inputs, outputs and widths agree with the
-manifest; any failure raises :class:`~sdk.errors.BundleError` and nothing is half-loaded.
+Loading verifies the signature and every hash before any file is used (:func:`sdk.bundle_manifest.read_verified`;
+the kind's :meth:`MoRRewardScorerKind.check_manifest` checks its fields), then that the graphs' inputs,
+outputs and widths agree with the manifest; any failure raises :class:`~sdk.errors.BundleError` and
+nothing is half-loaded.
 """
 
 from __future__ import annotations
@@ -27,23 +30,26 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from sdk import bundle_manifest as fmt
-from sdk.embedder import OnnxEmbedder, inference_session, session_options
+from sdk import kinds
+from sdk.artefact_kind import ArtefactKind, LoadContext
+from sdk.embedder import inference_session, session_options
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 
-KIND = "reward_scorer"
+FAMILY = "reward_scorer"
+KIND = "mor"
 REWARD_FILE = "reward.onnx"
 CLIENT_ROUTER_FILE = "client_router.onnx"
 EMPTY_RESPONSE = "(empty)"
 
 
-def check_reward_schema(manifest: dict) -> None:
-    """Schema of a reward-scorer manifest: the common checks, then ``kind``, ``client``, ``clients``,
-    ``features``, ``reward`` and the two graph files.
+def check_reward_manifest(manifest: dict) -> None:
+    """The ``reward_scorer/mor`` fields of a manifest (after the common schema): ``client``,
+    ``clients``, ``features``, ``reward`` and the two graph files.
 
     Raises
     ------
@@ -54,8 +60,6 @@ def check_reward_schema(manifest: dict) -> None:
         if not cond:
             raise BundleError(f"manifest: {what}")
 
-    fmt.check_common_schema(manifest)
-    need(manifest.get("kind") == KIND, f"kind must be {KIND!r} for a reward scorer, got {manifest.get('kind')!r}")
     clients = manifest.get("clients")
     need(isinstance(clients, list) and len(clients) >= 2 and all(isinstance(c, str) and c for c in clients)
          and len(set(clients)) == len(clients), "clients must list >= 2 distinct client names")
@@ -79,6 +83,15 @@ def check_reward_schema(manifest: dict) -> None:
     for name in (REWARD_FILE, CLIENT_ROUTER_FILE):
         need(name in manifest["files"], f"{name} is not listed in files")
     need("fp32" in manifest["embedder"]["files"], "a reward scorer ships the fp32 embedder")
+
+
+@runtime_checkable
+class RewardGraphs(Protocol):
+    """Runtime of a ``reward_scorer`` kind: ``run(features)`` with features of shape (n, d_in), float32,
+    finite (validated by :class:`RewardScorer`) -> ``{"raw": (n,), "reward": (n,), "logits": (n, K)}``
+    float32 (raw and normalised reward of this client, the client router's logits)."""
+
+    def run(self, features: np.ndarray) -> dict[str, np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,44 @@ class _Graph:
         return {n: np.asarray(v, dtype=np.float32) for n, v in zip(self._outputs, values)}
 
 
+class _MoRGraphs:
+    """``reward.onnx`` + ``client_router.onnx`` as one :class:`RewardGraphs`."""
+
+    def __init__(self, reward: _Graph, router: _Graph) -> None:
+        self._reward, self._router = reward, router
+
+    def run(self, features: np.ndarray) -> dict[str, np.ndarray]:
+        out = self._reward.run(features)
+        return {"raw": out["raw"].reshape(-1), "reward": out["reward"].reshape(-1),
+                "logits": self._router.run(features)["logits"]}
+
+
+class MoRRewardScorerKind(ArtefactKind):
+    """``reward_scorer/mor``: a client's MLP reward model on pair features + the client router (MoR)."""
+
+    family = FAMILY
+    name = KIND
+
+    def files(self, manifest: dict, precision: str) -> tuple[str, ...]:
+        return (REWARD_FILE, CLIENT_ROUTER_FILE)
+
+    def check_manifest(self, manifest: dict) -> None:
+        check_reward_manifest(manifest)
+
+    def load(self, context: LoadContext) -> _MoRGraphs:
+        manifest = context.manifest
+        d_in, n_clients = manifest["features"]["d_in"], len(manifest["clients"])
+        reward = _Graph(context.files[REWARD_FILE], REWARD_FILE, d_in, {"raw": None, "reward": None}, context.options)
+        router = _Graph(context.files[CLIENT_ROUTER_FILE], CLIENT_ROUTER_FILE, d_in, {"logits": n_clients},
+                        context.options)
+        return _MoRGraphs(reward, router)
+
+
+kinds.register_family(FAMILY, RewardGraphs)
+if KIND not in kinds.names(FAMILY):
+    kinds.register(MoRRewardScorerKind())
+
+
 class RewardScorer:
     """A client's reward model and the client router, loaded from a verified bundle. Use :meth:`load`.
 
@@ -158,9 +209,9 @@ class RewardScorer:
     Thread-safe after loading (no state changes; onnxruntime's ``run`` is thread-safe).
     """
 
-    def __init__(self, manifest: dict, embedder: OnnxEmbedder, reward: _Graph, router: _Graph) -> None:
+    def __init__(self, manifest: dict, embedder, graphs: RewardGraphs) -> None:
         self._manifest = copy.deepcopy(manifest)
-        self._embedder, self._reward, self._router = embedder, reward, router
+        self._embedder, self._graphs = embedder, graphs
         self.client_names = tuple(manifest["clients"])
         self.client_index = int(manifest["client"]["index"])
         self.client_name = manifest["client"]["name"]
@@ -204,21 +255,18 @@ class RewardScorer:
             if manifest["bundle_version"] < min_bundle_version:
                 raise BundleError(f"bundle version {manifest['bundle_version']} is older than "
                                   f"min_bundle_version {min_bundle_version} (a superseded bundle)")
-            return (fmt.TOKENIZER_FILE, manifest["embedder"]["files"]["fp32"], REWARD_FILE, CLIENT_ROUTER_FILE)
+            found = kinds.manifest_kinds(manifest)
+            if FAMILY not in found:
+                held = {f: k for f, k in found.items() if f != kinds.EMBEDDER_FAMILY}
+                raise BundleError(f"bundle carries no {FAMILY} (it carries {held}); load it with sdk.Router")
+            return tuple(name for family, kind in found.items()
+                         for name in kinds.get(family, kind).files(manifest, "fp32"))
 
-        verified = fmt.read_verified(bundle_dir, public_key, wanted=files_needed, schema=check_reward_schema)
+        verified = fmt.read_verified(bundle_dir, public_key, wanted=files_needed)
         manifest = verified.manifest
-        emb = manifest["embedder"]
-        try:
-            tokenizer_json = verified.files[fmt.TOKENIZER_FILE].decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise BundleError(f"tokenizer.json is not UTF-8 ({exc})") from exc
-        embedder = OnnxEmbedder(tokenizer_json, verified.files[emb["files"]["fp32"]], emb["dim"], emb["max_tokens"],
-                                emb["truncation_side"], options, batched=True)
-        d_in, n_clients = manifest["features"]["d_in"], len(manifest["clients"])
-        reward = _Graph(verified.files[REWARD_FILE], REWARD_FILE, d_in, {"raw": None, "reward": None}, options)
-        router = _Graph(verified.files[CLIENT_ROUTER_FILE], CLIENT_ROUTER_FILE, d_in, {"logits": n_clients}, options)
-        return cls(manifest, embedder, reward, router)
+        embedder = kinds.load_artefact(kinds.EMBEDDER_FAMILY, manifest, verified.files, options=options, precision="fp32")
+        graphs = kinds.load_artefact(FAMILY, manifest, verified.files, options=options)
+        return cls(manifest, embedder, graphs)
 
     # -- features --------------------------------------------------------------------------------
 
@@ -260,8 +308,8 @@ class RewardScorer:
         InvalidQueryError
         """
         prompts, responses = _check_texts(prompts, responses)
-        out = self._reward.run(self._features(prompts, responses))
-        return out["reward" if normalised else "raw"].reshape(len(prompts))
+        out = self._graphs.run(self._features(prompts, responses))
+        return out["reward" if normalised else "raw"]
 
     def score(self, prompt: str, response: str, *, normalised: bool = True) -> float:
         """:meth:`score_batch` of one pair, as a float.
@@ -280,7 +328,7 @@ class RewardScorer:
         InvalidQueryError
         """
         prompts, responses = _check_texts(prompts, responses)
-        logits = self._router.run(self._features(prompts, responses))["logits"]
+        logits = self._graphs.run(self._features(prompts, responses))["logits"]
         picks = logits.argmax(axis=1)
         return [ClientChoice(int(k), self.client_names[int(k)], tuple(float(v) for v in row), int(k) == self.client_index)
                 for k, row in zip(picks, logits)]
@@ -310,9 +358,7 @@ class RewardScorer:
             raise ShapeError(f"features must have shape (n >= 1, {self.d_in}), got {x.shape}")
         if not np.isfinite(x).all():
             raise ShapeError("features must be finite")
-        out = self._reward.run(x)
-        return {"raw": out["raw"].reshape(-1), "reward": out["reward"].reshape(-1),
-                "logits": self._router.run(x)["logits"]}
+        return self._graphs.run(x)
 
     def __repr__(self) -> str:
         return (f"RewardScorer(client={self.client_name!r}, clients={len(self.client_names)}, "
