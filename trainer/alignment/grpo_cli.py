@@ -114,10 +114,16 @@ def export(
 ) -> None:
     """Export CLIENT's reward model and the client router as a signed reward-scorer bundle (sdk.RewardScorer)."""
     from export.reward_export import export_reward_bundle
+    from trainer import kinds
     from trainer.data.preferences import load_preference_pairs
-    from trainer.rewards.mixture import load_mixture
+    from trainer.rewards.reward_scorer_kind import FAMILY, NAME
 
-    mix = load_mixture(mixture, cache_dir=cache_dir)
+    mix = kinds.get(NAME, FAMILY).load(mixture)
+    if cache_dir is not None:
+        mix.encoder.cache_dir = cache_dir
+        for rm in mix.reward_models:
+            if hasattr(rm, "encoder"):
+                rm.encoder.cache_dir = cache_dir
     pairs = load_preference_pairs(data, ("alpacaeval", "hh_harmless", "routerbench"))
     pairs = pairs.sample(n=min(n_parity, len(pairs)), random_state=0)
     prompts = pairs["prompt"].tolist() + pairs["prompt"].tolist()
