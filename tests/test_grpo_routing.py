@@ -114,3 +114,10 @@ def test_soft_routing_mixes_every_client_with_softmax_weights():
     assert reward.n_queries_ == 2
     sparse = RoutedGRPOReward(lambda p, r: contexts, clients, NeuralThompsonRouting(router, ThompsonConfig(enabled=False)))
     assert sparse(["x"], ["y"]) == [2.0] and sparse.n_queries_ == 1
+
+
+def test_rolling_mean_is_the_trailing_window_mean():
+    from trainer.alignment.grpo import rolling_mean
+
+    np.testing.assert_allclose(rolling_mean(np.array([1.0, 2.0, 3.0, 4.0]), 2), [1.0, 1.5, 2.5, 3.5])
+    np.testing.assert_allclose(rolling_mean(np.array([4.0, 0.0, 2.0]), 10), [4.0, 2.0, 2.0])

@@ -446,13 +446,25 @@ def write_history(out: Path, config: dict, history: list[dict], summary: dict) -
     write_json(out / "history.json", {"config": config, "history": history, "summary": summary})
     steps = [h["step"] for h in history]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-    axes[0].plot(steps, [h["reward"] for h in history], marker=".")
+    reward = np.array([h["reward"] for h in history])
+    axes[0].plot(steps, reward, lw=0.6, alpha=0.45, marker=".")
+    axes[0].plot(steps, rolling_mean(reward, 10), lw=2.0, color="tab:blue", label="10-step mean")
     axes[0].set(title="routed reward (mean per step)", xlabel="step")
+    axes[0].legend()
     axes[1].plot(steps, [h["kl"] for h in history], marker=".", color="tab:red")
     axes[1].set(title="KL to reference", xlabel="step")
     axes[2].plot(steps, [h["changed_vs_offline"] for h in history], marker=".", color="tab:green")
     axes[2].set(title="share routed away from offline router", xlabel="step", ylim=(-0.02, 1.02))
     save_figure(fig, out / "grpo.png")
+
+
+def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over up to ``window`` steps (shorter at the start): (n,) float64."""
+    values = np.asarray(values, dtype=np.float64)
+    csum = np.concatenate([[0.0], np.cumsum(values)])
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(0, idx - window)
+    return (csum[idx] - csum[lo]) / (idx - lo)
 
 
 def load_history(path: Path) -> dict:
@@ -528,7 +540,9 @@ def compare_online(config: RoutedGRPOConfig, make_reward: Callable[[ThompsonConf
     for name, r in runs.items():
         steps = [h["step"] for h in r.history]
         label = f"online routing {'on' if name == 'online' else 'off'}"
-        axes[0].plot(steps, [h["reward"] for h in r.history], marker=".", label=label)
+        reward = np.array([h["reward"] for h in r.history])
+        line, = axes[0].plot(steps, reward, lw=0.6, alpha=0.45)
+        axes[0].plot(steps, rolling_mean(reward, 10), lw=2.0, color=line.get_color(), label=f"{label} (10-step mean)")
         axes[1].plot(steps, [h["kl"] for h in r.history], marker=".", label=label)
         axes[2].plot(steps, [h["changed_vs_offline"] for h in r.history], marker=".", label=label)
     axes[0].set(title="routed reward (mean per step)", xlabel="GRPO step")
