@@ -1,6 +1,5 @@
-"""``fedroute mor grpo`` and ``fedroute mor export``: GRPO on a saved MoR mixture with online routing,
-and a client's reward-scorer bundle for the device. Registered on the ``mor`` sub-app by
-:func:`register`; heavy imports happen inside the commands.
+"""``fedroute mor grpo``: GRPO on a saved MoR mixture with online routing. Registered on the ``mor``
+sub-app by :func:`register` (from ``trainer.cli``); heavy imports happen inside the command.
 """
 
 from __future__ import annotations
@@ -102,41 +101,6 @@ def grpo(
                    f"wrote {out / 'history.json'} and grpo.png")
 
 
-def export(
-    mixture: MixtureOpt,
-    client: Annotated[str, typer.Option(help="the client whose reward model ships")],
-    out: Annotated[Path, typer.Option(help="bundle directory (created or replaced atomically)")],
-    signing_key: Annotated[Path, typer.Option(help="signing.key from `fedroute keygen`")],
-    data: DataOpt = Path("../shared/data"),
-    n_parity: Annotated[int, typer.Option(help="real pairs for the parity check")] = 200,
-    bundle_version: Annotated[Optional[int], typer.Option(help="default: 1 + the version at OUT")] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
-) -> None:
-    """Export CLIENT's reward model and the client router as a signed reward-scorer bundle (sdk.RewardScorer)."""
-    from export.reward_export import export_reward_bundle
-    from trainer import kinds
-    from trainer.data.preferences import load_preference_pairs
-    from trainer.rewards.reward_scorer_kind import FAMILY, NAME
-
-    mix = kinds.get(NAME, FAMILY).load(mixture)
-    if cache_dir is not None:
-        mix.encoder.cache_dir = cache_dir
-        for rm in mix.reward_models:
-            if hasattr(rm, "encoder"):
-                rm.encoder.cache_dir = cache_dir
-    pairs = load_preference_pairs(data, ("alpacaeval", "hh_harmless", "routerbench"))
-    pairs = pairs.sample(n=min(n_parity, len(pairs)), random_state=0)
-    prompts = pairs["prompt"].tolist() + pairs["prompt"].tolist()
-    responses = pairs["response_a"].tolist() + pairs["response_b"].tolist()
-    result = export_reward_bundle(mix, client, out, signing_key, prompts, responses, bundle_version=bundle_version,
-                                  progress=typer.echo)
-    g, e = result.parity["graphs"], result.parity["end_to_end"]
-    typer.echo(f"parity on {result.parity['n_pairs']} real (prompt, response) pairs: graphs max|diff| reward "
-               f"{g['reward_max_abs_diff']:.2e}, logits {g['logits_max_abs_diff']:.2e}; end to end reward "
-               f"{e['reward_max_abs_diff']:.2e}, client choice agreement {e['choice_agreement']:.4f}")
-
-
 def register(mor_app: typer.Typer) -> None:
-    """Add ``grpo`` and ``export`` to the ``fedroute mor`` sub-app."""
+    """Add ``grpo`` to the ``fedroute mor`` sub-app (called by the console-script module, ``trainer.cli``)."""
     mor_app.command("grpo")(grpo)
-    mor_app.command("export")(export)

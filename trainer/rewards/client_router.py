@@ -37,7 +37,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sdk.errors import InvalidInputError, ShapeError
-from trainer.federated.fedavg import fedavg, validate_updates
+from trainer.routers.fedavg import fedavg, validate_updates
 
 WEIGHTINGS = ("samples", "equal")
 FORMAT_VERSION = 1
@@ -148,7 +148,7 @@ def aggregate_routers(updates: Sequence[tuple[Mapping[str, np.ndarray], float]],
     weighting : ``"samples"`` (``w_k = n_k / sum n``, paper 001 Eq. FedAvg) or ``"equal"`` (``w_k = 1/|S|``).
 
     Returns dict name -> float32 ndarray. Raises InvalidInputError / ShapeError
-    (:func:`trainer.federated.fedavg.validate_updates`) or on an unknown weighting.
+    (:func:`trainer.routers.fedavg.validate_updates`) or on an unknown weighting.
     """
     if weighting not in WEIGHTINGS:
         raise InvalidInputError(f"weighting must be one of {list(WEIGHTINGS)}, got {weighting!r}")

@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from sdk.errors import InvalidInputError
 from trainer.data.preferences import DOMAINS, load_preference_pairs, split_by_prompt
 from trainer.embeddings import EmbedderConfig
-from trainer.federated.fedavg import fedavg
+from trainer.routers.fedavg import fedavg
 from trainer.rewards.client_router import (
     WEIGHTINGS,
     ClientRouter,
@@ -183,7 +183,7 @@ class MoRModels:
 def train_fedavg_reward_model(features: list[tuple[np.ndarray, np.ndarray]], config: RewardModelConfig, encoder: PairEncoder,
                               rounds: int, seed: int) -> MLPRewardModel:
     """The FedAvg baseline: one MLP reward model whose parameters are averaged (sample-weighted,
-    :func:`trainer.federated.fedavg.fedavg`) over all clients after one local Bradley-Terry epoch each.
+    :func:`trainer.routers.fedavg.fedavg`) over all clients after one local Bradley-Terry epoch each.
 
     features : per client (chosen, rejected) pair features, each (n_k, d_in) float32.
     Returns an MLPRewardModel whose normaliser is fitted on the pooled training scores.
