@@ -44,7 +44,7 @@ def _setup(threads: int) -> None:
 def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"), seed: int = 0,
           mode: Annotated[str, typer.Option(help="routed reward saved: sparse | soft")] = "sparse",
           weighting: Annotated[str, typer.Option(help="router FedAvg weighting: equal | samples")] = "equal",
-          cache: CacheOpt = None, threads: ThreadsOpt = 2) -> None:
+          cache: CacheOpt = None, threads: ThreadsOpt = 1) -> None:
     """Train the clients' reward models and the federated router on one seed's split; save the mixture."""
     from dataclasses import replace
 
@@ -71,7 +71,7 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
 
 @app.command("eval")
 def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"), seeds: SeedsOpt = None,
-          cache: CacheOpt = None, threads: ThreadsOpt = 2) -> None:
+          cache: CacheOpt = None, threads: ThreadsOpt = 1) -> None:
     """MoR Table 4 analogue over seeds: results.json, results.md, results.png in OUT."""
     from trainer.rewards.evaluation import run_evaluation
     from trainer.rewards.mor_report import write_eval
@@ -95,7 +95,7 @@ def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
 @app.command()
 def audit(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"), seeds: SeedsOpt = None,
           clip: Annotated[float, typer.Option(min=0.01, help="clip of normalised scores in the clipped variant")] = 1.0,
-          cache: CacheOpt = None, threads: ThreadsOpt = 2) -> None:
+          cache: CacheOpt = None, threads: ThreadsOpt = 1) -> None:
     """Membership inference on reward margins (naive vs defended reward MLPs) and communication."""
     from trainer.rewards.audit import run_audit
     from trainer.rewards.mor_report import write_audit
