@@ -163,8 +163,14 @@ class RouterConfig:
 
     hidden, dropout : router width and dropout.
     rounds : communication rounds; local_epochs : passes over the local pairs per round.
+    local_steps : if set, every client takes exactly this many minibatch steps per round instead of
+        ``local_epochs`` passes (cycling through its pairs), so a small client moves the router as
+        far per round as a large one (with ``weighting="equal"``: class-balanced training).
     lr, weight_decay, batch_size : local AdamW steps.
     weighting : ``"samples"`` or ``"equal"`` (:func:`aggregate_routers`).
+
+    Defaults (30 rounds, lr 3e-3, 4 local steps, equal weighting) were chosen on validation pairs by
+    ``benchmarks/mor_router_settings.py`` (``docs/mor_router_settings.json``, docs/mor.md).
     participation : share of clients sampled per round (at least one).
     seed : initialisation, sampling and shuffling seed.
     """
@@ -173,7 +179,8 @@ class RouterConfig:
     dropout: float = 0.1
     rounds: int = 30
     local_epochs: int = 1
-    lr: float = 1e-3
+    local_steps: int | None = 4
+    lr: float = 3e-3
     weight_decay: float = 1e-4
     batch_size: int = 64
     weighting: str = "equal"
@@ -186,6 +193,8 @@ class RouterConfig:
         for name in ("hidden", "rounds", "local_epochs", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.local_steps is not None and self.local_steps < 1:
+            raise InvalidInputError(f"local_steps must be >= 1 or None, got {self.local_steps}")
         if not 0.0 < self.participation <= 1.0:
             raise InvalidInputError(f"participation must be in (0, 1], got {self.participation}")
 
@@ -224,20 +233,27 @@ def initial_router(d_in: int, n_clients: int, config: RouterConfig, client_names
 
 def local_router_update(router: ClientRouter, data: ClientRouterData, config: RouterConfig,
                         rng: np.random.Generator) -> tuple[dict[str, np.ndarray], int]:
-    """Client k's local step: ``local_epochs`` of AdamW on ``L_router^(k)`` from the router's current
-    parameters (modified in place). Returns (parameters, n_pairs), the upload of the round."""
+    """Client k's local step: ``local_epochs`` of AdamW on ``L_router^(k)`` (or ``local_steps``
+    minibatches) from the router's current parameters (modified in place). Returns (parameters,
+    n_pairs), the upload of the round."""
     opt = torch.optim.AdamW(router.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     fc, fr = torch.from_numpy(np.asarray(data.features_chosen, np.float32)), torch.from_numpy(np.asarray(data.features_rejected, np.float32))
     router.train()
-    for _ in range(config.local_epochs):
-        order = torch.from_numpy(rng.permutation(data.n_pairs))
-        for s in range(0, data.n_pairs, config.batch_size):
-            idx = order[s : s + config.batch_size]
-            loss = router_bce_loss(router(fc[idx]), router(fr[idx]), data.client_index)
-            opt.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_norm_(router.parameters(), 1.0)
-            opt.step()
+    if config.local_steps is None:
+        batches = [torch.from_numpy(o[s : s + config.batch_size]) for o in
+                   (rng.permutation(data.n_pairs) for _ in range(config.local_epochs))
+                   for s in range(0, data.n_pairs, config.batch_size)]
+    else:
+        per = -(-config.local_steps * config.batch_size // data.n_pairs)  # passes needed
+        order = np.concatenate([rng.permutation(data.n_pairs) for _ in range(per)])
+        batches = [torch.from_numpy(order[i * config.batch_size : (i + 1) * config.batch_size])
+                   for i in range(config.local_steps)]
+    for idx in batches:
+        loss = router_bce_loss(router(fc[idx]), router(fr[idx]), data.client_index)
+        opt.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(router.parameters(), 1.0)
+        opt.step()
     router.eval()
     return router.get_parameters(), data.n_pairs
 
