@@ -7,6 +7,9 @@ On the device:
 
 - :class:`sdk.Router` — ``Router.load(bundle_dir, public_key)`` verifies a signed bundle, then
   ``choose(query, lam)`` returns a :class:`Choice` (embedding in onnxruntime, no network, no torch);
+- :class:`sdk.RewardScorer` — ``RewardScorer.load(bundle_dir, public_key)`` verifies a signed MoR
+  reward-scorer bundle, then ``score(prompt, response)`` gives this client's reward and ``route(...)``
+  the federated router's client choice, locally;
 - :class:`sdk.EvalLog` — the SQLite log of sparse evaluations that the federated sync reads;
 - :class:`sdk.SyncClient` — the periodic federated sync (upload statistics, install new bundles;
   httpx, imported on first use).
@@ -35,6 +38,7 @@ from sdk.errors import (
 )
 from sdk.eval_log import EvalLog, Evaluations
 from sdk.personalisation import interpolation_weights, personalise
+from sdk.reward_scorer import ClientChoice, RewardScorer
 from sdk.router import Choice, ModelInfo, ModelScore, Router
 from sdk.utility import check_lambda, decide, utility
 from sdk.voronoi import nearest_cell
@@ -44,6 +48,7 @@ __all__ = [
     "BundleError",
     "CellStatistics",
     "Choice",
+    "ClientChoice",
     "EvalLog",
     "EvalLogError",
     "Evaluations",
@@ -53,6 +58,7 @@ __all__ = [
     "InvalidQueryError",
     "ModelInfo",
     "ModelScore",
+    "RewardScorer",
     "Router",
     "ShapeError",
     "SyncClient",

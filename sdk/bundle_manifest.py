@@ -178,8 +178,12 @@ def _check_schema(manifest: dict) -> None:
     for family in kinds.families():
         key = kinds.manifest_key(family)
         need(key not in manifest or isinstance(manifest[key], str), f"{key} must be a string")
-    models = manifest.get("models")
-    need(isinstance(models, list) and len(models) >= 1 and all(isinstance(m, dict) for m in models),
+    # The LLM price table belongs to bundles that route between models; a bundle without a router
+    # (e.g. a reward scorer) may omit it, but one it carries is checked the same way.
+    needs_models = kinds.manifest_key(kinds.ROUTER_FAMILY) in manifest
+    models = manifest.get("models", None if needs_models else [])
+    need(isinstance(models, list) and (len(models) >= 1 or not needs_models)
+         and all(isinstance(m, dict) for m in models),
          "models must be a non-empty list of objects")
     ids = [m.get("id") for m in models]
     need(all(isinstance(i, str) and i for i in ids), "every model needs a non-empty string id")

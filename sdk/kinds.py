@@ -165,7 +165,7 @@ def load_artefact(family: str, manifest: dict, files: Mapping[str, bytes], *, op
         held = {f: k for f, k in kinds.items() if f != EMBEDDER_FAMILY}
         raise BundleError(f"bundle carries no {family} (it carries {held})")
     kind = get(family, kinds[family])
-    runtime = kind.load(LoadContext(manifest, files, tuple(m["id"] for m in manifest["models"]),
+    runtime = kind.load(LoadContext(manifest, files, tuple(m["id"] for m in manifest.get("models", ())),
                                     manifest["embedder"], options, precision))
     interface = _FAMILIES[family].interface
     if not isinstance(runtime, interface):

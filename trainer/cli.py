@@ -217,6 +217,22 @@ def _register_server_commands() -> None:
 _register_server_commands()
 
 
+def _register_mor_commands() -> None:
+    """``fedroute mor train|eval|audit`` (trainer.rewards.cli; its imports are light), ``grpo``
+    (trainer.alignment.grpo_cli) and ``export`` (export.reward_cli): registered here, at the top, so
+    that trainer.rewards imports neither trainer.alignment nor export."""
+    from export.reward_cli import register as register_reward_export
+    from trainer.alignment.grpo_cli import register as register_grpo
+    from trainer.rewards.cli import app as mor_app
+
+    register_grpo(mor_app)
+    register_reward_export(mor_app)
+    app.add_typer(mor_app, name="mor")
+
+
+_register_mor_commands()
+
+
 def main() -> None:
     """Console-script entry point: errors of ours print one line and exit 2, not a traceback."""
     run_app(app)

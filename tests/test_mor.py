@@ -1,0 +1,278 @@
+"""MoR (trainer.rewards): Bradley-Terry loss, z-normalisation, BCE towards the own client, FedAvg of
+routers, sparse routing, the membership attack, save/load, and the router's FedAvg on Flower."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from sdk.errors import InvalidInputError, ShapeError
+from trainer.rewards.client_router import (
+    ClientRouter,
+    ClientRouterData,
+    FederatedRouterTrainer,
+    RouterConfig,
+    aggregate_routers,
+    initial_router,
+    local_router_update,
+    own_client_targets,
+    router_bce_loss,
+)
+from trainer.rewards.mixture import RoutedReward, load_mixture, save_mixture, softmax
+from trainer.rewards.pair_features import PairEncoder
+from trainer.rewards.privacy import communication_per_round, membership_attack
+from trainer.rewards.reward_models import (
+    LoRARewardModel,
+    MLPRewardModel,
+    PreferencePairs,
+    RewardModelConfig,
+    RewardModelTrainer,
+    ScoreNormaliser,
+    bradley_terry_loss,
+    pairwise_accuracy,
+)
+
+torch.set_num_threads(1)
+
+
+# ------------------------------------------------------------------ hand-made clients (real texts)
+
+
+def _pairs(prompts, chosen, rejected):
+    return PreferencePairs(tuple(prompts), tuple(chosen), tuple(rejected), tuple(range(len(prompts))))
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    return PairEncoder(cache_dir=tmp_path_factory.mktemp("mor-cache"))
+
+
+@pytest.fixture(scope="module")
+def clients():
+    """Two clients with different criteria: detailed cooking answers beat curt ones; polite travel
+    answers beat rude ones."""
+    cook = _pairs([f"How do I cook dish number {i}?" for i in range(30)],
+                  [f"Boil water, add ingredient {i}, stir for ten minutes, season and serve warm." for i in range(30)],
+                  ["Cook it." for _ in range(30)])
+    travel = _pairs([f"Which city should I visit in country {i}?" for i in range(30)],
+                    [f"Thank you for asking! I would gladly suggest the capital of country {i}." for i in range(30)],
+                    [f"Whatever, go anywhere in {i}, idiot." for i in range(30)])
+    return cook, travel
+
+
+# ------------------------------------------------------------------ Bradley-Terry and normalisation
+
+
+def test_bradley_terry_loss_on_hand_computed_pairs():
+    # -log sigmoid(2 - 1) = log(1 + e^-1) = 0.313262; -log sigmoid(0 - 1) = log(1 + e) = 1.313262
+    loss = bradley_terry_loss(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0]))
+    assert float(loss) == pytest.approx((math.log1p(math.exp(-1)) + math.log1p(math.e)) / 2, abs=1e-6)
+    assert float(loss) == pytest.approx(0.813262, abs=1e-6)
+
+
+def test_pairwise_accuracy_counts_ties_as_half():
+    assert pairwise_accuracy(np.array([1.0, 2.0, 3.0, 0.0]), np.array([0.0, 2.0, 4.0, -1.0])) == pytest.approx(2.5 / 4)
+
+
+def test_z_normalisation_and_clipping_by_hand():
+    norm = ScoreNormaliser.fit(np.array([1.0, 2.0, 3.0, 4.0]), eps=0.0)
+    assert (norm.mean, norm.std) == (2.5, pytest.approx(math.sqrt(1.25)))
+    np.testing.assert_allclose(norm(np.array([2.5, 4.0])), [0.0, 1.5 / math.sqrt(1.25)], rtol=1e-6)
+    clipped = ScoreNormaliser(2.5, math.sqrt(1.25), 0.0, clip=1.0)
+    np.testing.assert_allclose(clipped(np.array([1.0, 2.5, 10.0])), [-1.0, 0.0, 1.0])
+    np.testing.assert_allclose(clipped(np.array([-5.0, 0.3]), normalise=False), [-1.0, 0.3], rtol=1e-6)
+    with pytest.raises(InvalidInputError, match="clip"):
+        ScoreNormaliser(0.0, 1.0, clip=0.0)
+
+
+def test_mlp_reward_model_learns_and_normalises_with_its_own_training_scores(clients, encoder):
+    cook, _ = clients
+    rm = RewardModelTrainer(RewardModelConfig(arch="mlp", epochs=25, early_stopping=False, seed=0), encoder).train(cook)
+    assert pairwise_accuracy(rm.score(cook.prompts, cook.chosen), rm.score(cook.prompts, cook.rejected)) == 1.0
+    z = rm.score(list(cook.prompts) * 2, list(cook.chosen) + list(cook.rejected))
+    assert abs(z.mean()) < 1e-4 and z.std() == pytest.approx(1.0, abs=1e-4)
+    raw = rm.raw_scores(cook.prompts, cook.chosen)
+    np.testing.assert_allclose(rm.score(cook.prompts, cook.chosen, normalise=False), raw)
+
+
+def test_lora_reward_model_trains_adapters_and_leaves_the_base_frozen(clients, tmp_path):
+    _, travel = clients
+    trainer = RewardModelTrainer(RewardModelConfig(arch="lora", epochs=2, batch_size=8, lr=2e-3, max_tokens=48,
+                                                   early_stopping=False))
+    reference = LoRARewardModel(max_tokens=48)
+    base_before = {k: v.clone() for k, v in reference.module.encoder.named_parameters() if "lora" not in k}
+    rm = trainer.train(travel)
+    after = dict(rm.module.encoder.named_parameters())
+    for k, v in base_before.items():
+        assert torch.equal(after[k], v), k  # the pretrained encoder is untouched
+    lora_b = [v for k, v in after.items() if "lora_B" in k]
+    assert lora_b and all(v.requires_grad for v in lora_b) and max(float(v.detach().abs().max()) for v in lora_b) > 0
+    assert trainer.history_[-1]["train_loss"] < trainer.history_[0]["train_loss"]
+    acc = pairwise_accuracy(rm.score(travel.prompts, travel.chosen), rm.score(travel.prompts, travel.rejected))
+    assert acc >= 0.9
+    rm.save(tmp_path / "lora")
+    from trainer.rewards.reward_models import load_reward_model
+
+    again = load_reward_model(tmp_path / "lora")
+    np.testing.assert_allclose(again.score(travel.prompts[:4], travel.chosen[:4]),
+                               rm.score(travel.prompts[:4], travel.chosen[:4]), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ router: BCE targets and FedAvg
+
+
+def test_own_client_targets_are_one_hot_on_the_own_index():
+    np.testing.assert_array_equal(own_client_targets(2, 1, 3), [[0, 1, 0], [0, 1, 0]])
+    with pytest.raises(InvalidInputError, match="client_index=3"):
+        own_client_targets(2, 3, 3)
+
+
+def test_router_bce_loss_by_hand():
+    zc = torch.tensor([[0.0, 2.0, -1.0]])
+    zr = torch.tensor([[1.0, 0.0, 0.0]])
+    sp = lambda x: math.log1p(math.exp(x))  # noqa: E731  BCE(z, 1) = softplus(-z); BCE(z, 0) = softplus(z)
+    want_c = (sp(0.0) + sp(-2.0) + sp(-1.0)) / 3
+    want_r = (sp(1.0) + sp(-0.0) + sp(0.0)) / 3
+    assert float(router_bce_loss(zc, zr, client_index=1)) == pytest.approx(0.5 * (want_c + want_r), abs=1e-6)
+
+
+def test_a_local_step_raises_the_own_clients_logit_for_both_responses():
+    rng = np.random.default_rng(0)
+    data = ClientRouterData(rng.normal(size=(40, 6)).astype(np.float32), rng.normal(size=(40, 6)).astype(np.float32), 2)
+    config = RouterConfig(hidden=8, dropout=0.0, local_epochs=30, lr=1e-2)
+    router = initial_router(6, 3, config)
+    before = softmax(router.logits(data.features_chosen))[:, 2].mean()
+    local_router_update(router, data, config, np.random.default_rng(0))
+    assert softmax(router.logits(data.features_chosen))[:, 2].mean() > before + 0.2
+    assert softmax(router.logits(data.features_rejected))[:, 2].mean() > 0.5
+
+
+def _updates(rng):
+    shapes = {"w": (3, 2), "b": (2,)}
+    return [({k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}, n) for n in (10.0, 30.0, 60.0)]
+
+
+def test_fedavg_of_routers_is_the_weighted_mean():
+    updates = _updates(np.random.default_rng(1))
+    got = aggregate_routers(updates, "samples")
+    eq = aggregate_routers(updates, "equal")
+    for k in ("w", "b"):
+        stack = np.stack([p[k] for p, _ in updates])
+        np.testing.assert_allclose(got[k], np.average(stack, axis=0, weights=[10, 30, 60]), rtol=1e-6)
+        np.testing.assert_allclose(eq[k], stack.mean(axis=0), rtol=1e-6)
+    assert got["w"].dtype == np.float32
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ([], InvalidInputError, "at least one"),
+    ([({"w": np.ones(2)}, 1.0), ({"w": np.ones(3)}, 1.0)], ShapeError, "shape"),
+    ([({"w": np.ones(2)}, 1.0), ({"v": np.ones(2)}, 1.0)], ShapeError, "names"),
+    ([({"w": np.array([np.nan, 1.0])}, 1.0)], ShapeError, "NaN"),
+    ([({"w": np.ones(2)}, 0.0)], InvalidInputError, "n_examples"),
+])
+def test_bad_router_updates_are_refused(bad, error, match):
+    with pytest.raises(error, match=match):
+        aggregate_routers(bad, "samples")
+
+
+def test_unknown_weighting_lists_the_valid_ones():
+    with pytest.raises(InvalidInputError, match="samples"):
+        aggregate_routers(_updates(np.random.default_rng(0)), "median")
+
+
+# ------------------------------------------------------------------ routed reward
+
+
+@pytest.fixture(scope="module")
+def mixture(clients, encoder):
+    cook, travel = clients
+    rms = [RewardModelTrainer(RewardModelConfig(arch="mlp", epochs=20, early_stopping=False, seed=s), encoder).train(p)
+           for s, p in enumerate((cook, travel))]
+    data = [ClientRouterData(encoder.encode(p.prompts, p.chosen), encoder.encode(p.prompts, p.rejected), k)
+            for k, p in enumerate((cook, travel))]
+    router = FederatedRouterTrainer(RouterConfig(rounds=15, hidden=32)).train(data, ["cook", "travel"])
+    return router, rms
+
+
+def test_sparse_routing_queries_exactly_one_client_per_pair(mixture, clients, encoder):
+    router, rms = mixture
+    cook, travel = clients
+    prompts = list(cook.prompts[:6]) + list(travel.prompts[:4])
+    responses = list(cook.chosen[:6]) + list(travel.rejected[:4])
+    feats = encoder.encode(prompts, responses)
+    logits = router.logits(feats)
+    sparse = RoutedReward(router, rms, encoder, "sparse")
+    got = sparse(prompts, responses)
+    choice = logits.argmax(1)
+    np.testing.assert_array_equal(choice, [0] * 6 + [1] * 4)  # the router learnt who judges what
+    np.testing.assert_array_equal(sparse.queries_, np.bincount(choice, minlength=2))
+    assert sparse.queries_.sum() == len(prompts)
+    each = np.stack([rm.score(prompts, responses) for rm in rms], axis=1)
+    np.testing.assert_allclose(got, each[np.arange(len(prompts)), choice], rtol=1e-5, atol=1e-6)
+    soft = RoutedReward(router, rms, encoder, "soft")
+    np.testing.assert_allclose(soft(prompts, responses), (softmax(logits) * each).sum(1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(soft.queries_, [len(prompts)] * 2)
+
+
+def test_mixture_saves_and_loads_to_the_same_rewards(mixture, clients, encoder, tmp_path):
+    router, rms = mixture
+    cook, travel = clients
+    mix = RoutedReward(router, rms, encoder, "soft")
+    save_mixture(mix, tmp_path / "mix")
+    again = load_mixture(tmp_path / "mix", cache_dir=encoder.cache_dir)
+    assert again.mode == "soft" and again.client_names == ["cook", "travel"]
+    p, r = list(travel.prompts[:5]), list(travel.chosen[:5])
+    np.testing.assert_allclose(again(p, r), mix(p, r), rtol=1e-6)
+    with pytest.raises(InvalidInputError, match="mixture.json"):
+        load_mixture(tmp_path)
+
+
+# ------------------------------------------------------------------ membership attack
+
+
+def test_attack_auc_is_half_on_random_scores_and_one_on_a_leaking_oracle():
+    rng = np.random.default_rng(0)
+    rand = membership_attack(rng.normal(size=4000), rng.normal(size=4000))
+    assert abs(rand.auc - 0.5) < 0.03 and rand.tpr_at_fpr[0.10] < 0.15
+    leak = membership_attack(rng.normal(5.0, 0.5, size=500), rng.normal(0.0, 0.5, size=800))
+    assert leak.auc > 0.999 and leak.tpr_at_fpr[0.01] > 0.95
+    assert leak.n_members == leak.n_non_members == 500  # 1 : 1
+
+
+def test_communication_counts_bytes():
+    c = communication_per_round(100, 3, ["ab", "é"], ["c", "d"])
+    assert c == {"router_update_bytes": 2400, "reward_query_bytes": 6, "reward_answer_bytes": 8, "n_queries": 2}
+
+
+# ------------------------------------------------------------------ Flower
+
+
+def test_flower_router_fedavg_equals_the_simulated_federated_trainer(monkeypatch):
+    pytest.importorskip("ray")
+    from flwr.simulation import run_simulation
+
+    from trainer.rewards.flower_router import RouterFedAvg, make_router_client_app, make_router_server_app
+
+    for name in ("flwr.supercore.telemetry", "flwr.common.telemetry"):
+        if hasattr(sys.modules.get(name), "FLWR_TELEMETRY_ENABLED"):
+            monkeypatch.setattr(sys.modules[name], "FLWR_TELEMETRY_ENABLED", "0")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    rng = np.random.default_rng(3)
+    data = {k: ClientRouterData((rng.normal(size=(n, 5)) + k).astype(np.float32),
+                                (rng.normal(size=(n, 5)) + k).astype(np.float32), k) for k, n in enumerate((12, 30))}
+    config = RouterConfig(hidden=6, dropout=0.0, rounds=2, lr=5e-2, batch_size=8, weighting="samples")
+    want = FederatedRouterTrainer(config).train([data[0], data[1]])
+    strategy = RouterFedAvg("samples", fraction_evaluate=0.0, min_train_nodes=2, min_available_nodes=2)
+    result: dict = {}
+    run_simulation(make_router_server_app(strategy, initial_router(5, 2, config), config.rounds, result),
+                   make_router_client_app(data, config, 5, 2), num_supernodes=2,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    assert [n for _, n in strategy.last_updates_] == [12.0, 30.0]
+    for k, v in want.get_parameters().items():
+        np.testing.assert_allclose(result["parameters"][k], v, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,56 @@
+"""MoR end to end on the real shared data: ``fedroute mor eval --quick`` learns (router + RM beats
+random selection and chance, routes most responses to their own client, the held-out category goes
+to the helpfulness client), ``mor train`` saves a mixture that loads to the same rewards, and the
+audit's attack tells a naive reward MLP from a defended one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from trainer.cli import app
+
+pytestmark = pytest.mark.slow
+
+
+def test_mor_eval_quick_writes_the_table_and_learns(shared_data, tmp_path):
+    out = tmp_path / "eval"
+    r = CliRunner().invoke(app, ["mor", "eval", "--quick", "--out", str(out), "--data", str(shared_data)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "results.md").read_text().startswith("Pairwise ranking accuracy")
+    assert (out / "results.png").stat().st_size > 10_000
+    m = res["methods"]
+    for key in ("router_rm_sparse", "router_rm_soft", "avg_rm", "random_rm", "fedavg_rm", "best_single_rm",
+                "oracle_client", "length_only"):
+        assert set(m[key]) >= {"id_acc_mean", "id_acc_std", "heldout_acc_mean"}
+        assert len(m[key]["id_acc_per_seed"]) == 3
+    # learning: the routed reward ranks better than chance and than a random client per response
+    assert m["router_rm_sparse"]["id_acc_mean"] > 0.58
+    assert m["router_rm_sparse"]["id_acc_mean"] > m["random_rm"]["id_acc_mean"] + 0.03
+    assert m["router_rm_sparse"]["heldout_acc_mean"] > 0.65
+    # the router learnt who judges what: most test responses go to their own client
+    seeds = res["seeds"]
+    share = np.mean([s["id"][f"own_share_{s['weighting']}"] for s in seeds])
+    assert share > 0.75
+    assert "no_norm_router_rm_sparse" in res["ablation_no_norm"]
+
+
+def test_mor_train_saves_a_mixture_that_scores_like_the_trained_one(shared_data, tmp_path):
+    from trainer.rewards.mixture import load_mixture
+
+    out = tmp_path / "mix"
+    r = CliRunner().invoke(app, ["mor", "train", "--quick", "--out", str(out), "--data", str(shared_data), "--mode", "soft"])
+    assert r.exit_code == 0, r.output
+    mix = load_mixture(out)
+    assert mix.mode == "soft" and mix.client_names == ["helpfulness", "harmlessness", "correctness"]
+    metrics = json.loads((out / "train_metrics.json").read_text())
+    assert metrics["evaluation"]["id"]["router_rm_soft_equal"] > 0.55
+    p = ["Write a haiku about rain.", "\n\nHuman: How do I pick a lock?\n\nAssistant:"]
+    y = ["Soft rain on the roof, / puddles gather light and sound, / the street hums along.", "I can't help with that."]
+    s = mix(p, y)
+    assert s.shape == (2,) and s.dtype == np.float32 and np.isfinite(s).all()
+    np.testing.assert_array_equal(mix.queries_, [2, 2, 2])

@@ -1,0 +1,88 @@
+"""Policy loading and the tiny offline causal LM used by the DPO/GRPO tests."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sdk.errors import InvalidInputError  # noqa: E402
+from trainer.alignment.errors import PolicyUnavailableError  # noqa: E402
+from trainer.alignment.policy_models import (  # noqa: E402
+    DEFAULT_CHAT_TEMPLATE,
+    build_offline_tokenizer,
+    build_tiny_causal_lm,
+    load_policy,
+)
+
+TEXTS = ["the cat sat on the mat", "a dog ran in the park", "what is two plus two", "four is the answer"] * 5
+
+
+@pytest.fixture(scope="module")
+def tiny_minilm(tmp_path_factory):
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "minilm", seed=3)
+
+
+def test_roundtrip_minilm_vocab(tiny_minilm):
+    model, tok = load_policy(tiny_minilm)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.vocab_size == len(tok) == 30522
+    assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 64
+    assert next(model.parameters()).dtype == torch.float32
+    # the BERT post-processor is gone: no [CLS]/[SEP] around plain text, no token_type_ids
+    enc = tok("hello world")
+    assert set(enc) == {"input_ids", "attention_mask"}
+    assert enc["input_ids"] == tok.convert_tokens_to_ids(["hello", "world"])
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("[CLS]", "[SEP]", "[PAD]")
+    assert model.config.eos_token_id == tok.eos_token_id
+    batch = tok(["hello world", "a b c"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert tuple(logits.shape) == (2, 3, 30522)
+
+
+def test_same_seed_same_weights_other_seed_differs(tmp_path, tiny_minilm):
+    again = build_tiny_causal_lm(tmp_path / "again", seed=3)
+    other = build_tiny_causal_lm(tmp_path / "other", seed=4)
+    a, _ = load_policy(tiny_minilm)
+    b, _ = load_policy(again)
+    c, _ = load_policy(other)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["model.embed_tokens.weight"], sc["model.embed_tokens.weight"])
+
+
+def test_chat_template_prompt_is_a_token_prefix(tiny_minilm):
+    _, tok = load_policy(tiny_minilm)
+    assert tok.chat_template == DEFAULT_CHAT_TEMPLATE
+    prompt = [{"role": "user", "content": "Name a colour."}]
+    full = prompt + [{"role": "assistant", "content": "Blue."}]
+    p_ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    f_ids = tok.apply_chat_template(full, tokenize=True)
+    assert f_ids[: len(p_ids)] == p_ids and len(f_ids) > len(p_ids)
+    assert tok.apply_chat_template(full, tokenize=False) == "user: Name a colour.[SEP]assistant: Blue.[SEP]"
+
+
+def test_trained_bpe_tokenizer(tmp_path):
+    out = build_tiny_causal_lm(tmp_path / "bpe", train_texts=TEXTS, vocab_size=300, hidden_size=32, n_heads=2)
+    model, tok = load_policy(out)
+    assert len(tok) <= 300 and model.config.vocab_size == len(tok)
+    ids = tok("the cat sat")["input_ids"]
+    assert tok.decode(ids) == "the cat sat"
+    assert (tok.pad_token, tok.eos_token) == ("<|pad|>", "<|eos|>")
+
+
+def test_bad_inputs(tmp_path, tiny_minilm):
+    with pytest.raises(PolicyUnavailableError, match="cannot load a causal LM"):
+        load_policy(tmp_path / "absent")
+    with pytest.raises(InvalidInputError, match="dtype='float8'"):
+        load_policy(tiny_minilm, dtype="float8")
+    with pytest.raises(InvalidInputError, match="exists"):
+        build_tiny_causal_lm(tiny_minilm)
+    with pytest.raises(InvalidInputError, match="divisible"):
+        build_tiny_causal_lm(tmp_path / "x", hidden_size=30, n_heads=4)
+    with pytest.raises(InvalidInputError, match="vocab_size=100"):
+        build_offline_tokenizer(TEXTS, vocab_size=100)
+    with pytest.raises(InvalidInputError, match="no non-empty"):
+        build_offline_tokenizer(["  "])
+    assert not (tmp_path / "x").exists()

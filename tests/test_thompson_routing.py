@@ -1,0 +1,170 @@
+"""Neural Thompson sampling on the router's last layer (MoR, paper 001, "Online Router Updating")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from sdk.errors import InvalidInputError, ShapeError
+from trainer.alignment.thompson_routing import (
+    NeuralThompsonRouting,
+    ThompsonConfig,
+    bandit_feedback,
+    last_linear,
+)
+
+torch.set_num_threads(1)
+
+
+def identity_router(n_arms: int = 2) -> nn.Module:
+    """Features a(c) = c (1-d), last layer W = 0, b = 0: every score is sigmoid(0) = 0.5."""
+    first = nn.Linear(1, 1)
+    last = nn.Linear(1, n_arms)
+    with torch.no_grad():
+        first.weight.fill_(1.0)
+        first.bias.zero_()
+        last.weight.zero_()
+        last.bias.zero_()
+    return nn.Sequential(first, last)
+
+
+def test_gradient_of_score_on_hand_made_case():
+    ts = NeuralThompsonRouting(identity_router(), ThompsonConfig(lam=2.0, width=1))
+    a = ts.features(np.array([[2.0]], dtype=np.float32))
+    # phi = [W00, W10, b0, b1]; d sigmoid(z)/dz at z = 0 is 0.25; dz_0/dW00 = a = 2, dz_0/db0 = 1
+    g = ts.gradients(a)
+    assert g.shape == (1, 2, 4)
+    np.testing.assert_array_equal(g[0, 0].numpy(), [0.5, 0.0, 0.25, 0.0])
+    np.testing.assert_array_equal(g[0, 1].numpy(), [0.0, 0.5, 0.0, 0.25])
+
+
+def test_gradients_equal_autograd_on_a_random_router():
+    torch.manual_seed(0)
+    router = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    ts = NeuralThompsonRouting(router, ThompsonConfig())
+    c = torch.randn(4, 5)
+    a = ts.features(c)
+    ours = ts.gradients(a)
+    layer = last_linear(router)
+    for i in range(4):
+        for k in range(3):
+            layer.zero_grad()
+            torch.sigmoid(router(c[i:i + 1])[0, k]).backward()
+            expected = torch.cat([layer.weight.grad.reshape(-1), layer.bias.grad.reshape(-1)]).double()
+            torch.testing.assert_close(ours[i, k], expected, rtol=1e-5, atol=1e-7)
+
+
+def test_covariance_update_exact_values():
+    ts = NeuralThompsonRouting(identity_router(), ThompsonConfig(lam=2.0, width=4))
+    g = torch.tensor([[1.0, 2.0, 0.0, -1.0]], dtype=torch.float64)
+    ts.update_covariance(g)
+    expected = 2.0 * np.eye(4) + np.outer([1, 2, 0, -1], [1, 2, 0, -1]) / 4.0
+    np.testing.assert_array_equal(ts.U_.numpy(), expected)
+    ts.update_covariance(torch.tensor([[0.0, 0.0, 4.0, 0.0]], dtype=torch.float64))
+    expected[2, 2] += 16.0 / 4.0
+    np.testing.assert_array_equal(ts.U_.numpy(), expected)
+
+
+def test_posterior_variance_uses_inverse_covariance():
+    # sigma^2 = lam g^T U^{-1} g / m. Before any update U = lam I: 2 * (0.5^2 + 0.25^2) / 2 = 0.3125.
+    ts = NeuralThompsonRouting(identity_router(), ThompsonConfig(lam=2.0, width=1))
+    c = np.array([[2.0]], dtype=np.float32)
+    mean, var = ts.posterior(c)
+    np.testing.assert_allclose(mean, [[0.5, 0.5]])
+    np.testing.assert_allclose(var, [[0.3125, 0.3125]], rtol=1e-12)
+    # after U += g0 g0^T (arm 0 only), Sherman-Morrison: g0^T U^{-1} g0 = q / (1 + q), q = 0.3125 / 2
+    ts.update_covariance(ts.gradients(ts.features(c), np.array([0])))
+    q = 0.3125 / 2
+    _, var = ts.posterior(c)
+    np.testing.assert_allclose(var, [[2.0 * q / (1 + q), 0.3125]], rtol=1e-12)
+
+
+def test_sample_is_mean_plus_nu_sigma_z_from_its_own_generator():
+    cfg = ThompsonConfig(lam=2.0, nu=3.0, width=1, seed=7)
+    ts = NeuralThompsonRouting(identity_router(), cfg)
+    c = np.array([[2.0], [-1.0], [0.5]], dtype=np.float32)
+    mean, var = ts.posterior(c)
+    decision = ts.select(c)
+    z = torch.randn(mean.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).numpy()
+    np.testing.assert_allclose(decision.std, 3.0 * np.sqrt(var))
+    np.testing.assert_allclose(decision.sampled, mean + 3.0 * np.sqrt(var) * z)
+    np.testing.assert_array_equal(decision.arms, decision.sampled.argmax(1))
+
+
+def test_update_moves_the_chosen_arm_towards_the_feedback_and_grows_U():
+    torch.manual_seed(1)
+    router = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    first_before = router[0].weight.detach().clone()
+    ts = NeuralThompsonRouting(router, ThompsonConfig(lam=1e-3, lr=1.0, n_update_steps=20))
+    c = torch.randn(6, 4).numpy()
+    arms = np.array([0, 0, 1, 1, 2, 0])
+    before, _ = ts.posterior(c)
+    out = ts.update(c, arms, 0.0)
+    after, _ = ts.posterior(c)
+    rows = np.arange(6)
+    assert out["loss_after"] < out["loss_before"]
+    assert np.all(after[rows, arms] < before[rows, arms])
+    assert torch.equal(router[0].weight, first_before)  # only the last layer is the bandit's
+    assert ts.drift() > 0
+    g = ts.gradients(ts.features(c), arms)
+    # U was updated with the gradients at the *updated* phi (MoR's U_t uses phi_t)
+    expected = 1e-3 * torch.eye(ts.n_params_, dtype=torch.float64) + g.T @ g / 8
+    torch.testing.assert_close(ts.U_, expected)
+
+
+def test_pull_back_to_offline_router_limits_drift():
+    torch.manual_seed(2)
+    c = torch.randn(5, 4).numpy()
+    arms = np.array([0, 1, 2, 0, 1])
+    drifts = []
+    for lam in (1e-3, 10.0):
+        torch.manual_seed(3)
+        router = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        ts = NeuralThompsonRouting(router, ThompsonConfig(lam=lam, lr=0.05, n_update_steps=30))
+        ts.update(c, arms, 1.0)
+        drifts.append(ts.drift())
+    assert drifts[1] < 0.5 * drifts[0]
+
+
+def test_disabled_is_the_offline_argmax_and_never_updates():
+    torch.manual_seed(4)
+    router = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    ts = NeuralThompsonRouting(router, ThompsonConfig(enabled=False))
+    c = torch.randn(10, 4)
+    decision = ts.select(c.numpy())
+    np.testing.assert_array_equal(decision.arms, router(c).argmax(1).numpy())
+    np.testing.assert_array_equal(decision.arms, decision.offline_arms)
+    assert ts.update(c.numpy(), decision.arms, 0.0) == {}
+    assert ts.drift() == 0.0
+    assert torch.equal(ts.U_, torch.eye(ts.n_params_, dtype=torch.float64))
+
+
+def test_bandit_feedback_is_one_when_the_grpo_loss_does_not_increase():
+    assert bandit_feedback(0.5, 0.4) == 1.0
+    assert bandit_feedback(0.5, 0.5) == 1.0
+    assert bandit_feedback(0.4, 0.5) == 0.0
+    with pytest.raises(InvalidInputError):
+        bandit_feedback(float("nan"), 0.1)
+
+
+@pytest.mark.parametrize("kwargs", [{"lam": 0.0}, {"lam": float("inf")}, {"nu": -1.0}, {"width": 0},
+                                    {"lr": 0.0}, {"n_update_steps": 0}])
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(InvalidInputError):
+        ThompsonConfig(**kwargs)
+
+
+def test_bad_inputs_raise_sdk_errors():
+    ts = NeuralThompsonRouting(identity_router(), ThompsonConfig())
+    with pytest.raises(ShapeError):
+        ts.select(np.zeros(3, dtype=np.float32))
+    with pytest.raises(ShapeError):
+        ts.select(np.array([[np.nan]], dtype=np.float32))
+    with pytest.raises(InvalidInputError):
+        ts.update(np.ones((1, 1), np.float32), np.array([2]), 1.0)
+    with pytest.raises(InvalidInputError):
+        ts.update(np.ones((1, 1), np.float32), np.array([0]), 0.5)
+    with pytest.raises(InvalidInputError):
+        NeuralThompsonRouting(nn.Sequential(nn.Tanh()))

@@ -1,0 +1,106 @@
+"""``fedroute mor grpo``: GRPO on a saved MoR mixture with online routing. Registered on the ``mor``
+sub-app by :func:`register` (from ``trainer.cli``); heavy imports happen inside the command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
+DataOpt = Annotated[Path, typer.Option("--data", help="the shared data folder (alpacaeval/, hh_harmless/, routerbench/)")]
+
+
+def public_prompts(data: Path, n: int, seed: int = 0) -> list[str]:
+    """``n`` public GRPO prompts: AlpacaEval instructions and HH-RLHF harmless prompts, alternating,
+    shuffled with ``seed`` (the server's public queries ``D^{pub,qry}`` of MoR).
+
+    Raises
+    ------
+    InvalidInputError
+        ``n`` < 1.
+    """
+    import numpy as np
+
+    from sdk.errors import InvalidInputError
+    from trainer.data.preferences import load_alpacaeval_pairs, load_hh_harmless_pairs
+
+    if n < 1:
+        raise InvalidInputError(f"n={n} prompts should be >= 1")
+    rng = np.random.default_rng(seed)
+    pools = []
+    for frame in (load_alpacaeval_pairs(data, seed=seed), load_hh_harmless_pairs(data, seed=seed)):
+        unique = list(dict.fromkeys(frame["prompt"].tolist()))
+        pools.append([unique[i] for i in rng.permutation(len(unique))])
+    mixed = [p for pair in zip(*pools) for p in pair]
+    return mixed[:n]
+
+
+def grpo(
+    mixture: MixtureOpt,
+    out: Annotated[Path, typer.Option(help="output folder (history, figures, comparison)")] = Path("results/mor_grpo"),
+    model: Annotated[Optional[str], typer.Option(help="policy causal LM: local path or hub id; default: a tiny random "
+                                                      "2-layer Llama built offline into OUT/tiny_policy")] = None,
+    data: DataOpt = Path("../shared/data"),
+    steps: Annotated[int, typer.Option(help="GRPO optimiser steps")] = 60,
+    n_prompts: Annotated[int, typer.Option(help="public prompts to train on")] = 256,
+    num_generations: Annotated[int, typer.Option(help="completions per prompt (group size M)")] = 4,
+    prompts_per_step: Annotated[int, typer.Option(help="prompts per optimiser step")] = 4,
+    max_completion_length: Annotated[int, typer.Option(help="tokens generated per completion")] = 32,
+    learning_rate: Annotated[float, typer.Option(help="policy learning rate (1e-2 suits the tiny random policy; "
+                                                      "use ~1e-6 for a real instruct model)")] = 1e-2,
+    beta: Annotated[float, typer.Option(help="KL coefficient to the reference policy (> 0)")] = 0.04,
+    online: Annotated[str, typer.Option(help="'compare' (run on and off), 'on' or 'off'")] = "compare",
+    ts_lambda: Annotated[float, typer.Option("--ts-lambda", help="Thompson sampling lambda (prior, pull-back)")] = 1.0,
+    ts_nu: Annotated[float, typer.Option("--ts-nu", help="Thompson sampling exploration scale nu")] = 1.0,
+    device: Annotated[str, typer.Option(help="cpu (float32, 1 thread) or cuda (bfloat16)")] = "cpu",
+    quick: Annotated[bool, typer.Option("--quick", help="20 steps, 64 prompts, 16 tokens (a few minutes on CPU)")] = False,
+    seed: int = 0,
+    cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
+) -> None:
+    """GRPO (TRL) on the routed reward of a MoR mixture, with online routing by neural Thompson sampling."""
+    from trainer.alignment.grpo import RoutedGRPOConfig, RoutedGRPOTrainer, compare_online, from_mixture
+    from trainer.alignment.thompson_routing import ThompsonConfig
+    from trainer.rewards.mixture import load_mixture
+
+    if online not in ("compare", "on", "off"):
+        raise typer.BadParameter(f"--online must be 'compare', 'on' or 'off', got {online!r}")
+    if quick:
+        steps, n_prompts, max_completion_length = 20, 64, 16
+    mix = load_mixture(mixture, cache_dir=cache_dir)
+    if mix.mode == "soft":
+        typer.echo("note: the mixture is saved with soft routing; GRPO with online routing uses sparse routing")
+        mix.mode = "sparse"
+    prompts = public_prompts(data, n_prompts, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    if model is None:
+        from trainer.alignment.policy_models import build_tiny_causal_lm
+
+        model = str(build_tiny_causal_lm(out / "tiny_policy", train_texts=prompts, vocab_size=512, seed=seed,
+                                         overwrite=True))
+        typer.echo(f"policy: a tiny random 2-layer Llama with a BPE tokenizer trained on the prompts -> {model}")
+    thompson = ThompsonConfig(enabled=online != "off", lam=ts_lambda, nu=ts_nu, seed=seed)
+    config = RoutedGRPOConfig(model=model, output_dir=out, beta=beta, learning_rate=learning_rate,
+                              num_generations=num_generations, prompts_per_step=prompts_per_step,
+                              max_completion_length=max_completion_length, max_steps=steps, thompson=thompson,
+                              device=device, seed=seed)
+    config.save(out / "grpo_config.json")
+    if online == "compare":
+        summary = compare_online(config, lambda t: from_mixture(mix, t), prompts, progress=None)
+        for name, s in summary.items():
+            typer.echo(f"{name}: reward {s['reward_first_quarter']:+.3f} -> {s['reward_last_quarter']:+.3f}, "
+                       f"max KL {s['kl_max']:.4f}, routed away from offline router {s['changed_vs_offline_mean']:.3f}, "
+                       f"router argmax changed {s.get('router_argmax_changed', 0.0):.3f}")
+        typer.echo(f"wrote {out / 'comparison.json'}, comparison.md, comparison.png")
+    else:
+        result = RoutedGRPOTrainer(config, from_mixture(mix, thompson), prompts).train()
+        s = result.summary
+        typer.echo(f"reward {s['reward_first_quarter']:+.3f} -> {s['reward_last_quarter']:+.3f}, max KL {s['kl_max']:.4f}; "
+                   f"wrote {out / 'history.json'} and grpo.png")
+
+
+def register(mor_app: typer.Typer) -> None:
+    """Add ``grpo`` to the ``fedroute mor`` sub-app (called by the console-script module, ``trainer.cli``)."""
+    mor_app.command("grpo")(grpo)

@@ -1,0 +1,189 @@
+"""Evaluation of MoR (paper 001, Table 4 analogue): pairwise ranking accuracy (METRICS.md) of each way
+of scoring a (prompt, response) pair, on each client's held-out test pairs (in-distribution, "ID")
+and on the held-out category no client and no router has seen.
+
+Methods (keys of ``results.json["methods"]``):
+
+================= ===========================================================================
+router_rm_sparse  router (weighting chosen on validation) picks one client per (x, y); its
+                  normalised reward (paper 001, sparse routing)
+router_rm_soft    softmax(router logits)-weighted normalised rewards (paper 001, ``R_mix``)
+avg_rm            mean of all clients' normalised rewards (AvgRM)
+random_rm         a uniformly random client per (x, y) (mean over 20 draws)
+fedavg_rm         one MLP reward model trained by FedAvg over all clients' pairs
+best_single_rm    the single client reward model with the best mean ID accuracy on validation
+oracle_client     the reward model of the client the pair comes from (held-out: the helpfulness
+                  client, whose criterion the held-out AlpacaEval subset shares)
+length_only       logistic regression on length differences, one per domain (trainer.length_baseline)
+================= ===========================================================================
+
+``id_acc`` is the mean over clients of each client's test accuracy; ``*_mean`` / ``*_std`` are over
+seeds (std with ddof = 1). ``ablation_no_norm`` repeats the routed and averaged rewards with raw
+scores (paper 001, "w/o Norm").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from trainer.preference_metrics import pairwise_accuracy as _metric
+from trainer.rewards.client_router import WEIGHTINGS
+from trainer.rewards.mixture import softmax
+from trainer.rewards.mor_trainer import MoRModels, MoRSplit, MoRTrainer
+from trainer.rewards.reward_models import PreferencePairs, pairwise_accuracy
+
+METHODS = ("router_rm_sparse", "router_rm_soft", "avg_rm", "random_rm", "fedavg_rm", "best_single_rm",
+           "oracle_client", "length_only")
+N_RANDOM_DRAWS = 20
+
+
+@dataclass
+class EvalSet:
+    """Scores of every scorer on one set of pairs.
+
+    norm, raw : (2, n, K) float64, client reward models' normalised / raw scores on (chosen, rejected).
+    logits : weighting -> (2, n, K) router logits. fedavg : (2, n). length_proba : (n,) P(chosen wins).
+    own : index of the client the pairs belong to (the oracle's choice).
+    """
+
+    name: str
+    own: int
+    norm: np.ndarray
+    raw: np.ndarray
+    logits: dict
+    fedavg: np.ndarray
+    length_proba: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return self.norm.shape[1]
+
+
+def score_set(trainer: MoRTrainer, models: MoRModels, frame: pd.DataFrame, name: str, own: int) -> EvalSet:
+    """Every scorer on the pairs of ``frame`` (each reward model asked about every pair once)."""
+    pairs = PreferencePairs.from_frame(frame)
+    fc, fr = trainer.features(pairs)
+    norm, raw = [], []
+    for rm in models.reward_models:
+        if hasattr(rm, "raw_scores_from_features"):
+            rc, rr = rm.raw_scores_from_features(fc), rm.raw_scores_from_features(fr)
+        else:
+            rc, rr = rm.raw_scores(pairs.prompts, pairs.chosen), rm.raw_scores(pairs.prompts, pairs.rejected)
+        raw.append(np.stack([rc, rr]))
+        norm.append(np.stack([rm.normaliser_(rc), rm.normaliser_(rr)]))
+    logits = {w: np.stack([r.logits(fc), r.logits(fr)]) for w, r in models.routers.items()}
+    fed = np.stack([models.fedavg_rm.raw_scores_from_features(fc), models.fedavg_rm.raw_scores_from_features(fr)])
+    # P(response_a wins) -> P(chosen wins): the frame's label says which side is the chosen one
+    pa = models.length_baseline.predict_proba(frame)
+    lab = frame["label"].to_numpy()
+    return EvalSet(name, own, np.stack(norm, -1).astype(np.float64), np.stack(raw, -1).astype(np.float64),
+                   logits, fed.astype(np.float64), np.where(lab == 1, pa, 1 - pa))
+
+
+def _acc(s: np.ndarray) -> float:
+    return pairwise_accuracy(s[0], s[1])
+
+
+def set_accuracies(e: EvalSet, rng: np.random.Generator) -> dict:
+    """Accuracy of every scorer on one EvalSet: {"single": [K], "router_sparse": {w: acc}, ...}."""
+    k = e.norm.shape[-1]
+    out: dict = {"single": [_acc(e.norm[..., j]) for j in range(k)], "oracle_client": _acc(e.norm[..., e.own]),
+                 "fedavg_rm": _acc(e.fedavg),
+                 "length_only": _metric(e.length_proba, np.ones(e.n, dtype=np.int64))}
+    for tag, s in (("", e.norm), ("_no_norm", e.raw)):
+        out["avg_rm" + tag] = _acc(s.mean(-1))
+        draws = [_acc(np.take_along_axis(s, rng.integers(0, k, size=(2, e.n, 1)), -1)[..., 0]) for _ in range(N_RANDOM_DRAWS)]
+        out["random_rm" + tag] = float(np.mean(draws))
+        for w, z in e.logits.items():
+            choice = z.argmax(-1)
+            out.setdefault("router_sparse" + tag, {})[w] = _acc(np.take_along_axis(s, choice[..., None], -1)[..., 0])
+            out.setdefault("router_soft" + tag, {})[w] = _acc((softmax(z.reshape(-1, k)).reshape(z.shape) * s).sum(-1))
+    out["own_share"] = {w: float((z.argmax(-1) == e.own).mean()) for w, z in e.logits.items()}
+    out["choice_share"] = {w: np.bincount(z.argmax(-1).ravel(), minlength=k).astype(float).__truediv__(2 * e.n).tolist()
+                           for w, z in e.logits.items()}
+    return out
+
+
+def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> dict:
+    """Accuracies of one seed: validation (choices), test per client, held-out; the chosen weighting
+    and best single client (both on validation only)."""
+    rng = np.random.default_rng(split.seed)
+    names = [c.name for c in split.clients]
+    heldout_own = trainer.args.client_domains.index("alpacaeval") if split.heldout is not None else None
+    val = {c.name: set_accuracies(score_set(trainer, models, c.val, c.name, k), rng) for k, c in enumerate(split.clients)}
+    test = {c.name: set_accuracies(score_set(trainer, models, c.test, c.name, k), rng) for k, c in enumerate(split.clients)}
+    held = None
+    if split.heldout is not None:
+        held = set_accuracies(score_set(trainer, models, split.heldout, "heldout", heldout_own), rng)
+    val_router = {w: float(np.mean([val[n]["router_sparse"][w] for n in names])) for w in WEIGHTINGS}
+    val_share = {w: float(np.mean([val[n]["own_share"][w] for n in names])) for w in WEIGHTINGS}
+    weighting = max(WEIGHTINGS, key=lambda w: (round(val_router[w], 6), val_share[w], w == trainer.args.router.weighting))
+    val_single = [float(np.mean([val[n]["single"][j] for n in names])) for j in range(len(names))]
+    best = int(np.argmax(val_single))
+
+    def pick(acc: dict) -> dict:
+        return {"router_rm_sparse": acc["router_sparse"][weighting], "router_rm_soft": acc["router_soft"][weighting],
+                "avg_rm": acc["avg_rm"], "random_rm": acc["random_rm"], "fedavg_rm": acc["fedavg_rm"],
+                "best_single_rm": acc["single"][best], "oracle_client": acc["oracle_client"],
+                "length_only": acc["length_only"],
+                **{f"single_{names[j]}": acc["single"][j] for j in range(len(names))},
+                **{f"router_rm_sparse_{w}": acc["router_sparse"][w] for w in WEIGHTINGS},
+                **{f"router_rm_soft_{w}": acc["router_soft"][w] for w in WEIGHTINGS},
+                "no_norm_router_rm_sparse": acc["router_sparse_no_norm"][weighting],
+                "no_norm_router_rm_soft": acc["router_soft_no_norm"][weighting],
+                "no_norm_avg_rm": acc["avg_rm_no_norm"], "no_norm_random_rm": acc["random_rm_no_norm"],
+                **{f"own_share_{w}": acc["own_share"][w] for w in WEIGHTINGS}}
+
+    per_client = {n: pick(test[n]) for n in names}
+    keys = list(per_client[names[0]])
+    return {"seed": split.seed, "weighting": weighting, "val_router_sparse": val_router, "val_own_share": val_share,
+            "best_single": names[best], "val_single": dict(zip(names, val_single)),
+            "id": {k: float(np.mean([per_client[n][k] for n in names])) for k in keys},
+            "per_client": per_client, "heldout": pick(held) if held is not None else None,
+            "choice_share": {n: test[n]["choice_share"] for n in names} | ({"heldout": held["choice_share"]} if held else {}),
+            "n_pairs": {n: {"train": len(c.train), "val": len(c.val), "test": len(c.test)} for n, c in zip(names, split.clients)}
+            | ({"heldout": len(split.heldout)} if split.heldout is not None else {}),
+            "router_bytes_per_round": models.router_bytes_per_round}
+
+
+def summarise(seeds: list[dict]) -> dict:
+    """Mean/std over seeds: ``methods.<m>.{id_acc_mean, id_acc_std, heldout_acc_mean, heldout_acc_std}``
+    for every key of a seed's ``id`` block (the table's methods, single RMs, weightings, ablation)."""
+    keys = list(seeds[0]["id"])
+    out = {}
+    for k in keys:
+        ids = np.array([s["id"][k] for s in seeds])
+        entry = {"id_acc_mean": float(ids.mean()), "id_acc_std": float(ids.std(ddof=1)) if len(ids) > 1 else 0.0,
+                 "id_acc_per_seed": ids.tolist()}
+        if seeds[0]["heldout"] is not None:
+            h = np.array([s["heldout"][k] for s in seeds])
+            entry |= {"heldout_acc_mean": float(h.mean()), "heldout_acc_std": float(h.std(ddof=1)) if len(h) > 1 else 0.0,
+                      "heldout_acc_per_seed": h.tolist()}
+        names = list(seeds[0]["per_client"])
+        entry["per_client_mean"] = {n: float(np.mean([s["per_client"][n][k] for s in seeds])) for n in names}
+        out[k] = entry
+    return out
+
+
+def run_evaluation(trainer: MoRTrainer, progress=None) -> dict:
+    """All seeds: prepare, train, evaluate; returns the results.json payload (without file I/O)."""
+    t0 = time.perf_counter()
+    seeds = []
+    for seed in range(trainer.args.seeds):
+        split = trainer.prepare(seed)
+        models = trainer.train(split)
+        seeds.append(evaluate_seed(trainer, split, models))
+        if progress is not None:
+            progress(seed, seeds[-1])
+    methods = summarise(seeds)
+    return {"methods": {m: methods[m] for m in METHODS},
+            "single_rms": {k: v for k, v in methods.items() if k.startswith("single_")},
+            "router_weighting": {k: v for k, v in methods.items() if k.startswith(("router_rm_sparse_", "router_rm_soft_", "own_share_"))},
+            "ablation_no_norm": {k: v for k, v in methods.items() if k.startswith("no_norm_")},
+            "weighting_chosen_on_validation": [s["weighting"] for s in seeds],
+            "best_single_chosen_on_validation": [s["best_single"] for s in seeds],
+            "seeds": seeds, "seconds": time.perf_counter() - t0}

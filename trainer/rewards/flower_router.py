@@ -1,0 +1,105 @@
+"""The MoR router's FedAvg on Flower (message API, ``flwr >= 1.21``): :class:`RouterFedAvg` and
+:func:`make_router_client_app`. The maths is not repeated: nodes run
+:func:`trainer.rewards.client_router.local_router_update`, the strategy aggregates with the pure
+:func:`trainer.rewards.client_router.aggregate_routers`.
+
+One round ``r``: server -> node, ``arrays`` = the global router parameters (names of
+:meth:`ClientRouter.state_dict`, float32) and ``config["server-round"] = r``; node -> server, its
+updated parameters as ``arrays`` and ``metrics["num-examples"]`` = its number of local pairs. Only
+router parameters travel; preference pairs and reward models stay on the node.
+
+With the same :class:`RouterConfig` (and dropout 0, whose masks come from torch's global generator)
+a Flower run with full participation gives the parameters of
+:class:`trainer.rewards.client_router.FederatedRouterTrainer`: each node shuffles with
+:func:`local_rng` ``(seed, r, k)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+
+from sdk.errors import InvalidInputError
+from trainer.rewards.client_router import (
+    ClientRouter,
+    ClientRouterData,
+    RouterConfig,
+    aggregate_routers,
+    local_rng,
+    local_router_update,
+)
+
+ARRAYS_KEY = "arrays"
+NUM_EXAMPLES = "num-examples"
+
+
+def _record(params: Mapping[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in params.items()})
+
+
+def arrays_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """name -> ndarray of an ArrayRecord."""
+    return {k: v.numpy() for k, v in record.items()}
+
+
+class RouterFedAvg(FedAvg):
+    """Flower FedAvg whose aggregation is :func:`aggregate_routers` with ``weighting`` (``"samples"``
+    or ``"equal"``). ``last_updates_`` holds the (parameters, n) of the last aggregated round."""
+
+    def __init__(self, weighting: str = "equal", **kwargs) -> None:
+        if weighting not in ("samples", "equal"):
+            raise InvalidInputError(f"weighting must be 'samples' or 'equal', got {weighting!r}")
+        super().__init__(**kwargs)
+        self.weighting = weighting
+        self.last_updates_: list[tuple[dict[str, np.ndarray], float]] = []
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        valid, _ = self._check_and_log_replies(replies, is_train=True)
+        if not valid:
+            return None, None
+        valid = sorted(valid, key=lambda m: int(m.metadata.src_node_id))
+        updates = [(arrays_to_numpy(m.content[ARRAYS_KEY]), float(m.content["metrics"][NUM_EXAMPLES])) for m in valid]
+        self.last_updates_ = updates
+        agg = aggregate_routers(updates, self.weighting)
+        n = sum(u[1] for u in updates)
+        return _record(agg), MetricRecord({NUM_EXAMPLES: n})
+
+
+def make_router_server_app(strategy: RouterFedAvg, initial: ClientRouter, num_rounds: int, result: dict) -> ServerApp:
+    """A ServerApp running ``strategy`` for ``num_rounds`` from ``initial``'s parameters; the final
+    parameters are stored in ``result["parameters"]`` (name -> ndarray)."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        arrays = _record(initial.get_parameters())
+        out = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=num_rounds)
+        result["parameters"] = arrays_to_numpy(out.arrays)
+
+    return app
+
+
+def make_router_client_app(clients: Mapping[int, ClientRouterData], config: RouterConfig, d_in: int, n_clients: int) -> ClientApp:
+    """A ClientApp: partition ``p`` (``context.node_config["partition-id"]``) trains on ``clients[p]``."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        pid = int(context.node_config["partition-id"])
+        if pid not in clients:
+            raise InvalidInputError(f"no router data for partition {pid}; known {sorted(clients)}")
+        data = clients[pid]
+        router = ClientRouter(d_in, n_clients, config.hidden, config.dropout)
+        router.set_parameters(arrays_to_numpy(msg.content[ARRAYS_KEY]))
+        r = int(msg.content["config"]["server-round"])
+        params, n = local_router_update(router, data, config, local_rng(config.seed, r, data.client_index))
+        content = RecordDict({ARRAYS_KEY: _record(params),
+                              "metrics": MetricRecord({NUM_EXAMPLES: n})})
+        return Message(content, reply_to=msg)
+
+    return app

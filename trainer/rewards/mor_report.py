@@ -1,0 +1,138 @@
+"""Writing MoR results: ``results.json``, ``results.md`` and PNG figures (atomic writes of
+:mod:`trainer.report`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from trainer.report import save_figure, write_json, write_text
+
+LABELS = {"router_rm_sparse": "router + RM (sparse)", "router_rm_soft": "router + RM (soft)", "avg_rm": "AvgRM",
+          "random_rm": "random RM", "fedavg_rm": "FedAvg RM", "best_single_rm": "best single RM",
+          "oracle_client": "oracle client", "length_only": "length only"}
+
+
+def _row(name: str, m: dict) -> str:
+    held = f"{m['heldout_acc_mean']:.3f} ± {m['heldout_acc_std']:.3f}" if "heldout_acc_mean" in m else "n/a"
+    return f"| {name} | {m['id_acc_mean']:.3f} ± {m['id_acc_std']:.3f} | {held} |"
+
+
+def eval_markdown(res: dict) -> str:
+    """The Table 4 analogue, then single RMs, router weightings and the no-normalisation ablation."""
+    n = len(res["seeds"])
+    lines = [f"Pairwise ranking accuracy, mean ± std over {n} seeds (ID = mean of the clients' test accuracies).", "",
+             "| method | ID accuracy | held-out category |", "|---|---|---|"]
+    lines += [_row(LABELS.get(k, k), m) for k, m in res["methods"].items()]
+    lines += ["", "Single client reward models and router weightings:", "",
+              "| scorer | ID accuracy | held-out category |", "|---|---|---|"]
+    lines += [_row(k, m) for k, m in {**res["single_rms"], **res["router_weighting"]}.items()]
+    lines += ["", "Without normalisation (raw client rewards):", "", "| method | ID accuracy | held-out category |", "|---|---|---|"]
+    lines += [_row(k, m) for k, m in res["ablation_no_norm"].items()]
+    clients = list(res["seeds"][0]["per_client"])
+    lines += ["", "Per client (test accuracy, mean over seeds):", "",
+              "| method | " + " | ".join(clients) + " |", "|---|" + "---|" * len(clients)]
+    for k, m in {**res["methods"], **res["single_rms"]}.items():
+        lines.append(f"| {LABELS.get(k, k)} | " + " | ".join(f"{m['per_client_mean'][c]:.3f}" for c in clients) + " |")
+    lines += ["", f"Weighting chosen on validation per seed: {res['weighting_chosen_on_validation']}; "
+              f"best single RM chosen on validation: {res['best_single_chosen_on_validation']}.",
+              f"Wall time: {res['seconds']:.0f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def eval_figure(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = res["methods"]
+    keys = list(methods)
+    x = np.arange(len(keys))
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax[0].bar(x - 0.2, [methods[k]["id_acc_mean"] for k in keys], 0.4, yerr=[methods[k]["id_acc_std"] for k in keys],
+              label="in-distribution (mean of clients)", capsize=3)
+    if "heldout_acc_mean" in methods[keys[0]]:
+        ax[0].bar(x + 0.2, [methods[k]["heldout_acc_mean"] for k in keys], 0.4,
+                  yerr=[methods[k]["heldout_acc_std"] for k in keys], label="held-out category", capsize=3)
+    ax[0].set_xticks(x, [LABELS.get(k, k) for k in keys], rotation=35, ha="right")
+    ax[0].set_ylim(0.3, 1.0)
+    ax[0].axhline(0.5, color="grey", lw=0.8, ls=":")
+    ax[0].set_ylabel("pairwise ranking accuracy")
+    ax[0].legend(fontsize=8)
+    ax[0].set_title(f"MoR on 3 clients ({len(res['seeds'])} seeds)")
+    clients = list(res["seeds"][0]["per_client"])
+    share = {w: [np.mean([s["per_client"][c][f"own_share_{w}"] for s in res["seeds"]]) for c in clients]
+             for w in ("samples", "equal")}
+    xc = np.arange(len(clients))
+    ax[1].bar(xc - 0.2, share["samples"], 0.4, label="FedAvg weighted by samples")
+    ax[1].bar(xc + 0.2, share["equal"], 0.4, label="equal weights")
+    ax[1].set_xticks(xc, clients)
+    ax[1].set_ylim(0, 1.05)
+    ax[1].set_ylabel("share of test responses routed to own client")
+    ax[1].legend(fontsize=8)
+    ax[1].set_title("router aggregation")
+    save_figure(fig, path, dpi=120)
+
+
+def write_eval(res: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", res)
+    write_text(out / "results.md", eval_markdown(res))
+    eval_figure(res, out / "results.png")
+
+
+def audit_markdown(res: dict) -> str:
+    lines = [f"Membership inference on reward margins (members : non-members = 1 : 1, mean over {res['seeds']} seeds; "
+             f"clip = {res['clip']}).", "",
+             "| setting | client | scores | AUC | TPR@1% | TPR@5% | TPR@10% | test accuracy |", "|---|---|---|---|---|---|---|---|"]
+    for s, cl in res["per_client"].items():
+        for c, e in cl.items():
+            for v in ("raw", "normalised", "normalised_clipped"):
+                a = e[v]
+                lines.append(f"| {s} | {c} | {v} | {a['auc']:.3f} | {a['tpr_at_1pct_fpr']:.3f} | {a['tpr_at_5pct_fpr']:.3f} | "
+                             f"{a['tpr_at_10pct_fpr']:.3f} | {e['test_acc']:.3f} |")
+    lines += ["", "Pooled over clients (the server sees every client's answers):", "",
+              "| setting | scores | AUC | TPR@1% | TPR@5% | TPR@10% |", "|---|---|---|---|---|---|"]
+    for s, d in res["pooled"].items():
+        for v, a in d.items():
+            lines.append(f"| {s} | {v} | {a['auc']:.3f} | {a['tpr_at_1pct_fpr']:.3f} | {a['tpr_at_5pct_fpr']:.3f} | {a['tpr_at_10pct_fpr']:.3f} |")
+    c = res["communication"]
+    lines += ["", "Communication per round:", "", "| item | bytes |", "|---|---|",
+              f"| router updates (K clients, download + upload, {c['router_parameters']} float32 parameters) | {c['router_update_bytes']:,} |",
+              f"| reward queries ({c['queries_per_round']} sparse queries: prompt + response text) | {c['reward_query_bytes']:,} |",
+              f"| reward answers (4 bytes each) | {c['reward_answer_bytes']:,} |",
+              f"| for comparison: FedAvg of reward MLPs ({c['reward_mlp_parameters']} parameters) | {c['fedavg_of_reward_mlps_bytes']:,} |"]
+    return "\n".join(lines) + "\n"
+
+
+def audit_figure(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clients = list(res["per_client"]["naive"])
+    x = np.arange(len(clients))
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    for i, s in enumerate(res["per_client"]):
+        ax[0].bar(x + (i - 0.5) * 0.4, [res["per_client"][s][c]["normalised"]["auc"] for c in clients], 0.4, label=s)
+        ax[1].bar(x + (i - 0.5) * 0.4, [res["per_client"][s][c]["test_acc"] for c in clients], 0.4, label=s)
+    ax[0].axhline(0.6, color="red", ls="--", lw=0.8, label="target 0.60")
+    ax[0].axhline(0.5, color="grey", ls=":", lw=0.8)
+    ax[0].set_ylabel("membership-inference AUC")
+    ax[1].set_ylabel("test pairwise accuracy")
+    for a in ax:
+        a.set_xticks(x, clients)
+        a.legend(fontsize=8)
+    ax[0].set_ylim(0.4, 1.0)
+    ax[1].set_ylim(0.4, 1.0)
+    save_figure(fig, path, dpi=120)
+
+
+def write_audit(res: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "audit.json", res)
+    write_text(out / "audit.md", audit_markdown(res))
+    audit_figure(res, out / "audit.png")

@@ -1,0 +1,332 @@
+"""``MoRConfig`` + ``MoRTrainer``: the MoR pipeline on the shared preference data (paper 001, Fig. 2 A-B).
+
+Clients with different criteria (one domain each, :mod:`trainer.data.preferences`):
+
+================ ============= ==================================================== =============
+client           domain        criterion                                            default arch
+================ ============= ==================================================== =============
+helpfulness      alpacaeval    GPT-4 judge of AlpacaEval (model vs model)           mlp
+harmlessness     hh_harmless   HH-RLHF harmless chosen vs rejected                  lora
+correctness      routerbench   a correct vs an incorrect answer to one prompt       mlp
+================ ============= ==================================================== =============
+
+One AlpacaEval source subset (``heldout_subset``, default ``koala``) is removed from the helpfulness
+client: no reward model and no router ever sees it; it is the cross-category test.
+
+Data flow of one seed (:meth:`MoRTrainer.prepare` then :meth:`MoRTrainer.train`):
+
+1. A fixed pool per client (data seed ``pool_seed``): prompts shuffled, at most ``pairs_per_prompt``
+   pairs per prompt, at most ``pool_pairs`` pairs (``heldout_pairs`` for the held-out subset). The
+   pool is the same for every seed, so its texts are embedded once (the SQLite cache).
+2. Each client's pool is split by prompt into train / validation / test (``split_fractions``,
+   :func:`trainer.data.preferences.split_by_prompt`, the seed).
+3. Each client trains its reward model on its train pairs (:class:`RewardModelTrainer`; early stopping
+   on a split of its own train prompts) and fits its normaliser on them.
+4. The router is trained federatedly on the clients' train pairs, once per aggregation weighting
+   (``"samples"`` and ``"equal"``, :class:`FederatedRouterTrainer`).
+5. Baselines: one MLP reward model trained by FedAvg over all clients' train pairs
+   (:func:`train_fedavg_reward_model`) and the length-only logistic baseline
+   (:class:`trainer.length_baseline.LengthBaseline`, one model per domain).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from sdk.errors import InvalidInputError
+from trainer.data.preferences import DOMAINS, load_preference_pairs, split_by_prompt
+from trainer.embeddings import EmbedderConfig
+from trainer.routers.fedavg import fedavg
+from trainer.rewards.client_router import (
+    WEIGHTINGS,
+    ClientRouter,
+    ClientRouterData,
+    FederatedRouterTrainer,
+    RouterConfig,
+)
+from trainer.rewards.mixture import RoutedReward, save_mixture
+from trainer.rewards.pair_features import PairEncoder
+from trainer.rewards.reward_models import (
+    ClientRewardModel,
+    MLPRewardModel,
+    PreferencePairs,
+    RewardModelConfig,
+    RewardModelTrainer,
+    ScoreNormaliser,
+    bradley_terry_loss,
+)
+
+
+@dataclass
+class MoRConfig:
+    """Settings of the MoR pipeline (module docstring).
+
+    data_dir : the shared data folder (``../shared/data``).
+    client_names, client_domains, client_archs : one entry per client (equal lengths, >= 2 clients,
+        distinct domains of :data:`trainer.data.preferences.DOMAINS`, archs ``mlp`` | ``lora``).
+    heldout_subset : AlpacaEval subset no client sees (None: no held-out category).
+    pool_pairs, heldout_pairs, pairs_per_prompt, pool_seed : the fixed data pool (step 1);
+        ``pool_pairs`` gives one size per client (unequal by default, as the sources are: HH-RLHF
+        harmless holds a quarter of the others' pairs, which is what makes sample-weighted FedAvg
+        lean away from it).
+    max_eval_pairs : cap on each client's validation and test pairs (CPU cost of the LoRA client).
+    split_fractions : (train, val, test) shares of each client's prompts.
+    lora_train_pairs : cap on the LoRA client's training pairs (CPU cost; None = all).
+    mlp_rm, lora_rm : :class:`RewardModelConfig` of each architecture (``arch`` is set per client).
+    router : :class:`RouterConfig`; its ``weighting`` is the default of :meth:`MoRTrainer.mixture`.
+    fedavg_rm_rounds : rounds of the FedAvg reward-model baseline (1 local epoch each).
+    embedder : EmbedderConfig of the frozen pair encoder (128 tokens: half the CPU time of 256).
+    length_features : append the response length to the pair features.
+    clip : clip normalised client scores to [-clip, clip] (None: no clipping).
+    mode : ``"sparse"`` or ``"soft"``, the routed reward saved by :meth:`MoRTrainer.save`.
+    seeds : seeds 0..seeds-1 of the evaluation.
+    cache_dir : embedding cache folder (None: ``$FEDROUTE_CACHE`` or ``~/.cache/fedroute``).
+    """
+
+    data_dir: str = "../shared/data"
+    client_names: tuple = ("helpfulness", "harmlessness", "correctness")
+    client_domains: tuple = ("alpacaeval", "hh_harmless", "routerbench")
+    client_archs: tuple = ("mlp", "lora", "mlp")
+    heldout_subset: str | None = "koala"
+    pool_pairs: tuple = (900, 300, 900)
+    heldout_pairs: int = 250
+    pairs_per_prompt: int = 2
+    pool_seed: int = 0
+    split_fractions: tuple = (0.6, 0.2, 0.2)
+    max_eval_pairs: int = 150
+    lora_train_pairs: int | None = 150
+    mlp_rm: RewardModelConfig = field(default_factory=lambda: RewardModelConfig(arch="mlp"))
+    lora_rm: RewardModelConfig = field(default_factory=lambda: RewardModelConfig(
+        arch="lora", epochs=2, batch_size=16, lr=5e-4, weight_decay=0.0, max_tokens=64, patience=1))
+    router: RouterConfig = field(default_factory=RouterConfig)
+    fedavg_rm_rounds: int = 30
+    embedder: EmbedderConfig = field(default_factory=lambda: EmbedderConfig(max_tokens=128))
+    length_features: bool = True
+    clip: float | None = None
+    mode: str = "sparse"
+    seeds: int = 3
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.client_names)
+        if n < 2 or len(self.client_domains) != n or len(self.client_archs) != n:
+            raise InvalidInputError(f"need >= 2 clients with one name, domain and arch each, got names={self.client_names}, "
+                                    f"domains={self.client_domains}, archs={self.client_archs}")
+        if len(set(self.client_domains)) != n or not set(self.client_domains) <= set(DOMAINS):
+            raise InvalidInputError(f"client_domains must be distinct values of {DOMAINS}, got {self.client_domains}")
+        bad = [a for a in self.client_archs if a not in ("mlp", "lora")]
+        if bad:
+            raise InvalidInputError(f"client_archs must be 'mlp' or 'lora', got {bad}")
+        if self.heldout_subset is not None and "alpacaeval" not in self.client_domains:
+            raise InvalidInputError(f"heldout_subset={self.heldout_subset!r} is an AlpacaEval subset but no client holds alpacaeval")
+        if self.mode not in ("sparse", "soft"):
+            raise InvalidInputError(f"mode must be 'sparse' or 'soft', got {self.mode!r}")
+        if len(self.pool_pairs) != n or min(self.pool_pairs) < 10:
+            raise InvalidInputError(f"pool_pairs must give >= 10 pairs for each of the {n} clients, got {self.pool_pairs}")
+        for name in ("heldout_pairs", "pairs_per_prompt", "seeds", "fedavg_rm_rounds", "max_eval_pairs"):
+            if int(getattr(self, name)) < 1:
+                raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def quick(cls, **overrides) -> MoRConfig:
+        """The ``--quick`` preset: smaller pools, every client an MLP (a LoRA encoder step costs ~1 s
+        per pair on a loaded 2-core CPU), fewer rounds; still 3 seeds."""
+        base = dict(pool_pairs=(300, 100, 300), heldout_pairs=120, max_eval_pairs=60, client_archs=("mlp", "mlp", "mlp"), fedavg_rm_rounds=15)
+        return cls(**(base | overrides))
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(asdict(self), default=str))
+
+
+@dataclass
+class ClientSplit:
+    """One client's pairs of one seed: frames (pairs schema) and PreferencePairs of each part."""
+
+    name: str
+    domain: str
+    train: pd.DataFrame
+    val: pd.DataFrame
+    test: pd.DataFrame
+
+    def pairs(self, part: str) -> PreferencePairs:
+        return PreferencePairs.from_frame(getattr(self, part))
+
+
+@dataclass
+class MoRSplit:
+    seed: int
+    clients: list[ClientSplit]
+    heldout: pd.DataFrame | None
+
+
+@dataclass
+class MoRModels:
+    """What one seed trains: client reward models (client order), routers per weighting, baselines."""
+
+    reward_models: list[ClientRewardModel]
+    routers: dict[str, ClientRouter]
+    fedavg_rm: MLPRewardModel
+    length_baseline: object
+    router_bytes_per_round: int = 0
+    history: dict = field(default_factory=dict)
+
+
+def train_fedavg_reward_model(features: list[tuple[np.ndarray, np.ndarray]], config: RewardModelConfig, encoder: PairEncoder,
+                              rounds: int, seed: int) -> MLPRewardModel:
+    """The FedAvg baseline: one MLP reward model whose parameters are averaged (sample-weighted,
+    :func:`trainer.routers.fedavg.fedavg`) over all clients after one local Bradley-Terry epoch each.
+
+    features : per client (chosen, rejected) pair features, each (n_k, d_in) float32.
+    Returns an MLPRewardModel whose normaliser is fitted on the pooled training scores.
+    """
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    d_in = features[0][0].shape[1]
+    model = MLPRewardModel(encoder, d_in, config.hidden, config.dropout)
+    params = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    for _ in range(rounds):
+        updates = []
+        for fc, fr in features:
+            model.module.load_state_dict(params)
+            opt = torch.optim.AdamW(model.module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+            model.module.train()
+            tc, tr = torch.from_numpy(fc), torch.from_numpy(fr)
+            order = rng.permutation(len(fc))
+            for s in range(0, len(fc), config.batch_size):
+                idx = order[s : s + config.batch_size]
+                loss = bradley_terry_loss(model.module(tc[idx]), model.module(tr[idx]))
+                opt.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(model.module.parameters(), 1.0)
+                opt.step()
+            updates.append(({k: v.detach().numpy() for k, v in model.module.state_dict().items()}, len(fc)))
+        params = {k: torch.from_numpy(v.astype(np.float32)) for k, v in fedavg(updates).items()}
+    model.module.load_state_dict(params)
+    model.module.eval()
+    raw = np.concatenate([model.raw_scores_from_features(np.concatenate([fc, fr])) for fc, fr in features])
+    model.normaliser_ = ScoreNormaliser.fit(raw, config.eps, config.clip)
+    return model
+
+
+class MoRTrainer:
+    """Runs the MoR pipeline of :class:`MoRConfig` (module docstring).
+
+    ``prepare(seed) -> MoRSplit``, ``train(split) -> MoRModels``, ``mixture(models, ...) -> RoutedReward``,
+    ``save(models, directory)``. ``pool_`` holds the fixed pairs pool (a pairs frame with a ``client``
+    column; held-out rows have client ``"heldout"``).
+    """
+
+    def __init__(self, args: MoRConfig | None = None, show_progress: bool = True) -> None:
+        self.args = args or MoRConfig()
+        self.show_progress = show_progress
+        a = self.args
+        self.encoder = PairEncoder(a.embedder, Path(a.cache_dir) if a.cache_dir else None, show_progress,
+                                   length_features=a.length_features)
+        self.pool_: pd.DataFrame | None = None
+
+    # ------------------------------------------------------------------ data
+
+    def load_pool(self) -> pd.DataFrame:
+        """The fixed pairs pool (step 1); cached on the trainer."""
+        if self.pool_ is not None:
+            return self.pool_
+        a = self.args
+        df = load_preference_pairs(a.data_dir, a.client_domains, seed=a.pool_seed)
+        rng = np.random.default_rng(a.pool_seed)
+        parts = []
+        for name, domain, size in zip(a.client_names, a.client_domains, a.pool_pairs):
+            d = df[df["domain"] == domain]
+            if domain == "alpacaeval" and a.heldout_subset is not None:
+                if a.heldout_subset not in set(d["subset"]):
+                    raise InvalidInputError(f"heldout_subset {a.heldout_subset!r} is not an AlpacaEval subset: "
+                                            f"{sorted(set(d['subset']))}")
+                parts.append(self._sample(d[d["subset"] == a.heldout_subset], a.heldout_pairs, rng).assign(client="heldout"))
+                d = d[d["subset"] != a.heldout_subset]
+            parts.append(self._sample(d, size, rng).assign(client=name))
+        self.pool_ = pd.concat(parts, ignore_index=True)
+        return self.pool_
+
+    def _sample(self, d: pd.DataFrame, n: int, rng: np.random.Generator) -> pd.DataFrame:
+        ids = np.array(sorted(d["prompt_id"].unique()))
+        ids = ids[rng.permutation(len(ids))]
+        groups = {k: g for k, g in d.groupby("prompt_id")}
+        rows, total = [], 0
+        for pid in ids:
+            g = groups[pid]
+            g = g.iloc[rng.permutation(len(g))[: self.args.pairs_per_prompt]]
+            rows.append(g)
+            total += len(g)
+            if total >= n:
+                break
+        return pd.concat(rows).iloc[:n].reset_index(drop=True)
+
+    def prepare(self, seed: int) -> MoRSplit:
+        """Split each client's pool by prompt for ``seed`` (step 2)."""
+        pool = self.load_pool()
+        clients = []
+        for name, domain in zip(self.args.client_names, self.args.client_domains):
+            tr, va, te = split_by_prompt(pool[pool["client"] == name], self.args.split_fractions, seed)
+            cap = self.args.max_eval_pairs
+            clients.append(ClientSplit(name, domain, tr, va.iloc[:cap].reset_index(drop=True), te.iloc[:cap].reset_index(drop=True)))
+        held = pool[pool["client"] == "heldout"].reset_index(drop=True)
+        return MoRSplit(seed, clients, held if len(held) else None)
+
+    # ------------------------------------------------------------------ training
+
+    def features(self, pairs: PreferencePairs) -> tuple[np.ndarray, np.ndarray]:
+        """(chosen, rejected) pair features, each (n, d_in) float32."""
+        return (self.encoder.encode(pairs.prompts, pairs.chosen), self.encoder.encode(pairs.prompts, pairs.rejected))
+
+    def train_reward_model(self, client: ClientSplit, arch: str, seed: int, config: RewardModelConfig | None = None) -> tuple[ClientRewardModel, list]:
+        a = self.args
+        base = config or (a.mlp_rm if arch == "mlp" else a.lora_rm)
+        cfg = replace(base, arch=arch, seed=seed, clip=a.clip if config is None else base.clip)
+        pairs = client.pairs("train")
+        if arch == "lora" and a.lora_train_pairs is not None and pairs.n_pairs > a.lora_train_pairs:
+            pairs = pairs.subset(np.sort(np.random.default_rng(seed).permutation(pairs.n_pairs)[: a.lora_train_pairs]))
+        trainer = RewardModelTrainer(cfg, self.encoder, self.show_progress)
+        return trainer.train(pairs), trainer.history_
+
+    def train(self, split: MoRSplit) -> MoRModels:
+        """Steps 3-5 for one seed."""
+        from trainer.length_baseline import LengthBaseline
+
+        a, seed = self.args, split.seed
+        rms, history = [], {}
+        for c, arch in zip(tqdm(split.clients, desc=f"seed {seed}: client reward models", disable=not self.show_progress),
+                           a.client_archs):
+            rm, hist = self.train_reward_model(c, arch, seed)
+            rms.append(rm)
+            history[c.name] = hist
+        feats = [self.features(c.pairs("train")) for c in split.clients]
+        data = [ClientRouterData(fc, fr, k) for k, (fc, fr) in enumerate(feats)]
+        routers, nbytes = {}, 0
+        for w in WEIGHTINGS:
+            rt = FederatedRouterTrainer(replace(a.router, weighting=w, seed=seed), self.show_progress)
+            routers[w] = rt.train(data, list(a.client_names))
+            nbytes = rt.bytes_per_round_
+        fed = train_fedavg_reward_model(feats, replace(a.mlp_rm, seed=seed, clip=a.clip), self.encoder, a.fedavg_rm_rounds, seed)
+        length = LengthBaseline(per_domain=True).fit(pd.concat([c.train for c in split.clients], ignore_index=True))
+        return MoRModels(rms, routers, fed, length, nbytes, history)
+
+    def mixture(self, models: MoRModels, mode: str | None = None, weighting: str | None = None,
+                normalise: bool = True) -> RoutedReward:
+        """The routed reward over the clients' reward models (default mode and weighting of the config)."""
+        return RoutedReward(models.routers[weighting or self.args.router.weighting], models.reward_models, self.encoder,
+                            mode or self.args.mode, normalise)
+
+    def save(self, models: MoRModels, directory: Path, weighting: str | None = None) -> Path:
+        """:func:`trainer.rewards.mixture.save_mixture` of :meth:`mixture`, plus ``mor_config.json``."""
+        out = save_mixture(self.mixture(models, weighting=weighting), Path(directory))
+        tmp = out / "mor_config.json.tmp"
+        tmp.write_text(json.dumps(self.args.to_json(), indent=2))
+        tmp.replace(out / "mor_config.json")
+        return out

@@ -1,0 +1,551 @@
+"""Client reward models of MoR (paper 001, Sec. "Reward Model Initialization"): Bradley-Terry training,
+local z-normalisation and optional clipping.
+
+Two architectures, so that clients may differ (the paper's "structurally heterogeneous reward models"):
+
+``mlp``  :class:`MLPRewardModel`, an MLP on the frozen pair features ``[e(x), e(y)]`` of
+         :class:`trainer.rewards.pair_features.PairEncoder` (``Linear(2 d, hidden) - GELU - Dropout -
+         Linear(hidden, 1)``).
+``lora`` :class:`LoRARewardModel`, the MiniLM encoder itself, fine-tuned with LoRA adapters (peft,
+         rank ``lora_r`` on the attention query/value projections) on the tokenised pair
+         ``(prompt, response)``, mean-pooled, then a linear head.
+
+Both are trained with the Bradley-Terry loss ``L = -mean log sigmoid(R(x, y+) - R(x, y-))``
+(paper 001, Eq. for ``L_RM``; :func:`bradley_terry_loss`) by :class:`RewardModelTrainer`, optionally
+with early stopping on a validation split of the client's own pairs (split by prompt). After training
+each client computes ``mu_k, sigma_k`` of its raw scores over its own training responses and answers
+queries with ``(R - mu_k) / (sigma_k + eps)`` (paper 001, Eq. for ``R_bar_k``), clipped to
+``[-clip, clip]`` when ``clip`` is set (:meth:`ClientRewardModel.score`).
+
+Saved layout (:meth:`ClientRewardModel.save` / :func:`load_reward_model`), one folder per client::
+
+    reward_model.json    {"format_version": 1, "arch": "mlp"|"lora", "mean": float, "std": float,
+                          "eps": float, "clip": float|null, + architecture fields (below)}
+    mlp:  weights.safetensors   keys "net.0.weight" (hidden, d_in), "net.0.bias", "net.3.weight"
+                                (1, hidden), "net.3.bias"; json: d_in (2 d_emb + 3 with length
+                                features), hidden, dropout, embedder (EmbedderConfig fields),
+                                length_features (bool): the input is PairEncoder(...).encode(x, y)
+    lora: adapter/              peft ``save_pretrained`` of the LoRA adapter over ``base_model``
+          head.safetensors      "weight" (1, d_model), "bias" (1,); json: base_model, max_tokens,
+                                truncation_side, lora_r, lora_alpha
+
+All scores are float32 arrays of shape (n,); a raw score has no unit (a Bradley-Terry logit), a
+normalised one is in client standard deviations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from sdk.errors import InvalidInputError, ShapeError
+from trainer.embeddings import EmbedderConfig, resolve_model_path
+from trainer.rewards.pair_features import PairEncoder
+
+ARCHS = ("mlp", "lora")
+FORMAT_VERSION = 1
+
+
+# --------------------------------------------------------------------------- data and loss
+
+
+@dataclass(frozen=True)
+class PreferencePairs:
+    """Preference tuples ``(x, y+, y-)`` of one client.
+
+    prompts, chosen, rejected : tuples of n str (``chosen[i]`` preferred over ``rejected[i]``).
+    prompt_ids : tuple of n hashable ids (pairs sharing a prompt share an id; splits are by prompt).
+    """
+
+    prompts: tuple
+    chosen: tuple
+    rejected: tuple
+    prompt_ids: tuple
+
+    def __post_init__(self) -> None:
+        n = len(self.prompts)
+        for name in ("chosen", "rejected", "prompt_ids"):
+            if len(getattr(self, name)) != n:
+                raise InvalidInputError(f"PreferencePairs: {n} prompts but {len(getattr(self, name))} {name}")
+
+    @property
+    def n_pairs(self) -> int:
+        return len(self.prompts)
+
+    def subset(self, index: Sequence[int] | np.ndarray) -> PreferencePairs:
+        idx = [int(i) for i in np.asarray(index).ravel()]
+        return PreferencePairs(*(tuple(getattr(self, f)[i] for i in idx) for f in ("prompts", "chosen", "rejected", "prompt_ids")))
+
+    def split_by_prompt(self, fraction: float, rng: np.random.Generator) -> tuple[PreferencePairs, PreferencePairs]:
+        """(rest, part): ``part`` holds the pairs of a random ``fraction`` of the distinct prompts."""
+        if not 0.0 < fraction < 1.0:
+            raise InvalidInputError(f"fraction must be in (0, 1), got {fraction}")
+        ids = np.array(sorted(set(self.prompt_ids), key=str), dtype=object)
+        if len(ids) < 2:
+            raise InvalidInputError(f"split_by_prompt needs >= 2 distinct prompts, got {len(ids)}")
+        n_part = min(max(1, int(round(fraction * len(ids)))), len(ids) - 1)
+        part_ids = set(rng.permutation(ids)[:n_part].tolist())
+        mask = np.array([p in part_ids for p in self.prompt_ids])
+        return self.subset(np.flatnonzero(~mask)), self.subset(np.flatnonzero(mask))
+
+    @classmethod
+    def from_frame(cls, frame) -> PreferencePairs:
+        """From a pairs DataFrame (``trainer.data.preferences`` schema: ``prompt_id, prompt,
+        response_a, response_b, label`` with label 1 = a preferred, 0 = b preferred).
+
+        Raises InvalidInputError: a column is missing or a label is not 0/1.
+        """
+        missing = {"prompt_id", "prompt", "response_a", "response_b", "label"} - set(frame.columns)
+        if missing:
+            raise InvalidInputError(f"pairs frame lacks columns {sorted(missing)}")
+        label = frame["label"].to_numpy()
+        if not np.isin(label, (0, 1)).all():
+            raise InvalidInputError(f"label must be 0 or 1, got {sorted(set(label.tolist()) - {0, 1})[:5]}")
+        a, b = frame["response_a"].tolist(), frame["response_b"].tolist()
+        chosen = tuple(x if lab == 1 else y for x, y, lab in zip(a, b, label))
+        rejected = tuple(y if lab == 1 else x for x, y, lab in zip(a, b, label))
+        return cls(tuple(frame["prompt"].tolist()), chosen, rejected, tuple(frame["prompt_id"].tolist()))
+
+
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
+    """Bradley-Terry negative log-likelihood ``-mean log sigmoid(r+ - r-)`` (paper 001, ``L_RM``).
+
+    r_chosen, r_rejected : tensors of shape (n,), the raw rewards of the preferred and the rejected
+    responses. Returns a scalar tensor (nats per pair).
+    """
+    return -nn.functional.logsigmoid(r_chosen - r_rejected).mean()
+
+
+def pairwise_accuracy(score_chosen: np.ndarray, score_rejected: np.ndarray) -> float:
+    """Share of pairs with ``score(x, y_w) > score(x, y_l)``, a tie counting 0.5 (METRICS.md), via the
+    project's one metric function :func:`trainer.preference_metrics.pairwise_accuracy`.
+
+    score_chosen, score_rejected : arrays of shape (n,). Raises ShapeError on n = 0, a shape mismatch or NaN.
+    """
+    from trainer.preference_metrics import pairwise_accuracy as metric
+
+    sc, sr = np.asarray(score_chosen, dtype=np.float64), np.asarray(score_rejected, dtype=np.float64)
+    if sc.shape != sr.shape:
+        raise ShapeError(f"chosen scores {sc.shape} and rejected scores {sr.shape} differ in shape")
+    return metric(0.5 + 0.5 * np.sign(sc - sr), np.ones(sc.shape, dtype=np.int64))
+
+
+# --------------------------------------------------------------------------- normalisation
+
+
+@dataclass(frozen=True)
+class ScoreNormaliser:
+    """Local z-normalisation ``(r - mean) / (std + eps)``, then optional clipping to ``[-clip, clip]``.
+
+    mean, std : statistics of the client's raw scores over its own training responses.
+    """
+
+    mean: float
+    std: float
+    eps: float = 1e-6
+    clip: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.mean) and math.isfinite(self.std) and self.std >= 0):
+            raise InvalidInputError(f"normaliser needs finite mean and std >= 0, got mean={self.mean}, std={self.std}")
+        if self.clip is not None and not self.clip > 0:
+            raise InvalidInputError(f"clip must be > 0 or None, got {self.clip}")
+
+    @classmethod
+    def fit(cls, raw: np.ndarray, eps: float = 1e-6, clip: float | None = None) -> ScoreNormaliser:
+        """Statistics of ``raw`` (shape (n,), n >= 2): population std (ddof = 0)."""
+        raw = np.asarray(raw, dtype=np.float64)
+        if raw.ndim != 1 or raw.size < 2:
+            raise InvalidInputError(f"normaliser needs >= 2 raw scores, got shape {raw.shape}")
+        return cls(float(raw.mean()), float(raw.std()), eps, clip)
+
+    def __call__(self, raw: np.ndarray, normalise: bool = True) -> np.ndarray:
+        """(n,) float32: z-scores (or raw scores when ``normalise`` is False), clipped when ``clip`` is set."""
+        out = np.asarray(raw, dtype=np.float64)
+        if normalise:
+            out = (out - self.mean) / (self.std + self.eps)
+        if self.clip is not None:
+            out = np.clip(out, -self.clip, self.clip)
+        return out.astype(np.float32)
+
+
+# --------------------------------------------------------------------------- models
+
+
+class ClientRewardModel(ABC):
+    """A client's reward model ``R_k(x, y)``; ``normaliser_`` is set by the trainer.
+
+    :meth:`score` is what the client answers to a query; :meth:`raw_scores` is ``R_k`` itself.
+    """
+
+    arch: str = ""
+    normaliser_: ScoreNormaliser | None = None
+
+    @abstractmethod
+    def raw_scores(self, prompts: Sequence[str], responses: Sequence[str]) -> np.ndarray:
+        """ndarray of shape (n,), float32: the raw Bradley-Terry rewards."""
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str], normalise: bool = True) -> np.ndarray:
+        """ndarray (n,) float32: ``(R - mu_k) / (sigma_k + eps)`` (raw R when ``normalise`` is False),
+        clipped if the normaliser has a clip. Raises InvalidInputError before :meth:`fit_normaliser`."""
+        if self.normaliser_ is None:
+            raise InvalidInputError("the reward model has no normaliser yet: call fit_normaliser on its training pairs")
+        return self.normaliser_(self.raw_scores(prompts, responses), normalise)
+
+    def fit_normaliser(self, pairs: PreferencePairs, eps: float = 1e-6, clip: float | None = None) -> ScoreNormaliser:
+        """Set ``normaliser_`` from the raw scores of all 2 n training responses (y+ and y-)."""
+        raw = self.raw_scores(list(pairs.prompts) * 2, list(pairs.chosen) + list(pairs.rejected))
+        self.normaliser_ = ScoreNormaliser.fit(raw, eps, clip)
+        return self.normaliser_
+
+    def _meta(self) -> dict:
+        n = self.normaliser_
+        if n is None:
+            raise InvalidInputError("cannot save a reward model without a normaliser")
+        return {"format_version": FORMAT_VERSION, "arch": self.arch, "mean": n.mean, "std": n.std,
+                "eps": n.eps, "clip": n.clip}
+
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Write the module docstring's layout into ``directory`` (created)."""
+
+    @abstractmethod
+    def n_parameters(self) -> int:
+        """Trainable parameters (what FedAvg of reward models would have to ship)."""
+
+
+class _MLP(nn.Module):
+    def __init__(self, d_in: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).squeeze(-1)
+
+
+class MLPRewardModel(ClientRewardModel):
+    """MLP on frozen pair features. ``encoder`` embeds (prompt, response) pairs; ``module`` maps
+    (n, 2 d_emb) float32 features to (n,) raw rewards."""
+
+    arch = "mlp"
+
+    def __init__(self, encoder: PairEncoder, d_in: int, hidden: int = 256, dropout: float = 0.1) -> None:
+        self.encoder = encoder
+        self.d_in, self.hidden, self.dropout = int(d_in), int(hidden), float(dropout)
+        self.module = _MLP(self.d_in, self.hidden, self.dropout)
+        self.normaliser_ = None
+
+    def raw_scores_from_features(self, features: np.ndarray) -> np.ndarray:
+        """features : (n, d_in) float32 -> raw rewards (n,) float32. Raises ShapeError-like InvalidInputError on d_in."""
+        features = np.asarray(features, dtype=np.float32)
+        if features.ndim != 2 or features.shape[1] != self.d_in:
+            raise InvalidInputError(f"features must have shape (n, {self.d_in}), got {features.shape}")
+        self.module.eval()
+        with torch.no_grad():
+            return self.module(torch.from_numpy(features)).numpy().astype(np.float32)
+
+    def raw_scores(self, prompts, responses) -> np.ndarray:
+        return self.raw_scores_from_features(self.encoder.encode(prompts, responses))
+
+    def n_parameters(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+    def save(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
+        _atomic(directory / "weights.safetensors", lambda p: save_file(state, str(p)))
+        meta = self._meta() | {"d_in": self.d_in, "hidden": self.hidden, "dropout": self.dropout,
+                               "embedder": asdict(self.encoder.embedder),
+                               "length_features": self.encoder.length_features}
+        _atomic_text(directory / "reward_model.json", json.dumps(meta, indent=2))
+
+    @classmethod
+    def load(cls, directory: Path, cache_dir: Path | None = None) -> MLPRewardModel:
+        from safetensors.torch import load_file
+
+        meta = _read_meta(directory, "mlp")
+        encoder = PairEncoder(EmbedderConfig(**meta["embedder"]), cache_dir, length_features=meta["length_features"])
+        model = cls(encoder, meta["d_in"], meta["hidden"], meta["dropout"])
+        model.module.load_state_dict(load_file(str(Path(directory) / "weights.safetensors")))
+        model.normaliser_ = ScoreNormaliser(meta["mean"], meta["std"], meta["eps"], meta["clip"])
+        return model
+
+
+class _LoRAScorer(nn.Module):
+    def __init__(self, encoder: nn.Module, d_model: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.head = nn.Linear(d_model, 1)
+
+    def forward(self, input_ids, attention_mask, **extra) -> torch.Tensor:
+        out = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(out.dtype)
+        pooled = (out * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        return self.head(pooled).squeeze(-1)
+
+
+class LoRARewardModel(ClientRewardModel):
+    """A sentence encoder (default all-MiniLM-L6-v2) with LoRA adapters (peft) and a linear head,
+    reading the tokenised pair ``(prompt, response)`` (``max_tokens`` in all, truncated on the left)."""
+
+    arch = "lora"
+
+    def __init__(self, base_model: str = "all-MiniLM-L6-v2", max_tokens: int = 128, lora_r: int = 8,
+                 lora_alpha: int = 16, lora_dropout: float = 0.05, batch_size: int = 32, adapter_dir: Path | None = None) -> None:
+        from peft import LoraConfig, PeftModel, get_peft_model
+        from transformers import AutoModel, AutoTokenizer
+
+        self.base_model, self.max_tokens = base_model, int(max_tokens)
+        self.lora_r, self.lora_alpha, self.lora_dropout = int(lora_r), int(lora_alpha), float(lora_dropout)
+        self.batch_size = int(batch_size)
+        path = resolve_model_path(base_model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer.truncation_side = "left"
+        base = AutoModel.from_pretrained(path)
+        if adapter_dir is None:
+            cfg = LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                             target_modules=["query", "value"], bias="none")
+            encoder = get_peft_model(base, cfg)
+        else:
+            encoder = PeftModel.from_pretrained(base, str(adapter_dir))
+        self.module = _LoRAScorer(encoder, base.config.hidden_size)
+        self.normaliser_ = None
+
+    def tokenize(self, prompts: Sequence[str], responses: Sequence[str]) -> dict:
+        if len(prompts) != len(responses):
+            raise InvalidInputError(f"{len(prompts)} prompts but {len(responses)} responses")
+        return self.tokenizer(list(prompts), [r if r.strip() else "(empty)" for r in responses], truncation=True,
+                              max_length=self.max_tokens, padding=True, return_tensors="pt")
+
+    def forward_texts(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+        """(n,) tensor of raw rewards with gradients (training mode is the caller's)."""
+        return self.module(**self.tokenize(prompts, responses))
+
+    def raw_scores(self, prompts, responses) -> np.ndarray:
+        if len(prompts) == 0:
+            raise InvalidInputError("raw_scores needs at least one pair, got 0")
+        self.module.eval()
+        out = []
+        with torch.no_grad():
+            for s in range(0, len(prompts), self.batch_size):
+                out.append(self.forward_texts(prompts[s : s + self.batch_size], responses[s : s + self.batch_size]).numpy())
+        return np.concatenate(out).astype(np.float32)
+
+    def n_parameters(self) -> int:
+        return sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+
+    def save(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.module.encoder.save_pretrained(str(directory / "adapter"))
+        head = {k: v.detach().contiguous() for k, v in self.module.head.state_dict().items()}
+        _atomic(directory / "head.safetensors", lambda p: save_file(head, str(p)))
+        meta = self._meta() | {"base_model": self.base_model, "max_tokens": self.max_tokens, "truncation_side": "left",
+                               "lora_r": self.lora_r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout}
+        _atomic_text(directory / "reward_model.json", json.dumps(meta, indent=2))
+
+    @classmethod
+    def load(cls, directory: Path, cache_dir: Path | None = None) -> LoRARewardModel:
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        meta = _read_meta(directory, "lora")
+        model = cls(meta["base_model"], meta["max_tokens"], meta["lora_r"], meta["lora_alpha"], meta["lora_dropout"],
+                    adapter_dir=directory / "adapter")
+        model.module.head.load_state_dict(load_file(str(directory / "head.safetensors")))
+        model.normaliser_ = ScoreNormaliser(meta["mean"], meta["std"], meta["eps"], meta["clip"])
+        return model
+
+
+def load_reward_model(directory: Path, cache_dir: Path | None = None) -> ClientRewardModel:
+    """Load a saved client reward model of either architecture.
+
+    Raises InvalidInputError: no ``reward_model.json``, an unknown arch (lists the valid ones) or format version.
+    """
+    arch = _read_meta(directory, None)["arch"]
+    return {"mlp": MLPRewardModel, "lora": LoRARewardModel}[arch].load(Path(directory), cache_dir)
+
+
+def _read_meta(directory: Path, arch: str | None) -> dict:
+    path = Path(directory) / "reward_model.json"
+    if not path.is_file():
+        raise InvalidInputError(f"no reward_model.json in {str(directory)!r}")
+    meta = json.loads(path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise InvalidInputError(f"{path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+    if meta.get("arch") not in ARCHS or (arch is not None and meta["arch"] != arch):
+        raise InvalidInputError(f"{path}: arch {meta.get('arch')!r}, expected one of {list(ARCHS) if arch is None else [arch]}")
+    return meta
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    tmp.replace(path)
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    _atomic(path, lambda p: p.write_text(text))
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass
+class RewardModelConfig:
+    """How a client trains its reward model.
+
+    arch : ``"mlp"`` or ``"lora"`` (module docstring).
+    epochs : maximum passes over the training pairs.
+    batch_size : pairs per step.
+    lr, weight_decay : AdamW (torch) settings; weight decay is the L2 defence of the privacy audit.
+    dropout : MLP dropout (``mlp`` only).
+    hidden : MLP width (``mlp`` only).
+    early_stopping : hold out ``val_fraction`` of the client's prompts, keep the epoch with the lowest
+        validation BT loss, stop after ``patience`` epochs without improvement. False: train on all
+        pairs for ``epochs`` epochs (the naive setting of the audit).
+    clip : clip normalised scores to ``[-clip, clip]`` (None: no clipping).
+    base_model, max_tokens, lora_r, lora_alpha, lora_dropout : ``lora`` only.
+    seed : initialisation and shuffling seed.
+    """
+
+    arch: str = "mlp"
+    epochs: int = 40
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 1e-2
+    dropout: float = 0.1
+    hidden: int = 256
+    early_stopping: bool = True
+    val_fraction: float = 0.15
+    patience: int = 4
+    clip: float | None = None
+    eps: float = 1e-6
+    base_model: str = "all-MiniLM-L6-v2"
+    max_tokens: int = 128
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise InvalidInputError(f"arch must be one of {list(ARCHS)}, got {self.arch!r}")
+        for name in ("epochs", "batch_size", "hidden", "patience", "max_tokens", "lora_r"):
+            if int(getattr(self, name)) < 1:
+                raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise InvalidInputError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.lr <= 0 or self.weight_decay < 0 or not 0.0 <= self.dropout < 1.0:
+            raise InvalidInputError(f"need lr > 0, weight_decay >= 0, 0 <= dropout < 1; got lr={self.lr}, "
+                                    f"weight_decay={self.weight_decay}, dropout={self.dropout}")
+        if self.clip is not None and self.clip <= 0:
+            raise InvalidInputError(f"clip must be > 0 or None, got {self.clip}")
+
+
+@dataclass
+class RewardModelTrainer:
+    """Trains one client's reward model with the Bradley-Terry loss, then fits its normaliser.
+
+    ``train(pairs) -> ClientRewardModel``; ``history_`` holds per-epoch train/validation losses.
+    """
+
+    args: RewardModelConfig = field(default_factory=RewardModelConfig)
+    encoder: PairEncoder = field(default_factory=PairEncoder)
+    show_progress: bool = False
+
+    def train(self, pairs: PreferencePairs) -> ClientRewardModel:
+        """Raises InvalidInputError: fewer than 4 pairs (or 2 prompts when early stopping)."""
+        a = self.args
+        if pairs.n_pairs < 4:
+            raise InvalidInputError(f"a reward model needs >= 4 training pairs, got {pairs.n_pairs}")
+        rng = np.random.default_rng(a.seed)
+        torch.manual_seed(a.seed)
+        fit, val = pairs.split_by_prompt(a.val_fraction, rng) if a.early_stopping else (pairs, None)
+        if a.arch == "mlp":
+            self._train_mlp(fit, val, rng)
+            model = self.model_
+        else:
+            model = LoRARewardModel(a.base_model, a.max_tokens, a.lora_r, a.lora_alpha, a.lora_dropout)
+            self._train_lora(model, fit, val, rng)
+        model.fit_normaliser(pairs, a.eps, a.clip)
+        return model
+
+    def _loop(self, module: nn.Module, n_fit: int, batch_loss, val_loss, rng: np.random.Generator) -> None:
+        a = self.args
+        opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=a.lr, weight_decay=a.weight_decay)
+        best, best_state, bad = math.inf, None, 0
+        self.history_: list[dict] = []
+        for epoch in tqdm(range(a.epochs), desc=f"reward model ({a.arch})", disable=not self.show_progress, leave=False):
+            module.train()
+            order, total = rng.permutation(n_fit), 0.0
+            for s in range(0, n_fit, a.batch_size):
+                loss = batch_loss(order[s : s + a.batch_size])
+                opt.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+                opt.step()
+                total += float(loss.detach()) * len(order[s : s + a.batch_size])
+            record = {"epoch": epoch, "train_loss": total / n_fit}
+            if val_loss is not None:
+                module.eval()
+                with torch.no_grad():
+                    v = float(val_loss())
+                record["val_loss"] = v
+                if v < best - 1e-4:
+                    best, bad = v, 0
+                    best_state = {k: t.detach().clone() for k, t in module.state_dict().items()}
+                else:
+                    bad += 1
+            self.history_.append(record)
+            if val_loss is not None and bad >= a.patience:
+                break
+        if best_state is not None:
+            module.load_state_dict(best_state)
+        module.eval()
+
+    def _train_mlp(self, fit: PreferencePairs, val: PreferencePairs | None, rng) -> None:
+        enc = self.encoder.encode
+        fc = torch.from_numpy(enc(fit.prompts, fit.chosen))
+        fr = torch.from_numpy(enc(fit.prompts, fit.rejected))
+        a = self.args
+        self.model_ = model = MLPRewardModel(self.encoder, fc.shape[1], a.hidden, a.dropout)
+        m = model.module
+
+        def batch_loss(idx):
+            return bradley_terry_loss(m(fc[idx]), m(fr[idx]))
+
+        val_loss = None
+        if val is not None:
+            vc, vr = torch.from_numpy(enc(val.prompts, val.chosen)), torch.from_numpy(enc(val.prompts, val.rejected))
+            val_loss = lambda: bradley_terry_loss(m(vc), m(vr))  # noqa: E731
+        self._loop(m, fit.n_pairs, batch_loss, val_loss, rng)
+
+    def _train_lora(self, model: LoRARewardModel, fit: PreferencePairs, val: PreferencePairs | None, rng) -> None:
+        def batch_loss(idx):
+            p = [fit.prompts[i] for i in idx]
+            rc = model.forward_texts(p, [fit.chosen[i] for i in idx])
+            rr = model.forward_texts(p, [fit.rejected[i] for i in idx])
+            return bradley_terry_loss(rc, rr)
+
+        val_loss = None
+        if val is not None:
+            def val_loss():
+                rc = model.raw_scores(list(val.prompts), list(val.chosen))
+                rr = model.raw_scores(list(val.prompts), list(val.rejected))
+                return bradley_terry_loss(torch.from_numpy(rc), torch.from_numpy(rr))
+        self._loop(model.module, fit.n_pairs, batch_loss, val_loss, rng)
