@@ -1,0 +1,208 @@
+"""How a preference pair ``(x, y_A, y_B)`` becomes model inputs: one definition for trainer and device.
+
+A binary selector (FedPrism expert, paper 000 Sec. 3) scores a prompt ``x`` and two candidate
+responses and returns the logit of ``P(y_A better than y_B)``. The trainer (``trainer.experts``)
+and the on-device ``sdk.Selector`` must build byte-identical inputs, so the encoding lives here,
+with numpy and ``tokenizers`` only (no torch, no transformers).
+
+Inputs of one pair
+------------------
+- Two **segments**, one per response: ``[prefix] prompt_tail [sep] response_head [sep] [pad...]``
+  as token ids of shape ``(seq_len,)`` int64 with an attention mask (1 = token, 0 = padding) and
+  token-type ids (0 for the prompt part, 1 for the response part). ``prompt_tail`` is the **last**
+  ``prompt_tokens`` tokens of the prompt (RouterBench prompts put the question after long few-shot
+  demonstrations; the same left truncation as :mod:`trainer.embeddings`), ``response_head`` the
+  **first** ``response_tokens`` tokens of the response. ``seq_len = prompt_tokens +
+  response_tokens + n_special`` is fixed by the config, so every segment has the same shape.
+  The swapped pair ``(x, y_B, y_A)`` reuses the same two segments in the other order.
+- **Length features** of shape ``(N_LENGTH_FEATURES,)`` float32 (:func:`length_features`):
+  differences of log lengths of the two *full* responses (characters, words, lines), measured before
+  truncation. They are antisymmetric: swapping A and B negates them. Response length carries most of
+  the learnable signal in the public preference data (longer wins on AlpacaEval, shorter on
+  HH-RLHF harmless), and the truncated segments cannot see it.
+
+Text is tokenised without the tokenizer's own special tokens (``add_special_tokens=False``); the
+special tokens come from :class:`PairEncodingConfig` by name and must exist in the vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from sdk.errors import InvalidInputError
+
+#: Number of length features per pair (see :func:`length_features`).
+N_LENGTH_FEATURES = 3
+#: Names of the length features, in order.
+LENGTH_FEATURE_NAMES = ("dlog_chars", "dlog_words", "dlog_lines")
+
+
+@dataclass(frozen=True)
+class PairEncodingConfig:
+    """Token budget and special tokens of a pair encoding.
+
+    prompt_tokens : int >= 1, tokens kept from the end of the prompt.
+    response_tokens : int >= 1, tokens kept from the start of each response.
+    prefix_token : str or None, token put first (BERT ``[CLS]``; None for causal LMs).
+    sep_token : str, token after the prompt and after the response (BERT ``[SEP]``, Qwen ``<|endoftext|>``).
+    pad_token : str, padding token (masked out).
+
+    The CPU default (all-MiniLM-L6-v2) reads ``[CLS] prompt[-32:] [SEP] response[:64] [SEP]``,
+    99 tokens per segment. The GPU preset (a Qwen2-0.5B-class causal LM) uses
+    :meth:`causal_lm_preset`: 128 + 256 tokens, no prefix, ``<|endoftext|>`` separators, and the
+    selector pools the last real token.
+    """
+
+    prompt_tokens: int = 32
+    response_tokens: int = 64
+    prefix_token: str | None = "[CLS]"
+    sep_token: str = "[SEP]"
+    pad_token: str = "[PAD]"
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "response_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InvalidInputError(f"{name} must be an int >= 1, got {v!r}")
+
+    @classmethod
+    def causal_lm_preset(cls) -> PairEncodingConfig:
+        """The GPU preset's encoding for a Qwen2-class causal LM (no prefix token)."""
+        return cls(prompt_tokens=128, response_tokens=256, prefix_token=None,
+                   sep_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per segment, padding included."""
+        return self.prompt_tokens + self.response_tokens + 2 + (self.prefix_token is not None)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _count_words(text: str) -> int:
+    return len(text.split())
+
+
+def _count_lines(text: str) -> int:
+    return text.count("\n") + 1 if text.strip() else 0
+
+
+def length_features(response_a: str, response_b: str) -> np.ndarray:
+    """Length features of a pair, antisymmetric in (A, B).
+
+    Parameters
+    ----------
+    response_a, response_b : str, the full responses (not truncated).
+
+    Returns
+    -------
+    ndarray of shape (3,), float32: ``log1p(n_a) - log1p(n_b)`` for n = characters, whitespace
+    words, lines (``\\n`` count + 1; 0 for an empty or whitespace-only text).
+
+    Raises
+    ------
+    InvalidInputError
+        A response is not a str.
+    """
+    for name, r in (("response_a", response_a), ("response_b", response_b)):
+        if not isinstance(r, str):
+            raise InvalidInputError(f"{name} must be a str, got {type(r).__name__}")
+    out = []
+    for count in (len, _count_words, _count_lines):
+        out.append(math.log1p(count(response_a)) - math.log1p(count(response_b)))
+    return np.asarray(out, dtype=np.float32)
+
+
+def length_features_many(responses_a: Sequence[str], responses_b: Sequence[str]) -> np.ndarray:
+    """:func:`length_features` of n pairs: ndarray of shape (n, 3), float32.
+
+    Raises
+    ------
+    InvalidInputError
+        The two sequences differ in length, or an item is not a str.
+    """
+    if len(responses_a) != len(responses_b):
+        raise InvalidInputError(f"{len(responses_a)} responses_a but {len(responses_b)} responses_b")
+    if len(responses_a) == 0:
+        return np.zeros((0, N_LENGTH_FEATURES), dtype=np.float32)
+    return np.stack([length_features(a, b) for a, b in zip(responses_a, responses_b)])
+
+
+class PairEncoder:
+    """Builds the segments of :mod:`sdk.pair_encoding` with a ``tokenizers.Tokenizer``.
+
+    Parameters
+    ----------
+    tokenizer : tokenizers.Tokenizer (e.g. ``Tokenizer.from_file("tokenizer.json")``). Its own
+        truncation, padding and post-processing are not used.
+    config : PairEncodingConfig
+
+    Raises
+    ------
+    InvalidInputError
+        A special token of ``config`` is not in the tokenizer's vocabulary.
+    """
+
+    def __init__(self, tokenizer, config: PairEncodingConfig | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.config = config or PairEncodingConfig()
+        ids = {}
+        for name in ("prefix_token", "sep_token", "pad_token"):
+            tok = getattr(self.config, name)
+            if tok is None:
+                continue
+            tid = tokenizer.token_to_id(tok)
+            if tid is None:
+                raise InvalidInputError(f"{name}={tok!r} is not in the tokenizer's vocabulary")
+            ids[name] = tid
+        self._prefix = ids.get("prefix_token")
+        self._sep = ids["sep_token"]
+        self._pad = ids["pad_token"]
+
+    def _ids(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_segments(self, prompts: Sequence[str], responses: Sequence[str]) -> dict[str, np.ndarray]:
+        """Segments ``[prefix] prompt_tail [sep] response_head [sep] [pad...]`` of n (prompt, response).
+
+        Parameters
+        ----------
+        prompts, responses : sequences of n str.
+
+        Returns
+        -------
+        dict with ``input_ids``, ``attention_mask``, ``token_type_ids``: ndarrays of shape
+        (n, config.seq_len), int64.
+
+        Raises
+        ------
+        InvalidInputError
+            Lengths differ or an item is not a str.
+        """
+        if len(prompts) != len(responses):
+            raise InvalidInputError(f"{len(prompts)} prompts but {len(responses)} responses")
+        for name, seq in (("prompts", prompts), ("responses", responses)):
+            for i, t in enumerate(seq):
+                if not isinstance(t, str):
+                    raise InvalidInputError(f"{name}[{i}] must be a str, got {type(t).__name__}")
+        c = self.config
+        n, L = len(prompts), c.seq_len
+        input_ids = np.full((n, L), self._pad, dtype=np.int64)
+        mask = np.zeros((n, L), dtype=np.int64)
+        types = np.zeros((n, L), dtype=np.int64)
+        p_ids, r_ids = self._ids(prompts), self._ids(responses)
+        for i in range(n):
+            head = [self._prefix] if self._prefix is not None else []
+            p = p_ids[i][-c.prompt_tokens:] if p_ids[i] else []
+            r = r_ids[i][: c.response_tokens]
+            first = head + p + [self._sep]
+            seq = first + r + [self._sep]
+            input_ids[i, : len(seq)] = seq
+            mask[i, : len(seq)] = 1
+            types[i, len(first) : len(seq)] = 1
+        return {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": types}
