@@ -149,6 +149,14 @@ class PairEncoder:
     """
 
     def __init__(self, tokenizer, config: PairEncodingConfig | None = None) -> None:
+        # A tokenizer.json may carry its own truncation and padding (all-MiniLM-L6-v2's: truncate to 128,
+        # pad to a fixed 128): with them the "last prompt_tokens tokens" would be padding for short prompts
+        # and the tail of the first 128 tokens for long ones. Work on a copy with both switched off.
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         self.tokenizer = tokenizer
         self.config = config or PairEncodingConfig()
         ids = {}
