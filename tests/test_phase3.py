@@ -35,7 +35,7 @@ def _pairs(n=4):
 def test_symmetric_proba_hand_computed():
     sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
     p = symmetric_proba(np.array([2.0, 0.0, -1.0]), np.array([-1.0, 0.0, 3.0]))
-    expected = [(sig(2) + 1 - sig(-1)) / 2, 0.5, (sig(-1) + 1 - sig(3)) / 2]
+    expected = [sig((2 + 1) / 2), 0.5, sig((-1 - 3) / 2)]
     np.testing.assert_allclose(p, expected, rtol=1e-12)
     # swapping the orders gives the complement
     np.testing.assert_allclose(symmetric_proba(np.array([-1.0]), np.array([2.0])), 1 - p[:1], rtol=1e-12)

@@ -69,7 +69,7 @@ def heldout_alpaca_pairs(test_pairs: pd.DataFrame) -> pd.DataFrame:
 
 def symmetric_proba(logit_ab: np.ndarray, logit_ba: np.ndarray) -> np.ndarray:
     """P(A better) from a binary selector's logits in both orders (paper 000 §3.3, Phase III):
-    ``(sigmoid(l_ab) + 1 - sigmoid(l_ba)) / 2``.
+    ``sigmoid((l_ab - l_ba) / 2)``, the same rule as ``PairSelector.pair_proba`` and ``sdk.Selector.prefer``.
 
     Parameters
     ----------
@@ -90,8 +90,7 @@ def symmetric_proba(logit_ab: np.ndarray, logit_ba: np.ndarray) -> np.ndarray:
         raise ShapeError(f"logit_ab {a.shape} and logit_ba {b.shape} must be equal 1-D shapes")
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         raise ShapeError("logits hold NaN or inf")
-    sig = lambda z: 0.5 * (1.0 + np.tanh(0.5 * z))  # noqa: E731  (overflow-free logistic)
-    return 0.5 * (sig(a) + 1.0 - sig(b))
+    return 0.5 * (1.0 + np.tanh(0.25 * (a - b)))  # sigmoid((a - b) / 2) without overflow
 
 
 def synthetic_preferences(pairs: pd.DataFrame, proba_a: np.ndarray, expert: np.ndarray | None = None) -> pd.DataFrame:
