@@ -363,8 +363,13 @@ class SegmentStore:
 
 def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a: Sequence[str],
                         responses_b: Sequence[str], labels: Sequence[int] | None = None,
-                        batch_size: int = 64, show_progress: bool = False) -> SegmentStore:
+                        batch_size: int = 64, show_progress: bool = False,
+                        cache_dir: Path | None = None) -> SegmentStore:
     """Encode pairs into a :class:`SegmentStore`; with ``cache_lower_layers`` run the frozen layers once.
+
+    With ``cache_dir`` the lower-layer states are also kept on disk (``segments-<sha256>.pt``, keyed by
+    the backbone, the pair encoding, the cached depth and every segment's text; atomic write), so a
+    rerun on the same pairs skips the frozen forward.
 
     Parameters
     ----------
@@ -386,7 +391,18 @@ def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a
     enc = model.pair_encoder.encode_segments([p for p, _ in seg_texts], [r for _, r in seg_texts])
     ids, mask, types = (torch.from_numpy(enc[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))
     lower = None
-    if model.config.cache_lower_layers:
+    disk = None
+    if model.config.cache_lower_layers and cache_dir is not None:
+        import hashlib
+
+        h = hashlib.sha256(json.dumps([model.config.backbone, model.config.encoding.to_dict(),
+                                       model.first_lora_layer]).encode())
+        for p, r in seg_texts:
+            h.update(p.encode() + b"\0" + r.encode() + b"\1")
+        disk = Path(cache_dir) / f"segments-{h.hexdigest()[:32]}.pt"
+        if disk.exists():
+            lower = torch.load(disk)
+    if model.config.cache_lower_layers and lower is None:
         chunks = []
         starts = range(0, len(seg_texts), batch_size)
         if show_progress:
@@ -396,6 +412,13 @@ def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a
         for s in starts:
             chunks.append(model.lower_hidden(ids[s:s + batch_size], mask[s:s + batch_size], types[s:s + batch_size]))
         lower = torch.cat(chunks) if chunks else torch.zeros((0, ids.shape[1], model.hidden_size))
+        if disk is not None:
+            import os
+
+            disk.parent.mkdir(parents=True, exist_ok=True)
+            tmp = disk.with_suffix(".tmp")
+            torch.save(lower, tmp)
+            os.replace(tmp, disk)
     feats = torch.from_numpy(length_features_many(list(responses_a), list(responses_b)))
     lab = torch.zeros(n) if labels is None else torch.as_tensor(np.asarray(labels, dtype=np.float32))
     return SegmentStore(ids, mask, types, lower, seg_a, seg_b, feats, lab)
