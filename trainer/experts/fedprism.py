@@ -300,61 +300,74 @@ class FedPrismTrainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def train(self) -> FedPrismTrainer:
-        """Run ``rounds`` rounds; fills ``experts_``, ``router_``, ``history_``."""
+    def setup(self) -> FedPrismTrainer:
+        """Initial experts (one seed each), the router (K-means initialised for ``routing='router'``),
+        and the client groups of ``'client_cluster'``; empties ``history_``."""
         a, d = self.args, self.data
         self.experts_ = self._init_experts()
         self.router_ = PromptRouter(d.prompt_emb.shape[1], a.n_experts, a.router_hidden, seed=a.seed)
         if a.routing == "router":
             kmeans_init(self.router_, d.public_emb, lr=a.init_lr, epochs=a.init_epochs, seed=a.seed)
-        groups = self._client_groups() if a.routing == "client_cluster" else None
-        router_bytes = state_bytes(self.router_.state()) if a.routing == "router" else 0
+        self._groups = self._client_groups() if a.routing == "client_cluster" else None
+        self._router_bytes = state_bytes(self.router_.state()) if a.routing == "router" else 0
         self.history_ = []
-        rounds = range(1, a.rounds + 1)
+        return self
+
+    def run_round(self, t: int) -> dict:
+        """Round ``t`` (1-based) of the module docstring; appends and returns its history entry."""
+        a, d = self.args, self.data
+        n_clients = len(d.clients)
+        chosen = np.sort(self.rng.choice(n_clients, size=min(a.clients_per_round, n_clients), replace=False))
+        updates, router_updates, downlink, retrieved = [], [], 0, {}
+        do_pgpd = a.pgpd_round(t)
+        for c in chosen:
+            own = d.clients[c]
+            pairs = self.rng.choice(own, size=min(a.local_pairs, len(own)), replace=False)
+            assign = self._route(pairs, None if self._groups is None else int(self._groups[c]))
+            experts = self.retrieve(int(c), assign)
+            needed = sorted(int(k) for k in np.unique(assign))
+            retrieved[int(c)] = needed
+            downlink += self._router_bytes + sum(state_bytes(e) for e in experts)
+            local = {}
+            for k, state in zip(needed, experts):
+                sub = pairs[assign == k]
+                local[k] = (self._train_expert(state, sub), float(len(sub)))
+            updates.append(local)
+            if do_pgpd:
+                ce = np.stack([self._per_sample(local[k][0], pairs, "ce") for k in needed], axis=1)
+                target = pgpd_pseudo_labels(ce, np.array(needed))
+                router = PromptRouter(d.prompt_emb.shape[1], a.n_experts, a.router_hidden)
+                router.load_state(self.router_.state())
+                fit_router(router, d.prompt_emb[pairs], target, lr=a.router_lr, epochs=a.router_epochs,
+                           seed=int(self.rng.integers(1 << 31)))
+                router_updates.append((router.state(), float(len(pairs))))
+        self.experts_ = aggregate_components(self.experts_, updates)
+        if router_updates:
+            self.router_.load_state({k: v.astype(np.float32) for k, v in fedavg(router_updates).items()})
+        entry = {"round": t, "clients": chosen.tolist(), "retrieved": retrieved, "downlink_bytes": downlink,
+                 "router_updated": bool(router_updates)}
+        if a.routing == "router":
+            share, _, _ = expert_utilisation(self._route(d.eval_pairs), a.n_experts)
+            entry["utilisation"] = share.tolist()
+        if t % a.eval_every == 0 or t == a.rounds:
+            ev = self.evaluate()
+            entry["accuracy"] = ev["accuracy"]
+            if ev["assignment"] is not None:
+                entry["utilisation"] = expert_utilisation(ev["assignment"], a.n_experts)[0].tolist()
+        self.history_.append(entry)
+        return entry
+
+    def train(self) -> FedPrismTrainer:
+        """:meth:`setup`, then ``rounds`` rounds; fills ``experts_``, ``router_``, ``history_``."""
+        self.setup()
+        rounds = range(1, self.args.rounds + 1)
         if self.progress:
             from tqdm.auto import tqdm
 
+            a = self.args
             rounds = tqdm(rounds, desc=f"{a.routing}{'+pgpd' if a.pgpd else ''} seed {a.seed}", unit="round")
-        n_clients = len(d.clients)
         for t in rounds:
-            chosen = np.sort(self.rng.choice(n_clients, size=min(a.clients_per_round, n_clients), replace=False))
-            updates, router_updates, downlink, retrieved = [], [], 0, {}
-            do_pgpd = a.pgpd_round(t)
-            for c in chosen:
-                own = d.clients[c]
-                pairs = self.rng.choice(own, size=min(a.local_pairs, len(own)), replace=False)
-                assign = self._route(pairs, None if groups is None else int(groups[c]))
-                self.retrieve(int(c), assign)
-                needed = sorted(int(k) for k in np.unique(assign))
-                retrieved[int(c)] = needed
-                downlink += router_bytes + sum(state_bytes(self.experts_[k]) for k in needed)
-                local = {}
-                for k in needed:
-                    sub = pairs[assign == k]
-                    local[k] = (self._train_expert(self.experts_[k], sub), float(len(sub)))
-                updates.append(local)
-                if do_pgpd:
-                    ce = np.stack([self._per_sample(local[k][0], pairs, "ce") for k in needed], axis=1)
-                    target = pgpd_pseudo_labels(ce, np.array(needed))
-                    router = PromptRouter(d.prompt_emb.shape[1], a.n_experts, a.router_hidden)
-                    router.load_state(self.router_.state())
-                    fit_router(router, d.prompt_emb[pairs], target, lr=a.router_lr, epochs=a.router_epochs,
-                               seed=int(self.rng.integers(1 << 31)))
-                    router_updates.append((router.state(), float(len(pairs))))
-            self.experts_ = aggregate_components(self.experts_, updates)
-            if router_updates:
-                self.router_.load_state({k: v.astype(np.float32) for k, v in fedavg(router_updates).items()})
-            entry = {"round": t, "clients": chosen.tolist(), "retrieved": retrieved, "downlink_bytes": downlink,
-                     "router_updated": bool(router_updates)}
-            if a.routing == "router":
-                share, _, _ = expert_utilisation(self._route(d.eval_pairs), a.n_experts)
-                entry["utilisation"] = share.tolist()
-            if t % a.eval_every == 0 or t == a.rounds:
-                ev = self.evaluate()
-                entry["accuracy"] = ev["accuracy"]
-                if ev["assignment"] is not None:
-                    entry["utilisation"] = expert_utilisation(ev["assignment"], a.n_experts)[0].tolist()
-            self.history_.append(entry)
+            self.run_round(t)
         return self
 
     # ------------------------------------------------------------------ saving
