@@ -212,6 +212,15 @@ def _register_server_commands() -> None:
 _register_server_commands()
 
 
+def _register_prism_commands() -> None:
+    from trainer.experts.cli import app as prism_app
+
+    app.add_typer(prism_app, name="prism")
+
+
+_register_prism_commands()
+
+
 def main() -> None:
     """Console-script entry point: errors of ours print one line and exit 2, not a traceback."""
     from sdk.console import run_app
