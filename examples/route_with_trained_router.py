@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from trainer.embeddings import EmbedderConfig, embed_texts
-from trainer.routers import load_router
+from trainer.kinds import load_router
 
 PROMPTS = [
     "Write a function to find the longest common prefix of a list of strings.",

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from export import parity
+from export import kinds as export_kinds
 from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle
 from export.embedder_onnx import ExportedEmbedder, export_embedder, quantize_embedder
 from export.errors import ExportError, ParityError
-from export.router_export import kmeans_to_npz, mean_costs, mlp_to_onnx
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
 
@@ -105,14 +104,15 @@ def assemble(router, exported: ExportedEmbedder, int8_model: Path | None, embedd
     if int8_model is not None:
         files[fmt.EMBEDDER_FILES["int8"]] = Path(int8_model).read_bytes()
         precisions["int8"] = fmt.EMBEDDER_FILES["int8"]
-    files[fmt.ROUTER_FILES[router.kind]] = mlp_to_onnx(router) if router.kind == "mlp" else kmeans_to_npz(router)
+    kind = export_kinds.get(router.kind)
+    files.update(kind.files(router))
     fields = {
         "bundle_version": int(bundle_version),
-        "router_kind": router.kind,
+        **kind.manifest_fields(router),
         "models": [
             {"id": m, "price_per_1k_input_usd": prices.get(m, (None, None))[0],
              "price_per_1k_output_usd": prices.get(m, (None, None))[1], "mean_cost_usd": c}
-            for m, c in zip(router.models, mean_costs(router))
+            for m, c in zip(router.models, kind.mean_costs(router))
         ],
         "embedder": {"name": embedder_name, "dim": exported.dim, "max_tokens": int(max_tokens),
                      "truncation_side": truncation_side, "pooling": "mean", "normalised": True,
@@ -160,7 +160,7 @@ def export_bundle(
         An exported part misses a parity threshold (:mod:`export.parity`); nothing is written.
     """
     from trainer.embeddings import EmbedderConfig, embed_texts, resolve_model_path
-    from trainer.routers import load_router
+    from trainer.kinds import load_router
 
     key = load_signing_key(signing_key)
     out = Path(out)
@@ -196,8 +196,8 @@ def export_bundle(
         write_bundle(staged, files, fields, key)
         progress("checking parity of the staged bundle against the trainer")
         reference = embed_texts(list(test.prompts), config, cache_dir, show_progress=False)
-        report = parity.check_bundle(staged, key.public_key(), router, reference, test, list(fields["embedder"]["files"]),
-                                     progress=progress)
+        report = export_kinds.get(router.kind).parity(staged, key.public_key(), router, reference, test,
+                                                      list(fields["embedder"]["files"]), progress=progress)
         if not report["passed"]:
             raise ParityError("parity check failed: " + "; ".join(report["failures"]), report)
         files[PARITY_FILE] = (json.dumps(report, indent=2, sort_keys=True) + "\n").encode()

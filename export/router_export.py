@@ -114,12 +114,3 @@ def kmeans_to_npz(router) -> bytes:
         embedder_dim=np.array(dim, dtype=np.int64),
     )
     return buf.getvalue()
-
-
-def mean_costs(router) -> list[float | None]:
-    """Per-model mean cost per query in the router's training logs (USD), None if never observed."""
-    if router.kind == "kmeans":
-        stats = router.statistics_
-        n, total = stats.count.sum(axis=0), stats.sum_cost.sum(axis=0)
-        return [float(t / c) if c > 0 else None for t, c in zip(total, n)]
-    return [float(s) if ok and np.isfinite(s) else None for s, ok in zip(router.cost_scale_, router.available_)]

@@ -25,13 +25,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from sdk import kinds
+from sdk.builtin_kinds import TOKENIZER_FILE
 from sdk.errors import BundleError
 
+#: Version 1 names each artefact's kind with a ``"<family>_kind"`` key (:mod:`sdk.kinds`); every
+#: bundle written before artefact families existed (``router_kind`` only) is already of this form.
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
-ROUTER_KINDS = ("mlp", "kmeans")
-ROUTER_FILES = {"mlp": "router.onnx", "kmeans": "kmeans.npz"}
-TOKENIZER_FILE = "tokenizer.json"
 EMBEDDER_FILES = {"fp32": "embedder.onnx", "int8": "embedder.int8.onnx"}
 #: Largest manifest and largest single file accepted (bytes); a bigger one is a corrupt bundle.
 MAX_MANIFEST_BYTES = 1 << 20
@@ -168,7 +169,9 @@ def _check_schema(manifest: dict) -> None:
          f"format_version {manifest.get('format_version')!r} is not supported (this SDK reads {FORMAT_VERSION})")
     need(isinstance(manifest.get("bundle_version"), int) and manifest["bundle_version"] >= 1,
          "bundle_version must be an integer >= 1")
-    need(manifest.get("router_kind") in ROUTER_KINDS, f"router_kind must be one of {ROUTER_KINDS}")
+    for family in kinds.families():
+        key = kinds.manifest_key(family)
+        need(key not in manifest or isinstance(manifest[key], str), f"{key} must be a string")
     models = manifest.get("models")
     need(isinstance(models, list) and len(models) >= 1 and all(isinstance(m, dict) for m in models),
          "models must be a non-empty list of objects")
@@ -197,9 +200,7 @@ def _check_schema(manifest: dict) -> None:
              f"sha256 of {name} is not 64 lower-case hex digits")
     for precision, name in emb["files"].items():
         need(name in files, f"embedder file {name!r} ({precision}) is not listed in files")
-    need(TOKENIZER_FILE in files, f"{TOKENIZER_FILE} is not listed in files")
-    need(ROUTER_FILES[manifest["router_kind"]] in files,
-         f"{ROUTER_FILES[manifest['router_kind']]} is not listed in files")
+    kinds.check_manifest_kinds(manifest)  # registered kinds, the files each needs, their own fields
 
 
 def verify_manifest(raw: bytes, public_key) -> dict:

@@ -21,9 +21,9 @@ from typing import Sequence
 import numpy as np
 
 from sdk import bundle_manifest as fmt
-from sdk.embedder import OnnxEmbedder, session_options
+from sdk import kinds
+from sdk.embedder import session_options
 from sdk.errors import BudgetError, BundleError, InvalidInputError, InvalidQueryError, ShapeError
-from sdk.scorers import KMeansScorer, MlpScorer
 from sdk.utility import _decide_unchecked, check_lambda
 
 #: Upper end of the lambda search in :meth:`Router.lam_for_budget`, USD^-1.
@@ -125,7 +125,7 @@ class Router:
     may run concurrently from several threads (no state changes after loading).
     """
 
-    def __init__(self, manifest: dict, embedder: OnnxEmbedder, scorer, precision: str) -> None:
+    def __init__(self, manifest: dict, embedder: kinds.Embedder, scorer: kinds.RouterScorer, precision: str) -> None:
         self._manifest = copy.deepcopy(manifest)
         self._embedder = embedder
         self._scorer = scorer
@@ -195,25 +195,18 @@ class Router:
             if want not in available:
                 raise BundleError(f"bundle has no {want} embedder (it has {sorted(available)})")
             chosen["precision"] = want
-            return (fmt.TOKENIZER_FILE, available[want], fmt.ROUTER_FILES[manifest["router_kind"]])
+            found = kinds.manifest_kinds(manifest)
+            if kinds.ROUTER_FAMILY not in found:
+                raise BundleError(f"bundle carries no router (it carries {found})")
+            return tuple(name for family in (kinds.EMBEDDER_FAMILY, kinds.ROUTER_FAMILY)
+                         for name in kinds.get(family, found[family]).files(manifest, want))
 
         verified = fmt.read_verified(bundle_dir, public_key, wanted=files_needed)
-        manifest = verified.manifest
-        precision = chosen["precision"]
-        router_file = fmt.ROUTER_FILES[manifest["router_kind"]]
-        emb_meta = manifest["embedder"]
-        try:
-            tokenizer_json = verified.files[fmt.TOKENIZER_FILE].decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise BundleError(f"tokenizer.json is not UTF-8 ({exc})") from exc
-        embedder = OnnxEmbedder(tokenizer_json, verified.files[emb_meta["files"][precision]], emb_meta["dim"],
-                                emb_meta["max_tokens"], emb_meta["truncation_side"], options,
-                                batched=precision == "fp32")
-        ids = [m["id"] for m in manifest["models"]]
-        if manifest["router_kind"] == "mlp":
-            scorer = MlpScorer(verified.files[router_file], ids, emb_meta, options)
-        else:
-            scorer = KMeansScorer(verified.files[router_file], ids, emb_meta)
+        manifest, precision = verified.manifest, chosen["precision"]
+        embedder = kinds.load_artefact(kinds.EMBEDDER_FAMILY, manifest, verified.files, options=options,
+                                       precision=precision)
+        scorer = kinds.load_artefact(kinds.ROUTER_FAMILY, manifest, verified.files, options=options,
+                                     precision=precision)
         return cls(manifest, embedder, scorer, precision)
 
     # -- prediction ---------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from sdk import bundle_install
+from sdk import bundle_install, kinds
 from sdk import bundle_manifest as fmt
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import (
@@ -55,13 +55,7 @@ from sdk.errors import (
     SyncRejectedError,
 )
 from sdk.eval_log import EvalLog, Evaluations
-from sdk.local_update import (
-    KMeansUpdate,
-    RoundSpec,
-    centroid_threshold,
-    hold_small_changes,
-    kmeans_update,
-)
+from sdk.device_rounds import DeviceRoundContext
 
 STATE_VERSION = 1
 #: Largest round description (``GET /v1/rounds/current``: the centroids) and MLP parameters read.
@@ -269,82 +263,28 @@ class SyncClient:
 
     def _prepare_upload(self, body: dict, state: dict) -> tuple[int, bytes | None, str, str | None, dict | None]:
         """(round id, upload body or None, its content type, why nothing is uploaded, the sent
-        record to keep in the state or None)."""
-        client_id = str(body.get("client_id", ""))
-        if body.get("kind") == "mlp":
-            return (*self._prepare_mlp(body, client_id), None)
-        spec = RoundSpec.from_json(body)
-        spec = dataclasses.replace(spec, min_count=max(spec.min_count, self.min_count_floor))
-        record = state.get("sent")
-        if (isinstance(record, dict) and record.get("centroids_hash") != spec.centroids_hash
-                and not self.allow_repartition):
-            return spec.round_id, None, "application/json", (
-                "round over other centroids than this device's last upload: uploads for two partitions can be "
-                "combined to recover single queries; skipped (allow_repartition=True sends it)"), None
-        update = kmeans_update(self.eval_log.rows(), spec)
-        update = hold_small_changes(update, self._sent_update(state, spec), spec.min_count)
-        if update.is_empty():
-            why = (f"nothing to report: no (cell, model) entry reaches min_count={spec.min_count} and no cell "
-                   f"holds {centroid_threshold(spec.min_count)} distinct queries (log size {update.log_size})")
-            return spec.round_id, None, "application/json", why, None
-        payload = json.dumps(update.to_payload(client_id, spec), allow_nan=False, separators=(",", ":")).encode()
-        return spec.round_id, payload, "application/json", None, _sent_record(update, spec)
-
-    def _sent_update(self, state: dict, spec: RoundSpec) -> KMeansUpdate | None:
-        """The update last sent for ``spec``'s centroids, its columns in ``spec.models`` order (a
-        model it did not have counts as never sent), or None if none was sent for them.
-
-        Raises SyncError if the record in the state is damaged (rather than dropping the guarantee)."""
-        record = state.get("sent")
-        if not isinstance(record, dict) or record.get("centroids_hash") != spec.centroids_hash:
-            return None
+        record to keep in the state or None), from the round kind's device handler (:mod:`sdk.kinds`)."""
+        family, name = body.get("family", kinds.ROUTER_FAMILY), body.get("kind")
+        if not isinstance(family, str) or not isinstance(name, str):
+            raise SyncError(f"malformed round description from the server: family {family!r}, kind {name!r}")
         try:
-            models = [str(m) for m in record["models"]]
-            n_cells = spec.centroids.shape[0]
-            stats = {k: np.asarray(record[k], dtype=np.float64).reshape(n_cells, len(models))
-                     for k in ("count", "sum_accuracy", "sum_cost")}
-            column = {m: j for j, m in enumerate(models)}
-            aligned = {k: np.zeros((n_cells, len(spec.models))) for k in stats}
-            for i, m in enumerate(spec.models):
-                if m in column:
-                    for k in stats:
-                        aligned[k][:, i] = stats[k][:, column[m]]
-            cells = np.asarray(record["centroid_cells"], dtype=np.int64).reshape(-1)
-            return KMeansUpdate(
-                CellStatistics(aligned["count"], aligned["sum_accuracy"], aligned["sum_cost"]), cells,
-                np.asarray(record["local_centroids"], dtype=np.float64).reshape(cells.size, spec.d_emb),
-                np.asarray(record["local_weights"], dtype=np.float64).reshape(cells.size),
-                int(record["log_size"]),
-                np.asarray(record["local_distinct"], dtype=np.int64).reshape(cells.size))
-        except (KeyError, TypeError, ValueError) as exc:  # ShapeError is a ValueError
-            raise SyncError(f"sync state {self.state_path}: the record of the last sent update is damaged "
-                            f"({exc!r}); delete the file to start over") from exc
-
-    def _prepare_mlp(self, body: dict, client_id: str) -> tuple[int, bytes | None, str, str | None]:
-        try:
-            round_id, url, digest = int(body["round_id"]), str(body["parameters_url"]), str(body["parameters_hash"])
-            min_count = body["min_count"]
-            if isinstance(min_count, bool) or not isinstance(min_count, int):
-                raise TypeError(f"min_count must be an integer, got {min_count!r}")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SyncError(f"malformed MLP round description from the server: {exc!r}") from exc
-        ctype = "application/x-safetensors"
-        if self.mlp_trainer is None:
-            why = "MLP round: this client cannot train (no mlp_trainer; `fedroute sync` with the trainer extra can)"
-            return round_id, None, ctype, why
-        if min_count < self.min_count_floor:
-            why = (f"MLP round: its min_count={min_count} is below this device's min_count_floor="
-                   f"{self.min_count_floor} (an update over so few samples would reveal too much)")
-            return round_id, None, ctype, why
-        if not url.startswith("/v1/rounds/"):
-            raise SyncError(f"MLP round: unexpected parameters URL {url!r}")
-        parameters = self._request("GET", url, ok=(200,), limit=MAX_ANSWER_BYTES).content
-        if hashlib.sha256(parameters).hexdigest() != digest:
-            raise SyncError(f"round {round_id}: parameters do not match their hash")
-        payload = self.mlp_trainer(self.eval_log.rows(), body, parameters, client_id)
-        if payload is None:
-            return round_id, None, ctype, f"MLP round: fewer than min_count={min_count} evaluations to train on"
-        return round_id, payload, ctype, None
+            handler = kinds.get(family, name).round_handler
+        except kinds.UnknownKindError as exc:
+            handler, why = None, f"this SDK cannot take part in the round: {exc}"
+        else:
+            why = f"{family} kind {name!r} has no device round handler"
+        if handler is None:
+            try:
+                return int(body["round_id"]), None, "", why, None
+            except (KeyError, TypeError, ValueError) as exc:
+                raise SyncError(f"malformed round description from the server: {exc!r}") from exc
+        context = DeviceRoundContext(
+            client_id=str(body.get("client_id", "")), rows=self.eval_log.rows, sent=state.get("sent"),
+            min_count_floor=self.min_count_floor, allow_repartition=self.allow_repartition,
+            fetch=lambda path, limit: self._request("GET", path, ok=(200,), limit=limit).content,
+            local_trainer=self.mlp_trainer, state_path=str(self.state_path))
+        prepared = handler.prepare(body, context)
+        return prepared.round_id, prepared.payload, prepared.content_type, prepared.skipped, prepared.sent
 
     # -- bundle -------------------------------------------------------------------------------
 
@@ -571,17 +511,6 @@ def _copy_verified(source: Path, target: Path, digest: str) -> bool:
         target.unlink(missing_ok=True)
         return False
     return True
-
-
-def _sent_record(update: KMeansUpdate, spec: RoundSpec) -> dict:
-    """The state's record of an update about to be sent (JSON; floats exact)."""
-    return {"centroids_hash": spec.centroids_hash, "models": list(spec.models), "min_count": spec.min_count,
-            "count": update.statistics.count.tolist(), "sum_accuracy": update.statistics.sum_accuracy.tolist(),
-            "sum_cost": update.statistics.sum_cost.tolist(), "centroid_cells": update.centroid_cells.tolist(),
-            "local_centroids": update.local_centroids.tolist(), "local_weights": update.local_weights.tolist(),
-            "local_distinct": np.asarray(update.local_distinct, dtype=np.int64).tolist()
-            if update.local_distinct is not None else update.local_weights.astype(np.int64).tolist(),
-            "log_size": int(update.log_size)}
 
 
 def _raise_if_certificate_error(exc: BaseException) -> None:

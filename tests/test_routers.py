@@ -129,7 +129,7 @@ def test_configs_validate_cross_field_values():
 
 
 def test_registry_loads_by_kind_and_lists_valid_kinds(tmp_path):
-    from trainer.routers import load_router, router_class
+    from trainer.kinds import load_router, router_class
 
     rng = np.random.default_rng(6)
     clients, x_test, _ = two_topic_clients(rng)

@@ -15,6 +15,7 @@ import numpy as np
 from trainer import metrics, report
 from trainer.data.routerbench import EvalTable
 from trainer.embeddings import EmbedderConfig, embed_texts
+from trainer.kinds import display_name
 from trainer.simulation import SimulationConfig, reference_reports, run_seed, summarise
 
 ABLATION_N = (5, 10, 20, 40)
@@ -142,7 +143,7 @@ def run_simulation(
         "random": references["random"].points,
     }
     for kind, by_setting in first.reports.items():
-        name = report.KIND_NAMES[kind]
+        name = display_name(kind)
         curves[f"{name} federated"] = by_setting["federated"][0].points
         curves[f"{name} centralised"] = by_setting["centralised"][0].points
         by_auc = sorted(by_setting["local"], key=lambda r: r.auc)
@@ -204,7 +205,7 @@ def ablation_markdown(payload: dict) -> str:
     lines = []
     for axis, rows in payload["ablations"].items():
         kinds = list(next(iter(rows.values())).keys())
-        header = " | ".join(f"{report.KIND_NAMES[k]} {s}" for k in kinds for s in ("federated", "local"))
+        header = " | ".join(f"{display_name(k)} {s}" for k in kinds for s in ("federated", "local"))
         lines += [f"\n### {axis}\n", f"| {axis} | {header} |", "|---" * (1 + 2 * len(kinds)) + "|"]
         for value, by_kind in rows.items():
             cells = " | ".join(
@@ -231,7 +232,7 @@ def plot_ablation(path: Path, payload: dict) -> None:
             for setting, style in (("federated", "-o"), ("local", "--s")):
                 ys = [rows[v][kind][setting]["auc_mean"] for v in rows]
                 es = [rows[v][kind][setting]["auc_std"] for v in rows]
-                ax.errorbar(xs, ys, yerr=es, fmt=style, capsize=3, label=f"{report.KIND_NAMES[kind]} {setting}")
+                ax.errorbar(xs, ys, yerr=es, fmt=style, capsize=3, label=f"{display_name(kind)} {setting}")
         ax.axhline(payload["references"]["zero"], color="gray", linestyle=":", label="zero router")
         ax.set_xscale("log")
         ax.set_xticks(xs, [f"{x:g}" for x in xs])

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from trainer import metrics
+from trainer.kinds import display_name
 
 ROW_NAMES = {"local": "local", "federated": "federated", "centralised": "centralised",
              "personalised": "federated + personalised"}
-KIND_NAMES = {"mlp": "MLP", "kmeans": "K-means"}
 
 
 def write_json(path: Path, payload: dict) -> None:
@@ -64,7 +64,7 @@ def markdown_table(summary: dict) -> str:
     for kind, settings in summary["routers"].items():
         for setting, m in settings.items():
             lines.append(
-                f"| {KIND_NAMES.get(kind, kind)} | {ROW_NAMES.get(setting, setting)} | "
+                f"| {display_name(kind)} | {ROW_NAMES.get(setting, setting)} | "
                 f"{m['auc_mean']:.4f} ± {m['auc_std']:.4f} | {m['gain']:+.3f} | "
                 f"{m['acc_at_best_cost']:.4f} | {_fmt_ratio(m['cost_at_best_acc'])} |"
             )
@@ -88,7 +88,7 @@ def markdown_table(summary: dict) -> str:
                 f"{by_setting[s]['auc_mean']:.4f} ± {by_setting[s]['auc_std']:.4f} (gain {by_setting[s]['gain_mean']:+.3f})"
                 for s in ("local", "federated", "personalised")
             ] + [f"{by_setting[s]['auc_mean']:.4f}" for s in ("zero", "oracle")]
-            lines.append(f"| {KIND_NAMES.get(kind, kind)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {display_name(kind)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

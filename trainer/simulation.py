@@ -21,12 +21,11 @@ from trainer import metrics
 from trainer.data.routerbench import EvalTable
 from trainer.federated.client_data import ClientData
 from trainer.federated.partition import dirichlet_partition, sparse_logging
-from trainer.routers import ROUTERS
+from trainer import kinds
 from trainer.routers.base import Router
-from trainer.routers.kmeans_router import KMeansRouterConfig, fit_federated_kmeans_router, fit_kmeans_router
-from trainer.routers.mlp_router import MLPRouterConfig, train_mlp_router
+from trainer.routers.kmeans_router import KMeansRouterConfig
+from trainer.routers.mlp_router import MLPRouterConfig
 
-ROUTER_KINDS = tuple(ROUTERS)
 SETTINGS = ("local", "federated", "centralised", "personalised")
 
 
@@ -43,18 +42,19 @@ class SimulationConfig:
     alpha: float = 0.6
     preference_concentration: float = 0.5
     participation: float = 0.6
-    routers: tuple[str, ...] = ROUTER_KINDS
+    routers: tuple[str, ...] = field(default_factory=kinds.in_order)
     mlp: MLPRouterConfig = field(default_factory=MLPRouterConfig)
     kmeans: KMeansRouterConfig = field(default_factory=KMeansRouterConfig)
 
     def __post_init__(self) -> None:
         from sdk.errors import InvalidInputError
 
-        unknown = set(self.routers) - set(ROUTER_KINDS)
+        valid = kinds.names()
+        unknown = set(self.routers) - set(valid)
         if not self.routers:
-            raise InvalidInputError(f"no router kind given; valid: {list(ROUTER_KINDS)}")
+            raise InvalidInputError(f"no router kind given; valid: {list(valid)}")
         if unknown:
-            raise InvalidInputError(f"unknown router kind(s) {sorted(unknown)}; valid: {list(ROUTER_KINDS)}")
+            raise InvalidInputError(f"unknown router kind(s) {sorted(unknown)}; valid: {list(valid)}")
         self.mlp.participation = self.participation
         self.kmeans.participation = self.participation
 
@@ -173,16 +173,6 @@ def run_seed(
         return metrics.evaluate_router(acc[rows], cost[rows], true_acc[rows], true_cost[rows])
 
     all_rows = np.arange(test.n_queries)
-    fitters: dict[str, tuple[Callable[[ClientData], Router], Callable[[], Router]]] = {
-        "kmeans": (
-            lambda c: fit_kmeans_router(c, models, config.kmeans, int(rng.integers(2**31))),
-            lambda: fit_federated_kmeans_router(clients, models, config.kmeans, rng),
-        ),
-        "mlp": (
-            lambda c: train_mlp_router([c], models, config.mlp, rng, federated=False),
-            lambda: train_mlp_router(clients, models, config.mlp, rng, federated=True, progress=show_rounds),
-        ),
-    }
     references = {
         "zero": [metrics.zero_router_report(true_acc[r], true_cost[r]) for r in client_sets],
         "oracle": [metrics.oracle_report(true_acc[r], true_cost[r]) for r in client_sets],
@@ -191,13 +181,13 @@ def run_seed(
     client_reports: dict[str, dict[str, list[metrics.CurveReport]]] = {}
     federated_routers: dict[str, Router] = {}
     for kind in config.routers:
-        fit_one, fit_federated = fitters[kind]
+        trainer_kind = kinds.get(kind)
         say(f"seed {seed}: {kind} local ({len(active)} clients)")
-        local_routers = [fit_one(c) for c in active]
+        local_routers = [trainer_kind.fit_local(c, models, config, rng) for c in active]
         say(f"seed {seed}: {kind} federated")
-        fed = fit_federated()
+        fed = trainer_kind.fit_federated(clients, models, config, rng, progress=show_rounds)
         say(f"seed {seed}: {kind} centralised")
-        central = fit_one(ClientData.pool(active))
+        central = trainer_kind.fit_local(ClientData.pool(active), models, config, rng)
         local_pred = [r.predict(test_embeddings) for r in local_routers]
         fed_pred = fed.predict(test_embeddings)
         pers_pred = [

@@ -14,12 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from export.bundle_writer import next_bundle_version, write_bundle
-from export.router_export import kmeans_to_npz, mean_costs, mlp_to_onnx
+from export import kinds as export_kinds
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
 from sdk.cell_statistics import CellStatistics
 from trainer.routers.kmeans_router import KMeansRouter
 
+KMEANS_FILE = "kmeans.npz"
 _WRITER_FIELDS = {"format_version", "created_utc", "files", "signature"}
 
 
@@ -83,10 +84,12 @@ def publish_router(bundle_dir: Path, signing_key: Path, router, provenance: dict
         return manifest
     router.embedder = {"name": manifest["embedder"]["name"], "dim": int(manifest["embedder"]["dim"])}
     files = {name: data for name, data in base.files.items() if name != PARITY_FILE}
-    files[fmt.ROUTER_FILES[router.kind]] = mlp_to_onnx(router) if router.kind == "mlp" else kmeans_to_npz(router)
+    kind = export_kinds.get(router.kind)
+    files.update(kind.files(router))
     fields = {k: v for k, v in manifest.items() if k not in _WRITER_FIELDS}
+    fields.update(kind.manifest_fields(router))
     fields["bundle_version"] = next_bundle_version(Path(bundle_dir))
-    fields["models"] = [{**m, "mean_cost_usd": cost} for m, cost in zip(manifest["models"], mean_costs(router))]
+    fields["models"] = [{**m, "mean_cost_usd": cost} for m, cost in zip(manifest["models"], kind.mean_costs(router))]
     fields["provenance"] = provenance
     return write_bundle(Path(bundle_dir), files, fields, key)
 
@@ -128,7 +131,7 @@ def publish_kmeans(
     total = float(statistics.count.sum())
     if total < min_total_count:
         raise PublishRefused(f"{total:.0f} evaluations, below min_total_count={min_total_count:g}")
-    with np.load(io.BytesIO(base.files[fmt.ROUTER_FILES["kmeans"]]), allow_pickle=False) as z:
+    with np.load(io.BytesIO(base.files[KMEANS_FILE]), allow_pickle=False) as z:
         had = z["count"].sum(axis=0) > 0
     lost = [m for m, h, n in zip(models, had, statistics.count.sum(axis=0)) if h and n == 0]
     if lost:

@@ -1,0 +1,188 @@
+"""Device round handlers: what a device sends for an open federated round, per router kind.
+
+:class:`sdk.SyncClient` reads the round description (``GET /v1/rounds/current``), finds the kind's
+handler in the registry (:mod:`sdk.kinds`, ``ArtefactKind.round_handler``) and asks it for the
+upload (:meth:`DeviceRoundHandler.prepare`); the client then sends it with its retries,
+idempotency key and state file. Handlers do no HTTP themselves except through ``context.fetch``.
+
+- :class:`KMeansRoundHandler` (paper 002, federated K-means): statistics per (cell, model) and
+  local centroids from the :class:`sdk.EvalLog` (:func:`sdk.local_update.kmeans_update`), with the
+  changes smaller than ``min_count`` since the last *sent* update held back
+  (:func:`sdk.local_update.hold_small_changes`).
+- :class:`MlpRoundHandler` (paper 002, federated MLP): fetches the round's parameters, checks their
+  hash and hands them to the device's local trainer (torch lives in ``trainer``, injected by the app).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from sdk.cell_statistics import CellStatistics
+from sdk.errors import SyncError
+from sdk.eval_log import Evaluations
+from sdk.local_update import KMeansUpdate, RoundSpec, centroid_threshold, hold_small_changes, kmeans_update
+
+
+@dataclass(frozen=True)
+class DeviceRoundContext:
+    """What a handler may use.
+
+    Attributes
+    ----------
+    client_id : str, the id the server knows this device by (from the round description).
+    rows : callable returning the device's :class:`sdk.Evaluations` (reads the EvalLog).
+    sent : dict or None, the state's record of the last update sent (the handler's own format,
+        written by a previous :meth:`DeviceRoundHandler.prepare` as ``PreparedUpload.sent``).
+    min_count_floor : int >= 1, the smallest privacy threshold this device accepts.
+    allow_repartition : bool, whether to upload for another partition than the last upload's.
+    fetch : ``fetch(path, limit_bytes) -> bytes``, a GET on the server (retried, size-limited).
+    local_trainer : the app's trainer for kinds trained on the device with torch
+        (``f(evaluations, round_json, parameters_bytes, client_id) -> upload bytes or None``), or None.
+    state_path : str, where the state lives (for error messages).
+    """
+
+    client_id: str
+    rows: Callable[[], Evaluations]
+    sent: dict | None
+    min_count_floor: int
+    allow_repartition: bool
+    fetch: Callable[[str, int], bytes]
+    local_trainer: Callable | None = None
+    state_path: str = ""
+
+
+@dataclass(frozen=True)
+class PreparedUpload:
+    """A handler's answer: ``round_id``; ``payload`` (bytes) and its ``content_type``, or None with
+    ``skipped`` saying why nothing is sent; ``sent``, the record to keep in the state as what the
+    server may see from now on (None: keep the previous record)."""
+
+    round_id: int
+    payload: bytes | None
+    content_type: str
+    skipped: str | None = None
+    sent: dict | None = None
+
+
+class DeviceRoundHandler(Protocol):
+    """The device side of a federated round kind."""
+
+    def prepare(self, round_json: dict, context: DeviceRoundContext) -> PreparedUpload:
+        """The upload for the round described by ``round_json`` (``GET /v1/rounds/current``).
+
+        Raises
+        ------
+        SyncError
+            A malformed round description or a damaged ``context.sent`` record.
+        ShapeError
+            The log's embeddings do not fit the round.
+        """
+        ...
+
+
+#: Largest MLP parameters download (bytes).
+MAX_PARAMETERS_BYTES = 64 << 20
+JSON_TYPE = "application/json"
+SAFETENSORS_TYPE = "application/x-safetensors"
+
+
+class KMeansRoundHandler:
+    """Federated K-means rounds: see the module docstring and :mod:`sdk.local_update`."""
+
+    def prepare(self, round_json: dict, context: DeviceRoundContext) -> PreparedUpload:
+        spec = RoundSpec.from_json(round_json)
+        spec = dataclasses.replace(spec, min_count=max(spec.min_count, context.min_count_floor))
+        record = context.sent
+        if (isinstance(record, dict) and record.get("centroids_hash") != spec.centroids_hash
+                and not context.allow_repartition):
+            return PreparedUpload(spec.round_id, None, JSON_TYPE, (
+                "round over other centroids than this device's last upload: uploads for two partitions can be "
+                "combined to recover single queries; skipped (allow_repartition=True sends it)"))
+        update = kmeans_update(context.rows(), spec)
+        update = hold_small_changes(update, sent_update(record, spec, context.state_path), spec.min_count)
+        if update.is_empty():
+            why = (f"nothing to report: no (cell, model) entry reaches min_count={spec.min_count} and no cell "
+                   f"holds {centroid_threshold(spec.min_count)} distinct queries (log size {update.log_size})")
+            return PreparedUpload(spec.round_id, None, JSON_TYPE, why)
+        payload = json.dumps(update.to_payload(context.client_id, spec), allow_nan=False, separators=(",", ":")).encode()
+        return PreparedUpload(spec.round_id, payload, JSON_TYPE, None, sent_record(update, spec))
+
+
+class MlpRoundHandler:
+    """Federated MLP rounds: fetch the round's parameters, train on the device (``local_trainer``)."""
+
+    def prepare(self, round_json: dict, context: DeviceRoundContext) -> PreparedUpload:
+        try:
+            round_id = int(round_json["round_id"])
+            url, digest = str(round_json["parameters_url"]), str(round_json["parameters_hash"])
+            min_count = round_json["min_count"]
+            if isinstance(min_count, bool) or not isinstance(min_count, int):
+                raise TypeError(f"min_count must be an integer, got {min_count!r}")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SyncError(f"malformed MLP round description from the server: {exc!r}") from exc
+        if context.local_trainer is None:
+            why = "MLP round: this client cannot train (no mlp_trainer; `fedroute sync` with the trainer extra can)"
+            return PreparedUpload(round_id, None, SAFETENSORS_TYPE, why)
+        if min_count < context.min_count_floor:
+            why = (f"MLP round: its min_count={min_count} is below this device's min_count_floor="
+                   f"{context.min_count_floor} (an update over so few samples would reveal too much)")
+            return PreparedUpload(round_id, None, SAFETENSORS_TYPE, why)
+        if not url.startswith("/v1/rounds/"):
+            raise SyncError(f"MLP round: unexpected parameters URL {url!r}")
+        parameters = context.fetch(url, MAX_PARAMETERS_BYTES)
+        if hashlib.sha256(parameters).hexdigest() != digest:
+            raise SyncError(f"round {round_id}: parameters do not match their hash")
+        payload = context.local_trainer(context.rows(), round_json, parameters, context.client_id)
+        if payload is None:
+            return PreparedUpload(round_id, None, SAFETENSORS_TYPE,
+                                  f"MLP round: fewer than min_count={min_count} evaluations to train on")
+        return PreparedUpload(round_id, payload, SAFETENSORS_TYPE)
+
+
+def sent_update(record: dict | None, spec: RoundSpec, state_path: str = "") -> KMeansUpdate | None:
+    """The update last sent for ``spec``'s centroids (the state's ``record``), its columns in
+    ``spec.models`` order (a model it did not have counts as never sent), or None if none was sent
+    for them.
+
+    Raises SyncError if the record is damaged (rather than dropping the guarantee)."""
+    if not isinstance(record, dict) or record.get("centroids_hash") != spec.centroids_hash:
+        return None
+    try:
+        models = [str(m) for m in record["models"]]
+        n_cells = spec.centroids.shape[0]
+        stats = {k: np.asarray(record[k], dtype=np.float64).reshape(n_cells, len(models))
+                 for k in ("count", "sum_accuracy", "sum_cost")}
+        column = {m: j for j, m in enumerate(models)}
+        aligned = {k: np.zeros((n_cells, len(spec.models))) for k in stats}
+        for i, m in enumerate(spec.models):
+            if m in column:
+                for k in stats:
+                    aligned[k][:, i] = stats[k][:, column[m]]
+        cells = np.asarray(record["centroid_cells"], dtype=np.int64).reshape(-1)
+        return KMeansUpdate(
+            CellStatistics(aligned["count"], aligned["sum_accuracy"], aligned["sum_cost"]), cells,
+            np.asarray(record["local_centroids"], dtype=np.float64).reshape(cells.size, spec.d_emb),
+            np.asarray(record["local_weights"], dtype=np.float64).reshape(cells.size),
+            int(record["log_size"]),
+            np.asarray(record["local_distinct"], dtype=np.int64).reshape(cells.size))
+    except (KeyError, TypeError, ValueError) as exc:  # ShapeError is a ValueError
+        raise SyncError(f"sync state {state_path}: the record of the last sent update is damaged "
+                        f"({exc!r}); delete the file to start over") from exc
+
+
+def sent_record(update: KMeansUpdate, spec: RoundSpec) -> dict:
+    """The state's record of an update about to be sent (JSON; floats exact)."""
+    return {"centroids_hash": spec.centroids_hash, "models": list(spec.models), "min_count": spec.min_count,
+            "count": update.statistics.count.tolist(), "sum_accuracy": update.statistics.sum_accuracy.tolist(),
+            "sum_cost": update.statistics.sum_cost.tolist(), "centroid_cells": update.centroid_cells.tolist(),
+            "local_centroids": update.local_centroids.tolist(), "local_weights": update.local_weights.tolist(),
+            "local_distinct": np.asarray(update.local_distinct, dtype=np.int64).tolist()
+            if update.local_distinct is not None else update.local_weights.astype(np.int64).tolist(),
+            "log_size": int(update.log_size)}

@@ -1,0 +1,186 @@
+"""Artefact kinds as plugins, the SDK side (ARCHITECTURE.md §9).
+
+Every artefact that is trained, exported, shipped in a bundle and run on the device belongs to a
+*family* (``router``, ``embedder``; ``selector`` and ``reward_scorer`` are added by their own
+modules) and is of one *kind* in it (``router/kmeans``, ``router/mlp``, ``embedder/onnx``). Each
+layer keeps one registry keyed by the same ``(family, kind)``, because dependencies run one way
+(``export -> trainer -> sdk``, and ``sdk`` never imports the other two):
+
+========================  ==================================================================
+``sdk.kinds`` (here)      files a kind reads from a bundle, manifest checks, its runtime
+                          (one interface per family: :class:`RouterScorer` for routers,
+                          :class:`Embedder` for embedders) and its device round handler
+``trainer.kinds``         its trainer (router class, local / federated fitting for the
+                          simulation) and its server round kind (open, validate, aggregate)
+``export.kinds``          its export step: bundle files, manifest fields, parity gate
+========================  ==================================================================
+
+Nothing outside the registries branches on a kind name: code asks the registry.
+
+Manifest (format_version 1, unchanged for existing bundles): a bundle names the kind of each
+artefact family it carries with a top-level ``"<family>_kind"`` key, e.g. ``"router_kind":
+"kmeans"``. Every router bundle written so far is therefore already in this form. The embedder
+family is the exception that keeps old bundles valid: without ``"embedder_kind"`` the embedder is
+``"onnx"``. A bundle must carry at least one family other than the embedder. See
+``docs/plugins.md`` for how to add a kind and :func:`manifest_kinds` for the reading rule.
+
+A plugin module registers its kind once at import (``register(MyKind())``); tests that register
+a toy kind remove it with :func:`unregister`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sdk.artefact_kind import ArtefactKind, Embedder, LoadContext, RouterScorer
+from sdk.builtin_kinds import BUILTIN_KINDS
+from sdk.errors import BundleError, InvalidInputError
+from sdk.kind_registry import KindRegistry, UnknownKindError
+
+#: Families whose kind is named in the manifest; the embedder is the only one with a default.
+EMBEDDER_FAMILY = "embedder"
+ROUTER_FAMILY = "router"
+#: Kind of the embedder of a bundle whose manifest has no ``embedder_kind`` (every bundle before §9).
+DEFAULT_EMBEDDER_KIND = "onnx"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family of artefacts: its ``name`` and the runtime ``interface`` (a ``Protocol``) its kinds
+    return from :meth:`ArtefactKind.load`."""
+
+    name: str
+    interface: type
+
+
+_FAMILIES: dict[str, Family] = {}
+#: The SDK layer's kinds.
+REGISTRY: KindRegistry[ArtefactKind] = KindRegistry("sdk", ArtefactKind)
+
+
+def register_family(name: str, interface: type) -> Family:
+    """Declare an artefact family (idempotent for the same interface).
+
+    Raises
+    ------
+    InvalidInputError
+        ``name`` is not a lower-case identifier, or is registered with another interface.
+    """
+    if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
+        raise InvalidInputError(f"family name must be a lower-case identifier, got {name!r}")
+    if name in _FAMILIES and _FAMILIES[name].interface is not interface:
+        raise InvalidInputError(f"family {name!r} is already registered with interface "
+                                f"{_FAMILIES[name].interface.__name__}")
+    _FAMILIES.setdefault(name, Family(name, interface))
+    return _FAMILIES[name]
+
+
+def register(kind: ArtefactKind, *, replace: bool = False) -> ArtefactKind:
+    """Register an SDK kind (see :meth:`sdk.kind_registry.KindRegistry.register`).
+
+    Raises
+    ------
+    UnknownKindError
+        Its family is not declared (:func:`register_family`).
+    InvalidInputError
+        Not an :class:`ArtefactKind`, a bad name, or a name already taken (without ``replace``).
+    """
+    if isinstance(kind, ArtefactKind) and kind.family not in _FAMILIES:
+        raise UnknownKindError(f"unknown artefact family {kind.family!r}; registered: {sorted(_FAMILIES)}")
+    return REGISTRY.register(kind, replace=replace)
+
+
+def unregister(family: str, name: str) -> None:
+    """Remove a registered kind (tests); unknown names are ignored."""
+    REGISTRY.unregister(family, name)
+
+
+def get(family: str, name: str) -> ArtefactKind:
+    """The registered SDK kind ``name`` of ``family``; :class:`UnknownKindError` lists the valid ones."""
+    return REGISTRY.get(family, name)
+
+
+def names(family: str) -> tuple[str, ...]:
+    """Registered kind names of ``family``, sorted."""
+    return REGISTRY.names(family)
+
+
+def families() -> tuple[str, ...]:
+    """Declared family names, sorted."""
+    return tuple(sorted(_FAMILIES))
+
+
+def manifest_key(family: str) -> str:
+    """The manifest key naming the kind of ``family``: ``"<family>_kind"``."""
+    return f"{family}_kind"
+
+
+def manifest_kinds(manifest: Mapping) -> dict[str, str]:
+    """``{family: kind}`` of every artefact the manifest carries (embedder included, ``"onnx"`` by
+    default), without checking that the kinds are registered (see :func:`check_manifest_kinds`)."""
+    out = {fam: manifest[manifest_key(fam)] for fam in _FAMILIES if manifest_key(fam) in manifest}
+    out.setdefault(EMBEDDER_FAMILY, DEFAULT_EMBEDDER_KIND)
+    return out
+
+
+def check_manifest_kinds(manifest: Mapping) -> dict[str, ArtefactKind]:
+    """The registered kinds of a manifest's artefacts, after their own manifest checks.
+
+    Raises
+    ------
+    BundleError
+        No artefact besides the embedder, an unknown kind (the message lists the registered ones),
+        a file a kind needs that is not listed, or a kind's own :meth:`ArtefactKind.check_manifest`.
+    """
+    found = manifest_kinds(manifest)
+    if set(found) == {EMBEDDER_FAMILY}:
+        keys = [manifest_key(f) for f in families() if f != EMBEDDER_FAMILY]
+        raise BundleError(f"manifest: names no artefact; expected one of {keys} (e.g. router_kind)")
+    out = {}
+    for family, name in found.items():
+        try:
+            kind = get(family, name)
+        except UnknownKindError as exc:
+            raise BundleError(f"manifest: {manifest_key(family)} {exc}") from None
+        kind.check_manifest(dict(manifest))
+        out[family] = kind
+    return out
+
+
+def load_artefact(family: str, manifest: dict, files: Mapping[str, bytes], *, options=None,
+                  precision: str = "fp32") -> Any:
+    """Load the ``family`` artefact of a verified bundle through its kind.
+
+    Raises
+    ------
+    BundleError
+        The bundle carries no artefact of ``family``, or the kind's loader refuses the files.
+    """
+    kinds = manifest_kinds(manifest)
+    if family not in kinds:
+        held = {f: k for f, k in kinds.items() if f != EMBEDDER_FAMILY}
+        raise BundleError(f"bundle carries no {family} (it carries {held})")
+    kind = get(family, kinds[family])
+    runtime = kind.load(LoadContext(manifest, files, tuple(m["id"] for m in manifest["models"]),
+                                    manifest["embedder"], options, precision))
+    interface = _FAMILIES[family].interface
+    if not isinstance(runtime, interface):
+        raise BundleError(f"{family} kind {kind.name!r} loaded a {type(runtime).__name__}, which lacks the "
+                          f"{interface.__name__} interface")
+    return runtime
+
+
+# -- the built-in kinds ------------------------------------------------------------------------
+
+register_family(ROUTER_FAMILY, RouterScorer)
+register_family(EMBEDDER_FAMILY, Embedder)
+
+for _kind in BUILTIN_KINDS:
+    register(_kind)
+
+
+__all__ = ["ArtefactKind", "Embedder", "Family", "LoadContext", "RouterScorer", "UnknownKindError", "check_manifest_kinds",
+           "REGISTRY", "families", "get", "load_artefact", "manifest_key", "manifest_kinds", "names", "register",
+           "register_family", "unregister"]
