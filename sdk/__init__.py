@@ -7,6 +7,8 @@ On the device:
 
 - :class:`sdk.Router` — ``Router.load(bundle_dir, public_key)`` verifies a signed bundle, then
   ``choose(query, lam)`` returns a :class:`Choice` (embedding in onnxruntime, no network, no torch);
+- :class:`sdk.Selector` — ``Selector.load(bundle_dir, public_key)`` verifies a signed selector bundle
+  (a FedPrism expert), then ``prefer(x, y_a, y_b)`` returns P(y_a is the better response);
 - :class:`sdk.EvalLog` — the SQLite log of sparse evaluations that the federated sync reads;
 - :class:`sdk.SyncClient` — the periodic federated sync (upload statistics, install new bundles;
   httpx, imported on first use).
@@ -36,6 +38,7 @@ from sdk.errors import (
 from sdk.eval_log import EvalLog, Evaluations
 from sdk.personalisation import interpolation_weights, personalise
 from sdk.router import Choice, ModelInfo, ModelScore, Router
+from sdk.selector import Selector
 from sdk.utility import check_lambda, decide, utility
 from sdk.voronoi import nearest_cell
 
@@ -54,6 +57,7 @@ __all__ = [
     "ModelInfo",
     "ModelScore",
     "Router",
+    "Selector",
     "ShapeError",
     "SyncClient",
     "SyncError",

@@ -36,6 +36,7 @@ Output folder (``fedroute prism train --out DIR``)
         expert_<k>/head.safetensors head.0.weight, head.0.bias, head.2.weight, head.2.bias,
                                     length_skip.weight (float32)
         splits.json                 prompt_ids of the train / public / val / test parts
+- ``fedbis_seed0/``: the same layout for FedBis (one expert, ``expert_0``; its router file is unused).
 
   Load with ``PairSelector(load_selector_config(...))`` then ``load_expert(folder / "expert_<k>")``.
 """
@@ -196,11 +197,12 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                     one = state_bytes(trainer.experts_[0])
                     router = state_bytes(trainer.router_.state())
                     dense.append(float(cfg.clients_per_round * (cfg.n_experts * one + router)))
-                    if seed == seeds[0] and out is not None:
-                        trainer.save(out / "fedprism_seed0")
-                        from trainer.report import write_text
+                if m in ("fedprism", "fedbis") and seed == seeds[0] and out is not None:
+                    # Phase III (trainer.experts.phase3) compares FedPrism's routed experts with FedBis's selector
+                    trainer.save(out / f"{m}_seed0")
+                    from trainer.report import write_text
 
-                        write_text(out / "fedprism_seed0" / "splits.json", json.dumps(prep.splits))
+                    write_text(out / f"{m}_seed0" / "splits.json", json.dumps(prep.splits))
             for k, v in res.items():
                 acc[m].setdefault(k, []).append(float(v))
     result = {

@@ -208,3 +208,184 @@ def write_preference_set(rows: pd.DataFrame, out_dir: str | os.PathLike[str], st
     rows[list(SYNTHETIC_COLUMNS)].to_parquet(tmp, index=False)
     os.replace(tmp, parquet)
     return jsonl, parquet
+
+
+# ----------------------------------------------------------------------------- running Phase III
+
+
+def load_saved_method(folder: str | os.PathLike[str]):
+    """A saved FedPrism/FedBis run folder (layout in :mod:`trainer.experts.experiment`).
+
+    Returns
+    -------
+    (model, experts, router, config, splits): the :class:`~trainer.experts.selector.PairSelector`
+    (holding no particular expert), the list of expert states, the
+    :class:`~trainer.experts.prompt_router.PromptRouter` (None for one expert), the FedPrismConfig as a
+    dict, and ``splits.json`` as a dict.
+
+    Raises
+    ------
+    InvalidInputError
+        A missing file of the layout (the message names it).
+    """
+    from safetensors.numpy import load_file
+
+    from trainer.experts.prompt_router import PromptRouter
+    from trainer.experts.selector import PairSelector, load_selector_config
+
+    folder = Path(folder)
+    for name in ("selector_config.json", "fedprism_config.json", "splits.json", "expert_0"):
+        if not (folder / name).exists():
+            raise InvalidInputError(f"{folder} lacks {name}: give a fedprism_seed0/ or fedbis_seed0/ folder "
+                                    "written by `fedroute prism train`")
+    config = json.loads((folder / "fedprism_config.json").read_text())
+    splits = json.loads((folder / "splits.json").read_text())
+    model = PairSelector(load_selector_config(folder / "selector_config.json"))
+    experts = [model.load_expert(folder / f"expert_{k}") for k in range(int(config["n_experts"]))]
+    router = None
+    if len(experts) > 1:
+        state = load_file(str(folder / "router.safetensors"))
+        router = PromptRouter(state["net.0.weight"].shape[1], len(experts), hidden=state["net.0.weight"].shape[0])
+        router.load_state(state)
+    return model, experts, router, config, splits
+
+
+def routed_proba(model, experts, router, store, prompt_emb: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """P(A better) of every pair of ``store`` by the routed expert (paper 000 §3.3): ``k* = argmax R(h_x)``,
+    then ``E_k*``'s symmetric probability (``PairSelector.pair_proba``).
+
+    Parameters
+    ----------
+    store : SegmentStore of the pairs.
+    prompt_emb : ndarray of shape (n_pairs, d_emb), float32 (MiniLM prompt embeddings), or None when
+        ``router`` is None (a single selector).
+
+    Returns
+    -------
+    (proba, expert): ndarrays of shape (n_pairs,), float64 and int64.
+    """
+    import torch
+
+    n = store.n_pairs
+    assign = np.zeros(n, dtype=np.int64) if router is None else router.route(prompt_emb)
+    proba = np.zeros(n, dtype=np.float64)
+    model.train(False)
+    with torch.no_grad():
+        for k in np.unique(assign):
+            model.load_expert_state(experts[k])
+            idx = np.flatnonzero(assign == k)
+            for s in range(0, len(idx), 128):
+                ha, hb, f, _ = store.batch(model, idx[s:s + 128])
+                proba[idx[s:s + 128]] = model.pair_proba(ha, hb, f).double().numpy()
+    return proba, assign
+
+
+def _bootstrap_std(proba: np.ndarray, label: np.ndarray, groups: np.ndarray, n_boot: int, seed: int) -> float:
+    """Std of the agreement over ``n_boot`` resamples of the prompts (pairs of one prompt move together)."""
+    rng = np.random.default_rng(seed)
+    uniq, inv = np.unique(groups, return_inverse=True)
+    correct = np.where(proba == 0.5, 0.5, ((proba > 0.5) == (label == 1)).astype(np.float64))
+    sums = np.bincount(inv, weights=correct, minlength=len(uniq))
+    counts = np.bincount(inv, minlength=len(uniq))
+    draws = rng.integers(0, len(uniq), size=(n_boot, len(uniq)))
+    return float(np.std(sums[draws].sum(1) / counts[draws].sum(1), ddof=1))
+
+
+def run_phase3(run_dir: str | os.PathLike[str], data_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
+               max_pairs: int | None = 600, seed: int = 0, n_boot: int = 1000, cache_dir=None,
+               progress: bool = True) -> dict:
+    """Label held-out AlpacaEval pairs with a trained run's experts; write the agreement table and the
+    synthetic preference set.
+
+    Parameters
+    ----------
+    run_dir : the ``--out`` folder of ``fedroute prism train`` (holding ``fedprism_seed0/`` and, when the
+        run saved it, ``fedbis_seed0/``).
+    data_dir : the shared data folder.
+    out : output folder: ``phase3.json``, ``phase3.md``, ``phase3_agreement.png``,
+        ``synthetic_preferences.{jsonl,parquet}`` (FedPrism's labels).
+    max_pairs : at most this many held-out pairs (a seeded sample of the test prompts' model-vs-model
+        pairs), or None for all.
+    n_boot : bootstrap resamples of the test prompts for the agreement's std.
+
+    Returns
+    -------
+    dict, the content of ``phase3.json``.
+
+    Raises
+    ------
+    InvalidInputError
+        A run folder without ``fedprism_seed0/``.
+    """
+    from trainer.data.preferences import load_preference_pairs
+    from trainer.embeddings import EmbedderConfig, embed_texts
+    from trainer.experts.selector import build_segment_store
+    from trainer.length_baseline import LengthBaseline
+    from trainer.report import save_figure, write_json, write_text
+
+    run_dir, out = Path(run_dir), Path(out)
+    prism_dir = run_dir / "fedprism_seed0"
+    if not prism_dir.is_dir():
+        raise InvalidInputError(f"{run_dir} has no fedprism_seed0/: run `fedroute prism train --out {run_dir}` first")
+    model, experts, router, config, splits = load_saved_method(prism_dir)
+    pairs = load_preference_pairs(data_dir, seed=int(config.get("data_seed", 0)))
+    test = heldout_alpaca_pairs(pairs[pairs["prompt_id"].isin(set(splits["test"]))])
+    if max_pairs is not None and len(test) > max_pairs:
+        test = test.sample(max_pairs, random_state=seed).reset_index(drop=True)
+    train = pairs[pairs["prompt_id"].isin(set(splits["train"]))]
+    label = test["label"].to_numpy()
+
+    store = build_segment_store(model, list(test.prompt), list(test.response_a), list(test.response_b),
+                                list(label), show_progress=progress)
+    emb = embed_texts(list(test.prompt), EmbedderConfig(), cache_dir, show_progress=progress)
+    labellers: dict[str, np.ndarray] = {}
+    p_prism, expert = routed_proba(model, experts, router, store, emb)
+    labellers["fedprism"] = p_prism
+    fedbis_dir = run_dir / "fedbis_seed0"
+    if fedbis_dir.is_dir():
+        bis_model, bis_experts, _, _, _ = load_saved_method(fedbis_dir)
+        labellers["fedbis"], _ = routed_proba(bis_model, bis_experts, None, store, None)
+    labellers["length_only"] = LengthBaseline(per_domain=True).fit(train[train.domain == "alpacaeval"]).predict_proba(test)
+    labellers["always_first"] = np.full(len(test), 0.5)
+
+    table = agreement_table(test, labellers)
+    groups = test["prompt_id"].to_numpy()
+    for name, proba in labellers.items():
+        table[name]["bootstrap_std"] = _bootstrap_std(np.asarray(proba), label, groups, n_boot, seed)
+    share = np.bincount(expert, minlength=len(experts)) / len(expert)
+    rows = synthetic_preferences(test, p_prism, expert)
+    jsonl, parquet = write_preference_set(rows, out)
+    result = {
+        "n_pairs": int(len(test)), "n_prompts": int(len(set(groups))),
+        "agreement": table, "expert_share": share.tolist(),
+        "synthetic_set": {"jsonl": str(jsonl), "parquet": str(parquet), "n_rows": int(len(rows)),
+                          "judge_agreement": float(rows["judge_agrees"].mean())},
+        "fedbis_missing": "fedbis" not in labellers,
+        "run_dir": str(run_dir),
+        "metric": "agreement = pairwise ranking accuracy of the labeller's P(A better) against the AlpacaEval "
+                  "judge's label (METRICS.md; 0.5 counts 0.5); bootstrap_std over test prompts",
+    }
+    write_json(out / "phase3.json", result)
+    md = ["# FedPrism Phase III: agreement with the held-out AlpacaEval judge", "",
+          f"{len(test)} model-vs-model pairs of {len(set(groups))} held-out instructions (test split of the run).", "",
+          agreement_markdown(table), "",
+          "| labeller | overall ± bootstrap std (prompts) |", "|---|---|"]
+    md += [f"| {n} | {r['overall']:.3f} ± {r['bootstrap_std']:.3f} |" for n, r in table.items()]
+    md += ["", f"Expert share (FedPrism routing of these prompts): {', '.join(f'{s:.2f}' for s in share)}", ""]
+    write_text(out / "phase3.md", "\n".join(md))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    names = list(table)
+    ax.bar(names, [table[n]["overall"] for n in names], yerr=[table[n]["bootstrap_std"] for n in names],
+           color=["C0" if n == "fedprism" else "C7" for n in names], capsize=4)
+    ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+    ax.set_ylim(0.3, 1.0)
+    ax.set_ylabel("agreement with the judge")
+    ax.set_title(f"Phase III labels on {len(test)} held-out AlpacaEval pairs", fontsize=9)
+    save_figure(fig, out / "phase3_agreement.png")
+    return result
