@@ -158,7 +158,10 @@ def selector_to_onnx(selector) -> bytes:
     if token_types:
         names += ["token_type_ids_a", "token_type_ids_b"]
         args += (types, types.flip(0))
-    dynamic = {n: {0: "batch"} for n in names} | {OUTPUT_NAME: {0: "batch"}}
+    # batch and sequence axes are dynamic: the SDK cuts the padding columns no segment uses (exact in fp32,
+    # attention and pooling are masked) so int8 activation scales see real tokens only
+    dynamic = {n: ({0: "batch"} if n == "length_features" else {0: "batch", 1: "seq"}) for n in names}
+    dynamic[OUTPUT_NAME] = {0: "batch"}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "selector.onnx"
         with torch.no_grad(), quiet_libraries():

@@ -27,7 +27,9 @@ response orders", paper 000 §3.3), and returns the trainer's symmetrised probab
 (``trainer.experts.selector.PairSelector.pair_proba``): ``P = sigmoid((l(a, b) - l(b, a)) / 2)``, so
 ``prefer(x, a, b) + prefer(x, b, a) == 1`` exactly. Each pair runs alone (both orders in one call of
 batch 2): a dynamically quantised (int8) graph computes activation scales over its whole input, so
-batching unrelated pairs would make a pair's score depend on its neighbours.
+batching unrelated pairs would make a pair's score depend on its neighbours. The padding columns that
+neither segment uses are cut before the call (exact: attention and pooling are masked; the graph's
+sequence axis is dynamic), which also keeps padding out of the int8 activation scales.
 
 Plugin (ARCHITECTURE.md §9, ``docs/plugins.md``): this module declares the artefact family ``selector``
 (runtime interface :class:`SelectorScorer`, ``needs_embedder=False``: a selector bundle carries its own
@@ -139,6 +141,10 @@ class OnnxPairScorer:
         seg_second = self._encoder.encode_segments([prompt] * n, list(second))
         feeds = {f"{k}_a": v for k, v in seg_first.items()}
         feeds.update({f"{k}_b": v for k, v in seg_second.items()})
+        # Cut the padding columns that no segment uses: exact (attention and pooling are masked), faster,
+        # and a quantised graph's activation scales then see real tokens only.
+        used = int(max(seg_first["attention_mask"].sum(1).max(), seg_second["attention_mask"].sum(1).max()))
+        feeds = {k: v[:, :used] for k, v in feeds.items()}
         feeds["length_features"] = np.stack([length_features(a, b) for a, b in zip(first, second)])
         return {k: v for k, v in feeds.items() if k in self._inputs}
 
