@@ -200,9 +200,15 @@ def export_cmd(
             raise typer.BadParameter("--prices is for router bundles (a selector has no model table)")
         from export.selector_export import export_selector_bundle, parity_pairs_for
 
+        from export.errors import ParityError
+
         pairs = parity_pairs_for(selector, data or Path("../shared/data"), parity_pairs)
-        result = export_selector_bundle(selector, out, signing_key, pairs, int8=int8, bundle_version=bundle_version,
-                                        progress=typer.echo)
+        try:
+            result = export_selector_bundle(selector, out, signing_key, pairs, int8=int8,
+                                            bundle_version=bundle_version, progress=typer.echo)
+        except ParityError as exc:
+            typer.echo("parity report: " + json.dumps(exc.report), err=True)
+            raise
         sel = result.manifest["selector"]
         typer.echo(f"selector bundle v{result.manifest['bundle_version']} ({sel['name']}, {sorted(sel['files'])}) "
                    f"at {result.out}; parity passed: " + json.dumps({k: v for k, v in result.parity.items()
