@@ -44,7 +44,6 @@ OPSET = 17
 FP32_MAX_LOGIT_DIFF = 1e-3
 INT8_MIN_DECISION_AGREEMENT = 0.99
 PARITY_FILE = "parity.json"
-CONFIG_FILE = "selector_config.json"
 
 
 @dataclass(frozen=True)
@@ -56,43 +55,23 @@ class SelectorExportResult:
     parity: dict
 
 
-def find_selector_config(expert_dir: Path) -> Path:
-    """``selector_config.json`` of an expert folder: in it, or in one of its two parents (the trainer
-    writes one config per run, beside its ``experts/`` folder).
-
-    Raises
-    ------
-    ExportError
-        Not found, or ``expert_dir`` lacks ``adapter/`` or ``head.safetensors``.
-    """
-    expert_dir = Path(expert_dir)
-    for need in ("adapter", "head.safetensors"):
-        if not (expert_dir / need).exists():
-            raise ExportError(f"{expert_dir} is not a saved selector expert (no {need}); give the folder "
-                              "PairSelector.save_expert wrote, e.g. RUN/experts/0")
-    for folder in (expert_dir, expert_dir.parent, expert_dir.parent.parent):
-        if (folder / CONFIG_FILE).exists():
-            return folder / CONFIG_FILE
-    raise ExportError(f"no {CONFIG_FILE} in {expert_dir} or its two parents")
-
-
 def load_trained_selector(expert_dir: Path):
-    """The trainer's :class:`~trainer.experts.selector.PairSelector` with the expert at ``expert_dir``.
+    """The trainer's :class:`~trainer.experts.selector.PairSelector` with the expert saved at
+    ``expert_dir``, through the trainer kind ``selector/onnx_pair`` (:mod:`trainer.experts.selector_kind`).
 
     Raises
     ------
     ExportError
         Missing files or an expert that does not fit its config.
     """
-    from trainer.experts.selector import PairSelector, load_selector_config
+    from sdk.errors import InvalidInputError
+    from trainer import kinds as trainer_kinds
+    from trainer.experts import selector_kind  # noqa: F401  (registers the trainer kind)
 
-    config = load_selector_config(find_selector_config(expert_dir))
-    selector = PairSelector(config)
     try:
-        selector.load_expert(Path(expert_dir))
-    except Exception as exc:  # noqa: BLE001 - safetensors/peft/shape errors: one clear message
-        raise ExportError(f"cannot load the expert at {expert_dir}: {exc}") from exc
-    return selector.eval()
+        return trainer_kinds.get(KIND, family=FAMILY).load(Path(expert_dir))
+    except InvalidInputError as exc:
+        raise ExportError(str(exc)) from exc
 
 
 def _uses_token_types(selector) -> bool:
