@@ -42,8 +42,10 @@ from pathlib import Path
 
 import numpy as np
 
-# Run as a script: this folder is on sys.path.
-from sync_fleet import (
+# The synthetic fleet is test support (tests/sync_fleet.py), shared with tests/test_sync_crash.py:
+# put that folder on the path when run as a script (``python benchmarks/sync_load.py``).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from sync_fleet import (  # noqa: E402
     Fleet,
     ServerProcess,
     check_recovery,
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(args, work: Path) -> dict:
-    from trainer.server.store import update_bytes
+    from sdk.protocol import encode_kmeans_update_npz as update_bytes
 
     started = time.time()
     print(f"deploying in {work}: {args.clients} devices (fedroute clients add), a round of {args.n_cells} cells",

@@ -67,8 +67,9 @@ def check_version(out: Path, bundle_version: int) -> None:
         raise ExportError(f"bundle_version {bundle_version} is not above the version {current} already at {out}")
 
 
-def build_manifest(files: Mapping[str, bytes], fields: Mapping, key) -> dict:
-    """Signed manifest for ``files``: ``fields`` + format_version, created_utc, files {name: sha256}.
+def build_manifest(files: Mapping[str, bytes], fields: Mapping, key, created_utc: str | None = None) -> dict:
+    """Signed manifest for ``files``: ``fields`` + format_version, created_utc (now, unless given as
+    ``YYYY-MM-DDTHH:MM:SSZ``), files {name: sha256}.
 
     Raises
     ------
@@ -83,7 +84,7 @@ def build_manifest(files: Mapping[str, bytes], fields: Mapping, key) -> dict:
         raise ExportError(f"bundle file names must be plain file names, got {bad}")
     manifest = {
         "format_version": fmt.FORMAT_VERSION,
-        "created_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created_utc": created_utc or dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         **fields,
         "files": {name: fmt.sha256_hex(data) for name, data in sorted(files.items())},
     }
@@ -120,8 +121,7 @@ def write_bundle(out: Path, files: Mapping[str, bytes], fields: Mapping, key) ->
         try:
             for name, data in files.items():
                 write_synced(target / name, data)
-            write_synced(target / fmt.MANIFEST_FILE,
-                         (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode())
+            write_synced(target / fmt.MANIFEST_FILE, fmt.encode_manifest_file(manifest))
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
             raise

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+from sdk.atomic_write import commit_file, temporary_path
 
 OPSET = 17
 _NOISY_LOGGERS = ("optimum", "transformers", "onnxruntime", "")
@@ -73,8 +74,8 @@ def export_embedder(model_path: str, out_dir: Path, max_tokens: int, truncation_
     RuntimeError
         optimum's export or its own validation fails (the message is optimum's).
     """
-    from optimum.exporters.onnx import main_export
-    from tokenizers import Tokenizer
+    from optimum.exporters.onnx import main_export  # trainer extra (optimum-onnx), imported on use
+    from tokenizers import Tokenizer  # native library: loaded with the first bundle, not by `import sdk`
 
     out_dir = Path(out_dir)
     with quiet_libraries():
@@ -90,7 +91,7 @@ def export_embedder(model_path: str, out_dir: Path, max_tokens: int, truncation_
     tokenizer.save(str(tokenizer_path))
     # The output's last dimension is symbolic in the graph: measure it on one real input.
     import numpy as np
-    import onnxruntime as ort
+    import onnxruntime as ort  # native library, imported on use
 
     enc = tokenizer.encode("dimension probe")
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
@@ -112,7 +113,7 @@ def sensitive_matmuls(model: Path) -> list[str]:
     all six 0.9962 / 0.9907. Each fp32 projection adds ~0.15-0.25 ms per query at 32 tokens on one
     thread. Those projections read the GELU activations, whose outliers make
     per-tensor uint8 activation scales coarse."""
-    import onnx
+    import onnx  # export needs onnx (trainer extra), imported on use
 
     graph = onnx.load(str(model), load_external_data=False).graph
     ffn_out = [n.name for n in graph.node
@@ -139,16 +140,16 @@ def quantize_embedder(model: Path, out: Path, exclude: Sequence[str] | None = No
     -------
     Path ``out``.
     """
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization import QuantType, quantize_dynamic  # native library, imported on use
 
     exclude = sensitive_matmuls(model) if exclude is None else list(exclude)
     out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = temporary_path(out)
     with quiet_libraries():
         quantize_dynamic(
             str(model), str(tmp), per_channel=True, weight_type=QuantType.QInt8,
             op_types_to_quantize=["MatMul", "Gather"], nodes_to_exclude=exclude,
             extra_options={"MatMulConstBOnly": True},
         )
-    os.replace(tmp, out)
+    commit_file(tmp, out)
     return out

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from export import parity
 from export.router_export import kmeans_to_npz, mlp_to_onnx
 from sdk import kinds as sdk_kinds
 from sdk.kind_registry import KindRegistry, UnknownKindError
@@ -64,8 +65,6 @@ class RouterExportKind(ExportKind):
         """Per-model mean cost per query in the router's training logs (USD), None if never observed."""
 
     def parity(self, bundle_dir, public_key, artefact, reference, test, precisions, progress=print) -> dict:
-        from export import parity
-
         return parity.check_bundle(bundle_dir, public_key, artefact, reference, test, precisions, progress=progress)
 
 

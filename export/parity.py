@@ -15,6 +15,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from sdk.router import Router
+from sdk.utility import decide
+from trainer import metrics
+
 FP32_MIN_COSINE = 0.999
 INT8_MEAN_COSINE = 0.995
 INT8_MIN_COSINE = 0.98
@@ -33,8 +37,6 @@ def cosine_stats(a: np.ndarray, b: np.ndarray) -> dict:
 def decision_agreement(pred_a: tuple[np.ndarray, np.ndarray], pred_b: tuple[np.ndarray, np.ndarray],
                        lambdas: Sequence[float]) -> float:
     """Fraction of (query, lambda) pairs where two routers' predictions pick the same model."""
-    from sdk.utility import decide
-
     same = [decide(*pred_a, lam) == decide(*pred_b, lam) for lam in lambdas]
     return float(np.mean(same))
 
@@ -76,10 +78,7 @@ def check_bundle(bundle_dir, public_key, router, reference: np.ndarray, test, pr
     dict with ``trainer_auc``, ``lambdas``, per-precision ``cosine``, ``decision_agreement``,
     ``auc``, ``auc_gap``, and ``passed`` / ``failures``.
     """
-    from tqdm.auto import tqdm
-
-    from sdk.router import Router
-    from trainer import metrics
+    from tqdm.auto import tqdm  # trainer extra
 
     lambdas = metrics.lambda_grid()
     trainer_pred = router.predict(reference)

@@ -22,6 +22,8 @@ from export.embedder_onnx import ExportedEmbedder, export_embedder, quantize_emb
 from export.errors import ExportError, ParityError
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
+from trainer.embeddings import EmbedderConfig, embed_texts, resolve_model_path
+from trainer.kinds import load_router
 
 PARITY_FILE = "parity.json"
 
@@ -62,7 +64,7 @@ def check_prices(prices: dict, models) -> dict[str, tuple[float | None, float | 
 
 
 def _load_test_table(router, data: Path | None):
-    from trainer.data.routerbench import load_eval_file, load_routerbench_dir
+    from trainer.data.routerbench import load_eval_file, load_routerbench_dir  # pandas, on use
 
     if data is not None:
         data = Path(data)
@@ -159,9 +161,6 @@ def export_bundle(
     ParityError
         An exported part misses a parity threshold (:mod:`export.parity`); nothing is written.
     """
-    from trainer.embeddings import EmbedderConfig, embed_texts, resolve_model_path
-    from trainer.kinds import load_router
-
     key = load_signing_key(signing_key)
     out = Path(out)
     check_replaceable(out)

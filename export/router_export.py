@@ -49,9 +49,9 @@ def mlp_to_onnx(router) -> bytes:
     ExportError
         The router has no embedder identity.
     """
-    import onnx
-    import torch
-    from torch import nn
+    import onnx  # export needs onnx (trainer extra), imported on use
+    import torch  # trainer extra (torch), imported on use
+    from torch import nn  # trainer extra (torch), imported on use
 
     name, dim = _embedder_identity(router)
     net = router.network.eval()

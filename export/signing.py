@@ -9,10 +9,14 @@ to ``sdk.Router.load``). The signature covers the canonical manifest
 from __future__ import annotations
 
 import base64
-import os
 from pathlib import Path
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
 from export.errors import ExportError
+from sdk.atomic_write import write_atomic
 from sdk.bundle_manifest import canonical_bytes, public_key_id
 
 PRIVATE_FILE = "signing.key"
@@ -29,9 +33,6 @@ def generate_keypair(out_dir: Path, overwrite: bool = False) -> tuple[Path, Path
         ``overwrite`` is False (a lost key cannot sign updates
         that deployed apps accept, so it is never replaced silently).
     """
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"{out_dir} is a file; give a folder for signing.key and signing.pub")
@@ -44,17 +45,8 @@ def generate_keypair(out_dir: Path, overwrite: bool = False) -> tuple[Path, Path
                                     serialization.NoEncryption())
     public_pem = key.public_key().public_bytes(serialization.Encoding.PEM,
                                                serialization.PublicFormat.SubjectPublicKeyInfo)
-    tmp = private_path.with_suffix(".key.tmp")
-    tmp.unlink(missing_ok=True)  # never write the key through a planted file or symlink
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(private_pem)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, private_path)
-    tmp_pub = public_path.with_suffix(".pub.tmp")
-    tmp_pub.write_bytes(public_pem)
-    os.replace(tmp_pub, public_path)
+    write_atomic(private_path, private_pem, mode=0o600)  # O_EXCL + O_NOFOLLOW: never through a planted file
+    write_atomic(public_path, public_pem)
     return private_path, public_path
 
 
@@ -66,9 +58,6 @@ def load_signing_key(path: Path):
     ExportError
         Missing file, not a PEM private key, encrypted, or not Ed25519.
     """
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-    from cryptography.hazmat.primitives.serialization import load_pem_private_key
-
     try:
         data = Path(path).read_bytes()
     except OSError as exc:

@@ -76,7 +76,7 @@ __all__ = [
 def __getattr__(name: str):
     # httpx is imported only by code that syncs.
     if name in ("SyncClient", "SyncResult"):
-        from sdk import sync
+        from sdk import sync  # httpx: only code that syncs imports it
 
         return getattr(sync, name)
     raise AttributeError(f"module 'sdk' has no attribute {name!r}")

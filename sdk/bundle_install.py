@@ -9,8 +9,8 @@ published by replacing the link with ``os.replace``, one atomic step: a reader t
 sees the old bundle or the new one, never a mix and never nothing (``sdk.Router.load`` resolves the
 link once). The previous version's directory is kept for readers still loading it; older ones are
 removed. A crash before the link is replaced leaves the old bundle in place and an unused directory
-that the next install removes. Writers of one ``out`` are serialised by ``flock`` on
-``.<name>.lock`` (POSIX; not reliable on NFS).
+that the next install removes. Writers of one ``out`` are serialised by a lock file
+``.<name>.lock`` (the ``filelock`` package: POSIX and Windows; not reliable on NFS).
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from filelock import FileLock
+
+from sdk.atomic_write import fsync_dir, write_synced
 from sdk.bundle_manifest import MANIFEST_FILE
+
+__all__ = ["fsync_dir", "locked", "new_version_dir", "publish", "read_version", "version_dirs", "write_synced"]
 
 VERSION_DIR = re.compile(r"\.(?P<name>.+)\.v(?P<version>\d+)-[0-9a-f]{12}")
 
@@ -51,36 +56,14 @@ def version_dirs(out: Path) -> list[Path]:
     return found
 
 
-def write_synced(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it."""
-    with Path(path).open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory (makes renames and new entries in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def locked(out: Path) -> Iterator[None]:
-    """Exclusive ``flock`` on ``.<name>.lock`` beside ``out`` for the duration of the block."""
-    import fcntl
-
+    """Exclusive lock on ``.<name>.lock`` beside ``out`` for the duration of the block
+    (``filelock``: ``flock`` on POSIX, ``msvcrt.locking`` on Windows)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    with FileLock(out.parent / f".{out.name}.lock"):
+        yield
 
 
 def new_version_dir(out: Path, version: int) -> Path:

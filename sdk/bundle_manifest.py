@@ -25,8 +25,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_public_key
+
 from sdk import kinds
-from sdk.builtin_kinds import TOKENIZER_FILE
+from sdk.builtin_kinds import TOKENIZER_FILE  # noqa: F401  (re-exported: the bundle format names it)
 from sdk.errors import BundleError
 
 #: Version 1 names each artefact's kind with a ``"<family>_kind"`` key (:mod:`sdk.kinds`); every
@@ -68,6 +72,13 @@ def canonical_bytes(manifest: Mapping) -> bytes:
     return text.encode("ascii")
 
 
+def encode_manifest_file(manifest: Mapping) -> bytes:
+    """The bytes of ``manifest.json`` as the writer stores it: JSON with sorted keys, two-space
+    indent, ASCII, no NaN, and a final newline (readers accept any JSON; the signature covers
+    :func:`canonical_bytes`, not these bytes)."""
+    return (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode("ascii")
+
+
 def sha256_hex(data: bytes) -> str:
     """Lower-case hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
@@ -81,9 +92,6 @@ def load_public_key(public_key):
     BundleError
         The file is missing or is not an Ed25519 public key.
     """
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-    from cryptography.hazmat.primitives.serialization import load_pem_public_key
-
     if isinstance(public_key, Ed25519PublicKey):
         return public_key
     if isinstance(public_key, str) and public_key.lstrip().startswith("-----BEGIN"):
@@ -108,8 +116,6 @@ def load_public_key(public_key):
 
 def public_key_id(key) -> str:
     """sha256 (hex) of the raw 32-byte Ed25519 public key: names the key in the manifest."""
-    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
     return sha256_hex(key.public_bytes(Encoding.Raw, PublicFormat.Raw))
 
 
@@ -238,8 +244,6 @@ def verify_manifest(raw: bytes, public_key) -> dict:
     sig = manifest.get("signature")
     if not isinstance(sig, dict) or sig.get("algorithm") != "ed25519" or not isinstance(sig.get("value"), str):
         raise BundleError("manifest has no Ed25519 signature (expected signature.algorithm == 'ed25519')")
-    from cryptography.exceptions import InvalidSignature
-
     try:
         signature = base64.b64decode(sig["value"], validate=True)
         key.verify(signature, canonical_bytes(manifest))

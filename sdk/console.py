@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import typer
+
+from sdk.errors import FedrouteError
+
 
 def run_app(app) -> None:
     """Run the Typer ``app``; a :class:`sdk.errors.FedrouteError` prints ``error: <message>`` on stderr
     and exits 2 (no traceback), so cron jobs and timer units can alert on the status."""
-    import typer
-
-    from sdk.errors import FedrouteError
-
     try:
         app()
     except FedrouteError as exc:

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
-from sdk.cell_statistics import CellStatistics
 from sdk.errors import SyncError
 from sdk.eval_log import Evaluations
-from sdk.local_update import KMeansUpdate, RoundSpec, centroid_threshold, hold_small_changes, kmeans_update
+from sdk.local_update import centroid_threshold, hold_small_changes, kmeans_update
+from sdk.protocol import RoundSpec, decode_sent_record, encode_kmeans_update, encode_sent_record
 
 
 @dataclass(frozen=True)
@@ -106,13 +103,13 @@ class KMeansRoundHandler:
                 "round over other centroids than this device's last upload: uploads for two partitions can be "
                 "combined to recover single queries; skipped (allow_repartition=True sends it)"))
         update = kmeans_update(context.rows(), spec)
-        update = hold_small_changes(update, sent_update(record, spec, context.state_path), spec.min_count)
+        update = hold_small_changes(update, decode_sent_record(record, spec, context.state_path), spec.min_count)
         if update.is_empty():
             why = (f"nothing to report: no (cell, model) entry reaches min_count={spec.min_count} and no cell "
                    f"holds {centroid_threshold(spec.min_count)} distinct queries (log size {update.log_size})")
             return PreparedUpload(spec.round_id, None, JSON_TYPE, why)
-        payload = json.dumps(update.to_payload(context.client_id, spec), allow_nan=False, separators=(",", ":")).encode()
-        return PreparedUpload(spec.round_id, payload, JSON_TYPE, None, sent_record(update, spec))
+        payload = encode_kmeans_update(update, context.client_id, spec)
+        return PreparedUpload(spec.round_id, payload, JSON_TYPE, None, encode_sent_record(update, spec))
 
 
 class MlpRoundHandler:
@@ -144,45 +141,3 @@ class MlpRoundHandler:
             return PreparedUpload(round_id, None, SAFETENSORS_TYPE,
                                   f"MLP round: fewer than min_count={min_count} evaluations to train on")
         return PreparedUpload(round_id, payload, SAFETENSORS_TYPE)
-
-
-def sent_update(record: dict | None, spec: RoundSpec, state_path: str = "") -> KMeansUpdate | None:
-    """The update last sent for ``spec``'s centroids (the state's ``record``), its columns in
-    ``spec.models`` order (a model it did not have counts as never sent), or None if none was sent
-    for them.
-
-    Raises SyncError if the record is damaged (rather than dropping the guarantee)."""
-    if not isinstance(record, dict) or record.get("centroids_hash") != spec.centroids_hash:
-        return None
-    try:
-        models = [str(m) for m in record["models"]]
-        n_cells = spec.centroids.shape[0]
-        stats = {k: np.asarray(record[k], dtype=np.float64).reshape(n_cells, len(models))
-                 for k in ("count", "sum_accuracy", "sum_cost")}
-        column = {m: j for j, m in enumerate(models)}
-        aligned = {k: np.zeros((n_cells, len(spec.models))) for k in stats}
-        for i, m in enumerate(spec.models):
-            if m in column:
-                for k in stats:
-                    aligned[k][:, i] = stats[k][:, column[m]]
-        cells = np.asarray(record["centroid_cells"], dtype=np.int64).reshape(-1)
-        return KMeansUpdate(
-            CellStatistics(aligned["count"], aligned["sum_accuracy"], aligned["sum_cost"]), cells,
-            np.asarray(record["local_centroids"], dtype=np.float64).reshape(cells.size, spec.d_emb),
-            np.asarray(record["local_weights"], dtype=np.float64).reshape(cells.size),
-            int(record["log_size"]),
-            np.asarray(record["local_distinct"], dtype=np.int64).reshape(cells.size))
-    except (KeyError, TypeError, ValueError) as exc:  # ShapeError is a ValueError
-        raise SyncError(f"sync state {state_path}: the record of the last sent update is damaged "
-                        f"({exc!r}); delete the file to start over") from exc
-
-
-def sent_record(update: KMeansUpdate, spec: RoundSpec) -> dict:
-    """The state's record of an update about to be sent (JSON; floats exact)."""
-    return {"centroids_hash": spec.centroids_hash, "models": list(spec.models), "min_count": spec.min_count,
-            "count": update.statistics.count.tolist(), "sum_accuracy": update.statistics.sum_accuracy.tolist(),
-            "sum_cost": update.statistics.sum_cost.tolist(), "centroid_cells": update.centroid_cells.tolist(),
-            "local_centroids": update.local_centroids.tolist(), "local_weights": update.local_weights.tolist(),
-            "local_distinct": np.asarray(update.local_distinct, dtype=np.int64).tolist()
-            if update.local_distinct is not None else update.local_weights.astype(np.int64).tolist(),
-            "log_size": int(update.log_size)}

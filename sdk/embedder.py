@@ -31,7 +31,7 @@ def session_options(intra_op_threads: int = 1, inter_op_threads: int = 1):
     InvalidInputError
         A thread count that is not an integer >= 1.
     """
-    import onnxruntime as ort
+    import onnxruntime as ort  # heavy native library: loaded with the first bundle, not by `import sdk`
 
     for name, value in (("intra_op_threads", intra_op_threads), ("inter_op_threads", inter_op_threads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -45,7 +45,7 @@ def session_options(intra_op_threads: int = 1, inter_op_threads: int = 1):
 
 def inference_session(model: bytes, options, what: str):
     """An onnxruntime CPU session from model bytes; a model onnxruntime cannot load -> BundleError."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # heavy native library: loaded with the first bundle, not by `import sdk`
 
     try:
         return ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
@@ -81,7 +81,7 @@ class OnnxEmbedder:
 
     def __init__(self, tokenizer_json: str, model: bytes, dim: int, max_tokens: int,
                  truncation_side: str, options, batched: bool = True) -> None:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # native library: loaded with the first bundle, not by `import sdk`
 
         try:
             tokenizer = Tokenizer.from_str(tokenizer_json)

@@ -8,6 +8,8 @@ derive from the built-in class a caller would expect, so ``except ValueError`` k
     │   ├── InvalidLambdaError              lam negative, NaN, inf or not a real number
     │   ├── InvalidQueryError               a query that is not a str, or is empty / whitespace only
     │   ├── ShapeError                      array of the wrong shape, dtype or with non-finite values
+    │   ├── PrivacyError                    an update that would report fewer than min_count samples
+    │   ├── PayloadError                    bytes that do not decode as the format they claim (safetensors, .npz)
     │   └── BudgetError                     a cost budget that no lambda can meet
     ├── UnknownModelError (KeyError)        a model id the router or log does not know
     ├── BundleError                         a bundle that is missing, corrupt, tampered or inconsistent
@@ -40,6 +42,16 @@ class InvalidQueryError(InvalidInputError):
 
 class ShapeError(InvalidInputError):
     """An array has the wrong shape or dtype, or holds NaN/inf where finite values are required."""
+
+
+class PrivacyError(InvalidInputError):
+    """An update that breaks the privacy rule (ARCHITECTURE.md §6): an entry or a cell mean over
+    fewer than ``min_count`` samples, or a change since the last upload smaller than that."""
+
+
+class PayloadError(InvalidInputError):
+    """A message or file whose bytes do not decode as the format it claims (not safetensors, not
+    an ``.npz``, an envelope that is not a JSON object)."""
 
 
 class UnknownModelError(FedrouteError, KeyError):

@@ -11,7 +11,9 @@ layer keeps one registry keyed by the same ``(family, kind)``, because dependenc
                           (one interface per family: :class:`RouterScorer` for routers,
                           :class:`Embedder` for embedders) and its device round handler
 ``trainer.kinds``         its trainer (router class, local / federated fitting for the
-                          simulation) and its server round kind (open, validate, aggregate)
+                          simulation)
+``trainer.server.``       its server round kind (open, describe, validate, aggregate,
+``round_kinds``           publish), where it is federated over HTTPS (server extra)
 ``export.kinds``          its export step: bundle files, manifest fields, parity gate
 ========================  ==================================================================
 

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from sdk.embedder import inference_session
 from sdk.errors import BundleError
 from sdk.voronoi import nearest_cell
 
@@ -59,8 +60,6 @@ class MlpScorer:
     cells = False
 
     def __init__(self, model: bytes, models: Sequence[str], embedder: dict, options) -> None:
-        from sdk.embedder import inference_session
-
         self._session = inference_session(model, options, "router.onnx")
         meta = self._session.get_modelmeta().custom_metadata_map
         try:

@@ -28,7 +28,6 @@ so it survives restarts. httpx, no torch.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -39,13 +38,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import numpy as np
 
 from sdk import bundle_install, kinds
 from sdk import bundle_manifest as fmt
-from sdk.cell_statistics import CellStatistics
+from sdk.atomic_write import write_atomic
 from sdk.errors import (
     BundleError,
     FedrouteError,
@@ -54,16 +54,18 @@ from sdk.errors import (
     SyncError,
     SyncRejectedError,
 )
-from sdk.eval_log import EvalLog, Evaluations
 from sdk.device_rounds import DeviceRoundContext
+from sdk.eval_log import EvalLog, Evaluations
+from sdk.protocol import Receipt, SyncState, decode_sync_state, encode_sync_state
+from sdk.router import Router
 
-STATE_VERSION = 1
 #: Largest round description (``GET /v1/rounds/current``: the centroids) and MLP parameters read.
 MAX_ANSWER_BYTES = 64 << 20
 #: Largest receipt (``POST .../updates``) read.
 MAX_RECEIPT_BYTES = 1 << 20
 #: Bytes of an error answer read for its detail.
 MAX_ERROR_BYTES = 64 << 10
+_T = TypeVar("_T")
 #: Query a downloaded bundle must give an estimate for (some model with a finite accuracy).
 PROBE_QUERY = "hello"
 
@@ -222,7 +224,7 @@ class SyncClient:
         version, updated = self._update_bundle(state)
         return SyncResult(round_id, uploaded, late, update_id, log_size, version, updated, skipped)
 
-    def _sync_round(self, state: dict) -> tuple[int | None, bool, bool, int | None, int | None, str | None]:
+    def _sync_round(self, state: SyncState) -> tuple[int | None, bool, bool, int | None, int | None, str | None]:
         """The upload step: (round id, uploaded, late, update id, log size, why skipped)."""
         round_id = update_id = log_size = skipped = None
         uploaded = late = False
@@ -235,33 +237,30 @@ class SyncClient:
         if payload is None:
             return round_id, uploaded, late, update_id, log_size, skipped
         key = f"r{round_id}-{hashlib.sha256(payload).hexdigest()}"
-        last = state.get("last_upload") or {}
+        last = state.last_upload or {}
         if last.get("key") == key:  # acknowledged before: same round, same body
             return round_id, False, bool(last.get("late")), last.get("update_id"), last.get("log_size"), None
-        previous_sent = state.get("sent")
+        previous_sent = state.sent
         if sent is not None:  # what the server may see from now on, recorded before it is sent
-            state["sent"] = sent
+            state.sent = sent
             self._write_state(state)
         try:
-            receipt = _json(self._request(
+            answer = _json(self._request(
                 "POST", f"/v1/rounds/{round_id}/updates", content=payload, limit=MAX_RECEIPT_BYTES,
                 headers={"Idempotency-Key": key, "Content-Type": content_type}))
         except SyncRejectedError:  # refused (4xx): not stored, so hold against what the server has
             if sent is not None:
-                if previous_sent is None:
-                    state.pop("sent", None)
-                else:
-                    state["sent"] = previous_sent
+                state.sent = previous_sent
                 self._write_state(state)
             raise
-        update_id, late, uploaded = receipt.get("update_id"), bool(receipt.get("late")), True
-        log_size = receipt.get("log_size")
-        state["last_upload"] = {"round_id": round_id, "key": key, "update_id": update_id,
+        receipt = Receipt.from_json(answer)
+        update_id, late, uploaded, log_size = receipt.update_id, receipt.late, True, receipt.log_size
+        state.last_upload = {"round_id": round_id, "key": key, "update_id": update_id,
                                 "late": late, "log_size": log_size}
         self._write_state(state)
         return round_id, uploaded, late, update_id, log_size, None
 
-    def _prepare_upload(self, body: dict, state: dict) -> tuple[int, bytes | None, str, str | None, dict | None]:
+    def _prepare_upload(self, body: dict, state: SyncState) -> tuple[int, bytes | None, str, str | None, dict | None]:
         """(round id, upload body or None, its content type, why nothing is uploaded, the sent
         record to keep in the state or None), from the round kind's device handler (:mod:`sdk.kinds`)."""
         family, name = body.get("family", kinds.ROUTER_FAMILY), body.get("kind")
@@ -279,7 +278,7 @@ class SyncClient:
             except (KeyError, TypeError, ValueError) as exc:
                 raise SyncError(f"malformed round description from the server: {exc!r}") from exc
         context = DeviceRoundContext(
-            client_id=str(body.get("client_id", "")), rows=self.eval_log.rows, sent=state.get("sent"),
+            client_id=str(body.get("client_id", "")), rows=self.eval_log.rows, sent=state.sent,
             min_count_floor=self.min_count_floor, allow_repartition=self.allow_repartition,
             fetch=lambda path, limit: self._request("GET", path, ok=(200,), limit=limit).content,
             local_trainer=self.mlp_trainer, state_path=str(self.state_path))
@@ -288,11 +287,11 @@ class SyncClient:
 
     # -- bundle -------------------------------------------------------------------------------
 
-    def _update_bundle(self, state: dict) -> tuple[int | None, bool]:
+    def _update_bundle(self, state: SyncState) -> tuple[int | None, bool]:
         current = bundle_install.read_version(self.bundle_dir)
         headers = {}
-        if state.get("bundle_etag") and state.get("bundle_version") == current:
-            headers["If-None-Match"] = state["bundle_etag"]
+        if state.bundle_etag and state.bundle_version == current:
+            headers["If-None-Match"] = state.bundle_etag
         answer = self._request("GET", "/v1/bundles/latest", headers=headers, ok=(200, 304, 404),
                                limit=fmt.MAX_MANIFEST_BYTES)
         if answer.status_code in (304, 404):
@@ -302,15 +301,13 @@ class SyncClient:
         version = int(manifest["bundle_version"])
         installed = (current is None or version > current) and self._install(manifest, raw)
         in_use = bundle_install.read_version(self.bundle_dir)
-        state.update(bundle_etag=answer.headers.get("etag"), bundle_version=in_use)
+        state.bundle_etag, state.bundle_version = answer.headers.get("etag"), in_use
         self._write_state(state)
         return in_use, installed
 
     def _install(self, manifest: dict, raw: bytes) -> bool:
         """Install the verified ``manifest`` (bytes ``raw``) as the new bundle; False if a version at
         least as new was installed meanwhile (by another process)."""
-        from sdk.router import Router
-
         version = int(manifest["bundle_version"])
         with bundle_install.locked(self.bundle_dir):
             if (bundle_install.read_version(self.bundle_dir) or 0) >= version:
@@ -346,33 +343,31 @@ class SyncClient:
             return {}
 
     def _download(self, digest: str, path: Path) -> None:
-        for attempt in range(self.retries + 1):
-            try:
-                h = hashlib.sha256()
-                size = 0
-                with self._http.stream("GET", f"/v1/bundles/files/{digest}") as answer:
-                    if 500 <= answer.status_code < 600 and attempt < self.retries:
-                        self._backoff(attempt)
-                        continue
-                    if answer.status_code != 200:
-                        raise _rejection(answer)
-                    with path.open("wb") as f:
-                        for chunk in answer.iter_bytes(1 << 20):
-                            size += len(chunk)
-                            if size > fmt.MAX_FILE_BYTES:
-                                raise BundleError(f"{path.name}: download over the {fmt.MAX_FILE_BYTES}-byte limit")
-                            h.update(chunk)
-                            f.write(chunk)
-                        f.flush()
-                        os.fsync(f.fileno())
-                if h.hexdigest() != digest:
-                    raise BundleError(f"{path.name}: downloaded sha256 does not match the manifest")
-                return
-            except httpx.TransportError as exc:
-                _raise_if_certificate_error(exc)
-                if attempt >= self.retries:
-                    raise SyncError(f"downloading {path.name} failed after {attempt + 1} attempts: {exc!r}") from exc
-                self._backoff(attempt)
+        """Stream the bundle file ``digest`` to ``path`` (fsynced), through :meth:`_retrying`.
+
+        Raises BundleError (over the size limit, another sha256), SyncRejectedError (4xx), SyncError."""
+
+        def once() -> None:
+            h = hashlib.sha256()
+            size = 0
+            with self._http.stream("GET", f"/v1/bundles/files/{digest}") as answer:
+                if 500 <= answer.status_code < 600:
+                    raise _Transient(f"{answer.status_code} {_detail(answer)[:200]}")
+                if answer.status_code != 200:
+                    raise _rejection(answer)
+                with path.open("wb") as f:
+                    for chunk in answer.iter_bytes(1 << 20):
+                        size += len(chunk)
+                        if size > fmt.MAX_FILE_BYTES:
+                            raise BundleError(f"{path.name}: download over the {fmt.MAX_FILE_BYTES}-byte limit")
+                        h.update(chunk)
+                        f.write(chunk)
+                    f.flush()
+                    os.fsync(f.fileno())
+            if h.hexdigest() != digest:
+                raise BundleError(f"{path.name}: downloaded sha256 does not match the manifest")
+
+        self._retrying(f"downloading {path.name}", once)
 
     # -- HTTP with retries --------------------------------------------------------------------
 
@@ -382,8 +377,8 @@ class SyncClient:
 
         Raises SyncRejectedError (4xx), SyncError (another status not in ``ok``, a body over
         ``limit``, or still failing after the retries)."""
-        last: str = ""
-        for attempt in range(self.retries + 1):
+
+        def once() -> _Reply:
             try:
                 with self._http.stream(method, path, **kwargs) as answer:
                     if answer.status_code in ok:
@@ -391,15 +386,30 @@ class SyncClient:
                                       _read_limited(answer, limit, f"{method} {path}"), path)
                     if not 500 <= answer.status_code < 600:
                         raise _rejection(answer)
-                    last = f"{answer.status_code} {_detail(answer)[:200]}"
+                    raise _Transient(f"{answer.status_code} {_detail(answer)[:200]}")
+            except httpx.DecodingError as exc:  # a body its Content-Encoding cannot decode
+                raise SyncError(f"{method} {path}: undecodable answer ({exc})") from exc
+
+        return self._retrying(f"{method} {path}", once)
+
+    def _retrying(self, what: str, once: Callable[[], _T]) -> _T:
+        """The one retry loop: ``once()`` again after a transport error or a 5xx (:class:`_Transient`),
+        with exponential backoff and jitter, at most ``retries`` times; other errors propagate.
+
+        Raises SyncError when every attempt failed (the last reason quoted), or at once for a server
+        certificate that does not verify."""
+        last = ""
+        for attempt in range(self.retries + 1):
+            try:
+                return once()
+            except _Transient as exc:
+                last = exc.reason
             except httpx.TransportError as exc:  # connect/read/write errors and timeouts
                 _raise_if_certificate_error(exc)
                 last = repr(exc)
-            except httpx.DecodingError as exc:  # a body its Content-Encoding cannot decode
-                raise SyncError(f"{method} {path}: undecodable answer ({exc})") from exc
             if attempt < self.retries:
                 self._backoff(attempt)
-        raise SyncError(f"{method} {path} failed after {self.retries + 1} attempts: {last}")
+        raise SyncError(f"{what} failed after {self.retries + 1} attempts: {last}")
 
     def _backoff(self, attempt: int) -> None:
         delay = min(self.max_backoff_s, self.backoff_s * (2 ** attempt))
@@ -407,24 +417,26 @@ class SyncClient:
 
     # -- state --------------------------------------------------------------------------------
 
-    def _read_state(self) -> dict:
+    def _read_state(self) -> SyncState:
         try:
-            state = json.loads(self.state_path.read_text())
+            raw = self.state_path.read_bytes()
         except FileNotFoundError:
-            return {"version": STATE_VERSION}
-        except (OSError, ValueError) as exc:
+            return SyncState()
+        except OSError as exc:
             raise SyncError(f"sync state {self.state_path} is unreadable ({exc}); delete it to start over") from exc
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION or not isinstance(
-                state.get("last_upload") or {}, dict):
-            raise SyncError(f"sync state {self.state_path} has an unknown format; delete it to start over")
-        return state
+        return decode_sync_state(raw, str(self.state_path))
 
-    def _write_state(self, state: dict) -> None:
+    def _write_state(self, state: SyncState) -> None:
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_name(self.state_path.name + f".tmp-{os.getpid()}")
-        bundle_install.write_synced(tmp, json.dumps(state, sort_keys=True).encode())
-        os.replace(tmp, self.state_path)
-        bundle_install.fsync_dir(self.state_path.parent)
+        write_atomic(self.state_path, encode_sync_state(state))
+
+
+class _Transient(Exception):
+    """A failure worth retrying (a 5xx answer); ``reason`` quotes it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass(frozen=True)

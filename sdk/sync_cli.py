@@ -18,6 +18,11 @@ from typing import Annotated
 
 import typer
 
+from sdk import bundle_manifest as fmt
+from sdk.console import run_app
+from sdk.eval_log import EvalLog
+from sdk.sync import SyncClient
+
 
 def make_sync_command(mlp_trainer=None):
     """The ``sync`` command; ``mlp_trainer`` (see :class:`sdk.SyncClient`) lets it take part in MLP
@@ -41,10 +46,6 @@ def make_sync_command(mlp_trainer=None):
                  "uploads over two partitions can be combined)")] = False,
     ) -> None:
         """Upload this round's statistics and install a newer bundle, once."""
-        from sdk import bundle_manifest as fmt
-        from sdk.eval_log import EvalLog
-        from sdk.sync import SyncClient
-
         token = token_file.read_text().strip() if token_file else os.environ.get("FEDROUTE_TOKEN", "")
         if not token:
             raise typer.BadParameter("give --token-file or set FEDROUTE_TOKEN")
@@ -66,8 +67,6 @@ sync = make_sync_command()
 
 def main() -> None:
     """Console-script entry point of ``fedroute-sync``."""
-    from sdk.console import run_app
-
     app = typer.Typer(add_completion=False)
     app.command()(sync)
     run_app(app)

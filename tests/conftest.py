@@ -60,7 +60,7 @@ def fitted_routers(routerbench_dir: Path, tmp_path_factory):
     """
     from trainer.data.routerbench import load_routerbench_dir
     from trainer.embeddings import EmbedderConfig, embed_texts
-    from trainer.federated.client_data import ClientData
+    from trainer.data.client_data import ClientData
     from trainer.routers.kmeans_router import KMeansRouterConfig, fit_kmeans_router
     from trainer.routers.mlp_router import MLPRouterConfig, train_mlp_router
 

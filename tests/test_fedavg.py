@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from sdk.errors import InvalidInputError, ShapeError
-from trainer.federated.fedavg import fedavg
+from trainer.routers.fedavg import fedavg
 
 
 def test_fedavg_equals_the_sample_weighted_mean():

@@ -15,7 +15,7 @@ from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricR
 from flwr.serverapp import Grid  # noqa: E402
 
 from sdk.cell_statistics import CellStatistics  # noqa: E402
-from sdk.errors import ShapeError  # noqa: E402
+from sdk.errors import PrivacyError, ShapeError  # noqa: E402
 from sdk.eval_log import EvalLog  # noqa: E402
 from sdk.local_update import KMeansUpdate, RoundSpec, centroid_threshold, centroids_hash  # noqa: E402
 from sdk.voronoi import nearest_cell  # noqa: E402
@@ -32,7 +32,8 @@ from trainer.federated.flower_app import (  # noqa: E402
     update_to_record,
     validate_update,
 )
-from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans, gaussian_epsilon  # noqa: E402
+from trainer.federated.gaussian_privacy import gaussian_epsilon  # noqa: E402
+from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans  # noqa: E402
 from trainer.routers.kmeans_router import KMeansRouter  # noqa: E402
 
 N_CLIENTS = 3
@@ -319,19 +320,20 @@ def test_malformed_arrays_are_refused(arrays, message):
         update_from_ndarrays(arrays)
 
 
-@pytest.mark.parametrize("arrays, min_count, message", [
-    (update_to_ndarrays(small_update()), 3, r"count\[0, 0\]=2 is below min_count=3"),
-    (_with("log_size", np.array(4)), 1, "counts sum to 5, more than log_size=4"),
-    (_with("count", np.array([[1.5, 0.0], [0.0, 3.0]])), 1, "whole numbers"),
-    (_with("centroid_cells", np.array([0, 5])), 1, r"centroid_cells must lie in \[0, 2\)"),
-    (_with("centroid_cells", np.array([1, 1])), 1, "must not repeat"),
-    (_with("local_centroids", np.zeros((2, 3))), 1, r"must have shapes \(2, 2\)"),
-    (_with("local_weights", np.array([1.0, 3.0])), 1, "local_weights must be >= 2"),
-    (_with("local_centroids", np.array([[np.nan, 0.0], [1.0, 0.0]])), 1, "must be finite"),
+@pytest.mark.parametrize("arrays, min_count, error, message", [
+    (update_to_ndarrays(small_update()), 3, PrivacyError, r"count\[0, 0\]=2 is below min_count=3"),
+    (_with("log_size", np.array(4)), 1, ShapeError, "counts sum to 5, more than log_size=4"),
+    (_with("count", np.array([[1.5, 0.0], [0.0, 3.0]])), 1, ShapeError, "whole numbers"),
+    (_with("centroid_cells", np.array([0, 5])), 1, ShapeError, r"centroid_cells must lie in \[0, 2\)"),
+    (_with("centroid_cells", np.array([1, 1])), 1, ShapeError, "must not repeat"),
+    (_with("local_centroids", np.zeros((2, 3))), 1, ShapeError, r"must have shapes \(2, 2\)"),
+    (_with("local_weights", np.array([1.0, 3.0])), 1, PrivacyError, "local_weights must be >= 2"),
+    (_with("local_centroids", np.array([[np.nan, 0.0], [1.0, 0.0]])), 1, ShapeError, "must be finite"),
 ])
-def test_an_update_that_breaks_the_round_is_refused(arrays, min_count, message):
-    with pytest.raises(ShapeError, match=message):
+def test_an_update_that_breaks_the_round_is_refused(arrays, min_count, error, message):
+    with pytest.raises(error, match=message) as info:
         validate_update(update_from_ndarrays(arrays), np.zeros((2, 2), dtype=np.float32), 2, min_count)
+    assert type(info.value) is error
 
 
 def test_a_valid_update_passes_and_a_wrong_shape_of_statistics_does_not():

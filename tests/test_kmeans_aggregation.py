@@ -17,10 +17,10 @@ from trainer.federated.kmeans_aggregation import (
     AggregationConfig,
     aggregate_kmeans,
     clip_update,
-    gaussian_epsilon,
     lloyd_step,
     trimmed_merge,
 )
+from trainer.federated.gaussian_privacy import gaussian_epsilon
 
 
 def client_update(rng, centroids, n, n_models=4):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sdk.errors import InvalidInputError, ShapeError
-from trainer.federated.kmeans_aggregation import gaussian_epsilon
+from trainer.federated.gaussian_privacy import gaussian_epsilon
 from trainer.federated.mlp_aggregation import (
     MLPAggregationConfig,
     MLPUpdate,

@@ -5,7 +5,7 @@ import pytest
 
 from sdk import CellStatistics
 from sdk.errors import InvalidInputError, ShapeError
-from trainer.federated.client_data import ClientData
+from trainer.data.client_data import ClientData
 from trainer.routers.kmeans_router import (
     KMeansRouter,
     KMeansRouterConfig,

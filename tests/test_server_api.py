@@ -8,6 +8,7 @@ TestClient. The end-to-end run with real processes and TLS is in test_sync_e2e.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import msgpack
@@ -15,10 +16,13 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from export.publish import BundlePublisher
 from sdk.cell_statistics import CellStatistics
 from trainer.federated.kmeans_aggregation import AggregationConfig
 from trainer.server.app import create_app
-from trainer.server.rounds import close_round, open_round_from_bundle, round_settings
+from trainer.server.kmeans_rounds import open_round_from_bundle
+from trainer.server.round_kind import PublishTarget, RoundOutcome, round_settings
+from trainer.server.rounds import close_round
 from trainer.server.store import Store
 
 MAX_BODY = 256 * 1024
@@ -59,7 +63,7 @@ def server(request, tmp_path, kmeans_bundle, signing_keys, postgres):
                                       centroids=centroids)
 
     r = open_round()
-    app = create_app(store, kmeans_bundle, max_body_bytes=MAX_BODY, tick_s=60)
+    app = create_app(store, kmeans_bundle, max_body_bytes=MAX_BODY, tick_s=60, publisher=BundlePublisher())
     with TestClient(app, base_url="https://testserver") as http:
         yield {"store": store, "tokens": tokens, "round": r, "http": http, "open_round": open_round}
     store.close()
@@ -222,7 +226,7 @@ def test_retry_with_the_same_key_is_accepted_once(server):
 
 def test_empty_round_closes_as_a_no_op(server):
     outcome = close_round(server["store"], server["round"].id)
-    assert outcome["result"] == "no-op" and outcome["on_time_updates"] == 0
+    assert outcome.result == "no-op" and outcome.on_time_updates == 0
     assert server["store"].aggregate_of(server["round"].id) is None
     assert server["store"].get_round(server["round"].id).status == "closed"
     assert close_round(server["store"], server["round"].id) is None  # closing twice does nothing
@@ -231,14 +235,14 @@ def test_empty_round_closes_as_a_no_op(server):
 def test_straggler_is_counted_in_the_next_round(server):
     r1 = server["round"]
     assert post(server, payload(r1, client="alice"), client="alice", key="a").status_code == 201
-    assert close_round(server["store"], r1.id)["clients"] == ["alice"]
+    assert close_round(server["store"], r1.id).clients == ["alice"]
     late = post(server, payload(r1, client="bob", scale=3), client="bob", key="b")
     assert late.status_code == 201
     assert late.json()["late"] is True and late.json()["counted_in_round"] is None
     r2 = server["open_round"]()  # same centroids: bob's statistics merge
     outcome = close_round(server["store"], r2.id)
-    assert outcome["result"] == "aggregated" and outcome["late_updates_counted"] == 1
-    assert outcome["clients"] == ["alice", "bob"]  # alice still counts with her round-1 update
+    assert outcome.result == "aggregated" and outcome.late_updates_counted == 1
+    assert outcome.clients == ["alice", "bob"]  # alice still counts with her round-1 update
     agg = server["store"].aggregate_of(r2.id)
     expected = CellStatistics.merge([_stats(payload(r1)), _stats(payload(r1, scale=3))])
     np.testing.assert_allclose(agg["count"], expected.count)
@@ -252,7 +256,7 @@ def test_straggler_for_other_centroids_is_kept_as_stale(server):
     r2 = server["open_round"](centroids=r1.centroids[::-1].copy())
     assert post(server, {**payload(r2, client="carol")}, client="carol", key="c", round_id=r2.id).status_code == 201
     outcome = close_round(server["store"], r2.id)
-    assert outcome["stale_updates"] == 1 and outcome["clients"] == ["carol"]
+    assert outcome.stale_updates == 1 and outcome.clients == ["carol"]
     assert server["store"].count_updates() == 2  # kept, not lost
 
 
@@ -300,7 +304,7 @@ def test_a_close_interrupted_by_a_crash_is_finished_from_the_same_snapshot(serve
     while server["store"].get_round(r.id).status != "closed" and time.monotonic() < deadline:
         time.sleep(0.05)
     outcome = server["store"].get_round(r.id).outcome
-    assert outcome["clients"] == ["alice"] and outcome["late_updates_counted"] == 0  # bob waits for round 2
+    assert outcome.clients == ["alice"] and outcome.late_updates_counted == 0  # bob waits for round 2
     np.testing.assert_allclose(server["store"].aggregate_of(r.id)["count"], _stats(payload(r)).count)
     assert close_due_rounds(server["store"]) == []
 
@@ -312,7 +316,7 @@ def test_a_closer_holding_the_lease_keeps_others_out(server):
     assert server["store"].claim_close(r.id, "server") is None  # held: the server does not close it twice
     assert close_round(server["store"], r.id) is None
     assert server["store"].claim_close(r.id, "server", force=True) == snapshot  # a restart takes over
-    assert not server["store"].finish_close(r.id, {"result": "no-op"}, None, [], [], "operator")  # lost it
+    assert not server["store"].finish_close(r.id, RoundOutcome("no-op"), None, [], [], "operator")  # lost it
 
 
 def test_revoked_clients_no_longer_count(server):
@@ -321,7 +325,7 @@ def test_revoked_clients_no_longer_count(server):
     assert post(server, payload(r, client="bob"), client="bob", key="b").status_code == 201
     server["store"].revoke_client("alice")  # e.g. found poisoning the statistics
     outcome = close_round(server["store"], r.id)
-    assert outcome["clients"] == ["bob"]
+    assert outcome.clients == ["bob"]
     np.testing.assert_allclose(server["store"].aggregate_of(r.id)["count"], _stats(payload(r)).count)
 
 
@@ -366,24 +370,25 @@ def test_a_round_that_cannot_close_is_marked_failed_and_a_new_one_can_open(serve
     store, r = server["store"], server["round"]
     close_round(store, r.id)
     broken = server["open_round"]()  # publishes with a signing key that has since gone missing
-    settings = {**broken.settings, "publish": {"bundle_dir": str(tmp_path / "b"), "signing_key": str(tmp_path / "gone")}}
+    settings = dataclasses.replace(broken.settings, publish=PublishTarget(str(tmp_path / "b"), str(tmp_path / "gone")))
     import json as _json
 
     from trainer.server import store as tables
 
     with store.transaction() as conn:  # what an operator's typo in `rounds open --signing-key` stores
         conn.execute(tables.rounds.update().where(tables.rounds.c.id == broken.id)
-                     .values(settings=_json.dumps(settings)))
+                     .values(settings=_json.dumps(settings.to_json())))
     assert post(server, payload(broken), key="x", round_id=broken.id).status_code == 201
     bob = payload(broken, client="bob")
     assert post(server, bob, client="bob", key="y", round_id=broken.id).status_code == 201
     with store.transaction() as conn:  # its deadline passes
         conn.execute(tables.rounds.update().where(tables.rounds.c.id == broken.id).values(deadline_unix=0.0))
     for attempt in range(MAX_CLOSE_ATTEMPTS + 1):  # the app's own closer (woken by the upload) may try too
-        close_due_rounds(store, now=time.time() + 1000.0 * (attempt + 1), owner="operator", takeover={broken.id})
+        close_due_rounds(store, now=time.time() + 1000.0 * (attempt + 1), owner="operator", takeover={broken.id},
+                         publisher=BundlePublisher())
     outcome = store.get_round(broken.id).outcome
-    assert store.get_round(broken.id).status == "closed" and outcome["result"] == "failed"
-    assert "gone" in outcome["error"]
+    assert store.get_round(broken.id).status == "closed" and outcome.result == "failed"
+    assert "gone" in outcome.error
     assert store.count_updates() == 2  # the uploads are kept
     server["open_round"]()  # no longer blocked
 
@@ -440,7 +445,7 @@ def test_one_clients_statistics_are_never_published_alone(server, kmeans_bundle,
     r = open_round_from_bundle(store, bundle, signing_keys[1], deadline_s=600, quorum=100, min_count=2,
                                settings=settings)
     assert post(server, payload(r), key="solo", round_id=r.id).status_code == 201
-    outcome = close_round(store, r.id)
-    assert outcome["result"] == "aggregated" and outcome["bundle_version"] is None
-    assert "1 client(s)" in outcome["publish_skipped"]
+    outcome = close_round(store, r.id, publisher=BundlePublisher())
+    assert outcome.result == "aggregated" and outcome.bundle_version is None
+    assert "1 client(s)" in outcome.publish_skipped
     assert json.loads((bundle / "manifest.json").read_text())["bundle_version"] == 1  # nothing published

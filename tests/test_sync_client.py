@@ -28,6 +28,7 @@ from sdk.errors import (
     SyncRejectedError,
 )
 from sdk.local_update import centroids_hash
+from sdk.protocol import Receipt
 from sdk.sync import SyncClient
 
 MODELS = ("cheap", "mid", "strong")
@@ -63,7 +64,8 @@ class FakeServer:
             return httpx.Response(204) if self.round is None else httpx.Response(200, json=self.round)
         if request.method == "POST" and path.endswith("/updates"):
             body = json.loads(request.content)
-            return httpx.Response(201, json={"update_id": len(self.posts()), "late": False, "log_size": body["log_size"]})
+            return httpx.Response(201, json=Receipt(len(self.posts()), body["client_id"], body["round_id"], False,
+                                                    body["round_id"], body["log_size"]).to_json())
         if path == "/v1/bundles/latest":
             if self.manifest is None:
                 return httpx.Response(404, json={"detail": "no bundle"})

@@ -1,7 +1,7 @@
 """kill -9 of the aggregation server mid-round, under concurrent uploads (ARCHITECTURE.md §6).
 
 The small-scale version of ``benchmarks/sync_load.py``'s crash run, with the same code
-(``benchmarks/sync_fleet.py``): a real ``fedroute serve`` over TLS on 127.0.0.1 and a real SQLite
+(``tests/sync_fleet.py``): a real ``fedroute serve`` over TLS on 127.0.0.1 and a real SQLite
 file, 8 devices uploading synthetic K-means statistics (32 cells x the bundle's 11 models) back to
 back, SIGKILL mid-load, restart on the same database and port while the devices retry with the same
 ``Idempotency-Key``. No speed is asserted: only that no acknowledged upload is lost, no key is stored
@@ -15,7 +15,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from benchmarks.sync_fleet import (
+from sync_fleet import (
     Fleet,
     ServerProcess,
     check_recovery,

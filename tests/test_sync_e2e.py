@@ -65,7 +65,7 @@ def wait_for(predicate, timeout_s: float = 60.0):
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory, make_bundle, signing_keys, routerbench_dir):
     """Server bundle, three device bundles and logs, the TLS files, clients and an open round."""
-    from benchmarks.sync_fleet import write_tls_files
+    from sync_fleet import write_tls_files
     from trainer.data.routerbench import load_routerbench_dir
 
     work = tmp_path_factory.mktemp("sync_e2e")
@@ -101,7 +101,7 @@ def deployment(tmp_path_factory, make_bundle, signing_keys, routerbench_dir):
 
 @pytest.fixture(scope="module")
 def server(deployment):
-    from benchmarks.sync_fleet import ServerProcess
+    from sync_fleet import ServerProcess
 
     work = deployment["work"]
     process = ServerProcess(work, deployment["db"], work / "server.pem", deployment["ca"],

@@ -33,7 +33,7 @@ def cli(*args: str) -> str:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, make_bundle, signing_keys, fitted_routers, routerbench_dir):
-    from benchmarks.sync_fleet import ServerProcess, write_tls_files
+    from sync_fleet import ServerProcess, write_tls_files
     from trainer.data.routerbench import load_routerbench_dir
 
     work = tmp_path_factory.mktemp("sync_mlp")
@@ -166,7 +166,7 @@ def mlp_api(tmp_path, make_bundle, signing_keys, fitted_routers):
     from trainer.routers.mlp_router import MLPRouter
     from trainer.server.app import create_app
     from trainer.server.mlp_rounds import network_settings, open_mlp_round
-    from trainer.server.rounds import round_settings
+    from trainer.server.round_kind import round_settings
     from trainer.server.store import Store
 
     bundle = make_bundle(tmp_path / "bundle", "mlp")
@@ -216,7 +216,7 @@ def test_mlp_upload_checks(mlp_api):
 def test_an_aggregate_with_non_finite_predictions_is_not_published(fitted_routers):
     from trainer.routers.mlp_router import MLPRouter
     from trainer.server.mlp_rounds import check_predictions
-    from trainer.server.publish import PublishRefused
+    from trainer.server.errors import PublishRefused
 
     trained = MLPRouter.load(fitted_routers["dir"] / "mlp")
     check_predictions(trained)  # the trained router is fine

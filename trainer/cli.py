@@ -7,18 +7,20 @@ Heavy libraries (torch, sentence-transformers) are imported inside the commands,
 from __future__ import annotations
 
 import json
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from sdk.console import run_app
+from sdk.errors import InvalidInputError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
 
 
 def _version(value: bool) -> None:
     if value:
-        from importlib.metadata import PackageNotFoundError, version
-
         try:
             typer.echo(f"fedroute {version('fedroute')}")
         except PackageNotFoundError:
@@ -45,7 +47,7 @@ def _need_trainer() -> None:
 
 
 def _load_tables(data: Optional[Path], train: Optional[Path], test: Optional[Path]):
-    from trainer.data.routerbench import load_eval_file, load_routerbench_dir
+    from trainer.data.routerbench import load_eval_file, load_routerbench_dir  # trainer extra: `fedroute --help` works without it
 
     if train is not None or test is not None:
         if train is None or test is None:
@@ -69,7 +71,7 @@ DeviceOpt = Annotated[str, typer.Option(help="torch device for embedding and MLP
 
 
 def _check_device(device: str) -> None:
-    import torch
+    import torch  # trainer extra (torch), imported on use
 
     try:
         dev = torch.device(device)
@@ -80,9 +82,8 @@ def _check_device(device: str) -> None:
 
 
 def _config(n_clients: int, alpha: float, routers: str, device: str):
-    from sdk.errors import InvalidInputError
-    from trainer.routers.mlp_router import MLPRouterConfig
-    from trainer.simulation import SimulationConfig
+    from trainer.routers.mlp_router import MLPRouterConfig  # trainer extra: `fedroute --help` works without it
+    from trainer.simulation import SimulationConfig  # trainer extra: `fedroute --help` works without it
 
     _check_device(device)
     kinds = tuple(k.strip() for k in routers.split(",") if k.strip())
@@ -109,8 +110,8 @@ def simulate(
 ) -> None:
     """Run the federated simulation protocol (METRICS.md) and write results.json, results.md, curves.png."""
     _need_trainer()
-    from trainer.embeddings import EmbedderConfig
-    from trainer.experiments import run_simulation
+    from trainer.embeddings import EmbedderConfig  # trainer extra: `fedroute --help` works without it
+    from trainer.experiments import run_simulation  # trainer extra: `fedroute --help` works without it
 
     config = _config(n_clients, alpha, routers, device)
     train_t, test_t = _load_tables(data, train, test)
@@ -137,8 +138,8 @@ def ablate(
 ) -> None:
     """N in {5, 10, 20, 40} and alpha in {0.03, 0.1, 0.6, 5.0} ablations into ablation.{json,md,png}."""
     _need_trainer()
-    from trainer.embeddings import EmbedderConfig
-    from trainer.experiments import run_ablation
+    from trainer.embeddings import EmbedderConfig  # trainer extra: `fedroute --help` works without it
+    from trainer.experiments import run_ablation  # trainer extra: `fedroute --help` works without it
 
     config = _config(10, 0.6, routers, device)
     train_t, test_t = _load_tables(data, train, test)
@@ -153,7 +154,7 @@ def keygen(
     force: Annotated[bool, typer.Option(help="replace an existing signing.key")] = False,
 ) -> None:
     """Create an Ed25519 key pair for signing bundles."""
-    from export.signing import generate_keypair
+    from export.signing import generate_keypair  # export: trainer extra (torch, onnx)
 
     private, public = generate_keypair(out, overwrite=force)
     typer.echo(f"wrote {private} (keep it secret) and {public} (ship it with the app)")
@@ -162,8 +163,6 @@ def keygen(
 def _parse_prices(spec: Optional[Path]) -> dict:
     if spec is None:
         return {}
-    import json
-
     shape = "JSON {model: {\"input\": USD per 1k tokens, \"output\": USD per 1k tokens}}"
     try:
         raw = json.loads(spec.read_text())
@@ -214,7 +213,7 @@ def export_cmd(
                    f"at {result.out}; parity passed: " + json.dumps({k: v for k, v in result.parity.items()
                                                                      if k in ("fp32", "int8", "n_pairs")}))
         return
-    from export.pipeline import export_bundle
+    from export.pipeline import export_bundle  # export: trainer extra (torch, onnx)
 
     result = export_bundle(router, out, signing_key, int8=int8, data=data, bundle_version=bundle_version,
                            prices=_parse_prices(prices), cache_dir=cache_dir, progress=typer.echo)
@@ -224,12 +223,14 @@ def export_cmd(
 
 
 def _register_server_commands() -> None:
-    from trainer.server.cli import register
+    # This is the console-script module at the top (ARCHITECTURE.md §2): the only one that imports
+    # sdk, trainer and export, and it hands export's publishing to the server.
+    from export.publish import BundlePublisher
+    from sdk.sync_cli import make_sync_command  # sdk (httpx), with the sync command
+    from trainer.federated.mlp_local import train_on_log  # trainer extra: `fedroute --help` works without it
+    from trainer.server.cli import register  # typer commands; the server extra is imported inside them
 
-    from sdk.sync_cli import make_sync_command
-    from trainer.federated.mlp_local import train_on_log
-
-    register(app)
+    register(app, publisher=BundlePublisher())
     app.command("sync")(make_sync_command(mlp_trainer=train_on_log))
 
 
@@ -247,8 +248,6 @@ _register_prism_commands()
 
 def main() -> None:
     """Console-script entry point: errors of ours print one line and exit 2, not a traceback."""
-    from sdk.console import run_app
-
     run_app(app)
 
 

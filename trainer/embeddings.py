@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from sdk.errors import InvalidInputError
+from trainer.data.errors import DataUnavailableError
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
 HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
@@ -110,9 +111,7 @@ class EmbeddingCache:
 
 def load_sentence_transformer(config: EmbedderConfig):
     """The sentence-transformers model of ``config``, set to read the last ``max_tokens`` tokens."""
-    from sentence_transformers import SentenceTransformer
-
-    from trainer.data.errors import DataUnavailableError
+    from sentence_transformers import SentenceTransformer  # heavy (torch): imported on use
 
     path = resolve_model_path(config.model)
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sdk.errors import InvalidInputError
 from trainer import metrics, report
 from trainer.data.routerbench import EvalTable
 from trainer.embeddings import EmbedderConfig, embed_texts
@@ -23,7 +24,7 @@ ABLATION_ALPHA = (0.03, 0.1, 0.6, 5.0)
 
 
 def _log(msg: str) -> None:
-    from rich.console import Console
+    from rich.console import Console  # trainer extra (rich), imported on use
 
     Console(stderr=True, soft_wrap=True).print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
 
@@ -37,8 +38,6 @@ def check_tables(train: EvalTable, test: EvalTable) -> None:
         Fewer than 2 models; different model lists; an empty train table; no test row labelled
         for every model. Warns (log line) about models without any train label.
     """
-    from sdk.errors import InvalidInputError
-
     if train.n_models < 2:
         raise InvalidInputError(f"{train.source}: routing needs at least 2 models, found {list(train.models)}")
     if tuple(train.models) != tuple(test.models):
@@ -65,8 +64,6 @@ def check_tables(train: EvalTable, test: EvalTable) -> None:
 
 
 def _prepare_out(out: Path) -> None:
-    from sdk.errors import InvalidInputError
-
     if out.exists() and not out.is_dir():
         raise InvalidInputError(f"--out {out} exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
@@ -119,7 +116,7 @@ def run_simulation(
     test, test_emb = _evaluation_table(test, test_emb)
     references = reference_reports(test)
     results = []
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # trainer extra (tqdm), imported on use
 
     for seed in tqdm(list(seeds), desc="seeds"):
         results.append(run_seed(train, train_emb, test, test_emb, config, seed, progress=_log, show_rounds=True))
@@ -220,10 +217,10 @@ def ablation_markdown(payload: dict) -> str:
 
 def plot_ablation(path: Path, payload: dict) -> None:
 
-    import matplotlib
+    import matplotlib  # trainer extra (matplotlib), only when plotting
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # trainer extra (matplotlib), only when plotting
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120)
     for ax, (axis, rows) in zip(axes, payload["ablations"].items()):

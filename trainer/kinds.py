@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from sdk.errors import InvalidInputError
 from sdk.kind_registry import KindRegistry, UnknownKindError
-from trainer.federated.client_data import ClientData
+from trainer.data.client_data import ClientData
 from trainer.routers.base import Router, read_meta
 from trainer.routers.kmeans_router import KMeansRouter, fit_federated_kmeans_router, fit_kmeans_router
 from trainer.routers.mlp_router import MLPRouter, train_mlp_router
@@ -90,12 +91,10 @@ def register(kind: TrainerKind, *, replace: bool = False) -> TrainerKind:
         Not a :class:`TrainerKind`, a bad name, a name taken (without ``replace``), or a router
         kind whose ``router_class`` has another ``kind`` than the kind's name.
     """
-    from sdk.errors import InvalidInputError
-
     cls = getattr(kind, "router_class", None)
     if isinstance(kind, RouterTrainerKind) and (cls is None or cls.kind != kind.name):
-        raise InvalidInputError(f"trainer kind {kind.name!r}: router_class must be a Router subclass with "
-                                f"kind == {kind.name!r}, got {cls!r}")
+        raise InvalidInputError(f"trainer kind {kind.name!r}: router_class must be a Router subclass whose "
+                                f"kind is {kind.name!r}, got {cls!r}")
     return REGISTRY.register(kind, replace=replace)
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sdk.errors import InvalidInputError, ShapeError
 from sdk.utility import _decide_unchecked, check_lambda
-from sdk.errors import ShapeError
 
 
 def lambda_grid(n_points: int = 100, low: float = 1e-2, high: float = 1e7) -> np.ndarray:
@@ -119,7 +119,7 @@ def _frontier_value(h: np.ndarray, x: float) -> float:
 def normalise_cost(cost: np.ndarray, c_lo: float, c_hi: float) -> np.ndarray:
     """``u = (c - c_lo) / (c_hi - c_lo)`` (METRICS.md step 4)."""
     if not c_hi > c_lo:
-        raise ShapeError(f"c_hi={c_hi} must be > c_lo={c_lo}")
+        raise InvalidInputError(f"c_hi={c_hi} must be > c_lo={c_lo}")
     return (np.asarray(cost, dtype=np.float64) - c_lo) / (c_hi - c_lo)
 
 

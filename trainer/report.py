@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 
+from sdk.atomic_write import write_atomic
 from trainer import metrics
 from trainer.kinds import display_name
 
@@ -34,21 +35,19 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Atomic write (temp file + rename) of a text file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Atomic write of a UTF-8 text file (:func:`sdk.atomic_write.write_atomic`)."""
+    write_atomic(Path(path), text.encode("utf-8"))
 
 
 def save_figure(fig, path: Path, dpi: int | None = None) -> None:
-    """Lay out, save atomically (temp file + rename) as PNG, and close a matplotlib figure."""
-    import matplotlib.pyplot as plt
+    """Lay out, save atomically as PNG (:func:`sdk.atomic_write.write_atomic`), and close a matplotlib figure."""
+    import matplotlib.pyplot as plt  # trainer extra (matplotlib), only when plotting
 
     fig.tight_layout()
-    tmp = Path(path).with_name(Path(path).stem + ".tmp.png")
-    fig.savefig(tmp, dpi=dpi)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
+    write_atomic(Path(path), buf.getvalue())
 
 
 def _fmt_ratio(x: float) -> str:
@@ -111,10 +110,10 @@ def plot_curves(path: Path, curves: dict[str, np.ndarray], single_models: np.nda
     curves : name -> points of shape (n_points, 2) (mean cost USD, mean accuracy).
     single_models : ndarray of shape (n_models, 2).
     """
-    import matplotlib
+    import matplotlib  # trainer extra (matplotlib), only when plotting
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # trainer extra (matplotlib), only when plotting
 
     c_lo, c_hi = float(single_models[:, 0].min()), float(single_models[:, 0].max())
     fig, axes = plt.subplots(1, 2, figsize=(14, 6), dpi=110)

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sdk.errors import InvalidInputError
 from sdk.personalisation import interpolation_weights, personalise
-from trainer import metrics
+from trainer import kinds, metrics
+from trainer.data.client_data import ClientData
 from trainer.data.routerbench import EvalTable
-from trainer.federated.client_data import ClientData
 from trainer.federated.partition import dirichlet_partition, sparse_logging
-from trainer import kinds
 from trainer.routers.base import Router
 from trainer.routers.kmeans_router import KMeansRouterConfig
 from trainer.routers.mlp_router import MLPRouterConfig
@@ -47,9 +47,7 @@ class SimulationConfig:
     kmeans: KMeansRouterConfig = field(default_factory=KMeansRouterConfig)
 
     def __post_init__(self) -> None:
-        from sdk.errors import InvalidInputError
-
-        valid = kinds.names()
+        valid = kinds.in_order()  # registration order: mlp, kmeans (the CLI has always listed them so)
         unknown = set(self.routers) - set(valid)
         if not self.routers:
             raise InvalidInputError(f"no router kind given; valid: {list(valid)}")

@@ -175,7 +175,7 @@ class EvalTable:
             raise ShapeError(f"index must be 1-D, got shape {rows.shape}")
         if rows.size == 0 and rows.dtype.kind not in "bi":
             rows = rows.astype(np.intp)
-        if rows.dtype.kind == "b":
+        if rows.dtype == np.bool_:  # a mask (numpy dtype, not an artefact kind)
             if rows.shape[0] != self.n_queries:
                 raise ShapeError(
                     f"boolean mask has length {rows.shape[0]}, should be n_queries={self.n_queries}"

@@ -71,22 +71,19 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import EvalLogError, InvalidInputError, ShapeError
 from sdk.eval_log import EvalLog
-from sdk.local_update import (
+from sdk.local_update import kmeans_update
+from sdk.protocol import (
+    UPDATE_ARRAYS,
     KMeansUpdate,
     RoundSpec,
     centroids_hash,
-    kmeans_update,
+    kmeans_update_from_arrays,
+    kmeans_update_to_arrays,
 )
-from trainer.federated.kmeans_aggregation import (
-    AggregationConfig,
-    aggregate_kmeans,
-    gaussian_epsilon,
-)
+from trainer.federated.gaussian_privacy import gaussian_epsilon
+from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans
 from trainer.federated.update_checks import check_kmeans_update as validate_update
 from trainer.routers.kmeans_router import KMeansRouter
-
-#: Names of the arrays of a serialised :class:`KMeansUpdate`, in order (see :func:`update_to_ndarrays`).
-UPDATE_ARRAYS = ("count", "sum_accuracy", "sum_cost", "centroid_cells", "local_centroids", "local_weights", "log_size")
 
 #: Record keys of the messages (module docstring).
 CENTROIDS_KEY = "centroids"
@@ -104,64 +101,9 @@ _ROUND_CONFIG_KEYS = ("round-id", "centroids-hash", "models", "embedder-name", "
 # --------------------------------------------------------------------------- wire format
 
 
-def update_to_ndarrays(update: KMeansUpdate) -> dict[str, np.ndarray]:
-    """A :class:`KMeansUpdate` as named numpy arrays (the keys of :data:`UPDATE_ARRAYS`).
-
-    Returns
-    -------
-    dict with ``count``, ``sum_accuracy``, ``sum_cost`` : ndarrays of shape (n_cells, n_models),
-    float64 (sum_cost in USD); ``centroid_cells`` : (n_reported,) int64; ``local_centroids`` :
-    (n_reported, d_emb) float64; ``local_weights`` : (n_reported,) float64; ``log_size`` : shape (),
-    int64. Values are copied exactly (no rounding).
-    """
-    s = update.statistics
-    return {
-        "count": np.asarray(s.count, dtype=np.float64),
-        "sum_accuracy": np.asarray(s.sum_accuracy, dtype=np.float64),
-        "sum_cost": np.asarray(s.sum_cost, dtype=np.float64),
-        "centroid_cells": np.asarray(update.centroid_cells, dtype=np.int64),
-        "local_centroids": np.asarray(update.local_centroids, dtype=np.float64),
-        "local_weights": np.asarray(update.local_weights, dtype=np.float64),
-        "log_size": np.asarray(update.log_size, dtype=np.int64),
-    }
-
-
-def update_from_ndarrays(arrays: Mapping[str, np.ndarray]) -> KMeansUpdate:
-    """Inverse of :func:`update_to_ndarrays`; checks names, dtypes and ranks (not the round: see
-    :func:`validate_update`).
-
-    Raises
-    ------
-    ShapeError
-        A name of :data:`UPDATE_ARRAYS` is missing or another one is present, an array has a
-        non-numeric dtype or the wrong rank, or the statistics are invalid (negative or non-finite
-        counts, ``sum_accuracy`` outside ``[0, count]``, negative costs).
-    """
-    names = set(arrays)
-    if names != set(UPDATE_ARRAYS):
-        raise ShapeError(
-            f"an update holds exactly the arrays {list(UPDATE_ARRAYS)}; missing {sorted(set(UPDATE_ARRAYS) - names)}, "
-            f"unexpected {sorted(names - set(UPDATE_ARRAYS))}"
-        )
-    ranks = {"count": 2, "sum_accuracy": 2, "sum_cost": 2, "centroid_cells": 1, "local_centroids": 2,
-             "local_weights": 1, "log_size": 0}
-    out: dict[str, np.ndarray] = {}
-    for name in UPDATE_ARRAYS:
-        arr = np.asarray(arrays[name])
-        integral = name in ("centroid_cells", "log_size")
-        if arr.dtype.kind not in ("iu" if integral else "fiu"):
-            kind = "integers" if integral else "numbers"
-            raise ShapeError(f"update array {name!r} must hold {kind}, got dtype {arr.dtype}")
-        if arr.ndim != ranks[name]:
-            raise ShapeError(f"update array {name!r} must be {ranks[name]}-D, got shape {arr.shape}")
-        out[name] = arr
-    return KMeansUpdate(
-        statistics=CellStatistics(out["count"], out["sum_accuracy"], out["sum_cost"]),
-        centroid_cells=out["centroid_cells"].astype(np.int64),
-        local_centroids=out["local_centroids"].astype(np.float64),
-        local_weights=out["local_weights"].astype(np.float64),
-        log_size=int(out["log_size"]),
-    )
+#: The arrays of an update are :mod:`sdk.protocol`'s (the same named arrays the server store keeps).
+update_to_ndarrays = kmeans_update_to_arrays
+update_from_ndarrays = kmeans_update_from_arrays
 
 
 def update_to_record(update: KMeansUpdate, partition_hash: str) -> RecordDict:

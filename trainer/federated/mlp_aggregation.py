@@ -10,7 +10,7 @@ FedAvg, Nguyen et al. 2022, "FedBuff"):
 
 - **FedAvg** (McMahan et al. 2017): ``theta_{r+1} = theta_r + sum_i w_i d_i / sum_i w_i`` with
   ``w_i = n_i``; with every delta based on ``theta_r`` this is the sample-weighted mean of the
-  uploaded parameters (:func:`trainer.federated.fedavg.fedavg`).
+  uploaded parameters (:func:`trainer.routers.fedavg.fedavg`).
 - **Weight clipping**: ``w_i = min(n_i, C)``.
 - **Trimmed mean** (Yin et al. 2018): per coordinate, the ``floor(beta n)`` lowest and highest deltas
   are dropped and the rest averaged (unweighted).
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sdk.errors import InvalidInputError, ShapeError
-from trainer.federated.fedavg import fedavg
-from trainer.federated.kmeans_aggregation import gaussian_epsilon
+from trainer.routers.fedavg import fedavg
+from trainer.federated.gaussian_privacy import gaussian_epsilon
 
 Parameters = Mapping[str, np.ndarray]
 

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from collections.abc import Mapping
 
 import numpy as np
 
-from sdk.errors import ShapeError
+from sdk.errors import PayloadError, ShapeError
 from sdk.eval_log import Evaluations
+from trainer.data.client_data import ClientData
+from trainer.routers.mlp_router import MLPRouterConfig, Party, build_network, local_train
 
 UPLOAD_FIELDS = ("client_id", "round_id", "kind", "parameters_hash", "n_samples", "log_size")
 
@@ -35,7 +38,7 @@ ENVELOPE_KEY = "fedroute"
 def parameters_bytes(parameters: Mapping[str, np.ndarray], envelope: Mapping | None = None) -> bytes:
     """safetensors bytes of float32 ``parameters`` with the JSON ``envelope`` in the metadata.
     Deterministic: the same parameters and envelope give the same bytes."""
-    from safetensors.numpy import save
+    from safetensors.numpy import save  # trainer extra (safetensors), imported on use
 
     arrays = {k: np.ascontiguousarray(parameters[k], dtype=np.float32) for k in sorted(parameters)}
     metadata = None if envelope is None else {ENVELOPE_KEY: json.dumps(dict(envelope), sort_keys=True)}
@@ -49,13 +52,13 @@ def read_parameters(data: bytes) -> tuple[dict[str, np.ndarray], dict]:
 
     Raises
     ------
+    PayloadError
+        Not safetensors, or an envelope that is not a JSON object.
     ShapeError
-        Not safetensors, a tensor that is not float32, or an envelope that is not a JSON object.
+        A tensor that is not float32.
     """
-    import struct
-
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
+    from safetensors import SafetensorError  # trainer extra (safetensors), imported on use
+    from safetensors.numpy import load  # trainer extra (safetensors), imported on use
 
     try:
         arrays = load(data)
@@ -63,18 +66,16 @@ def read_parameters(data: bytes) -> tuple[dict[str, np.ndarray], dict]:
         metadata = json.loads(data[8:8 + n]).get("__metadata__") or {}
         envelope = json.loads(metadata[ENVELOPE_KEY]) if ENVELOPE_KEY in metadata else {}
     except (SafetensorError, ValueError, TypeError, AttributeError, RecursionError, struct.error) as exc:
-        raise ShapeError(f"not a valid safetensors body: {exc}") from exc
+        raise PayloadError(f"not a valid safetensors body: {exc}") from exc
     for k, v in arrays.items():
         if v.dtype != np.float32:
             raise ShapeError(f"parameter '{k}' must be float32, got {v.dtype}")
     if not isinstance(envelope, dict):
-        raise ShapeError(f"safetensors metadata '{ENVELOPE_KEY}' must hold a JSON object")
+        raise PayloadError(f"safetensors metadata '{ENVELOPE_KEY}' must hold a JSON object")
     return arrays, envelope
 
 
 def _client_data(evaluations: Evaluations, models: list[str], d_emb: int):
-    from trainer.federated.client_data import ClientData
-
     emb = evaluations.embedding
     n = len(evaluations)
     if n and emb.shape[1] not in (0, d_emb):
@@ -108,14 +109,7 @@ def train_on_log(evaluations: Evaluations, round_: Mapping, parameters: bytes, c
     ShapeError
         The parameters do not fit the round's network, or the log's embeddings another dimension.
     """
-    import torch
-
-    from trainer.routers.mlp_router import (
-        MLPRouterConfig,
-        Party,
-        build_network,
-        local_train,
-    )
+    import torch  # trainer extra: only devices that train import it
 
     models = list(round_["models"])
     data = _client_data(evaluations, models, int(round_["d_emb"]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sdk.errors import ShapeError
+from sdk.errors import PrivacyError, ShapeError
 from sdk.local_update import KMeansUpdate, centroid_threshold
 
 
@@ -25,15 +25,16 @@ def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: i
 
     Raises
     ------
+    PrivacyError
+        The privacy rule is broken: an entry with ``0 < count < min_count``, or local weights below
+        ``max(min_count, 2)``.
     ShapeError
-        Statistics of another shape than (n_cells, n_models); non-integral counts; an entry with
-        ``0 < count < min_count`` (privacy rule broken); counts summing above ``log_size``;
-        reported cells out of range or repeated; local centroids of the wrong shape or non-finite;
-        local weights non-integral, below ``max(min_count, 2)`` or summing above ``log_size``; a
-        negative ``log_size``; mean embeddings of norm above 1 (means of unit vectors); sums where
-        the count is 0. The message quotes the offending values. (Negative counts, sums of scores
-        outside ``[0, count]``, negative costs and NaN/inf are refused earlier, by
-        :class:`sdk.CellStatistics`.)
+        Statistics of another shape than (n_cells, n_models); non-integral counts; counts summing
+        above ``log_size``; reported cells out of range or repeated; local centroids of the wrong
+        shape or non-finite; local weights non-integral or summing above ``log_size``; a negative
+        ``log_size``; mean embeddings of norm above 1 (means of unit vectors); sums where the count
+        is 0. The message quotes the offending values. (Negative counts, sums of scores outside
+        ``[0, count]``, negative costs and NaN/inf are refused earlier, by :class:`sdk.CellStatistics`.)
     """
     n_cells, d_emb = np.shape(centroids)
     s = update.statistics
@@ -46,7 +47,7 @@ def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: i
     small = (s.count > 0) & (s.count < min_count)
     if small.any():
         k, m = np.argwhere(small)[0]
-        raise ShapeError(
+        raise PrivacyError(
             f"count[{k}, {m}]={s.count[k, m]:g} is below min_count={min_count}: such entries are not reported"
         )
     total = float(s.count.sum())
@@ -69,7 +70,7 @@ def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: i
         raise ShapeError("local_weights must be whole numbers (queries per cell)")
     threshold = centroid_threshold(min_count)
     if n_rep and weights.min() < threshold:
-        raise ShapeError(f"local_weights must be >= {threshold} (a mean of fewer queries is not reported), "
+        raise PrivacyError(f"local_weights must be >= {threshold} (a mean of fewer queries is not reported), "
                          f"got {weights.min():g}")
     if float(weights.sum()) > update.log_size:
         raise ShapeError(f"local_weights sum to {weights.sum():g}, more than log_size={update.log_size}")
@@ -89,7 +90,7 @@ def check_difference(update: KMeansUpdate, previous: KMeansUpdate | None, min_co
 
     Raises
     ------
-    ShapeError
+    PrivacyError
         The update breaks the rule (the message names the first entry or cell).
     """
     if previous is None or previous.statistics.count.shape != update.statistics.count.shape:
@@ -99,8 +100,8 @@ def check_difference(update: KMeansUpdate, previous: KMeansUpdate | None, min_co
     small = (d > 0) & (d < min_count) & (update.statistics.count > 0)
     if small.any():
         k, m = np.argwhere(small)[0]
-        raise ShapeError(f"count[{k}, {m}] moved by {d[k, m]:g} since your last upload for these centroids, fewer "
-                         f"than min_count={min_count}: hold it back until it moves by at least that")
+        raise PrivacyError(f"count[{k}, {m}] moved by {d[k, m]:g} since your last upload for these centroids, fewer "
+                           f"than min_count={min_count}: hold it back until it moves by at least that")
     n_cells = update.statistics.n_cells
 
     def dense(u: KMeansUpdate) -> np.ndarray:
@@ -114,8 +115,8 @@ def check_difference(update: KMeansUpdate, previous: KMeansUpdate | None, min_co
     small = (dw > 0) & (dw < threshold) & (now > 0)
     if small.any():
         k = int(np.flatnonzero(small)[0])
-        raise ShapeError(f"the mean of cell {k} moved by {dw[k]:g} queries since your last upload, fewer than "
-                         f"{threshold}: hold it back")
+        raise PrivacyError(f"the mean of cell {k} moved by {dw[k]:g} queries since your last upload, fewer than "
+                           f"{threshold}: hold it back")
 
 
 __all__ = ["check_difference", "check_kmeans_update"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sdk.atomic_write import write_atomic
 from sdk.errors import InvalidInputError, ShapeError
 from sdk.utility import decide
 
@@ -69,9 +70,7 @@ class Router(abc.ABC):
             meta["embedder"] = self.embedder
         if getattr(self, "provenance", None) is not None:
             meta["provenance"] = self.provenance
-        tmp = directory / (ROUTER_FILE + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True))
-        tmp.replace(directory / ROUTER_FILE)
+        write_atomic(directory / ROUTER_FILE, json.dumps(meta, indent=2, sort_keys=True).encode("utf-8"))
 
 
 def read_meta(directory: Path) -> dict:

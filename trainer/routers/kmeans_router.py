@@ -18,17 +18,20 @@ Cell means are shrunk toward each model's overall mean (``prior_strength`` pseud
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from sdk.atomic_write import write_atomic
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import InvalidInputError
 from sdk.voronoi import nearest_cell
-from trainer.federated.client_data import ClientData
+from trainer.data.client_data import ClientData
 from trainer.routers.base import Router, read_meta
+from trainer.routers.shrinkage import shrunk_means
 
 KMEANS_FILE = "kmeans.npz"
 
@@ -41,7 +44,7 @@ class KMeansRouterConfig:
     n_local_clusters : K_local, centroids each client uploads.
     prior_strength : kappa >= 0, pseudo-observations of the model mean in each cell mean.
     model_prior_strength : kappa0 >= 0, pseudo-observations of the all-model mean accuracy in each
-        model mean (see :meth:`sdk.CellStatistics.model_means`).
+        model mean (see :func:`trainer.routers.shrinkage.model_means`).
     centroid_rounds, statistics_rounds : rounds of each phase.
     participation : share of clients taking part in a round, in (0, 1].
     min_count : (cell, model) entries with fewer samples are not reported by a client (privacy).
@@ -107,7 +110,7 @@ class KMeansRouter(Router):
         self.prior_strength = float(prior_strength)
         self.model_prior_strength = float(model_prior_strength)
         self.prior = prior
-        self.accuracy_, self.cost_ = statistics.means(self.prior_strength, self.model_prior_strength, self.prior)
+        self.accuracy_, self.cost_ = shrunk_means(statistics, self.prior_strength, self.model_prior_strength, self.prior)
 
     def _predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cells = nearest_cell(embeddings, self.centroids_)
@@ -116,9 +119,9 @@ class KMeansRouter(Router):
     def save(self, directory: Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / (KMEANS_FILE + ".tmp.npz")
+        buf = io.BytesIO()
         np.savez(
-            tmp,
+            buf,
             centroids=self.centroids_,
             count=self.statistics_.count,
             sum_accuracy=self.statistics_.sum_accuracy,
@@ -126,7 +129,7 @@ class KMeansRouter(Router):
             accuracy=self.accuracy_,
             cost=self.cost_,
         )
-        tmp.replace(directory / KMEANS_FILE)
+        write_atomic(directory / KMEANS_FILE, buf.getvalue())
         self._write_meta(directory, {
             "prior_strength": self.prior_strength,
             "model_prior_strength": self.model_prior_strength,
@@ -160,7 +163,7 @@ def lloyd(
     (centroids, weights) : ndarrays of shape (k, d_emb) float32 and (k,) float64, the weight of a
     centroid being the (weighted) number of samples in its cell.
     """
-    from sklearn.cluster import KMeans
+    from sklearn.cluster import KMeans  # trainer extra (scikit-learn), imported on use
 
     x = np.asarray(embeddings, dtype=np.float64)
     w = np.ones(x.shape[0]) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)

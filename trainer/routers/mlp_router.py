@@ -39,9 +39,11 @@ from pathlib import Path
 import numpy as np
 
 from sdk.cell_statistics import CellStatistics
+from sdk.atomic_write import write_atomic
 from sdk.errors import InvalidInputError
-from trainer.federated.client_data import ClientData
-from trainer.federated.fedavg import fedavg
+from trainer.data.client_data import ClientData
+from trainer.routers.fedavg import fedavg
+from trainer.routers.shrinkage import model_means
 from trainer.routers.base import Router, read_meta
 
 WEIGHTS_FILE = "router.safetensors"
@@ -98,8 +100,8 @@ class MLPRouterConfig:
 
 def build_network(d_emb: int, n_models: int, hidden: int, dropout: float):
     """The torch module: trunk + accuracy and cost heads. ``forward(x) -> (A, C_normalised)``."""
-    import torch
-    from torch import nn
+    import torch  # trainer extra (torch), imported on use
+    from torch import nn  # trainer extra (torch), imported on use
 
     class MLPRouterNet(nn.Module):
         def __init__(self) -> None:
@@ -135,7 +137,7 @@ class MLPRouter(Router):
 
     def __init__(self, state: dict[str, np.ndarray], models: Sequence[str], d_emb: int,
                  cost_scale: np.ndarray, available: np.ndarray, hidden: int, dropout: float) -> None:
-        import torch
+        import torch  # trainer extra (torch), imported on use
 
         self.models = tuple(models)
         self.d_emb = int(d_emb)
@@ -151,7 +153,7 @@ class MLPRouter(Router):
         return {k: v.detach().cpu().numpy().copy() for k, v in self.network.state_dict().items()}
 
     def _predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        import torch
+        import torch  # trainer extra (torch), imported on use
 
         with torch.no_grad():
             a, c = self.network(torch.from_numpy(np.ascontiguousarray(embeddings)))
@@ -162,13 +164,12 @@ class MLPRouter(Router):
         return acc, cost
 
     def save(self, directory: Path) -> None:
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save  # trainer extra
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / (WEIGHTS_FILE + ".tmp")
-        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in self.state().items()}, str(tmp))
-        tmp.replace(directory / WEIGHTS_FILE)
+        write_atomic(directory / WEIGHTS_FILE,
+                     save({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in self.state().items()}))
         self._write_meta(directory, {
             "hidden": self.hidden,
             "dropout": self.dropout,
@@ -179,7 +180,7 @@ class MLPRouter(Router):
 
     @classmethod
     def load(cls, directory: Path) -> MLPRouter:
-        from safetensors.numpy import load_file
+        from safetensors.numpy import load_file  # trainer extra (safetensors), imported on use
 
         meta = read_meta(directory)
         state = load_file(str(Path(directory) / WEIGHTS_FILE))
@@ -197,11 +198,11 @@ class Party:
 
 
 def _initial_state(d_emb: int, stats: CellStatistics, config: MLPRouterConfig, seed: int):
-    import torch
+    import torch  # trainer extra (torch), imported on use
 
     torch.manual_seed(seed)
     net = build_network(d_emb, stats.n_models, config.hidden, config.dropout)
-    acc_mean, cost_mean = stats.model_means(config.model_prior_strength)
+    acc_mean, cost_mean = model_means(stats, config.model_prior_strength)
     with torch.no_grad():
         for head, bias in ((net.accuracy_head, np.nan_to_num(acc_mean, nan=0.0)),
                            (net.cost_head, np.where(np.isfinite(cost_mean), 1.0, 0.0))):
@@ -212,7 +213,7 @@ def _initial_state(d_emb: int, stats: CellStatistics, config: MLPRouterConfig, s
 
 
 def _tensors(data: ClientData, cost_scale: np.ndarray, device: str):
-    import torch
+    import torch  # trainer extra (torch), imported on use
 
     return (
         torch.as_tensor(data.embeddings, dtype=torch.float32, device=device),
@@ -243,7 +244,7 @@ def local_train(net, party: Party, cost_scale: np.ndarray, config: MLPRouterConf
     """One client's local training of ``net`` in place (paper 002, ``L_i``): ``config.local_epochs``
     epochs of AdamW on the observed pairs of ``party.train`` plus the interaction penalty, resuming the
     party's optimiser state. ``cost_scale`` (n_models,) USD normalises costs; ``gen`` a torch Generator."""
-    import torch
+    import torch  # trainer extra (torch), imported on use
 
     x, m, acc, cnorm = _tensors(party.train, cost_scale, config.device)
     opt = torch.optim.AdamW(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -266,7 +267,7 @@ def local_train(net, party: Party, cost_scale: np.ndarray, config: MLPRouterConf
 
 def _val_loss(net, parties: Sequence[Party], cost_scale: np.ndarray, device: str) -> float:
     """Sample-weighted validation MSE over all parties (each sends a sum and a count)."""
-    import torch
+    import torch  # trainer extra (torch), imported on use
 
     total, n = 0.0, 0
     net.eval()
@@ -302,7 +303,7 @@ def train_mlp_router(
     InvalidInputError
         No client holds samples, or ``federated=False`` with several clients.
     """
-    import torch
+    import torch  # trainer extra (torch), imported on use
 
     if not federated and len(clients) != 1:
         raise InvalidInputError(f"federated=False trains one party, got {len(clients)} clients")
@@ -314,7 +315,7 @@ def train_mlp_router(
     parties = [Party(*c.split(config.val_fraction, rng)) for c in active]
     # Round 0: per-model count/sum statistics (train splits) fix cost scales and head biases.
     stats = CellStatistics.merge([p.train.model_statistics(n_models) for p in parties])
-    _, cost_mean = stats.model_means()
+    _, cost_mean = model_means(stats)
     available = stats.count.sum(axis=0) > 0
     cost_scale = np.where(available, cost_mean, 1.0)
     torch_seed = int(rng.integers(2**31))
@@ -328,7 +329,7 @@ def train_mlp_router(
     best_state, best_loss, since_best = global_state, _val_loss(net, parties, cost_scale, config.device), 0
     rounds = range(max_rounds)
     if progress:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # trainer extra (tqdm), imported on use
 
         rounds = tqdm(rounds, desc="MLP rounds" if federated else "MLP epochs", leave=False)
     for _ in rounds:

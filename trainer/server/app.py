@@ -4,7 +4,7 @@ Sync protocol v1 (ARCHITECTURE.md §6). Every route but ``/v1/health`` needs
 ``Authorization: Bearer <token>`` (401 otherwise).
 
 ``GET /v1/rounds/current``
-    200: the open round (:meth:`trainer.server.store.Round.describe`) plus ``client_id``; 204: none.
+    200: the open round (its kind's ``describe``, :mod:`trainer.server.round_kinds`) plus ``client_id``; 204: none.
 ``POST /v1/rounds/{round_id}/updates``
     Header ``Idempotency-Key`` (1-128 of ``[A-Za-z0-9_.:-]``). Body: JSON or MessagePack
     (:mod:`trainer.server.validation`), at most ``max_body_bytes``. 201 with a receipt once the
@@ -46,14 +46,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from sdk.protocol import Receipt
+from trainer.server import round_kinds
+from trainer.server.errors import IdempotencyKeyReused, UploadRejected
+from trainer.server.round_kind import Publisher
 from trainer.server.rounds import close_due_rounds
 from trainer.server.store import Store
-from trainer.server.validation import (
-    MAX_COUNT,
-    UploadRejected,
-    parse_upload,
-    validate_upload,
-)
+from trainer.server.validation import MAX_COUNT
 
 log = logging.getLogger("fedroute.server")
 
@@ -64,7 +63,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               tick_s: float = 1.0) -> FastAPI:
+               tick_s: float = 1.0, publisher: Publisher | None = None) -> FastAPI:
     """The FastAPI application over ``store``, serving the bundle published at ``bundle_dir``.
 
     Parameters
@@ -73,6 +72,8 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
     bundle_dir : published bundle (symlink) served at ``/v1/bundles``; None serves none (404).
     max_body_bytes : largest accepted upload body (413 above).
     tick_s : seconds between checks for rounds to close.
+    publisher : publishes the aggregate of rounds opened to publish (handed in by the console-script
+        module: ``export.publish.BundlePublisher``); None: such rounds close with ``publish_skipped``.
     """
     wake = asyncio.Event()
     close_lock = threading.Lock()
@@ -81,8 +82,9 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
 
     def close_due() -> None:
         with close_lock:
-            for done in close_due_rounds(store, progress=log.info, owner=owner, takeover=orphaned):
-                log.info("closed round %s: %s", done["round_id"], done["result"])
+            for round_id, outcome in close_due_rounds(store, progress=log.info, owner=owner, takeover=orphaned,
+                                                      publisher=publisher):
+                log.info("closed round %s: %s", round_id, outcome.result)
 
     async def closer() -> None:
         while True:
@@ -131,7 +133,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         r = store.current_round()
         if r is None:
             return Response(status_code=204)
-        return {**r.describe(), "client_id": client}
+        return {**round_kinds.get(r.kind).describe(r), "client_id": client}
 
     @app.post("/v1/rounds/{round_id}/updates")
     async def upload(round_id: RoundId, request: Request, client: Annotated[str, Depends(client_of)],
@@ -139,7 +141,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         if idempotency_key is None or not _KEY.fullmatch(idempotency_key):
             raise UploadRejected(400, "header Idempotency-Key (1-128 of [A-Za-z0-9_.:-]) is required")
         raw = await _read_limited(request, max_body_bytes)
-        upload = await run_in_threadpool(parse_upload, raw, request.headers.get("content-type", ""))
+        upload = await run_in_threadpool(round_kinds.parse_upload, raw, request.headers.get("content-type", ""))
         if upload.client_id != client:
             raise UploadRejected(403, f"this token belongs to client {client!r}, not {upload.client_id!r}")
         if upload.round_id != round_id:
@@ -162,17 +164,17 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             raise UploadRejected(409, f"round {round_id} does not exist")
         if r.status != "open" and r.id != latest.id:
             raise UploadRejected(409, f"round {round_id} is closed and round {latest.id} is newer; fetch /v1/rounds/current")
-        payload, log_size, check_previous = validate_upload(upload, r)
+        accepted = round_kinds.validate_upload(upload, r)
+        log_size = accepted.log_size
 
         def receipt_for(update_id: int, late: bool, counted: int | None) -> dict:
-            return {"update_id": update_id, "client_id": client, "round_id": round_id, "late": late,
-                    "counted_in_round": counted, "log_size": log_size}
+            return Receipt(update_id, client, round_id, late, counted, log_size).to_json()
 
         try:
-            return store.add_update(client_id=client, round_=r, key=key, body_sha256=digest, payload=payload,
-                                    log_size=log_size, receipt_for=receipt_for, check_previous=check_previous)
-        except KeyError as exc:
-            raise UploadRejected(422, str(exc.args[0])) from exc
+            return store.add_update(client_id=client, round_=r, key=key, body_sha256=digest, payload=accepted.payload,
+                                    log_size=log_size, receipt_for=receipt_for, check_previous=accepted.check_previous)
+        except IdempotencyKeyReused as exc:
+            raise UploadRejected(422, str(exc)) from exc
 
     def published() -> tuple[Path, bytes]:
         if bundle_dir is None or not Path(bundle_dir).exists():

@@ -5,11 +5,19 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+import logging
+import ssl
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from sdk.kind_registry import UnknownKindError
+from trainer.federated.gaussian_privacy import gaussian_epsilon
+from trainer.server.round_kind import OpenRequest, Publisher
 
 DbOpt = Annotated[str, typer.Option("--db", help="SQLAlchemy database URL, e.g. sqlite:///fed.db")]
 
@@ -18,7 +26,7 @@ rounds_app = typer.Typer(no_args_is_help=True, help="open, close and inspect fed
 
 
 def _store(db: str):
-    from trainer.server.store import Store
+    from trainer.server.store import Store  # server extra (sqlalchemy): `fedroute --help` works without it
 
     try:
         return Store(db)
@@ -35,14 +43,13 @@ def serve(
     bundle_dir: Annotated[Path | None, typer.Option(help="published bundle served at /v1/bundles")] = None,
     max_body_bytes: Annotated[int, typer.Option(min=1024, help="largest accepted upload (bytes)")] = 4 << 20,
     tick_s: Annotated[float, typer.Option(min=0.05, help="seconds between checks for rounds to close")] = 1.0,
+    *,
+    publisher: Publisher | None = None,
 ) -> None:
     """Run the aggregation server over HTTPS (uvicorn, one process: SQLite has one writer)."""
-    import logging
-    import ssl
+    import uvicorn  # server extra, imported on use
 
-    import uvicorn
-
-    from trainer.server.app import create_app
+    from trainer.server.app import create_app  # server extra (fastapi)
 
     try:  # a clear error now rather than a traceback from inside uvicorn
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(tls_cert), str(tls_key))
@@ -52,7 +59,7 @@ def serve(
         typer.echo(f"warning: --bundle-dir {bundle_dir} does not exist yet; /v1/bundles answers 404 until a round "
                    "publishes there", err=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = create_app(_store(db), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s)
+    app = create_app(_store(db), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s, publisher=publisher)
     uvicorn.run(app, host=host, port=port, ssl_certfile=str(tls_cert), ssl_keyfile=str(tls_key),
                 log_level="info", timeout_graceful_shutdown=5)
 
@@ -95,11 +102,11 @@ def clients_revoke(client_id: str, db: DbOpt = "sqlite:///fed.db") -> None:
     typer.echo(f"client {client_id} revoked")
 
 
-@rounds_app.command("open")
 def rounds_open(
     bundle_dir: Annotated[Path, typer.Option(help="published bundle the round starts from (K-means or MLP)")],
     db: DbOpt = "sqlite:///fed.db",
-    kind: Annotated[str, typer.Option(help="kmeans (statistics, any device) or mlp (FedAvg, clients with torch)")] = "kmeans",
+    kind: Annotated[str, typer.Option(help="a registered round kind: kmeans (statistics, any device) or mlp "
+                                           "(FedAvg, clients with torch)")] = "kmeans",
     signing_key: Annotated[Path | None, typer.Option(help="signing.key: publish a new bundle at close")] = None,
     public_key: Annotated[Path | None, typer.Option(help="signing.pub, when the round does not publish")] = None,
     deadline_s: Annotated[float, typer.Option(min=0.001, help="seconds until the round closes")] = 3600.0,
@@ -120,123 +127,45 @@ def rounds_open(
                                                  "the noise; default: secret, random)")] = None,
     prior_router: Annotated[Path | None, typer.Option(help="kmeans: trained router whose statistics (same "
                                                            "centroids) are merged into every aggregate")] = None,
-    min_total_count: Annotated[int, typer.Option(min=1, help="kmeans: publish only aggregates of at least this many "
-                                                            "evaluations")] = 100,
+    min_total_count: Annotated[int | None, typer.Option(min=1, help="kmeans: publish only aggregates of at least this many "
+                                                                   "evaluations (default 100)")] = None,
+    *,
+    publisher: Publisher | None = None,
 ) -> None:
-    """Open a round: K-means over the bundle's centroids (or the last Lloyd step with --recluster), or
-    MLP from a trained router (--router) or the last MLP aggregate (--continue)."""
-    from trainer.federated.kmeans_aggregation import gaussian_epsilon
+    """Open a round of a registered kind: K-means over the bundle's centroids (or the last Lloyd step
+    with --recluster), or MLP from a trained router (--router) or the last MLP aggregate (--continue)."""
+    from trainer.server import round_kinds  # server extra (sqlalchemy, pydantic): imported on use
 
-    if kind not in ("kmeans", "mlp"):
-        raise typer.BadParameter(f"--kind must be kmeans or mlp, got {kind!r}")
+    try:
+        round_kind = round_kinds.get(kind)
+    except UnknownKindError as exc:
+        raise typer.BadParameter(f"--kind: {exc}") from exc
     if (signing_key is None) == (public_key is None):
         raise typer.BadParameter("give exactly one of --signing-key (publish at close) or --public-key (no publishing)")
-    key = public_key
-    if signing_key is not None:
-        from export.signing import load_signing_key
-
-        key = load_signing_key(signing_key).public_key()
-    store = _store(db)
-    publish = {"bundle_dir": bundle_dir if signing_key else None, "signing_key": signing_key, "seed": seed}
-    if kind == "mlp" and prior_router is not None:
-        raise typer.BadParameter("--prior-router is for --kind kmeans")
+    if signing_key is not None and publisher is None:
+        raise typer.BadParameter("--signing-key: this command was started without a publisher (use `fedroute`)")
+    key = publisher.public_key(signing_key) if signing_key is not None else public_key
+    request = OpenRequest(
+        bundle_dir=bundle_dir, public_key=key, deadline_s=deadline_s, quorum=quorum, min_count=min_count,
+        signing_key=signing_key, seed=seed, clip_count=clip_count, trim_fraction=trim_fraction,
+        noise_multiplier=noise_multiplier, delta=delta,
+        options={"recluster": recluster, "router": router, "resume": resume, "max_cost_usd": max_cost_usd,
+                 "clip_norm": clip_norm, "prior_router": prior_router, "min_total_count": min_total_count})
     try:
-        if kind == "kmeans":
-            r = _open_kmeans(store, bundle_dir, key, recluster, router, resume, clip_norm,
-                             {**publish, "min_total_count": min_total_count,
-                              "prior_statistics": _prior_statistics(prior_router)},
-                             deadline_s=deadline_s, quorum=quorum, min_count=min_count,
-                             config=(clip_count, max_cost_usd, trim_fraction, noise_multiplier, delta))
-        else:
-            r = _open_mlp(store, bundle_dir, key, recluster, router, resume, max_cost_usd, publish, deadline_s=deadline_s,
-                          quorum=quorum, min_count=min_count,
-                          config=(clip_count, trim_fraction, clip_norm, noise_multiplier, delta, quorum))
+        r = round_kind.open(_store(db), request)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     eps = gaussian_epsilon(noise_multiplier, delta) if noise_multiplier > 0 else None
-    size = {"n_cells": int(r.centroids.shape[0])} if r.kind == "kmeans" else {"parameters_hash": r.base_hash}
-    typer.echo(json.dumps({"round_id": r.id, "kind": r.kind, **size, "models": len(r.models),
+    typer.echo(json.dumps({"round_id": r.id, "kind": r.kind, **round_kind.summary(r), "models": len(r.models),
                            "deadline_unix": r.deadline_unix, "quorum": quorum, "min_count": min_count,
                            "epsilon_per_release": eps}))
 
 
-def _prior_statistics(router_dir: Path | None):
-    if router_dir is None:
-        return None
-    from trainer.routers.kmeans_router import KMeansRouter
-
-    return KMeansRouter.load(router_dir)
-
-
-def _open_kmeans(store, bundle_dir, key, recluster, router, resume, clip_norm, publish, *, config, **round_args):
-    from trainer.federated.kmeans_aggregation import AggregationConfig
-    from trainer.server.rounds import open_round_from_bundle, round_settings
-
-    if router is not None or resume or clip_norm is not None:
-        raise typer.BadParameter("--router, --continue and --clip-norm are for --kind mlp")
-    centroids = None
-    if recluster:
-        last = store.last_aggregate_of_kind("kmeans")
-        if last is None:
-            raise typer.BadParameter("--recluster needs an aggregated K-means round before this one")
-        centroids = last[1]["next_centroids"]
-    prior = publish.pop("prior_statistics")
-    if prior is not None:
-        import io
-
-        import numpy as np
-
-        from sdk.local_update import centroids_hash
-        from trainer.server.publish import read_base_bundle
-
-        if centroids is not None:
-            raise typer.BadParameter("--prior-router and --recluster do not go together (other cells)")
-        with np.load(io.BytesIO(read_base_bundle(bundle_dir, key).files["kmeans.npz"]), allow_pickle=False) as z:
-            if centroids_hash(prior.centroids_) != centroids_hash(z["centroids"]):
-                raise typer.BadParameter("--prior-router has other centroids than the bundle: give the router the "
-                                         "bundle was exported from")
-        publish["prior_statistics"] = prior.statistics_
-    settings = round_settings(aggregation=AggregationConfig(*config), **publish)
-    return open_round_from_bundle(store, bundle_dir, key, settings=settings, centroids=centroids, **round_args)
-
-
-def _open_mlp(store, bundle_dir, key, recluster, router, resume, max_cost_usd, publish, *, config, **round_args):
-    from trainer.federated.mlp_aggregation import MLPAggregationConfig
-    from trainer.server.mlp_rounds import network_settings, open_mlp_round
-    from trainer.server.rounds import round_settings
-
-    if recluster or max_cost_usd is not None:
-        raise typer.BadParameter("--recluster and --max-cost-usd are for --kind kmeans")
-    if (router is None) == (not resume):
-        raise typer.BadParameter("an MLP round starts from --router DIR or --continue (one of them)")
-    if router is not None:
-        from trainer.routers.mlp_router import MLPRouter
-
-        try:
-            trained = MLPRouter.load(router)
-        except (OSError, KeyError, ValueError) as exc:
-            raise typer.BadParameter(f"--router {router} is not a trained MLP router folder ({exc})") from exc
-        parameters, network, models = trained.state(), network_settings(trained), trained.models
-    else:
-        last = store.last_aggregate_of_kind("mlp", published_only=True)
-        if last is None:
-            raise typer.BadParameter("--continue needs an aggregated MLP round before this one whose publishing "
-                                     "was not refused")
-        previous = store.get_round(last[0])
-        parameters, network, models = last[1], previous.settings["network"], previous.models
-    clip_count, trim, clip_norm, noise, delta, quorum = config
-    settings = round_settings(aggregation=MLPAggregationConfig(clip_count, trim, clip_norm, noise, delta,
-                                                               quorum if noise > 0 else None), **publish)
-    settings["continued_from"] = last[0] if resume else None
-    return open_mlp_round(store, bundle_dir, key, parameters=parameters, network=network, models=models,
-                          settings=settings, **round_args)
-
-
-@rounds_app.command("close")
 def rounds_close(db: DbOpt = "sqlite:///fed.db",
-                 round_id: Annotated[int | None, typer.Option("--round", help="default: the open round")] = None) -> None:
+                 round_id: Annotated[int | None, typer.Option("--round", help="default: the open round")] = None,
+                 *, publisher: Publisher | None = None) -> None:
     """Close a round now: aggregate and publish (as at its deadline)."""
-    from trainer.server.rounds import close_round
+    from trainer.server.rounds import close_round  # server extra (sqlalchemy)
 
     store = _store(db)
     if round_id is None:
@@ -244,10 +173,10 @@ def rounds_close(db: DbOpt = "sqlite:///fed.db",
         if current is None or current.status == "closed":
             raise typer.BadParameter("no round is open")
         round_id = current.id
-    outcome = close_round(store, round_id, progress=lambda m: typer.echo(m, err=True))
+    outcome = close_round(store, round_id, progress=lambda m: typer.echo(m, err=True), publisher=publisher)
     if outcome is None:
         raise typer.BadParameter(f"round {round_id} is already closed (or does not exist)")
-    typer.echo(json.dumps({"round_id": round_id, **outcome}))
+    typer.echo(json.dumps({"round_id": round_id, **outcome.to_json()}))
 
 
 @rounds_app.command("status")
@@ -260,7 +189,8 @@ def rounds_status(db: DbOpt = "sqlite:///fed.db") -> None:
         return
     typer.echo(json.dumps({"round_id": r.id, "status": r.status, "deadline_unix": r.deadline_unix,
                            "quorum": r.quorum, "min_count": r.min_count, "kind": r.kind,
-                           "updates_counted": len(store.round_updates(r.id)), "outcome": r.outcome}))
+                           "updates_counted": len(store.round_updates(r.id)),
+                           "outcome": None if r.outcome is None else r.outcome.to_json()}))
 
 
 def publish(
@@ -268,34 +198,44 @@ def publish(
     bundle_dir: Annotated[Path, typer.Option(help="bundle to publish a new version of")],
     signing_key: Annotated[Path, typer.Option(help="signing.key")],
     db: DbOpt = "sqlite:///fed.db",
+    *,
+    publisher: Publisher | None = None,
 ) -> None:
     """Publish a closed round's aggregate as a new signed bundle (for rounds opened without --signing-key)."""
-    from sdk.cell_statistics import CellStatistics
-    from trainer.server.publish import publish_kmeans
+    from trainer.server import round_kinds  # server extra (sqlalchemy, pydantic)
 
+    if publisher is None:
+        raise typer.BadParameter("this command was started without a publisher (use `fedroute`)")
     store = _store(db)
     r = store.get_round(round_id)
     agg = store.aggregate_of(round_id)
     if r is None or agg is None:
         raise typer.BadParameter(f"round {round_id} has no aggregate (not closed, or a no-op)")
-    s = r.settings
-    provenance = {"federated_round": round_id, "clients": len(r.outcome.get("clients", []))}
-    if r.kind == "mlp":
-        from trainer.server.mlp_rounds import router_of
-        from trainer.server.publish import publish_router
-
-        manifest = publish_router(bundle_dir, signing_key, router_of(agg, r), provenance)
-    else:
-        manifest = publish_kmeans(bundle_dir, signing_key, agg["centroids"],
-                                  CellStatistics(agg["count"], agg["sum_accuracy"], agg["sum_cost"]),
-                                  prior_strength=s["prior_strength"], model_prior_strength=s["model_prior_strength"],
-                                  prior=s["prior"], provenance=provenance)
+    provenance = {"federated_round": round_id, "clients": len(r.outcome.clients or [])}
+    manifest = round_kinds.get(r.kind).publish(r, agg, bundle_dir, signing_key, provenance, publisher)
     typer.echo(f"bundle v{manifest['bundle_version']} published at {bundle_dir}")
 
 
-def register(app: typer.Typer) -> None:
-    """Add the server and operator commands to the ``fedroute`` CLI."""
-    app.command("serve")(serve)
-    app.command("publish")(publish)
+def _bind(command, **bound):
+    """``command`` with keyword-only arguments ``bound`` fixed and hidden from the CLI."""
+    signature = inspect.signature(command)
+
+    @functools.wraps(command)
+    def bound_command(*args, **kwargs):
+        return command(*args, **kwargs, **bound)
+
+    bound_command.__signature__ = signature.replace(
+        parameters=[p for name, p in signature.parameters.items() if name not in bound])
+    return bound_command
+
+
+def register(app: typer.Typer, publisher: Publisher | None = None) -> None:
+    """Add the server and operator commands to the ``fedroute`` CLI; ``publisher`` (from the
+    console-script module, ``export.publish.BundlePublisher``) publishes bundles (the server never
+    imports ``export``)."""
+    rounds_app.command("open")(_bind(rounds_open, publisher=publisher))
+    rounds_app.command("close")(_bind(rounds_close, publisher=publisher))
+    app.command("serve")(_bind(serve, publisher=publisher))
+    app.command("publish")(_bind(publish, publisher=publisher))
     app.add_typer(clients_app, name="clients")
     app.add_typer(rounds_app, name="rounds")

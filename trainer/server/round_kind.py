@@ -7,18 +7,23 @@ close aggregates them and publishes a new bundle through the ``publisher`` the s
 server, the store and the operator CLI only ever ask it.
 
 Common pieces live here: :class:`OpenRequest` (the operator's ``rounds open`` options),
-:class:`ParsedUpload`, :class:`AcceptedUpload`, :class:`Publisher`, and :func:`check_round_args`.
+:class:`ParsedUpload`, :class:`AcceptedUpload`, :class:`Publisher`, :class:`RoundSettings` (made by
+:func:`round_settings`), :class:`RoundOutcome` and :func:`check_round_args`.
 """
 
 from __future__ import annotations
 
 import abc
+import datetime as dt
+import dataclasses
 import math
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from sdk.cell_statistics import CellStatistics
 from sdk.errors import InvalidInputError
 
 #: Longest round (seconds): deadlines stay representable as dates (a year).
@@ -32,17 +37,205 @@ def check_round_args(deadline_s: float, quorum: int, min_count: int) -> None:
                                 f"got {deadline_s}, {quorum}, {min_count}")
 
 
-class Publisher(Protocol):
-    """Publishing handed to the server by the console-script module (``export.publish.publish_router``).
+@dataclass(frozen=True)
+class PublishTarget:
+    """Where a round publishes at close: the bundle folder and the signing key (absolute paths)."""
 
-    ``publish(bundle_dir, signing_key, router, provenance, embedder=None, base=None)`` writes a new
-    signed version of the bundle at ``bundle_dir`` with the trainer ``router`` in place of its router
-    file and returns the signed manifest (dict); idempotent per ``provenance["round_uid"]``.
-    Raises :class:`~trainer.server.errors.PublishRefused` when the bundle no longer fits the router.
+    bundle_dir: str
+    signing_key: str
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """The settings stored with a round (:meth:`to_json` in the store, :meth:`from_json` back).
+
+    Attributes
+    ----------
+    aggregation : dict, the fields of the kind's aggregation config (an
+        :class:`~trainer.federated.kmeans_aggregation.AggregationConfig` for K-means rounds, an
+        :class:`~trainer.federated.mlp_aggregation.MLPAggregationConfig` for MLP rounds).
+    seed : int, the DP noise seed (secret by default: whoever knows it can subtract the noise).
+    round_uid : str, identifies the round across databases (idempotent publishing).
+    prior_strength, model_prior_strength, prior : shrinkage of the published K-means router.
+    publish : PublishTarget or None (no publishing at close).
+    min_total_count : int, the smallest total count worth publishing.
+    prior_statistics : dict or None, statistics already published (``count``, ``sum_accuracy``,
+        ``sum_cost`` as lists) merged into every K-means aggregate.
+    network : dict or None, the MLP's shape and cost scales (:func:`trainer.server.mlp_rounds.network_settings`).
+    continued_from : int or None, the MLP round whose aggregate this round starts from.
     """
 
-    def __call__(self, bundle_dir: Path, signing_key: Path, router: Any, provenance: dict,
-                 embedder: dict | None = None, base: Any = None) -> dict: ...
+    aggregation: dict
+    seed: int
+    round_uid: str | None = None
+    prior_strength: float = 16.0
+    model_prior_strength: float = 10.0
+    prior: str = "additive"
+    publish: PublishTarget | None = None
+    min_total_count: int = 1
+    prior_statistics: dict | None = None
+    network: dict | None = None
+    continued_from: int | None = None
+
+    def to_json(self) -> dict:
+        """The JSON object stored with the round."""
+        out = dataclasses.asdict(self)
+        out["publish"] = None if self.publish is None else dataclasses.asdict(self.publish)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> RoundSettings:
+        """Inverse of :meth:`to_json`; fields missing from older rounds take their defaults.
+
+        Raises
+        ------
+        InvalidInputError
+            Not an object, or no ``aggregation`` / ``seed``.
+        """
+        if not isinstance(data, dict) or "aggregation" not in data or "seed" not in data:
+            raise InvalidInputError("round settings need at least 'aggregation' and 'seed'")
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in names}
+        if fields.get("publish") is not None:
+            fields["publish"] = PublishTarget(**fields["publish"])
+        return cls(**fields)
+
+
+def round_settings(
+    *,
+    aggregation,
+    prior_strength: float = 16.0,
+    model_prior_strength: float = 10.0,
+    prior: str = "additive",
+    bundle_dir: Path | None = None,
+    signing_key: Path | None = None,
+    seed: int | None = None,
+    min_total_count: int = 1,
+    prior_statistics: CellStatistics | None = None,
+) -> RoundSettings:
+    """The :class:`RoundSettings` of a new round: ``aggregation`` is the kind's aggregation config
+    (a dataclass); shrinkage defaults are those of :class:`trainer.routers.kmeans_router.KMeansRouterConfig`;
+    ``prior_statistics`` (e.g. the shipped router's; without them the first round's router knows only
+    that round's clients) are merged into every aggregate; the noise seed is secret by default
+    (random, kept on the server).
+
+    Raises
+    ------
+    InvalidInputError
+        Only one of ``bundle_dir`` and ``signing_key`` is given.
+    """
+    if (bundle_dir is None) != (signing_key is None):
+        raise InvalidInputError("publishing needs both a bundle dir and a signing key")
+    return RoundSettings(
+        aggregation=dataclasses.asdict(aggregation),
+        seed=secrets.randbits(63) if seed is None else int(seed),
+        round_uid=secrets.token_hex(8),
+        prior_strength=float(prior_strength), model_prior_strength=float(model_prior_strength), prior=prior,
+        publish=None if bundle_dir is None else PublishTarget(str(Path(bundle_dir).absolute()),
+                                                              str(Path(signing_key).absolute())),
+        min_total_count=int(min_total_count),
+        prior_statistics=None if prior_statistics is None else {
+            "count": prior_statistics.count.tolist(), "sum_accuracy": prior_statistics.sum_accuracy.tolist(),
+            "sum_cost": prior_statistics.sum_cost.tolist()},
+    )
+
+
+def common_description(r) -> dict:
+    """The fields of ``GET /v1/rounds/current`` that every round kind sends."""
+    deadline = dt.datetime.fromtimestamp(r.deadline_unix, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return {"round_id": r.id, "kind": r.kind, "status": r.status, "models": list(r.models),
+            "embedder_name": r.embedder["name"], "d_emb": int(r.embedder["dim"]),
+            "min_count": r.min_count, "quorum": r.quorum, "deadline_utc": deadline}
+
+
+#: Values of :attr:`RoundOutcome.result`.
+RESULTS = ("aggregated", "no-op", "failed")
+
+
+@dataclass
+class RoundOutcome:
+    """What closing a round did; stored as JSON with the round (:meth:`to_json`, :meth:`from_json`).
+
+    Attributes
+    ----------
+    result : ``"aggregated"``, ``"no-op"`` (no update arrived) or ``"failed"`` (closing kept failing).
+    on_time_updates, late_updates_counted, stale_updates : int, updates counted in the round, late
+        ones carried into it, and late ones that could not be (another base).
+    total_count : float or None, evaluations (K-means) or samples (MLP) aggregated.
+    epsilon : float or None, the (epsilon, delta) of one release under DP noise, None without noise.
+    bundle_version : int or None, the version published, None when nothing was.
+    clients : list of str or None, the clients aggregated (None under DP noise: membership would leak).
+    publish_skipped : str or None, why a round opened to publish did not.
+    error : str or None, the last error of a failed close.
+    """
+
+    result: str
+    on_time_updates: int = 0
+    late_updates_counted: int = 0
+    stale_updates: int = 0
+    total_count: float | None = None
+    epsilon: float | None = None
+    bundle_version: int | None = None
+    clients: list[str] | None = None
+    publish_skipped: str | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.result not in RESULTS:
+            raise InvalidInputError(f"result must be one of {RESULTS}, got {self.result!r}")
+
+    @property
+    def published(self) -> bool:
+        """True if the aggregate was published or publishing was not asked (not refused or skipped)."""
+        return self.result == "aggregated" and self.publish_skipped is None
+
+    def to_json(self) -> dict:
+        """The stored JSON: ``result``; the update counts unless failed; ``total_count``,
+        ``epsilon`` and ``bundle_version`` (null when none) when aggregated, ``clients`` and
+        ``publish_skipped`` when set; ``error`` when failed."""
+        if self.result == "failed":
+            return {"result": self.result, "error": self.error}
+        out = {"on_time_updates": self.on_time_updates, "late_updates_counted": self.late_updates_counted,
+               "stale_updates": self.stale_updates, "result": self.result}
+        if self.result == "aggregated":
+            out.update(total_count=self.total_count, epsilon=self.epsilon, bundle_version=self.bundle_version)
+            if self.clients is not None:
+                out["clients"] = list(self.clients)
+            if self.publish_skipped is not None:
+                out["publish_skipped"] = self.publish_skipped
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> RoundOutcome:
+        """Inverse of :meth:`to_json` (unknown keys ignored).
+
+        Raises
+        ------
+        InvalidInputError
+            Not an outcome (no valid ``result``).
+        """
+        if not isinstance(data, dict):
+            raise InvalidInputError(f"a round outcome is a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+class Publisher(Protocol):
+    """Publishing, handed to the server by the console-script module (:class:`export.publish.BundlePublisher`);
+    the server never imports ``export``."""
+
+    def public_key(self, signing_key: Path):
+        """The Ed25519 public key of the private key at ``signing_key`` (raises ExportError if unreadable)."""
+        ...
+
+    def publish(self, bundle_dir: Path, signing_key: Path, router: Any, provenance: dict,
+                embedder: dict | None = None, base: Any = None) -> dict:
+        """Write a new signed version of the bundle at ``bundle_dir`` with the trainer ``router`` in
+        place of its router file; return the signed manifest (dict). Idempotent per
+        ``provenance["round_uid"]``. ``base``: the bundle already read and verified.
+
+        Raises :class:`~trainer.server.errors.PublishRefused` when the bundle no longer fits the router."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -78,13 +271,16 @@ class OpenRequest:
 @dataclass(frozen=True)
 class ParsedUpload:
     """A decoded upload before its checks against the round: the envelope (``client_id``,
-    ``round_id``, ``kind``) and the kind's decoded ``content`` (its own type)."""
+    ``round_id``, ``kind``), the kind's decoded ``content`` (its own type), the ``raw`` body and
+    ``parsed_by``, the round kind whose content type it had (set by
+    :func:`trainer.server.round_kinds.parse_upload`)."""
 
     client_id: str
     round_id: int
     kind: str
     content: Any
     raw: bytes = b""
+    parsed_by: str = ""
 
 
 @dataclass(frozen=True)
@@ -159,11 +355,11 @@ class ServerRoundKind(abc.ABC):
 
     @abc.abstractmethod
     def close(self, store, round_, snapshot: int, owner: str, progress: Callable[[str], None],
-              publisher: Publisher | None) -> dict | None:
+              publisher: Publisher | None) -> RoundOutcome | None:
         """Aggregate the round claimed for closing by ``owner`` (updates up to ``snapshot``), store
-        the aggregate, publish through ``publisher`` when the round was opened to publish; return
-        the outcome (see :func:`trainer.server.rounds.close_round`), or None if another closer took
-        the round over."""
+        the aggregate and the :class:`RoundOutcome` (``store.finish_close``), publish through
+        ``publisher`` when the round was opened to publish (without one: ``publish_skipped``);
+        return the outcome, or None if another closer took the round over."""
 
     @abc.abstractmethod
     def publish(self, round_, aggregate: dict, bundle_dir: Path, signing_key: Path, provenance: dict,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import secrets
 import time
 from collections.abc import Iterator
@@ -33,8 +34,9 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from sdk.cell_statistics import CellStatistics
-from sdk.local_update import KMeansUpdate, centroids_hash
+from sdk.protocol import KMeansUpdate, centroids_hash, decode_kmeans_update_npz
+from trainer.server.errors import IdempotencyKeyReused
+from trainer.server.round_kind import RoundOutcome, RoundSettings
 
 metadata = sa.MetaData()
 
@@ -137,22 +139,6 @@ def read_arrays(data: bytes) -> dict[str, np.ndarray]:
         return {k: z[k] for k in z.files}
 
 
-def update_bytes(update: KMeansUpdate) -> bytes:
-    """``.npz`` bytes of a K-means update as stored (statistics (n_cells, n_models) float64, reported
-    cells (n,) int64, their means (n, d_emb) float64 and weights (n,) float64, log size)."""
-    s = update.statistics
-    return array_bytes(count=s.count, sum_accuracy=s.sum_accuracy, sum_cost=s.sum_cost,
-                       centroid_cells=update.centroid_cells, local_centroids=update.local_centroids,
-                       local_weights=update.local_weights, log_size=np.array(update.log_size))
-
-
-def read_update(data: bytes) -> KMeansUpdate:
-    """The K-means update of :func:`update_bytes` bytes."""
-    a = read_arrays(data)
-    return KMeansUpdate(CellStatistics(a["count"], a["sum_accuracy"], a["sum_cost"]), a["centroid_cells"],
-                        a["local_centroids"], a["local_weights"], int(a["log_size"]))
-
-
 @dataclass(frozen=True)
 class Round:
     """A round as stored; times in unix seconds.
@@ -175,30 +161,14 @@ class Round:
     base_hash: str
     models: tuple[str, ...]
     embedder: dict
-    settings: dict
+    settings: RoundSettings
     closed_unix: float | None
-    outcome: dict | None
+    outcome: RoundOutcome | None
 
     @property
     def centroids_hash(self) -> str:
         """The base hash of a K-means round (the name the K-means wire format uses)."""
         return self.base_hash
-
-    def describe(self) -> dict:
-        """JSON of ``GET /v1/rounds/current``: K-means rounds are parsed by
-        :class:`sdk.local_update.RoundSpec`; MLP rounds name their parameters' URL and hash."""
-        import datetime as dt
-
-        deadline = dt.datetime.fromtimestamp(self.deadline_unix, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        common = {"round_id": self.id, "kind": self.kind, "status": self.status, "models": list(self.models),
-                  "embedder_name": self.embedder["name"], "d_emb": int(self.embedder["dim"]),
-                  "min_count": self.min_count, "quorum": self.quorum, "deadline_utc": deadline}
-        if self.kind == "mlp":
-            net = self.settings["network"]
-            return {**common, "parameters_hash": self.base_hash, "parameters_url": f"/v1/rounds/{self.id}/parameters",
-                    "hidden": net["hidden"], "dropout": net["dropout"], "cost_scale_usd": net["cost_scale_usd"],
-                    "available": net["available"], "local_epochs": net.get("local_epochs", 1)}
-        return {**common, "centroids": self.centroids.astype(np.float64).tolist(), "centroids_hash": self.base_hash}
 
 
 def _round(row) -> Round:
@@ -207,8 +177,8 @@ def _round(row) -> Round:
         quorum=row.quorum, min_count=row.min_count,
         centroids=None if row.centroids is None else np.load(io.BytesIO(row.centroids), allow_pickle=False),
         parameters=row.parameters, base_hash=row.base_hash, models=tuple(json.loads(row.models)), embedder=json.loads(row.embedder),
-        settings=json.loads(row.settings), closed_unix=row.closed_unix,
-        outcome=None if row.outcome is None else json.loads(row.outcome),
+        settings=RoundSettings.from_json(json.loads(row.settings)), closed_unix=row.closed_unix,
+        outcome=None if row.outcome is None else RoundOutcome.from_json(json.loads(row.outcome)),
     )
 
 
@@ -249,8 +219,6 @@ class Store:
         ValueError
             The id exists or is not 1-64 characters of ``[A-Za-z0-9_.-]``.
         """
-        import re
-
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", client_id or ""):
             raise ValueError(f"client id must be 1-64 characters of [A-Za-z0-9_.-], got {client_id!r}")
         token = "fr_" + secrets.token_urlsafe(32)
@@ -291,7 +259,8 @@ class Store:
     # -- rounds ----------------------------------------------------------------------------------
 
     def open_round(self, *, kind: str, models, embedder: dict, deadline_unix: float, quorum: int, min_count: int,
-                   settings: dict, centroids: np.ndarray | None = None, parameters: bytes | None = None) -> Round:
+                   settings: RoundSettings, centroids: np.ndarray | None = None,
+                   parameters: bytes | None = None) -> Round:
         """Open a new round over ``centroids`` (K-means) or ``parameters`` (MLP, safetensors bytes).
 
         Raises
@@ -299,8 +268,8 @@ class Store:
         ValueError
             A round is still open or closing, or the base does not match the kind.
         """
-        if (kind == "kmeans") != (centroids is not None) or (kind == "mlp") != (parameters is not None):
-            raise ValueError(f"a {kind!r} round needs {'centroids' if kind == 'kmeans' else 'parameters'} only")
+        if (centroids is None) == (parameters is None):
+            raise ValueError(f"a {kind!r} round needs either centroids or parameters as its base (one of them)")
         blob = base_hash = None
         if centroids is not None:
             c = np.ascontiguousarray(centroids, dtype=np.float32)
@@ -318,7 +287,7 @@ class Store:
                     kind=kind, status="open", opened_unix=time.time(), deadline_unix=float(deadline_unix),
                     quorum=int(quorum), min_count=int(min_count), centroids=blob, parameters=parameters,
                     base_hash=base_hash, models=json.dumps(list(models)), embedder=json.dumps(embedder),
-                    settings=json.dumps(settings, sort_keys=True), close_failures=0,
+                    settings=json.dumps(settings.to_json(), sort_keys=True), close_failures=0,
                 )).inserted_primary_key[0]
         except sa.exc.IntegrityError as exc:  # a concurrent open won (one_unclosed_round)
             raise ValueError("another round is open; close it first") from exc
@@ -411,7 +380,7 @@ class Store:
                 close_failures=rounds.c.close_failures + 1, close_failed_unix=time.time() if when is None else when))
             return int(conn.execute(sa.select(rounds.c.close_failures).where(rounds.c.id == round_id)).scalar_one())
 
-    def finish_close(self, round_id: int, outcome: dict, aggregate: bytes | None,
+    def finish_close(self, round_id: int, outcome: RoundOutcome, aggregate: bytes | None,
                      counted_late: list[int], stale: list[int], owner: str) -> bool:
         """Record the close (outcome, aggregate, which waiting late updates were counted or are
         stale) if ``owner`` still holds it; returns False (nothing written) if another closer took
@@ -419,7 +388,7 @@ class Store:
         with self.transaction() as conn:
             done = conn.execute(rounds.update().where(
                 (rounds.c.id == round_id) & (rounds.c.status == "closing") & (rounds.c.close_owner == owner)).values(
-                status="closed", closed_unix=time.time(), outcome=json.dumps(outcome, sort_keys=True),
+                status="closed", closed_unix=time.time(), outcome=json.dumps(outcome.to_json(), sort_keys=True),
                 aggregate=aggregate))
             if done.rowcount != 1:
                 return False
@@ -448,14 +417,14 @@ class Store:
 
         ``receipt_for(update_id, late, counted_round)`` builds the receipt. The update counts in the
         round it was sent for if that round is open now, else it waits for the next round (late).
-        ``check_previous(previous KMeansUpdate or None)``, if given, runs inside the transaction with
+        ``check_previous(previous payload bytes or None)``, if given, runs inside the transaction with
         the client's row locked (so two concurrent uploads of one client are checked one after the
         other) and may raise to refuse the update.
 
         Raises
         ------
-        KeyError
-            The key was used before with a different body (``args[0]`` says so).
+        IdempotencyKeyReused
+            The key was used before with a different body.
         """
         while True:
             try:
@@ -465,13 +434,13 @@ class Store:
                         (updates.c.client_id == client_id) & (updates.c.idempotency_key == key))).first()
                     if old is not None:
                         if old.body_sha256 != body_sha256:
-                            raise KeyError("Idempotency-Key was already used with a different body")
+                            raise IdempotencyKeyReused("Idempotency-Key was already used with a different body")
                         return json.loads(old.receipt), False
                     if check_previous is not None:
                         prev = conn.execute(sa.select(updates.c.payload).where(
                             (updates.c.client_id == client_id) & (updates.c.base_hash == round_.base_hash))
                             .order_by(updates.c.id.desc()).limit(1)).scalar_one_or_none()
-                        check_previous(None if prev is None else read_update(prev))
+                        check_previous(prev)
                     status = conn.execute(sa.select(rounds.c.status).where(rounds.c.id == round_.id)
                                           .with_for_update(read=True)).scalar_one()  # see claim_close
                     late = status != "open"
@@ -502,7 +471,7 @@ class Store:
             rows = conn.execute(sa.select(updates.c.id, updates.c.base_hash, updates.c.sent_round)
                                 .join(rounds, rounds.c.id == updates.c.sent_round).where(
                 (updates.c.late == sa.true()) & updates.c.counted_round.is_(None) & (updates.c.id <= up_to_id)
-                & (rounds.c.kind == kind))).all()
+                & rounds.c.kind.in_([kind]))).all()
         return [(r.id, r.base_hash, r.sent_round) for r in rows]
 
     def latest_updates(self, base_hash: str, up_to_id: int | None = None) -> dict[str, tuple[int, KMeansUpdate]]:
@@ -519,7 +488,7 @@ class Store:
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(updates.c.client_id, updates.c.id, updates.c.payload)
                                 .join(latest, updates.c.id == latest.c.id)).all()
-        return {r.client_id: (r.id, read_update(r.payload)) for r in rows}
+        return {r.client_id: (r.id, decode_kmeans_update_npz(r.payload)) for r in rows}
 
     def update_payloads(self, ids: list[int]) -> list[tuple[int, str, int, bytes]]:
         """(id, client_id, sent_round, payload) of the given updates of active (not revoked) clients, by id."""
@@ -534,14 +503,15 @@ class Store:
 
     def last_aggregate_of_kind(self, kind: str, published_only: bool = False) -> tuple[int, dict[str, np.ndarray]] | None:
         """(round id, arrays) of the most recent aggregated round of ``kind`` (with
-        ``published_only``, whose publishing was not refused), else None."""
-        cond = rounds.c.aggregate.is_not(None) & (rounds.c.kind == kind)
-        if published_only:
-            cond = cond & ~rounds.c.outcome.like('%"publish_skipped"%')
+        ``published_only``, whose outcome says it was published: :attr:`RoundOutcome.published`), else None."""
+        query = (sa.select(rounds.c.id, rounds.c.outcome).where(rounds.c.aggregate.is_not(None) & rounds.c.kind.in_([kind]))
+                 .order_by(rounds.c.id.desc()))
         with self.engine.connect() as conn:
-            row = conn.execute(sa.select(rounds.c.id, rounds.c.aggregate).where(cond)
-                               .order_by(rounds.c.id.desc()).limit(1)).first()
-        return None if row is None else (row.id, read_arrays(row.aggregate))
+            rows = conn.execute(query).all()
+        for row in rows:
+            if not published_only or RoundOutcome.from_json(json.loads(row.outcome)).published:
+                return row.id, self.aggregate_of(row.id)
+        return None
 
     def count_updates(self) -> int:
         with self.engine.connect() as conn:

@@ -15,26 +15,19 @@ cell means, mean embeddings of norm <= 1).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sdk.cell_statistics import CellStatistics
-from sdk.errors import ShapeError
+from sdk.errors import PayloadError, PrivacyError, ShapeError
 from sdk.local_update import KMeansUpdate
-from trainer.federated.update_checks import check_difference, check_kmeans_update
+from trainer.federated.mlp_local import UPLOAD_FIELDS, read_parameters
+from trainer.federated.update_checks import check_kmeans_update
+from trainer.server.errors import UploadRejected
+from trainer.server.round_kind import ParsedUpload
 from trainer.server.store import Round
-
-
-class UploadRejected(Exception):
-    """An upload the server refuses; ``status`` is the HTTP status, ``detail`` the reason."""
-
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
 
 
 #: Largest count, weight or sample number accepted (the SQLite/PostgreSQL INTEGER range, and far
@@ -69,77 +62,26 @@ class UpdateBody(BaseModel):
 SAFETENSORS_TYPES = ("application/x-safetensors", "application/vnd.safetensors")
 
 
-@dataclass(frozen=True)
-class ParsedUpload:
-    """A decoded upload before its checks against the round: the envelope (``client_id``,
-    ``round_id``, ``kind``) and either the K-means ``body`` or the MLP ``parameters`` and ``metadata``."""
-
-    client_id: str
-    round_id: int
-    kind: str
-    body: UpdateBody | None = None
-    parameters: dict | None = None
-    metadata: dict | None = None
-    raw: bytes = b""
-
-
-def parse_upload(raw: bytes, content_type: str) -> ParsedUpload:
-    """Decode an upload: K-means statistics as JSON/MessagePack, MLP parameters as safetensors.
+def parse_mlp_upload(raw: bytes) -> ParsedUpload:
+    """Decode an MLP upload (safetensors with the ``fedroute`` metadata envelope); its ``content``
+    is ``(parameters, metadata)``.
 
     Raises
     ------
     UploadRejected
-        400 undecodable, 415 other content type, 422 a malformed envelope.
+        400 undecodable, 422 a malformed envelope.
     """
-    media = (content_type or "").split(";")[0].strip().lower()
-    if media in SAFETENSORS_TYPES:
-        from trainer.federated.mlp_local import UPLOAD_FIELDS, read_parameters
-
-        try:
-            parameters, metadata = read_parameters(raw)
-        except ShapeError as exc:
-            raise UploadRejected(400, str(exc)) from exc
-        missing = [f for f in UPLOAD_FIELDS if f not in metadata]
-        if missing:
-            raise UploadRejected(422, f"the upload's envelope (safetensors metadata 'fedroute') lacks {missing}")
-        round_id = metadata["round_id"]
-        if not isinstance(round_id, int) or isinstance(round_id, bool) or not 1 <= round_id <= MAX_COUNT:
-            raise UploadRejected(422, f"round_id {round_id!r} is not an integer")
-        return ParsedUpload(str(metadata["client_id"]), round_id, str(metadata["kind"]), parameters=parameters,
-                            metadata=metadata, raw=raw)
-    body = parse_envelope(decode_body(raw, content_type))
-    return ParsedUpload(body.client_id, body.round_id, body.kind, body=body)
-
-
-def validate_upload(upload: ParsedUpload, round_: Round):
-    """Check an upload against its round; return ``(payload to store, log_size, check_previous)``,
-    where ``check_previous(previous update or None)`` (K-means; None for MLP) applies
-    :func:`~trainer.federated.update_checks.check_difference` against the client's last stored
-    update for the round's centroids, to run where that read is serialised with the insert.
-
-    Raises
-    ------
-    UploadRejected
-        409 another kind or base than the round's; 422 an invalid update.
-    """
-    if upload.kind != round_.kind:
-        raise UploadRejected(409, f"round {round_.id} is a {round_.kind!r} round, got a {upload.kind!r} update")
-    if (upload.body is None) != (round_.kind == "mlp"):
-        wanted = "application/x-safetensors" if round_.kind == "mlp" else "application/json or application/msgpack"
-        raise UploadRejected(415, f"round {round_.id} is a {round_.kind!r} round: its uploads are {wanted}")
-    if upload.body is not None:
-        from trainer.server.store import update_bytes
-
-        update = validate_update(upload.body, round_)
-
-        def check_previous(previous) -> None:
-            try:
-                check_difference(update, previous, round_.min_count)
-            except ShapeError as exc:
-                raise UploadRejected(422, f"invalid update: {exc}") from exc
-
-        return update_bytes(update), update.log_size, check_previous
-    return upload.raw, validate_mlp_update(upload.parameters, upload.metadata, round_), None
+    try:
+        parameters, metadata = read_parameters(raw)
+    except (PayloadError, ShapeError) as exc:
+        raise UploadRejected(400, str(exc)) from exc
+    missing = [f for f in UPLOAD_FIELDS if f not in metadata]
+    if missing:
+        raise UploadRejected(422, f"the upload's envelope (safetensors metadata 'fedroute') lacks {missing}")
+    round_id = metadata["round_id"]
+    if not isinstance(round_id, int) or isinstance(round_id, bool) or not 1 <= round_id <= MAX_COUNT:
+        raise UploadRejected(422, f"round_id {round_id!r} is not an integer")
+    return ParsedUpload(str(metadata["client_id"]), round_id, str(metadata["kind"]), (parameters, metadata), raw)
 
 
 def validate_mlp_update(parameters: dict, metadata: dict, round_: Round) -> int:
@@ -151,8 +93,6 @@ def validate_mlp_update(parameters: dict, metadata: dict, round_: Round) -> int:
         409 trained from other parameters than the round's; 422 other names, shapes, NaN/inf,
         ``n_samples`` below ``min_count`` or above ``log_size``.
     """
-    from trainer.federated.mlp_local import read_parameters
-
     if str(metadata["parameters_hash"]) != round_.base_hash:
         raise UploadRejected(409, f"update was trained from other parameters than round {round_.id}'s")
     try:
@@ -175,6 +115,11 @@ def validate_mlp_update(parameters: dict, metadata: dict, round_: Round) -> int:
     return log_size
 
 
+def media_type(content_type: str | None) -> str:
+    """The media type of a ``Content-Type`` header, lower case, without parameters."""
+    return (content_type or "").split(";")[0].strip().lower()
+
+
 def decode_body(raw: bytes, content_type: str) -> object:
     """Decode a JSON or MessagePack body.
 
@@ -183,12 +128,12 @@ def decode_body(raw: bytes, content_type: str) -> object:
     UploadRejected
         415 for another content type, 400 for an undecodable body.
     """
-    media = (content_type or "").split(";")[0].strip().lower()
+    media = media_type(content_type)
     try:
         if media == "application/json":
             return json.loads(raw)
         if media in ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack"):
-            import msgpack
+            import msgpack  # server extra (msgpack), only for MessagePack bodies
 
             return msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # noqa: BLE001 - json and msgpack raise several unrelated classes on bad input
@@ -240,7 +185,7 @@ def validate_update(body: UpdateBody, round_: Round) -> KMeansUpdate:
     s_cost = _matrix("sum_cost", body.sum_cost, shape)
     if (count > MAX_COUNT).any():
         raise UploadRejected(422, f"count must be <= {MAX_COUNT}")
-    c_max = (round_.settings.get("aggregation") or {}).get("max_cost_usd") or MAX_COST_PER_QUERY_USD
+    c_max = round_.settings.aggregation.get("max_cost_usd") or MAX_COST_PER_QUERY_USD
     if (s_cost > count * c_max).any():
         raise UploadRejected(422, f"sum_cost is above {c_max:g} USD per query")
     n_rep = len(body.centroid_cells)
@@ -254,6 +199,6 @@ def validate_update(body: UpdateBody, round_: Round) -> KMeansUpdate:
         update = KMeansUpdate(CellStatistics(count, s_acc, s_cost), np.array(body.centroid_cells, dtype=np.int64),
                               means, weights, int(body.log_size))
         check_kmeans_update(update, round_.centroids, len(round_.models), round_.min_count)
-    except ShapeError as exc:
+    except (ShapeError, PrivacyError) as exc:
         raise UploadRejected(422, f"invalid update: {exc}") from exc
     return update

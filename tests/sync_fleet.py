@@ -6,7 +6,7 @@ same crash scenario at small scale). Everything is real except the devices' logs
 - :func:`deploy` lays out a deployment in a folder: a ``trustme`` CA and server certificate, a
   SQLite database, clients created with the real CLI (``python -m trainer.cli clients add``, the
   ``fedroute`` console script's module, run by this interpreter) and a K-means round opened through
-  :func:`trainer.server.rounds.open_round_from_bundle` over ``n_cells`` centroids that are unit
+  :func:`trainer.server.kmeans_rounds.open_round_from_bundle` over ``n_cells`` centroids that are unit
   vectors drawn from a fixed seed in the bundle's embedding space (:func:`unit_centroids`), with a
   quorum above the number of clients and a one-hour deadline, so the round stays open under load,
   and without publishing (public key only).
@@ -14,7 +14,7 @@ same crash scenario at small scale). Everything is real except the devices' logs
   killed with SIGKILL and restarted on the same database and port.
 - :func:`synthetic_uploads` builds each device's upload bodies with the SDK's own code
   (:func:`sdk.local_update.kmeans_update` on a synthetic :class:`sdk.Evaluations`, then
-  :meth:`KMeansUpdate.to_payload` and the JSON encoding of :class:`sdk.sync.SyncClient`), so they
+  :func:`sdk.protocol.encode_kmeans_update`, the bytes :class:`sdk.sync.SyncClient` sends), so they
   pass the server's validation: whole counts, entries below ``min_count`` zeroed, mean embeddings of
   unit vectors over at least ``max(min_count, 2)`` queries.
 - :class:`Fleet` runs concurrent clients (asyncio, one ``httpx.AsyncClient`` and TLS connection
@@ -50,6 +50,7 @@ import numpy as np
 
 from sdk.eval_log import Evaluations
 from sdk.local_update import KMeansUpdate, RoundSpec, hold_small_changes, kmeans_update
+from sdk.protocol import encode_kmeans_update
 
 CLI = (sys.executable, "-m", "trainer.cli")
 
@@ -135,7 +136,8 @@ def deploy(work: Path, bundle: Path, public_key, *, n_clients: int, n_cells: int
         A CLI call failed.
     """
     from trainer.federated.kmeans_aggregation import AggregationConfig
-    from trainer.server.rounds import open_round_from_bundle, round_settings
+    from trainer.server.kmeans_rounds import open_round_from_bundle
+    from trainer.server.round_kind import round_settings
     from trainer.server.store import Store
 
     work = Path(work).absolute()
@@ -323,7 +325,7 @@ def synthetic_uploads(spec: RoundSpec, client_id: str, rng: np.random.Generator,
         update = kmeans_update(part, spec)
         if uploads:
             update = hold_small_changes(update, uploads[0].update, spec.min_count)
-        body = json.dumps(update.to_payload(client_id, spec), allow_nan=False, separators=(",", ":")).encode()
+        body = encode_kmeans_update(update, client_id, spec)
         uploads.append(SyntheticUpload(body, update))
     return uploads
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sdk.cell_statistics import CellStatistics
 from sdk.errors import ShapeError
 
 
@@ -60,8 +61,6 @@ class ClientData:
 
     def model_statistics(self, n_models: int):
         """Per-model count and sums as a one-cell :class:`sdk.CellStatistics` (privacy-safe aggregate)."""
-        from sdk.cell_statistics import CellStatistics
-
         return CellStatistics.from_samples(
             np.zeros(self.n_samples, dtype=np.int64), self.model, self.accuracy, self.cost, 1, n_models
         )

@@ -1,0 +1,433 @@
+"""The wire and file formats of fedroute, typed and versioned: one encoder and one decoder per format.
+
+Byte-level specification: ``docs/protocol.md``; golden fixed-bytes tests: ``tests/test_protocol.py``
+with ``tests/golden/``. Every party uses these functions: the device (:mod:`sdk.sync`,
+:mod:`sdk.device_rounds`), the server (:mod:`trainer.server`), its store and the Flower app.
+
+========================  ===============================  ==============================================
+format                    type                             encoder / decoder
+========================  ===============================  ==============================================
+K-means round (JSON)      :class:`RoundSpec`               :func:`encode_kmeans_round` / :meth:`RoundSpec.from_json`
+K-means update, wire      :class:`KMeansUpdate`            :func:`encode_kmeans_update` (JSON bytes; the
+  (JSON or MessagePack)                                    server decodes with a typed envelope,
+                                                           :mod:`trainer.server.validation`)
+K-means update, arrays    :class:`KMeansUpdate`            :func:`kmeans_update_to_arrays` / :func:`kmeans_update_from_arrays`
+  (store ``.npz``, Flower)                                 (``.npz`` bytes: :func:`encode_kmeans_update_npz` / :func:`decode_kmeans_update_npz`)
+receipt (JSON)            :class:`Receipt`                 :meth:`Receipt.to_json` / :meth:`Receipt.from_json`
+device sync state (JSON)  :class:`SyncState`               :func:`encode_sync_state` / :func:`decode_sync_state`
+  its sent-update record  :class:`KMeansUpdate`            :func:`encode_sent_record` / :func:`decode_sent_record`
+bundle manifest           ``dict``                         :mod:`sdk.bundle_manifest` (``encode_manifest_file``, ``verify_manifest``)
+MLP parameters / update   ``dict`` of arrays               safetensors, :mod:`trainer.federated.mlp_local` (torch side)
+========================  ===============================  ==============================================
+
+Pure functions and dataclasses: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sdk.cell_statistics import CellStatistics
+from sdk.errors import PayloadError, ShapeError, SyncError
+
+#: Version of the sync protocol (``/v1``) and of each JSON message below.
+PROTOCOL_VERSION = 1
+#: Version of the device's sync state file.
+SYNC_STATE_VERSION = 1
+KMEANS_KIND = "kmeans"
+
+
+def encode_json(obj: object) -> bytes:
+    """Compact JSON bytes of a wire message: no whitespace, keys in the order given, ASCII,
+    NaN/inf refused (ValueError). Floats are Python's shortest repr (exact for float64)."""
+    return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def centroids_hash(centroids: np.ndarray) -> str:
+    """sha256 (hex) of the centroids as little-endian float32 with their shape: the identity of a
+    cell partition. Updates are merged only with updates for the same partition."""
+    c = np.ascontiguousarray(centroids, dtype="<f4")
+    h = hashlib.sha256(f"{c.shape[0]}x{c.shape[1]}:".encode())
+    h.update(c.tobytes())
+    return h.hexdigest()
+
+
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """The open round as the server announces it (``GET /v1/rounds/current``).
+
+    Attributes
+    ----------
+    round_id : int >= 1.
+    kind : str, ``"kmeans"`` (the only kind a device computes without torch).
+    centroids : ndarray of shape (n_cells, d_emb), float32, the global centroids.
+    centroids_hash : str, :func:`centroids_hash` of ``centroids``.
+    models : tuple of str, column order of the statistics.
+    embedder_name : str; d_emb : int, the embedder the centroids live in.
+    min_count : int >= 1, the privacy threshold of this round.
+    deadline_utc : str, ISO-8601 UTC time at which the round closes.
+    """
+
+    round_id: int
+    kind: str
+    centroids: np.ndarray
+    centroids_hash: str
+    models: tuple[str, ...]
+    embedder_name: str
+    d_emb: int
+    min_count: int
+    deadline_utc: str
+
+    @classmethod
+    def from_json(cls, data: object) -> RoundSpec:
+        """Parse the server's JSON answer.
+
+        Raises
+        ------
+        SyncError
+            A field is missing or has the wrong type or shape, or the centroids do not match
+            their hash (a malformed or tampered answer).
+        """
+        try:
+            if not isinstance(data, Mapping):
+                raise TypeError("not a JSON object")
+            centroids = np.asarray(data["centroids"], dtype=np.float64)
+            spec = cls(
+                round_id=_int(data["round_id"], 1),
+                kind=str(data["kind"]),
+                centroids=centroids.astype(np.float32),
+                centroids_hash=str(data["centroids_hash"]),
+                models=tuple(str(m) for m in data["models"]),
+                embedder_name=str(data["embedder_name"]),
+                d_emb=_int(data["d_emb"], 1),
+                min_count=_int(data["min_count"], 1),
+                deadline_utc=str(data["deadline_utc"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SyncError(f"malformed round description from the server: {exc!r}") from exc
+        c = spec.centroids
+        if c.ndim != 2 or c.shape[0] < 1 or c.shape[1] != spec.d_emb or not np.isfinite(c).all():
+            raise SyncError(f"round {spec.round_id}: centroids of shape {c.shape} do not fit d_emb={spec.d_emb}")
+        if centroids_hash(c) != spec.centroids_hash:
+            raise SyncError(f"round {spec.round_id}: centroids do not match their hash")
+        if not spec.models or len(set(spec.models)) != len(spec.models):
+            raise SyncError(f"round {spec.round_id}: models must be distinct and non-empty, got {spec.models}")
+        return spec
+
+
+def _int(value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class KMeansUpdate:
+    """One device's statistics for one round.
+
+    Attributes
+    ----------
+    statistics : CellStatistics of shape (n_cells, n_models), entries below ``min_count`` zeroed.
+    centroid_cells : ndarray of shape (n_reported,), int64, cells whose mean embedding is reported.
+    local_centroids : ndarray of shape (n_reported, d_emb), float64, mean embedding per reported cell.
+    local_weights : ndarray of shape (n_reported,), float64, queries averaged per reported cell.
+    log_size : int, evaluations summarised (logged rows with an embedding and a known model);
+        ``statistics.count.sum() <= log_size`` and ``local_weights.sum() <= log_size``.
+    local_distinct : ndarray of shape (n_reported,), int64, distinct embeddings averaged per reported
+        cell, or None where unknown (an update decoded from the wire). Kept on the device for
+        :func:`hold_small_changes`; never sent (:meth:`to_payload` leaves it out).
+    """
+
+    statistics: CellStatistics
+    centroid_cells: np.ndarray
+    local_centroids: np.ndarray
+    local_weights: np.ndarray
+    log_size: int
+    local_distinct: np.ndarray | None = None
+
+    def is_empty(self) -> bool:
+        """True if the update reports nothing: every count zero and no cell mean (not worth sending)."""
+        return not np.any(self.statistics.count) and self.centroid_cells.size == 0
+
+    def to_payload(self, client_id: str, spec: RoundSpec) -> dict:
+        """The JSON body of ``POST /v1/rounds/{round_id}/updates`` (ARCHITECTURE.md §6).
+
+        Holds aggregates only: counts and sums per (cell, model) and mean embeddings of cells with
+        at least ``max(min_count, 2)`` distinct queries. Floats are written exactly (JSON repr of
+        float64). ``local_distinct`` is not sent.
+        """
+        return {
+            "client_id": client_id,
+            "round_id": spec.round_id,
+            "kind": KMEANS_KIND,
+            "centroids_hash": spec.centroids_hash,
+            "models": list(spec.models),
+            "log_size": int(self.log_size),
+            "count": self.statistics.count.tolist(),
+            "sum_accuracy": self.statistics.sum_accuracy.tolist(),
+            "sum_cost": self.statistics.sum_cost.tolist(),
+            "centroid_cells": self.centroid_cells.tolist(),
+            "local_centroids": self.local_centroids.tolist(),
+            "local_weights": self.local_weights.tolist(),
+        }
+
+
+def encode_kmeans_update(update: KMeansUpdate, client_id: str, spec: RoundSpec) -> bytes:
+    """The JSON body of ``POST /v1/rounds/{round_id}/updates`` for a K-means round
+    (:meth:`KMeansUpdate.to_payload`, :func:`encode_json`). Its sha256 names the upload in the
+    device's ``Idempotency-Key``, so the same update always gives the same bytes."""
+    return encode_json(update.to_payload(client_id, spec))
+
+
+def encode_kmeans_round(round_id: int, status: str, models, embedder_name: str, d_emb: int, min_count: int,
+                        quorum: int, deadline_utc: str, centroids: np.ndarray) -> dict:
+    """The JSON object of ``GET /v1/rounds/current`` for a K-means round (decoded by
+    :meth:`RoundSpec.from_json`); ``centroids`` of shape (n_cells, d_emb) are sent as float64
+    lists of their float32 values, with their :func:`centroids_hash`."""
+    c = np.ascontiguousarray(centroids, dtype=np.float32)
+    return {"round_id": int(round_id), "kind": KMEANS_KIND, "status": status, "models": list(models),
+            "embedder_name": embedder_name, "d_emb": int(d_emb), "min_count": int(min_count), "quorum": int(quorum),
+            "deadline_utc": deadline_utc, "centroids": c.astype(np.float64).tolist(), "centroids_hash": centroids_hash(c)}
+
+
+#: Names of the arrays of a :class:`KMeansUpdate`, in order (store ``.npz`` and Flower ArrayRecord).
+UPDATE_ARRAYS = ("count", "sum_accuracy", "sum_cost", "centroid_cells", "local_centroids", "local_weights", "log_size")
+_RANKS = {"count": 2, "sum_accuracy": 2, "sum_cost": 2, "centroid_cells": 1, "local_centroids": 2,
+          "local_weights": 1, "log_size": 0}
+
+
+def kmeans_update_to_arrays(update: KMeansUpdate) -> dict[str, np.ndarray]:
+    """A :class:`KMeansUpdate` as named numpy arrays (the keys of :data:`UPDATE_ARRAYS`, in order).
+
+    Returns
+    -------
+    dict with ``count``, ``sum_accuracy``, ``sum_cost`` : ndarrays of shape (n_cells, n_models),
+    float64 (sum_cost in USD); ``centroid_cells`` : (n_reported,) int64; ``local_centroids`` :
+    (n_reported, d_emb) float64; ``local_weights`` : (n_reported,) float64; ``log_size`` : shape (),
+    int64. Values are copied exactly (no rounding).
+    """
+    s = update.statistics
+    return {
+        "count": np.asarray(s.count, dtype=np.float64),
+        "sum_accuracy": np.asarray(s.sum_accuracy, dtype=np.float64),
+        "sum_cost": np.asarray(s.sum_cost, dtype=np.float64),
+        "centroid_cells": np.asarray(update.centroid_cells, dtype=np.int64),
+        "local_centroids": np.asarray(update.local_centroids, dtype=np.float64),
+        "local_weights": np.asarray(update.local_weights, dtype=np.float64),
+        "log_size": np.asarray(update.log_size, dtype=np.int64),
+    }
+
+
+def kmeans_update_from_arrays(arrays: Mapping[str, np.ndarray]) -> KMeansUpdate:
+    """Inverse of :func:`kmeans_update_to_arrays`; checks names, dtypes and ranks (not the round).
+
+    Raises
+    ------
+    ShapeError
+        A name of :data:`UPDATE_ARRAYS` is missing or another one is present, an array has a
+        non-numeric dtype or the wrong rank, or the statistics are invalid (negative or non-finite
+        counts, ``sum_accuracy`` outside ``[0, count]``, negative costs).
+    """
+    names = set(arrays)
+    if names != set(UPDATE_ARRAYS):
+        raise ShapeError(
+            f"an update holds exactly the arrays {list(UPDATE_ARRAYS)}; missing {sorted(set(UPDATE_ARRAYS) - names)}, "
+            f"unexpected {sorted(names - set(UPDATE_ARRAYS))}"
+        )
+    out: dict[str, np.ndarray] = {}
+    for name in UPDATE_ARRAYS:
+        arr = np.asarray(arrays[name])
+        integral = name in ("centroid_cells", "log_size")
+        if arr.dtype.kind not in ("iu" if integral else "fiu"):
+            what = "integers" if integral else "numbers"
+            raise ShapeError(f"update array {name!r} must hold {what}, got dtype {arr.dtype}")
+        if arr.ndim != _RANKS[name]:
+            raise ShapeError(f"update array {name!r} must be {_RANKS[name]}-D, got shape {arr.shape}")
+        out[name] = arr
+    return KMeansUpdate(
+        statistics=CellStatistics(out["count"], out["sum_accuracy"], out["sum_cost"]),
+        centroid_cells=out["centroid_cells"].astype(np.int64),
+        local_centroids=out["local_centroids"].astype(np.float64),
+        local_weights=out["local_weights"].astype(np.float64),
+        log_size=int(out["log_size"]),
+    )
+
+
+def encode_kmeans_update_npz(update: KMeansUpdate) -> bytes:
+    """``.npz`` bytes (uncompressed zip of ``.npy`` files, no pickle) of :func:`kmeans_update_to_arrays`:
+    the server store's record of an accepted K-means update."""
+    buf = io.BytesIO()
+    np.savez(buf, **kmeans_update_to_arrays(update))
+    return buf.getvalue()
+
+
+def decode_kmeans_update_npz(data: bytes) -> KMeansUpdate:
+    """The update of :func:`encode_kmeans_update_npz` bytes.
+
+    Raises
+    ------
+    PayloadError
+        Not an ``.npz`` (pickle refused).
+    ShapeError
+        Not the update's arrays (see :func:`kmeans_update_from_arrays`).
+    """
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise PayloadError(f"not an .npz K-means update ({exc})") from exc
+    return kmeans_update_from_arrays(arrays)
+
+
+def encode_sent_record(update: KMeansUpdate, spec: RoundSpec) -> dict:
+    """The device state's record of an update about to be sent (JSON object; floats exact):
+    the wire fields plus ``centroids_hash``, ``models``, ``min_count`` and ``local_distinct``."""
+    return {"centroids_hash": spec.centroids_hash, "models": list(spec.models), "min_count": spec.min_count,
+            "count": update.statistics.count.tolist(), "sum_accuracy": update.statistics.sum_accuracy.tolist(),
+            "sum_cost": update.statistics.sum_cost.tolist(), "centroid_cells": update.centroid_cells.tolist(),
+            "local_centroids": update.local_centroids.tolist(), "local_weights": update.local_weights.tolist(),
+            "local_distinct": np.asarray(update.local_distinct, dtype=np.int64).tolist()
+            if update.local_distinct is not None else update.local_weights.astype(np.int64).tolist(),
+            "log_size": int(update.log_size)}
+
+
+def decode_sent_record(record: dict | None, spec: RoundSpec, state_path: str = "") -> KMeansUpdate | None:
+    """The update last sent for ``spec``'s centroids (the state's ``record``), its columns in
+    ``spec.models`` order (a model it did not have counts as never sent), or None if none was sent
+    for them.
+
+    Raises
+    ------
+    SyncError
+        The record is damaged (rather than dropping the privacy guarantee it carries).
+    """
+    if not isinstance(record, dict) or record.get("centroids_hash") != spec.centroids_hash:
+        return None
+    try:
+        models = [str(m) for m in record["models"]]
+        n_cells = spec.centroids.shape[0]
+        stats = {k: np.asarray(record[k], dtype=np.float64).reshape(n_cells, len(models))
+                 for k in ("count", "sum_accuracy", "sum_cost")}
+        column = {m: j for j, m in enumerate(models)}
+        aligned = {k: np.zeros((n_cells, len(spec.models))) for k in stats}
+        for i, m in enumerate(spec.models):
+            if m in column:
+                for k in stats:
+                    aligned[k][:, i] = stats[k][:, column[m]]
+        cells = np.asarray(record["centroid_cells"], dtype=np.int64).reshape(-1)
+        return KMeansUpdate(
+            CellStatistics(aligned["count"], aligned["sum_accuracy"], aligned["sum_cost"]), cells,
+            np.asarray(record["local_centroids"], dtype=np.float64).reshape(cells.size, spec.d_emb),
+            np.asarray(record["local_weights"], dtype=np.float64).reshape(cells.size),
+            int(record["log_size"]),
+            np.asarray(record["local_distinct"], dtype=np.int64).reshape(cells.size))
+    except (KeyError, TypeError, ValueError) as exc:  # ShapeError is a ValueError
+        raise SyncError(f"sync state {state_path}: the record of the last sent update is damaged "
+                        f"({exc!r}); delete the file to start over") from exc
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """The server's answer to an accepted upload (``201``, or ``200`` for a retry with the same key).
+
+    Attributes
+    ----------
+    update_id : int, the server's id of the stored update.
+    client_id : str. round_id : int, the round it was sent for.
+    late : bool, True if it arrived after the round closed (counted in the next round).
+    counted_in_round : int or None, the round it counts in (None while waiting for the next round).
+    log_size : int, evaluations the update summarises.
+    """
+
+    update_id: int
+    client_id: str
+    round_id: int
+    late: bool
+    counted_in_round: int | None
+    log_size: int
+
+    def to_json(self) -> dict:
+        """The receipt's JSON object (keys in the order of the attributes)."""
+        return {"update_id": self.update_id, "client_id": self.client_id, "round_id": self.round_id,
+                "late": self.late, "counted_in_round": self.counted_in_round, "log_size": self.log_size}
+
+    @classmethod
+    def from_json(cls, data: object) -> Receipt:
+        """Parse a receipt.
+
+        Raises
+        ------
+        SyncError
+            Not an object, a missing field or one of the wrong type.
+        """
+        try:
+            if not isinstance(data, Mapping):
+                raise TypeError("not a JSON object")
+            counted = data["counted_in_round"]
+            receipt = cls(_int(data["update_id"], 1), str(data["client_id"]), _int(data["round_id"], 1),
+                          data["late"], None if counted is None else _int(counted, 1), _int(data["log_size"], 0))
+            if not isinstance(receipt.late, bool):
+                raise TypeError(f"late must be a boolean, got {receipt.late!r}")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SyncError(f"malformed receipt from the server: {exc!r}") from exc
+        return receipt
+
+
+@dataclass
+class SyncState:
+    """The device's sync state file (JSON, written atomically by :class:`sdk.SyncClient`).
+
+    Attributes
+    ----------
+    last_upload : dict or None, the last acknowledged upload: ``round_id``, ``key`` (its
+        Idempotency-Key), ``update_id``, ``late``, ``log_size``.
+    sent : dict or None, the record of the last update *sent* (:func:`encode_sent_record`), what the
+        server may hold; written before the upload.
+    bundle_etag : str or None, ETag of the manifest last fetched. bundle_version : int or None, the
+        bundle version in use when it was fetched.
+    version : int, :data:`SYNC_STATE_VERSION`.
+    """
+
+    last_upload: dict | None = None
+    sent: dict | None = None
+    bundle_etag: str | None = None
+    bundle_version: int | None = None
+    version: int = field(default=SYNC_STATE_VERSION)
+
+
+def encode_sync_state(state: SyncState) -> bytes:
+    """The state file's bytes: JSON with sorted keys, no whitespace beyond ``", "``/``": "``;
+    fields that are None are left out."""
+    obj = {"version": state.version}
+    for name in ("last_upload", "sent", "bundle_etag", "bundle_version"):
+        value = getattr(state, name)
+        if value is not None:
+            obj[name] = value
+    return json.dumps(obj, sort_keys=True, allow_nan=False).encode("ascii")
+
+
+def decode_sync_state(raw: bytes, path: str = "") -> SyncState:
+    """Parse a state file (unknown keys ignored).
+
+    Raises
+    ------
+    SyncError
+        Not JSON, not an object, another version, or fields of the wrong type.
+    """
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise SyncError(f"sync state {path} is unreadable ({exc}); delete it to start over") from exc
+    if (not isinstance(obj, dict) or obj.get("version") != SYNC_STATE_VERSION
+            or not isinstance(obj.get("last_upload") or {}, dict) or not isinstance(obj.get("sent") or {}, dict)):
+        raise SyncError(f"sync state {path} has an unknown format; delete it to start over")
+    return SyncState(obj.get("last_upload"), obj.get("sent"), obj.get("bundle_etag"), obj.get("bundle_version"))

@@ -1,0 +1,40 @@
+"""sdk.atomic_write: the one helper every layer writes files with."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from sdk.atomic_write import commit_file, temporary_path, write_atomic
+
+
+def test_write_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "state.json"
+    target.write_bytes(b"old")
+    write_atomic(target, b"new")
+    assert target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_write_atomic_creates_private_files_with_their_mode_from_the_start(tmp_path):
+    write_atomic(tmp_path / "signing.key", b"secret", mode=0o600)
+    if os.name == "posix":
+        assert stat.S_IMODE((tmp_path / "signing.key").stat().st_mode) == 0o600
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path):
+    target = tmp_path / "state.json"
+    target.write_bytes(b"old")
+    with pytest.raises(TypeError):
+        write_atomic(target, "not bytes")  # type: ignore[arg-type]
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_commit_file_moves_a_library_written_file_into_place(tmp_path):
+    target = tmp_path / "model.onnx"
+    tmp = temporary_path(target)
+    assert tmp.parent == tmp_path and tmp.name.startswith(".model.onnx.tmp-")
+    tmp.write_bytes(b"graph")
+    commit_file(tmp, target)
+    assert target.read_bytes() == b"graph" and not tmp.exists()

@@ -1,0 +1,227 @@
+"""Wire and file formats (docs/protocol.md): fixed-bytes (golden) tests and round trips, one per encoder.
+
+The golden files in ``tests/golden/`` hold the bytes each encoder wrote for the small, hand-written
+values below; a change of any format shows here as a byte difference. To write them again after a
+deliberate format change (bump the format's version and say so in docs/protocol.md):
+``FEDROUTE_WRITE_GOLDEN=1 python -m pytest tests/test_protocol.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sdk.cell_statistics import CellStatistics
+from sdk.errors import PayloadError, SyncError
+from sdk.protocol import (
+    UPDATE_ARRAYS,
+    KMeansUpdate,
+    Receipt,
+    RoundSpec,
+    SyncState,
+    centroids_hash,
+    decode_kmeans_update_npz,
+    decode_sent_record,
+    decode_sync_state,
+    encode_json,
+    encode_kmeans_round,
+    encode_kmeans_update,
+    encode_kmeans_update_npz,
+    encode_sent_record,
+    encode_sync_state,
+    kmeans_update_from_arrays,
+    kmeans_update_to_arrays,
+)
+
+GOLDEN = Path(__file__).parent / "golden"
+WRITE = os.environ.get("FEDROUTE_WRITE_GOLDEN") == "1"
+
+CENTROIDS = np.array([[1.0, 0.0, 0.0], [0.0, 0.6, -0.8]], dtype=np.float32)
+MODELS = ("cheap", "strong")
+
+
+def spec() -> RoundSpec:
+    return RoundSpec.from_json(round_json())
+
+
+def round_json() -> dict:
+    return encode_kmeans_round(3, "open", MODELS, "all-MiniLM-L6-v2", 3, 2, 5, "2026-01-02T03:04:05.000000Z", CENTROIDS)
+
+
+def update() -> KMeansUpdate:
+    """2 cells x 2 models; cell 0's mean embedding is reported (3 queries)."""
+    stats = CellStatistics(np.array([[3.0, 0.0], [0.0, 2.0]]), np.array([[1.5, 0.0], [0.0, 2.0]]),
+                           np.array([[0.003, 0.0], [0.0, 0.25]]))
+    return KMeansUpdate(stats, np.array([0], dtype=np.int64), np.array([[0.5, 0.25, -0.125]]), np.array([3.0]), 5,
+                        np.array([3], dtype=np.int64))
+
+
+def golden(name: str, data: bytes) -> None:
+    path = GOLDEN / name
+    if WRITE:
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_bytes(data)
+    assert data == path.read_bytes(), f"{name}: the encoder's bytes changed (see docs/protocol.md)"
+
+
+def assert_same_update(a: KMeansUpdate, b: KMeansUpdate) -> None:
+    for name in UPDATE_ARRAYS:
+        x, y = kmeans_update_to_arrays(a)[name], kmeans_update_to_arrays(b)[name]
+        assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), name
+
+
+# --- golden bytes --------------------------------------------------------------------------------
+
+
+def test_kmeans_round_description_golden_bytes():
+    golden("kmeans_round.json", encode_json(round_json()))
+    assert round_json()["centroids_hash"] == centroids_hash(CENTROIDS)
+    assert round_json()["centroids"][1] == [0.0, 0.6000000238418579, -0.800000011920929]  # float32 values, exact
+
+
+def test_kmeans_update_wire_golden_bytes():
+    data = encode_kmeans_update(update(), "dev-1", spec())
+    golden("kmeans_update.json", data)
+    assert data.startswith(b'{"client_id":"dev-1","round_id":3,"kind":"kmeans","centroids_hash":"')
+    assert b'"count":[[3.0,0.0],[0.0,2.0]]' in data and b'"local_centroids":[[0.5,0.25,-0.125]]' in data
+    assert b"local_distinct" not in data  # kept on the device
+
+
+def test_kmeans_update_npz_golden_bytes():
+    golden("kmeans_update.npz", encode_kmeans_update_npz(update()))
+
+
+def test_receipt_golden_bytes():
+    golden("receipt.json", encode_json(Receipt(7, "dev-1", 3, False, 3, 5).to_json()))
+    assert (GOLDEN / "receipt.json").read_bytes() == (
+        b'{"update_id":7,"client_id":"dev-1","round_id":3,"late":false,"counted_in_round":3,"log_size":5}')
+
+
+def test_sync_state_golden_bytes():
+    state = SyncState(last_upload={"round_id": 3, "key": "r3-ab", "update_id": 7, "late": False, "log_size": 5},
+                      sent=encode_sent_record(update(), spec()), bundle_etag='"e1"', bundle_version=2)
+    data = encode_sync_state(state)
+    golden("sync_state.json", data)
+    assert json.loads(data)["sent"]["local_distinct"] == [3] and json.loads(data)["version"] == 1
+
+
+def test_manifest_golden_bytes_and_signature():
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from export.bundle_writer import build_manifest
+    from sdk.bundle_manifest import encode_manifest_file, verify_manifest
+
+    key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))  # Ed25519 signatures are deterministic
+    files = {"tokenizer.json": b"{}", "embedder.onnx": b"onnx", "kmeans.npz": b"npz"}
+    fields = {"bundle_version": 1, "router_kind": "kmeans",
+              "models": [{"id": "cheap", "price_per_1k_input_usd": 0.5, "price_per_1k_output_usd": None,
+                          "mean_cost_usd": 0.001}],
+              "embedder": {"name": "all-MiniLM-L6-v2", "dim": 384, "max_tokens": 256, "truncation_side": "left",
+                           "pooling": "mean", "normalised": True, "files": {"fp32": "embedder.onnx"}}}
+    data = encode_manifest_file(build_manifest(files, fields, key, created_utc="2026-01-01T00:00:00Z"))
+    golden("manifest.json", data)
+    manifest = verify_manifest(data, key.public_key())  # decoder: signature, then schema
+    assert manifest["files"]["kmeans.npz"] == hashlib.sha256(b"npz").hexdigest()
+
+
+def test_mlp_update_golden_bytes():
+    pytest.importorskip("safetensors")
+    from trainer.federated.mlp_local import parameters_bytes, read_parameters
+
+    params = {"trunk.0.weight": np.array([[0.5, -1.0]], dtype=np.float32), "head.bias": np.array([0.25], np.float32)}
+    envelope = {"client_id": "dev-1", "round_id": 4, "kind": "mlp", "parameters_hash": "0" * 64,
+                "n_samples": 9, "log_size": 12}
+    data = parameters_bytes(params, envelope)
+    golden("mlp_update.safetensors", data)
+    back, meta = read_parameters(data)
+    assert meta == envelope and set(back) == set(params)
+    assert all(np.array_equal(back[k], params[k]) for k in params)
+
+
+# --- round trips ---------------------------------------------------------------------------------
+
+
+def test_round_description_round_trip():
+    s = spec()
+    assert (s.round_id, s.kind, s.models, s.min_count, s.d_emb) == (3, "kmeans", MODELS, 2, 3)
+    np.testing.assert_array_equal(s.centroids, CENTROIDS)
+    assert s.centroids_hash == centroids_hash(CENTROIDS)
+
+
+def test_update_arrays_and_npz_round_trip():
+    assert_same_update(kmeans_update_from_arrays(kmeans_update_to_arrays(update())), update())
+    assert_same_update(decode_kmeans_update_npz(encode_kmeans_update_npz(update())), update())
+    with pytest.raises(PayloadError, match="not an .npz"):
+        decode_kmeans_update_npz(b"PK not a zip")
+
+
+def test_update_wire_round_trip_through_the_servers_decoder():
+    pytest.importorskip("pydantic")
+    from trainer.federated.kmeans_aggregation import AggregationConfig
+    from trainer.server.round_kind import round_settings
+    from trainer.server.store import Round
+    from trainer.server.validation import decode_body, parse_envelope, validate_update
+
+    r = Round(id=3, kind="kmeans", status="open", opened_unix=0.0, deadline_unix=1.0, quorum=5, min_count=2,
+              centroids=CENTROIDS, parameters=None, base_hash=centroids_hash(CENTROIDS), models=MODELS,
+              embedder={"name": "all-MiniLM-L6-v2", "dim": 3},
+              settings=round_settings(aggregation=AggregationConfig()), closed_unix=None, outcome=None)
+    body = parse_envelope(decode_body(encode_kmeans_update(update(), "dev-1", spec()), "application/json"))
+    assert (body.client_id, body.round_id, body.kind) == ("dev-1", 3, "kmeans")
+    assert_same_update(validate_update(body, r), update())
+
+
+def test_sent_record_round_trip_and_model_alignment():
+    record = json.loads(json.dumps(encode_sent_record(update(), spec())))  # through the state file's JSON
+    back = decode_sent_record(record, spec())
+    assert_same_update(back, update())
+    np.testing.assert_array_equal(back.local_distinct, [3])
+    swapped = RoundSpec.from_json({**round_json(), "models": ["strong", "cheap"]})
+    np.testing.assert_array_equal(decode_sent_record(record, swapped).statistics.count, [[0.0, 3.0], [2.0, 0.0]])
+    other = RoundSpec.from_json(encode_kmeans_round(3, "open", MODELS, "e", 3, 2, 5, "t", CENTROIDS * 0.5))
+    assert decode_sent_record(record, other) is None  # another partition: nothing was sent for it
+    with pytest.raises(SyncError, match="damaged"):
+        decode_sent_record({**record, "count": [[1.0]]}, spec())
+
+
+def test_receipt_round_trip_and_refusals():
+    r = Receipt(7, "dev-1", 3, True, None, 5)
+    assert Receipt.from_json(json.loads(encode_json(r.to_json()))) == r
+    for bad in ({**r.to_json(), "late": 1}, {k: v for k, v in r.to_json().items() if k != "update_id"}, [1]):
+        with pytest.raises(SyncError, match="malformed receipt"):
+            Receipt.from_json(bad)
+
+
+def test_sync_state_round_trip_and_refusals():
+    state = SyncState(last_upload={"round_id": 1, "key": "k"}, sent=None, bundle_etag=None, bundle_version=4)
+    assert decode_sync_state(encode_sync_state(state)) == state
+    assert decode_sync_state(encode_sync_state(SyncState())) == SyncState()
+    for raw in (b"{", b'{"version": 2}', b'{"version": 1, "last_upload": "x"}', b"[1]"):
+        with pytest.raises(SyncError):
+            decode_sync_state(raw, "state.json")
+
+
+def test_round_settings_and_outcome_round_trip_through_json():
+    from trainer.federated.kmeans_aggregation import AggregationConfig
+    from trainer.server.round_kind import PublishTarget, RoundOutcome, RoundSettings, round_settings
+
+    settings = round_settings(aggregation=AggregationConfig(clip_count=100.0), bundle_dir=Path("/b"),
+                              signing_key=Path("/k"), seed=7)
+    assert settings.publish == PublishTarget("/b", "/k") and settings.aggregation["clip_count"] == 100.0
+    assert RoundSettings.from_json(json.loads(json.dumps(settings.to_json()))) == settings
+    old = {k: v for k, v in settings.to_json().items() if k not in ("min_total_count", "network", "continued_from")}
+    assert RoundSettings.from_json(old).min_total_count == 1  # a round stored before the field existed
+    for outcome in (RoundOutcome("no-op", 2, 1, 0),
+                    RoundOutcome("aggregated", 3, 0, 1, 120.0, None, 4, ["a", "b"]),
+                    RoundOutcome("aggregated", 1, 0, 0, 9.0, 0.5, None, None, "1 client(s)"),
+                    RoundOutcome("failed", error="OSError: disk full")):
+        assert RoundOutcome.from_json(json.loads(json.dumps(outcome.to_json()))) == outcome
+    assert RoundOutcome("aggregated", 1, 0, 0, 9.0, 0.5, None, None).to_json() == {
+        "on_time_updates": 1, "late_updates_counted": 0, "stale_updates": 0, "result": "aggregated",
+        "total_count": 9.0, "epsilon": 0.5, "bundle_version": None}  # clients left out under DP noise
+    assert not RoundOutcome("aggregated", publish_skipped="refused").published and RoundOutcome("aggregated").published
