@@ -127,3 +127,40 @@ def test_expert_state_and_files_round_trip(selector, tmp_path):
     with pytest.raises(InvalidInputError, match="cache_lower_layers"):
         SelectorConfig(lora_layers=None)
     assert SelectorConfig.gpu_preset().lora_layers is None
+
+
+def test_all_layer_path_on_a_tiny_causal_lm(pairs, tmp_path):
+    """The GPU preset's code path (causal LM, LoRA on q/v of every layer, last-token pooling, no
+    cache) on a tiny Qwen2 built from a config with random weights and the MiniLM tokenizer."""
+    import shutil
+
+    from transformers import Qwen2Config, Qwen2Model
+
+    from trainer.embeddings import resolve_model_path
+
+    folder = tmp_path / "tiny-qwen2"
+    Qwen2Model(Qwen2Config(vocab_size=30522, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)).save_pretrained(folder)
+    shutil.copy(Path(resolve_model_path("all-MiniLM-L6-v2")) / "tokenizer.json", folder / "tokenizer.json")
+    cfg = SelectorConfig(backbone=str(folder), lora_layers=None, cache_lower_layers=False, pooling="last",
+                         target_modules=("q_proj", "v_proj"),
+                         encoding=PairEncodingConfig(prompt_tokens=16, response_tokens=24, prefix_token=None))
+    model = PairSelector(cfg, seed=0)
+    names = model.trainable_names()
+    assert {n.split(".layers.")[1].split(".")[0] for n in names if "lora_" in n} == {"0", "1"}
+    sub = pairs.iloc[:6]
+    st = build_segment_store(model, list(sub.prompt), list(sub.response_a), list(sub.response_b), list(sub.label))
+    assert st.lower is None and st.input_ids.shape[1] == cfg.encoding.seq_len == 16 + 24 + 2
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    before = model.expert_state()
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        ha, hb, f, y = st.batch(model, np.arange(st.n_pairs))
+        loss = model.pair_loss(ha, hb, f, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = model.expert_state()
+    assert all(np.abs(after[n] - before[n]).max() > 0 for n in names if "lora_B" in n)
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)

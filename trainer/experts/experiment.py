@@ -74,10 +74,11 @@ class DataPreset:
 
 
 PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
-    "quick": (DataPreset(n_train=600, n_val=150, n_test=240, n_public=120),
-              FedPrismConfig(rounds=4, warmup_rounds=2, router_every=1, clients_per_round=3, local_pairs=24,
-                             batch_size=12, router_epochs=3, eval_every=4)),
-    "cpu": (DataPreset(), FedPrismConfig()),
+    "quick": (DataPreset(n_train=600, n_val=150, n_test=200, n_public=120),
+              FedPrismConfig(rounds=3, warmup_rounds=1, router_every=1, clients_per_round=2, local_pairs=24,
+                             batch_size=12, router_epochs=3, eval_every=3)),
+    "cpu": (DataPreset(), FedPrismConfig(rounds=8, warmup_rounds=3, router_every=2, clients_per_round=4,
+                                         local_pairs=40, eval_every=4)),
     "gpu": (DataPreset(n_train=12000, n_val=1500, n_test=3000, n_public=1500), FedPrismConfig.gpu_preset()),
 }
 

@@ -26,8 +26,9 @@ clustered into ``n_experts`` groups by K-means on their mean prompt embedding, o
 group trained by its clients; a test pair is scored by the mean probability of the group selectors).
 See :func:`method_config`.
 
-Presets: the CPU default is scaled down (3 experts, 10 rounds, warm-up 4, PGPD every 2 rounds,
-MiniLM with LoRA in the top layer on cached lower layers); :meth:`FedPrismConfig.gpu_preset` is the
+Presets: the CPU default (``trainer.experts.experiment.PRESETS['cpu']``) is scaled down (3 experts,
+8 rounds, warm-up 3, PGPD every 2 rounds, 4 clients x 40 pairs per round, MiniLM with LoRA in the
+top layer on cached lower layers); :meth:`FedPrismConfig.gpu_preset` is the
 paper's 5 experts, 400 rounds, warm-up 150, router update every 20 rounds at lr 1e-3, experts at
 lr 1e-5 on a Qwen2-0.5B-class backbone with LoRA on every layer.
 """
@@ -81,7 +82,7 @@ class FedPrismConfig:
     clients_per_round: int = 5
     local_pairs: int = 48
     batch_size: int = 16
-    expert_lr: float = 2e-3
+    expert_lr: float = 1e-3  # chosen on validation pairs by trainer.experts.tune (1e-3 vs 3e-3)
     router_lr: float = 1e-3
     router_epochs: int = 5
     router_hidden: int = 128

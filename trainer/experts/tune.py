@@ -2,7 +2,7 @@
 
 ``PYTHONPATH=. python -m trainer.experts.tune --data ../shared/data --out results/prism_tune``
 
-Grid: ``expert_lr`` in {1e-3, 2e-3, 5e-3} for FedPrism and FedBis (the two main methods, so the
+Grid: ``expert_lr`` in {1e-3, 3e-3} for FedPrism and FedBis (the two main methods, so the
 choice does not favour one), seed 0, the CPU preset's data and schedule with ``eval_split='val'``.
 The chosen value maximises the mean validation accuracy of the two; it is written to
 ``tune.json`` and is the ``expert_lr`` of :class:`trainer.experts.fedprism.FedPrismConfig`.
@@ -15,7 +15,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-GRID = (1e-3, 2e-3, 5e-3)
+GRID = (1e-3, 3e-3)
 
 
 def main(argv: list[str]) -> None:
