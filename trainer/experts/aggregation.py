@@ -7,7 +7,7 @@ updated *it*, weighted by those sample counts; an expert nobody updated keeps it
     theta_k <- sum_{i in U_k} n_ik theta_ik / sum_{i in U_k} n_ik   if U_k is non-empty, else theta_k.
 
 Pure functions in the style of Flower's strategies (no I/O, clock or sampling); the per-expert mean
-is :func:`trainer.federated.fedavg.fedavg`, which validates names, shapes, finiteness and counts.
+is :func:`trainer.routers.fedavg.fedavg`, which validates names, shapes, finiteness and counts.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from sdk.errors import InvalidInputError
-from trainer.federated.fedavg import Parameters, fedavg, validate_updates
+from trainer.routers.fedavg import Parameters, fedavg, validate_updates
 
 #: One client's reply: expert index -> (parameters, n_samples used for that expert).
 ComponentUpdate = Mapping[int, tuple[Parameters, float]]

@@ -46,7 +46,7 @@ from sdk.errors import InvalidInputError
 from trainer.experts.aggregation import aggregate_components
 from trainer.experts.prompt_router import PromptRouter, fit_router, kmeans_init, pgpd_pseudo_labels
 from trainer.experts.selector import PairSelector, SegmentStore, SelectorConfig
-from trainer.federated.fedavg import fedavg
+from trainer.routers.fedavg import fedavg
 from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
 
 ROUTINGS = ("router", "random", "single", "client_cluster")

@@ -1,7 +1,7 @@
 """FedPrism's per-component aggregation as a Flower strategy (message API, ``flwr >= 1.21``).
 
 The maths is :func:`trainer.experts.aggregation.aggregate_components` (each expert averaged over the
-nodes that updated it, weighted by the samples it used) and :func:`trainer.federated.fedavg.fedavg`
+nodes that updated it, weighted by the samples it used) and :func:`trainer.routers.fedavg.fedavg`
 for the router; this module only carries it over Flower, as :mod:`trainer.federated.flower_app`
 does for the K-means router.
 
@@ -36,7 +36,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.experts.aggregation import aggregate_components
-from trainer.federated.fedavg import fedavg
+from trainer.routers.fedavg import fedavg
 
 ARRAYS_KEY = "arrays"
 CONFIG_KEY = "config"
