@@ -10,6 +10,8 @@ On the device:
 - :class:`sdk.RewardScorer` — ``RewardScorer.load(bundle_dir, public_key)`` verifies a signed MoR
   reward-scorer bundle, then ``score(prompt, response)`` gives this client's reward and ``route(...)``
   the federated router's client choice, locally;
+- :class:`sdk.Selector` — ``Selector.load(bundle_dir, public_key)`` verifies a signed selector bundle
+  (a FedPrism expert), then ``prefer(x, y_a, y_b)`` returns P(y_a is the better response);
 - :class:`sdk.EvalLog` — the SQLite log of sparse evaluations that the federated sync reads;
 - :class:`sdk.SyncClient` — the periodic federated sync (upload statistics, install new bundles;
   httpx, imported on first use).
@@ -40,6 +42,7 @@ from sdk.eval_log import EvalLog, Evaluations
 from sdk.personalisation import interpolation_weights, personalise
 from sdk.reward_scorer import ClientChoice, RewardScorer
 from sdk.router import Choice, ModelInfo, ModelScore, Router
+from sdk.selector import Selector
 from sdk.utility import check_lambda, decide, utility
 from sdk.voronoi import nearest_cell
 
@@ -60,6 +63,7 @@ __all__ = [
     "ModelScore",
     "RewardScorer",
     "Router",
+    "Selector",
     "ShapeError",
     "SyncClient",
     "SyncError",

@@ -178,6 +178,19 @@ def _check_schema(manifest: dict) -> None:
     for family in kinds.families():
         key = kinds.manifest_key(family)
         need(key not in manifest or isinstance(manifest[key], str), f"{key} must be a string")
+    files = manifest.get("files")
+    need(isinstance(files, dict) and files, "files must map file name -> sha256")
+    for name, digest in files.items():
+        need(is_plain_file_name(name) and name != MANIFEST_FILE,
+             f"file name {name!r} is not a plain file name")
+        need(isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) is not None,
+             f"sha256 of {name} is not 64 lower-case hex digits")
+    if kinds.needs_embedder(manifest):  # routers, reward scorers: the query embedder (+ model table)
+        _check_embedder_and_models(manifest, need)
+    kinds.check_manifest_kinds(manifest)  # registered kinds, the files each needs, their own fields
+
+
+def _check_embedder_and_models(manifest: dict, need: Callable[[bool, str], None]) -> None:
     # The LLM price table belongs to bundles that route between models; a bundle without a router
     # (e.g. a reward scorer) may omit it, but one it carries is checked the same way.
     needs_models = kinds.manifest_key(kinds.ROUTER_FAMILY) in manifest
@@ -201,16 +214,8 @@ def _check_schema(manifest: dict) -> None:
     need(isinstance(emb.get("max_tokens"), int) and emb["max_tokens"] > 2, "embedder.max_tokens must be an integer > 2")
     need(emb.get("truncation_side") in ("left", "right"), "embedder.truncation_side must be 'left' or 'right'")
     need(isinstance(emb.get("files"), dict) and emb["files"], "embedder.files must map precision -> file name")
-    files = manifest.get("files")
-    need(isinstance(files, dict) and files, "files must map file name -> sha256")
-    for name, digest in files.items():
-        need(is_plain_file_name(name) and name != MANIFEST_FILE,
-             f"file name {name!r} is not a plain file name")
-        need(isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) is not None,
-             f"sha256 of {name} is not 64 lower-case hex digits")
     for precision, name in emb["files"].items():
-        need(name in files, f"embedder file {name!r} ({precision}) is not listed in files")
-    kinds.check_manifest_kinds(manifest)  # registered kinds, the files each needs, their own fields
+        need(name in manifest["files"], f"embedder file {name!r} ({precision}) is not listed in files")
 
 
 def verify_manifest(raw: bytes, public_key) -> dict:

@@ -55,6 +55,9 @@ class Family:
 
     name: str
     interface: type
+    #: Whether a bundle carrying this family also carries the query embedder and the model table
+    #: (``embedder``, ``models``): routers do; a selector has its own backbone and no model table.
+    needs_embedder: bool = True
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -62,8 +65,11 @@ _FAMILIES: dict[str, Family] = {}
 REGISTRY: KindRegistry[ArtefactKind] = KindRegistry("sdk", ArtefactKind)
 
 
-def register_family(name: str, interface: type) -> Family:
+def register_family(name: str, interface: type, *, needs_embedder: bool = True) -> Family:
     """Declare an artefact family (idempotent for the same interface).
+
+    ``needs_embedder``: bundles carrying this family also carry ``embedder`` and ``models``
+    (see :attr:`Family.needs_embedder`).
 
     Raises
     ------
@@ -75,7 +81,7 @@ def register_family(name: str, interface: type) -> Family:
     if name in _FAMILIES and _FAMILIES[name].interface is not interface:
         raise InvalidInputError(f"family {name!r} is already registered with interface "
                                 f"{_FAMILIES[name].interface.__name__}")
-    _FAMILIES.setdefault(name, Family(name, interface))
+    _FAMILIES.setdefault(name, Family(name, interface, needs_embedder))
     return _FAMILIES[name]
 
 
@@ -123,8 +129,16 @@ def manifest_kinds(manifest: Mapping) -> dict[str, str]:
     """``{family: kind}`` of every artefact the manifest carries (embedder included, ``"onnx"`` by
     default), without checking that the kinds are registered (see :func:`check_manifest_kinds`)."""
     out = {fam: manifest[manifest_key(fam)] for fam in _FAMILIES if manifest_key(fam) in manifest}
-    out.setdefault(EMBEDDER_FAMILY, DEFAULT_EMBEDDER_KIND)
+    if needs_embedder(manifest):
+        out.setdefault(EMBEDDER_FAMILY, DEFAULT_EMBEDDER_KIND)
     return out
+
+
+def needs_embedder(manifest: Mapping) -> bool:
+    """True unless every declared family the manifest names has ``needs_embedder=False`` (a bundle
+    naming no declared family, or only such families as routers, carries ``embedder`` and ``models``)."""
+    named = [fam for fam in _FAMILIES if fam != EMBEDDER_FAMILY and manifest_key(fam) in manifest]
+    return not named or any(_FAMILIES[fam].needs_embedder for fam in named) or manifest_key(EMBEDDER_FAMILY) in manifest
 
 
 def check_manifest_kinds(manifest: Mapping) -> dict[str, ArtefactKind]:
@@ -166,7 +180,7 @@ def load_artefact(family: str, manifest: dict, files: Mapping[str, bytes], *, op
         raise BundleError(f"bundle carries no {family} (it carries {held})")
     kind = get(family, kinds[family])
     runtime = kind.load(LoadContext(manifest, files, tuple(m["id"] for m in manifest.get("models", ())),
-                                    manifest["embedder"], options, precision))
+                                    manifest.get("embedder", {}), options, precision))
     interface = _FAMILIES[family].interface
     if not isinstance(runtime, interface):
         raise BundleError(f"{family} kind {kind.name!r} loaded a {type(runtime).__name__}, which lacks the "
@@ -184,5 +198,5 @@ for _kind in BUILTIN_KINDS:
 
 
 __all__ = ["ArtefactKind", "Embedder", "Family", "LoadContext", "RouterScorer", "UnknownKindError", "check_manifest_kinds",
-           "REGISTRY", "families", "get", "load_artefact", "manifest_key", "manifest_kinds", "names", "register",
+           "REGISTRY", "families", "get", "load_artefact", "manifest_key", "manifest_kinds", "names", "needs_embedder", "register",
            "register_family", "unregister"]

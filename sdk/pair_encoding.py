@@ -15,6 +15,9 @@ Inputs of one pair
   **first** ``response_tokens`` tokens of the response. ``seq_len = prompt_tokens +
   response_tokens + n_special`` is fixed by the config, so every segment has the same shape.
   The swapped pair ``(x, y_B, y_A)`` reuses the same two segments in the other order.
+- **Prediction** of a selector from the two logits ``l(A, B)`` and ``l(B, A)`` (the swapped pair,
+  length features negated): ``P(A better) = sigmoid((l(A, B) - l(B, A)) / 2)`` (see
+  ``trainer.experts.selector``); the device computes the same.
 - **Length features** of shape ``(N_LENGTH_FEATURES,)`` float32 (:func:`length_features`):
   differences of log lengths of the two *full* responses (characters, words, lines), measured before
   truncation. They are antisymmetric: swapping A and B negates them. Response length carries most of
@@ -51,14 +54,14 @@ class PairEncodingConfig:
     sep_token : str, token after the prompt and after the response (BERT ``[SEP]``, Qwen ``<|endoftext|>``).
     pad_token : str, padding token (masked out).
 
-    The CPU default (all-MiniLM-L6-v2) reads ``[CLS] prompt[-32:] [SEP] response[:64] [SEP]``,
-    99 tokens per segment. The GPU preset (a Qwen2-0.5B-class causal LM) uses
+    The CPU default (all-MiniLM-L6-v2) reads ``[CLS] prompt[-24:] [SEP] response[:40] [SEP]``,
+    67 tokens per segment (the length features carry the full lengths; see the selector's CPU budget). The GPU preset (a Qwen2-0.5B-class causal LM) uses
     :meth:`causal_lm_preset`: 128 + 256 tokens, no prefix, ``<|endoftext|>`` separators, and the
     selector pools the last real token.
     """
 
-    prompt_tokens: int = 32
-    response_tokens: int = 64
+    prompt_tokens: int = 24
+    response_tokens: int = 40
     prefix_token: str | None = "[CLS]"
     sep_token: str = "[SEP]"
     pad_token: str = "[PAD]"
@@ -138,8 +141,9 @@ class PairEncoder:
 
     Parameters
     ----------
-    tokenizer : tokenizers.Tokenizer (e.g. ``Tokenizer.from_file("tokenizer.json")``). Its own
-        truncation, padding and post-processing are not used.
+    tokenizer : tokenizers.Tokenizer (e.g. ``Tokenizer.from_file("tokenizer.json")``). A copy with
+        truncation and padding switched off is used (MiniLM's tokenizer.json pads and truncates to
+        128 on the right, which would cut the prompt's tail); its post-processing is not used.
     config : PairEncodingConfig
 
     Raises
@@ -149,7 +153,11 @@ class PairEncoder:
     """
 
     def __init__(self, tokenizer, config: PairEncodingConfig | None = None) -> None:
-        self.tokenizer = tokenizer
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
         self.config = config or PairEncodingConfig()
         ids = {}
         for name in ("prefix_token", "sep_token", "pad_token"):

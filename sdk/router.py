@@ -190,14 +190,14 @@ class Router:
             if manifest["bundle_version"] < min_bundle_version:
                 raise BundleError(f"bundle version {manifest['bundle_version']} is older than "
                                   f"min_bundle_version {min_bundle_version} (a superseded bundle)")
+            found = kinds.manifest_kinds(manifest)
+            if kinds.ROUTER_FAMILY not in found:
+                raise BundleError(f"bundle carries no router (it carries {found})")
             available = manifest["embedder"]["files"]
             want = ("int8" if "int8" in available else "fp32") if precision == "auto" else precision
             if want not in available:
                 raise BundleError(f"bundle has no {want} embedder (it has {sorted(available)})")
             chosen["precision"] = want
-            found = kinds.manifest_kinds(manifest)
-            if kinds.ROUTER_FAMILY not in found:
-                raise BundleError(f"bundle carries no router (it carries {found})")
             return tuple(name for family in (kinds.EMBEDDER_FAMILY, kinds.ROUTER_FAMILY)
                          for name in kinds.get(family, found[family]).files(manifest, want))
 

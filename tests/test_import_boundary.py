@@ -10,7 +10,7 @@ FORBIDDEN = ("torch", "transformers", "sentence_transformers", "trainer", "expor
 def test_import_sdk_loads_no_heavy_or_server_side_package():
     code = (
         "import sys, sdk, sdk.utility, sdk.voronoi, sdk.cell_statistics, sdk.personalisation, sdk.errors\n"
-        "import sdk.sync, sdk.sync_cli, sdk.local_update, sdk.bundle_install, sdk.router, sdk.eval_log\n"
+        "import sdk.sync, sdk.sync_cli, sdk.local_update, sdk.bundle_install, sdk.router, sdk.eval_log, sdk.pair_encoding\n"
         f"bad = [m for m in {FORBIDDEN!r} if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

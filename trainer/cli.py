@@ -179,17 +179,40 @@ def _parse_prices(spec: Optional[Path]) -> dict:
 
 @app.command("export")
 def export_cmd(
-    router: Annotated[Path, typer.Option(help="trained router folder, e.g. results/routers/kmeans")],
     out: Annotated[Path, typer.Option(help="bundle folder to write (replaced atomically)")],
     signing_key: Annotated[Path, typer.Option(help="signing.key from `fedroute keygen`")],
-    int8: Annotated[bool, typer.Option("--int8", help="also ship the int8 embedder (the SDK's default when present)")] = False,
-    data: Annotated[Optional[Path], typer.Option(help="RouterBench folder or test file for parity checks (default: the one recorded at training)")] = None,
+    router: Annotated[Optional[Path], typer.Option(help="trained router folder, e.g. results/routers/kmeans")] = None,
+    selector: Annotated[Optional[Path], typer.Option(help="trained selector expert folder, e.g. RUN/fedprism_seed0/expert_2 (instead of --router)")] = None,
+    int8: Annotated[bool, typer.Option("--int8", help="also ship the int8 embedder / selector (the SDK's default when present)")] = False,
+    data: Annotated[Optional[Path], typer.Option(help="RouterBench folder or test file for parity checks (default: the one recorded at training); with --selector the shared data folder (default ../shared/data)")] = None,
     prices: Annotated[Optional[Path], typer.Option(help="JSON {model: {input: USD per 1k tokens, output: ...}} for the price table")] = None,
     bundle_version: Annotated[Optional[int], typer.Option(min=1, help="default: previous version at --out + 1")] = None,
+    parity_pairs: Annotated[int, typer.Option(min=1, help="--selector: real held-out pairs for the parity check")] = 200,
     cache_dir: CacheOpt = None,
 ) -> None:
-    """Compile a trained router into a signed, parity-checked bundle for the SDK."""
+    """Compile a trained router (or a preference selector) into a signed, parity-checked bundle for the SDK."""
     _need_trainer()
+    if (router is None) == (selector is None):
+        raise typer.BadParameter("give exactly one of --router DIR and --selector DIR")
+    if selector is not None:
+        if prices is not None:
+            raise typer.BadParameter("--prices is for router bundles (a selector has no model table)")
+        from export.selector_export import export_selector_bundle, parity_pairs_for
+
+        from export.errors import ParityError
+
+        pairs = parity_pairs_for(selector, data or Path("../shared/data"), parity_pairs)
+        try:
+            result = export_selector_bundle(selector, out, signing_key, pairs, int8=int8,
+                                            bundle_version=bundle_version, progress=typer.echo)
+        except ParityError as exc:
+            typer.echo("parity report: " + json.dumps(exc.report), err=True)
+            raise
+        sel = result.manifest["selector"]
+        typer.echo(f"selector bundle v{result.manifest['bundle_version']} ({sel['name']}, {sorted(sel['files'])}) "
+                   f"at {result.out}; parity passed: " + json.dumps({k: v for k, v in result.parity.items()
+                                                                     if k in ("fp32", "int8", "n_pairs")}))
+        return
     from export.pipeline import export_bundle  # export: trainer extra (torch, onnx)
 
     result = export_bundle(router, out, signing_key, int8=int8, data=data, bundle_version=bundle_version,
@@ -231,6 +254,15 @@ def _register_mor_commands() -> None:
 
 
 _register_mor_commands()
+
+
+def _register_prism_commands() -> None:
+    from trainer.experts.cli import app as prism_app
+
+    app.add_typer(prism_app, name="prism")
+
+
+_register_prism_commands()
 
 
 def main() -> None:

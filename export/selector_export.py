@@ -1,0 +1,369 @@
+"""``fedroute export --selector``: a trained binary selector -> signed, parity-checked ONNX bundle.
+
+A FedPrism expert (paper 000 §3.2; ARCHITECTURE.md §7) is a frozen backbone + a LoRA adapter + a pair
+head (:class:`trainer.experts.selector.PairSelector`). The export merges the adapter into a copy of the
+backbone (peft ``merge_and_unload``: ``W + (alpha / r) B A``, the same function without the adapter
+branch), wraps backbone + pooling + head in one module and writes it with ``torch.onnx.export``
+(TorchScript exporter, ``dynamo=False``, opset 17, dynamic batch axis), as ``export.router_export`` does
+for the MLP router. The graph's inputs and output are the contract of :mod:`sdk.selector`. Optionally an
+int8 copy (onnxruntime dynamic quantisation, :func:`export.embedder_onnx.quantize_embedder`, the
+embedder's rule for which MatMuls stay fp32).
+
+Parity (through ``sdk.Selector`` on the staged bundle, exactly as an app loads it), on real preference
+pairs, against the trainer's torch module with the adapter **not** merged:
+
+- fp32: ``max |logit_onnx - logit_torch| <=`` :data:`FP32_MAX_LOGIT_DIFF` over both orders of every pair;
+- int8: decisions (``P(A better) > 0.5``) agree with torch on ``>=`` :data:`INT8_MIN_DECISION_AGREEMENT`
+  of the pairs.
+
+A failed check raises :class:`~export.errors.ParityError` and writes nothing at ``out``; the figures go
+into the bundle's signed ``parity.json``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from export import kinds as export_kinds
+from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle
+from export.embedder_onnx import quantize_embedder, quiet_libraries
+from export.errors import ExportError, ParityError
+from export.signing import load_signing_key
+from sdk import bundle_manifest as fmt
+from sdk.pair_encoding import N_LENGTH_FEATURES
+from sdk.selector import FAMILY, KIND, MANIFEST_KEY, OUTPUT_NAME, SELECTOR_FILES
+
+OPSET = 17
+FP32_MAX_LOGIT_DIFF = 1e-3
+INT8_MIN_DECISION_AGREEMENT = 0.99
+PARITY_FILE = "parity.json"
+
+
+@dataclass(frozen=True)
+class SelectorExportResult:
+    """What :func:`export_selector_bundle` wrote: ``manifest`` (dict) and the ``parity`` report (dict)."""
+
+    out: Path
+    manifest: dict
+    parity: dict
+
+
+def load_trained_selector(expert_dir: Path):
+    """The trainer's :class:`~trainer.experts.selector.PairSelector` with the expert saved at
+    ``expert_dir``, through the trainer kind ``selector/onnx_pair`` (:mod:`trainer.experts.selector_kind`).
+
+    Raises
+    ------
+    ExportError
+        Missing files or an expert that does not fit its config.
+    """
+    from sdk.errors import InvalidInputError
+    from trainer import kinds as trainer_kinds
+    from trainer.experts import selector_kind  # noqa: F401  (registers the trainer kind)
+
+    try:
+        return trainer_kinds.get(KIND, family=FAMILY).load(Path(expert_dir))
+    except InvalidInputError as exc:
+        raise ExportError(str(exc)) from exc
+
+
+def _uses_token_types(selector) -> bool:
+    return selector.config.encoding.prefix_token is not None
+
+
+def selector_to_onnx(selector) -> bytes:
+    """``selector.onnx`` bytes: backbone with the LoRA adapter merged + pooling + head (sdk.selector contract).
+
+    Parameters
+    ----------
+    selector : trainer.experts.selector.PairSelector, with its expert loaded (not modified here).
+
+    Returns
+    -------
+    bytes of an ONNX model (opset 17) with output ``logit`` of shape (batch,), float32.
+    """
+    import onnx
+    import torch
+    from torch import nn
+
+    merged = copy.deepcopy(selector.backbone).merge_and_unload().eval()
+    pooling = selector.config.pooling
+    token_types = _uses_token_types(selector)
+
+    class Exported(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = merged
+            self.head = copy.deepcopy(selector.head)
+            self.length_skip = copy.deepcopy(selector.length_skip)
+
+        def _pooled(self, ids, mask, types):
+            kwargs = {"input_ids": ids, "attention_mask": mask}
+            if types is not None:
+                kwargs["token_type_ids"] = types
+            hidden = self.encoder(**kwargs).last_hidden_state
+            m = mask.to(hidden.dtype)
+            if pooling == "mean":
+                return (hidden * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0)
+            last = mask.sum(1).long() - 1
+            return hidden[torch.arange(hidden.shape[0]), last]
+
+        def forward(self, input_ids_a, attention_mask_a, input_ids_b, attention_mask_b, length_features,
+                    token_type_ids_a=None, token_type_ids_b=None):
+            # One encoder call on the A and B segments stacked: each weight has one consumer in the graph
+            # (quantisation then covers every MatMul) and the graph holds one copy of the backbone.
+            n = input_ids_a.shape[0]
+            types = None if token_type_ids_a is None else torch.cat([token_type_ids_a, token_type_ids_b])
+            h = self._pooled(torch.cat([input_ids_a, input_ids_b]), torch.cat([attention_mask_a, attention_mask_b]),
+                             types)
+            h_a, h_b = h[:n], h[n:]
+            z = torch.cat([h_a, h_b, length_features], dim=1)
+            return self.head(z).squeeze(1) + self.length_skip(length_features).squeeze(1)
+
+    module = Exported().eval()
+    seq_len = selector.config.encoding.seq_len
+    enc = selector.pair_encoder.encode_segments(["a prompt", "another prompt"], ["an answer", "a second answer"])
+    ids, mask, types = (torch.from_numpy(enc[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))
+    feats = torch.zeros(2, N_LENGTH_FEATURES)
+    names = ["input_ids_a", "attention_mask_a", "input_ids_b", "attention_mask_b", "length_features"]
+    args: tuple = (ids, mask, ids.flip(0), mask.flip(0), feats)
+    if token_types:
+        names += ["token_type_ids_a", "token_type_ids_b"]
+        args += (types, types.flip(0))
+    # batch and sequence axes are dynamic: the SDK cuts the padding columns no segment uses (exact in fp32,
+    # attention and pooling are masked) so int8 activation scales see real tokens only
+    dynamic = {n: ({0: "batch"} if n == "length_features" else {0: "batch", 1: "seq"}) for n in names}
+    dynamic[OUTPUT_NAME] = {0: "batch"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "selector.onnx"
+        with torch.no_grad(), quiet_libraries():
+            torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET, input_names=names,
+                              output_names=[OUTPUT_NAME], dynamic_axes=dynamic)
+        model = onnx.load(str(path))
+    for key, value in {"selector_kind": KIND, "backbone": selector.config.backbone, "seq_len": str(seq_len),
+                       "pooling": pooling}.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def int8_excluded_matmuls(model: Path) -> list[str]:
+    """MatMuls kept in fp32 in ``selector.int8.onnx``: the embedder's rule
+    (:func:`export.embedder_onnx.sensitive_matmuls`, FFN output projections of the lower two thirds of
+    the layers) plus the pair head and the length path (``/head/``, ``/length_skip/``): a few thousand
+    weights that turn pooled vectors and length features into the logit, where uint8 activation
+    scales would move every decision near P = 0.5."""
+    import onnx
+
+    from export.embedder_onnx import sensitive_matmuls
+
+    graph = onnx.load(str(model), load_external_data=False).graph
+    head = [n.name for n in graph.node if n.op_type in ("MatMul", "Gemm") and n.name.startswith(("/head/", "/length_skip/"))]
+    return sensitive_matmuls(model) + head
+
+
+def torch_logits(selector, prompts, responses_a, responses_b) -> tuple[np.ndarray, np.ndarray]:
+    """The trainer's logits in both orders, adapter not merged (the reference of the parity check).
+
+    Returns
+    -------
+    (logit_ab, logit_ba), each ndarray of shape (n_pairs,), float64.
+    """
+    import torch
+
+    from sdk.pair_encoding import length_features_many
+
+    enc_a = selector.pair_encoder.encode_segments(list(prompts), list(responses_a))
+    enc_b = selector.pair_encoder.encode_segments(list(prompts), list(responses_b))
+    feats = torch.from_numpy(length_features_many(list(responses_a), list(responses_b)))
+    t = lambda enc, k: torch.from_numpy(enc[k])  # noqa: E731
+    with torch.no_grad():
+        h_a = selector.full_pooled(t(enc_a, "input_ids"), t(enc_a, "attention_mask"), t(enc_a, "token_type_ids"))
+        h_b = selector.full_pooled(t(enc_b, "input_ids"), t(enc_b, "attention_mask"), t(enc_b, "token_type_ids"))
+        ab = selector.pair_logits(h_a, h_b, feats).double().numpy()
+        ba = selector.pair_logits(h_b, h_a, -feats).double().numpy()
+    return ab, ba
+
+
+def check_selector_parity(bundle_dir: Path, public_key, selector, pairs, precisions,
+                          progress: Callable[[str], None] = print) -> dict:
+    """Parity of the staged bundle (loaded by ``sdk.Selector``) with the trainer's module.
+
+    Parameters
+    ----------
+    pairs : DataFrame with ``prompt``, ``response_a``, ``response_b``, ``label`` (real preference pairs).
+    precisions : the selector precisions in the bundle (``"fp32"``, ``"int8"``).
+
+    Returns
+    -------
+    dict with ``n_pairs``, ``torch_accuracy`` and per precision ``max_abs_logit_diff``,
+    ``decision_agreement``, ``accuracy``; ``failures`` (list of str) and ``passed`` (bool).
+    """
+    from sdk.selector import Selector
+    from trainer.preference_metrics import pairwise_accuracy
+
+    prompts, ra, rb = (pairs[c].tolist() for c in ("prompt", "response_a", "response_b"))
+    label = pairs["label"].to_numpy()
+    ab, ba = torch_logits(selector, prompts, ra, rb)
+    p_torch = 0.5 * (1.0 + np.tanh(0.25 * (ab - ba)))
+    report: dict = {"n_pairs": len(pairs), "torch_accuracy": pairwise_accuracy(p_torch, label), "failures": []}
+    for precision in precisions:
+        progress(f"parity: {precision} selector on {len(pairs)} real pairs (both orders)")
+        sel = Selector.load(bundle_dir, public_key, precision=precision)
+        logits = np.array([sel.logits(x, a, b) for x, a, b in zip(prompts, ra, rb)], dtype=np.float64)
+        p = 0.5 * (1.0 + np.tanh(0.25 * (logits[:, 0] - logits[:, 1])))
+        diff = float(np.max(np.abs(np.concatenate([logits[:, 0] - ab, logits[:, 1] - ba]))))
+        agree = float(np.mean((p > 0.5) == (p_torch > 0.5)))
+        report[precision] = {"max_abs_logit_diff": diff, "decision_agreement": agree,
+                             "accuracy": pairwise_accuracy(p, label)}
+        if precision == "fp32" and not diff <= FP32_MAX_LOGIT_DIFF:
+            report["failures"].append(f"fp32 max |logit diff| {diff:.2e} > {FP32_MAX_LOGIT_DIFF:g}")
+        if precision == "int8" and not agree >= INT8_MIN_DECISION_AGREEMENT:
+            report["failures"].append(f"int8 decision agreement {agree:.4f} < {INT8_MIN_DECISION_AGREEMENT}")
+    report["passed"] = not report["failures"]
+    return report
+
+
+class OnnxPairSelectorExportKind(export_kinds.ExportKind):
+    """``selector/onnx_pair``: ``tokenizer.json`` + ``selector.onnx`` (:func:`selector_to_onnx`); parity by
+    :func:`check_selector_parity` (``test`` is the DataFrame of real pairs, ``reference`` is unused)."""
+
+    family = FAMILY
+    name = KIND
+
+    def files(self, artefact) -> dict[str, bytes]:
+        return {fmt.TOKENIZER_FILE: artefact.pair_encoder.tokenizer.to_str().encode("utf-8"),
+                SELECTOR_FILES["fp32"]: selector_to_onnx(artefact)}
+
+    def parity(self, bundle_dir, public_key, artefact, reference, test, precisions, progress=print) -> dict:
+        return check_selector_parity(bundle_dir, public_key, artefact, test, precisions, progress=progress)
+
+
+if KIND not in export_kinds.REGISTRY.names(FAMILY):
+    export_kinds.register(OnnxPairSelectorExportKind())
+
+
+def _provenance(expert_dir: Path) -> tuple[str, int | None]:
+    """(method, expert index) from the run layout ``<method>_seed<s>/expert_<k>``; ("selector", None) otherwise."""
+    method = expert_dir.parent.name.split("_seed")[0] if "_seed" in expert_dir.parent.name else "selector"
+    tail = expert_dir.name.rsplit("_", 1)
+    expert = int(tail[1]) if len(tail) == 2 and tail[0] == "expert" and tail[1].isdigit() else None
+    return method, expert
+
+
+def selector_fields(selector, name: str, method: str, expert: int | None, files: dict[str, str],
+                    bundle_version: int) -> dict:
+    """Manifest fields of a selector bundle (see :mod:`sdk.selector`)."""
+    c = selector.config
+    return {
+        "bundle_version": int(bundle_version),
+        MANIFEST_KEY: KIND,
+        "selector": {
+            "name": name, "backbone": c.backbone, "method": method, "expert": expert, "files": files,
+            "pair_encoding": c.encoding.to_dict(), "n_length_features": N_LENGTH_FEATURES,
+            "pooling": c.pooling,
+            "lora": {"r": c.lora_r, "alpha": c.lora_alpha,
+                     "layers": None if c.lora_layers is None else list(c.lora_layers), "merged": True},
+        },
+    }
+
+
+def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parity_pairs, *, int8: bool = False,
+                           name: str | None = None, method: str | None = None, expert: int | None = None,
+                           bundle_version: int | None = None,
+                           progress: Callable[[str], None] = print) -> SelectorExportResult:
+    """Export the expert saved at ``expert_dir`` as a signed selector bundle at ``out``.
+
+    Parameters
+    ----------
+    expert_dir : folder written by ``PairSelector.save_expert`` (``adapter/``, ``head.safetensors``), with
+        ``selector_config.json`` in it or in one of its two parents.
+    out : bundle directory to create or replace (atomically).
+    signing_key : path of ``signing.key`` (``fedroute keygen``).
+    parity_pairs : DataFrame of real pairs (``prompt``, ``response_a``, ``response_b``, ``label``), >= 1 row.
+    int8 : also ship ``selector.int8.onnx`` (the SDK's default when present).
+    name : the selector's name in the manifest (default: ``<method>-expert-<expert>`` or ``<method>``).
+    method, expert : provenance written to the manifest (e.g. ``"fedprism"``, 2; ``"fedbis"``, 0); default
+        read from the run layout ``<method>_seed0/expert_<k>``.
+    bundle_version : default 1 + the version at ``out``.
+
+    Raises
+    ------
+    ExportError
+        Unreadable expert, config or key; no parity pairs; ``out`` not replaceable.
+    ParityError
+        A parity threshold is missed; nothing is written at ``out``.
+    """
+    key = load_signing_key(signing_key)
+    out = Path(out)
+    check_replaceable(out)
+    version = bundle_version if bundle_version is not None else next_bundle_version(out)
+    check_version(out, version)
+    if parity_pairs is None or len(parity_pairs) == 0:
+        raise ExportError("no parity pairs: give real preference pairs to check the export against")
+    selector = load_trained_selector(Path(expert_dir))
+    found_method, found_expert = _provenance(Path(expert_dir))
+    method = method or found_method
+    expert = found_expert if expert is None else expert
+    if name is None:
+        name = method if expert is None else f"{method}-expert-{expert}"
+    progress(f"exporting selector {name} ({selector.config.backbone}, LoRA merged) to ONNX (opset {OPSET})")
+    kind = export_kinds.get(KIND, family=FAMILY)
+    files = kind.files(selector)
+    precisions = {"fp32": SELECTOR_FILES["fp32"]}
+    with tempfile.TemporaryDirectory(prefix="fedroute-selector-") as tmp:
+        tmp = Path(tmp)
+        if int8:
+            progress("quantising the selector to int8 (onnxruntime dynamic, per-channel weights)")
+            fp32_path = tmp / SELECTOR_FILES["fp32"]
+            fp32_path.write_bytes(files[SELECTOR_FILES["fp32"]])
+            int8_path = quantize_embedder(fp32_path, tmp / SELECTOR_FILES["int8"],
+                                          exclude=int8_excluded_matmuls(fp32_path))
+            files[SELECTOR_FILES["int8"]] = int8_path.read_bytes()
+            precisions["int8"] = SELECTOR_FILES["int8"]
+        fields = selector_fields(selector, name, method, expert, precisions, version)
+        staged = tmp / "staged"
+        write_bundle(staged, files, fields, key)
+        report = kind.parity(staged, key.public_key(), selector, None, parity_pairs, list(precisions),
+                             progress=progress)
+        if not report["passed"]:
+            raise ParityError("selector parity check failed: " + "; ".join(report["failures"]), report)
+        files[PARITY_FILE] = (json.dumps(report, indent=2, sort_keys=True) + "\n").encode()
+        manifest = write_bundle(out, files, fields, key)
+    progress(f"wrote selector bundle v{manifest['bundle_version']} to {out}")
+    return SelectorExportResult(out, manifest, report)
+
+
+def parity_pairs_for(expert_dir: Path, data_dir: Path, n_pairs: int = 200, seed: int = 0):
+    """Real pairs for the parity check of the expert at ``expert_dir``: the held-out (test) prompts of its
+    run (``splits.json`` beside the expert) when present, else every prompt; ``n_pairs`` drawn evenly over
+    the three domains (seeded).
+
+    Raises
+    ------
+    ExportError
+        The data folder cannot be read.
+    """
+    import pandas as pd
+
+    from trainer.data.preferences import load_preference_pairs
+
+    try:
+        pairs = load_preference_pairs(data_dir, seed=0)
+    except Exception as exc:  # noqa: BLE001 - DataUnavailableError / DataFormatError: one clear message
+        raise ExportError(f"cannot read preference pairs from {data_dir} for the parity check: {exc}") from exc
+    splits = Path(expert_dir).parent / "splits.json"
+    if splits.exists():
+        test_ids = set(json.loads(splits.read_text())["test"])
+        pairs = pairs[pairs["prompt_id"].isin(test_ids)]
+    per = max(1, n_pairs // max(1, pairs["domain"].nunique()))
+    parts = [g.sample(min(per, len(g)), random_state=seed) for _, g in pairs.groupby("domain", sort=True)]
+    return pd.concat(parts, ignore_index=True)

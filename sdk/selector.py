@@ -1,0 +1,338 @@
+"""``Selector``: a trained binary preference selector on the device (FedPrism experts, paper 000 §3;
+ARCHITECTURE.md §7).
+
+``Selector.load(bundle_dir, public_key)`` verifies a signed selector bundle (same manifest, signature
+and hash checks as router bundles, :mod:`sdk.bundle_manifest`) and ``prefer(x, y_a, y_b)`` returns the
+probability that ``y_a`` is the better response to ``x``. Only numpy, onnxruntime and ``tokenizers`` are
+used (no torch).
+
+The ONNX graph (``selector.onnx`` / ``selector.int8.onnx``, written by ``export.selector_export``) is the
+backbone with its LoRA adapter merged, plus the classification head:
+
+===================== ======================= ======= =====================================================
+name                  shape                   dtype   meaning
+===================== ======================= ======= =====================================================
+input_ids_a           (batch, seq_len)        int64   segment of (x, y_a), :mod:`sdk.pair_encoding`
+attention_mask_a      (batch, seq_len)        int64
+token_type_ids_a      (batch, seq_len)        int64   (optional: absent for causal-LM backbones)
+input_ids_b           (batch, seq_len)        int64   segment of (x, y_b)
+attention_mask_b      (batch, seq_len)        int64
+token_type_ids_b      (batch, seq_len)        int64   (optional)
+length_features       (batch, 3)              float32 :func:`sdk.pair_encoding.length_features` (a, b)
+**logit** (output)    (batch,)                float32 logit of P(y_a better than y_b)
+===================== ======================= ======= =====================================================
+
+``prefer`` scores both orders, as FedPrism's Phase III does ("it computes the probability logits for both
+response orders", paper 000 §3.3), and returns the trainer's symmetrised probability
+(``trainer.experts.selector.PairSelector.pair_proba``): ``P = sigmoid((l(a, b) - l(b, a)) / 2)``, so
+``prefer(x, a, b) + prefer(x, b, a) == 1`` exactly. Each pair runs alone (both orders in one call of
+batch 2): a dynamically quantised (int8) graph computes activation scales over its whole input, so
+batching unrelated pairs would make a pair's score depend on its neighbours. The padding columns that
+neither segment uses are cut before the call (exact: attention and pooling are masked; the graph's
+sequence axis is dynamic), which also keeps padding out of the int8 activation scales.
+
+Plugin (ARCHITECTURE.md §9, ``docs/plugins.md``): this module declares the artefact family ``selector``
+(runtime interface :class:`SelectorScorer`, ``needs_embedder=False``: a selector bundle carries its own
+backbone and no query embedder or model table) and registers its one kind, ``onnx_pair``
+(:class:`OnnxPairSelectorKind`). The kind names the *format* (an ONNX pair classifier over the
+:mod:`sdk.pair_encoding` segments), not the training method: a FedPrism expert and FedBis's global
+selector are both ``onnx_pair``; the method is recorded in ``selector.method``.
+
+Manifest fields of a selector bundle (besides ``format_version``, ``created_utc``, ``bundle_version``,
+``files``, ``signature``): ``"selector_kind": "onnx_pair"`` and ``"selector"`` =
+``{"name", "backbone", "method", "expert", "files": {precision: file}, "pair_encoding": {...},
+"n_length_features": 3, "pooling", "lora"}``, plus ``tokenizer.json`` (the backbone's) among the files.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from sdk import bundle_manifest as fmt
+from sdk import kinds
+from sdk.embedder import inference_session, session_options
+from sdk.errors import BundleError, InvalidInputError
+from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig, length_features
+
+FAMILY = "selector"
+KIND = "onnx_pair"
+MANIFEST_KEY = f"{FAMILY}_kind"
+SELECTOR_FILES = {"fp32": "selector.onnx", "int8": "selector.int8.onnx"}
+REQUIRED_INPUTS = ("input_ids_a", "attention_mask_a", "input_ids_b", "attention_mask_b", "length_features")
+#: Fed only when the graph declares them (a causal-LM backbone has no token types; the exporter drops them).
+OPTIONAL_INPUTS = ("token_type_ids_a", "token_type_ids_b")
+OUTPUT_NAME = "logit"
+
+
+@runtime_checkable
+class SelectorScorer(Protocol):
+    """Runtime of a selector kind: ``logits(x, y_a, y_b) -> (l(a, b), l(b, a))``, each the logit of
+    "the first response is better" (floats). Texts are already validated non-blank ``str``."""
+
+    def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]: ...
+
+
+def check_text(value: object, name: str) -> str:
+    """Return ``value`` if it is a non-blank ``str`` that encodes as UTF-8.
+
+    Raises
+    ------
+    InvalidInputError
+        Not a ``str``, empty / whitespace only, or holding lone surrogates.
+    """
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{name} must be a str, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidInputError(f"{name} is empty or whitespace only")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"{name} is not valid Unicode ({exc.reason} at position {exc.start})") from exc
+    return value
+
+
+class OnnxPairScorer:
+    """The ``selector/onnx_pair`` runtime: tokenizer + pair encoding + one onnxruntime session.
+
+    Parameters
+    ----------
+    tokenizer_json : str, the backbone's ``tokenizer.json``.
+    model : bytes, the ONNX graph (module docstring).
+    encoding : PairEncodingConfig
+    options : onnxruntime ``SessionOptions``.
+    what : str, names the graph in error messages.
+
+    Raises
+    ------
+    BundleError
+        The tokenizer or graph does not load, a special token of ``encoding`` is not in the vocabulary,
+        or the graph's inputs/outputs are not the contract.
+    """
+
+    def __init__(self, tokenizer_json: str, model: bytes, encoding: PairEncodingConfig, options, what: str) -> None:
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_str(tokenizer_json)
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+            raise BundleError(f"tokenizer.json cannot be loaded ({exc})") from exc
+        try:
+            self._encoder = PairEncoder(tokenizer, encoding)
+        except InvalidInputError as exc:  # a special token missing from the vocabulary
+            raise BundleError(f"selector.pair_encoding does not fit tokenizer.json ({exc})") from exc
+        self._session = inference_session(model, options, what)
+        names = {i.name for i in self._session.get_inputs()}
+        if not set(REQUIRED_INPUTS) <= names <= set(REQUIRED_INPUTS + OPTIONAL_INPUTS):
+            raise BundleError(f"{what}: inputs {sorted(names)} are not {list(REQUIRED_INPUTS)} "
+                              f"(+ optionally {list(OPTIONAL_INPUTS)})")
+        outputs = [o.name for o in self._session.get_outputs()]
+        if OUTPUT_NAME not in outputs:
+            raise BundleError(f"{what}: no '{OUTPUT_NAME}' output (outputs: {outputs})")
+        self._inputs = names
+
+    def _feeds(self, prompt: str, first: Sequence[str], second: Sequence[str]) -> dict[str, np.ndarray]:
+        n = len(first)
+        seg_first = self._encoder.encode_segments([prompt] * n, list(first))
+        seg_second = self._encoder.encode_segments([prompt] * n, list(second))
+        feeds = {f"{k}_a": v for k, v in seg_first.items()}
+        feeds.update({f"{k}_b": v for k, v in seg_second.items()})
+        # Cut the padding columns that no segment uses: exact (attention and pooling are masked), faster,
+        # and a quantised graph's activation scales then see real tokens only.
+        used = int(max(seg_first["attention_mask"].sum(1).max(), seg_second["attention_mask"].sum(1).max()))
+        feeds = {k: v[:, :used] for k, v in feeds.items()}
+        feeds["length_features"] = np.stack([length_features(a, b) for a, b in zip(first, second)])
+        return {k: v for k, v in feeds.items() if k in self._inputs}
+
+    def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]:
+        """(l(a, b), l(b, a)) in one call of batch 2 (module docstring: each pair runs alone)."""
+        out = self._session.run([OUTPUT_NAME], self._feeds(x, [y_a, y_b], [y_b, y_a]))[0]
+        out = np.asarray(out, dtype=np.float64).reshape(-1)
+        if out.shape != (2,) or not np.isfinite(out).all():
+            raise BundleError(f"selector returned {out!r}, expected two finite logits")
+        return float(out[0]), float(out[1])
+
+
+class OnnxPairSelectorKind(kinds.ArtefactKind):
+    """``selector/onnx_pair``: ``tokenizer.json`` + ``selector.onnx`` and/or ``selector.int8.onnx``
+    (``selector.files`` maps precision -> file) -> :class:`OnnxPairScorer`. Not federated over HTTPS."""
+
+    family = FAMILY
+    name = KIND
+    round_handler = None
+
+    def precisions(self, manifest: dict) -> tuple[str, ...]:
+        """Precisions the bundle ships, e.g. ``("fp32", "int8")``."""
+        return tuple(manifest["selector"]["files"])
+
+    def files(self, manifest: dict, precision: str) -> tuple[str, ...]:
+        return (fmt.TOKENIZER_FILE, manifest["selector"]["files"][precision])
+
+    def check_manifest(self, manifest: dict) -> None:
+        def need(cond: bool, what: str) -> None:
+            if not cond:
+                raise BundleError(f"manifest: {what}")
+
+        files = manifest["files"]
+        sel = manifest.get("selector")
+        need(isinstance(sel, dict), "selector must be an object")
+        need(isinstance(sel.get("name"), str) and sel["name"], "selector.name must be a non-empty string")
+        need(isinstance(sel.get("files"), dict) and sel["files"], "selector.files must map precision -> file name")
+        for precision, name in sel["files"].items():
+            need(precision in SELECTOR_FILES,
+                 f"selector.files precision {precision!r} is not one of {sorted(SELECTOR_FILES)}")
+            need(name in files, f"selector file {name!r} ({precision}) is not listed in files")
+        need(sel.get("n_length_features") == N_LENGTH_FEATURES,
+             f"selector.n_length_features must be {N_LENGTH_FEATURES}, got {sel.get('n_length_features')!r}")
+        enc = sel.get("pair_encoding")
+        need(isinstance(enc, dict), "selector.pair_encoding must be an object")
+        try:
+            PairEncodingConfig(**enc)
+        except (TypeError, InvalidInputError) as exc:
+            raise BundleError(f"manifest: selector.pair_encoding is invalid ({exc})") from exc
+        need(fmt.TOKENIZER_FILE in files, f"{fmt.TOKENIZER_FILE} is not listed in files")
+
+    def load(self, context: kinds.LoadContext) -> OnnxPairScorer:
+        sel = context.manifest["selector"]
+        try:
+            tokenizer_json = context.files[fmt.TOKENIZER_FILE].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BundleError(f"tokenizer.json is not UTF-8 ({exc})") from exc
+        return OnnxPairScorer(tokenizer_json, context.files[sel["files"][context.precision]],
+                              PairEncodingConfig(**sel["pair_encoding"]), context.options,
+                              f"selector ({context.precision})")
+
+
+kinds.register_family(FAMILY, SelectorScorer, needs_embedder=False)
+if KIND not in kinds.names(FAMILY):
+    kinds.register(OnnxPairSelectorKind())
+
+
+class Selector:
+    """A verified selector bundle, ready to compare two responses. Use :meth:`load`.
+
+    Attributes
+    ----------
+    precision : ``"fp32"`` or ``"int8"``, the graph in use.
+    bundle_version : int
+    name : str, the selector's name in the manifest (e.g. ``fedprism-expert-2``).
+    kind : str, the manifest's ``selector_kind``.
+    """
+
+    def __init__(self, manifest: dict, scorer: SelectorScorer, precision: str) -> None:
+        self._manifest = manifest
+        self._scorer = scorer
+        self.precision = precision
+        self.bundle_version = int(manifest["bundle_version"])
+        self.name = manifest["selector"]["name"]
+        self.kind = manifest[MANIFEST_KEY]
+
+    @property
+    def manifest(self) -> dict:
+        """A copy of the bundle's verified manifest."""
+        return copy.deepcopy(self._manifest)
+
+    @classmethod
+    def load(cls, bundle_dir, public_key, *, precision: str = "auto", intra_op_threads: int = 1,
+             inter_op_threads: int = 1, min_bundle_version: int = 1) -> Selector:
+        """Verify and load the selector bundle at ``bundle_dir``.
+
+        Parameters
+        ----------
+        bundle_dir : path of a bundle written by ``fedroute export --selector``.
+        public_key : path of ``signing.pub``, its PEM text (str or bytes) or an ``Ed25519PublicKey``.
+        precision : ``"int8"``, ``"fp32"`` or ``"auto"`` (int8 when the bundle has it).
+        intra_op_threads, inter_op_threads : onnxruntime thread counts, integers >= 1.
+        min_bundle_version : refuse a bundle older than this (a replayed, superseded bundle).
+
+        Raises
+        ------
+        BundleError
+            Signature or a sha256 does not verify, a file is missing, corrupt or unloadable, the bundle
+            carries no selector (e.g. a router bundle), the precision is absent, the bundle is too old,
+            or the graph's inputs/outputs are not the selector contract.
+        InvalidInputError
+            ``precision`` or a thread count is not valid.
+        """
+        if precision not in ("auto", "int8", "fp32"):
+            raise InvalidInputError(f"precision must be 'auto', 'int8' or 'fp32', got {precision!r}")
+        if isinstance(min_bundle_version, bool) or not isinstance(min_bundle_version, int):
+            raise InvalidInputError(f"min_bundle_version must be an int, got {min_bundle_version!r}")
+        options = session_options(intra_op_threads, inter_op_threads)
+        chosen: dict[str, str] = {}
+
+        def files_needed(manifest: dict) -> tuple[str, ...]:
+            # Called once the signature and the schema verified.
+            found = kinds.manifest_kinds(manifest)
+            if FAMILY not in found:
+                raise BundleError(f"bundle carries no selector (it carries {found}); a router bundle loads with sdk.Router")
+            if manifest["bundle_version"] < min_bundle_version:
+                raise BundleError(f"bundle version {manifest['bundle_version']} is older than "
+                                  f"min_bundle_version {min_bundle_version} (a superseded bundle)")
+            kind = kinds.get(FAMILY, found[FAMILY])
+            available = kind.precisions(manifest)
+            want = ("int8" if "int8" in available else "fp32") if precision == "auto" else precision
+            if want not in available:
+                raise BundleError(f"bundle has no {want} selector (it has {sorted(available)})")
+            chosen["precision"] = want
+            return kind.files(manifest, want)
+
+        verified = fmt.read_verified(bundle_dir, public_key, wanted=files_needed)
+        scorer = kinds.load_artefact(FAMILY, verified.manifest, verified.files, options=options,
+                                     precision=chosen["precision"])
+        return cls(verified.manifest, scorer, chosen["precision"])
+
+    # -- prediction ---------------------------------------------------------------------------
+
+    def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]:
+        """The graph's logits for both orders: ``(l(a, b), l(b, a))``, each the logit of "first better".
+
+        Raises
+        ------
+        InvalidInputError
+            A text that is not a non-blank str.
+        """
+        return self._scorer.logits(check_text(x, "x"), check_text(y_a, "y_a"), check_text(y_b, "y_b"))
+
+    def prefer(self, x: str, y_a: str, y_b: str) -> float:
+        """Probability that ``y_a`` is a better response to ``x`` than ``y_b``, in [0, 1].
+
+        Both orders are scored: ``sigmoid((l(a, b) - l(b, a)) / 2)`` (module docstring), so
+        ``prefer(x, a, b) == 1 - prefer(x, b, a)``.
+
+        Parameters
+        ----------
+        x : str, the prompt (its last ``pair_encoding.prompt_tokens`` tokens are read).
+        y_a, y_b : str, the two candidate responses (their first ``response_tokens`` tokens are read;
+            their full lengths enter the length features).
+
+        Raises
+        ------
+        InvalidInputError
+            ``x``, ``y_a`` or ``y_b`` is not a str, or is empty / whitespace only.
+        """
+        l_ab, l_ba = self.logits(x, y_a, y_b)
+        return _sigmoid(0.5 * (l_ab - l_ba))
+
+    def prefer_many(self, x: Sequence[str], y_a: Sequence[str], y_b: Sequence[str]) -> np.ndarray:
+        """:meth:`prefer` of n pairs: ndarray of shape (n,), float64.
+
+        Raises
+        ------
+        InvalidInputError
+            The three sequences differ in length, or any text is invalid.
+        """
+        for name, seq in (("x", x), ("y_a", y_a), ("y_b", y_b)):
+            if isinstance(seq, str) or not isinstance(seq, Sequence):
+                raise InvalidInputError(f"{name} must be a list of str, got {type(seq).__name__}")
+        if not (len(x) == len(y_a) == len(y_b)):
+            raise InvalidInputError(f"x, y_a, y_b must have one length, got {len(x)}, {len(y_a)}, {len(y_b)}")
+        return np.array([self.prefer(p, a, b) for p, a, b in zip(x, y_a, y_b)], dtype=np.float64)
+
+
+def _sigmoid(z: float) -> float:
+    return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))

@@ -1,0 +1,158 @@
+"""FedPrism (trainer.experts): per-component aggregation, PGPD pseudo-labels, the router schedule and
+sparse retrieval on real preference pairs with the real MiniLM selector; the Flower strategy."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sdk.errors import InvalidInputError, ShapeError
+from trainer.data.preferences import load_preference_pairs
+from trainer.embeddings import embed_texts
+from trainer.experts.aggregation import aggregate_components
+from trainer.experts.fedprism import FederatedPairs, FedPrismConfig, FedPrismTrainer, method_config, state_bytes
+from trainer.experts.prompt_router import PromptRouter, fit_router, pgpd_pseudo_labels
+from trainer.experts.selector import PairSelector, SelectorConfig, build_segment_store
+
+torch.set_num_threads(1)
+
+
+# ------------------------------------------------------------------ pure pieces
+
+
+def test_component_aggregation_equals_the_hand_computed_weighted_mean():
+    cur = [{"w": np.zeros((2,), np.float32)}, {"w": np.ones((2,), np.float32)}, {"w": np.full((2,), 5.0, np.float32)}]
+    updates = [
+        {0: ({"w": np.array([1.0, 2.0])}, 1.0), 1: ({"w": np.array([3.0, 3.0])}, 3.0)},
+        {0: ({"w": np.array([4.0, 8.0])}, 2.0)},
+    ]
+    out = aggregate_components(cur, updates)
+    np.testing.assert_allclose(out[0]["w"], [(1 * 1 + 2 * 4) / 3, (1 * 2 + 2 * 8) / 3], rtol=1e-6)  # [3, 6]
+    np.testing.assert_allclose(out[1]["w"], [3.0, 3.0])  # one client updated it: its value
+    np.testing.assert_array_equal(out[2]["w"], cur[2]["w"])  # nobody updated it: unchanged
+    np.testing.assert_allclose(out[0]["w"], np.average([[1.0, 2.0], [4.0, 8.0]], axis=0, weights=[1, 2]), rtol=1e-6)
+    with pytest.raises(InvalidInputError, match="outside"):
+        aggregate_components(cur, [{3: ({"w": np.zeros(2)}, 1.0)}])
+    with pytest.raises(ShapeError):
+        aggregate_components(cur, [{0: ({"w": np.zeros(3)}, 1.0)}])
+    with pytest.raises(InvalidInputError, match="n_examples"):
+        aggregate_components(cur, [{0: ({"w": np.zeros(2)}, 0.0)}])
+
+
+def test_pgpd_pseudo_label_is_the_argmin_ce_among_retrieved_experts():
+    ce = np.array([[0.7, 0.2, 0.9], [0.1, 0.5, 0.3], [0.4, 0.4, 0.6]])
+    np.testing.assert_array_equal(pgpd_pseudo_labels(ce, np.array([0, 2, 4])), [2, 0, 0])  # tie -> first
+    with pytest.raises(ShapeError):
+        pgpd_pseudo_labels(ce, np.array([0, 1]))
+    # the distillation step moves the router towards those labels (KL to one-hot = CE)
+    router = PromptRouter(4, 3, hidden=8, seed=0)
+    emb = np.eye(4, dtype=np.float32)[:3]
+    loss = fit_router(router, emb, np.array([2, 0, 1]), lr=0.05, epochs=200)
+    assert loss < 0.05 and router.route(emb).tolist() == [2, 0, 1]
+
+
+def test_router_schedule_frozen_in_warmup_then_every_f_rounds():
+    cfg = FedPrismConfig(rounds=9, warmup_rounds=3, router_every=2)
+    assert [t for t in range(1, 10) if cfg.pgpd_round(t)] == [5, 7, 9]
+    assert not any(replace(cfg, pgpd=False).pgpd_round(t) for t in range(1, 10))
+    assert [t for t in range(1, 10) if method_config("no_warmup", cfg).pgpd_round(t)] == [2, 4, 6, 8]
+    with pytest.raises(InvalidInputError, match="unknown method"):
+        method_config("fedavg", cfg)
+    with pytest.raises(InvalidInputError, match="warmup_rounds"):
+        FedPrismConfig(rounds=2, warmup_rounds=3)
+
+
+# ------------------------------------------------------------------ the loop on real pairs
+
+
+@pytest.fixture(scope="module")
+def small(shared_data: Path, tmp_path_factory):
+    df = load_preference_pairs(shared_data).groupby("domain").sample(20, random_state=3).reset_index(drop=True)
+    model = PairSelector(SelectorConfig(), seed=0)
+    store = build_segment_store(model, list(df.prompt), list(df.response_a), list(df.response_b), list(df.label))
+    cache = tmp_path_factory.mktemp("emb")
+    emb = embed_texts(list(df.prompt), cache_dir=cache, show_progress=False)
+    order = np.random.default_rng(0).permutation(len(df))
+    clients = [np.sort(order[i::3][:14]) for i in range(3)]
+    data = FederatedPairs(store, emb, df.domain.to_numpy().astype(str), clients, emb[order[:12]], order[:18])
+    return model, data
+
+
+def test_sparse_retrieval_asks_only_for_the_routed_experts(small):
+    model, data = small
+    cfg = FedPrismConfig(n_experts=3, rounds=1, warmup_rounds=0, router_every=1, clients_per_round=2,
+                         local_pairs=8, batch_size=8, init_epochs=2, pgpd=False)
+    trainer = FedPrismTrainer(model, data, cfg).setup()
+    with torch.no_grad():  # a router that sends every prompt to expert 1
+        trainer.router_.net[2].bias.copy_(torch.tensor([0.0, 100.0, 0.0]))
+    before = [dict(e) for e in trainer.experts_]
+    entry = trainer.run_round(1)
+    assert [r for _, r in trainer.retrievals_] == [[1], [1]]
+    assert all(v == [1] for v in entry["retrieved"].values())
+    assert entry["downlink_bytes"] == 2 * (state_bytes(trainer.router_.state()) + state_bytes(before[1]))
+    for k in (0, 2):
+        for n in before[k]:
+            np.testing.assert_array_equal(trainer.experts_[k][n], before[k][n])
+    assert any(np.abs(trainer.experts_[1][n] - before[1][n]).max() > 0 for n in before[1])
+
+
+def test_router_changes_only_in_pgpd_rounds_and_experts_learn(small):
+    model, data = small
+    cfg = FedPrismConfig(n_experts=2, rounds=4, warmup_rounds=1, router_every=2, clients_per_round=2,
+                         local_pairs=8, batch_size=8, init_epochs=5, router_epochs=3, router_lr=0.05, eval_every=4)
+    trainer = FedPrismTrainer(model, data, cfg).setup()
+    changed = []
+    for t in range(1, 5):
+        r0 = trainer.router_.state()
+        entry = trainer.run_round(t)
+        r1 = trainer.router_.state()
+        changed.append(any(np.abs(r1[k] - r0[k]).max() > 0 for k in r0))
+        assert entry["router_updated"] == changed[-1]
+    assert changed == [False, False, True, False]
+    assert set(trainer.history_[-1]["accuracy"]) >= {"overall", "alpacaeval", "hh_harmless", "routerbench"}
+    assert abs(sum(trainer.history_[-1]["utilisation"]) - 1.0) < 1e-9
+
+
+# ------------------------------------------------------------------ Flower
+
+
+def _local_step(experts, router, pgpd, pid):
+    """Deterministic node work: expert k -> params + (pid + 1) * (k + 1); n = 2 + pid samples; node 0
+    routes to expert 0 only, node 1 to experts 1 and 2; a PGPD round returns router + pid."""
+    updates = {k: ({n: v + (pid + 1) * (k + 1) for n, v in p.items()}, float(2 + pid)) for k, p in experts.items()
+               if (pid == 0 and k == 0) or (pid == 1 and k in (1, 2))}
+    new_router = {n: v + pid for n, v in router.items()} if pgpd else None
+    return updates, new_router, float(2 + pid), ([0] if pid == 0 else [1, 2])
+
+
+def test_flower_simulation_aggregates_per_component_with_sparse_retrieval(monkeypatch):
+    pytest.importorskip("ray")
+    from flwr.simulation import run_simulation
+
+    from trainer.experts.flower_strategy import FedPrismStrategy, make_client_app, make_server_app
+
+    for name in ("flwr.supercore.telemetry", "flwr.common.telemetry"):
+        if hasattr(sys.modules.get(name), "FLWR_TELEMETRY_ENABLED"):
+            monkeypatch.setattr(sys.modules[name], "FLWR_TELEMETRY_ENABLED", "0")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    experts = [{"w": np.full((2,), float(k), np.float32)} for k in range(3)]
+    router = {"b": np.zeros((3,), np.float32)}
+    strategy = FedPrismStrategy(experts, router, pgpd_rounds={2}, min_nodes=2, rng=np.random.default_rng(0))
+    run_simulation(make_server_app(strategy, num_rounds=2, timeout=120.0), make_client_app(_local_step),
+                   num_supernodes=2, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                                     "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    sent = {(r, tuple(e)) for r, _, e in strategy.sent_}
+    assert {e for r, e in sent if r == 1} == {(0, 1, 2)}  # round 1: nobody asked yet -> all
+    assert {e for r, e in sent if r == 2} == {(0,), (1, 2)}  # round 2: only what each node routes to
+    # each round: expert 0 <- node 0 only (+1), experts 1, 2 <- node 1 only (+2(k+1)); two rounds
+    np.testing.assert_allclose(strategy.experts_[0]["w"], [0 + 2 * 1] * 2)
+    np.testing.assert_allclose(strategy.experts_[1]["w"], [1 + 2 * 4] * 2)
+    np.testing.assert_allclose(strategy.experts_[2]["w"], [2 + 2 * 6] * 2)
+    # PGPD in round 2 only: router = (2 * (0 + 0) + 3 * (0 + 1)) / 5
+    np.testing.assert_allclose(strategy.router_["b"], [3 / 5] * 3, rtol=1e-6)

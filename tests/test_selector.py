@@ -1,0 +1,166 @@
+"""trainer.experts.selector on the real MiniLM backbone and real preference pairs: exact cached forward,
+position-swap loss, LoRA-only training, expert state round trips; sdk.pair_encoding segments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sdk.errors import InvalidInputError, ShapeError
+from sdk.pair_encoding import PairEncoder, PairEncodingConfig
+from trainer.data.preferences import load_preference_pairs
+from trainer.experts.selector import (
+    PairSelector,
+    SelectorConfig,
+    build_segment_store,
+    load_selector_config,
+    save_selector_config,
+)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def pairs(shared_data: Path):
+    df = load_preference_pairs(shared_data)
+    return df.groupby("domain").sample(8, random_state=0).reset_index(drop=True)
+
+
+@pytest.fixture(scope="module")
+def selector():
+    return PairSelector(SelectorConfig(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def store(selector, pairs):
+    return build_segment_store(selector, list(pairs.prompt), list(pairs.response_a), list(pairs.response_b),
+                               list(pairs.label))
+
+
+def test_segments_follow_the_template(selector):
+    enc = selector.pair_encoder
+    tok = enc.tokenizer
+    assert tok.truncation is None and tok.padding is None
+    out = enc.encode_segments(["a b c " * 30], ["hello world"])
+    cfg = enc.config
+    ids, mask, types = out["input_ids"][0], out["attention_mask"][0], out["token_type_ids"][0]
+    p_ids = tok.encode("a b c " * 30, add_special_tokens=False).ids[-cfg.prompt_tokens:]
+    r_ids = tok.encode("hello world", add_special_tokens=False).ids
+    cls, sep, pad = (tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
+    expect = [cls] + p_ids + [sep] + r_ids + [sep]
+    assert ids.shape == (cfg.seq_len,) and list(ids[: len(expect)]) == expect
+    assert (ids[len(expect):] == pad).all() and mask.sum() == len(expect)
+    assert types.sum() == len(r_ids) + 1 and types[cfg.prompt_tokens + 1] == 0 and types[cfg.prompt_tokens + 2] == 1
+    with pytest.raises(InvalidInputError, match="not in the tokenizer"):
+        PairEncoder(tok, PairEncodingConfig(sep_token="<nope>"))
+
+
+def test_cached_lower_layers_forward_equals_full_forward(selector, store):
+    idx = np.arange(store.input_ids.shape[0])
+    with torch.no_grad():
+        cached = store.pooled(selector, idx)
+        full = selector.full_pooled(store.input_ids[idx], store.attention_mask[idx], store.token_type_ids[idx])
+        plain = selector._base(input_ids=store.input_ids[idx], attention_mask=store.attention_mask[idx],
+                               token_type_ids=store.token_type_ids[idx], output_hidden_states=True)
+    torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
+    # the cache itself is the frozen model's hidden state entering layer 5, bit for bit
+    assert torch.equal(store.lower, plain.hidden_states[selector.first_lora_layer])
+
+
+def test_position_swap_loss_and_symmetric_prediction(selector, store):
+    pairs = np.arange(store.n_pairs)
+    with torch.no_grad():
+        ha, hb, f, y = store.batch(selector, pairs)
+        per = selector.pair_loss(ha, hb, f, y, reduction="none")
+        lab, lba = selector.pair_logits(ha, hb, f), selector.pair_logits(hb, ha, -f)
+        p = torch.sigmoid(lab)
+        q = torch.sigmoid(lba)
+        by_hand = 0.5 * (-(y * torch.log(p) + (1 - y) * torch.log(1 - p)) - ((1 - y) * torch.log(q) + y * torch.log(1 - q)))
+        torch.testing.assert_close(per, by_hand, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(selector.pair_proba(ha, hb, f) + selector.pair_proba(hb, ha, -f),
+                                   torch.ones(store.n_pairs))
+
+
+def test_training_changes_lora_and_head_but_not_the_backbone(pairs):
+    model = PairSelector(SelectorConfig(), seed=1)
+    st = build_segment_store(model, list(pairs.prompt), list(pairs.response_a), list(pairs.response_b), list(pairs.label))
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    before = model.expert_state()
+    assert all("lora_" in n or n.startswith(("head.", "length_skip.")) for n in before)
+    assert all(".layer.5." in n for n in before if "lora_" in n)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(8):
+        ha, hb, f, y = st.batch(model, np.arange(st.n_pairs))
+        loss = model.pair_loss(ha, hb, f, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    after = model.expert_state()
+    assert losses[-1] < losses[0]
+    lora_b = [n for n in after if "lora_B" in n]
+    assert lora_b and all(np.abs(after[n] - before[n]).max() > 0 for n in after)
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, frozen[n]), n
+
+
+def test_expert_state_and_files_round_trip(selector, tmp_path):
+    state = selector.expert_state()
+    other = {k: v + 0.01 for k, v in state.items()}
+    selector.save_expert(other, tmp_path / "expert_0")
+    selector.load_expert_state(state)
+    loaded = selector.load_expert(tmp_path / "expert_0")
+    for k in state:
+        np.testing.assert_array_equal(loaded[k], other[k])
+    selector.load_expert_state(state)
+    with pytest.raises(ShapeError):
+        selector.load_expert_state({k: v for k, v in list(state.items())[1:]})
+    cfg = SelectorConfig()
+    save_selector_config(cfg, tmp_path / "selector_config.json")
+    assert load_selector_config(tmp_path / "selector_config.json") == cfg
+    with pytest.raises(InvalidInputError, match="cache_lower_layers"):
+        SelectorConfig(lora_layers=None)
+    assert SelectorConfig.gpu_preset().lora_layers is None
+
+
+def test_all_layer_path_on_a_tiny_causal_lm(pairs, tmp_path):
+    """The GPU preset's code path (causal LM, LoRA on q/v of every layer, last-token pooling, no
+    cache) on a tiny Qwen2 built from a config with random weights and the MiniLM tokenizer."""
+    import shutil
+
+    from transformers import Qwen2Config, Qwen2Model
+
+    from trainer.embeddings import resolve_model_path
+
+    folder = tmp_path / "tiny-qwen2"
+    Qwen2Model(Qwen2Config(vocab_size=30522, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)).save_pretrained(folder)
+    shutil.copy(Path(resolve_model_path("all-MiniLM-L6-v2")) / "tokenizer.json", folder / "tokenizer.json")
+    cfg = SelectorConfig(backbone=str(folder), lora_layers=None, cache_lower_layers=False, pooling="last",
+                         target_modules=("q_proj", "v_proj"),
+                         encoding=PairEncodingConfig(prompt_tokens=16, response_tokens=24, prefix_token=None))
+    model = PairSelector(cfg, seed=0)
+    names = model.trainable_names()
+    assert {n.split(".layers.")[1].split(".")[0] for n in names if "lora_" in n} == {"0", "1"}
+    sub = pairs.iloc[:6]
+    st = build_segment_store(model, list(sub.prompt), list(sub.response_a), list(sub.response_b), list(sub.label))
+    assert st.lower is None and st.input_ids.shape[1] == cfg.encoding.seq_len == 16 + 24 + 2
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    before = model.expert_state()
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        ha, hb, f, y = st.batch(model, np.arange(st.n_pairs))
+        loss = model.pair_loss(ha, hb, f, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = model.expert_state()
+    assert all(np.abs(after[n] - before[n]).max() > 0 for n in names if "lora_B" in n)
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)

@@ -1,0 +1,204 @@
+"""Selector export (export.selector_export) and the device runtime sdk.Selector, on a real expert.
+
+The expert is the trainer's PairSelector (frozen all-MiniLM-L6-v2 + LoRA in the top layer + pair head)
+trained for 40 AdamW steps on real AlpacaEval and HH-RLHF harmless pairs, so its LoRA matrices are
+non-zero and merging them matters. Parity is measured on other real pairs of both sources, through the
+SDK as an app loads the bundle. (An expert that has learned nothing puts many pairs at P = 0.5 +- 0.01,
+where any int8 rounding flips the decision; the 99 % int8 gate is meant for trained selectors.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from export.errors import ExportError, ParityError  # noqa: E402
+from sdk.errors import BundleError, InvalidInputError  # noqa: E402
+from sdk.selector import Selector  # noqa: E402
+
+N_TRAIN, N_PARITY = 96, 40
+
+
+@pytest.fixture(scope="module")
+def hh_pairs(shared_data):
+    """(train, parity) real pairs, half AlpacaEval model-vs-model, half HH harmless; disjoint prompts."""
+    import pandas as pd
+
+    from trainer.data.preferences import load_alpacaeval_pairs, load_hh_harmless_pairs
+
+    parts = []
+    for df in (load_alpacaeval_pairs(shared_data, include_reference_pairs=False, max_pairs_per_instruction=1),
+               load_hh_harmless_pairs(shared_data, seed=0)):
+        df = df.drop_duplicates("prompt_id").sample((N_TRAIN + N_PARITY) // 2, random_state=0)
+        parts.append((df.iloc[: N_TRAIN // 2], df.iloc[N_TRAIN // 2:]))
+    return (pd.concat([p[0] for p in parts], ignore_index=True), pd.concat([p[1] for p in parts], ignore_index=True))
+
+
+@pytest.fixture(scope="module")
+def trained_expert(hh_pairs, tmp_path_factory):
+    """RUN/fedprism_seed0/expert_0 (+ selector_config.json) after 40 AdamW steps on real pairs."""
+    from trainer.experts.selector import PairSelector, SelectorConfig, build_segment_store, save_selector_config
+
+    torch.set_num_threads(1)
+    train, _ = hh_pairs
+    model = PairSelector(SelectorConfig(), seed=0)
+    store = build_segment_store(model, list(train.prompt), list(train.response_a), list(train.response_b),
+                                list(train.label))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    rng = np.random.default_rng(0)
+    model.train()
+    for _ in range(40):
+        ha, hb, f, y = store.batch(model, rng.choice(N_TRAIN, 16, replace=False))
+        loss = model.pair_loss(ha, hb, f, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    run = tmp_path_factory.mktemp("run") / "fedprism_seed0"
+    model.save_expert(model.expert_state(), run / "expert_0")
+    save_selector_config(model.config, run / "selector_config.json")
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and all(float(p.detach().abs().max()) > 0 for p in lora_b)  # the merge has something to merge
+    return run / "expert_0"
+
+
+@pytest.fixture(scope="module")
+def bundle(trained_expert, hh_pairs, signing_keys, tmp_path_factory):
+    from export.selector_export import export_selector_bundle
+
+    _, parity = hh_pairs
+    out = tmp_path_factory.mktemp("bundles") / "selector"
+    result = export_selector_bundle(trained_expert, out, signing_keys[0], parity, int8=True, progress=lambda m: None)
+    return out, result
+
+
+def test_onnx_parity_with_torch(bundle, trained_expert, hh_pairs, signing_keys):
+    from export.selector_export import load_trained_selector, torch_logits
+
+    out, result = bundle
+    report = result.parity
+    assert report["passed"] and report["n_pairs"] == N_PARITY
+    assert report["fp32"]["max_abs_logit_diff"] <= 1e-3
+    assert report["int8"]["decision_agreement"] >= 0.99
+    manifest = result.manifest
+    assert manifest["selector_kind"] == "onnx_pair"
+    assert manifest["selector"]["name"] == "fedprism-expert-0" and manifest["selector"]["expert"] == 0
+    assert set(manifest["files"]) == {"tokenizer.json", "selector.onnx", "selector.int8.onnx", "parity.json"}
+    assert "embedder" not in manifest and "models" not in manifest
+    assert json.loads((out / "parity.json").read_text()) == json.loads(json.dumps(report))
+
+    # the SDK's probabilities equal the trainer's symmetric probability (fp32)
+    _, parity = hh_pairs
+    selector = load_trained_selector(trained_expert)
+    ab, ba = torch_logits(selector, parity.prompt[:8], parity.response_a[:8], parity.response_b[:8])
+    expected = 1 / (1 + np.exp(-(ab - ba) / 2))
+    sel = Selector.load(out, signing_keys[1], precision="fp32")
+    got = sel.prefer_many(list(parity.prompt[:8]), list(parity.response_a[:8]), list(parity.response_b[:8]))
+    np.testing.assert_allclose(got, expected, atol=2e-4)
+    # and differ from the backbone without the adapter: the merged LoRA is in the graph
+    with selector.backbone.disable_adapter():
+        ab0, _ = torch_logits(selector, parity.prompt[:8], parity.response_a[:8], parity.response_b[:8])
+    assert np.max(np.abs(ab0 - ab)) > 1e-2
+
+
+def test_prefer_is_antisymmetric_and_int8_is_the_default(bundle, hh_pairs, signing_keys):
+    out, _ = bundle
+    _, parity = hh_pairs
+    sel = Selector.load(out, signing_keys[1])
+    assert sel.precision == "int8" and sel.kind == "onnx_pair" and sel.bundle_version == 1
+    x, a, b = parity.prompt[0], parity.response_a[0], parity.response_b[0]
+    p = sel.prefer(x, a, b)
+    assert 0.0 < p < 1.0
+    assert p + sel.prefer(x, b, a) == pytest.approx(1.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("args, match", [
+    (("", "a", "b"), "x is empty"),
+    (("q", "   ", "b"), "y_a is empty"),
+    (("q", "a", None), "y_b must be a str"),
+    ((b"q", "a", "b"), "x must be a str"),
+    (("q", "a\ud800", "b"), "y_a is not valid Unicode"),
+])
+def test_selector_bad_inputs(bundle, signing_keys, args, match):
+    sel = Selector.load(bundle[0], signing_keys[1], precision="fp32")
+    with pytest.raises(InvalidInputError, match=match):
+        sel.prefer(*args)
+
+
+def test_prefer_many_and_load_argument_errors(bundle, signing_keys):
+    sel = Selector.load(bundle[0], signing_keys[1], precision="fp32")
+    with pytest.raises(InvalidInputError, match="one length"):
+        sel.prefer_many(["q"], ["a", "b"], ["c"])
+    with pytest.raises(InvalidInputError, match="list of str"):
+        sel.prefer_many("q", ["a"], ["b"])
+    with pytest.raises(InvalidInputError, match="precision"):
+        Selector.load(bundle[0], signing_keys[1], precision="int4")
+    with pytest.raises(BundleError, match="older than min_bundle_version"):
+        Selector.load(bundle[0], signing_keys[1], min_bundle_version=2)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src.resolve(), dst)
+    return dst
+
+
+def test_tampered_or_foreign_bundles_are_refused(bundle, signing_keys, tmp_path):
+    from export.signing import generate_keypair
+
+    src = bundle[0]
+    # a flipped byte in the graph: sha256 mismatch
+    bad = _copy(src, tmp_path / "graph")
+    data = bytearray((bad / "selector.onnx").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / "selector.onnx").write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="selector.onnx: sha256"):
+        Selector.load(bad, signing_keys[1], precision="fp32")
+    # an edited manifest: the signature no longer verifies
+    bad = _copy(src, tmp_path / "manifest")
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["selector"]["name"] = "someone-else"
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="signature does not verify"):
+        Selector.load(bad, signing_keys[1])
+    # a corrupt manifest
+    bad = _copy(src, tmp_path / "corrupt")
+    (bad / "manifest.json").write_text("{not json")
+    with pytest.raises(BundleError, match="not valid JSON"):
+        Selector.load(bad, signing_keys[1])
+    # a missing file
+    bad = _copy(src, tmp_path / "missing")
+    (bad / "tokenizer.json").unlink()
+    with pytest.raises(BundleError, match="tokenizer.json: missing"):
+        Selector.load(bad, signing_keys[1])
+    # signed by another key
+    _, other_pub = generate_keypair(tmp_path / "other")
+    with pytest.raises(BundleError, match="signature does not verify"):
+        Selector.load(src, other_pub)
+    # a selector bundle is not a router bundle
+    from sdk.router import Router
+
+    with pytest.raises(BundleError, match="carries no router"):
+        Router.load(src, signing_keys[1])
+
+
+def test_export_refuses_failed_parity_and_writes_nothing(trained_expert, hh_pairs, signing_keys, tmp_path,
+                                                        monkeypatch):
+    from export import selector_export
+
+    monkeypatch.setattr(selector_export, "FP32_MAX_LOGIT_DIFF", 0.0)  # no float graph meets 0.0 on every pair
+    out = tmp_path / "never"
+    with pytest.raises(ParityError, match="fp32 max \\|logit diff\\|") as info:
+        selector_export.export_selector_bundle(trained_expert, out, signing_keys[0], hh_pairs[1].iloc[:6],
+                                               progress=lambda m: None)
+    assert info.value.report["fp32"]["max_abs_logit_diff"] > 0.0
+    assert not out.exists()
+    with pytest.raises(ExportError, match="not a saved selector expert"):
+        selector_export.export_selector_bundle(tmp_path, out, signing_keys[0], hh_pairs[1], progress=lambda m: None)

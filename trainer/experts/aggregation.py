@@ -1,0 +1,62 @@
+"""Per-component aggregation of FedPrism (paper 000, Sec. 3.3; ARCHITECTURE.md §7).
+
+Each client trains only the experts it retrieved and reports, per expert ``k`` it updated, the new
+parameters and the number of samples it used. The server averages each expert over the clients that
+updated *it*, weighted by those sample counts; an expert nobody updated keeps its parameters:
+
+    theta_k <- sum_{i in U_k} n_ik theta_ik / sum_{i in U_k} n_ik   if U_k is non-empty, else theta_k.
+
+Pure functions in the style of Flower's strategies (no I/O, clock or sampling); the per-expert mean
+is :func:`trainer.routers.fedavg.fedavg`, which validates names, shapes, finiteness and counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from sdk.errors import InvalidInputError
+from trainer.routers.fedavg import Parameters, fedavg, validate_updates
+
+#: One client's reply: expert index -> (parameters, n_samples used for that expert).
+ComponentUpdate = Mapping[int, tuple[Parameters, float]]
+
+
+def aggregate_components(
+    current: Sequence[Parameters], updates: Sequence[ComponentUpdate]
+) -> list[dict[str, np.ndarray]]:
+    """Average each expert over the clients that updated it, weighted by their sample counts.
+
+    Parameters
+    ----------
+    current : sequence of n_experts parameter dicts, the global experts before the round.
+    updates : sequence over clients of {expert index: (parameters, n_samples)}.
+
+    Returns
+    -------
+    list of n_experts dicts name -> ndarray float32; experts without updates are copies of ``current``.
+
+    Raises
+    ------
+    InvalidInputError
+        An expert index outside ``[0, n_experts)``, or a count that is not finite and > 0.
+    ShapeError
+        An update's names or shapes differ from the current expert's, or it holds NaN/inf.
+    """
+    n = len(current)
+    per: list[list[tuple[Parameters, float]]] = [[] for _ in range(n)]
+    for c, upd in enumerate(updates):
+        for k, (params, count) in upd.items():
+            if not (isinstance(k, (int, np.integer)) and 0 <= k < n):
+                raise InvalidInputError(f"client {c}: expert index {k!r} outside [0, {n})")
+            per[k].append((params, count))
+    out = []
+    for k in range(n):
+        if not per[k]:
+            out.append({name: np.array(v, dtype=np.float32, copy=True) for name, v in current[k].items()})
+            continue
+        validate_updates([(current[k], 1.0)] + per[k])  # same names and shapes as the current expert
+        mean = fedavg(per[k])
+        out.append({name: v.astype(np.float32) for name, v in mean.items()})
+    return out

@@ -1,0 +1,141 @@
+"""``fedroute prism ...``: the FedPrism commands (a typer sub-app registered by :mod:`trainer.cli`).
+
+``fedroute prism train [--quick | --preset cpu|gpu] --out DIR`` runs every method of the results table
+for ``--seeds`` seeds and writes the folder described in :mod:`trainer.experts.experiment`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="FedPrism: federated preference experts with instance-wise routing (paper 000).")
+
+
+@app.command()
+def train(
+    out: Annotated[Path, typer.Option(help="output folder (results.json, results.md, PNGs, fedprism_seed0/)")],
+    data: Annotated[Path, typer.Option(help="shared data folder with alpacaeval/, hh_rlhf_harmless/, routerbench/")] = Path("../shared/data"),
+    quick: Annotated[bool, typer.Option("--quick", help="the small preset (<= 5 min on one CPU core)")] = False,
+    preset: Annotated[str, typer.Option(help="cpu (default, scaled down) or gpu (paper settings, Qwen2-0.5B class)")] = "cpu",
+    seeds: Annotated[int, typer.Option(min=1, help="number of seeds (0..K-1); >= 3 for the results table")] = 3,
+    backbone: Annotated[Optional[str], typer.Option(help="selector backbone path or hub id (default: the preset's)")] = None,
+    n_experts: Annotated[Optional[int], typer.Option(min=1, help="M, number of experts (default: the preset's)")] = None,
+    methods: Annotated[str, typer.Option(help="comma-separated methods of the table (default: all)")] = "all",
+    device_threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
+    cache_dir: Annotated[Optional[Path], typer.Option(help="cache folder (embeddings, segment states)")] = None,
+) -> None:
+    """Train FedPrism and its baselines on the same clients; write results.json, results.md, PNGs."""
+    import torch
+
+    from sdk.errors import InvalidInputError
+    from trainer.experts.experiment import ALL_METHODS, PRESETS, prepare_data, run_experiment
+    from trainer.experts.selector import PairSelector
+
+    name = "quick" if quick else preset
+    if name not in PRESETS:
+        raise typer.BadParameter(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    torch.set_num_threads(device_threads)
+    data_preset, base = PRESETS[name]
+    if backbone is not None:
+        try:
+            base = replace(base, selector=replace(base.selector, backbone=backbone))
+        except InvalidInputError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+    if n_experts is not None:
+        base = replace(base, n_experts=n_experts)
+    chosen = ALL_METHODS if methods == "all" else tuple(m.strip() for m in methods.split(",") if m.strip())
+    unknown = [m for m in chosen if m not in ALL_METHODS]
+    if unknown:
+        raise typer.BadParameter(f"--methods: unknown {unknown}; valid: {', '.join(ALL_METHODS)}")
+    model = PairSelector(base.selector)
+    prep = prepare_data(data, data_preset, model, cache_dir=cache_dir)
+    result = run_experiment(prep, model, data_preset, base, range(seeds), out, methods=chosen)
+    typer.echo((out / "results.md").read_text())
+    typer.echo(f"results: {out / 'results.json'}  ({result['seconds']} s of training)")
+
+
+@app.command()
+def label(
+    run: Annotated[Path, typer.Option(help="the --out folder of `fedroute prism train` (fedprism_seed0/, fedbis_seed0/)")],
+    out: Annotated[Path, typer.Option(help="output folder: phase3.json/.md/.png, synthetic_preferences.jsonl/.parquet")],
+    data: Annotated[Path, typer.Option(help="shared data folder with alpacaeval/")] = Path("../shared/data"),
+    max_pairs: Annotated[int, typer.Option(min=1, help="held-out AlpacaEval pairs to label (seeded sample)")] = 600,
+    device_threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
+    cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
+) -> None:
+    """Phase III: routed experts label held-out AlpacaEval pairs; agreement with the judge; synthetic set."""
+    import torch
+
+    from trainer.experts.phase3 import agreement_markdown, run_phase3
+
+    torch.set_num_threads(device_threads)
+    result = run_phase3(run, data, out, max_pairs=max_pairs, cache_dir=cache_dir)
+    typer.echo(agreement_markdown(result["agreement"]))
+    typer.echo(f"synthetic preference set: {result['synthetic_set']['jsonl']} ({result['synthetic_set']['n_rows']} rows)")
+
+
+@app.command()
+def dpo(
+    prefs: Annotated[Path, typer.Option(help="synthetic_preferences.jsonl or .parquet written by `prism label`")],
+    out: Annotated[Path, typer.Option(help="output folder: model/, dpo_results.json, dpo_loss.png")],
+    policy: Annotated[Optional[str], typer.Option(help="causal LM path or hub id (e.g. Qwen/Qwen2-0.5B-Instruct)")] = None,
+    tiny: Annotated[bool, typer.Option("--tiny", help="build a tiny random-weight policy (2 layers, BPE trained on the set) instead of --policy: a CPU smoke run")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="--tiny with 40 steps")] = False,
+    steps: Annotated[int, typer.Option(min=1, help="optimiser steps")] = 120,
+    beta: Annotated[float, typer.Option(help="DPO beta")] = 0.1,
+    lr: Annotated[Optional[float], typer.Option(help="learning rate (default 1e-5; 5e-7 with --gpu; 1e-3 with --tiny)")] = None,
+    batch_size: Annotated[int, typer.Option(min=1)] = 8,
+    max_length: Annotated[int, typer.Option(min=16, help="tokens per prompt + response")] = 256,
+    heldout_fraction: Annotated[float, typer.Option(help="share of prompts held out for the implicit-reward accuracy")] = 0.2,
+    gpu: Annotated[bool, typer.Option("--gpu", help="the GPU preset: cuda, bf16, gradient checkpointing (DPORunConfig.gpu_preset)")] = False,
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Phase III step 2: DPO (TRL) of a policy on the synthetic set; held-out accuracy against the judge."""
+    import numpy as np
+    import pandas as pd
+
+    from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig
+    from trainer.alignment.errors import AlignmentConfigError
+    from trainer.alignment.policy_models import build_tiny_causal_lm
+
+    tiny = tiny or quick
+    if quick:
+        steps = min(steps, 40)
+    if (policy is None) == (not tiny):
+        raise typer.BadParameter("give exactly one of --policy PATH_OR_ID and --tiny/--quick")
+    rows = pd.read_parquet(prefs) if prefs.suffix == ".parquet" else pd.read_json(prefs, lines=True)
+    for col in ("prompt", "chosen", "rejected", "prompt_id"):
+        if col not in rows.columns:
+            raise typer.BadParameter(f"--prefs {prefs} has no column {col!r}; write it with `fedroute prism label`")
+    prompts = np.array(sorted(rows.prompt_id.unique()))
+    held = set(np.random.default_rng(seed).permutation(prompts)[: max(1, int(round(heldout_fraction * len(prompts))))])
+    train_df, held_df = rows[~rows.prompt_id.isin(held)], rows[rows.prompt_id.isin(held)]
+    train_rows = train_df[["prompt", "chosen", "rejected"]].to_dict("records")
+    # held-out pairs are oriented by the judge: the accuracy says whether the policy learned the judge's
+    # preference through the experts' labels
+    agrees = held_df["judge_agrees"].to_numpy(bool) if "judge_agrees" in held_df else np.ones(len(held_df), bool)
+    held_rows = [{"prompt": r.prompt, "chosen": r.chosen if a else r.rejected, "rejected": r.rejected if a else r.chosen}
+                 for r, a in zip(held_df.itertuples(), agrees)]
+    out.mkdir(parents=True, exist_ok=True)
+    if tiny:
+        texts = [t for r in train_rows for t in (r["prompt"], r["chosen"], r["rejected"])]
+        policy = str(build_tiny_causal_lm(out / "tiny_policy", train_texts=texts, vocab_size=2000, overwrite=True,
+                                          seed=seed, max_positions=max(512, max_length)))
+    try:
+        if gpu:
+            args = DPORunConfig.gpu_preset(policy, max_steps=steps, beta=beta, seed=seed,
+                                           **({"learning_rate": lr} if lr else {}))
+        else:
+            args = DPORunConfig(model=policy, max_steps=steps, beta=beta, batch_size=batch_size, max_length=max_length,
+                                learning_rate=lr or (1e-3 if tiny else 1e-5), seed=seed)
+        result = DPOAlignmentTrainer(args).train(train_rows, held_rows, out)
+    except AlignmentConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(f"DPO loss {result.loss_first:.4f} -> {result.loss_last:.4f} over {len(result.loss_per_step)} steps; "
+               f"held-out implicit-reward accuracy vs the judge {result.heldout_implicit_reward_accuracy_before:.3f} -> "
+               f"{result.heldout_implicit_reward_accuracy_after:.3f} ({result.n_heldout} pairs); {out / 'dpo_results.json'}")

@@ -1,0 +1,292 @@
+"""The FedPrism experiment: data, clients, every method on the same clients and test pairs, results.
+
+:func:`prepare_data` loads the three preference sources (:mod:`trainer.data.preferences`), splits them
+by prompt (60 / 20 / 20 % within each domain, data seed 0), keeps ``public_fraction`` of the train
+prompts as *public* prompts held by no client (only their text is used, for the router's K-means
+initialisation), subsamples each part to the preset's size (stratified by domain), embeds the
+prompts (MiniLM, SQLite cache of :mod:`trainer.embeddings`) and runs the frozen lower layers of the
+selector once over every segment (:func:`trainer.experts.selector.build_segment_store`).
+
+:func:`run_experiment` then, for each seed, draws N = 20 multi-faceted clients
+(:func:`trainer.data.preferences.dirichlet_clients`, alpha = 0.5 over subsets) and trains every method of
+:data:`trainer.experts.fedprism.METHODS` on them, plus the length-only baseline (per-domain logistic
+regression fitted on the pooled client pairs). Everything is scored on the same held-out test pairs
+(or validation pairs when tuning).
+
+Output folder (``fedroute prism train --out DIR``)
+--------------------------------------------------
+- ``results.json``: ``methods.<m>.{acc_mean, acc_std, acc_per_seed, domains.<d>.{acc_mean, acc_std}}``
+  for m in fedprism, fedbis, fedbiscuit, random_routing, frozen_router, no_warmup, length_only;
+  ``utilisation.{max_share, max_share_per_seed, entropy, share}`` (FedPrism, final round, test pairs);
+  ``bytes.{downlink_per_round, dense_downlink_per_round, per_method}`` (mean bytes sent to the clients
+  of a round; dense = every client downloads all M experts); ``config``, ``data``, ``seconds``.
+- ``results.md``: the table; ``accuracy_per_round.png``, ``utilisation_per_round.png``.
+- ``history.json``: per method and seed, the per-round history of :class:`FedPrismTrainer`.
+- ``fedprism_seed0/`` (read by ``prism label`` and the selector export)::
+
+      fedprism_seed0/
+        selector_config.json        SelectorConfig (backbone, LoRA, pair encoding) as JSON
+        fedprism_config.json        FedPrismConfig of the run
+        router.safetensors          PromptRouter state: net.0.weight (128, 384), net.0.bias (128,),
+                                    net.2.weight (M, 128), net.2.bias (M,), float32; input = MiniLM
+                                    prompt embedding (mean-pooled, L2-normalised, 256 tokens, left
+                                    truncation: trainer.embeddings.EmbedderConfig defaults)
+        expert_<k>/adapter/         peft save_pretrained of expert k's LoRA (adapter_config.json,
+                                    adapter_model.safetensors)
+        expert_<k>/head.safetensors head.0.weight, head.0.bias, head.2.weight, head.2.bias,
+                                    length_skip.weight (float32)
+        splits.json                 prompt_ids of the train / public / val / test parts
+- ``fedbis_seed0/``: the same layout for FedBis (one expert, ``expert_0``; its router file is unused).
+
+  Load with ``PairSelector(load_selector_config(...))`` then ``load_expert(folder / "expert_<k>")``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from sdk.errors import InvalidInputError
+from trainer.data.preferences import DOMAINS, dirichlet_clients, load_preference_pairs, split_by_prompt
+from trainer.experts.fedprism import METHODS, FederatedPairs, FedPrismConfig, FedPrismTrainer, method_config, state_bytes
+from trainer.length_baseline import LengthBaseline
+from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
+
+ALL_METHODS = METHODS + ("length_only",)
+
+
+@dataclass(frozen=True)
+class DataPreset:
+    """Sizes of the parts (pairs, stratified by domain) and the client simulation."""
+
+    n_train: int = 2400
+    n_val: int = 450
+    n_test: int = 600
+    public_fraction: float = 0.15
+    n_public: int = 300
+    n_clients: int = 20
+    alpha: float = 0.5
+
+
+PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
+    "quick": (DataPreset(n_train=600, n_val=150, n_test=200, n_public=120),
+              FedPrismConfig(rounds=3, warmup_rounds=1, router_every=1, clients_per_round=2, local_pairs=24,
+                             batch_size=12, router_epochs=3, eval_every=3)),
+    "cpu": (DataPreset(), FedPrismConfig(rounds=8, warmup_rounds=3, router_every=2, clients_per_round=4,
+                                         local_pairs=40, eval_every=4)),
+    "gpu": (DataPreset(n_train=12000, n_val=1500, n_test=3000, n_public=1500), FedPrismConfig.gpu_preset()),
+}
+
+
+def _sample(df: pd.DataFrame, n: int, seed: int) -> pd.DataFrame:
+    """At most n rows, the same share from each domain (stratified), seeded."""
+    if len(df) <= n:
+        return df.reset_index(drop=True)
+    per = {d: int(round(n * (df.domain == d).mean())) for d in df.domain.unique()}
+    parts = [g.sample(min(per[d], len(g)), random_state=seed) for d, g in df.groupby("domain")]
+    return pd.concat(parts).reset_index(drop=True)
+
+
+@dataclass
+class PreparedData:
+    train: pd.DataFrame
+    val: pd.DataFrame
+    test: pd.DataFrame
+    public_prompts: list[str]
+    splits: dict[str, list[str]]
+    store: object
+    prompt_emb: np.ndarray
+    public_emb: np.ndarray
+
+
+def prepare_data(data_dir: Path, preset: DataPreset, model, embedder_config=None, cache_dir: Path | None = None,
+                 data_seed: int = 0, progress: bool = True) -> PreparedData:
+    """Pairs, splits, public prompts, prompt embeddings and the segment store (module docstring)."""
+    from trainer.embeddings import EmbedderConfig, default_cache_dir, embed_texts
+    from trainer.experts.selector import build_segment_store
+
+    pairs = load_preference_pairs(data_dir, seed=data_seed)
+    train, val, test = split_by_prompt(pairs, (0.6, 0.2, 0.2), seed=data_seed)
+    rng = np.random.default_rng(data_seed)
+    ids = np.array(sorted(train.prompt_id.unique()))
+    public_ids = set(rng.choice(ids, size=int(round(preset.public_fraction * len(ids))), replace=False).tolist())
+    public = train[train.prompt_id.isin(public_ids)].drop_duplicates("prompt_id")
+    public = public.sample(min(preset.n_public, len(public)), random_state=data_seed)
+    train = train[~train.prompt_id.isin(public_ids)]
+    train, val, test = (_sample(x, n, data_seed) for x, n in ((train, preset.n_train), (val, preset.n_val),
+                                                              (test, preset.n_test)))
+    allp = pd.concat([train, val, test], ignore_index=True)
+    config = embedder_config or EmbedderConfig()
+    prompts = list(allp.prompt) + list(public.prompt)
+    emb = embed_texts(prompts, config, cache_dir, show_progress=progress)
+    store = build_segment_store(model, list(allp.prompt), list(allp.response_a), list(allp.response_b),
+                                list(allp.label), show_progress=progress,
+                                cache_dir=(cache_dir or default_cache_dir()) / "prism")
+    splits = {"train": sorted(train.prompt_id.unique()), "public": sorted(public.prompt_id.unique()),
+              "val": sorted(val.prompt_id.unique()), "test": sorted(test.prompt_id.unique())}
+    return PreparedData(train, val, test, list(public.prompt), splits, store, emb[: len(allp)], emb[len(allp):])
+
+
+def _federated(prep: PreparedData, preset: DataPreset, seed: int, eval_split: str) -> FederatedPairs:
+    client = dirichlet_clients(prep.train, preset.n_clients, preset.alpha, seed=seed)
+    clients = [np.flatnonzero(client == i) for i in range(preset.n_clients)]
+    clients = [c for c in clients if len(c)]
+    n_tr, n_va = len(prep.train), len(prep.val)
+    eval_pairs = np.arange(n_tr, n_tr + n_va) if eval_split == "val" else np.arange(n_tr + n_va, n_tr + n_va + len(prep.test))
+    domain = np.concatenate([prep.train.domain, prep.val.domain, prep.test.domain]).astype(str)
+    return FederatedPairs(prep.store, prep.prompt_emb, domain, clients, prep.public_emb, eval_pairs)
+
+
+def _summary(values: list[float]) -> dict:
+    v = np.asarray(values, dtype=np.float64)
+    return {"acc_mean": float(v.mean()), "acc_std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+            "acc_per_seed": [float(x) for x in v]}
+
+
+def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrismConfig, seeds, out: Path | None,
+                   methods=ALL_METHODS, eval_split: str = "test", progress: bool = True) -> dict:
+    """Train every method for every seed; return (and, with ``out``, write) the results.
+
+    Raises
+    ------
+    InvalidInputError
+        Unknown method, fewer than 1 seed, or a bad eval_split.
+    """
+    seeds = list(seeds)
+    if not seeds:
+        raise InvalidInputError("give at least one seed")
+    if eval_split not in ("val", "test"):
+        raise InvalidInputError(f"eval_split must be 'val' or 'test', got {eval_split!r}")
+    bad = [m for m in methods if m not in ALL_METHODS]
+    if bad:
+        raise InvalidInputError(f"unknown methods {bad}; valid: {', '.join(ALL_METHODS)}")
+    start = time.time()
+    acc: dict[str, dict[str, list[float]]] = {m: {} for m in methods}
+    history: dict[str, dict[int, list]] = {m: {} for m in methods}
+    bytes_per_round: dict[str, list[float]] = {m: [] for m in methods}
+    util = {"max_share": [], "entropy": [], "share": []}
+    dense = []
+    for seed in seeds:
+        data = _federated(prep, preset, seed, eval_split)
+        eval_df = (prep.val if eval_split == "val" else prep.test)
+        for m in methods:
+            if m == "length_only":
+                tr = prep.train.iloc[np.concatenate(data.clients)]
+                proba = LengthBaseline(per_domain=True).fit(tr).predict_proba(eval_df)
+                y = eval_df.label.to_numpy()
+                res = {"overall": pairwise_accuracy(proba, y)}
+                for d in sorted(eval_df.domain.unique()):
+                    sel = eval_df.domain.to_numpy() == d
+                    res[d] = pairwise_accuracy(proba[sel], y[sel])
+            else:
+                cfg = replace(method_config(m, base), seed=seed)
+                trainer = FedPrismTrainer(model, data, cfg, progress=progress).train()
+                res = trainer.history_[-1]["accuracy"]
+                history[m][seed] = trainer.history_
+                bytes_per_round[m].append(float(np.mean([h["downlink_bytes"] for h in trainer.history_])))
+                if m == "fedprism":
+                    share, mx, ent = expert_utilisation(
+                        trainer.evaluate()["assignment"], cfg.n_experts)
+                    util["max_share"].append(mx)
+                    util["entropy"].append(ent)
+                    util["share"].append(share.tolist())
+                    one = state_bytes(trainer.experts_[0])
+                    router = state_bytes(trainer.router_.state())
+                    dense.append(float(cfg.clients_per_round * (cfg.n_experts * one + router)))
+                if m in ("fedprism", "fedbis") and seed == seeds[0] and out is not None:
+                    # Phase III (trainer.experts.phase3) compares FedPrism's routed experts with FedBis's selector
+                    trainer.save(out / f"{m}_seed0")
+                    from trainer.report import write_text
+
+                    write_text(out / f"{m}_seed0" / "splits.json", json.dumps(prep.splits))
+            for k, v in res.items():
+                acc[m].setdefault(k, []).append(float(v))
+    result = {
+        "eval_split": eval_split,
+        "methods": {m: {**_summary(acc[m]["overall"]),
+                        "domains": {d: {k: v for k, v in _summary(acc[m][d]).items()} for d in DOMAINS if d in acc[m]}}
+                    for m in methods},
+        "seeds": seeds,
+        "config": {"fedprism": base.to_dict(), "data": preset.__dict__},
+        "data": {"n_train": len(prep.train), "n_val": len(prep.val), "n_test": len(prep.test),
+                 "n_public": len(prep.public_prompts),
+                 "train_domains": prep.train.domain.value_counts().to_dict(),
+                 "test_domains": prep.test.domain.value_counts().to_dict()},
+        "seconds": round(time.time() - start, 1),
+    }
+    if "fedprism" in methods:
+        result["utilisation"] = {"max_share": float(np.mean(util["max_share"])), "max_share_per_seed": util["max_share"],
+                                 "entropy": float(np.mean(util["entropy"])), "share": util["share"]}
+        result["bytes"] = {"downlink_per_round": float(np.mean(bytes_per_round["fedprism"])),
+                           "dense_downlink_per_round": float(np.mean(dense)),
+                           "per_method": {m: float(np.mean(v)) for m, v in bytes_per_round.items() if v}}
+    if out is not None:
+        write_results(out, result, history)
+    return result
+
+
+def markdown(result: dict) -> str:
+    """The results table (accuracy mean +- std over seeds, overall and per domain)."""
+    doms = [d for d in DOMAINS if any(d in r["domains"] for r in result["methods"].values())]
+    lines = [f"Held-out pairwise accuracy ({result['eval_split']} pairs: {result['data']['n_test']} test, "
+             f"{len(result['seeds'])} seeds; mean +- std over seeds)", "",
+             "| method | overall | " + " | ".join(doms) + " |", "|---|---|" + "---|" * len(doms)]
+    for m, r in result["methods"].items():
+        cells = [f"{r['acc_mean']:.3f} +- {r['acc_std']:.3f}"]
+        cells += [f"{r['domains'][d]['acc_mean']:.3f} +- {r['domains'][d]['acc_std']:.3f}" if d in r["domains"] else "-"
+                  for d in doms]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    if "utilisation" in result:
+        u, b = result["utilisation"], result["bytes"]
+        lines += ["", f"FedPrism expert utilisation (final round, test pairs): max share {u['max_share']:.3f} "
+                      f"(per seed {', '.join(f'{x:.2f}' for x in u['max_share_per_seed'])}), normalised entropy "
+                      f"{u['entropy']:.3f}.",
+                  f"Downlink per round: {b['downlink_per_round'] / 1e6:.2f} MB with sparse retrieval vs "
+                  f"{b['dense_downlink_per_round'] / 1e6:.2f} MB if every client downloaded all experts."]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: Path, result: dict, history: dict) -> None:
+    """results.json, results.md, history.json and the two PNGs (atomic writes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trainer.report import save_figure, write_json, write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", result)
+    write_text(out / "results.md", markdown(result))
+    write_json(out / "history.json", {m: {str(s): h for s, h in hs.items()} for m, hs in history.items()})
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for m, hs in history.items():
+        if not hs:
+            continue
+        rounds = [h["round"] for h in next(iter(hs.values())) if "accuracy" in h]
+        vals = np.array([[h["accuracy"]["overall"] for h in run if "accuracy" in h] for run in hs.values()])
+        ax.errorbar(rounds, vals.mean(0), yerr=vals.std(0), label=m, marker="o", capsize=3)
+    if "length_only" in result["methods"]:
+        ax.axhline(result["methods"]["length_only"]["acc_mean"], color="k", ls="--", label="length_only")
+    ax.set_xlabel("round")
+    ax.set_ylabel(f"{result['eval_split']} pairwise accuracy")
+    ax.set_title("Held-out accuracy per round (mean +- std over seeds)")
+    ax.legend(fontsize=8)
+    save_figure(fig, out / "accuracy_per_round.png")
+    if history.get("fedprism"):
+        runs = list(history["fedprism"].values())
+        fig, axes = plt.subplots(1, len(runs), figsize=(4 * len(runs), 3.4), squeeze=False)
+        for ax, (seed, run) in zip(axes[0], history["fedprism"].items()):
+            share = np.array([h["utilisation"] for h in run])
+            ax.stackplot([h["round"] for h in run], share.T, labels=[f"expert {k}" for k in range(share.shape[1])])
+            ax.set_title(f"FedPrism seed {seed}")
+            ax.set_xlabel("round")
+            ax.set_ylim(0, 1)
+        axes[0][0].set_ylabel("share of test pairs routed")
+        axes[0][-1].legend(fontsize=7, loc="upper right")
+        save_figure(fig, out / "utilisation_per_round.png")

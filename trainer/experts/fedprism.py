@@ -1,0 +1,388 @@
+"""FedPrism: federated preference experts with instance-wise routing (paper 000; ARCHITECTURE.md §7).
+
+:class:`FedPrismConfig` (data, validated, savable without a model) + :class:`FedPrismTrainer`
+(behaviour). One round ``t = 1..rounds`` (paper 000, Algorithm 1):
+
+1. A seeded ``clients_per_round`` of the clients take part; each draws up to ``local_pairs`` of its
+   pairs for the round (one local pass).
+2. **Route**: each sample goes to ``argmax`` of the router on its frozen prompt embedding.
+3. **Sparse retrieval**: the client downloads the router and only the experts its samples were routed
+   to (:meth:`FedPrismTrainer.retrieve`, which records the indices and counts the bytes: float32
+   tensors, 4 bytes per value).
+4. **Local training**: each retrieved expert is trained (AdamW, ``expert_lr``, batches of
+   ``batch_size``, BCE on pairs and their position-swapped copies) on the samples routed to it.
+5. **PGPD** at rounds ``t > warmup_rounds`` with ``(t - warmup_rounds) % router_every == 0`` (the
+   router is frozen otherwise): the CE of every retrieved (locally updated) expert on every round
+   sample, argmin -> pseudo-label, ``router_epochs`` of KL-to-one-hot into a local router copy.
+6. **Aggregation**: each expert is averaged over the clients that updated it, weighted by the samples
+   it used (:func:`trainer.experts.aggregation.aggregate_components`); routers updated by PGPD are
+   FedAvg-ed weighted by their sample counts.
+
+Routing kinds (``FedPrismConfig.routing``) give the baselines and ablations on the same clients:
+``'router'`` (FedPrism; with ``pgpd=False`` the *frozen router* ablation, with ``warmup_rounds=0``
+*no warm-up*), ``'random'`` (each sample to a uniformly random expert, redrawn each round; test pairs
+too), ``'single'`` (FedBis: one expert, FedAvg), ``'client_cluster'`` (FedBiscuit-style: clients
+clustered into ``n_experts`` groups by K-means on their mean prompt embedding, one selector per
+group trained by its clients; a test pair is scored by the mean probability of the group selectors).
+See :func:`method_config`.
+
+Presets: the CPU default (``trainer.experts.experiment.PRESETS['cpu']``) is scaled down (3 experts,
+8 rounds, warm-up 3, PGPD every 2 rounds, 4 clients x 40 pairs per round, MiniLM with LoRA in the
+top layer on cached lower layers); :meth:`FedPrismConfig.gpu_preset` is the
+paper's 5 experts, 400 rounds, warm-up 150, router update every 20 rounds at lr 1e-3, experts at
+lr 1e-5 on a Qwen2-0.5B-class backbone with LoRA on every layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sdk.errors import InvalidInputError
+from trainer.experts.aggregation import aggregate_components
+from trainer.experts.prompt_router import PromptRouter, fit_router, kmeans_init, pgpd_pseudo_labels
+from trainer.experts.selector import PairSelector, SegmentStore, SelectorConfig
+from trainer.routers.fedavg import fedavg
+from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
+
+ROUTINGS = ("router", "random", "single", "client_cluster")
+METHODS = ("fedprism", "fedbis", "fedbiscuit", "random_routing", "frozen_router", "no_warmup")
+
+
+@dataclass
+class FedPrismConfig:
+    """Settings of one FedPrism (or baseline) run.
+
+    n_experts : M, number of experts (paper 5).
+    rounds : communication rounds (paper 400).
+    warmup_rounds : T_warm, rounds before the first router update (paper 150).
+    router_every : F_freq, rounds between router updates after warm-up (paper 20).
+    clients_per_round : clients sampled per round.
+    local_pairs : pairs per participating client per round (one pass).
+    batch_size : pairs per optimiser step.
+    expert_lr : AdamW learning rate of LoRA + head (paper 1e-5 on a 0.5B LM).
+    router_lr : AdamW learning rate of PGPD (paper 1e-3).
+    router_epochs : local epochs of PGPD distillation.
+    router_hidden : router width (paper 128).
+    init_lr, init_epochs : router fit to the K-means pseudo-labels of public prompts.
+    routing : one of :data:`ROUTINGS`; pgpd : bool, update the router by PGPD.
+    eval_every : rounds between test evaluations (the last round is always evaluated).
+    seed : int, client sampling, expert initialisation, routing draws.
+    selector : SelectorConfig of the experts.
+    """
+
+    n_experts: int = 3
+    rounds: int = 10
+    warmup_rounds: int = 4
+    router_every: int = 2
+    clients_per_round: int = 5
+    local_pairs: int = 48
+    batch_size: int = 16
+    expert_lr: float = 1e-3  # chosen on validation pairs by trainer.experts.tune (1e-3 vs 3e-3)
+    router_lr: float = 1e-3
+    router_epochs: int = 5
+    router_hidden: int = 128
+    init_lr: float = 1e-2
+    init_epochs: int = 30
+    routing: str = "router"
+    pgpd: bool = True
+    eval_every: int = 2
+    seed: int = 0
+    selector: SelectorConfig = field(default_factory=SelectorConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.selector, dict):
+            from trainer.experts.selector import PairEncodingConfig
+
+            sel = dict(self.selector)
+            sel["encoding"] = PairEncodingConfig(**sel["encoding"])
+            self.selector = SelectorConfig(**sel)
+        if self.routing not in ROUTINGS:
+            raise InvalidInputError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        for name in ("n_experts", "rounds", "router_every", "clients_per_round", "local_pairs", "batch_size",
+                     "router_epochs", "router_hidden", "eval_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InvalidInputError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.warmup_rounds, int) or not 0 <= self.warmup_rounds <= self.rounds:
+            raise InvalidInputError(f"warmup_rounds={self.warmup_rounds!r} must be in [0, rounds={self.rounds}]")
+        if self.routing == "single" and self.n_experts != 1:
+            raise InvalidInputError(f"routing='single' (FedBis) needs n_experts=1, got {self.n_experts}")
+        if self.pgpd and self.routing != "router":
+            raise InvalidInputError(f"pgpd=True needs routing='router', got routing={self.routing!r}")
+        for name in ("expert_lr", "router_lr", "init_lr"):
+            v = getattr(self, name)
+            if not (np.isfinite(v) and v > 0):
+                raise InvalidInputError(f"{name} must be finite and > 0, got {v!r}")
+
+    @classmethod
+    def gpu_preset(cls, backbone: str = "Qwen/Qwen2-0.5B") -> FedPrismConfig:
+        """The paper's settings (M = 5, 400 rounds, warm-up 150, F_freq 20, lr 1e-3 / 1e-5)."""
+        return cls(n_experts=5, rounds=400, warmup_rounds=150, router_every=20, expert_lr=1e-5, router_lr=1e-3,
+                   local_pairs=64, batch_size=8, eval_every=20, selector=SelectorConfig.gpu_preset(backbone))
+
+    def pgpd_round(self, t: int) -> bool:
+        """True when round ``t`` (1-based) updates the router by PGPD."""
+        return self.pgpd and t > self.warmup_rounds and (t - self.warmup_rounds) % self.router_every == 0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["selector"] = self.selector.to_dict()
+        return d
+
+
+def method_config(method: str, base: FedPrismConfig) -> FedPrismConfig:
+    """The config of a named method of the results table on top of ``base`` (FedPrism's settings).
+
+    Raises
+    ------
+    InvalidInputError
+        Unknown method (the message lists :data:`METHODS`).
+    """
+    if method == "fedprism":
+        return replace(base, routing="router", pgpd=True)
+    if method == "fedbis":
+        return replace(base, routing="single", pgpd=False, n_experts=1)
+    if method == "fedbiscuit":
+        return replace(base, routing="client_cluster", pgpd=False)
+    if method == "random_routing":
+        return replace(base, routing="random", pgpd=False)
+    if method == "frozen_router":
+        return replace(base, routing="router", pgpd=False)
+    if method == "no_warmup":
+        return replace(base, routing="router", pgpd=True, warmup_rounds=0)
+    raise InvalidInputError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+
+
+def state_bytes(state: dict[str, np.ndarray]) -> int:
+    """Bytes of a parameter dict sent as float32 (4 bytes per value)."""
+    return int(sum(np.asarray(v).size for v in state.values()) * 4)
+
+
+@dataclass
+class FederatedPairs:
+    """The pairs a run sees, all in one :class:`SegmentStore`.
+
+    store : SegmentStore of every pair (train, public-free).
+    prompt_emb : ndarray of shape (n_pairs, d_emb), float32, frozen embedding of each pair's prompt.
+    domain : ndarray of shape (n_pairs,), str.
+    clients : list of ndarrays of pair indices (train pairs of each client).
+    public_emb : ndarray of shape (n_public, d_emb), float32, prompts held by no client (router init).
+    eval_pairs : ndarray of pair indices scored each evaluation (test or validation).
+    """
+
+    store: SegmentStore
+    prompt_emb: np.ndarray
+    domain: np.ndarray
+    clients: list[np.ndarray]
+    public_emb: np.ndarray
+    eval_pairs: np.ndarray
+
+
+class FedPrismTrainer:
+    """Runs FedPrism (or one of its baselines) on simulated clients (module docstring).
+
+    Parameters
+    ----------
+    model : PairSelector, the shared frozen backbone (its current expert state is overwritten).
+    data : FederatedPairs
+    args : FedPrismConfig or None (defaults).
+
+    Attributes (after :meth:`train`)
+    ----------
+    experts_ : list of n_experts expert states; router_ : PromptRouter; history_ : list of dicts per
+    round (``round``, ``retrieved`` per client, ``downlink_bytes``, ``router_updated``,
+    ``utilisation`` (share per expert of the eval pairs), and at evaluated rounds ``accuracy``).
+    """
+
+    def __init__(self, model: PairSelector, data: FederatedPairs, args: FedPrismConfig | None = None,
+                 progress: bool = False) -> None:
+        self.model = model
+        self.data = data
+        self.args = args or FedPrismConfig()
+        self.progress = progress
+        if not data.clients or any(len(c) == 0 for c in data.clients):
+            raise InvalidInputError("every client needs at least one train pair")
+        self.rng = np.random.default_rng(self.args.seed)
+        self.retrievals_: list[tuple[int, list[int]]] = []
+
+    # ------------------------------------------------------------------ pieces
+
+    def _init_experts(self) -> list[dict[str, np.ndarray]]:
+        states = []
+        for k in range(self.args.n_experts):
+            torch.manual_seed(self.args.seed * 1000 + k)
+            for m in self.model.modules():
+                if hasattr(m, "reset_lora_parameters"):
+                    m.reset_lora_parameters("default", True)
+            for m in list(self.model.head) + [self.model.length_skip]:
+                if isinstance(m, torch.nn.Linear):
+                    m.reset_parameters()
+            torch.nn.init.zeros_(self.model.length_skip.weight)
+            states.append(self.model.expert_state())
+        return states
+
+    def retrieve(self, client: int, needed: np.ndarray) -> list[dict[str, np.ndarray]]:
+        """Sparse retrieval: the client downloads exactly the experts in ``needed`` (recorded with the bytes)."""
+        needed = sorted(int(k) for k in np.unique(needed))
+        self.retrievals_.append((client, needed))
+        return [self.experts_[k] for k in needed]
+
+    def _route(self, pairs: np.ndarray, client_group: int | None = None) -> np.ndarray:
+        a = self.args
+        if a.routing == "single":
+            return np.zeros(len(pairs), dtype=np.int64)
+        if a.routing == "random":
+            return self.rng.integers(0, a.n_experts, size=len(pairs))
+        if a.routing == "client_cluster":
+            return np.full(len(pairs), client_group, dtype=np.int64)
+        return self.router_.route(self.data.prompt_emb[pairs])
+
+    def _train_expert(self, state: dict[str, np.ndarray], pairs: np.ndarray) -> dict[str, np.ndarray]:
+        a = self.args
+        self.model.load_expert_state(state)
+        self.model.train()
+        opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=a.expert_lr)
+        order = self.rng.permutation(pairs)
+        for s in range(0, len(order), a.batch_size):
+            ha, hb, f, y = self.data.store.batch(self.model, order[s:s + a.batch_size])
+            loss = self.model.pair_loss(ha, hb, f, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        self.model.train(False)
+        return self.model.expert_state()
+
+    @torch.no_grad()
+    def _per_sample(self, state: dict[str, np.ndarray], pairs: np.ndarray, what: str) -> np.ndarray:
+        self.model.load_expert_state(state)
+        self.model.train(False)
+        out = []
+        for s in range(0, len(pairs), 128):
+            ha, hb, f, y = self.data.store.batch(self.model, pairs[s:s + 128])
+            v = self.model.pair_loss(ha, hb, f, y, reduction="none") if what == "ce" else self.model.pair_proba(ha, hb, f)
+            out.append(v.numpy())
+        return np.concatenate(out) if out else np.zeros(0)
+
+    def predict_proba(self, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """P(A better) of pairs under the current experts and routing; also the expert of each pair
+        (None for the FedBiscuit-style ensemble)."""
+        a = self.args
+        if a.routing == "client_cluster":
+            return np.mean([self._per_sample(s, pairs, "proba") for s in self.experts_], axis=0), None
+        assign = self._route(pairs) if a.routing != "single" else np.zeros(len(pairs), dtype=np.int64)
+        proba = np.zeros(len(pairs))
+        for k in np.unique(assign):
+            sel = assign == k
+            proba[sel] = self._per_sample(self.experts_[k], pairs[sel], "proba")
+        return proba, assign
+
+    def evaluate(self, pairs: np.ndarray | None = None) -> dict:
+        """Pairwise accuracy overall and per domain on ``pairs`` (default: the eval pairs)."""
+        pairs = self.data.eval_pairs if pairs is None else pairs
+        proba, assign = self.predict_proba(pairs)
+        label = self.data.store.label[pairs].numpy().astype(np.int64)
+        dom = self.data.domain[pairs]
+        acc = {"overall": pairwise_accuracy(proba, label)}
+        for d in sorted(set(dom)):
+            acc[d] = pairwise_accuracy(proba[dom == d], label[dom == d])
+        return {"accuracy": acc, "assignment": assign, "proba": proba}
+
+    def _client_groups(self) -> np.ndarray:
+        from sklearn.cluster import KMeans
+
+        means = np.stack([self.data.prompt_emb[c].mean(0) for c in self.data.clients])
+        k = min(self.args.n_experts, len(means))
+        return KMeans(k, n_init=10, random_state=self.args.seed).fit_predict(means).astype(np.int64)
+
+    # ------------------------------------------------------------------ the loop
+
+    def setup(self) -> FedPrismTrainer:
+        """Initial experts (one seed each), the router (K-means initialised for ``routing='router'``),
+        and the client groups of ``'client_cluster'``; empties ``history_``."""
+        a, d = self.args, self.data
+        self.experts_ = self._init_experts()
+        self.router_ = PromptRouter(d.prompt_emb.shape[1], a.n_experts, a.router_hidden, seed=a.seed)
+        if a.routing == "router":
+            kmeans_init(self.router_, d.public_emb, lr=a.init_lr, epochs=a.init_epochs, seed=a.seed)
+        self._groups = self._client_groups() if a.routing == "client_cluster" else None
+        self._router_bytes = state_bytes(self.router_.state()) if a.routing == "router" else 0
+        self.history_ = []
+        return self
+
+    def run_round(self, t: int) -> dict:
+        """Round ``t`` (1-based) of the module docstring; appends and returns its history entry."""
+        a, d = self.args, self.data
+        n_clients = len(d.clients)
+        chosen = np.sort(self.rng.choice(n_clients, size=min(a.clients_per_round, n_clients), replace=False))
+        updates, router_updates, downlink, retrieved = [], [], 0, {}
+        do_pgpd = a.pgpd_round(t)
+        for c in chosen:
+            own = d.clients[c]
+            pairs = self.rng.choice(own, size=min(a.local_pairs, len(own)), replace=False)
+            assign = self._route(pairs, None if self._groups is None else int(self._groups[c]))
+            experts = self.retrieve(int(c), assign)
+            needed = sorted(int(k) for k in np.unique(assign))
+            retrieved[int(c)] = needed
+            downlink += self._router_bytes + sum(state_bytes(e) for e in experts)
+            local = {}
+            for k, state in zip(needed, experts):
+                sub = pairs[assign == k]
+                local[k] = (self._train_expert(state, sub), float(len(sub)))
+            updates.append(local)
+            if do_pgpd:
+                ce = np.stack([self._per_sample(local[k][0], pairs, "ce") for k in needed], axis=1)
+                target = pgpd_pseudo_labels(ce, np.array(needed))
+                router = PromptRouter(d.prompt_emb.shape[1], a.n_experts, a.router_hidden)
+                router.load_state(self.router_.state())
+                fit_router(router, d.prompt_emb[pairs], target, lr=a.router_lr, epochs=a.router_epochs,
+                           seed=int(self.rng.integers(1 << 31)))
+                router_updates.append((router.state(), float(len(pairs))))
+        self.experts_ = aggregate_components(self.experts_, updates)
+        if router_updates:
+            self.router_.load_state({k: v.astype(np.float32) for k, v in fedavg(router_updates).items()})
+        entry = {"round": t, "clients": chosen.tolist(), "retrieved": retrieved, "downlink_bytes": downlink,
+                 "router_updated": bool(router_updates)}
+        if a.routing == "router":
+            share, _, _ = expert_utilisation(self._route(d.eval_pairs), a.n_experts)
+            entry["utilisation"] = share.tolist()
+        if t % a.eval_every == 0 or t == a.rounds:
+            ev = self.evaluate()
+            entry["accuracy"] = ev["accuracy"]
+            if ev["assignment"] is not None:
+                entry["utilisation"] = expert_utilisation(ev["assignment"], a.n_experts)[0].tolist()
+        self.history_.append(entry)
+        return entry
+
+    def train(self) -> FedPrismTrainer:
+        """:meth:`setup`, then ``rounds`` rounds; fills ``experts_``, ``router_``, ``history_``."""
+        self.setup()
+        rounds = range(1, self.args.rounds + 1)
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            a = self.args
+            rounds = tqdm(rounds, desc=f"{a.routing}{'+pgpd' if a.pgpd else ''} seed {a.seed}", unit="round")
+        for t in rounds:
+            self.run_round(t)
+        return self
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, out: Path) -> None:
+        """Write the trained experts and router (layout in :mod:`trainer.experts.experiment`)."""
+        from safetensors.numpy import save_file
+
+        from trainer.experts.selector import save_selector_config
+        from trainer.report import write_text
+
+        out.mkdir(parents=True, exist_ok=True)
+        for k, state in enumerate(self.experts_):
+            self.model.save_expert(state, out / f"expert_{k}")
+        save_file(self.router_.state(), str(out / "router.safetensors"))
+        save_selector_config(self.args.selector, out / "selector_config.json")
+        write_text(out / "fedprism_config.json", json.dumps(self.args.to_dict(), indent=2))

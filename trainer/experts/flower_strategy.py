@@ -1,0 +1,188 @@
+"""FedPrism's per-component aggregation as a Flower strategy (message API, ``flwr >= 1.21``).
+
+The maths is :func:`trainer.experts.aggregation.aggregate_components` (each expert averaged over the
+nodes that updated it, weighted by the samples it used) and :func:`trainer.routers.fedavg.fedavg`
+for the router; this module only carries it over Flower, as :mod:`trainer.federated.flower_app`
+does for the K-means router.
+
+Wire format
+-----------
+- Server -> node (``"train"``): ``arrays["arrays"]`` holds the router (``router/<name>``) and only the
+  experts the node asked for (``expert-<k>/<name>``): **sparse retrieval**. In round 1, or for a node
+  not heard from yet, every expert is sent. ``config["config"]``: ``round-id`` (int), ``experts``
+  (list of int, the experts sent), ``pgpd`` (bool, whether the node should distil the router).
+- Node -> server: ``arrays["arrays"]`` with the updated experts (``expert-<k>/<name>``) and, when it
+  ran PGPD, the router (``router/<name>``); ``metrics["metrics"]``: ``n-expert-<k>`` (samples used
+  for expert k), ``n-router`` (samples behind the router update, 0 if none); ``config["config"]``:
+  ``needs`` (list of int, the experts its samples route to, for the next round).
+
+The node's work is a callable ``local_step(experts, router, pgpd, partition_id) -> (updates, router or
+None, n_router, needs)`` with ``experts``/``updates`` as ``{k: params}`` / ``{k: (params, n)}``;
+``trainer.experts.fedprism`` holds the in-process equivalent of that step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from logging import INFO
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common import log
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy.strategy_utils import sample_nodes
+
+from sdk.errors import InvalidInputError, ShapeError
+from trainer.experts.aggregation import aggregate_components
+from trainer.routers.fedavg import fedavg
+
+ARRAYS_KEY = "arrays"
+CONFIG_KEY = "config"
+METRICS_KEY = "metrics"
+
+Params = dict[str, np.ndarray]
+LocalStep = Callable[[dict[int, Params], Params, bool, int], tuple[dict[int, tuple[Params, float]], "Params | None", float, list[int]]]
+
+
+def pack(experts: dict[int, Params], router: Params | None) -> ArrayRecord:
+    """Experts and router as one ArrayRecord (``expert-<k>/<name>``, ``router/<name>``)."""
+    out = {f"expert-{k}/{n}": Array(np.asarray(v, dtype=np.float32)) for k, p in experts.items() for n, v in p.items()}
+    if router is not None:
+        out.update({f"router/{n}": Array(np.asarray(v, dtype=np.float32)) for n, v in router.items()})
+    return ArrayRecord(out)
+
+
+def unpack(record: ArrayRecord) -> tuple[dict[int, Params], Params | None]:
+    """Inverse of :func:`pack`.
+
+    Raises
+    ------
+    ShapeError
+        A key is neither ``expert-<k>/<name>`` nor ``router/<name>``.
+    """
+    experts: dict[int, Params] = {}
+    router: Params = {}
+    for key in record:
+        head, _, name = key.partition("/")
+        value = record[key].numpy()
+        if head == "router" and name:
+            router[name] = value
+        elif head.startswith("expert-") and head[7:].isdigit() and name:
+            experts.setdefault(int(head[7:]), {})[name] = value
+        else:
+            raise ShapeError(f"unexpected array key {key!r}; expected 'expert-<k>/<name>' or 'router/<name>'")
+    return experts, (router or None)
+
+
+class FedPrismStrategy(Strategy):
+    """Per-component aggregation with sparse retrieval over Flower (module docstring).
+
+    Parameters
+    ----------
+    experts : sequence of n_experts parameter dicts, the initial experts.
+    router : parameter dict, the initial router.
+    pgpd_rounds : set of round numbers in which nodes distil the router (PGPD).
+    min_nodes : int >= 1, nodes sampled each round (all connected nodes when fewer).
+    rng : numpy Generator for node sampling.
+
+    Attributes
+    ----------
+    experts_ : list of parameter dicts; router_ : parameter dict; needs_ : dict node -> list of int;
+    sent_ : list of (round, node, experts sent) -- the sparse retrieval log.
+    """
+
+    def __init__(self, experts: Sequence[Params], router: Params, pgpd_rounds: Iterable[int] = (),
+                 min_nodes: int = 1, rng: np.random.Generator | None = None) -> None:
+        if not experts:
+            raise InvalidInputError("FedPrismStrategy needs at least one expert")
+        self.experts_ = [dict(e) for e in experts]
+        self.router_ = dict(router)
+        self.pgpd_rounds = frozenset(int(t) for t in pgpd_rounds)
+        self.min_nodes = min_nodes
+        self._rng = rng or np.random.default_rng()
+        self.needs_: dict[int, list[int]] = {}
+        self.sent_: list[tuple[int, int, list[int]]] = []
+
+    def summary(self) -> None:
+        log(INFO, "\t└──> FedPrism: %d experts, PGPD rounds %s", len(self.experts_), sorted(self.pgpd_rounds))
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        """One message per sampled node with the router and the experts it needs."""
+        _, connected = sample_nodes(grid, self.min_nodes, 0)
+        connected = sorted(connected)
+        size = min(len(connected), self.min_nodes)
+        nodes = [connected[i] for i in sorted(self._rng.choice(len(connected), size=size, replace=False))]
+        messages = []
+        for node in nodes:
+            want = self.needs_.get(node, list(range(len(self.experts_))))
+            self.sent_.append((server_round, node, list(want)))
+            cfg = ConfigRecord({"round-id": int(server_round), "experts": [int(k) for k in want],
+                                "pgpd": server_round in self.pgpd_rounds})
+            content = RecordDict({ARRAYS_KEY: pack({k: self.experts_[k] for k in want}, self.router_), CONFIG_KEY: cfg})
+            messages.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN))
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Per-component aggregation of the experts, FedAvg of the PGPD routers; records each node's needs."""
+        updates, routers = [], []
+        for msg in replies:
+            if msg.has_error():
+                continue
+            experts, router = unpack(msg.content[ARRAYS_KEY])
+            metrics = msg.content[METRICS_KEY]
+            updates.append({k: (p, float(metrics[f"n-expert-{k}"])) for k, p in experts.items()})
+            if router is not None and float(metrics["n-router"]) > 0:
+                routers.append((router, float(metrics["n-router"])))
+            self.needs_[msg.metadata.src_node_id] = [int(k) for k in msg.content[CONFIG_KEY]["needs"]]
+        if not updates:
+            return None, None
+        self.experts_ = aggregate_components(self.experts_, updates)
+        if routers:
+            self.router_ = {k: v.astype(np.float32) for k, v in fedavg(routers).items()}
+        return pack(dict(enumerate(self.experts_)), self.router_), MetricRecord({"nodes": len(updates)})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        """No federated evaluation (FedPrism is scored offline on held-out pairs)."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+
+def make_server_app(strategy: FedPrismStrategy, num_rounds: int, timeout: float = 600.0) -> ServerApp:
+    """A ``ServerApp`` running ``strategy`` for ``num_rounds`` rounds; results are read from ``strategy``."""
+    if not isinstance(num_rounds, int) or num_rounds < 1:
+        raise InvalidInputError(f"num_rounds must be an int >= 1, got {num_rounds!r}")
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy.start(grid=grid, initial_arrays=pack(dict(enumerate(strategy.experts_)), strategy.router_),
+                       num_rounds=num_rounds, timeout=timeout)
+
+    return app
+
+
+def make_client_app(local_step: LocalStep) -> ClientApp:
+    """A ``ClientApp`` that runs ``local_step`` on the experts and router it receives (module docstring)."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        experts, router = unpack(msg.content[ARRAYS_KEY])
+        cfg = msg.content[CONFIG_KEY]
+        pid = int(context.node_config["partition-id"])
+        updates, new_router, n_router, needs = local_step(experts, router or {}, bool(cfg["pgpd"]), pid)
+        unknown = sorted(set(updates) - set(experts))
+        if unknown:
+            raise InvalidInputError(f"local_step updated experts {unknown} it was not sent")
+        metrics = {f"n-expert-{k}": float(n) for k, (_, n) in updates.items()}
+        metrics["n-router"] = float(n_router if new_router is not None else 0.0)
+        content = RecordDict({ARRAYS_KEY: pack({k: p for k, (p, _) in updates.items()}, new_router),
+                              METRICS_KEY: MetricRecord(metrics),
+                              CONFIG_KEY: ConfigRecord({"needs": [int(k) for k in needs]})})
+        return Message(content, reply_to=msg)
+
+    return app

@@ -1,0 +1,438 @@
+"""Binary preference selector: frozen backbone + LoRA adapter + a head that also sees length features.
+
+One FedPrism expert (paper 000, Sec. 3.2: "M binary selectors sharing a frozen backbone, each a LoRA
+adapter"; ARCHITECTURE.md §7) scores ``(x, y_A, y_B)`` and returns the logit of P(y_A better).
+
+Architecture
+------------
+- Inputs: the two segments and the length features of :mod:`sdk.pair_encoding` (the device builds
+  the same ones).
+- Backbone (frozen, always in eval mode, so its own dropout is off): the transformer of
+  ``SelectorConfig.backbone`` (path or hub id). LoRA (peft; r = 8, alpha = 16, dropout 0.05 by
+  default) on ``target_modules`` of the layers ``lora_layers`` (None = all layers).
+- Segment vector ``h`` of shape (d,): mean of the top hidden states over real tokens (``pooling
+  ='mean'``, BERT-style encoders) or the last real token (``'last'``, causal LMs).
+- Head: ``logit = w2 . tanh(W1 [h_A, h_B, f] + b1) + b2 + v . f`` with ``f`` the 3 length features;
+  the direct ``v . f`` path lets the head start from the length-only rule, and the tanh layer lets
+  the sign of the length effect depend on the content (longer wins on AlpacaEval, shorter on HH).
+- Training loss (:meth:`PairSelector.pair_loss`): binary cross-entropy on each pair **and its
+  position-swapped copy** ``(x, y_B, y_A, 1 - label)`` (the swap negates ``f``), averaged.
+- Prediction (:meth:`PairSelector.pair_proba`): ``sigmoid((logit(A, B) - logit(B, A)) / 2)``, so
+  ``P(A over B) = 1 - P(B over A)`` exactly. ``sdk.Selector`` must compute the same.
+
+CPU path: cached lower layers (exact)
+-------------------------------------
+With LoRA only in the top layers ``lora_layers = (5,)`` of the 6-layer MiniLM, the layers below are
+frozen and never change, so their output for a segment is computed once (:meth:`lower_hidden`, no
+gradient) and stored in a :class:`SegmentStore`; training and evaluation then run only the top
+layer(s) (:meth:`top_pooled`). This equals the full forward (test: ``cached == full`` to float
+round-off) and costs about 1/6 of it on MiniLM. The all-layer path (``lora_layers=None``,
+``cache_lower_layers=False``) runs :meth:`full_pooled` on token ids and is the GPU preset
+(:meth:`SelectorConfig.gpu_preset`: a Qwen2-0.5B-class causal LM, LoRA on q/v of every layer,
+last-token pooling, 128 + 256 tokens).
+
+Expert state
+------------
+:meth:`PairSelector.expert_state` returns the trainable tensors (the LoRA A/B matrices and the head)
+as ``{name: ndarray float32}``: this is what FedPrism ships and aggregates per expert;
+:meth:`load_expert_state` puts one back. One module holds one expert at a time; M experts are M
+states over the same frozen backbone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from sdk.errors import InvalidInputError, ShapeError
+from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig, length_features_many
+from trainer.data.errors import DataUnavailableError
+from trainer.embeddings import resolve_model_path
+
+__all__ = ["PairSelector", "SegmentStore", "SelectorConfig", "build_segment_store"]
+
+
+@dataclass
+class SelectorConfig:
+    """Selector architecture (no model is loaded until :class:`PairSelector` is built).
+
+    backbone : local path, ``'all-MiniLM-L6-v2'`` (the packaged copy) or a hub id.
+    lora_r, lora_alpha, lora_dropout : LoRA rank, scaling numerator and dropout (paper: 8, 16, 0.05).
+    lora_layers : tuple of layer indices with LoRA, or None for all layers.
+    target_modules : module names LoRA wraps (BERT ``query``/``value``, Qwen ``q_proj``/``v_proj``).
+    head_hidden : int, width of the head's tanh layer.
+    pooling : ``'mean'`` or ``'last'``.
+    cache_lower_layers : bool, run layers below ``min(lora_layers)`` once and cache them (CPU path).
+    encoding : PairEncodingConfig, the token budget (shared with the SDK).
+    """
+
+    backbone: str = "all-MiniLM-L6-v2"
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    lora_layers: tuple[int, ...] | None = (5,)
+    target_modules: tuple[str, ...] = ("query", "value")
+    head_hidden: int = 64
+    pooling: str = "mean"
+    cache_lower_layers: bool = True
+    encoding: PairEncodingConfig = field(default_factory=PairEncodingConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.encoding, dict):
+            self.encoding = PairEncodingConfig(**self.encoding)
+        if self.lora_layers is not None:
+            self.lora_layers = tuple(int(i) for i in self.lora_layers)
+            if not self.lora_layers or min(self.lora_layers) < 0:
+                raise InvalidInputError(f"lora_layers must be non-empty indices >= 0 or None, got {self.lora_layers}")
+        self.target_modules = tuple(self.target_modules)
+        if self.pooling not in ("mean", "last"):
+            raise InvalidInputError(f"pooling must be 'mean' or 'last', got {self.pooling!r}")
+        if self.cache_lower_layers and self.lora_layers is None:
+            raise InvalidInputError("cache_lower_layers=True needs lora_layers (the layers above the cache); "
+                                    "with lora_layers=None set cache_lower_layers=False")
+        if self.lora_r < 1 or self.lora_alpha <= 0 or not 0.0 <= self.lora_dropout < 1.0:
+            raise InvalidInputError(f"bad LoRA settings r={self.lora_r}, alpha={self.lora_alpha}, "
+                                    f"dropout={self.lora_dropout}")
+
+    @classmethod
+    def gpu_preset(cls, backbone: str = "Qwen/Qwen2-0.5B") -> SelectorConfig:
+        """The paper-scale preset: a causal LM, LoRA on q/v of all layers, last-token pooling."""
+        return cls(backbone=backbone, lora_layers=None, target_modules=("q_proj", "v_proj"), pooling="last",
+                   cache_lower_layers=False, encoding=PairEncodingConfig.causal_lm_preset())
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["lora_layers"] = None if self.lora_layers is None else list(self.lora_layers)
+        d["target_modules"] = list(self.target_modules)
+        return d
+
+
+def _mask_for_layers(base, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The attention mask the backbone's own forward gives its layers (BERT: sdpa 4-D or extended)."""
+    if getattr(base, "attn_implementation", None) == "sdpa" and getattr(base, "position_embedding_type", "absolute") == "absolute":
+        from transformers.modeling_attn_mask_utils import _prepare_4d_attention_mask_for_sdpa
+
+        out = _prepare_4d_attention_mask_for_sdpa(mask, dtype, tgt_len=mask.shape[1])
+        return out
+    return base.get_extended_attention_mask(mask, mask.shape)
+
+
+class PairSelector(nn.Module):
+    """One frozen backbone with one LoRA adapter and the pair head (module docstring).
+
+    Parameters
+    ----------
+    config : SelectorConfig
+    seed : int, initialisation of LoRA and head.
+
+    Raises
+    ------
+    DataUnavailableError
+        The backbone or its ``tokenizer.json`` cannot be loaded.
+    """
+
+    def __init__(self, config: SelectorConfig | None = None, seed: int = 0) -> None:
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+        from tokenizers import Tokenizer
+        from transformers import AutoModel
+
+        self.config = config = config or SelectorConfig()
+        path = resolve_model_path(config.backbone)
+        torch.manual_seed(seed)
+        try:
+            base = AutoModel.from_pretrained(path)
+            tok_file = Path(path) / "tokenizer.json"
+            if tok_file.exists():
+                tokenizer = Tokenizer.from_file(str(tok_file))
+            else:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(path).backend_tokenizer
+        except (OSError, ValueError) as exc:
+            raise DataUnavailableError(f"cannot load the selector backbone {config.backbone!r} ({path!r}): {exc}") from exc
+        self.pair_encoder = PairEncoder(tokenizer, config.encoding)
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.n_layers = base.config.num_hidden_layers
+        if config.lora_layers is not None and max(config.lora_layers) >= self.n_layers:
+            raise InvalidInputError(f"lora_layers {config.lora_layers} out of range for {self.n_layers} layers")
+        lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                          target_modules=list(config.target_modules),
+                          layers_to_transform=None if config.lora_layers is None else list(config.lora_layers))
+        self.backbone = get_peft_model(base, lora)
+        d = base.config.hidden_size
+        self.hidden_size = d
+        self.head = nn.Sequential(nn.Linear(2 * d + N_LENGTH_FEATURES, config.head_hidden), nn.Tanh(),
+                                  nn.Linear(config.head_hidden, 1))
+        self.length_skip = nn.Linear(N_LENGTH_FEATURES, 1, bias=False)
+        nn.init.zeros_(self.length_skip.weight)
+        self.first_lora_layer = 0 if config.lora_layers is None else min(config.lora_layers)
+        self.train(False)
+
+    # ------------------------------------------------------------------ modes and state
+
+    def train(self, mode: bool = True) -> PairSelector:
+        """Head and LoRA dropout follow ``mode``; the frozen backbone stays in eval mode (no dropout)."""
+        super().train(mode)
+        self.backbone.eval()
+        if mode:
+            for name, module in self.backbone.named_modules():
+                if "lora_dropout" in name:
+                    module.train()
+        return self
+
+    @property
+    def _base(self):
+        return self.backbone.get_base_model()
+
+    def _layers(self):
+        base = self._base
+        if hasattr(base, "encoder"):
+            return base.encoder.layer
+        return base.layers
+
+    def trainable_names(self) -> list[str]:
+        """Names of the expert's tensors (LoRA A/B and head), in a fixed order."""
+        return [n for n, p in self.named_parameters() if p.requires_grad]
+
+    def expert_state(self) -> dict[str, np.ndarray]:
+        """The expert's trainable tensors: {name: ndarray float32}, copies."""
+        return {n: p.detach().cpu().numpy().astype(np.float32).copy()
+                for n, p in self.named_parameters() if p.requires_grad}
+
+    def load_expert_state(self, state: dict[str, np.ndarray]) -> None:
+        """Put an expert's tensors into the module.
+
+        Raises
+        ------
+        ShapeError
+            Names differ from :meth:`trainable_names` or a shape differs.
+        """
+        params = {n: p for n, p in self.named_parameters() if p.requires_grad}
+        if set(state) != set(params):
+            raise ShapeError(f"expert state names differ: {sorted(set(state) ^ set(params))[:4]}")
+        with torch.no_grad():
+            for n, p in params.items():
+                v = np.asarray(state[n])
+                if v.shape != tuple(p.shape):
+                    raise ShapeError(f"expert state {n!r} has shape {v.shape}, expected {tuple(p.shape)}")
+                p.copy_(torch.from_numpy(v.astype(np.float32)))
+
+    # ------------------------------------------------------------------ forward pieces
+
+    def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.to(hidden.dtype)
+        if self.config.pooling == "mean":
+            return (hidden * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0)
+        last = mask.sum(1).long() - 1
+        return hidden[torch.arange(hidden.shape[0]), last]
+
+    @torch.no_grad()
+    def lower_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states entering layer ``first_lora_layer`` (the frozen part), shape (n, seq_len, d), float32.
+
+        Only for encoders with ``embeddings`` + ``encoder.layer`` (BERT family); no gradient.
+        """
+        base = self._base
+        emb = base.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
+        ext = _mask_for_layers(base, attention_mask, emb.dtype)
+        h = emb
+        for layer in self._layers()[: self.first_lora_layer]:
+            h = layer(h, attention_mask=ext)[0]
+        return h
+
+    def top_pooled(self, lower: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Run layers ``first_lora_layer..`` on cached lower states and pool: shape (n, d)."""
+        ext = _mask_for_layers(self._base, attention_mask, lower.dtype)
+        h = lower
+        for layer in self._layers()[self.first_lora_layer:]:
+            h = layer(h, attention_mask=ext)[0]
+        return self._pool(h, attention_mask)
+
+    def full_pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole backbone (with LoRA) on token ids, pooled: shape (n, d)."""
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None and self.config.encoding.prefix_token is not None:
+            kwargs["token_type_ids"] = token_type_ids
+        out = self.backbone(**kwargs).last_hidden_state
+        return self._pool(out, attention_mask)
+
+    def pair_logits(self, h_a: torch.Tensor, h_b: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Logit of P(A better): h_a, h_b of shape (n, d), feats (n, 3) -> (n,)."""
+        z = torch.cat([h_a, h_b, feats], dim=1)
+        return self.head(z).squeeze(1) + self.length_skip(feats).squeeze(1)
+
+    def pair_loss(self, h_a: torch.Tensor, h_b: torch.Tensor, feats: torch.Tensor, label: torch.Tensor,
+                  reduction: str = "mean") -> torch.Tensor:
+        """BCE on each pair and its position-swapped copy, averaged per pair (module docstring).
+
+        label : (n,) float 1.0 = A better. Returns a scalar, or (n,) with ``reduction='none'``.
+        """
+        lab = label.to(h_a.dtype)
+        bce = nn.functional.binary_cross_entropy_with_logits
+        straight = bce(self.pair_logits(h_a, h_b, feats), lab, reduction="none")
+        swapped = bce(self.pair_logits(h_b, h_a, -feats), 1.0 - lab, reduction="none")
+        per = 0.5 * (straight + swapped)
+        return per.mean() if reduction == "mean" else per
+
+    def pair_proba(self, h_a: torch.Tensor, h_b: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Symmetrised P(A better) = sigmoid((logit(A,B) - logit(B,A)) / 2), shape (n,)."""
+        return torch.sigmoid(0.5 * (self.pair_logits(h_a, h_b, feats) - self.pair_logits(h_b, h_a, -feats)))
+
+    # ------------------------------------------------------------------ saving
+
+    def save_expert(self, state: dict[str, np.ndarray], out: Path) -> None:
+        """Write one expert: ``adapter/`` (peft ``save_pretrained``: adapter_config.json +
+        adapter_model.safetensors) and ``head.safetensors`` (``head.*`` and ``length_skip.weight``)."""
+        from safetensors.numpy import save_file
+
+        self.load_expert_state(state)
+        out.mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(str(out / "adapter"))
+        head = {n: v for n, v in state.items() if n.startswith(("head.", "length_skip."))}
+        save_file(head, str(out / "head.safetensors"))
+
+    def load_expert(self, folder: Path) -> dict[str, np.ndarray]:
+        """Read an expert written by :meth:`save_expert` and load it; returns its state."""
+        from peft import set_peft_model_state_dict
+        from safetensors.numpy import load_file
+        from safetensors.torch import load_file as load_torch
+
+        set_peft_model_state_dict(self.backbone, load_torch(str(folder / "adapter" / "adapter_model.safetensors")))
+        head = load_file(str(folder / "head.safetensors"))
+        state = self.expert_state()
+        state.update(head)
+        self.load_expert_state(state)
+        return self.expert_state()
+
+
+# ---------------------------------------------------------------------- segment store
+
+
+@dataclass
+class SegmentStore:
+    """The segments of a set of pairs, ready for the selector.
+
+    Attributes
+    ----------
+    input_ids, attention_mask, token_type_ids : LongTensor of shape (n_segments, seq_len).
+    lower : FloatTensor of shape (n_segments, seq_len, d) or None, cached frozen lower-layer states.
+    seg_a, seg_b : ndarray of shape (n_pairs,), int64, segment of each pair's response A / B.
+    features : FloatTensor of shape (n_pairs, 3), length features.
+    label : FloatTensor of shape (n_pairs,), 1.0 = A better.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    token_type_ids: torch.Tensor
+    lower: torch.Tensor | None
+    seg_a: np.ndarray
+    seg_b: np.ndarray
+    features: torch.Tensor
+    label: torch.Tensor
+
+    @property
+    def n_pairs(self) -> int:
+        return int(self.seg_a.shape[0])
+
+    def pooled(self, model: PairSelector, segments: np.ndarray) -> torch.Tensor:
+        """Segment vectors (len(segments), d) through the model (top layers on the cache, or all layers)."""
+        idx = torch.from_numpy(np.asarray(segments, dtype=np.int64))
+        mask = self.attention_mask[idx]
+        if self.lower is not None:
+            return model.top_pooled(self.lower[idx], mask)
+        return model.full_pooled(self.input_ids[idx], mask, self.token_type_ids[idx])
+
+    def batch(self, model: PairSelector, pairs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(h_a, h_b, features, label) of the pairs; each distinct segment is run once."""
+        pairs = np.asarray(pairs, dtype=np.int64)
+        segs, inv = np.unique(np.concatenate([self.seg_a[pairs], self.seg_b[pairs]]), return_inverse=True)
+        h = self.pooled(model, segs)
+        n = len(pairs)
+        return h[inv[:n]], h[inv[n:]], self.features[pairs], self.label[pairs]
+
+
+def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a: Sequence[str],
+                        responses_b: Sequence[str], labels: Sequence[int] | None = None,
+                        batch_size: int = 64, show_progress: bool = False,
+                        cache_dir: Path | None = None) -> SegmentStore:
+    """Encode pairs into a :class:`SegmentStore`; with ``cache_lower_layers`` run the frozen layers once.
+
+    With ``cache_dir`` the lower-layer states are also kept on disk (``segments-<sha256>.pt``, keyed by
+    the backbone, the pair encoding, the cached depth and every segment's text; atomic write), so a
+    rerun on the same pairs skips the frozen forward.
+
+    Parameters
+    ----------
+    prompts, responses_a, responses_b : sequences of n_pairs str.
+    labels : n_pairs ints in {0, 1}, or None (zeros; for unlabelled pairs).
+
+    Raises
+    ------
+    InvalidInputError
+        Lengths differ.
+    """
+    n = len(prompts)
+    if not (len(responses_a) == len(responses_b) == n):
+        raise InvalidInputError(f"{n} prompts, {len(responses_a)} responses_a, {len(responses_b)} responses_b")
+    keys: dict[tuple[str, str], int] = {}
+    seg_a = np.array([keys.setdefault((p, r), len(keys)) for p, r in zip(prompts, responses_a)], dtype=np.int64)
+    seg_b = np.array([keys.setdefault((p, r), len(keys)) for p, r in zip(prompts, responses_b)], dtype=np.int64)
+    seg_texts = list(keys)
+    enc = model.pair_encoder.encode_segments([p for p, _ in seg_texts], [r for _, r in seg_texts])
+    ids, mask, types = (torch.from_numpy(enc[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))
+    lower = None
+    disk = None
+    if model.config.cache_lower_layers and cache_dir is not None:
+        import hashlib
+
+        h = hashlib.sha256(json.dumps([model.config.backbone, model.config.encoding.to_dict(),
+                                       model.first_lora_layer]).encode())
+        for p, r in seg_texts:
+            h.update(p.encode() + b"\0" + r.encode() + b"\1")
+        disk = Path(cache_dir) / f"segments-{h.hexdigest()[:32]}.pt"
+        if disk.exists():
+            lower = torch.load(disk)
+    if model.config.cache_lower_layers and lower is None:
+        chunks = []
+        starts = range(0, len(seg_texts), batch_size)
+        if show_progress:
+            from tqdm.auto import tqdm
+
+            starts = tqdm(starts, desc="frozen lower layers", unit="batch")
+        for s in starts:
+            chunks.append(model.lower_hidden(ids[s:s + batch_size], mask[s:s + batch_size], types[s:s + batch_size]))
+        lower = torch.cat(chunks) if chunks else torch.zeros((0, ids.shape[1], model.hidden_size))
+        if disk is not None:
+            import os
+
+            disk.parent.mkdir(parents=True, exist_ok=True)
+            tmp = disk.with_suffix(".tmp")
+            torch.save(lower, tmp)
+            os.replace(tmp, disk)
+    feats = torch.from_numpy(length_features_many(list(responses_a), list(responses_b)))
+    lab = torch.zeros(n) if labels is None else torch.as_tensor(np.asarray(labels, dtype=np.float32))
+    return SegmentStore(ids, mask, types, lower, seg_a, seg_b, feats, lab)
+
+
+def save_selector_config(config: SelectorConfig, path: Path) -> None:
+    """``selector_config.json`` (atomic)."""
+    from trainer.report import write_text
+
+    write_text(path, json.dumps(config.to_dict(), indent=2))
+
+
+def load_selector_config(path: Path) -> SelectorConfig:
+    """Inverse of :func:`save_selector_config`."""
+    d = json.loads(Path(path).read_text())
+    d["encoding"] = PairEncodingConfig(**d["encoding"])
+    return SelectorConfig(**d)
