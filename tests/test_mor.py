@@ -276,3 +276,18 @@ def test_flower_router_fedavg_equals_the_simulated_federated_trainer(monkeypatch
     assert [n for _, n in strategy.last_updates_] == [12.0, 30.0]
     for k, v in want.get_parameters().items():
         np.testing.assert_allclose(result["parameters"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_dp_sgd_reward_model_reports_epsilon_and_more_noise_means_smaller_epsilon(clients, encoder):
+    cook, _ = clients
+    eps = []
+    for noise in (0.8, 2.0):
+        trainer = RewardModelTrainer(RewardModelConfig(arch="mlp", epochs=4, batch_size=8, dp_noise_multiplier=noise,
+                                                       weight_decay=0.0, dropout=0.0), encoder)
+        rm = trainer.train(cook)
+        assert np.isfinite(rm.score(cook.prompts[:3], cook.chosen[:3])).all()
+        assert trainer.delta_ == pytest.approx(1 / cook.n_pairs)
+        eps.append(trainer.epsilon_)
+    assert 0 < eps[1] < eps[0] < math.inf
+    with pytest.raises(InvalidInputError, match="DP-SGD"):
+        RewardModelConfig(arch="lora", dp_noise_multiplier=1.0)
