@@ -78,6 +78,9 @@ def run_audit(trainer: MoRTrainer, defended: RewardModelConfig | None = None, na
             non = PreferencePairs.from_frame(pd.concat([c.val, c.test], ignore_index=True))
             fm, fn = trainer.features(members), trainer.features(non)
             ft = trainer.features(c.pairs("test"))
+            n_take = min(members.n_pairs, non.n_pairs)  # members : non-members = 1 : 1
+            take_m = np.sort(rng.choice(members.n_pairs, n_take, replace=False))
+            take_n = np.sort(rng.choice(non.n_pairs, n_take, replace=False))
             if seed == 0:
                 prompts += list(non.prompts)
                 responses += list(non.chosen)
@@ -87,10 +90,8 @@ def run_audit(trainer: MoRTrainer, defended: RewardModelConfig | None = None, na
                 entry = per[s].setdefault(c.name, {v: [] for v in VARIANTS} | {"test_acc": [], "epsilon": []})
                 entry["epsilon"].append(eps)
                 entry["test_acc"].append(pairwise_accuracy(rm.raw_scores_from_features(ft[0]), rm.raw_scores_from_features(ft[1])))
-                for v in VARIANTS:
-                    mm, mn = _margins(rm, *fm, v, clip), _margins(rm, *fn, v, clip)
-                    n = min(len(mm), len(mn))
-                    mm, mn = rng.choice(mm, n, replace=False), rng.choice(mn, n, replace=False)
+                for v in VARIANTS:  # the same members and non-members for every variant
+                    mm, mn = _margins(rm, *fm, v, clip)[take_m], _margins(rm, *fn, v, clip)[take_n]
                     entry[v].append(membership_attack(mm, mn, rng).as_dict())
                     pool_m[s][v].append(mm)
                     pool_n[s][v].append(mn)
