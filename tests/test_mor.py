@@ -12,7 +12,6 @@ import torch
 
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.rewards.client_router import (
-    ClientRouter,
     ClientRouterData,
     FederatedRouterTrainer,
     RouterConfig,
@@ -27,7 +26,6 @@ from trainer.rewards.pair_features import PairEncoder
 from trainer.rewards.privacy import communication_per_round, membership_attack
 from trainer.rewards.reward_models import (
     LoRARewardModel,
-    MLPRewardModel,
     PreferencePairs,
     RewardModelConfig,
     RewardModelTrainer,

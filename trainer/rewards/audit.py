@@ -27,9 +27,16 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
+from trainer.rewards.client_router import ClientRouter
 from trainer.rewards.mor_trainer import MoRTrainer
 from trainer.rewards.privacy import communication_per_round, membership_attack
-from trainer.rewards.reward_models import PreferencePairs, RewardModelConfig, ScoreNormaliser, pairwise_accuracy
+from trainer.rewards.reward_models import (
+    PreferencePairs,
+    RewardModelConfig,
+    RewardModelTrainer,
+    ScoreNormaliser,
+    pairwise_accuracy,
+)
 
 NAIVE = RewardModelConfig(arch="mlp", epochs=200, weight_decay=0.0, dropout=0.0, early_stopping=False)
 DEFENDED = RewardModelConfig(arch="mlp", epochs=30, lr=3e-3, weight_decay=0.0, dropout=0.0, dp_noise_multiplier=1.0,
@@ -48,8 +55,6 @@ def _margins(rm, feats_c, feats_r, variant: str, clip: float) -> np.ndarray:
 
 def _train(trainer: MoRTrainer, client, config: RewardModelConfig):
     """(reward model, history, epsilon or None) of one client's reward MLP under ``config``."""
-    from trainer.rewards.reward_models import RewardModelTrainer
-
     pairs = client.pairs("train")
     rt = RewardModelTrainer(config, trainer.encoder)
     return rt.train(pairs), rt.history_, getattr(rt, "epsilon_", None)
@@ -99,8 +104,6 @@ def run_audit(trainer: MoRTrainer, defended: RewardModelConfig | None = None, na
             for v in VARIANTS:
                 pooled[s][v].append(membership_attack(np.concatenate(pool_m[s][v]), np.concatenate(pool_n[s][v]), rng).as_dict())
         if n_router is None:
-            from trainer.rewards.client_router import ClientRouter
-
             d_in = fm[0].shape[1]
             r = trainer.args.router
             n_router = ClientRouter(d_in, len(split.clients), r.hidden, r.dropout).n_parameters()
