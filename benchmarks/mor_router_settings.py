@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.rewards.client_router import ClientRouterData, FederatedRouterTrainer, RouterConfig
+from trainer.rewards.client_router import ClientRouterData, FederatedRouterTrainer
 from trainer.rewards.mor_trainer import MoRConfig, MoRTrainer
 
 

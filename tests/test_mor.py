@@ -12,7 +12,6 @@ import torch
 
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.rewards.client_router import (
-    ClientRouter,
     ClientRouterData,
     FederatedRouterTrainer,
     RouterConfig,
@@ -27,7 +26,6 @@ from trainer.rewards.pair_features import PairEncoder
 from trainer.rewards.privacy import communication_per_round, membership_attack
 from trainer.rewards.reward_models import (
     LoRARewardModel,
-    MLPRewardModel,
     PreferencePairs,
     RewardModelConfig,
     RewardModelTrainer,
@@ -143,7 +141,7 @@ def test_router_bce_loss_by_hand():
 def test_a_local_step_raises_the_own_clients_logit_for_both_responses():
     rng = np.random.default_rng(0)
     data = ClientRouterData(rng.normal(size=(40, 6)).astype(np.float32), rng.normal(size=(40, 6)).astype(np.float32), 2)
-    config = RouterConfig(hidden=8, dropout=0.0, local_epochs=30, lr=1e-2)
+    config = RouterConfig(hidden=8, dropout=0.0, local_steps=30, lr=1e-2)
     router = initial_router(6, 3, config)
     before = softmax(router.logits(data.features_chosen))[:, 2].mean()
     local_router_update(router, data, config, np.random.default_rng(0))
@@ -273,6 +271,21 @@ def test_flower_router_fedavg_equals_the_simulated_federated_trainer(monkeypatch
                    make_router_client_app(data, config, 5, 2), num_supernodes=2,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                    "init_args": {"num_cpus": 2, "include_dashboard": False}})
-    assert [n for _, n in strategy.last_updates_] == [12.0, 30.0]
+    assert sorted(n for _, n in strategy.last_updates_) == [12.0, 30.0]
     for k, v in want.get_parameters().items():
         np.testing.assert_allclose(result["parameters"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_dp_sgd_reward_model_reports_epsilon_and_more_noise_means_smaller_epsilon(clients, encoder):
+    cook, _ = clients
+    eps = []
+    for noise in (0.8, 2.0):
+        trainer = RewardModelTrainer(RewardModelConfig(arch="mlp", epochs=4, batch_size=8, dp_noise_multiplier=noise,
+                                                       weight_decay=0.0, dropout=0.0), encoder)
+        rm = trainer.train(cook)
+        assert np.isfinite(rm.score(cook.prompts[:3], cook.chosen[:3])).all()
+        assert trainer.delta_ == pytest.approx(1 / cook.n_pairs)
+        eps.append(trainer.epsilon_)
+    assert 0 < eps[1] < eps[0] < math.inf
+    with pytest.raises(InvalidInputError, match="DP-SGD"):
+        RewardModelConfig(arch="lora", dp_noise_multiplier=1.0)

@@ -8,13 +8,16 @@ normalised margins and normalised + clipped margins. Per client, z-normalisation
 affine map, so it cannot change the AUC; pooled over clients (the server mixes all clients'
 answers) it can, and clipping can (it ties the largest margins).
 
-Defence (default): the reward model is trained with early stopping on a validation split of the
-client's own prompts (patience 4, best epoch restored), AdamW weight decay 1e-2 and dropout 0.1:
-the membership signal is the train/non-train gap of the margin, and early stopping halts training
-where that gap starts to grow faster than validation improves. The naive setting trains for a fixed
-200 epochs without weight decay, dropout or validation, as a client that fits its data to the end.
-The cost is reported as test accuracy of both. DP-SGD (Opacus) is the alternative with a formal
-guarantee; it is not installed here and the empirical target (AUC <= 0.60) is met without it.
+Defence (default, :data:`DEFENDED`): DP-SGD through Opacus (per-pair gradient clipping at 1.0,
+Gaussian noise multiplier 1.0, 30 epochs, Poisson-sampled batches of 64; the RDP accountant's
+epsilon at delta = 1 / n_pairs is reported). Chosen on validation pairs by
+``benchmarks/mor_defence_settings.py``: early stopping on a validation split with weight decay and
+dropout (the MoR default training) cut the naive AUC but left the helpfulness client at ~0.70 and
+stronger weight decay / dropout did not bring it under 0.60, while DP-SGD bounds what any one pair
+can change in the model (a formal guarantee, not only an empirical one) and reached ~0.53 there
+at no loss of validation accuracy. The naive setting trains for a fixed 200 epochs without weight
+decay, dropout or validation, as a client that fits its data to the end. The cost is reported as
+test accuracy of both.
 """
 
 from __future__ import annotations
@@ -24,11 +27,20 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
+from trainer.rewards.client_router import ClientRouter
 from trainer.rewards.mor_trainer import MoRTrainer
 from trainer.rewards.privacy import communication_per_round, membership_attack
-from trainer.rewards.reward_models import PreferencePairs, RewardModelConfig, ScoreNormaliser, pairwise_accuracy
+from trainer.rewards.reward_models import (
+    PreferencePairs,
+    RewardModelConfig,
+    RewardModelTrainer,
+    ScoreNormaliser,
+    pairwise_accuracy,
+)
 
 NAIVE = RewardModelConfig(arch="mlp", epochs=200, weight_decay=0.0, dropout=0.0, early_stopping=False)
+DEFENDED = RewardModelConfig(arch="mlp", epochs=30, lr=3e-3, weight_decay=0.0, dropout=0.0, dp_noise_multiplier=1.0,
+                             dp_max_grad_norm=1.0)
 VARIANTS = ("raw", "normalised", "normalised_clipped")
 
 
@@ -41,6 +53,13 @@ def _margins(rm, feats_c, feats_r, variant: str, clip: float) -> np.ndarray:
     return (norm(rc) - norm(rr)).astype(np.float64)
 
 
+def _train(trainer: MoRTrainer, client, config: RewardModelConfig):
+    """(reward model, history, epsilon or None) of one client's reward MLP under ``config``."""
+    pairs = client.pairs("train")
+    rt = RewardModelTrainer(config, trainer.encoder)
+    return rt.train(pairs), rt.history_, getattr(rt, "epsilon_", None)
+
+
 def run_audit(trainer: MoRTrainer, defended: RewardModelConfig | None = None, naive: RewardModelConfig = NAIVE,
               clip: float = 1.0, queries_per_round: int = 256) -> dict:
     """Attack every client's reward MLP, naive and defended, for the trainer's seeds.
@@ -48,7 +67,7 @@ def run_audit(trainer: MoRTrainer, defended: RewardModelConfig | None = None, na
     Returns {"per_client": {setting: {client: {variant: attack dict (mean over seeds), "test_acc"}}},
     "pooled": {setting: {variant: attack dict}}, "communication": {...}, "settings": {...}}.
     """
-    defended = defended or trainer.args.mlp_rm
+    defended = defended or DEFENDED
     settings = {"naive": replace(naive, arch="mlp"), "defended": replace(defended, arch="mlp")}
     per: dict = {s: {} for s in settings}
     pooled: dict = {s: {v: [] for v in VARIANTS} for s in settings}
@@ -64,18 +83,20 @@ def run_audit(trainer: MoRTrainer, defended: RewardModelConfig | None = None, na
             non = PreferencePairs.from_frame(pd.concat([c.val, c.test], ignore_index=True))
             fm, fn = trainer.features(members), trainer.features(non)
             ft = trainer.features(c.pairs("test"))
+            n_take = min(members.n_pairs, non.n_pairs)  # members : non-members = 1 : 1
+            take_m = np.sort(rng.choice(members.n_pairs, n_take, replace=False))
+            take_n = np.sort(rng.choice(non.n_pairs, n_take, replace=False))
             if seed == 0:
                 prompts += list(non.prompts)
                 responses += list(non.chosen)
             for s, cfg in settings.items():
-                rm, _ = trainer.train_reward_model(c, "mlp", seed, replace(cfg, seed=seed))
+                rm, _, eps = _train(trainer, c, replace(cfg, seed=seed))
                 n_rm = rm.n_parameters()
-                entry = per[s].setdefault(c.name, {v: [] for v in VARIANTS} | {"test_acc": []})
+                entry = per[s].setdefault(c.name, {v: [] for v in VARIANTS} | {"test_acc": [], "epsilon": []})
+                entry["epsilon"].append(eps)
                 entry["test_acc"].append(pairwise_accuracy(rm.raw_scores_from_features(ft[0]), rm.raw_scores_from_features(ft[1])))
-                for v in VARIANTS:
-                    mm, mn = _margins(rm, *fm, v, clip), _margins(rm, *fn, v, clip)
-                    n = min(len(mm), len(mn))
-                    mm, mn = rng.choice(mm, n, replace=False), rng.choice(mn, n, replace=False)
+                for v in VARIANTS:  # the same members and non-members for every variant
+                    mm, mn = _margins(rm, *fm, v, clip)[take_m], _margins(rm, *fn, v, clip)[take_n]
                     entry[v].append(membership_attack(mm, mn, rng).as_dict())
                     pool_m[s][v].append(mm)
                     pool_n[s][v].append(mn)
@@ -83,8 +104,6 @@ def run_audit(trainer: MoRTrainer, defended: RewardModelConfig | None = None, na
             for v in VARIANTS:
                 pooled[s][v].append(membership_attack(np.concatenate(pool_m[s][v]), np.concatenate(pool_n[s][v]), rng).as_dict())
         if n_router is None:
-            from trainer.rewards.client_router import ClientRouter
-
             d_in = fm[0].shape[1]
             r = trainer.args.router
             n_router = ClientRouter(d_in, len(split.clients), r.hidden, r.dropout).n_parameters()
@@ -92,7 +111,8 @@ def run_audit(trainer: MoRTrainer, defended: RewardModelConfig | None = None, na
     def mean_attacks(rows: list[dict]) -> dict:
         return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
-    per_out = {s: {c: {v: mean_attacks(e[v]) for v in VARIANTS} | {"test_acc": float(np.mean(e["test_acc"]))}
+    per_out = {s: {c: {v: mean_attacks(e[v]) for v in VARIANTS} | {"test_acc": float(np.mean(e["test_acc"])),
+                                                                   "epsilon": float(np.mean(e["epsilon"])) if e["epsilon"][0] is not None else None}
                    for c, e in cl.items()} for s, cl in per.items()}
     pooled_out = {s: {v: mean_attacks(rows) for v, rows in d.items()} for s, d in pooled.items()}
     k = len(trainer.args.client_names)

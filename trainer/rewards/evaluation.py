@@ -103,7 +103,7 @@ def set_accuracies(e: EvalSet, rng: np.random.Generator) -> dict:
             out.setdefault("router_sparse" + tag, {})[w] = _acc(np.take_along_axis(s, choice[..., None], -1)[..., 0])
             out.setdefault("router_soft" + tag, {})[w] = _acc((softmax(z.reshape(-1, k)).reshape(z.shape) * s).sum(-1))
     out["own_share"] = {w: float((z.argmax(-1) == e.own).mean()) for w, z in e.logits.items()}
-    out["choice_share"] = {w: np.bincount(z.argmax(-1).ravel(), minlength=k).astype(float).__truediv__(2 * e.n).tolist()
+    out["choice_share"] = {w: (np.bincount(z.argmax(-1).ravel(), minlength=k) / (2 * e.n)).tolist()
                            for w, z in e.logits.items()}
     return out
 

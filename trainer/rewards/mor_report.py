@@ -86,13 +86,14 @@ def write_eval(res: dict, out: Path) -> None:
 def audit_markdown(res: dict) -> str:
     lines = [f"Membership inference on reward margins (members : non-members = 1 : 1, mean over {res['seeds']} seeds; "
              f"clip = {res['clip']}).", "",
-             "| setting | client | scores | AUC | TPR@1% | TPR@5% | TPR@10% | test accuracy |", "|---|---|---|---|---|---|---|---|"]
+             "| setting | client | scores | AUC | TPR@1% | TPR@5% | TPR@10% | test accuracy | DP epsilon |", "|---|---|---|---|---|---|---|---|---|"]
     for s, cl in res["per_client"].items():
         for c, e in cl.items():
             for v in ("raw", "normalised", "normalised_clipped"):
                 a = e[v]
                 lines.append(f"| {s} | {c} | {v} | {a['auc']:.3f} | {a['tpr_at_1pct_fpr']:.3f} | {a['tpr_at_5pct_fpr']:.3f} | "
-                             f"{a['tpr_at_10pct_fpr']:.3f} | {e['test_acc']:.3f} |")
+                             f"{a['tpr_at_10pct_fpr']:.3f} | {e['test_acc']:.3f} | "
+                             f"{'-' if e.get('epsilon') is None else format(e['epsilon'], '.1f')} |")
     lines += ["", "Pooled over clients (the server sees every client's answers):", "",
               "| setting | scores | AUC | TPR@1% | TPR@5% | TPR@10% |", "|---|---|---|---|---|---|"]
     for s, d in res["pooled"].items():

@@ -138,7 +138,7 @@ class MoRConfig:
     @classmethod
     def quick(cls, **overrides) -> MoRConfig:
         """The ``--quick`` preset: smaller pools, every client an MLP (a LoRA encoder step costs ~1 s
-        per pair on a loaded 2-core CPU), fewer rounds; still 3 seeds."""
+        per pair on a loaded 2-core CPU), fewer FedAvg-RM rounds, 60 eval pairs per client; still 3 seeds."""
         base = dict(pool_pairs=(300, 100, 300), heldout_pairs=120, max_eval_pairs=60, client_archs=("mlp", "mlp", "mlp"), fedavg_rm_rounds=15)
         return cls(**(base | overrides))
 

@@ -232,6 +232,19 @@ class _MLP(nn.Module):
         return self.net(x).squeeze(-1)
 
 
+class _PairMargin(nn.Module):
+    """(n, 2, d) features of (chosen, rejected) -> (n,) margins ``R(x, y+) - R(x, y-)``: one row per
+    pair, so DP-SGD clips per pair."""
+
+    def __init__(self, mlp: _MLP) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.mlp.net(x).squeeze(-1)
+        return r[:, 0] - r[:, 1]
+
+
 class MLPRewardModel(ClientRewardModel):
     """MLP on frozen pair features. ``encoder`` embeds (prompt, response) pairs; ``module`` maps
     (n, 2 d_emb) float32 features to (n,) raw rewards."""
@@ -420,6 +433,11 @@ class RewardModelConfig:
         pairs for ``epochs`` epochs (the naive setting of the audit).
     clip : clip normalised scores to ``[-clip, clip]`` (None: no clipping).
     base_model, max_tokens, lora_r, lora_alpha, lora_dropout : ``lora`` only.
+    dp_noise_multiplier : if set (``mlp`` only), train with DP-SGD (Abadi et al. 2016) through Opacus:
+        per-pair gradients clipped to ``dp_max_grad_norm``, Gaussian noise of std
+        ``dp_noise_multiplier * dp_max_grad_norm``, Poisson sampling of batches, ``epochs`` passes, no
+        early stopping (all training pairs are used); the RDP accountant's epsilon at ``dp_delta``
+        (default 1 / n_pairs) is stored in ``RewardModelTrainer.epsilon_``.
     seed : initialisation and shuffling seed.
     """
 
@@ -440,9 +458,15 @@ class RewardModelConfig:
     lora_r: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.05
+    dp_noise_multiplier: float | None = None
+    dp_max_grad_norm: float = 1.0
+    dp_delta: float | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.dp_noise_multiplier is not None and (self.arch != "mlp" or self.dp_noise_multiplier <= 0 or self.dp_max_grad_norm <= 0):
+            raise InvalidInputError(f"DP-SGD needs arch 'mlp', dp_noise_multiplier > 0 and dp_max_grad_norm > 0; got arch={self.arch!r}, "
+                                    f"dp_noise_multiplier={self.dp_noise_multiplier}, dp_max_grad_norm={self.dp_max_grad_norm}")
         if self.arch not in ARCHS:
             raise InvalidInputError(f"arch must be one of {list(ARCHS)}, got {self.arch!r}")
         for name in ("epochs", "batch_size", "hidden", "patience", "max_tokens", "lora_r"):
@@ -475,8 +499,11 @@ class RewardModelTrainer:
             raise InvalidInputError(f"a reward model needs >= 4 training pairs, got {pairs.n_pairs}")
         rng = np.random.default_rng(a.seed)
         torch.manual_seed(a.seed)
-        fit, val = pairs.split_by_prompt(a.val_fraction, rng) if a.early_stopping else (pairs, None)
-        if a.arch == "mlp":
+        dp = a.dp_noise_multiplier is not None
+        fit, val = pairs.split_by_prompt(a.val_fraction, rng) if a.early_stopping and not dp else (pairs, None)
+        if dp:
+            model = self._train_mlp_dp(fit)
+        elif a.arch == "mlp":
             self._train_mlp(fit, val, rng)
             model = self.model_
         else:
@@ -534,6 +561,43 @@ class RewardModelTrainer:
             vc, vr = torch.from_numpy(enc(val.prompts, val.chosen)), torch.from_numpy(enc(val.prompts, val.rejected))
             val_loss = lambda: bradley_terry_loss(m(vc), m(vr))  # noqa: E731
         self._loop(m, fit.n_pairs, batch_loss, val_loss, rng)
+
+    def _train_mlp_dp(self, fit: PreferencePairs) -> MLPRewardModel:
+        """DP-SGD (Opacus) on the Bradley-Terry loss; one privacy unit = one preference pair."""
+        from opacus import PrivacyEngine
+
+        a = self.args
+        enc = self.encoder.encode
+        x = torch.from_numpy(np.stack([enc(fit.prompts, fit.chosen), enc(fit.prompts, fit.rejected)], axis=1))  # (n, 2, d)
+        model = MLPRewardModel(self.encoder, x.shape[2], a.hidden, a.dropout)
+        pair_module = _PairMargin(model.module)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=a.batch_size,
+                                             generator=torch.Generator().manual_seed(a.seed))
+        opt = torch.optim.AdamW(pair_module.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+        engine = PrivacyEngine(accountant="rdp")
+        private, opt, loader = engine.make_private(module=pair_module, optimizer=opt, data_loader=loader,
+                                                   noise_multiplier=a.dp_noise_multiplier, max_grad_norm=a.dp_max_grad_norm,
+                                                   noise_generator=torch.Generator().manual_seed(a.seed + 1))
+        self.history_ = []
+        for epoch in tqdm(range(a.epochs), desc="reward model (mlp, DP-SGD)", disable=not self.show_progress, leave=False):
+            private.train()
+            total, seen = 0.0, 0
+            for (xb,) in loader:
+                if len(xb) == 0:
+                    continue
+                loss = -nn.functional.logsigmoid(private(xb)).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                total, seen = total + float(loss.detach()) * len(xb), seen + len(xb)
+            self.history_.append({"epoch": epoch, "train_loss": total / max(seen, 1)})
+        delta = a.dp_delta if a.dp_delta is not None else 1.0 / fit.n_pairs
+        self.epsilon_ = float(engine.get_epsilon(delta))
+        self.delta_ = delta
+        model.module.load_state_dict({k.removeprefix("_module.").removeprefix("mlp."): v
+                                      for k, v in private.state_dict().items()})
+        model.module.eval()
+        return model
 
     def _train_lora(self, model: LoRARewardModel, fit: PreferencePairs, val: PreferencePairs | None, rng) -> None:
         def batch_loss(idx):
