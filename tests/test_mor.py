@@ -171,6 +171,23 @@ def test_lora_reward_model_trains_adapters_and_leaves_the_base_frozen(clients, t
                                rm.score(travel.prompts[:4], travel.chosen[:4]), rtol=1e-5, atol=1e-5)
 
 
+def test_lora_length_prior_starts_at_the_length_fit_and_survives_save_load(tmp_path):
+    from trainer.rewards.pair_features import response_lengths
+    from trainer.rewards.reward_models import load_reward_model
+
+    prompts = ["q one", "q two", "q three"]
+    chosen, rejected = ["a b c d e", "short", "x y z"], ["a", "a longer answer than that", "x"]
+    w = np.array([0.5, 2.0, -1.0])
+    rm = LoRARewardModel(max_tokens=32, length_term=True)
+    rm.init_length_prior(w)
+    margin = rm.raw_scores(prompts, chosen) - rm.raw_scores(prompts, rejected)
+    np.testing.assert_allclose(margin, (response_lengths(chosen) - response_lengths(rejected)) @ w, atol=1e-5)
+    rm.fit_normaliser(_pairs(prompts, chosen, rejected))
+    rm.save(tmp_path / "lora_len")
+    back = load_reward_model(tmp_path / "lora_len")
+    np.testing.assert_allclose(back.raw_scores(prompts, chosen), rm.raw_scores(prompts, chosen), atol=1e-5)
+
+
 # ------------------------------------------------------------------ router: BCE targets and FedAvg
 
 
