@@ -26,11 +26,13 @@ from trainer.rewards.pair_features import PairEncoder
 from trainer.rewards.privacy import communication_per_round, membership_attack
 from trainer.rewards.reward_models import (
     LoRARewardModel,
+    MLPRewardModel,
     PreferencePairs,
     RewardModelConfig,
     RewardModelTrainer,
     ScoreNormaliser,
     bradley_terry_loss,
+    fit_length_prior,
     pairwise_accuracy,
 )
 
@@ -97,6 +99,55 @@ def test_mlp_reward_model_learns_and_normalises_with_its_own_training_scores(cli
     np.testing.assert_allclose(rm.score(cook.prompts, cook.chosen, normalise=False), raw)
 
 
+def test_length_prior_is_the_local_bradley_terry_length_fit_and_the_initialised_model_equals_it(encoder, tmp_path):
+    from sdk.pair_encoding import length_features_many
+    from trainer.rewards.pair_features import LENGTH_SCALE, response_lengths
+
+    # hand-made pairs: longer usually wins, once the shorter one does (so the MLE is finite)
+    chosen = ["one two three four", "a b c d e f g h", "short", "x y z w v u"]
+    rejected = ["one two", "a b c", "a much longer answer here", "x y"]
+    lc, lr = response_lengths(chosen), response_lengths(rejected)
+    w = fit_length_prior(lc, lr, C=1.0)
+    # stationarity of sklearn's objective 0.5 |v|^2 + C sum_rows logloss on rows [d; -d], labels [1; 0]
+    # (v = w / LENGTH_SCALE on the unscaled differences d): v = 2 C sum_i d_i sigmoid(-v . d_i)
+    d = length_features_many(chosen, rejected).astype(np.float64)
+    np.testing.assert_allclose(d, (lc - lr) * LENGTH_SCALE, atol=1e-5)
+    v = w / LENGTH_SCALE
+    np.testing.assert_allclose(v, 2.0 * (d / (1.0 + np.exp(d @ v))[:, None]).sum(0), atol=1e-4)
+    assert v[1] > 0  # more words win on this data
+    # the initialised reward model ranks pairs exactly as the length-only fit: P = sigmoid(v . d)
+    prompts = [f"question {i}" for i in range(4)]
+    rm = MLPRewardModel(encoder, 2 * 384 + 3, hidden=8, dropout=0.0, length_term=True)
+    rm.init_length_prior(w)
+    margin = rm.raw_scores(prompts, chosen) - rm.raw_scores(prompts, rejected)
+    np.testing.assert_allclose(1.0 / (1.0 + np.exp(-margin)), 1.0 / (1.0 + np.exp(-(d @ v))), atol=1e-5)
+    assert pairwise_accuracy(rm.raw_scores(prompts, chosen), rm.raw_scores(prompts, rejected)) == 0.75
+    # the length term survives save / load
+    rm.fit_normaliser(_pairs(prompts, chosen, rejected))
+    rm.save(tmp_path / "rm")
+    from trainer.rewards.reward_models import load_reward_model
+
+    back = load_reward_model(tmp_path / "rm", encoder.cache_dir)
+    np.testing.assert_allclose(back.raw_scores(prompts, chosen), rm.raw_scores(prompts, chosen), atol=1e-6)
+    with pytest.raises(InvalidInputError, match="length_features"):
+        MLPRewardModel(PairEncoder(length_features=False), 768, length_term=True)
+    with pytest.raises(InvalidInputError, match="DP-SGD"):
+        RewardModelConfig(length_prior=True, dp_noise_multiplier=1.0)
+
+
+def test_length_prior_trainer_starts_from_its_own_fit_and_learns_the_residual(clients, encoder):
+    from trainer.rewards.pair_features import response_lengths
+
+    cook, travel = clients
+    both = _pairs(cook.prompts + travel.prompts, cook.chosen + travel.chosen, cook.rejected + travel.rejected)
+    trainer = RewardModelTrainer(RewardModelConfig(arch="mlp", epochs=25, early_stopping=False, length_prior=True, seed=0), encoder)
+    rm = trainer.train(both)
+    np.testing.assert_allclose(trainer.length_weight_, fit_length_prior(response_lengths(both.chosen), response_lengths(both.rejected)))
+    # on travel the polite answer is the longer one; on cook too: length alone already separates both,
+    # and the trained residual keeps every pair right
+    assert pairwise_accuracy(rm.score(both.prompts, both.chosen), rm.score(both.prompts, both.rejected)) == 1.0
+
+
 def test_lora_reward_model_trains_adapters_and_leaves_the_base_frozen(clients, tmp_path):
     _, travel = clients
     trainer = RewardModelTrainer(RewardModelConfig(arch="lora", epochs=2, batch_size=8, lr=2e-3, max_tokens=48,
@@ -118,6 +169,23 @@ def test_lora_reward_model_trains_adapters_and_leaves_the_base_frozen(clients, t
     again = load_reward_model(tmp_path / "lora")
     np.testing.assert_allclose(again.score(travel.prompts[:4], travel.chosen[:4]),
                                rm.score(travel.prompts[:4], travel.chosen[:4]), rtol=1e-5, atol=1e-5)
+
+
+def test_lora_length_prior_starts_at_the_length_fit_and_survives_save_load(tmp_path):
+    from trainer.rewards.pair_features import response_lengths
+    from trainer.rewards.reward_models import load_reward_model
+
+    prompts = ["q one", "q two", "q three"]
+    chosen, rejected = ["a b c d e", "short", "x y z"], ["a", "a longer answer than that", "x"]
+    w = np.array([0.5, 2.0, -1.0])
+    rm = LoRARewardModel(max_tokens=32, length_term=True)
+    rm.init_length_prior(w)
+    margin = rm.raw_scores(prompts, chosen) - rm.raw_scores(prompts, rejected)
+    np.testing.assert_allclose(margin, (response_lengths(chosen) - response_lengths(rejected)) @ w, atol=1e-5)
+    rm.fit_normaliser(_pairs(prompts, chosen, rejected))
+    rm.save(tmp_path / "lora_len")
+    back = load_reward_model(tmp_path / "lora_len")
+    np.testing.assert_allclose(back.raw_scores(prompts, chosen), rm.raw_scores(prompts, chosen), atol=1e-5)
 
 
 # ------------------------------------------------------------------ router: BCE targets and FedAvg

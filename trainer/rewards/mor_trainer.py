@@ -85,6 +85,12 @@ class MoRConfig:
     fedavg_rm_rounds : rounds of the FedAvg reward-model baseline (1 local epoch each).
     embedder : EmbedderConfig of the frozen pair encoder (128 tokens: half the CPU time of 256).
     length_features : append the response length to the pair features.
+    length_prior : each client's reward model gets a linear length term started from its OWN local
+        length-only Bradley-Terry fit (``RewardModelConfig.length_prior``; MLP and LoRA clients alike;
+        not the FedAvg-RM baseline). Overrides ``mlp_rm.length_prior`` / ``lora_rm.length_prior`` for
+        the clients. ``length_prior_C`` is the fit's inverse L2 strength. Both chosen on validation
+        pairs by ``benchmarks/mor_length_prior_settings.py`` (``docs/mor_length_prior_settings.json``:
+        mean client validation accuracy 0.702 without, 0.708 / 0.716 / 0.719 with C = 1 / 0.1 / 10).
     clip : clip normalised client scores to [-clip, clip] (None: no clipping).
     mode : ``"sparse"`` or ``"soft"``, the routed reward saved by :meth:`MoRTrainer.save`.
     seeds : seeds 0..seeds-1 of the evaluation.
@@ -110,6 +116,8 @@ class MoRConfig:
     fedavg_rm_rounds: int = 30
     embedder: EmbedderConfig = field(default_factory=lambda: EmbedderConfig(max_tokens=128))
     length_features: bool = True
+    length_prior: bool = True
+    length_prior_C: float = 10.0
     clip: float | None = None
     mode: str = "sparse"
     seeds: int = 3
@@ -288,7 +296,9 @@ class MoRTrainer:
     def train_reward_model(self, client: ClientSplit, arch: str, seed: int, config: RewardModelConfig | None = None) -> tuple[ClientRewardModel, list]:
         a = self.args
         base = config or (a.mlp_rm if arch == "mlp" else a.lora_rm)
-        cfg = replace(base, arch=arch, seed=seed, clip=a.clip if config is None else base.clip)
+        cfg = replace(base, arch=arch, seed=seed, clip=a.clip if config is None else base.clip,
+                      length_prior=a.length_prior if config is None else base.length_prior,
+                      length_prior_C=a.length_prior_C if config is None else base.length_prior_C)
         pairs = client.pairs("train")
         if arch == "lora" and a.lora_train_pairs is not None and pairs.n_pairs > a.lora_train_pairs:
             pairs = pairs.subset(np.sort(np.random.default_rng(seed).permutation(pairs.n_pairs)[: a.lora_train_pairs]))

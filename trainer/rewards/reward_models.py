@@ -24,10 +24,16 @@ Saved layout (:meth:`ClientRewardModel.save` / :func:`load_reward_model`), one f
     mlp:  weights.safetensors   keys "net.0.weight" (hidden, d_in), "net.0.bias", "net.3.weight"
                                 (1, hidden), "net.3.bias"; json: d_in (2 d_emb + 3 with length
                                 features), hidden, dropout, embedder (EmbedderConfig fields),
-                                length_features (bool): the input is PairEncoder(...).encode(x, y)
+                                length_features (bool): the input is PairEncoder(...).encode(x, y);
+                                length_term (bool, default false): + key "length.weight" (1, 3), a
+                                linear term on the last 3 (length) columns added to the MLP's output
     lora: adapter/              peft ``save_pretrained`` of the LoRA adapter over ``base_model``
           head.safetensors      "weight" (1, d_model), "bias" (1,); json: base_model, max_tokens,
-                                truncation_side, lora_r, lora_alpha
+                                truncation_side, lora_r, lora_alpha, length_term (bool, default false)
+          length.safetensors    (length_term only) "weight" (1, 3) on ``response_lengths(y)``
+
+With ``RewardModelConfig.length_prior`` both architectures get the length term, initialised from the
+client's own length-only Bradley-Terry fit (:func:`fit_length_prior`) with the output layer at 0.
 
 All scores are float32 arrays of shape (n,); a raw score has no unit (a Bradley-Terry logit), a
 normalised one is in client standard deviations.
@@ -223,13 +229,54 @@ class ClientRewardModel(ABC):
         """Trainable parameters (what FedAvg of reward models would have to ship)."""
 
 
+#: Length columns ``l(y)`` at the end of the MLP pair features (:func:`trainer.rewards.pair_features.response_lengths`).
+N_LENGTH_COLUMNS = 3
+
+
+def fit_length_prior(len_chosen: np.ndarray, len_rejected: np.ndarray, C: float = 1.0) -> np.ndarray:
+    """The client's own length-only Bradley-Terry model, fitted locally on its training pairs.
+
+    ``P(y+ > y-) = sigmoid(w . (l(y+) - l(y-)))`` with ``l`` the (n, 3) length columns of
+    :func:`trainer.rewards.pair_features.response_lengths` (log1p counts / ``LENGTH_SCALE``); the MLE is
+    scikit-learn's ``LogisticRegression(C, fit_intercept=False)`` on the symmetrised rows
+    ``[d; -d]`` with labels ``[1; 0]``, ``d = (l(y+) - l(y-)) * LENGTH_SCALE`` (the unscaled log-length
+    differences of :class:`trainer.length_baseline.LengthBaseline`, so ``C`` means the same there).
+
+    len_chosen, len_rejected : (n, 3) arrays, n >= 1. Returns ndarray (3,) float64, the weight on the
+    SCALED columns (``coef * LENGTH_SCALE``). Raises InvalidInputError on a shape mismatch or C <= 0.
+    """
+    from sklearn.linear_model import LogisticRegression
+
+    from trainer.rewards.pair_features import LENGTH_SCALE
+
+    lc, lr_ = np.asarray(len_chosen, dtype=np.float64), np.asarray(len_rejected, dtype=np.float64)
+    if lc.shape != lr_.shape or lc.ndim != 2 or lc.shape[1] != N_LENGTH_COLUMNS or lc.shape[0] < 1:
+        raise InvalidInputError(f"length columns must both have shape (n >= 1, {N_LENGTH_COLUMNS}), got {lc.shape} and {lr_.shape}")
+    if not C > 0:
+        raise InvalidInputError(f"C must be > 0, got {C}")
+    d = (lc - lr_) * LENGTH_SCALE
+    if not np.any(d):
+        return np.zeros(N_LENGTH_COLUMNS)
+    x = np.concatenate([d, -d])
+    y = np.concatenate([np.ones(len(d), dtype=np.int64), np.zeros(len(d), dtype=np.int64)])
+    coef = LogisticRegression(C=C, fit_intercept=False, tol=1e-8, max_iter=1000).fit(x, y).coef_[0]
+    return coef * LENGTH_SCALE
+
+
 class _MLP(nn.Module):
-    def __init__(self, d_in: int, hidden: int, dropout: float) -> None:
+    """``R(h) = net(h) [+ w_len . h[..., -3:]]``: the MLP, plus (``length_term``) a linear term on the
+    three length columns ``l(y)`` of the pair features (:func:`fit_length_prior` initialises it)."""
+
+    def __init__(self, d_in: int, hidden: int, dropout: float, length_term: bool = False) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, 1))
+        self.length = nn.Linear(N_LENGTH_COLUMNS, 1, bias=False) if length_term else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x).squeeze(-1)
+        r = self.net(x).squeeze(-1)
+        if self.length is not None:
+            r = r + self.length(x[..., -N_LENGTH_COLUMNS:]).squeeze(-1)
+        return r
 
 
 class _PairMargin(nn.Module):
@@ -241,7 +288,7 @@ class _PairMargin(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r = self.mlp.net(x).squeeze(-1)
+        r = self.mlp(x)
         return r[:, 0] - r[:, 1]
 
 
@@ -251,11 +298,26 @@ class MLPRewardModel(ClientRewardModel):
 
     arch = "mlp"
 
-    def __init__(self, encoder: PairEncoder, d_in: int, hidden: int = 256, dropout: float = 0.1) -> None:
+    def __init__(self, encoder: PairEncoder, d_in: int, hidden: int = 256, dropout: float = 0.1,
+                 length_term: bool = False) -> None:
+        if length_term and not encoder.length_features:
+            raise InvalidInputError("length_term needs the length columns: PairEncoder(length_features=True)")
         self.encoder = encoder
         self.d_in, self.hidden, self.dropout = int(d_in), int(hidden), float(dropout)
-        self.module = _MLP(self.d_in, self.hidden, self.dropout)
+        self.length_term = bool(length_term)
+        self.module = _MLP(self.d_in, self.hidden, self.dropout, self.length_term)
         self.normaliser_ = None
+
+    def init_length_prior(self, weight: np.ndarray) -> None:
+        """Start from the length-only model: the length term's weights := ``weight`` (3,), the MLP's
+        output layer := 0, so ``R(h) = weight . l(y)`` until training moves the MLP (the residual)."""
+        if self.module.length is None:
+            raise InvalidInputError("init_length_prior needs a model built with length_term=True")
+        w = np.asarray(weight, dtype=np.float32).reshape(1, N_LENGTH_COLUMNS)
+        with torch.no_grad():
+            self.module.length.weight.copy_(torch.from_numpy(w))
+            self.module.net[3].weight.zero_()
+            self.module.net[3].bias.zero_()
 
     def raw_scores_from_features(self, features: np.ndarray) -> np.ndarray:
         """features : (n, d_in) float32 -> raw rewards (n,) float32. Raises ShapeError-like InvalidInputError on d_in."""
@@ -279,7 +341,7 @@ class MLPRewardModel(ClientRewardModel):
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
         _atomic(directory / "weights.safetensors", lambda p: save_file(state, str(p)))
-        meta = self._meta() | {"d_in": self.d_in, "hidden": self.hidden, "dropout": self.dropout,
+        meta = self._meta() | {"d_in": self.d_in, "hidden": self.hidden, "dropout": self.dropout, "length_term": self.length_term,
                                "embedder": asdict(self.encoder.embedder),
                                "length_features": self.encoder.length_features}
         _atomic_text(directory / "reward_model.json", json.dumps(meta, indent=2))
@@ -290,23 +352,27 @@ class MLPRewardModel(ClientRewardModel):
 
         meta = _read_meta(directory, "mlp")
         encoder = PairEncoder(EmbedderConfig(**meta["embedder"]), cache_dir, length_features=meta["length_features"])
-        model = cls(encoder, meta["d_in"], meta["hidden"], meta["dropout"])
+        model = cls(encoder, meta["d_in"], meta["hidden"], meta["dropout"], meta.get("length_term", False))
         model.module.load_state_dict(load_file(str(Path(directory) / "weights.safetensors")))
         model.normaliser_ = ScoreNormaliser(meta["mean"], meta["std"], meta["eps"], meta["clip"])
         return model
 
 
 class _LoRAScorer(nn.Module):
-    def __init__(self, encoder: nn.Module, d_model: int) -> None:
+    def __init__(self, encoder: nn.Module, d_model: int, length_term: bool = False) -> None:
         super().__init__()
         self.encoder = encoder
         self.head = nn.Linear(d_model, 1)
+        self.length = nn.Linear(N_LENGTH_COLUMNS, 1, bias=False) if length_term else None
 
-    def forward(self, input_ids, attention_mask, **extra) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask, lengths: torch.Tensor | None = None, **extra) -> torch.Tensor:
         out = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
         mask = attention_mask.unsqueeze(-1).to(out.dtype)
         pooled = (out * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-        return self.head(pooled).squeeze(-1)
+        r = self.head(pooled).squeeze(-1)
+        if self.length is not None:
+            r = r + self.length(lengths).squeeze(-1)
+        return r
 
 
 class LoRARewardModel(ClientRewardModel):
@@ -316,7 +382,8 @@ class LoRARewardModel(ClientRewardModel):
     arch = "lora"
 
     def __init__(self, base_model: str = "all-MiniLM-L6-v2", max_tokens: int = 128, lora_r: int = 8,
-                 lora_alpha: int = 16, lora_dropout: float = 0.05, batch_size: int = 32, adapter_dir: Path | None = None) -> None:
+                 lora_alpha: int = 16, lora_dropout: float = 0.05, batch_size: int = 32, adapter_dir: Path | None = None,
+                 length_term: bool = False) -> None:
         from peft import LoraConfig, PeftModel, get_peft_model
         from transformers import AutoModel, AutoTokenizer
 
@@ -333,8 +400,19 @@ class LoRARewardModel(ClientRewardModel):
             encoder = get_peft_model(base, cfg)
         else:
             encoder = PeftModel.from_pretrained(base, str(adapter_dir))
-        self.module = _LoRAScorer(encoder, base.config.hidden_size)
+        self.length_term = bool(length_term)
+        self.module = _LoRAScorer(encoder, base.config.hidden_size, self.length_term)
         self.normaliser_ = None
+
+    def init_length_prior(self, weight: np.ndarray) -> None:
+        """As :meth:`MLPRewardModel.init_length_prior`: length term := ``weight`` (3,), head := 0."""
+        if self.module.length is None:
+            raise InvalidInputError("init_length_prior needs a model built with length_term=True")
+        w = np.asarray(weight, dtype=np.float32).reshape(1, N_LENGTH_COLUMNS)
+        with torch.no_grad():
+            self.module.length.weight.copy_(torch.from_numpy(w))
+            self.module.head.weight.zero_()
+            self.module.head.bias.zero_()
 
     def tokenize(self, prompts: Sequence[str], responses: Sequence[str]) -> dict:
         if len(prompts) != len(responses):
@@ -344,7 +422,12 @@ class LoRARewardModel(ClientRewardModel):
 
     def forward_texts(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
         """(n,) tensor of raw rewards with gradients (training mode is the caller's)."""
-        return self.module(**self.tokenize(prompts, responses))
+        lengths = None
+        if self.length_term:
+            from trainer.rewards.pair_features import response_lengths
+
+            lengths = torch.from_numpy(response_lengths([r if r.strip() else "(empty)" for r in responses]))
+        return self.module(**self.tokenize(prompts, responses), lengths=lengths)
 
     def raw_scores(self, prompts, responses) -> np.ndarray:
         if len(prompts) == 0:
@@ -367,7 +450,10 @@ class LoRARewardModel(ClientRewardModel):
         self.module.encoder.save_pretrained(str(directory / "adapter"))
         head = {k: v.detach().contiguous() for k, v in self.module.head.state_dict().items()}
         _atomic(directory / "head.safetensors", lambda p: save_file(head, str(p)))
-        meta = self._meta() | {"base_model": self.base_model, "max_tokens": self.max_tokens, "truncation_side": "left",
+        if self.module.length is not None:
+            length = {"weight": self.module.length.weight.detach().contiguous()}
+            _atomic(directory / "length.safetensors", lambda p: save_file(length, str(p)))
+        meta = self._meta() | {"length_term": self.length_term, "base_model": self.base_model, "max_tokens": self.max_tokens, "truncation_side": "left",
                                "lora_r": self.lora_r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout}
         _atomic_text(directory / "reward_model.json", json.dumps(meta, indent=2))
 
@@ -378,8 +464,10 @@ class LoRARewardModel(ClientRewardModel):
         directory = Path(directory)
         meta = _read_meta(directory, "lora")
         model = cls(meta["base_model"], meta["max_tokens"], meta["lora_r"], meta["lora_alpha"], meta["lora_dropout"],
-                    adapter_dir=directory / "adapter")
+                    adapter_dir=directory / "adapter", length_term=meta.get("length_term", False))
         model.module.head.load_state_dict(load_file(str(directory / "head.safetensors")))
+        if model.module.length is not None:
+            model.module.length.load_state_dict(load_file(str(directory / "length.safetensors")))
         model.normaliser_ = ScoreNormaliser(meta["mean"], meta["std"], meta["eps"], meta["clip"])
         return model
 
@@ -438,6 +526,12 @@ class RewardModelConfig:
         ``dp_noise_multiplier * dp_max_grad_norm``, Poisson sampling of batches, ``epochs`` passes, no
         early stopping (all training pairs are used); the RDP accountant's epsilon at ``dp_delta``
         (default 1 / n_pairs) is stored in ``RewardModelTrainer.epsilon_``.
+    length_prior : add a linear term on the response's length columns ``l(y)`` to the reward and start
+        from the client's own length-only Bradley-Terry fit on its training pairs
+        (:func:`fit_length_prior`, L2 strength ``1 / length_prior_C``): length weights := the fit, the
+        MLP's (LoRA head's) output layer := 0, so the untrained model ranks pairs exactly as the local
+        length-only model does and training learns the residual. Local, no privacy cost; not with DP-SGD
+        (the fit would not be private).
     seed : initialisation and shuffling seed.
     """
 
@@ -458,6 +552,8 @@ class RewardModelConfig:
     lora_r: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.05
+    length_prior: bool = False
+    length_prior_C: float = 1.0
     dp_noise_multiplier: float | None = None
     dp_max_grad_norm: float = 1.0
     dp_delta: float | None = None
@@ -469,6 +565,9 @@ class RewardModelConfig:
                                     f"dp_noise_multiplier={self.dp_noise_multiplier}, dp_max_grad_norm={self.dp_max_grad_norm}")
         if self.arch not in ARCHS:
             raise InvalidInputError(f"arch must be one of {list(ARCHS)}, got {self.arch!r}")
+        if self.length_prior and (self.dp_noise_multiplier is not None or not self.length_prior_C > 0):
+            raise InvalidInputError(f"length_prior needs no DP-SGD and length_prior_C > 0; got dp_noise_multiplier="
+                                    f"{self.dp_noise_multiplier}, length_prior_C={self.length_prior_C}")
         for name in ("epochs", "batch_size", "hidden", "patience", "max_tokens", "lora_r"):
             if int(getattr(self, name)) < 1:
                 raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -507,10 +606,20 @@ class RewardModelTrainer:
             self._train_mlp(fit, val, rng)
             model = self.model_
         else:
-            model = LoRARewardModel(a.base_model, a.max_tokens, a.lora_r, a.lora_alpha, a.lora_dropout)
+            model = LoRARewardModel(a.base_model, a.max_tokens, a.lora_r, a.lora_alpha, a.lora_dropout,
+                                    length_term=a.length_prior)
+            if a.length_prior:
+                model.init_length_prior(self.length_prior_(fit))
             self._train_lora(model, fit, val, rng)
         model.fit_normaliser(pairs, a.eps, a.clip)
         return model
+
+    def length_prior_(self, fit: PreferencePairs) -> np.ndarray:
+        """(3,) weights of :func:`fit_length_prior` on ``fit`` (the pairs the model trains on)."""
+        from trainer.rewards.pair_features import response_lengths
+
+        self.length_weight_ = fit_length_prior(response_lengths(fit.chosen), response_lengths(fit.rejected), self.args.length_prior_C)
+        return self.length_weight_
 
     def _loop(self, module: nn.Module, n_fit: int, batch_loss, val_loss, rng: np.random.Generator) -> None:
         a = self.args
@@ -550,7 +659,9 @@ class RewardModelTrainer:
         fc = torch.from_numpy(enc(fit.prompts, fit.chosen))
         fr = torch.from_numpy(enc(fit.prompts, fit.rejected))
         a = self.args
-        self.model_ = model = MLPRewardModel(self.encoder, fc.shape[1], a.hidden, a.dropout)
+        self.model_ = model = MLPRewardModel(self.encoder, fc.shape[1], a.hidden, a.dropout, length_term=a.length_prior)
+        if a.length_prior:
+            model.init_length_prior(self.length_prior_(fit))
         m = model.module
 
         def batch_loss(idx):
