@@ -218,7 +218,7 @@ def publish(
 
 def _bind(command, **bound):
     """``command`` with keyword-only arguments ``bound`` fixed and hidden from the CLI."""
-    signature = inspect.signature(command)
+    signature = inspect.signature(command, eval_str=True)  # typer reads the Annotated options from it
 
     @functools.wraps(command)
     def bound_command(*args, **kwargs):
