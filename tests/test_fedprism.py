@@ -67,6 +67,28 @@ def test_router_schedule_frozen_in_warmup_then_every_f_rounds():
         FedPrismConfig(rounds=2, warmup_rounds=3)
 
 
+def test_length_start_local_fit_and_fedavg_by_hand():
+    from scipy.optimize import brentq
+
+    from trainer.experts.length_init import client_length_coefs, fedavg_length_coefs, upload_bytes
+
+    # one pair f = (1, 0, 0), label 1, and its swapped copy: the L2-penalised (C = 1) no-intercept fit
+    # minimises w^2 / 2 + 2 log(1 + exp(-w)) in the first coefficient, i.e. w = 2 sigmoid(-w); 0 elsewhere
+    w_hand = brentq(lambda w: w - 2.0 / (1.0 + np.exp(w)), 0.0, 2.0)
+    got = client_length_coefs(np.array([[1.0, 0.0, 0.0]]), np.array([1]), np.array([2]), n_experts=3)
+    assert set(got) == {2} and got[2][1] == 1.0
+    np.testing.assert_allclose(got[2][0], [w_hand, 0.0, 0.0], atol=1e-4)
+    # FedAvg per expert weighted by counts; an expert nobody sent stays 0
+    sent = [{0: (np.array([1.0, 2.0, 3.0]), 1.0), 1: (np.array([4.0, 0.0, 0.0]), 2.0)},
+            {0: (np.array([4.0, -1.0, 0.0]), 2.0)}]
+    np.testing.assert_allclose(fedavg_length_coefs(sent, 3), [[3.0, 0.0, 1.0], [4.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert upload_bytes(sent) == 3 * 16
+    with pytest.raises(InvalidInputError, match="outside"):
+        fedavg_length_coefs([{3: (np.zeros(3), 1.0)}], 3)
+    with pytest.raises(ShapeError):
+        client_length_coefs(np.zeros((2, 3)), np.array([0, 1]), np.array([0]), 2)
+
+
 # ------------------------------------------------------------------ the loop on real pairs
 
 
@@ -99,6 +121,36 @@ def test_sparse_retrieval_asks_only_for_the_routed_experts(small):
         for n in before[k]:
             np.testing.assert_array_equal(trainer.experts_[k][n], before[k][n])
     assert any(np.abs(trainer.experts_[1][n] - before[1][n]).max() > 0 for n in before[1])
+
+
+def test_initialised_experts_reproduce_the_fedavged_length_regressions(small):
+    from sklearn.linear_model import LogisticRegression
+
+    model, data = small
+    cfg = FedPrismConfig(n_experts=2, rounds=1, warmup_rounds=0, init_epochs=5, length_init="fedavg_lr")
+    trainer = FedPrismTrainer(model, data, cfg).setup()
+    feats, labels = data.store.features.numpy().astype(np.float64), data.store.label.numpy()
+    num, den = np.zeros((2, 3)), np.zeros(2)
+    for own in data.clients:  # by hand: each client's fit per routed expert on pairs + swapped copies
+        assign = trainer.router_.route(data.prompt_emb[own])
+        for k in np.unique(assign):
+            x, y = feats[own][assign == k], labels[own][assign == k]
+            lr = LogisticRegression(C=1.0, fit_intercept=False).fit(np.concatenate([x, -x]),
+                                                                    np.concatenate([y, 1 - y]).astype(int))
+            num[k] += len(x) * lr.coef_[0]
+            den[k] += len(x)
+    w = num / np.maximum(den, 1)[:, None]
+    np.testing.assert_allclose(trainer.length_coefs_, w, rtol=1e-6, atol=1e-8)
+    assert trainer.length_init_upload_bytes_ == 16 * sum(len(np.unique(trainer.router_.route(data.prompt_emb[c])))
+                                                         for c in data.clients)
+    pairs = data.eval_pairs
+    for k in range(2):  # the initialised expert predicts exactly sigmoid(w_k . f)
+        p = trainer._per_sample(trainer.experts_[k], pairs, "proba")
+        np.testing.assert_allclose(p, 1 / (1 + np.exp(-feats[pairs] @ w[k])), atol=1e-5)
+    zero = FedPrismTrainer(model, data, replace(cfg, length_init="zero")).setup()
+    assert zero.length_coefs_ is None and not np.any(zero.experts_[0]["length_skip.weight"])
+    with pytest.raises(InvalidInputError, match="length_init"):
+        FedPrismConfig(length_init="global")
 
 
 def test_router_changes_only_in_pgpd_rounds_and_experts_learn(small):

@@ -170,7 +170,7 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
     history: dict[str, dict[int, list]] = {m: {} for m in methods}
     bytes_per_round: dict[str, list[float]] = {m: [] for m in methods}
     util = {"max_share": [], "entropy": [], "share": []}
-    dense = []
+    dense, length_up = [], []
     for seed in seeds:
         data = _federated(prep, preset, seed, eval_split)
         eval_df = (prep.val if eval_split == "val" else prep.test)
@@ -198,6 +198,7 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                     one = state_bytes(trainer.experts_[0])
                     router = state_bytes(trainer.router_.state())
                     dense.append(float(cfg.clients_per_round * (cfg.n_experts * one + router)))
+                    length_up.append(float(trainer.length_init_upload_bytes_))
                 if m in ("fedprism", "fedbis") and seed == seeds[0] and out is not None:
                     # Phase III (trainer.experts.phase3) compares FedPrism's routed experts with FedBis's selector
                     trainer.save(out / f"{m}_seed0")
@@ -224,6 +225,7 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                                  "entropy": float(np.mean(util["entropy"])), "share": util["share"]}
         result["bytes"] = {"downlink_per_round": float(np.mean(bytes_per_round["fedprism"])),
                            "dense_downlink_per_round": float(np.mean(dense)),
+                           "length_init_upload_total": float(np.mean(length_up)),
                            "per_method": {m: float(np.mean(v)) for m, v in bytes_per_round.items() if v}}
     if out is not None:
         write_results(out, result, history)

@@ -18,6 +18,11 @@
    it used (:func:`trainer.experts.aggregation.aggregate_components`); routers updated by PGPD are
    FedAvg-ed weighted by their sample counts.
 
+Before round 1 (``length_init='fedavg_lr'``, the default), every expert's length path starts at the
+FedAvg of client-local length-only logistic regressions on the pairs initially routed to it
+(:mod:`trainer.experts.length_init`; 16 bytes per client and expert up, counted in
+``length_init_upload_bytes_``), so training starts from what length alone predicts.
+
 Routing kinds (``FedPrismConfig.routing``) give the baselines and ablations on the same clients:
 ``'router'`` (FedPrism; with ``pgpd=False`` the *frozen router* ablation, with ``warmup_rounds=0``
 *no warm-up*), ``'random'`` (each sample to a uniformly random expert, redrawn each round; test pairs
@@ -50,6 +55,7 @@ from trainer.routers.fedavg import fedavg
 from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
 
 ROUTINGS = ("router", "random", "single", "client_cluster")
+LENGTH_INITS = ("fedavg_lr", "zero")
 METHODS = ("fedprism", "fedbis", "fedbiscuit", "random_routing", "frozen_router", "no_warmup")
 
 
@@ -70,6 +76,11 @@ class FedPrismConfig:
     router_hidden : router width (paper 128).
     init_lr, init_epochs : router fit to the K-means pseudo-labels of public prompts.
     routing : one of :data:`ROUTINGS`; pgpd : bool, update the router by PGPD.
+    length_init : ``'fedavg_lr'`` (each expert's length path starts at the FedAvg of the clients'
+        local length-only logistic regressions on the pairs initially routed to it, and the head's
+        output layer at zero: :mod:`trainer.experts.length_init`) or ``'zero'`` (length path 0, head
+        at PyTorch's default initialisation).
+    length_C : inverse L2 strength of those local regressions.
     eval_every : rounds between test evaluations (the last round is always evaluated).
     seed : int, client sampling, expert initialisation, routing draws.
     selector : SelectorConfig of the experts.
@@ -90,6 +101,8 @@ class FedPrismConfig:
     init_epochs: int = 30
     routing: str = "router"
     pgpd: bool = True
+    length_init: str = "fedavg_lr"
+    length_C: float = 1.0
     eval_every: int = 2
     seed: int = 0
     selector: SelectorConfig = field(default_factory=SelectorConfig)
@@ -101,6 +114,10 @@ class FedPrismConfig:
             sel = dict(self.selector)
             sel["encoding"] = PairEncodingConfig(**sel["encoding"])
             self.selector = SelectorConfig(**sel)
+        if self.length_init not in LENGTH_INITS:
+            raise InvalidInputError(f"length_init must be one of {LENGTH_INITS}, got {self.length_init!r}")
+        if not (np.isfinite(self.length_C) and self.length_C > 0):
+            raise InvalidInputError(f"length_C must be finite and > 0, got {self.length_C!r}")
         if self.routing not in ROUTINGS:
             raise InvalidInputError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         for name in ("n_experts", "rounds", "router_every", "clients_per_round", "local_pairs", "batch_size",
@@ -181,6 +198,13 @@ class FederatedPairs:
     clients: list[np.ndarray]
     public_emb: np.ndarray
     eval_pairs: np.ndarray
+
+
+def _name_of(model: torch.nn.Module, param: torch.nn.Parameter) -> str:
+    for n, p in model.named_parameters():
+        if p is param:
+            return n
+    raise KeyError("parameter not in model")
 
 
 class FedPrismTrainer:
@@ -299,6 +323,27 @@ class FedPrismTrainer:
         k = min(self.args.n_experts, len(means))
         return KMeans(k, n_init=10, random_state=self.args.seed).fit_predict(means).astype(np.int64)
 
+    def _length_start(self) -> None:
+        """Federated length-only start (:mod:`trainer.experts.length_init`): every client routes its
+        train pairs with the initial routing, fits one local regression per expert it routed to and
+        sends (3 coefficients, count); the FedAvg per expert becomes that expert's length path, and
+        the head's output layer is zeroed so the expert starts as exactly that regression."""
+        from trainer.experts.length_init import client_length_coefs, fedavg_length_coefs, upload_bytes
+
+        a, d = self.args, self.data
+        feats, labels = d.store.features.numpy(), d.store.label.numpy()
+        sent = []
+        for c, own in enumerate(d.clients):
+            assign = self._route(own, None if self._groups is None else int(self._groups[c]))
+            sent.append(client_length_coefs(feats[own], labels[own], assign, a.n_experts, C=a.length_C))
+        self.length_coefs_ = fedavg_length_coefs(sent, a.n_experts, feats.shape[1])
+        self.length_init_upload_bytes_ = upload_bytes(sent)
+        last = self.model.head[-1]
+        for k, state in enumerate(self.experts_):
+            state[_name_of(self.model, self.model.length_skip.weight)] = self.length_coefs_[k][None, :].astype(np.float32)
+            state[_name_of(self.model, last.weight)] = np.zeros(tuple(last.weight.shape), np.float32)
+            state[_name_of(self.model, last.bias)] = np.zeros(tuple(last.bias.shape), np.float32)
+
     # ------------------------------------------------------------------ the loop
 
     def setup(self) -> FedPrismTrainer:
@@ -311,6 +356,9 @@ class FedPrismTrainer:
             kmeans_init(self.router_, d.public_emb, lr=a.init_lr, epochs=a.init_epochs, seed=a.seed)
         self._groups = self._client_groups() if a.routing == "client_cluster" else None
         self._router_bytes = state_bytes(self.router_.state()) if a.routing == "router" else 0
+        self.length_coefs_, self.length_init_upload_bytes_ = None, 0
+        if a.length_init == "fedavg_lr":
+            self._length_start()
         self.history_ = []
         return self
 

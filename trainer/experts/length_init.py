@@ -1,0 +1,114 @@
+"""Federated length-only start of the experts: FedAvg of client-local logistic regressions.
+
+Response length carries most of the learnable signal of the preference pairs, in opposite directions
+per domain (issue 10; :mod:`trainer.length_baseline`). A zero-initialised length path must learn that
+rule from a few hundred pair-steps at ``expert_lr``; instead each expert **starts** from it:
+
+1. Each client routes its train pairs with the initial routing (the K-means-initialised router for
+   FedPrism, the client's group for FedBiscuit, one expert for FedBis, a uniform draw for random
+   routing) and, per expert ``k`` that received pairs, fits the length-only model of
+   :class:`trainer.length_baseline.LengthBaseline` (scikit-learn ``LogisticRegression``, lbfgs,
+   ``C``, no intercept) on those pairs **and their position-swapped copies** ``(-f, 1 - y)`` (so
+   both classes are always present; for a no-intercept model the swapped copy has the same loss
+   term, i.e. it is the baseline's fit with ``C`` halved).
+2. The client sends ``(w_ck, n_ck)``: 3 coefficients and its pair count per expert, float32
+   (16 bytes per expert; :func:`upload_bytes`). No pair, feature or label leaves the client.
+3. The server averages ``w_k = sum_c n_ck w_ck / sum_c n_ck`` (FedAvg, McMahan et al. 2017,
+   Eq. (1) weighting) and sets expert ``k``'s length path ``v`` (``PairSelector.length_skip``) to
+   ``w_k``; the head's output layer starts at zero, so the initial expert predicts exactly
+   ``sigmoid(w_k . f)`` (test: the initialised head reproduces the averaged regression). An expert
+   no client routed to keeps ``v = 0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from sdk.errors import InvalidInputError, ShapeError
+
+__all__ = ["client_length_coefs", "fedavg_length_coefs", "upload_bytes"]
+
+
+def client_length_coefs(features: np.ndarray, labels: np.ndarray, assign: np.ndarray, n_experts: int,
+                        C: float = 1.0) -> dict[int, tuple[np.ndarray, float]]:
+    """One client's local length-only regressions, one per expert its pairs were routed to.
+
+    Parameters
+    ----------
+    features : ndarray (n, 3), float, length features of the client's pairs.
+    labels : ndarray (n,), {0, 1}, 1 = A better.
+    assign : ndarray (n,), int, expert of each pair (in ``[0, n_experts)``).
+    n_experts : int >= 1.
+    C : float > 0, inverse L2 strength (scikit-learn).
+
+    Returns
+    -------
+    dict expert -> (coef ndarray (3,) float64, n_pairs float): only experts with >= 1 pair.
+
+    Raises
+    ------
+    ShapeError
+        Lengths or feature shape disagree.
+    InvalidInputError
+        An expert index outside ``[0, n_experts)``, a label not in {0, 1}, or ``C <= 0``.
+    """
+    from sklearn.linear_model import LogisticRegression
+
+    x = np.asarray(features, dtype=np.float64)
+    y = np.asarray(labels).astype(np.float64)
+    a = np.asarray(assign).astype(np.int64)
+    if x.ndim != 2 or len(x) != len(y) or len(x) != len(a):
+        raise ShapeError(f"features {x.shape}, labels {y.shape}, assign {a.shape} must share their first axis")
+    if len(a) and (a.min() < 0 or a.max() >= n_experts):
+        raise InvalidInputError(f"expert indices outside [0, {n_experts})")
+    if not np.isin(y, (0.0, 1.0)).all():
+        raise InvalidInputError("labels must be 0 or 1")
+    if not C > 0:
+        raise InvalidInputError(f"C must be > 0, got {C!r}")
+    out = {}
+    for k in np.unique(a):
+        sel = a == k
+        xs = np.concatenate([x[sel], -x[sel]])
+        ys = np.concatenate([y[sel], 1.0 - y[sel]]).astype(np.int64)
+        lr = LogisticRegression(C=C, fit_intercept=False).fit(xs, ys)
+        out[int(k)] = (lr.coef_[0].copy(), float(sel.sum()))
+    return out
+
+
+def fedavg_length_coefs(client_coefs: Sequence[dict[int, tuple[np.ndarray, float]]], n_experts: int,
+                        n_features: int = 3) -> np.ndarray:
+    """Server side: per expert, the pair-count-weighted mean of the clients' coefficients.
+
+    Returns ndarray (n_experts, n_features), float64; rows of experts no client sent stay 0.
+
+    Raises
+    ------
+    InvalidInputError
+        An expert index outside ``[0, n_experts)`` or a count <= 0.
+    ShapeError
+        A coefficient vector of the wrong size.
+    """
+    num = np.zeros((n_experts, n_features))
+    den = np.zeros(n_experts)
+    for coefs in client_coefs:
+        for k, (w, n) in coefs.items():
+            if not 0 <= k < n_experts:
+                raise InvalidInputError(f"expert {k} outside [0, {n_experts})")
+            if not n > 0:
+                raise InvalidInputError(f"expert {k}: count must be > 0, got {n!r}")
+            w = np.asarray(w, dtype=np.float64)
+            if w.shape != (n_features,):
+                raise ShapeError(f"expert {k}: coefficients of shape {w.shape}, expected ({n_features},)")
+            num[k] += n * w
+            den[k] += n
+    out = np.zeros_like(num)
+    nz = den > 0
+    out[nz] = num[nz] / den[nz, None]
+    return out
+
+
+def upload_bytes(client_coefs: Sequence[dict[int, tuple[np.ndarray, float]]]) -> int:
+    """Bytes the clients send for the length start: (coefficients + count) as float32 per expert."""
+    return int(sum(4 * (np.asarray(w).size + 1) for coefs in client_coefs for w, _ in coefs.values()))
