@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from export.reward_export import export_reward_bundle
+from trainer import kinds
+from trainer.rewards.reward_scorer_kind import FAMILY, NAME
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
 DataOpt = Annotated[Path, typer.Option("--data", help="the shared data folder (alpacaeval/, hh_harmless/, routerbench/)")]
@@ -25,10 +28,7 @@ def export_reward(
     cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
 ) -> None:
     """Export CLIENT's reward model and the client router as a signed reward-scorer bundle (sdk.RewardScorer)."""
-    from export.reward_export import export_reward_bundle
-    from trainer import kinds
-    from trainer.data.preferences import load_preference_pairs
-    from trainer.rewards.reward_scorer_kind import FAMILY, NAME
+    from trainer.data.preferences import load_preference_pairs  # trainer.data.preferences imports pandas: on use only
 
     mix = kinds.get(NAME, FAMILY).load(mixture)
     if cache_dir is not None:

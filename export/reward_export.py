@@ -41,6 +41,9 @@ from sdk import bundle_manifest as fmt
 from sdk import kinds as sdk_kinds
 from sdk.builtin_kinds import TOKENIZER_FILE
 from sdk.reward_scorer import CLIENT_ROUTER_FILE, FAMILY, KIND, REWARD_FILE
+from trainer.rewards.pair_features import LENGTH_SCALE
+from sdk.reward_scorer import RewardScorer
+from trainer.embeddings import resolve_model_path
 
 OPSET = 17
 MAX_ABS_DIFF = 1e-3
@@ -49,8 +52,8 @@ PARITY_FILE = "parity.json"
 
 
 def _to_onnx(module, d_in: int, outputs: list[str], dynamic: dict, metadata: dict) -> bytes:
-    import onnx
-    import torch
+    import onnx  # onnx: optional heavy dependency, imported on use
+    import torch  # torch: optional heavy dependency, imported on use
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "graph.onnx"
@@ -76,8 +79,8 @@ def reward_mlp_to_onnx(model) -> bytes:
     ExportError
         Not an MLP reward model, or no normaliser fitted.
     """
-    import torch
-    from torch import nn
+    import torch  # torch: optional heavy dependency, imported on use
+    from torch import nn  # torch: optional heavy dependency, imported on use
 
     if getattr(model, "arch", None) != "mlp":
         raise ExportError(f"only MLP reward models export to ONNX features graphs, got arch {getattr(model, 'arch', None)!r}")
@@ -159,7 +162,6 @@ class MoRRewardExportKind(kinds.ExportKind):
                 CLIENT_ROUTER_FILE: client_router_to_onnx(artefact.mixture.router)}
 
     def manifest_fields(self, artefact: ClientRewardArtefact) -> dict:
-        from trainer.rewards.pair_features import LENGTH_SCALE
 
         self.check(artefact)
         mixture = artefact.mixture
@@ -177,7 +179,6 @@ class MoRRewardExportKind(kinds.ExportKind):
 
     def parity(self, bundle_dir, public_key, artefact, reference, test, precisions=("fp32",), progress=print) -> dict:
         """``reference`` = the trainer's features (n, d_in) float32 of ``test`` = (prompts, responses)."""
-        from sdk.reward_scorer import RewardScorer
 
         scorer = RewardScorer.load(bundle_dir, public_key)
         prompts, responses = test
@@ -292,7 +293,6 @@ def export_reward_bundle(mixture, client: str, out: Path, signing_key: Path, pro
     ParityError
         A parity gate failed; nothing is written at ``out``.
     """
-    from trainer.embeddings import resolve_model_path
 
     if len(prompts) == 0 or len(prompts) != len(responses):
         raise ExportError(f"parity needs n >= 1 real pairs, got {len(prompts)} prompts and {len(responses)} responses")

@@ -39,6 +39,10 @@ from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
 from sdk.pair_encoding import N_LENGTH_FEATURES
 from sdk.selector import FAMILY, KIND, MANIFEST_KEY, OUTPUT_NAME, SELECTOR_FILES
+from export.embedder_onnx import sensitive_matmuls
+from sdk.pair_encoding import length_features_many
+from sdk.selector import Selector
+from trainer.preference_metrics import pairwise_accuracy
 
 OPSET = 17
 FP32_MAX_LOGIT_DIFF = 1e-3
@@ -89,9 +93,9 @@ def selector_to_onnx(selector) -> bytes:
     -------
     bytes of an ONNX model (opset 17) with output ``logit`` of shape (batch,), float32.
     """
-    import onnx
-    import torch
-    from torch import nn
+    import onnx  # onnx: optional heavy dependency, imported on use
+    import torch  # torch: optional heavy dependency, imported on use
+    from torch import nn  # torch: optional heavy dependency, imported on use
 
     merged = copy.deepcopy(selector.backbone).merge_and_unload().eval()
     pooling = selector.config.pooling
@@ -161,9 +165,8 @@ def int8_excluded_matmuls(model: Path) -> list[str]:
     the layers) plus the pair head and the length path (``/head/``, ``/length_skip/``): a few thousand
     weights that turn pooled vectors and length features into the logit, where uint8 activation
     scales would move every decision near P = 0.5."""
-    import onnx
+    import onnx  # onnx: optional heavy dependency, imported on use
 
-    from export.embedder_onnx import sensitive_matmuls
 
     graph = onnx.load(str(model), load_external_data=False).graph
     head = [n.name for n in graph.node if n.op_type in ("MatMul", "Gemm") and n.name.startswith(("/head/", "/length_skip/"))]
@@ -177,9 +180,8 @@ def torch_logits(selector, prompts, responses_a, responses_b) -> tuple[np.ndarra
     -------
     (logit_ab, logit_ba), each ndarray of shape (n_pairs,), float64.
     """
-    import torch
+    import torch  # torch: optional heavy dependency, imported on use
 
-    from sdk.pair_encoding import length_features_many
 
     enc_a = selector.pair_encoder.encode_segments(list(prompts), list(responses_a))
     enc_b = selector.pair_encoder.encode_segments(list(prompts), list(responses_b))
@@ -207,8 +209,6 @@ def check_selector_parity(bundle_dir: Path, public_key, selector, pairs, precisi
     dict with ``n_pairs``, ``torch_accuracy`` and per precision ``max_abs_logit_diff``,
     ``decision_agreement``, ``accuracy``; ``failures`` (list of str) and ``passed`` (bool).
     """
-    from sdk.selector import Selector
-    from trainer.preference_metrics import pairwise_accuracy
 
     prompts, ra, rb = (pairs[c].tolist() for c in ("prompt", "response_a", "response_b"))
     label = pairs["label"].to_numpy()
@@ -352,9 +352,9 @@ def parity_pairs_for(expert_dir: Path, data_dir: Path, n_pairs: int = 200, seed:
     ExportError
         The data folder cannot be read.
     """
-    import pandas as pd
+    import pandas as pd  # pandas: optional heavy dependency, imported on use
 
-    from trainer.data.preferences import load_preference_pairs
+    from trainer.data.preferences import load_preference_pairs  # trainer.data.preferences imports pandas: on use only
 
     try:
         pairs = load_preference_pairs(data_dir, seed=0)

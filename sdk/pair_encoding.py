@@ -153,7 +153,7 @@ class PairEncoder:
     """
 
     def __init__(self, tokenizer, config: PairEncodingConfig | None = None) -> None:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # loaded with the bundle, not at import of sdk
 
         self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
         self.tokenizer.no_truncation()

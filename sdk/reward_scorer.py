@@ -39,6 +39,8 @@ from sdk import kinds
 from sdk.artefact_kind import ArtefactKind, LoadContext
 from sdk.embedder import inference_session, session_options
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
+from sdk.pair_encoding import length_features_many
+from sdk.errors import ShapeError
 
 FAMILY = "reward_scorer"
 KIND = "mor"
@@ -287,7 +289,6 @@ class RewardScorer:
         row = {t: i for i, t in enumerate(texts)}
         parts = [vecs[[row[p] for p in prompts]], vecs[[row[r] for r in responses]]]
         if self._length:
-            from sdk.pair_encoding import length_features_many
 
             parts.append(length_features_many(responses, [""] * len(responses)) / self._length_scale)
         out = np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
@@ -351,7 +352,6 @@ class RewardScorer:
         ShapeError
             Wrong shape or non-finite values.
         """
-        from sdk.errors import ShapeError
 
         x = np.ascontiguousarray(features, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.d_in or len(x) == 0:

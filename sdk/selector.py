@@ -115,7 +115,7 @@ class OnnxPairScorer:
     """
 
     def __init__(self, tokenizer_json: str, model: bytes, encoding: PairEncodingConfig, options, what: str) -> None:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # loaded with the bundle, not at import of sdk
 
         try:
             tokenizer = Tokenizer.from_str(tokenizer_json)

@@ -122,3 +122,38 @@ def test_folders_import_one_way_export_trainer_sdk():
                    if mod != CONSOLE_SCRIPT and dep.split(".")[0] not in ALLOWED[mod.split(".")[0]])
     assert wrong == []
     assert [m for m, deps in graph.items() if CONSOLE_SCRIPT in deps] == []  # nothing imports the top
+
+
+def uncommented_function_level_imports() -> list[str]:
+    """``path:line`` of each import inside a function with no comment saying why. A run of imports on
+    consecutive lines shares one comment: on any of its lines, or on the line right above it."""
+    found = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            text = path.read_text()
+            lines, tree = text.splitlines(), ast.parse(text, str(path))
+            skip = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                    skip.update(id(n) for n in ast.walk(node))
+            imports = sorted({(n.lineno, n.end_lineno) for fn in ast.walk(tree)
+                              if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                              for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip})
+            runs: list[list[tuple[int, int]]] = []
+            for start, end in imports:
+                if runs and start == runs[-1][-1][1] + 1:
+                    runs[-1].append((start, end))
+                else:
+                    runs.append([(start, end)])
+            for run in runs:
+                first, last = run[0][0], run[-1][1]
+                said = any("#" in line for line in lines[first - 1:last]) or lines[first - 2].strip().startswith("#")
+                if not said:
+                    found.extend(f"{path.relative_to(ROOT)}:{start}" for start, _ in run)
+    return found
+
+
+def test_function_level_imports_say_why():
+    """Imports inside functions are for optional heavy dependencies only (torch, transformers, the
+    server extra, ...) and each run of them says so in a comment; the rest is imported at module level."""
+    assert uncommented_function_level_imports() == []

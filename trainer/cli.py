@@ -15,6 +15,8 @@ import typer
 
 from sdk.console import run_app
 from sdk.errors import InvalidInputError
+from export.selector_export import export_selector_bundle, parity_pairs_for
+from export.errors import ParityError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
 
@@ -197,9 +199,7 @@ def export_cmd(
     if selector is not None:
         if prices is not None:
             raise typer.BadParameter("--prices is for router bundles (a selector has no model table)")
-        from export.selector_export import export_selector_bundle, parity_pairs_for
 
-        from export.errors import ParityError
 
         pairs = parity_pairs_for(selector, data or Path("../shared/data"), parity_pairs)
         try:
@@ -244,9 +244,9 @@ def _register_mor_commands() -> None:
     """``fedroute mor train|eval|audit`` (trainer.rewards.cli; its imports are light), ``grpo``
     (trainer.alignment.grpo_cli) and ``export`` (export.reward_cli): registered here, at the top, so
     that trainer.rewards imports neither trainer.alignment nor export."""
-    from export.reward_cli import register as register_reward_export
-    from trainer.alignment.grpo_cli import register as register_grpo
-    from trainer.rewards.cli import app as mor_app
+    from export.reward_cli import register as register_reward_export  # sub-app registered by the console-script module (ARCHITECTURE.md §2)
+    from trainer.alignment.grpo_cli import register as register_grpo  # sub-app registered by the console-script module (ARCHITECTURE.md §2)
+    from trainer.rewards.cli import app as mor_app  # sub-app registered by the console-script module (ARCHITECTURE.md §2)
 
     register_grpo(mor_app)
     register_reward_export(mor_app)
@@ -257,7 +257,7 @@ _register_mor_commands()
 
 
 def _register_prism_commands() -> None:
-    from trainer.experts.cli import app as prism_app
+    from trainer.experts.cli import app as prism_app  # sub-app registered by the console-script module (ARCHITECTURE.md §2)
 
     app.add_typer(prism_app, name="prism")
 

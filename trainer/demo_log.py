@@ -134,7 +134,7 @@ def demo_log(
 ) -> None:
     """Make a device's evaluation log from RouterBench rows: route each prompt with the bundle and
     record the chosen model's labelled outcome (no LLM is called, no text is stored)."""
-    from trainer.data.routerbench import load_eval_file, load_routerbench_dir
+    from trainer.data.routerbench import load_eval_file, load_routerbench_dir  # trainer.data.routerbench imports huggingface_hub, pandas: on use only
 
     if not data.exists():
         raise typer.BadParameter(f"--data {data} does not exist (a RouterBench folder or a .parquet/.csv file)")

@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from trainer.alignment.errors import AlignmentConfigError
+from trainer.alignment.policy_models import load_policy
+from trainer.report import save_figure, write_json
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -165,7 +167,7 @@ def read_preference_rows(path: str | os.PathLike[str]) -> list[dict]:
         if p.suffix == ".jsonl":
             rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
         elif p.suffix == ".parquet":
-            import pandas as pd
+            import pandas as pd  # pandas: optional heavy dependency, imported on use
 
             rows = pd.read_parquet(p).to_dict("records")
         else:
@@ -218,7 +220,7 @@ def sequence_logps(model, tokenizer, prompts: Sequence[str], completions: Sequen
     ndarray of shape (n,), float64
         ``sum_t log p(y_t | x, y_<t)`` over the completion tokens (nats).
     """
-    import torch
+    import torch  # torch: optional heavy dependency, imported on use
 
     device = next(model.parameters()).device
     encoded = [_encode_pair_parts(tokenizer, p, c, chat, max_length) for p, c in zip(prompts, completions)]
@@ -335,11 +337,10 @@ class DPOAlignmentTrainer:
         PolicyUnavailableError
             The policy cannot be loaded.
         """
-        import torch
-        from datasets import Dataset
-        from trl import DPOConfig, DPOTrainer
+        import torch  # torch: optional heavy dependency, imported on use
+        from datasets import Dataset  # datasets: optional heavy dependency, imported on use
+        from trl import DPOConfig, DPOTrainer  # trl: optional heavy dependency, imported on use
 
-        from trainer.alignment.policy_models import load_policy
 
         a = self.args
         train_rows = validate_preference_rows(train_rows, what="train rows")
@@ -394,12 +395,11 @@ class DPOAlignmentTrainer:
         return result
 
     def _write(self, out: Path, result: DPOResult) -> None:
-        import matplotlib
+        import matplotlib  # matplotlib: optional heavy dependency, imported on use
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # matplotlib: optional heavy dependency, imported on use
 
-        from trainer.report import save_figure, write_json
 
         payload = {"settings": asdict(self.args), **asdict(result),
                    "loss_first": result.loss_first, "loss_last": result.loss_last,

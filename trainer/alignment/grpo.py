@@ -40,6 +40,11 @@ import numpy as np
 from sdk.errors import InvalidInputError
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.thompson_routing import NeuralThompsonRouting, ThompsonConfig, bandit_feedback
+from trainer.report import write_json
+from trainer.alignment.policy_models import load_policy, prepare_tokenizer
+from trainer.report import save_figure, write_json
+import copy
+from trainer.report import save_figure, write_json, write_text
 
 #: A client reward model as the server sees it: (prompts, responses) -> normalised scores (n,) float32.
 ClientReward = Callable[[Sequence[str], Sequence[str]], np.ndarray]
@@ -147,7 +152,7 @@ class RoutedGRPOReward:
 
 
 def _callback_base():
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback  # transformers: optional heavy dependency, imported on use
 
     return TrainerCallback
 
@@ -176,7 +181,7 @@ class OnlineRoutingCallback(_callback_base()):
         self._bar = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # tqdm: optional heavy dependency, imported on use
 
         self._bar = tqdm(total=state.max_steps, desc="GRPO", unit="step", leave=False)
 
@@ -291,13 +296,12 @@ class RoutedGRPOConfig:
 
     def save(self, path: Path) -> None:
         """Write the config as JSON (atomic)."""
-        from trainer.report import write_json
 
         write_json(Path(path), self.to_dict())
 
     def to_trl(self):
         """The TRL ``GRPOConfig`` of this run (logging every step, nothing saved, no external loggers)."""
-        from trl import GRPOConfig
+        from trl import GRPOConfig  # trl: optional heavy dependency, imported on use
 
         gpu = self.device == "cuda"
         return GRPOConfig(
@@ -402,12 +406,11 @@ class RoutedGRPOTrainer:
         -------
         GRPOResult
         """
-        import torch
-        from datasets import Dataset
-        from transformers import PrinterCallback
-        from trl import GRPOTrainer
+        import torch  # torch: optional heavy dependency, imported on use
+        from datasets import Dataset  # datasets: optional heavy dependency, imported on use
+        from transformers import PrinterCallback  # transformers: optional heavy dependency, imported on use
+        from trl import GRPOTrainer  # trl: optional heavy dependency, imported on use
 
-        from trainer.alignment.policy_models import load_policy, prepare_tokenizer
 
         cfg = self.config
         if cfg.device == "cpu":
@@ -435,12 +438,11 @@ class RoutedGRPOTrainer:
 
 def write_history(out: Path, config: dict, history: list[dict], summary: dict) -> None:
     """``history.json`` (config, per-step history, summary) and ``grpo.png`` (reward and KL per step)."""
-    import matplotlib
+    import matplotlib  # matplotlib: optional heavy dependency, imported on use
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: optional heavy dependency, imported on use
 
-    from trainer.report import save_figure, write_json
 
     out = Path(out)
     write_json(out / "history.json", {"config": config, "history": history, "summary": summary})
@@ -479,7 +481,6 @@ def from_mixture(mixture, thompson: ThompsonConfig) -> RoutedGRPOReward:
     the mixture's ``PairEncoder``; client ``k`` answers with its normalised score (raw when the
     mixture has ``normalise=False``). The routing mode is the mixture's.
     """
-    import copy
 
     router = copy.deepcopy(mixture.router)
     clients = [_ClientScore(rm, mixture.normalise) for rm in mixture.reward_models]
@@ -511,12 +512,11 @@ def compare_online(config: RoutedGRPOConfig, make_reward: Callable[[ThompsonConf
     -------
     dict ``{"online": summary, "offline": summary}``.
     """
-    import matplotlib
+    import matplotlib  # matplotlib: optional heavy dependency, imported on use
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: optional heavy dependency, imported on use
 
-    from trainer.report import save_figure, write_json, write_text
 
     out = Path(config.output_dir)
     runs: dict[str, GRPOResult] = {}

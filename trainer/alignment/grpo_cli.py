@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import numpy as np
+from sdk.errors import InvalidInputError
+from trainer.alignment.policy_models import build_tiny_causal_lm
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
 DataOpt = Annotated[Path, typer.Option("--data", help="the shared data folder (alpacaeval/, hh_harmless/, routerbench/)")]
@@ -22,10 +25,8 @@ def public_prompts(data: Path, n: int, seed: int = 0) -> list[str]:
     InvalidInputError
         ``n`` < 1.
     """
-    import numpy as np
 
-    from sdk.errors import InvalidInputError
-    from trainer.data.preferences import load_alpacaeval_pairs, load_hh_harmless_pairs
+    from trainer.data.preferences import load_alpacaeval_pairs, load_hh_harmless_pairs  # trainer.data.preferences imports pandas: on use only
 
     if n < 1:
         raise InvalidInputError(f"n={n} prompts should be >= 1")
@@ -61,9 +62,9 @@ def grpo(
     cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
 ) -> None:
     """GRPO (TRL) on the routed reward of a MoR mixture, with online routing by neural Thompson sampling."""
-    from trainer.alignment.grpo import RoutedGRPOConfig, RoutedGRPOTrainer, compare_online, from_mixture
-    from trainer.alignment.thompson_routing import ThompsonConfig
-    from trainer.rewards.mixture import load_mixture
+    from trainer.alignment.grpo import RoutedGRPOConfig, RoutedGRPOTrainer, compare_online, from_mixture  # trainer.alignment.grpo imports torch: on use only
+    from trainer.alignment.thompson_routing import ThompsonConfig  # trainer.alignment.thompson_routing imports torch: on use only
+    from trainer.rewards.mixture import load_mixture  # trainer.rewards.mixture imports torch, tqdm: on use only
 
     if online not in ("compare", "on", "off"):
         raise typer.BadParameter(f"--online must be 'compare', 'on' or 'off', got {online!r}")
@@ -76,7 +77,6 @@ def grpo(
     prompts = public_prompts(data, n_prompts, seed)
     out.mkdir(parents=True, exist_ok=True)
     if model is None:
-        from trainer.alignment.policy_models import build_tiny_causal_lm
 
         model = str(build_tiny_causal_lm(out / "tiny_policy", train_texts=prompts, vocab_size=512, seed=seed,
                                          overwrite=True))

@@ -29,6 +29,8 @@ from pathlib import Path
 
 from sdk.errors import InvalidInputError
 from trainer.alignment.errors import PolicyUnavailableError
+from trainer.embeddings import resolve_model_path
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 #: Rendered as ``<role>: <content><eos>`` per message, then ``assistant:`` when a generation prompt is
 #: asked for. A prompt rendered with the generation prompt is a prefix of prompt + answer rendered
@@ -44,7 +46,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _resolve_dtype(dtype, device: str):
-    import torch
+    import torch  # torch: optional heavy dependency, imported on use
 
     if dtype is None:
         return torch.float32  # CPU default; on GPU pass "bfloat16" (the GPU preset)
@@ -109,8 +111,8 @@ def load_policy(path_or_id: str | os.PathLike[str], *, device: str = "cpu", dtyp
     InvalidInputError
         An unknown dtype.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # torch: optional heavy dependency, imported on use
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers: optional heavy dependency, imported on use
 
     torch_dtype = _resolve_dtype(dtype, device)
     name = os.fspath(path_or_id)
@@ -131,7 +133,6 @@ def load_policy(path_or_id: str | os.PathLike[str], *, device: str = "cpu", dtyp
 
 
 def _minilm_tokenizer_file() -> Path:
-    from trainer.embeddings import resolve_model_path
 
     path = Path(resolve_model_path("all-MiniLM-L6-v2")) / "tokenizer.json"
     if not path.exists():
@@ -168,8 +169,7 @@ def build_offline_tokenizer(train_texts: Sequence[str] | None = None, *, vocab_s
     InvalidInputError
         Empty ``train_texts`` or ``vocab_size < 260``.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # transformers: optional heavy dependency, imported on use
 
     if train_texts is not None:
         texts = [t for t in train_texts if isinstance(t, str) and t.strip()]
@@ -232,8 +232,8 @@ def build_tiny_causal_lm(out_dir: str | os.PathLike[str], *, train_texts: Sequen
     InvalidInputError
         Bad sizes, or ``out_dir`` exists and ``overwrite`` is False.
     """
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    import torch  # torch: optional heavy dependency, imported on use
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # transformers: optional heavy dependency, imported on use
 
     out = Path(out_dir)
     if out.exists() and not overwrite:

@@ -14,6 +14,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from dataclasses import replace
+from trainer.report import write_json
+from trainer.rewards.mor_report import write_eval
+from trainer.rewards.mor_report import write_audit
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="MoR: client reward models, federated router, audit.")
 
@@ -26,7 +30,7 @@ ThreadsOpt = Annotated[int, typer.Option(min=1, help="torch CPU threads")]
 
 
 def _config(quick: bool, data: Path, seeds: Optional[int], cache: Optional[Path]):
-    from trainer.rewards.mor_trainer import MoRConfig
+    from trainer.rewards.mor_trainer import MoRConfig  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     over = {"data_dir": str(data), "cache_dir": str(cache) if cache else None}
     if seeds is not None:
@@ -35,7 +39,7 @@ def _config(quick: bool, data: Path, seeds: Optional[int], cache: Optional[Path]
 
 
 def _setup(threads: int) -> None:
-    import torch
+    import torch  # torch: optional heavy dependency, imported on use
 
     torch.set_num_threads(threads)
 
@@ -46,11 +50,9 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
           weighting: Annotated[str, typer.Option(help="router FedAvg weighting: equal | samples")] = "equal",
           cache: CacheOpt = None, threads: ThreadsOpt = 1) -> None:
     """Train the clients' reward models and the federated router on one seed's split; save the mixture."""
-    from dataclasses import replace
 
-    from trainer.report import write_json
-    from trainer.rewards.evaluation import evaluate_seed
-    from trainer.rewards.mor_trainer import MoRTrainer
+    from trainer.rewards.evaluation import evaluate_seed  # trainer.rewards.evaluation imports pandas, torch: on use only
+    from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     _setup(threads)
     if mode not in ("sparse", "soft") or weighting not in ("equal", "samples"):
@@ -73,9 +75,8 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
 def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"), seeds: SeedsOpt = None,
           cache: CacheOpt = None, threads: ThreadsOpt = 1) -> None:
     """MoR Table 4 analogue over seeds: results.json, results.md, results.png in OUT."""
-    from trainer.rewards.evaluation import run_evaluation
-    from trainer.rewards.mor_report import write_eval
-    from trainer.rewards.mor_trainer import MoRTrainer
+    from trainer.rewards.evaluation import run_evaluation  # trainer.rewards.evaluation imports pandas, torch: on use only
+    from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     _setup(threads)
     cfg = _config(quick, data, seeds, cache)
@@ -97,9 +98,8 @@ def audit(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
           clip: Annotated[float, typer.Option(min=0.01, help="clip of normalised scores in the clipped variant")] = 1.0,
           cache: CacheOpt = None, threads: ThreadsOpt = 1) -> None:
     """Membership inference on reward margins (naive vs defended reward MLPs) and communication."""
-    from trainer.rewards.audit import run_audit
-    from trainer.rewards.mor_report import write_audit
-    from trainer.rewards.mor_trainer import MoRTrainer
+    from trainer.rewards.audit import run_audit  # trainer.rewards.audit imports pandas, torch: on use only
+    from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     _setup(threads)
     cfg = _config(quick, data, seeds, cache)

@@ -90,7 +90,7 @@ class ClientRouter(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def save(self, directory: Path) -> None:
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save_file  # safetensors: optional heavy dependency, imported on use
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -105,7 +105,7 @@ class ClientRouter(nn.Module):
 
     @classmethod
     def load(cls, directory: Path) -> ClientRouter:
-        from safetensors.numpy import load_file
+        from safetensors.numpy import load_file  # safetensors: optional heavy dependency, imported on use
 
         path = Path(directory) / "router.json"
         if not path.is_file():

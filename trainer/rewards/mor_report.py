@@ -42,10 +42,10 @@ def eval_markdown(res: dict) -> str:
 
 
 def eval_figure(res: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # matplotlib: optional heavy dependency, imported on use
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: optional heavy dependency, imported on use
 
     methods = res["methods"]
     keys = list(methods)
@@ -109,10 +109,10 @@ def audit_markdown(res: dict) -> str:
 
 
 def audit_figure(res: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # matplotlib: optional heavy dependency, imported on use
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: optional heavy dependency, imported on use
 
     clients = list(res["per_client"]["naive"])
     x = np.arange(len(clients))

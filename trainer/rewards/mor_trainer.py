@@ -307,7 +307,7 @@ class MoRTrainer:
 
     def train(self, split: MoRSplit) -> MoRModels:
         """Steps 3-5 for one seed."""
-        from trainer.length_baseline import LengthBaseline
+        from trainer.length_baseline import LengthBaseline  # trainer.length_baseline imports pandas: on use only
 
         a, seed = self.args, split.seed
         rms, history = [], {}

@@ -21,6 +21,7 @@ import numpy as np
 
 from sdk.errors import InvalidInputError
 from trainer.embeddings import EmbedderConfig, embed_texts
+from sdk.pair_encoding import length_features_many
 
 
 @dataclass
@@ -77,6 +78,5 @@ LENGTH_SCALE = 8.0
 
 def response_lengths(responses: Sequence[str]) -> np.ndarray:
     """``[log1p(characters), log1p(words), log1p(lines)] / 8`` of each response: (n, 3) float32."""
-    from sdk.pair_encoding import length_features_many
 
     return (length_features_many(list(responses), [""] * len(responses)) / LENGTH_SCALE).astype(np.float32)

@@ -41,7 +41,7 @@ class AttackResult:
 
 def tpr_at_fpr(labels: np.ndarray, scores: np.ndarray, fpr_levels: Sequence[float] = FPR_LEVELS) -> dict:
     """Highest TPR of a threshold on ``scores`` whose FPR is <= each level (sklearn ``roc_curve``)."""
-    from sklearn.metrics import roc_curve
+    from sklearn.metrics import roc_curve  # sklearn: optional heavy dependency, imported on use
 
     fpr, tpr, _ = roc_curve(labels, scores)
     return {float(f): float(tpr[fpr <= f + 1e-12].max()) for f in fpr_levels}
@@ -59,7 +59,7 @@ def membership_attack(member_margins: np.ndarray, non_member_margins: np.ndarray
 
     Returns AttackResult. Raises InvalidInputError: a group is empty or holds NaN/inf.
     """
-    from sklearn.metrics import roc_auc_score
+    from sklearn.metrics import roc_auc_score  # sklearn: optional heavy dependency, imported on use
 
     mem = np.asarray(member_margins, dtype=np.float64).ravel()
     non = np.asarray(non_member_margins, dtype=np.float64).ravel()

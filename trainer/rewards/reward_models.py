@@ -56,6 +56,9 @@ from tqdm.auto import tqdm
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.embeddings import EmbedderConfig, resolve_model_path
 from trainer.rewards.pair_features import PairEncoder
+from trainer.preference_metrics import pairwise_accuracy as metric
+from trainer.rewards.pair_features import LENGTH_SCALE
+from trainer.rewards.pair_features import response_lengths
 
 ARCHS = ("mlp", "lora")
 FORMAT_VERSION = 1
@@ -137,7 +140,6 @@ def pairwise_accuracy(score_chosen: np.ndarray, score_rejected: np.ndarray) -> f
 
     score_chosen, score_rejected : arrays of shape (n,). Raises ShapeError on n = 0, a shape mismatch or NaN.
     """
-    from trainer.preference_metrics import pairwise_accuracy as metric
 
     sc, sr = np.asarray(score_chosen, dtype=np.float64), np.asarray(score_rejected, dtype=np.float64)
     if sc.shape != sr.shape:
@@ -245,9 +247,8 @@ def fit_length_prior(len_chosen: np.ndarray, len_rejected: np.ndarray, C: float 
     len_chosen, len_rejected : (n, 3) arrays, n >= 1. Returns ndarray (3,) float64, the weight on the
     SCALED columns (``coef * LENGTH_SCALE``). Raises InvalidInputError on a shape mismatch or C <= 0.
     """
-    from sklearn.linear_model import LogisticRegression
+    from sklearn.linear_model import LogisticRegression  # sklearn: optional heavy dependency, imported on use
 
-    from trainer.rewards.pair_features import LENGTH_SCALE
 
     lc, lr_ = np.asarray(len_chosen, dtype=np.float64), np.asarray(len_rejected, dtype=np.float64)
     if lc.shape != lr_.shape or lc.ndim != 2 or lc.shape[1] != N_LENGTH_COLUMNS or lc.shape[0] < 1:
@@ -335,7 +336,7 @@ class MLPRewardModel(ClientRewardModel):
         return sum(p.numel() for p in self.module.parameters())
 
     def save(self, directory: Path) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # safetensors: optional heavy dependency, imported on use
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -348,7 +349,7 @@ class MLPRewardModel(ClientRewardModel):
 
     @classmethod
     def load(cls, directory: Path, cache_dir: Path | None = None) -> MLPRewardModel:
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file  # safetensors: optional heavy dependency, imported on use
 
         meta = _read_meta(directory, "mlp")
         encoder = PairEncoder(EmbedderConfig(**meta["embedder"]), cache_dir, length_features=meta["length_features"])
@@ -384,8 +385,8 @@ class LoRARewardModel(ClientRewardModel):
     def __init__(self, base_model: str = "all-MiniLM-L6-v2", max_tokens: int = 128, lora_r: int = 8,
                  lora_alpha: int = 16, lora_dropout: float = 0.05, batch_size: int = 32, adapter_dir: Path | None = None,
                  length_term: bool = False) -> None:
-        from peft import LoraConfig, PeftModel, get_peft_model
-        from transformers import AutoModel, AutoTokenizer
+        from peft import LoraConfig, PeftModel, get_peft_model  # peft: optional heavy dependency, imported on use
+        from transformers import AutoModel, AutoTokenizer  # transformers: optional heavy dependency, imported on use
 
         self.base_model, self.max_tokens = base_model, int(max_tokens)
         self.lora_r, self.lora_alpha, self.lora_dropout = int(lora_r), int(lora_alpha), float(lora_dropout)
@@ -424,7 +425,6 @@ class LoRARewardModel(ClientRewardModel):
         """(n,) tensor of raw rewards with gradients (training mode is the caller's)."""
         lengths = None
         if self.length_term:
-            from trainer.rewards.pair_features import response_lengths
 
             lengths = torch.from_numpy(response_lengths([r if r.strip() else "(empty)" for r in responses]))
         return self.module(**self.tokenize(prompts, responses), lengths=lengths)
@@ -443,7 +443,7 @@ class LoRARewardModel(ClientRewardModel):
         return sum(p.numel() for p in self.module.parameters() if p.requires_grad)
 
     def save(self, directory: Path) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # safetensors: optional heavy dependency, imported on use
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -459,7 +459,7 @@ class LoRARewardModel(ClientRewardModel):
 
     @classmethod
     def load(cls, directory: Path, cache_dir: Path | None = None) -> LoRARewardModel:
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file  # safetensors: optional heavy dependency, imported on use
 
         directory = Path(directory)
         meta = _read_meta(directory, "lora")
@@ -616,7 +616,6 @@ class RewardModelTrainer:
 
     def length_prior_(self, fit: PreferencePairs) -> np.ndarray:
         """(3,) weights of :func:`fit_length_prior` on ``fit`` (the pairs the model trains on)."""
-        from trainer.rewards.pair_features import response_lengths
 
         self.length_weight_ = fit_length_prior(response_lengths(fit.chosen), response_lengths(fit.rejected), self.args.length_prior_C)
         return self.length_weight_
@@ -675,7 +674,7 @@ class RewardModelTrainer:
 
     def _train_mlp_dp(self, fit: PreferencePairs) -> MLPRewardModel:
         """DP-SGD (Opacus) on the Bradley-Terry loss; one privacy unit = one preference pair."""
-        from opacus import PrivacyEngine
+        from opacus import PrivacyEngine  # opacus: optional heavy dependency, imported on use
 
         a = self.args
         enc = self.encoder.encode

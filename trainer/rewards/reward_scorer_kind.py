@@ -30,7 +30,7 @@ class MoRRewardTrainerKind(kinds.TrainerKind):
         InvalidInputError
             No ``mixture.json`` or an unsupported format version.
         """
-        from trainer.rewards.mixture import load_mixture
+        from trainer.rewards.mixture import load_mixture  # trainer.rewards.mixture imports torch, tqdm: on use only
 
         return load_mixture(Path(directory))
 
