@@ -38,9 +38,9 @@ from sdk import bundle_manifest as fmt
 from sdk import kinds
 from sdk.artefact_kind import ArtefactKind, LoadContext
 from sdk.embedder import inference_session, session_options
+from sdk.arrays import finite_rows
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 from sdk.pair_encoding import length_features_many
-from sdk.errors import ShapeError
 
 FAMILY = "reward_scorer"
 KIND = "mor"
@@ -352,13 +352,7 @@ class RewardScorer:
         ShapeError
             Wrong shape or non-finite values.
         """
-
-        x = np.ascontiguousarray(features, dtype=np.float32)
-        if x.ndim != 2 or x.shape[1] != self.d_in or len(x) == 0:
-            raise ShapeError(f"features must have shape (n >= 1, {self.d_in}), got {x.shape}")
-        if not np.isfinite(x).all():
-            raise ShapeError("features must be finite")
-        return self._graphs.run(x)
+        return self._graphs.run(finite_rows(features, self.d_in, "features"))
 
     def __repr__(self) -> str:
         return (f"RewardScorer(client={self.client_name!r}, clients={len(self.client_names)}, "

@@ -23,7 +23,8 @@ import numpy as np
 from sdk import bundle_manifest as fmt
 from sdk import kinds
 from sdk.embedder import session_options
-from sdk.errors import BudgetError, BundleError, InvalidInputError, InvalidQueryError, ShapeError
+from sdk.arrays import finite_rows
+from sdk.errors import BudgetError, BundleError, InvalidInputError, InvalidQueryError
 from sdk.utility import _decide_unchecked, check_lambda
 
 #: Upper end of the lambda search in :meth:`Router.lam_for_budget`, USD^-1.
@@ -256,11 +257,7 @@ class Router:
         ShapeError
             Wrong shape or non-finite values.
         """
-        x = np.ascontiguousarray(embeddings, dtype=np.float32)
-        if x.ndim != 2 or x.shape[1] != self.d_emb or len(x) == 0:
-            raise ShapeError(f"embeddings must have shape (n_queries >= 1, {self.d_emb}), got {x.shape}")
-        if not np.isfinite(x).all():
-            raise ShapeError("embeddings must be finite")
+        x = finite_rows(embeddings, self.d_emb, "embeddings", rows="n_queries")
         acc, cost, _ = self._scorer.predict(x)
         return acc, cost
 

@@ -25,6 +25,7 @@ import pandas as pd
 from sdk.errors import InvalidInputError
 from sdk.pair_encoding import length_features_many
 from trainer.data.errors import DataFormatError
+from trainer.preference_metrics import pairwise_accuracy
 
 
 def _features(df: pd.DataFrame) -> np.ndarray:
@@ -64,7 +65,7 @@ class LengthBaseline:
         InvalidInputError
             A domain (or the whole frame) holds only one label value.
         """
-        from sklearn.linear_model import LogisticRegression
+        from sklearn.linear_model import LogisticRegression  # sklearn: optional heavy dependency, imported on use
 
         if "label" not in df.columns:
             raise DataFormatError("missing column", path="<pairs frame>", column="label")
@@ -100,7 +101,6 @@ class LengthBaseline:
 
 def cross_validated_accuracy(df: pd.DataFrame, per_domain: bool, n_folds: int = 5, seed: int = 0) -> dict[str, float]:
     """Accuracy per domain of :class:`LengthBaseline` under ``n_folds``-fold cross-validation by prompt_id."""
-    from trainer.preference_metrics import pairwise_accuracy
 
     ids = np.array(sorted(df["prompt_id"].unique()))
     fold_of = dict(zip(ids, np.random.default_rng(seed).permutation(len(ids)) % n_folds))
@@ -118,7 +118,7 @@ def cross_validated_accuracy(df: pd.DataFrame, per_domain: bool, n_folds: int = 
 
 def main(argv: list[str]) -> None:
     """``python -m trainer.length_baseline DATA_DIR``: print the cross-validated length-only accuracies."""
-    from trainer.data.preferences import load_preference_pairs
+    from trainer.data.preferences import load_preference_pairs  # trainer.data.preferences imports pandas: on use only
 
     data = argv[0] if argv else "../shared/data"
     for equal in ("drop", "keep"):

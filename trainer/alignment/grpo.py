@@ -35,15 +35,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import copy
+
 import numpy as np
 
 from sdk.errors import InvalidInputError
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.thompson_routing import NeuralThompsonRouting, ThompsonConfig, bandit_feedback
-from trainer.report import write_json
 from trainer.alignment.policy_models import load_policy, prepare_tokenizer
-from trainer.report import save_figure, write_json
-import copy
 from trainer.report import save_figure, write_json, write_text
 
 #: A client reward model as the server sees it: (prompts, responses) -> normalised scores (n,) float32.

@@ -11,6 +11,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from sdk.errors import InvalidInputError
+import numpy as np
+from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig
+from trainer.alignment.errors import AlignmentConfigError
+from trainer.alignment.policy_models import build_tiny_causal_lm
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="FedPrism: federated preference experts with instance-wise routing (paper 000).")
@@ -30,11 +35,10 @@ def train(
     cache_dir: Annotated[Optional[Path], typer.Option(help="cache folder (embeddings, segment states)")] = None,
 ) -> None:
     """Train FedPrism and its baselines on the same clients; write results.json, results.md, PNGs."""
-    import torch
+    import torch  # torch: optional heavy dependency, imported on use
 
-    from sdk.errors import InvalidInputError
-    from trainer.experts.experiment import ALL_METHODS, PRESETS, prepare_data, run_experiment
-    from trainer.experts.selector import PairSelector
+    from trainer.experts.experiment import ALL_METHODS, PRESETS, prepare_data, run_experiment  # trainer.experts.experiment imports pandas, torch: on use only
+    from trainer.experts.selector import PairSelector  # trainer.experts.selector imports torch: on use only
 
     name = "quick" if quick else preset
     if name not in PRESETS:
@@ -69,9 +73,9 @@ def label(
     cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
 ) -> None:
     """Phase III: routed experts label held-out AlpacaEval pairs; agreement with the judge; synthetic set."""
-    import torch
+    import torch  # torch: optional heavy dependency, imported on use
 
-    from trainer.experts.phase3 import agreement_markdown, run_phase3
+    from trainer.experts.phase3 import agreement_markdown, run_phase3  # trainer.experts.phase3 imports pandas: on use only
 
     torch.set_num_threads(device_threads)
     result = run_phase3(run, data, out, max_pairs=max_pairs, cache_dir=cache_dir)
@@ -96,12 +100,8 @@ def dpo(
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
     """Phase III step 2: DPO (TRL) of a policy on the synthetic set; held-out accuracy against the judge."""
-    import numpy as np
-    import pandas as pd
+    import pandas as pd  # pandas: optional heavy dependency, imported on use
 
-    from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig
-    from trainer.alignment.errors import AlignmentConfigError
-    from trainer.alignment.policy_models import build_tiny_causal_lm
 
     tiny = tiny or quick
     if quick:

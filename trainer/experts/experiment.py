@@ -56,6 +56,8 @@ from trainer.data.preferences import DOMAINS, dirichlet_clients, load_preference
 from trainer.experts.fedprism import METHODS, FederatedPairs, FedPrismConfig, FedPrismTrainer, method_config, state_bytes
 from trainer.length_baseline import LengthBaseline
 from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
+from trainer.embeddings import EmbedderConfig, default_cache_dir, embed_texts
+from trainer.report import save_figure, write_json, write_text
 
 ALL_METHODS = METHODS + ("length_only",)
 
@@ -108,8 +110,7 @@ class PreparedData:
 def prepare_data(data_dir: Path, preset: DataPreset, model, embedder_config=None, cache_dir: Path | None = None,
                  data_seed: int = 0, progress: bool = True) -> PreparedData:
     """Pairs, splits, public prompts, prompt embeddings and the segment store (module docstring)."""
-    from trainer.embeddings import EmbedderConfig, default_cache_dir, embed_texts
-    from trainer.experts.selector import build_segment_store
+    from trainer.experts.selector import build_segment_store  # trainer.experts.selector imports torch: on use only
 
     pairs = load_preference_pairs(data_dir, seed=data_seed)
     train, val, test = split_by_prompt(pairs, (0.6, 0.2, 0.2), seed=data_seed)
@@ -203,7 +204,6 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                 if m in ("fedprism", "fedbis") and seed == seeds[0] and out is not None:
                     # Phase III (trainer.experts.phase3) compares FedPrism's routed experts with FedBis's selector
                     trainer.save(out / f"{m}_seed0")
-                    from trainer.report import write_text
 
                     write_text(out / f"{m}_seed0" / "splits.json", json.dumps(prep.splits))
             for k, v in res.items():
@@ -256,12 +256,11 @@ def markdown(result: dict) -> str:
 
 def write_results(out: Path, result: dict, history: dict) -> None:
     """results.json, results.md, history.json and the two PNGs (atomic writes)."""
-    import matplotlib
+    import matplotlib  # matplotlib: optional heavy dependency, imported on use
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: optional heavy dependency, imported on use
 
-    from trainer.report import save_figure, write_json, write_text
 
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", result)

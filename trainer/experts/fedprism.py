@@ -53,6 +53,8 @@ from trainer.experts.prompt_router import PromptRouter, fit_router, kmeans_init,
 from trainer.experts.selector import PairSelector, SegmentStore, SelectorConfig
 from trainer.routers.fedavg import fedavg
 from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
+from trainer.experts.length_init import client_length_coefs, fedavg_length_coefs, upload_bytes
+from trainer.report import write_text
 
 ROUTINGS = ("router", "random", "single", "client_cluster")
 LENGTH_INITS = ("fedavg_lr", "zero")
@@ -109,7 +111,7 @@ class FedPrismConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.selector, dict):
-            from trainer.experts.selector import PairEncodingConfig
+            from trainer.experts.selector import PairEncodingConfig  # trainer.experts.selector imports torch: on use only
 
             sel = dict(self.selector)
             sel["encoding"] = PairEncodingConfig(**sel["encoding"])
@@ -317,7 +319,7 @@ class FedPrismTrainer:
         return {"accuracy": acc, "assignment": assign, "proba": proba}
 
     def _client_groups(self) -> np.ndarray:
-        from sklearn.cluster import KMeans
+        from sklearn.cluster import KMeans  # sklearn: optional heavy dependency, imported on use
 
         means = np.stack([self.data.prompt_emb[c].mean(0) for c in self.data.clients])
         k = min(self.args.n_experts, len(means))
@@ -328,7 +330,6 @@ class FedPrismTrainer:
         train pairs with the initial routing, fits one local regression per expert it routed to and
         sends (3 coefficients, count); the FedAvg per expert becomes that expert's length path, and
         the head's output layer is zeroed so the expert starts as exactly that regression."""
-        from trainer.experts.length_init import client_length_coefs, fedavg_length_coefs, upload_bytes
 
         a, d = self.args, self.data
         feats, labels = d.store.features.numpy(), d.store.label.numpy()
@@ -411,7 +412,7 @@ class FedPrismTrainer:
         self.setup()
         rounds = range(1, self.args.rounds + 1)
         if self.progress:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # tqdm: optional heavy dependency, imported on use
 
             a = self.args
             rounds = tqdm(rounds, desc=f"{a.routing}{'+pgpd' if a.pgpd else ''} seed {a.seed}", unit="round")
@@ -423,10 +424,9 @@ class FedPrismTrainer:
 
     def save(self, out: Path) -> None:
         """Write the trained experts and router (layout in :mod:`trainer.experts.experiment`)."""
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save_file  # safetensors: optional heavy dependency, imported on use
 
-        from trainer.experts.selector import save_selector_config
-        from trainer.report import write_text
+        from trainer.experts.selector import save_selector_config  # trainer.experts.selector imports torch: on use only
 
         out.mkdir(parents=True, exist_ok=True)
         for k, state in enumerate(self.experts_):

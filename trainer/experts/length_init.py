@@ -54,7 +54,7 @@ def client_length_coefs(features: np.ndarray, labels: np.ndarray, assign: np.nda
     InvalidInputError
         An expert index outside ``[0, n_experts)``, a label not in {0, 1}, or ``C <= 0``.
     """
-    from sklearn.linear_model import LogisticRegression
+    from sklearn.linear_model import LogisticRegression  # sklearn: optional heavy dependency, imported on use
 
     x = np.asarray(features, dtype=np.float64)
     y = np.asarray(labels).astype(np.float64)

@@ -34,6 +34,8 @@ import pandas as pd
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.data.preferences import ALPACA_REFERENCE, PAIR_COLUMNS
 from trainer.preference_metrics import pairwise_accuracy
+from trainer.embeddings import EmbedderConfig, embed_texts
+from trainer.report import save_figure, write_json, write_text
 
 SYNTHETIC_COLUMNS = ("prompt", "chosen", "rejected", "p_chosen", "expert", "judge_agrees", "pair_id",
                      "prompt_id", "subset")
@@ -228,10 +230,10 @@ def load_saved_method(folder: str | os.PathLike[str]):
     InvalidInputError
         A missing file of the layout (the message names it).
     """
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load_file  # safetensors: optional heavy dependency, imported on use
 
-    from trainer.experts.prompt_router import PromptRouter
-    from trainer.experts.selector import PairSelector, load_selector_config
+    from trainer.experts.prompt_router import PromptRouter  # trainer.experts.prompt_router imports torch: on use only
+    from trainer.experts.selector import PairSelector, load_selector_config  # trainer.experts.selector imports torch: on use only
 
     folder = Path(folder)
     for name in ("selector_config.json", "fedprism_config.json", "splits.json", "expert_0"):
@@ -264,7 +266,7 @@ def routed_proba(model, experts, router, store, prompt_emb: np.ndarray | None) -
     -------
     (proba, expert): ndarrays of shape (n_pairs,), float64 and int64.
     """
-    import torch
+    import torch  # torch: optional heavy dependency, imported on use
 
     n = store.n_pairs
     assign = np.zeros(n, dtype=np.int64) if router is None else router.route(prompt_emb)
@@ -317,11 +319,9 @@ def run_phase3(run_dir: str | os.PathLike[str], data_dir: str | os.PathLike[str]
     InvalidInputError
         A run folder without ``fedprism_seed0/``.
     """
-    from trainer.data.preferences import load_preference_pairs
-    from trainer.embeddings import EmbedderConfig, embed_texts
-    from trainer.experts.selector import build_segment_store
-    from trainer.length_baseline import LengthBaseline
-    from trainer.report import save_figure, write_json, write_text
+    from trainer.data.preferences import load_preference_pairs  # trainer.data.preferences imports pandas: on use only
+    from trainer.experts.selector import build_segment_store  # trainer.experts.selector imports torch: on use only
+    from trainer.length_baseline import LengthBaseline  # trainer.length_baseline imports pandas: on use only
 
     run_dir, out = Path(run_dir), Path(out)
     prism_dir = run_dir / "fedprism_seed0"
@@ -374,10 +374,10 @@ def run_phase3(run_dir: str | os.PathLike[str], data_dir: str | os.PathLike[str]
     md += ["", f"Expert share (FedPrism routing of these prompts): {', '.join(f'{s:.2f}' for s in share)}", ""]
     write_text(out / "phase3.md", "\n".join(md))
 
-    import matplotlib
+    import matplotlib  # matplotlib: optional heavy dependency, imported on use
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: optional heavy dependency, imported on use
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     names = list(table)

@@ -116,7 +116,7 @@ def kmeans_init(router: PromptRouter, public_emb: np.ndarray, *, lr: float = 1e-
     InvalidInputError
         Fewer public prompts than experts.
     """
-    from sklearn.cluster import KMeans
+    from sklearn.cluster import KMeans  # sklearn: optional heavy dependency, imported on use
 
     public_emb = np.asarray(public_emb, dtype=np.float32)
     if public_emb.shape[0] < router.n_experts:

@@ -54,6 +54,10 @@ from sdk.errors import InvalidInputError, ShapeError
 from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig, length_features_many
 from trainer.data.errors import DataUnavailableError
 from trainer.embeddings import resolve_model_path
+from tokenizers import Tokenizer
+import hashlib
+import os
+from trainer.report import write_text
 
 __all__ = ["PairSelector", "SegmentStore", "SelectorConfig", "build_segment_store"]
 
@@ -116,7 +120,7 @@ class SelectorConfig:
 def _mask_for_layers(base, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The attention mask the backbone's own forward gives its layers (BERT: sdpa 4-D or extended)."""
     if getattr(base, "attn_implementation", None) == "sdpa" and getattr(base, "position_embedding_type", "absolute") == "absolute":
-        from transformers.modeling_attn_mask_utils import _prepare_4d_attention_mask_for_sdpa
+        from transformers.modeling_attn_mask_utils import _prepare_4d_attention_mask_for_sdpa  # transformers: optional heavy dependency, imported on use
 
         out = _prepare_4d_attention_mask_for_sdpa(mask, dtype, tgt_len=mask.shape[1])
         return out
@@ -139,9 +143,8 @@ class PairSelector(nn.Module):
 
     def __init__(self, config: SelectorConfig | None = None, seed: int = 0) -> None:
         super().__init__()
-        from peft import LoraConfig, get_peft_model
-        from tokenizers import Tokenizer
-        from transformers import AutoModel
+        from peft import LoraConfig, get_peft_model  # peft: optional heavy dependency, imported on use
+        from transformers import AutoModel  # transformers: optional heavy dependency, imported on use
 
         self.config = config = config or SelectorConfig()
         path = resolve_model_path(config.backbone)
@@ -152,7 +155,7 @@ class PairSelector(nn.Module):
             if tok_file.exists():
                 tokenizer = Tokenizer.from_file(str(tok_file))
             else:
-                from transformers import AutoTokenizer
+                from transformers import AutoTokenizer  # transformers: optional heavy dependency, imported on use
 
                 tokenizer = AutoTokenizer.from_pretrained(path).backend_tokenizer
         except (OSError, ValueError) as exc:
@@ -293,7 +296,7 @@ class PairSelector(nn.Module):
     def save_expert(self, state: dict[str, np.ndarray], out: Path) -> None:
         """Write one expert: ``adapter/`` (peft ``save_pretrained``: adapter_config.json +
         adapter_model.safetensors) and ``head.safetensors`` (``head.*`` and ``length_skip.weight``)."""
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save_file  # safetensors: optional heavy dependency, imported on use
 
         self.load_expert_state(state)
         out.mkdir(parents=True, exist_ok=True)
@@ -303,9 +306,9 @@ class PairSelector(nn.Module):
 
     def load_expert(self, folder: Path) -> dict[str, np.ndarray]:
         """Read an expert written by :meth:`save_expert` and load it; returns its state."""
-        from peft import set_peft_model_state_dict
-        from safetensors.numpy import load_file
-        from safetensors.torch import load_file as load_torch
+        from peft import set_peft_model_state_dict  # peft: optional heavy dependency, imported on use
+        from safetensors.numpy import load_file  # safetensors: optional heavy dependency, imported on use
+        from safetensors.torch import load_file as load_torch  # safetensors: optional heavy dependency, imported on use
 
         set_peft_model_state_dict(self.backbone, load_torch(str(folder / "adapter" / "adapter_model.safetensors")))
         head = load_file(str(folder / "head.safetensors"))
@@ -393,7 +396,6 @@ def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a
     lower = None
     disk = None
     if model.config.cache_lower_layers and cache_dir is not None:
-        import hashlib
 
         h = hashlib.sha256(json.dumps([model.config.backbone, model.config.encoding.to_dict(),
                                        model.first_lora_layer]).encode())
@@ -406,14 +408,13 @@ def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a
         chunks = []
         starts = range(0, len(seg_texts), batch_size)
         if show_progress:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # tqdm: optional heavy dependency, imported on use
 
             starts = tqdm(starts, desc="frozen lower layers", unit="batch")
         for s in starts:
             chunks.append(model.lower_hidden(ids[s:s + batch_size], mask[s:s + batch_size], types[s:s + batch_size]))
         lower = torch.cat(chunks) if chunks else torch.zeros((0, ids.shape[1], model.hidden_size))
         if disk is not None:
-            import os
 
             disk.parent.mkdir(parents=True, exist_ok=True)
             tmp = disk.with_suffix(".tmp")
@@ -426,7 +427,6 @@ def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a
 
 def save_selector_config(config: SelectorConfig, path: Path) -> None:
     """``selector_config.json`` (atomic)."""
-    from trainer.report import write_text
 
     write_text(path, json.dumps(config.to_dict(), indent=2))
 

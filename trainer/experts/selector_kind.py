@@ -47,7 +47,7 @@ class PairSelectorTrainerKind(kinds.TrainerKind):
     display_name = "pair selector (LoRA expert)"
 
     def load(self, directory: Path):
-        from trainer.experts.selector import PairSelector, load_selector_config
+        from trainer.experts.selector import PairSelector, load_selector_config  # trainer.experts.selector imports torch: on use only
 
         directory = Path(directory)
         selector = PairSelector(load_selector_config(find_selector_config(directory)))

@@ -26,6 +26,8 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+import argparse
+from trainer.report import write_text
 
 LR_GRID = (1e-3, 3e-3)
 PARTS = {"M3": 3, "M5": 5}
@@ -34,7 +36,7 @@ MAX_SHARE = 0.6
 
 
 def _run_lr(prep, model, data_preset, base) -> dict:
-    from trainer.experts.experiment import run_experiment
+    from trainer.experts.experiment import run_experiment  # trainer.experts.experiment imports pandas, torch: on use only
 
     scores = {}
     for lr in LR_GRID:
@@ -46,7 +48,7 @@ def _run_lr(prep, model, data_preset, base) -> dict:
 
 
 def _run_m(prep, model, data_preset, base, m: int, with_fedbis: bool) -> dict:
-    from trainer.experts.experiment import run_experiment
+    from trainer.experts.experiment import run_experiment  # trainer.experts.experiment imports pandas, torch: on use only
 
     out = {}
     for li in LENGTH_INITS:
@@ -76,7 +78,6 @@ def choose(folder: Path) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=Path("../shared/data"))
@@ -85,7 +86,6 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--part", choices=("lr",) + tuple(PARTS), default="M3")
     ap.add_argument("--choose", action="store_true", help="pick from the tune_*.json already written")
     args = ap.parse_args(argv)
-    from trainer.report import write_text
 
     args.out.mkdir(parents=True, exist_ok=True)
     if args.choose:
@@ -94,10 +94,10 @@ def main(argv: list[str]) -> None:
         print(f"chosen length_init = {res['chosen_length_init']}, n_experts = {res['chosen_n_experts']}")
         return
 
-    import torch
+    import torch  # torch: optional heavy dependency, imported on use
 
-    from trainer.experts.experiment import PRESETS, prepare_data
-    from trainer.experts.selector import PairSelector
+    from trainer.experts.experiment import PRESETS, prepare_data  # trainer.experts.experiment imports pandas, torch: on use only
+    from trainer.experts.selector import PairSelector  # trainer.experts.selector imports torch: on use only
 
     torch.set_num_threads(1)
     data_preset, base = PRESETS[args.preset]
