@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from export.errors import ExportError
+from export.errors import ExportError, ParityError
 from export.signing import sign_manifest
 from sdk import bundle_manifest as fmt
 from sdk.bundle_install import (
@@ -127,3 +127,31 @@ def write_bundle(out: Path, files: Mapping[str, bytes], fields: Mapping, key) ->
             raise
         publish(out, target)
     return manifest
+
+
+#: The parity report every exported bundle carries beside its artefact files.
+PARITY_FILE = "parity.json"
+
+
+def write_checked_bundle(out: Path, files: dict[str, bytes], fields: Mapping, key, report: dict,
+                         what: str = "parity check") -> dict:
+    """Write the bundle at ``out`` with ``report`` as ``parity.json``, only if the staged copy passed.
+
+    Parameters
+    ----------
+    files : {file name: bytes}, the artefact files (``parity.json`` is added to it).
+    report : the kind's parity report: ``passed`` (bool) and ``failures`` (list of str).
+
+    Returns
+    -------
+    dict, the signed manifest written.
+
+    Raises
+    ------
+    ParityError
+        ``report["passed"]`` is false; nothing is written.
+    """
+    if not report["passed"]:
+        raise ParityError(f"{what} failed: " + "; ".join(report["failures"]), report)
+    files[PARITY_FILE] = (json.dumps(report, indent=2, sort_keys=True) + "\n").encode()
+    return write_bundle(out, files, fields, key)

@@ -9,7 +9,6 @@ final bundle, with the parity figures in its signed ``parity.json``. A failed ch
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from dataclasses import dataclass
@@ -17,15 +16,14 @@ from pathlib import Path
 from typing import Callable
 
 from export import kinds as export_kinds
-from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle
+from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle, write_checked_bundle
 from export.embedder_onnx import ExportedEmbedder, export_embedder, quantize_embedder
-from export.errors import ExportError, ParityError
+from export.errors import ExportError
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
 from trainer.embeddings import EmbedderConfig, embed_texts, resolve_model_path
 from trainer.kinds import load_router
 
-PARITY_FILE = "parity.json"
 
 
 @dataclass(frozen=True)
@@ -197,9 +195,6 @@ def export_bundle(
         reference = embed_texts(list(test.prompts), config, cache_dir, show_progress=False)
         report = export_kinds.get(router.kind).parity(staged, key.public_key(), router, reference, test,
                                                       list(fields["embedder"]["files"]), progress=progress)
-        if not report["passed"]:
-            raise ParityError("parity check failed: " + "; ".join(report["failures"]), report)
-        files[PARITY_FILE] = (json.dumps(report, indent=2, sort_keys=True) + "\n").encode()
-        manifest = write_bundle(Path(out), files, fields, key)
+        manifest = write_checked_bundle(Path(out), files, fields, key, report)
     progress(f"wrote bundle v{manifest['bundle_version']} to {out}")
     return ExportResult(Path(out), manifest, report)

@@ -17,14 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from export import kinds as export_kinds
-from export.bundle_writer import next_bundle_version, write_bundle
+from export.bundle_writer import PARITY_FILE, next_bundle_version, write_bundle
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
 from sdk import kinds as sdk_kinds
 from trainer.server.errors import PublishRefused
 
 _WRITER_FIELDS = {"format_version", "created_utc", "files", "signature"}
-PARITY_FILE = "parity.json"
 
 
 def publish_router(bundle_dir: Path, signing_key: Path, router, provenance: dict, embedder: dict | None = None,

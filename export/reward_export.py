@@ -33,9 +33,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from export import kinds
-from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle
+from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle, write_checked_bundle
 from export.embedder_onnx import ExportedEmbedder, export_embedder, quiet_libraries
-from export.errors import ExportError, ParityError
+from export.errors import ExportError
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
 from sdk import kinds as sdk_kinds
@@ -48,7 +48,6 @@ from trainer.embeddings import resolve_model_path
 OPSET = 17
 MAX_ABS_DIFF = 1e-3
 MIN_CHOICE_AGREEMENT = 0.99
-PARITY_FILE = "parity.json"
 
 
 def _to_onnx(module, d_in: int, outputs: list[str], dynamic: dict, metadata: dict) -> bytes:
@@ -319,10 +318,7 @@ def export_reward_bundle(mixture, client: str, out: Path, signing_key: Path, pro
         g, e = report["graphs"], report["end_to_end"]
         progress(f"  graphs: reward max|diff| {g['reward_max_abs_diff']:.2e}, logits {g['logits_max_abs_diff']:.2e}; "
                  f"end to end: reward {e['reward_max_abs_diff']:.2e}, client choice agrees {e['choice_agreement']:.4f}")
-        if not report["passed"]:
-            raise ParityError("parity check failed: " + "; ".join(report["failures"]), report)
-        files[PARITY_FILE] = (json.dumps(report, indent=2, sort_keys=True) + "\n").encode()
-        manifest = write_bundle(out, files, fields, key)
+        manifest = write_checked_bundle(out, files, fields, key, report)
     progress(f"wrote reward-scorer bundle v{manifest['bundle_version']} for client {client!r} to {out}")
     return RewardExportResult(out, manifest, report)
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from export import kinds as export_kinds
-from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle
+from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle, write_checked_bundle
 from export.embedder_onnx import quantize_embedder, quiet_libraries
-from export.errors import ExportError, ParityError
+from export.errors import ExportError
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
 from sdk.pair_encoding import N_LENGTH_FEATURES
@@ -47,7 +47,6 @@ from trainer.preference_metrics import pairwise_accuracy
 OPSET = 17
 FP32_MAX_LOGIT_DIFF = 1e-3
 INT8_MIN_DECISION_AGREEMENT = 0.99
-PARITY_FILE = "parity.json"
 
 
 @dataclass(frozen=True)
@@ -334,10 +333,7 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
         write_bundle(staged, files, fields, key)
         report = kind.parity(staged, key.public_key(), selector, None, parity_pairs, list(precisions),
                              progress=progress)
-        if not report["passed"]:
-            raise ParityError("selector parity check failed: " + "; ".join(report["failures"]), report)
-        files[PARITY_FILE] = (json.dumps(report, indent=2, sort_keys=True) + "\n").encode()
-        manifest = write_bundle(out, files, fields, key)
+        manifest = write_checked_bundle(out, files, fields, key, report, "selector parity check")
     progress(f"wrote selector bundle v{manifest['bundle_version']} to {out}")
     return SelectorExportResult(out, manifest, report)
 
