@@ -96,9 +96,9 @@ class KMeansExportKind(RouterExportKind):
         return {sdk_kinds.get(self.family, self.name).file: kmeans_to_npz(artefact)}
 
     def mean_costs(self, router):
-        stats = router.statistics_
-        n, total = stats.count.sum(axis=0), stats.sum_cost.sum(axis=0)
-        return [float(t / c) if c > 0 else None for t, c in zip(total, n)]
+        # the observed mean per model; for a model added with a price (add-model), the price shrunk
+        # toward its observations (KMeansRouter.model_costs)
+        return [float(c) if np.isfinite(c) else None for c in router.model_costs()]
 
 
 class MlpExportKind(RouterExportKind):

@@ -1,4 +1,4 @@
-"""``fedroute`` command line: ``simulate`` (the main job), ``ablate``, ``keygen`` and ``export``.
+"""``fedroute`` command line: ``simulate`` (the main job), ``ablate``, ``keygen``, ``export`` and ``add-model``.
 
 Heavy libraries (torch, sentence-transformers) are imported inside the commands, so ``fedroute
 --help`` works with the base (SDK-only) install and a missing extra gives a clear message.
@@ -263,6 +263,15 @@ def _register_prism_commands() -> None:
 
 
 _register_prism_commands()
+
+
+def _register_add_model_command() -> None:
+    from trainer.add_model_cli import add_model_command  # the command module imports torch only when it runs
+
+    app.command("add-model")(add_model_command)
+
+
+_register_add_model_command()
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from sdk.errors import InvalidInputError
 from sdk.kind_registry import KindRegistry, UnknownKindError
 from trainer.data.client_data import ClientData
+from trainer.routers.add_model import add_model_kmeans, add_model_mlp
 from trainer.routers.base import Router, read_meta
 from trainer.routers.kmeans_router import KMeansRouter, fit_federated_kmeans_router, fit_kmeans_router
 from trainer.routers.mlp_router import MLPRouter, train_mlp_router
@@ -76,6 +77,19 @@ class RouterTrainerKind(TrainerKind):
                       rng: np.random.Generator, progress: bool = False) -> Router:
         """The *federated* router over the clients' logs (raw data never pooled); ``progress``
         shows a bar over rounds where there are rounds."""
+
+    def add_model(self, router: Router, model: str, embeddings: np.ndarray, accuracy: np.ndarray,
+                  cost: np.ndarray, price_usd: float) -> Router:
+        """``router`` with one more model fitted on a calibration set, the old ones frozen
+        (``fedroute add-model``, :mod:`trainer.routers.add_model`); embeddings (n, d_emb) float32,
+        accuracy (n,) in [0, 1], cost (n,) and ``price_usd`` in USD per query.
+
+        Raises
+        ------
+        InvalidInputError
+            This kind cannot add a model without retraining (the default), or bad inputs.
+        """
+        raise InvalidInputError(f"router kind {self.name!r} does not support add-model; retrain it with the new model")
 
 
 #: The trainer layer's kinds.
@@ -166,6 +180,9 @@ class KMeansTrainerKind(RouterTrainerKind):
     def fit_federated(self, clients, models, config, rng, progress=False):
         return fit_federated_kmeans_router(clients, models, config.kmeans, rng)
 
+    def add_model(self, router, model, embeddings, accuracy, cost, price_usd):
+        return add_model_kmeans(router, model, embeddings, accuracy, cost, price_usd)
+
 
 class MlpTrainerKind(RouterTrainerKind):
     """``router/mlp``: trunk + per-model heads trained by FedAvg (paper 002, MLP router)."""
@@ -179,6 +196,9 @@ class MlpTrainerKind(RouterTrainerKind):
 
     def fit_federated(self, clients, models, config, rng, progress=False):
         return train_mlp_router(clients, models, config.mlp, rng, federated=True, progress=progress)
+
+    def add_model(self, router, model, embeddings, accuracy, cost, price_usd):
+        return add_model_mlp(router, model, embeddings, accuracy, cost, price_usd)
 
 
 for _kind in (MlpTrainerKind(), KMeansTrainerKind()):

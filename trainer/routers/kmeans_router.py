@@ -31,7 +31,7 @@ from sdk.errors import InvalidInputError
 from sdk.voronoi import nearest_cell
 from trainer.data.client_data import ClientData
 from trainer.routers.base import Router, read_meta
-from trainer.routers.shrinkage import shrunk_means
+from trainer.routers.shrinkage import priced_model_costs, shrunk_means
 
 KMEANS_FILE = "kmeans.npz"
 
@@ -83,7 +83,10 @@ class KMeansRouter(Router):
     centroids_ : ndarray of shape (n_cells, d_emb), float32.
     statistics_ : CellStatistics of shape (n_cells, n_models).
     accuracy_, cost_ : ndarray of shape (n_cells, n_models), float64, the shrunk cell means
-        (cost in USD); NaN for a model with no observation at all.
+        (cost in USD); NaN for a model with no observation at all (and no price prior).
+    price_prior_ : ndarray of shape (n_models,), float64, USD per query: the price of a model added
+        with ``fedroute add-model`` (its prior, see :func:`trainer.routers.shrinkage.shrunk_means`),
+        NaN for the others.
     """
 
     kind = "kmeans"
@@ -96,6 +99,7 @@ class KMeansRouter(Router):
         prior_strength: float,
         model_prior_strength: float = 0.0,
         prior: str = "additive",
+        price_prior: np.ndarray | None = None,
     ) -> None:
         centroids = np.asarray(centroids, dtype=np.float32)
         if statistics.n_cells != centroids.shape[0] or statistics.n_models != len(models):
@@ -110,7 +114,16 @@ class KMeansRouter(Router):
         self.prior_strength = float(prior_strength)
         self.model_prior_strength = float(model_prior_strength)
         self.prior = prior
-        self.accuracy_, self.cost_ = shrunk_means(statistics, self.prior_strength, self.model_prior_strength, self.prior)
+        self.price_prior_ = (np.full(len(self.models), np.nan) if price_prior is None
+                             else np.asarray(price_prior, dtype=np.float64).reshape(len(self.models)))
+        self.accuracy_, self.cost_ = shrunk_means(statistics, self.prior_strength, self.model_prior_strength, self.prior,
+                                                  self.price_prior_ if np.isfinite(self.price_prior_).any() else None)
+
+    def model_costs(self) -> np.ndarray:
+        """Mean cost per model, USD per query, (n_models,) float64 (a price prior shrunk toward the
+        observations for an added model, see :func:`trainer.routers.shrinkage.priced_model_costs`);
+        NaN for a model never observed and without a price."""
+        return priced_model_costs(self.statistics_, self.price_prior_, self.model_prior_strength)
 
     def _predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cells = nearest_cell(embeddings, self.centroids_)
@@ -135,6 +148,8 @@ class KMeansRouter(Router):
             "model_prior_strength": self.model_prior_strength,
             "prior": self.prior,
             "n_cells": int(self.centroids_.shape[0]),
+            **({"price_prior_usd": [float(p) if np.isfinite(p) else None for p in self.price_prior_]}
+               if np.isfinite(self.price_prior_).any() else {}),
         })
 
     @classmethod
@@ -142,8 +157,10 @@ class KMeansRouter(Router):
         meta = read_meta(directory)
         with np.load(Path(directory) / KMEANS_FILE) as z:
             stats = CellStatistics(z["count"], z["sum_accuracy"], z["sum_cost"])
+            price = meta.get("price_prior_usd")
             return cls(z["centroids"], stats, meta["models"], meta["prior_strength"],
-                       meta["model_prior_strength"], meta["prior"])
+                       meta["model_prior_strength"], meta["prior"],
+                       None if price is None else np.array([np.nan if p is None else p for p in price], dtype=np.float64))
 
 
 def lloyd(

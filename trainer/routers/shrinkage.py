@@ -37,6 +37,46 @@ def model_means(stats: CellStatistics, prior_strength: float = 0.0) -> tuple[np.
     acc[n == 0] = np.nan
     return acc, cost
 
+
+def shrink_toward(total: np.ndarray, count: np.ndarray, prior: np.ndarray, strength: float) -> np.ndarray:
+    """``(total + strength * prior) / (count + strength)``: a mean of ``count`` observations summing
+    to ``total``, shrunk toward ``prior`` with ``strength`` pseudo-observations (the empirical-Bayes
+    form every mean of this module uses). Where ``count + strength == 0`` (no data, no prior weight)
+    the result is ``prior`` itself (the limit of a prior with no data). Arrays broadcast; float64."""
+    kappa = _check_strength(strength)
+    total, count, prior = (np.asarray(a, dtype=np.float64) for a in (total, count, prior))
+    denom = count + kappa
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = (total + kappa * prior) / denom
+    return np.where(denom > 0, out, prior)
+
+
+def priced_model_costs(stats: CellStatistics, price_prior: np.ndarray | None, prior_strength: float) -> np.ndarray:
+    """Mean cost (USD per query) per model; for a model with a price prior (a model added to the pool
+    with ``fedroute add-model``, ARCHITECTURE.md §4 "Model pool changes") the mean is shrunk toward its
+    price: ``(S_cost^m + kappa0 * price^m) / (n^m + kappa0)``, so it is the price with no observation
+    and tends to the observed mean as observations arrive (:func:`shrink_toward`).
+
+    Parameters
+    ----------
+    stats : CellStatistics of shape (n_cells, n_models).
+    price_prior : ndarray of shape (n_models,), USD per query, NaN for a model without one; or None.
+    prior_strength : kappa0 >= 0.
+
+    Returns
+    -------
+    ndarray of shape (n_models,), float64, USD; NaN for a model never observed and without a price.
+    """
+    _, cost = model_means(stats, 0.0)
+    if price_prior is None:
+        return cost
+    price = np.asarray(price_prior, dtype=np.float64)
+    priced = np.isfinite(price)
+    shrunk = shrink_toward(stats.sum_cost.sum(axis=0), stats.count.sum(axis=0), np.where(priced, price, 0.0),
+                           prior_strength)
+    return np.where(priced, shrunk, cost)
+
+
 def additive_effects(stats: CellStatistics) -> tuple[np.ndarray, np.ndarray]:
     """Two-way additive fit ``abar_k^m ~ a^m + b_k`` by count-weighted least squares.
 
@@ -73,7 +113,8 @@ def additive_effects(stats: CellStatistics) -> tuple[np.ndarray, np.ndarray]:
     return a, b
 
 def shrunk_means(
-    stats: CellStatistics, prior_strength: float = 0.0, model_prior_strength: float = 0.0, prior: str = "additive"
+    stats: CellStatistics, prior_strength: float = 0.0, model_prior_strength: float = 0.0, prior: str = "additive",
+    price_prior: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-(cell, model) mean accuracy and cost, shrunk toward a prior (empirical Bayes).
 
@@ -83,6 +124,12 @@ def shrunk_means(
     part is itself shrunk toward the all-model mean with ``model_prior_strength`` pseudo-counts.
     Costs shrink toward the model's mean cost (never across models). ``kappa = 0`` gives the
     plain merged means of paper 002 (NaN in empty cells).
+
+    ``price_prior`` (shape (n_models,), USD per query, NaN = none) marks models added to the pool
+    (``fedroute add-model``; ARCHITECTURE.md §4 "Model pool changes"): such a model is never
+    "unseen", its model cost is :func:`priced_model_costs` (its price shrunk toward its observed
+    mean) and, with no observation, its model accuracy is the all-model mean (the limit of the
+    ``model_prior_strength`` shrinkage above with ``n^m = 0``). Other models are unaffected.
 
     Returns
     -------
@@ -98,6 +145,9 @@ def shrunk_means(
     kappa0 = _check_strength(model_prior_strength)
     model_acc, cost_prior = model_means(stats, 0.0)
     n_m = stats.count.sum(axis=0)
+    priced = np.zeros(stats.n_models, dtype=bool) if price_prior is None else np.isfinite(price_prior)
+    if priced.any():
+        cost_prior = priced_model_costs(stats, price_prior, kappa0)
     if prior == "model":
         effect, cell = model_acc, np.zeros(stats.n_cells)
     elif prior == "additive":
@@ -107,11 +157,13 @@ def shrunk_means(
     grand = stats.sum_accuracy.sum() / n_m.sum() if n_m.sum() > 0 else 0.0
     with np.errstate(invalid="ignore", divide="ignore"):
         effect = (n_m * effect + kappa0 * grand) / (n_m + kappa0)
+        if priced.any():  # a priced model never observed: the all-model mean (limit n^m = 0)
+            effect = np.where(priced & (n_m == 0), grand, effect)
         acc_prior = np.clip(effect[None, :] + cell[:, None], 0.0, 1.0)
         denom = stats.count + kappa
         acc = (stats.sum_accuracy + kappa * acc_prior) / denom
         cost = (stats.sum_cost + kappa * cost_prior[None, :]) / denom
-    unseen = n_m == 0
+    unseen = (n_m == 0) & ~priced
     acc[:, unseen] = np.nan
     cost[:, unseen] = np.nan
     if kappa == 0.0:
