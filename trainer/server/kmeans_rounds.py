@@ -34,6 +34,7 @@ from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_km
 from trainer.federated.update_checks import check_difference
 from trainer.routers.kmeans_router import KMeansRouter
 from trainer.server.errors import PublishRefused, UploadRejected
+from trainer.server.pool_changes import align_to_pool
 from trainer.server.round_kind import (
     AcceptedUpload,
     OpenRequest,
@@ -150,6 +151,9 @@ def publish_kmeans(
     """
     base = read_base_bundle(bundle_dir, publisher.public_key(signing_key))
     models = [m["id"] for m in base.manifest["models"]]
+    if statistics.n_models != len(models):
+        raise PublishRefused(f"the bundle's model pool {models} changed while the round ran (its statistics have "
+                             f"{statistics.n_models} models): open a new round over the new bundle")
     total = float(statistics.count.sum())
     if total < min_total_count:
         raise PublishRefused(f"{total:.0f} evaluations, below min_total_count={min_total_count:g}")
@@ -191,6 +195,11 @@ class KMeansRoundKind(ServerRoundKind):
                     bundle_centroids(read_base_bundle(request.bundle_dir, request.public_key))):
                 raise InvalidInputError("--prior-router has other centroids than the bundle: give the router the "
                                         "bundle was exported from")
+            bundle_models = [m["id"] for m in read_base_bundle(request.bundle_dir, request.public_key).manifest["models"]]
+            if list(prior_router.models) != bundle_models:
+                raise InvalidInputError(
+                    f"--prior-router has the model pool {list(prior_router.models)}, the bundle {bundle_models}: give "
+                    "the router the bundle was exported from (after `fedroute add-model`, the wider router and its bundle)")
             prior = prior_router.statistics_
         aggregation = AggregationConfig(request.clip_count, opts.get("max_cost_usd"), request.trim_fraction,
                                         request.noise_multiplier, request.delta)
@@ -234,6 +243,10 @@ class KMeansRoundKind(ServerRoundKind):
         stale = [i for i, h, _ in waiting if h != r.centroids_hash]
         outcome = RoundOutcome("no-op", len(on_time), len(carried), len(stale))
         latest = store.latest_updates(r.centroids_hash, up_to_id=snapshot)
+        latest, other_pool = align_to_pool(store, latest, r.models)  # uploads for an older pool (add-model)
+        if other_pool:
+            progress(f"round {round_id}: the latest uploads of {other_pool} name models this round's pool lacks; "
+                     "not merged (kept in the store; their next upload replaces them)")
         if not latest or (not on_time and not carried):
             if store.finish_close(round_id, outcome, None, [], stale, owner):
                 progress(f"round {round_id}: no update arrived; closed as a no-op")
