@@ -70,7 +70,9 @@ def check_bundle(bundle_dir, public_key, router, reference: np.ndarray, test, pr
     bundle_dir, public_key : the staged bundle and the key that signed it.
     router : the trainer's router (``trainer.routers``) that was exported.
     reference : (n_queries, d_emb) float32, sentence-transformers embeddings of ``test.prompts``.
-    test : fully labelled ``EvalTable`` with the router's models, in the router's order.
+    test : fully labelled ``EvalTable`` with the router's models, in the router's order; or with a
+        subset of them (models added with ``fedroute add-model`` have no test labels): the AUC of
+        trainer and bundle is then taken over those columns only, decisions compared over all.
     precisions : embedder precisions to check (``"fp32"``, ``"int8"``).
 
     Returns
@@ -82,7 +84,12 @@ def check_bundle(bundle_dir, public_key, router, reference: np.ndarray, test, pr
 
     lambdas = metrics.lambda_grid()
     trainer_pred = router.predict(reference)
-    trainer_auc = metrics.evaluate_router(*trainer_pred, test.accuracy, test.cost).auc
+    cols = [list(router.models).index(m) for m in test.models]  # all of them unless a model has no labels
+
+    def auc_of(pred: tuple[np.ndarray, np.ndarray]) -> float:
+        return metrics.evaluate_router(pred[0][:, cols], pred[1][:, cols], test.accuracy, test.cost).auc
+
+    trainer_auc = auc_of(trainer_pred)
     report: dict = {"n_queries": int(test.n_queries), "n_lambdas": int(len(lambdas)),
                     "trainer_auc": float(trainer_auc), "precisions": {}, "failures": []}
     for precision in precisions:
@@ -91,7 +98,7 @@ def check_bundle(bundle_dir, public_key, router, reference: np.ndarray, test, pr
         emb = np.concatenate([bundle.embed([q]) for q in tqdm(test.prompts, desc=f"parity {precision}",
                                                                    unit="query", leave=False)])
         pred = bundle.predict_from_embeddings(emb)
-        auc = metrics.evaluate_router(*pred, test.accuracy, test.cost).auc
+        auc = auc_of(pred)
         entry = {
             "cosine": cosine_stats(emb, reference),
             "decision_agreement": decision_agreement(pred, trainer_pred, lambdas),

@@ -174,7 +174,14 @@ def export_bundle(
     config = EmbedderConfig(model=emb["name"], max_tokens=int(emb.get("max_tokens", 256)),
                             truncation_side=emb.get("truncation_side", "left"))
     prices = check_prices(prices or {}, router.models)
-    test = _load_test_table(router, data).with_models(router.models)
+    table = _load_test_table(router, data)
+    labelled = [m for m in router.models if m in table.models]
+    if len(labelled) < 2:
+        raise ExportError(f"parity needs test labels of at least 2 of the router's models; {table.source} has {labelled}")
+    if len(labelled) < len(router.models):  # a model added with `fedroute add-model` has no test labels
+        progress(f"parity: no test labels for {[m for m in router.models if m not in labelled]}; the AUC gate "
+                 "compares bundle and trainer on the other models' columns, decisions on all")
+    test = table.with_models(labelled)
     progress(f"parity set: {test.n_queries} fully labelled test prompts from {test.source}")
 
     with tempfile.TemporaryDirectory(prefix="fedroute-export-") as tmp:

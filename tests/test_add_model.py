@@ -124,13 +124,32 @@ def test_kmeans_new_column_is_the_hand_computed_shrunk_estimate_of_the_prior():
     np.testing.assert_array_equal(wider.statistics_.count[:, :2], router.statistics_.count)
     np.testing.assert_array_equal(wider.statistics_.sum_accuracy[:, :2], router.statistics_.sum_accuracy)
     np.testing.assert_array_equal(wider.statistics_.count[:, 2], [3.0, 0.0])
-    # Pool mean accuracy (all 15 observations): 9 / 15 = 0.6. Model level with kappa0 = 4:
-    # accuracy (2 + 4 * 0.6) / (3 + 4) = 4.4 / 7; cost (0.06 + 4 * 0.05) / 7 = 0.26 / 7.
-    a_m, c_m = 4.4 / 7, 0.26 / 7
+    # Pool mean accuracy (the pool's 12 observations, 7 correct): 7 / 12. Model level with kappa0 = 4:
+    # accuracy (2 + 4 * 7 / 12) / (3 + 4); cost (0.06 + 4 * 0.05) / 7 = 0.26 / 7.
+    a_m, c_m = (2 + 4 * 7 / 12) / 7, 0.26 / 7
     # Cells with kappa = 2: cell 0 has the 3 observations, cell 1 none (the model-level value).
     np.testing.assert_allclose(wider.accuracy_[:, 2], [(2 + 2 * a_m) / 5, a_m], rtol=1e-12)
     np.testing.assert_allclose(wider.cost_[:, 2], [(0.06 + 2 * c_m) / 5, c_m], rtol=1e-12)
     np.testing.assert_allclose(wider.model_costs()[2], c_m, rtol=1e-12)
+    # The pool's columns are exactly what they were (their prior comes from the pool alone).
+    np.testing.assert_array_equal(wider.accuracy_[:, :2], router.accuracy_)
+    np.testing.assert_array_equal(wider.cost_[:, :2], router.cost_)
+
+
+def test_kmeans_additive_prior_fits_the_new_model_against_the_pools_cell_effects():
+    router = small_kmeans("additive")
+    # Pool cell effects: cell 0 holds 4/6 correct, cell 1 3/6, so b = (+1/12, -1/12) around 7/12.
+    x = np.array([[1, 0, 0], [0, 1, 0]], dtype=np.float32)
+    wider = add_model_kmeans(router, "new", x, np.array([1.0, 0.0]), np.array([0.01, 0.01]), 0.01)
+    np.testing.assert_array_equal(wider.accuracy_[:, :2], router.accuracy_)
+    from trainer.routers.shrinkage import additive_effects
+
+    _, b = additive_effects(router.statistics_)
+    effect = ((1 - b[0]) + (0 - b[1])) / 2  # least squares with b fixed
+    model = (2 * effect + 4 * 7 / 12) / (2 + 4)
+    prior_k = np.clip(model + b, 0, 1)
+    np.testing.assert_allclose(wider.accuracy_[:, 2], [(1 + 2 * prior_k[0]) / 3, (0 + 2 * prior_k[1]) / 3],
+                               rtol=1e-12)
 
 
 def test_kmeans_without_observations_predicts_the_pool_mean_accuracy_and_the_price():

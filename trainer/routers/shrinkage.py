@@ -112,6 +112,20 @@ def additive_effects(stats: CellStatistics) -> tuple[np.ndarray, np.ndarray]:
     b = np.where(n_k > 0, b_fit - shift, 0.0)
     return a, b
 
+def _added_model_effects(stats: CellStatistics, priced: np.ndarray, effect_pool: np.ndarray,
+                         cell: np.ndarray) -> np.ndarray:
+    """Model effects (n_models,): the pool's ``effect_pool`` (from :func:`additive_effects` on the
+    pool's columns) and, for each priced (added) model, the least-squares effect with the pool's
+    cell effects ``cell`` held fixed: ``sum_k (S_k^m - n_k^m b_k) / n^m`` (NaN without observations)."""
+    effect = np.full(stats.n_models, np.nan)
+    effect[~priced] = effect_pool
+    n = stats.count[:, priced].sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        added = (stats.sum_accuracy[:, priced] - stats.count[:, priced] * cell[:, None]).sum(axis=0) / n
+    effect[priced] = np.where(n > 0, added, np.nan)
+    return effect
+
+
 def shrunk_means(
     stats: CellStatistics, prior_strength: float = 0.0, model_prior_strength: float = 0.0, prior: str = "additive",
     price_prior: np.ndarray | None = None,
@@ -129,7 +143,10 @@ def shrunk_means(
     (``fedroute add-model``; ARCHITECTURE.md §4 "Model pool changes"): such a model is never
     "unseen", its model cost is :func:`priced_model_costs` (its price shrunk toward its observed
     mean) and, with no observation, its model accuracy is the all-model mean (the limit of the
-    ``model_prior_strength`` shrinkage above with ``n^m = 0``). Other models are unaffected.
+    ``model_prior_strength`` shrinkage above with ``n^m = 0``). The all-model mean and the cell
+    effects ``b_k`` come from the other (pool) models only, and an added model's effect is its
+    count-weighted mean of ``abar_k^m - b_k``; so the pool's columns are exactly what they were
+    without the added model.
 
     Returns
     -------
@@ -148,13 +165,20 @@ def shrunk_means(
     priced = np.zeros(stats.n_models, dtype=bool) if price_prior is None else np.isfinite(price_prior)
     if priced.any():
         cost_prior = priced_model_costs(stats, price_prior, kappa0)
+    # The pool's own columns fix the all-model mean and the cell effects; added (priced) models
+    # are fitted against them, so adding a model leaves the pool's columns unchanged.
+    pool = stats if not priced.any() else CellStatistics(
+        stats.count[:, ~priced], stats.sum_accuracy[:, ~priced], stats.sum_cost[:, ~priced])
     if prior == "model":
         effect, cell = model_acc, np.zeros(stats.n_cells)
     elif prior == "additive":
-        effect, cell = additive_effects(stats)
+        effect, cell = additive_effects(pool)
+        if priced.any():
+            effect = _added_model_effects(stats, priced, effect, cell)
     else:
         raise InvalidInputError(f"prior must be 'model' or 'additive', got {prior!r}")
-    grand = stats.sum_accuracy.sum() / n_m.sum() if n_m.sum() > 0 else 0.0
+    n_pool = pool.count.sum()
+    grand = pool.sum_accuracy.sum() / n_pool if n_pool > 0 else 0.0
     with np.errstate(invalid="ignore", divide="ignore"):
         effect = (n_m * effect + kappa0 * grand) / (n_m + kappa0)
         if priced.any():  # a priced model never observed: the all-model mean (limit n^m = 0)
