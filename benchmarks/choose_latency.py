@@ -8,6 +8,9 @@ intra-op thread:
   same truncation, ``torch.set_num_threads(1)`` (encode only; the router's own work is not added);
 - ratio = baseline median / ``choose()`` median.
 
+With ``--static-bundle`` (a router bundle whose embedder kind is ``static``, model2vec), its
+precisions are timed the same way, as rows ``static fp32`` (float16 table) / ``static int8``.
+
 In fresh subprocesses: cold start (process start to the first ``choose()`` result, median of 5) and
 peak RSS of a process that loads the bundle and routes 100 queries (``VmHWM``, Linux).
 
@@ -84,6 +87,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("results/benchmarks"))
     parser.add_argument("--n-prompts", type=int, default=500)
     parser.add_argument("--lam", type=float, default=100.0)
+    parser.add_argument("--static-bundle", type=Path, default=None,
+                        help="also time a bundle with the static (model2vec) embedder")
+    parser.add_argument("--static-public-key", type=Path, default=None, help="its key (default: --public-key)")
+    parser.add_argument("--precisions", default=None, help="comma-separated precisions of --bundle to time (default: all)")
     args = parser.parse_args(argv)
     if args.n_prompts < 100:
         parser.error("--n-prompts must be >= 100 (METRICS.md asks for >= 500)")
@@ -107,24 +114,31 @@ def main(argv: list[str] | None = None) -> dict:
                      "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                  "python": platform.python_version()},
                      "intra_op_threads": 1, "choose": {}, "cold_start_s": {}, "peak_rss_mb": {}}
-    precisions = list(emb["files"])
-    for precision in tqdm(precisions, desc="choose()"):
-        router = Router.load(args.bundle, args.public_key, precision=precision, intra_op_threads=1)
-        results["choose"][precision] = time_calls(lambda p: router.choose(p, args.lam), prompts)
-        tokens = router.token_counts(prompts)
-        results["tokens_per_prompt"] = {"median": float(np.median(tokens)), "max": int(max(tokens))}
+    precisions = args.precisions.split(",") if args.precisions else list(emb["files"])
+    # (row name, bundle, precision): the main bundle's precisions, then the static bundle's
+    rows = [(p, args.bundle, p) for p in precisions]
+    keys = {args.bundle: args.public_key, args.static_bundle: args.static_public_key or args.public_key}
+    if args.static_bundle is not None:
+        static_files = json.loads((args.static_bundle / "manifest.json").read_text())["embedder"]["files"]
+        rows += [(f"static {p}", args.static_bundle, p) for p in static_files]
+    for name, bundle, precision in tqdm(rows, desc="choose()"):
+        router = Router.load(bundle, keys[bundle], precision=precision, intra_op_threads=1)
+        results["choose"][name] = time_calls(lambda p: router.choose(p, args.lam), prompts)
+        if bundle == args.bundle:
+            tokens = router.token_counts(prompts)
+            results["tokens_per_prompt"] = {"median": float(np.median(tokens)), "max": int(max(tokens))}
         del router
     st = load_sentence_transformer(EmbedderConfig(model=emb["name"], max_tokens=emb["max_tokens"],
                                                   truncation_side=emb["truncation_side"]))
     results["baseline"] = {"what": "sentence-transformers + torch encode([prompt]), torch threads = 1",
                            **time_calls(lambda p: st.encode([p], convert_to_numpy=True, normalize_embeddings=True), prompts)}
     del st
-    for precision in tqdm(precisions, desc="cold start / RSS"):
-        runs = [probe(args.bundle, args.public_key, precision, prompts, 100) for _ in range(5)]
-        results["cold_start_s"][precision] = statistics.median(r[0] for r in runs)
-        results["peak_rss_mb"][precision] = max(r[1] for r in runs)
+    for name, bundle, precision in tqdm(rows, desc="cold start / RSS"):
+        runs = [probe(bundle, keys[bundle], precision, prompts, 100) for _ in range(5)]
+        results["cold_start_s"][name] = statistics.median(r[0] for r in runs)
+        results["peak_rss_mb"][name] = max(r[1] for r in runs)
     base = results["baseline"]["median_ms"]
-    results["speedup_vs_baseline"] = {p: base / results["choose"][p]["median_ms"] for p in precisions}
+    results["speedup_vs_baseline"] = {name: base / results["choose"][name]["median_ms"] for name, _, _ in rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "choose_latency.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out / "choose_latency.md").write_text(markdown(results))

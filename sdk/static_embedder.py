@@ -9,8 +9,8 @@ computes it exactly as ``model2vec.StaticModel.encode`` does (model2vec 0.9, ``_
 
 1. tokenise with the model's ``tokenizer.json``, **no special tokens**, no padding, no truncation;
 2. drop the unknown token (``[UNK]``) ids;
-3. mean of the table rows of the remaining ids (float32 arithmetic here; model2vec averages the
-   float16 rows with float32 intermediates);
+3. mean of the table rows of the remaining ids (float32 arithmetic on the float16 values here and in
+   the trainer, which widens model2vec's table the same way, ``trainer.static_embedder``);
 4. divide by ``norm + 1e-32``.
 
 What text is read: the **whole query**, up to its last :data:`~sdk.embedder.MAX_QUERY_CHARS`
@@ -159,7 +159,11 @@ class StaticEmbedder:
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self._tokenizer = tokenizer
-        self._vectors, self._scales = decode_table(table, int(dim))
+        vectors, self._scales = decode_table(table, int(dim))
+        # float16 arithmetic is slow in numpy (no hardware half floats): the float16 table is widened
+        # to float32 once (2x its file size in memory; 0.3 -> 0.06 ms per 500-token query); int8 stays
+        # int8 (its rows are widened per query).
+        self._vectors = vectors.astype(np.float32) if self._scales is None else vectors
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         if self._vectors.shape[0] != vocab:
             raise BundleError(f"static table has {self._vectors.shape[0]} rows, the tokenizer {vocab} tokens")
@@ -196,10 +200,10 @@ class StaticEmbedder:
         """
         rows = []
         for ids in self._ids(list(texts)):
-            vecs = self._vectors[ids].astype(np.float32)
-            if self._scales is not None:
-                vecs *= self._scales[ids][:, None]
-            rows.append(vecs.mean(axis=0))
+            if self._scales is None:
+                rows.append(self._vectors[ids].mean(axis=0))
+            else:  # mean of scale_i * q_i as one (n,) @ (n, dim) product: no (n, dim) float temporary scaled
+                rows.append(self._scales[ids] @ self._vectors[ids].astype(np.float32) / np.float32(ids.size))
         out = np.stack(rows).astype(np.float32)
         out /= np.linalg.norm(out, axis=1, keepdims=True) + np.float32(NORM_EPS)
         return out

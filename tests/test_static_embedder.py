@@ -107,11 +107,19 @@ def test_table_rows_must_match_the_vocabulary():
 
 @pytest.fixture(scope="session")
 def static_cache(tmp_path_factory) -> Path:
-    """A cache folder with all-MiniLM-L6-v2 distilled by model2vec (PCA 256) into ``static/``."""
+    """A fresh cache folder with all-MiniLM-L6-v2 distilled by model2vec (PCA 256) into ``static/``.
+
+    Distillation is deterministic (the same table every run), so a table already distilled in the
+    user's cache is copied rather than distilled again (~50 s of CPU)."""
+    from trainer.embedder_paths import default_cache_dir
     from trainer.static_embedder import StaticEmbedderTrainerKind
 
     cache = tmp_path_factory.mktemp("static-cache")
-    StaticEmbedderTrainerKind().resolve("all-MiniLM-L6-v2", cache)
+    kind = StaticEmbedderTrainerKind()
+    done = kind.resolve_path("all-MiniLM-L6-v2", default_cache_dir())
+    if done.is_dir():
+        shutil.copytree(done, kind.resolve_path("all-MiniLM-L6-v2", cache))
+    kind.resolve("all-MiniLM-L6-v2", cache)
     return cache
 
 

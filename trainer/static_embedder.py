@@ -145,15 +145,20 @@ class StaticEmbedderTrainerKind(EmbedderTrainerKind):
         if not spec:
             raise InvalidInputError("--embedder static: needs a model2vec folder or a sentence-transformer, "
                                     "e.g. static:all-MiniLM-L6-v2")
+        out = self.resolve_path(spec, cache_dir)
+        if not is_model2vec_folder(out):
+            source = resolve_model_path(spec)
+            print(f"distilling a static embedder from {source} with model2vec (PCA {PCA_DIMS}) into {out}")
+            distill_static(spec, out)
+        return out
+
+    def resolve_path(self, spec: str, cache_dir: Path) -> Path:
+        """Where :meth:`resolve` finds or puts the model2vec folder of ``spec`` (nothing is written)."""
         if is_model2vec_folder(Path(spec)):
             return Path(spec)
         source = resolve_model_path(spec)
         tag = hashlib.sha256(source.encode()).hexdigest()[:12]
-        out = Path(cache_dir) / "static" / f"{Path(source).name or 'model'}-{tag}-pca{PCA_DIMS}"
-        if not is_model2vec_folder(out):
-            print(f"distilling a static embedder from {source} with model2vec (PCA {PCA_DIMS}) into {out}")
-            distill_static(spec, out)
-        return out
+        return Path(cache_dir) / "static" / f"{Path(source).name or 'model'}-{tag}-pca{PCA_DIMS}"
 
     def model(self, spec: str, cache_dir: Path):
         """The loaded StaticModel of ``spec`` (:func:`load_static_model`), kept per resolved folder."""
