@@ -196,6 +196,17 @@ def test_static_bundle_round_trip(static_cache, routerbench_dir, signing_keys, t
         with pytest.raises(InvalidQueryError):
             bundle.choose("\u200b\u200b", lam=1.0)  # no token the table knows
 
+    # the embedder kind's own gate: passes against the trainer's embeddings, fails against other rows
+    from export import kinds as export_kinds
+
+    kind = export_kinds.get("static", family="embedder")
+    reference = embed_texts(list(test.prompts[:30]), config, static_cache, show_progress=False)
+    subset = test.subset(np.arange(30))
+    report = kind.parity(tmp_path / "bundle", signing_keys[1], None, reference, subset, ["fp32", "int8"], progress=lambda _: None)
+    assert report["passed"] and report["precisions"]["int8"]["cosine"]["min"] > 0.9999
+    shuffled = kind.parity(tmp_path / "bundle", signing_keys[1], None, reference[::-1], subset, ["fp32"], progress=lambda _: None)
+    assert not shuffled["passed"] and "fp32 min cosine" in shuffled["failures"][0]
+
     # a table changed after signing: refused by its sha256; re-signed but malformed: refused by the loader
     copy = tmp_path / "tampered"
     shutil.copytree((tmp_path / "bundle").resolve(), copy)
