@@ -8,6 +8,9 @@ intra-op thread:
   same truncation, ``torch.set_num_threads(1)`` (encode only; the router's own work is not added);
 - ratio = baseline median / ``choose()`` median.
 
+With ``--static-bundle`` (a router bundle whose embedder kind is ``static``, model2vec), its
+precisions are timed the same way, as rows ``static fp32`` (float16 table) / ``static int8``.
+
 In fresh subprocesses: cold start (process start to the first ``choose()`` result, median of 5) and
 peak RSS of a process that loads the bundle and routes 100 queries (``VmHWM``, Linux).
 
@@ -40,12 +43,13 @@ from sdk import Router
 router = Router.load(sys.argv[2], sys.argv[3], precision=sys.argv[4], intra_op_threads=1)
 choice = router.choose(sys.argv[5], 100.0)
 first = time.time() - t0
+first_cpu = time.process_time()  # CPU seconds of this process up to the first choice (imports included)
 queries = sys.argv[6:]
 for q in queries:
     router.choose(q, 100.0)
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so it would count the parent's torch.
 hwm_kb = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
-print(f"{first:.6f} {hwm_kb / 1024:.1f} {choice.model}")
+print(f"{first:.6f} {hwm_kb / 1024:.1f} {first_cpu:.6f} {choice.model}")
 """
 
 
@@ -58,22 +62,25 @@ def time_calls(fn, prompts: list[str], warmup: int = 20) -> dict:
     """Median and p95 (ms) of ``fn(prompt)`` over ``prompts``, after ``warmup`` untimed calls."""
     for p in prompts[:warmup]:
         fn(p)
-    samples = []
+    samples, cpu = [], []
     for p in prompts:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         fn(p)
+        cpu.append(time.thread_time() - start_cpu)
         samples.append(time.perf_counter() - start)
-    return _percentiles(samples)
+    # CPU time of this thread: the work itself, robust to other processes' load (one intra-op thread)
+    return {**_percentiles(samples), "cpu_median_ms": float(np.median(cpu) * 1e3)}
 
 
-def probe(bundle: Path, public_key: Path, precision: str, prompts: list[str], n_queries: int) -> tuple[float, float]:
-    """(seconds from process start to the first choice, peak RSS in MB) of a fresh process."""
+def probe(bundle: Path, public_key: Path, precision: str, prompts: list[str], n_queries: int) -> tuple[float, float, float]:
+    """(seconds from process start to the first choice, peak RSS in MB, CPU seconds to the first
+    choice) of a fresh process."""
     args = [sys.executable, "-c", PROBE, str(time.time()), str(bundle), str(public_key), precision,
             prompts[0], *prompts[1:n_queries]]
     out = subprocess.run(args, capture_output=True, text=True, check=True, cwd=ROOT,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    first, rss, _ = out.stdout.split(maxsplit=2)
-    return float(first), float(rss)
+    first, rss, cpu, _ = out.stdout.split(maxsplit=3)
+    return float(first), float(rss), float(cpu)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -84,6 +91,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("results/benchmarks"))
     parser.add_argument("--n-prompts", type=int, default=500)
     parser.add_argument("--lam", type=float, default=100.0)
+    parser.add_argument("--static-bundle", type=Path, default=None,
+                        help="also time a bundle with the static (model2vec) embedder")
+    parser.add_argument("--static-public-key", type=Path, default=None, help="its key (default: --public-key)")
+    parser.add_argument("--precisions", default=None, help="comma-separated precisions of --bundle to time (default: all)")
     args = parser.parse_args(argv)
     if args.n_prompts < 100:
         parser.error("--n-prompts must be >= 100 (METRICS.md asks for >= 500)")
@@ -107,24 +118,34 @@ def main(argv: list[str] | None = None) -> dict:
                      "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                  "python": platform.python_version()},
                      "intra_op_threads": 1, "choose": {}, "cold_start_s": {}, "peak_rss_mb": {}}
-    precisions = list(emb["files"])
-    for precision in tqdm(precisions, desc="choose()"):
-        router = Router.load(args.bundle, args.public_key, precision=precision, intra_op_threads=1)
-        results["choose"][precision] = time_calls(lambda p: router.choose(p, args.lam), prompts)
-        tokens = router.token_counts(prompts)
-        results["tokens_per_prompt"] = {"median": float(np.median(tokens)), "max": int(max(tokens))}
+    precisions = args.precisions.split(",") if args.precisions else list(emb["files"])
+    # (row name, bundle, precision): the main bundle's precisions, then the static bundle's
+    rows = [(p, args.bundle, p) for p in precisions]
+    keys = {args.bundle: args.public_key, args.static_bundle: args.static_public_key or args.public_key}
+    if args.static_bundle is not None:
+        static_files = json.loads((args.static_bundle / "manifest.json").read_text())["embedder"]["files"]
+        rows += [(f"static {p}", args.static_bundle, p) for p in static_files]
+    for name, bundle, precision in tqdm(rows, desc="choose()"):
+        router = Router.load(bundle, keys[bundle], precision=precision, intra_op_threads=1)
+        results["choose"][name] = time_calls(lambda p: router.choose(p, args.lam), prompts)
+        if bundle == args.bundle:
+            tokens = router.token_counts(prompts)
+            results["tokens_per_prompt"] = {"median": float(np.median(tokens)), "max": int(max(tokens))}
         del router
     st = load_sentence_transformer(EmbedderConfig(model=emb["name"], max_tokens=emb["max_tokens"],
                                                   truncation_side=emb["truncation_side"]))
     results["baseline"] = {"what": "sentence-transformers + torch encode([prompt]), torch threads = 1",
                            **time_calls(lambda p: st.encode([p], convert_to_numpy=True, normalize_embeddings=True), prompts)}
     del st
-    for precision in tqdm(precisions, desc="cold start / RSS"):
-        runs = [probe(args.bundle, args.public_key, precision, prompts, 100) for _ in range(5)]
-        results["cold_start_s"][precision] = statistics.median(r[0] for r in runs)
-        results["peak_rss_mb"][precision] = max(r[1] for r in runs)
+    for name, bundle, precision in tqdm(rows, desc="cold start / RSS"):
+        runs = [probe(bundle, keys[bundle], precision, prompts, 100) for _ in range(5)]
+        results["cold_start_s"][name] = statistics.median(r[0] for r in runs)
+        results["peak_rss_mb"][name] = max(r[1] for r in runs)
+        results.setdefault("cold_start_cpu_s", {})[name] = statistics.median(r[2] for r in runs)
     base = results["baseline"]["median_ms"]
-    results["speedup_vs_baseline"] = {p: base / results["choose"][p]["median_ms"] for p in precisions}
+    results["speedup_vs_baseline"] = {name: base / results["choose"][name]["median_ms"] for name, _, _ in rows}
+    base_cpu = results["baseline"]["cpu_median_ms"]
+    results["cpu_speedup_vs_baseline"] = {name: base_cpu / results["choose"][name]["cpu_median_ms"] for name, _, _ in rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "choose_latency.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out / "choose_latency.md").write_text(markdown(results))
@@ -139,13 +160,15 @@ def markdown(r: dict) -> str:
         f"{r['embedder']['max_tokens']} tokens, median {r['tokens_per_prompt']['median']:.0f} tokens), "
         f"1 intra-op thread, {r['machine']['cores']} cores:",
         "",
-        "| path | median ms | p95 ms | speed-up vs torch | cold start s | peak RSS MB |",
-        "|---|---|---|---|---|---|",
-        f"| sentence-transformers + torch (encode only) | {r['baseline']['median_ms']:.2f} | {r['baseline']['p95_ms']:.2f} | 1.00x | | |",
+        "| path | median ms | p95 ms | speed-up vs torch | CPU ms (median) | CPU speed-up | cold start s | cold start CPU s | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| sentence-transformers + torch (encode only) | {r['baseline']['median_ms']:.2f} | {r['baseline']['p95_ms']:.2f} | 1.00x | "
+        f"{r['baseline']['cpu_median_ms']:.2f} | 1.00x | | | |",
     ]
     for p, c in r["choose"].items():
         lines.append(f"| fedroute `choose()` {p} | {c['median_ms']:.2f} | {c['p95_ms']:.2f} | "
-                     f"{r['speedup_vs_baseline'][p]:.2f}x | {r['cold_start_s'][p]:.2f} | {r['peak_rss_mb'][p]:.0f} |")
+                     f"{r['speedup_vs_baseline'][p]:.2f}x | {c['cpu_median_ms']:.2f} | {r['cpu_speedup_vs_baseline'][p]:.2f}x | "
+                     f"{r['cold_start_s'][p]:.2f} | {r['cold_start_cpu_s'][p]:.2f} | {r['peak_rss_mb'][p]:.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -41,17 +41,27 @@ def decision_agreement(pred_a: tuple[np.ndarray, np.ndarray], pred_b: tuple[np.n
     return float(np.mean(same))
 
 
-def gate_failures(precision: str, entry: dict, trainer_auc: float) -> list[str]:
-    """Thresholds missed by one precision's parity ``entry``; NaN never passes a gate."""
+def cosine_failures(precision: str, cos: dict) -> list[str]:
+    """Embedding-cosine thresholds missed by one precision (``cos`` from :func:`cosine_stats`);
+    NaN never passes."""
     def below(value: float, threshold: float) -> bool:
         return not value >= threshold  # NaN -> True
 
-    cos, out = entry["cosine"], []
+    out = []
     if precision == "fp32" and below(cos["min"], FP32_MIN_COSINE):
         out.append(f"fp32 min cosine {cos['min']:.5f} < {FP32_MIN_COSINE}")
     if precision == "int8" and (below(cos["mean"], INT8_MEAN_COSINE) or below(cos["min"], INT8_MIN_COSINE)):
         out.append(f"int8 cosine mean {cos['mean']:.5f} / min {cos['min']:.5f} below "
                    f"{INT8_MEAN_COSINE} / {INT8_MIN_COSINE}")
+    return out
+
+
+def gate_failures(precision: str, entry: dict, trainer_auc: float) -> list[str]:
+    """Thresholds missed by one precision's parity ``entry``; NaN never passes a gate."""
+    def below(value: float, threshold: float) -> bool:
+        return not value >= threshold  # NaN -> True
+
+    out = cosine_failures(precision, entry["cosine"])
     if below(entry["decision_agreement"], MIN_DECISION_AGREEMENT):
         out.append(f"{precision} decisions agree on {entry['decision_agreement']:.4f} "
                    f"< {MIN_DECISION_AGREEMENT} of (query, lambda) pairs")
@@ -112,5 +122,28 @@ def check_bundle(bundle_dir, public_key, router, reference: np.ndarray, test, pr
     report["thresholds"] = {"fp32_min_cosine": FP32_MIN_COSINE, "int8_mean_cosine": INT8_MEAN_COSINE,
                             "int8_min_cosine": INT8_MIN_COSINE, "min_decision_agreement": MIN_DECISION_AGREEMENT,
                             "max_auc_gap": MAX_AUC_GAP}
+    report["passed"] = not report["failures"]
+    return report
+
+
+def check_embedder(bundle_dir, public_key, reference: np.ndarray, prompts: Sequence[str], precisions: Sequence[str],
+                   progress: Callable[[str], None] = print) -> dict:
+    """Embedder-only parity of a bundle: per precision, the cosine of the SDK's embeddings (one
+    query at a time, as ``choose()`` embeds) against the trainer's ``reference``
+    ((n, d_emb) float32 of ``prompts``), gated like :func:`check_bundle` (fp32 min >=
+    :data:`FP32_MIN_COSINE`; int8 mean >= :data:`INT8_MEAN_COSINE` and min >= :data:`INT8_MIN_COSINE`).
+
+    Returns
+    -------
+    dict with ``n_queries``, per-precision ``cosine`` (``mean``, ``min``, ``n``) and ``passed`` / ``failures``.
+    """
+    report: dict = {"n_queries": len(prompts), "precisions": {}, "failures": []}
+    for precision in precisions:
+        bundle = Router.load(bundle_dir, public_key, precision=precision)
+        emb = np.concatenate([bundle.embed([q]) for q in prompts])
+        cos = cosine_stats(emb, reference)
+        report["precisions"][precision] = {"cosine": cos}
+        progress(f"  {precision}: cosine mean {cos['mean']:.6f} min {cos['min']:.6f} over {cos['n']} prompts")
+        report["failures"].extend(cosine_failures(precision, cos))
     report["passed"] = not report["failures"]
     return report

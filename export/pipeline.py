@@ -1,6 +1,8 @@
 """``fedroute export``: trained router -> signed, parity-checked bundle.
 
-Steps: load the router and the signing key; export the router's embedder to ONNX (and int8); write
+Steps: load the router and the signing key; build the router's embedder through its embedder kind
+(:mod:`export.embedder_export`: ONNX (and int8) for a sentence-transformer, the model2vec table
+(and int8) for ``static``); write
 the router file; stage a signed bundle and load it with the SDK exactly as an app would; check
 parity against the trainer on real RouterBench test prompts (:mod:`export.parity`); then write the
 final bundle, with the parity figures in its signed ``parity.json``. A failed check raises
@@ -17,11 +19,11 @@ from typing import Callable
 
 from export import kinds as export_kinds
 from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle, write_checked_bundle
-from export.embedder_onnx import ExportedEmbedder, export_embedder, quantize_embedder
+from export.embedder_export import BundleEmbedder, onnx_embedder
+from export.embedder_onnx import ExportedEmbedder
 from export.errors import ExportError
 from export.signing import load_signing_key
-from sdk import bundle_manifest as fmt
-from trainer.embeddings import EmbedderConfig, embed_texts, resolve_model_path
+from trainer.embeddings import EmbedderConfig, embed_texts
 from trainer.kinds import load_router
 
 
@@ -81,7 +83,15 @@ def _load_test_table(router, data: Path | None):
 def assemble(router, exported: ExportedEmbedder, int8_model: Path | None, embedder_name: str, max_tokens: int,
              truncation_side: str, prices: dict[str, tuple[float | None, float | None]],
              bundle_version: int) -> tuple[dict[str, bytes], dict]:
-    """The bundle's files and manifest fields (before signing) for ``router`` and an exported embedder.
+    """:func:`assemble_bundle` with an ONNX embedder exported by optimum (and its int8 variant)."""
+    embedder = onnx_embedder(exported, int8_model, embedder_name, max_tokens, truncation_side)
+    return assemble_bundle(router, embedder, prices, bundle_version)
+
+
+def assemble_bundle(router, embedder: BundleEmbedder, prices: dict[str, tuple[float | None, float | None]],
+                    bundle_version: int) -> tuple[dict[str, bytes], dict]:
+    """The bundle's files and manifest fields (before signing) for ``router`` and a bundle embedder
+    of any registered embedder kind (:mod:`export.embedder_export`).
 
     Returns
     -------
@@ -93,30 +103,25 @@ def assemble(router, exported: ExportedEmbedder, int8_model: Path | None, embedd
         Prices for models the router does not have, a bundle_version < 1, or an embedder whose
         dimension is not the router's input dimension.
     """
-    if exported.dim != router.d_emb:
-        raise ExportError(f"embedder {embedder_name} has dim {exported.dim}, the router expects {router.d_emb}")
+    if embedder.dim != router.d_emb:
+        raise ExportError(f"embedder {embedder.entry['name']} has dim {embedder.dim}, the router expects {router.d_emb}")
     if bundle_version < 1:
         raise ExportError(f"bundle_version must be >= 1, got {bundle_version}")
     prices = check_prices(prices, router.models)
-    files = {fmt.TOKENIZER_FILE: exported.tokenizer.read_bytes(),
-             fmt.EMBEDDER_FILES["fp32"]: exported.model.read_bytes()}
-    precisions = {"fp32": fmt.EMBEDDER_FILES["fp32"]}
-    if int8_model is not None:
-        files[fmt.EMBEDDER_FILES["int8"]] = Path(int8_model).read_bytes()
-        precisions["int8"] = fmt.EMBEDDER_FILES["int8"]
+    files = dict(embedder.files)
     kind = export_kinds.get(router.kind)
     files.update(kind.files(router))
+    embedder_kind = export_kinds.get(embedder.kind, family="embedder")
     fields = {
         "bundle_version": int(bundle_version),
         **kind.manifest_fields(router),
+        **embedder_kind.manifest_fields(embedder),
         "models": [
             {"id": m, "price_per_1k_input_usd": prices.get(m, (None, None))[0],
              "price_per_1k_output_usd": prices.get(m, (None, None))[1], "mean_cost_usd": c}
             for m, c in zip(router.models, kind.mean_costs(router))
         ],
-        "embedder": {"name": embedder_name, "dim": exported.dim, "max_tokens": int(max_tokens),
-                     "truncation_side": truncation_side, "pooling": "mean", "normalised": True,
-                     "files": precisions},
+        "embedder": dict(embedder.entry),
     }
     return files, fields
 
@@ -140,7 +145,8 @@ def export_bundle(
     router_dir : folder written by ``fedroute simulate`` (``results/routers/{mlp,kmeans}``).
     out : bundle directory to create or replace (atomically).
     signing_key : path of ``signing.key`` (see ``fedroute keygen``).
-    int8 : also ship ``embedder.int8.onnx`` (the SDK then loads it by default).
+    int8 : also ship the int8 embedder (``embedder.int8.onnx``, or ``static_table.int8.npz`` for a
+        static embedder); the SDK then loads it by default.
     data : RouterBench folder or test file for the parity checks; default: the test file recorded
         in ``router.json`` at training time.
     bundle_version : default: 1 + the version at ``out``, or 1.
@@ -186,16 +192,10 @@ def export_bundle(
 
     with tempfile.TemporaryDirectory(prefix="fedroute-export-") as tmp:
         tmp = Path(tmp)
-        progress(f"exporting embedder {config.model} to ONNX with optimum (opset 17)")
-        exported = export_embedder(resolve_model_path(config.model), tmp / "embedder", config.max_tokens,
-                                   config.truncation_side)
-        int8_model = None
-        if int8:
-            progress("quantising the embedder to int8 (onnxruntime dynamic, per-channel weights)")
-            int8_model = quantize_embedder(exported.model, tmp / "embedder.int8.onnx")
+        embedder = export_kinds.get(config.kind.name, family="embedder").build(emb, config, tmp, int8, cache_dir,
+                                                                               progress=progress)
         progress(f"exporting the {router.kind} router")
-        files, fields = assemble(router, exported, int8_model, config.model, config.max_tokens,
-                                 config.truncation_side, prices, version)
+        files, fields = assemble_bundle(router, embedder, prices, version)
         staged = tmp / "staged"
         write_bundle(staged, files, fields, key)
         progress("checking parity of the staged bundle against the trainer")

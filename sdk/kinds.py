@@ -40,6 +40,7 @@ from sdk.artefact_kind import ArtefactKind, Embedder, LoadContext, RouterScorer
 from sdk.builtin_kinds import BUILTIN_KINDS
 from sdk.errors import BundleError, InvalidInputError
 from sdk.kind_registry import KindRegistry, UnknownKindError
+from sdk.static_embedder import StaticEmbedderKind
 
 #: Families whose kind is named in the manifest; the embedder is the only one with a default.
 EMBEDDER_FAMILY = "embedder"
@@ -195,6 +196,7 @@ register_family(EMBEDDER_FAMILY, Embedder)
 
 for _kind in BUILTIN_KINDS:
     register(_kind)
+register(StaticEmbedderKind())  # embedder/static (model2vec table), sdk/static_embedder.py
 
 
 __all__ = ["ArtefactKind", "Embedder", "Family", "LoadContext", "RouterScorer", "UnknownKindError", "check_manifest_kinds",

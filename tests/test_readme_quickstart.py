@@ -114,7 +114,8 @@ def test_bundle_block_writes_a_signed_parity_checked_bundle(ran):
     out, _ = _ok(ran, "bundle")
     assert re.search(r"bundle v1 \(kmeans, 11 models, embedder \['fp32', 'int8'\]\) at bundles/kmeans; parity passed", out)
     manifest = json.loads((ran["ws"] / "bundles" / "kmeans" / "manifest.json").read_text())  # v2 after the operator's round
-    assert manifest["router_kind"] == "kmeans" and manifest["embedder"]["max_tokens"] == 32
+    # the device profile: the static (model2vec) embedder, 256-d (docs/static_embedder.md)
+    assert manifest["router_kind"] == "kmeans" and manifest["embedder_kind"] == "static" and manifest["embedder"]["dim"] == 256
     assert (ran["ws"] / "keys" / "signing.key").stat().st_mode & 0o077 == 0  # private key: owner only
 
 

@@ -66,7 +66,8 @@ TestOpt = Annotated[Optional[Path], typer.Option(help="test file scored by the r
 OutOpt = Annotated[Path, typer.Option(help="output folder")]
 SeedsOpt = Annotated[int, typer.Option(min=1, help="number of seeds (0..K-1)")]
 RoutersOpt = Annotated[str, typer.Option(help="comma-separated router kinds: mlp,kmeans")]
-EmbedderOpt = Annotated[str, typer.Option(help="embedder: local path, 'all-MiniLM-L6-v2' or a hub id")]
+EmbedderOpt = Annotated[str, typer.Option(help="embedder: local path, 'all-MiniLM-L6-v2' or a hub id; "
+                                         "'static:<model2vec folder or sentence-transformer>' for a static table (docs/static_embedder.md)")]
 CacheOpt = Annotated[Optional[Path], typer.Option(help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
 MaxTokensOpt = Annotated[int, typer.Option(min=8, help="tokens the embedder reads (from the end of the prompt)")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device for embedding and MLP training: cpu, cuda, cuda:1")]

