@@ -292,7 +292,7 @@ class RoutedChat:
     @property
     def models(self) -> tuple[str, ...]:
         """Every model id callable by name: the pool, then the pass-through ids."""
-        return tuple(self._clients)
+        return (*self._pool, *(m for m in self._clients if m not in self._pool))
 
     @property
     def prices(self) -> dict[str, TokenPrice]:
