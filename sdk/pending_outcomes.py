@@ -7,7 +7,7 @@ response id. :meth:`sdk.routed_chat.RoutedChat.feedback` (or ``POST /v1/fedroute
 proxy) then writes the row with the score the app gives. Nothing is invented: a call never scored
 never reaches the log.
 
-The file survives restarts (WAL, one transaction per write); entries older than ``max_age_s`` and
+The file survives restarts and killed processes (WAL, one transaction per write, ``synchronous=NORMAL``); entries older than ``max_age_s`` and
 all but the newest ``max_rows`` are dropped on insert. ``":memory:"`` keeps them in memory only.
 """
 
@@ -97,6 +97,9 @@ class PendingOutcomes:
                     os.close(os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600))
             self._conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=10.0)
             self._conn.execute("PRAGMA journal_mode=WAL")
+            # WAL + NORMAL: a committed entry survives a killed process; a power loss may drop the last
+            # few (no fsync per call, which would dominate the proxy's bookkeeping time).
+            self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute(_SCHEMA)
         except (OSError, sqlite3.Error) as exc:
             raise EvalLogError(f"cannot open the pending-outcome store {self._path!r}: {exc}") from exc

@@ -125,3 +125,10 @@ def serve_stub(stub: StubUpstream) -> ServedApp:
             served.__exit__(*exc)
 
     return _Ctx()
+
+
+if __name__ == "__main__":  # python tests/openai_stub.py [port]: the stub alone, for docs/openai_proxy.md's walk-through
+    import sys
+
+    uvicorn.run(StubUpstream().app(), host="127.0.0.1", port=int(sys.argv[1]) if len(sys.argv) > 1 else 8000,
+                log_level="warning")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import httpx
 import numpy as np
@@ -262,3 +263,30 @@ def test_the_proxy_command_is_registered():
 
     result = CliRunner().invoke(app, ["proxy", "--help"])
     assert result.exit_code == 0 and "--token-file" in result.output and "--config" in result.output
+
+
+def test_the_proxy_examples_run_against_the_proxy(deployment, tmp_path, capsys):
+    """examples/proxy_client.py (openai client) and examples/proxy_curl.sh (curl) against the served proxy."""
+    import runpy
+    import subprocess
+
+    from conftest import ROOT
+
+    stub, router = deployment["stub"], deployment["router"]
+    order = expected_order(router, "Prove that the square root of 2 is irrational.", 100.0)
+    module = runpy.run_path(str(ROOT / "examples" / "proxy_client.py"))
+    assert module["main"](["--base-url", deployment["base"] + "/v1", "--token", TOKEN, "--passthrough", EXT[0],
+                           "--score", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"routed -> {order[0]} (fallbacks 0" in out and answer_text(POOL[order[0]][0]) in out
+    assert f"streamed: {answer_text(POOL[order[0]][0])}" in out and f"pass-through {EXT[0]} -> {EXT[1]}" in out
+    assert "scored chatcmpl-stub-" in out and "fedroute_proxy_requests_total" in out
+    result = subprocess.run(["bash", str(ROOT / "examples" / "proxy_curl.sh")], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "PROXY": deployment["base"], "TOKEN": TOKEN})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert f"x-fedroute-model: {order[0]}".lower() in [line.strip().lower() for line in lines]
+    assert answer_text(POOL[order[0]][0]) in lines
+    assert "7 events" in lines  # role chunk, 4 words, finish, [DONE] (the usage chunk was not asked for)
+    assert any(l.startswith('{"recorded":') for l in lines) and "400" in lines
+    assert not (tmp_path / "reply.json").exists()
