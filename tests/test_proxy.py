@@ -290,3 +290,18 @@ def test_the_proxy_examples_run_against_the_proxy(deployment, tmp_path, capsys):
     assert "7 events" in lines  # role chunk, 4 words, finish, [DONE] (the usage chunk was not asked for)
     assert any(l.startswith('{"recorded":') for l in lines) and "400" in lines
     assert not (tmp_path / "reply.json").exists()
+
+
+def test_the_proxy_command_reports_a_bad_config_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    (tmp_path / "proxy.json").write_text(json.dumps({"bundle": "b", "public_key": "k", "upstreams": {}, "lamb": 1}))
+    (tmp_path / "tokens").write_text("t\n")
+    result = subprocess.run([sys.executable, "-m", "trainer.cli", "proxy", "--config", str(tmp_path / "proxy.json"),
+                             "--token-file", str(tmp_path / "tokens")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2 and result.stderr.strip().startswith("error: proxy config")
+    assert "unknown keys ['lamb']" in result.stderr and "Traceback" not in result.stderr

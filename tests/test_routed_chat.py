@@ -312,3 +312,23 @@ def test_unknown_upstreams_and_other_bad_construction(router, stub, tmp_path):
     with pytest.raises(InvalidInputError, match="no EvalLog"):
         chat.feedback("chatcmpl-1", 1.0)
     assert stub.requests == []
+
+
+def test_pending_store_keeps_the_newest_rows_and_drops_expired_ones(tmp_path):
+    import time
+
+    from sdk.pending_outcomes import PendingOutcome, PendingOutcomes
+
+    store = PendingOutcomes(tmp_path / "p.sqlite", max_rows=2, max_age_s=3600)
+    emb = np.arange(4, dtype=np.float32)
+    for i, ts in enumerate((time.time(), time.time(), time.time(), time.time() - 7200)):
+        store.add(PendingOutcome(f"id-{i}", ts, "claude-v1", 0.001 * i, 10.0, emb, None, 3))
+    # id-3 is older than max_age_s (dropped at its own insert), id-0 fell out of the newest two.
+    assert store.get("id-0") is None and store.get("id-3") is None and len(store) == 1
+    kept = store.get("id-2")
+    assert (kept.model, kept.cost_usd, kept.cell, kept.bundle_version) == ("claude-v1", 0.002, None, 3)
+    np.testing.assert_array_equal(kept.embedding, emb)
+    assert store.remove("id-2") and not store.remove("id-2")
+    for bad in ({"max_rows": 0}, {"max_age_s": 0}, {"max_age_s": float("nan")}):
+        with pytest.raises(InvalidInputError):
+            PendingOutcomes(":memory:", **bad)
