@@ -305,3 +305,22 @@ def test_the_proxy_command_reports_a_bad_config_in_one_line(tmp_path):
                             timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 2 and result.stderr.strip().startswith("error: proxy config")
     assert "unknown keys ['lamb']" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_streaming_falls_back_before_the_first_chunk_and_a_timeout_falls_back(deployment):
+    stub, client, router = deployment["stub"], deployment["client"], deployment["router"]
+    order = expected_order(router, QUERY, 100.0)
+    messages = [{"role": "user", "content": QUERY}]
+    try:
+        stub.modes[POOL[order[0]][0]] = "503"
+        with client.chat.completions.with_streaming_response.create(model="fedroute", messages=messages,
+                                                                   stream=True) as raw:
+            assert raw.headers["x-fedroute-model"] == order[1] and raw.headers["x-fedroute-fallbacks"] == "1"
+            chunks = list(raw.parse())
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer_text(POOL[order[1]][0])
+        stub.modes[POOL[order[0]][0]] = "hang"  # the config's timeout_s is 1 s, the stub hangs 3 s
+        raw = client.chat.completions.with_raw_response.create(model="fedroute", messages=messages)
+        assert raw.headers["x-fedroute-model"] == order[1] and raw.headers["x-fedroute-fallbacks"] == "1"
+    finally:
+        stub.modes.clear()
+    assert metric(deployment["http"], "fedroute_proxy_fallbacks_total", model=order[0], reason="timeout") == 1
