@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sdk.errors import InvalidInputError, ShapeError, UnknownModelError
-from sdk.spend_curve import DecisionSteps, Mix, SpendCurve, _decision_steps_unchecked, decision_steps
+from sdk.spend_curve import Mix, SpendCurve, row_steps
 from sdk.utility import _decide_unchecked
 
 log = logging.getLogger("fedroute.budget")
@@ -169,7 +169,13 @@ class BudgetController:
         self._log_target = math.log(self._budget)
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
-        self._predicted: deque[tuple[float, np.ndarray, np.ndarray]] = deque(maxlen=self.window)
+        # Prediction window as ring buffers: per query its lam = 0 cost and its breakpoints
+        # (padded with lam = inf) with the cost change at each (sdk.spend_curve.row_steps).
+        n_steps = max(len(self._model_ids) - 1, 1)
+        self._base = np.zeros(self.window)
+        self._step_lam = np.full((self.window, n_steps), np.inf)
+        self._step_delta = np.zeros((self.window, n_steps))
+        self._n_predicted = 0
         self._realised: deque[float] = deque(maxlen=self.window)
         self._realised_sum = 0.0
         self._mix: Mix | None = None
@@ -245,7 +251,7 @@ class BudgetController:
             ``query`` is not a non-blank str.
         """
         accuracy, cost = self.router.predict([query])
-        return self._route(np.asarray(accuracy, dtype=np.float64)[0], np.asarray(cost, dtype=np.float64)[0])
+        return self._route(*self._checked(np.asarray(accuracy)[0], np.asarray(cost)[0]))
 
     def choose_from_predictions(self, accuracy: np.ndarray, cost: np.ndarray) -> str:
         """:meth:`choose` for a query whose predictions are already computed (e.g. by
@@ -262,19 +268,30 @@ class BudgetController:
         InvalidInputError
             Every prediction NaN.
         """
+        return self._route(*self._checked(accuracy, cost))
+
+    def _checked(self, accuracy: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         a = np.asarray(accuracy, dtype=np.float64)
         c = np.asarray(cost, dtype=np.float64)
         if a.shape != (len(self._model_ids),) or c.shape != a.shape:
             raise ShapeError(f"accuracy and cost must have shape ({len(self._model_ids)},), got {a.shape} and {c.shape}")
-        decision_steps(a[None], c[None])  # validates
-        return self._route(a, c)
+        valid = ~(np.isnan(a) | np.isnan(c))
+        if not valid.any():
+            raise InvalidInputError("the query has no model with an estimate (all predictions NaN)")
+        if np.isinf(a).any() or np.isinf(c).any() or (c[valid] < 0).any():
+            raise ShapeError("predictions must not contain inf, and predicted costs must be >= 0 USD")
+        return a, c
 
     def _route(self, a: np.ndarray, c: np.ndarray) -> str:
-        valid = ~(np.isnan(a) | np.isnan(c))
-        steps = _decision_steps_unchecked(a[None], c[None], valid[None])
+        base, lams, deltas = row_steps(a, c)
         events = []
         with self._lock:
-            self._predicted.append((float(steps.base_cost[0]), steps.lam, steps.delta_cost))
+            slot = self._n_predicted % self.window
+            self._base[slot] = base
+            self._step_lam[slot] = np.inf
+            self._step_lam[slot, :len(lams)] = lams
+            self._step_delta[slot, :len(deltas)] = deltas
+            self._n_predicted += 1
             mix = self._curve().mix_for(math.exp(self._log_target))
             lam = mix.lam_low if self._rng.random() < mix.p_low else mix.lam_high
             self._mix = mix
@@ -293,13 +310,8 @@ class BudgetController:
 
     def _curve(self) -> SpendCurve:
         """Spend curve of the prediction window (called under the lock)."""
-        n = len(self._predicted)
-        base = np.fromiter((p[0] for p in self._predicted), dtype=np.float64, count=n)
-        counts = [p[1].size for p in self._predicted]
-        lam = np.concatenate([p[1] for p in self._predicted])
-        delta = np.concatenate([p[2] for p in self._predicted])
-        rows = np.repeat(np.arange(n), counts)
-        return SpendCurve.from_steps(DecisionSteps(base, rows, lam, delta))
+        n = min(self._n_predicted, self.window)
+        return SpendCurve.from_arrays(self._base[:n], self._step_lam[:n], self._step_delta[:n])
 
     # -- feedback -----------------------------------------------------------------------------
 

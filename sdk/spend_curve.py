@@ -128,6 +128,41 @@ def _decision_steps_unchecked(a: np.ndarray, c: np.ndarray, valid: np.ndarray) -
                          cat(out_delta, np.float64))
 
 
+def row_steps(accuracy: np.ndarray, cost: np.ndarray) -> tuple[float, list[float], list[float]]:
+    """:func:`decision_steps` of one query, in plain Python (a few microseconds for a dozen models).
+
+    Parameters
+    ----------
+    accuracy, cost : ndarray of shape (n_models,), float; NaN = no estimate. Not validated
+        (:func:`decision_steps` validates); at least one model must have both estimates.
+
+    Returns
+    -------
+    (base_cost, lams, delta_costs): the predicted cost at ``lam = 0`` (USD), and the breakpoints
+    (USD^-1, increasing) with the cost change at each (USD, < 0), as lists.
+    """
+    models = [(float(a), float(c), j) for j, (a, c) in enumerate(zip(accuracy.tolist(), cost.tolist()))
+              if a == a and c == c]  # a == a: not NaN
+    cur = min(models, key=lambda m: (-m[0], m[1], m[2]))
+    base = cur[1]
+    lams: list[float] = []
+    deltas: list[float] = []
+    prev = 0.0
+    while True:
+        best = None
+        for m in models:
+            if m[1] < cur[1]:
+                key = ((cur[0] - m[0]) / (cur[1] - m[1]), m[1], m[2])
+                if best is None or key < best[0]:
+                    best = (key, m)
+        if best is None:
+            return base, lams, deltas
+        prev = max(best[0][0], prev)
+        lams.append(prev)
+        deltas.append(best[1][1] - cur[1])
+        cur = best[1]
+
+
 @dataclass(frozen=True)
 class Mix:
     """A randomised threshold policy: route at ``lam_low`` with probability ``p_low``, else at ``lam_high``.
@@ -171,20 +206,40 @@ class SpendCurve:
         InvalidInputError
             ``steps`` holds no query.
         """
-        n = steps.base_cost.shape[0]
+        return cls.from_arrays(steps.base_cost, steps.lam, steps.delta_cost)
+
+    @classmethod
+    def from_arrays(cls, base_cost: np.ndarray, lam: np.ndarray, delta_cost: np.ndarray) -> SpendCurve:
+        """The curve of ``n`` queries given as arrays (as in :class:`DecisionSteps`, without ``row``).
+
+        Parameters
+        ----------
+        base_cost : ndarray of shape (n,), float64, USD.
+        lam, delta_cost : ndarrays of one shape, float64; entries with ``lam = inf`` are padding
+            and ignored (so a (n, n_models - 1) table of steps padded with inf can be passed as it is).
+
+        Raises
+        ------
+        InvalidInputError
+            No query (``n = 0``).
+        """
+        n = base_cost.shape[0]
         if n == 0:
             raise InvalidInputError("a spend curve needs at least one query")
-        order = np.argsort(steps.lam, kind="stable")
-        lam, delta = steps.lam[order], steps.delta_cost[order]
+        lam, delta = np.ravel(lam), np.ravel(delta_cost)
+        keep = np.isfinite(lam)
+        lam, delta = lam[keep], delta[keep]
+        order = np.argsort(lam, kind="stable")
+        lam, delta = lam[order], delta[order]
+        base = float(base_cost.mean())
         if lam.size == 0:
-            return cls(np.zeros(0), np.array([steps.base_cost.mean()]))
+            return cls(np.zeros(0), np.array([base]))
         new_group = np.ones(lam.size, dtype=bool)
         new_group[1:] = lam[1:] > lam[:-1] * (1.0 + MERGE_RTOL)
         group = np.cumsum(new_group) - 1
         breaks = lam[new_group]
         jump = np.bincount(group, weights=delta, minlength=breaks.size) / n
-        levels = steps.base_cost.mean() + np.concatenate([[0.0], np.cumsum(jump)])
-        return cls(breaks, levels)
+        return cls(breaks, base + np.concatenate([[0.0], np.cumsum(jump)]))
 
     def spend_at(self, lam: float) -> float:
         """``S(lam)``, USD per query (``lam`` >= 0, not validated)."""

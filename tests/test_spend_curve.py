@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from sdk.errors import InvalidInputError, ShapeError
-from sdk.spend_curve import SpendCurve, decision_steps
+from sdk.spend_curve import SpendCurve, decision_steps, row_steps
 from sdk.utility import decide
 
 # Query 0: A = (0.9, 0.7, 0.5), C = (0.010, 0.004, 0.001) USD: model 0 at lam = 0, model 1 from
@@ -89,3 +89,18 @@ def test_bad_predictions_are_refused(a, c, error):
 def test_empty_sample_has_no_curve():
     with pytest.raises(InvalidInputError):
         SpendCurve.from_steps(decision_steps(np.zeros((0, 3)), np.zeros((0, 3))))
+
+
+def test_row_steps_equals_decision_steps():
+    rng = np.random.default_rng(1)
+    a, c = rng.random((200, 7)), rng.random((200, 7)) * 0.01
+    a[:, 4] = np.nan
+    a[::7, 1] = a[::7, 0]  # ties in accuracy at lam = 0
+    for i in range(a.shape[0]):
+        base, lams, deltas = row_steps(a[i], c[i])
+        steps = decision_steps(a[i:i + 1], c[i:i + 1])
+        assert base == steps.base_cost[0]
+        np.testing.assert_array_equal(lams, steps.lam)
+        np.testing.assert_array_equal(deltas, steps.delta_cost)
+    base, lams, deltas = row_steps(A[0], C[0])
+    assert base == 0.010 and lams == pytest.approx([100 / 3, 200 / 3]) and deltas == pytest.approx([-0.006, -0.003])
