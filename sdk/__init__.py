@@ -12,6 +12,8 @@ On the device:
   the federated router's client choice, locally;
 - :class:`sdk.Selector` — ``Selector.load(bundle_dir, public_key)`` verifies a signed selector bundle
   (a FedPrism expert), then ``prefer(x, y_a, y_b)`` returns P(y_a is the better response);
+- :class:`sdk.BudgetController` — keeps the realised spend per 1,000 queries on a budget (``choose`` /
+  ``record``), adjusting ``lam`` online;
 - :class:`sdk.EvalLog` — the SQLite log of sparse evaluations that the federated sync reads;
 - :class:`sdk.SyncClient` — the periodic federated sync (upload statistics, install new bundles;
   httpx, imported on first use).
@@ -24,6 +26,7 @@ The math shared by the device and the trainer lives here once:
 - :mod:`sdk.personalisation` — the error-weighted interpolation of a global and a local estimator.
 """
 
+from sdk.budget import BudgetController, BudgetEvent
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import (
     BudgetError,
@@ -47,7 +50,9 @@ from sdk.utility import check_lambda, decide, utility
 from sdk.voronoi import nearest_cell
 
 __all__ = [
+    "BudgetController",
     "BudgetError",
+    "BudgetEvent",
     "BundleError",
     "CellStatistics",
     "Choice",

@@ -10,12 +10,16 @@ derive from the built-in class a caller would expect, so ``except ValueError`` k
     │   ├── ShapeError                      array of the wrong shape, dtype or with non-finite values
     │   ├── PrivacyError                    an update that would report fewer than min_count samples
     │   ├── PayloadError                    bytes that do not decode as the format they claim (safetensors, .npz)
-    │   └── BudgetError                     a cost budget that no lambda can meet
+    │   ├── BudgetError                     a cost budget that no lambda can meet
+    │   ├── PriceError                      a model the app may call that has no token price (cost cannot be observed)
+    │   ├── ModelSpecError                  a malformed ``model=`` string (``fedroute:lam=...``, ``fedroute:budget=...``)
+    │   └── UnknownResponseError            feedback for a response id that awaits no score (unknown, scored, expired)
     ├── UnknownModelError (KeyError)        a model id the router or log does not know
     ├── BundleError                         a bundle that is missing, corrupt, tampered or inconsistent
     ├── EvalLogError                        the evaluation log file is unusable (not SQLite, wrong schema)
-    └── SyncError                           the federated sync could not complete (network, server, state)
-        └── SyncRejectedError               the server answered with a 4xx; ``status`` and ``detail`` say why
+    ├── SyncError                           the federated sync could not complete (network, server, state)
+    │   └── SyncRejectedError               the server answered with a 4xx; ``status`` and ``detail`` say why
+    └── UpstreamError                       an LLM endpoint failed (after the bounded fallbacks); ``status``, ``attempts``
 
 Library exceptions that cross our boundary are re-raised as the most specific class here with
 ``raise ... from exc``.
@@ -94,3 +98,36 @@ class SyncRejectedError(SyncError):
         super().__init__(f"server rejected the request ({status}): {detail}")
         self.status = int(status)
         self.detail = str(detail)
+
+
+class PriceError(InvalidInputError):
+    """A model that may be called has no token price, so the cost of its answers could not be observed
+    (raised at construction of :class:`sdk.routed_chat.RoutedChat`, never guessed from a prediction)."""
+
+
+class ModelSpecError(InvalidInputError):
+    """A ``model=`` string that is neither a known model id nor a valid ``fedroute[:lam=X | :budget=Y]``."""
+
+
+class UnknownResponseError(InvalidInputError):
+    """A score was given for a response id that no answered routed call awaits: unknown, already
+    scored, expired from the pending store, or a pass-through / unpriced call (never logged)."""
+
+
+class UpstreamError(FedrouteError):
+    """An OpenAI-compatible endpoint failed: a non-retryable answer (4xx other than 429), or every
+    model tried (the choice and its bounded fallbacks) timed out, answered 5xx or 429, or was unreachable.
+
+    Attributes
+    ----------
+    status : int or None, the HTTP status of the last failed attempt (None: timeout or no connection).
+    kind : str, the last failure: ``"timeout"``, ``"connection"``, ``"rate_limit"``, ``"server_error"``
+        or ``"client_error"``.
+    attempts : tuple of ``sdk.routed_chat.FailedAttempt``, every failed attempt in order.
+    """
+
+    def __init__(self, message: str, *, status: int | None, kind: str, attempts: tuple = ()) -> None:
+        super().__init__(message)
+        self.status = None if status is None else int(status)
+        self.kind = str(kind)
+        self.attempts = tuple(attempts)

@@ -117,9 +117,20 @@ def _decide_unchecked(u: np.ndarray, cost: np.ndarray) -> np.ndarray:
     if unknown.all(axis=1).any():
         row = int(np.flatnonzero(unknown.all(axis=1))[0])
         raise InvalidInputError(f"query {row} has no model with an estimate (all predictions NaN)")
+    return _rank_unchecked(u, cost)[:, 0]
+
+
+def _rank_unchecked(u: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """Models per query from best to worst by the decision rule of :func:`decide` (utility, then the
+    lower predicted cost, then the lower index); models with a NaN prediction come last. Column 0 is
+    :func:`decide`'s choice, column 1 the next best (the first fallback of :mod:`sdk.routed_chat`).
+
+    ``u`` and ``cost`` : ndarray of shape (n_queries, n_models), float64. Validates nothing.
+    Returns ndarray of shape (n_queries, n_models), int64.
+    """
+    unknown = np.isnan(u) | np.isnan(cost)
     neg_u = np.where(unknown, np.inf, -u)
     safe_cost = np.where(unknown, np.inf, cost)
     index = np.broadcast_to(np.arange(u.shape[1]), u.shape)
     # lexsort: last key is primary -> (-u, cost, index) ascending along each row.
-    order = np.lexsort((index, safe_cost, neg_u), axis=-1)
-    return order[:, 0].astype(np.int64)
+    return np.lexsort((index, safe_cost, neg_u), axis=-1).astype(np.int64)

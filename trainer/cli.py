@@ -275,6 +275,15 @@ def _register_add_model_command() -> None:
 _register_add_model_command()
 
 
+def _register_proxy_command() -> None:
+    from sdk.proxy.cli import proxy  # typer only; the proxy extra is imported when the command runs
+
+    app.command("proxy")(proxy)
+
+
+_register_proxy_command()
+
+
 def main() -> None:
     """Console-script entry point: errors of ours print one line and exit 2, not a traceback."""
     run_app(app)

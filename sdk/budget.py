@@ -1,0 +1,385 @@
+"""``BudgetController``: keep the realised spend per 1,000 queries on a budget while traffic shifts.
+
+:meth:`sdk.Router.lam_for_budget` calibrates ``lam`` once, on a sample; when the traffic's task mix
+moves away from the sample the spend moves with it (a budget calibrated on a mixed RouterBench
+sample ran 38% over on a winogrande-only stream). The controller closes the loop. Its state is a
+*predicted-spend target* ``s`` (USD per query), started at the budget ``b = budget_usd_per_1k /
+1000``, and two sliding windows of the last ``window`` queries: the router's predictions of the
+queries routed (:meth:`choose`) and the realised costs reported (:meth:`record`).
+
+Routing (feed-forward, every :meth:`choose`). On the predictions in the window the mean predicted
+cost of the router's decisions is a step function ``S(lam)`` of ``lam`` (:class:`sdk.spend_curve.
+SpendCurve`, exact). The controller routes with the randomised threshold policy that meets ``s``
+in expectation on the window: at ``lam_low`` (a step whose spend is ``>= s``) with probability
+``p_low`` and at ``lam_high`` (the next step, spend ``<= s``) otherwise,
+``p_low = (s - S(lam_high)) / (S(lam_low) - S(lam_high))`` (:meth:`sdk.spend_curve.SpendCurve.
+mix_for`). A router whose decisions are coarse (a K-means router: every query of a Voronoi cell
+switches model at the same ``lam``) thereby still meets a target between two of its steps; for a
+fine-grained router (MLP) ``p_low`` mixes two nearly equal ``lam``. :attr:`lam` is ``lam_high``,
+the smallest step of ``lam`` whose predicted spend fits ``s`` (what ``lam_for_budget`` would give
+on the window, to its bisection tolerance).
+
+Correction (feedback, every :meth:`record`). The router's predicted costs can be biased for the
+current traffic, so the realised spend ``R`` (mean of the recorded costs in the window) is compared
+with the budget and the target moves by a bounded multiplicative step, an integral controller in
+log space::
+
+    log s  <-  log s - clip((gain / window) * log(R / b), -max_step, +max_step)
+    s      <-  min(max(s, b / TARGET_RANGE), b * TARGET_RANGE)
+
+applied from the ``min(window, MIN_RECORDS)``-th record on. ``gain / window`` makes the correction
+per *window* of records about ``gain`` times the log-error, whatever the window; the clamp on
+``s`` keeps an unreachable budget from winding the target up without bound. Defaults
+(:data:`DEFAULT_GAIN`, :data:`DEFAULT_MAX_STEP`) were chosen on validation streams drawn from the
+RouterBench *train* split by ``benchmarks/budget_controller_settings.py``, never on the test split.
+
+Drift warning. Once the window of realised costs is full, ``|R / b - 1| > tolerance`` logs a
+warning (logger ``fedroute.budget``) and appends a :class:`BudgetEvent` of kind ``"drift"``; the
+return within tolerance appends ``"recovered"``. A spend target below the cost of the router's
+cheapest decisions on the window appends ``"unreachable"`` (and ``"reachable"`` when it is met
+again). Events are kept in :attr:`events` (the last :data:`MAX_EVENTS`) and passed, as they happen,
+to the ``on_event`` callback if one is given (called in the thread of :meth:`choose` or
+:meth:`record`, after the controller's lock is released; an exception it raises propagates to that
+caller, the controller's state being already updated).
+
+Thread-safe: :meth:`choose` and :meth:`record` may run concurrently (one lock around the state; the
+embedding, the costly part of :meth:`choose`, runs outside it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from sdk.errors import InvalidInputError, ShapeError, UnknownModelError
+from sdk.spend_curve import Mix, SpendCurve, row_steps
+from sdk.utility import _decide_unchecked
+
+log = logging.getLogger("fedroute.budget")
+
+#: Correction per window of records, as a multiple of the log-error ``log(R / b)`` (see the module docstring).
+DEFAULT_GAIN = 0.5
+#: Largest change of ``log s`` per record.
+DEFAULT_MAX_STEP = 0.05
+#: The predicted-spend target stays within ``[b / TARGET_RANGE, b * TARGET_RANGE]``.
+TARGET_RANGE = 8.0
+#: Feedback starts after ``min(window, MIN_RECORDS)`` recorded costs.
+MIN_RECORDS = 20
+#: Events kept in :attr:`BudgetController.events`.
+MAX_EVENTS = 1000
+
+
+@dataclass(frozen=True)
+class BudgetEvent:
+    """Something the app may want to act on.
+
+    Attributes
+    ----------
+    kind : ``"drift"`` (realised spend over the window left ``budget * (1 +- tolerance)``),
+        ``"recovered"`` (back within it), ``"unreachable"`` (the spend target is below the predicted
+        cost of the router's cheapest decisions on the window) or ``"reachable"`` (met again).
+    n_chosen, n_recorded : queries routed and costs recorded when it happened.
+    realised_usd_per_1k : realised spend over the window, USD per 1,000 queries (None: no record yet).
+    budget_usd_per_1k : the budget, USD per 1,000 queries.
+    lam : the controller's ``lam`` then, USD^-1.
+    message : one line for a log.
+    """
+
+    kind: str
+    n_chosen: int
+    n_recorded: int
+    realised_usd_per_1k: float | None
+    budget_usd_per_1k: float
+    lam: float
+    message: str
+
+
+def _positive_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidInputError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        out = float(value)
+    except OverflowError as exc:
+        raise InvalidInputError(f"{name} must be finite, got an integer too large for a float") from exc
+    if not math.isfinite(out) or out <= 0:
+        raise InvalidInputError(f"{name} must be a finite number > 0, got {value!r}")
+    return out
+
+
+class BudgetController:
+    """Route with ``router`` so that the realised spend stays at ``budget_usd_per_1k`` USD per 1,000 queries.
+
+    See the module docstring for the rule. Typical use::
+
+        controller = BudgetController(router, budget_usd_per_1k=0.50)
+        model = controller.choose(prompt)          # a model id of router.model_ids
+        answer, cost_usd = call_llm(model, prompt)
+        controller.record(model, cost_usd)
+
+    Parameters
+    ----------
+    router : an :class:`sdk.Router` (anything with ``model_ids`` and ``predict(queries) ->
+        (accuracy, cost)``, each ``(n_queries, n_models)``, cost in USD per query).
+    budget_usd_per_1k : float > 0, finite: the budget, USD per 1,000 queries.
+    window : int >= 1: queries in each sliding window (predictions and realised costs).
+    tolerance : float > 0: relative deviation of the windowed realised spend from the budget that
+        raises a ``"drift"`` event (0.10 = +-10%).
+    seed : int >= 0 or None: seed of the randomised mixing (None: fresh entropy).
+    gain : float > 0: feedback gain per window of records (module docstring).
+    max_step : float > 0: bound on the change of ``log s`` per record.
+    on_event : callable taking a :class:`BudgetEvent`, or None.
+
+    Raises
+    ------
+    InvalidInputError
+        A budget, tolerance, gain or max_step that is not a finite number > 0 (NaN, inf, 0,
+        negative, bool, str...); a window that is not an int >= 1; a seed that is not None or an
+        int >= 0; a router without ``model_ids`` and ``predict``; an ``on_event`` that is not callable.
+    """
+
+    def __init__(self, router, budget_usd_per_1k: float, *, window: int = 200, tolerance: float = 0.10,
+                 seed: int | None = None, gain: float = DEFAULT_GAIN, max_step: float = DEFAULT_MAX_STEP,
+                 on_event: Callable[[BudgetEvent], None] | None = None) -> None:
+        if not hasattr(router, "model_ids") or not callable(getattr(router, "predict", None)):
+            raise InvalidInputError(f"router must be an sdk.Router (model_ids and predict), got {type(router).__name__}")
+        self.budget_usd_per_1k = _positive_real("budget_usd_per_1k", budget_usd_per_1k)
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
+            raise InvalidInputError(f"window must be an int >= 1 (queries), got {window!r}")
+        self.window = int(window)
+        self.tolerance = _positive_real("tolerance", tolerance)
+        self.gain = _positive_real("gain", gain)
+        self.max_step = _positive_real("max_step", max_step)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
+            raise InvalidInputError(f"seed must be None or an int >= 0, got {seed!r}")
+        if on_event is not None and not callable(on_event):
+            raise InvalidInputError(f"on_event must be callable or None, got {type(on_event).__name__}")
+        self.router = router
+        self.seed = seed
+        self.on_event = on_event
+        self._model_ids = tuple(router.model_ids)
+        self._index = {m: i for i, m in enumerate(self._model_ids)}
+        self._budget = self.budget_usd_per_1k / 1000.0
+        self._log_target = math.log(self._budget)
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+        # Prediction window as ring buffers: per query its lam = 0 cost and its breakpoints
+        # (padded with lam = inf) with the cost change at each (sdk.spend_curve.row_steps).
+        n_steps = max(len(self._model_ids) - 1, 1)
+        self._base = np.zeros(self.window)
+        self._step_lam = np.full((self.window, n_steps), np.inf)
+        self._step_delta = np.zeros((self.window, n_steps))
+        self._n_predicted = 0
+        self._realised: deque[float] = deque(maxlen=self.window)
+        self._realised_sum = 0.0
+        self._mix: Mix | None = None
+        self._n_chosen = 0
+        self._n_recorded = 0
+        self._drifting = False
+        self._unreachable = False
+        self._events: deque[BudgetEvent] = deque(maxlen=MAX_EVENTS)
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def lam(self) -> float:
+        """``lam_high`` of the current mix, USD^-1 (0.0 before the first :meth:`choose`)."""
+        with self._lock:
+            return 0.0 if self._mix is None else self._mix.lam_high
+
+    @property
+    def mix(self) -> Mix | None:
+        """The randomised threshold policy of the last :meth:`choose` (None before the first)."""
+        with self._lock:
+            return self._mix
+
+    @property
+    def realised_usd_per_1k(self) -> float | None:
+        """Mean recorded cost over the window, USD per 1,000 queries (None before the first :meth:`record`)."""
+        with self._lock:
+            return self._realised_per_1k()
+
+    @property
+    def spend_target_usd_per_1k(self) -> float:
+        """The predicted-spend target ``s``, USD per 1,000 queries (module docstring)."""
+        with self._lock:
+            return 1000.0 * math.exp(self._log_target)
+
+    @property
+    def n_chosen(self) -> int:
+        """Queries routed so far."""
+        with self._lock:
+            return self._n_chosen
+
+    @property
+    def n_recorded(self) -> int:
+        """Costs recorded so far."""
+        with self._lock:
+            return self._n_recorded
+
+    @property
+    def events(self) -> tuple[BudgetEvent, ...]:
+        """The last :data:`MAX_EVENTS` events, oldest first."""
+        with self._lock:
+            return tuple(self._events)
+
+    def _realised_per_1k(self) -> float | None:
+        return None if not self._realised else 1000.0 * self._realised_sum / len(self._realised)
+
+    # -- routing ------------------------------------------------------------------------------
+
+    def choose(self, query: str) -> str:
+        """The model to call for ``query``: the router's decision at the controller's randomised ``lam``.
+
+        Parameters
+        ----------
+        query : non-blank str.
+
+        Returns
+        -------
+        str, a model id of ``router.model_ids``.
+
+        Raises
+        ------
+        InvalidQueryError
+            ``query`` is not a non-blank str.
+        """
+        accuracy, cost = self.router.predict([query])
+        return self._route(*self._checked(np.asarray(accuracy)[0], np.asarray(cost)[0]))
+
+    def choose_from_predictions(self, accuracy: np.ndarray, cost: np.ndarray) -> str:
+        """:meth:`choose` for a query whose predictions are already computed (e.g. by
+        ``router.predict_from_embeddings``).
+
+        Parameters
+        ----------
+        accuracy, cost : ndarray of shape (n_models,), float; cost in USD per query; NaN = no estimate.
+
+        Raises
+        ------
+        ShapeError
+            Wrong shape, inf, or a negative cost.
+        InvalidInputError
+            Every prediction NaN.
+        """
+        return self._route(*self._checked(accuracy, cost))
+
+    def _checked(self, accuracy: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        a = np.asarray(accuracy, dtype=np.float64)
+        c = np.asarray(cost, dtype=np.float64)
+        if a.shape != (len(self._model_ids),) or c.shape != a.shape:
+            raise ShapeError(f"accuracy and cost must have shape ({len(self._model_ids)},), got {a.shape} and {c.shape}")
+        valid = ~(np.isnan(a) | np.isnan(c))
+        if not valid.any():
+            raise InvalidInputError("the query has no model with an estimate (all predictions NaN)")
+        if np.isinf(a).any() or np.isinf(c).any() or (c[valid] < 0).any():
+            raise ShapeError("predictions must not contain inf, and predicted costs must be >= 0 USD")
+        return a, c
+
+    def _route(self, a: np.ndarray, c: np.ndarray) -> str:
+        base, lams, deltas = row_steps(a, c)
+        events = []
+        with self._lock:
+            slot = self._n_predicted % self.window
+            self._base[slot] = base
+            self._step_lam[slot] = np.inf
+            self._step_lam[slot, :len(lams)] = lams
+            self._step_delta[slot, :len(deltas)] = deltas
+            self._n_predicted += 1
+            mix = self._curve().mix_for(math.exp(self._log_target))
+            lam = mix.lam_low if self._rng.random() < mix.p_low else mix.lam_high
+            self._mix = mix
+            self._n_chosen += 1
+            if mix.reachable == self._unreachable:
+                self._unreachable = not mix.reachable
+                events.append(self._event(
+                    "unreachable" if self._unreachable else "reachable",
+                    "spend target {s:.4g} USD per 1k is below the predicted cost of the cheapest decisions "
+                    "on the last {n} queries ({floor:.4g} USD per 1k)" if self._unreachable else
+                    "spend target {s:.4g} USD per 1k is reachable again",
+                    floor=1000.0 * mix.expected_cost))
+        self._emit(events)
+        j = int(_decide_unchecked((a - lam * c)[None], c[None])[0])
+        return self._model_ids[j]
+
+    def _curve(self) -> SpendCurve:
+        """Spend curve of the prediction window (called under the lock)."""
+        n = min(self._n_predicted, self.window)
+        return SpendCurve.from_arrays(self._base[:n], self._step_lam[:n], self._step_delta[:n])
+
+    # -- feedback -----------------------------------------------------------------------------
+
+    def record(self, model: str, cost_usd: float) -> None:
+        """Report the realised cost of one answered query.
+
+        Parameters
+        ----------
+        model : the model id that answered (one of ``router.model_ids``).
+        cost_usd : float >= 0, finite: what the call cost, USD.
+
+        Raises
+        ------
+        UnknownModelError
+            ``model`` is not in the router's pool.
+        InvalidInputError
+            ``cost_usd`` is not a finite number >= 0.
+        """
+        if not isinstance(model, str) or model not in self._index:
+            raise UnknownModelError(f"unknown model {model!r}; the router's models are {list(self._model_ids)}")
+        if isinstance(cost_usd, bool) or not isinstance(cost_usd, numbers.Real):
+            raise InvalidInputError(f"cost_usd must be a real number (USD), got {type(cost_usd).__name__} {cost_usd!r}")
+        cost = float(cost_usd)
+        if not math.isfinite(cost) or cost < 0:
+            raise InvalidInputError(f"cost_usd must be a finite number >= 0 (USD), got {cost_usd!r}")
+        events = []
+        with self._lock:
+            self._realised.append(cost)
+            self._realised_sum = math.fsum(self._realised)
+            self._n_recorded += 1
+            realised = self._realised_sum / len(self._realised)
+            if len(self._realised) >= min(self.window, MIN_RECORDS):
+                error = math.log(max(realised, 1e-12 * self._budget) / self._budget)
+                step = min(max(self.gain / self.window * error, -self.max_step), self.max_step)
+                low, high = math.log(self._budget / TARGET_RANGE), math.log(self._budget * TARGET_RANGE)
+                self._log_target = min(max(self._log_target - step, low), high)
+            if len(self._realised) == self.window:
+                off = abs(realised / self._budget - 1.0) > self.tolerance
+                if off != self._drifting:
+                    self._drifting = off
+                    events.append(self._event(
+                        "drift" if off else "recovered",
+                        "realised spend {r:.4g} USD per 1k over the last {n} queries is {pct:+.1f}% off the budget "
+                        "{b:.4g} (tolerance {tol:.0%})" if off else
+                        "realised spend {r:.4g} USD per 1k is back within {tol:.0%} of the budget {b:.4g}"))
+        self._emit(events)
+
+    def _event(self, kind: str, template: str, **extra) -> BudgetEvent:
+        """Build and keep an event (called under the lock)."""
+        realised = self._realised_per_1k()
+        b = self.budget_usd_per_1k
+        message = template.format(r=realised if realised is not None else float("nan"), b=b, tol=self.tolerance,
+                                  n=self.window, s=1000.0 * math.exp(self._log_target),
+                                  pct=100.0 * ((realised or 0.0) / b - 1.0), **extra)
+        event = BudgetEvent(kind, self._n_chosen, self._n_recorded, realised, b,
+                            0.0 if self._mix is None else self._mix.lam_high, message)
+        self._events.append(event)
+        return event
+
+    def _emit(self, events: list[BudgetEvent]) -> None:
+        for event in events:
+            level = logging.WARNING if event.kind in ("drift", "unreachable") else logging.INFO
+            log.log(level, "budget controller: %s", event.message)
+            if self.on_event is not None:
+                self.on_event(event)
+
+    def __repr__(self) -> str:
+        realised = self.realised_usd_per_1k
+        shown = "n/a" if realised is None else f"{realised:.4g}"
+        return (f"BudgetController(budget_usd_per_1k={self.budget_usd_per_1k:g}, window={self.window}, "
+                f"realised_usd_per_1k={shown}, lam={self.lam:.4g})")

@@ -1,0 +1,155 @@
+"""Answered calls that wait for their score, kept in a small SQLite file until the app scores them.
+
+The quality of an LLM answer (a score in [0, 1]) is known to the app *later*, if ever. A routed
+call therefore stores what an :class:`sdk.eval_log.EvalLog` row needs except the score: model,
+observed cost and latency, the query embedding, cell, bundle version and time, keyed by the
+response id. :meth:`sdk.routed_chat.RoutedChat.feedback` (or ``POST /v1/fedroute/feedback`` on the
+proxy) then writes the row with the score the app gives. Nothing is invented: a call never scored
+never reaches the log.
+
+The file survives restarts and killed processes (WAL, one transaction per write, ``synchronous=NORMAL``); entries older than ``max_age_s`` and
+all but the newest ``max_rows`` are dropped on insert. ``":memory:"`` keeps them in memory only.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sdk.errors import EvalLogError, InvalidInputError
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS pending (
+    response_id    TEXT PRIMARY KEY,
+    seq            INTEGER NOT NULL,
+    timestamp      REAL    NOT NULL,
+    model          TEXT    NOT NULL,
+    cost_usd       REAL    NOT NULL,
+    latency_ms     REAL    NOT NULL,
+    embedding      BLOB    NOT NULL,
+    cell           INTEGER,
+    bundle_version INTEGER NOT NULL
+)
+"""
+
+
+@dataclass(frozen=True)
+class PendingOutcome:
+    """An answered routed call waiting for its score.
+
+    Attributes
+    ----------
+    response_id : the completion's ``id``.
+    timestamp : unix seconds when the answer arrived.
+    model : the model that answered (after any fallback).
+    cost_usd : observed cost, USD (token price x usage).
+    latency_ms : the answering call's wall time, ms.
+    embedding : ndarray of shape (d_emb,), float32, the routed text's embedding.
+    cell : K-means cell or None.
+    bundle_version : the bundle that routed.
+    """
+
+    response_id: str
+    timestamp: float
+    model: str
+    cost_usd: float
+    latency_ms: float
+    embedding: np.ndarray
+    cell: int | None
+    bundle_version: int
+
+
+class PendingOutcomes:
+    """The store of :class:`PendingOutcome` (thread-safe, one connection under a lock).
+
+    Parameters
+    ----------
+    path : SQLite file (created with mode 0600) or ``":memory:"``.
+    max_rows : int >= 1, newest entries kept (default 50,000).
+    max_age_s : float > 0, entries older than this are dropped (default 7 days).
+
+    Raises
+    ------
+    InvalidInputError
+        Bad ``max_rows`` / ``max_age_s``.
+    EvalLogError
+        The file cannot be opened as this store.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, max_rows: int = 50_000, max_age_s: float = 7 * 86_400.0) -> None:
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise InvalidInputError(f"max_rows must be an int >= 1, got {max_rows!r}")
+        if not isinstance(max_age_s, (int, float)) or isinstance(max_age_s, bool) or not max_age_s > 0:
+            raise InvalidInputError(f"max_age_s must be a number > 0 (seconds), got {max_age_s!r}")
+        self._max_rows, self._max_age_s = max_rows, float(max_age_s)
+        self._lock = threading.Lock()
+        self._path = str(path)
+        try:
+            if self._path != ":memory:":
+                Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+                if not Path(self._path).exists():
+                    os.close(os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600))
+            self._conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=10.0)
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            # WAL + NORMAL: a committed entry survives a killed process; a power loss may drop the last
+            # few (no fsync per call, which would dominate the proxy's bookkeeping time).
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute(_SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise EvalLogError(f"cannot open the pending-outcome store {self._path!r}: {exc}") from exc
+
+    def add(self, outcome: PendingOutcome) -> None:
+        """Store ``outcome`` (replacing an entry with the same id) and apply retention, in one transaction.
+
+        Raises
+        ------
+        EvalLogError
+            SQLite failed to write.
+        """
+        blob = np.ascontiguousarray(outcome.embedding, dtype="<f4").tobytes()
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                seq = self._conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM pending").fetchone()[0]
+                self._conn.execute(
+                    "INSERT OR REPLACE INTO pending VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (outcome.response_id, seq, outcome.timestamp, outcome.model, outcome.cost_usd, outcome.latency_ms,
+                     blob, outcome.cell, outcome.bundle_version))
+                self._conn.execute("DELETE FROM pending WHERE timestamp < ?", (time.time() - self._max_age_s,))
+                self._conn.execute("DELETE FROM pending WHERE seq <= ?", (seq - self._max_rows,))
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise EvalLogError(f"cannot write the pending-outcome store {self._path!r}: {exc}") from exc
+
+    def get(self, response_id: str) -> PendingOutcome | None:
+        """The entry for ``response_id``, or None (unknown, already scored or expired)."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT response_id, timestamp, model, cost_usd, latency_ms, embedding, cell, bundle_version "
+                "FROM pending WHERE response_id = ?", (response_id,)).fetchone()
+        if row is None:
+            return None
+        return PendingOutcome(row[0], row[1], row[2], row[3], row[4], np.frombuffer(row[5], dtype="<f4").copy(),
+                              row[6], row[7])
+
+    def remove(self, response_id: str) -> bool:
+        """Delete the entry; True if there was one."""
+        with self._lock:
+            return self._conn.execute("DELETE FROM pending WHERE response_id = ?", (response_id,)).rowcount > 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return int(self._conn.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
+
+    def close(self) -> None:
+        """Close the file. Idempotent."""
+        with self._lock:
+            self._conn.close()

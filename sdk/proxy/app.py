@@ -1,0 +1,209 @@
+"""The proxy's HTTP API (FastAPI; served by uvicorn, :mod:`sdk.proxy.cli`). OpenAI-compatible.
+
+Every route but ``/health`` needs ``Authorization: Bearer <token>`` with one of the proxy's tokens
+(401 otherwise, OpenAI-style error JSON, code ``invalid_api_key``).
+
+``POST /v1/chat/completions``
+    An OpenAI chat request. ``model``: ``"fedroute"`` (or absent), ``"fedroute:lam=X"`` or
+    ``"fedroute:budget=Y"`` routes (:mod:`sdk.model_spec`); any other id with an upstream passes
+    straight through. Parameters the ``openai`` package knows go to the upstream as they are; others
+    as ``extra_body``. 200 with the upstream's ``chat.completion`` (or, with ``"stream": true``, its
+    server-sent events passed through, then ``data: [DONE]``). Headers ``x-fedroute-model`` (the
+    model that answered), ``x-fedroute-fallbacks`` (failed tries before it) and, when routed,
+    ``x-fedroute-routing-ms``. Errors, as ``{"error": {"message", "type", "param", "code"}}``:
+    400 malformed body, ``messages`` or ``model=`` string (a budget <= 0 or NaN included); 404 a model
+    id with no upstream (``model_not_found``); the upstream's status for a request it refused (4xx);
+    when every try failed: 429 (rate limited), 502 (5xx or unreachable) or 504 (timeout).
+``GET /v1/models``
+    ``fedroute`` and every model callable by name, as OpenAI's model list.
+``POST /v1/fedroute/feedback``
+    ``{"id": "<completion id>", "score": 0.8}``: the app's score in [0, 1] of a routed answer; the
+    outcome row is appended to the device's ``EvalLog`` (200 ``{"recorded": <row id>}``). 404 for an
+    id that awaits no score, 400 for a bad score, 409 when the proxy runs without a log.
+``GET /metrics``
+    Prometheus text format (:mod:`sdk.proxy.metrics`).
+``GET /health``
+    ``{"status": "ok"}``, no auth.
+"""
+# No "from __future__ import annotations": FastAPI resolves the route annotations.
+
+import hashlib
+import hmac
+import inspect
+import json
+from collections.abc import Iterable
+
+import openai
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from openai.resources.chat.completions import AsyncCompletions
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from sdk.errors import (EvalLogError, FedrouteError, InvalidInputError, InvalidQueryError, ModelSpecError,
+                        UnknownModelError, UnknownResponseError, UpstreamError)
+from sdk.model_spec import ROUTED_MODEL
+from sdk.proxy.metrics import ProxyMetrics
+from sdk.routed_chat import AsyncRoutedStream, Route, RoutedChat
+
+#: Request fields passed to ``chat.completions.create`` by name; the others go in ``extra_body``.
+_KNOWN = frozenset(inspect.signature(AsyncCompletions.create).parameters) - {
+    "self", "messages", "model", "extra_headers", "extra_query", "extra_body", "timeout"}
+_EXHAUSTED_STATUS = {"rate_limit": 429, "server_error": 502, "connection": 502, "timeout": 504}
+
+
+def error_json(status: int, message: str, type_: str, *, param: str | None = None, code: str | None = None,
+               headers: dict | None = None) -> JSONResponse:
+    """An OpenAI-style error response."""
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def token_digests(tokens: Iterable[str]) -> frozenset[str]:
+    """sha256 hex digests of the non-blank ``tokens`` (the proxy keeps only these).
+
+    Raises
+    ------
+    InvalidInputError
+        No token.
+    """
+    digests = frozenset(hashlib.sha256(t.strip().encode()).hexdigest() for t in tokens if t.strip())
+    if not digests:
+        raise InvalidInputError("the proxy needs at least one caller token (bearer auth)")
+    return digests
+
+
+def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | None = None) -> FastAPI:
+    """The FastAPI application over ``chat`` (built with ``observer=metrics``).
+
+    Parameters
+    ----------
+    chat : the :class:`RoutedChat` that routes, calls and records.
+    tokens : the callers' bearer tokens (kept as sha256 digests).
+    metrics : the :class:`ProxyMetrics` that ``chat`` reports to; a fresh one (then ``chat`` reports
+        nothing but requests and feedback are counted) when None.
+
+    Raises
+    ------
+    InvalidInputError
+        No token.
+    """
+    digests = token_digests(tokens)
+    metrics = metrics if metrics is not None else ProxyMetrics()
+    app = FastAPI(title="fedroute proxy", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if request.url.path != "/health":
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            given = hashlib.sha256(token.strip().encode()).hexdigest()
+            if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, d) for d in digests):
+                return error_json(401, "missing or invalid bearer token", "invalid_request_error",
+                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        ids = (ROUTED_MODEL, *chat.models)
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "fedroute"}
+                                           for m in ids]}
+
+    @app.post("/v1/chat/completions")
+    async def completions(request: Request):
+        route_label = "invalid"
+        try:
+            body = await _json_object(request)
+            model = body.pop("model", None)
+            messages = body.pop("messages", None)
+            if messages is None:
+                raise InvalidQueryError("'messages' is required")
+            route_label = "routed" if model is None or str(model).startswith(ROUTED_MODEL) else "passthrough"
+            kwargs = {k: v for k, v in body.items() if k in _KNOWN}
+            extra = {k: v for k, v in body.items() if k not in _KNOWN}
+            if extra:
+                kwargs["extra_body"] = extra
+            result = await chat.acreate_routed(messages=messages, model=model, **kwargs)
+        except FedrouteError as exc:
+            response = _error_for(exc)
+            metrics.requests.labels(route_label, str(response.status_code)).inc()
+            return response
+        metrics.requests.labels(route_label, "200").inc()
+        if isinstance(result, AsyncRoutedStream):
+            return StreamingResponse(_events(result), media_type="text/event-stream", headers=_headers(result.route))
+        return JSONResponse(result.completion.model_dump(mode="json", exclude_unset=True),
+                            headers=_headers(result.outcome.route))
+
+    @app.post("/v1/fedroute/feedback")
+    async def feedback(request: Request):
+        if chat.pending is None:
+            return error_json(409, "the proxy runs without an EvalLog (no \"log\" in its config): scores cannot be "
+                              "recorded", "invalid_request_error", code="no_eval_log")
+        try:
+            body = await _json_object(request)
+            response_id, score = body.get("id"), body.get("score")
+            if not isinstance(response_id, str) or not response_id:
+                raise InvalidInputError("'id' (the completion id) must be a non-empty string")
+            row = await chat.afeedback(response_id, score)
+        except UnknownResponseError as exc:
+            metrics.feedback.labels("unknown").inc()
+            return error_json(404, str(exc), "invalid_request_error", param="id", code="unknown_response")
+        except InvalidInputError as exc:
+            metrics.feedback.labels("invalid").inc()
+            return error_json(400, str(exc), "invalid_request_error", param="score")
+        metrics.feedback.labels("recorded").inc()
+        return {"recorded": row}
+
+    return app
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise InvalidInputError(f"the body is not JSON ({exc})") from exc
+    if not isinstance(body, dict):
+        raise InvalidInputError("the body must be a JSON object")
+    return body
+
+
+def _error_for(exc: FedrouteError) -> JSONResponse:
+    if isinstance(exc, UnknownModelError):
+        return error_json(404, str(exc), "invalid_request_error", param="model", code="model_not_found")
+    if isinstance(exc, ModelSpecError):
+        return error_json(400, str(exc), "invalid_request_error", param="model", code="invalid_model")
+    if isinstance(exc, InvalidQueryError):
+        return error_json(400, str(exc), "invalid_request_error", param="messages")
+    if isinstance(exc, InvalidInputError):
+        return error_json(400, str(exc), "invalid_request_error")
+    if isinstance(exc, UpstreamError):
+        status = exc.status if exc.kind == "client_error" and exc.status else _EXHAUSTED_STATUS.get(exc.kind, 502)
+        return error_json(status, str(exc), "upstream_error", code=exc.kind)
+    if isinstance(exc, EvalLogError):
+        return error_json(500, f"the proxy could not record the call: {exc}", "server_error")
+    return error_json(500, str(exc), "server_error")
+
+
+def _headers(route: Route) -> dict:
+    headers = {"x-fedroute-model": route.model, "x-fedroute-fallbacks": str(len(route.failed))}
+    if route.plan is not None:
+        headers["x-fedroute-routing-ms"] = f"{route.plan.routing_ms:.3f}"
+    return headers
+
+
+async def _events(stream: AsyncRoutedStream):
+    try:
+        async for chunk in stream:
+            yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+    except openai.OpenAIError as exc:  # the upstream failed mid-stream: the status is already sent
+        error = {"error": {"message": f"the upstream failed mid-stream: {exc}", "type": "upstream_error",
+                           "param": None, "code": None}}
+        yield f"data: {json.dumps(error)}\n\n"
+    yield "data: [DONE]\n\n"

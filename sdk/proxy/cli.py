@@ -1,0 +1,42 @@
+"""``fedroute proxy``: serve the OpenAI-compatible routing proxy (registered by ``trainer/cli.py``).
+
+Imports only typer here: fastapi, uvicorn, openai and prometheus-client (the ``proxy`` extra) are
+imported when the command runs, so ``fedroute --help`` works without them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+def proxy(
+    config: Annotated[Path, typer.Option(help="proxy config JSON (bundle, upstreams, prices, log): docs/openai_proxy.md",
+                                         exists=True, dir_okay=False)],
+    token_file: Annotated[Path, typer.Option(help="callers' bearer tokens, one per line", exists=True, dir_okay=False)],
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port")] = 8080,
+    tls_cert: Annotated[Optional[Path], typer.Option(help="PEM certificate chain (HTTPS); with --tls-key")] = None,
+    tls_key: Annotated[Optional[Path], typer.Option(help="PEM private key of --tls-cert")] = None,
+) -> None:
+    """Serve an OpenAI-compatible API that routes model="fedroute" (or "fedroute:lam=X", "fedroute:budget=Y")."""
+    import uvicorn  # proxy extra, imported on use
+
+    from sdk.proxy.app import create_app  # proxy extra (fastapi, openai, prometheus-client)
+    from sdk.proxy.config import ProxyConfig  # proxy extra (openai)
+    from sdk.proxy.metrics import ProxyMetrics  # proxy extra (prometheus-client)
+
+    if (tls_cert is None) != (tls_key is None):
+        raise typer.BadParameter("--tls-cert and --tls-key go together")
+    metrics = ProxyMetrics()
+    chat = ProxyConfig.load(config).build_chat(observer=metrics)
+    app = create_app(chat, token_file.read_text().splitlines(), metrics)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    typer.echo(f"routing over {list(chat.pool)} (pass-through: {[m for m in chat.models if m not in chat.pool]})",
+               err=True)
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
+                ssl_certfile=None if tls_cert is None else str(tls_cert),
+                ssl_keyfile=None if tls_key is None else str(tls_key))

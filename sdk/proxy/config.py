@@ -1,0 +1,131 @@
+"""The proxy's JSON config, validated, and the :class:`sdk.routed_chat.RoutedChat` it builds.
+
+Example (paths relative to the config file)::
+
+    {
+      "bundle": "bundles/kmeans", "public_key": "keys/signing.pub",
+      "log": "proxy_log.sqlite",
+      "lam": 100,
+      "max_fallbacks": 2, "context_chars": 300,
+      "upstreams": {
+        "gpt-4-1106-preview": {"base_url": "https://api.openai.com/v1", "api_key_env": "OPENAI_API_KEY",
+                               "model": "gpt-4-turbo", "input_usd_per_1m": 10.0, "output_usd_per_1m": 30.0},
+        "mistralai/mistral-7b-chat": {"base_url": "http://127.0.0.1:8000/v1", "api_key_env": "LOCAL_KEY",
+                                      "input_usd_per_1m": 0.2, "output_usd_per_1m": 0.2, "timeout_s": 20}
+      },
+      "passthrough": {"gpt-4o": {"base_url": "https://api.openai.com/v1", "api_key_env": "OPENAI_API_KEY",
+                                 "input_usd_per_1m": 2.5, "output_usd_per_1m": 10.0}}
+    }
+
+``upstreams`` keys are router model ids (the routing pool); ``passthrough`` keys are other models
+callable by name. Prices per upstream (USD per 1M tokens) override the bundle's; an upstream with
+neither is a :class:`sdk.errors.PriceError`. ``api_key_env`` names the environment variable holding
+the key (the key itself never sits in the file); without it the ``openai`` package reads
+``OPENAI_API_KEY``. Exactly one of ``lam`` (USD^-1) and ``budget_usd_per_1k`` is the default for
+``model="fedroute"``. ``log`` is the device's :class:`sdk.EvalLog` (the file ``fedroute-sync`` reads);
+scored calls are appended to it. Unknown keys are errors (a typo is not silently ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sdk.errors import InvalidInputError
+from sdk.eval_log import EvalLog
+from sdk.router import Router
+from sdk.routed_chat import DEFAULT_MAX_FALLBACKS, DEFAULT_TIMEOUT_S, RoutedChat, Upstream
+from sdk.chat_text import DEFAULT_CONTEXT_CHARS
+from sdk.token_prices import TokenPrice
+
+_TOP = {"bundle", "public_key", "log", "lam", "budget_usd_per_1k", "max_fallbacks", "context_chars", "upstreams",
+        "passthrough", "precision"}
+_UPSTREAM = {"base_url", "api_key_env", "model", "timeout_s", "input_usd_per_1m", "output_usd_per_1m"}
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """A validated proxy config (see the module docstring); build with :meth:`load`."""
+
+    path: Path
+    raw: dict
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ProxyConfig:
+        """Read and check ``path``.
+
+        Raises
+        ------
+        InvalidInputError
+            Unreadable or not JSON, unknown keys, missing ``bundle`` / ``public_key`` / ``upstreams``,
+            an upstream that is not an object with ``base_url``.
+        """
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise InvalidInputError(f"proxy config {path}: cannot read it as JSON ({exc})") from exc
+        if not isinstance(raw, dict):
+            raise InvalidInputError(f"proxy config {path}: expected a JSON object")
+        unknown = sorted(set(raw) - _TOP)
+        if unknown:
+            raise InvalidInputError(f"proxy config {path}: unknown keys {unknown}; valid: {sorted(_TOP)}")
+        for key in ("bundle", "public_key", "upstreams"):
+            if key not in raw:
+                raise InvalidInputError(f"proxy config {path}: {key!r} is required")
+        for section in ("upstreams", "passthrough"):
+            entries = raw.get(section, {})
+            if not isinstance(entries, dict):
+                raise InvalidInputError(f"proxy config {path}: {section!r} must be an object {{model id: upstream}}")
+            for model, entry in entries.items():
+                if not isinstance(entry, dict) or not isinstance(entry.get("base_url"), str):
+                    raise InvalidInputError(f"proxy config {path}: {section}[{model!r}] must be an object with a "
+                                            "base_url string")
+                bad = sorted(set(entry) - _UPSTREAM)
+                if bad:
+                    raise InvalidInputError(f"proxy config {path}: {section}[{model!r}] has unknown keys {bad}; "
+                                            f"valid: {sorted(_UPSTREAM)}")
+        return cls(path, raw)
+
+    def _file(self, key: str) -> Path:
+        return (self.path.parent / self.raw[key]).resolve()
+
+    def build_chat(self, *, observer=None) -> RoutedChat:
+        """Load the bundle (signature verified), open the log and build the :class:`RoutedChat`.
+
+        Raises
+        ------
+        BundleError, EvalLogError, PriceError, UnknownModelError, InvalidInputError
+            As :meth:`sdk.Router.load`, :class:`sdk.EvalLog` and :class:`RoutedChat`; an
+            ``api_key_env`` naming an unset variable.
+        """
+        raw = self.raw
+        router = Router.load(self._file("bundle"), self._file("public_key"), precision=raw.get("precision", "auto"))
+        upstreams, prices = self._upstreams("upstreams")
+        passthrough, more = self._upstreams("passthrough")
+        log = EvalLog(self._file("log"), router.model_ids) if raw.get("log") else None
+        return RoutedChat(router, upstreams=upstreams, passthrough=passthrough, prices={**prices, **more},
+                          lam=raw.get("lam"), budget_usd_per_1k=raw.get("budget_usd_per_1k"), log=log,
+                          max_fallbacks=raw.get("max_fallbacks", DEFAULT_MAX_FALLBACKS),
+                          context_chars=raw.get("context_chars", DEFAULT_CONTEXT_CHARS), observer=observer)
+
+    def _upstreams(self, section: str) -> tuple[dict[str, Upstream], dict[str, TokenPrice]]:
+        upstreams, prices = {}, {}
+        for model, entry in self.raw.get(section, {}).items():
+            key = None
+            if entry.get("api_key_env") is not None:
+                key = os.environ.get(entry["api_key_env"])
+                if not key:
+                    raise InvalidInputError(f"proxy config {self.path}: {section}[{model!r}] reads its key from "
+                                            f"${entry['api_key_env']}, which is not set")
+            upstreams[model] = Upstream(entry["base_url"], api_key=key, model=entry.get("model"),
+                                        timeout_s=entry.get("timeout_s", DEFAULT_TIMEOUT_S))
+            given = [entry.get("input_usd_per_1m"), entry.get("output_usd_per_1m")]
+            if any(v is not None for v in given):
+                if any(v is None for v in given):
+                    raise InvalidInputError(f"proxy config {self.path}: {section}[{model!r}] gives one of "
+                                            "input_usd_per_1m / output_usd_per_1m; give both")
+                prices[model] = TokenPrice(*given)
+        return upstreams, prices

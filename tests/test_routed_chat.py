@@ -1,0 +1,334 @@
+"""sdk.routed_chat.RoutedChat against a stub OpenAI-compatible upstream (uvicorn on 127.0.0.1), with a
+real signed bundle (exported MiniLM + a K-means router fitted on RouterBench rows) and a real EvalLog."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import openai
+import pytest
+
+from openai_stub import COMPLETION_TOKENS, PROMPT_TOKENS, StubUpstream, answer_text, serve_stub
+from sdk import EvalLog, Router
+from sdk.chat_text import routing_text
+from sdk.errors import (InvalidInputError, InvalidQueryError, ModelSpecError, PriceError, UnknownModelError,
+                        UnknownResponseError, UpstreamError)
+from sdk.model_spec import ModelSpec, parse_model_spec
+from sdk.routed_chat import RoutedChat, Upstream, check_budget
+from sdk.token_prices import TokenPrice
+
+POOL = {"gpt-4-1106-preview": "up-gpt4", "gpt-3.5-turbo-1106": "up-gpt35", "mistralai/mixtral-8x7b-chat": "up-mixtral"}
+PRICES = {"gpt-4-1106-preview": TokenPrice(10.0, 30.0), "gpt-3.5-turbo-1106": TokenPrice(1.0, 2.0),
+          "mistralai/mixtral-8x7b-chat": TokenPrice(0.5, 0.5)}
+QUERY = "Write a Python function that reverses a linked list."
+
+
+def hand_cost(model: str) -> float:
+    p = PRICES[model]
+    return (PROMPT_TOKENS * p.input_usd_per_1m + COMPLETION_TOKENS * p.output_usd_per_1m) / 1e6
+
+
+def expected_order(router: Router, text: str, lam: float) -> list[str]:
+    """The pool ranked by utility, then lower predicted cost, then lower index (METRICS.md), NaN left out:
+    written here with sorted(), independently of sdk.utility."""
+    choice = router.choose(text, lam)
+    rows = [(-s.utility, s.cost_usd, i, s.model) for i, s in enumerate(choice.scores)
+            if s.model in POOL and not math.isnan(s.utility)]
+    return [m for *_, m in sorted(rows)]
+
+
+@pytest.fixture(scope="module")
+def router(make_bundle, signing_keys, tmp_path_factory) -> Router:
+    return Router.load(make_bundle(tmp_path_factory.mktemp("chat") / "bundle"), signing_keys[1])
+
+
+@pytest.fixture(scope="module")
+def served_stub():
+    stub = StubUpstream(hang_s=3.0)
+    with serve_stub(stub):
+        yield stub
+
+
+@pytest.fixture()
+def stub(served_stub):
+    served_stub.modes.clear()
+    served_stub.requests.clear()
+    return served_stub
+
+
+def make_chat(router, stub, tmp_path, **kwargs) -> RoutedChat:
+    upstreams = {m: Upstream(stub.base_url, api_key="k", model=name, timeout_s=kwargs.pop("timeout_s", 2.0))
+                 for m, name in POOL.items()}
+    options = dict(lam=100.0, prices=PRICES, log=EvalLog(tmp_path / "evals.sqlite", router.model_ids))
+    options.update(kwargs)
+    return RoutedChat(router, upstreams=upstreams, **options)
+
+
+def test_routes_to_the_best_model_by_utility_and_records_the_observed_cost_on_feedback(router, stub, tmp_path):
+    chat = make_chat(router, stub, tmp_path)
+    order = expected_order(router, QUERY, 100.0)
+    assert chat.choose(QUERY).order == tuple(order)
+    result = chat.create_routed(messages=[{"role": "user", "content": QUERY}], temperature=0.2)
+    assert [r["model"] for r in stub.requests] == [POOL[order[0]]]
+    assert stub.requests[0]["temperature"] == 0.2 and stub.requests[0]["messages"][0]["content"] == QUERY
+    assert result.completion.choices[0].message.content == answer_text(POOL[order[0]])
+    outcome = result.outcome
+    assert outcome.route.model == order[0] and outcome.route.failed == ()
+    assert outcome.cost_usd == pytest.approx(hand_cost(order[0]), rel=1e-12)
+    assert (outcome.prompt_tokens, outcome.completion_tokens) == (PROMPT_TOKENS, COMPLETION_TOKENS)
+    assert outcome.latency_ms > 0 and outcome.awaiting_score
+    # No score yet: nothing in the log (never an invented score), one call pending.
+    assert len(chat._log) == 0 and len(chat.pending) == 1
+    row = chat.feedback(result.completion.id, 0.75)
+    rows = chat._log.rows()
+    assert list(rows.id) == [row] and rows.model == (order[0],) and rows.score[0] == 0.75
+    assert rows.cost_usd[0] == pytest.approx(hand_cost(order[0]), rel=1e-12)
+    assert rows.latency_ms[0] == pytest.approx(outcome.latency_ms)
+    np.testing.assert_allclose(rows.embedding[0], router.choose(QUERY, 100.0).embedding, atol=1e-6)
+    assert rows.bundle_version[0] == router.bundle_version and rows.query == (None,)
+    with pytest.raises(UnknownResponseError, match="already scored"):
+        chat.feedback(result.completion.id, 0.5)
+    for bad in (1.5, -0.1, float("nan"), True, "0.5"):
+        with pytest.raises(InvalidInputError, match="score"):
+            chat.feedback("whatever", bad)
+
+
+def test_pending_calls_survive_a_restart(router, stub, tmp_path):
+    chat = make_chat(router, stub, tmp_path)
+    reply = chat.create(messages=[{"role": "user", "content": QUERY}])
+    chat.close()
+    again = make_chat(router, stub, tmp_path)  # same log, same pending file beside it
+    assert again.feedback(reply.id, 1.0) >= 1 and len(again._log) == 1
+
+
+@pytest.mark.parametrize("first_mode, kind, status", [("503", "server_error", 503), ("429", "rate_limit", 429),
+                                                      ("hang", "timeout", None)])
+def test_falls_back_to_the_next_best_model_on_5xx_429_and_timeout(router, stub, tmp_path, first_mode, kind, status):
+    chat = make_chat(router, stub, tmp_path, timeout_s=0.5)
+    order = expected_order(router, QUERY, 100.0)
+    stub.modes[POOL[order[0]]] = first_mode
+    result = chat.create_routed(messages=[{"role": "user", "content": QUERY}])
+    assert [r["model"] for r in stub.requests] == [POOL[order[0]], POOL[order[1]]]  # no retry of the same model
+    assert result.outcome.route.model == order[1]
+    (failed,) = result.outcome.route.failed
+    assert (failed.model, failed.kind, failed.status) == (order[0], kind, status)
+    assert result.outcome.cost_usd == pytest.approx(hand_cost(order[1]))
+
+
+def test_fallback_is_bounded_and_a_4xx_is_not_retried(router, stub, tmp_path):
+    order = expected_order(router, QUERY, 100.0)
+    chat = make_chat(router, stub, tmp_path, max_fallbacks=1)
+    for m in order:
+        stub.modes[POOL[m]] = "503"
+    with pytest.raises(UpstreamError) as info:
+        chat.create(messages=[{"role": "user", "content": QUERY}])
+    assert len(stub.requests) == 2 and info.value.status == 503 and info.value.kind == "server_error"
+    assert [a.model for a in info.value.attempts] == order[:2]
+    stub.requests.clear()
+    stub.modes[POOL[order[0]]] = "400"
+    with pytest.raises(UpstreamError) as info:
+        chat.create(messages=[{"role": "user", "content": QUERY}])
+    assert len(stub.requests) == 1 and info.value.status == 400 and info.value.kind == "client_error"
+    assert isinstance(info.value.__cause__, openai.BadRequestError)
+    assert len(chat.pending) == 0  # failed calls are not recorded
+
+
+def test_streaming_passes_the_chunks_through_and_records_at_the_end(router, stub, tmp_path):
+    chat = make_chat(router, stub, tmp_path)
+    order = expected_order(router, QUERY, 100.0)
+    stream = chat.create(messages=[{"role": "user", "content": QUERY}], stream=True)
+    assert stream.route.model == order[0] and stream.outcome is None
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer_text(POOL[order[0]])
+    assert all(c.choices for c in chunks)  # the usage-only chunk the caller did not ask for is not passed on
+    assert stub.requests[0]["stream"] is True and stub.requests[0]["stream_options"] == {"include_usage": True}
+    assert stream.outcome.cost_usd == pytest.approx(hand_cost(order[0])) and stream.outcome.awaiting_score
+    asked = list(chat.create(messages=[{"role": "user", "content": QUERY}], stream=True,
+                             stream_options={"include_usage": True}))
+    assert asked[-1].choices == [] and asked[-1].usage.completion_tokens == COMPLETION_TOKENS
+
+
+def test_async_twin_routes_falls_back_and_streams_like_the_sync_client(router, stub, tmp_path):
+    chat = make_chat(router, stub, tmp_path)
+    order = expected_order(router, QUERY, 100.0)
+
+    async def run():
+        plan = await chat.achoose(QUERY)
+        stub.modes[POOL[order[0]]] = "503"
+        result = await chat.acreate_routed(messages=[{"role": "user", "content": QUERY}])
+        stream = await chat.acreate(messages=[{"role": "user", "content": QUERY}], stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+        row = await chat.afeedback(result.completion.id, 0.25)
+        return plan, result, stream, text, row
+
+    plan, result, stream, text, row = asyncio.run(run())
+    assert plan.order == tuple(order)
+    assert result.outcome.route.model == order[1] and result.outcome.route.failed[0].status == 503
+    assert text == answer_text(POOL[order[1]]) and stream.outcome.cost_usd == pytest.approx(hand_cost(order[1]))
+    assert chat._log.rows().model == (order[1],) and row == 1
+
+
+def test_the_routed_text_of_a_conversation(router, stub, tmp_path):
+    earlier = "We are writing Rust code for an embedded board. " * 3
+    messages = [{"role": "system", "content": "You are a very long system prompt. " * 20},
+                {"role": "user", "content": earlier},
+                {"role": "assistant", "content": [{"type": "text", "text": "Sure, here it is."},
+                                                  {"type": "image_url", "image_url": {"url": "x"}}]},
+                {"role": "user", "content": "And in Python?"},
+                {"role": "assistant", "content": "prefill"}]
+    # Context: user + assistant turns before the last user message, last 40 characters; no system prompt.
+    context = (earlier + "\nSure, here it is.")[-40:]
+    assert routing_text(messages, 40) == context + "\nAnd in Python?"
+    assert routing_text(messages, 0) == "And in Python?"
+    chat = make_chat(router, stub, tmp_path, context_chars=40)
+    plan = chat.choose(messages)
+    assert plan.text == context + "\nAnd in Python?"
+    np.testing.assert_allclose(plan.choice.embedding, router.embed([plan.text])[0], atol=1e-6)
+    for bad in ([], "", [{"role": "assistant", "content": "hi"}], [{"content": "no role"}],
+                [{"role": "user", "content": 3}], [{"role": "user", "content": "   "}]):
+        with pytest.raises(InvalidQueryError):
+            chat.create(messages=bad)
+    assert stub.requests == []
+
+
+def test_pass_through_calls_the_named_model_without_routing_or_logging(router, stub, tmp_path):
+    chat = make_chat(router, stub, tmp_path,
+                     passthrough={"ext-model": Upstream(stub.base_url, api_key="k", model="up-ext")},
+                     prices={**PRICES, "ext-model": TokenPrice(3.0, 4.0)})
+    result = chat.create_routed(messages=[{"role": "user", "content": QUERY}], model="ext-model")
+    assert [r["model"] for r in stub.requests] == ["up-ext"] and result.outcome.route.plan is None
+    assert result.outcome.cost_usd == pytest.approx((PROMPT_TOKENS * 3.0 + COMPLETION_TOKENS * 4.0) / 1e6)
+    assert not result.outcome.awaiting_score and len(chat.pending) == 0
+    direct = chat.create_routed(messages=[{"role": "user", "content": QUERY}], model="gpt-4-1106-preview")
+    assert stub.requests[-1]["model"] == "up-gpt4" and direct.outcome.route.failed == ()
+    assert chat.chat.completions.create(messages=[{"role": "user", "content": QUERY}], model="ext-model").id
+
+
+def test_lam_in_the_model_string_changes_the_trade_off(router, stub, tmp_path):
+    chat = make_chat(router, stub, tmp_path)
+    for lam in (0.0, 1e6):
+        result = chat.create_routed(messages=[{"role": "user", "content": QUERY}], model=f"fedroute:lam={lam:g}")
+        assert result.outcome.route.plan.lam == lam
+        assert result.outcome.route.model == expected_order(router, QUERY, lam)[0]
+
+
+def test_budget_mode_uses_one_controller_per_budget_and_feeds_it_the_observed_cost(router, stub, tmp_path):
+    chat = make_chat(router, stub, tmp_path, budget_seed=0)
+    for model in ("fedroute:budget=0.5", "fedroute:budget=0.5", "fedroute:budget=2"):
+        result = chat.create_routed(messages=[{"role": "user", "content": QUERY}], model=model)
+        assert result.outcome.route.model in POOL
+    controllers = chat.budget_controllers()
+    assert sorted(controllers) == [0.5, 2.0]
+    assert controllers[0.5].n_recorded == 2 and controllers[2.0].n_recorded == 1
+    assert controllers[0.5].realised_usd_per_1k > 0
+    default = make_chat(router, stub, tmp_path, lam=None, budget_usd_per_1k=1.0)
+    assert default.choose(QUERY).budget_usd_per_1k == 1.0
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["fedroute:", "fedroute:lam", "fedroute:lam=", "fedroute:lam=abc", "fedroute:lam=-1",
+                                   "fedroute:lam=inf", "fedroute:lam=nan", "fedroute:budget=0", "fedroute:budget=-2",
+                                   "fedroute:budget=nan", "fedroute:budget=inf", "fedroute:speed=9",
+                                   "fedroute:lam=1,budget=2", "fedroute:lam=1:2", "fedrouter", "", "  ", 3])
+def test_malformed_model_strings_are_model_spec_errors(router, stub, tmp_path, model):
+    with pytest.raises(ModelSpecError):
+        parse_model_spec(model)
+    chat = make_chat(router, stub, tmp_path)
+    with pytest.raises(ModelSpecError):
+        chat.create(messages=[{"role": "user", "content": QUERY}], model=model)
+    assert stub.requests == []
+
+
+def test_valid_model_strings():
+    assert parse_model_spec(None) == parse_model_spec("fedroute") == ModelSpec()
+    assert parse_model_spec("fedroute:lam=100") == ModelSpec(lam=100.0)
+    assert parse_model_spec("fedroute:lam=0") == ModelSpec(lam=0.0)
+    assert parse_model_spec("fedroute:budget=0.5") == ModelSpec(budget_usd_per_1k=0.5)
+    assert parse_model_spec("gpt-4o") == ModelSpec(passthrough="gpt-4o")
+
+
+def test_a_model_without_a_price_is_an_error_at_construction(router, stub):
+    assert all(m.price_per_1k_input_usd is None for m in router.models)  # this bundle has no price table
+    with pytest.raises(PriceError, match="gpt-3.5-turbo-1106"):
+        RoutedChat(router, lam=1.0, upstreams={m: stub.base_url for m in POOL},
+                   prices={"gpt-4-1106-preview": TokenPrice(1, 1), "mistralai/mixtral-8x7b-chat": TokenPrice(1, 1)})
+    with pytest.raises(PriceError, match="ext"):
+        RoutedChat(router, lam=1.0, upstreams={"gpt-4-1106-preview": Upstream(stub.base_url, api_key="k")},
+                   passthrough={"ext": Upstream(stub.base_url, api_key="k")},
+                   prices={"gpt-4-1106-preview": TokenPrice(1, 1)})
+    with pytest.raises(InvalidInputError, match="input_usd_per_1m"):
+        TokenPrice(-1.0, 2.0)
+    with pytest.raises(InvalidInputError, match="output_usd_per_1m"):
+        TokenPrice(1.0, float("nan"))
+
+
+def test_bundle_prices_per_1k_are_used_times_1000(make_bundle, signing_keys, stub, tmp_path):
+    from test_bundle import ROUTERBENCH_MODELS
+
+    models = [{"id": m, "price_per_1k_input_usd": 0.001, "price_per_1k_output_usd": 0.002, "mean_cost_usd": None}
+              for m in ROUTERBENCH_MODELS]
+    priced = Router.load(make_bundle(tmp_path / "priced", models=models), signing_keys[1])
+    chat = RoutedChat(priced, lam=1.0, upstreams={"claude-v1": Upstream(stub.base_url, api_key="k")})
+    assert chat.prices == {"claude-v1": TokenPrice(1.0, 2.0)}
+    reply = chat.create_routed(messages=[{"role": "user", "content": QUERY}])
+    assert reply.outcome.cost_usd == pytest.approx((PROMPT_TOKENS * 0.001 + COMPLETION_TOKENS * 0.002) / 1000)
+
+
+def test_unknown_upstreams_and_other_bad_construction(router, stub, tmp_path):
+    up = Upstream(stub.base_url, api_key="k")
+    with pytest.raises(UnknownModelError, match="gpt-5"):
+        RoutedChat(router, lam=1.0, upstreams={"gpt-5": up}, prices={"gpt-5": TokenPrice(1, 1)})
+    with pytest.raises(InvalidInputError, match="exactly one"):
+        RoutedChat(router, upstreams={"claude-v1": up}, prices={"claude-v1": TokenPrice(1, 1)})
+    with pytest.raises(InvalidInputError, match="exactly one"):
+        RoutedChat(router, lam=1.0, budget_usd_per_1k=1.0, upstreams={"claude-v1": up})
+    for budget in (0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(InvalidInputError, match="budget"):
+            RoutedChat(router, budget_usd_per_1k=budget, upstreams={"claude-v1": up},
+                       prices={"claude-v1": TokenPrice(1, 1)})
+        with pytest.raises(InvalidInputError):
+            check_budget(budget)
+    for lam in (-1.0, float("nan")):
+        with pytest.raises(InvalidInputError, match="lam"):
+            RoutedChat(router, lam=lam, upstreams={"claude-v1": up}, prices={"claude-v1": TokenPrice(1, 1)})
+    with pytest.raises(InvalidInputError, match="must be a base URL"):
+        RoutedChat(router, lam=1.0, upstreams={"claude-v1": 42}, prices={"claude-v1": TokenPrice(1, 1)})
+    with pytest.raises(InvalidInputError, match="passthrough key"):
+        RoutedChat(router, lam=1.0, upstreams={"claude-v1": up}, passthrough={"claude-v2": up},
+                   prices={"claude-v1": TokenPrice(1, 1), "claude-v2": TokenPrice(1, 1)})
+    with pytest.raises(InvalidInputError, match="prices names"):
+        RoutedChat(router, lam=1.0, upstreams={"claude-v1": up}, prices={"claude-v1": TokenPrice(1, 1),
+                                                                          "claude-v2": TokenPrice(1, 1)})
+    with pytest.raises(InvalidInputError, match="max_fallbacks"):
+        RoutedChat(router, lam=1.0, upstreams={"claude-v1": up}, prices={"claude-v1": TokenPrice(1, 1)},
+                   max_fallbacks=-1)
+    chat = RoutedChat(router, lam=1.0, upstreams={"claude-v1": up}, prices={"claude-v1": TokenPrice(1, 1)})
+    with pytest.raises(UnknownModelError, match="no upstream"):
+        chat.create(messages=[{"role": "user", "content": QUERY}], model="claude-v2")
+    with pytest.raises(InvalidInputError, match="no EvalLog"):
+        chat.feedback("chatcmpl-1", 1.0)
+    assert stub.requests == []
+
+
+def test_pending_store_keeps_the_newest_rows_and_drops_expired_ones(tmp_path):
+    import time
+
+    from sdk.pending_outcomes import PendingOutcome, PendingOutcomes
+
+    store = PendingOutcomes(tmp_path / "p.sqlite", max_rows=2, max_age_s=3600)
+    emb = np.arange(4, dtype=np.float32)
+    for i, ts in enumerate((time.time(), time.time(), time.time(), time.time() - 7200)):
+        store.add(PendingOutcome(f"id-{i}", ts, "claude-v1", 0.001 * i, 10.0, emb, None, 3))
+    # id-3 is older than max_age_s (dropped at its own insert), id-0 fell out of the newest two.
+    assert store.get("id-0") is None and store.get("id-3") is None and len(store) == 1
+    kept = store.get("id-2")
+    assert (kept.model, kept.cost_usd, kept.cell, kept.bundle_version) == ("claude-v1", 0.002, None, 3)
+    np.testing.assert_array_equal(kept.embedding, emb)
+    assert store.remove("id-2") and not store.remove("id-2")
+    for bad in ({"max_rows": 0}, {"max_age_s": 0}, {"max_age_s": float("nan")}):
+        with pytest.raises(InvalidInputError):
+            PendingOutcomes(":memory:", **bad)
