@@ -15,7 +15,8 @@ rounds : id, kind (``kmeans`` or ``mlp``), status (open -> closing -> closed), d
     per-round settings (JSON), and at close the outcome (JSON) and the aggregate (.npz bytes).
 updates : one row per accepted upload: client, round it was sent for, round it is counted in (NULL
     while waiting for the next round), Idempotency-Key, sha256 of the body, the update (.npz bytes)
-    and the receipt returned to the client. ``(client_id, idempotency_key)`` is unique.
+    and the receipt returned to the client (empty for rows written by the one-statement insert:
+    the receipt is rebuilt from the row, :func:`receipt_of`). ``(client_id, idempotency_key)`` is unique.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from sdk.protocol import KMeansUpdate, centroids_hash, decode_kmeans_update_npz
+from sdk.protocol import KMeansUpdate, Receipt, centroids_hash, decode_kmeans_update_npz
 from trainer.server.errors import IdempotencyKeyReused
 from trainer.server.round_kind import RoundOutcome, RoundSettings
 
@@ -169,6 +170,18 @@ class Round:
     def centroids_hash(self) -> str:
         """The base hash of a K-means round (the name the K-means wire format uses)."""
         return self.base_hash
+
+
+_RECEIPT_COLUMNS = (updates.c.id, updates.c.client_id, updates.c.sent_round, updates.c.late, updates.c.log_size)
+
+
+def receipt_of(row) -> dict:
+    """The receipt JSON (:class:`sdk.protocol.Receipt`) of a stored update row (``id``,
+    ``client_id``, ``sent_round``, ``late``, ``log_size``): an on-time update counts in the round it
+    was sent for, a late one in none yet (the receipt never changes after the 201)."""
+    late = bool(row.late)
+    return Receipt(int(row.id), row.client_id, int(row.sent_round), late, None if late else int(row.sent_round),
+                   int(row.log_size)).to_json()
 
 
 def _round(row) -> Round:
@@ -405,10 +418,62 @@ class Store:
 
     # -- updates ---------------------------------------------------------------------------------
 
-    def find_update(self, client_id: str, key: str):
+    def find_update(self, client_id: str, key: str) -> tuple[str, dict] | None:
+        """(sha256 of the body, receipt JSON) of the update ``client_id`` stored under ``key``, else None."""
         with self.engine.connect() as conn:
-            return conn.execute(sa.select(updates.c.body_sha256, updates.c.receipt).where(
+            row = conn.execute(sa.select(*_RECEIPT_COLUMNS, updates.c.body_sha256).where(
                 (updates.c.client_id == client_id) & (updates.c.idempotency_key == key))).first()
+        return None if row is None else (row.body_sha256, receipt_of(row))
+
+    def previous_update(self, client_id: str, base_hash: str) -> tuple[int, bytes] | None:
+        """(id, payload) of ``client_id``'s latest update for the base ``base_hash``, else None."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(updates.c.id, updates.c.payload).where(
+                (updates.c.client_id == client_id) & (updates.c.base_hash == base_hash))
+                .order_by(updates.c.id.desc()).limit(1)).first()
+        return None if row is None else (int(row.id), row.payload)
+
+    def insert_update(self, *, client_id: str, token_sha256: str, round_id: int, key: str, body_sha256: str,
+                      payload: bytes, log_size: int, previous_id: int | None) -> dict | None:
+        """Store an update checked against cached state in ONE ``INSERT ... SELECT`` that re-checks
+        that state in the same transaction, and return its receipt once committed (durable), or
+        None (nothing stored) when the state moved: the token is no longer the client's active
+        token (revoked or rotated, possibly by the CLI in another process), the round is neither
+        open nor the latest one, ``previous_id`` (the id the client's previous update for the
+        round's base was checked against; None: not checked) is no longer its latest, or the key
+        is stored already. The caller then takes the checked path (:meth:`add_update`).
+
+        The update counts in the round if the round is open at the insert, else it waits for the
+        next round (late), as in :meth:`add_update`.
+        """
+        r = rounds.alias("r")
+        newest = sa.select(sa.func.max(rounds.c.id)).scalar_subquery()
+        late = r.c.status != "open"
+        cond = ((r.c.id == round_id) & ((r.c.status == "open") | (r.c.id == newest))
+                & sa.exists(sa.select(clients.c.id).where((clients.c.id == client_id)
+                                                         & (clients.c.token_sha256 == token_sha256)
+                                                         & (clients.c.revoked == sa.false()))))
+        if previous_id is not None:
+            latest = (sa.select(sa.func.coalesce(sa.func.max(updates.c.id), 0))
+                      .where((updates.c.client_id == client_id) & (updates.c.base_hash == r.c.base_hash))
+                      .scalar_subquery())
+            cond = cond & (latest == previous_id)
+        values = sa.select(sa.literal(client_id), r.c.id, sa.case((late, sa.null()), else_=r.c.id), late,
+                           r.c.base_hash, sa.literal(key), sa.literal(body_sha256), sa.literal(time.time()),
+                           sa.literal(int(log_size)), sa.literal(payload, sa.LargeBinary), sa.literal("")).where(cond)
+        statement = updates.insert().from_select(
+            ["client_id", "sent_round", "counted_round", "late", "base_hash", "idempotency_key", "body_sha256",
+             "received_unix", "log_size", "payload", "receipt"], values).returning(*_RECEIPT_COLUMNS)
+        try:
+            with self.transaction() as conn:
+                if conn.dialect.name != "sqlite":  # SQLite's BEGIN IMMEDIATE already serialises writers
+                    conn.execute(sa.select(clients.c.id).where(clients.c.id == client_id).with_for_update())
+                    conn.execute(sa.select(rounds.c.status).where(rounds.c.id == round_id)
+                                 .with_for_update(read=True))  # see claim_close
+                row = conn.execute(statement).first()
+        except sa.exc.IntegrityError:
+            return None  # the key is stored already (a retry): the checked path answers it
+        return None if row is None else receipt_of(row)
 
     def add_update(self, *, client_id: str, round_: Round, key: str, body_sha256: str, payload: bytes,
                    log_size: int, receipt_for, check_previous=None) -> tuple[dict, bool]:
@@ -430,12 +495,12 @@ class Store:
             try:
                 with self.transaction() as conn:
                     conn.execute(sa.select(clients.c.id).where(clients.c.id == client_id).with_for_update())
-                    old = conn.execute(sa.select(updates.c.body_sha256, updates.c.receipt).where(
+                    old = conn.execute(sa.select(*_RECEIPT_COLUMNS, updates.c.body_sha256).where(
                         (updates.c.client_id == client_id) & (updates.c.idempotency_key == key))).first()
                     if old is not None:
                         if old.body_sha256 != body_sha256:
                             raise IdempotencyKeyReused("Idempotency-Key was already used with a different body")
-                        return json.loads(old.receipt), False
+                        return receipt_of(old), False
                     if check_previous is not None:
                         prev = conn.execute(sa.select(updates.c.payload).where(
                             (updates.c.client_id == client_id) & (updates.c.base_hash == round_.base_hash))
