@@ -28,6 +28,7 @@ from sdk.protocol import (
     decode_kmeans_update_json,
     decode_kmeans_update_msgpack,
     decode_kmeans_update_npz,
+    decode_kmeans_update_record,
     decode_sent_record,
     decode_sync_state,
     encode_json,
@@ -35,6 +36,7 @@ from sdk.protocol import (
     encode_kmeans_update,
     encode_kmeans_update_msgpack,
     encode_kmeans_update_npz,
+    encode_kmeans_update_record,
     encode_sent_record,
     encode_sync_state,
     kmeans_update_from_arrays,
@@ -115,6 +117,15 @@ def test_kmeans_update_npz_golden_bytes():
     golden("kmeans_update.npz", encode_kmeans_update_npz(update()))
 
 
+def test_kmeans_update_store_record_golden_bytes():
+    data = encode_kmeans_update_record(update())
+    golden("kmeans_update.record.msgpack", data)
+    assert data.startswith(b"\x88\xa6format\xb9fedroute.kmeans_update.v2\xa5count\x92\x92\x02\x02\xc4\x20")
+    means = np.array([[0.5, 0.25, -0.125]], dtype="<f8").tobytes()  # float64: the record is exact
+    assert b"\xaflocal_centroids\x92\x92\x01\x03\xc4\x18" + means in data
+    assert data.endswith(b"\xa8log_size\x05")
+
+
 def test_receipt_golden_bytes():
     golden("receipt.json", encode_json(Receipt(7, "dev-1", 3, False, 3, 5).to_json()))
     assert (GOLDEN / "receipt.json").read_bytes() == (
@@ -177,6 +188,10 @@ def test_update_arrays_and_npz_round_trip():
     assert_same_update(decode_kmeans_update_npz(encode_kmeans_update_npz(update())), update())
     with pytest.raises(PayloadError, match="not an .npz"):
         decode_kmeans_update_npz(b"PK not a zip")
+    assert_same_update(decode_kmeans_update_record(encode_kmeans_update_record(update())), update())
+    assert_same_update(decode_kmeans_update_record(encode_kmeans_update_npz(update())), update())  # older rows
+    with pytest.raises(PayloadError, match="fedroute.kmeans_update.v2"):
+        decode_kmeans_update_record(b"\x80")
 
 
 def _round():
@@ -222,7 +237,7 @@ def test_update_wire_round_trip_through_the_servers_decoder():
         assert (body.client_id, body.round_id, body.kind) == ("dev-1", 3, "kmeans")
         accepted = validate_update(body, _round())
         assert_same_update(accepted, update())
-        stored.append(encode_kmeans_update_npz(accepted))
+        stored.append(encode_kmeans_update_record(accepted))
     assert stored[0] == stored[1]  # both encodings store the same bytes
 
 

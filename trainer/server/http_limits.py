@@ -12,8 +12,9 @@ header bytes              16 KiB    uvicorn ``h11_max_incomplete_event_size``: a
 header count              64        :class:`RequestLimits` (ASGI middleware): 431
 header read time          10 s      :class:`DeadlineH11Protocol`: from the connection (or the first byte
                                     of the next request) to the end of the headers; then 408 and close
-body read time            30 s      :class:`RequestLimits`: from the end of the headers to the end of the
-                                    body (a slow or stalled upload); 408 and close
+body read time            30 s      :class:`DeadlineH11Protocol`: from the end of the headers to the end
+                                    of the body (a slow or stalled upload); 408 and close (the route
+                                    sees a disconnect and stores nothing)
 idle keep-alive           5 s       uvicorn ``timeout_keep_alive``: between requests on one connection
 TLS handshake             60 s      asyncio's ``ssl_handshake_timeout`` (its default)
 concurrent connections    1000      uvicorn ``limit_concurrency``: 503 above it
@@ -27,14 +28,9 @@ route's ``ClientDisconnect`` handler (:mod:`trainer.server.app`).
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
-import anyio
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-_TIMEOUT_ANSWER = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: 31\r\n" \
-                  b"connection: close\r\n\r\nrequest headers took too long\r\n"
 
 
 @dataclass(frozen=True)
@@ -50,97 +46,107 @@ class HttpLimits:
 
     def uvicorn_options(self) -> dict:
         """Keyword arguments of ``uvicorn.run`` / ``uvicorn.Config`` for these limits (the h11 parser
-        with the header deadline, the header-size cap, keep-alive and concurrency)."""
-        protocol = type("LimitedH11Protocol", (DeadlineH11Protocol,), {"header_timeout_s": self.header_timeout_s})
+        with the header and body deadlines, the header-size cap, keep-alive and concurrency)."""
+        protocol = type("LimitedH11Protocol", (DeadlineH11Protocol,), {"header_timeout_s": self.header_timeout_s,
+                                                                       "body_timeout_s": self.body_timeout_s})
         return {"http": protocol, "h11_max_incomplete_event_size": self.max_header_bytes,
                 "timeout_keep_alive": self.keep_alive_s, "limit_concurrency": self.limit_concurrency}
 
 
 class DeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on reading a request's headers: armed when the
-    connection opens and when the first bytes of a next request arrive, cancelled once h11 has the
-    whole request head; at the deadline the connection gets a 408 and is closed (uvicorn itself
-    only times out idle keep-alive connections, so a client trickling header bytes, or one that
-    connects and sends nothing, would hold its connection forever)."""
+    """uvicorn's h11 protocol with two deadlines (uvicorn itself only times out idle keep-alive
+    connections, so a client trickling bytes, or one that connects and sends nothing, would hold
+    its connection and request forever):
+
+    - headers: armed when the connection opens and when the first bytes of a next request arrive,
+      cancelled once h11 has the whole request head;
+    - body: armed when a request's head is complete, cancelled once its body is complete.
+
+    At a deadline the client gets a 408 (unless the app has answered already) and the connection is
+    closed; an app still reading the body sees a disconnect (``ClientDisconnect``) and stores nothing.
+    One timer per phase, no per-chunk cost."""
 
     header_timeout_s: float = 10.0
-    _header_deadline: asyncio.TimerHandle | None = None
+    body_timeout_s: float = 30.0
+    _deadline: asyncio.TimerHandle | None = None
+    _phase: str = ""
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_header_deadline()
+        self._arm("headers", self.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
-        if self._header_deadline is None and self._between_requests():
-            self._arm_header_deadline()
+        if self._deadline is None and self._between_requests():
+            self._arm("headers", self.header_timeout_s)
         super().data_received(data)
-        if not self._between_requests():
-            self._cancel_header_deadline()
+        self._update_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_deadline()
+        self._cancel()
         super().connection_lost(exc)
 
     def _between_requests(self) -> bool:
         return self.cycle is None or self.cycle.response_complete
 
-    def _arm_header_deadline(self) -> None:
-        self._cancel_header_deadline()
-        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+    def _update_deadline(self) -> None:
+        if self._between_requests():
+            return  # the header deadline (if armed) keeps running
+        if self.cycle.more_body:
+            if self._phase != "body":
+                self._arm("body", self.body_timeout_s)
+        else:
+            self._cancel()
 
-    def _cancel_header_deadline(self) -> None:
-        if self._header_deadline is not None:
-            self._header_deadline.cancel()
-            self._header_deadline = None
+    def _arm(self, phase: str, seconds: float) -> None:
+        self._cancel()
+        self._phase = phase
+        self._deadline = self.loop.call_later(seconds, self._expired)
 
-    def _header_timeout(self) -> None:
-        self._header_deadline = None
-        if self.transport.is_closing() or not self._between_requests():
+    def _cancel(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline, self._phase = None, ""
+
+    def _expired(self) -> None:
+        phase, self._deadline, self._phase = self._phase, None, ""
+        if self.transport.is_closing():
             return
-        if self.timeout_keep_alive_task is not None:  # idle keep-alive: uvicorn's own timer closes it
-            return
-        self.logger.info("closing a connection that sent no complete request head in %.0f s", self.header_timeout_s)
-        self.transport.write(_TIMEOUT_ANSWER)
+        if phase == "headers":
+            if not self._between_requests() or self.timeout_keep_alive_task is not None:
+                return  # a request is running, or an idle keep-alive that uvicorn's own timer closes
+            answer = _HEADERS_TIMEOUT
+        else:
+            if self._between_requests() or not self.cycle.more_body:
+                return
+            answer = b"" if self.cycle.response_started else _answer(
+                f"request body not received within {self.body_timeout_s:g} s\n")
+        self.logger.info("closing a connection: request %s not received within the deadline", phase)
+        if answer:
+            self.transport.write(answer)
         self.transport.close()
 
 
-class BodyTimeout(Exception):
-    """The request body did not arrive within the body deadline (answered 408 by the app)."""
+def _answer(text: str) -> bytes:
+    body = text.encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % len(body)) + body
+
+
+_HEADERS_TIMEOUT = _answer("request headers not received within the deadline\n")
 
 
 class RequestLimits:
-    """ASGI middleware: at most ``max_headers`` request headers (431), and the whole request body
-    within ``body_timeout_s`` of the headers (:class:`BodyTimeout` raised into the route, which the
-    app answers 408 with ``Connection: close``). ``anyio.fail_after`` bounds each wait for a body
-    chunk by the time left."""
+    """ASGI middleware: at most ``max_headers`` request headers (431 and close)."""
 
-    def __init__(self, app, *, max_headers: int = 64, body_timeout_s: float = 30.0) -> None:
-        self.app, self.max_headers, self.body_timeout_s = app, max_headers, body_timeout_s
+    def __init__(self, app, *, max_headers: int = 64) -> None:
+        self.app, self.max_headers = app, max_headers
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if len(scope["headers"]) > self.max_headers:
+        if scope["type"] == "http" and len(scope["headers"]) > self.max_headers:
             body = f"more than {self.max_headers} request headers".encode()
             await send({"type": "http.response.start", "status": 431,
                         "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode()),
                                     (b"connection", b"close")]})
             await send({"type": "http.response.body", "body": body})
             return
-        deadline = time.monotonic() + self.body_timeout_s
-        body_done = False
-
-        async def receive_in_time():
-            nonlocal body_done
-            if body_done:
-                return await receive()
-            try:
-                with anyio.fail_after(max(deadline - time.monotonic(), 0.0)):
-                    message = await receive()
-            except TimeoutError as exc:
-                raise BodyTimeout(f"request body not received within {self.body_timeout_s:g} s") from exc
-            body_done = message["type"] != "http.request" or not message.get("more_body", False)
-            return message
-
-        await self.app(scope, receive_in_time, send)
+        await self.app(scope, receive, send)

@@ -29,7 +29,13 @@ import numpy as np
 from sdk import bundle_manifest as fmt
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import BundleError, InvalidInputError, PrivacyError
-from sdk.protocol import KMeansUpdate, centroids_hash, decode_kmeans_update_npz, encode_kmeans_round, encode_kmeans_update_npz
+from sdk.protocol import (
+    KMeansUpdate,
+    centroids_hash,
+    decode_kmeans_update_record,
+    encode_kmeans_round,
+    encode_kmeans_update_record,
+)
 from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans
 from trainer.federated.update_checks import check_difference
 from trainer.routers.kmeans_router import KMeansRouter
@@ -224,10 +230,10 @@ class KMeansRoundKind(ServerRoundKind):
             except PrivacyError as exc:
                 raise UploadRejected(422, f"invalid update: {exc}") from exc
 
-        return AcceptedUpload(encode_kmeans_update_npz(update), update.log_size, check_previous, memo=update)
+        return AcceptedUpload(encode_kmeans_update_record(update), update.log_size, check_previous, memo=update)
 
     def memo_of(self, payload: bytes) -> KMeansUpdate:
-        return decode_kmeans_update_npz(payload)
+        return decode_kmeans_update_record(payload)
 
     def close(self, store: Store, round_: Round, snapshot: int, owner: str, progress, publisher) -> RoundOutcome | None:
         r, round_id = round_, round_.id

@@ -11,6 +11,7 @@ restart (rebuilt on demand from the database), including the quota's windows.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
@@ -67,14 +68,12 @@ class UploadState:
         self.tokens = _Lru(max_tokens)
         self.rounds = _Lru(max_rounds)
         self.previous = _Lru(max_previous)  # (client, base hash) -> (update id, memo)
-        self._locks: dict[str, threading.Lock] = {}
-        self._locks_lock = threading.Lock()
+        self._locks: dict[str, asyncio.Lock] = {}
 
-    def client_lock(self, client_id: str) -> threading.Lock:
-        """The lock that serialises one client's uploads in this process (check against the
-        previous upload, insert, cache update)."""
-        with self._locks_lock:
-            return self._locks.setdefault(client_id, threading.Lock())
+    def client_lock(self, client_id: str) -> asyncio.Lock:
+        """The lock (on the event loop) that serialises one client's uploads in this process
+        (check against the previous upload, insert, cache update)."""
+        return self._locks.setdefault(client_id, asyncio.Lock())
 
 
 class UploadQuota:
