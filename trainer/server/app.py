@@ -257,8 +257,16 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
                                       body_sha256=digest, payload=accepted.payload, log_size=accepted.log_size,
                                       previous_id=previous_id)
         if receipt is not None and accepted.check_previous is not None:
-            state.previous.put((client, r.base_hash), (receipt["update_id"], accepted.memo))
+            remember_previous(client, r.base_hash, receipt["update_id"], accepted.memo)
         return receipt
+
+    def remember_previous(client: str, base_hash: str, update_id: int, memo) -> None:
+        """Keep the client's upload as its previous one (a kind that gives no memo: read back from the
+        store next time, through its ``memo_of``)."""
+        if memo is None:
+            state.previous.drop((client, base_hash))
+        else:
+            state.previous.put((client, base_hash), (update_id, memo))
 
     def accept_checked(round_id: int, token: str, token_sha256: str, client: str, key: str, raw: bytes,
                        content_type: str) -> tuple[dict, bool]:
@@ -296,7 +304,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         except IdempotencyKeyReused as exc:
             raise UploadRejected(422, str(exc)) from exc
         if created and accepted.check_previous is not None:
-            state.previous.put((client, r.base_hash), (receipt["update_id"], accepted.memo))
+            remember_previous(client, r.base_hash, receipt["update_id"], accepted.memo)
         return receipt, created
 
     def published() -> tuple[Path, bytes]:
