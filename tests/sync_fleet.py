@@ -185,6 +185,7 @@ class ServerProcess:
         self.bundle_dir = bundle_dir
         self.port = free_port() if port is None else int(port)
         self.tick_s = tick_s
+        self.extra_args = tuple(os.environ.get("FEDROUTE_SERVE_ARGS", "").split())  # e.g. "--http-parser httptools"
         self.log_path = self.work / "server.log"
         self.process: subprocess.Popen | None = None
         self.starts = 0
@@ -214,7 +215,7 @@ class ServerProcess:
             self.process = subprocess.Popen(
                 [*CLI, "serve", "--db", self.db_url, "--tls-cert", str(self.server_pem), "--tls-key",
                  str(self.server_pem), "--host", "127.0.0.1", "--port", str(self.port), "--tick-s", str(self.tick_s),
-                 "--upload-quota", "0", *extra],
+                 "--upload-quota", "0", *extra, *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.starts += 1
         context = ssl.create_default_context(cafile=str(self.ca_pem))

@@ -51,6 +51,8 @@ def serve(
                                                              "headers (408)")] = 30.0,
     max_header_bytes: Annotated[int, typer.Option(min=1024, help="largest request line + headers (bytes)")] = 16384,
     access_log: Annotated[bool, typer.Option(help="log one line per request (costs CPU per upload)")] = False,
+    http_parser: Annotated[str, typer.Option(help="h11 or httptools (uvicorn's HTTP parsers; both with the "
+                                                  "header cap and deadlines)")] = "h11",
     *,
     publisher: Publisher | None = None,
 ) -> None:
@@ -70,8 +72,10 @@ def serve(
         typer.echo(f"warning: --bundle-dir {bundle_dir} does not exist yet; /v1/bundles answers 404 until a round "
                    "publishes there", err=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if http_parser not in ("h11", "httptools"):
+        raise typer.BadParameter(f"--http-parser must be h11 or httptools, got {http_parser!r}")
     limits = HttpLimits(max_header_bytes=max_header_bytes, header_timeout_s=header_timeout_s,
-                        body_timeout_s=body_timeout_s)
+                        body_timeout_s=body_timeout_s, parser=http_parser)
     app = create_app(_store(db), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s, publisher=publisher,
                      quota=UploadQuota(upload_quota, quota_window_s), limits=limits)
     uvicorn.run(app, host=host, port=port, ssl_certfile=str(tls_cert), ssl_keyfile=str(tls_key),
