@@ -1,4 +1,4 @@
-"""Sync server load benchmark (METRICS.md): uploads/s and latency under >= 32 devices, and ``kill -9``.
+"""Sync server load benchmark (METRICS.md): uploads/s, server CPU per upload and latency under >= 32 devices, and ``kill -9``.
 
 Loopback only, bounded in time (about a minute with the defaults). In a fresh folder
 (:func:`sync_fleet.deploy`): a trustme CA and server certificate, a SQLite database, ``--clients``
@@ -6,15 +6,18 @@ devices created with ``fedroute clients add``, and one K-means round of ``--n-ce
 bundle's models (11 for RouterBench) whose centroids are unit vectors drawn from ``--seed`` in the
 bundle's embedding space; its quorum is above the number of devices, so it stays open throughout.
 ``fedroute serve`` runs as a child process (TLS, 127.0.0.1, a free port). Each device uploads
-synthetic statistics built with the SDK's own ``kmeans_update`` (JSON, as ``SyncClient`` sends them),
-back to back, a fresh ``Idempotency-Key`` per upload, retrying connection errors and 5xx with the same
-key and body. Runs, in one process:
+synthetic statistics built with the SDK's own ``kmeans_update`` (MessagePack, as ``SyncClient`` sends
+them, or JSON), back to back, a fresh ``Idempotency-Key`` per upload, retrying connection errors and 5xx
+with the same key and body. Runs, in one process:
 
 1. baseline: raw SQLite ``INSERT`` + ``COMMIT`` (WAL, ``synchronous=FULL``, one thread, no HTTP) of a
    row as large as the server stores per upload, for ``--baseline-s``;
-2. baseline: 1 device over HTTPS for ``--single-s``;
-3. load: ``--clients`` devices for ``--duration-s`` (the first ``--warmup-s`` not counted);
-4. crash: ``--clients`` devices for ``--crash-duration-s``; at ``--kill-at-s`` the server gets SIGKILL
+2. baseline: 1 device over HTTPS (MessagePack) for ``--single-s``;
+3. load, JSON bodies (the baseline encoding): ``--clients`` devices for ``--duration-s`` (the first
+   ``--warmup-s`` not counted);
+4. load, MessagePack bodies: the same. For 3 and 4 the server's CPU time (user + system of the
+   server process, ``/proc/<pid>/stat``) over the run is divided by the uploads it stored (201);
+5. crash: ``--clients`` devices (MessagePack) for ``--crash-duration-s``; at ``--kill-at-s`` the server gets SIGKILL
    and is restarted on the same database and port while the devices retry. Then every receipt any
    device got (all runs) is checked against the store (0 acknowledged uploads may be missing, each
    (device, key) is stored once), each device's last upload is re-sent (must answer the same
@@ -153,9 +156,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(args, work: Path) -> dict:
-    from sdk.protocol import encode_kmeans_update_npz as update_bytes
+    from sdk.protocol import encode_kmeans_update_record as update_bytes
 
     started = time.time()
+    load_before = list(os.getloadavg())
     print(f"deploying in {work}: {args.clients} devices (fedroute clients add), a round of {args.n_cells} cells",
           flush=True)
     d = deploy(work, args.bundle, args.public_key, n_clients=args.clients, n_cells=args.n_cells,
@@ -168,6 +172,7 @@ def run(args, work: Path) -> dict:
         rng = np.random.default_rng(args.seed)
         uploads = {c: synthetic_uploads(spec, c, rng) for c in clients}
         bodies = [len(u.body) for us in uploads.values() for u in us]
+        msgpack_bodies = [len(u.msgpack_body) for us in uploads.values() for u in us]
         by_size = sorted((u for us in uploads.values() for u in us), key=lambda u: len(u.body))
         print(f"{len(bodies)} bodies, median {np.median(bodies) / 1e3:.0f} KB; baseline: raw SQLite inserts", flush=True)
         raw = raw_sqlite_inserts(work / "raw_baseline.db", update_bytes(by_size[len(by_size) // 2].update), args.baseline_s)
@@ -175,25 +180,36 @@ def run(args, work: Path) -> dict:
 
         with _progress("1 device", args.single_s) as bar:
             single = asyncio.run(fleet.run(args.single_s, clients[:1], on_ack=lambda a: bar.update()))
-        cpu0, own0 = server.cpu_seconds(), time.process_time()
-        with _progress(f"{args.clients} devices", args.duration_s) as bar:
-            load = asyncio.run(fleet.run(args.duration_s, clients, on_ack=lambda a: bar.update()))
-        cpu1, own1 = server.cpu_seconds(), time.process_time()
+        loads, cpu = {}, {}
+        for wire_format in ("json", "msgpack"):
+            fleet.wire_format = wire_format
+            cpu0, own0 = server.cpu_seconds(), time.process_time()
+            with _progress(f"{args.clients} devices, {wire_format}", args.duration_s) as bar:
+                loads[wire_format] = asyncio.run(fleet.run(args.duration_s, clients, on_ack=lambda a: bar.update()))
+            cpu[wire_format] = (cpu0, server.cpu_seconds(), own0, time.process_time())
+        load = loads["msgpack"]
         with _progress(f"{args.clients} devices, kill -9 at {args.kill_at_s:g} s", args.crash_duration_s) as bar:
             crash, times = asyncio.run(run_with_kill(fleet, server, args.crash_duration_s, args.kill_at_s, clients,
                                                      on_ack=lambda a: bar.update()))
         print("checking receipts against the store; replaying; fedroute rounds close", flush=True)
-        check = check_recovery(fleet, single.acks + load.acks + crash.acks)
+        check = check_recovery(fleet, single.acks + loads["json"].acks + load.acks + crash.acks)
     finally:
         server.stop()
     load_summary = summary(load, args.warmup_s)
-    n_accepted_load = load_summary["accepted"]
+    load_runs = {}
+    for wire_format, result in loads.items():
+        (cpu0, cpu1, own0, own1), n = cpu[wire_format], sum(a.status == 201 for a in result.acks)
+        load_runs[wire_format] = {
+            **summary(result, args.warmup_s), "wire_format": wire_format, "timeline_per_s": timeline(result, 0.5),
+            "latency_histogram": latency_histogram(result, args.warmup_s),
+            "server_cpu_ms_per_upload": None if cpu0 is None or cpu1 is None or not n else (cpu1 - cpu0) * 1e3 / n,
+            "devices_cpu_ms_per_upload": (own1 - own0) * 1e3 / max(n, 1)}
     failed = [name for name, bad in [
         ("acknowledged_missing", check.acknowledged_missing != 0), ("receipt_mismatch", check.receipt_mismatch != 0),
         ("duplicate_keys", check.duplicate_keys != 0), ("replay_mismatch", check.replay_mismatch != 0),
         ("stored_unacknowledged", check.stored_unacknowledged != 0),
-        ("gave_up", single.gave_up + load.gave_up + crash.gave_up != 0),
-        ("rejected", bool(single.rejected or load.rejected or crash.rejected)),
+        ("gave_up", single.gave_up + loads["json"].gave_up + load.gave_up + crash.gave_up != 0),
+        ("rejected", bool(single.rejected or loads["json"].rejected or load.rejected or crash.rejected)),
         ("round_not_aggregated", check.outcome.get("result") != "aggregated"),
         ("aggregate_total", check.aggregated_total_count != check.expected_total_count),
         ("aggregate_counts", not check.count_matrix_equal)] if bad]
@@ -204,22 +220,24 @@ def run(args, work: Path) -> dict:
             "(standard normal, normalised) in the bundle's embedding space",
             "bundle": {"version": manifest["bundle_version"], "embedder": manifest["embedder"]["name"]},
             "body_bytes": {"median": float(np.median(bodies)), "max": int(max(bodies))},
-            "stored_row_bytes": raw["row_bytes"], "transport": "HTTPS (TLS, trustme CA) on 127.0.0.1, JSON bodies",
-            "server": "fedroute serve: 1 uvicorn process, SQLite WAL synchronous=FULL",
+            "msgpack_body_bytes": {"median": float(np.median(msgpack_bodies)), "max": int(max(msgpack_bodies))},
+            "stored_row_bytes": raw["row_bytes"], "transport": "HTTPS (TLS, trustme CA) on 127.0.0.1",
+            "server": "fedroute serve: 1 uvicorn process (h11), SQLite WAL synchronous=FULL, no upload quota",
+            "load_average_before": load_before, "load_average_after": list(os.getloadavg()),
             "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                         "python": platform.python_version()},
         },
         "baseline": {"raw_sqlite": raw, "single_device": {**summary(single),
                                                           "latency_histogram": latency_histogram(single)}},
         "latency_edges_ms": LATENCY_EDGES_MS.tolist(),
-        "load": {**load_summary, "timeline_per_s": timeline(load, 0.5),
-                 "latency_histogram": latency_histogram(load, args.warmup_s),
-                 "server_cpu_ms_per_upload": None if cpu0 is None or cpu1 is None or not n_accepted_load
-                 else (cpu1 - cpu0) * 1e3 / n_accepted_load,
-                 "devices_cpu_ms_per_upload": (own1 - own0) * 1e3 / max(n_accepted_load, 1)},
+        "load": load_runs["msgpack"],
+        "load_json": load_runs["json"],
         "ratios": {
             "load_vs_raw_sqlite": load_summary["accepted_per_s"] / raw["inserts_per_s"],
             "load_vs_single_device": load_summary["accepted_per_s"] / max(summary(single)["accepted_per_s"], 1e-9),
+            "msgpack_vs_json_uploads_per_s": load_summary["accepted_per_s"] / max(load_runs["json"]["accepted_per_s"], 1e-9),
+            "json_vs_msgpack_server_cpu": None if not load_runs["msgpack"]["server_cpu_ms_per_upload"]
+            else load_runs["json"]["server_cpu_ms_per_upload"] / load_runs["msgpack"]["server_cpu_ms_per_upload"],
         },
         "crash": {**summary(crash), **times, "timeline_per_s": timeline(crash, 0.5), "recovery": check.to_json(),
                   "failed_checks": failed},
@@ -229,11 +247,13 @@ def run(args, work: Path) -> dict:
 
 def markdown(r: dict) -> str:
     s, raw, single, load, crash = r["setup"], r["baseline"]["raw_sqlite"], r["baseline"]["single_device"], r["load"], r["crash"]
+    load_json = r["load_json"]
     rec = crash["recovery"]
 
-    def row(name, devices, rate, lat, errors="", rejected=""):
-        return (f"| {name} | {devices} | {rate:.1f} | {lat['p50_ms']:.1f} | {lat['p99_ms']:.1f} | {lat['max_ms']:.1f} | "
-                f"{errors} | {rejected} |")
+    def row(name, devices, rate, lat, errors="", rejected="", cpu=None):
+        cpu_text = "" if cpu is None else f"{cpu:.2f}"
+        return (f"| {name} | {devices} | {rate:.1f} | {cpu_text} | {lat['p50_ms']:.1f} | {lat['p99_ms']:.1f} | "
+                f"{lat['max_ms']:.1f} | {errors} | {rejected} |")
 
     def errs(x):
         return ", ".join(f"{k} {v}" for k, v in x["errors_retried"].items()) or "0"
@@ -243,25 +263,34 @@ def markdown(r: dict) -> str:
 
     lines = [
         (f"Sync server under load: {s['devices']} devices uploading K-means statistics for {s['n_cells']} cells x "
-         f"{s['n_models']} models (JSON bodies, median {s['body_bytes']['median'] / 1e3:.0f} KB: counts, sums and "
-         f"{s['d_emb']}-d cell means), {s['transport']}; {s['server']}; {s['machine']['cores']} cores shared by the "
-         "server and the devices."),
+         f"{s['n_models']} models (MessagePack bodies, median {s['msgpack_body_bytes']['median'] / 1e3:.0f} KB, or "
+         f"JSON, median {s['body_bytes']['median'] / 1e3:.0f} KB: counts, sums and {s['d_emb']}-d cell means), "
+         f"{s['transport']}; {s['server']}; {s['machine']['cores']} cores shared by the server and the devices "
+         f"(load average {s['load_average_before'][0]:.2f} before the run, {s['load_average_after'][0]:.2f} after)."),
         "",
-        "| run | devices | accepted uploads/s | p50 ms | p99 ms | max ms | errors (retried) | rejected (4xx) |",
-        "|---|---|---|---|---|---|---|---|",
+        ("| run | devices | accepted uploads/s | server CPU ms per upload | p50 ms | p99 ms | max ms | "
+         "errors (retried) | rejected (4xx) |"),
+        "|---|---|---|---|---|---|---|---|---|",
         (f"| raw SQLite INSERT + COMMIT of a {raw['row_bytes'] / 1e3:.0f} KB row (fsync, 1 thread, no HTTP) | - | "
-         f"{raw['inserts_per_s']:.1f} | {raw['p50_ms']:.1f} | {raw['p99_ms']:.1f} | {raw['max_ms']:.1f} | | |"),
-        row("server, 1 device", 1, single["accepted_per_s"], single["latency"], errs(single), rej(single)),
-        row(f"server, {load['devices']} devices ({load['duration_s']:g} s, first {load['warmup_s']:g} s not counted)",
-            load["devices"], load["accepted_per_s"], load["latency"], errs(load), rej(load)),
-        row(f"server, {crash['devices']} devices, kill -9 at {crash['kill_s']:.1f} s of {crash['duration_s']:g} s",
-            crash["devices"], crash["accepted_per_s"], crash["latency"], errs(crash), rej(crash)),
+         f"{raw['inserts_per_s']:.1f} | | {raw['p50_ms']:.1f} | {raw['p99_ms']:.1f} | {raw['max_ms']:.1f} | | |"),
+        row("server, 1 device, MessagePack", 1, single["accepted_per_s"], single["latency"], errs(single), rej(single)),
+        row(f"server, {load_json['devices']} devices, JSON (baseline encoding; {load_json['duration_s']:g} s, first "
+            f"{load_json['warmup_s']:g} s not counted)", load_json["devices"], load_json["accepted_per_s"],
+            load_json["latency"], errs(load_json), rej(load_json), load_json["server_cpu_ms_per_upload"]),
+        row(f"server, {load['devices']} devices, MessagePack ({load['duration_s']:g} s, first {load['warmup_s']:g} s "
+            "not counted)", load["devices"], load["accepted_per_s"], load["latency"], errs(load), rej(load),
+            load["server_cpu_ms_per_upload"]),
+        row(f"server, {crash['devices']} devices, MessagePack, kill -9 at {crash['kill_s']:.1f} s of "
+            f"{crash['duration_s']:g} s", crash["devices"], crash["accepted_per_s"], crash["latency"], errs(crash),
+            rej(crash)),
         "",
         (f"Ratios (same run): {load['devices']} devices / raw SQLite = **{r['ratios']['load_vs_raw_sqlite']:.2f}x**; "
-         f"{load['devices']} devices / 1 device = **{r['ratios']['load_vs_single_device']:.2f}x**."
-         + ("" if load["server_cpu_ms_per_upload"] is None
-            else (f" CPU per upload: server {load['server_cpu_ms_per_upload']:.1f} ms, devices (this process) "
-                  f"{load['devices_cpu_ms_per_upload']:.1f} ms."))),
+         f"{load['devices']} devices / 1 device = **{r['ratios']['load_vs_single_device']:.2f}x**; MessagePack / JSON "
+         f"uploads/s = **{r['ratios']['msgpack_vs_json_uploads_per_s']:.2f}x**"
+         + ("" if r["ratios"]["json_vs_msgpack_server_cpu"] is None
+            else f"; server CPU per upload JSON / MessagePack = **{r['ratios']['json_vs_msgpack_server_cpu']:.2f}x**")
+         + f". Devices' CPU (this process) per upload: JSON {load_json['devices_cpu_ms_per_upload']:.1f} ms, "
+           f"MessagePack {load['devices_cpu_ms_per_upload']:.1f} ms."),
         "",
         (f"kill -9 at {crash['kill_s']:.2f} s; the restarted server answered at {crash['ready_s']:.2f} s; "
          + ("no receipt after the kill" if crash["first_ack_after_s"] is None
@@ -292,9 +321,10 @@ def plot(r: dict, path: Path) -> None:
 
     from trainer.report import save_figure
 
-    load, crash = r["load"], r["crash"]
+    load, load_json, crash = r["load"], r["load_json"], r["crash"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for series, label, color in [(load["timeline_per_s"], f"{load['devices']} devices", "tab:blue"),
+    for series, label, color in [(load_json["timeline_per_s"], f"{load_json['devices']} devices, JSON", "tab:gray"),
+                                 (load["timeline_per_s"], f"{load['devices']} devices, MessagePack", "tab:blue"),
                                  (crash["timeline_per_s"], f"{crash['devices']} devices, kill -9", "tab:orange")]:
         t = (np.arange(len(series)) + 0.5) * 0.5
         ax1.plot(t, series, label=label, color=color)
@@ -306,7 +336,8 @@ def plot(r: dict, path: Path) -> None:
                   fontsize=10)
     ax1.legend(fontsize=8)
     edges = np.asarray(r["latency_edges_ms"])
-    for run, label in [(r["baseline"]["single_device"], "1 device"), (load, f"{load['devices']} devices")]:
+    for run, label in [(r["baseline"]["single_device"], "1 device"), (load_json, f"{load['devices']} devices, JSON"),
+                       (load, f"{load['devices']} devices, MessagePack")]:
         counts = np.asarray(run["latency_histogram"], dtype=float)
         ax2.stairs(counts / max(counts.sum(), 1), edges, label=f"{label} (p99 {run['latency']['p99_ms']:.0f} ms)")
     ax2.set_xscale("log")

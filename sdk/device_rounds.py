@@ -24,7 +24,15 @@ from typing import Protocol
 from sdk.errors import SyncError
 from sdk.eval_log import Evaluations
 from sdk.local_update import centroid_threshold, hold_small_changes, kmeans_update
-from sdk.protocol import RoundSpec, decode_sent_record, encode_kmeans_update, encode_sent_record
+from sdk.protocol import (
+    JSON_MEDIA_TYPE,
+    MSGPACK_MEDIA_TYPE,
+    RoundSpec,
+    decode_sent_record,
+    encode_kmeans_update,
+    encode_kmeans_update_msgpack,
+    encode_sent_record,
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,8 @@ class DeviceRoundContext:
     local_trainer : the app's trainer for kinds trained on the device with torch
         (``f(evaluations, round_json, parameters_bytes, client_id) -> upload bytes or None``), or None.
     state_path : str, where the state lives (for error messages).
+    upload_format : ``"msgpack"`` (default: binary arrays, about a quarter of the JSON size and
+        cheaper for the server to check) or ``"json"``, for kinds with both encodings (K-means).
     """
 
     client_id: str
@@ -53,6 +63,7 @@ class DeviceRoundContext:
     fetch: Callable[[str, int], bytes]
     local_trainer: Callable | None = None
     state_path: str = ""
+    upload_format: str = "msgpack"
 
 
 @dataclass(frozen=True)
@@ -86,7 +97,10 @@ class DeviceRoundHandler(Protocol):
 
 #: Largest MLP parameters download (bytes).
 MAX_PARAMETERS_BYTES = 64 << 20
-JSON_TYPE = "application/json"
+JSON_TYPE = JSON_MEDIA_TYPE
+#: K-means upload encoders by ``DeviceRoundContext.upload_format``: (encoder, Content-Type).
+KMEANS_ENCODINGS = {"msgpack": (encode_kmeans_update_msgpack, MSGPACK_MEDIA_TYPE),
+                    "json": (encode_kmeans_update, JSON_MEDIA_TYPE)}
 SAFETENSORS_TYPE = "application/x-safetensors"
 
 
@@ -108,8 +122,9 @@ class KMeansRoundHandler:
             why = (f"nothing to report: no (cell, model) entry reaches min_count={spec.min_count} and no cell "
                    f"holds {centroid_threshold(spec.min_count)} distinct queries (log size {update.log_size})")
             return PreparedUpload(spec.round_id, None, JSON_TYPE, why)
-        payload = encode_kmeans_update(update, context.client_id, spec)
-        return PreparedUpload(spec.round_id, payload, JSON_TYPE, None, encode_sent_record(update, spec))
+        encode, media_type = KMEANS_ENCODINGS[context.upload_format]
+        payload = encode(update, context.client_id, spec)
+        return PreparedUpload(spec.round_id, payload, media_type, None, encode_sent_record(update, spec))
 
 
 class MlpRoundHandler:

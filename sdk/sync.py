@@ -123,6 +123,8 @@ class SyncClient:
     min_count_floor : int >= 1, the smallest privacy threshold this device accepts, whatever the
         server announces: K-means rounds use ``max(round min_count, min_count_floor)`` (the server
         accepts stricter suppression), MLP rounds with a lower ``min_count`` are skipped.
+    upload_format : ``"msgpack"`` (default) or ``"json"``: the encoding of K-means uploads
+        (docs/protocol.md §3; the server takes both, by ``Content-Type``).
     allow_repartition : False (default) skips a K-means round over other centroids than the device's
         last upload: per-model totals and weighted sums of cell means do not depend on the
         partition, so two uploads over two partitions can be subtracted to recover single queries
@@ -131,8 +133,8 @@ class SyncClient:
     Raises
     ------
     InvalidInputError
-        A URL that is not https, an empty token, negative retry settings or a ``min_count_floor``
-        below 1.
+        A URL that is not https, an empty token, negative retry settings, a ``min_count_floor``
+        below 1 or an unknown ``upload_format``.
     """
 
     def __init__(self, server_url: str, token: str, eval_log: EvalLog, bundle_dir, public_key, *,
@@ -141,7 +143,8 @@ class SyncClient:
                  transport: httpx.BaseTransport | None = None,
                  sleep: Callable[[float], None] = time.sleep,
                  mlp_trainer: Callable[[Evaluations, dict, bytes, str], bytes | None] | None = None,
-                 min_count_floor: int = 5, allow_repartition: bool = False) -> None:
+                 min_count_floor: int = 5, allow_repartition: bool = False,
+                 upload_format: str = "msgpack") -> None:
         url = httpx.URL(str(server_url))
         if url.scheme != "https":
             raise InvalidInputError(f"server_url must be https://..., got {str(server_url)!r}")
@@ -151,6 +154,9 @@ class SyncClient:
             raise InvalidInputError("retries, backoff_s and max_backoff_s must be >= 0")
         if isinstance(min_count_floor, bool) or not isinstance(min_count_floor, int) or min_count_floor < 1:
             raise InvalidInputError(f"min_count_floor must be an int >= 1, got {min_count_floor!r}")
+        if upload_format not in ("msgpack", "json"):
+            raise InvalidInputError(f"upload_format must be 'msgpack' or 'json', got {upload_format!r}")
+        self.upload_format = upload_format
         self.eval_log = eval_log
         self.bundle_dir = Path(bundle_dir)
         self.public_key = fmt.load_public_key(public_key)
@@ -281,7 +287,7 @@ class SyncClient:
             client_id=str(body.get("client_id", "")), rows=self.eval_log.rows, sent=state.sent,
             min_count_floor=self.min_count_floor, allow_repartition=self.allow_repartition,
             fetch=lambda path, limit: self._request("GET", path, ok=(200,), limit=limit).content,
-            local_trainer=self.mlp_trainer, state_path=str(self.state_path))
+            local_trainer=self.mlp_trainer, state_path=str(self.state_path), upload_format=self.upload_format)
         prepared = handler.prepare(body, context)
         return prepared.round_id, prepared.payload, prepared.content_type, prepared.skipped, prepared.sent
 

@@ -14,7 +14,8 @@ same crash scenario at small scale). Everything is real except the devices' logs
   killed with SIGKILL and restarted on the same database and port.
 - :func:`synthetic_uploads` builds each device's upload bodies with the SDK's own code
   (:func:`sdk.local_update.kmeans_update` on a synthetic :class:`sdk.Evaluations`, then
-  :func:`sdk.protocol.encode_kmeans_update`, the bytes :class:`sdk.sync.SyncClient` sends), so they
+  :func:`sdk.protocol.encode_kmeans_update_msgpack`, the bytes :class:`sdk.sync.SyncClient` sends, and
+  :func:`sdk.protocol.encode_kmeans_update`, its JSON encoding), so they
   pass the server's validation: whole counts, entries below ``min_count`` zeroed, mean embeddings of
   unit vectors over at least ``max(min_count, 2)`` queries.
 - :class:`Fleet` runs concurrent clients (asyncio, one ``httpx.AsyncClient`` and TLS connection
@@ -50,7 +51,7 @@ import numpy as np
 
 from sdk.eval_log import Evaluations
 from sdk.local_update import KMeansUpdate, RoundSpec, hold_small_changes, kmeans_update
-from sdk.protocol import encode_kmeans_update
+from sdk.protocol import JSON_MEDIA_TYPE, MSGPACK_MEDIA_TYPE, encode_kmeans_update, encode_kmeans_update_msgpack
 
 CLI = (sys.executable, "-m", "trainer.cli")
 
@@ -184,6 +185,7 @@ class ServerProcess:
         self.bundle_dir = bundle_dir
         self.port = free_port() if port is None else int(port)
         self.tick_s = tick_s
+        self.extra_args = tuple(os.environ.get("FEDROUTE_SERVE_ARGS", "").split())  # e.g. "--http-parser httptools"
         self.log_path = self.work / "server.log"
         self.process: subprocess.Popen | None = None
         self.starts = 0
@@ -213,7 +215,7 @@ class ServerProcess:
             self.process = subprocess.Popen(
                 [*CLI, "serve", "--db", self.db_url, "--tls-cert", str(self.server_pem), "--tls-key",
                  str(self.server_pem), "--host", "127.0.0.1", "--port", str(self.port), "--tick-s", str(self.tick_s),
-                 *extra],
+                 "--upload-quota", "0", *extra, *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.starts += 1
         context = ssl.create_default_context(cafile=str(self.ca_pem))
@@ -280,14 +282,20 @@ def fetch_round(server_url: str, deployment: Deployment, client_id: str) -> Roun
 
 @dataclass(frozen=True)
 class SyntheticUpload:
-    """One upload body and what it holds.
+    """One upload's bodies and what they hold.
 
-    body : bytes, the JSON body (``KMeansUpdate.to_payload``, compact, as ``SyncClient`` sends it).
+    body : bytes, the JSON body (``KMeansUpdate.to_payload``, compact).
     update : the KMeansUpdate it encodes; ``update.statistics.count`` of shape (n_cells, n_models).
+    msgpack_body : bytes, the MessagePack body of the same update (what ``SyncClient`` sends).
     """
 
     body: bytes
     update: KMeansUpdate
+    msgpack_body: bytes = b""
+
+    def encoded(self, wire_format: str) -> tuple[bytes, str]:
+        """(body, Content-Type) in ``wire_format``: ``"json"`` or ``"msgpack"``."""
+        return (self.msgpack_body, MSGPACK_MEDIA_TYPE) if wire_format == "msgpack" else (self.body, JSON_MEDIA_TYPE)
 
 
 def synthetic_log(rng: np.random.Generator, spec: RoundSpec, n_queries: int, spread: float = 0.5) -> Evaluations:
@@ -326,7 +334,7 @@ def synthetic_uploads(spec: RoundSpec, client_id: str, rng: np.random.Generator,
         if uploads:
             update = hold_small_changes(update, uploads[0].update, spec.min_count)
         body = encode_kmeans_update(update, client_id, spec)
-        uploads.append(SyntheticUpload(body, update))
+        uploads.append(SyntheticUpload(body, update, encode_kmeans_update_msgpack(update, client_id, spec)))
     return uploads
 
 
@@ -337,8 +345,8 @@ def synthetic_uploads(spec: RoundSpec, client_id: str, rng: np.random.Generator,
 class Ack:
     """A receipt a device got. Times in seconds from the load's start (monotonic clock).
 
-    upload : index of the body in the device's uploads. status : 201 (stored) or 200 (a retry of a
-    stored key). attempts : requests sent for it (> 1: retried). latency_s : of the answered
+    upload : index of the body in the device's uploads; wire_format : the encoding sent. status : 201
+    (stored) or 200 (a retry of a stored key). attempts : requests sent for it (> 1: retried). latency_s : of the answered
     request; total_s : from the first attempt, retries and backoff included.
     """
 
@@ -352,6 +360,7 @@ class Ack:
     acked_s: float
     latency_s: float
     total_s: float
+    wire_format: str = "msgpack"
 
 
 @dataclass
@@ -393,11 +402,13 @@ class Fleet:
     timeout_s : seconds per request phase (httpx).
     backoff_s, max_backoff_s : first and largest wait before a retry (doubling, with jitter).
     retry_grace_s : how long after the load ends an unacknowledged upload is still retried.
+    wire_format : ``"msgpack"`` (as ``SyncClient`` sends) or ``"json"``; settable between runs.
     """
 
     def __init__(self, server_url: str, deployment: Deployment, uploads: dict[str, list[SyntheticUpload]], *,
                  timeout_s: float = 60.0, backoff_s: float = 0.05, max_backoff_s: float = 1.0,
-                 retry_grace_s: float = 60.0, seed: int = 0) -> None:
+                 retry_grace_s: float = 60.0, seed: int = 0, wire_format: str = "msgpack") -> None:
+        self.wire_format = wire_format
         self.server_url = server_url
         self.deployment = deployment
         self.uploads = uploads
@@ -436,21 +447,22 @@ class Fleet:
         """POST one upload; retry connection errors and 5xx with the same key and body until
         acknowledged or ``retry_grace_s`` after the load; None if rejected (4xx) or given up."""
         path = f"/v1/rounds/{self.deployment.round_id}/updates"
-        headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+        body, media = self.uploads[client_id][index].encoded(self.wire_format)
+        headers = {"Idempotency-Key": key, "Content-Type": media}
         first = time.monotonic()
         attempt = 0
         while True:
             attempt += 1
             start = time.monotonic()
             try:
-                answer = await http.post(path, content=self.uploads[client_id][index].body, headers=headers)
+                answer = await http.post(path, content=body, headers=headers)
             except httpx.TransportError as exc:
                 result.errors[type(exc).__name__] += 1
             else:
                 now = time.monotonic()
                 if answer.status_code in (200, 201):
                     ack = Ack(client_id, key, int(answer.json()["update_id"]), index, answer.status_code, attempt,
-                              first - t0, now - t0, now - start, now - first)
+                              first - t0, now - t0, now - start, now - first, self.wire_format)
                     result.acks.append(ack)
                     return ack
                 if answer.status_code < 500:
@@ -552,11 +564,12 @@ async def replay_last(fleet: Fleet, acks: list[Ack]) -> tuple[int, int]:
     mismatch = 0
     last = latest_acks(acks)
     for ack in last.values():
+        body, media = fleet.uploads[ack.client_id][ack.upload].encoded(ack.wire_format)
         headers = {"Authorization": f"Bearer {fleet.deployment.tokens[ack.client_id]}",
-                   "Idempotency-Key": ack.key, "Content-Type": "application/json"}
+                   "Idempotency-Key": ack.key, "Content-Type": media}
         async with httpx.AsyncClient(base_url=fleet.server_url, verify=fleet.tls, timeout=fleet.timeout_s) as http:
             answer = await http.post(f"/v1/rounds/{fleet.deployment.round_id}/updates", headers=headers,
-                                     content=fleet.uploads[ack.client_id][ack.upload].body)
+                                     content=body)
         if answer.status_code != 200 or answer.json().get("update_id") != ack.update_id:
             mismatch += 1
     return len(last), mismatch

@@ -25,13 +25,18 @@ from sdk.protocol import (
     RoundSpec,
     SyncState,
     centroids_hash,
+    decode_kmeans_update_json,
+    decode_kmeans_update_msgpack,
     decode_kmeans_update_npz,
+    decode_kmeans_update_record,
     decode_sent_record,
     decode_sync_state,
     encode_json,
     encode_kmeans_round,
     encode_kmeans_update,
+    encode_kmeans_update_msgpack,
     encode_kmeans_update_npz,
+    encode_kmeans_update_record,
     encode_sent_record,
     encode_sync_state,
     kmeans_update_from_arrays,
@@ -92,8 +97,33 @@ def test_kmeans_update_wire_golden_bytes():
     assert b"local_distinct" not in data  # kept on the device
 
 
+def test_kmeans_update_msgpack_golden_bytes():
+    data = encode_kmeans_update_msgpack(update(), "dev-1", spec())
+    golden("kmeans_update.msgpack", data)
+    # A fixmap of the 12 fields, client_id first: 0x8c, fixstr "client_id", fixstr "dev-1".
+    assert data.startswith(b"\x8c\xa9client_id\xa5dev-1\xa8round_id\x03\xa4kind\xa6kmeans")
+    # count: [shape [2, 2], bin8 of 32 bytes: four little-endian float64]
+    count = np.array([[3.0, 0.0], [0.0, 2.0]], dtype="<f8").tobytes()
+    assert b"\xa5count\x92\x92\x02\x02\xc4\x20" + count in data
+    # local_centroids as float32: [shape [1, 3], bin8 of 12 bytes]
+    means = np.array([[0.5, 0.25, -0.125]], dtype="<f4").tobytes()
+    assert b"\xaecentroid_cells\x92\x91\x01\xc4\x08" + np.array([0], "<i8").tobytes() in data
+    assert b"\xaflocal_centroids\x92\x92\x01\x03\xc4\x0c" + means in data
+    assert b"local_distinct" not in data
+    assert len(data) == 382  # 3 x 32 + 12 + 8 + 8 bytes of arrays, 12 keys, shapes and the envelope
+
+
 def test_kmeans_update_npz_golden_bytes():
     golden("kmeans_update.npz", encode_kmeans_update_npz(update()))
+
+
+def test_kmeans_update_store_record_golden_bytes():
+    data = encode_kmeans_update_record(update())
+    golden("kmeans_update.record.msgpack", data)
+    assert data.startswith(b"\x88\xa6format\xb9fedroute.kmeans_update.v2\xa5count\x92\x92\x02\x02\xc4\x20")
+    means = np.array([[0.5, 0.25, -0.125]], dtype="<f8").tobytes()  # float64: the record is exact
+    assert b"\xaflocal_centroids\x92\x92\x01\x03\xc4\x18" + means in data
+    assert data.endswith(b"\xa8log_size\x05")
 
 
 def test_receipt_golden_bytes():
@@ -158,22 +188,57 @@ def test_update_arrays_and_npz_round_trip():
     assert_same_update(decode_kmeans_update_npz(encode_kmeans_update_npz(update())), update())
     with pytest.raises(PayloadError, match="not an .npz"):
         decode_kmeans_update_npz(b"PK not a zip")
+    assert_same_update(decode_kmeans_update_record(encode_kmeans_update_record(update())), update())
+    assert_same_update(decode_kmeans_update_record(encode_kmeans_update_npz(update())), update())  # older rows
+    with pytest.raises(PayloadError, match="fedroute.kmeans_update.v2"):
+        decode_kmeans_update_record(b"\x80")
 
 
-def test_update_wire_round_trip_through_the_servers_decoder():
-    pytest.importorskip("pydantic")
+def _round():
     from trainer.federated.kmeans_aggregation import AggregationConfig
     from trainer.server.round_kind import round_settings
     from trainer.server.store import Round
-    from trainer.server.validation import decode_body, parse_envelope, validate_update
 
-    r = Round(id=3, kind="kmeans", status="open", opened_unix=0.0, deadline_unix=1.0, quorum=5, min_count=2,
-              centroids=CENTROIDS, parameters=None, base_hash=centroids_hash(CENTROIDS), models=MODELS,
-              embedder={"name": "all-MiniLM-L6-v2", "dim": 3},
-              settings=round_settings(aggregation=AggregationConfig()), closed_unix=None, outcome=None)
-    body = parse_envelope(decode_body(encode_kmeans_update(update(), "dev-1", spec()), "application/json"))
-    assert (body.client_id, body.round_id, body.kind) == ("dev-1", 3, "kmeans")
-    assert_same_update(validate_update(body, r), update())
+    return Round(id=3, kind="kmeans", status="open", opened_unix=0.0, deadline_unix=1.0, quorum=5, min_count=2,
+                 centroids=CENTROIDS, parameters=None, base_hash=centroids_hash(CENTROIDS), models=MODELS,
+                 embedder={"name": "all-MiniLM-L6-v2", "dim": 3},
+                 settings=round_settings(aggregation=AggregationConfig()), closed_unix=None, outcome=None)
+
+
+def test_update_wire_round_trips_json_and_msgpack():
+    for encode, decode in ((encode_kmeans_update, decode_kmeans_update_json),
+                           (encode_kmeans_update_msgpack, decode_kmeans_update_msgpack)):
+        envelope, back = decode(encode(update(), "dev-1", spec()))
+        assert envelope == {"client_id": "dev-1", "round_id": 3, "kind": "kmeans",
+                            "centroids_hash": centroids_hash(CENTROIDS), "models": list(MODELS)}
+        assert_same_update(back, update())
+    with pytest.raises(PayloadError, match="MessagePack"):
+        decode_kmeans_update_msgpack(b"\xc1")
+    with pytest.raises(PayloadError, match="exactly the keys"):
+        decode_kmeans_update_msgpack(b"\x80")  # an empty map
+    import msgpack
+
+    bad = msgpack.unpackb(encode_kmeans_update_msgpack(update(), "dev-1", spec()))
+    bad["count"][1] = bad["count"][1][:-8]  # one float64 short of the shape [2, 2]
+    from sdk.errors import ShapeError
+
+    with pytest.raises(ShapeError, match="count: shape \\[2, 2\\] needs 32 bytes of <f8, got 24"):
+        decode_kmeans_update_msgpack(msgpack.packb(bad))
+
+
+def test_update_wire_round_trip_through_the_servers_decoder():
+    pytest.importorskip("fastapi")
+    from trainer.server.validation import decode_body, parse_kmeans_body, validate_update
+
+    stored = []
+    for encode, media in ((encode_kmeans_update, "application/json"),
+                          (encode_kmeans_update_msgpack, "application/msgpack")):
+        body = parse_kmeans_body(decode_body(encode(update(), "dev-1", spec()), media))
+        assert (body.client_id, body.round_id, body.kind) == ("dev-1", 3, "kmeans")
+        accepted = validate_update(body, _round())
+        assert_same_update(accepted, update())
+        stored.append(encode_kmeans_update_record(accepted))
+    assert stored[0] == stored[1]  # both encodings store the same bytes
 
 
 def test_sent_record_round_trip_and_model_alignment():

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import httpx
+import msgpack
 import numpy as np
 import pytest
 
@@ -28,7 +29,7 @@ from sdk.errors import (
     SyncRejectedError,
 )
 from sdk.local_update import centroids_hash
-from sdk.protocol import Receipt
+from sdk.protocol import MSGPACK_ARRAYS, MSGPACK_MEDIA_TYPE, Receipt, unpack_msgpack_array
 from sdk.sync import SyncClient
 
 MODELS = ("cheap", "mid", "strong")
@@ -39,6 +40,16 @@ def kmeans_round(min_count: int = 1, round_id: int = 3) -> dict:
     return {"round_id": round_id, "kind": "kmeans", "client_id": "dev-1", "centroids": CENTROIDS.tolist(),
             "centroids_hash": centroids_hash(CENTROIDS), "models": list(MODELS), "embedder_name": "toy",
             "d_emb": 3, "min_count": min_count, "deadline_utc": "2026-12-01T00:00:00Z"}
+
+
+def posted(request: httpx.Request) -> dict:
+    """An upload body as JSON-like lists, in either encoding (``SyncClient`` sends MessagePack by default)."""
+    if request.headers["content-type"] != MSGPACK_MEDIA_TYPE:
+        return json.loads(request.content)
+    obj = msgpack.unpackb(request.content)
+    for name, (dtype, rank) in MSGPACK_ARRAYS.items():
+        obj[name] = unpack_msgpack_array(obj[name], dtype, rank).tolist()
+    return obj
 
 
 class FakeServer:
@@ -63,7 +74,7 @@ class FakeServer:
         if path == "/v1/rounds/current":
             return httpx.Response(204) if self.round is None else httpx.Response(200, json=self.round)
         if request.method == "POST" and path.endswith("/updates"):
-            body = json.loads(request.content)
+            body = posted(request)
             return httpx.Response(201, json=Receipt(len(self.posts()), body["client_id"], body["round_id"], False,
                                                     body["round_id"], body["log_size"]).to_json())
         if path == "/v1/bundles/latest":
@@ -268,9 +279,28 @@ def test_the_device_floor_raises_a_lax_round_min_count(device, tmp_path):
         log.record("cheap" if i < 5 else "mid", 1.0, 0.001, embedding=e)  # cell 0: cheap x 5, mid x 3
     client, _ = device(server, log=log, min_count_floor=4)
     assert client.run_once().uploaded
-    body = json.loads(server.posts()[0].content)
+    body = posted(server.posts()[0])
     assert body["count"] == [[5.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # the 3 "mid" ones are suppressed
     assert body["local_weights"] == [8.0]
+
+
+def test_uploads_are_msgpack_by_default_and_json_on_request(device, tmp_path):
+    bodies = {}
+    for upload_format in ("msgpack", "json"):
+        server = FakeServer(kmeans_round(min_count=1))
+        log = filled_log(tmp_path / f"log-{upload_format}.sqlite", n=30)
+        kwargs = {} if upload_format == "msgpack" else {"upload_format": "json"}
+        client, _ = device(server, log=log, state_path=tmp_path / f"state-{upload_format}.json", **kwargs)
+        assert client.run_once().uploaded
+        post = server.posts()[0]
+        assert post.headers["content-type"] == f"application/{upload_format}"
+        bodies[upload_format] = posted(post)
+    a, b = bodies["msgpack"], bodies["json"]
+    assert a.keys() == b.keys() and a["count"] == b["count"] and a["local_weights"] == b["local_weights"]
+    # the cell means travel as float32 in MessagePack: equal to the JSON ones rounded to float32
+    np.testing.assert_array_equal(np.float32(b["local_centroids"]), np.float32(a["local_centroids"]))
+    with pytest.raises(InvalidInputError, match="upload_format"):
+        device(FakeServer(None), upload_format="xml")
 
 
 def test_mlp_rounds_below_the_floor_are_skipped(device):
@@ -291,7 +321,7 @@ def test_one_more_query_between_two_syncs_is_not_revealed(device, tmp_path):
     assert client.run_once().uploaded
     log.record("cheap", 1.0, 0.0123, embedding=unit_rows(1, seed=9)[0])  # lands in cell 0 too
     assert client.run_once().uploaded
-    a, b = (json.loads(r.content) for r in server.posts())
+    a, b = (posted(r) for r in server.posts())
     assert b["log_size"] == a["log_size"] + 1
     for key in ("count", "sum_accuracy", "sum_cost", "centroid_cells", "local_centroids", "local_weights"):
         assert b[key] == a[key], key  # nothing to subtract
@@ -300,7 +330,7 @@ def test_one_more_query_between_two_syncs_is_not_revealed(device, tmp_path):
     for i, e in enumerate(unit_rows(5, seed=10)):  # five more: the entry and the cell mean move
         log.record("cheap", 1.0, 0.001, embedding=e)
     client.run_once()
-    c = json.loads(server.posts()[2].content)
+    c = posted(server.posts()[2])
     assert c["count"][0][0] == 36 and c["local_weights"] == [36.0]
 
 

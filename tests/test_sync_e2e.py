@@ -19,11 +19,13 @@ import subprocess
 import sys
 import time
 import httpx
+import msgpack
 import numpy as np
 import pytest
 
 from sdk import EvalLog, Router
 from sdk.cell_statistics import CellStatistics
+from sdk.protocol import MSGPACK_ARRAYS, decode_kmeans_update_msgpack, unpack_msgpack_array
 from sdk.sync import SyncClient
 from sdk.voronoi import nearest_cell
 
@@ -160,6 +162,14 @@ def centralised(deployment, centroids, clients=("dev-a", "dev-b", "dev-c"), extr
                                        [r[4] for r in rows], centroids.shape[0], len(deployment["models"]))
 
 
+
+def wire_object(body: bytes) -> dict:
+    """A MessagePack upload body (what SyncClient sends) with its arrays as nested lists."""
+    obj = msgpack.unpackb(body)
+    for name, (dtype, rank) in MSGPACK_ARRAYS.items():
+        obj[name] = unpack_msgpack_array(obj[name], dtype, rank).tolist()
+    return obj
+
 def test_round_closes_on_quorum_and_statistics_equal_the_centralised_ones(deployment, first_round):
     from trainer.server.store import Store
 
@@ -203,17 +213,17 @@ def test_requests_carry_no_text_and_no_per_query_embedding(deployment, first_rou
     assert [(m, p) for m, p, _ in sent][:2] == [("GET", "/v1/rounds/current"), ("POST", "/v1/rounds/1/updates")]
     posts = [body for method, _, body in sent if method == "POST"]
     assert len(posts) == 1 and all(body == b"" for method, _, body in sent if method == "GET")
-    body = posts[0]
-    text = body.decode()
+    body = posts[0]  # MessagePack, what SyncClient sends by default
     for prompt in deployment["prompts"]:
         for start in range(0, max(1, len(prompt) - 24), 24):  # no 24-character piece of any prompt
             piece = prompt[start:start + 24]
             if len(piece.strip()) >= 16:
-                assert piece not in text
-    upload = json.loads(body)
+                assert piece.encode() not in body
+    upload = msgpack.unpackb(body)
+    _, update = decode_kmeans_update_msgpack(body)
     own = deployment["embeddings"][:PER_CLIENT].astype(np.float64)
-    means = np.asarray(upload["local_centroids"])
-    assert means.shape[0] >= 1 and (np.asarray(upload["local_weights"]) >= 2).all()
+    means = update.local_centroids
+    assert means.shape[0] >= 1 and (update.local_weights >= 2).all()
     distance = np.linalg.norm(means[:, None, :] - own[None, :, :], axis=2)
     assert distance.min() > 1e-3  # no reported vector is (numerically) one query's embedding
     assert set(upload) == {"client_id", "round_id", "kind", "centroids_hash", "models", "log_size", "count",
@@ -279,7 +289,7 @@ def test_one_more_query_between_two_uploads_cannot_be_recovered_by_subtracting_t
         for k in range(2 * PER_CLIENT):
             log.record(model, float(k % 2), 0.001 * (1 + k % 3), embedding=emb[k])
     assert sync().uploaded
-    first = json.loads(next(body for method, _, body in transport.sent if method == "POST"))
+    first = wire_object(next(body for method, _, body in transport.sent if method == "POST"))
     weights = dict(zip(first["centroid_cells"], first["local_weights"]))
     cells = nearest_cell(emb, centroids)
     secret = next(k for k in range(2 * PER_CLIENT, len(emb)) if weights.get(int(cells[k]), 0) >= 5)
@@ -287,7 +297,7 @@ def test_one_more_query_between_two_uploads_cannot_be_recovered_by_subtracting_t
     with EvalLog(work / "log.sqlite", deployment["models"]) as log:
         log.record(model, 1.0, 0.0123, embedding=emb[secret])
     assert sync().uploaded
-    a, b = (json.loads(body) for method, _, body in transport.sent if method == "POST")
+    a, b = (wire_object(body) for method, _, body in transport.sent if method == "POST")
     assert b["log_size"] == a["log_size"] + 1 == 2 * PER_CLIENT + 1
     assert first["count"][cell][0] >= 5  # the entry the query falls in is reported ...
     count_a, count_b = np.asarray(a["count"]), np.asarray(b["count"])

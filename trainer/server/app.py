@@ -6,13 +6,15 @@ Sync protocol v1 (ARCHITECTURE.md §6). Every route but ``/v1/health`` needs
 ``GET /v1/rounds/current``
     200: the open round (its kind's ``describe``, :mod:`trainer.server.round_kinds`) plus ``client_id``; 204: none.
 ``POST /v1/rounds/{round_id}/updates``
-    Header ``Idempotency-Key`` (1-128 of ``[A-Za-z0-9_.:-]``). Body: JSON or MessagePack
-    (:mod:`trainer.server.validation`), at most ``max_body_bytes``. 201 with a receipt once the
-    update is committed to the store; 200 with the same receipt for a retry with the same key and
-    body. 400 undecodable body or missing key, 403 ``client_id`` is not the token's client, 409 a
-    round that is neither open nor the last one closed (or other centroids), 413 too large, 415 other
-    content type, 422 invalid update (names the field). An upload for the last closed round is
-    stored and counted in the next round (receipt ``late: true``).
+    Header ``Idempotency-Key`` (1-128 of ``[A-Za-z0-9_.:-]``). Body: MessagePack or JSON
+    (:mod:`trainer.server.validation`, by ``Content-Type``), at most ``max_body_bytes``. 201 with a
+    receipt once the update is committed durably to the store; 200 with the same receipt for a retry
+    with the same key and body. 400 undecodable body or missing key, 403 ``client_id`` is not the
+    token's client, 408 body not received in time, 409 a round that is neither open nor the last one
+    closed (or other centroids), 413 too large, 415 other content type, 422 invalid update (the
+    detail starts with the first offending field), 429 over the client's upload quota (with
+    ``Retry-After`` seconds). An upload for the last closed round is stored and counted in the next
+    round (receipt ``late: true``).
 ``GET /v1/rounds/{round_id}/parameters``
     The global parameters of an MLP round (safetensors); their sha256 is the round's
     ``parameters_hash``. MLP uploads are safetensors bodies (:mod:`trainer.federated.mlp_local`).
@@ -24,6 +26,12 @@ Sync protocol v1 (ARCHITECTURE.md §6). Every route but ``/v1/health`` needs
 
 Rounds close in the background (quorum or deadline, checked every ``tick_s`` seconds and right after
 each accepted upload), also after a restart.
+
+The upload path checks an upload against cached state (token -> client, the round's base, the
+client's previous upload: :mod:`trainer.server.upload_state`) and stores it with one ``INSERT ...
+SELECT`` that re-checks that state in its transaction (:meth:`Store.insert_update`); when the state
+moved (a revoke, a round closed, a retry) it takes the checked path (:meth:`Store.add_update`).
+HTTP limits (header size and time, body time, keep-alive): :mod:`trainer.server.http_limits`.
 """
 # No "from __future__ import annotations": FastAPI resolves the route annotations, which name locals.
 
@@ -40,30 +48,40 @@ import threading
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi import Path as FastApiPath
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.requests import ClientDisconnect
 
 from sdk.protocol import Receipt
 from trainer.server import round_kinds
 from trainer.server.errors import IdempotencyKeyReused, UploadRejected
+from trainer.server.group_commit import GroupWriter
+from trainer.server.http_limits import HttpLimits, RequestLimits
 from trainer.server.round_kind import Publisher
 from trainer.server.rounds import close_due_rounds
-from trainer.server.store import Store
+from trainer.server.store import Store, hash_token
+from trainer.server.upload_state import UploadQuota, UploadState
 from trainer.server.validation import MAX_COUNT
 
 log = logging.getLogger("fedroute.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+#: Upload bodies up to this size (bytes) are decoded and checked on the event loop (a MessagePack
+#: K-means update of 32 cells is about 50 KB, under a millisecond); larger ones (JSON) in a thread.
+INLINE_CHECK_BYTES = 128 << 10
+#: Shortest gap (seconds) between two checks for rounds to close when uploads keep waking the closer.
+MIN_CLOSE_CHECK_GAP_S = 0.25
 RoundId = Annotated[int, FastApiPath(ge=1, le=MAX_COUNT)]
 _KEY = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               tick_s: float = 1.0, publisher: Publisher | None = None) -> FastAPI:
+               tick_s: float = 1.0, publisher: Publisher | None = None, quota: UploadQuota | None = None,
+               limits: HttpLimits | None = None, state: UploadState | None = None) -> FastAPI:
     """The FastAPI application over ``store``, serving the bundle published at ``bundle_dir``.
 
     Parameters
@@ -74,7 +92,15 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
     tick_s : seconds between checks for rounds to close.
     publisher : publishes the aggregate of rounds opened to publish (handed in by the console-script
         module: ``export.publish.BundlePublisher``); None: such rounds close with ``publish_skipped``.
+    quota : the per-client upload quota (default :class:`UploadQuota`: 30 uploads per 60 s).
+    limits : header count and body deadline of :class:`HttpLimits` (the rest are uvicorn's, see
+        :meth:`HttpLimits.uvicorn_options`); default ``HttpLimits()``.
+    state : the upload path's caches (default ``UploadState()``).
     """
+    quota = UploadQuota() if quota is None else quota
+    writer = GroupWriter(store)
+    limits = HttpLimits() if limits is None else limits
+    state = UploadState() if state is None else state
     wake = asyncio.Event()
     close_lock = threading.Lock()
     owner = f"server-{os.getpid()}-{secrets.token_hex(4)}"
@@ -92,8 +118,10 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
                 await run_in_threadpool(close_due)
             except Exception:
                 log.exception("closing rounds failed; retrying")
+            # Uploads wake it (quorum may be reached), at most every MIN_CLOSE_CHECK_GAP_S under load.
+            await asyncio.sleep(min(tick_s, MIN_CLOSE_CHECK_GAP_S))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=tick_s)
+                await asyncio.wait_for(wake.wait(), timeout=max(tick_s - MIN_CLOSE_CHECK_GAP_S, 0.0))
             wake.clear()
 
     @contextlib.asynccontextmanager
@@ -108,10 +136,12 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            await run_in_threadpool(writer.close)
 
     # No /docs, /redoc or /openapi.json: the API is documented here and in the README, not served.
     app = FastAPI(title="fedroute aggregation server", version="1", lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestLimits, max_headers=limits.max_headers)
     bearer = HTTPBearer(auto_error=False)
 
     def client_of(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
@@ -122,7 +152,12 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
 
     @app.exception_handler(UploadRejected)
     async def _rejected(_request: Request, exc: UploadRejected) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _exc: ClientDisconnect) -> Response:
+        log.info("client disconnected during %s %s; nothing stored", request.method, request.url.path)
+        return Response(status_code=400)  # nobody reads it
 
     @app.get("/v1/health")
     def health() -> dict:
@@ -135,29 +170,118 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             return Response(status_code=204)
         return {**round_kinds.get(r.kind).describe(r), "client_id": client}
 
+    def bearer_token(request: Request) -> str:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise UploadRejected(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
+        return token.strip()
+
+    def authenticate(token: str, token_sha256: str) -> str:
+        """The client of ``token`` from the database (caching it), else 401 (and forgotten)."""
+        client = store.authenticate(token)
+        if client is None:
+            state.tokens.drop(token_sha256)
+            raise UploadRejected(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
+        state.tokens.put(token_sha256, client)
+        return client
+
     @app.post("/v1/rounds/{round_id}/updates")
-    async def upload(round_id: RoundId, request: Request, client: Annotated[str, Depends(client_of)],
-                     idempotency_key: Annotated[str | None, Header()] = None):
+    async def upload(request: Request):
+        # Parameters read by hand, not through FastAPI's dependency resolution: the hot path.
+        round_id = _path_round_id(request.path_params["round_id"])
+        idempotency_key = request.headers.get("idempotency-key")
+        token = bearer_token(request)
+        token_sha256 = hash_token(token)
+        client = state.tokens.get(token_sha256) or await run_in_threadpool(authenticate, token, token_sha256)
         if idempotency_key is None or not _KEY.fullmatch(idempotency_key):
             raise UploadRejected(400, "header Idempotency-Key (1-128 of [A-Za-z0-9_.:-]) is required")
+        retry_after = quota.take(client)
+        if retry_after is not None:
+            raise UploadRejected(429, f"client {client!r} is over its quota of {quota.uploads} uploads per "
+                                      f"{quota.window_s:g} s; retry in {retry_after} s",
+                                 {"Retry-After": str(retry_after)})
         raw = await _read_limited(request, max_body_bytes)
-        upload = await run_in_threadpool(round_kinds.parse_upload, raw, request.headers.get("content-type", ""))
-        if upload.client_id != client:
-            raise UploadRejected(403, f"this token belongs to client {client!r}, not {upload.client_id!r}")
-        if upload.round_id != round_id:
-            raise UploadRejected(422, f"body round_id {upload.round_id} differs from the URL's {round_id}")
-        digest = hashlib.sha256(raw).hexdigest()
-        receipt, created = await run_in_threadpool(_accept, round_id, client, idempotency_key, digest, upload)
+        content_type = request.headers.get("content-type", "")
+        # A small body of a known round is checked here: a hop to a thread costs more than the check.
+        if len(raw) <= INLINE_CHECK_BYTES and state.rounds.get(round_id) is not None:
+            checked = check_upload(round_id, client, raw, content_type)
+        else:
+            checked = await run_in_threadpool(check_upload, round_id, client, raw, content_type)
+        async with state.client_lock(client):
+            receipt = None if checked is None else await store_cached(checked, client, token_sha256, idempotency_key)
+            if receipt is not None:
+                created = True
+            else:
+                receipt, created = await run_in_threadpool(
+                    accept_checked, round_id, token, token_sha256, client, idempotency_key, raw, content_type)
         if created:
             wake.set()
         return JSONResponse(receipt, status_code=201 if created else 200)
 
-    def _accept(round_id: int, client: str, key: str, digest: str, upload) -> tuple[dict, bool]:
+    def check_upload(round_id: int, client: str, raw: bytes, content_type: str):
+        """Decode and check an upload against the cached round: ``(upload, digest, round,
+        accepted)``, or None when the round is not known (the checked path decides).
+
+        Raises UploadRejected (400, 403, 409, 415, 422): content errors, whatever the state."""
+        upload = round_kinds.parse_upload(raw, content_type)
+        if upload.client_id != client:
+            raise UploadRejected(403, f"this token belongs to client {client!r}, not {upload.client_id!r}")
+        if upload.round_id != round_id:
+            raise UploadRejected(422, f"round_id: body round_id {upload.round_id} differs from the URL's {round_id}")
+        r = state.rounds.get(round_id)
+        if r is None:
+            r = store.get_round(round_id)
+            if r is None:
+                return None
+            state.rounds.put(round_id, r)
+        accepted = round_kinds.validate_upload(upload, r)  # depends only on the round's immutable part
+        return upload, hashlib.sha256(raw).hexdigest(), r, accepted
+
+    async def store_cached(checked, client: str, token_sha256: str, key: str) -> dict | None:
+        """Check against the client's previous upload held in memory and store with the group
+        writer (:meth:`Store.insert_updates`); None when nothing was stored (the state moved, or
+        the previous-upload check failed: the checked path answers)."""
+        _, digest, r, accepted = checked
+        previous_id = None
+        if accepted.check_previous is not None:
+            previous = state.previous.get((client, r.base_hash))
+            if previous is None:
+                row = await run_in_threadpool(store.previous_update, client, r.base_hash)
+                previous = (0, None) if row is None else (row[0], round_kinds.get(r.kind).memo_of(row[1]))
+            previous_id = previous[0]
+            try:
+                accepted.check_previous(previous[1])
+            except UploadRejected:
+                return None  # a retry of a stored key answers 200: the checked path sorts it out
+        receipt = await writer.insert(client_id=client, token_sha256=token_sha256, round_id=r.id, key=key,
+                                      body_sha256=digest, payload=accepted.payload, log_size=accepted.log_size,
+                                      previous_id=previous_id)
+        if receipt is not None and accepted.check_previous is not None:
+            remember_previous(client, r.base_hash, receipt["update_id"], accepted.memo)
+        return receipt
+
+    def remember_previous(client: str, base_hash: str, update_id: int, memo) -> None:
+        """Keep the client's upload as its previous one (a kind that gives no memo: read back from the
+        store next time, through its ``memo_of``)."""
+        if memo is None:
+            state.previous.drop((client, base_hash))
+        else:
+            state.previous.put((client, base_hash), (update_id, memo))
+
+    def accept_checked(round_id: int, token: str, token_sha256: str, client: str, key: str, raw: bytes,
+                       content_type: str) -> tuple[dict, bool]:
+        authenticate(token, token_sha256)  # 401 if the cached path stored nothing because the token went
+        upload = round_kinds.parse_upload(raw, content_type)
+        digest = hashlib.sha256(raw).hexdigest()
+        return _accept_checked(round_id, client, key, digest, upload)
+
+    def _accept_checked(round_id: int, client: str, key: str, digest: str, upload) -> tuple[dict, bool]:
+        """Every check against the database, in the order of the API (the path before caching)."""
         old = store.find_update(client, key)
         if old is not None:
-            if old.body_sha256 != digest:
+            if old[0] != digest:
                 raise UploadRejected(422, "Idempotency-Key was already used with a different body")
-            return json.loads(old.receipt), False
+            return old[1], False
         r = store.get_round(round_id)
         latest = store.latest_round()
         if r is None:
@@ -166,15 +290,22 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             raise UploadRejected(409, f"round {round_id} is closed and round {latest.id} is newer; fetch /v1/rounds/current")
         accepted = round_kinds.validate_upload(upload, r)
         log_size = accepted.log_size
+        kind = round_kinds.get(r.kind)
 
         def receipt_for(update_id: int, late: bool, counted: int | None) -> dict:
             return Receipt(update_id, client, round_id, late, counted, log_size).to_json()
 
+        check = None if accepted.check_previous is None else (
+            lambda payload: accepted.check_previous(None if payload is None else kind.memo_of(payload)))
         try:
-            return store.add_update(client_id=client, round_=r, key=key, body_sha256=digest, payload=accepted.payload,
-                                    log_size=log_size, receipt_for=receipt_for, check_previous=accepted.check_previous)
+            receipt, created = store.add_update(client_id=client, round_=r, key=key, body_sha256=digest,
+                                                payload=accepted.payload, log_size=log_size,
+                                                receipt_for=receipt_for, check_previous=check)
         except IdempotencyKeyReused as exc:
             raise UploadRejected(422, str(exc)) from exc
+        if created and accepted.check_previous is not None:
+            remember_previous(client, r.base_hash, receipt["update_id"], accepted.memo)
+        return receipt, created
 
     def published() -> tuple[Path, bytes]:
         if bundle_dir is None or not Path(bundle_dir).exists():
@@ -214,6 +345,13 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         return FileResponse(directory / names[0], media_type="application/octet-stream")
 
     return app
+
+
+def _path_round_id(text: str) -> int:
+    """The round id of an upload's path: an integer in [1, MAX_COUNT], else 422."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 10 and 1 <= int(text) <= MAX_COUNT):
+        raise UploadRejected(422, f"round_id: the path's round id must be an integer in [1, {MAX_COUNT}]")
+    return int(text)
 
 
 async def _read_limited(request: Request, limit: int) -> bytes:

@@ -43,13 +43,26 @@ def serve(
     bundle_dir: Annotated[Path | None, typer.Option(help="published bundle served at /v1/bundles")] = None,
     max_body_bytes: Annotated[int, typer.Option(min=1024, help="largest accepted upload (bytes)")] = 4 << 20,
     tick_s: Annotated[float, typer.Option(min=0.05, help="seconds between checks for rounds to close")] = 1.0,
+    upload_quota: Annotated[int, typer.Option(min=0, help="uploads per client per --quota-window-s (429 with "
+                                                         "Retry-After above it; 0: no quota)")] = 30,
+    quota_window_s: Annotated[float, typer.Option(min=0.001, help="window of the upload quota (seconds)")] = 60.0,
+    header_timeout_s: Annotated[float, typer.Option(min=0.01, help="seconds to send a request's headers (408)")] = 10.0,
+    body_timeout_s: Annotated[float, typer.Option(min=0.01, help="seconds to send a request's body after its "
+                                                             "headers (408)")] = 30.0,
+    max_header_bytes: Annotated[int, typer.Option(min=1024, help="largest request line + headers (bytes)")] = 16384,
+    access_log: Annotated[bool, typer.Option(help="log one line per request (costs CPU per upload)")] = False,
+    http_parser: Annotated[str, typer.Option(help="h11 or httptools (uvicorn's HTTP parsers; both with the "
+                                                  "header cap and deadlines)")] = "h11",
     *,
     publisher: Publisher | None = None,
 ) -> None:
-    """Run the aggregation server over HTTPS (uvicorn, one process: SQLite has one writer)."""
+    """Run the aggregation server over HTTPS (uvicorn with h11, one process: SQLite has one writer).
+    HTTP limits: :mod:`trainer.server.http_limits`."""
     import uvicorn  # server extra, imported on use
 
     from trainer.server.app import create_app  # server extra (fastapi)
+    from trainer.server.http_limits import HttpLimits  # server extra (uvicorn)
+    from trainer.server.upload_state import UploadQuota  # server extra
 
     try:  # a clear error now rather than a traceback from inside uvicorn
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(tls_cert), str(tls_key))
@@ -59,9 +72,14 @@ def serve(
         typer.echo(f"warning: --bundle-dir {bundle_dir} does not exist yet; /v1/bundles answers 404 until a round "
                    "publishes there", err=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = create_app(_store(db), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s, publisher=publisher)
+    if http_parser not in ("h11", "httptools"):
+        raise typer.BadParameter(f"--http-parser must be h11 or httptools, got {http_parser!r}")
+    limits = HttpLimits(max_header_bytes=max_header_bytes, header_timeout_s=header_timeout_s,
+                        body_timeout_s=body_timeout_s, parser=http_parser)
+    app = create_app(_store(db), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s, publisher=publisher,
+                     quota=UploadQuota(upload_quota, quota_window_s), limits=limits)
     uvicorn.run(app, host=host, port=port, ssl_certfile=str(tls_cert), ssl_keyfile=str(tls_key),
-                log_level="info", timeout_graceful_shutdown=5)
+                log_level="info", timeout_graceful_shutdown=5, access_log=access_log, **limits.uvicorn_options())
 
 
 @clients_app.command("add")

@@ -17,12 +17,14 @@ class ServerError(FedrouteError):
 
 
 class UploadRejected(ServerError):
-    """An upload the server refuses; ``status`` is the HTTP status (4xx), ``detail`` the reason."""
+    """An upload the server refuses; ``status`` is the HTTP status (4xx), ``detail`` the reason,
+    ``headers`` extra answer headers (e.g. ``Retry-After``) or None."""
 
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
+        self.headers = headers
 
 
 class IdempotencyKeyReused(ServerError):

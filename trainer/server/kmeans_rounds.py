@@ -29,7 +29,13 @@ import numpy as np
 from sdk import bundle_manifest as fmt
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import BundleError, InvalidInputError, PrivacyError
-from sdk.protocol import centroids_hash, decode_kmeans_update_npz, encode_kmeans_round, encode_kmeans_update_npz
+from sdk.protocol import (
+    KMeansUpdate,
+    centroids_hash,
+    decode_kmeans_update_record,
+    encode_kmeans_round,
+    encode_kmeans_update_record,
+)
 from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans
 from trainer.federated.update_checks import check_difference
 from trainer.routers.kmeans_router import KMeansRouter
@@ -48,7 +54,7 @@ from trainer.server.round_kind import (
     round_settings,
 )
 from trainer.server.store import Round, Store, array_bytes
-from trainer.server.validation import decode_body, parse_envelope, validate_update
+from trainer.server.validation import JSON_TYPES, MSGPACK_TYPES, decode_body, parse_kmeans_body, validate_update
 
 KMEANS_FILE = "kmeans.npz"
 
@@ -171,7 +177,7 @@ class KMeansRoundKind(ServerRoundKind):
     """``router/kmeans`` rounds: statistics per (cell, model) + local centroids; see the module docstring."""
 
     name = "kmeans"
-    media_types = ("application/json", "application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+    media_types = (*MSGPACK_TYPES, *JSON_TYPES)
     options = ("recluster", "prior_router", "max_cost_usd", "min_total_count")
 
     def open(self, store: Store, request: OpenRequest) -> Round:
@@ -221,19 +227,22 @@ class KMeansRoundKind(ServerRoundKind):
         return {"n_cells": int(round_.centroids.shape[0])}
 
     def parse(self, raw: bytes, content_type: str) -> ParsedUpload:
-        body = parse_envelope(decode_body(raw, content_type))
+        body = parse_kmeans_body(decode_body(raw, content_type))
         return ParsedUpload(body.client_id, body.round_id, body.kind, body, raw)
 
     def validate(self, upload: ParsedUpload, round_: Round) -> AcceptedUpload:
         update = validate_update(upload.content, round_)
 
-        def check_previous(previous: bytes | None) -> None:
+        def check_previous(previous: KMeansUpdate | None) -> None:
             try:
-                check_difference(update, None if previous is None else decode_kmeans_update_npz(previous), round_.min_count)
+                check_difference(update, previous, round_.min_count)
             except PrivacyError as exc:
                 raise UploadRejected(422, f"invalid update: {exc}") from exc
 
-        return AcceptedUpload(encode_kmeans_update_npz(update), update.log_size, check_previous)
+        return AcceptedUpload(encode_kmeans_update_record(update), update.log_size, check_previous, memo=update)
+
+    def memo_of(self, payload: bytes) -> KMeansUpdate:
+        return decode_kmeans_update_record(payload)
 
     def close(self, store: Store, round_: Round, snapshot: int, owner: str, progress, publisher) -> RoundOutcome | None:
         r, round_id = round_, round_.id

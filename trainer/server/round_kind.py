@@ -292,12 +292,15 @@ class ParsedUpload:
 @dataclass(frozen=True)
 class AcceptedUpload:
     """A validated upload: the ``payload`` bytes to store, the device's ``log_size``, and
-    ``check_previous(previous payload or None)``, run where the store serialises the read of the
-    client's previous update with the insert (None: nothing to check)."""
+    ``check_previous(previous memo or None)``, run serialised with the insert for the client
+    (None: nothing to check). ``memo`` is what the server keeps in memory as the client's previous
+    upload for the next one's check (:meth:`ServerRoundKind.memo_of` rebuilds it from a stored
+    payload after a restart)."""
 
     payload: bytes
     log_size: int
-    check_previous: Callable[[bytes | None], None] | None = None
+    check_previous: Callable[[Any], None] | None = None
+    memo: Any = None
 
 
 class ServerRoundKind(abc.ABC):
@@ -358,6 +361,11 @@ class ServerRoundKind(abc.ABC):
         UploadRejected
             409 another base than the round's; 422 an invalid update.
         """
+
+    def memo_of(self, payload: bytes) -> Any:
+        """The memo (see :class:`AcceptedUpload`) of a stored ``payload``, for ``check_previous``;
+        kinds without ``check_previous`` need not override it."""
+        return payload
 
     @abc.abstractmethod
     def close(self, store, round_, snapshot: int, owner: str, progress: Callable[[str], None],

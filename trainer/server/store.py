@@ -14,17 +14,22 @@ rounds : id, kind (``kmeans`` or ``mlp``), status (open -> closing -> closed), d
     float32 .npy bytes; MLP: the global parameters as safetensors bytes), models, embedder,
     per-round settings (JSON), and at close the outcome (JSON) and the aggregate (.npz bytes).
 updates : one row per accepted upload: client, round it was sent for, round it is counted in (NULL
-    while waiting for the next round), Idempotency-Key, sha256 of the body, the update (.npz bytes)
-    and the receipt returned to the client. ``(client_id, idempotency_key)`` is unique.
+    while waiting for the next round), Idempotency-Key, sha256 of the body, the update (K-means: a
+    MessagePack record, :func:`sdk.protocol.encode_kmeans_update_record`, or .npz in older rows; MLP:
+    the safetensors body)
+    and the receipt returned to the client (empty for rows written by the one-statement insert:
+    the receipt is rebuilt from the row, :func:`receipt_of`). ``(client_id, idempotency_key)`` is unique.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +39,7 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from sdk.protocol import KMeansUpdate, centroids_hash, decode_kmeans_update_npz
+from sdk.protocol import KMeansUpdate, Receipt, centroids_hash, decode_kmeans_update_record
 from trainer.server.errors import IdempotencyKeyReused
 from trainer.server.round_kind import RoundOutcome, RoundSettings
 
@@ -171,6 +176,53 @@ class Round:
         return self.base_hash
 
 
+_RECEIPT_COLUMNS = (updates.c.id, updates.c.client_id, updates.c.sent_round, updates.c.late, updates.c.log_size)
+
+
+def _insert_checked(check_previous: bool):
+    """The one statement of :meth:`Store.insert_update` (built once; bound parameters ``client_id``,
+    ``round_id``, ``key``, ``body_sha256``, ``now``, ``log_size``, ``payload``, ``token_sha256``,
+    ``previous_id``): ``INSERT INTO updates ... SELECT ... FROM rounds WHERE`` the round is open or
+    the latest, the token is the client's active one, the key is not stored yet and
+    (``check_previous``) the client's latest update for the round's base is ``previous_id`` (0:
+    none) ``RETURNING`` the receipt's columns."""
+    r = rounds.alias("r")
+    client_id = sa.bindparam("client_id", type_=sa.String)
+    newest = sa.select(sa.func.max(rounds.c.id)).scalar_subquery()
+    late = r.c.status != "open"
+    key = sa.bindparam("key", type_=sa.String)
+    cond = ((r.c.id == sa.bindparam("round_id", type_=sa.Integer)) & ((r.c.status == "open") | (r.c.id == newest))
+            & sa.exists(sa.select(clients.c.id).where((clients.c.id == client_id)
+                                                     & (clients.c.token_sha256 == sa.bindparam("token_sha256"))
+                                                     & (clients.c.revoked == sa.false())))
+            & ~sa.exists(sa.select(updates.c.id).where((updates.c.client_id == client_id)
+                                                      & (updates.c.idempotency_key == key))))
+    if check_previous:
+        latest = (sa.select(sa.func.coalesce(sa.func.max(updates.c.id), 0))
+                  .where((updates.c.client_id == client_id) & (updates.c.base_hash == r.c.base_hash))
+                  .scalar_subquery())
+        cond = cond & (latest == sa.bindparam("previous_id", type_=sa.Integer))
+    values = sa.select(client_id, r.c.id, sa.case((late, sa.null()), else_=r.c.id), late, r.c.base_hash,
+                       key, sa.bindparam("body_sha256", type_=sa.String),
+                       sa.bindparam("now", type_=sa.Float), sa.bindparam("log_size", type_=sa.Integer),
+                       sa.bindparam("payload", type_=sa.LargeBinary), sa.literal("")).where(cond)
+    return updates.insert().from_select(
+        ["client_id", "sent_round", "counted_round", "late", "base_hash", "idempotency_key", "body_sha256",
+         "received_unix", "log_size", "payload", "receipt"], values).returning(*_RECEIPT_COLUMNS)
+
+
+_INSERT_CHECKED = {False: _insert_checked(False), True: _insert_checked(True)}
+
+
+def receipt_of(row) -> dict:
+    """The receipt JSON (:class:`sdk.protocol.Receipt`) of a stored update row (``id``,
+    ``client_id``, ``sent_round``, ``late``, ``log_size``): an on-time update counts in the round it
+    was sent for, a late one in none yet (the receipt never changes after the 201)."""
+    late = bool(row.late)
+    return Receipt(int(row.id), row.client_id, int(row.sent_round), late, None if late else int(row.sent_round),
+                   int(row.log_size)).to_json()
+
+
 def _round(row) -> Round:
     return Round(
         id=row.id, kind=row.kind, status=row.status, opened_unix=row.opened_unix, deadline_unix=row.deadline_unix,
@@ -192,6 +244,9 @@ class Store:
             raise ValueError(f"{url!r} is an in-memory database: nothing would be kept (use sqlite:///fed.db)")
         self.engine = create_engine(url)
         self._writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
+        # SQLite has one writer: this process's writers queue on a lock rather than in SQLite's busy
+        # handler (which sleeps in steps of up to 100 ms); other processes still wait on busy_timeout.
+        self._write_lock = threading.Lock() if self.engine.dialect.name == "sqlite" else contextlib.nullcontext()
         metadata.create_all(self.engine)
         inspector = sa.inspect(self.engine)
         for table in (clients, rounds, updates):
@@ -202,8 +257,8 @@ class Store:
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
-        """A write transaction (``BEGIN IMMEDIATE`` on SQLite), committed on exit."""
-        with self._writer.begin() as conn:
+        """A write transaction (``BEGIN IMMEDIATE`` on SQLite, one at a time per process), committed on exit."""
+        with self._write_lock, self._writer.begin() as conn:
             yield conn
 
     def close(self) -> None:
@@ -405,10 +460,67 @@ class Store:
 
     # -- updates ---------------------------------------------------------------------------------
 
-    def find_update(self, client_id: str, key: str):
+    def find_update(self, client_id: str, key: str) -> tuple[str, dict] | None:
+        """(sha256 of the body, receipt JSON) of the update ``client_id`` stored under ``key``, else None."""
         with self.engine.connect() as conn:
-            return conn.execute(sa.select(updates.c.body_sha256, updates.c.receipt).where(
+            row = conn.execute(sa.select(*_RECEIPT_COLUMNS, updates.c.body_sha256).where(
                 (updates.c.client_id == client_id) & (updates.c.idempotency_key == key))).first()
+        return None if row is None else (row.body_sha256, receipt_of(row))
+
+    def previous_update(self, client_id: str, base_hash: str) -> tuple[int, bytes] | None:
+        """(id, payload) of ``client_id``'s latest update for the base ``base_hash``, else None."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(updates.c.id, updates.c.payload).where(
+                (updates.c.client_id == client_id) & (updates.c.base_hash == base_hash))
+                .order_by(updates.c.id.desc()).limit(1)).first()
+        return None if row is None else (int(row.id), row.payload)
+
+    def insert_update(self, *, client_id: str, token_sha256: str, round_id: int, key: str, body_sha256: str,
+                      payload: bytes, log_size: int, previous_id: int | None) -> dict | None:
+        """Store an update checked against cached state in ONE ``INSERT ... SELECT`` that re-checks
+        that state in the same transaction, and return its receipt once committed (durable), or
+        None (nothing stored) when the state moved: the token is no longer the client's active
+        token (revoked or rotated, possibly by the CLI in another process), the round is neither
+        open nor the latest one, ``previous_id`` (the id the client's previous update for the
+        round's base was checked against; None: not checked) is no longer its latest, or the key
+        is stored already. The caller then takes the checked path (:meth:`add_update`).
+
+        The update counts in the round if the round is open at the insert, else it waits for the
+        next round (late), as in :meth:`add_update`.
+        """
+        try:
+            return self.insert_updates([{"client_id": client_id, "token_sha256": token_sha256, "round_id": round_id,
+                                         "key": key, "body_sha256": body_sha256, "payload": payload,
+                                         "log_size": log_size, "previous_id": previous_id}])[0]
+        except sa.exc.IntegrityError:
+            return None  # another process stored the key meanwhile (PostgreSQL): the checked path answers it
+
+    def insert_updates(self, rows: list[dict]) -> list[dict | None]:
+        """:meth:`insert_update` for each of ``rows`` (dicts of its keyword arguments), all in ONE
+        transaction committed before this returns (group commit: one fsync for the batch); the
+        receipt or None of each row, in order.
+
+        Raises
+        ------
+        sqlalchemy.exc.SQLAlchemyError
+            The transaction failed (nothing of the batch is stored).
+        """
+        results: list[dict | None] = []
+        with self.transaction() as conn:
+            locking = conn.dialect.name != "sqlite"  # SQLite's BEGIN IMMEDIATE already serialises writers
+            for row in rows:
+                previous_id = row["previous_id"]
+                if locking:
+                    conn.execute(sa.select(clients.c.id).where(clients.c.id == row["client_id"]).with_for_update())
+                    conn.execute(sa.select(rounds.c.status).where(rounds.c.id == row["round_id"])
+                                 .with_for_update(read=True))  # see claim_close
+                params = {"client_id": row["client_id"], "round_id": int(row["round_id"]), "key": row["key"],
+                          "body_sha256": row["body_sha256"], "now": time.time(), "log_size": int(row["log_size"]),
+                          "payload": row["payload"], "token_sha256": row["token_sha256"],
+                          "previous_id": int(previous_id or 0)}
+                stored = conn.execute(_INSERT_CHECKED[previous_id is not None], params).first()
+                results.append(None if stored is None else receipt_of(stored))
+        return results
 
     def add_update(self, *, client_id: str, round_: Round, key: str, body_sha256: str, payload: bytes,
                    log_size: int, receipt_for, check_previous=None) -> tuple[dict, bool]:
@@ -430,12 +542,12 @@ class Store:
             try:
                 with self.transaction() as conn:
                     conn.execute(sa.select(clients.c.id).where(clients.c.id == client_id).with_for_update())
-                    old = conn.execute(sa.select(updates.c.body_sha256, updates.c.receipt).where(
+                    old = conn.execute(sa.select(*_RECEIPT_COLUMNS, updates.c.body_sha256).where(
                         (updates.c.client_id == client_id) & (updates.c.idempotency_key == key))).first()
                     if old is not None:
                         if old.body_sha256 != body_sha256:
                             raise IdempotencyKeyReused("Idempotency-Key was already used with a different body")
-                        return json.loads(old.receipt), False
+                        return receipt_of(old), False
                     if check_previous is not None:
                         prev = conn.execute(sa.select(updates.c.payload).where(
                             (updates.c.client_id == client_id) & (updates.c.base_hash == round_.base_hash))
@@ -488,7 +600,7 @@ class Store:
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(updates.c.client_id, updates.c.id, updates.c.payload)
                                 .join(latest, updates.c.id == latest.c.id)).all()
-        return {r.client_id: (r.id, decode_kmeans_update_npz(r.payload)) for r in rows}
+        return {r.client_id: (r.id, decode_kmeans_update_record(r.payload)) for r in rows}
 
     def update_payloads(self, ids: list[int]) -> list[tuple[int, str, int, bytes]]:
         """(id, client_id, sent_round, payload) of the given updates of active (not revoked) clients, by id."""

@@ -1,28 +1,42 @@
-"""Validation of an uploaded update (ARCHITECTURE.md §6): every check names the field.
+"""Validation of an uploaded update (ARCHITECTURE.md §6): every 422 names the first offending field.
 
 MLP uploads (safetensors, :mod:`trainer.federated.mlp_local`) must have the round's parameter names
-and shapes, finite values, and ``min_count <= n_samples <= log_size``. K-means uploads:
+and shapes, finite values, and ``min_count <= n_samples <= log_size``.
 
-The body is JSON (``application/json``) or MessagePack (``application/msgpack``) holding the object
-written by :meth:`sdk.local_update.KMeansUpdate.to_payload`. Checks, in order: the envelope's types
-(pydantic, unknown fields refused), the round's kind, partition and models, shapes and finite values,
-then :class:`sdk.CellStatistics` (counts >= 0, sums of scores in ``[0, count]`` i.e. scores in
-[0, 1], sums of costs >= 0) and :func:`trainer.federated.update_checks.check_kmeans_update` (whole
-counts summing to at most ``log_size``, the privacy threshold ``min_count`` for entries and reported
-cell means, mean embeddings of norm <= 1).
+K-means uploads are JSON (``application/json``, parsed with orjson, the standard library taking the
+numbers orjson refuses: integers beyond 64 bits, NaN) or MessagePack (``application/msgpack``,
+binary arrays; docs/protocol.md §3). Both are checked by the same code, **in this fixed order**,
+and the first failure is answered (the detail starts with the field's name):
+
+1. the body is an object / map; unknown keys, then missing keys (first in :data:`UPDATE_FIELDS` order);
+2. each field's type, in :data:`UPDATE_FIELDS` order (:func:`parse_kmeans_body`): ``client_id`` str
+   of 1-64 chars, ``round_id`` int in [1, 2**31), ``kind`` str, ``centroids_hash`` 64 chars,
+   ``models`` list of str, ``log_size`` int in [0, 2**31), the six arrays rectangular and numeric
+   (JSON: nested lists of numbers; MessagePack: ``[shape, bin]`` pairs);
+3. against the round, in the same order (:func:`validate_update`): ``centroids_hash`` (409 for
+   another partition), ``models``, then per array its shape, finite values and range: ``count``
+   whole, in [0, 2**31); ``sum_accuracy`` in [0, count] (scores in [0, 1]); ``sum_cost`` in
+   [0, count * max cost] (USD); ``centroid_cells`` in [0, n_cells), distinct; ``local_centroids``
+   (n_reported, d_emb), norm <= 1 (kept at float32 precision whatever the encoding, so both store
+   the same row); ``local_weights`` (n_reported,), whole, <= 2**31 - 1;
+4. across fields (:func:`trainer.federated.update_checks.check_kmeans_update`, shared with Flower):
+   counts summing to at most ``log_size``, the privacy threshold ``min_count`` for entries and
+   reported cell means, sums 0 where the count is 0; and an update that reports nothing is refused.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from dataclasses import dataclass
 
+import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import orjson
 
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import PayloadError, PrivacyError, ShapeError
 from sdk.local_update import KMeansUpdate
+from sdk.protocol import MSGPACK_ARRAYS, UPDATE_FIELDS, unpack_msgpack_array
 from trainer.federated.mlp_local import UPLOAD_FIELDS, read_parameters
 from trainer.federated.update_checks import check_kmeans_update
 from trainer.server.errors import UploadRejected
@@ -36,27 +50,31 @@ MAX_COUNT = 2**31 - 1
 #: Cost bound of one query (USD) when the round sets no max_cost_usd: rejects absurd sums that
 #: would overflow the merge.
 MAX_COST_PER_QUERY_USD = 1000.0
+JSON_TYPES = ("application/json",)
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+_NUMBER = (int, float)
 
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+
+def _field_error(name: str, message: str, status: int = 422) -> UploadRejected:
+    return UploadRejected(status, f"{name}: {message}")
 
 
-class UpdateBody(BaseModel):
-    """Envelope of ``POST /v1/rounds/{round_id}/updates``."""
+@dataclass(frozen=True)
+class KMeansBody:
+    """A K-means upload whose fields have the right types (step 2), not yet checked against a round.
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    arrays : name -> ndarray for ``count``, ``sum_accuracy``, ``sum_cost`` (2-D float64),
+        ``centroid_cells`` (1-D int64), ``local_centroids`` (2-D float64; (0, 0) when empty in
+        JSON), ``local_weights`` (1-D float64).
+    """
 
-    client_id: str = Field(min_length=1, max_length=64)
-    round_id: int = Field(ge=1)
+    client_id: str
+    round_id: int
     kind: str
-    centroids_hash: str = Field(min_length=64, max_length=64)
-    models: list[str]
-    log_size: Count
-    count: list[list[float | int]]
-    sum_accuracy: list[list[float | int]]
-    sum_cost: list[list[float | int]]
-    centroid_cells: list[Count]
-    local_centroids: list[list[float | int]]
-    local_weights: list[float | int]
+    centroids_hash: str
+    models: tuple[str, ...]
+    log_size: int
+    arrays: dict[str, np.ndarray]
 
 
 SAFETENSORS_TYPES = ("application/x-safetensors", "application/vnd.safetensors")
@@ -121,7 +139,7 @@ def media_type(content_type: str | None) -> str:
 
 
 def decode_body(raw: bytes, content_type: str) -> object:
-    """Decode a JSON or MessagePack body.
+    """Decode a JSON or MessagePack body into Python objects (MessagePack ``bin`` stays bytes).
 
     Raises
     ------
@@ -129,75 +147,157 @@ def decode_body(raw: bytes, content_type: str) -> object:
         415 for another content type, 400 for an undecodable body.
     """
     media = media_type(content_type)
-    try:
-        if media == "application/json":
+    if media in JSON_TYPES:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass  # integers beyond 64 bits or NaN/Infinity: json takes them, and the field check names them
+        try:
             return json.loads(raw)
-        if media in ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack"):
-            import msgpack  # server extra (msgpack), only for MessagePack bodies
-
+        except (ValueError, RecursionError) as exc:
+            raise UploadRejected(400, f"body is not valid JSON: {exc}") from exc
+    if media in MSGPACK_TYPES:
+        try:
             return msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as exc:  # noqa: BLE001 - json and msgpack raise several unrelated classes on bad input
-        raise UploadRejected(400, f"body is not valid {media}: {type(exc).__name__}") from exc
+        except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated classes on bad input
+            raise UploadRejected(400, f"body is not valid MessagePack: {type(exc).__name__}") from exc
     raise UploadRejected(415, "content type must be application/json or application/msgpack (K-means) or "
                               f"application/x-safetensors (MLP), got {content_type!r}")
 
 
-def parse_envelope(obj: object) -> UpdateBody:
-    """The typed envelope, or 422 naming the first bad fields."""
-    try:
-        return UpdateBody.model_validate(obj)
-    except ValidationError as exc:
-        errors = "; ".join(f"{'.'.join(map(str, e['loc'][:2])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
-        raise UploadRejected(422, f"invalid update: {errors}") from exc
+def _int_field(obj: dict, name: str, low: int, high: int) -> int:
+    value = obj[name]
+    if type(value) is not int or not low <= value <= high:
+        raise _field_error(name, f"must be an integer in [{low}, {high}], got {str(value)[:40]!r}")
+    return value
 
 
-def _matrix(name: str, rows: list, shape: tuple[int, int]) -> np.ndarray:
-    if len(rows) != shape[0] or any(len(r) != shape[1] for r in rows):
-        got = (len(rows), sorted({len(r) for r in rows}))
-        raise UploadRejected(422, f"{name} must have shape {shape}, got {got[0]} rows of lengths {got[1]}")
+def _str_field(obj: dict, name: str, min_len: int, max_len: int) -> str:
+    value = obj[name]
+    if not isinstance(value, str) or not min_len <= len(value) <= max_len:
+        raise _field_error(name, f"must be a string of {min_len}-{max_len} characters")
+    return value
+
+
+def _json_array(name: str, value: object, rank: int) -> np.ndarray:
+    """A JSON array field (nested lists of numbers, rectangular) as float64 (``rank`` 1 or 2)."""
+    rows = value if rank == 2 else [value]
+    if not isinstance(value, list) or not all(isinstance(r, list) for r in rows):
+        raise _field_error(name, f"must be {'a list of lists' if rank == 2 else 'a list'} of numbers")
+    if any(type(x) not in _NUMBER for r in rows for x in r):
+        raise _field_error(name, "must hold only numbers")
+    if rows and len({len(r) for r in rows}) > 1:
+        raise _field_error(name, f"rows must have one length, got lengths {sorted({len(r) for r in rows})[:5]}")
     try:
-        arr = np.array(rows, dtype=np.float64).reshape(shape)
+        arr = np.array(value, dtype=np.float64)
     except OverflowError as exc:
-        raise UploadRejected(422, f"{name} holds a number outside the float64 range") from exc
-    if not np.isfinite(arr).all():
-        raise UploadRejected(422, f"{name} holds NaN or infinity")
-    return arr
+        raise _field_error(name, "holds a number outside the float64 range") from exc
+    return arr.reshape(0, 0) if rank == 2 and arr.size == 0 else arr
 
 
-def validate_update(body: UpdateBody, round_: Round) -> KMeansUpdate:
-    """Check ``body`` against ``round_`` and return the update it holds.
+def _json_cells(value: object) -> np.ndarray:
+    if not isinstance(value, list) or any(type(x) is not int or not 0 <= x <= MAX_COUNT for x in value):
+        raise _field_error("centroid_cells", f"must be a list of integers in [0, {MAX_COUNT}]")
+    return np.array(value, dtype=np.int64)
+
+
+def parse_kmeans_body(obj: object) -> KMeansBody:
+    """Steps 1 and 2 of the module docstring on a decoded body: the fields' types, in order.
 
     Raises
     ------
     UploadRejected
-        409 for an update computed for another partition (centroids) or of another kind; 422 for
-        everything else listed in the module docstring (the checks of
-        :func:`trainer.federated.update_checks.check_kmeans_update`, shared with Flower).
+        422 naming the first offending field (or the unknown / missing keys).
+    """
+    if not isinstance(obj, dict):
+        raise UploadRejected(422, "body: a K-means update is an object (map) of the fields "
+                                  f"{list(UPDATE_FIELDS)}")
+    unknown = [k for k in obj if k not in UPDATE_FIELDS]
+    if unknown:
+        raise UploadRejected(422, f"{str(unknown[0])[:64]}: unknown field (the fields are {list(UPDATE_FIELDS)})")
+    missing = [k for k in UPDATE_FIELDS if k not in obj]
+    if missing:
+        raise _field_error(missing[0], "field required")
+    client_id = _str_field(obj, "client_id", 1, 64)
+    round_id = _int_field(obj, "round_id", 1, MAX_COUNT)
+    kind = _str_field(obj, "kind", 1, 64)
+    centroids_hash = _str_field(obj, "centroids_hash", 64, 64)
+    models = obj["models"]
+    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+        raise _field_error("models", "must be a list of strings")
+    log_size = _int_field(obj, "log_size", 0, MAX_COUNT)
+    arrays = {}
+    for name, (dtype, rank) in MSGPACK_ARRAYS.items():
+        value = obj[name]
+        if isinstance(value, list) and len(value) == 2 and isinstance(value[1], bytes):  # MessagePack [shape, bin]
+            try:
+                arrays[name] = unpack_msgpack_array(value, dtype, rank)
+            except ShapeError as exc:
+                raise _field_error(name, str(exc)) from exc
+        elif name == "centroid_cells":
+            arrays[name] = _json_cells(value)
+        else:
+            arrays[name] = _json_array(name, value, rank)
+    return KMeansBody(client_id, round_id, kind, centroids_hash, tuple(models), log_size, arrays)
+
+
+def _shaped(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if arr.shape != shape:
+        raise _field_error(name, f"must have shape {shape}, got {arr.shape}")
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise _field_error(name, "holds NaN or infinity")
+    return arr
+
+
+def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
+    """Steps 3 and 4 of the module docstring: check ``body`` against ``round_``, field by field in
+    order, and return the update it holds (``local_centroids`` at float32 precision, as float64).
+
+    Raises
+    ------
+    UploadRejected
+        409 for an update computed for another partition (centroids); 422 naming the first
+        offending field, or ``invalid update: ...`` for the checks across fields.
     """
     if body.centroids_hash != round_.centroids_hash:
-        raise UploadRejected(409, f"update was computed for other centroids than round {round_.id}'s; "
+        raise UploadRejected(409, f"centroids_hash: update was computed for other centroids than round {round_.id}'s; "
                                   "fetch /v1/rounds/current again")
-    if tuple(body.models) != round_.models:
-        raise UploadRejected(422, f"models must be the round's {list(round_.models)} in that order")
+    if body.models != round_.models:
+        raise _field_error("models", f"must be the round's {list(round_.models)} in that order")
+    a = body.arrays
     shape = (round_.centroids.shape[0], len(round_.models))
-    count = _matrix("count", body.count, shape)
-    s_acc = _matrix("sum_accuracy", body.sum_accuracy, shape)
-    s_cost = _matrix("sum_cost", body.sum_cost, shape)
-    if (count > MAX_COUNT).any():
-        raise UploadRejected(422, f"count must be <= {MAX_COUNT}")
+    count = _shaped("count", a["count"], shape)
+    if (count < 0).any() or (count > MAX_COUNT).any() or not np.array_equal(count, np.round(count)):
+        raise _field_error("count", f"entries must be whole numbers in [0, {MAX_COUNT}]")
+    s_acc = _shaped("sum_accuracy", a["sum_accuracy"], shape)
+    tol = 1e-9 * np.maximum(1.0, count)  # as sdk.CellStatistics: sums of float scores round
+    if (s_acc < -tol).any() or (s_acc > count + tol).any():
+        raise _field_error("sum_accuracy", "entries must lie in [0, count] (scores in [0, 1])")
+    s_cost = _shaped("sum_cost", a["sum_cost"], shape)
     c_max = round_.settings.aggregation.get("max_cost_usd") or MAX_COST_PER_QUERY_USD
+    if (s_cost < 0).any():
+        raise _field_error("sum_cost", "entries must be >= 0 (USD)")
     if (s_cost > count * c_max).any():
-        raise UploadRejected(422, f"sum_cost is above {c_max:g} USD per query")
-    n_rep = len(body.centroid_cells)
-    means = _matrix("local_centroids", body.local_centroids, (n_rep, round_.centroids.shape[1]))
-    weights = _matrix("local_weights", [body.local_weights], (1, len(body.local_weights)))[0]
-    if (weights > MAX_COUNT).any():
-        raise UploadRejected(422, f"local_weights must be <= {MAX_COUNT}")
+        raise _field_error("sum_cost", f"is above {c_max:g} USD per query")
+    cells = a["centroid_cells"]
+    n_rep, (n_cells, d_emb) = cells.shape[0], round_.centroids.shape
+    if n_rep and (cells.min() < 0 or cells.max() >= n_cells or np.unique(cells).size != n_rep):
+        raise _field_error("centroid_cells", f"must be distinct cells in [0, {n_cells}), got {cells.tolist()[:10]}")
+    means = a["local_centroids"]
+    if means.size == 0:
+        means = means.reshape(0, d_emb)
+    means = _shaped("local_centroids", means, (n_rep, d_emb))
+    if n_rep and (np.linalg.norm(means, axis=1) > 1.0 + 1e-4).any():
+        raise _field_error("local_centroids", "must be means of unit-norm embeddings (norm <= 1)")
+    means = means.astype(np.float32).astype(np.float64)  # the precision of the embeddings, for both encodings
+    weights = _shaped("local_weights", a["local_weights"], (n_rep,))
+    if (weights < 0).any() or (weights > MAX_COUNT).any() or not np.array_equal(weights, np.round(weights)):
+        raise _field_error("local_weights", f"must be whole numbers in [0, {MAX_COUNT}]")
     if count.sum() == 0 and n_rep == 0:
-        raise UploadRejected(422, "the update reports nothing (no evaluation above min_count): do not upload it")
+        raise UploadRejected(422, "count: the update reports nothing (no evaluation above min_count): do not "
+                                  "upload it")
     try:
-        update = KMeansUpdate(CellStatistics(count, s_acc, s_cost), np.array(body.centroid_cells, dtype=np.int64),
-                              means, weights, int(body.log_size))
+        update = KMeansUpdate(CellStatistics(count, s_acc, s_cost), cells, means, weights, int(body.log_size))
         check_kmeans_update(update, round_.centroids, len(round_.models), round_.min_count)
     except (ShapeError, PrivacyError) as exc:
         raise UploadRejected(422, f"invalid update: {exc}") from exc

@@ -1,0 +1,191 @@
+"""Limits of the aggregation server's HTTP layer: what a slow, idle, flooding or vanishing client can cost.
+
+The server runs uvicorn with its **h11** parser by default (``--http-parser httptools`` for the C
+parser: uvicorn's header-size setting only applies to h11, and httptools alone buffers a header of
+any size, so :class:`_Deadlines` caps the request head itself for both; in back-to-back runs the two
+cost the same server CPU per upload within the noise) and these limits (:class:`HttpLimits`,
+``fedroute serve`` options; docs/sync-protocol-and-operations.md lists them):
+
+========================  ========  ==========================================================================
+limit                     default   where
+========================  ========  ==========================================================================
+header bytes              16 KiB    h11: uvicorn's ``h11_max_incomplete_event_size`` (400 and close);
+                                    both: :class:`_Deadlines` (a head still incomplete after that many
+                                    bytes: 431 and close)
+header count              64        :class:`RequestLimits` (ASGI middleware): 431
+header read time          10 s      :class:`_Deadlines`: from the connection (or the first byte
+                                    of the next request) to the end of the headers; then 408 and close
+body read time            30 s      :class:`_Deadlines`: from the end of the headers to the end
+                                    of the body (a slow or stalled upload); 408 and close (the route
+                                    sees a disconnect and stores nothing)
+idle keep-alive           5 s       uvicorn ``timeout_keep_alive``: between requests on one connection
+TLS handshake             60 s      asyncio's ``ssl_handshake_timeout`` (its default)
+concurrent connections    1000      uvicorn ``limit_concurrency``: 503 above it
+body size                 4 MiB     the upload route (``max_body_bytes``): 413
+========================  ========  ==========================================================================
+
+A client that disconnects mid-body ends its request quietly (one INFO line, no traceback): the
+route's ``ClientDisconnect`` handler (:mod:`trainer.server.app`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is optional (uvicorn[standard]); h11 is always there
+    HttpToolsProtocol = None
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The HTTP limits (see the module docstring): seconds and bytes."""
+
+    max_header_bytes: int = 16 * 1024
+    max_headers: int = 64
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+    limit_concurrency: int = 1000
+    parser: str = "h11"
+
+    def uvicorn_options(self) -> dict:
+        """Keyword arguments of ``uvicorn.run`` / ``uvicorn.Config`` for these limits (``parser``'s
+        protocol with the head cap and the header and body deadlines, h11's header-size setting,
+        keep-alive and concurrency)."""
+        base = DeadlineHttpToolsProtocol if self.parser == "httptools" and DeadlineHttpToolsProtocol else DeadlineH11Protocol
+        protocol = type("LimitedHttpProtocol", (base,), {"header_timeout_s": self.header_timeout_s,
+                                                         "body_timeout_s": self.body_timeout_s,
+                                                         "max_header_bytes": self.max_header_bytes})
+        return {"http": protocol, "h11_max_incomplete_event_size": self.max_header_bytes,
+                "timeout_keep_alive": self.keep_alive_s, "limit_concurrency": self.limit_concurrency}
+
+
+class _Deadlines:
+    """Mixed into uvicorn's h11 or httptools protocol: a cap on the request head's bytes and two deadlines (uvicorn itself only times out idle keep-alive
+    connections, so a client trickling bytes, or one that connects and sends nothing, would hold
+    its connection and request forever):
+
+    - headers: armed when the connection opens and when the first bytes of a next request arrive,
+      cancelled once h11 has the whole request head;
+    - body: armed when a request's head is complete, cancelled once its body is complete.
+
+    At a deadline the client gets a 408 (unless the app has answered already) and the connection is
+    closed; an app still reading the body sees a disconnect (``ClientDisconnect``) and stores nothing.
+    One timer per phase, no per-chunk cost. A request head (request line + headers) still incomplete
+    after ``max_header_bytes`` bytes gets a 431 and the connection is closed (httptools would buffer
+    any size; h11 answers 400 itself at ``h11_max_incomplete_event_size``)."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_header_bytes: int = 16 * 1024
+    _deadline: asyncio.TimerHandle | None = None
+    _phase: str = ""
+    _head_bytes: int = 0
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm("headers", self.header_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        reading_head = self._between_requests()
+        if reading_head:
+            if self._deadline is None:
+                self._arm("headers", self.header_timeout_s)
+                self._head_bytes = 0
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if (reading_head and self._between_requests() and self._head_bytes > self.max_header_bytes
+                and not self.transport.is_closing()):
+            self._cancel()
+            self.logger.info("closing a connection whose request head is over %d bytes", self.max_header_bytes)
+            self.transport.write(_TOO_LARGE)
+            self.transport.close()
+            return
+        self._update_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _update_deadline(self) -> None:
+        if self._between_requests():
+            return  # the header deadline (if armed) keeps running
+        if self.cycle.more_body:
+            if self._phase != "body":
+                self._arm("body", self.body_timeout_s)
+        else:
+            self._cancel()
+
+    def _arm(self, phase: str, seconds: float) -> None:
+        self._cancel()
+        self._phase = phase
+        self._deadline = self.loop.call_later(seconds, self._expired)
+
+    def _cancel(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline, self._phase = None, ""
+
+    def _expired(self) -> None:
+        phase, self._deadline, self._phase = self._phase, None, ""
+        if self.transport.is_closing():
+            return
+        if phase == "headers":
+            if not self._between_requests() or self.timeout_keep_alive_task is not None:
+                return  # a request is running, or an idle keep-alive that uvicorn's own timer closes
+            answer = _HEADERS_TIMEOUT
+        else:
+            if self._between_requests() or not self.cycle.more_body:
+                return
+            answer = b"" if self.cycle.response_started else _answer(
+                f"request body not received within {self.body_timeout_s:g} s\n")
+        self.logger.info("closing a connection: request %s not received within the deadline", phase)
+        if answer:
+            self.transport.write(answer)
+        self.transport.close()
+
+
+def _answer(text: str, status: bytes = b"408 Request Timeout") -> bytes:
+    body = text.encode()
+    return (b"HTTP/1.1 %s\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, len(body))) + body
+
+
+_HEADERS_TIMEOUT = _answer("request headers not received within the deadline\n")
+_TOO_LARGE = _answer("request headers too large\n", b"431 Request Header Fields Too Large")
+
+
+class DeadlineH11Protocol(_Deadlines, H11Protocol):
+    """uvicorn's h11 protocol with :class:`_Deadlines`."""
+
+
+if HttpToolsProtocol is not None:
+    class DeadlineHttpToolsProtocol(_Deadlines, HttpToolsProtocol):
+        """uvicorn's httptools protocol (C parser, the cheaper one) with :class:`_Deadlines`."""
+else:  # pragma: no cover - httptools not installed
+    DeadlineHttpToolsProtocol = None
+
+
+class RequestLimits:
+    """ASGI middleware: at most ``max_headers`` request headers (431 and close)."""
+
+    def __init__(self, app, *, max_headers: int = 64) -> None:
+        self.app, self.max_headers = app, max_headers
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and len(scope["headers"]) > self.max_headers:
+            body = f"more than {self.max_headers} request headers".encode()
+            await send({"type": "http.response.start", "status": 431,
+                        "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode()),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
