@@ -13,11 +13,12 @@ import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Callable
 
 from export import kinds as export_kinds
 from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle, write_checked_bundle
-from export.embedder_onnx import ExportedEmbedder, export_embedder, quantize_embedder
+from export.embedder_onnx import QUANTISED_PRECISIONS, ExportedEmbedder, export_embedder, quantize_precision
 from export.errors import ExportError
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
@@ -78,10 +79,14 @@ def _load_test_table(router, data: Path | None):
     return table.complete_rows()
 
 
-def assemble(router, exported: ExportedEmbedder, int8_model: Path | None, embedder_name: str, max_tokens: int,
-             truncation_side: str, prices: dict[str, tuple[float | None, float | None]],
+def assemble(router, exported: ExportedEmbedder, quantised: Mapping[str, Path] | Path | None, embedder_name: str,
+             max_tokens: int, truncation_side: str, prices: dict[str, tuple[float | None, float | None]],
              bundle_version: int) -> tuple[dict[str, bytes], dict]:
     """The bundle's files and manifest fields (before signing) for ``router`` and an exported embedder.
+
+    ``quantised``: precision -> quantised encoder file (e.g. ``{"int8": p, "int8-all": q}``), a
+    single Path (taken as ``int8``) or None (fp32 only); each is shipped as
+    ``bundle_manifest.EMBEDDER_FILES[precision]``.
 
     Returns
     -------
@@ -101,9 +106,13 @@ def assemble(router, exported: ExportedEmbedder, int8_model: Path | None, embedd
     files = {fmt.TOKENIZER_FILE: exported.tokenizer.read_bytes(),
              fmt.EMBEDDER_FILES["fp32"]: exported.model.read_bytes()}
     precisions = {"fp32": fmt.EMBEDDER_FILES["fp32"]}
-    if int8_model is not None:
-        files[fmt.EMBEDDER_FILES["int8"]] = Path(int8_model).read_bytes()
-        precisions["int8"] = fmt.EMBEDDER_FILES["int8"]
+    if quantised is not None and not isinstance(quantised, Mapping):
+        quantised = {"int8": quantised}
+    for precision, path in (quantised or {}).items():
+        if precision not in fmt.EMBEDDER_FILES or precision == "fp32":
+            raise ExportError(f"unknown quantised precision {precision!r}; known: {sorted(QUANTISED_PRECISIONS)}")
+        files[fmt.EMBEDDER_FILES[precision]] = Path(path).read_bytes()
+        precisions[precision] = fmt.EMBEDDER_FILES[precision]
     kind = export_kinds.get(router.kind)
     files.update(kind.files(router))
     fields = {
@@ -127,6 +136,7 @@ def export_bundle(
     signing_key: Path,
     *,
     int8: bool = False,
+    precisions: Sequence[str] = (),
     data: Path | None = None,
     bundle_version: int | None = None,
     prices: dict[str, tuple[float | None, float | None]] | None = None,
@@ -140,7 +150,10 @@ def export_bundle(
     router_dir : folder written by ``fedroute simulate`` (``results/routers/{mlp,kmeans}``).
     out : bundle directory to create or replace (atomically).
     signing_key : path of ``signing.key`` (see ``fedroute keygen``).
-    int8 : also ship ``embedder.int8.onnx`` (the SDK then loads it by default).
+    int8 : also ship ``embedder.int8.onnx`` (same as ``precisions=("int8",)``).
+    precisions : quantised encoders to ship besides fp32, keys of
+        :data:`export.embedder_onnx.QUANTISED_PRECISIONS` (``"int8"``, ``"int8-all"``); each must
+        pass its parity gate. ``Router.load(precision="auto")`` takes the fastest shipped.
     data : RouterBench folder or test file for the parity checks; default: the test file recorded
         in ``router.json`` at training time.
     bundle_version : default: 1 + the version at ``out``, or 1.
@@ -155,10 +168,15 @@ def export_bundle(
     Raises
     ------
     ExportError
-        Unreadable router or key, router without embedder identity, no test data.
+        Unreadable router or key, router without embedder identity, no test data, an unknown precision.
     ParityError
         An exported part misses a parity threshold (:mod:`export.parity`); nothing is written.
     """
+    quantised_names = list(dict.fromkeys([*(["int8"] if int8 else []), *precisions]))
+    unknown = [p for p in quantised_names if p not in QUANTISED_PRECISIONS]
+    if unknown:
+        raise ExportError(f"unknown precision(s) {unknown}; fp32 is always shipped, and the quantised ones "
+                          f"are {sorted(QUANTISED_PRECISIONS)}")
     key = load_signing_key(signing_key)
     out = Path(out)
     check_replaceable(out)
@@ -182,12 +200,12 @@ def export_bundle(
         progress(f"exporting embedder {config.model} to ONNX with optimum (opset 17)")
         exported = export_embedder(resolve_model_path(config.model), tmp / "embedder", config.max_tokens,
                                    config.truncation_side)
-        int8_model = None
-        if int8:
-            progress("quantising the embedder to int8 (onnxruntime dynamic, per-channel weights)")
-            int8_model = quantize_embedder(exported.model, tmp / "embedder.int8.onnx")
+        quantised = {}
+        for precision in quantised_names:
+            progress(f"quantising the embedder to {precision} (onnxruntime dynamic, per-channel int8 weights)")
+            quantised[precision] = quantize_precision(exported.model, tmp / fmt.EMBEDDER_FILES[precision], precision)
         progress(f"exporting the {router.kind} router")
-        files, fields = assemble(router, exported, int8_model, config.model, config.max_tokens,
+        files, fields = assemble(router, exported, quantised, config.model, config.max_tokens,
                                  config.truncation_side, prices, version)
         staged = tmp / "staged"
         write_bundle(staged, files, fields, key)
