@@ -109,3 +109,31 @@ def test_the_gate_refuses_a_poisoned_quantisation(exported_embedder, make_bundle
     assert not any("cosine" in f for f in report["failures"])
     assert report["precisions"]["int8-all"]["cosine"]["mean"] < 0.9  # it is broken; cosine shows it, reported
     assert report["precisions"]["fp32"]["decision_agreement"] == 1.0
+
+
+def test_export_refuses_an_unknown_precision_before_any_work(fitted_routers, tmp_path, signing_keys):
+    from export.errors import ExportError
+    from export.pipeline import export_bundle
+
+    with pytest.raises(ExportError, match=r"unknown precision\(s\) \['int4'\].*\['int8', 'int8-all'\]"):
+        export_bundle(fitted_routers["dir"] / "kmeans", tmp_path / "out", signing_keys[0], precisions=("int4",),
+                      progress=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_fedroute_export_precision_int8_all_end_to_end(fitted_routers, tmp_path, signing_keys):
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    out = tmp_path / "bundle"
+    result = CliRunner().invoke(app, [
+        "export", "--router", str(fitted_routers["dir"] / "kmeans"), "--out", str(out), "--precision", "int8-all",
+        "--signing-key", str(signing_keys[0]), "--cache-dir", str(fitted_routers["cache"])])
+    assert result.exit_code == 0, result.output
+    assert "embedder ['fp32', 'int8-all']" in result.output and "(not gated)" in result.output
+    parity = json.loads((out / "parity.json").read_text())
+    entry = parity["precisions"]["int8-all"]
+    assert parity["passed"] and entry["decision_agreement"] >= 0.99 and entry["auc_gap"] <= 0.005
+    assert Router.load(out, signing_keys[1]).precision == "int8-all"
