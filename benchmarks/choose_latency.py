@@ -44,7 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -130,7 +130,6 @@ class Profile:
     run: Callable[[str], object] | None = None
     child: dict | None = None
     unavailable: str | None = None
-    close: Callable[[], None] = field(default=lambda: None)
 
 
 def torch_profile(args, emb: dict) -> Profile:

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     from export import kinds as export_kinds
-    from export.bundle_writer import PARITY_FILE, write_bundle
+    from export.bundle_writer import PARITY_FILE, next_bundle_version, write_bundle
     from export.embedder_onnx import export_embedder, quantize_precision
     from export.pipeline import _load_test_table, assemble
     from export.signing import load_signing_key
@@ -58,8 +58,6 @@ def main(argv: list[str] | None = None) -> dict:
         report = export_kinds.get(router.kind).parity(staged, key.public_key(), router, reference, test,
                                                       list(fields["embedder"]["files"]))
     files[PARITY_FILE] = (json.dumps(report, indent=2, sort_keys=True) + "\n").encode()
-    from export.bundle_writer import next_bundle_version
-
     fields["bundle_version"] = next_bundle_version(args.out)
     write_bundle(args.out, files, fields, key)
     print(f"wrote {args.out} (parity {'passed' if report['passed'] else 'NOT passed: ' + '; '.join(report['failures'])})")

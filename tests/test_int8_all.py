@@ -59,6 +59,9 @@ def test_gate_table_int8_all_is_gated_on_decisions_and_auc_not_cosine():
     assert gate_failures("int8", entry, 0.846) == ["int8 cosine mean 0.90000 / min 0.50000 below 0.995 / 0.98"]
     assert gate_failures("int8-all", dict(entry, decision_agreement_vs_fp32=0.98), 0.846) == [
         "int8-all decisions agree with the fp32 encoder's on 0.9800 < 0.99 of (query, lambda) pairs"]
+    # int8 keeps its gates: the agreement with fp32 is reported, not gating.
+    assert gate_failures("int8", dict(entry, cosine={"mean": 0.999, "min": 0.99}, decision_agreement_vs_fp32=0.98),
+                         0.846) == []
     assert gate_failures("int8-all", dict(entry, auc=0.8, auc_gap=0.046), 0.846) == [
         "int8-all AUC 0.8000 is 0.0460 from the trainer's 0.8460 (> 0.005)"]
     assert len(gate_failures("int8-all", dict(entry, decision_agreement=float("nan"), auc_gap=float("nan")), 0.8)) == 2
@@ -74,7 +77,8 @@ def test_the_gate_accepts_the_real_quantisation_and_reports_cosine(bundle, signi
     assert entry["auc_gap"] <= 0.005
     assert 0.95 < entry["cosine"]["min"] <= entry["cosine"]["mean"] < 1.0  # reported, not gated
     assert entry["gated"] == ["decision_agreement", "decision_agreement_vs_fp32", "auc_gap"]
-    assert gated_measures("int8", {}) == ["cosine.mean", "cosine.min", "decision_agreement", "auc_gap"]
+    assert gated_measures("int8", {"decision_agreement_vs_fp32": 0.99}) == [
+        "cosine.mean", "cosine.min", "decision_agreement", "auc_gap"]
     assert gated_measures("fp32", {}) == ["cosine.min", "decision_agreement", "auc_gap"]
     assert "cosine_gates" in report["thresholds"] and "int8-all" not in report["thresholds"]["cosine_gates"]
 
