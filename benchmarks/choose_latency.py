@@ -1,21 +1,35 @@
-"""On-device routing benchmark (METRICS.md): ``choose()`` latency, cold start and peak RSS.
+"""On-device routing benchmark (METRICS.md, issue 13): ``choose()`` latency, cold start, peak RSS and
+the bundle load path, for every embedder profile, in one run.
 
-In one process, on >= 500 real RouterBench test prompts, single query, warm, onnxruntime with one
-intra-op thread:
+Profiles (:data:`PROFILES`, one function each; ratios are against the first, measured in this run):
 
-- ``Router.choose(prompt, lam)`` with the bundle's fp32 and int8 embedders (median, p95 in ms);
-- the baseline: sentence-transformers + torch ``encode([prompt])`` of the same prompts with the
-  same truncation, ``torch.set_num_threads(1)`` (encode only; the router's own work is not added);
-- ratio = baseline median / ``choose()`` median.
+- ``torch``: sentence-transformers + torch ``encode([prompt])``, same model, same max tokens and
+  truncation side as the bundle, ``torch.set_num_threads(1)`` (encode only: the router's own work
+  is not added, which favours the baseline slightly);
+- ``onnx-fp32``, ``onnx-int8`` (today's recipe: four FFN output MatMuls in fp32), ``onnx-int8-all``
+  (every weight MatMul in int8): ``Router.choose(prompt, lam)`` with that encoder of ``--bundle``;
+- ``static``: ``Router.choose`` on ``--static-bundle`` (a router bundle whose embedder is a static
+  model2vec kind). A profile whose bundle, precision or embedder kind is missing is listed as
+  "not available in this checkout", with the reason.
 
-With ``--static-bundle`` (a router bundle whose embedder kind is ``static``, model2vec), its
-precisions are timed the same way, as rows ``static fp32`` (float16 table) / ``static int8``.
+Latency: single query, warm, one intra-op thread, ``--n-prompts`` real RouterBench test prompts; the
+profiles take turns query by query (round-robin), so a change in the machine's load hits them alike.
+Median and p95 in ms.
 
-In fresh subprocesses: cold start (process start to the first ``choose()`` result, median of 5) and
-peak RSS of a process that loads the bundle and routes 100 queries (``VmHWM``, Linux).
+Cold start and peak RSS: a fresh ``python -c`` child per profile (and per repeat): seconds from
+just before the child is spawned to its first ``choose()`` (or ``encode``) result, median of
+``--cold-repeats``; peak RSS is the child's ``VmHWM`` after 100 queries, the largest over the
+repeats. ``VmHWM`` rather than ``getrusage(RUSAGE_SELF).ru_maxrss``: Linux carries ``ru_maxrss``
+over ``execve`` from the process that forked the child, so it would report this parent's torch.
+
+Load path (issue 13 item 3), fresh child per run: ``Router.load`` as it is now (only the chosen
+precision's files hashed, encoder streamed from one descriptor and loaded by onnxruntime from it)
+against the previous path (every file hashed and read into memory, session created from bytes,
+rebuilt here from ``read_verified`` + ``kinds.load_artefact``): load ms, verify ms, MB hashed and
+peak RSS right after loading.
 
     python benchmarks/choose_latency.py --bundle bundles/kmeans --public-key keys/signing.pub \
-        --data ../shared/data/routerbench --out results/benchmarks
+        --data ../shared/data/routerbench --out results/benchmarks [--static-bundle bundles/static]
 
 Writes ``choose_latency.json``, ``choose_latency.md`` and ``choose_latency.png`` under ``--out``.
 """
@@ -30,27 +44,154 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PROBE = r"""
-import sys, time
+#: Targets of issue 13, checked in the report (ratios: baseline median / profile median).
+TARGETS = {"static": {"speedup_min": 10.0, "cold_start_s_max": 0.25, "peak_rss_mb_max": 100.0},
+           "onnx-int8-all": {"speedup_min": 5.0}}
+
+# A child process: build the profile's choose function, time the first call from the parent's
+# spawn time, route the other queries, report VmHWM (see the module docstring).
+CHILD = r"""
+import json, sys, time
 t0 = float(sys.argv[1])
-from sdk import Router
-router = Router.load(sys.argv[2], sys.argv[3], precision=sys.argv[4], intra_op_threads=1)
-choice = router.choose(sys.argv[5], 100.0)
+spec = json.loads(sys.argv[2])
+prompts = json.loads(sys.stdin.read())
+if spec["kind"] == "router":
+    from sdk import Router
+    router = Router.load(spec["bundle"], spec["public_key"], precision=spec["precision"], intra_op_threads=1)
+    run = lambda q: router.choose(q, spec["lam"])
+else:
+    import torch
+    torch.set_num_threads(1)
+    from trainer.embeddings import EmbedderConfig, load_sentence_transformer
+    st = load_sentence_transformer(EmbedderConfig(model=spec["model"], max_tokens=spec["max_tokens"],
+                                                  truncation_side=spec["truncation_side"]))
+    run = lambda q: st.encode([q], convert_to_numpy=True, normalize_embeddings=True)
+run(prompts[0])
 first = time.time() - t0
-first_cpu = time.process_time()  # CPU seconds of this process up to the first choice (imports included)
-queries = sys.argv[6:]
-for q in queries:
-    router.choose(q, 100.0)
-# VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so it would count the parent's torch.
+for q in prompts[1:]:
+    run(q)
 hwm_kb = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
-print(f"{first:.6f} {hwm_kb / 1024:.1f} {first_cpu:.6f} {choice.model}")
+print(json.dumps({"cold_start_s": first, "peak_rss_mb": hwm_kb / 1024}))
 """
+
+# A child process: load the bundle by the current or the previous path; time it and its verification.
+LOAD_CHILD = r"""
+import json, os, sys, time
+spec = json.loads(sys.argv[1])
+from sdk import Router, kinds
+from sdk import bundle_manifest as fmt
+from sdk.embedder import session_options
+import onnxruntime  # imported before timing: both paths need it, the import is not the load path
+bundle, key, precision = spec["bundle"], spec["public_key"], spec["precision"]
+t0 = time.perf_counter()
+options = session_options(1, 1)
+manifest = fmt.verify_manifest(open(os.path.join(bundle, fmt.MANIFEST_FILE), "rb").read(), key)
+found = kinds.manifest_kinds(manifest)
+used = [kinds.get(f, found[f]) for f in (kinds.EMBEDDER_FAMILY, kinds.ROUTER_FAMILY)]
+names = [n for k in used for n in k.files(manifest, precision)]
+if spec["path"] == "current":  # Router.load's steps, timed
+    by_path = [n for k in used for n in k.path_files(manifest, precision)]
+    verified = fmt.read_verified(bundle, key, wanted=names, by_path=by_path, verify_unused=False)
+    hashed = sum(os.path.getsize(os.path.join(bundle, n)) for n in names)
+else:  # the previous Router.load: every file hashed, the used ones read, sessions from bytes
+    verified = fmt.read_verified(bundle, key, wanted=names)
+    hashed = sum(os.path.getsize(os.path.join(bundle, n)) for n in manifest["files"])
+t_verify = time.perf_counter() - t0
+with verified:
+    emb = kinds.load_artefact(kinds.EMBEDDER_FAMILY, verified.manifest, verified.files, options=options,
+                              precision=precision, paths=verified.opened)
+    scorer = kinds.load_artefact(kinds.ROUTER_FAMILY, verified.manifest, verified.files, options=options,
+                                 precision=precision, paths=verified.opened)
+router = Router(verified.manifest, emb, scorer, precision)
+t_load = time.perf_counter() - t0
+del verified
+hwm_kb = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
+router.choose("Is a whale a fish?", 100.0)
+print(json.dumps({"load_ms": t_load * 1e3, "verify_ms": t_verify * 1e3, "hashed_mb": hashed / 2**20,
+                  "peak_rss_after_load_mb": hwm_kb / 1024}))
+"""
+
+
+@dataclass
+class Profile:
+    """One row of the benchmark: ``run(prompt)`` in this process and ``child`` (the CHILD spec) for
+    cold start and RSS; ``unavailable`` says why the row could not be measured (then both are None)."""
+
+    name: str
+    label: str
+    run: Callable[[str], object] | None = None
+    child: dict | None = None
+    unavailable: str | None = None
+
+
+def torch_profile(args, emb: dict) -> Profile:
+    """The baseline: sentence-transformers + torch, one thread, same model / tokens as the bundle."""
+    import torch
+
+    from trainer.embeddings import EmbedderConfig, load_sentence_transformer
+
+    torch.set_num_threads(1)
+    spec = {"kind": "torch", "model": emb["name"], "max_tokens": emb["max_tokens"],
+            "truncation_side": emb["truncation_side"]}
+    st = load_sentence_transformer(EmbedderConfig(model=emb["name"], max_tokens=emb["max_tokens"],
+                                                  truncation_side=emb["truncation_side"]))
+    return Profile("torch", "sentence-transformers + torch (encode only)",
+                   lambda p: st.encode([p], convert_to_numpy=True, normalize_embeddings=True), spec)
+
+
+def router_profile(name: str, label: str, bundle: Path | None, public_key: Path, precision: str, lam: float,
+                   missing: str) -> Profile:
+    """``Router.choose`` with ``precision`` of ``bundle``; unavailable (with the reason) when the bundle,
+    its precision or its embedder kind is not there."""
+    from sdk import Router, kinds
+    from sdk.errors import BundleError, InvalidInputError
+
+    if bundle is None:
+        return Profile(name, label, unavailable=missing)
+    try:
+        router = Router.load(bundle, public_key, precision=precision, intra_op_threads=1)
+    except (BundleError, InvalidInputError) as exc:
+        known = ", ".join(kinds.names(kinds.EMBEDDER_FAMILY))
+        return Profile(name, label, unavailable=f"{exc} (embedder kinds in this checkout: {known})")
+    spec = {"kind": "router", "bundle": str(bundle), "public_key": str(public_key), "precision": router.precision,
+            "lam": lam}
+    return Profile(name, label, lambda p: router.choose(p, lam), spec)
+
+
+def static_profiles(args) -> list[Profile]:
+    """The static (model2vec) embedder rows, ``static <precision>`` for each precision of
+    ``--static-bundle``; the static embedder's branch plugs in here (e.g. a default bundle path)."""
+    if args.static_bundle is None:
+        return [Profile("static", "fedroute `choose()`, static embedder",
+                        unavailable="no --static-bundle given (the static model2vec embedder kind is on another branch)")]
+    try:
+        files = json.loads((args.static_bundle / "manifest.json").read_text())["embedder"]["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [Profile("static", "fedroute `choose()`, static embedder", unavailable=f"unreadable --static-bundle ({exc})")]
+    return [router_profile(f"static {p}", f"fedroute `choose()`, static embedder {p}", args.static_bundle,
+                           args.public_key, p, args.lam, "") for p in files]
+
+
+#: The rows, in table order; each is a function of (args, the bundle's embedder entry) returning
+#: one Profile or a list of them. The first is the baseline.
+PROFILES: list[Callable] = [
+    torch_profile,
+    lambda a, e: router_profile("onnx-fp32", "fedroute `choose()`, ONNX fp32", a.bundle, a.public_key, "fp32", a.lam,
+                                "no --bundle"),
+    lambda a, e: router_profile("onnx-int8", "fedroute `choose()`, ONNX int8 (today's recipe)",
+                                a.bundle, a.public_key, "int8", a.lam, "no --bundle"),
+    lambda a, e: router_profile("onnx-int8-all", "fedroute `choose()`, ONNX int8-all (every MatMul int8)",
+                                a.bundle, a.public_key, "int8-all", a.lam, "no --bundle"),
+    lambda a, e: static_profiles(a),
+]
 
 
 def _percentiles(samples_s: list[float]) -> dict:
@@ -59,93 +200,132 @@ def _percentiles(samples_s: list[float]) -> dict:
 
 
 def time_calls(fn, prompts: list[str], warmup: int = 20) -> dict:
-    """Median and p95 (ms) of ``fn(prompt)`` over ``prompts``, after ``warmup`` untimed calls."""
+    """Median and p95 (ms) of ``fn(prompt)`` over ``prompts``, after ``warmup`` untimed calls (one
+    profile alone; ``benchmarks/max_tokens.py`` uses it)."""
     for p in prompts[:warmup]:
         fn(p)
-    samples, cpu = [], []
+    samples = []
     for p in prompts:
-        start, start_cpu = time.perf_counter(), time.thread_time()
+        start = time.perf_counter()
         fn(p)
-        cpu.append(time.thread_time() - start_cpu)
         samples.append(time.perf_counter() - start)
-    # CPU time of this thread: the work itself, robust to other processes' load (one intra-op thread)
-    return {**_percentiles(samples), "cpu_median_ms": float(np.median(cpu) * 1e3)}
+    return _percentiles(samples)
 
 
-def probe(bundle: Path, public_key: Path, precision: str, prompts: list[str], n_queries: int) -> tuple[float, float, float]:
-    """(seconds from process start to the first choice, peak RSS in MB, CPU seconds to the first
-    choice) of a fresh process."""
-    args = [sys.executable, "-c", PROBE, str(time.time()), str(bundle), str(public_key), precision,
-            prompts[0], *prompts[1:n_queries]]
-    out = subprocess.run(args, capture_output=True, text=True, check=True, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    first, rss, cpu, _ = out.stdout.split(maxsplit=3)
-    return float(first), float(rss), float(cpu)
+def time_round_robin(profiles: list[Profile], prompts: list[str], warmup: int = 20) -> dict[str, dict]:
+    """Median and p95 (ms) of each profile's ``run(prompt)`` over ``prompts``, the profiles taking
+    turns on each prompt, after ``warmup`` untimed prompts each."""
+    from tqdm.auto import tqdm
+
+    for p in prompts[:warmup]:
+        for prof in profiles:
+            prof.run(p)
+    samples: dict[str, list[float]] = {prof.name: [] for prof in profiles}
+    for p in tqdm(prompts, desc="choose() latency, round-robin", unit="prompt"):
+        for prof in profiles:
+            start = time.perf_counter()
+            prof.run(p)
+            samples[prof.name].append(time.perf_counter() - start)
+    return {name: _percentiles(s) for name, s in samples.items()}
+
+
+def _child_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def cold_start(spec: dict, prompts: list[str]) -> dict:
+    """``{"cold_start_s", "peak_rss_mb"}`` of one fresh child running ``spec`` on ``prompts``."""
+    out = subprocess.run([sys.executable, "-c", CHILD, str(time.time()), json.dumps(spec)], input=json.dumps(prompts),
+                         capture_output=True, text=True, cwd=ROOT, env=_child_env())
+    if out.returncode != 0:
+        raise RuntimeError(f"child for {spec} failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def load_path(bundle: Path, public_key: Path, precision: str, path: str) -> dict:
+    """One fresh child loading ``bundle`` by the ``"current"`` or ``"previous"`` load path."""
+    spec = {"bundle": str(bundle.resolve()), "public_key": str(public_key), "precision": precision, "path": path}
+    out = subprocess.run([sys.executable, "-c", LOAD_CHILD, json.dumps(spec)], capture_output=True, text=True,
+                         cwd=ROOT, env=_child_env())
+    if out.returncode != 0:
+        raise RuntimeError(f"load child {spec} failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _uptime() -> str:
+    try:
+        return open("/proc/loadavg").read().split()[0]
+    except OSError:
+        return "n/a"
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--bundle", type=Path, required=True)
+    parser.add_argument("--bundle", type=Path, required=True, help="router bundle with the ONNX encoders")
     parser.add_argument("--public-key", type=Path, required=True)
     parser.add_argument("--data", type=Path, required=True, help="RouterBench folder (test.parquet)")
+    parser.add_argument("--static-bundle", type=Path, default=None, help="router bundle with a static embedder")
     parser.add_argument("--out", type=Path, default=Path("results/benchmarks"))
     parser.add_argument("--n-prompts", type=int, default=500)
+    parser.add_argument("--cold-repeats", type=int, default=5)
+    parser.add_argument("--load-repeats", type=int, default=5)
     parser.add_argument("--lam", type=float, default=100.0)
-    parser.add_argument("--static-bundle", type=Path, default=None,
-                        help="also time a bundle with the static (model2vec) embedder")
-    parser.add_argument("--static-public-key", type=Path, default=None, help="its key (default: --public-key)")
-    parser.add_argument("--precisions", default=None, help="comma-separated precisions of --bundle to time (default: all)")
     args = parser.parse_args(argv)
     if args.n_prompts < 100:
         parser.error("--n-prompts must be >= 100 (METRICS.md asks for >= 500)")
 
-    import torch
     from tqdm.auto import tqdm
 
-    from sdk import Router
     from trainer.data.routerbench import load_routerbench_dir
-    from trainer.embeddings import EmbedderConfig, load_sentence_transformer
 
-    torch.set_num_threads(1)
     test = load_routerbench_dir(args.data)[1]
     prompts = list(test.prompts[: args.n_prompts])
     if len(prompts) < args.n_prompts:
         parser.error(f"{args.data} has only {len(prompts)} test prompts")
     manifest = json.loads((args.bundle / "manifest.json").read_text())
     emb = manifest["embedder"]
-    results: dict = {"n_prompts": len(prompts), "lam": args.lam, "bundle_version": manifest["bundle_version"],
-                     "router_kind": manifest["router_kind"], "embedder": {k: emb[k] for k in ("name", "max_tokens", "truncation_side")},
-                     "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                                 "python": platform.python_version()},
-                     "intra_op_threads": 1, "choose": {}, "cold_start_s": {}, "peak_rss_mb": {}}
-    precisions = args.precisions.split(",") if args.precisions else list(emb["files"])
-    # (row name, bundle, precision): the main bundle's precisions, then the static bundle's
-    rows = [(p, args.bundle, p) for p in precisions]
-    keys = {args.bundle: args.public_key, args.static_bundle: args.static_public_key or args.public_key}
-    if args.static_bundle is not None:
-        static_files = json.loads((args.static_bundle / "manifest.json").read_text())["embedder"]["files"]
-        rows += [(f"static {p}", args.static_bundle, p) for p in static_files]
-    for name, bundle, precision in tqdm(rows, desc="choose()"):
-        router = Router.load(bundle, keys[bundle], precision=precision, intra_op_threads=1)
-        results["choose"][name] = time_calls(lambda p: router.choose(p, args.lam), prompts)
-        if bundle == args.bundle:
-            tokens = router.token_counts(prompts)
-            results["tokens_per_prompt"] = {"median": float(np.median(tokens)), "max": int(max(tokens))}
-        del router
-    st = load_sentence_transformer(EmbedderConfig(model=emb["name"], max_tokens=emb["max_tokens"],
-                                                  truncation_side=emb["truncation_side"]))
-    results["baseline"] = {"what": "sentence-transformers + torch encode([prompt]), torch threads = 1",
-                           **time_calls(lambda p: st.encode([p], convert_to_numpy=True, normalize_embeddings=True), prompts)}
-    del st
-    for name, bundle, precision in tqdm(rows, desc="cold start / RSS"):
-        runs = [probe(bundle, keys[bundle], precision, prompts, 100) for _ in range(5)]
-        results["cold_start_s"][name] = statistics.median(r[0] for r in runs)
-        results["peak_rss_mb"][name] = max(r[1] for r in runs)
-        results.setdefault("cold_start_cpu_s", {})[name] = statistics.median(r[2] for r in runs)
-    base = results["baseline"]["median_ms"]
-    results["speedup_vs_baseline"] = {name: base / results["choose"][name]["median_ms"] for name, _, _ in rows}
-    base_cpu = results["baseline"]["cpu_median_ms"]
-    results["cpu_speedup_vs_baseline"] = {name: base_cpu / results["choose"][name]["cpu_median_ms"] for name, _, _ in rows}
+    load_before = _uptime()
+    profiles = []
+    for make in PROFILES:
+        made = make(args, emb)
+        profiles.extend(made if isinstance(made, list) else [made])
+    measured = [p for p in profiles if p.unavailable is None]
+    results: dict = {
+        "n_prompts": len(prompts), "lam": args.lam, "bundle_version": manifest["bundle_version"],
+        "router_kind": manifest["router_kind"], "embedder": {k: emb[k] for k in ("name", "max_tokens", "truncation_side")},
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "python": platform.python_version()},
+        "intra_op_threads": 1, "baseline": profiles[0].name, "profiles": {}, "targets": TARGETS,
+    }
+    from sdk import Router
+
+    tokens = Router.load(args.bundle, args.public_key, intra_op_threads=1).token_counts(prompts)
+    results["tokens_per_prompt"] = {"median": float(np.median(tokens)), "max": int(max(tokens))}
+    timing = time_round_robin(measured, prompts)
+    for prof in profiles:
+        row: dict = {"label": prof.label}
+        if prof.unavailable is not None:
+            row["unavailable"] = prof.unavailable
+        else:
+            runs = [cold_start(prof.child, prompts[:100]) for _ in tqdm(range(args.cold_repeats),
+                                                                          desc=f"cold start {prof.name}", leave=False)]
+            row.update(timing[prof.name], cold_start_s=statistics.median(r["cold_start_s"] for r in runs),
+                       peak_rss_mb=max(r["peak_rss_mb"] for r in runs))
+        results["profiles"][prof.name] = row
+    base = results["profiles"][profiles[0].name]["median_ms"]
+    for row in results["profiles"].values():
+        if "median_ms" in row:
+            row["speedup"] = base / row["median_ms"]
+    results["load_path"] = {}
+    for precision in [p for p in ("int8", "int8-all") if p in emb["files"]]:
+        entry = {}
+        for path in ("previous", "current"):
+            runs = [load_path(args.bundle, args.public_key, precision, path) for _ in range(args.load_repeats)]
+            entry[path] = {k: statistics.median(r[k] for r in runs) for k in ("load_ms", "verify_ms", "hashed_mb")}
+            entry[path]["peak_rss_after_load_mb"] = max(r["peak_rss_after_load_mb"] for r in runs)
+        results["load_path"][precision] = entry
+    results["targets_met"] = targets_met(results)
+    results["load_avg_1min"] = {"before": load_before, "after": _uptime()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "choose_latency.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out / "choose_latency.md").write_text(markdown(results))
@@ -154,21 +334,51 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
+def targets_met(r: dict) -> dict:
+    """``{profile: {target: bool}}`` for the measured profiles of :data:`TARGETS` (missing rows: None)."""
+    out = {}
+    for key, targets in TARGETS.items():
+        rows = {name: row for name, row in r["profiles"].items() if name == key or name.startswith(key + " ")}
+        if not any("median_ms" in row for row in rows.values()):
+            out[key] = None
+        for name, row in rows.items():
+            if "median_ms" in row:
+                checks = {"speedup_min": row["speedup"] >= targets.get("speedup_min", 0),
+                          "cold_start_s_max": row["cold_start_s"] <= targets.get("cold_start_s_max", float("inf")),
+                          "peak_rss_mb_max": row["peak_rss_mb"] <= targets.get("peak_rss_mb_max", float("inf"))}
+                out[name] = {k: bool(checks[k]) for k in targets}
+    return out
+
+
 def markdown(r: dict) -> str:
     lines = [
         f"`choose()` on {r['n_prompts']} RouterBench test prompts ({r['embedder']['name']}, last "
         f"{r['embedder']['max_tokens']} tokens, median {r['tokens_per_prompt']['median']:.0f} tokens), "
-        f"1 intra-op thread, {r['machine']['cores']} cores:",
+        f"1 intra-op thread, {r['machine']['cores']} cores, load average {r['load_avg_1min']['before']} before / "
+        f"{r['load_avg_1min']['after']} after; speed-up = torch median / row median, same run:",
         "",
-        "| path | median ms | p95 ms | speed-up vs torch | CPU ms (median) | CPU speed-up | cold start s | cold start CPU s | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| sentence-transformers + torch (encode only) | {r['baseline']['median_ms']:.2f} | {r['baseline']['p95_ms']:.2f} | 1.00x | "
-        f"{r['baseline']['cpu_median_ms']:.2f} | 1.00x | | | |",
+        "| profile | median ms | p95 ms | speed-up vs torch | cold start s | peak RSS MB |",
+        "|---|---|---|---|---|---|",
     ]
-    for p, c in r["choose"].items():
-        lines.append(f"| fedroute `choose()` {p} | {c['median_ms']:.2f} | {c['p95_ms']:.2f} | "
-                     f"{r['speedup_vs_baseline'][p]:.2f}x | {c['cpu_median_ms']:.2f} | {r['cpu_speedup_vs_baseline'][p]:.2f}x | "
-                     f"{r['cold_start_s'][p]:.2f} | {r['cold_start_cpu_s'][p]:.2f} | {r['peak_rss_mb'][p]:.0f} |")
+    for row in r["profiles"].values():
+        if "median_ms" not in row:
+            lines.append(f"| {row['label']} | not available in this checkout: {row['unavailable']} | | | | |")
+            continue
+        lines.append(f"| {row['label']} | {row['median_ms']:.2f} | {row['p95_ms']:.2f} | {row['speedup']:.2f}x | "
+                     f"{row['cold_start_s']:.2f} | {row['peak_rss_mb']:.0f} |")
+    if r.get("load_path"):
+        lines += ["", "`Router.load` (fresh process each, median of runs; peak RSS right after loading):", "",
+                  "| precision | load path | load ms | verify ms | MB hashed | peak RSS MB |", "|---|---|---|---|---|---|"]
+        for precision, entry in r["load_path"].items():
+            for path, what in (("previous", "every file hashed, session from bytes"),
+                               ("current", "used files hashed, session from the verified descriptor")):
+                e = entry[path]
+                lines.append(f"| {precision} | {path}: {what} | {e['load_ms']:.0f} | {e['verify_ms']:.0f} | "
+                             f"{e['hashed_mb']:.0f} | {e['peak_rss_after_load_mb']:.0f} |")
+    met = [f"{name}: " + (", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in checks.items())
+                          if checks is not None else "not measured")
+           for name, checks in r["targets_met"].items()]
+    lines += ["", "Issue 13 targets: " + "; ".join(met) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -180,18 +390,30 @@ def plot(r: dict, path: Path) -> None:
 
     from trainer.report import save_figure
 
-    names = ["torch (encode)"] + [f"choose() {p}" for p in r["choose"]]
-    med = [r["baseline"]["median_ms"]] + [c["median_ms"] for c in r["choose"].values()]
-    p95 = [r["baseline"]["p95_ms"]] + [c["p95_ms"] for c in r["choose"].values()]
-    x = np.arange(len(names))
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    ax.bar(x - 0.2, med, 0.4, label="median")
-    ax.bar(x + 0.2, p95, 0.4, label="p95")
-    ax.set_xticks(x, names)
+    rows = [(name, row) for name, row in r["profiles"].items() if "median_ms" in row]
+    names = [name for name, _ in rows]
+    x = np.arange(len(rows))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    ax = axes[0]
+    ax.bar(x - 0.2, [row["median_ms"] for _, row in rows], 0.4, label="median")
+    ax.bar(x + 0.2, [row["p95_ms"] for _, row in rows], 0.4, label="p95")
+    for i, (_, row) in enumerate(rows):
+        ax.annotate(f"{row['speedup']:.1f}x", (i, row["p95_ms"]), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("ms per query (1 thread)")
-    ax.set_title(f"Single-query latency, {r['n_prompts']} RouterBench prompts")
+    ax.set_title(f"choose() latency, {r['n_prompts']} RouterBench prompts")
     ax.legend()
-    save_figure(fig, path, dpi=120)
+    axes[1].bar(x, [row["cold_start_s"] for _, row in rows], color="tab:green")
+    axes[1].set_ylabel("s, process start to first result")
+    axes[1].set_title("cold start (fresh process)")
+    axes[2].bar(x, [row["peak_rss_mb"] for _, row in rows], color="tab:red")
+    axes[2].set_ylabel("MB (VmHWM)")
+    axes[2].set_title("peak RSS, 100 queries")
+    for ax in axes:
+        ax.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
+    missing = [name for name, row in r["profiles"].items() if "median_ms" not in row]
+    if missing:
+        fig.text(0.01, 0.01, "not available in this checkout: " + ", ".join(missing), fontsize=8)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

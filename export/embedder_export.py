@@ -15,10 +15,10 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from export import kinds, parity
-from export.embedder_onnx import ExportedEmbedder, export_embedder, quantize_embedder
+from export.embedder_onnx import QUANTISED_PRECISIONS, ExportedEmbedder, export_embedder, quantize_precision
 from export.errors import ExportError
 from sdk import bundle_manifest as fmt
 from sdk import kinds as sdk_kinds
@@ -57,16 +57,19 @@ class EmbedderExportKind(kinds.ExportKind):
     """What an embedder kind supplies to ``export``: :meth:`build` the bundle's embedder."""
 
     family = EMBEDDER_FAMILY
+    precisions: tuple[str, ...] = ()  # quantised precisions the kind can ship besides fp32
 
     @abc.abstractmethod
-    def build(self, trained: dict, config: EmbedderConfig, scratch: Path, int8: bool, cache_dir: Path | None,
-              progress: Callable[[str], None] = print) -> BundleEmbedder:
-        """The embedder of routers trained with ``trained`` (``router.json``'s ``embedder`` entry).
+    def build(self, trained: dict, config: EmbedderConfig, scratch: Path, quantised: Sequence[str],
+              cache_dir: Path | None, progress: Callable[[str], None] = print) -> BundleEmbedder:
+        """The embedder of routers trained with ``trained`` (``router.json``'s ``embedder`` entry),
+        shipped at ``fp32`` plus each precision in ``quantised`` (e.g. ``("int8",)``).
 
         Raises
         ------
         ExportError
-            The embedder cannot be rebuilt as trained (e.g. a different static table).
+            The embedder cannot be rebuilt as trained (e.g. a different static table), or the kind
+            has no such quantised precision.
         """
 
     def files(self, artefact: BundleEmbedder) -> dict[str, bytes]:
@@ -79,18 +82,43 @@ class EmbedderExportKind(kinds.ExportKind):
         return parity.check_embedder(bundle_dir, public_key, reference, list(test.prompts), precisions, progress)
 
 
-def onnx_embedder(exported: ExportedEmbedder, int8_model: Path | None, name: str, max_tokens: int,
-                  truncation_side: str) -> BundleEmbedder:
-    """The bundle embedder of an optimum export (and its int8 variant, if given)."""
+def onnx_embedder(exported: ExportedEmbedder, quantised: Mapping[str, Path] | Path | None, name: str,
+                  max_tokens: int, truncation_side: str) -> BundleEmbedder:
+    """The bundle embedder of an optimum export and its quantised variants (precision -> ONNX file;
+    a single path means ``int8``).
+
+    Raises
+    ------
+    ExportError
+        A precision that is not one of :data:`export.embedder_onnx.QUANTISED_PRECISIONS`.
+    """
     files = {fmt.TOKENIZER_FILE: exported.tokenizer.read_bytes(),
              fmt.EMBEDDER_FILES["fp32"]: exported.model.read_bytes()}
     precisions = {"fp32": fmt.EMBEDDER_FILES["fp32"]}
-    if int8_model is not None:
-        files[fmt.EMBEDDER_FILES["int8"]] = Path(int8_model).read_bytes()
-        precisions["int8"] = fmt.EMBEDDER_FILES["int8"]
+    if quantised is not None and not isinstance(quantised, Mapping):
+        quantised = {"int8": quantised}
+    for precision, path in (quantised or {}).items():
+        if precision not in QUANTISED_PRECISIONS:
+            raise ExportError(f"unknown quantised precision {precision!r}; known: {sorted(QUANTISED_PRECISIONS)}")
+        files[fmt.EMBEDDER_FILES[precision]] = Path(path).read_bytes()
+        precisions[precision] = fmt.EMBEDDER_FILES[precision]
     entry = {"name": name, "dim": exported.dim, "max_tokens": int(max_tokens), "truncation_side": truncation_side,
              "pooling": "mean", "normalised": True, "files": precisions}
     return BundleEmbedder(files, entry, "onnx")
+
+
+def check_quantised(kind: EmbedderExportKind, quantised: Sequence[str]) -> None:
+    """Refuse quantised precisions that ``kind`` does not ship (``kind.precisions``).
+
+    Raises
+    ------
+    ExportError
+        One of ``quantised`` is not in ``kind.precisions``.
+    """
+    unknown = [p for p in quantised if p not in kind.precisions]
+    if unknown:
+        raise ExportError(f"the {kind.name} embedder has no precision {unknown}; fp32 is always shipped and "
+                          f"the quantised ones are {list(kind.precisions)}")
 
 
 class OnnxEmbedderExportKind(EmbedderExportKind):
@@ -98,15 +126,19 @@ class OnnxEmbedderExportKind(EmbedderExportKind):
 
     name = "onnx"
 
-    def build(self, trained, config, scratch, int8, cache_dir, progress=print):
+    precisions = tuple(QUANTISED_PRECISIONS)
+
+    def build(self, trained, config, scratch, quantised, cache_dir, progress=print):
+        check_quantised(self, quantised)
         progress(f"exporting embedder {config.model} to ONNX with optimum (opset 17)")
         exported = export_embedder(resolve_model_path(config.model), Path(scratch) / "embedder", config.max_tokens,
                                    config.truncation_side)
-        int8_model = None
-        if int8:
-            progress("quantising the embedder to int8 (onnxruntime dynamic, per-channel weights)")
-            int8_model = quantize_embedder(exported.model, Path(scratch) / "embedder.int8.onnx")
-        return onnx_embedder(exported, int8_model, config.model, config.max_tokens, config.truncation_side)
+        models = {}
+        for precision in quantised:
+            progress(f"quantising the embedder to {precision} (onnxruntime dynamic, per-channel int8 weights)")
+            models[precision] = quantize_precision(exported.model, Path(scratch) / fmt.EMBEDDER_FILES[precision],
+                                                   precision)
+        return onnx_embedder(exported, models, config.model, config.max_tokens, config.truncation_side)
 
     def manifest_fields(self, artefact):
         return {}  # the default embedder kind: manifests stay as before embedder kinds existed
@@ -118,7 +150,11 @@ class StaticEmbedderExportKind(EmbedderExportKind):
 
     name = "static"
 
-    def build(self, trained, config, scratch, int8, cache_dir, progress=print):
+    precisions = ("int8",)
+
+    def build(self, trained, config, scratch, quantised, cache_dir, progress=print):
+        check_quantised(self, quantised)
+        int8 = "int8" in quantised
         kind = config.kind
         model = kind.model(config.spec, cache_dir or default_cache_dir())
         digest = model_digest(model)

@@ -15,11 +15,11 @@ import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from export import kinds as export_kinds
 from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle, write_checked_bundle
-from export.embedder_export import BundleEmbedder, onnx_embedder
+from export.embedder_export import BundleEmbedder, check_quantised, onnx_embedder
 from export.embedder_onnx import ExportedEmbedder
 from export.errors import ExportError
 from export.signing import load_signing_key
@@ -80,11 +80,12 @@ def _load_test_table(router, data: Path | None):
     return table.complete_rows()
 
 
-def assemble(router, exported: ExportedEmbedder, int8_model: Path | None, embedder_name: str, max_tokens: int,
-             truncation_side: str, prices: dict[str, tuple[float | None, float | None]],
+def assemble(router, exported: ExportedEmbedder, quantised: Mapping[str, Path] | Path | None, embedder_name: str,
+             max_tokens: int, truncation_side: str, prices: dict[str, tuple[float | None, float | None]],
              bundle_version: int) -> tuple[dict[str, bytes], dict]:
-    """:func:`assemble_bundle` with an ONNX embedder exported by optimum (and its int8 variant)."""
-    embedder = onnx_embedder(exported, int8_model, embedder_name, max_tokens, truncation_side)
+    """:func:`assemble_bundle` with an ONNX embedder exported by optimum and its quantised variants
+    (precision -> ONNX file, e.g. ``{"int8": ..., "int8-all": ...}``; a single path means ``int8``)."""
+    embedder = onnx_embedder(exported, quantised, embedder_name, max_tokens, truncation_side)
     return assemble_bundle(router, embedder, prices, bundle_version)
 
 
@@ -132,6 +133,7 @@ def export_bundle(
     signing_key: Path,
     *,
     int8: bool = False,
+    precisions: Sequence[str] = (),
     data: Path | None = None,
     bundle_version: int | None = None,
     prices: dict[str, tuple[float | None, float | None]] | None = None,
@@ -146,7 +148,11 @@ def export_bundle(
     out : bundle directory to create or replace (atomically).
     signing_key : path of ``signing.key`` (see ``fedroute keygen``).
     int8 : also ship the int8 embedder (``embedder.int8.onnx``, or ``static_table.int8.npz`` for a
-        static embedder); the SDK then loads it by default.
+        static embedder); same as ``precisions=("int8",)``.
+    precisions : quantised precisions to ship besides fp32: for an ONNX embedder keys of
+        :data:`export.embedder_onnx.QUANTISED_PRECISIONS` (``"int8"``, ``"int8-all"``), for a static
+        one ``"int8"``; each must pass its parity gate. ``Router.load(precision="auto")`` takes the
+        fastest shipped.
     data : RouterBench folder or test file for the parity checks; default: the test file recorded
         in ``router.json`` at training time.
     bundle_version : default: 1 + the version at ``out``, or 1.
@@ -161,10 +167,12 @@ def export_bundle(
     Raises
     ------
     ExportError
-        Unreadable router or key, router without embedder identity, no test data.
+        Unreadable router or key, router without embedder identity, no test data, a precision the
+        router's embedder kind does not have.
     ParityError
         An exported part misses a parity threshold (:mod:`export.parity`); nothing is written.
     """
+    quantised = list(dict.fromkeys([*(["int8"] if int8 else []), *precisions]))
     key = load_signing_key(signing_key)
     out = Path(out)
     check_replaceable(out)
@@ -179,6 +187,8 @@ def export_bundle(
         raise ExportError(f"{router_dir}/router.json has no embedder entry; retrain with this fedroute version")
     config = EmbedderConfig(model=emb["name"], max_tokens=int(emb.get("max_tokens", 256)),
                             truncation_side=emb.get("truncation_side", "left"))
+    embedder_kind = export_kinds.get(config.kind.name, family="embedder")
+    check_quantised(embedder_kind, quantised)  # before any work
     prices = check_prices(prices or {}, router.models)
     table = _load_test_table(router, data)
     labelled = [m for m in router.models if m in table.models]
@@ -192,8 +202,7 @@ def export_bundle(
 
     with tempfile.TemporaryDirectory(prefix="fedroute-export-") as tmp:
         tmp = Path(tmp)
-        embedder = export_kinds.get(config.kind.name, family="embedder").build(emb, config, tmp, int8, cache_dir,
-                                                                               progress=progress)
+        embedder = embedder_kind.build(emb, config, tmp, quantised, cache_dir, progress=progress)
         progress(f"exporting the {router.kind} router")
         files, fields = assemble_bundle(router, embedder, prices, version)
         staged = tmp / "staged"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -56,7 +56,12 @@ class LoadContext:
     models : tuple of str, the manifest's model ids, in order (the column order of every score).
     embedder : dict, the manifest's ``embedder`` entry (``name``, ``dim``, ``max_tokens``, ...).
     options : onnxruntime ``SessionOptions`` for kinds that run ONNX graphs (threads chosen by the app).
-    precision : ``"fp32"`` or ``"int8"``, the embedder precision chosen at load time.
+    precision : a key of the manifest's ``embedder.files`` (``"fp32"``, ``"int8"``, ``"int8-all"``),
+        the embedder precision chosen at load time.
+    paths : mapping file name -> :class:`sdk.verified_file.VerifiedFile`, the files of
+        :meth:`ArtefactKind.path_files` when the caller opened them by path (verified, still open;
+        load them from ``library_path``, then call ``check_unchanged()``); such a file is then not
+        in ``files``. Empty when the caller read every file as bytes.
     """
 
     manifest: dict
@@ -65,6 +70,7 @@ class LoadContext:
     embedder: dict
     options: Any = None
     precision: str = "fp32"
+    paths: Mapping[str, Any] = field(default_factory=dict)
 
 
 class ArtefactKind(abc.ABC):
@@ -86,6 +92,12 @@ class ArtefactKind(abc.ABC):
     @abc.abstractmethod
     def files(self, manifest: dict, precision: str) -> tuple[str, ...]:
         """Names of the bundle files :meth:`load` reads (each must be listed in the manifest)."""
+
+    def path_files(self, manifest: dict, precision: str) -> tuple[str, ...]:
+        """Of :meth:`files`, the large ones :meth:`load` can open by path (given in
+        :attr:`LoadContext.paths` rather than as bytes, so they are never held in Python memory).
+        Default: none."""
+        return ()
 
     def check_manifest(self, manifest: dict) -> None:
         """Check the manifest fields this kind needs beyond the common schema (default: none).

@@ -53,14 +53,20 @@ class MlpRouterKind(ArtefactKind):
 
 
 class OnnxEmbedderKind(ArtefactKind):
-    """``embedder/onnx``: ``tokenizer.json`` + ``embedder.onnx`` (fp32) and/or ``embedder.int8.onnx``
-    (the manifest's ``embedder.files`` maps precision -> file) -> :class:`sdk.embedder.OnnxEmbedder`."""
+    """``embedder/onnx``: ``tokenizer.json`` + ``embedder.onnx`` (fp32), ``embedder.int8.onnx`` and/or
+    ``embedder.int8-all.onnx`` (the manifest's ``embedder.files`` maps precision -> file) ->
+    :class:`sdk.embedder.OnnxEmbedder`. The encoder can be opened by path (:meth:`path_files`);
+    only the fp32 graph embeds a batch in one padded call (dynamically quantised ones run one text
+    at a time, see :class:`~sdk.embedder.OnnxEmbedder`)."""
 
     family = "embedder"
     name = "onnx"
 
     def files(self, manifest: dict, precision: str) -> tuple[str, ...]:
         return (TOKENIZER_FILE, manifest["embedder"]["files"][precision])
+
+    def path_files(self, manifest: dict, precision: str) -> tuple[str, ...]:
+        return (manifest["embedder"]["files"][precision],)
 
     def check_manifest(self, manifest: dict) -> None:
         if TOKENIZER_FILE not in manifest["files"]:
@@ -72,7 +78,9 @@ class OnnxEmbedderKind(ArtefactKind):
             tokenizer_json = context.files[TOKENIZER_FILE].decode("utf-8")
         except UnicodeDecodeError as exc:
             raise BundleError(f"tokenizer.json is not UTF-8 ({exc})") from exc
-        return OnnxEmbedder(tokenizer_json, context.files[emb["files"][context.precision]], emb["dim"],
+        model_file = emb["files"][context.precision]
+        model = context.paths.get(model_file) or context.files[model_file]
+        return OnnxEmbedder(tokenizer_json, model, emb["dim"],
                             emb["max_tokens"], emb["truncation_side"], context.options,
                             batched=context.precision == "fp32")
 

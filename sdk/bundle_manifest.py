@@ -6,8 +6,12 @@ without its ``signature`` entry, serialised as JSON with sorted keys, no whitesp
 and no NaN (:func:`canonical_bytes`; Python's float repr, so a verifier in another language must
 re-serialise floats the same way). Manifests with duplicate keys are refused, so every JSON
 parser reads the same signed content. Verification order in :func:`read_verified` is: manifest
-size and JSON, signature, schema, then each file's size and hash. Files are read into memory once
-and the verified bytes are what the caller uses, so a file swapped after the check is never loaded.
+size and JSON, signature, schema, then each file's size and hash. Small files are read into memory
+once and the verified bytes are what the caller uses, so a file swapped after the check is never
+loaded; large graphs can instead be hashed from one open descriptor and handed to onnxruntime by
+that descriptor's path (:class:`sdk.verified_file.VerifiedFile`). A loader may verify only the
+files it uses (``verify_unused=False``): the others were verified at export and are verified at
+install (:mod:`sdk.sync` hashes every file it downloads or copies) and by :func:`verify_all`.
 
 Ed25519 comes from ``cryptography`` (never hand-written crypto).
 """
@@ -20,9 +24,8 @@ import json
 import math
 import os
 import re
-import stat
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -32,12 +35,17 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat,
 from sdk import kinds
 from sdk.builtin_kinds import TOKENIZER_FILE  # noqa: F401  (re-exported: the bundle format names it)
 from sdk.errors import BundleError
+from sdk.verified_file import VerifiedFile, open_regular, sha256_of_descriptor
 
 #: Version 1 names each artefact's kind with a ``"<family>_kind"`` key (:mod:`sdk.kinds`); every
 #: bundle written before artefact families existed (``router_kind`` only) is already of this form.
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
-EMBEDDER_FILES = {"fp32": "embedder.onnx", "int8": "embedder.int8.onnx"}
+#: Embedder precision -> file name. ``int8``: onnxruntime dynamic int8 with the FFN output
+#: projections of the first two thirds of the layers kept in fp32; ``int8-all``: every weight
+#: MatMul in int8 (faster; gated on routing decisions and AUC, not cosine). See
+#: :mod:`export.embedder_onnx`.
+EMBEDDER_FILES = {"fp32": "embedder.onnx", "int8": "embedder.int8.onnx", "int8-all": "embedder.int8-all.onnx"}
 #: Largest manifest and largest single file accepted (bytes); a bigger one is a corrupt bundle.
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_FILE_BYTES = 1 << 30
@@ -128,34 +136,29 @@ class VerifiedBundle:
     directory : Path of the bundle.
     manifest : dict, the parsed manifest (signature included).
     files : dict file name -> bytes, only the files asked for (all verified against the manifest).
+    opened : dict file name -> :class:`~sdk.verified_file.VerifiedFile`, the files asked for by path
+        (verified, still open); close them with :meth:`close` or by using the bundle as a context manager.
     """
 
     directory: Path
     manifest: dict
     files: dict[str, bytes]
+    opened: dict[str, VerifiedFile] = field(default_factory=dict)
 
+    def close(self) -> None:
+        """Close the files held open in :attr:`opened`."""
+        for f in self.opened.values():
+            f.close()
 
-def _open_regular(path: Path) -> int:
-    """A read-only descriptor on ``path``, which must be a regular file and not a symlink.
+    def __enter__(self) -> VerifiedBundle:
+        return self
 
-    The checks run on the opened descriptor (``fstat``), so a path swapped after the check is
-    never read; ``O_NONBLOCK`` keeps a FIFO from blocking the open.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError as exc:
-        raise BundleError(f"{path.name}: missing from bundle {path.parent}") from exc
-    except OSError as exc:  # ELOOP for a symlink, EISDIR, EACCES, ...
-        raise BundleError(f"{path.name}: cannot be opened as a regular file ({exc.strerror})") from exc
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise BundleError(f"{path.name}: is not a regular file")
-    return fd
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _read_limited(path: Path, limit: int) -> bytes:
-    fd = _open_regular(path)
+    fd = open_regular(path)
     try:
         with os.fdopen(fd, "rb", closefd=True) as f:
             data = f.read(limit + 1)
@@ -260,27 +263,35 @@ def verify_manifest(raw: bytes, public_key) -> dict:
     return manifest
 
 
-def read_verified(directory, public_key,
-                  wanted: Iterable[str] | Callable[[dict], Iterable[str]] | None = None) -> VerifiedBundle:
-    """Read ``manifest.json`` and files of the bundle at ``directory``, verifying everything.
+Names = Iterable[str] | Callable[[dict], Iterable[str]]
+
+
+def read_verified(directory, public_key, wanted: Names | None = None, *, by_path: Names = (),
+                  verify_unused: bool = True) -> VerifiedBundle:
+    """Read ``manifest.json`` and files of the bundle at ``directory``, verifying what is used.
 
     Parameters
     ----------
     directory : path of the bundle.
     public_key : path to ``signing.pub`` (PEM), PEM bytes or an ``Ed25519PublicKey``.
-    wanted : names of the files to return, or a function of the (signature-verified) manifest
-        that returns them; files not wanted are verified too, by streaming, and not kept.
-        ``None`` returns all.
+    wanted : names of the files to return as bytes, or a function of the (signature-verified)
+        manifest that returns them. ``None`` returns all.
+    by_path : names (or a function of the manifest, called after ``wanted``) of files to return
+        open instead of as bytes (:class:`~sdk.verified_file.VerifiedFile`: hashed from one
+        descriptor, never read into memory); a name in both is returned open only.
+    verify_unused : also hash the listed files that are neither wanted nor by path (streamed, not
+        kept). ``Router.load`` passes False: an unused precision's 90 MB encoder is not read at
+        every load; :func:`verify_all` and the sync install check every file.
 
     Returns
     -------
-    VerifiedBundle
+    VerifiedBundle (close it, or use it as a context manager, when ``by_path`` is not empty).
 
     Raises
     ------
     BundleError
         Missing/oversized/unparsable manifest, missing or invalid signature, a signature by another
-        key, unsupported format, a listed file missing or whose sha256 differs, or a wanted file
+        key, unsupported format, a checked file missing or whose sha256 differs, or a wanted file
         that the manifest does not list.
     """
     given = Path(directory)
@@ -290,37 +301,54 @@ def read_verified(directory, public_key,
     # the link is swapped to a newer one meanwhile.
     directory = given.resolve()
     manifest = verify_manifest(_read_limited(directory / MANIFEST_FILE, MAX_MANIFEST_BYTES), public_key)
-    files: dict[str, bytes] = {}
     if callable(wanted):
         wanted = wanted(manifest)
-    wanted_set = set(manifest["files"]) if wanted is None else set(wanted)
-    unknown = wanted_set - set(manifest["files"])
+    if callable(by_path):
+        by_path = by_path(manifest)
+    open_set = set(by_path)
+    wanted_set = (set(manifest["files"]) if wanted is None else set(wanted)) - open_set
+    unknown = (wanted_set | open_set) - set(manifest["files"])
     if unknown:
         raise BundleError(f"bundle does not list {sorted(unknown)}")
-    for name, digest in manifest["files"].items():
-        path = directory / name
-        if name in wanted_set:
-            data = _read_limited(path, MAX_FILE_BYTES)
-            actual = sha256_hex(data)
-            files[name] = data
-        else:
-            actual = _stream_sha256(path)
-        if actual != digest:
-            raise BundleError(f"{name}: sha256 {actual[:16]}… does not match the manifest's {digest[:16]}… (file corrupt or tampered)")
-    return VerifiedBundle(directory, manifest, files)
+    verified = VerifiedBundle(directory, manifest, {})
+    try:
+        for name, digest in manifest["files"].items():
+            path = directory / name
+            if name in open_set:
+                verified.opened[name] = VerifiedFile(path, digest, MAX_FILE_BYTES)
+                continue
+            if name in wanted_set:
+                data = _read_limited(path, MAX_FILE_BYTES)
+                actual = sha256_hex(data)
+                verified.files[name] = data
+            elif verify_unused:
+                actual = _stream_sha256(path)
+            else:
+                continue
+            if actual != digest:
+                raise BundleError(f"{name}: sha256 {actual[:16]}… does not match the manifest's {digest[:16]}… "
+                                  "(file corrupt or tampered)")
+    except BaseException:
+        verified.close()
+        raise
+    return verified
+
+
+def verify_all(directory, public_key) -> dict:
+    """Verify the signature and every listed file of the bundle at ``directory`` (streamed, nothing
+    kept) and return the manifest: the full check that ``Router.load`` narrows to the files it uses.
+
+    Raises
+    ------
+    BundleError
+        As :func:`read_verified`.
+    """
+    return read_verified(directory, public_key, wanted=()).manifest
 
 
 def _stream_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    fd = _open_regular(path)
+    fd = open_regular(path)
     try:
-        with os.fdopen(fd, "rb", closefd=True) as f:
-            read = 0
-            for block in iter(lambda: f.read(1 << 20), b""):
-                read += len(block)
-                if read > MAX_FILE_BYTES:
-                    raise BundleError(f"{path.name}: over the {MAX_FILE_BYTES}-byte limit")
-                h.update(block)
-    except OSError as exc:
-        raise BundleError(f"{path.name}: cannot be read ({exc})") from exc
-    return h.hexdigest()
+        return sha256_of_descriptor(fd, path.name, MAX_FILE_BYTES)
+    finally:
+        os.close(fd)

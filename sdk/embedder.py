@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
+from sdk.verified_file import VerifiedFile
 
 OUTPUT = "sentence_embedding"
 #: With left truncation a query is read from at most its last this many characters (64 Ki).
@@ -43,14 +44,28 @@ def session_options(intra_op_threads: int = 1, inter_op_threads: int = 1):
     return opts
 
 
-def inference_session(model: bytes, options, what: str):
-    """An onnxruntime CPU session from model bytes; a model onnxruntime cannot load -> BundleError."""
+def inference_session(model: bytes | VerifiedFile, options, what: str):
+    """An onnxruntime CPU session from model bytes or a verified open file.
+
+    A :class:`~sdk.verified_file.VerifiedFile` is loaded from its ``library_path`` (the open
+    descriptor's path: no copy of the model in Python memory), then ``check_unchanged()`` confirms
+    the file is the one that was verified.
+
+    Raises
+    ------
+    BundleError
+        onnxruntime cannot load the model, or the verified file changed before it was loaded.
+    """
     import onnxruntime as ort  # heavy native library: loaded with the first bundle, not by `import sdk`
 
+    source = model.library_path if isinstance(model, VerifiedFile) else model
     try:
-        return ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... classes
         raise BundleError(f"{what}: onnxruntime cannot load it ({exc})") from exc
+    if isinstance(model, VerifiedFile):
+        model.check_unchanged()
+    return session
 
 
 class OnnxEmbedder:
@@ -59,7 +74,8 @@ class OnnxEmbedder:
     Parameters
     ----------
     tokenizer_json : str, the ``tokenizer.json`` of the embedder (Hugging Face ``tokenizers``).
-    model : bytes, the ONNX encoder with output ``sentence_embedding``.
+    model : bytes or :class:`~sdk.verified_file.VerifiedFile`, the ONNX encoder with output
+        ``sentence_embedding`` (see :func:`inference_session`).
     dim : int, the embedding dimension the bundle declares.
     max_tokens : int, tokens kept per query, special tokens included.
     truncation_side : ``"left"`` (keep the end) or ``"right"`` (keep the start).
@@ -79,7 +95,7 @@ class OnnxEmbedder:
     configured once here and only read afterwards; onnxruntime's ``run`` is thread-safe).
     """
 
-    def __init__(self, tokenizer_json: str, model: bytes, dim: int, max_tokens: int,
+    def __init__(self, tokenizer_json: str, model: bytes | VerifiedFile, dim: int, max_tokens: int,
                  truncation_side: str, options, batched: bool = True) -> None:
         from tokenizers import Tokenizer  # native library: loaded with the first bundle, not by `import sdk`
 

@@ -167,8 +167,9 @@ def check_manifest_kinds(manifest: Mapping) -> dict[str, ArtefactKind]:
 
 
 def load_artefact(family: str, manifest: dict, files: Mapping[str, bytes], *, options=None,
-                  precision: str = "fp32") -> Any:
-    """Load the ``family`` artefact of a verified bundle through its kind.
+                  precision: str = "fp32", paths: Mapping[str, Any] | None = None) -> Any:
+    """Load the ``family`` artefact of a verified bundle through its kind (``paths``: the verified
+    files opened by path, see :attr:`LoadContext.paths`).
 
     Raises
     ------
@@ -181,7 +182,7 @@ def load_artefact(family: str, manifest: dict, files: Mapping[str, bytes], *, op
         raise BundleError(f"bundle carries no {family} (it carries {held})")
     kind = get(family, kinds[family])
     runtime = kind.load(LoadContext(manifest, files, tuple(m["id"] for m in manifest.get("models", ())),
-                                    manifest.get("embedder", {}), options, precision))
+                                    manifest.get("embedder", {}), options, precision, dict(paths or {})))
     interface = _FAMILIES[family].interface
     if not isinstance(runtime, interface):
         raise BundleError(f"{family} kind {kind.name!r} loaded a {type(runtime).__name__}, which lacks the "

@@ -5,7 +5,7 @@ USD (MLP head or K-means cell table) and returns ``argmax_m A(x, m) - lam * C(x,
 METRICS.md tie-break (paper 002, "Overall framework"). ``lam`` is in USD^-1: ``lam = 0`` ignores
 cost; ``lam = 100`` trades 1 accuracy point (0.01) for 0.0001 USD per query.
 
-Loading verifies the manifest signature and every file's sha256 before any of it is used, and
+Loading verifies the manifest signature and the sha256 of every file it uses before any of it is used, and
 checks that embedder, router heads and price table agree; on any failure a :class:`BundleError`
 is raised and no ``Router`` exists (nothing is half-loaded).
 """
@@ -29,6 +29,9 @@ from sdk.utility import _decide_unchecked, check_lambda
 
 #: Upper end of the lambda search in :meth:`Router.lam_for_budget`, USD^-1.
 MAX_LAMBDA = 1e12
+#: ``precision="auto"`` loads the first of these the bundle ships (fastest first; every shipped
+#: precision passed the export's parity gate).
+AUTO_PRECISIONS = ("int8-all", "int8", "fp32")
 
 
 @dataclass(frozen=True)
@@ -162,24 +165,32 @@ class Router:
         ----------
         bundle_dir : path of a bundle written by ``fedroute export``.
         public_key : path of ``signing.pub``, its PEM text (str or bytes) or an ``Ed25519PublicKey``.
-        precision : ``"int8"``, ``"fp32"`` or ``"auto"`` (int8 when the bundle has it).
+        precision : ``"int8"``, ``"int8-all"``, ``"fp32"`` or ``"auto"`` (the first the bundle has of
+            :data:`AUTO_PRECISIONS`: ``int8-all``, ``int8``, ``fp32``, fastest first).
         intra_op_threads, inter_op_threads : onnxruntime thread counts, integers >= 1. One
             intra-op thread gives the lowest single-query latency on a busy device.
         min_bundle_version : refuse a bundle older than this. Pass the version the app last
             loaded, so that a replayed old bundle (validly signed, but superseded) is refused.
 
+        Verification: the signature, then the sha256 of the files this precision uses (tokenizer,
+        that encoder, the router file). The other precisions' encoders are not read: they were
+        verified at export and are at install (:mod:`sdk.sync`, :func:`sdk.bundle_manifest.verify_all`).
+        The encoder is hashed from one open descriptor and onnxruntime loads it from that
+        descriptor's path, so it is never held in Python memory and a file swapped after the check
+        is not the one loaded (:mod:`sdk.verified_file`).
+
         Raises
         ------
         BundleError
-            Signature or any sha256 does not verify, a file is missing or unloadable, the format is
+            Signature or a used file's sha256 does not verify, a file is missing or unloadable, the format is
             unsupported, the requested precision is absent, the bundle is older than
             ``min_bundle_version``, or embedder, router and price table disagree (model names,
             order, embedder name or dimension).
         InvalidInputError
             ``precision`` or a thread count is not valid.
         """
-        if precision not in ("auto", "int8", "fp32"):
-            raise InvalidInputError(f"precision must be 'auto', 'int8' or 'fp32', got {precision!r}")
+        if precision != "auto" and precision not in fmt.EMBEDDER_FILES:
+            raise InvalidInputError(f"precision must be 'auto' or one of {sorted(fmt.EMBEDDER_FILES)}, got {precision!r}")
         options = session_options(intra_op_threads, inter_op_threads)
         chosen: dict[str, str] = {}
 
@@ -195,19 +206,23 @@ class Router:
             if kinds.ROUTER_FAMILY not in found:
                 raise BundleError(f"bundle carries no router (it carries {found})")
             available = manifest["embedder"]["files"]
-            want = ("int8" if "int8" in available else "fp32") if precision == "auto" else precision
+            want = precision
+            if precision == "auto":
+                want = next((p for p in AUTO_PRECISIONS if p in available), "fp32")
             if want not in available:
                 raise BundleError(f"bundle has no {want} embedder (it has {sorted(available)})")
+            used = [kinds.get(family, found[family]) for family in (kinds.EMBEDDER_FAMILY, kinds.ROUTER_FAMILY)]
             chosen["precision"] = want
-            return tuple(name for family in (kinds.EMBEDDER_FAMILY, kinds.ROUTER_FAMILY)
-                         for name in kinds.get(family, found[family]).files(manifest, want))
+            chosen["by_path"] = tuple(name for kind in used for name in kind.path_files(manifest, want))
+            return tuple(name for kind in used for name in kind.files(manifest, want))
 
-        verified = fmt.read_verified(bundle_dir, public_key, wanted=files_needed)
-        manifest, precision = verified.manifest, chosen["precision"]
-        embedder = kinds.load_artefact(kinds.EMBEDDER_FAMILY, manifest, verified.files, options=options,
-                                       precision=precision)
-        scorer = kinds.load_artefact(kinds.ROUTER_FAMILY, manifest, verified.files, options=options,
-                                     precision=precision)
+        with fmt.read_verified(bundle_dir, public_key, wanted=files_needed, by_path=lambda _: chosen["by_path"],
+                               verify_unused=False) as verified:
+            manifest, precision = verified.manifest, chosen["precision"]
+            embedder = kinds.load_artefact(kinds.EMBEDDER_FAMILY, manifest, verified.files, options=options,
+                                           precision=precision, paths=verified.opened)
+            scorer = kinds.load_artefact(kinds.ROUTER_FAMILY, manifest, verified.files, options=options,
+                                         precision=precision, paths=verified.opened)
         return cls(manifest, embedder, scorer, precision)
 
     # -- prediction ---------------------------------------------------------------------------

@@ -325,8 +325,8 @@ class SyncClient:
                     if not (digest in local and _copy_verified(local[digest], target / name, digest)):
                         self._download(digest, target / name)
                 bundle_install.write_synced(target / fmt.MANIFEST_FILE, raw)
-                # Router.load verifies the signature and every file's sha256, and refuses router /
-                # embedder / price mismatches.
+                # Every file was hashed above (download or verified copy); Router.load verifies the
+                # signature and the files it uses again, and refuses router / embedder / price mismatches.
                 router = Router.load(target, self.public_key)
                 accuracy, _ = router.predict([PROBE_QUERY])
                 if not np.isfinite(accuracy).any():

@@ -50,6 +50,22 @@ def exported_embedder(tmp_path_factory):
     return exported, quantize_embedder(exported.model, out / "embedder.int8.onnx")
 
 
+def _int8_all(exported_embedder) -> Path:
+    """The exported encoder quantised with the ``int8-all`` recipe (every weight MatMul in int8),
+    written once beside the int8 file."""
+    from export.embedder_onnx import quantize_precision
+
+    exported, int8_path = exported_embedder
+    out = int8_path.parent / "embedder.int8-all.onnx"
+    return out if out.exists() else quantize_precision(exported.model, out, "int8-all")
+
+
+@pytest.fixture(scope="session")
+def int8_all_model(exported_embedder) -> Path:
+    """Path of the exported encoder quantised with the ``int8-all`` recipe."""
+    return _int8_all(exported_embedder)
+
+
 @pytest.fixture(scope="session")
 def fitted_routers(routerbench_dir: Path, tmp_path_factory):
     """A K-means and an MLP router fitted centrally on real RouterBench train rows (dense labels),
@@ -101,8 +117,8 @@ def fitted_routers(routerbench_dir: Path, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def make_bundle(exported_embedder, fitted_routers, signing_keys):
-    """``make_bundle(out, kind="kmeans", int8=True, **field_overrides) -> Path``: a signed bundle of the
-    fitted router, written by the exporter's own assembly and writer (no parity step)."""
+    """``make_bundle(out, kind="kmeans", int8=True, int8_all=False, **field_overrides) -> Path``: a signed
+    bundle of the fitted router, written by the exporter's own assembly and writer (no parity step)."""
     from export.bundle_writer import write_bundle
     from export.pipeline import assemble
     from export.signing import load_signing_key
@@ -110,9 +126,13 @@ def make_bundle(exported_embedder, fitted_routers, signing_keys):
     exported, int8_path = exported_embedder
     key = load_signing_key(signing_keys[0])
 
-    def build(out: Path, kind: str = "kmeans", int8: bool = True, files: dict | None = None, **overrides) -> Path:
+    def build(out: Path, kind: str = "kmeans", int8: bool = True, files: dict | None = None, int8_all: bool = False,
+              **overrides) -> Path:
         router = fitted_routers[kind]
-        parts, fields = assemble(router, exported, int8_path if int8 else None, "all-MiniLM-L6-v2",
+        quantised = {"int8": int8_path} if int8 else {}
+        if int8_all:  # quantised on first use only
+            quantised["int8-all"] = _int8_all(exported_embedder)
+        parts, fields = assemble(router, exported, quantised, "all-MiniLM-L6-v2",
                                  BUNDLE_MAX_TOKENS, "left", {}, 1)
         parts.update(files or {})
         fields.update(overrides)

@@ -105,14 +105,16 @@ def test_auto_precision_prefers_int8_and_missing_precision_is_refused(kmeans_bun
         Router.load(fp32_only, signing_keys[1], precision="int8")
 
 
-@pytest.mark.parametrize("name", ["kmeans.npz", "embedder.int8.onnx", "tokenizer.json", "embedder.onnx"])
-def test_tampered_file_is_rejected(bundle_copy, signing_keys, name):
+@pytest.mark.parametrize("name, precision", [("kmeans.npz", "auto"), ("embedder.int8.onnx", "auto"),
+                                             ("tokenizer.json", "auto"), ("embedder.onnx", "fp32")])
+def test_tampered_file_is_rejected(bundle_copy, signing_keys, name, precision):
+    # Only the files the chosen precision uses are hashed at load (tests/test_load_path.py).
     path = bundle_copy / name
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(BundleError, match=rf"{name}: sha256 .* does not match"):
-        Router.load(bundle_copy, signing_keys[1])
+        Router.load(bundle_copy, signing_keys[1], precision=precision)
 
 
 def test_tampered_manifest_is_rejected(bundle_copy, signing_keys):

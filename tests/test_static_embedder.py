@@ -236,4 +236,4 @@ def test_export_refuses_a_table_other_than_the_trained_one(static_cache, tmp_pat
     trained = config.router_entry(256, static_cache)
     trained["table_sha256"] = "0" * 64
     with pytest.raises(ExportError, match="not the one the router trained on"):
-        StaticEmbedderExportKind().build(trained, config, tmp_path, False, static_cache, progress=lambda _: None)
+        StaticEmbedderExportKind().build(trained, config, tmp_path, (), static_cache, progress=lambda _: None)

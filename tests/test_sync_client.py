@@ -573,3 +573,18 @@ def test_a_refused_upload_is_not_kept_as_the_sent_record(device, tmp_path):
     with pytest.raises(SyncRejectedError):
         client.run_once()
     assert json.loads((tmp_path / "state.json").read_text())["sent"] == sent  # still what the server holds
+
+
+def test_an_unused_precision_that_is_corrupt_is_still_refused_at_install(device, make_bundle, tmp_path):
+    """Router.load hashes only the chosen precision's files; the install hashes every file, so a
+    corrupt fp32 encoder in a bundle whose device would load int8 is never installed."""
+    served = make_bundle(tmp_path / "served", bundle_version=2)  # fp32 + int8: auto loads int8
+    server = FakeServer(bundle=served)
+    digest = json.loads(server.manifest)["files"]["embedder.onnx"]
+    data = bytearray(server.files[digest])
+    data[len(data) // 2] ^= 1
+    server.files[digest] = bytes(data)
+    client, _ = device(server, bundle=tmp_path / "bundle")  # nothing installed yet: every file is downloaded
+    with pytest.raises(BundleError, match="embedder.onnx: downloaded sha256 does not match"):
+        client.run_once()
+    assert not (tmp_path / "bundle").exists() and bundle_install.version_dirs(tmp_path / "bundle") == []

@@ -187,6 +187,7 @@ def export_cmd(
     router: Annotated[Optional[Path], typer.Option(help="trained router folder, e.g. results/routers/kmeans")] = None,
     selector: Annotated[Optional[Path], typer.Option(help="trained selector expert folder, e.g. RUN/fedprism_seed0/expert_2 (instead of --router)")] = None,
     int8: Annotated[bool, typer.Option("--int8", help="also ship the int8 embedder / selector (the SDK's default when present)")] = False,
+    precision: Annotated[Optional[list[str]], typer.Option("--precision", help="router bundles: quantised encoder to ship besides fp32, 'int8' or 'int8-all' (every MatMul int8; gated on decisions and AUC); repeatable")] = None,
     data: Annotated[Optional[Path], typer.Option(help="RouterBench folder or test file for parity checks (default: the one recorded at training); with --selector the shared data folder (default ../shared/data)")] = None,
     prices: Annotated[Optional[Path], typer.Option(help="JSON {model: {input: USD per 1k tokens, output: ...}} for the price table")] = None,
     bundle_version: Annotated[Optional[int], typer.Option(min=1, help="default: previous version at --out + 1")] = None,
@@ -200,6 +201,8 @@ def export_cmd(
     if selector is not None:
         if prices is not None:
             raise typer.BadParameter("--prices is for router bundles (a selector has no model table)")
+        if precision:
+            raise typer.BadParameter("--precision is for router bundles (a selector takes --int8)")
 
 
         pairs = parity_pairs_for(selector, data or Path("../shared/data"), parity_pairs)
@@ -216,7 +219,8 @@ def export_cmd(
         return
     from export.pipeline import export_bundle  # export: trainer extra (torch, onnx)
 
-    result = export_bundle(router, out, signing_key, int8=int8, data=data, bundle_version=bundle_version,
+    result = export_bundle(router, out, signing_key, int8=int8, precisions=tuple(precision or ()), data=data,
+                           bundle_version=bundle_version,
                            prices=_parse_prices(prices), cache_dir=cache_dir, progress=typer.echo)
     typer.echo(f"bundle v{result.manifest['bundle_version']} ({result.manifest['router_kind']}, "
                f"{len(result.manifest['models'])} models, embedder {sorted(result.manifest['embedder']['files'])}) "
