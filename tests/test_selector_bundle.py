@@ -23,7 +23,10 @@ from export.errors import ExportError, ParityError  # noqa: E402
 from sdk.errors import BundleError, InvalidInputError  # noqa: E402
 from sdk.selector import Selector  # noqa: E402
 
-N_TRAIN, N_PARITY = 96, 40
+# 200 parity pairs: the 99 % int8 gate then tolerates 2 flipped decisions. With 40 pairs it tolerated
+# none, and on an AVX2 CPU without VNNI (onnxruntime's u8s8 kernels saturate there) one pair near
+# P = 0.5 flipped: 39 / 40 = 0.975.
+N_TRAIN, N_PARITY = 96, 200
 
 
 @pytest.fixture(scope="module")
