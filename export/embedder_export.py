@@ -117,8 +117,8 @@ def check_quantised(kind: EmbedderExportKind, quantised: Sequence[str]) -> None:
     """
     unknown = [p for p in quantised if p not in kind.precisions]
     if unknown:
-        raise ExportError(f"the {kind.name} embedder has no precision {unknown}; fp32 is always shipped and "
-                          f"the quantised ones are {list(kind.precisions)}")
+        raise ExportError(f"unknown precision(s) {unknown} for the {kind.name} embedder; fp32 is always shipped, "
+                          f"and the quantised ones are {list(kind.precisions)}")
 
 
 class OnnxEmbedderExportKind(EmbedderExportKind):

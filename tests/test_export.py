@@ -46,7 +46,8 @@ def test_parity_gates_fail_on_misses_and_on_nan():
     assert gate_failures("fp32", good, 0.85) == ["fp32 min cosine 0.99000 < 0.999"]
     nan = {"cosine": {"mean": float("nan"), "min": float("nan")}, "decision_agreement": float("nan"),
            "auc": float("nan"), "auc_gap": float("nan")}
-    assert len(gate_failures("int8", nan, 0.85)) == 3
+    assert len(gate_failures("int8", nan, 0.85)) == 2  # decisions and AUC: int8 has no cosine gate
+    assert len(gate_failures("fp32", nan, 0.85)) == 3
     worse = dict(good, decision_agreement=0.98, auc_gap=0.01)
     assert [f.split(" ")[1] for f in gate_failures("int8", worse, 0.85)] == ["decisions", "AUC"]
 
@@ -95,7 +96,8 @@ def test_fedroute_export_end_to_end_with_parity(kind, fitted_routers, tmp_path):
         assert entry["decision_agreement"] >= 0.99
         assert entry["auc_gap"] <= 0.005
     assert parity["precisions"]["fp32"]["cosine"]["min"] >= 0.999
-    assert parity["precisions"]["int8"]["cosine"]["mean"] >= 0.995
+    assert parity["precisions"]["int8"]["decision_agreement_vs_fp32"] >= 0.99
+    assert 0.95 < parity["precisions"]["int8"]["cosine"]["mean"] < 1.0  # reported, not gated (CPU-dependent)
     # The bundle the app loads routes like the trainer's router.
     router = Router.load(out, keys / "signing.pub")
     assert router.precision == "int8" and router.router_kind == kind
