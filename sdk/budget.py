@@ -66,7 +66,7 @@ from sdk.utility import _decide_unchecked
 log = logging.getLogger("fedroute.budget")
 
 #: Correction per window of records, as a multiple of the log-error ``log(R / b)`` (see the module docstring).
-DEFAULT_GAIN = 0.5
+DEFAULT_GAIN = 1.0
 #: Largest change of ``log s`` per record.
 DEFAULT_MAX_STEP = 0.05
 #: The predicted-spend target stays within ``[b / TARGET_RANGE, b * TARGET_RANGE]``.
