@@ -192,8 +192,10 @@ def run_seed(
         local_pred = [r.predict(test_embeddings) for r in local_routers]
         fed_pred = fed.predict(test_embeddings)
         say(f"seed {seed}: {kind} personalised (local estimators on 80% of each log, errors on the held-out 20%)")
+        # Its own generator, so the held-out splits and refits leave every other setting's draws as they were.
+        pers_rng = np.random.default_rng([seed, 1 + list(config.routers).index(kind)])
         pers_pred = [
-            _personalised_predictions(fed, trainer_kind, c, models, config, rng, fed_pred, test_embeddings)
+            _personalised_predictions(fed, trainer_kind, c, models, config, pers_rng, fed_pred, test_embeddings)
             for c in active
         ]
         reports[kind] = {
