@@ -35,7 +35,8 @@ RouterBench *train* split by ``benchmarks/budget_controller_settings.py``, never
 
 Drift warning. Once the window of realised costs is full, ``|R / b - 1| > tolerance`` logs a
 warning (logger ``fedroute.budget``) and appends a :class:`BudgetEvent` of kind ``"drift"``; the
-return within tolerance appends ``"recovered"``. A spend target below the cost of the router's
+return within tolerance appends ``"recovered"``. The state is re-examined at most once per window
+of records after a change, so a spend that hovers at the tolerance does not flood the log. A spend target below the cost of the router's
 cheapest decisions on the window appends ``"unreachable"`` (and ``"reachable"`` when it is met
 again). Events are kept in :attr:`events` (the last :data:`MAX_EVENTS`) and passed, as they happen,
 to the ``on_event`` callback if one is given (called in the thread of :meth:`choose` or
@@ -65,7 +66,7 @@ from sdk.utility import _decide_unchecked
 log = logging.getLogger("fedroute.budget")
 
 #: Correction per window of records, as a multiple of the log-error ``log(R / b)`` (see the module docstring).
-DEFAULT_GAIN = 0.5
+DEFAULT_GAIN = 1.0
 #: Largest change of ``log s`` per record.
 DEFAULT_MAX_STEP = 0.05
 #: The predicted-spend target stays within ``[b / TARGET_RANGE, b * TARGET_RANGE]``.
@@ -182,6 +183,7 @@ class BudgetController:
         self._n_chosen = 0
         self._n_recorded = 0
         self._drifting = False
+        self._last_toggle = -self.window  # n_recorded at the last drift / recovered event
         self._unreachable = False
         self._events: deque[BudgetEvent] = deque(maxlen=MAX_EVENTS)
 
@@ -348,10 +350,11 @@ class BudgetController:
                 step = min(max(self.gain / self.window * error, -self.max_step), self.max_step)
                 low, high = math.log(self._budget / TARGET_RANGE), math.log(self._budget * TARGET_RANGE)
                 self._log_target = min(max(self._log_target - step, low), high)
-            if len(self._realised) == self.window:
+            if len(self._realised) == self.window and self._n_recorded - self._last_toggle >= self.window:
                 off = abs(realised / self._budget - 1.0) > self.tolerance
                 if off != self._drifting:
                     self._drifting = off
+                    self._last_toggle = self._n_recorded
                     events.append(self._event(
                         "drift" if off else "recovered",
                         "realised spend {r:.4g} USD per 1k over the last {n} queries is {pct:+.1f}% off the budget "

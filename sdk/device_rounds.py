@@ -9,6 +9,9 @@ idempotency key and state file. Handlers do no HTTP themselves except through ``
   local centroids from the :class:`sdk.EvalLog` (:func:`sdk.local_update.kmeans_update`), with the
   changes smaller than ``min_count`` since the last *sent* update held back
   (:func:`sdk.local_update.hold_small_changes`).
+Both first screen the log (:func:`screen_log`, :mod:`sdk.log_checks`): the rows of a model whose
+scores are degenerate are not uploaded, and the warnings travel in ``PreparedUpload.warnings``.
+
 - :class:`MlpRoundHandler` (paper 002, federated MLP): fetches the round's parameters, checks their
   hash and hands them to the device's local trainer (torch lives in ``trainer``, injected by the app).
 """
@@ -21,8 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from sdk.errors import SyncError
 from sdk.eval_log import Evaluations
+from sdk.log_checks import LogCheck, check_log, warn
 from sdk.local_update import centroid_threshold, hold_small_changes, kmeans_update
 from sdk.protocol import (
     JSON_MEDIA_TYPE,
@@ -77,6 +83,27 @@ class PreparedUpload:
     content_type: str
     skipped: str | None = None
     sent: dict | None = None
+    warnings: tuple[str, ...] = ()
+
+
+def screen_log(evaluations: Evaluations) -> tuple[Evaluations, LogCheck]:
+    """The log without the rows of models whose scores are degenerate (:mod:`sdk.log_checks`,
+    criterion 1), and the check; each warning is logged. The upload then carries no statistics or
+    training rows of those models, and the server's global estimate for them stands."""
+    models = tuple(sorted(set(evaluations.model)))
+    index = {m: j for j, m in enumerate(models)}
+    model_index = np.array([index[m] for m in evaluations.model], dtype=np.int64)
+    check = check_log(model_index, evaluations.score, models)
+    warn(check.upload_warnings, "upload")
+    keep = check.uploadable[model_index] if len(evaluations) else np.zeros(0, dtype=bool)
+    if keep.all():
+        return evaluations, check
+    rows = np.flatnonzero(keep)
+    kept = Evaluations(
+        evaluations.id[rows], evaluations.timestamp[rows], tuple(evaluations.model[i] for i in rows),
+        evaluations.score[rows], evaluations.cost_usd[rows], evaluations.latency_ms[rows], evaluations.cell[rows],
+        evaluations.embedding[rows], evaluations.bundle_version[rows], tuple(evaluations.query[i] for i in rows))
+    return kept, check
 
 
 class DeviceRoundHandler(Protocol):
@@ -116,15 +143,17 @@ class KMeansRoundHandler:
             return PreparedUpload(spec.round_id, None, JSON_TYPE, (
                 "round over other centroids than this device's last upload: uploads for two partitions can be "
                 "combined to recover single queries; skipped (allow_repartition=True sends it)"))
-        update = kmeans_update(context.rows(), spec)
+        rows, check = screen_log(context.rows())
+        update = kmeans_update(rows, spec)
         update = hold_small_changes(update, decode_sent_record(record, spec, context.state_path), spec.min_count)
         if update.is_empty():
             why = (f"nothing to report: no (cell, model) entry reaches min_count={spec.min_count} and no cell "
                    f"holds {centroid_threshold(spec.min_count)} distinct queries (log size {update.log_size})")
-            return PreparedUpload(spec.round_id, None, JSON_TYPE, why)
+            return PreparedUpload(spec.round_id, None, JSON_TYPE, why, warnings=check.upload_warnings)
         encode, media_type = KMEANS_ENCODINGS[context.upload_format]
         payload = encode(update, context.client_id, spec)
-        return PreparedUpload(spec.round_id, payload, media_type, None, encode_sent_record(update, spec))
+        return PreparedUpload(spec.round_id, payload, media_type, None, encode_sent_record(update, spec),
+                              check.upload_warnings)
 
 
 class MlpRoundHandler:
@@ -151,8 +180,10 @@ class MlpRoundHandler:
         parameters = context.fetch(url, MAX_PARAMETERS_BYTES)
         if hashlib.sha256(parameters).hexdigest() != digest:
             raise SyncError(f"round {round_id}: parameters do not match their hash")
-        payload = context.local_trainer(context.rows(), round_json, parameters, context.client_id)
+        rows, check = screen_log(context.rows())
+        payload = context.local_trainer(rows, round_json, parameters, context.client_id)
         if payload is None:
             return PreparedUpload(round_id, None, SAFETENSORS_TYPE,
-                                  f"MLP round: fewer than min_count={min_count} evaluations to train on")
-        return PreparedUpload(round_id, payload, SAFETENSORS_TYPE)
+                                  f"MLP round: fewer than min_count={min_count} evaluations to train on",
+                                  warnings=check.upload_warnings)
+        return PreparedUpload(round_id, payload, SAFETENSORS_TYPE, warnings=check.upload_warnings)

@@ -85,6 +85,8 @@ class SyncResult:
     skipped : why nothing was uploaded for an open round (nothing to report, an MLP round on a
         client without an ``mlp_trainer``, an MLP round whose ``min_count`` is below the device's
         ``min_count_floor``, or too few evaluations to train), else None.
+    warnings : the degenerate-log warnings of the upload step (:mod:`sdk.log_checks`; the rows of a
+        model whose scores are constant were not uploaded), empty if none.
     """
 
     round_id: int | None
@@ -95,6 +97,7 @@ class SyncResult:
     bundle_version: int | None
     bundle_updated: bool
     skipped: str | None = None
+    warnings: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -217,7 +220,7 @@ class SyncClient:
     def _run_once(self) -> SyncResult:
         state = self._read_state()
         try:
-            round_id, uploaded, late, update_id, log_size, skipped = self._sync_round(state)
+            round_id, uploaded, late, update_id, log_size, skipped, warnings = self._sync_round(state)
         except (SyncRejectedError, ShapeError) as upload_error:
             try:
                 version, updated = self._update_bundle(state)
@@ -228,24 +231,27 @@ class SyncClient:
                                   f"{' (newly installed)' if updated else ''}")
             raise
         version, updated = self._update_bundle(state)
-        return SyncResult(round_id, uploaded, late, update_id, log_size, version, updated, skipped)
+        return SyncResult(round_id, uploaded, late, update_id, log_size, version, updated, skipped, warnings)
 
-    def _sync_round(self, state: SyncState) -> tuple[int | None, bool, bool, int | None, int | None, str | None]:
-        """The upload step: (round id, uploaded, late, update id, log size, why skipped)."""
+    def _sync_round(self, state: SyncState) -> tuple[int | None, bool, bool, int | None, int | None, str | None,
+                                                     tuple[str, ...]]:
+        """The upload step: (round id, uploaded, late, update id, log size, why skipped, log warnings)."""
         round_id = update_id = log_size = skipped = None
         uploaded = late = False
+        warnings: tuple[str, ...] = ()
         answer = self._request("GET", "/v1/rounds/current", limit=MAX_ANSWER_BYTES)
         if answer.status_code == 204:
-            return round_id, uploaded, late, update_id, log_size, skipped
+            return round_id, uploaded, late, update_id, log_size, skipped, warnings
         if answer.status_code != 200:
             raise SyncError(f"GET /v1/rounds/current answered {answer.status_code}")
-        round_id, payload, content_type, skipped, sent = self._prepare_upload(_json(answer), state)
+        round_id, payload, content_type, skipped, sent, warnings = self._prepare_upload(_json(answer), state)
         if payload is None:
-            return round_id, uploaded, late, update_id, log_size, skipped
+            return round_id, uploaded, late, update_id, log_size, skipped, warnings
         key = f"r{round_id}-{hashlib.sha256(payload).hexdigest()}"
         last = state.last_upload or {}
         if last.get("key") == key:  # acknowledged before: same round, same body
-            return round_id, False, bool(last.get("late")), last.get("update_id"), last.get("log_size"), None
+            return (round_id, False, bool(last.get("late")), last.get("update_id"), last.get("log_size"), None,
+                    warnings)
         previous_sent = state.sent
         if sent is not None:  # what the server may see from now on, recorded before it is sent
             state.sent = sent
@@ -264,11 +270,13 @@ class SyncClient:
         state.last_upload = {"round_id": round_id, "key": key, "update_id": update_id,
                                 "late": late, "log_size": log_size}
         self._write_state(state)
-        return round_id, uploaded, late, update_id, log_size, None
+        return round_id, uploaded, late, update_id, log_size, None, warnings
 
-    def _prepare_upload(self, body: dict, state: SyncState) -> tuple[int, bytes | None, str, str | None, dict | None]:
+    def _prepare_upload(self, body: dict, state: SyncState) -> tuple[int, bytes | None, str, str | None, dict | None,
+                                                                      tuple[str, ...]]:
         """(round id, upload body or None, its content type, why nothing is uploaded, the sent
-        record to keep in the state or None), from the round kind's device handler (:mod:`sdk.kinds`)."""
+        record to keep in the state or None, degenerate-log warnings), from the round kind's device
+        handler (:mod:`sdk.kinds`)."""
         family, name = body.get("family", kinds.ROUTER_FAMILY), body.get("kind")
         if not isinstance(family, str) or not isinstance(name, str):
             raise SyncError(f"malformed round description from the server: family {family!r}, kind {name!r}")
@@ -280,7 +288,7 @@ class SyncClient:
             why = f"{family} kind {name!r} has no device round handler"
         if handler is None:
             try:
-                return int(body["round_id"]), None, "", why, None
+                return int(body["round_id"]), None, "", why, None, ()
             except (KeyError, TypeError, ValueError) as exc:
                 raise SyncError(f"malformed round description from the server: {exc!r}") from exc
         context = DeviceRoundContext(
@@ -289,7 +297,8 @@ class SyncClient:
             fetch=lambda path, limit: self._request("GET", path, ok=(200,), limit=limit).content,
             local_trainer=self.mlp_trainer, state_path=str(self.state_path), upload_format=self.upload_format)
         prepared = handler.prepare(body, context)
-        return prepared.round_id, prepared.payload, prepared.content_type, prepared.skipped, prepared.sent
+        return (prepared.round_id, prepared.payload, prepared.content_type, prepared.skipped, prepared.sent,
+                tuple(prepared.warnings))
 
     # -- bundle -------------------------------------------------------------------------------
 

@@ -14,8 +14,13 @@ from sdk.errors import InvalidInputError, InvalidQueryError, ShapeError, Unknown
 
 
 @pytest.fixture(scope="module")
-def router(make_bundle, signing_keys, tmp_path_factory) -> Router:
-    return Router.load(make_bundle(tmp_path_factory.mktemp("budget") / "bundle"), signing_keys[1])
+def bundle_dir(make_bundle, tmp_path_factory):
+    return make_bundle(tmp_path_factory.mktemp("budget") / "bundle")
+
+
+@pytest.fixture(scope="module")
+def router(bundle_dir, signing_keys) -> Router:
+    return Router.load(bundle_dir, signing_keys[1])
 
 
 def _row(router, values):
@@ -186,3 +191,26 @@ def test_concurrent_choose_and_record(router):
     assert errors == []
     assert controller.n_chosen == 2400 and controller.n_recorded == 2400
     assert 1.0 <= controller.realised_usd_per_1k <= 10.0
+
+
+def test_example_holds_a_budget_on_a_single_task_stream(bundle_dir, signing_keys, router, routerbench_dir, capsys):
+    import re
+    import runpy
+
+    import pandas as pd
+
+    from conftest import ROOT
+    from sdk.spend_curve import SpendCurve, decision_steps
+
+    frame = pd.read_parquet(routerbench_dir / "test.parquet")
+    prompts = list(frame[frame["task"] == "winogrande"]["prompt"][:60])
+    curve = SpendCurve.from_steps(decision_steps(*router.predict(prompts)))
+    budget = 1000 * float(np.sqrt(curve.levels[0] * curve.levels[-1]))  # between the cheapest and lam = 0
+    module = runpy.run_path(str(ROOT / "examples" / "budget_controller.py"))
+    code = module["main"](["--bundle", str(bundle_dir), "--public-key", str(signing_keys[1]), "--data",
+                           str(routerbench_dir), "--budget", f"{budget:.6f}", "--task", "winogrande",
+                           "--queries", "500", "--window", "100"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.count(" queries  lam ") == 5
+    realised = float(re.search(r"warm-up of 100: ([0-9.]+) USD per 1k", out).group(1))
+    assert realised == pytest.approx(budget, rel=0.2)  # 400 queries after the warm-up

@@ -4,7 +4,7 @@ One seed: Dirichlet(alpha) task split of the train queries over N clients, one l
 query from each client's skewed preference ``pi_i ~ Dir(0.5)``, then for each router kind the
 settings **local** (each client alone), **federated** and **centralised** (all sparse logs pooled)
 trained on the *same* sparse logs, plus **federated + personalised** (paper 002 interpolation per
-client), all evaluated on the shared test split with the METRICS.md curve metrics. Local, federated
+client, errors measured on held-out rows of the client's log), all evaluated on the shared test split with the METRICS.md curve metrics. Local, federated
 and personalised routers are also scored on each client's own task mix (test rows drawn to match
 the client's tasks), where personalisation is meant to help.
 """
@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sdk.errors import InvalidInputError
-from sdk.personalisation import interpolation_weights, personalise
+from sdk.log_checks import check_log
+from sdk.personalisation import holdout_split, personalisation_weights, personalise
 from trainer import kinds, metrics
 from trainer.data.client_data import ClientData
 from trainer.data.routerbench import EvalTable
@@ -122,27 +123,29 @@ def simulate_clients(
 
 def _personalised_predictions(
     global_router: Router,
-    local_router: Router,
+    trainer_kind,
     data: ClientData,
+    models: Sequence[str],
+    config: SimulationConfig,
+    rng: np.random.Generator,
     global_test: tuple[np.ndarray, np.ndarray],
-    local_test: tuple[np.ndarray, np.ndarray],
+    test_embeddings: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Paper 002 interpolation: per model, weights from the MAE of both estimators on the client's
-    own log, applied to the two routers' (already computed) test predictions ``(accuracy, cost)``."""
-    n_models = len(global_router.models)
-    ga, gc = global_router.predict(data.embeddings)
-    la, lc = local_router.predict(data.embeddings)
-    rows = np.arange(data.n_samples)
-
-    def mae(pred: np.ndarray, truth: np.ndarray) -> np.ndarray:
-        err = np.abs(pred[rows, data.model] - truth)
-        n = np.bincount(data.model, minlength=n_models)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.bincount(data.model, weights=np.nan_to_num(err, nan=0.0), minlength=n_models) / n
-
-    w_acc = interpolation_weights(mae(ga, data.accuracy), mae(la, data.accuracy))
-    w_cost = interpolation_weights(mae(gc, data.cost), mae(lc, data.cost))
-    return personalise(global_test[0], local_test[0], w_acc), personalise(global_test[1], local_test[1], w_cost)
+    """Paper 002 interpolation on the test predictions ``(accuracy, cost)``: per model, weights from
+    the errors of both estimators on held-out rows of the client's own log (the local estimator is
+    fitted on the other rows, :func:`sdk.personalisation.holdout_split`), and the global estimate
+    for models whose rows are degenerate or too few (:mod:`sdk.log_checks`)."""
+    check = check_log(data.model, data.accuracy, models)
+    fit_rows, held_rows = holdout_split(data.model, rng)
+    local = trainer_kind.fit_local(data.subset(fit_rows), models, config, rng)
+    held = data.embeddings[held_rows]
+    weights = personalisation_weights(
+        global_router.predict(held), local.predict(held), data.model[held_rows], data.accuracy[held_rows],
+        data.cost[held_rows], check, where="simulated client",
+    )
+    local_test = local.predict(test_embeddings)
+    return (personalise(global_test[0], local_test[0], weights.accuracy),
+            personalise(global_test[1], local_test[1], weights.cost))
 
 
 def run_seed(
@@ -188,9 +191,12 @@ def run_seed(
         central = trainer_kind.fit_local(ClientData.pool(active), models, config, rng)
         local_pred = [r.predict(test_embeddings) for r in local_routers]
         fed_pred = fed.predict(test_embeddings)
+        say(f"seed {seed}: {kind} personalised (local estimators on 80% of each log, errors on the held-out 20%)")
+        # Its own generator, so the held-out splits and refits leave every other setting's draws as they were.
+        pers_rng = np.random.default_rng([seed, 1 + list(config.routers).index(kind)])
         pers_pred = [
-            _personalised_predictions(fed, loc, c, fed_pred, loc_pred)
-            for loc, c, loc_pred in zip(local_routers, active, local_pred)
+            _personalised_predictions(fed, trainer_kind, c, models, config, pers_rng, fed_pred, test_embeddings)
+            for c in active
         ]
         reports[kind] = {
             "local": [evaluate_on(all_rows, *p) for p in local_pred],
