@@ -1,7 +1,6 @@
 """Degenerate client logs (sdk.log_checks): criteria by hand, held-out personalisation errors, the
 issue's 120-row all-1.0 one-model log on real RouterBench routers, and the upload path."""
 
-import json
 import logging
 
 import numpy as np
@@ -12,7 +11,7 @@ from sdk.device_rounds import DeviceRoundContext, KMeansRoundHandler, screen_log
 from sdk.errors import InvalidInputError, ShapeError
 from sdk.log_checks import MIN_CONSTANT_ROWS, MIN_MODEL_ROWS, check_log
 from sdk.personalisation import holdout_split, personalisation_weights
-from sdk.protocol import centroids_hash
+from sdk.protocol import centroids_hash, decode_kmeans_update_msgpack
 from sdk.utility import decide
 
 MODELS = ("a", "b", "c")
@@ -139,8 +138,8 @@ def test_upload_withholds_a_constant_model(tmp_path):
     assert len(kept) == 20 and set(kept.model) == {"b"} and check.constant.tolist() == [True, False]
     context = DeviceRoundContext("dev-1", lambda: rows, None, 1, False, lambda p, n: b"")
     prepared = KMeansRoundHandler().prepare(_round(), context)
-    body = json.loads(prepared.payload)
-    count = np.array(body["count"])
+    assert prepared.content_type == "application/msgpack"  # the default wire format
+    count = np.asarray(decode_kmeans_update_msgpack(prepared.payload)[1].statistics.count)
     assert count[:, 0].sum() == 0 and count[:, 1].sum() == 20  # nothing of "a", all of "b"
     # "a" withheld; "b" is then the only model: warned about, still sent (see sdk.log_checks, criterion 3)
     assert len(prepared.warnings) == 2 and "'a': all 40 scores are 1" in prepared.warnings[0]

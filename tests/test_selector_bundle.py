@@ -23,9 +23,10 @@ from export.errors import ExportError, ParityError  # noqa: E402
 from sdk.errors import BundleError, InvalidInputError  # noqa: E402
 from sdk.selector import Selector  # noqa: E402
 
-# 200 parity pairs: the 99 % int8 gate then tolerates 2 flipped decisions. With 40 pairs it tolerated
-# none, and on an AVX2 CPU without VNNI (onnxruntime's u8s8 kernels saturate there) one pair near
-# P = 0.5 flipped: 39 / 40 = 0.975.
+# The shared bundle ships fp32 only: this 40-step expert puts many pairs near P = 0.5, and on an AVX2
+# CPU without VNNI (onnxruntime's u8s8 kernels saturate there) its int8 copy agreed on 95-96 % of
+# 200 parity pairs, below the 99 % gate, whatever the weight type or reduce_range (both tried).
+# test_int8_export_passes_or_refuses_on_its_gate checks the int8 gate itself on any CPU.
 N_TRAIN, N_PARITY = 96, 200
 
 
@@ -79,7 +80,7 @@ def bundle(trained_expert, hh_pairs, signing_keys, tmp_path_factory):
 
     _, parity = hh_pairs
     out = tmp_path_factory.mktemp("bundles") / "selector"
-    result = export_selector_bundle(trained_expert, out, signing_keys[0], parity, int8=True, progress=lambda m: None)
+    result = export_selector_bundle(trained_expert, out, signing_keys[0], parity, int8=False, progress=lambda m: None)
     return out, result
 
 
@@ -90,11 +91,11 @@ def test_onnx_parity_with_torch(bundle, trained_expert, hh_pairs, signing_keys):
     report = result.parity
     assert report["passed"] and report["n_pairs"] == N_PARITY
     assert report["fp32"]["max_abs_logit_diff"] <= 1e-3
-    assert report["int8"]["decision_agreement"] >= 0.99
+    assert "int8" not in report
     manifest = result.manifest
     assert manifest["selector_kind"] == "onnx_pair"
     assert manifest["selector"]["name"] == "fedprism-expert-0" and manifest["selector"]["expert"] == 0
-    assert set(manifest["files"]) == {"tokenizer.json", "selector.onnx", "selector.int8.onnx", "parity.json"}
+    assert set(manifest["files"]) == {"tokenizer.json", "selector.onnx", "parity.json"}
     assert "embedder" not in manifest and "models" not in manifest
     assert json.loads((out / "parity.json").read_text()) == json.loads(json.dumps(report))
 
@@ -112,11 +113,30 @@ def test_onnx_parity_with_torch(bundle, trained_expert, hh_pairs, signing_keys):
     assert np.max(np.abs(ab0 - ab)) > 1e-2
 
 
-def test_prefer_is_antisymmetric_and_int8_is_the_default(bundle, hh_pairs, signing_keys):
+def test_int8_export_passes_or_refuses_on_its_gate(trained_expert, hh_pairs, signing_keys, tmp_path):
+    """int8 ships only if its decisions agree with torch on >= 99 % of the parity pairs; a refused
+    export writes nothing. (Which branch runs depends on the CPU's int8 kernels; both are checked.)"""
+    from export.selector_export import export_selector_bundle
+
+    _, parity = hh_pairs
+    out = tmp_path / "selector-int8"
+    try:
+        result = export_selector_bundle(trained_expert, out, signing_keys[0], parity, int8=True, progress=lambda m: None)
+    except ParityError as exc:
+        agree = exc.report["int8"]["decision_agreement"]
+        assert 0.5 < agree < 0.99 and not exc.report["passed"]
+        assert exc.report["failures"] == [f"int8 decision agreement {agree:.4f} < 0.99"]
+        assert not out.exists()
+    else:
+        assert result.parity["passed"] and result.parity["int8"]["decision_agreement"] >= 0.99
+        assert Selector.load(out, signing_keys[1]).precision == "int8"  # the default when shipped
+
+
+def test_prefer_is_antisymmetric_and_fp32_loads_when_no_int8_is_shipped(bundle, hh_pairs, signing_keys):
     out, _ = bundle
     _, parity = hh_pairs
     sel = Selector.load(out, signing_keys[1])
-    assert sel.precision == "int8" and sel.kind == "onnx_pair" and sel.bundle_version == 1
+    assert sel.precision == "fp32" and sel.kind == "onnx_pair" and sel.bundle_version == 1
     x, a, b = parity.prompt[0], parity.response_a[0], parity.response_b[0]
     p = sel.prefer(x, a, b)
     assert 0.0 < p < 1.0
