@@ -126,7 +126,7 @@ def read_answer(sock: socket.socket) -> bytes:
         while chunk := sock.recv(65536):
             data += chunk
     except (ConnectionResetError, TimeoutError):
-        pass
+        pass  # the server cutting the connection is how these answers end; what arrived is the answer
     return data
 
 
