@@ -7,7 +7,11 @@ Profiles (:data:`PROFILES`, one function each; ratios are against the first, mea
   truncation side as the bundle, ``torch.set_num_threads(1)`` (encode only: the router's own work
   is not added, which favours the baseline slightly);
 - ``onnx-fp32``, ``onnx-int8`` (today's recipe: four FFN output MatMuls in fp32), ``onnx-int8-all``
-  (every weight MatMul in int8): ``Router.choose(prompt, lam)`` with that encoder of ``--bundle``;
+  (every weight MatMul in int8): ``Router.choose(prompt, lam)`` with that encoder of ``--bundle``
+  (graphs fused by the export, :mod:`export.embedder_fusion`);
+- ``unfused onnx-int8``, ``unfused onnx-int8-all`` (only with ``--unfused-bundle``, a bundle written by
+  ``benchmarks/latency_bundle.py --no-fuse``): the same recipes without graph fusion, to measure the
+  fusion in the same run;
 - ``static``: ``Router.choose`` on ``--static-bundle`` (a router bundle whose embedder is a static
   model2vec kind). A profile whose bundle, precision or embedder kind is missing is listed as
   "not available in this checkout", with the reason.
@@ -29,7 +33,8 @@ rebuilt here from ``read_verified`` + ``kinds.load_artefact``): load ms, verify 
 peak RSS right after loading.
 
     python benchmarks/choose_latency.py --bundle bundles/kmeans --public-key keys/signing.pub \
-        --data ../shared/data/routerbench --out results/benchmarks [--static-bundle bundles/static]
+        --data ../shared/data/routerbench --out results/benchmarks [--static-bundle bundles/static] \
+        [--unfused-bundle bundles/latency-unfused]
 
 Writes ``choose_latency.json``, ``choose_latency.md`` and ``choose_latency.png`` under ``--out``.
 """
@@ -180,6 +185,16 @@ def static_profiles(args) -> list[Profile]:
                            args.public_key, p, args.lam, "") for p in files]
 
 
+def unfused_profiles(args) -> list[Profile]:
+    """Same-run check of the graph fusion (:mod:`export.embedder_fusion`): the int8 and int8-all encoders
+    of ``--unfused-bundle`` (``benchmarks/latency_bundle.py --no-fuse``), named ``unfused onnx-...`` so
+    that issue 13's targets stay on the shipped (fused) rows; no rows without that option."""
+    if args.unfused_bundle is None:
+        return []
+    return [router_profile(f"unfused onnx-{p}", f"fedroute `choose()`, ONNX {p}, graph not fused (before issue 13)",
+                           args.unfused_bundle, args.public_key, p, args.lam, "") for p in ("int8", "int8-all")]
+
+
 #: The rows, in table order; each is a function of (args, the bundle's embedder entry) returning
 #: one Profile or a list of them. The first is the baseline.
 PROFILES: list[Callable] = [
@@ -190,6 +205,7 @@ PROFILES: list[Callable] = [
                                 a.bundle, a.public_key, "int8", a.lam, "no --bundle"),
     lambda a, e: router_profile("onnx-int8-all", "fedroute `choose()`, ONNX int8-all (every MatMul int8)",
                                 a.bundle, a.public_key, "int8-all", a.lam, "no --bundle"),
+    lambda a, e: unfused_profiles(a),
     lambda a, e: static_profiles(a),
 ]
 
@@ -265,6 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--public-key", type=Path, required=True)
     parser.add_argument("--data", type=Path, required=True, help="RouterBench folder (test.parquet)")
     parser.add_argument("--static-bundle", type=Path, default=None, help="router bundle with a static embedder")
+    parser.add_argument("--unfused-bundle", type=Path, default=None,
+                        help="the same router's bundle with unfused encoders (latency_bundle.py --no-fuse)")
     parser.add_argument("--out", type=Path, default=Path("results/benchmarks"))
     parser.add_argument("--n-prompts", type=int, default=500)
     parser.add_argument("--cold-repeats", type=int, default=5)

@@ -28,10 +28,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--signing-key", type=Path, required=True)
     parser.add_argument("--data", type=Path, required=True, help="RouterBench folder for the parity report")
     parser.add_argument("--precisions", default="int8,int8-all", help="quantised encoders besides fp32")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="skip the graph fusion of the onnx embedder kind's recipe (export.embedder_fusion), "
+                             "for a same-run comparison with the fused bundle")
     args = parser.parse_args(argv)
 
     from export import kinds as export_kinds
     from export.bundle_writer import PARITY_FILE, next_bundle_version, write_bundle
+    from export.embedder_export import EMBEDDER_FAMILY
     from export.embedder_onnx import export_embedder, quantize_precision
     from export.pipeline import _load_test_table, assemble
     from export.signing import load_signing_key
@@ -46,8 +50,10 @@ def main(argv: list[str] | None = None) -> dict:
     test = _load_test_table(router, args.data).with_models(router.models)
     with tempfile.TemporaryDirectory(prefix="fedroute-latency-") as tmp:
         tmp = Path(tmp)
+        fuse = export_kinds.get("onnx", EMBEDDER_FAMILY).fuse_graph and not args.no_fuse
         exported = export_embedder(resolve_model_path(config.model), tmp / "embedder", config.max_tokens,
-                                   config.truncation_side)
+                                   config.truncation_side, fuse=fuse)
+        print(f"encoder graph {'fused: ' + str(exported.fused_ops) if exported.fused_ops else 'not fused'}")
         quantised = {p: quantize_precision(exported.model, tmp / fmt.EMBEDDER_FILES[p], p)
                      for p in args.precisions.split(",") if p}
         files, fields = assemble(router, exported, quantised, config.model, config.max_tokens, config.truncation_side,

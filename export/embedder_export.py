@@ -5,7 +5,8 @@ from the ``embedder`` entry the trainer wrote into ``router.json``, and checks a
 embedder against the trainer's embeddings (:func:`export.parity.check_embedder`; a router's own
 gate, :func:`export.parity.check_bundle`, measures the same cosine on the way to its decisions).
 
-- ``onnx``: the sentence-transformer exported by optimum (+ int8 by onnxruntime), :mod:`export.embedder_onnx`;
+- ``onnx``: the sentence-transformer exported by optimum, fused (:mod:`export.embedder_fusion`) (+ int8 by
+  onnxruntime), :mod:`export.embedder_onnx`;
 - ``static``: the model2vec table (float16, + int8 with per-row scales) and its ``tokenizer.json``,
   :mod:`sdk.static_embedder` (format) and :mod:`trainer.static_embedder` (the table the routers trained on).
 """
@@ -122,17 +123,23 @@ def check_quantised(kind: EmbedderExportKind, quantised: Sequence[str]) -> None:
 
 
 class OnnxEmbedderExportKind(EmbedderExportKind):
-    """``embedder/onnx``: optimum's ONNX export of the sentence-transformer (+ onnxruntime int8)."""
+    """``embedder/onnx``: optimum's ONNX export of the sentence-transformer, fused by onnxruntime's
+    transformer optimizer (:mod:`export.embedder_fusion`, every precision), + onnxruntime int8."""
 
     name = "onnx"
 
     precisions = tuple(QUANTISED_PRECISIONS)
+    #: fuse the graph before quantising (issue 13: int8-all ``choose()`` ~5% faster, same parity).
+    fuse_graph = True
 
     def build(self, trained, config, scratch, quantised, cache_dir, progress=print):
         check_quantised(self, quantised)
         progress(f"exporting embedder {config.model} to ONNX with optimum (opset 17)")
         exported = export_embedder(resolve_model_path(config.model), Path(scratch) / "embedder", config.max_tokens,
-                                   config.truncation_side)
+                                   config.truncation_side, fuse=self.fuse_graph)
+        if exported.fused_ops:
+            progress("fused the encoder graph (onnxruntime transformer optimizer): "
+                     + ", ".join(f"{n} {op}" for op, n in exported.fused_ops.items() if n))
         models = {}
         for precision in quantised:
             progress(f"quantising the embedder to {precision} (onnxruntime dynamic, per-channel int8 weights)")

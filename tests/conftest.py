@@ -41,12 +41,14 @@ def signing_keys(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def exported_embedder(tmp_path_factory):
-    """all-MiniLM-L6-v2 exported by optimum, plus its int8 variant: (ExportedEmbedder, int8 path)."""
+    """all-MiniLM-L6-v2 exported by optimum and fused as the ``onnx`` embedder kind ships it
+    (:mod:`export.embedder_fusion`; optimum's unfused graph stays beside it as ``model.onnx``), plus
+    its int8 variant: (ExportedEmbedder, int8 path)."""
     from export.embedder_onnx import export_embedder, quantize_embedder
     from trainer.embeddings import resolve_model_path
 
     out = tmp_path_factory.mktemp("embedder")
-    exported = export_embedder(resolve_model_path("all-MiniLM-L6-v2"), out, BUNDLE_MAX_TOKENS, "left")
+    exported = export_embedder(resolve_model_path("all-MiniLM-L6-v2"), out, BUNDLE_MAX_TOKENS, "left", fuse=True)
     return exported, quantize_embedder(exported.model, out / "embedder.int8.onnx")
 
 

@@ -26,11 +26,15 @@ def test_the_recipe_quantises_every_weight_matmul_that_int8_keeps_in_fp32(export
     kept = sensitive_matmuls(exported.model)
     assert len(kept) == 4 and QUANTISED_PRECISIONS["int8-all"](exported.model) == []
     fp32_names = lambda p: {n.name for n in onnx.load(str(p)).graph.node if n.op_type == "MatMul"}  # noqa: E731
-    # int8 keeps the four FFN output projections as float MatMuls; int8-all has none of them left,
-    # and four more integer MatMuls (6 layers x 6 weight MatMuls = 36 in all).
+    # The graph is fused (export.embedder_fusion): per layer one Attention (Q/K/V packed, quantised as
+    # one QAttention) and three weight MatMuls (attention output, FFN in, FFN out). int8 keeps the
+    # four FFN output projections as float MatMuls; int8-all has none of them left, and four more
+    # integer MatMuls (6 layers x 3 = 18 in all).
     assert set(kept) <= fp32_names(int8_path) and not set(kept) & fp32_names(int8_all_model)
-    n_int = lambda p: sum(n.op_type == "MatMulInteger" for n in onnx.load(str(p)).graph.node)  # noqa: E731
-    assert (n_int(int8_path), n_int(int8_all_model)) == (32, 36)
+    count = lambda p, op: sum(n.op_type == op for n in onnx.load(str(p)).graph.node)  # noqa: E731
+    assert (count(int8_path, "MatMulInteger"), count(int8_all_model, "MatMulInteger")) == (14, 18)
+    assert (count(int8_path, "QAttention"), count(int8_all_model, "QAttention")) == (6, 6)
+    assert count(int8_all_model, "MatMul") == 0  # the attention's activation x activation products are inside QAttention
 
 
 def test_the_manifest_lists_int8_all_and_router_load_loads_it(bundle, signing_keys, fitted_routers):
