@@ -129,7 +129,7 @@ class OnnxEmbedderExportKind(EmbedderExportKind):
     name = "onnx"
 
     precisions = tuple(QUANTISED_PRECISIONS)
-    #: fuse the graph before quantising (issue 13: int8-all ``choose()`` ~5% faster, same parity).
+    #: fuse the graph before quantising (issue 13: int8-all ``choose()`` 2-6% faster, same parity).
     fuse_graph = True
 
     def build(self, trained, config, scratch, quantised, cache_dir, progress=print):
