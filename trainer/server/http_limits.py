@@ -6,9 +6,9 @@ setting (``h11_max_incomplete_event_size``) only applies to h11, and httptools a
 request head of any size, so :class:`_Deadlines` caps the request head itself, for both parsers, at
 the same ``max_header_bytes`` (431 and close); h11 additionally answers 400 at its own setting,
 which is set to the same value. The header count is checked by :class:`RequestLimits` for both.
-With TLS, the same 64 devices, and MessagePack bodies, a bare ASGI app returning 201 costs about
-0.2 ms less server CPU per request under httptools than under h11 (``benchmarks/sync_load.py``,
-its ``floor`` runs; docs/benchmarks.md). The limits (:class:`HttpLimits`, ``fedroute serve``
+With TLS, 64 devices and MessagePack bodies, a bare ASGI app answering 201
+(``benchmarks/http_floor_app.py``) cost 0.2-0.4 ms less server CPU per request under httptools than
+under h11 in two runs on a loaded 2-core machine (docs/benchmarks.md). The limits (:class:`HttpLimits`, ``fedroute serve``
 options; docs/sync-protocol-and-operations.md lists them):
 
 ========================  ========  ==========================================================================
