@@ -141,7 +141,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         if freeze_gc:
             # Everything built so far (modules, the app, caches) lives as long as the process: out of
             # the cyclic garbage collector's way, whose collections then only walk what uploads
-            # allocate (they cost ~0.8 ms of CPU per upload otherwise; docs/benchmarks.md).
+            # allocate (about 0.8-1.1 ms per upload otherwise, measured in-process; docs/benchmarks.md).
             gc.collect()
             gc.freeze()
         task = asyncio.create_task(closer())
@@ -382,8 +382,8 @@ class SyncServerApp(FastAPI):
     path: one request per device upload) goes straight to :attr:`upload_app`, a Starlette ``Route``
     under the header-count limit and the route's exception handlers, set by :func:`create_app`.
     FastAPI's own middleware stack (server-error, telemetry, body-limit and exit-stack middleware)
-    costs about 0.2-0.3 ms of CPU per request (benchmarks/sync_load.py, docs/benchmarks.md); an
-    error the route does not handle is answered 500 by uvicorn."""
+    cost a bare route about 0.27-0.3 ms of CPU per request more (docs/benchmarks.md); an error the
+    route does not handle is answered 500 by uvicorn."""
 
     upload_app = None
 
