@@ -17,7 +17,11 @@ with the same key and body. Runs, in one process:
    ``--warmup-s`` not counted);
 4. load, MessagePack bodies: the same. For 3 and 4 the server's CPU time (user + system of the
    server process, ``/proc/<pid>/stat``) over the run is divided by the uploads it stored (201);
-5. crash: ``--clients`` devices (MessagePack) for ``--crash-duration-s``; at ``--kill-at-s`` the server gets SIGKILL
+5. floor: the same devices and MessagePack bodies for ``--floor-s`` against a bare ASGI app served
+   as ``fedroute serve`` serves (``benchmarks/http_floor_app.py``: same uvicorn parser, limits and
+   TLS; it reads each body and answers 201), then against it over plain HTTP: the server CPU per
+   request that HTTP + TLS alone cost, and TLS's share;
+6. crash: ``--clients`` devices (MessagePack) for ``--crash-duration-s``; at ``--kill-at-s`` the server gets SIGKILL
    and is restarted on the same database and port while the devices retry. Then every receipt any
    device got (all runs) is checked against the store (0 acknowledged uploads may be missing, each
    (device, key) is stored once), each device's last upload is re-sent (must answer the same
@@ -38,6 +42,7 @@ import json
 import os
 import platform
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +53,7 @@ import numpy as np
 # The synthetic fleet is test support (tests/sync_fleet.py), shared with tests/test_sync_crash.py:
 # put that folder on the path when run as a script (``python benchmarks/sync_load.py``).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from trainer.server.http_limits import HttpLimits  # noqa: E402
 from sync_fleet import (  # noqa: E402
     Fleet,
     ServerProcess,
@@ -82,6 +88,67 @@ def raw_sqlite_inserts(path: Path, row_bytes: bytes, seconds: float) -> dict:
     return {"inserts_per_s": len(samples) / elapsed, "p50_ms": float(np.percentile(ms, 50)),
             "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "row_bytes": len(row_bytes),
             "n": len(samples)}
+
+
+class FloorServer(ServerProcess):
+    """``benchmarks/http_floor_app.py`` as a child process (TLS with the deployment's certificate,
+    or plain HTTP when ``tls`` is False), with :meth:`ServerProcess.cpu_seconds`."""
+
+    def __init__(self, deployment, tls: bool) -> None:
+        super().__init__(deployment.work, deployment.db_url, deployment.server_pem, deployment.ca_pem)
+        self.tls = tls
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> FloorServer:
+        import httpx  # the devices' client (tests/sync_fleet.py uses it too)
+
+        repo = Path(__file__).resolve().parents[1]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, str(repo / "benchmarks" / "http_floor_app.py"), str(self.port),
+                 str(self.server_pem) if self.tls else "none"], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"floor app exited {self.process.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/v1/health", verify=ssl_context_of(self.ca_pem), timeout=2.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"floor app did not answer within {timeout_s} s: {self.log_tail()}")
+
+
+def ssl_context_of(ca_pem: Path):
+    import ssl  # standard library; only the floor runs need it here
+
+    return ssl.create_default_context(cafile=str(ca_pem))
+
+
+def floor_run(d, uploads, clients: list[str], seconds: float, tls: bool, seed: int) -> dict:
+    """64 devices (MessagePack) against the bare app for ``seconds`` (after 1 s not counted): requests/s
+    and the app process's CPU ms per request."""
+    server = FloorServer(d, tls).start()
+    try:
+        fleet = Fleet(server.url, d, uploads, seed=seed)
+        asyncio.run(fleet.run(1.0, clients))
+        cpu0 = server.cpu_seconds()
+        with _progress(f"floor, {'TLS' if tls else 'plain HTTP'}", seconds) as bar:
+            result = asyncio.run(fleet.run(seconds, clients, on_ack=lambda a: bar.update()))
+        cpu1 = server.cpu_seconds()
+    finally:
+        server.stop()
+    n = sum(a.status == 201 for a in result.acks)
+    return {"tls": tls, "devices": len(clients), "duration_s": seconds, "requests": n,
+            "requests_per_s": result.accepted_per_s(), "latency": result.latency_ms(),
+            "server_cpu_ms_per_request": None if cpu0 is None or cpu1 is None or not n else (cpu1 - cpu0) * 1e3 / n}
 
 
 def summary(result, warmup_s: float = 0.0) -> dict:
@@ -131,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--crash-duration-s", type=float, default=10.0)
     parser.add_argument("--kill-at-s", type=float, default=4.0)
     parser.add_argument("--single-s", type=float, default=3.0)
+    parser.add_argument("--floor-s", type=float, default=8.0, help="seconds of each floor run (0: none)")
     parser.add_argument("--baseline-s", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -188,6 +256,9 @@ def run(args, work: Path) -> dict:
                 loads[wire_format] = asyncio.run(fleet.run(args.duration_s, clients, on_ack=lambda a: bar.update()))
             cpu[wire_format] = (cpu0, server.cpu_seconds(), own0, time.process_time())
         load = loads["msgpack"]
+        floors = {} if args.floor_s <= 0 else {
+            "tls": floor_run(d, uploads, clients, args.floor_s, True, args.seed),
+            "plain": floor_run(d, uploads, clients, args.floor_s, False, args.seed)}
         with _progress(f"{args.clients} devices, kill -9 at {args.kill_at_s:g} s", args.crash_duration_s) as bar:
             crash, times = asyncio.run(run_with_kill(fleet, server, args.crash_duration_s, args.kill_at_s, clients,
                                                      on_ack=lambda a: bar.update()))
@@ -222,7 +293,8 @@ def run(args, work: Path) -> dict:
             "body_bytes": {"median": float(np.median(bodies)), "max": int(max(bodies))},
             "msgpack_body_bytes": {"median": float(np.median(msgpack_bodies)), "max": int(max(msgpack_bodies))},
             "stored_row_bytes": raw["row_bytes"], "transport": "HTTPS (TLS, trustme CA) on 127.0.0.1",
-            "server": "fedroute serve: 1 uvicorn process (h11), SQLite WAL synchronous=FULL, no upload quota",
+            "server": f"fedroute serve: 1 uvicorn process ({HttpLimits().parser}), SQLite WAL synchronous=FULL, "
+                      "no upload quota",
             "load_average_before": load_before, "load_average_after": list(os.getloadavg()),
             "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                         "python": platform.python_version()},
@@ -239,10 +311,22 @@ def run(args, work: Path) -> dict:
             "json_vs_msgpack_server_cpu": None if not load_runs["msgpack"]["server_cpu_ms_per_upload"]
             else load_runs["json"]["server_cpu_ms_per_upload"] / load_runs["msgpack"]["server_cpu_ms_per_upload"],
         },
+        "floor": floors,
+        "breakdown_ms_per_upload": breakdown(load_runs["msgpack"]["server_cpu_ms_per_upload"], floors),
         "crash": {**summary(crash), **times, "timeline_per_s": timeline(crash, 0.5), "recovery": check.to_json(),
                   "failed_checks": failed},
         "wall_s": time.time() - started,
     }
+
+
+def breakdown(total_ms: float | None, floors: dict) -> dict | None:
+    """Server CPU per MessagePack upload split into TLS, HTTP (uvicorn + parser, no TLS) and the rest
+    (the app: FastAPI/Starlette, checks, the store), from the floor runs of the same run."""
+    tls, plain = (floors.get(k, {}).get("server_cpu_ms_per_request") for k in ("tls", "plain"))
+    if total_ms is None or tls is None or plain is None:
+        return None
+    return {"total": total_ms, "http_without_tls": plain, "tls": tls - plain, "app_and_store": total_ms - tls,
+            "tls_share": (tls - plain) / total_ms, "http_and_tls_share": tls / total_ms}
 
 
 def markdown(r: dict) -> str:
@@ -280,6 +364,9 @@ def markdown(r: dict) -> str:
         row(f"server, {load['devices']} devices, MessagePack ({load['duration_s']:g} s, first {load['warmup_s']:g} s "
             "not counted)", load["devices"], load["accepted_per_s"], load["latency"], errs(load), rej(load),
             load["server_cpu_ms_per_upload"]),
+        *[row(f"floor: bare ASGI app answering 201, {'TLS' if f['tls'] else 'plain HTTP'} ({f['duration_s']:g} s)",
+              f["devices"], f["requests_per_s"], f["latency"], cpu=f["server_cpu_ms_per_request"])
+          for f in r.get("floor", {}).values()],
         row(f"server, {crash['devices']} devices, MessagePack, kill -9 at {crash['kill_s']:.1f} s of "
             f"{crash['duration_s']:g} s", crash["devices"], crash["accepted_per_s"], crash["latency"], errs(crash),
             rej(crash)),
@@ -292,6 +379,12 @@ def markdown(r: dict) -> str:
          + f". Devices' CPU (this process) per upload: JSON {load_json['devices_cpu_ms_per_upload']:.1f} ms, "
            f"MessagePack {load['devices_cpu_ms_per_upload']:.1f} ms."),
         "",
+        *([] if not r.get("breakdown_ms_per_upload") else [
+            (f"Server CPU per MessagePack upload, {r['breakdown_ms_per_upload']['total']:.2f} ms: HTTP without TLS "
+             f"(uvicorn, the parser, the event loop) {r['breakdown_ms_per_upload']['http_without_tls']:.2f} ms, TLS "
+             f"{r['breakdown_ms_per_upload']['tls']:.2f} ms ({100 * r['breakdown_ms_per_upload']['tls_share']:.0f}%), "
+             f"the app and the store {r['breakdown_ms_per_upload']['app_and_store']:.2f} ms (floor runs of the same "
+             "run; the bare app's per-request cost also falls as its request rate rises)."), ""]),
         (f"kill -9 at {crash['kill_s']:.2f} s; the restarted server answered at {crash['ready_s']:.2f} s; "
          + ("no receipt after the kill" if crash["first_ack_after_s"] is None
             else f"first receipt after the kill at {crash['first_ack_after_s']:.2f} s")

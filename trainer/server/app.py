@@ -38,6 +38,7 @@ HTTP limits (header size and time, body time, keep-alive): :mod:`trainer.server.
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -53,6 +54,7 @@ from fastapi import Path as FastApiPath
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.requests import ClientDisconnect
 
 from sdk.protocol import Receipt
@@ -77,11 +79,13 @@ MIN_CLOSE_CHECK_GAP_S = 0.25
 RoundId = Annotated[int, FastApiPath(ge=1, le=MAX_COUNT)]
 _KEY = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_UPLOAD_PATH = re.compile(r"/v1/rounds/[^/]+/updates")
 
 
 def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                tick_s: float = 1.0, publisher: Publisher | None = None, quota: UploadQuota | None = None,
-               limits: HttpLimits | None = None, state: UploadState | None = None) -> FastAPI:
+               limits: HttpLimits | None = None, state: UploadState | None = None,
+               commit_delay_s: float = 0.005, freeze_gc: bool = False) -> FastAPI:
     """The FastAPI application over ``store``, serving the bundle published at ``bundle_dir``.
 
     Parameters
@@ -96,9 +100,13 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
     limits : header count and body deadline of :class:`HttpLimits` (the rest are uvicorn's, see
         :meth:`HttpLimits.uvicorn_options`); default ``HttpLimits()``.
     state : the upload path's caches (default ``UploadState()``).
+    commit_delay_s : longest wait (seconds) of a batch of uploads for others already in the route
+        before its commit (:mod:`trainer.server.group_commit`); 0: commit at once.
+    freeze_gc : at startup, move every object alive to the garbage collector's permanent
+        generation (``gc.freeze()``); for a server process (``fedroute serve``), not a test process.
     """
     quota = UploadQuota() if quota is None else quota
-    writer = GroupWriter(store)
+    writer = GroupWriter(store, commit_delay_s=commit_delay_s)
     limits = HttpLimits() if limits is None else limits
     state = UploadState() if state is None else state
     wake = asyncio.Event()
@@ -118,7 +126,8 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
                 await run_in_threadpool(close_due)
             except Exception:
                 log.exception("closing rounds failed; retrying")
-            # Uploads wake it (quorum may be reached), at most every MIN_CLOSE_CHECK_GAP_S under load.
+            # A client's first upload in a round (quorum may be reached) or a late upload wakes it, at
+            # most every MIN_CLOSE_CHECK_GAP_S; later uploads of the same client cannot reach the quorum.
             await asyncio.sleep(min(tick_s, MIN_CLOSE_CHECK_GAP_S))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout=max(tick_s - MIN_CLOSE_CHECK_GAP_S, 0.0))
@@ -129,6 +138,12 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         # Only closes a server left behind: a `fedroute rounds close` may be at work on another.
         orphaned.update(rid for rid, who in await run_in_threadpool(store.closing_rounds)
                         if (who or "").startswith("server-"))
+        if freeze_gc:
+            # Everything built so far (modules, the app, caches) lives as long as the process: out of
+            # the cyclic garbage collector's way, whose collections then only walk what uploads
+            # allocate (about 0.8-1.1 ms per upload otherwise, measured in-process; docs/benchmarks.md).
+            gc.collect()
+            gc.freeze()
         task = asyncio.create_task(closer())
         try:
             yield
@@ -139,8 +154,8 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             await run_in_threadpool(writer.close)
 
     # No /docs, /redoc or /openapi.json: the API is documented here and in the README, not served.
-    app = FastAPI(title="fedroute aggregation server", version="1", lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    app = SyncServerApp(title="fedroute aggregation server", version="1", lifespan=lifespan,
+                        docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(RequestLimits, max_headers=limits.max_headers)
     bearer = HTTPBearer(auto_error=False)
 
@@ -185,9 +200,17 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         state.tokens.put(token_sha256, client)
         return client
 
-    @app.post("/v1/rounds/{round_id}/updates")
-    async def upload(request: Request):
-        # Parameters read by hand, not through FastAPI's dependency resolution: the hot path.
+    async def upload(request: Request) -> JSONResponse:
+        """``POST /v1/rounds/{round_id}/updates``: a plain Starlette route (added below), not a FastAPI
+        path operation: the hot path reads its parameters by hand and skips FastAPI's dependency
+        resolution and response handling; the app's exception handlers still answer its errors."""
+        writer.active += 1  # the group writer waits briefly for uploads on their way (commit delay)
+        try:
+            return await _upload(request)
+        finally:
+            writer.active -= 1
+
+    async def _upload(request: Request) -> JSONResponse:
         round_id = _path_round_id(request.path_params["round_id"])
         idempotency_key = request.headers.get("idempotency-key")
         token = bearer_token(request)
@@ -214,9 +237,16 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             else:
                 receipt, created = await run_in_threadpool(
                     accept_checked, round_id, token, token_sha256, client, idempotency_key, raw, content_type)
-        if created:
-            wake.set()
+        if created and (receipt.get("late") or state.first_in_round(round_id, client)):
+            wake.set()  # a late upload: its round is closing, perhaps left so by a crash
         return JSONResponse(receipt, status_code=201 if created else 200)
+
+    # Listed in the app's router; served (POST) by SyncServerApp's short stack: the header-count
+    # limit and the two exception handlers above, without FastAPI's middleware.
+    app.router.add_route("/v1/rounds/{round_id}/updates", upload, methods=["POST"])
+    app.upload_app = RequestLimits(
+        ExceptionMiddleware(app.router.routes[-1], handlers={UploadRejected: _rejected, ClientDisconnect: _gone}),
+        max_headers=limits.max_headers)
 
     def check_upload(round_id: int, client: str, raw: bytes, content_type: str):
         """Decode and check an upload against the cached round: ``(upload, digest, round,
@@ -345,6 +375,25 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         return FileResponse(directory / names[0], media_type="application/octet-stream")
 
     return app
+
+
+class SyncServerApp(FastAPI):
+    """The server's FastAPI application, except that ``POST /v1/rounds/{round_id}/updates`` (the hot
+    path: one request per device upload) goes straight to :attr:`upload_app`, a Starlette ``Route``
+    under the header-count limit and the route's exception handlers, set by :func:`create_app`.
+    FastAPI's own middleware stack (server-error, telemetry, body-limit and exit-stack middleware)
+    cost a bare route about 0.27-0.3 ms of CPU per request more (docs/benchmarks.md); an error the
+    route does not handle is answered 500 by uvicorn."""
+
+    upload_app = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (self.upload_app is not None and scope["type"] == "http" and scope["method"] == "POST"
+                and _UPLOAD_PATH.fullmatch(scope["path"])):
+            scope["app"] = self
+            await self.upload_app(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
 
 def _path_round_id(text: str) -> int:

@@ -51,12 +51,14 @@ def serve(
                                                              "headers (408)")] = 30.0,
     max_header_bytes: Annotated[int, typer.Option(min=1024, help="largest request line + headers (bytes)")] = 16384,
     access_log: Annotated[bool, typer.Option(help="log one line per request (costs CPU per upload)")] = False,
-    http_parser: Annotated[str, typer.Option(help="h11 or httptools (uvicorn's HTTP parsers; both with the "
-                                                  "header cap and deadlines)")] = "h11",
+    http_parser: Annotated[str | None, typer.Option(help="httptools (default when installed) or h11 (uvicorn's "
+                                                         "HTTP parsers; both with the header cap and deadlines)")] = None,
+    commit_delay_ms: Annotated[float, typer.Option(min=0.0, max=1000.0, help="longest wait of a group commit for "
+                                                   "uploads already on their way (ms; 0: commit at once)")] = 5.0,
     *,
     publisher: Publisher | None = None,
 ) -> None:
-    """Run the aggregation server over HTTPS (uvicorn with h11, one process: SQLite has one writer).
+    """Run the aggregation server over HTTPS (uvicorn with httptools, one process: SQLite has one writer).
     HTTP limits: :mod:`trainer.server.http_limits`."""
     import uvicorn  # server extra, imported on use
 
@@ -72,12 +74,13 @@ def serve(
         typer.echo(f"warning: --bundle-dir {bundle_dir} does not exist yet; /v1/bundles answers 404 until a round "
                    "publishes there", err=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if http_parser not in ("h11", "httptools"):
+    if http_parser not in (None, "h11", "httptools"):
         raise typer.BadParameter(f"--http-parser must be h11 or httptools, got {http_parser!r}")
     limits = HttpLimits(max_header_bytes=max_header_bytes, header_timeout_s=header_timeout_s,
-                        body_timeout_s=body_timeout_s, parser=http_parser)
+                        body_timeout_s=body_timeout_s, parser=http_parser or HttpLimits.parser)
     app = create_app(_store(db), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s, publisher=publisher,
-                     quota=UploadQuota(upload_quota, quota_window_s), limits=limits)
+                     quota=UploadQuota(upload_quota, quota_window_s), limits=limits,
+                     commit_delay_s=commit_delay_ms / 1e3, freeze_gc=True)
     uvicorn.run(app, host=host, port=port, ssl_certfile=str(tls_cert), ssl_keyfile=str(tls_key),
                 log_level="info", timeout_graceful_shutdown=5, access_log=access_log, **limits.uvicorn_options())
 

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 
 log = logging.getLogger("fedroute.server")
 
@@ -22,8 +23,12 @@ log = logging.getLogger("fedroute.server")
 class GroupWriter:
     """The writer thread over ``store`` (started on first use, stopped by :meth:`close`)."""
 
-    def __init__(self, store, max_batch: int = 64) -> None:
-        self.store, self.max_batch = store, int(max_batch)
+    def __init__(self, store, max_batch: int = 64, commit_delay_s: float = 0.005) -> None:
+        self.store, self.max_batch, self.commit_delay_s = store, int(max_batch), float(commit_delay_s)
+        #: Uploads inside the upload route (the app counts them, on the event loop); those not yet
+        #: queued here are the siblings a batch waits for (see the module docstring).
+        self.active = 0
+        self._queued = 0  # handed to insert() and not yet answered (event loop only)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -43,15 +48,21 @@ class GroupWriter:
         self._ensure_started()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put((row, future, loop))
-        return await future
+        self._queued += 1
+        try:
+            self._queue.put((row, future, loop))
+            return await future
+        finally:
+            self._queued -= 1
 
     def close(self) -> None:
-        """Stop the thread after the uploads already queued are stored."""
+        """Stop the thread after the uploads already queued are stored; log the rows per commit."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+            log.info("group commit: %d uploads in %d transactions (%.2f per commit)", self.rows, self.batches,
+                     self.rows / max(self.batches, 1))
 
     def _ensure_started(self) -> None:
         if self._thread is None:
@@ -75,6 +86,7 @@ class GroupWriter:
                     self._queue.put(None)  # stop after this batch
                     break
                 batch.append(job)
+            self._wait_for_siblings(batch)
             try:
                 results = self.store.insert_updates([row for row, _, _ in batch])
                 outcomes = [(True, r) for r in results]
@@ -90,6 +102,24 @@ class GroupWriter:
             self.rows += len(batch)
             for (_, future, loop), (ok, value) in zip(batch, outcomes):
                 loop.call_soon_threadsafe(_settle, future, ok, value)
+
+
+    def _wait_for_siblings(self, batch: list) -> None:
+        """Add to ``batch`` the uploads that arrive within ``commit_delay_s`` while others are on their
+        way (``active`` uploads not yet queued); a stop request ends the wait (and is put back)."""
+        deadline = time.monotonic() + self.commit_delay_s
+        while len(batch) < self.max_batch and self.active - self._queued > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                job = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                return
+            if job is None:
+                self._queue.put(None)
+                return
+            batch.append(job)
 
 
 def _settle(future: asyncio.Future, ok: bool, value) -> None:

@@ -1,17 +1,22 @@
 """Limits of the aggregation server's HTTP layer: what a slow, idle, flooding or vanishing client can cost.
 
-The server runs uvicorn with its **h11** parser by default (``--http-parser httptools`` for the C
-parser: uvicorn's header-size setting only applies to h11, and httptools alone buffers a header of
-any size, so :class:`_Deadlines` caps the request head itself for both; in back-to-back runs the two
-cost the same server CPU per upload within the noise) and these limits (:class:`HttpLimits`,
-``fedroute serve`` options; docs/sync-protocol-and-operations.md lists them):
+The server runs uvicorn with its **httptools** parser by default (the C parser; ``--http-parser h11``
+for the pure-Python one, the default when httptools is not installed). uvicorn's header-size
+setting (``h11_max_incomplete_event_size``) only applies to h11, and httptools alone would buffer a
+request head of any size, so :class:`_Deadlines` caps the request head itself, for both parsers, at
+the same ``max_header_bytes`` (431 and close); h11 additionally answers 400 at its own setting,
+which is set to the same value. The header count is checked by :class:`RequestLimits` for both.
+With TLS, 64 devices and MessagePack bodies, a bare ASGI app answering 201
+(``benchmarks/http_floor_app.py``) cost 0.2-0.4 ms less server CPU per request under httptools than
+under h11 in two runs on a loaded 2-core machine (docs/benchmarks.md). The limits (:class:`HttpLimits`, ``fedroute serve``
+options; docs/sync-protocol-and-operations.md lists them):
 
 ========================  ========  ==========================================================================
 limit                     default   where
 ========================  ========  ==========================================================================
-header bytes              16 KiB    h11: uvicorn's ``h11_max_incomplete_event_size`` (400 and close);
-                                    both: :class:`_Deadlines` (a head still incomplete after that many
-                                    bytes: 431 and close)
+header bytes              16 KiB    both parsers: :class:`_Deadlines` (a head still incomplete after
+                                    that many bytes: 431 and close); h11 also: uvicorn's
+                                    ``h11_max_incomplete_event_size`` (400 and close)
 header count              64        :class:`RequestLimits` (ASGI middleware): 431
 header read time          10 s      :class:`_Deadlines`: from the connection (or the first byte
                                     of the next request) to the end of the headers; then 408 and close
@@ -51,7 +56,7 @@ class HttpLimits:
     body_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
     limit_concurrency: int = 1000
-    parser: str = "h11"
+    parser: str = "httptools" if HttpToolsProtocol is not None else "h11"
 
     def uvicorn_options(self) -> dict:
         """Keyword arguments of ``uvicorn.run`` / ``uvicorn.Config`` for these limits (``parser``'s

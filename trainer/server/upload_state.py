@@ -69,6 +69,22 @@ class UploadState:
         self.rounds = _Lru(max_rounds)
         self.previous = _Lru(max_previous)  # (client, base hash) -> (update id, memo)
         self._locks: dict[str, asyncio.Lock] = {}
+        self._counted: OrderedDict[int, set[str]] = OrderedDict()  # round id -> clients counted in it
+        self._max_rounds = int(max_rounds)
+
+    def first_in_round(self, round_id: int, client_id: str) -> bool:
+        """Record that an upload of ``client_id`` was counted in ``round_id``; True the first time
+        (in this process, for the last ``max_rounds`` rounds): only then can the round's quorum of
+        distinct clients have been reached, so only then is the closer woken early."""
+        clients = self._counted.get(round_id)
+        if clients is None:
+            clients = self._counted[round_id] = set()
+            while len(self._counted) > max(self._max_rounds, 1):
+                self._counted.popitem(last=False)
+        if client_id in clients:
+            return False
+        clients.add(client_id)
+        return True
 
     def client_lock(self, client_id: str) -> asyncio.Lock:
         """The lock (on the event loop) that serialises one client's uploads in this process

@@ -26,7 +26,9 @@ and the first failure is answered (the detail starts with the field's name):
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from dataclasses import dataclass
 
 import msgpack
@@ -52,7 +54,7 @@ MAX_COUNT = 2**31 - 1
 MAX_COST_PER_QUERY_USD = 1000.0
 JSON_TYPES = ("application/json",)
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
-_NUMBER = (int, float)
+_NUMBER = frozenset((int, float))
 
 
 def _field_error(name: str, message: str, status: int = 422) -> UploadRejected:
@@ -66,6 +68,8 @@ class KMeansBody:
     arrays : name -> ndarray for ``count``, ``sum_accuracy``, ``sum_cost`` (2-D float64),
         ``centroid_cells`` (1-D int64), ``local_centroids`` (2-D float64; (0, 0) when empty in
         JSON), ``local_weights`` (1-D float64).
+    means_float32 : True when ``local_centroids`` came as float32 (MessagePack): already at the
+        precision the store keeps, so not rounded again.
     """
 
     client_id: str
@@ -75,6 +79,7 @@ class KMeansBody:
     models: tuple[str, ...]
     log_size: int
     arrays: dict[str, np.ndarray]
+    means_float32: bool = False
 
 
 SAFETENSORS_TYPES = ("application/x-safetensors", "application/vnd.safetensors")
@@ -184,7 +189,7 @@ def _json_array(name: str, value: object, rank: int) -> np.ndarray:
     rows = value if rank == 2 else [value]
     if not isinstance(value, list) or not all(isinstance(r, list) for r in rows):
         raise _field_error(name, f"must be {'a list of lists' if rank == 2 else 'a list'} of numbers")
-    if any(type(x) not in _NUMBER for r in rows for x in r):
+    if not set(map(type, itertools.chain.from_iterable(rows))) <= _NUMBER:  # bool, None, str... refused
         raise _field_error(name, "must hold only numbers")
     if rows and len({len(r) for r in rows}) > 1:
         raise _field_error(name, f"rows must have one length, got lengths {sorted({len(r) for r in rows})[:5]}")
@@ -226,7 +231,7 @@ def parse_kmeans_body(obj: object) -> KMeansBody:
     if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
         raise _field_error("models", "must be a list of strings")
     log_size = _int_field(obj, "log_size", 0, MAX_COUNT)
-    arrays = {}
+    arrays, means_float32 = {}, False
     for name, (dtype, rank) in MSGPACK_ARRAYS.items():
         value = obj[name]
         if isinstance(value, list) and len(value) == 2 and isinstance(value[1], bytes):  # MessagePack [shape, bin]
@@ -234,24 +239,38 @@ def parse_kmeans_body(obj: object) -> KMeansBody:
                 arrays[name] = unpack_msgpack_array(value, dtype, rank)
             except ShapeError as exc:
                 raise _field_error(name, str(exc)) from exc
+            means_float32 = means_float32 or (name == "local_centroids" and dtype == "<f4")
         elif name == "centroid_cells":
             arrays[name] = _json_cells(value)
         else:
             arrays[name] = _json_array(name, value, rank)
-    return KMeansBody(client_id, round_id, kind, centroids_hash, tuple(models), log_size, arrays)
+    return KMeansBody(client_id, round_id, kind, centroids_hash, tuple(models), log_size, arrays, means_float32)
 
 
-def _shaped(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def _bounds(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> tuple[float, float]:
+    """Shape check, then ``(min, max)`` of ``arr`` ((0, 0) when empty): one pass each, which also
+    finds NaN (it propagates into both) and infinity (it is the min or the max)."""
     if arr.shape != shape:
         raise _field_error(name, f"must have shape {shape}, got {arr.shape}")
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+    if arr.size == 0:
+        return 0.0, 0.0
+    low, high = float(arr.min()), float(arr.max())
+    if not (math.isfinite(low) and math.isfinite(high)):
         raise _field_error(name, "holds NaN or infinity")
-    return arr
+    return low, high
+
+
+def _whole(arr: np.ndarray) -> bool:
+    """True if every entry of the (finite) float array is a whole number."""
+    return not np.fmod(arr, 1.0).any()
 
 
 def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
     """Steps 3 and 4 of the module docstring: check ``body`` against ``round_``, field by field in
     order, and return the update it holds (``local_centroids`` at float32 precision, as float64).
+
+    Each array is checked with a few whole-array numpy operations (min and max for finiteness and
+    range, one pass for whole numbers), never element by element in Python.
 
     Raises
     ------
@@ -266,32 +285,38 @@ def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
         raise _field_error("models", f"must be the round's {list(round_.models)} in that order")
     a = body.arrays
     shape = (round_.centroids.shape[0], len(round_.models))
-    count = _shaped("count", a["count"], shape)
-    if (count < 0).any() or (count > MAX_COUNT).any() or not np.array_equal(count, np.round(count)):
+    count = a["count"]
+    low, high = _bounds("count", count, shape)
+    if low < 0 or high > MAX_COUNT or not _whole(count):
         raise _field_error("count", f"entries must be whole numbers in [0, {MAX_COUNT}]")
-    s_acc = _shaped("sum_accuracy", a["sum_accuracy"], shape)
-    tol = 1e-9 * np.maximum(1.0, count)  # as sdk.CellStatistics: sums of float scores round
-    if (s_acc < -tol).any() or (s_acc > count + tol).any():
+    s_acc = a["sum_accuracy"]
+    low, high = _bounds("sum_accuracy", s_acc, shape)
+    # Scores in [0, 1], with sdk.CellStatistics' tolerance: sums of float scores round.
+    if (low < 0 and (s_acc < -1e-9 * np.maximum(1.0, count)).any()) or (
+            high > 0 and (s_acc - count > 1e-9 * np.maximum(1.0, count)).any()):
         raise _field_error("sum_accuracy", "entries must lie in [0, count] (scores in [0, 1])")
-    s_cost = _shaped("sum_cost", a["sum_cost"], shape)
+    s_cost = a["sum_cost"]
+    low, high = _bounds("sum_cost", s_cost, shape)
     c_max = round_.settings.aggregation.get("max_cost_usd") or MAX_COST_PER_QUERY_USD
-    if (s_cost < 0).any():
+    if low < 0:
         raise _field_error("sum_cost", "entries must be >= 0 (USD)")
-    if (s_cost > count * c_max).any():
+    if high > 0 and (s_cost > count * c_max).any():
         raise _field_error("sum_cost", f"is above {c_max:g} USD per query")
     cells = a["centroid_cells"]
     n_rep, (n_cells, d_emb) = cells.shape[0], round_.centroids.shape
-    if n_rep and (cells.min() < 0 or cells.max() >= n_cells or np.unique(cells).size != n_rep):
+    if n_rep and (cells.min() < 0 or cells.max() >= n_cells or np.bincount(cells, minlength=n_cells).max() > 1):
         raise _field_error("centroid_cells", f"must be distinct cells in [0, {n_cells}), got {cells.tolist()[:10]}")
     means = a["local_centroids"]
     if means.size == 0:
         means = means.reshape(0, d_emb)
-    means = _shaped("local_centroids", means, (n_rep, d_emb))
-    if n_rep and (np.linalg.norm(means, axis=1) > 1.0 + 1e-4).any():
+    _bounds("local_centroids", means, (n_rep, d_emb))
+    if n_rep and np.einsum("ij,ij->i", means, means).max() > (1.0 + 1e-4) ** 2:
         raise _field_error("local_centroids", "must be means of unit-norm embeddings (norm <= 1)")
-    means = means.astype(np.float32).astype(np.float64)  # the precision of the embeddings, for both encodings
-    weights = _shaped("local_weights", a["local_weights"], (n_rep,))
-    if (weights < 0).any() or (weights > MAX_COUNT).any() or not np.array_equal(weights, np.round(weights)):
+    if not body.means_float32:  # the precision of the embeddings, for both encodings
+        means = means.astype(np.float32).astype(np.float64)
+    weights = a["local_weights"]
+    low, high = _bounds("local_weights", weights, (n_rep,))
+    if low < 0 or high > MAX_COUNT or not _whole(weights):
         raise _field_error("local_weights", f"must be whole numbers in [0, {MAX_COUNT}]")
     if count.sum() == 0 and n_rep == 0:
         raise UploadRejected(422, "count: the update reports nothing (no evaluation above min_count): do not "
