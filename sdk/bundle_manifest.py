@@ -178,6 +178,7 @@ def _check_schema(manifest: dict) -> None:
          f"format_version {manifest.get('format_version')!r} is not supported (this SDK reads {FORMAT_VERSION})")
     need(isinstance(manifest.get("bundle_version"), int) and manifest["bundle_version"] >= 1,
          "bundle_version must be an integer >= 1")
+    kinds.import_named_families(manifest)  # a selector / reward-scorer bundle: its family's module
     for family in kinds.families():
         key = kinds.manifest_key(family)
         need(key not in manifest or isinstance(manifest[key], str), f"{key} must be a string")
