@@ -9,7 +9,8 @@ bundle that runs an ONNX graph, httpx only for the sync). Never torch, transform
 On the device:
 
 - :class:`sdk.Router` — ``Router.load(bundle_dir, public_key)`` verifies a signed bundle, then
-  ``choose(query, lam)`` returns a :class:`Choice` (embedding in onnxruntime, no network, no torch);
+  ``choose(query, lam)`` returns a :class:`Choice` (the bundle's embedder: a static table in numpy
+  or an ONNX encoder in onnxruntime; no network, no torch);
 - :class:`sdk.RewardScorer` — ``RewardScorer.load(bundle_dir, public_key)`` verifies a signed MoR
   reward-scorer bundle, then ``score(prompt, response)`` gives this client's reward and ``route(...)``
   the federated router's client choice, locally;
