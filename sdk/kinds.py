@@ -179,7 +179,7 @@ def check_manifest_kinds(manifest: Mapping) -> dict[str, ArtefactKind]:
     """
     found = manifest_kinds(manifest)
     if set(found) == {EMBEDDER_FAMILY}:
-        keys = [manifest_key(f) for f in families() if f != EMBEDDER_FAMILY]
+        keys = [manifest_key(f) for f in sorted({*families(), *BUILTIN_FAMILY_MODULES}) if f != EMBEDDER_FAMILY]
         raise BundleError(f"manifest: names no artefact; expected one of {keys} (e.g. router_kind)")
     out = {}
     for family, name in found.items():
