@@ -64,7 +64,8 @@ class SessionThreads:
     What :class:`sdk.Router` passes to the kinds as :attr:`~sdk.artefact_kind.LoadContext.options`:
     :func:`inference_session` turns it into ``SessionOptions`` (:func:`session_options`) when a kind
     actually creates a session, so a bundle whose kinds run no ONNX graph (a static embedder with a
-    K-means router) never imports onnxruntime (~50 ms and ~20 MB RSS on a cold start).
+    K-means router) never imports onnxruntime (~53 ms of a cold start as issue 13 measured it; a static
+    K-means load peaked at 95 MB RSS with it, 69 MB now).
 
     Raises
     ------
