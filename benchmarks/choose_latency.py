@@ -25,12 +25,25 @@ just before the child is spawned to its first ``choose()`` (or ``encode``) resul
 ``--cold-repeats``; peak RSS is the child's ``VmHWM`` after 100 queries, the largest over the
 repeats. ``VmHWM`` rather than ``getrusage(RUSAGE_SELF).ru_maxrss``: Linux carries ``ru_maxrss``
 over ``execve`` from the process that forked the child, so it would report this parent's torch.
+The children read compiled bytecode, as an installed package does (``pip install`` compiles it):
+they run with a private ``PYTHONPYCACHEPREFIX`` (a temporary folder) and without
+``PYTHONDONTWRITEBYTECODE``, after one untimed warm-up child per profile that fills it. Otherwise,
+where ``PYTHONDONTWRITEBYTECODE`` is set (this project's shell), every child would compile the
+repository's modules from source again (~40 ms of a 0.2 s static cold start).
 
 Load path (issue 13 item 3), fresh child per run: ``Router.load`` as it is now (only the chosen
 precision's files hashed, encoder streamed from one descriptor and loaded by onnxruntime from it)
 against the previous path (every file hashed and read into memory, session created from bytes,
 rebuilt here from ``read_verified`` + ``kinds.load_artefact``): load ms, verify ms, MB hashed and
 peak RSS right after loading.
+
+From a clean clone, one command (builds the keys, two K-means routers and their bundles under
+``--build-dir`` first, ``benchmarks/choose_latency_bundles.py``, reused by later runs; a few minutes):
+
+    python benchmarks/choose_latency.py --data ../shared/data/routerbench --out results/benchmarks
+
+or with bundles of your own (``--static-bundle`` optional: without it the static row is listed as
+not measured):
 
     python benchmarks/choose_latency.py --bundle bundles/kmeans --public-key keys/signing.pub \
         --data ../shared/data/routerbench --out results/benchmarks [--static-bundle bundles/static] \
@@ -48,6 +61,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,7 +190,7 @@ def static_profiles(args) -> list[Profile]:
     ``--static-bundle``; the static embedder's branch plugs in here (e.g. a default bundle path)."""
     if args.static_bundle is None:
         return [Profile("static", "fedroute `choose()`, static embedder",
-                        unavailable="no --static-bundle given (the static model2vec embedder kind is on another branch)")]
+                        unavailable="no --static-bundle given (run without --bundle to build both bundles)")]
     try:
         files = json.loads((args.static_bundle / "manifest.json").read_text())["embedder"]["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -245,8 +259,16 @@ def time_round_robin(profiles: list[Profile], prompts: list[str], warmup: int = 
     return {name: _percentiles(s) for name, s in samples.items()}
 
 
+#: Bytecode cache of the cold-start children (see the module docstring); set by :func:`main`.
+PYCACHE_PREFIX: str | None = None
+
+
 def _child_env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    if PYCACHE_PREFIX is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = PYCACHE_PREFIX
+    return env
 
 
 def cold_start(spec: dict, prompts: list[str]) -> dict:
@@ -276,13 +298,19 @@ def _uptime() -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    global PYCACHE_PREFIX
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--bundle", type=Path, required=True, help="router bundle with the ONNX encoders")
-    parser.add_argument("--public-key", type=Path, required=True)
-    parser.add_argument("--data", type=Path, required=True, help="RouterBench folder (test.parquet)")
+    parser.add_argument("--bundle", type=Path, default=None,
+                        help="router bundle with the ONNX encoders (default: build it and --static-bundle, "
+                             "see --build-dir)")
+    parser.add_argument("--public-key", type=Path, default=None, help="signing.pub of the bundles (with --bundle)")
+    parser.add_argument("--data", type=Path, required=True, help="RouterBench folder (train.parquet, test.parquet)")
     parser.add_argument("--static-bundle", type=Path, default=None, help="router bundle with a static embedder")
     parser.add_argument("--unfused-bundle", type=Path, default=None,
                         help="the same router's bundle with unfused encoders (latency_bundle.py --no-fuse)")
+    parser.add_argument("--build-dir", type=Path, default=Path("results/latency-bundles"),
+                        help="without --bundle: where benchmarks/choose_latency_bundles.py builds (or finds) the "
+                             "keys, routers and both bundles")
     parser.add_argument("--out", type=Path, default=Path("results/benchmarks"))
     parser.add_argument("--n-prompts", type=int, default=500)
     parser.add_argument("--cold-repeats", type=int, default=5)
@@ -291,6 +319,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.n_prompts < 100:
         parser.error("--n-prompts must be >= 100 (METRICS.md asks for >= 500)")
+    if args.bundle is None:
+        if args.public_key is not None or args.static_bundle is not None:
+            parser.error("--public-key and --static-bundle go with --bundle (without it both bundles are built)")
+        from choose_latency_bundles import build  # benchmarks/ is on sys.path: this script's folder
+
+        built = build(args.data, args.build_dir)
+        args.bundle, args.static_bundle, args.public_key = built.bundle, built.static_bundle, built.public_key
+    elif args.public_key is None:
+        parser.error("--bundle needs --public-key")
+    pycache = tempfile.TemporaryDirectory(prefix="fedroute-pycache-")
+    PYCACHE_PREFIX = pycache.name
 
     from tqdm.auto import tqdm
 
@@ -325,6 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
         if prof.unavailable is not None:
             row["unavailable"] = prof.unavailable
         else:
+            cold_start(prof.child, prompts[:100])  # warm-up, untimed: fills the bytecode cache
             runs = [cold_start(prof.child, prompts[:100]) for _ in tqdm(range(args.cold_repeats),
                                                                           desc=f"cold start {prof.name}", leave=False)]
             row.update(timing[prof.name], cold_start_s=statistics.median(r["cold_start_s"] for r in runs),
@@ -342,8 +382,11 @@ def main(argv: list[str] | None = None) -> dict:
             entry[path] = {k: statistics.median(r[k] for r in runs) for k in ("load_ms", "verify_ms", "hashed_mb")}
             entry[path]["peak_rss_after_load_mb"] = max(r["peak_rss_after_load_mb"] for r in runs)
         results["load_path"][precision] = entry
+    pycache.cleanup()
+    PYCACHE_PREFIX = None
     results["targets_met"] = targets_met(results)
     results["load_avg_1min"] = {"before": load_before, "after": _uptime()}
+    results["cold_start_bytecode"] = "compiled (private PYTHONPYCACHEPREFIX, one warm-up child per profile)"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "choose_latency.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out / "choose_latency.md").write_text(markdown(results))

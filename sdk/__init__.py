@@ -1,12 +1,16 @@
 """fedroute SDK: on-device, cost-aware LLM routing.
 
-Imports only numpy and the standard library here (onnxruntime, tokenizers and httpx in the modules
-that need them); never torch, transformers, ``trainer`` or ``export``.
+``import sdk`` imports nothing but :mod:`sdk.errors`: every public name below is imported from its
+module on first use (PEP 562 ``__getattr__``), so ``from sdk import Router`` loads the routing path
+only (numpy, cryptography for the signature, tokenizers with the bundle; onnxruntime only for a
+bundle that runs an ONNX graph, httpx only for the sync). Never torch, transformers, ``trainer`` or
+``export``.
 
 On the device:
 
 - :class:`sdk.Router` — ``Router.load(bundle_dir, public_key)`` verifies a signed bundle, then
-  ``choose(query, lam)`` returns a :class:`Choice` (embedding in onnxruntime, no network, no torch);
+  ``choose(query, lam)`` returns a :class:`Choice` (the bundle's embedder: a static table in numpy
+  or an ONNX encoder in onnxruntime; no network, no torch);
 - :class:`sdk.RewardScorer` — ``RewardScorer.load(bundle_dir, public_key)`` verifies a signed MoR
   reward-scorer bundle, then ``score(prompt, response)`` gives this client's reward and ``route(...)``
   the federated router's client choice, locally;
@@ -26,8 +30,12 @@ The math shared by the device and the trainer lives here once:
 - :mod:`sdk.personalisation` — the error-weighted interpolation of a global and a local estimator.
 """
 
-from sdk.budget import BudgetController, BudgetEvent
-from sdk.cell_statistics import CellStatistics
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING
+
 from sdk.errors import (
     BudgetError,
     BundleError,
@@ -41,13 +49,42 @@ from sdk.errors import (
     SyncRejectedError,
     UnknownModelError,
 )
-from sdk.eval_log import EvalLog, Evaluations
-from sdk.personalisation import interpolation_weights, personalise
-from sdk.reward_scorer import ClientChoice, RewardScorer
-from sdk.router import Choice, ModelInfo, ModelScore, Router
-from sdk.selector import Selector
-from sdk.utility import check_lambda, decide, utility
-from sdk.voronoi import nearest_cell
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time `__getattr__` imports these on first use
+    from sdk.budget import BudgetController, BudgetEvent
+    from sdk.cell_statistics import CellStatistics
+    from sdk.eval_log import EvalLog, Evaluations
+    from sdk.personalisation import interpolation_weights, personalise
+    from sdk.reward_scorer import ClientChoice, RewardScorer
+    from sdk.router import Choice, ModelInfo, ModelScore, Router
+    from sdk.selector import Selector
+    from sdk.sync import SyncClient, SyncResult
+    from sdk.utility import check_lambda, decide, utility
+    from sdk.voronoi import nearest_cell
+
+#: Public name -> the module that defines it (imported on first access of the name).
+_LAZY = {
+    "BudgetController": "sdk.budget",
+    "BudgetEvent": "sdk.budget",
+    "CellStatistics": "sdk.cell_statistics",
+    "EvalLog": "sdk.eval_log",
+    "Evaluations": "sdk.eval_log",
+    "interpolation_weights": "sdk.personalisation",
+    "personalise": "sdk.personalisation",
+    "ClientChoice": "sdk.reward_scorer",
+    "RewardScorer": "sdk.reward_scorer",
+    "Choice": "sdk.router",
+    "ModelInfo": "sdk.router",
+    "ModelScore": "sdk.router",
+    "Router": "sdk.router",
+    "Selector": "sdk.selector",
+    "SyncClient": "sdk.sync",  # httpx: only code that syncs imports it
+    "SyncResult": "sdk.sync",
+    "check_lambda": "sdk.utility",
+    "decide": "sdk.utility",
+    "utility": "sdk.utility",
+    "nearest_cell": "sdk.voronoi",
+}
 
 __all__ = [
     "BudgetController",
@@ -85,9 +122,18 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # httpx is imported only by code that syncs.
-    if name in ("SyncClient", "SyncResult"):
-        from sdk import sync  # httpx: only code that syncs imports it
+    """PEP 562: import a public name's module on first access (and cache the name here). A
+    submodule not imported yet (``sdk.kinds`` after a bare ``import sdk``) is imported too, as the
+    eager ``import sdk`` of earlier versions made it available."""
+    module = _LAZY.get(name)
+    if module is None:
+        if name.startswith("_") or importlib.util.find_spec(f"sdk.{name}") is None:
+            raise AttributeError(f"module 'sdk' has no attribute {name!r}")
+        return importlib.import_module(f"sdk.{name}")  # binds sdk.<name> itself
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return getattr(sync, name)
-    raise AttributeError(f"module 'sdk' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

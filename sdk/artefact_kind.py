@@ -55,7 +55,9 @@ class LoadContext:
         verified against its sha256.
     models : tuple of str, the manifest's model ids, in order (the column order of every score).
     embedder : dict, the manifest's ``embedder`` entry (``name``, ``dim``, ``max_tokens``, ...).
-    options : onnxruntime ``SessionOptions`` for kinds that run ONNX graphs (threads chosen by the app).
+    options : for kinds that run ONNX graphs (threads chosen by the app): onnxruntime ``SessionOptions``
+        or an :class:`sdk.embedder.SessionThreads`; pass it to :func:`sdk.embedder.inference_session`,
+        which accepts both (so that a kind running no graph never imports onnxruntime).
     precision : a key of the manifest's ``embedder.files`` (``"fp32"``, ``"int8"``, ``"int8-all"``),
         the embedder precision chosen at load time.
     paths : mapping file name -> :class:`sdk.verified_file.VerifiedFile`, the files of

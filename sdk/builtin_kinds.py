@@ -5,8 +5,9 @@ Each is an :class:`sdk.artefact_kind.ArtefactKind`; :mod:`sdk.kinds` registers :
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from sdk.artefact_kind import ArtefactKind, LoadContext
-from sdk.device_rounds import KMeansRoundHandler, MlpRoundHandler
 from sdk.embedder import OnnxEmbedder
 from sdk.errors import BundleError
 from sdk.scorers import KMeansScorer, MlpScorer
@@ -20,7 +21,13 @@ class KMeansRouterKind(ArtefactKind):
     family = "router"
     name = "kmeans"
     file = "kmeans.npz"
-    round_handler = KMeansRoundHandler()
+
+    @cached_property
+    def round_handler(self):
+        """:class:`sdk.device_rounds.KMeansRoundHandler` (built on first use)."""
+        from sdk.device_rounds import KMeansRoundHandler  # sync only: msgpack, sqlite3; not on the routing path
+
+        return KMeansRoundHandler()
 
     def files(self, manifest: dict, precision: str) -> tuple[str, ...]:
         return (self.file,)
@@ -39,7 +46,13 @@ class MlpRouterKind(ArtefactKind):
     family = "router"
     name = "mlp"
     file = "router.onnx"
-    round_handler = MlpRoundHandler()
+
+    @cached_property
+    def round_handler(self):
+        """:class:`sdk.device_rounds.MlpRoundHandler` (built on first use)."""
+        from sdk.device_rounds import MlpRoundHandler  # sync only: msgpack, sqlite3; not on the routing path
+
+        return MlpRoundHandler()
 
     def files(self, manifest: dict, precision: str) -> tuple[str, ...]:
         return (self.file,)

@@ -12,6 +12,7 @@ the question of a long few-shot prompt sits, read from at most the query's last 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -24,6 +25,20 @@ OUTPUT = "sentence_embedding"
 MAX_QUERY_CHARS = 65_536
 
 
+def check_threads(intra_op_threads: int = 1, inter_op_threads: int = 1) -> tuple[int, int]:
+    """``(intra_op_threads, inter_op_threads)`` if both are integers >= 1 (no onnxruntime import).
+
+    Raises
+    ------
+    InvalidInputError
+        A thread count that is not an integer >= 1.
+    """
+    for name, value in (("intra_op_threads", intra_op_threads), ("inter_op_threads", inter_op_threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidInputError(f"{name} must be an integer >= 1, got {value!r}")
+    return intra_op_threads, inter_op_threads
+
+
 def session_options(intra_op_threads: int = 1, inter_op_threads: int = 1):
     """onnxruntime ``SessionOptions`` with the given thread counts (>= 1) and all graph optimisations.
 
@@ -32,11 +47,9 @@ def session_options(intra_op_threads: int = 1, inter_op_threads: int = 1):
     InvalidInputError
         A thread count that is not an integer >= 1.
     """
-    import onnxruntime as ort  # heavy native library: loaded with the first bundle, not by `import sdk`
+    check_threads(intra_op_threads, inter_op_threads)
+    import onnxruntime as ort  # heavy native library: loaded with the first ONNX graph, not by `import sdk`
 
-    for name, value in (("intra_op_threads", intra_op_threads), ("inter_op_threads", inter_op_threads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidInputError(f"{name} must be an integer >= 1, got {value!r}")
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = intra_op_threads
     opts.inter_op_num_threads = inter_op_threads
@@ -44,8 +57,34 @@ def session_options(intra_op_threads: int = 1, inter_op_threads: int = 1):
     return opts
 
 
+@dataclass(frozen=True)
+class SessionThreads:
+    """Thread counts for onnxruntime sessions, checked (>= 1) without importing onnxruntime.
+
+    What :class:`sdk.Router` passes to the kinds as :attr:`~sdk.artefact_kind.LoadContext.options`:
+    :func:`inference_session` turns it into ``SessionOptions`` (:func:`session_options`) when a kind
+    actually creates a session, so a bundle whose kinds run no ONNX graph (a static embedder with a
+    K-means router) never imports onnxruntime (~53 ms of a cold start as issue 13 measured it; a static
+    K-means load peaked at 95 MB RSS with it, 69 MB now).
+
+    Raises
+    ------
+    InvalidInputError
+        A thread count that is not an integer >= 1.
+    """
+
+    intra_op_threads: int = 1
+    inter_op_threads: int = 1
+
+    def __post_init__(self) -> None:
+        check_threads(self.intra_op_threads, self.inter_op_threads)
+
+
 def inference_session(model: bytes | VerifiedFile, options, what: str):
     """An onnxruntime CPU session from model bytes or a verified open file.
+
+    ``options``: onnxruntime ``SessionOptions``, a :class:`SessionThreads` (turned into them here)
+    or None (onnxruntime's defaults).
 
     A :class:`~sdk.verified_file.VerifiedFile` is loaded from its ``library_path`` (the open
     descriptor's path: no copy of the model in Python memory), then ``check_unchanged()`` confirms
@@ -56,8 +95,10 @@ def inference_session(model: bytes | VerifiedFile, options, what: str):
     BundleError
         onnxruntime cannot load the model, or the verified file changed before it was loaded.
     """
-    import onnxruntime as ort  # heavy native library: loaded with the first bundle, not by `import sdk`
+    import onnxruntime as ort  # heavy native library: loaded with the first ONNX graph, not by `import sdk`
 
+    if isinstance(options, SessionThreads):
+        options = session_options(options.intra_op_threads, options.inter_op_threads)
     source = model.library_path if isinstance(model, VerifiedFile) else model
     try:
         session = ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])

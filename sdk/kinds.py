@@ -27,11 +27,14 @@ family is the exception that keeps old bundles valid: without ``"embedder_kind"`
 ``docs/plugins.md`` for how to add a kind and :func:`manifest_kinds` for the reading rule.
 
 A plugin module registers its kind once at import (``register(MyKind())``); tests that register
-a toy kind remove it with :func:`unregister`.
+a toy kind remove it with :func:`unregister`. The SDK's own ``selector`` and ``reward_scorer``
+families live in such modules (:data:`BUILTIN_FAMILY_MODULES`); the registry imports one the first
+time a manifest or a look-up names its family, so loading a router imports neither.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +65,9 @@ class Family:
 
 
 _FAMILIES: dict[str, Family] = {}
+#: Families the SDK ships in modules that declare the family and register its kinds when imported
+#: (as a third-party plugin module would); imported on first use by :func:`import_named_families`.
+BUILTIN_FAMILY_MODULES: dict[str, str] = {"selector": "sdk.selector", "reward_scorer": "sdk.reward_scorer"}
 #: The SDK layer's kinds.
 REGISTRY: KindRegistry[ArtefactKind] = KindRegistry("sdk", ArtefactKind)
 
@@ -86,6 +92,20 @@ def register_family(name: str, interface: type, *, needs_embedder: bool = True) 
     return _FAMILIES[name]
 
 
+def _import_family(family: object) -> None:
+    if isinstance(family, str) and family not in _FAMILIES and family in BUILTIN_FAMILY_MODULES:
+        importlib.import_module(BUILTIN_FAMILY_MODULES[family])  # registers the family and its kinds
+
+
+def import_named_families(manifest: object) -> None:
+    """Import the module of each built-in family (:data:`BUILTIN_FAMILY_MODULES`) that ``manifest``
+    names with a ``"<family>_kind"`` key and that is not declared yet; anything else is ignored."""
+    if isinstance(manifest, Mapping):
+        for key in manifest:
+            if isinstance(key, str) and key.endswith("_kind"):
+                _import_family(key[: -len("_kind")])
+
+
 def register(kind: ArtefactKind, *, replace: bool = False) -> ArtefactKind:
     """Register an SDK kind (see :meth:`sdk.kind_registry.KindRegistry.register`).
 
@@ -96,6 +116,8 @@ def register(kind: ArtefactKind, *, replace: bool = False) -> ArtefactKind:
     InvalidInputError
         Not an :class:`ArtefactKind`, a bad name, or a name already taken (without ``replace``).
     """
+    if isinstance(kind, ArtefactKind):
+        _import_family(kind.family)
     if isinstance(kind, ArtefactKind) and kind.family not in _FAMILIES:
         raise UnknownKindError(f"unknown artefact family {kind.family!r}; registered: {sorted(_FAMILIES)}")
     return REGISTRY.register(kind, replace=replace)
@@ -108,11 +130,13 @@ def unregister(family: str, name: str) -> None:
 
 def get(family: str, name: str) -> ArtefactKind:
     """The registered SDK kind ``name`` of ``family``; :class:`UnknownKindError` lists the valid ones."""
+    _import_family(family)
     return REGISTRY.get(family, name)
 
 
 def names(family: str) -> tuple[str, ...]:
     """Registered kind names of ``family``, sorted."""
+    _import_family(family)
     return REGISTRY.names(family)
 
 
@@ -129,6 +153,7 @@ def manifest_key(family: str) -> str:
 def manifest_kinds(manifest: Mapping) -> dict[str, str]:
     """``{family: kind}`` of every artefact the manifest carries (embedder included, ``"onnx"`` by
     default), without checking that the kinds are registered (see :func:`check_manifest_kinds`)."""
+    import_named_families(manifest)
     out = {fam: manifest[manifest_key(fam)] for fam in _FAMILIES if manifest_key(fam) in manifest}
     if needs_embedder(manifest):
         out.setdefault(EMBEDDER_FAMILY, DEFAULT_EMBEDDER_KIND)
@@ -138,6 +163,7 @@ def manifest_kinds(manifest: Mapping) -> dict[str, str]:
 def needs_embedder(manifest: Mapping) -> bool:
     """True unless every declared family the manifest names has ``needs_embedder=False`` (a bundle
     naming no declared family, or only such families as routers, carries ``embedder`` and ``models``)."""
+    import_named_families(manifest)
     named = [fam for fam in _FAMILIES if fam != EMBEDDER_FAMILY and manifest_key(fam) in manifest]
     return not named or any(_FAMILIES[fam].needs_embedder for fam in named) or manifest_key(EMBEDDER_FAMILY) in manifest
 
@@ -153,7 +179,7 @@ def check_manifest_kinds(manifest: Mapping) -> dict[str, ArtefactKind]:
     """
     found = manifest_kinds(manifest)
     if set(found) == {EMBEDDER_FAMILY}:
-        keys = [manifest_key(f) for f in families() if f != EMBEDDER_FAMILY]
+        keys = [manifest_key(f) for f in sorted({*families(), *BUILTIN_FAMILY_MODULES}) if f != EMBEDDER_FAMILY]
         raise BundleError(f"manifest: names no artefact; expected one of {keys} (e.g. router_kind)")
     out = {}
     for family, name in found.items():
@@ -201,5 +227,5 @@ register(StaticEmbedderKind())  # embedder/static (model2vec table), sdk/static_
 
 
 __all__ = ["ArtefactKind", "Embedder", "Family", "LoadContext", "RouterScorer", "UnknownKindError", "check_manifest_kinds",
-           "REGISTRY", "families", "get", "load_artefact", "manifest_key", "manifest_kinds", "names", "needs_embedder", "register",
+           "REGISTRY", "families", "get", "import_named_families", "load_artefact", "manifest_key", "manifest_kinds", "names", "needs_embedder", "register",
            "register_family", "unregister"]

@@ -22,7 +22,7 @@ import numpy as np
 
 from sdk import bundle_manifest as fmt
 from sdk import kinds
-from sdk.embedder import session_options
+from sdk.embedder import SessionThreads
 from sdk.arrays import finite_rows
 from sdk.errors import BudgetError, BundleError, InvalidInputError, InvalidQueryError
 from sdk.utility import _decide_unchecked, check_lambda
@@ -191,7 +191,8 @@ class Router:
         """
         if precision != "auto" and precision not in fmt.EMBEDDER_FILES:
             raise InvalidInputError(f"precision must be 'auto' or one of {sorted(fmt.EMBEDDER_FILES)}, got {precision!r}")
-        options = session_options(intra_op_threads, inter_op_threads)
+        # Checked now; onnxruntime is imported only by a kind that creates a session (not a static embedder).
+        options = SessionThreads(intra_op_threads, inter_op_threads)
         chosen: dict[str, str] = {}
 
         if isinstance(min_bundle_version, bool) or not isinstance(min_bundle_version, int):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from sdk.errors import BundleError, InvalidQueryError
-from sdk.static_embedder import StaticEmbedder, decode_table, encode_table, quantize_rows
+from sdk.static_embedder import StaticEmbedder, decode_table, encode_table, quantize_rows, vocab_size
 
 VOCAB = {"[UNK]": 0, "a": 1, "b": 2, "c": 3}
 # Exactly representable in float16 and, one non-zero per row, in int8 with per-row scales.
@@ -102,6 +102,19 @@ def test_table_rows_must_match_the_vocabulary():
         StaticEmbedder(tiny_tokenizer().to_str(), encode_table(np.ones((5, 3)), "fp32"), dim=3)
 
 
+
+def test_vocab_size_counts_added_tokens_beyond_the_model_vocabulary():
+    tok = tiny_tokenizer()
+    assert vocab_size(tok) == 4 == tok.get_vocab_size(with_added_tokens=True)
+    tok.add_special_tokens(["[UNK]", "<new>"])  # one already a model token (id 0), one new (id 4)
+    tok.add_tokens(["zzz"])  # id 5
+    assert vocab_size(tok) == 6 == tok.get_vocab_size(with_added_tokens=True)
+    # the table must then cover the added ids too
+    with pytest.raises(BundleError, match="4 rows, the tokenizer 6 tokens"):
+        StaticEmbedder(tok.to_str(), encode_table(VECTORS, "fp32"), dim=3)
+    wider = np.vstack([VECTORS, [[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])
+    assert StaticEmbedder(tok.to_str(), encode_table(wider, "fp32"), dim=3).embed(["zzz"]).tolist() == [[0.0, 0.0, 1.0]]
+
 # --- the real distilled table -------------------------------------------------------------------
 
 
@@ -132,6 +145,7 @@ def test_device_encoder_matches_model2vec_on_real_prompts(static_cache, routerbe
     prompts = list(load_routerbench_dir(routerbench_dir)[1].prompts[:60]) + ["Is a whale a fish?"]
     reference = encode_static(model, prompts)  # model2vec StaticModel.encode
     assert model.stored_table.shape == (model.tokenizer.get_vocab_size(True), 256)
+    assert vocab_size(model.tokenizer) == model.tokenizer.get_vocab_size(with_added_tokens=True)
     tokenizer = model.tokenizer.to_str()
     for precision, floor in (("fp32", 0.99999), ("int8", 0.995)):
         enc = StaticEmbedder(tokenizer, encode_table(model.stored_table, precision), dim=256)

@@ -1,0 +1,147 @@
+"""The device's cold path imports only what it uses (issue 13: static cold start <= 0.25 s).
+
+Each check runs in a fresh interpreter, so ``sys.modules`` holds exactly what that process imported:
+
+- ``import sdk`` imports ``sdk.errors`` only (PEP 562 lazy names), and every public name still resolves;
+- ``Router.load`` of a static-embedder K-means bundle, then ``choose``, imports neither onnxruntime
+  (no ONNX graph runs) nor httpx / sqlite3 / msgpack (sync only), nor the selector, reward-scorer,
+  eval-log or device-round modules, nor ``cryptography``'s PEM package (an Ed25519 ``PUBLIC KEY``
+  is read by :func:`sdk.bundle_manifest.load_public_key`'s short path); those still load when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = {"[UNK]": 0, "a": 1, "b": 2, "c": 3}
+TABLE = np.array([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.6, 0.8, 0.0]], dtype=np.float32)
+#: Imported by neither ``import sdk`` nor a static K-means load + choose.
+NOT_ON_THE_STATIC_PATH = ("onnxruntime", "httpx", "sqlite3", "msgpack", "sdk.sync", "sdk.selector",
+                          "sdk.reward_scorer", "sdk.eval_log", "sdk.device_rounds", "sdk.budget", "torch",
+                          "cryptography.hazmat.primitives.serialization")
+
+
+def run_child(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def static_kmeans_bundle(signing_keys, tmp_path_factory) -> Path:
+    """A signed bundle: a 2-cell K-means router on 3-d static embeddings of a 4-token vocabulary
+    (float16 and int8 tables), assembled and signed by the exporter's own code (no parity step)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from export.bundle_writer import write_bundle
+    from export.embedder_export import BundleEmbedder
+    from export.pipeline import assemble_bundle
+    from export.signing import load_signing_key
+    from sdk.static_embedder import STATIC_TABLE_FILES, encode_table
+    from trainer.data.client_data import ClientData
+    from trainer.routers.kmeans_router import KMeansRouterConfig, fit_kmeans_router
+
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    files = {"tokenizer.json": tok.to_str().encode()}
+    files.update({STATIC_TABLE_FILES[p]: encode_table(TABLE, p) for p in ("fp32", "int8")})
+    entry = {"name": "tiny-static", "dim": 3, "max_tokens": 65_536, "truncation_side": "left", "pooling": "mean",
+             "normalised": True, "files": {p: STATIC_TABLE_FILES[p] for p in ("fp32", "int8")}}
+    # queries near "a" ([1, 0, 0]): model-x right; near "b" ([0, 1, 0]): model-y right; same costs
+    emb = np.array([[1, 0, 0]] * 4 + [[0, 1, 0]] * 4, dtype=np.float32)
+    data = ClientData(np.repeat(emb, 2, axis=0), np.tile([0, 1], 8).astype(np.int64),
+                      np.array([1, 0] * 4 + [0, 1] * 4, dtype=np.float64), np.full(16, 0.001))
+    router = fit_kmeans_router(data, ["model-x", "model-y"], KMeansRouterConfig(n_clusters=2), seed=0)
+    router.embedder = {k: v for k, v in entry.items() if k != "files"}
+    bundle_files, fields = assemble_bundle(router, BundleEmbedder(files, entry, "static"), {}, 1)
+    out = tmp_path_factory.mktemp("static-bundle") / "bundle"
+    write_bundle(out, bundle_files, fields, load_signing_key(signing_keys[0]))
+    return out
+
+
+def test_import_sdk_imports_only_the_errors_and_every_public_name_resolves():
+    got = run_child(
+        "import json, sys\n"
+        "import sdk\n"
+        "loaded = sorted(m for m in sys.modules if m == 'sdk' or m.startswith('sdk.'))\n"
+        "numpy = 'numpy' in sys.modules\n"
+        "missing = [n for n in sdk.__all__ if getattr(sdk, n, None) is None]\n"
+        "from sdk import Router, SyncClient, nearest_cell\n"
+        "print(json.dumps({'loaded': loaded, 'numpy': numpy, 'missing': missing, 'dir': set(sdk.__all__) <= set(dir(sdk)),"
+        " 'router': Router.__module__, 'sync': SyncClient.__module__, 'kinds': sdk.kinds.__name__}))\n")
+    assert got == {"loaded": ["sdk", "sdk.errors"], "numpy": False, "missing": [], "dir": True,
+                   "router": "sdk.router", "sync": "sdk.sync", "kinds": "sdk.kinds"}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_static_kmeans_load_and_choose_import_no_onnxruntime_nor_sync_modules(static_kmeans_bundle, signing_keys,
+                                                                              precision):
+    got = run_child(
+        "import json, sys\n"
+        "import sdk\n"
+        f"router = sdk.Router.load({str(static_kmeans_bundle)!r}, {str(signing_keys[1])!r}, precision={precision!r})\n"
+        "picks = [router.choose(q, 0.0).model for q in ('a a', 'b b b', 'c a a')]\n"
+        f"present = [m for m in {NOT_ON_THE_STATIC_PATH!r} if m in sys.modules]\n"
+        "handler = type(sdk.kinds.get('router', 'kmeans').round_handler).__name__\n"  # the sync side still loads
+        "after = [m for m in ('sdk.device_rounds', 'msgpack', 'sqlite3') if m in sys.modules]\n"
+        "sdk.SyncClient\n"
+        "print(json.dumps({'picks': picks, 'present': present, 'handler': handler, 'after': after,"
+        " 'httpx': 'httpx' in sys.modules}))\n")
+    # 'a a' -> [1, 0, 0] (model-x's cell); 'b b b' -> [0, 1, 0] (model-y's); 'c a a' -> mean of
+    # [0.6, 0.8, 0] and 2 x [1, 0, 0] = [0.87, 0.27, 0] / norm, nearer [1, 0, 0]: model-x
+    assert got["picks"] == ["model-x", "model-y", "model-x"]
+    assert got["present"] == []
+    assert got["handler"] == "KMeansRoundHandler" and got["after"] == ["sdk.device_rounds", "msgpack", "sqlite3"]
+    assert got["httpx"] is True
+
+
+def test_a_selector_manifest_still_finds_its_family_without_importing_sdk_selector():
+    """The selector family registers when its module is imported; the registry imports it when a
+    manifest names it (a sync client installing a selector bundle has not imported it)."""
+    got = run_child(
+        "import json, sys\n"
+        "from sdk import kinds\n"
+        "before = 'sdk.selector' in sys.modules\n"
+        "found = kinds.manifest_kinds({'selector_kind': 'onnx_pair'})\n"
+        "print(json.dumps({'before': before, 'found': found, 'after': 'sdk.selector' in sys.modules,"
+        " 'needs_embedder': kinds.needs_embedder({'selector_kind': 'onnx_pair'})}))\n")
+    assert got == {"before": False, "found": {"selector": "onnx_pair"}, "after": True, "needs_embedder": False}
+
+
+def test_ed25519_pem_short_path_gives_the_library_key_and_other_pems_go_to_the_library(signing_keys):
+    import base64
+
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import (Encoding, PublicFormat, load_pem_public_key)
+
+    from sdk import bundle_manifest as fmt
+    from sdk.errors import BundleError
+
+    pem = signing_keys[1].read_bytes()
+    raw = load_pem_public_key(pem).public_bytes(Encoding.Raw, PublicFormat.Raw)
+    for text in (pem, pem.replace(b"\n", b"\r\n"), b"\n  " + pem + b"\n\n", pem.decode()):
+        short = fmt._ed25519_from_pem(text.encode() if isinstance(text, str) else text)
+        assert short is not None and short.public_bytes_raw() == raw
+        assert fmt.load_public_key(text).public_bytes_raw() == raw
+    assert fmt.public_key_id(fmt.load_public_key(pem)) == fmt.sha256_hex(raw)
+    # not the exact Ed25519 form: None here, and the library's loader decides
+    ec_pem = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(Encoding.PEM,
+                                                                                PublicFormat.SubjectPublicKeyInfo)
+    assert fmt._ed25519_from_pem(ec_pem) is None
+    with pytest.raises(BundleError, match="public key is ECPublicKey, expected Ed25519"):
+        fmt.load_public_key(ec_pem)
+    short_der = fmt.ED25519_SPKI_PREFIX + raw[:31]  # a 31-byte key
+    bad = b"-----BEGIN PUBLIC KEY-----\n" + base64.b64encode(short_der) + b"\n-----END PUBLIC KEY-----\n"
+    assert fmt._ed25519_from_pem(bad) is None
+    with pytest.raises(BundleError, match="not a PEM public key"):
+        fmt.load_public_key(bad)
+    assert fmt._ed25519_from_pem(b"junk\n" + pem) is None
