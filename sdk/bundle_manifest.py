@@ -30,6 +30,7 @@ from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_public_key
 
 from sdk import kinds
 from sdk.builtin_kinds import TOKENIZER_FILE  # noqa: F401  (re-exported: the bundle format names it)
@@ -91,34 +92,6 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-#: DER prefix of an Ed25519 SubjectPublicKeyInfo (RFC 8410 sec. 4; sec. 10.1 shows one in PEM):
-#: SEQUENCE { SEQUENCE { OID 1.3.101.112 }, BIT STRING (0 unused bits, then the 32-byte key) }.
-ED25519_SPKI_PREFIX = bytes.fromhex("302a300506032b6570032100")
-_PEM_PUBLIC_KEY = re.compile(rb"\A\s*-----BEGIN PUBLIC KEY-----\r?\n([A-Za-z0-9+/=\r\n]+)-----END PUBLIC KEY-----\s*\Z")
-
-
-def _ed25519_from_pem(data: bytes) -> Ed25519PublicKey | None:
-    """The key of a PEM ``PUBLIC KEY`` block that is exactly an Ed25519 SubjectPublicKeyInfo (what
-    ``fedroute keygen`` writes), else None: the caller then uses ``cryptography``'s PEM loader. Its
-    package import (``serialization``, with its SSH, RSA, DSA and EC modules) took 25-34 ms of CPU
-    on a cold start against 16-18 ms for the OpenSSL backend that ``from_public_bytes`` imports
-    (cryptography 46, load ~10 on 2 cores). The 32 key bytes are still checked by
-    ``Ed25519PublicKey.from_public_bytes``."""
-    match = _PEM_PUBLIC_KEY.match(data)
-    if match is None:
-        return None
-    try:
-        der = base64.b64decode(b"".join(match[1].split()), validate=True)
-    except ValueError:
-        return None
-    if len(der) != len(ED25519_SPKI_PREFIX) + 32 or not der.startswith(ED25519_SPKI_PREFIX):
-        return None
-    try:
-        return Ed25519PublicKey.from_public_bytes(der[len(ED25519_SPKI_PREFIX):])
-    except ValueError:
-        return None
-
-
 def load_public_key(public_key):
     """An Ed25519 public key from a PEM file path, PEM text (str or bytes) or a ``cryptography`` key.
 
@@ -140,14 +113,10 @@ def load_public_key(public_key):
         data = public_key
     else:
         raise BundleError(f"public_key must be a path, PEM bytes or Ed25519PublicKey, got {type(public_key).__name__}")
-    key = _ed25519_from_pem(data)
-    if key is None:  # any other PEM: cryptography's full loader
-        from cryptography.hazmat.primitives.serialization import load_pem_public_key  # ~10 ms more to import: not for the usual key
-
-        try:
-            key = load_pem_public_key(data)
-        except (ValueError, TypeError) as exc:
-            raise BundleError(f"public key is not a PEM public key: {exc}") from exc
+    try:
+        key = load_pem_public_key(data)
+    except (ValueError, TypeError) as exc:
+        raise BundleError(f"public key is not a PEM public key: {exc}") from exc
     if not isinstance(key, Ed25519PublicKey):
         raise BundleError(f"public key is {type(key).__name__}, expected Ed25519")
     return key
@@ -155,7 +124,7 @@ def load_public_key(public_key):
 
 def public_key_id(key) -> str:
     """sha256 (hex) of the raw 32-byte Ed25519 public key: names the key in the manifest."""
-    return sha256_hex(key.public_bytes_raw())
+    return sha256_hex(key.public_bytes(Encoding.Raw, PublicFormat.Raw))
 
 
 @dataclass(frozen=True)

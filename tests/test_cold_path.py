@@ -5,8 +5,7 @@ Each check runs in a fresh interpreter, so ``sys.modules`` holds exactly what th
 - ``import sdk`` imports ``sdk.errors`` only (PEP 562 lazy names), and every public name still resolves;
 - ``Router.load`` of a static-embedder K-means bundle, then ``choose``, imports neither onnxruntime
   (no ONNX graph runs) nor httpx / sqlite3 / msgpack (sync only), nor the selector, reward-scorer,
-  eval-log or device-round modules, nor ``cryptography``'s PEM package (an Ed25519 ``PUBLIC KEY``
-  is read by :func:`sdk.bundle_manifest.load_public_key`'s short path); those still load when asked for.
+  eval-log or device-round modules; those still load when asked for.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ VOCAB = {"[UNK]": 0, "a": 1, "b": 2, "c": 3}
 TABLE = np.array([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.6, 0.8, 0.0]], dtype=np.float32)
 #: Imported by neither ``import sdk`` nor a static K-means load + choose.
 NOT_ON_THE_STATIC_PATH = ("onnxruntime", "httpx", "sqlite3", "msgpack", "sdk.sync", "sdk.selector",
-                          "sdk.reward_scorer", "sdk.eval_log", "sdk.device_rounds", "sdk.budget", "torch",
-                          "cryptography.hazmat.primitives.serialization")
+                          "sdk.reward_scorer", "sdk.eval_log", "sdk.device_rounds", "sdk.budget", "torch")
 
 
 def run_child(code: str) -> dict:
@@ -115,33 +113,3 @@ def test_a_selector_manifest_still_finds_its_family_without_importing_sdk_select
         "print(json.dumps({'before': before, 'found': found, 'after': 'sdk.selector' in sys.modules,"
         " 'needs_embedder': kinds.needs_embedder({'selector_kind': 'onnx_pair'})}))\n")
     assert got == {"before": False, "found": {"selector": "onnx_pair"}, "after": True, "needs_embedder": False}
-
-
-def test_ed25519_pem_short_path_gives_the_library_key_and_other_pems_go_to_the_library(signing_keys):
-    import base64
-
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.hazmat.primitives.serialization import (Encoding, PublicFormat, load_pem_public_key)
-
-    from sdk import bundle_manifest as fmt
-    from sdk.errors import BundleError
-
-    pem = signing_keys[1].read_bytes()
-    raw = load_pem_public_key(pem).public_bytes(Encoding.Raw, PublicFormat.Raw)
-    for text in (pem, pem.replace(b"\n", b"\r\n"), b"\n  " + pem + b"\n\n", pem.decode()):
-        short = fmt._ed25519_from_pem(text.encode() if isinstance(text, str) else text)
-        assert short is not None and short.public_bytes_raw() == raw
-        assert fmt.load_public_key(text).public_bytes_raw() == raw
-    assert fmt.public_key_id(fmt.load_public_key(pem)) == fmt.sha256_hex(raw)
-    # not the exact Ed25519 form: None here, and the library's loader decides
-    ec_pem = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(Encoding.PEM,
-                                                                                PublicFormat.SubjectPublicKeyInfo)
-    assert fmt._ed25519_from_pem(ec_pem) is None
-    with pytest.raises(BundleError, match="public key is ECPublicKey, expected Ed25519"):
-        fmt.load_public_key(ec_pem)
-    short_der = fmt.ED25519_SPKI_PREFIX + raw[:31]  # a 31-byte key
-    bad = b"-----BEGIN PUBLIC KEY-----\n" + base64.b64encode(short_der) + b"\n-----END PUBLIC KEY-----\n"
-    assert fmt._ed25519_from_pem(bad) is None
-    with pytest.raises(BundleError, match="not a PEM public key"):
-        fmt.load_public_key(bad)
-    assert fmt._ed25519_from_pem(b"junk\n" + pem) is None
