@@ -7,7 +7,9 @@ is trained and scored on each client's own validation pairs:
 
 - ``own``: each client's reward model on its own validation pairs (what a client can pick locally);
 - ``sparse``: router + RM, top-1 client per (x, y) (mean over clients of validation accuracy);
-- ``soft T``: ``sum_k softmax(z / T)_k R_bar_k(x, y)`` for temperatures T.
+- ``soft T``: ``sum_k softmax(z / T)_k R_bar_k(x, y)`` for temperatures T;
+- ``prompt-sparse`` / ``prompt-soft``: both responses of a pair routed together, by the mean of their
+  router probabilities (top-1 client, or those mean probabilities as soft weights).
 
 Candidates (``RewardModelConfig``): the length prior as before (``prior``), the prior with early stopping
 that may keep the untrained length-only start (``prior+keep``), and no length term (``off``).
@@ -80,6 +82,11 @@ def main(argv: list[str]) -> None:
                 for t in TEMPERATURES:
                     w = softmax(z.reshape(-1, len(names)) / t).reshape(z.shape)
                     row.setdefault(f"soft T={t}", {}).setdefault(names[k], []).append(acc((w * s).sum(-1)))
+                # per-prompt routing: both responses of a pair go to the client of the mean probabilities
+                p = softmax(z.reshape(-1, len(names))).reshape(z.shape).mean(0)  # (n, K)
+                g = np.take_along_axis(s, np.broadcast_to(p.argmax(-1)[None, :, None], (2, p.shape[0], 1)), -1)[..., 0]
+                row.setdefault("prompt-sparse", {}).setdefault(names[k], []).append(acc(g))
+                row.setdefault("prompt-soft", {}).setdefault(names[k], []).append(acc((p[None] * s).sum(-1)))
             print(seed, label, {m: round(float(np.mean([v[-1] for v in d.values()])), 3) for m, d in row.items()},
                   f"{time.perf_counter() - t0:.0f}s", flush=True)
     table = []
