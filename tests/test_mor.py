@@ -284,6 +284,29 @@ def test_sparse_routing_queries_exactly_one_client_per_pair(mixture, clients, en
     np.testing.assert_array_equal(soft.queries_, [len(prompts)] * 2)
 
 
+def test_keep_start_lets_early_stopping_keep_the_untrained_start():
+    """Training pulls p towards 1 while the validation loss p^2 is lowest at the start p = 0: with keep_start
+    the start (epoch -1) wins the validation selection; without it the best trained epoch does."""
+    from trainer.rewards.reward_models import RewardModelConfig, RewardModelTrainer
+
+    def run(keep: bool):
+        module = torch.nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            module.weight.zero_()
+        trainer = RewardModelTrainer(RewardModelConfig(epochs=3, batch_size=4, lr=0.1, weight_decay=0.0, patience=5,
+                                                       keep_start=keep))
+        trainer._loop(module, 4, lambda idx: (module.weight.sum() - 1.0) ** 2, lambda: module.weight.sum() ** 2,
+                      np.random.default_rng(0))
+        return float(module.weight.detach().sum()), trainer.history_
+
+    kept, hist = run(True)
+    assert kept == 0.0 and hist[0] == {"epoch": -1, "val_loss": 0.0} and len(hist) == 4
+    trained, hist = run(False)
+    # AdamW's first step moves p by lr = 0.1; epoch 0 is then the best of the trained epochs
+    assert trained == pytest.approx(0.1, abs=1e-6) and hist[0]["epoch"] == 0
+    assert hist[0]["val_loss"] == pytest.approx(0.01, abs=1e-6)
+
+
 def test_routing_by_prompt_and_temperature_by_hand(mixture, clients, encoder, tmp_path):
     """route_by="prompt": the responses of one prompt share the mean of their routing probabilities; the
     temperature divides the logits. Hand-made logits, checked against hand-computed weights."""
