@@ -14,7 +14,8 @@ is trained and scored on each client's own validation pairs:
 Candidates (``RewardModelConfig``): the length prior as before (``prior``), the prior with early stopping
 that may keep the untrained length-only start (``prior+keep``), and no length term (``off``).
 Run: ``PYTHONPATH=. HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/mor_client_settings.py [--quick] [--mlp-only]``;
-writes ``docs/mor_client_settings[_quick].json``.
+writes ``docs/mor_client_settings[_quick][_mlp].json`` (the defaults were chosen from ``--mlp-only``: a LoRA
+candidate costs ~1 s per pair on this CPU).
 """
 
 from __future__ import annotations
