@@ -1,4 +1,4 @@
-"""A client's MoR reward model and the federated client router -> a signed reward-scorer bundle.
+"""A client's MoR reward model (MLP or LoRA) and the federated client router -> a signed reward-scorer bundle.
 
 The device then scores its own (prompt, response) pairs locally with :class:`sdk.reward_scorer.RewardScorer`
 (MoR, paper 001: client reward models stay on their client). Files (see :mod:`sdk.reward_scorer`):
@@ -9,8 +9,16 @@ small networks, which optimum does not cover), and ``parity.json``.
 ``reward.onnx`` folds the client's normaliser into the graph: outputs ``raw = R_k(x, y)`` and
 ``reward = clip((R_k - mu_k) / (sigma_k + eps))`` (``trainer.rewards.reward_models.ScoreNormaliser``).
 
-Reward models exported: the MLP on frozen pair features (``arch = "mlp"``). The LoRA-tuned encoder
-(``arch = "lora"``) reads tokenised pairs, not the shared features, and is refused with a clear error.
+Reward models exported, one export kind per architecture (:func:`export_kind_for` picks it by
+``ClientRewardModel.arch``; registered in :mod:`export.kinds`, read by the SDK kind of the same name):
+
+- ``mor`` (``arch = "mlp"``): the MLP on frozen pair features, ``reward.onnx`` on ``features (batch, d_in)``;
+- ``mor_lora`` (``arch = "lora"``): the LoRA-tuned encoder. Its adapter is merged into a copy of the encoder
+  (peft ``merge_and_unload``, :func:`export.torch_onnx.merged_lora_copy`, as the FedPrism selector export
+  does), and encoder + masked mean pooling + head + length term + normaliser become ``reward.onnx`` on the
+  tokenised pair (``input_ids``, ``attention_mask``, ``token_type_ids`` (batch, seq) int64, ``lengths``
+  (batch, 3) float32); the tokenizer ships as ``reward_tokenizer.json`` (:func:`reward_lora_to_onnx`).
+  The torch reference of its parity check is the trainer's peft model with the adapter NOT merged.
 
 Parity (:func:`check_parity`, the gate of :func:`export_reward_bundle`), measured through the SDK on the
 staged bundle, on real pairs:
@@ -24,6 +32,7 @@ staged bundle, on real pairs:
 
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
 from dataclasses import dataclass
@@ -34,14 +43,16 @@ import numpy as np
 
 from export import kinds
 from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle, write_checked_bundle
-from export.embedder_onnx import ExportedEmbedder, export_embedder, quiet_libraries
+from export.embedder_onnx import ExportedEmbedder, export_embedder
 from export.errors import ExportError
+from export.torch_onnx import merged_lora_copy, module_to_onnx
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
 from sdk import kinds as sdk_kinds
 from sdk.builtin_kinds import TOKENIZER_FILE
-from sdk.reward_scorer import CLIENT_ROUTER_FILE, FAMILY, KIND, REWARD_FILE
+from sdk.reward_scorer import CLIENT_ROUTER_FILE, FAMILY, KIND, LORA_KIND, REWARD_FILE, REWARD_TOKENIZER_FILE
 from trainer.rewards.pair_features import LENGTH_SCALE
+from sdk.pair_encoding import N_LENGTH_FEATURES as N_LENGTH_COLUMNS
 from sdk.reward_scorer import RewardScorer
 from trainer.embeddings import resolve_model_path
 
@@ -51,21 +62,11 @@ MIN_CHOICE_AGREEMENT = 0.99
 
 
 def _to_onnx(module, d_in: int, outputs: list[str], dynamic: dict, metadata: dict) -> bytes:
-    import onnx  # onnx: optional heavy dependency, imported on use
+    """A graph with one ``features (batch, d_in)`` input (:func:`export.torch_onnx.module_to_onnx`)."""
     import torch  # torch: optional heavy dependency, imported on use
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "graph.onnx"
-        with torch.no_grad(), quiet_libraries():
-            torch.onnx.export(module.eval(), (torch.zeros(2, d_in),), str(path), dynamo=False, opset_version=OPSET,
-                              input_names=["features"], output_names=outputs,
-                              dynamic_axes={"features": {0: "batch"}, **dynamic})
-        model = onnx.load(str(path))
-    for key, value in metadata.items():
-        entry = model.metadata_props.add()
-        entry.key, entry.value = key, value
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
+    return module_to_onnx(module, (torch.zeros(2, d_in),), ["features"], outputs, {"features": {0: "batch"}, **dynamic},
+                          metadata)
 
 
 def reward_mlp_to_onnx(model) -> bytes:
@@ -107,6 +108,65 @@ def reward_mlp_to_onnx(model) -> bytes:
                     {"family": FAMILY, "kind": KIND, "arch": "mlp", "d_in": str(model.d_in)})
 
 
+def reward_lora_to_onnx(model) -> bytes:
+    """``reward.onnx`` of kind ``mor_lora`` for a :class:`trainer.rewards.reward_models.LoRARewardModel`
+    with a normaliser: the encoder with its LoRA adapter merged (:func:`export.torch_onnx.merged_lora_copy`,
+    as the selector export does), masked mean pooling, the linear head, the length term when the model has
+    one, and the client's normaliser folded in.
+
+    Graph: ``input_ids``, ``attention_mask``, ``token_type_ids`` (batch, seq) int64 [, ``lengths`` (batch, 3)
+    float32 = ``trainer.rewards.pair_features.response_lengths``] -> ``raw``, ``reward`` (batch,) float32.
+
+    Raises
+    ------
+    ExportError
+        Not a LoRA reward model, or no normaliser fitted.
+    """
+    import torch  # torch: optional heavy dependency, imported on use
+    from torch import nn  # torch: optional heavy dependency, imported on use
+
+    if getattr(model, "arch", None) != "lora":
+        raise ExportError(f"reward_lora_to_onnx needs a LoRA reward model, got arch {getattr(model, 'arch', None)!r}")
+    norm = model.normaliser_
+    if norm is None:
+        raise ExportError("the reward model has no normaliser: fit it (fit_normaliser) before export")
+    scorer = model.module
+    length = scorer.length is not None
+
+    class Merged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = merged_lora_copy(scorer.encoder)
+            self.head = copy.deepcopy(scorer.head)
+            self.length = copy.deepcopy(scorer.length)
+            self.register_buffer("mean", torch.tensor(float(norm.mean)))
+            self.register_buffer("scale", torch.tensor(float(norm.std) + float(norm.eps)))
+            self.clip = None if norm.clip is None else float(norm.clip)
+
+        def forward(self, input_ids, attention_mask, token_type_ids, lengths=None):
+            out = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                               token_type_ids=token_type_ids).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(out.dtype)
+            raw = self.head((out * mask).sum(1) / mask.sum(1).clamp(min=1.0)).squeeze(-1)
+            if self.length is not None:
+                raw = raw + self.length(lengths).squeeze(-1)
+            reward = (raw - self.mean) / self.scale
+            if self.clip is not None:
+                reward = torch.clamp(reward, -self.clip, self.clip)
+            return raw, reward
+
+    enc = model.tokenize(["a prompt", "another prompt"], ["an answer", "a second, longer answer"])
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    args: tuple = tuple(enc[n] for n in names)
+    if length:
+        names.append("lengths")
+        args += (torch.zeros(2, N_LENGTH_COLUMNS),)
+    dynamic = {n: ({0: "batch"} if n == "lengths" else {0: "batch", 1: "seq"}) for n in names}
+    return module_to_onnx(Merged(), args, names, ["raw", "reward"], dynamic | {"raw": {0: "batch"}, "reward": {0: "batch"}},
+                          {"family": FAMILY, "kind": LORA_KIND, "arch": "lora", "base_model": model.base_model,
+                           "max_tokens": str(model.max_tokens)})
+
+
 def client_router_to_onnx(router) -> bytes:
     """``client_router.onnx`` for a :class:`trainer.rewards.client_router.ClientRouter`:
     ``features (batch, d_in) float32`` -> ``logits (batch, K) float32``."""
@@ -130,50 +190,70 @@ class ClientRewardArtefact:
 
 
 class MoRRewardExportKind(kinds.ExportKind):
-    """``reward_scorer/mor``: ``reward.onnx`` + ``client_router.onnx``, the kind's manifest fields, and
-    the parity gate of the module docstring."""
+    """``reward_scorer/mor``: ``reward.onnx`` (MLP on the pair features) + ``client_router.onnx``, the kind's
+    manifest fields, and the parity gate of the module docstring. ``arch`` is the reward-model
+    architecture (``ClientRewardModel.arch``) the kind exports: :func:`export_kind_for` picks the kind by it."""
 
     family = FAMILY
     name = KIND
+    arch = "mlp"
 
     def check(self, artefact: ClientRewardArtefact) -> None:
-        """Raises ExportError: unknown client, a reward model that is not the MLP kind, a reward model
-        and router that read different features, or features of another width than the embedder's."""
+        """Raises ExportError: unknown client, a reward model of another architecture than the kind's, a
+        reward model and router that read different features, or features of another width than the embedder's."""
         mixture, client = artefact.mixture, artefact.client
         names = list(mixture.client_names)
         if client not in names:
             raise ExportError(f"unknown client {client!r}; the mixture has {names}")
         rm = mixture.reward_models[names.index(client)]
-        if getattr(rm, "arch", None) != "mlp":
-            raise ExportError(f"client {client!r} has a {getattr(rm, 'arch', None)!r} reward model; only 'mlp' "
-                              "(MLP on frozen pair features) exports to a reward-scorer bundle in this version")
+        if getattr(rm, "arch", None) != self.arch:
+            raise ExportError(f"client {client!r} has a {getattr(rm, 'arch', None)!r} reward model; the kind "
+                              f"{self.family}/{self.name} exports {self.arch!r} reward models")
+        d_in = 2 * artefact.embedder_dim + (3 if mixture.encoder.length_features else 0)
+        self.check_reward_model(rm, mixture, client, d_in)
+        if mixture.router.d_in != d_in:
+            raise ExportError(f"features of width {d_in} (embedder dim {artefact.embedder_dim}) but the router "
+                              f"reads {mixture.router.d_in}")
+
+    def check_reward_model(self, rm, mixture, client: str, d_in: int) -> None:
+        """The MLP reads the router's features: same encoder, width ``d_in``. Raises ExportError."""
         if rm.encoder.identity != mixture.encoder.identity:
             raise ExportError(f"client {client!r}'s reward model reads {rm.encoder.identity}, "
                               f"the router {mixture.encoder.identity}")
-        d_in = 2 * artefact.embedder_dim + (3 if mixture.encoder.length_features else 0)
-        if rm.d_in != d_in or mixture.router.d_in != d_in:
-            raise ExportError(f"features of width {d_in} (embedder dim {artefact.embedder_dim}) but the reward model "
-                              f"reads {rm.d_in} and the router {mixture.router.d_in}")
+        if rm.d_in != d_in:
+            raise ExportError(f"features of width {d_in} but client {client!r}'s reward model reads {rm.d_in}")
+
+    def reward_files(self, rm) -> dict[str, bytes]:
+        """The reward model's files (``reward.onnx``)."""
+        return {REWARD_FILE: reward_mlp_to_onnx(rm)}
+
+    def reward_fields(self, rm) -> dict:
+        """The manifest's ``reward`` entry."""
+        norm = rm.normaliser_
+        return {"arch": self.arch, "normaliser": {"mean": norm.mean, "std": norm.std, "eps": norm.eps, "clip": norm.clip}}
+
+    def torch_raw(self, rm, prompts: Sequence[str], responses: Sequence[str], features: np.ndarray) -> np.ndarray:
+        """The trainer's raw rewards (n,) of the pairs, the reference of the parity check (on ``features``)."""
+        return rm.raw_scores_from_features(features)
 
     def files(self, artefact: ClientRewardArtefact) -> dict[str, bytes]:
         self.check(artefact)
-        return {REWARD_FILE: reward_mlp_to_onnx(artefact.mixture.reward_models[artefact.index]),
+        return {**self.reward_files(artefact.mixture.reward_models[artefact.index]),
                 CLIENT_ROUTER_FILE: client_router_to_onnx(artefact.mixture.router)}
 
     def manifest_fields(self, artefact: ClientRewardArtefact) -> dict:
 
         self.check(artefact)
         mixture = artefact.mixture
-        encoder, norm = mixture.encoder, mixture.reward_models[artefact.index].normaliser_
+        encoder = mixture.encoder
         length = bool(encoder.length_features)
         return {
-            sdk_kinds.manifest_key(FAMILY): KIND,
+            sdk_kinds.manifest_key(FAMILY): self.name,
             "client": {"name": artefact.client, "index": artefact.index},
             "clients": list(mixture.client_names),
             "features": {"layout": encoder.identity["layout"], "length_features": length,
                          "length_scale": LENGTH_SCALE, "d_in": 2 * artefact.embedder_dim + (3 if length else 0)},
-            "reward": {"arch": "mlp", "normaliser": {"mean": norm.mean, "std": norm.std, "eps": norm.eps,
-                                                    "clip": norm.clip}},
+            "reward": self.reward_fields(mixture.reward_models[artefact.index]),
         }
 
     def parity(self, bundle_dir, public_key, artefact, reference, test, precisions=("fp32",), progress=print) -> dict:
@@ -181,11 +261,53 @@ class MoRRewardExportKind(kinds.ExportKind):
 
         scorer = RewardScorer.load(bundle_dir, public_key)
         prompts, responses = test
-        return check_parity(scorer, artefact.mixture, artefact.index, prompts, responses, reference)
+        return check_parity(scorer, artefact.mixture, artefact.index, prompts, responses, reference, kind=self)
 
 
-if KIND not in kinds.REGISTRY.names(FAMILY):
-    kinds.register(MoRRewardExportKind())
+class MoRLoRARewardExportKind(MoRRewardExportKind):
+    """``reward_scorer/mor_lora``: a LoRA-tuned encoder reward model, adapter merged
+    (:func:`reward_lora_to_onnx`), its tokenizer as ``reward_tokenizer.json``, + ``client_router.onnx``;
+    the same parity gate, the torch reference being the unmerged peft model on the texts."""
+
+    name = LORA_KIND
+    arch = "lora"
+
+    def check_reward_model(self, rm, mixture, client: str, d_in: int) -> None:
+        """The LoRA model reads the texts, not the router's features: nothing to match."""
+
+    def reward_files(self, rm) -> dict[str, bytes]:
+        return {REWARD_FILE: reward_lora_to_onnx(rm),
+                REWARD_TOKENIZER_FILE: rm.tokenizer.backend_tokenizer.to_str().encode("utf-8")}
+
+    def reward_fields(self, rm) -> dict:
+        return super().reward_fields(rm) | {"encoder": {
+            "base_model": rm.base_model, "max_tokens": int(rm.max_tokens), "truncation_side": rm.tokenizer.truncation_side,
+            "length_term": bool(rm.length_term), "pooling": "mean",
+            "lora": {"r": rm.lora_r, "alpha": rm.lora_alpha, "target_modules": ["query", "value"], "merged": True}}}
+
+    def torch_raw(self, rm, prompts, responses, features) -> np.ndarray:
+        return rm.raw_scores(list(prompts), [r if r.strip() else "(empty)" for r in responses])
+
+
+for _kind in (MoRRewardExportKind(), MoRLoRARewardExportKind()):
+    if _kind.name not in kinds.REGISTRY.names(FAMILY):
+        kinds.register(_kind)
+
+
+def export_kind_for(rm) -> MoRRewardExportKind:
+    """The registered ``reward_scorer`` export kind whose ``arch`` is the reward model's.
+
+    Raises
+    ------
+    ExportError
+        No kind exports that architecture (lists the ones that do).
+    """
+    found = {getattr(k, "arch", None): k for k in kinds.REGISTRY.kinds(FAMILY)}
+    arch = getattr(rm, "arch", None)
+    if arch not in found:
+        raise ExportError(f"no reward_scorer export kind for a {arch!r} reward model (kinds export "
+                          f"{sorted(a for a in found if a)})")
+    return found[arch]
 
 
 def assemble(mixture, client: str, exported: ExportedEmbedder, bundle_version: int) -> tuple[dict[str, bytes], dict]:
@@ -199,8 +321,10 @@ def assemble(mixture, client: str, exported: ExportedEmbedder, bundle_version: i
     """
     if bundle_version < 1:
         raise ExportError(f"bundle_version must be >= 1, got {bundle_version}")
-    kind = kinds.REGISTRY.get(FAMILY, KIND)
     artefact = ClientRewardArtefact(mixture, client, exported.dim)
+    if client not in list(mixture.client_names):
+        raise ExportError(f"unknown client {client!r}; the mixture has {list(mixture.client_names)}")
+    kind = export_kind_for(mixture.reward_models[artefact.index])
     emb = mixture.encoder.embedder
     files = {TOKENIZER_FILE: exported.tokenizer.read_bytes(),
              fmt.EMBEDDER_FILES["fp32"]: exported.model.read_bytes(), **kind.files(artefact)}
@@ -215,7 +339,7 @@ def assemble(mixture, client: str, exported: ExportedEmbedder, bundle_version: i
 
 
 def check_parity(scorer, mixture, client_index: int, prompts: Sequence[str], responses: Sequence[str],
-                 trainer_features: np.ndarray) -> dict:
+                 trainer_features: np.ndarray, kind: MoRRewardExportKind | None = None) -> dict:
     """Parity report of a loaded :class:`sdk.reward_scorer.RewardScorer` against the trainer (module docstring).
 
     Parameters
@@ -225,6 +349,9 @@ def check_parity(scorer, mixture, client_index: int, prompts: Sequence[str], res
     client_index : the exported client.
     prompts, responses : n real pairs.
     trainer_features : (n, d_in) float32, the trainer's features of the pairs.
+    kind : the export kind (default: :func:`export_kind_for` the client's reward model); gives the torch
+        reference (:meth:`MoRRewardExportKind.torch_raw`: the MLP on ``trainer_features``, the unmerged
+        LoRA model on the texts).
 
     Returns
     -------
@@ -232,7 +359,8 @@ def check_parity(scorer, mixture, client_index: int, prompts: Sequence[str], res
     ``logits_max_abs_diff``, ``choice_agreement``), ``thresholds``, ``passed``, ``failures``.
     """
     rm = mixture.reward_models[client_index]
-    torch_raw = rm.raw_scores_from_features(trainer_features).astype(np.float64)
+    kind = kind or export_kind_for(rm)
+    torch_raw = kind.torch_raw(rm, prompts, responses, trainer_features).astype(np.float64)
     torch_reward = rm.normaliser_(torch_raw).astype(np.float64)
     torch_logits = mixture.router.logits(trainer_features).astype(np.float64)
 
@@ -242,9 +370,9 @@ def check_parity(scorer, mixture, client_index: int, prompts: Sequence[str], res
                 "logits_max_abs_diff": float(np.max(np.abs(out["logits"] - torch_logits))),
                 "choice_agreement": float(np.mean(out["logits"].argmax(1) == torch_logits.argmax(1)))}
 
-    graphs = compare(scorer.scores_from_features(trainer_features))
+    graphs = compare(scorer.scores_from_features(trainer_features, list(prompts), list(responses)))
     device_features = scorer.features(list(prompts), list(responses))
-    end_to_end = compare(scorer.scores_from_features(device_features))
+    end_to_end = compare(scorer.scores_from_features(device_features, list(prompts), list(responses)))
     end_to_end["features_max_abs_diff"] = float(np.max(np.abs(device_features - trainer_features)))
     failures = [f"graphs: {name} {graphs[name]:.3g} > {MAX_ABS_DIFF}"
                 for name in ("reward_max_abs_diff", "raw_max_abs_diff", "logits_max_abs_diff")
@@ -312,7 +440,7 @@ def export_reward_bundle(mixture, client: str, out: Path, signing_key: Path, pro
         write_bundle(staged, files, fields, key)
         progress(f"checking parity of the staged bundle on {len(prompts)} real pairs")
         features = mixture.encoder.encode(list(prompts), list(responses))
-        kind = kinds.REGISTRY.get(FAMILY, KIND)
+        kind = export_kind_for(mixture.reward_models[list(mixture.client_names).index(client)])
         report = kind.parity(staged, key.public_key(), ClientRewardArtefact(mixture, client, exported.dim), features,
                              (list(prompts), list(responses)))
         g, e = report["graphs"], report["end_to_end"]

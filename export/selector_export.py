@@ -33,8 +33,9 @@ import numpy as np
 
 from export import kinds as export_kinds
 from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle, write_checked_bundle
-from export.embedder_onnx import quantize_embedder, quiet_libraries
+from export.embedder_onnx import quantize_embedder
 from export.errors import ExportError
+from export.torch_onnx import merged_lora_copy, module_to_onnx
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
 from sdk.pair_encoding import N_LENGTH_FEATURES
@@ -92,11 +93,10 @@ def selector_to_onnx(selector) -> bytes:
     -------
     bytes of an ONNX model (opset 17) with output ``logit`` of shape (batch,), float32.
     """
-    import onnx  # onnx: optional heavy dependency, imported on use
     import torch  # torch: optional heavy dependency, imported on use
     from torch import nn  # torch: optional heavy dependency, imported on use
 
-    merged = copy.deepcopy(selector.backbone).merge_and_unload().eval()
+    merged = merged_lora_copy(selector.backbone)
     pooling = selector.config.pooling
     token_types = _uses_token_types(selector)
 
@@ -144,18 +144,9 @@ def selector_to_onnx(selector) -> bytes:
     # attention and pooling are masked) so int8 activation scales see real tokens only
     dynamic = {n: ({0: "batch"} if n == "length_features" else {0: "batch", 1: "seq"}) for n in names}
     dynamic[OUTPUT_NAME] = {0: "batch"}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "selector.onnx"
-        with torch.no_grad(), quiet_libraries():
-            torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET, input_names=names,
-                              output_names=[OUTPUT_NAME], dynamic_axes=dynamic)
-        model = onnx.load(str(path))
-    for key, value in {"selector_kind": KIND, "backbone": selector.config.backbone, "seq_len": str(seq_len),
-                       "pooling": pooling}.items():
-        entry = model.metadata_props.add()
-        entry.key, entry.value = key, value
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
+    return module_to_onnx(module, args, names, [OUTPUT_NAME], dynamic,
+                          {"selector_kind": KIND, "backbone": selector.config.backbone, "seq_len": str(seq_len),
+                           "pooling": pooling})
 
 
 def int8_excluded_matmuls(model: Path) -> list[str]:

@@ -4,7 +4,10 @@ A reward-scorer bundle (family ``reward_scorer``, kind ``mor``: the manifest say
 ``"reward_scorer_kind": "mor"``, :mod:`sdk.kinds`; written by :mod:`export.reward_export`) lets a device
 score its own (prompt, response) pairs locally, with numpy, onnxruntime and tokenizers only (MoR,
 paper 001: the reward model never leaves its client). This module declares the family (runtime
-interface :class:`RewardGraphs`) and registers the kind (:class:`MoRRewardScorerKind`) at import.
+interface :class:`RewardGraphs`) and registers its two kinds at import: ``mor`` (:class:`MoRRewardScorerKind`,
+an MLP reward model on the pair features, files below) and ``mor_lora`` (:class:`MoRLoRARewardScorerKind`,
+a LoRA-tuned encoder with its adapter merged: ``reward.onnx`` reads the tokenised pair instead, see
+:class:`_PairTokenizer` and :func:`check_lora_reward_manifest`; ``reward_tokenizer.json`` is its tokenizer).
 
 - ``tokenizer.json`` + ``embedder.onnx``: the frozen sentence encoder ``e(.)`` (as :class:`sdk.Router`);
 - ``reward.onnx``: input ``features (batch, d_in) float32`` -> outputs ``raw (batch,)`` (the
@@ -89,11 +92,20 @@ def check_reward_manifest(manifest: dict) -> None:
 
 @runtime_checkable
 class RewardGraphs(Protocol):
-    """Runtime of a ``reward_scorer`` kind: ``run(features)`` with features of shape (n, d_in), float32,
-    finite (validated by :class:`RewardScorer`) -> ``{"raw": (n,), "reward": (n,), "logits": (n, K)}``
-    float32 (raw and normalised reward of this client, the client router's logits)."""
+    """Runtime of a ``reward_scorer`` kind.
 
-    def run(self, features: np.ndarray) -> dict[str, np.ndarray]: ...
+    ``reward(features, prompts, responses) -> {"raw": (n,), "reward": (n,)}`` float32: the raw and the
+    normalised reward of this client. ``features`` (n, d_in) float32 are finite (validated by
+    :class:`RewardScorer`); ``prompts``, ``responses`` are the n validated texts (blank responses read as
+    ``"(empty)"``), or None when the caller has features only (a kind that reads the texts then raises
+    :class:`~sdk.errors.InvalidQueryError`).
+
+    ``logits(features) -> (n, K)`` float32: the client router's logits.
+    """
+
+    def reward(self, features: np.ndarray, prompts: list[str] | None, responses: list[str] | None) -> dict[str, np.ndarray]: ...
+
+    def logits(self, features: np.ndarray) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -161,15 +173,17 @@ class _Graph:
 
 
 class _MoRGraphs:
-    """``reward.onnx`` + ``client_router.onnx`` as one :class:`RewardGraphs`."""
+    """``reward.onnx`` (on the pair features) + ``client_router.onnx`` as one :class:`RewardGraphs`."""
 
     def __init__(self, reward: _Graph, router: _Graph) -> None:
         self._reward, self._router = reward, router
 
-    def run(self, features: np.ndarray) -> dict[str, np.ndarray]:
+    def reward(self, features: np.ndarray, prompts=None, responses=None) -> dict[str, np.ndarray]:
         out = self._reward.run(features)
-        return {"raw": out["raw"].reshape(-1), "reward": out["reward"].reshape(-1),
-                "logits": self._router.run(features)["logits"]}
+        return {"raw": out["raw"].reshape(-1), "reward": out["reward"].reshape(-1)}
+
+    def logits(self, features: np.ndarray) -> np.ndarray:
+        return self._router.run(features)["logits"]
 
 
 class MoRRewardScorerKind(ArtefactKind):
@@ -196,6 +210,143 @@ class MoRRewardScorerKind(ArtefactKind):
 kinds.register_family(FAMILY, RewardGraphs)
 if KIND not in kinds.names(FAMILY):
     kinds.register(MoRRewardScorerKind())
+
+
+# -- kind "mor_lora": a LoRA-tuned encoder reward model (adapter merged) reading the tokenised pair ------------
+
+LORA_KIND = "mor_lora"
+REWARD_TOKENIZER_FILE = "reward_tokenizer.json"
+#: Inputs of the ``mor_lora`` ``reward.onnx``; token types and lengths are fed only when the graph declares them.
+LORA_REQUIRED_INPUTS = ("input_ids", "attention_mask")
+LORA_OPTIONAL_INPUTS = ("token_type_ids", "lengths")
+
+
+def check_lora_reward_manifest(manifest: dict) -> None:
+    """:func:`check_reward_manifest`, plus the ``mor_lora`` fields: ``reward.encoder`` =
+    ``{"base_model": str, "max_tokens": int >= 2, "truncation_side": "left"|"right", "length_term": bool,
+    "lora": {...}}`` and ``reward_tokenizer.json`` among the files.
+
+    Raises
+    ------
+    BundleError
+        The first violation, naming the field.
+    """
+    check_reward_manifest(manifest)
+    enc = manifest["reward"].get("encoder")
+    ok = (isinstance(enc, dict) and isinstance(enc.get("base_model"), str)
+          and isinstance(enc.get("max_tokens"), int) and not isinstance(enc.get("max_tokens"), bool) and enc["max_tokens"] >= 2
+          and enc.get("truncation_side") in ("left", "right") and isinstance(enc.get("length_term"), bool))
+    if not ok:
+        raise BundleError("manifest: reward.encoder must hold base_model (str), max_tokens (int >= 2), "
+                          "truncation_side ('left'|'right') and length_term (bool)")
+    if enc["length_term"] and not manifest["features"].get("length_scale"):
+        raise BundleError("manifest: reward.encoder.length_term needs features.length_scale")
+    if REWARD_TOKENIZER_FILE not in manifest["files"]:
+        raise BundleError(f"manifest: {REWARD_TOKENIZER_FILE} is not listed in files")
+
+
+class _PairTokenizer:
+    """The trainer's tokenisation of a (prompt, response) pair for the LoRA reward model, with
+    ``tokenizers`` only: one sequence ``[CLS] x [SEP] y [SEP]`` (the tokenizer's own pair template),
+    truncated to ``max_tokens`` in all by the ``longest_first`` strategy from ``truncation_side``, padded to
+    the longest pair of the batch (what ``transformers``' ``tokenizer(x, y, truncation=True,
+    max_length=max_tokens, padding=True)`` does with ``truncation_side``)."""
+
+    def __init__(self, tokenizer_json: str, max_tokens: int, truncation_side: str) -> None:
+        from tokenizers import Tokenizer  # native library: loaded with the bundle, not at import of sdk
+
+        try:
+            tokenizer = Tokenizer.from_str(tokenizer_json)
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+            raise BundleError(f"{REWARD_TOKENIZER_FILE} cannot be loaded ({exc})") from exc
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_tokens, strategy="longest_first", direction=truncation_side)
+        pad_id = tokenizer.token_to_id("[PAD]")
+        tokenizer.enable_padding(pad_id=0 if pad_id is None else pad_id, pad_token="[PAD]")
+        self._tokenizer = tokenizer
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> dict[str, np.ndarray]:
+        """(n, seq) int64 ``input_ids``, ``attention_mask``, ``token_type_ids``."""
+        enc = self._tokenizer.encode_batch(list(zip(prompts, responses)))
+        return {"input_ids": np.array([e.ids for e in enc], dtype=np.int64),
+                "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
+                "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64)}
+
+
+class _LoRARewardGraph:
+    """``reward.onnx`` of kind ``mor_lora``: tokenised pair (+ ``lengths (batch, 3)`` float32) -> ``raw``,
+    ``reward`` (batch,) float32. Checks its inputs and outputs on load."""
+
+    def __init__(self, model: bytes, tokenizer: _PairTokenizer, length_scale: float, options, batch_size: int = 16) -> None:
+        self._session = inference_session(model, options, REWARD_FILE)
+        inputs = [i.name for i in self._session.get_inputs()]
+        if not set(LORA_REQUIRED_INPUTS) <= set(inputs) or not set(inputs) <= set(LORA_REQUIRED_INPUTS + LORA_OPTIONAL_INPUTS):
+            raise BundleError(f"{REWARD_FILE}: inputs {inputs}; expected {list(LORA_REQUIRED_INPUTS)} "
+                              f"and optionally {list(LORA_OPTIONAL_INPUTS)}")
+        outputs = {o.name for o in self._session.get_outputs()}
+        if not {"raw", "reward"} <= outputs:
+            raise BundleError(f"{REWARD_FILE}: no outputs 'raw' and 'reward' (outputs: {sorted(outputs)})")
+        self._inputs, self._tokenizer = inputs, tokenizer
+        self._length_scale, self._batch = float(length_scale), int(batch_size)
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> dict[str, np.ndarray]:
+        raw, reward = [], []
+        for s in range(0, len(prompts), self._batch):
+            p, r = prompts[s : s + self._batch], responses[s : s + self._batch]
+            feeds = self._tokenizer(p, r)
+            feeds["lengths"] = (length_features_many(r, [""] * len(r)) / self._length_scale).astype(np.float32)
+            a, b = self._session.run(["raw", "reward"], {k: feeds[k] for k in self._inputs})
+            raw.append(np.asarray(a, dtype=np.float32).reshape(-1))
+            reward.append(np.asarray(b, dtype=np.float32).reshape(-1))
+        return {"raw": np.concatenate(raw), "reward": np.concatenate(reward)}
+
+
+class _LoRAMoRGraphs:
+    """``mor_lora``'s reward graph (reads the texts) + ``client_router.onnx`` (reads the features)."""
+
+    def __init__(self, reward: _LoRARewardGraph, router: _Graph) -> None:
+        self._reward, self._router = reward, router
+
+    def reward(self, features: np.ndarray, prompts=None, responses=None) -> dict[str, np.ndarray]:
+        if prompts is None or responses is None:
+            raise InvalidQueryError("this client's reward model (kind 'mor_lora') reads the prompt and response "
+                                    "texts: pass them with the features")
+        return self._reward(list(prompts), list(responses))
+
+    def logits(self, features: np.ndarray) -> np.ndarray:
+        return self._router.run(features)["logits"]
+
+
+class MoRLoRARewardScorerKind(ArtefactKind):
+    """``reward_scorer/mor_lora``: a client's LoRA-tuned encoder reward model (adapter merged into the
+    encoder, mean pooling, linear head and optional length term; ``reward.onnx`` on the tokenised pair,
+    ``reward_tokenizer.json``) + the client router on the pair features (as ``mor``)."""
+
+    family = FAMILY
+    name = LORA_KIND
+
+    def files(self, manifest: dict, precision: str) -> tuple[str, ...]:
+        return (REWARD_FILE, CLIENT_ROUTER_FILE, REWARD_TOKENIZER_FILE)
+
+    def check_manifest(self, manifest: dict) -> None:
+        check_lora_reward_manifest(manifest)
+
+    def load(self, context: LoadContext) -> _LoRAMoRGraphs:
+        manifest = context.manifest
+        enc, features = manifest["reward"]["encoder"], manifest["features"]
+        try:
+            tokenizer_json = context.files[REWARD_TOKENIZER_FILE].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BundleError(f"{REWARD_TOKENIZER_FILE} is not UTF-8 text ({exc})") from exc
+        tokenizer = _PairTokenizer(tokenizer_json, enc["max_tokens"], enc["truncation_side"])
+        reward = _LoRARewardGraph(context.files[REWARD_FILE], tokenizer, features.get("length_scale", 1.0), context.options)
+        router = _Graph(context.files[CLIENT_ROUTER_FILE], CLIENT_ROUTER_FILE, features["d_in"],
+                        {"logits": len(manifest["clients"])}, context.options)
+        return _LoRAMoRGraphs(reward, router)
+
+
+if LORA_KIND not in kinds.names(FAMILY):
+    kinds.register(MoRLoRARewardScorerKind())
 
 
 class RewardScorer:
@@ -309,7 +460,7 @@ class RewardScorer:
         InvalidQueryError
         """
         prompts, responses = _check_texts(prompts, responses)
-        out = self._graphs.run(self._features(prompts, responses))
+        out = self._graphs.reward(self._features(prompts, responses), prompts, responses)
         return out["reward" if normalised else "raw"]
 
     def score(self, prompt: str, response: str, *, normalised: bool = True) -> float:
@@ -329,7 +480,7 @@ class RewardScorer:
         InvalidQueryError
         """
         prompts, responses = _check_texts(prompts, responses)
-        logits = self._graphs.run(self._features(prompts, responses))["logits"]
+        logits = self._graphs.logits(self._features(prompts, responses))
         picks = logits.argmax(axis=1)
         return [ClientChoice(int(k), self.client_names[int(k)], tuple(float(v) for v in row), int(k) == self.client_index)
                 for k, row in zip(picks, logits)]
@@ -343,16 +494,25 @@ class RewardScorer:
         """
         return self.route_batch([prompt], [response])[0]
 
-    def scores_from_features(self, features: np.ndarray) -> dict[str, np.ndarray]:
-        """Outputs of both graphs for precomputed features (n, d_in) float32: ``raw``, ``reward`` (n,),
-        ``logits`` (n, K). For parity checks against the trainer on the same features.
+    def scores_from_features(self, features: np.ndarray, prompts: Sequence[str] | None = None,
+                             responses: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Outputs of the graphs for precomputed features (n, d_in) float32: ``raw``, ``reward`` (n,),
+        ``logits`` (n, K). For parity checks against the trainer on the same features. A reward model
+        that reads the texts (kind ``mor_lora``) needs the n ``prompts`` and ``responses`` too.
 
         Raises
         ------
         ShapeError
             Wrong shape or non-finite values.
+        InvalidQueryError
+            Texts that are not valid (or missing, for a kind that reads them), or not n of them.
         """
-        return self._graphs.run(finite_rows(features, self.d_in, "features"))
+        features = finite_rows(features, self.d_in, "features")
+        if prompts is not None or responses is not None:
+            prompts, responses = _check_texts(prompts, responses)
+            if len(prompts) != features.shape[0]:
+                raise InvalidQueryError(f"{len(prompts)} pairs of texts for {features.shape[0]} rows of features")
+        return self._graphs.reward(features, prompts, responses) | {"logits": self._graphs.logits(features)}
 
     def __repr__(self) -> str:
         return (f"RewardScorer(client={self.client_name!r}, clients={len(self.client_names)}, "

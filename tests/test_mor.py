@@ -284,6 +284,71 @@ def test_sparse_routing_queries_exactly_one_client_per_pair(mixture, clients, en
     np.testing.assert_array_equal(soft.queries_, [len(prompts)] * 2)
 
 
+def test_keep_start_lets_early_stopping_keep_the_untrained_start():
+    """Training pulls p towards 1 while the validation loss p^2 is lowest at the start p = 0: with keep_start
+    the start (epoch -1) wins the validation selection; without it the best trained epoch does."""
+    from trainer.rewards.reward_models import RewardModelConfig, RewardModelTrainer
+
+    def run(keep: bool):
+        module = torch.nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            module.weight.zero_()
+        trainer = RewardModelTrainer(RewardModelConfig(epochs=3, batch_size=4, lr=0.1, weight_decay=0.0, patience=5,
+                                                       keep_start=keep))
+        trainer._loop(module, 4, lambda idx: (module.weight.sum() - 1.0) ** 2, lambda: module.weight.sum() ** 2,
+                      np.random.default_rng(0))
+        return float(module.weight.detach().sum()), trainer.history_
+
+    kept, hist = run(True)
+    assert kept == 0.0 and hist[0] == {"epoch": -1, "val_loss": 0.0} and len(hist) == 4
+    trained, hist = run(False)
+    # AdamW's first step moves p by lr = 0.1; epoch 0 is then the best of the trained epochs
+    assert trained == pytest.approx(0.1, abs=1e-6) and hist[0]["epoch"] == 0
+    assert hist[0]["val_loss"] == pytest.approx(0.01, abs=1e-6)
+
+
+def test_routing_by_prompt_and_temperature_by_hand(mixture, clients, encoder, tmp_path):
+    """route_by="prompt": the responses of one prompt share the mean of their routing probabilities; the
+    temperature divides the logits. Hand-made logits, checked against hand-computed weights."""
+    from trainer.rewards.evaluation import routing_weights
+
+    router, rms = mixture
+    cook, _ = clients
+    prompts = ["p", "q", "p", "q", "r"]
+    responses = list(cook.chosen[:5])
+    z = np.array([[2.0, 0.0], [0.0, 1.0], [0.0, 0.5], [1.0, 0.0], [0.0, 3.0]])
+    p = softmax(z)
+    mix = RoutedReward(router, rms, encoder, "sparse", route_by="prompt")
+    w = mix.weights(prompts, z)
+    np.testing.assert_allclose(w[0], (p[0] + p[2]) / 2)
+    np.testing.assert_allclose(w[2], w[0])
+    np.testing.assert_allclose(w[1], (p[1] + p[3]) / 2)
+    np.testing.assert_allclose(w[4], p[4])
+    # p: sigmoid(2) + sigmoid(-0.5) = 0.881 + 0.378 -> client 0 for both responses of "p", although
+    # response 2 alone would go to client 1
+    got = mix(prompts, responses, logits=z)
+    each = np.stack([rm.score(prompts, responses) for rm in rms], axis=1)
+    np.testing.assert_array_equal(mix.last_choice_, [0, 0, 0, 0, 1])
+    np.testing.assert_allclose(got, each[np.arange(5), [0, 0, 0, 0, 1]], rtol=1e-5, atol=1e-6)
+    hot = RoutedReward(router, rms, encoder, "soft", temperature=0.5)
+    np.testing.assert_allclose(hot(prompts, responses, logits=z), (softmax(2 * z) * each).sum(1), rtol=1e-5, atol=1e-5)
+    save_mixture(hot, tmp_path / "hot")
+    again = load_mixture(tmp_path / "hot", cache_dir=encoder.cache_dir)
+    assert again.temperature == 0.5 and again.route_by == "response"
+    with pytest.raises(InvalidInputError):
+        RoutedReward(router, rms, encoder, "soft", temperature=0.0)
+    with pytest.raises(InvalidInputError):
+        RoutedReward(router, rms, encoder, "soft", route_by="client")
+    # the evaluation's version on (chosen, rejected) x pairs: pairs 0 and 1 share a prompt
+    zz = np.stack([z[:3], z[[2, 3, 4]]])  # (2, 3, K)
+    ww = routing_weights(zz, 1.0, "prompt", np.array([7, 7, 9]))
+    pp = softmax(zz.reshape(-1, 2)).reshape(zz.shape)
+    np.testing.assert_allclose(ww[0, 0], (pp[0, 0] + pp[1, 0] + pp[0, 1] + pp[1, 1]) / 4)
+    np.testing.assert_allclose(ww[1, 1], ww[0, 0])
+    np.testing.assert_allclose(ww[1, 2], (pp[0, 2] + pp[1, 2]) / 2)
+    np.testing.assert_allclose(routing_weights(zz, 2.0), softmax(zz.reshape(-1, 2) / 2).reshape(zz.shape))
+
+
 def test_mixture_saves_and_loads_to_the_same_rewards(mixture, clients, encoder, tmp_path):
     router, rms = mixture
     cook, travel = clients

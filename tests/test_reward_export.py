@@ -1,4 +1,5 @@
-"""Reward-scorer bundles: a client's MLP reward model + the client router -> ONNX, signed; sdk.RewardScorer.
+"""Reward-scorer bundles: a client's reward model (MLP, or LoRA-tuned MiniLM with the adapter merged) + the
+client router -> ONNX, signed; sdk.RewardScorer.
 
 Real pairs (AlpacaEval model-vs-model, HH-RLHF harmless), the real MiniLM encoder (exported by optimum,
 64 tokens as the other bundle tests), reward models and router trained by trainer.rewards.
@@ -159,3 +160,118 @@ def test_export_refuses_unknown_clients_and_non_mlp_models(mor_mixture, exported
         export_reward_bundle(mixture, "helpful", tmp_path / "b", signing_keys[0], [], [],
                              exported=exported_embedder[0], progress=lambda _: None)
     assert not (tmp_path / "b").exists()
+
+
+# -- a LoRA-tuned encoder reward model (kind mor_lora): adapter merged into the exported encoder ----------------
+
+N_LORA_TRAIN = 24
+
+
+@pytest.fixture(scope="module")
+def lora_mixture(mor_mixture, shared_data):
+    """The two-client mixture with the harmlessness client's reward model replaced by a LoRA-tuned MiniLM
+    (r = 8 on query/value, 64 tokens, length term from the local length prior), trained on real HH pairs."""
+    from trainer.data.preferences import load_hh_harmless_pairs
+    from trainer.rewards.mixture import RoutedReward
+    from trainer.rewards.reward_models import PreferencePairs, RewardModelConfig, RewardModelTrainer
+
+    mixture, prompts, responses = mor_mixture
+    pairs = PreferencePairs.from_frame(load_hh_harmless_pairs(shared_data).head(N_LORA_TRAIN))
+    cfg = RewardModelConfig(arch="lora", epochs=2, batch_size=8, lr=2e-2, weight_decay=0.0, max_tokens=64,
+                            early_stopping=False, length_prior=True, seed=0)
+    lora = RewardModelTrainer(cfg).train(pairs)
+    return RoutedReward(mixture.router, [mixture.reward_models[0], lora], mixture.encoder, "sparse"), prompts, responses
+
+
+@pytest.fixture(scope="module")
+def lora_bundle(lora_mixture, exported_embedder, signing_keys, tmp_path_factory):
+    mixture, prompts, responses = lora_mixture
+    out = tmp_path_factory.mktemp("lora-reward-bundle") / "bundle"
+    result = export_reward_bundle(mixture, "harmless", out, signing_keys[0], prompts, responses,
+                                  exported=exported_embedder[0], progress=lambda _: None)
+    return out, result
+
+
+def test_sdk_pair_tokenizer_matches_the_trainers_transformers_tokenisation(lora_mixture):
+    """The device's tokenizers-only pair encoding (longest_first, left truncation, 64 tokens) gives the trainer's
+    token ids, masks and token types, on real pairs long enough to be truncated."""
+    from sdk.reward_scorer import _PairTokenizer
+
+    mixture, prompts, responses = lora_mixture
+    rm = mixture.reward_models[1]
+    sdk_tok = _PairTokenizer(rm.tokenizer.backend_tokenizer.to_str(), rm.max_tokens, "left")
+    for s in range(0, len(prompts), 16):
+        p, r = prompts[s : s + 16], responses[s : s + 16]
+        want = {k: v.numpy() for k, v in rm.tokenize(p, r).items()}
+        got = sdk_tok(p, r)
+        for name in ("input_ids", "attention_mask", "token_type_ids"):
+            np.testing.assert_array_equal(got[name], want[name])
+    lengths = [int(m.sum()) for m in sdk_tok(prompts, responses)["attention_mask"]]
+    assert max(lengths) == rm.max_tokens  # some pairs were truncated to the 64-token budget
+
+
+def test_lora_reward_model_onnx_parity_with_torch(lora_bundle, lora_mixture, signing_keys):
+    out, result = lora_bundle
+    mixture, prompts, responses = lora_mixture
+    rm = mixture.reward_models[1]
+    report = result.parity
+    print("lora parity:", json.dumps({k: report[k] for k in ("graphs", "end_to_end")}))
+    assert report["passed"] and report["n_pairs"] == 2 * N_PARITY
+    for name in ("reward_max_abs_diff", "raw_max_abs_diff", "logits_max_abs_diff"):
+        assert report["graphs"][name] <= MAX_ABS_DIFF and report["end_to_end"][name] <= MAX_ABS_DIFF
+    scorer = RewardScorer.load(out, signing_keys[1])
+    device = scorer.score_batch(prompts, responses)
+    torch_scores = rm.score(prompts, responses)  # the peft model, adapter NOT merged
+    assert np.max(np.abs(device - torch_scores)) <= MAX_ABS_DIFF
+    raw = scorer.score_batch(prompts[:6], responses[:6], normalised=False)
+    np.testing.assert_allclose(raw, rm.raw_scores(prompts[:6], responses[:6]), atol=MAX_ABS_DIFF)
+    norm = rm.normaliser_
+    np.testing.assert_allclose(scorer.score_batch(prompts[:6], responses[:6]), (raw - norm.mean) / (norm.std + norm.eps),
+                               rtol=1e-5, atol=1e-5)
+    # the adapter matters: without it (base MiniLM + the same head and length term) the scores move by far more
+    # than the parity tolerance, so the bundle's agreement shows the adapter was merged, not dropped
+    with rm.module.encoder.disable_adapter():
+        base = rm.raw_scores(prompts, responses)
+    assert np.max(np.abs(base - rm.raw_scores(prompts, responses))) > 20 * MAX_ABS_DIFF
+    # routing runs on the pair features, as in the MLP bundle
+    choices = scorer.route_batch(prompts, responses)
+    expected = mixture.router.logits(mixture.encoder.encode(prompts, responses)).argmax(1)
+    assert np.mean([c.index == e for c, e in zip(choices, expected)]) >= 0.99
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["reward_scorer_kind"] == "mor_lora" and manifest["reward"]["arch"] == "lora"
+    assert manifest["reward"]["encoder"]["lora"]["merged"] and manifest["reward"]["encoder"]["max_tokens"] == 64
+    assert "reward_tokenizer.json" in manifest["files"] and "lora" in repr(scorer)
+    # the graph holds no LoRA branch: merged into the base weights
+    import onnx
+
+    graph = onnx.load_from_string((out / "reward.onnx").read_bytes()).graph
+    assert not [i.name for i in graph.initializer if "lora" in i.name.lower()]
+    assert {i.name for i in graph.input} == {"input_ids", "attention_mask", "token_type_ids", "lengths"}
+
+
+def test_lora_scores_need_the_texts(lora_bundle, lora_mixture, signing_keys):
+    mixture, prompts, responses = lora_mixture
+    scorer = RewardScorer.load(lora_bundle[0], signing_keys[1])
+    feats = scorer.features(prompts[:3], responses[:3])
+    with pytest.raises(InvalidQueryError, match="texts"):
+        scorer.scores_from_features(feats)
+    with pytest.raises(InvalidQueryError):
+        scorer.scores_from_features(feats, prompts[:2], responses[:2])
+    out = scorer.scores_from_features(feats, prompts[:3], responses[:3])
+    assert out["reward"].shape == (3,) and out["logits"].shape == (3, 2)
+    # a blank response is read as the trainer reads it
+    assert scorer.score("a question", "  ") == pytest.approx(scorer.score("a question", "(empty)"), abs=1e-6)
+
+
+def test_an_mlp_kind_refuses_a_lora_model_and_an_unknown_arch_is_refused(lora_mixture, exported_embedder):
+    from export.reward_export import ClientRewardArtefact, MoRRewardExportKind, export_kind_for
+
+    mixture = lora_mixture[0]
+    with pytest.raises(ExportError, match="exports 'mlp'"):
+        MoRRewardExportKind().check(ClientRewardArtefact(mixture, "harmless", exported_embedder[0].dim))
+
+    class Other:
+        arch = "tree"
+
+    with pytest.raises(ExportError, match="no reward_scorer export kind"):
+        export_kind_for(Other())

@@ -39,6 +39,10 @@ from trainer.rewards.reward_models import PreferencePairs, pairwise_accuracy
 METHODS = ("router_rm_sparse", "router_rm_soft", "avg_rm", "random_rm", "fedavg_rm", "best_single_rm",
            "oracle_client", "length_only")
 N_RANDOM_DRAWS = 20
+#: Routing variants compared on validation (:func:`choose_routing`): per response (the paper) or per pair
+#: of responses to one prompt; soft-routing temperatures.
+ROUTE_BY = ("response", "prompt")
+TEMPERATURES = (0.5, 1.0, 2.0)
 
 
 @dataclass
@@ -48,6 +52,7 @@ class EvalSet:
     norm, raw : (2, n, K) float64, client reward models' normalised / raw scores on (chosen, rejected).
     logits : weighting -> (2, n, K) router logits. fedavg : (2, n). length_proba : (n,) P(chosen wins).
     own : index of the client the pairs belong to (the oracle's choice).
+    groups : (n,) int, the pair's prompt (pairs of one prompt share it; routing by prompt).
     """
 
     name: str
@@ -57,6 +62,7 @@ class EvalSet:
     logits: dict
     fedavg: np.ndarray
     length_proba: np.ndarray
+    groups: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -81,36 +87,89 @@ def score_set(trainer: MoRTrainer, models: MoRModels, frame: pd.DataFrame, name:
     pa = models.length_baseline.predict_proba(frame)
     lab = frame["label"].to_numpy()
     return EvalSet(name, own, np.stack(norm, -1).astype(np.float64), np.stack(raw, -1).astype(np.float64),
-                   logits, fed.astype(np.float64), np.where(lab == 1, pa, 1 - pa))
+                   logits, fed.astype(np.float64), np.where(lab == 1, pa, 1 - pa),
+                   pd.factorize(frame["prompt"])[0])
 
 
 def _acc(s: np.ndarray) -> float:
     return pairwise_accuracy(s[0], s[1])
 
 
+def routing_weights(z: np.ndarray, temperature: float = 1.0, route_by: str = "response",
+                    groups: np.ndarray | None = None) -> np.ndarray:
+    """Routing probabilities of a set of pairs: z (2, n, K) router logits of (chosen, rejected) -> (2, n, K)
+    ``softmax(z / temperature)``; with ``route_by="prompt"`` every response of the pairs of one prompt
+    (``groups`` (n,) ids, default: each pair its own prompt) gets the mean of their rows, as
+    :meth:`trainer.rewards.mixture.RoutedReward.weights` does for the responses of one call."""
+    k = z.shape[-1]
+    p = softmax(z.reshape(-1, k) / temperature).reshape(z.shape)
+    if route_by == "prompt":
+        g = np.arange(z.shape[1]) if groups is None else np.asarray(groups)
+        _, inv = np.unique(g, return_inverse=True)
+        sums = np.zeros((inv.max() + 1, k))
+        np.add.at(sums, inv, p.sum(0))
+        counts = np.bincount(inv) * 2
+        p = np.broadcast_to((sums / counts[:, None])[inv][None], p.shape)
+    return p
+
+
+def routed_accuracies(s: np.ndarray, z: np.ndarray, groups: np.ndarray | None = None) -> dict:
+    """Accuracy of every routing variant on scores s (2, n, K) with router logits z (2, n, K):
+    ``{"sparse|<route_by>": acc, "soft|<route_by>|T=<t>": acc}`` (:data:`ROUTE_BY`, :data:`TEMPERATURES`)."""
+    out = {}
+    for by in ROUTE_BY:
+        choice = routing_weights(z, 1.0, by, groups).argmax(-1)
+        out[f"sparse|{by}"] = _acc(np.take_along_axis(s, choice[..., None], -1)[..., 0])
+        for t in TEMPERATURES:
+            out[f"soft|{by}|T={t:g}"] = _acc((routing_weights(z, t, by, groups) * s).sum(-1))
+    return out
+
+
 def set_accuracies(e: EvalSet, rng: np.random.Generator) -> dict:
-    """Accuracy of every scorer on one EvalSet: {"single": [K], "router_sparse": {w: acc}, ...}."""
+    """Accuracy of every scorer on one EvalSet: {"single": [K], "router_sparse": {w: acc}, ...};
+    ``routing[tag][w]`` holds every routing variant (:func:`routed_accuracies`)."""
     k = e.norm.shape[-1]
     out: dict = {"single": [_acc(e.norm[..., j]) for j in range(k)], "oracle_client": _acc(e.norm[..., e.own]),
                  "fedavg_rm": _acc(e.fedavg),
-                 "length_only": _metric(e.length_proba, np.ones(e.n, dtype=np.int64))}
+                 "length_only": _metric(e.length_proba, np.ones(e.n, dtype=np.int64)), "routing": {}}
     for tag, s in (("", e.norm), ("_no_norm", e.raw)):
         out["avg_rm" + tag] = _acc(s.mean(-1))
         draws = [_acc(np.take_along_axis(s, rng.integers(0, k, size=(2, e.n, 1)), -1)[..., 0]) for _ in range(N_RANDOM_DRAWS)]
         out["random_rm" + tag] = float(np.mean(draws))
         for w, z in e.logits.items():
-            choice = z.argmax(-1)
-            out.setdefault("router_sparse" + tag, {})[w] = _acc(np.take_along_axis(s, choice[..., None], -1)[..., 0])
-            out.setdefault("router_soft" + tag, {})[w] = _acc((softmax(z.reshape(-1, k)).reshape(z.shape) * s).sum(-1))
+            variants = routed_accuracies(s, z, e.groups)
+            out["routing"].setdefault(tag, {})[w] = variants
+            out.setdefault("router_sparse" + tag, {})[w] = variants["sparse|response"]
+            out.setdefault("router_soft" + tag, {})[w] = variants["soft|response|T=1"]
     out["own_share"] = {w: float((z.argmax(-1) == e.own).mean()) for w, z in e.logits.items()}
     out["choice_share"] = {w: (np.bincount(z.argmax(-1).ravel(), minlength=k) / (2 * e.n)).tolist()
                            for w, z in e.logits.items()}
     return out
 
 
+def choose_routing(val: dict, names: list[str], default_weighting: str) -> dict:
+    """The routing settings of one seed, chosen on VALIDATION accuracy (mean over clients):
+
+    - ``weighting`` and the sparse ``route_by``: the best ``sparse|<route_by>`` over weightings x
+      :data:`ROUTE_BY` (ties: the config's weighting, then per-response routing);
+    - the soft ``route_by`` and ``temperature``: the best ``soft|...`` variant for that weighting (ties: T = 1,
+      per response).
+    Returns ``{"weighting", "sparse", "soft", "val": {variant: acc}}`` with ``sparse`` / ``soft`` variant keys.
+    """
+    def mean(w: str, key: str) -> float:
+        return round(float(np.mean([val[n]["routing"][""][w][key] for n in names])), 6)
+
+    sparse = [(w, f"sparse|{by}") for w in WEIGHTINGS for by in ROUTE_BY]
+    w, sk = max(sparse, key=lambda c: (mean(*c), c[0] == default_weighting, c[1] == "sparse|response"))
+    soft = [f"soft|{by}|T={t:g}" for by in ROUTE_BY for t in TEMPERATURES]
+    ok = max(soft, key=lambda v: (mean(w, v), v.endswith("T=1"), "|response|" in v))
+    return {"weighting": w, "sparse": sk, "soft": ok,
+            "val": {f"{ww}/{v}": mean(ww, v) for ww in WEIGHTINGS for v in val[names[0]]["routing"][""][ww]}}
+
+
 def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> dict:
-    """Accuracies of one seed: validation (choices), test per client, held-out; the chosen weighting
-    and best single client (both on validation only)."""
+    """Accuracies of one seed: validation (choices), test per client, held-out; the router's weighting and
+    routing variant (:func:`choose_routing`) and the best single client, all chosen on validation only."""
     rng = np.random.default_rng(split.seed)
     names = [c.name for c in split.clients]
     heldout_own = trainer.args.client_domains.index("alpacaeval") if split.heldout is not None else None
@@ -121,26 +180,30 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
         held = set_accuracies(score_set(trainer, models, split.heldout, "heldout", heldout_own), rng)
     val_router = {w: float(np.mean([val[n]["router_sparse"][w] for n in names])) for w in WEIGHTINGS}
     val_share = {w: float(np.mean([val[n]["own_share"][w] for n in names])) for w in WEIGHTINGS}
-    weighting = max(WEIGHTINGS, key=lambda w: (round(val_router[w], 6), val_share[w], w == trainer.args.router.weighting))
+    routing = choose_routing(val, names, trainer.args.router.weighting)
+    weighting = routing["weighting"]
     val_single = [float(np.mean([val[n]["single"][j] for n in names])) for j in range(len(names))]
     best = int(np.argmax(val_single))
 
     def pick(acc: dict) -> dict:
-        return {"router_rm_sparse": acc["router_sparse"][weighting], "router_rm_soft": acc["router_soft"][weighting],
+        r, rr = acc["routing"][""][weighting], acc["routing"]["_no_norm"][weighting]
+        return {"router_rm_sparse": r[routing["sparse"]], "router_rm_soft": r[routing["soft"]],
                 "avg_rm": acc["avg_rm"], "random_rm": acc["random_rm"], "fedavg_rm": acc["fedavg_rm"],
                 "best_single_rm": acc["single"][best], "oracle_client": acc["oracle_client"],
                 "length_only": acc["length_only"],
                 **{f"single_{names[j]}": acc["single"][j] for j in range(len(names))},
                 **{f"router_rm_sparse_{w}": acc["router_sparse"][w] for w in WEIGHTINGS},
                 **{f"router_rm_soft_{w}": acc["router_soft"][w] for w in WEIGHTINGS},
-                "no_norm_router_rm_sparse": acc["router_sparse_no_norm"][weighting],
-                "no_norm_router_rm_soft": acc["router_soft_no_norm"][weighting],
+                **{f"routing_{v}": r[v] for v in r},
+                "no_norm_router_rm_sparse": rr[routing["sparse"]],
+                "no_norm_router_rm_soft": rr[routing["soft"]],
                 "no_norm_avg_rm": acc["avg_rm_no_norm"], "no_norm_random_rm": acc["random_rm_no_norm"],
                 **{f"own_share_{w}": acc["own_share"][w] for w in WEIGHTINGS}}
 
     per_client = {n: pick(test[n]) for n in names}
     keys = list(per_client[names[0]])
-    return {"seed": split.seed, "weighting": weighting, "val_router_sparse": val_router, "val_own_share": val_share,
+    return {"seed": split.seed, "weighting": weighting, "routing": routing, "val_router_sparse": val_router,
+            "val_own_share": val_share,
             "best_single": names[best], "val_single": dict(zip(names, val_single)),
             "id": {k: float(np.mean([per_client[n][k] for n in names])) for k in keys},
             "per_client": per_client, "heldout": pick(held) if held is not None else None,
@@ -183,6 +246,8 @@ def run_evaluation(trainer: MoRTrainer, progress=None) -> dict:
     return {"methods": {m: methods[m] for m in METHODS},
             "single_rms": {k: v for k, v in methods.items() if k.startswith("single_")},
             "router_weighting": {k: v for k, v in methods.items() if k.startswith(("router_rm_sparse_", "router_rm_soft_", "own_share_"))},
+            "routing_variants": {k: v for k, v in methods.items() if k.startswith("routing_")},
+            "routing_chosen_on_validation": [{k: s["routing"][k] for k in ("weighting", "sparse", "soft")} for s in seeds],
             "ablation_no_norm": {k: v for k, v in methods.items() if k.startswith("no_norm_")},
             "weighting_chosen_on_validation": [s["weighting"] for s in seeds],
             "best_single_chosen_on_validation": [s["best_single"] for s in seeds],

@@ -8,6 +8,12 @@ reward models per (prompt, response).
 - ``mode="soft"``: ``R_mix = sum_k softmax(g_phi(x, y))_k R_bar_k(x, y)`` (paper 001, Eq. ``R_mix``);
   every client is queried.
 
+``temperature`` T divides the logits before the softmax (soft weights ``softmax(z / T)``; T < 1 sharpens
+towards sparse routing, T > 1 flattens towards AvgRM). ``route_by="prompt"`` routes the responses of one call
+that share a prompt together: each gets the mean of their routing probabilities (sparse: the top-1 client of
+that mean, so a group of responses to one prompt, e.g. a GRPO group or a preference pair, is scored by one
+client on one scale). ``route_by="response"`` (default) is the paper's per-(x, y) routing.
+
 ``normalise=False`` uses raw rewards (the "w/o Norm" ablation). ``queries_`` counts, per client, the
 pairs it was asked to score (the communication of reward queries); ``last_choice_`` holds the chosen
 client index per pair of the last call.
@@ -15,6 +21,7 @@ client index per pair of the last call.
 Saved layout (:func:`save_mixture` / :func:`load_mixture`)::
 
     DIR/mixture.json   {"format_version": 1, "mode": "sparse"|"soft", "normalise": bool,
+                        "temperature": float (default 1), "route_by": "response"|"prompt" (default "response"),
                         "client_names": [K str], "embedder": {EmbedderConfig fields},
                         "length_features": bool,
                         "router": "router", "clients": {"<name>": "clients/<name>"}}
@@ -42,6 +49,7 @@ from trainer.rewards.pair_features import PairEncoder
 from trainer.rewards.reward_models import ClientRewardModel, MLPRewardModel, load_reward_model
 
 MODES = ("sparse", "soft")
+ROUTE_BY = ("response", "prompt")
 FORMAT_VERSION = 1
 
 
@@ -59,12 +67,17 @@ class RoutedReward:
     reward_models : sequence of K ClientRewardModel, in the router's client order.
     encoder : PairEncoder producing the router's input features.
     mode : ``"sparse"`` or ``"soft"``; normalise : use ``R_bar_k`` (True) or raw ``R_k`` (False).
+    temperature : softmax temperature of the routing probabilities (> 0). route_by : ``"response"`` or
+    ``"prompt"`` (module docstring).
     """
 
     def __init__(self, router: ClientRouter, reward_models: Sequence[ClientRewardModel], encoder: PairEncoder,
-                 mode: str = "sparse", normalise: bool = True) -> None:
+                 mode: str = "sparse", normalise: bool = True, temperature: float = 1.0, route_by: str = "response") -> None:
         if mode not in MODES:
             raise InvalidInputError(f"mode must be one of {list(MODES)}, got {mode!r}")
+        if route_by not in ROUTE_BY or not float(temperature) > 0:
+            raise InvalidInputError(f"route_by must be one of {list(ROUTE_BY)} and temperature > 0, got {route_by!r}, {temperature}")
+        self.temperature, self.route_by = float(temperature), route_by
         if router.n_clients != len(reward_models):
             raise ShapeError(f"router has {router.n_clients} clients but {len(reward_models)} reward models were given")
         self.router, self.reward_models, self.encoder = router, list(reward_models), encoder
@@ -103,18 +116,29 @@ class RoutedReward:
         if logits.shape != (len(prompts), len(self.reward_models)):
             raise ShapeError(f"logits must have shape ({len(prompts)}, {len(self.reward_models)}), got {logits.shape}")
         out = np.zeros(len(prompts), dtype=np.float64)
+        w = self.weights(prompts, logits)
+        choice = np.argmax(w, axis=1)
         if self.mode == "sparse":
-            choice = np.argmax(logits, axis=1)
             for k in np.unique(choice):
                 idx = np.flatnonzero(choice == k)
                 out[idx] = self._ask(int(k), [prompts[i] for i in idx], [responses[i] for i in idx], features, idx)
         else:
-            choice = np.argmax(logits, axis=1)
-            w = softmax(logits)
             for k in range(len(self.reward_models)):
                 out += w[:, k] * self._ask(k, prompts, responses, features, np.arange(len(prompts)))
         self.last_choice_ = choice
         return out.astype(np.float32)
+
+    def weights(self, prompts: Sequence[str], logits: np.ndarray) -> np.ndarray:
+        """Routing probabilities (n, K) float64: ``softmax(logits / temperature)``; with ``route_by="prompt"``
+        each row replaced by the mean of the rows of the responses to the same prompt string."""
+        w = softmax(np.asarray(logits, dtype=np.float64) / self.temperature)
+        if self.route_by == "prompt":
+            groups: dict[str, list[int]] = {}
+            for i, p in enumerate(prompts):
+                groups.setdefault(p, []).append(i)
+            for idx in groups.values():
+                w[idx] = w[idx].mean(axis=0)
+        return w
 
     def _ask(self, k: int, prompts, responses, features, idx) -> np.ndarray:
         self.queries_[k] += len(prompts)
@@ -137,6 +161,7 @@ def save_mixture(mixture: RoutedReward, directory: Path) -> Path:
     for name, rm in zip(names, mixture.reward_models):
         rm.save(directory / "clients" / name)
     meta = {"format_version": FORMAT_VERSION, "mode": mixture.mode, "normalise": mixture.normalise,
+            "temperature": mixture.temperature, "route_by": mixture.route_by,
             "client_names": names, "embedder": asdict(mixture.encoder.embedder),
             "length_features": mixture.encoder.length_features, "router": "router",
             "clients": {n: f"clients/{n}" for n in names}}
@@ -162,4 +187,5 @@ def load_mixture(directory: Path, cache_dir: Path | None = None, mode: str | Non
     for rm in rms:
         if isinstance(rm, MLPRewardModel):
             rm.encoder = PairEncoder(rm.encoder.embedder, cache_dir, length_features=rm.encoder.length_features)
-    return RoutedReward(router, rms, encoder, mode or meta["mode"], meta["normalise"])
+    return RoutedReward(router, rms, encoder, mode or meta["mode"], meta["normalise"], meta.get("temperature", 1.0),
+                        meta.get("route_by", "response"))

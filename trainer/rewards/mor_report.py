@@ -28,6 +28,11 @@ def eval_markdown(res: dict) -> str:
     lines += ["", "Single client reward models and router weightings:", "",
               "| scorer | ID accuracy | held-out category |", "|---|---|---|"]
     lines += [_row(k, m) for k, m in {**res["single_rms"], **res["router_weighting"]}.items()]
+    if res.get("routing_variants"):
+        lines += ["", "Routing variants (the validation-chosen weighting of each seed; `sparse|prompt` routes the responses "
+                  "of one prompt together, `soft|...|T=t` uses softmax(z / t)):", "",
+                  "| variant | ID accuracy | held-out category |", "|---|---|---|"]
+        lines += [_row(k.removeprefix("routing_"), m) for k, m in res["routing_variants"].items()]
     lines += ["", "Without normalisation (raw client rewards):", "", "| method | ID accuracy | held-out category |", "|---|---|---|"]
     lines += [_row(k, m) for k, m in res["ablation_no_norm"].items()]
     clients = list(res["seeds"][0]["per_client"])
@@ -35,6 +40,8 @@ def eval_markdown(res: dict) -> str:
               "| method | " + " | ".join(clients) + " |", "|---|" + "---|" * len(clients)]
     for k, m in {**res["methods"], **res["single_rms"]}.items():
         lines.append(f"| {LABELS.get(k, k)} | " + " | ".join(f"{m['per_client_mean'][c]:.3f}" for c in clients) + " |")
+    if res.get("routing_chosen_on_validation"):
+        lines += ["", f"Routing chosen on validation per seed: {res['routing_chosen_on_validation']}."]
     lines += ["", f"Weighting chosen on validation per seed: {res['weighting_chosen_on_validation']}; "
               f"best single RM chosen on validation: {res['best_single_chosen_on_validation']}.",
               f"Wall time: {res['seconds']:.0f} s."]

@@ -88,11 +88,20 @@ class MoRConfig:
     length_prior : each client's reward model gets a linear length term started from its OWN local
         length-only Bradley-Terry fit (``RewardModelConfig.length_prior``; MLP and LoRA clients alike;
         not the FedAvg-RM baseline). Overrides ``mlp_rm.length_prior`` / ``lora_rm.length_prior`` for
-        the clients. ``length_prior_C`` is the fit's inverse L2 strength. Both chosen on validation
+        the clients. A tuple gives one bool per client (in ``client_names`` order): each client's own
+        choice. Default ``(True, False, True)``: each client's choice on its own validation pairs
+        (``benchmarks/mor_client_settings.py --mlp-only``, ``docs/mor_client_settings_mlp.json``, seeds 0-2:
+        helpfulness 0.889 with / 0.860 without, harmlessness 0.578 / **0.617**, correctness 0.691 / 0.629).
+        ``length_prior_C`` is the fit's inverse L2 strength. Both chosen on validation
         pairs by ``benchmarks/mor_length_prior_settings.py`` (``docs/mor_length_prior_settings.json``:
         mean client validation accuracy 0.702 without, 0.708 / 0.716 / 0.719 with C = 1 / 0.1 / 10).
+    keep_start : early stopping may keep a client's untrained start (with the length prior: its local
+        length-only model) when training does not lower its validation loss (``RewardModelConfig.keep_start``;
+        overrides ``mlp_rm.keep_start`` / ``lora_rm.keep_start`` for the clients).
     clip : clip normalised client scores to [-clip, clip] (None: no clipping).
     mode : ``"sparse"`` or ``"soft"``, the routed reward saved by :meth:`MoRTrainer.save`.
+    route_by, temperature : routing of the saved routed reward (:class:`RoutedReward`); the evaluation
+        compares every variant and picks per seed on validation (:func:`trainer.rewards.evaluation.choose_routing`).
     seeds : seeds 0..seeds-1 of the evaluation.
     cache_dir : embedding cache folder (None: ``$FEDROUTE_CACHE`` or ``~/.cache/fedroute``).
     """
@@ -116,10 +125,13 @@ class MoRConfig:
     fedavg_rm_rounds: int = 30
     embedder: EmbedderConfig = field(default_factory=lambda: EmbedderConfig(max_tokens=128))
     length_features: bool = True
-    length_prior: bool = True
+    length_prior: bool | tuple = (True, False, True)
     length_prior_C: float = 10.0
+    keep_start: bool = False
     clip: float | None = None
     mode: str = "sparse"
+    route_by: str = "response"
+    temperature: float = 1.0
     seeds: int = 3
     cache_dir: str | None = None
 
@@ -139,6 +151,9 @@ class MoRConfig:
             raise InvalidInputError(f"mode must be 'sparse' or 'soft', got {self.mode!r}")
         if len(self.pool_pairs) != n or min(self.pool_pairs) < 10:
             raise InvalidInputError(f"pool_pairs must give >= 10 pairs for each of the {n} clients, got {self.pool_pairs}")
+        if not isinstance(self.length_prior, bool) and (len(self.length_prior) != n
+                                                        or not all(isinstance(v, bool) for v in self.length_prior)):
+            raise InvalidInputError(f"length_prior must be a bool or one bool per client ({n}), got {self.length_prior!r}")
         for name in ("heldout_pairs", "pairs_per_prompt", "seeds", "fedavg_rm_rounds", "max_eval_pairs"):
             if int(getattr(self, name)) < 1:
                 raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -293,12 +308,18 @@ class MoRTrainer:
         """(chosen, rejected) pair features, each (n, d_in) float32."""
         return (self.encoder.encode(pairs.prompts, pairs.chosen), self.encoder.encode(pairs.prompts, pairs.rejected))
 
+    def client_length_prior(self, name: str) -> bool:
+        """Whether client ``name`` uses the length prior (``MoRConfig.length_prior``, one bool or one per client)."""
+        lp = self.args.length_prior
+        return bool(lp) if isinstance(lp, bool) else bool(lp[list(self.args.client_names).index(name)])
+
     def train_reward_model(self, client: ClientSplit, arch: str, seed: int, config: RewardModelConfig | None = None) -> tuple[ClientRewardModel, list]:
         a = self.args
         base = config or (a.mlp_rm if arch == "mlp" else a.lora_rm)
         cfg = replace(base, arch=arch, seed=seed, clip=a.clip if config is None else base.clip,
-                      length_prior=a.length_prior if config is None else base.length_prior,
-                      length_prior_C=a.length_prior_C if config is None else base.length_prior_C)
+                      length_prior=self.client_length_prior(client.name) if config is None else base.length_prior,
+                      length_prior_C=a.length_prior_C if config is None else base.length_prior_C,
+                      keep_start=a.keep_start if config is None else base.keep_start)
         pairs = client.pairs("train")
         if arch == "lora" and a.lora_train_pairs is not None and pairs.n_pairs > a.lora_train_pairs:
             pairs = pairs.subset(np.sort(np.random.default_rng(seed).permutation(pairs.n_pairs)[: a.lora_train_pairs]))
@@ -331,7 +352,7 @@ class MoRTrainer:
                 normalise: bool = True) -> RoutedReward:
         """The routed reward over the clients' reward models (default mode and weighting of the config)."""
         return RoutedReward(models.routers[weighting or self.args.router.weighting], models.reward_models, self.encoder,
-                            mode or self.args.mode, normalise)
+                            mode or self.args.mode, normalise, self.args.temperature, self.args.route_by)
 
     def save(self, models: MoRModels, directory: Path, weighting: str | None = None) -> Path:
         """:func:`trainer.rewards.mixture.save_mixture` of :meth:`mixture`, plus ``mor_config.json``."""

@@ -532,6 +532,9 @@ class RewardModelConfig:
         MLP's (LoRA head's) output layer := 0, so the untrained model ranks pairs exactly as the local
         length-only model does and training learns the residual. Local, no privacy cost; not with DP-SGD
         (the fit would not be private).
+    keep_start : with early stopping, the untrained starting point (epoch "-1"; with ``length_prior`` the
+        local length-only model itself) is a candidate of the validation-loss selection too, so training
+        is kept only if it lowers the client's validation Bradley-Terry loss below the start's.
     seed : initialisation and shuffling seed.
     """
 
@@ -554,6 +557,7 @@ class RewardModelConfig:
     lora_dropout: float = 0.05
     length_prior: bool = False
     length_prior_C: float = 1.0
+    keep_start: bool = False
     dp_noise_multiplier: float | None = None
     dp_max_grad_norm: float = 1.0
     dp_delta: float | None = None
@@ -625,6 +629,12 @@ class RewardModelTrainer:
         opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=a.lr, weight_decay=a.weight_decay)
         best, best_state, bad = math.inf, None, 0
         self.history_: list[dict] = []
+        if val_loss is not None and a.keep_start:
+            module.eval()
+            with torch.no_grad():
+                best = float(val_loss())
+            best_state = {k: t.detach().clone() for k, t in module.state_dict().items()}
+            self.history_.append({"epoch": -1, "val_loss": best})
         for epoch in tqdm(range(a.epochs), desc=f"reward model ({a.arch})", disable=not self.show_progress, leave=False):
             module.train()
             order, total = rng.permutation(n_fit), 0.0
