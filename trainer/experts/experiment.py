@@ -192,8 +192,7 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                 history[m][seed] = trainer.history_
                 bytes_per_round[m].append(float(np.mean([h["downlink_bytes"] for h in trainer.history_])))
                 if m == "fedprism":
-                    share, mx, ent = expert_utilisation(
-                        trainer.evaluate()["assignment"], cfg.n_experts)
+                    share, mx, ent = expert_utilisation(trainer.last_eval_["assignment"], cfg.n_experts)
                     util["max_share"].append(mx)
                     util["entropy"].append(ent)
                     util["share"].append(share.tolist())
