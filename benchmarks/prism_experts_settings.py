@@ -144,12 +144,43 @@ def plot(result: dict, path: Path) -> None:
     ax.barh(ys[len(names):], fed_vals, color="tab:blue", label="federated (seed 0)")
     ax.axvline(c["domain_oracle_length"], color="k", ls="--", lw=1, label="length-only (domain oracle)")
     ax.set_yticks(ys, names + fed_names, fontsize=8)
-    ax.set_xlim(0.6, 0.85)
+    ax.set_xlim(0.6, 0.97)
     ax.set_xlabel("validation pairwise accuracy (450 pairs)")
     ax.set_title(f"What length + prompt group can reach; chosen M = {result['chosen_n_experts']}")
     ax.legend(fontsize=8, loc="lower right")
     ax.invert_yaxis()
     save_figure(fig, path)
+
+
+def rebuild(log: Path, out: Path) -> dict:
+    """The JSON and PNG from a run's printed output: the centralised JSON block, one ``name {dict}``
+    line per federated run (``np.str_`` keys as printed), then the same rule of :func:`choose`."""
+    import ast
+    import re
+
+    text = log.read_text()
+    start = text.index("{\n")
+    block, depth = "", 0
+    for i, ch in enumerate(text[start:], start):
+        depth += ch == "{"
+        depth -= ch == "}"
+        if depth == 0:
+            block = text[start:i + 1]
+            break
+    runs = {}
+    for line in text.splitlines():
+        m = re.match(r"^(\w+) (\{.*\})$", line)
+        if m:
+            runs[m.group(1)] = ast.literal_eval(re.sub(r"np\.str_\(('[^']*')\)", r"\1", m.group(2)))
+    result = {"split": "val", "centralised": json.loads(block), "federated": runs, "chosen_n_experts": choose(runs),
+              "rule": f"argmax FedPrism val accuracy among M with max share <= {MAX_SHARE}; ties to the smaller M",
+              "rebuilt_from_log": log.name}
+    from trainer.report import write_json  # imports matplotlib's neighbours: on use only
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "prism_experts_settings.json", result)
+    plot(result, out / "prism_experts_settings.png")
+    return result
 
 
 def main() -> None:
@@ -163,8 +194,14 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=Path("../shared/data"))
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     ap.add_argument("--skip-federated", action="store_true")
+    ap.add_argument("--from-log", type=Path, default=None,
+                    help="rebuild the JSON and PNG from the printed output of an earlier run (no training)")
     args = ap.parse_args()
+    if args.from_log is not None:
+        rebuild(args.from_log, args.out)
+        return
     torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
     preset, base = PRESETS["cpu"]
     model = PairSelector(base.selector, seed=0)
     prep = prepare_data(args.data, preset, model, progress=False)
