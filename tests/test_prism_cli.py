@@ -13,17 +13,18 @@ from typer.testing import CliRunner
 from trainer.data.preferences import DOMAINS
 from trainer.experts.experiment import ALL_METHODS
 
-# Learning, on the quick run's 200 test pairs (mean over 3 seeds; measured 2026-12-01 with the federated
-# length start, docs/prism.md): FedPrism 0.755, FedBis 0.677, random routing 0.633, length-only 0.770,
-# chance 0.5 (A side randomised). FedPrism must beat FedBis and random routing by these margins and be
-# far above chance.
+# Learning, on the quick run's 200 test pairs (mean over 3 seeds; measured 2026-12-01 with M = 6 experts
+# and the federated length start, docs/prism.md): FedPrism 0.768, FedBis 0.675, random routing 0.592,
+# length-only 0.770, chance 0.5 (A side randomised). FedPrism must beat FedBis and random routing by these
+# margins and be far above chance.
 MARGIN_OVER_FEDBIS = 0.05
 MARGIN_OVER_RANDOM_ROUTING = 0.08
 MIN_ACCURACY = 0.72
-# NOT met at quick scale (144 local pair-steps per run, M = 3 experts): beating the centralised
-# per-domain length-only regression. The quick run stays within this distance below it (measured gap
-# 0.015); docs/prism.md shows why.
-MAX_GAP_BELOW_LENGTH_ONLY = 0.04
+# NOT met: beating the centralised per-domain length-only regression (the quick run is 0.002 below it).
+# docs/prism.md ("What the data allow") shows why no length + prompt-group model can clear it by a
+# margin on these pairs: on validation the domain-oracle length regression is 0.800, per K-means cluster
+# 0.782-0.798, adding the frozen response content 0.796. The quick run must stay within this distance.
+MAX_GAP_BELOW_LENGTH_ONLY = 0.02
 
 
 @pytest.mark.slow
@@ -40,7 +41,8 @@ def test_prism_train_quick_writes_results_and_learns(shared_data: Path, tmp_path
         assert 0.0 <= entry["acc_mean"] <= 1.0 and entry["acc_std"] >= 0.0 and len(entry["acc_per_seed"]) == 3
         assert set(entry["domains"]) == set(DOMAINS)
         assert entry["acc_mean"] == pytest.approx(np.mean(entry["acc_per_seed"]))
-    assert 1 / 3 <= r["utilisation"]["max_share"] <= 1.0
+    n_experts = r["config"]["fedprism"]["n_experts"]
+    assert 1 / n_experts <= r["utilisation"]["max_share"] <= 0.6  # no collapse (the target)
     assert 0 < r["bytes"]["downlink_per_round"] <= r["bytes"]["dense_downlink_per_round"]
     for png in ("accuracy_per_round.png", "utilisation_per_round.png"):
         assert (out / png).stat().st_size > 1000

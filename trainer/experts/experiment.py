@@ -76,11 +76,13 @@ class DataPreset:
 
 
 PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
+    # quick: the CPU preset's M (not tuned separately); 2 rounds = 1 warm-up + 1 PGPD round
     "quick": (DataPreset(n_train=600, n_val=150, n_test=200, n_public=120),
-              FedPrismConfig(rounds=3, warmup_rounds=1, router_every=1, clients_per_round=2, local_pairs=24,
-                             batch_size=12, router_epochs=3, eval_every=3)),
-    # n_experts = 5 and length_init = 'fedavg_lr' chosen on the validation pairs (trainer.experts.tune)
-    "cpu": (DataPreset(), FedPrismConfig(n_experts=5, rounds=8, warmup_rounds=3, router_every=2, clients_per_round=4,
+              FedPrismConfig(n_experts=6, rounds=2, warmup_rounds=1, router_every=1, clients_per_round=2,
+                             local_pairs=24, batch_size=12, router_epochs=3, eval_every=2)),
+    # length_init = 'fedavg_lr' chosen on the validation pairs (trainer.experts.tune), then n_experts = 6
+    # (grid 3, 4, 5, 6, 8) by benchmarks/prism_experts_settings.py, also on validation
+    "cpu": (DataPreset(), FedPrismConfig(n_experts=6, rounds=8, warmup_rounds=3, router_every=2, clients_per_round=4,
                                          local_pairs=40, eval_every=4, length_init="fedavg_lr")),
     "gpu": (DataPreset(n_train=12000, n_val=1500, n_test=3000, n_public=1500), FedPrismConfig.gpu_preset()),
 }
@@ -192,8 +194,7 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                 history[m][seed] = trainer.history_
                 bytes_per_round[m].append(float(np.mean([h["downlink_bytes"] for h in trainer.history_])))
                 if m == "fedprism":
-                    share, mx, ent = expert_utilisation(
-                        trainer.evaluate()["assignment"], cfg.n_experts)
+                    share, mx, ent = expert_utilisation(trainer.last_eval_["assignment"], cfg.n_experts)
                     util["max_share"].append(mx)
                     util["entropy"].append(ent)
                     util["share"].append(share.tolist())

@@ -29,9 +29,11 @@ Routing kinds (``FedPrismConfig.routing``) give the baselines and ablations on t
 too), ``'single'`` (FedBis: one expert, FedAvg), ``'client_cluster'`` (FedBiscuit-style: clients
 clustered into ``n_experts`` groups by K-means on their mean prompt embedding, one selector per
 group trained by its clients; a test pair is scored by the mean probability of the group selectors).
-See :func:`method_config`.
+``'domain_oracle'`` (each pair to the expert of its *domain*, which no client's router knows: an
+upper reference for what routing can reach, used by ``benchmarks/prism_experts_settings.py``, not a
+method of the table). See :func:`method_config`.
 
-Presets: the CPU default (``trainer.experts.experiment.PRESETS['cpu']``) is scaled down (5 experts and the federated length start, both chosen on validation,
+Presets: the CPU default (``trainer.experts.experiment.PRESETS['cpu']``) is scaled down (6 experts and the federated length start, both chosen on validation,
 8 rounds, warm-up 3, PGPD every 2 rounds, 4 clients x 40 pairs per round, MiniLM with LoRA in the
 top layer on cached lower layers); :meth:`FedPrismConfig.gpu_preset` is the
 paper's 5 experts, 400 rounds, warm-up 150, router update every 20 rounds at lr 1e-3, experts at
@@ -56,7 +58,7 @@ from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
 from trainer.experts.length_init import client_length_coefs, fedavg_length_coefs, upload_bytes
 from trainer.report import write_text
 
-ROUTINGS = ("router", "random", "single", "client_cluster")
+ROUTINGS = ("router", "random", "single", "client_cluster", "domain_oracle")
 LENGTH_INITS = ("fedavg_lr", "zero")
 METHODS = ("fedprism", "fedbis", "fedbiscuit", "random_routing", "frozen_router", "no_warmup")
 
@@ -222,7 +224,9 @@ class FedPrismTrainer:
     ----------
     experts_ : list of n_experts expert states; router_ : PromptRouter; history_ : list of dicts per
     round (``round``, ``retrieved`` per client, ``downlink_bytes``, ``router_updated``,
-    ``utilisation`` (share per expert of the eval pairs), and at evaluated rounds ``accuracy``).
+    ``utilisation`` (share per expert of the eval pairs), and at evaluated rounds ``accuracy``);
+    last_eval_ : the :meth:`evaluate` result of the last evaluated round (the final round's, after
+    :meth:`train`), so callers need not score the eval pairs again.
     """
 
     def __init__(self, model: PairSelector, data: FederatedPairs, args: FedPrismConfig | None = None,
@@ -266,6 +270,8 @@ class FedPrismTrainer:
             return self.rng.integers(0, a.n_experts, size=len(pairs))
         if a.routing == "client_cluster":
             return np.full(len(pairs), client_group, dtype=np.int64)
+        if a.routing == "domain_oracle":
+            return np.searchsorted(self._domains, self.data.domain[pairs]).astype(np.int64)
         return self.router_.route(self.data.prompt_emb[pairs])
 
     def _train_expert(self, state: dict[str, np.ndarray], pairs: np.ndarray) -> dict[str, np.ndarray]:
@@ -356,6 +362,9 @@ class FedPrismTrainer:
         if a.routing == "router":
             kmeans_init(self.router_, d.public_emb, lr=a.init_lr, epochs=a.init_epochs, seed=a.seed)
         self._groups = self._client_groups() if a.routing == "client_cluster" else None
+        self._domains = np.unique(self.data.domain)
+        if a.routing == "domain_oracle" and len(self._domains) != a.n_experts:
+            raise InvalidInputError(f"routing='domain_oracle' needs n_experts = {len(self._domains)} domains, got {a.n_experts}")
         self._router_bytes = state_bytes(self.router_.state()) if a.routing == "router" else 0
         self.length_coefs_, self.length_init_upload_bytes_ = None, 0
         if a.length_init == "fedavg_lr":
@@ -400,7 +409,7 @@ class FedPrismTrainer:
             share, _, _ = expert_utilisation(self._route(d.eval_pairs), a.n_experts)
             entry["utilisation"] = share.tolist()
         if t % a.eval_every == 0 or t == a.rounds:
-            ev = self.evaluate()
+            ev = self.last_eval_ = self.evaluate()
             entry["accuracy"] = ev["accuracy"]
             if ev["assignment"] is not None:
                 entry["utilisation"] = expert_utilisation(ev["assignment"], a.n_experts)[0].tolist()

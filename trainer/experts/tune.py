@@ -16,8 +16,10 @@ Grids, all at seed 0 with the CPU preset's data and schedule and ``eval_split='v
   ``length_init`` among the M whose utilisation max share is <= 0.6 (the issue's target; all M when
   none meets it).
 
-Each part writes ``tune_<part>.json``; ``--choose`` writes ``tune.json`` with the chosen values,
-which are the defaults of :class:`trainer.experts.fedprism.FedPrismConfig` and the CPU preset.
+Each part writes ``tune_<part>.json``; ``--choose`` writes ``tune.json`` with the chosen values.
+``length_init`` is still this script's choice; M was chosen again afterwards over a wider grid
+(3, 4, 5, 6, 8), also on validation, by ``benchmarks/prism_experts_settings.py``: M = 6 is the CPU
+preset's.
 """
 
 from __future__ import annotations
