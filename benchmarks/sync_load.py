@@ -94,6 +94,8 @@ class FloorServer(ServerProcess):
     """``benchmarks/http_floor_app.py`` as a child process (TLS with the deployment's certificate,
     or plain HTTP when ``tls`` is False), with :meth:`ServerProcess.cpu_seconds`."""
 
+    name = "floor app"
+
     def __init__(self, deployment, tls: bool) -> None:
         super().__init__(deployment.work, deployment.db_url, deployment.server_pem, deployment.ca_pem)
         self.tls = tls
@@ -103,8 +105,6 @@ class FloorServer(ServerProcess):
         return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> FloorServer:
-        import httpx  # the devices' client (tests/sync_fleet.py uses it too)
-
         repo = Path(__file__).resolve().parents[1]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
         with self.log_path.open("ab") as log:
@@ -112,18 +112,7 @@ class FloorServer(ServerProcess):
                 [sys.executable, str(repo / "benchmarks" / "http_floor_app.py"), str(self.port),
                  str(self.server_pem) if self.tls else "none"], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"floor app exited {self.process.returncode}: {self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/v1/health", verify=ssl_context_of(self.ca_pem), timeout=2.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"floor app did not answer within {timeout_s} s: {self.log_tail()}")
+        return self.wait_healthy(ssl_context_of(self.ca_pem), timeout_s)
 
 
 def ssl_context_of(ca_pem: Path):

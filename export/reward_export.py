@@ -69,6 +69,42 @@ def _to_onnx(module, d_in: int, outputs: list[str], dynamic: dict, metadata: dic
                           metadata)
 
 
+def _fitted_normaliser(model, arch: str, exporter: str):
+    """``model``'s normaliser (``model.normaliser_``) after checking ``model.arch == arch``.
+
+    Raises
+    ------
+    ExportError
+        Another architecture, or no normaliser fitted.
+    """
+    if getattr(model, "arch", None) != arch:
+        raise ExportError(f"{exporter} needs a {arch.upper()} reward model, got arch {getattr(model, 'arch', None)!r}")
+    if model.normaliser_ is None:
+        raise ExportError("the reward model has no normaliser: fit it (fit_normaliser) before export")
+    return model.normaliser_
+
+
+def _normalise_module(norm):
+    """The client's z-normalisation as a torch module folded into the graph: ``raw (batch,)`` ->
+    ``(raw - mean) / (std + eps)``, clipped to ``[-clip, clip]`` when the normaliser clips (MoR Sec. 3,
+    local normalisation; ``trainer.rewards.reward_models``' normaliser)."""
+    import torch  # torch: optional heavy dependency, imported on use
+    from torch import nn  # torch: optional heavy dependency, imported on use
+
+    class Normalise(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mean", torch.tensor(float(norm.mean)))
+            self.register_buffer("scale", torch.tensor(float(norm.std) + float(norm.eps)))
+            self.clip = None if norm.clip is None else float(norm.clip)
+
+        def forward(self, raw: torch.Tensor) -> torch.Tensor:
+            reward = (raw - self.mean) / self.scale
+            return reward if self.clip is None else torch.clamp(reward, -self.clip, self.clip)
+
+    return Normalise()
+
+
 def reward_mlp_to_onnx(model) -> bytes:
     """``reward.onnx`` for a :class:`trainer.rewards.reward_models.MLPRewardModel` with a normaliser.
 
@@ -79,30 +115,20 @@ def reward_mlp_to_onnx(model) -> bytes:
     ExportError
         Not an MLP reward model, or no normaliser fitted.
     """
-    import torch  # torch: optional heavy dependency, imported on use
     from torch import nn  # torch: optional heavy dependency, imported on use
 
-    if getattr(model, "arch", None) != "mlp":
-        raise ExportError(f"only MLP reward models export to ONNX features graphs, got arch {getattr(model, 'arch', None)!r}")
-    norm = model.normaliser_
-    if norm is None:
-        raise ExportError("the reward model has no normaliser: fit it (fit_normaliser) before export")
+    norm = _fitted_normaliser(model, "mlp", "reward_mlp_to_onnx")
     net = model.module
 
     class Normalised(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.net = net
-            self.register_buffer("mean", torch.tensor(float(norm.mean)))
-            self.register_buffer("scale", torch.tensor(float(norm.std) + float(norm.eps)))
-            self.clip = None if norm.clip is None else float(norm.clip)
+            self.normalise = _normalise_module(norm)
 
-        def forward(self, features: torch.Tensor):
+        def forward(self, features):
             raw = self.net(features)
-            reward = (raw - self.mean) / self.scale
-            if self.clip is not None:
-                reward = torch.clamp(reward, -self.clip, self.clip)
-            return raw, reward
+            return raw, self.normalise(raw)
 
     return _to_onnx(Normalised(), model.d_in, ["raw", "reward"], {"raw": {0: "batch"}, "reward": {0: "batch"}},
                     {"family": FAMILY, "kind": KIND, "arch": "mlp", "d_in": str(model.d_in)})
@@ -125,11 +151,7 @@ def reward_lora_to_onnx(model) -> bytes:
     import torch  # torch: optional heavy dependency, imported on use
     from torch import nn  # torch: optional heavy dependency, imported on use
 
-    if getattr(model, "arch", None) != "lora":
-        raise ExportError(f"reward_lora_to_onnx needs a LoRA reward model, got arch {getattr(model, 'arch', None)!r}")
-    norm = model.normaliser_
-    if norm is None:
-        raise ExportError("the reward model has no normaliser: fit it (fit_normaliser) before export")
+    norm = _fitted_normaliser(model, "lora", "reward_lora_to_onnx")
     scorer = model.module
     length = scorer.length is not None
 
@@ -139,9 +161,7 @@ def reward_lora_to_onnx(model) -> bytes:
             self.encoder = merged_lora_copy(scorer.encoder)
             self.head = copy.deepcopy(scorer.head)
             self.length = copy.deepcopy(scorer.length)
-            self.register_buffer("mean", torch.tensor(float(norm.mean)))
-            self.register_buffer("scale", torch.tensor(float(norm.std) + float(norm.eps)))
-            self.clip = None if norm.clip is None else float(norm.clip)
+            self.normalise = _normalise_module(norm)
 
         def forward(self, input_ids, attention_mask, token_type_ids, lengths=None):
             out = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
@@ -150,10 +170,7 @@ def reward_lora_to_onnx(model) -> bytes:
             raw = self.head((out * mask).sum(1) / mask.sum(1).clamp(min=1.0)).squeeze(-1)
             if self.length is not None:
                 raw = raw + self.length(lengths).squeeze(-1)
-            reward = (raw - self.mean) / self.scale
-            if self.clip is not None:
-                reward = torch.clamp(reward, -self.clip, self.clip)
-            return raw, reward
+            return raw, self.normalise(raw)
 
     enc = model.tokenize(["a prompt", "another prompt"], ["an answer", "a second, longer answer"])
     names = ["input_ids", "attention_mask", "token_type_ids"]

@@ -179,6 +179,9 @@ class ServerProcess:
     :meth:`kill9` restarts it on the same database and port.
     """
 
+    #: What the process is called in error messages.
+    name = "server"
+
     def __init__(self, work: Path, db_url: str, server_pem: Path, ca_pem: Path, *, bundle_dir: Path | None = None,
                  port: int | None = None, tick_s: float = 1.0) -> None:
         self.work, self.db_url, self.server_pem, self.ca_pem = Path(work), db_url, Path(server_pem), Path(ca_pem)
@@ -218,19 +221,30 @@ class ServerProcess:
                  "--upload-quota", "0", *extra, *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.starts += 1
-        context = ssl.create_default_context(cafile=str(self.ca_pem))
+        return self.wait_healthy(ssl.create_default_context(cafile=str(self.ca_pem)), timeout_s)
+
+    def wait_healthy(self, verify, timeout_s: float):
+        """Poll ``GET /v1/health`` every 50 ms until it answers 200 (returns ``self``); ``verify`` is
+        httpx's (an ``ssl.SSLContext``, or anything for plain HTTP).
+
+        Raises
+        ------
+        RuntimeError
+            The process exited, or no 200 within ``timeout_s`` (the process is then stopped); the
+            message holds its log tail.
+        """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited {self.process.returncode}: {self.log_tail()}")
+                raise RuntimeError(f"{self.name} exited {self.process.returncode}: {self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/v1/health", verify=context, timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.url}/v1/health", verify=verify, timeout=2.0).status_code == 200:
                     return self
             except httpx.TransportError:
-                pass
+                pass  # not listening yet: poll again
             time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"server did not answer /v1/health within {timeout_s} s: {self.log_tail()}")
+        raise RuntimeError(f"{self.name} did not answer /v1/health within {timeout_s} s: {self.log_tail()}")
 
     def kill9(self) -> None:
         """SIGKILL the server (no shutdown code runs) and reap it."""
