@@ -20,6 +20,23 @@ import numpy as np
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 from sdk.verified_file import VerifiedFile
 
+
+def load_tokenizer(tokenizer_json: str, file_name: str = "tokenizer.json"):
+    """A ``tokenizers.Tokenizer`` from a bundle's tokenizer JSON (``file_name`` names it in errors),
+    with the file's own padding and truncation settings still on: callers set their own.
+
+    Raises
+    ------
+    BundleError
+        The JSON is not a tokenizer the ``tokenizers`` library can load.
+    """
+    from tokenizers import Tokenizer  # native library: loaded with the first bundle, not by `import sdk`
+
+    try:
+        return Tokenizer.from_str(tokenizer_json)
+    except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+        raise BundleError(f"{file_name} cannot be loaded ({exc})") from exc
+
 OUTPUT = "sentence_embedding"
 #: With left truncation a query is read from at most its last this many characters (64 Ki).
 MAX_QUERY_CHARS = 65_536
@@ -138,12 +155,7 @@ class OnnxEmbedder:
 
     def __init__(self, tokenizer_json: str, model: bytes | VerifiedFile, dim: int, max_tokens: int,
                  truncation_side: str, options, batched: bool = True) -> None:
-        from tokenizers import Tokenizer  # native library: loaded with the first bundle, not by `import sdk`
-
-        try:
-            tokenizer = Tokenizer.from_str(tokenizer_json)
-        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
-            raise BundleError(f"tokenizer.json cannot be loaded ({exc})") from exc
+        tokenizer = load_tokenizer(tokenizer_json)
         tokenizer.no_padding()
         tokenizer.enable_truncation(max_tokens, direction=truncation_side)
         pad_id = tokenizer.token_to_id("[PAD]")

@@ -40,7 +40,7 @@ import numpy as np
 from sdk import bundle_manifest as fmt
 from sdk import kinds
 from sdk.artefact_kind import ArtefactKind, LoadContext
-from sdk.embedder import inference_session, session_options
+from sdk.embedder import inference_session, load_tokenizer, session_options
 from sdk.arrays import finite_rows
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 from sdk.pair_encoding import length_features_many
@@ -253,12 +253,7 @@ class _PairTokenizer:
     max_length=max_tokens, padding=True)`` does with ``truncation_side``)."""
 
     def __init__(self, tokenizer_json: str, max_tokens: int, truncation_side: str) -> None:
-        from tokenizers import Tokenizer  # native library: loaded with the bundle, not at import of sdk
-
-        try:
-            tokenizer = Tokenizer.from_str(tokenizer_json)
-        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
-            raise BundleError(f"{REWARD_TOKENIZER_FILE} cannot be loaded ({exc})") from exc
+        tokenizer = load_tokenizer(tokenizer_json, REWARD_TOKENIZER_FILE)
         tokenizer.no_padding()
         tokenizer.enable_truncation(max_tokens, strategy="longest_first", direction=truncation_side)
         pad_id = tokenizer.token_to_id("[PAD]")

@@ -55,7 +55,7 @@ import numpy as np
 
 from sdk import bundle_manifest as fmt
 from sdk import kinds
-from sdk.embedder import inference_session, session_options
+from sdk.embedder import inference_session, load_tokenizer, session_options
 from sdk.errors import BundleError, InvalidInputError
 from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig, length_features
 
@@ -115,12 +115,7 @@ class OnnxPairScorer:
     """
 
     def __init__(self, tokenizer_json: str, model: bytes, encoding: PairEncodingConfig, options, what: str) -> None:
-        from tokenizers import Tokenizer  # loaded with the bundle, not at import of sdk
-
-        try:
-            tokenizer = Tokenizer.from_str(tokenizer_json)
-        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
-            raise BundleError(f"tokenizer.json cannot be loaded ({exc})") from exc
+        tokenizer = load_tokenizer(tokenizer_json)
         try:
             self._encoder = PairEncoder(tokenizer, encoding)
         except InvalidInputError as exc:  # a special token missing from the vocabulary

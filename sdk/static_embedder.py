@@ -35,7 +35,7 @@ import numpy as np
 
 from sdk.artefact_kind import ArtefactKind, LoadContext
 from sdk.builtin_kinds import TOKENIZER_FILE
-from sdk.embedder import MAX_QUERY_CHARS
+from sdk.embedder import MAX_QUERY_CHARS, load_tokenizer
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 
 #: Bundle file of each table precision (the manifest's ``embedder.files``).
@@ -160,12 +160,7 @@ class StaticEmbedder:
     """
 
     def __init__(self, tokenizer_json: str, table: bytes, dim: int) -> None:
-        from tokenizers import Tokenizer  # native library: loaded with the first bundle, not by `import sdk`
-
-        try:
-            tokenizer = Tokenizer.from_str(tokenizer_json)
-        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
-            raise BundleError(f"tokenizer.json cannot be loaded ({exc})") from exc
+        tokenizer = load_tokenizer(tokenizer_json)
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self._tokenizer = tokenizer
