@@ -120,17 +120,29 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
                                                       publisher=publisher):
                 log.info("closed round %s: %s", round_id, outcome.result)
 
+    stopping = asyncio.Event()
+
+    async def pause(event: asyncio.Event, seconds: float) -> None:
+        """Wait until ``event`` is set or ``seconds`` have passed, whichever comes first."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await event.wait()
+
     async def closer() -> None:
-        while True:
+        # Ends when `stopping` is set, never by cancellation: a cancel that lands while a wait is
+        # finishing can be swallowed (asyncio.wait_for on Python 3.11; a wait on a worker thread is
+        # shielded), and the server would then hang at shutdown waiting for a loop that goes on.
+        while not stopping.is_set():
             try:
                 await run_in_threadpool(close_due)
             except Exception:
                 log.exception("closing rounds failed; retrying")
             # A client's first upload in a round (quorum may be reached) or a late upload wakes it, at
             # most every MIN_CLOSE_CHECK_GAP_S; later uploads of the same client cannot reach the quorum.
-            await asyncio.sleep(min(tick_s, MIN_CLOSE_CHECK_GAP_S))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=max(tick_s - MIN_CLOSE_CHECK_GAP_S, 0.0))
+            await pause(stopping, min(tick_s, MIN_CLOSE_CHECK_GAP_S))
+            if stopping.is_set():
+                return
+            await pause(wake, max(tick_s - MIN_CLOSE_CHECK_GAP_S, 0.0))
             wake.clear()
 
     @contextlib.asynccontextmanager
@@ -148,9 +160,9 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            stopping.set()
+            wake.set()  # out of its wait for an upload at once
+            await task  # a close under way finishes first (its round is never left half-closed)
             await run_in_threadpool(writer.close)
 
     # No /docs, /redoc or /openapi.json: the API is documented here and in the README, not served.
