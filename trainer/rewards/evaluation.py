@@ -32,16 +32,15 @@ import pandas as pd
 
 from trainer.preference_metrics import pairwise_accuracy as _metric
 from trainer.rewards.client_router import WEIGHTINGS
-from trainer.rewards.mixture import softmax
+from trainer.rewards.routing_rule import ROUTE_BY, RoutingRule
 from trainer.rewards.mor_trainer import MoRModels, MoRSplit, MoRTrainer
 from trainer.rewards.reward_models import PreferencePairs, pairwise_accuracy
 
 METHODS = ("router_rm_sparse", "router_rm_soft", "avg_rm", "random_rm", "fedavg_rm", "best_single_rm",
            "oracle_client", "length_only")
 N_RANDOM_DRAWS = 20
-#: Routing variants compared on validation (:func:`choose_routing`): per response (the paper) or per pair
-#: of responses to one prompt; soft-routing temperatures.
-ROUTE_BY = ("response", "prompt")
+#: Soft-routing temperatures compared on validation (:func:`choose_routing`), with per-response (the paper) or
+#: per-prompt routing (:data:`trainer.rewards.routing_rule.ROUTE_BY`).
 TEMPERATURES = (0.5, 1.0, 2.0)
 
 
@@ -95,34 +94,40 @@ def _acc(s: np.ndarray) -> float:
     return pairwise_accuracy(s[0], s[1])
 
 
+def _flat(z: np.ndarray, groups: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(2, n, K) -> (2n, K) rows [chosen..., rejected...] and the (2n,) prompt group of each row (default:
+    each pair its own group, so its two responses are routed together under ``route_by="prompt"``)."""
+    g = np.arange(z.shape[1]) if groups is None else np.asarray(groups)
+    return np.asarray(z).reshape(-1, z.shape[-1]), np.concatenate([g, g])
+
+
 def routing_weights(z: np.ndarray, temperature: float = 1.0, route_by: str = "response",
                     groups: np.ndarray | None = None) -> np.ndarray:
-    """Routing probabilities of a set of pairs: z (2, n, K) router logits of (chosen, rejected) -> (2, n, K)
-    ``softmax(z / temperature)``; with ``route_by="prompt"`` every response of the pairs of one prompt
-    (``groups`` (n,) ids, default: each pair its own prompt) gets the mean of their rows, as
-    :meth:`trainer.rewards.mixture.RoutedReward.weights` does for the responses of one call."""
-    k = z.shape[-1]
-    p = softmax(z.reshape(-1, k) / temperature).reshape(z.shape)
-    if route_by == "prompt":
-        g = np.arange(z.shape[1]) if groups is None else np.asarray(groups)
-        _, inv = np.unique(g, return_inverse=True)
-        sums = np.zeros((inv.max() + 1, k))
-        np.add.at(sums, inv, p.sum(0))
-        counts = np.bincount(inv) * 2
-        p = np.broadcast_to((sums / counts[:, None])[inv][None], p.shape)
-    return p
+    """Routing probabilities of a set of pairs: z (2, n, K) router logits of (chosen, rejected) -> (2, n, K),
+    :meth:`RoutingRule.weights` (the code path of RoutedReward and GRPO) with every response of the pairs
+    of one prompt (``groups`` (n,) ids, default: each pair its own prompt) in one group."""
+    flat, g = _flat(z, groups)
+    return RoutingRule("soft", temperature, route_by).weights(flat, g).reshape(z.shape)
+
+
+def routed_reward(s: np.ndarray, z: np.ndarray, rule: RoutingRule, groups: np.ndarray | None = None) -> np.ndarray:
+    """The routed reward of ``rule`` on scores s (2, n, K) with router logits z (2, n, K): (2, n) float64,
+    computed by :meth:`RoutingRule.reward` exactly as RoutedReward and GRPO's reward function do."""
+    flat, g = _flat(z, groups)
+    return rule.reward(flat, np.asarray(s).reshape(flat.shape), g).reshape(z.shape[:2])
+
+
+def routing_variants() -> list[RoutingRule]:
+    """The routing variants compared on validation: sparse x :data:`ROUTE_BY`, soft x ROUTE_BY x :data:`TEMPERATURES`."""
+    return [RoutingRule("sparse", 1.0, by) for by in ROUTE_BY] + \
+        [RoutingRule("soft", t, by) for by in ROUTE_BY for t in TEMPERATURES]
 
 
 def routed_accuracies(s: np.ndarray, z: np.ndarray, groups: np.ndarray | None = None) -> dict:
     """Accuracy of every routing variant on scores s (2, n, K) with router logits z (2, n, K):
-    ``{"sparse|<route_by>": acc, "soft|<route_by>|T=<t>": acc}`` (:data:`ROUTE_BY`, :data:`TEMPERATURES`)."""
-    out = {}
-    for by in ROUTE_BY:
-        choice = routing_weights(z, 1.0, by, groups).argmax(-1)
-        out[f"sparse|{by}"] = _acc(np.take_along_axis(s, choice[..., None], -1)[..., 0])
-        for t in TEMPERATURES:
-            out[f"soft|{by}|T={t:g}"] = _acc((routing_weights(z, t, by, groups) * s).sum(-1))
-    return out
+    ``{"sparse|<route_by>": acc, "soft|<route_by>|T=<t>": acc}`` (:func:`routing_variants`, keys
+    :attr:`RoutingRule.variant`)."""
+    return {rule.variant: _acc(routed_reward(s, z, rule, groups)) for rule in routing_variants()}
 
 
 def set_accuracies(e: EvalSet, rng: np.random.Generator) -> dict:
