@@ -5,7 +5,7 @@ only (never test, never the held-out category), and show where router + RM loses
 For seeds 0..2 of :class:`MoRConfig`'s default pool (``--quick``: the quick pool), every client an MLP (a LoRA
 candidate costs ~1 s per pair on this CPU; the routers do not depend on the clients' architecture), the client
 reward models are trained once per seed; then a router is trained for each ``router_inputs`` in
-{pair, prompt} x weighting in {samples, equal}, and every routing variant
+{pair, text (no length columns), prompt} x weighting in {samples, equal}, and every routing variant
 (:func:`trainer.rewards.evaluation.routing_variants`, the same RoutingRule code path as RoutedReward and GRPO)
 is scored on each client's validation pairs. Per client: the own RM's accuracy (the oracle), the routed
 accuracy, the share of validation responses routed away from their client, and the accuracy on the pairs
@@ -35,12 +35,41 @@ from trainer.rewards.mor_trainer import MoRConfig, MoRTrainer
 from trainer.rewards.reward_models import pairwise_accuracy
 from trainer.rewards.routing_rule import RoutingRule
 
-INPUTS = ("pair", "prompt")
+INPUTS = ("pair", "text", "prompt")
 
 
 def _scores(trainer, rm, pairs, fc, fr):
     rc, rr = rm.raw_scores_from_features(fc), rm.raw_scores_from_features(fr)
     return np.stack([rm.normaliser_(rc), rm.normaliser_(rr)]).astype(np.float64)
+
+
+def choose(per_seed: list[dict], names: list[str]) -> dict:
+    """Mean over seeds of the mean-over-clients validation accuracy of every (inputs, weighting, variant), and
+    the choices: ``chosen_router_inputs`` (best variant per inputs, then the best inputs), and for those inputs
+    the defaults of :class:`MoRConfig`: ``weighting`` + sparse variant (best sparse), soft variant (best soft for
+    that weighting)."""
+    keys = list(per_seed[0]["routers"][f"{INPUTS[0]}/{WEIGHTINGS[0]}"][names[0]]["variants"])
+    table = {}
+    for r in per_seed[0]["routers"]:
+        for v in keys:
+            accs = [np.mean([s["routers"][r][n]["variants"][v] for n in names]) for s in per_seed]
+            table[f"{r}/{v}"] = {"mean": float(np.mean(accs)), "std": float(np.std(accs, ddof=1)),
+                                 "per_client": {n: float(np.mean([s["routers"][r][n]["variants"][v] for s in per_seed]))
+                                                for n in names}}
+        for m in ("routed_away_share", "acc_pairs_home", "acc_pairs_away"):
+            table[f"{r}/{m}"] = {n: float(np.mean([s["routers"][r][n][m] for s in per_seed if s["routers"][r][n][m] is not None]
+                                                  or [np.nan])) for n in names}
+    oracle = {n: float(np.mean([s["own_rm"][n] for s in per_seed])) for n in names}
+    scored = {k: v["mean"] for k, v in table.items() if "mean" in v}
+    best = {i: max(((k, m) for k, m in scored.items() if k.startswith(i + "/")), key=lambda t: t[1]) for i in INPUTS}
+    chosen = max(INPUTS, key=lambda i: best[i][1])
+    sparse = max((k for k in scored if k.startswith(chosen + "/") and "/sparse|" in k), key=lambda k: scored[k])
+    weighting = sparse.split("/")[1]
+    soft = max((k for k in scored if k.startswith(f"{chosen}/{weighting}/soft|")), key=lambda k: scored[k])
+    return {"oracle_own_rm_val": oracle, "oracle_mean": float(np.mean(list(oracle.values()))), "table": table,
+            "best_per_inputs": best, "chosen_router_inputs": chosen,
+            "chosen_defaults": {"router_inputs": chosen, "weighting": weighting, "sparse": sparse.split("/")[2],
+                                "soft": soft.split("/")[2], "val_sparse": scored[sparse], "val_soft": scored[soft]}}
 
 
 def main(argv: list[str]) -> None:
@@ -89,34 +118,34 @@ def main(argv: list[str]) -> None:
         print(json.dumps({"seed": seed, "own_rm": row["own_rm"],
                           **{r: {n: round(v["variants"]["sparse|response"], 3) for n, v in pc.items()}
                              for r, pc in row["routers"].items()}}), flush=True)
-    keys = list(per_seed[0]["routers"][f"{INPUTS[0]}/{WEIGHTINGS[0]}"][names[0]]["variants"])
-    table = {}
-    for r in per_seed[0]["routers"]:
-        for v in keys:
-            accs = [np.mean([s["routers"][r][n]["variants"][v] for n in names]) for s in per_seed]
-            table[f"{r}/{v}"] = {"mean": float(np.mean(accs)), "std": float(np.std(accs, ddof=1)),
-                                 "per_client": {n: float(np.mean([s["routers"][r][n]["variants"][v] for s in per_seed]))
-                                                for n in names}}
-        table[f"{r}/routed_away_share"] = {n: float(np.mean([s["routers"][r][n]["routed_away_share"] for s in per_seed]))
-                                           for n in names}
-    oracle = {n: float(np.mean([s["own_rm"][n] for s in per_seed])) for n in names}
-    best = {i: max(((k, v["mean"]) for k, v in table.items() if k.startswith(i + "/") and "mean" in v), key=lambda t: t[1])
-            for i in INPUTS}
-    chosen = max(INPUTS, key=lambda i: best[i][1])
     out = {"quick": quick, "clients": "every client an MLP", "seeds": [0, 1, 2], "split": "validation",
-           "oracle_own_rm_val": oracle, "oracle_mean": float(np.mean(list(oracle.values()))), "table": table,
-           "best_per_inputs": best, "chosen_router_inputs": chosen, "per_seed": per_seed,
-           "seconds": time.perf_counter() - t0}
+           **choose(per_seed, names), "per_seed": per_seed, "seconds": time.perf_counter() - t0}
     path = Path(__file__).resolve().parents[1] / "docs" / f"mor_router_inputs_settings{'_quick' if quick else ''}.json"
     path.write_text(json.dumps(out, indent=1))
-    print(f"oracle (own RM) val {out['oracle_mean']:.3f} {oracle}")
+    report(out)
+    print(f"wrote {path} in {out['seconds']:.0f} s")
+
+
+def report(out: dict) -> None:
+    table = out["table"]
+    print(f"oracle (own RM) val {out['oracle_mean']:.3f} {out['oracle_own_rm_val']}")
     for k, v in table.items():
         if "mean" in v and (k.endswith("sparse|response") or k.endswith("soft|response|T=1") or k.endswith("sparse|prompt")):
             print(f"{k:40s} {v['mean']:.3f} ± {v['std']:.3f}  {({n: round(a, 3) for n, a in v['per_client'].items()})}")
     for i in INPUTS:
-        print(f"best {i}: {best[i][0]} {best[i][1]:.4f}; routed away (equal): {table[f'{i}/equal/routed_away_share']}")
-    print(f"chosen router_inputs: {chosen}; wrote {path} in {out['seconds']:.0f} s")
+        for w in WEIGHTINGS:
+            print(f"{i}/{w}: routed away {table[f'{i}/{w}/routed_away_share']}, acc pairs home "
+                  f"{table[f'{i}/{w}/acc_pairs_home']}, away {table[f'{i}/{w}/acc_pairs_away']}")
+    print("best per inputs:", out["best_per_inputs"])
+    print("chosen:", out["chosen_defaults"])
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if "--summarise" in sys.argv:  # recompute the choice from a written JSON (no training)
+        path = Path(__file__).resolve().parents[1] / "docs" / f"mor_router_inputs_settings{'_quick' if '--quick' in sys.argv else ''}.json"
+        data = json.loads(path.read_text())
+        data |= choose(data["per_seed"], list(data["per_seed"][0]["own_rm"]))
+        path.write_text(json.dumps(data, indent=1))
+        report(data)
+    else:
+        main(sys.argv[1:])

@@ -538,3 +538,26 @@ def test_prompt_only_router_keeps_response_columns_at_zero(clients, encoder):
         FederatedRouterTrainer(RouterConfig(rounds=1, input_columns=10_000)).train(data)
     with pytest.raises(InvalidInputError):
         RouterConfig(input_columns=0)
+
+
+def test_choose_routing_keeps_the_defaults_unless_validation_beats_them_by_the_margin():
+    """Hand-made validation accuracies: 2 clients x 50 pairs; default equal / sparse|response (0.70) and
+    soft|prompt|T=0.5 (0.70). One standard error of 0.70 on 100 pairs is sqrt(0.21 / 100) = 0.0458."""
+    from trainer.rewards.evaluation import choose_routing, routing_variants
+
+    def val(overrides: dict) -> dict:
+        acc = {w: {r.variant: 0.70 for r in routing_variants()} for w in ("samples", "equal")}
+        for (w, v), a in overrides.items():
+            acc[w][v] = a
+        return {n: {"n": 50, "routing": {"": acc}} for n in ("a", "b")}
+
+    defaults = ("equal", "sparse|response", "soft|prompt|T=0.5")
+    small = val({("samples", "sparse|prompt"): 0.74, ("equal", "soft|response|T=2"): 0.74})  # +0.04 < 1 SE
+    got = choose_routing(small, ["a", "b"], *defaults, margin_se=1.0)
+    assert (got["weighting"], got["sparse"], got["soft"]) == defaults
+    got = choose_routing(small, ["a", "b"], *defaults, margin_se=0.0)  # plain argmax
+    assert (got["weighting"], got["sparse"], got["soft"]) == ("samples", "sparse|prompt", "soft|prompt|T=0.5")
+    big = val({("samples", "sparse|prompt"): 0.75, ("samples", "soft|response|T=2"): 0.76})  # +0.05, +0.06 > 1 SE
+    got = choose_routing(big, ["a", "b"], *defaults, margin_se=1.0)
+    assert (got["weighting"], got["sparse"], got["soft"]) == ("samples", "sparse|prompt", "soft|response|T=2")
+    assert got["val"]["samples/sparse|prompt"] == 0.75

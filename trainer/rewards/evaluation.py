@@ -134,7 +134,7 @@ def set_accuracies(e: EvalSet, rng: np.random.Generator) -> dict:
     """Accuracy of every scorer on one EvalSet: {"single": [K], "router_sparse": {w: acc}, ...};
     ``routing[tag][w]`` holds every routing variant (:func:`routed_accuracies`)."""
     k = e.norm.shape[-1]
-    out: dict = {"single": [_acc(e.norm[..., j]) for j in range(k)], "oracle_client": _acc(e.norm[..., e.own]),
+    out: dict = {"n": e.n, "single": [_acc(e.norm[..., j]) for j in range(k)], "oracle_client": _acc(e.norm[..., e.own]),
                  "fedavg_rm": _acc(e.fedavg),
                  "length_only": _metric(e.length_proba, np.ones(e.n, dtype=np.int64)), "routing": {}}
     for tag, s in (("", e.norm), ("_no_norm", e.raw)):
@@ -147,27 +147,49 @@ def set_accuracies(e: EvalSet, rng: np.random.Generator) -> dict:
             out.setdefault("router_sparse" + tag, {})[w] = variants["sparse|response"]
             out.setdefault("router_soft" + tag, {})[w] = variants["soft|response|T=1"]
     out["own_share"] = {w: float((z.argmax(-1) == e.own).mean()) for w, z in e.logits.items()}
+    # routing errors vs reward-model errors (sparse, per response): pairs with a response routed away from its
+    # own client, and the accuracy they cost against the oracle (own client's RM) on those same pairs
+    out["pairs_away"], out["routing_cost"] = {}, {}
+    for w, z in e.logits.items():
+        away = (z.argmax(-1) != e.own).any(0)
+        routed = routed_reward(e.norm, z, RoutingRule("sparse"), e.groups)
+        won = lambda sc: (sc[0] > sc[1]) + 0.5 * (sc[0] == sc[1])  # noqa: E731 (per-pair pairwise accuracy)
+        out["pairs_away"][w] = float(away.mean())
+        out["routing_cost"][w] = float((won(e.norm[..., e.own])[away].sum() - won(routed)[away].sum()) / e.n)
     out["choice_share"] = {w: (np.bincount(z.argmax(-1).ravel(), minlength=k) / (2 * e.n)).tolist()
                            for w, z in e.logits.items()}
     return out
 
 
-def choose_routing(val: dict, names: list[str], default_weighting: str) -> dict:
+def choose_routing(val: dict, names: list[str], default_weighting: str, default_sparse: str = "sparse|response",
+                   default_soft: str = "soft|response|T=1", margin_se: float = 0.0) -> dict:
     """The routing settings of one seed, chosen on VALIDATION accuracy (mean over clients):
 
     - ``weighting`` and the sparse ``route_by``: the best ``sparse|<route_by>`` over weightings x
-      :data:`ROUTE_BY` (ties: the config's weighting, then per-response routing);
-    - the soft ``route_by`` and ``temperature``: the best ``soft|...`` variant for that weighting (ties: T = 1,
-      per response).
-    Returns ``{"weighting", "sparse", "soft", "val": {variant: acc}}`` with ``sparse`` / ``soft`` variant keys.
+      :data:`ROUTE_BY`; the soft ``route_by`` and ``temperature``: the best ``soft|...`` variant for that weighting;
+    - a candidate replaces the default (``default_weighting`` / ``default_sparse``, then ``default_soft``: the
+      settings chosen over seeds by ``benchmarks/mor_router_inputs_settings.py``) only when it beats the
+      default's validation accuracy by more than ``margin_se`` binomial standard errors of the default,
+      ``sqrt(a (1 - a) / n_val)`` with ``n_val`` the validation pairs of all clients (0: the plain argmax, ties
+      to the default). One seed's validation set cannot tell variants apart that differ by less than its noise.
+
+    val : client name -> :func:`set_accuracies` of its validation pairs (``n_pairs`` read from ``val[name]["n"]``
+        when present, else 0, i.e. no margin).
+    Returns ``{"weighting", "sparse", "soft", "val": {"<weighting>/<variant>": acc}}`` (variant keys of :class:`RoutingRule`).
     """
     def mean(w: str, key: str) -> float:
         return round(float(np.mean([val[n]["routing"][""][w][key] for n in names])), 6)
 
-    sparse = [(w, f"sparse|{by}") for w in WEIGHTINGS for by in ROUTE_BY]
-    w, sk = max(sparse, key=lambda c: (mean(*c), c[0] == default_weighting, c[1] == "sparse|response"))
-    soft = [f"soft|{by}|T={t:g}" for by in ROUTE_BY for t in TEMPERATURES]
-    ok = max(soft, key=lambda v: (mean(w, v), v.endswith("T=1"), "|response|" in v))
+    n_val = sum(int(val[n].get("n", 0)) for n in names)
+
+    def pick(cands: list, default) -> tuple:
+        a = mean(*default)
+        margin = margin_se * np.sqrt(a * (1 - a) / n_val) if n_val and margin_se > 0 else 0.0
+        best = max(cands, key=lambda c: (mean(*c), c == default))
+        return best if mean(*best) > a + margin else default
+
+    w, sk = pick([(w, f"sparse|{by}") for w in WEIGHTINGS for by in ROUTE_BY], (default_weighting, default_sparse))
+    _, ok = pick([(w, f"soft|{by}|T={t:g}") for by in ROUTE_BY for t in TEMPERATURES], (w, default_soft))
     return {"weighting": w, "sparse": sk, "soft": ok,
             "val": {f"{ww}/{v}": mean(ww, v) for ww in WEIGHTINGS for v in val[names[0]]["routing"][""][ww]}}
 
@@ -185,7 +207,9 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
         held = set_accuracies(score_set(trainer, models, split.heldout, "heldout", heldout_own), rng)
     val_router = {w: float(np.mean([val[n]["router_sparse"][w] for n in names])) for w in WEIGHTINGS}
     val_share = {w: float(np.mean([val[n]["own_share"][w] for n in names])) for w in WEIGHTINGS}
-    routing = choose_routing(val, names, trainer.args.router.weighting)
+    a = trainer.args
+    routing = choose_routing(val, names, a.router.weighting, RoutingRule("sparse", 1.0, a.route_by).variant,
+                             RoutingRule("soft", a.temperature, a.soft_route_by).variant, a.routing_margin_se)
     weighting = routing["weighting"]
     val_single = [float(np.mean([val[n]["single"][j] for n in names])) for j in range(len(names))]
     best = int(np.argmax(val_single))
@@ -203,7 +227,8 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
                 "no_norm_router_rm_sparse": rr[routing["sparse"]],
                 "no_norm_router_rm_soft": rr[routing["soft"]],
                 "no_norm_avg_rm": acc["avg_rm_no_norm"], "no_norm_random_rm": acc["random_rm_no_norm"],
-                **{f"own_share_{w}": acc["own_share"][w] for w in WEIGHTINGS}}
+                **{f"own_share_{w}": acc["own_share"][w] for w in WEIGHTINGS},
+                "pairs_away": acc["pairs_away"][weighting], "routing_cost": acc["routing_cost"][weighting]}
 
     per_client = {n: pick(test[n]) for n in names}
     keys = list(per_client[names[0]])
@@ -251,6 +276,7 @@ def run_evaluation(trainer: MoRTrainer, progress=None) -> dict:
     return {"methods": {m: methods[m] for m in METHODS},
             "single_rms": {k: v for k, v in methods.items() if k.startswith("single_")},
             "router_weighting": {k: v for k, v in methods.items() if k.startswith(("router_rm_sparse_", "router_rm_soft_", "own_share_"))},
+            "routing_errors": {k: v for k, v in methods.items() if k in ("pairs_away", "routing_cost")},
             "routing_variants": {k: v for k, v in methods.items() if k.startswith("routing_")},
             "routing_chosen_on_validation": [{k: s["routing"][k] for k in ("weighting", "sparse", "soft")} for s in seeds],
             "ablation_no_norm": {k: v for k, v in methods.items() if k.startswith("no_norm_")},
