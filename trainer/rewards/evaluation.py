@@ -277,7 +277,7 @@ def run_evaluation(trainer: MoRTrainer, progress=None) -> dict:
             "single_rms": {k: v for k, v in methods.items() if k.startswith("single_")},
             "router_weighting": {k: v for k, v in methods.items() if k.startswith(("router_rm_sparse_", "router_rm_soft_", "own_share_"))},
             "routing_errors": {k: v for k, v in methods.items() if k in ("pairs_away", "routing_cost")},
-            "routing_variants": {k: v for k, v in methods.items() if k.startswith("routing_")},
+            "routing_variants": {k: v for k, v in methods.items() if k.startswith(("routing_sparse|", "routing_soft|"))},
             "routing_chosen_on_validation": [{k: s["routing"][k] for k in ("weighting", "sparse", "soft")} for s in seeds],
             "ablation_no_norm": {k: v for k, v in methods.items() if k.startswith("no_norm_")},
             "weighting_chosen_on_validation": [s["weighting"] for s in seeds],
