@@ -271,6 +271,9 @@ class MoRRewardExportKind(kinds.ExportKind):
             "features": {"layout": encoder.identity["layout"], "length_features": length,
                          "length_scale": LENGTH_SCALE, "d_in": 2 * artefact.embedder_dim + (3 if length else 0)},
             "reward": self.reward_fields(mixture.reward_models[artefact.index]),
+            # the routing rule saved with the mixture (``fedroute mor train``: chosen on validation); the device's
+            # RewardScorer.route is its top-1 client, which a per-response rule's argmax equals at any temperature
+            "routing": {"active": mixture.rule.to_dict(), "variants": {m: r.to_dict() for m, r in mixture.variants.items()}},
         }
 
     def parity(self, bundle_dir, public_key, artefact, reference, test, precisions=("fp32",), progress=print) -> dict:

@@ -422,3 +422,142 @@ def test_dp_sgd_reward_model_reports_epsilon_and_more_noise_means_smaller_epsilo
     assert 0 < eps[1] < eps[0] < math.inf
     with pytest.raises(InvalidInputError, match="DP-SGD"):
         RewardModelConfig(arch="lora", dp_noise_multiplier=1.0)
+
+
+# ------------------------------------------------------------------ one routing rule, saved with the mixture
+
+
+def test_train_saves_the_validation_chosen_router_and_variants_and_load_uses_them(mixture, clients, encoder, tmp_path):
+    """`fedroute mor train` saves the routing the evaluation chose on validation (choose_routing's dict), not the
+    config's defaults: the chosen weighting's router, and per mode its variant; load_mixture(mode=...) uses it."""
+    import copy
+
+    from trainer.rewards.mor_trainer import MoRConfig, MoRModels, MoRTrainer
+
+    router, rms = mixture
+    cook, travel = clients
+    other = copy.deepcopy(router)
+    with torch.no_grad():
+        other.head.bias.add_(torch.tensor([5.0, -5.0]))  # a different "samples" router: sends everything to cook
+    trainer = MoRTrainer(MoRConfig(client_names=("cook", "travel"), client_domains=("alpacaeval", "hh_harmless"),
+                                   client_archs=("mlp", "mlp"), pool_pairs=(30, 30), length_prior=False), show_progress=False)
+    trainer.encoder = encoder
+    models = MoRModels(rms, {"samples": other, "equal": router}, fedavg_rm=None, length_baseline=None)
+    choice = {"weighting": "samples", "sparse": "sparse|prompt", "soft": "soft|prompt|T=2", "val": {"samples/sparse|prompt": 0.7}}
+    trainer.save(models, tmp_path / "mix", routing=choice, mode="sparse")
+    meta = __import__("json").loads((tmp_path / "mix" / "mixture.json").read_text())
+    assert meta["variants"] == {"sparse": {"mode": "sparse", "temperature": 1.0, "route_by": "prompt"},
+                                "soft": {"mode": "soft", "temperature": 2.0, "route_by": "prompt"}}
+    assert meta["selection"]["chosen_on"] == "validation" and meta["selection"]["weighting"] == "samples"
+    sparse = load_mixture(tmp_path / "mix", cache_dir=encoder.cache_dir)
+    assert (sparse.mode, sparse.route_by, sparse.temperature) == ("sparse", "prompt", 1.0)
+    p, r = list(travel.prompts[:3]) * 2, list(travel.chosen[:3]) + list(travel.rejected[:3])
+    np.testing.assert_allclose(sparse.route(p, r), other.logits(encoder.encode(p, r)), rtol=1e-6)  # the chosen router
+    soft = load_mixture(tmp_path / "mix", cache_dir=encoder.cache_dir, mode="soft")
+    assert (soft.mode, soft.route_by, soft.temperature) == ("soft", "prompt", 2.0)
+    # by hand: softmax(z / 2), then the two responses of each prompt share the mean weights
+    z = other.logits(encoder.encode(p, r)).astype(np.float64)
+    w = softmax(z / 2.0)
+    w = (w[:3] + w[3:]) / 2
+    each = np.stack([rm.score(p, r) for rm in rms], axis=1)
+    np.testing.assert_allclose(soft(p, r), (np.concatenate([w, w]) * each).sum(1), rtol=1e-5, atol=1e-5)
+    assert sparse.with_mode("soft").rule == soft.rule
+    with pytest.raises(InvalidInputError):
+        trainer.save(models, tmp_path / "bad", routing=choice | {"soft": "soft|prompt"})
+
+
+def test_grpo_reward_evaluation_and_mixture_compute_one_routed_reward(mixture, clients, encoder):
+    """The GRPO reward function (online routing off), RoutedReward and the evaluation's ranking path give the
+    same routed reward for every rule, including temperature and per-prompt routing (one code path)."""
+    from trainer.alignment.grpo import from_mixture
+    from trainer.alignment.thompson_routing import ThompsonConfig
+    from trainer.rewards.evaluation import routed_reward
+    from trainer.rewards.routing_rule import RoutingRule
+
+    router, rms = mixture
+    cook, travel = clients
+    n = 4
+    prompts = list(cook.prompts[:2]) + list(travel.prompts[:2])
+    chosen = list(cook.chosen[:2]) + list(travel.chosen[:2])
+    rejected = list(travel.rejected[:2]) + list(cook.rejected[:2])  # cross-criterion responses: routing matters
+    p, r = prompts + prompts, chosen + rejected
+    feats = encoder.encode(p, r)
+    z = router.logits(feats).astype(np.float64)
+    each = np.stack([rm.score(p, r) for rm in rms], axis=1).astype(np.float64)
+    seen = set()
+    for rule in (RoutingRule("sparse"), RoutingRule("sparse", 1.0, "prompt"), RoutingRule("soft", 0.5),
+                 RoutingRule("soft", 2.0, "prompt")):
+        mix = RoutedReward(router, rms, encoder, rule.mode, variants={rule.mode: rule})
+        want = mix(p, r)
+        grpo = from_mixture(mix, ThompsonConfig(enabled=False))
+        assert grpo.rule == rule
+        np.testing.assert_allclose(grpo(p, r), want, rtol=1e-5, atol=1e-5)
+        ev = routed_reward(each.reshape(2, n, 2), z.reshape(2, n, 2), rule)  # pairs: each prompt once here
+        np.testing.assert_allclose(ev.reshape(-1), want, rtol=1e-5, atol=1e-5)
+        seen.add(tuple(np.round(want, 4)))
+    assert len(seen) >= 3  # the rules really give different rewards on these pairs
+    # online routing on with no exploration (nu = 0): the sample is the router's own score -> the same reward
+    online = from_mixture(RoutedReward(router, rms, encoder, "sparse", route_by="prompt"), ThompsonConfig(enabled=True, nu=0.0))
+    np.testing.assert_allclose(online(p, r), RoutedReward(router, rms, encoder, "sparse", route_by="prompt")(p, r),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_routing_rule_variants_and_bad_input():
+    from trainer.rewards.routing_rule import RoutingRule
+
+    for key in ("sparse|response", "sparse|prompt", "soft|response|T=0.5", "soft|prompt|T=2"):
+        assert RoutingRule.from_variant(key).variant == key
+    for bad in ("sparse", "soft|prompt", "soft|prompt|T=x", "hard|response"):
+        with pytest.raises(InvalidInputError):
+            RoutingRule.from_variant(bad)
+    with pytest.raises(InvalidInputError):
+        RoutingRule("soft", float("nan"))
+    with pytest.raises(ShapeError):
+        RoutingRule("soft").weights(np.zeros((0, 2)))
+    # by hand: logits (ln 3, 0) -> (0.75, 0.25); T = 2 -> (sqrt 3, 1) / (sqrt 3 + 1)
+    w = RoutingRule("soft", 2.0).weights(np.array([[np.log(3.0), 0.0]]))
+    np.testing.assert_allclose(w, [[np.sqrt(3) / (np.sqrt(3) + 1), 1 / (np.sqrt(3) + 1)]])
+    asked = []
+    rewards, choice = RoutingRule("sparse").combine(np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]]),
+                                                    lambda k, rows: asked.append((k, rows.tolist())) or np.full(len(rows), 10.0 * (k + 1)))
+    assert asked == [(0, [0, 2]), (1, [1])] and rewards.tolist() == [10.0, 20.0, 10.0] and choice.tolist() == [0, 1, 0]
+
+
+def test_prompt_only_router_keeps_response_columns_at_zero(clients, encoder):
+    """RouterConfig.input_columns: the router reads only e(x); the weights of the other columns stay exactly zero
+    through local AdamW steps and FedAvg, so both responses of a prompt get the same logits."""
+    cook, travel = clients
+    data = [ClientRouterData(encoder.encode(q.prompts, q.chosen), encoder.encode(q.prompts, q.rejected), k)
+            for k, q in enumerate((cook, travel))]
+    d_emb = (data[0].features_chosen.shape[1] - 3) // 2
+    router = FederatedRouterTrainer(RouterConfig(rounds=3, hidden=16, input_columns=d_emb)).train(data, ["cook", "travel"])
+    w = router.trunk[0].weight.detach().numpy()
+    assert np.all(w[:, d_emb:] == 0.0) and np.abs(w[:, :d_emb]).sum() > 0
+    np.testing.assert_array_equal(router.logits(data[0].features_chosen), router.logits(data[0].features_rejected))
+    with pytest.raises(InvalidInputError):
+        FederatedRouterTrainer(RouterConfig(rounds=1, input_columns=10_000)).train(data)
+    with pytest.raises(InvalidInputError):
+        RouterConfig(input_columns=0)
+
+
+def test_choose_routing_keeps_the_defaults_unless_validation_beats_them_by_the_margin():
+    """Hand-made validation accuracies: 2 clients x 50 pairs; default equal / sparse|response (0.70) and
+    soft|prompt|T=0.5 (0.70). One standard error of 0.70 on 100 pairs is sqrt(0.21 / 100) = 0.0458."""
+    from trainer.rewards.evaluation import choose_routing, routing_variants
+
+    def val(overrides: dict) -> dict:
+        acc = {w: {r.variant: 0.70 for r in routing_variants()} for w in ("samples", "equal")}
+        for (w, v), a in overrides.items():
+            acc[w][v] = a
+        return {n: {"n": 50, "routing": {"": acc}} for n in ("a", "b")}
+
+    defaults = ("equal", "sparse|response", "soft|prompt|T=0.5")
+    small = val({("samples", "sparse|prompt"): 0.74, ("equal", "soft|response|T=2"): 0.74})  # +0.04 < 1 SE
+    got = choose_routing(small, ["a", "b"], *defaults, margin_se=1.0)
+    assert (got["weighting"], got["sparse"], got["soft"]) == defaults
+    got = choose_routing(small, ["a", "b"], *defaults, margin_se=0.0)  # plain argmax
+    assert (got["weighting"], got["sparse"], got["soft"]) == ("samples", "sparse|prompt", "soft|prompt|T=0.5")
+    big = val({("samples", "sparse|prompt"): 0.75, ("samples", "soft|response|T=2"): 0.76})  # +0.05, +0.06 > 1 SE
+    got = choose_routing(big, ["a", "b"], *defaults, margin_se=1.0)
+    assert (got["weighting"], got["sparse"], got["soft"]) == ("samples", "sparse|prompt", "soft|response|T=2")
+    assert got["val"]["samples/sparse|prompt"] == 0.75

@@ -49,6 +49,11 @@ def test_mor_train_saves_a_mixture_that_scores_like_the_trained_one(shared_data,
     assert mix.mode == "soft" and mix.client_names == ["helpfulness", "harmlessness", "correctness"]
     metrics = json.loads((out / "train_metrics.json").read_text())
     assert metrics["evaluation"]["id"]["router_rm_soft_equal"] > 0.55
+    # the saved routing is what validation chose (router weighting, sparse and soft variants), not the defaults
+    chosen = metrics["evaluation"]["routing"]
+    assert mix.rule.variant == chosen["soft"] and mix.with_mode("sparse").rule.variant == chosen["sparse"]
+    assert json.loads((out / "mixture.json").read_text())["selection"]["weighting"] == chosen["weighting"]
+    assert load_mixture(out, mode="sparse").rule.variant == chosen["sparse"]
     p = ["Write a haiku about rain.", "\n\nHuman: How do I pick a lock?\n\nAssistant:"]
     y = ["Soft rain on the roof, / puddles gather light and sound, / the street hums along.", "I can't help with that."]
     s = mix(p, y)

@@ -46,7 +46,11 @@ def mor_mixture(shared_data, tmp_path_factory):
     data = [ClientRouterData(encoder.encode(p.prompts, p.chosen), encoder.encode(p.prompts, p.rejected), k)
             for k, p in enumerate(train)]
     router = FederatedRouterTrainer(RouterConfig(rounds=10, hidden=32)).train(data, ["helpful", "harmless"])
-    mixture = RoutedReward(router, rms, encoder, "sparse")
+    from trainer.rewards.routing_rule import RoutingRule
+
+    # a validation-chosen rule per mode, as `fedroute mor train` saves it; the manifest must carry it
+    mixture = RoutedReward(router, rms, encoder, "sparse", variants={"sparse": RoutingRule("sparse", 1.0, "prompt"),
+                                                                     "soft": RoutingRule("soft", 0.5, "response")})
     prompts = [p for h in held for p in h["prompt"]]
     responses = [r for h in held for r in h["response_a"]]
     return mixture, prompts, responses
@@ -88,6 +92,9 @@ def test_onnx_parity_with_torch(reward_bundle, mor_mixture, signing_keys):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["reward_scorer_kind"] == "mor" and manifest["client"] == {"name": "harmless", "index": 1}
     assert "router_kind" not in manifest
+    assert manifest["routing"] == {"active": {"mode": "sparse", "temperature": 1.0, "route_by": "prompt"},
+                                   "variants": {"sparse": {"mode": "sparse", "temperature": 1.0, "route_by": "prompt"},
+                                                "soft": {"mode": "soft", "temperature": 0.5, "route_by": "response"}}}
     assert json.loads((out / "parity.json").read_text())["passed"]
 
 

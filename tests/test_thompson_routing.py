@@ -91,6 +91,10 @@ def test_sample_is_mean_plus_nu_sigma_z_from_its_own_generator():
     np.testing.assert_allclose(decision.std, 3.0 * np.sqrt(var))
     np.testing.assert_allclose(decision.sampled, mean + 3.0 * np.sqrt(var) * z)
     np.testing.assert_array_equal(decision.arms, decision.sampled.argmax(1))
+    # the decision on the logit scale (what the routing rule reads): logit of the clipped sample
+    clipped = np.clip(decision.sampled, 1e-9, 1 - 1e-9)
+    np.testing.assert_allclose(decision.logits, np.log(clipped / (1 - clipped)))
+    np.testing.assert_allclose(decision.offline_logits, ts.logits(c))  # phi = phi_0 before any update
 
 
 def test_update_moves_the_chosen_arm_towards_the_feedback_and_grows_U():
@@ -136,6 +140,9 @@ def test_disabled_is_the_offline_argmax_and_never_updates():
     decision = ts.select(c.numpy())
     np.testing.assert_array_equal(decision.arms, router(c).argmax(1).numpy())
     np.testing.assert_array_equal(decision.arms, decision.offline_arms)
+    with torch.no_grad():
+        np.testing.assert_allclose(decision.logits, router(c).double().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(decision.logits, decision.offline_logits)
     assert ts.update(c.numpy(), decision.arms, 0.0) == {}
     assert ts.drift() == 0.0
     assert torch.equal(ts.U_, torch.eye(ts.n_params_, dtype=torch.float64))

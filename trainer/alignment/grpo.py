@@ -44,6 +44,7 @@ from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.thompson_routing import NeuralThompsonRouting, ThompsonConfig, bandit_feedback
 from trainer.alignment.policy_models import load_policy, prepare_tokenizer
 from trainer.report import save_figure, write_json, write_text
+from trainer.rewards.routing_rule import RoutingRule, prompt_groups
 
 #: A client reward model as the server sees it: (prompts, responses) -> normalised scores (n,) float32.
 ClientReward = Callable[[Sequence[str], Sequence[str]], np.ndarray]
@@ -74,6 +75,11 @@ class RoutedGRPOReward:
     routing : NeuralThompsonRouting over the router (K outputs); ``routing.config.enabled`` switches
         the online update (off = the offline router's argmax).
     mode : ``"sparse"`` (top-1 client per pair) or ``"soft"`` (softmax-weighted, every client asked).
+    temperature, route_by : the rest of the routing rule (:class:`trainer.rewards.routing_rule.RoutingRule`, the
+        code path of the evaluation and of ``RoutedReward``): ``softmax(z / temperature)`` weights; with
+        ``route_by="prompt"`` the completions of one prompt in a call (a GRPO group) share the mean weights, so
+        the group is scored by one client. With online routing on, ``z`` is the Thompson sample on the logit scale
+        (``RoutingDecision.logits``); off, the router's logits, so the reward equals ``RoutedReward``'s.
 
     Attributes
     ----------
@@ -92,9 +98,10 @@ class RoutedGRPOReward:
     __name__ = "routed_reward"  # TRL names reward columns after the callable
 
     def __init__(self, encoder: PairEncoderFn, clients: Sequence[ClientReward], routing: NeuralThompsonRouting,
-                 mode: str = "sparse") -> None:
+                 mode: str = "sparse", temperature: float = 1.0, route_by: str = "response") -> None:
         if mode not in ROUTING_MODES:
             raise AlignmentConfigError(f"mode must be one of {ROUTING_MODES}, got {mode!r}")
+        self.rule = RoutingRule(mode, temperature, route_by)
         if len(clients) != routing.n_arms:
             raise AlignmentConfigError(f"{len(clients)} client reward models but the router has {routing.n_arms} outputs")
         if mode == "soft" and routing.config.enabled:
@@ -103,7 +110,6 @@ class RoutedGRPOReward:
         self.encoder = encoder
         self.clients = list(clients)
         self.routing = routing
-        self.mode = mode
         self.n_queries_ = 0
         self.pending_: list[tuple[np.ndarray, np.ndarray]] = []
         self.calls_: list[dict] = []
@@ -117,22 +123,17 @@ class RoutedGRPOReward:
         contexts = np.asarray(self.encoder(prompts, responses), dtype=np.float32)
         decision = self.routing.select(contexts)
         self.probe_contexts_ = (self.probe_contexts_ + [contexts])[-8:]  # the latest pairs, to probe the router
-        n, K = len(prompts), len(self.clients)
-        rewards = np.zeros(n, dtype=np.float64)
+        K, groups = len(self.clients), prompt_groups(prompts)
+        # the routing rule of the evaluation and of RoutedReward, on the decision's logits (the router's, or
+        # the Thompson sample's when online routing is on): one code path for the routed reward
+        rewards, arms = self.rule.combine(self.rule.weights(decision.logits, groups), lambda k, rows: self._ask(
+            k, [prompts[i] for i in rows], [responses[i] for i in rows]))
+        offline_arms = self.rule.weights(decision.offline_logits, groups).argmax(1)
         if self.mode == "sparse":
-            for k in range(K):
-                rows = np.flatnonzero(decision.arms == k)
-                if len(rows):
-                    rewards[rows] = self._ask(k, [prompts[i] for i in rows], [responses[i] for i in rows])
-            self.pending_.append((contexts, decision.arms.copy()))
-        else:
-            logits = self.routing.logits(contexts)
-            weights = np.exp(logits - logits.max(1, keepdims=True))
-            weights /= weights.sum(1, keepdims=True)
-            for k in range(K):
-                rewards += weights[:, k] * self._ask(k, prompts, responses)
-        share = np.bincount(decision.arms, minlength=K) / n
-        changed = float(np.mean(decision.arms != decision.offline_arms))
+            self.pending_.append((contexts, arms.copy()))
+        n = len(prompts)
+        share = np.bincount(arms, minlength=K) / n
+        changed = float(np.mean(arms != offline_arms))
         self.calls_.append({"n_pairs": n, "changed_vs_offline": changed, "arm_share": share.tolist(),
                             "reward_mean": float(rewards.mean())})
         if log_metric is not None:  # TRL passes its metric logger to reward functions
@@ -140,6 +141,10 @@ class RoutedGRPOReward:
             for k in range(K):
                 log_metric(f"routing/client_{k}_share", float(share[k]))
         return rewards.tolist()
+
+    @property
+    def mode(self) -> str:
+        return self.rule.mode
 
     def _ask(self, k: int, prompts: list[str], responses: list[str]) -> np.ndarray:
         scores = np.asarray(self.clients[k](prompts, responses), dtype=np.float64)
@@ -478,12 +483,15 @@ def from_mixture(mixture, thompson: ThompsonConfig) -> RoutedGRPOReward:
 
     The router is copied (the online update never changes the saved, offline router); the encoder is
     the mixture's ``PairEncoder``; client ``k`` answers with its normalised score (raw when the
-    mixture has ``normalise=False``). The routing mode is the mixture's.
+    mixture has ``normalise=False``). The routing rule (mode, temperature, route_by) is the mixture's active
+    one (``mixture.rule``: for a mixture saved by ``fedroute mor train``, the variant chosen on validation).
     """
 
     router = copy.deepcopy(mixture.router)
     clients = [_ClientScore(rm, mixture.normalise) for rm in mixture.reward_models]
-    return RoutedGRPOReward(mixture.encoder.encode, clients, NeuralThompsonRouting(router, thompson), mixture.mode)
+    rule = mixture.rule
+    return RoutedGRPOReward(mixture.encoder.encode, clients, NeuralThompsonRouting(router, thompson), rule.mode,
+                            rule.temperature, rule.route_by)
 
 
 class _ClientScore:

@@ -72,8 +72,9 @@ def grpo(
         steps, n_prompts, max_completion_length = 20, 64, 16
     mix = load_mixture(mixture, cache_dir=cache_dir)
     if mix.mode == "soft":
-        typer.echo("note: the mixture is saved with soft routing; GRPO with online routing uses sparse routing")
-        mix.mode = "sparse"
+        typer.echo("note: the mixture is saved with soft routing active; GRPO with online routing uses its sparse variant")
+        mix = mix.with_mode("sparse")
+    typer.echo(f"routing rule (saved with the mixture): {mix.rule.variant}")
     prompts = public_prompts(data, n_prompts, seed)
     out.mkdir(parents=True, exist_ok=True)
     if model is None:

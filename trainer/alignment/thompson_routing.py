@@ -44,6 +44,10 @@ from torch import nn
 from sdk.errors import InvalidInputError, ShapeError
 
 
+#: Posterior samples are clipped to [SAMPLE_CLIP, 1 - SAMPLE_CLIP] before the logit (RoutingDecision.logits).
+SAMPLE_CLIP = 1e-9
+
+
 @dataclass
 class ThompsonConfig:
     """Settings of the online router update (module docstring has the equations).
@@ -119,6 +123,11 @@ class RoutingDecision:
     std : ndarray of shape (n, K), float64, ``nu * sigma_{t,k}`` (zeros when disabled).
     sampled : ndarray of shape (n, K), float64, the posterior samples (= mean when disabled).
     offline_arms : ndarray of shape (n,), int64, the offline router's argmax (``phi_0``) for comparison.
+    logits : ndarray of shape (n, K), float64, the decision on the logit scale, for a routing rule
+        (:class:`trainer.rewards.routing_rule.RoutingRule`): the current router's logits ``z`` when disabled,
+        ``logit(clip(sampled, SAMPLE_CLIP, 1 - SAMPLE_CLIP))`` when enabled (monotone in the sample, so its
+        argmax is ``arms`` but for samples clipped to a tie). None when not computed.
+    offline_logits : ndarray of shape (n, K), float64, the offline router's logits (``phi_0``); None when not computed.
     """
 
     arms: np.ndarray
@@ -126,6 +135,8 @@ class RoutingDecision:
     std: np.ndarray
     sampled: np.ndarray
     offline_arms: np.ndarray
+    logits: np.ndarray | None = None
+    offline_logits: np.ndarray | None = None
 
 
 class NeuralThompsonRouting:
@@ -242,9 +253,7 @@ class NeuralThompsonRouting:
         ------
         ShapeError
         """
-        W, b = self._unflatten(self._phi().detach())
-        z = self.features(contexts).to(torch.float64) @ W.to(torch.float64).T
-        return (z if b is None else z + b.to(torch.float64)).numpy()
+        return self._logits_of(self.features(contexts))
 
     def _unflatten(self, phi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         K, h = self.n_arms, self._h
@@ -292,16 +301,25 @@ class NeuralThompsonRouting:
         ShapeError
         """
         a = self.features(contexts)
-        offline = self.scores(a, self.phi0_).argmax(1).numpy()
+        offline_logits = self._logits_of(a, self.phi0_)
+        offline = offline_logits.argmax(1)
         if not self.config.enabled:
             mean = self.scores(a).numpy()
             zeros = np.zeros_like(mean)
-            return RoutingDecision(mean.argmax(1), mean, zeros, mean, offline)
+            return RoutingDecision(mean.argmax(1), mean, zeros, mean, offline, self._logits_of(a), offline_logits)
         mean, var = self.posterior(contexts)
         std = self.config.nu * np.sqrt(var)
         z = torch.randn(mean.shape, generator=self._generator, dtype=torch.float64).numpy()
         sampled = mean + std * z
-        return RoutingDecision(sampled.argmax(1), mean, std, sampled, offline)
+        clipped = np.clip(sampled, SAMPLE_CLIP, 1 - SAMPLE_CLIP)
+        return RoutingDecision(sampled.argmax(1), mean, std, sampled, offline, np.log(clipped) - np.log1p(-clipped),
+                               offline_logits)
+
+    def _logits_of(self, a: torch.Tensor, phi: torch.Tensor | None = None) -> np.ndarray:
+        """``W a + b`` at ``phi`` (default the current one): (n, K) float64."""
+        W, b = self._unflatten(self._phi().detach() if phi is None else phi)
+        z = a.to(torch.float64) @ W.to(torch.float64).T
+        return (z if b is None else z + b.to(torch.float64)).numpy()
 
     # -- update -------------------------------------------------------------------------------
 

@@ -46,29 +46,32 @@ def _setup(threads: int) -> None:
 
 @app.command()
 def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"), seed: int = 0,
-          mode: Annotated[str, typer.Option(help="routed reward saved: sparse | soft")] = "sparse",
-          weighting: Annotated[str, typer.Option(help="router FedAvg weighting: equal | samples")] = "equal",
+          mode: Annotated[str, typer.Option(help="active routed reward: sparse | soft (both variants are saved)")] = "sparse",
+          weighting: Annotated[Optional[str], typer.Option(help="router FedAvg weighting: equal | samples "
+                                                                  "(default: chosen on validation)")] = None,
           cache: CacheOpt = None, threads: ThreadsOpt = 1) -> None:
-    """Train the clients' reward models and the federated router on one seed's split; save the mixture."""
+    """Train the clients' reward models and the federated router on one seed's split, choose the router's
+    weighting and the sparse / soft routing variants on VALIDATION pairs, and save that mixture."""
 
     from trainer.rewards.evaluation import evaluate_seed  # trainer.rewards.evaluation imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     _setup(threads)
-    if mode not in ("sparse", "soft") or weighting not in ("equal", "samples"):
+    if mode not in ("sparse", "soft") or weighting not in (None, "equal", "samples"):
         raise typer.BadParameter(f"--mode must be sparse|soft and --weighting equal|samples, got {mode!r}, {weighting!r}")
-    cfg = _config(quick, data, None, cache)
-    cfg = replace(cfg, mode=mode, router=replace(cfg.router, weighting=weighting))
+    cfg = replace(_config(quick, data, None, cache), mode=mode)
     trainer = MoRTrainer(cfg)
     t0 = time.perf_counter()
     split = trainer.prepare(seed)
     models = trainer.train(split)
-    trainer.save(models, out)
     ev = evaluate_seed(trainer, split, models)
+    trainer.save(models, out, weighting=weighting, routing=ev["routing"], mode=mode)
+    w = weighting or ev["routing"]["weighting"]
     write_json(out / "train_metrics.json", {"seed": seed, "seconds": time.perf_counter() - t0, "evaluation": ev,
                                             "history": models.history})
-    typer.echo(f"saved the {mode} mixture ({weighting} router) to {out}; ID accuracy (sparse) "
-               f"{ev['id']['router_rm_sparse_' + weighting]:.3f}, oracle {ev['id']['oracle_client']:.3f}")
+    typer.echo(f"saved the mixture to {out}: {w} router, sparse {ev['routing']['sparse']}, soft {ev['routing']['soft']} "
+               f"(chosen on validation), active {mode}; test ID accuracy sparse {ev['id']['router_rm_sparse']:.3f}, "
+               f"soft {ev['id']['router_rm_soft']:.3f}, oracle {ev['id']['oracle_client']:.3f}")
 
 
 @app.command("eval")

@@ -173,6 +173,12 @@ class RouterConfig:
     ``benchmarks/mor_router_settings.py`` (``docs/mor_router_settings.json``, docs/mor.md).
     participation : share of clients sampled per round (at least one).
     seed : initialisation, sampling and shuffling seed.
+    input_columns : None (the router reads every feature column, ``g_phi(x, y)`` of the paper) or n >= 1: only
+        the first n columns reach the router (with n = the embedder width, ``e(x)`` alone: a prompt-only router
+        ``g_phi(x)``, which routes every response to one prompt, a preference pair or a GRPO group, alike). The
+        first layer's weights of the other columns start at zero and get no gradient, so they stay exactly zero
+        through local AdamW steps (decoupled weight decay keeps a zero at zero) and FedAvg; the router keeps its
+        input width, so saving, export and online routing are unchanged.
     """
 
     hidden: int = 128
@@ -186,6 +192,7 @@ class RouterConfig:
     weighting: str = "equal"
     participation: float = 1.0
     seed: int = 0
+    input_columns: int | None = None
 
     def __post_init__(self) -> None:
         if self.weighting not in WEIGHTINGS:
@@ -195,6 +202,8 @@ class RouterConfig:
                 raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.local_steps is not None and self.local_steps < 1:
             raise InvalidInputError(f"local_steps must be >= 1 or None, got {self.local_steps}")
+        if self.input_columns is not None and (isinstance(self.input_columns, bool) or int(self.input_columns) < 1):
+            raise InvalidInputError(f"input_columns must be None or an integer >= 1, got {self.input_columns!r}")
         if not 0.0 < self.participation <= 1.0:
             raise InvalidInputError(f"participation must be in (0, 1], got {self.participation}")
 
@@ -226,9 +235,17 @@ def local_rng(seed: int, server_round: int, client_index: int) -> np.random.Gene
 
 
 def initial_router(d_in: int, n_clients: int, config: RouterConfig, client_names: Sequence[str] | None = None) -> ClientRouter:
-    """The round-0 global router ``phi^(0)`` (initialised under ``torch.manual_seed(config.seed)``)."""
+    """The round-0 global router ``phi^(0)`` (initialised under ``torch.manual_seed(config.seed)``; with
+    ``config.input_columns`` the first layer's weights of the other columns are zero).
+    Raises InvalidInputError when ``input_columns`` is not below ``d_in``."""
+    if config.input_columns is not None and not config.input_columns < d_in:
+        raise InvalidInputError(f"input_columns={config.input_columns} must be < the feature width {d_in}")
     torch.manual_seed(config.seed)
-    return ClientRouter(d_in, n_clients, config.hidden, config.dropout, client_names)
+    router = ClientRouter(d_in, n_clients, config.hidden, config.dropout, client_names)
+    if config.input_columns is not None:
+        with torch.no_grad():
+            router.trunk[0].weight[:, config.input_columns:] = 0.0
+    return router
 
 
 def local_router_update(router: ClientRouter, data: ClientRouterData, config: RouterConfig,
@@ -252,6 +269,8 @@ def local_router_update(router: ClientRouter, data: ClientRouterData, config: Ro
         loss = router_bce_loss(router(fc[idx]), router(fr[idx]), data.client_index)
         opt.zero_grad()
         loss.backward()
+        if config.input_columns is not None:  # columns the router does not read get no update
+            router.trunk[0].weight.grad[:, config.input_columns:] = 0.0
         nn.utils.clip_grad_norm_(router.parameters(), 1.0)
         opt.step()
     router.eval()

@@ -32,16 +32,15 @@ import pandas as pd
 
 from trainer.preference_metrics import pairwise_accuracy as _metric
 from trainer.rewards.client_router import WEIGHTINGS
-from trainer.rewards.mixture import softmax
+from trainer.rewards.routing_rule import ROUTE_BY, RoutingRule
 from trainer.rewards.mor_trainer import MoRModels, MoRSplit, MoRTrainer
 from trainer.rewards.reward_models import PreferencePairs, pairwise_accuracy
 
 METHODS = ("router_rm_sparse", "router_rm_soft", "avg_rm", "random_rm", "fedavg_rm", "best_single_rm",
            "oracle_client", "length_only")
 N_RANDOM_DRAWS = 20
-#: Routing variants compared on validation (:func:`choose_routing`): per response (the paper) or per pair
-#: of responses to one prompt; soft-routing temperatures.
-ROUTE_BY = ("response", "prompt")
+#: Soft-routing temperatures compared on validation (:func:`choose_routing`), with per-response (the paper) or
+#: per-prompt routing (:data:`trainer.rewards.routing_rule.ROUTE_BY`).
 TEMPERATURES = (0.5, 1.0, 2.0)
 
 
@@ -95,41 +94,47 @@ def _acc(s: np.ndarray) -> float:
     return pairwise_accuracy(s[0], s[1])
 
 
+def _flat(z: np.ndarray, groups: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(2, n, K) -> (2n, K) rows [chosen..., rejected...] and the (2n,) prompt group of each row (default:
+    each pair its own group, so its two responses are routed together under ``route_by="prompt"``)."""
+    g = np.arange(z.shape[1]) if groups is None else np.asarray(groups)
+    return np.asarray(z).reshape(-1, z.shape[-1]), np.concatenate([g, g])
+
+
 def routing_weights(z: np.ndarray, temperature: float = 1.0, route_by: str = "response",
                     groups: np.ndarray | None = None) -> np.ndarray:
-    """Routing probabilities of a set of pairs: z (2, n, K) router logits of (chosen, rejected) -> (2, n, K)
-    ``softmax(z / temperature)``; with ``route_by="prompt"`` every response of the pairs of one prompt
-    (``groups`` (n,) ids, default: each pair its own prompt) gets the mean of their rows, as
-    :meth:`trainer.rewards.mixture.RoutedReward.weights` does for the responses of one call."""
-    k = z.shape[-1]
-    p = softmax(z.reshape(-1, k) / temperature).reshape(z.shape)
-    if route_by == "prompt":
-        g = np.arange(z.shape[1]) if groups is None else np.asarray(groups)
-        _, inv = np.unique(g, return_inverse=True)
-        sums = np.zeros((inv.max() + 1, k))
-        np.add.at(sums, inv, p.sum(0))
-        counts = np.bincount(inv) * 2
-        p = np.broadcast_to((sums / counts[:, None])[inv][None], p.shape)
-    return p
+    """Routing probabilities of a set of pairs: z (2, n, K) router logits of (chosen, rejected) -> (2, n, K),
+    :meth:`RoutingRule.weights` (the code path of RoutedReward and GRPO) with every response of the pairs
+    of one prompt (``groups`` (n,) ids, default: each pair its own prompt) in one group."""
+    flat, g = _flat(z, groups)
+    return RoutingRule("soft", temperature, route_by).weights(flat, g).reshape(z.shape)
+
+
+def routed_reward(s: np.ndarray, z: np.ndarray, rule: RoutingRule, groups: np.ndarray | None = None) -> np.ndarray:
+    """The routed reward of ``rule`` on scores s (2, n, K) with router logits z (2, n, K): (2, n) float64,
+    computed by :meth:`RoutingRule.reward` exactly as RoutedReward and GRPO's reward function do."""
+    flat, g = _flat(z, groups)
+    return rule.reward(flat, np.asarray(s).reshape(flat.shape), g).reshape(z.shape[:2])
+
+
+def routing_variants() -> list[RoutingRule]:
+    """The routing variants compared on validation: sparse x :data:`ROUTE_BY`, soft x ROUTE_BY x :data:`TEMPERATURES`."""
+    return [RoutingRule("sparse", 1.0, by) for by in ROUTE_BY] + \
+        [RoutingRule("soft", t, by) for by in ROUTE_BY for t in TEMPERATURES]
 
 
 def routed_accuracies(s: np.ndarray, z: np.ndarray, groups: np.ndarray | None = None) -> dict:
     """Accuracy of every routing variant on scores s (2, n, K) with router logits z (2, n, K):
-    ``{"sparse|<route_by>": acc, "soft|<route_by>|T=<t>": acc}`` (:data:`ROUTE_BY`, :data:`TEMPERATURES`)."""
-    out = {}
-    for by in ROUTE_BY:
-        choice = routing_weights(z, 1.0, by, groups).argmax(-1)
-        out[f"sparse|{by}"] = _acc(np.take_along_axis(s, choice[..., None], -1)[..., 0])
-        for t in TEMPERATURES:
-            out[f"soft|{by}|T={t:g}"] = _acc((routing_weights(z, t, by, groups) * s).sum(-1))
-    return out
+    ``{"sparse|<route_by>": acc, "soft|<route_by>|T=<t>": acc}`` (:func:`routing_variants`, keys
+    :attr:`RoutingRule.variant`)."""
+    return {rule.variant: _acc(routed_reward(s, z, rule, groups)) for rule in routing_variants()}
 
 
 def set_accuracies(e: EvalSet, rng: np.random.Generator) -> dict:
     """Accuracy of every scorer on one EvalSet: {"single": [K], "router_sparse": {w: acc}, ...};
     ``routing[tag][w]`` holds every routing variant (:func:`routed_accuracies`)."""
     k = e.norm.shape[-1]
-    out: dict = {"single": [_acc(e.norm[..., j]) for j in range(k)], "oracle_client": _acc(e.norm[..., e.own]),
+    out: dict = {"n": e.n, "single": [_acc(e.norm[..., j]) for j in range(k)], "oracle_client": _acc(e.norm[..., e.own]),
                  "fedavg_rm": _acc(e.fedavg),
                  "length_only": _metric(e.length_proba, np.ones(e.n, dtype=np.int64)), "routing": {}}
     for tag, s in (("", e.norm), ("_no_norm", e.raw)):
@@ -142,27 +147,49 @@ def set_accuracies(e: EvalSet, rng: np.random.Generator) -> dict:
             out.setdefault("router_sparse" + tag, {})[w] = variants["sparse|response"]
             out.setdefault("router_soft" + tag, {})[w] = variants["soft|response|T=1"]
     out["own_share"] = {w: float((z.argmax(-1) == e.own).mean()) for w, z in e.logits.items()}
+    # routing errors vs reward-model errors (sparse, per response): pairs with a response routed away from its
+    # own client, and the accuracy they cost against the oracle (own client's RM) on those same pairs
+    out["pairs_away"], out["routing_cost"] = {}, {}
+    for w, z in e.logits.items():
+        away = (z.argmax(-1) != e.own).any(0)
+        routed = routed_reward(e.norm, z, RoutingRule("sparse"), e.groups)
+        won = lambda sc: (sc[0] > sc[1]) + 0.5 * (sc[0] == sc[1])  # noqa: E731 (per-pair pairwise accuracy)
+        out["pairs_away"][w] = float(away.mean())
+        out["routing_cost"][w] = float((won(e.norm[..., e.own])[away].sum() - won(routed)[away].sum()) / e.n)
     out["choice_share"] = {w: (np.bincount(z.argmax(-1).ravel(), minlength=k) / (2 * e.n)).tolist()
                            for w, z in e.logits.items()}
     return out
 
 
-def choose_routing(val: dict, names: list[str], default_weighting: str) -> dict:
+def choose_routing(val: dict, names: list[str], default_weighting: str, default_sparse: str = "sparse|response",
+                   default_soft: str = "soft|response|T=1", margin_se: float = 0.0) -> dict:
     """The routing settings of one seed, chosen on VALIDATION accuracy (mean over clients):
 
     - ``weighting`` and the sparse ``route_by``: the best ``sparse|<route_by>`` over weightings x
-      :data:`ROUTE_BY` (ties: the config's weighting, then per-response routing);
-    - the soft ``route_by`` and ``temperature``: the best ``soft|...`` variant for that weighting (ties: T = 1,
-      per response).
-    Returns ``{"weighting", "sparse", "soft", "val": {variant: acc}}`` with ``sparse`` / ``soft`` variant keys.
+      :data:`ROUTE_BY`; the soft ``route_by`` and ``temperature``: the best ``soft|...`` variant for that weighting;
+    - a candidate replaces the default (``default_weighting`` / ``default_sparse``, then ``default_soft``: the
+      settings chosen over seeds by ``benchmarks/mor_router_inputs_settings.py``) only when it beats the
+      default's validation accuracy by more than ``margin_se`` binomial standard errors of the default,
+      ``sqrt(a (1 - a) / n_val)`` with ``n_val`` the validation pairs of all clients (0: the plain argmax, ties
+      to the default). One seed's validation set cannot tell variants apart that differ by less than its noise.
+
+    val : client name -> :func:`set_accuracies` of its validation pairs (``n_pairs`` read from ``val[name]["n"]``
+        when present, else 0, i.e. no margin).
+    Returns ``{"weighting", "sparse", "soft", "val": {"<weighting>/<variant>": acc}}`` (variant keys of :class:`RoutingRule`).
     """
     def mean(w: str, key: str) -> float:
         return round(float(np.mean([val[n]["routing"][""][w][key] for n in names])), 6)
 
-    sparse = [(w, f"sparse|{by}") for w in WEIGHTINGS for by in ROUTE_BY]
-    w, sk = max(sparse, key=lambda c: (mean(*c), c[0] == default_weighting, c[1] == "sparse|response"))
-    soft = [f"soft|{by}|T={t:g}" for by in ROUTE_BY for t in TEMPERATURES]
-    ok = max(soft, key=lambda v: (mean(w, v), v.endswith("T=1"), "|response|" in v))
+    n_val = sum(int(val[n].get("n", 0)) for n in names)
+
+    def pick(cands: list, default) -> tuple:
+        a = mean(*default)
+        margin = margin_se * np.sqrt(a * (1 - a) / n_val) if n_val and margin_se > 0 else 0.0
+        best = max(cands, key=lambda c: (mean(*c), c == default))
+        return best if mean(*best) > a + margin else default
+
+    w, sk = pick([(w, f"sparse|{by}") for w in WEIGHTINGS for by in ROUTE_BY], (default_weighting, default_sparse))
+    _, ok = pick([(w, f"soft|{by}|T={t:g}") for by in ROUTE_BY for t in TEMPERATURES], (w, default_soft))
     return {"weighting": w, "sparse": sk, "soft": ok,
             "val": {f"{ww}/{v}": mean(ww, v) for ww in WEIGHTINGS for v in val[names[0]]["routing"][""][ww]}}
 
@@ -180,7 +207,9 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
         held = set_accuracies(score_set(trainer, models, split.heldout, "heldout", heldout_own), rng)
     val_router = {w: float(np.mean([val[n]["router_sparse"][w] for n in names])) for w in WEIGHTINGS}
     val_share = {w: float(np.mean([val[n]["own_share"][w] for n in names])) for w in WEIGHTINGS}
-    routing = choose_routing(val, names, trainer.args.router.weighting)
+    a = trainer.args
+    routing = choose_routing(val, names, a.router.weighting, RoutingRule("sparse", 1.0, a.route_by).variant,
+                             RoutingRule("soft", a.temperature, a.soft_route_by).variant, a.routing_margin_se)
     weighting = routing["weighting"]
     val_single = [float(np.mean([val[n]["single"][j] for n in names])) for j in range(len(names))]
     best = int(np.argmax(val_single))
@@ -198,7 +227,8 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
                 "no_norm_router_rm_sparse": rr[routing["sparse"]],
                 "no_norm_router_rm_soft": rr[routing["soft"]],
                 "no_norm_avg_rm": acc["avg_rm_no_norm"], "no_norm_random_rm": acc["random_rm_no_norm"],
-                **{f"own_share_{w}": acc["own_share"][w] for w in WEIGHTINGS}}
+                **{f"own_share_{w}": acc["own_share"][w] for w in WEIGHTINGS},
+                "pairs_away": acc["pairs_away"][weighting], "routing_cost": acc["routing_cost"][weighting]}
 
     per_client = {n: pick(test[n]) for n in names}
     keys = list(per_client[names[0]])
@@ -246,7 +276,8 @@ def run_evaluation(trainer: MoRTrainer, progress=None) -> dict:
     return {"methods": {m: methods[m] for m in METHODS},
             "single_rms": {k: v for k, v in methods.items() if k.startswith("single_")},
             "router_weighting": {k: v for k, v in methods.items() if k.startswith(("router_rm_sparse_", "router_rm_soft_", "own_share_"))},
-            "routing_variants": {k: v for k, v in methods.items() if k.startswith("routing_")},
+            "routing_errors": {k: v for k, v in methods.items() if k in ("pairs_away", "routing_cost")},
+            "routing_variants": {k: v for k, v in methods.items() if k.startswith(("routing_sparse|", "routing_soft|"))},
             "routing_chosen_on_validation": [{k: s["routing"][k] for k in ("weighting", "sparse", "soft")} for s in seeds],
             "ablation_no_norm": {k: v for k, v in methods.items() if k.startswith("no_norm_")},
             "weighting_chosen_on_validation": [s["weighting"] for s in seeds],

@@ -1,18 +1,15 @@
 """The routed reward of MoR (paper 001, Sec. "GRPO with MoR"): the router picks or mixes client
 reward models per (prompt, response).
 
-``RoutedReward(router, reward_models, encoder, mode)``; ``reward(prompts, responses) -> ndarray (n,) float32``:
+``RoutedReward(router, reward_models, encoder, mode)``; ``reward(prompts, responses) -> ndarray (n,) float32``.
+How logits become rewards is :class:`trainer.rewards.routing_rule.RoutingRule` (sparse: top-1 client, only it
+is asked; soft: ``sum_k softmax(z / T)_k R_bar_k``; ``route_by="prompt"``: the responses of one prompt in a
+call share the mean of their routing probabilities), the one code path the evaluation and GRPO's reward
+function use too.
 
-- ``mode="sparse"`` (what the paper runs): ``k* = argmax_k g_phi(x, y)_k`` and the reward is client
-  k*'s normalised score ``R_bar_k*(x, y)``; only client k* is queried for that pair.
-- ``mode="soft"``: ``R_mix = sum_k softmax(g_phi(x, y))_k R_bar_k(x, y)`` (paper 001, Eq. ``R_mix``);
-  every client is queried.
-
-``temperature`` T divides the logits before the softmax (soft weights ``softmax(z / T)``; T < 1 sharpens
-towards sparse routing, T > 1 flattens towards AvgRM). ``route_by="prompt"`` routes the responses of one call
-that share a prompt together: each gets the mean of their routing probabilities (sparse: the top-1 client of
-that mean, so a group of responses to one prompt, e.g. a GRPO group or a preference pair, is scored by one
-client on one scale). ``route_by="response"`` (default) is the paper's per-(x, y) routing.
+``variants`` holds one RoutingRule per mode (what ``fedroute mor train`` chose on validation); ``mode`` picks
+the active one (``rule``), so ``load_mixture(DIR, mode="soft")`` scores with the soft variant chosen on
+validation, not with defaults.
 
 ``normalise=False`` uses raw rewards (the "w/o Norm" ablation). ``queries_`` counts, per client, the
 pairs it was asked to score (the communication of reward queries); ``last_choice_`` holds the chosen
@@ -21,12 +18,16 @@ client index per pair of the last call.
 Saved layout (:func:`save_mixture` / :func:`load_mixture`)::
 
     DIR/mixture.json   {"format_version": 1, "mode": "sparse"|"soft", "normalise": bool,
-                        "temperature": float (default 1), "route_by": "response"|"prompt" (default "response"),
+                        "temperature": float, "route_by": "response"|"prompt"   (the active rule),
+                        "variants": {"sparse": {"mode", "temperature", "route_by"}, "soft": {...}},
+                        "selection": {...} (optional: how the variants were chosen, e.g. validation accuracies),
                         "client_names": [K str], "embedder": {EmbedderConfig fields},
                         "length_features": bool,
                         "router": "router", "clients": {"<name>": "clients/<name>"}}
     DIR/router/        ClientRouter.save layout (router.json, router.safetensors)
     DIR/clients/<name>/ reward model layout of trainer.rewards.reward_models (reward_model.json + weights)
+
+Files without ``variants`` (older saves) load with ``temperature`` / ``route_by`` for both modes.
 
 The router reads ``PairEncoder(EmbedderConfig(**embedder)).encode(prompts, responses)``, i.e.
 ``[e(x), e(y), l(y)]`` of width 2 * 384 + 3 for MiniLM (``2 * 384`` when ``length_features`` is false); client ``k`` of the router's logits is
@@ -36,7 +37,7 @@ The router reads ``PairEncoder(EmbedderConfig(**embedder)).encode(prompts, respo
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -47,17 +48,9 @@ from trainer.embeddings import EmbedderConfig
 from trainer.rewards.client_router import ClientRouter
 from trainer.rewards.pair_features import PairEncoder
 from trainer.rewards.reward_models import ClientRewardModel, MLPRewardModel, load_reward_model
+from trainer.rewards.routing_rule import MODES, ROUTE_BY, RoutingRule, prompt_groups, softmax  # noqa: F401 (re-exported)
 
-MODES = ("sparse", "soft")
-ROUTE_BY = ("response", "prompt")
 FORMAT_VERSION = 1
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise softmax of (n, K) logits, float64."""
-    z = np.asarray(logits, dtype=np.float64)
-    z = np.exp(z - z.max(axis=1, keepdims=True))
-    return z / z.sum(axis=1, keepdims=True)
 
 
 class RoutedReward:
@@ -66,28 +59,48 @@ class RoutedReward:
     router : ClientRouter with ``n_clients == len(reward_models)``.
     reward_models : sequence of K ClientRewardModel, in the router's client order.
     encoder : PairEncoder producing the router's input features.
-    mode : ``"sparse"`` or ``"soft"``; normalise : use ``R_bar_k`` (True) or raw ``R_k`` (False).
-    temperature : softmax temperature of the routing probabilities (> 0). route_by : ``"response"`` or
-    ``"prompt"`` (module docstring).
+    mode : ``"sparse"`` or ``"soft"``, the active variant; normalise : use ``R_bar_k`` (True) or raw ``R_k`` (False).
+    temperature, route_by : the rule of both modes when ``variants`` is None (RoutingRule).
+    variants : optional {mode: RoutingRule} (e.g. chosen on validation); missing modes use temperature / route_by.
+
+    Raises InvalidInputError (bad mode, temperature, route_by or a variant of the wrong mode), ShapeError
+    (router and reward models disagree on K).
     """
 
     def __init__(self, router: ClientRouter, reward_models: Sequence[ClientRewardModel], encoder: PairEncoder,
-                 mode: str = "sparse", normalise: bool = True, temperature: float = 1.0, route_by: str = "response") -> None:
-        if mode not in MODES:
-            raise InvalidInputError(f"mode must be one of {list(MODES)}, got {mode!r}")
-        if route_by not in ROUTE_BY or not float(temperature) > 0:
-            raise InvalidInputError(f"route_by must be one of {list(ROUTE_BY)} and temperature > 0, got {route_by!r}, {temperature}")
-        self.temperature, self.route_by = float(temperature), route_by
+                 mode: str = "sparse", normalise: bool = True, temperature: float = 1.0, route_by: str = "response",
+                 variants: Mapping[str, RoutingRule] | None = None) -> None:
+        self.variants = {m: RoutingRule(m, temperature, route_by) for m in MODES} | dict(variants or {})
+        if mode not in MODES or any(m not in MODES or r.mode != m for m, r in self.variants.items()):
+            raise InvalidInputError(f"mode must be one of {list(MODES)} and each variant of its own mode, got {mode!r}, "
+                                    f"{self.variants}")
         if router.n_clients != len(reward_models):
             raise ShapeError(f"router has {router.n_clients} clients but {len(reward_models)} reward models were given")
         self.router, self.reward_models, self.encoder = router, list(reward_models), encoder
-        self.mode, self.normalise = mode, bool(normalise)
+        self.rule: RoutingRule = self.variants[mode]
+        self.normalise = bool(normalise)
         self.queries_ = np.zeros(len(self.reward_models), dtype=np.int64)
         self.last_choice_: np.ndarray | None = None
 
     @property
+    def mode(self) -> str:
+        return self.rule.mode
+
+    @property
+    def temperature(self) -> float:
+        return self.rule.temperature
+
+    @property
+    def route_by(self) -> str:
+        return self.rule.route_by
+
+    @property
     def client_names(self) -> list[str]:
         return list(self.router.client_names)
+
+    def with_mode(self, mode: str) -> RoutedReward:
+        """The same router, reward models and variants with ``mode``'s variant active (a new object)."""
+        return RoutedReward(self.router, self.reward_models, self.encoder, mode, self.normalise, variants=self.variants)
 
     def route(self, prompts: Sequence[str], responses: Sequence[str], features: np.ndarray | None = None) -> np.ndarray:
         """Router logits (n, K) float32 for the pairs (``features`` skips the encoder)."""
@@ -115,30 +128,19 @@ class RoutedReward:
         logits = np.asarray(logits)
         if logits.shape != (len(prompts), len(self.reward_models)):
             raise ShapeError(f"logits must have shape ({len(prompts)}, {len(self.reward_models)}), got {logits.shape}")
-        out = np.zeros(len(prompts), dtype=np.float64)
-        w = self.weights(prompts, logits)
-        choice = np.argmax(w, axis=1)
-        if self.mode == "sparse":
-            for k in np.unique(choice):
-                idx = np.flatnonzero(choice == k)
-                out[idx] = self._ask(int(k), [prompts[i] for i in idx], [responses[i] for i in idx], features, idx)
-        else:
-            for k in range(len(self.reward_models)):
-                out += w[:, k] * self._ask(k, prompts, responses, features, np.arange(len(prompts)))
+        out, choice = self.rule.combine(self.weights(prompts, logits), lambda k, rows: self._ask(
+            k, [prompts[i] for i in rows], [responses[i] for i in rows], features, rows))
         self.last_choice_ = choice
         return out.astype(np.float32)
 
     def weights(self, prompts: Sequence[str], logits: np.ndarray) -> np.ndarray:
-        """Routing probabilities (n, K) float64: ``softmax(logits / temperature)``; with ``route_by="prompt"``
-        each row replaced by the mean of the rows of the responses to the same prompt string."""
-        w = softmax(np.asarray(logits, dtype=np.float64) / self.temperature)
-        if self.route_by == "prompt":
-            groups: dict[str, list[int]] = {}
-            for i, p in enumerate(prompts):
-                groups.setdefault(p, []).append(i)
-            for idx in groups.values():
-                w[idx] = w[idx].mean(axis=0)
-        return w
+        """Routing probabilities (n, K) float64 of the active rule (:meth:`RoutingRule.weights`, the responses
+        of one prompt string forming a group)."""
+        return self.rule.weights(logits, prompt_groups(prompts))
+
+    def score_client(self, k: int, prompts: Sequence[str], responses: Sequence[str]) -> np.ndarray:
+        """Client ``k``'s score (normalised unless ``normalise=False``) of the pairs: (n,) float64."""
+        return self._ask(k, list(prompts), list(responses), None, None)
 
     def _ask(self, k: int, prompts, responses, features, idx) -> np.ndarray:
         self.queries_[k] += len(prompts)
@@ -150,8 +152,9 @@ class RoutedReward:
         return rm.score(prompts, responses, normalise=self.normalise).astype(np.float64)
 
 
-def save_mixture(mixture: RoutedReward, directory: Path) -> Path:
-    """Write the module docstring's layout into ``directory`` (created; files replaced atomically)."""
+def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | None = None) -> Path:
+    """Write the module docstring's layout into ``directory`` (created; files replaced atomically).
+    ``selection`` (JSON-serialisable) records how the variants were chosen (``mixture.json["selection"]``)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     names = mixture.client_names
@@ -162,9 +165,12 @@ def save_mixture(mixture: RoutedReward, directory: Path) -> Path:
         rm.save(directory / "clients" / name)
     meta = {"format_version": FORMAT_VERSION, "mode": mixture.mode, "normalise": mixture.normalise,
             "temperature": mixture.temperature, "route_by": mixture.route_by,
+            "variants": {m: r.to_dict() for m, r in mixture.variants.items()},
             "client_names": names, "embedder": asdict(mixture.encoder.embedder),
             "length_features": mixture.encoder.length_features, "router": "router",
             "clients": {n: f"clients/{n}" for n in names}}
+    if selection is not None:
+        meta["selection"] = dict(selection)
     tmp = directory / "mixture.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2))
     tmp.replace(directory / "mixture.json")
@@ -172,8 +178,9 @@ def save_mixture(mixture: RoutedReward, directory: Path) -> Path:
 
 
 def load_mixture(directory: Path, cache_dir: Path | None = None, mode: str | None = None) -> RoutedReward:
-    """Load a saved mixture (``mode`` overrides the saved one). Raises InvalidInputError on a missing
-    ``mixture.json`` or a format version other than 1."""
+    """Load a saved mixture. ``mode`` overrides the saved active mode and takes that mode's saved variant
+    (e.g. the soft temperature chosen on validation). Raises InvalidInputError on a missing ``mixture.json``,
+    a format version other than 1 or a bad variant."""
     directory = Path(directory)
     path = directory / "mixture.json"
     if not path.is_file():
@@ -187,5 +194,6 @@ def load_mixture(directory: Path, cache_dir: Path | None = None, mode: str | Non
     for rm in rms:
         if isinstance(rm, MLPRewardModel):
             rm.encoder = PairEncoder(rm.encoder.embedder, cache_dir, length_features=rm.encoder.length_features)
+    variants = {m: RoutingRule(**v) for m, v in meta.get("variants", {}).items()}
     return RoutedReward(router, rms, encoder, mode or meta["mode"], meta["normalise"], meta.get("temperature", 1.0),
-                        meta.get("route_by", "response"))
+                        meta.get("route_by", "response"), variants)

@@ -40,6 +40,16 @@ def eval_markdown(res: dict) -> str:
               "| method | " + " | ".join(clients) + " |", "|---|" + "---|" * len(clients)]
     for k, m in {**res["methods"], **res["single_rms"]}.items():
         lines.append(f"| {LABELS.get(k, k)} | " + " | ".join(f"{m['per_client_mean'][c]:.3f}" for c in clients) + " |")
+    if res.get("routing_errors"):
+        e = res["routing_errors"]
+        held = "heldout_acc_mean" in e["pairs_away"]
+        lines += ["", "Routing errors vs reward-model errors (sparse per response, the chosen weighting): share of test pairs "
+                  "with a response routed away from its own client, and the accuracy that costs (own client's RM minus "
+                  "routed reward on those pairs, per pair of the set); the rest of the gap to 1 is the reward models':", "",
+                  "| | " + " | ".join(clients) + (" | held-out |" if held else " |"), "|---|" + "---|" * (len(clients) + held)]
+        for k in ("pairs_away", "routing_cost"):
+            lines.append(f"| {k.replace('_', ' ')} | " + " | ".join(f"{e[k]['per_client_mean'][c]:.3f}" for c in clients)
+                         + (f" | {e[k]['heldout_acc_mean']:.3f} |" if held else " |"))
     if res.get("routing_chosen_on_validation"):
         lines += ["", f"Routing chosen on validation per seed: {res['routing_chosen_on_validation']}."]
     lines += ["", f"Weighting chosen on validation per seed: {res['weighting_chosen_on_validation']}; "

@@ -54,6 +54,7 @@ from trainer.rewards.client_router import (
 )
 from trainer.rewards.mixture import RoutedReward, save_mixture
 from trainer.rewards.pair_features import PairEncoder
+from trainer.rewards.routing_rule import RoutingRule
 from trainer.rewards.reward_models import (
     ClientRewardModel,
     MLPRewardModel,
@@ -99,9 +100,20 @@ class MoRConfig:
         length-only model) when training does not lower its validation loss (``RewardModelConfig.keep_start``;
         overrides ``mlp_rm.keep_start`` / ``lora_rm.keep_start`` for the clients).
     clip : clip normalised client scores to [-clip, clip] (None: no clipping).
+    router_inputs : ``"pair"`` (the router reads ``Enc(x, y)``, the paper), ``"text"`` (``[e(x), e(y)]`` without the
+        response's length columns: the reward models keep them) or ``"prompt"`` (only ``e(x)``:
+        ``RouterConfig.input_columns`` = the embedder width; the criterion is a property of the prompt's task, so the
+        responses of one prompt go to one client and a response's length or style cannot send it elsewhere).
+        Chosen on validation by ``benchmarks/mor_router_inputs_settings.py`` (docs/mor.md): ``"pair"`` (best variant
+        0.725 vs text 0.719, prompt 0.722; the router's length columns help it keep AlpacaEval responses home).
     mode : ``"sparse"`` or ``"soft"``, the routed reward saved by :meth:`MoRTrainer.save`.
-    route_by, temperature : routing of the saved routed reward (:class:`RoutedReward`); the evaluation
-        compares every variant and picks per seed on validation (:func:`trainer.rewards.evaluation.choose_routing`).
+    route_by : the sparse routing's ``route_by``; soft_route_by, temperature : the soft routing's
+        (:class:`trainer.rewards.routing_rule.RoutingRule`). These and ``router.weighting`` are the defaults the
+        evaluation keeps per seed unless that seed's validation pairs show a variant better by more than
+        ``routing_margin_se`` standard errors (:func:`trainer.rewards.evaluation.choose_routing`); ``fedroute mor
+        train`` saves that per-seed choice. Defaults (equal weighting, sparse per response, soft per prompt at
+        T = 0.5) chosen over seeds 0-2 on validation pairs by ``benchmarks/mor_router_inputs_settings.py``
+        (``docs/mor_router_inputs_settings.json``: mean validation accuracy 0.722 and 0.725, oracle 0.732).
     seeds : seeds 0..seeds-1 of the evaluation.
     cache_dir : embedding cache folder (None: ``$FEDROUTE_CACHE`` or ``~/.cache/fedroute``).
     """
@@ -129,9 +141,12 @@ class MoRConfig:
     length_prior_C: float = 10.0
     keep_start: bool = False
     clip: float | None = None
+    router_inputs: str = "pair"
     mode: str = "sparse"
     route_by: str = "response"
-    temperature: float = 1.0
+    soft_route_by: str = "prompt"
+    temperature: float = 0.5
+    routing_margin_se: float = 1.0
     seeds: int = 3
     cache_dir: str | None = None
 
@@ -147,6 +162,11 @@ class MoRConfig:
             raise InvalidInputError(f"client_archs must be 'mlp' or 'lora', got {bad}")
         if self.heldout_subset is not None and "alpacaeval" not in self.client_domains:
             raise InvalidInputError(f"heldout_subset={self.heldout_subset!r} is an AlpacaEval subset but no client holds alpacaeval")
+        if self.router_inputs not in ("pair", "text", "prompt"):
+            raise InvalidInputError(f"router_inputs must be 'pair', 'text' or 'prompt', got {self.router_inputs!r}")
+        RoutingRule("sparse", 1.0, self.route_by), RoutingRule("soft", self.temperature, self.soft_route_by)  # validate
+        if not self.routing_margin_se >= 0:
+            raise InvalidInputError(f"routing_margin_se must be >= 0, got {self.routing_margin_se!r}")
         if self.mode not in ("sparse", "soft"):
             raise InvalidInputError(f"mode must be 'sparse' or 'soft', got {self.mode!r}")
         if len(self.pool_pairs) != n or min(self.pool_pairs) < 10:
@@ -308,6 +328,15 @@ class MoRTrainer:
         """(chosen, rejected) pair features, each (n, d_in) float32."""
         return (self.encoder.encode(pairs.prompts, pairs.chosen), self.encoder.encode(pairs.prompts, pairs.rejected))
 
+    def router_input_columns(self, d_in: int) -> int | None:
+        """``RouterConfig.input_columns`` of ``router_inputs`` for pair features of width ``d_in``: None (pair, or
+        text without length features), ``2 d_emb`` (text: no length columns) or ``d_emb`` (prompt);
+        ``d_in = 2 d_emb (+ 3 length columns)``."""
+        if self.args.router_inputs == "pair" or (self.args.router_inputs == "text" and not self.args.length_features):
+            return None
+        d_emb = (d_in - (3 if self.args.length_features else 0)) // 2
+        return d_emb if self.args.router_inputs == "prompt" else 2 * d_emb
+
     def client_length_prior(self, name: str) -> bool:
         """Whether client ``name`` uses the length prior (``MoRConfig.length_prior``, one bool or one per client)."""
         lp = self.args.length_prior
@@ -341,7 +370,8 @@ class MoRTrainer:
         data = [ClientRouterData(fc, fr, k) for k, (fc, fr) in enumerate(feats)]
         routers, nbytes = {}, 0
         for w in WEIGHTINGS:
-            rt = FederatedRouterTrainer(replace(a.router, weighting=w, seed=seed), self.show_progress)
+            rt = FederatedRouterTrainer(replace(a.router, weighting=w, seed=seed, input_columns=self.router_input_columns(feats[0][0].shape[1])),
+                                        self.show_progress)
             routers[w] = rt.train(data, list(a.client_names))
             nbytes = rt.bytes_per_round_
         fed = train_fedavg_reward_model(feats, replace(a.mlp_rm, seed=seed, clip=a.clip), self.encoder, a.fedavg_rm_rounds, seed)
@@ -349,14 +379,32 @@ class MoRTrainer:
         return MoRModels(rms, routers, fed, length, nbytes, history)
 
     def mixture(self, models: MoRModels, mode: str | None = None, weighting: str | None = None,
-                normalise: bool = True) -> RoutedReward:
-        """The routed reward over the clients' reward models (default mode and weighting of the config)."""
-        return RoutedReward(models.routers[weighting or self.args.router.weighting], models.reward_models, self.encoder,
-                            mode or self.args.mode, normalise, self.args.temperature, self.args.route_by)
+                normalise: bool = True, routing: dict | None = None) -> RoutedReward:
+        """The routed reward over the clients' reward models.
 
-    def save(self, models: MoRModels, directory: Path, weighting: str | None = None) -> Path:
-        """:func:`trainer.rewards.mixture.save_mixture` of :meth:`mixture`, plus ``mor_config.json``."""
-        out = save_mixture(self.mixture(models, weighting=weighting), Path(directory))
+        routing : the validation choice of :func:`trainer.rewards.evaluation.choose_routing` (``weighting``,
+            ``sparse`` and ``soft`` variant keys): its router and one RoutingRule per mode. None: the config's
+            ``router.weighting``, ``route_by`` (sparse), ``soft_route_by`` and ``temperature`` (soft). ``weighting`` overrides the router either way;
+            ``mode`` (default the config's) picks the active variant.
+        """
+        a = self.args
+        keys = (routing["sparse"], routing["soft"]) if routing is not None else (
+            RoutingRule("sparse", 1.0, a.route_by).variant, RoutingRule("soft", a.temperature, a.soft_route_by).variant)
+        variants = {r.mode: r for r in map(RoutingRule.from_variant, keys)}
+        w = weighting or (routing or {}).get("weighting") or self.args.router.weighting
+        return RoutedReward(models.routers[w], models.reward_models, self.encoder, mode or self.args.mode, normalise,
+                            variants=variants)
+
+    def save(self, models: MoRModels, directory: Path, weighting: str | None = None, routing: dict | None = None,
+             mode: str | None = None) -> Path:
+        """:func:`trainer.rewards.mixture.save_mixture` of :meth:`mixture` (``routing``: the validation choice,
+        recorded in ``mixture.json["selection"]``), plus ``mor_config.json``."""
+        mix = self.mixture(models, mode=mode, weighting=weighting, routing=routing)
+        selection = None
+        if routing is not None:
+            selection = {"chosen_on": "validation", "weighting": weighting or routing["weighting"],
+                         "sparse": routing["sparse"], "soft": routing["soft"], "val": routing.get("val", {})}
+        out = save_mixture(mix, Path(directory), selection)
         tmp = out / "mor_config.json.tmp"
         tmp.write_text(json.dumps(self.args.to_json(), indent=2))
         tmp.replace(out / "mor_config.json")

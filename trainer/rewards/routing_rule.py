@@ -1,0 +1,143 @@
+"""The routing rule of MoR's routed reward: router logits -> routing weights -> one reward per (x, y).
+
+ONE code path for every user of the routed reward: :class:`trainer.rewards.mixture.RoutedReward`
+(``fedroute mor train`` / export), the evaluation's ranking accuracies (:mod:`trainer.rewards.evaluation`)
+and GRPO's reward function (:class:`trainer.alignment.grpo.RoutedGRPOReward`) all call
+:meth:`RoutingRule.weights` and :meth:`RoutingRule.combine`.
+
+Paper 001 (MoR), Sec. "GRPO with MoR":
+
+- ``mode="sparse"``: ``k* = argmax_k w_k`` and the reward is client k*'s normalised score
+  ``R_bar_k*(x, y)``; only client k* is asked about that pair.
+- ``mode="soft"``: ``R_mix = sum_k w_k R_bar_k(x, y)`` (Eq. ``R_mix``); every client is asked.
+
+Weights ``w = softmax(z / temperature)`` of the router logits ``z`` (n, K) (T < 1 sharpens towards sparse
+routing, T > 1 flattens towards AvgRM). ``route_by="prompt"`` gives every response of one prompt group
+(``groups``, e.g. the responses of one prompt in a call, a preference pair, a GRPO group) the mean of the
+group's rows, so the group is scored by one client (sparse) or one mixture (soft) on one scale;
+``route_by="response"`` is the paper's per-(x, y) routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from sdk.errors import InvalidInputError, ShapeError
+
+MODES = ("sparse", "soft")
+ROUTE_BY = ("response", "prompt")
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of (n, K) logits, float64."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = np.exp(z - z.max(axis=1, keepdims=True))
+    return z / z.sum(axis=1, keepdims=True)
+
+
+def prompt_groups(prompts: Sequence[str]) -> np.ndarray:
+    """(n,) int64 group ids: equal prompt strings share an id (first-seen order)."""
+    ids: dict[str, int] = {}
+    return np.array([ids.setdefault(p, len(ids)) for p in prompts], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class RoutingRule:
+    """How router logits become one reward per (x, y) (module docstring).
+
+    mode : ``"sparse"`` | ``"soft"``. temperature : > 0, divides the logits before the softmax.
+    route_by : ``"response"`` | ``"prompt"``.
+
+    Raises InvalidInputError on an unknown mode / route_by or a temperature that is not a finite number > 0.
+    """
+
+    mode: str = "sparse"
+    temperature: float = 1.0
+    route_by: str = "response"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidInputError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
+        if self.route_by not in ROUTE_BY:
+            raise InvalidInputError(f"route_by must be one of {list(ROUTE_BY)}, got {self.route_by!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not np.isfinite(t) or t <= 0:
+            raise InvalidInputError(f"temperature must be a finite number > 0, got {t!r}")
+        object.__setattr__(self, "temperature", float(t))
+
+    @classmethod
+    def from_variant(cls, variant: str) -> RoutingRule:
+        """Parse an evaluation variant key: ``"sparse|<route_by>"`` or ``"soft|<route_by>|T=<t>"``.
+        Raises InvalidInputError on any other string."""
+        parts = str(variant).split("|")
+        try:
+            if parts[0] == "sparse" and len(parts) == 2:
+                return cls("sparse", 1.0, parts[1])
+            if parts[0] == "soft" and len(parts) == 3 and parts[2].startswith("T="):
+                return cls("soft", float(parts[2][2:]), parts[1])
+        except ValueError:
+            pass
+        raise InvalidInputError(f"routing variant must be 'sparse|<route_by>' or 'soft|<route_by>|T=<t>', got {variant!r}")
+
+    @property
+    def variant(self) -> str:
+        """The evaluation's key of this rule (inverse of :meth:`from_variant`; sparse ignores T)."""
+        return f"sparse|{self.route_by}" if self.mode == "sparse" else f"soft|{self.route_by}|T={self.temperature:g}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def weights(self, logits: np.ndarray, groups: np.ndarray | None = None) -> np.ndarray:
+        """Routing weights (n, K) float64: ``softmax(logits / temperature)``; with ``route_by="prompt"`` each
+        row replaced by the mean of the rows of its group.
+
+        logits : (n, K) router logits. groups : (n,) ints, the prompt group of each row (None: each row
+        its own group; needed for ``route_by="prompt"`` to have an effect). Raises ShapeError on bad shapes.
+        """
+        z = np.asarray(logits, dtype=np.float64)
+        if z.ndim != 2 or z.shape[0] == 0 or z.shape[1] < 1 or not np.isfinite(z).all():
+            raise ShapeError(f"logits must be finite with shape (n >= 1, K), got {z.shape}")
+        w = softmax(z / self.temperature)
+        if self.route_by == "prompt" and groups is not None:
+            g = np.asarray(groups)
+            if g.shape != (len(z),):
+                raise ShapeError(f"groups must have shape ({len(z)},), got {g.shape}")
+            _, inv = np.unique(g, return_inverse=True)
+            sums = np.zeros((inv.max() + 1, w.shape[1]))
+            np.add.at(sums, inv, w)
+            w = sums[inv] / np.bincount(inv)[inv, None]
+        return w
+
+    def combine(self, weights: np.ndarray, ask: Callable[[int, np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """The routed reward from routing ``weights`` (n, K) (:meth:`weights`).
+
+        ask : ``ask(k, rows) -> (len(rows),)`` client k's normalised scores of the rows ``rows`` (int array);
+            sparse asks each client only about the rows routed to it, soft asks every client about every row.
+        Returns (rewards (n,) float64, choice (n,) int64 = argmax of the weights, the client each row went to).
+        Raises ShapeError when a client returns the wrong number of scores.
+        """
+        w = np.asarray(weights, dtype=np.float64)
+        n, k_clients = w.shape
+        choice = w.argmax(axis=1)
+        out = np.zeros(n, dtype=np.float64)
+        for k in range(k_clients):
+            rows = np.flatnonzero(choice == k) if self.mode == "sparse" else np.arange(n)
+            if not len(rows):
+                continue
+            s = np.asarray(ask(k, rows), dtype=np.float64)
+            if s.shape != (len(rows),):
+                raise ShapeError(f"client {k} returned {s.shape} scores for {len(rows)} rows")
+            if self.mode == "sparse":
+                out[rows] = s
+            else:
+                out += w[:, k] * s
+        return out, choice
+
+    def reward(self, logits: np.ndarray, scores: np.ndarray, groups: np.ndarray | None = None) -> np.ndarray:
+        """The routed reward when every client's scores are already known: logits and scores (n, K) -> (n,)
+        float64 (:meth:`weights` then :meth:`combine`; what the evaluation uses)."""
+        s = np.asarray(scores, dtype=np.float64)
+        return self.combine(self.weights(logits, groups), lambda k, rows: s[rows, k])[0]
