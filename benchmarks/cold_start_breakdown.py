@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
         packages = sorted({p for c in imp[name] for p in c}, key=lambda p: -statistics.median(c[p] for c in imp[name]))
         results["checkouts"][name] = {
             "phases_ms": {k: statistics.median(r[k] for r in ph[name]) for k in ph[name][0]},
+            "phases_min_ms": {k: min(r[k] for r in ph[name]) for k in ph[name][0]},
             "import_self_ms": {p: statistics.median(c[p] for c in imp[name]) for p in packages},
             "import_self_total_ms": statistics.median(sum(c.values()) for c in imp[name]),
             "load_steps_ms": {k: {m: statistics.median(r[k][m] for r in steps[name]) for m in ("wall_ms", "cpu_ms")}
@@ -223,11 +224,13 @@ def markdown(r: dict, top: int = 14) -> str:
     rule = "|---" * (len(names) + 1) + "|"
     lines = [f"Static cold start ({r['precision']} table), median of {r['runs']} fresh processes per checkout, "
              f"checkouts taking turns; load average {r['load_avg_1min']['before']} before / "
-             f"{r['load_avg_1min']['after']} after. ms.", "", "**Phases** (CPU: the child's user + sys time):", "",
-             head, rule]
+             f"{r['load_avg_1min']['after']} after. ms.", "",
+             "**Phases**, median (min) of the runs (CPU: the child's user + sys time; under load the minimum is "
+             "the least disturbed run):", "", head, rule]
     first = r["checkouts"][names[0]]
     for key in first["phases_ms"]:
-        lines.append(f"| {key} | " + " | ".join(f"{r['checkouts'][n]['phases_ms'][key]:.1f}" for n in names) + " |")
+        lines.append(f"| {key} | " + " | ".join(
+            f"{r['checkouts'][n]['phases_ms'][key]:.1f} ({r['checkouts'][n]['phases_min_ms'][key]:.1f})" for n in names) + " |")
     lines += ["", "**Import self time per top-level package** (`python -X importtime`, wall; the largest "
               f"{top}, then the rest):", "", head, rule]
     packages = list(r["checkouts"][names[-1]]["import_self_ms"])
