@@ -481,7 +481,12 @@ def plot(r: dict, path: Path) -> None:
     ax.legend()
     axes[1].bar(x - 0.2, [row["cold_start_s"] for _, row in rows], 0.4, color="tab:green", label="wall")
     axes[1].bar(x + 0.2, [row["cold_start_cpu_s"] for _, row in rows], 0.4, color="tab:olive", label="CPU (user + sys)")
-    axes[1].set_ylabel("s, process start to first result")
+    for i, (_, row) in enumerate(rows):
+        axes[1].annotate(f"{row['cold_start_s']:.2f}", (i - 0.2, row["cold_start_s"]), ha="center", va="bottom", fontsize=7)
+        axes[1].annotate(f"{row['cold_start_cpu_s']:.2f}", (i + 0.2, row["cold_start_cpu_s"]), ha="center", va="bottom",
+                         fontsize=7)
+    axes[1].set_yscale("log")  # torch's seconds and the static profile's tenths on one axis
+    axes[1].set_ylabel("s, process start to first result (log)")
     axes[1].set_title("cold start (fresh process)")
     axes[1].legend(fontsize=8)
     axes[2].bar(x, [row["peak_rss_mb"] for _, row in rows], color="tab:red")
