@@ -35,7 +35,8 @@ try:
     # cryptography's PEM public-key loader itself: ``serialization.load_pem_public_key`` is this
     # object (cryptography >= 42, tests/test_bundle.py checks it), reached without importing the
     # ``serialization`` package, whose SSH module pulls the RSA, EC, DSA, padding and cipher
-    # modules: ~60% of the cryptography import on a device's cold start (docs/benchmarks.md).
+    # modules and ``random``: about half of the cryptography import time on a device's cold start
+    # (docs/benchmarks.md, "Static cold start: where the time goes").
     from cryptography.hazmat.bindings._rust import openssl as _rust_openssl
 
     _load_pem_public_key = _rust_openssl.keys.load_pem_public_key
