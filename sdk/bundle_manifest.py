@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 try:
     # cryptography's PEM public-key loader itself: ``serialization.load_pem_public_key`` is this
-    # object (cryptography >= 42, tests/test_bundle.py checks it), reached without importing the
+    # object (cryptography 46 here; tests/test_cold_path.py checks it), reached without importing the
     # ``serialization`` package, whose SSH module pulls the RSA, EC, DSA, padding and cipher
     # modules and ``random``: about half of the cryptography import time on a device's cold start
     # (docs/benchmarks.md, "Static cold start: where the time goes").
