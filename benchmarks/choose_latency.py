@@ -52,7 +52,9 @@ not measured):
         --data ../shared/data/routerbench --out results/benchmarks [--static-bundle bundles/static] \
         [--unfused-bundle bundles/latency-unfused]
 
-Writes ``choose_latency.json``, ``choose_latency.md`` and ``choose_latency.png`` under ``--out``.
+``--profiles static`` (names or prefixes, comma-separated) measures only those rows and the torch
+baseline; the load-path table needs an ``onnx-`` row. Writes ``choose_latency.json``,
+``choose_latency.md`` and ``choose_latency.png`` under ``--out``.
 """
 
 from __future__ import annotations
