@@ -22,7 +22,10 @@ Median and p95 in ms.
 
 Cold start and peak RSS: a fresh ``python -c`` child per profile (and per repeat): seconds from
 just before the child is spawned to its first ``choose()`` (or ``encode``) result, median of
-``--cold-repeats``; peak RSS is the child's ``VmHWM`` after 100 queries, the largest over the
+``--cold-repeats``; beside it the child's own CPU time (user + sys, all threads, from its start to
+that first result: ``time.process_time()``, the clock behind ``getrusage``), which other work on the
+machine inflates far less than wall time (it still grows somewhat with load: shared caches, and
+a descheduled process's caches go cold; interpreter teardown after the result is not counted); peak RSS is the child's ``VmHWM`` after 100 queries, the largest over the
 repeats. ``VmHWM`` rather than ``getrusage(RUSAGE_SELF).ru_maxrss``: Linux carries ``ru_maxrss``
 over ``execve`` from the process that forked the child, so it would report this parent's torch.
 The children read compiled bytecode, as an installed package does (``pip install`` compiles it):
@@ -49,7 +52,9 @@ not measured):
         --data ../shared/data/routerbench --out results/benchmarks [--static-bundle bundles/static] \
         [--unfused-bundle bundles/latency-unfused]
 
-Writes ``choose_latency.json``, ``choose_latency.md`` and ``choose_latency.png`` under ``--out``.
+``--profiles static`` (names or prefixes, comma-separated) measures only those rows and the torch
+baseline; the load-path table needs an ``onnx-`` row. Writes ``choose_latency.json``,
+``choose_latency.md`` and ``choose_latency.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -95,10 +100,11 @@ else:
     run = lambda q: st.encode([q], convert_to_numpy=True, normalize_embeddings=True)
 run(prompts[0])
 first = time.time() - t0
+first_cpu = time.process_time()  # user + sys CPU of this process (all threads) since it was spawned
 for q in prompts[1:]:
     run(q)
 hwm_kb = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
-print(json.dumps({"cold_start_s": first, "peak_rss_mb": hwm_kb / 1024}))
+print(json.dumps({"cold_start_s": first, "cold_start_cpu_s": first_cpu, "peak_rss_mb": hwm_kb / 1024}))
 """
 
 # A child process: load the bundle by the current or the previous path; time it and its verification.
@@ -272,7 +278,7 @@ def _child_env() -> dict:
 
 
 def cold_start(spec: dict, prompts: list[str]) -> dict:
-    """``{"cold_start_s", "peak_rss_mb"}`` of one fresh child running ``spec`` on ``prompts``."""
+    """``{"cold_start_s", "cold_start_cpu_s", "peak_rss_mb"}`` of one fresh child running ``spec`` on ``prompts``."""
     out = subprocess.run([sys.executable, "-c", CHILD, str(time.time()), json.dumps(spec)], input=json.dumps(prompts),
                          capture_output=True, text=True, cwd=ROOT, env=_child_env())
     if out.returncode != 0:
@@ -316,6 +322,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cold-repeats", type=int, default=5)
     parser.add_argument("--load-repeats", type=int, default=5)
     parser.add_argument("--lam", type=float, default=100.0)
+    parser.add_argument("--profiles", default=None,
+                        help="comma-separated profile names or name prefixes to measure (e.g. 'static' for the "
+                             "static rows); the baseline (torch) is always measured, the speed-ups need it; the "
+                             "load-path table only with an onnx profile. Default: every profile")
     args = parser.parse_args(argv)
     if args.n_prompts < 100:
         parser.error("--n-prompts must be >= 100 (METRICS.md asks for >= 500)")
@@ -346,13 +356,19 @@ def main(argv: list[str] | None = None) -> dict:
     for make in PROFILES:
         made = make(args, emb)
         profiles.extend(made if isinstance(made, list) else [made])
+    if args.profiles is not None:
+        wanted = [w.strip() for w in args.profiles.split(",") if w.strip()]
+        profiles = profiles[:1] + [p for p in profiles[1:] if any(p.name == w or p.name.startswith(w) for w in wanted)]
+        if len(profiles) == 1:
+            parser.error(f"--profiles {args.profiles!r} selects no profile besides the baseline")
     measured = [p for p in profiles if p.unavailable is None]
     results: dict = {
         "n_prompts": len(prompts), "lam": args.lam, "bundle_version": manifest["bundle_version"],
         "router_kind": manifest["router_kind"], "embedder": {k: emb[k] for k in ("name", "max_tokens", "truncation_side")},
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "python": platform.python_version()},
-        "intra_op_threads": 1, "baseline": profiles[0].name, "profiles": {}, "targets": TARGETS,
+        "intra_op_threads": 1, "baseline": profiles[0].name, "profiles_selected": args.profiles, "profiles": {},
+        "targets": TARGETS,
     }
     from sdk import Router
 
@@ -368,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs = [cold_start(prof.child, prompts[:100]) for _ in tqdm(range(args.cold_repeats),
                                                                           desc=f"cold start {prof.name}", leave=False)]
             row.update(timing[prof.name], cold_start_s=statistics.median(r["cold_start_s"] for r in runs),
+                       cold_start_cpu_s=statistics.median(r["cold_start_cpu_s"] for r in runs),
                        peak_rss_mb=max(r["peak_rss_mb"] for r in runs))
         results["profiles"][prof.name] = row
     base = results["profiles"][profiles[0].name]["median_ms"]
@@ -375,7 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
         if "median_ms" in row:
             row["speedup"] = base / row["median_ms"]
     results["load_path"] = {}
-    for precision in [p for p in ("int8", "int8-all") if p in emb["files"]]:
+    with_onnx = any(p.name.startswith("onnx-") for p in measured)
+    for precision in [p for p in ("int8", "int8-all") if p in emb["files"] and with_onnx]:
         entry = {}
         for path in ("previous", "current"):
             runs = [load_path(args.bundle, args.public_key, precision, path) for _ in range(args.load_repeats)]
@@ -418,15 +436,15 @@ def markdown(r: dict) -> str:
         f"1 intra-op thread, {r['machine']['cores']} cores, load average {r['load_avg_1min']['before']} before / "
         f"{r['load_avg_1min']['after']} after; speed-up = torch median / row median, same run:",
         "",
-        "| profile | median ms | p95 ms | speed-up vs torch | cold start s | peak RSS MB |",
-        "|---|---|---|---|---|---|",
+        "| profile | median ms | p95 ms | speed-up vs torch | cold start s | cold start CPU s | peak RSS MB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in r["profiles"].values():
         if "median_ms" not in row:
-            lines.append(f"| {row['label']} | not available in this checkout: {row['unavailable']} | | | | |")
+            lines.append(f"| {row['label']} | not available in this checkout: {row['unavailable']} | | | | | |")
             continue
         lines.append(f"| {row['label']} | {row['median_ms']:.2f} | {row['p95_ms']:.2f} | {row['speedup']:.2f}x | "
-                     f"{row['cold_start_s']:.2f} | {row['peak_rss_mb']:.0f} |")
+                     f"{row['cold_start_s']:.2f} | {row['cold_start_cpu_s']:.2f} | {row['peak_rss_mb']:.0f} |")
     if r.get("load_path"):
         lines += ["", "`Router.load` (fresh process each, median of runs; peak RSS right after loading):", "",
                   "| precision | load path | load ms | verify ms | MB hashed | peak RSS MB |", "|---|---|---|---|---|---|"]
@@ -463,9 +481,16 @@ def plot(r: dict, path: Path) -> None:
     ax.set_ylabel("ms per query (1 thread)")
     ax.set_title(f"choose() latency, {r['n_prompts']} RouterBench prompts")
     ax.legend()
-    axes[1].bar(x, [row["cold_start_s"] for _, row in rows], color="tab:green")
-    axes[1].set_ylabel("s, process start to first result")
+    axes[1].bar(x - 0.2, [row["cold_start_s"] for _, row in rows], 0.4, color="tab:green", label="wall")
+    axes[1].bar(x + 0.2, [row["cold_start_cpu_s"] for _, row in rows], 0.4, color="tab:olive", label="CPU (user + sys)")
+    for i, (_, row) in enumerate(rows):
+        axes[1].annotate(f"{row['cold_start_s']:.2f}", (i - 0.2, row["cold_start_s"]), ha="center", va="bottom", fontsize=7)
+        axes[1].annotate(f"{row['cold_start_cpu_s']:.2f}", (i + 0.2, row["cold_start_cpu_s"]), ha="center", va="bottom",
+                         fontsize=7)
+    axes[1].set_yscale("log")  # torch's seconds and the static profile's tenths on one axis
+    axes[1].set_ylabel("s, process start to first result (log)")
     axes[1].set_title("cold start (fresh process)")
+    axes[1].legend(fontsize=8)
     axes[2].bar(x, [row["peak_rss_mb"] for _, row in rows], color="tab:red")
     axes[2].set_ylabel("MB (VmHWM)")
     axes[2].set_title("peak RSS, 100 queries")

@@ -30,7 +30,18 @@ from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_public_key
+
+try:
+    # cryptography's PEM public-key loader itself: ``serialization.load_pem_public_key`` is this
+    # object (cryptography 46 here; tests/test_cold_path.py checks it), reached without importing the
+    # ``serialization`` package, whose SSH module pulls the RSA, EC, DSA, padding and cipher
+    # modules and ``random``: about half of the cryptography import time on a device's cold start
+    # (docs/benchmarks.md, "Static cold start: where the time goes").
+    from cryptography.hazmat.bindings._rust import openssl as _rust_openssl
+
+    _load_pem_public_key = _rust_openssl.keys.load_pem_public_key
+except (ImportError, AttributeError):  # a cryptography whose internals differ: the public name
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key as _load_pem_public_key
 
 from sdk import kinds
 from sdk.builtin_kinds import TOKENIZER_FILE  # noqa: F401  (re-exported: the bundle format names it)
@@ -114,7 +125,7 @@ def load_public_key(public_key):
     else:
         raise BundleError(f"public_key must be a path, PEM bytes or Ed25519PublicKey, got {type(public_key).__name__}")
     try:
-        key = load_pem_public_key(data)
+        key = _load_pem_public_key(data)
     except (ValueError, TypeError) as exc:
         raise BundleError(f"public key is not a PEM public key: {exc}") from exc
     if not isinstance(key, Ed25519PublicKey):
@@ -124,7 +135,7 @@ def load_public_key(public_key):
 
 def public_key_id(key) -> str:
     """sha256 (hex) of the raw 32-byte Ed25519 public key: names the key in the manifest."""
-    return sha256_hex(key.public_bytes(Encoding.Raw, PublicFormat.Raw))
+    return sha256_hex(key.public_bytes_raw())
 
 
 @dataclass(frozen=True)

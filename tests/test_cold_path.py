@@ -5,11 +5,15 @@ Each check runs in a fresh interpreter, so ``sys.modules`` holds exactly what th
 - ``import sdk`` imports ``sdk.errors`` only (PEP 562 lazy names), and every public name still resolves;
 - ``Router.load`` of a static-embedder K-means bundle, then ``choose``, imports neither onnxruntime
   (no ONNX graph runs) nor httpx / sqlite3 / msgpack (sync only), nor the selector, reward-scorer,
-  eval-log or device-round modules; those still load when asked for.
+  eval-log or device-round modules; those still load when asked for;
+- the signature check imports cryptography's Ed25519 module and its PEM loader, not the
+  ``serialization`` package (SSH, RSA, EC, DSA, cipher modules), and the loader it uses is the one
+  ``serialization.load_pem_public_key`` names.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -24,7 +28,9 @@ VOCAB = {"[UNK]": 0, "a": 1, "b": 2, "c": 3}
 TABLE = np.array([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.6, 0.8, 0.0]], dtype=np.float32)
 #: Imported by neither ``import sdk`` nor a static K-means load + choose.
 NOT_ON_THE_STATIC_PATH = ("onnxruntime", "httpx", "sqlite3", "msgpack", "sdk.sync", "sdk.selector",
-                          "sdk.reward_scorer", "sdk.eval_log", "sdk.device_rounds", "sdk.budget", "torch")
+                          "sdk.reward_scorer", "sdk.eval_log", "sdk.device_rounds", "sdk.budget", "torch",
+                          "cryptography.hazmat.primitives.serialization",
+                          "cryptography.hazmat.primitives.asymmetric.rsa")
 
 
 def run_child(code: str) -> dict:
@@ -113,3 +119,31 @@ def test_a_selector_manifest_still_finds_its_family_without_importing_sdk_select
         "print(json.dumps({'before': before, 'found': found, 'after': 'sdk.selector' in sys.modules,"
         " 'needs_embedder': kinds.needs_embedder({'selector_kind': 'onnx_pair'})}))\n")
     assert got == {"before": False, "found": {"selector": "onnx_pair"}, "after": True, "needs_embedder": False}
+
+
+def test_the_pem_loader_is_cryptographys_public_one_and_refuses_other_keys(tmp_path):
+    """``sdk.bundle_manifest`` reaches cryptography's PEM loader without its ``serialization``
+    package; that loader must be the very object the public API names (a cryptography release that
+    changes it fails here), and it still refuses what is not an Ed25519 PEM public key."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+    from sdk import bundle_manifest as fmt
+    from sdk.errors import BundleError
+
+    assert fmt._load_pem_public_key is serialization.load_pem_public_key
+    private = ed25519.Ed25519PrivateKey.generate()
+    pem = private.public_key().public_bytes(serialization.Encoding.PEM,
+                                            serialization.PublicFormat.SubjectPublicKeyInfo)
+    (tmp_path / "signing.pub").write_bytes(pem)
+    for given in (tmp_path / "signing.pub", str(tmp_path / "signing.pub"), pem, pem.decode()):
+        key = fmt.load_public_key(given)
+        raw = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        assert key.public_bytes_raw() == raw
+        assert fmt.public_key_id(key) == hashlib.sha256(raw).hexdigest()
+    other = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    with pytest.raises(BundleError, match="public key is ECPublicKey, expected Ed25519"):
+        fmt.load_public_key(other)
+    with pytest.raises(BundleError, match="not a PEM public key"):
+        fmt.load_public_key(pem.replace(b"MCow", b"MCox"))
