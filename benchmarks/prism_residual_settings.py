@@ -6,7 +6,7 @@ length path ``v`` at the FedAvg of the clients' local regressions, the content p
 b2`` at zero; :mod:`trainer.experts.length_init`). Variants of what training may then change, the same
 head design for every method (FedPrism and FedBis here):
 
-- ``trained``: everything (LoRA, content head, length path) at ``expert_lr`` (the previous default).
+- ``trained``: everything (LoRA, content head, length path) at ``expert_lr = 1e-3`` (the previous default).
 - ``residual``: the length path stays at the federated prior (``length_lr_scale = 0``); LoRA and the
   content head learn a residual over it.
 - ``residual_lr1e-2``: ``residual`` with ``expert_lr = 1e-2`` for LoRA and the content head. The content
@@ -17,7 +17,8 @@ head design for every method (FedPrism and FedBis here):
   validation splits (``client_val_fraction = 0.2``: each client keeps 20 % of its pairs out of
   training; the server keeps per expert the state with the lowest federated validation loss, the
   initial prior included).
-- ``init`` (reference, not a candidate): the experts before round 1, i.e. the federated length prior
+- ``init`` (reference, not a candidate; the preset's length start, which every variant shares except
+  that ``residual_es_lr1e-2`` fits it on the clients' train parts only): the experts before round 1, i.e. the federated length prior
   under the initial routing, no training at all.
 
 ``PYTHONPATH=. HF_HUB_OFFLINE=1 python benchmarks/prism_residual_settings.py --seed S --out DIR`` runs one
@@ -41,8 +42,10 @@ from pathlib import Path
 
 import numpy as np
 
-VARIANTS = {"trained": {}, "residual": {"length_lr_scale": 0.0},
-            "residual_lr1e-2": {"length_lr_scale": 0.0, "expert_lr": 1e-2},
+# every field explicit: the CPU preset's own defaults are now the chosen variant
+VARIANTS = {"trained": {"length_lr_scale": 1.0, "expert_lr": 1e-3, "client_val_fraction": 0.0},
+            "residual": {"length_lr_scale": 0.0, "expert_lr": 1e-3, "client_val_fraction": 0.0},
+            "residual_lr1e-2": {"length_lr_scale": 0.0, "expert_lr": 1e-2, "client_val_fraction": 0.0},
             "residual_es_lr1e-2": {"length_lr_scale": 0.0, "expert_lr": 1e-2, "client_val_fraction": 0.2}}
 METHODS = ("fedprism", "fedbis")
 
@@ -144,7 +147,11 @@ def plot(result: dict, path: Path) -> None:
                label=m, capsize=3)
         for j, r in enumerate(rows):
             ax.scatter([x[j] + (i - 0.5) * 0.38] * len(r["acc_per_seed"]), r["acc_per_seed"], color="k", s=8, zorder=3)
-    ax.set_xticks(x, names)
+    ax.set_xticks(x, [n.replace("_", " ") for n in names], fontsize=8)
+    ref = Path(__file__).resolve().parents[1] / "docs" / "results" / "prism_experts_settings.json"
+    if ref.exists():  # the centralised per-domain length-only regression on the same validation pairs
+        ax.axhline(json.loads(ref.read_text())["centralised"]["domain_oracle_length"], color="k", ls="--", lw=1,
+                   label="length-only (per domain, centralised)")
     ax.set_ylim(0.74, 0.82)
     ax.set_ylabel("validation pairwise accuracy (450 pairs)")
     ax.set_title(f"Head variants on the length prior; chosen: {result['chosen_variant']}")

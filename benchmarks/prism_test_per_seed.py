@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prism_residual_settings import VARIANTS  # noqa: E402
+from prism_residual_settings import VARIANTS  # benchmarks/ is on sys.path: this script's folder
 
 
 def run(data: Path, seed: int, variant: str, methods: tuple[str, ...], out: Path) -> None:
@@ -41,12 +38,23 @@ def run(data: Path, seed: int, variant: str, methods: tuple[str, ...], out: Path
     run_experiment(prep, model, preset, base, [seed], out / f"seed{seed}", methods=methods, progress=True)
 
 
-def merge(out: Path) -> dict:
+def merge(out: Path, extra: tuple[Path, ...] = ()) -> dict:
+    """Merge ``out/seed*/`` (and the methods of ``extra/seed*/``, other methods on the same seeds) into
+    ``out``."""
     from trainer.experts.experiment import write_results  # imports pandas, torch: on use only
 
     parts = sorted(out.glob("seed*/results.json"), key=lambda p: int(p.parent.name[4:]))
     res = [json.loads(p.read_text()) for p in parts]
     hist = [json.loads((p.parent / "history.json").read_text()) for p in parts]
+    for folder in extra:
+        for r, h, p in zip(res, hist, parts):
+            other = folder / p.parent.name
+            more = json.loads((other / "results.json").read_text())
+            if more["seeds"] != r["seeds"]:
+                raise ValueError(f"{other}: seeds {more['seeds']} != {r['seeds']}")
+            r["methods"].update({m: v for m, v in more["methods"].items() if m not in r["methods"]})
+            r.setdefault("bytes", {}).setdefault("per_method", {}).update(more.get("bytes", {}).get("per_method", {}))
+            h.update({m: v for m, v in json.loads((other / "history.json").read_text()).items() if m not in h or not h[m]})
 
     def summary(values):
         v = np.asarray(values, dtype=np.float64)
@@ -56,8 +64,10 @@ def merge(out: Path) -> dict:
     merged = dict(res[0])
     merged["seeds"] = [s for r in res for s in r["seeds"]]
     merged["seconds"] = round(sum(r["seconds"] for r in res), 1)
+    from trainer.experts.experiment import ALL_METHODS  # imports pandas, torch: on use only
+
     merged["methods"] = {}
-    for m in res[0]["methods"]:
+    for m in [m for m in ALL_METHODS if m in res[0]["methods"]]:
         entry = summary([x for r in res for x in r["methods"][m]["acc_per_seed"]])
         entry["domains"] = {d: summary([x for r in res for x in r["methods"][m]["domains"][d]["acc_per_seed"]])
                             for d in res[0]["methods"][m]["domains"]}
@@ -84,11 +94,13 @@ def main() -> None:
     ap.add_argument("--variant", default="trained", choices=sorted(VARIANTS))
     ap.add_argument("--methods", default="fedprism,fedbis,random_routing,length_only")
     ap.add_argument("--merge", action="store_true")
+    ap.add_argument("--extra", type=Path, action="append", default=[],
+                    help="with --merge: a folder of the same seeds with other methods (repeatable)")
     args = ap.parse_args()
     if args.merge:
         from trainer.experts.experiment import markdown  # imports pandas, torch: on use only
 
-        print(markdown(merge(args.out)))
+        print(markdown(merge(args.out, tuple(args.extra))))
         return
     run(args.data, args.seed, args.variant, tuple(args.methods.split(",")), args.out)
 

@@ -201,21 +201,26 @@ def test_client_validation_split_and_per_expert_early_stopping(small):
     assert all(a is b for a, b in zip(trainer.served_experts, init)) and trainer.val_upload_bytes_ > 0
     # every client sends (loss sum, count) per expert its validation pairs route to: 8 bytes each
     assert trainer.val_upload_bytes_ == 8 * sum(len(ks) for ks in trainer._val_experts)
-    # an update that flips the length rule is worse on the clients' validation pairs: the prior is kept;
-    # one that is the prior itself scaled up is kept only if its mean CE there is lower (hand check)
+    # a state whose output bias is +50 puts a BCE of ~25 on every pair (one of each pair's two copies has
+    # label 0): it is rejected; offered against that state as the best copy, the prior is accepted; a
+    # sharper prior (v * 1.5) is kept exactly when its mean CE on the validation pairs is lower
     for k in range(2):
         if not (trainer._val_assign == k).any():
             continue
-        flipped = dict(init[k], **{"length_skip.weight": -init[k]["length_skip.weight"]})
-        sharper = dict(init[k], **{"length_skip.weight": 1.5 * init[k]["length_skip.weight"]})
-        ce = {name: trainer._val_ce(s, k).mean() for name, s in (("init", init[k]), ("flipped", flipped), ("sharper", sharper))}
-        assert ce["flipped"] > ce["init"]
-        trainer.experts_[k] = flipped
+        bad = dict(init[k], **{"head.2.bias": np.full_like(init[k]["head.2.bias"], 50.0)})
+        assert trainer._val_ce(bad, k).mean() > 20.0
+        trainer.experts_[k] = bad
         trainer._select_on_client_val({k}, rerouted=False)
-        assert trainer.served_experts[k] is init[k]
+        assert trainer.served_experts[k] is init[k] and trainer.best_round_[k] == 0
+        trainer.best_experts_[k], trainer._best_ce[k] = bad, trainer._val_ce(bad, k)
+        trainer.experts_[k], trainer._round = init[k], 3
+        trainer._select_on_client_val({k}, rerouted=False)
+        assert trainer.served_experts[k] is init[k] and trainer.best_round_[k] == 3
+        sharper = dict(init[k], **{"length_skip.weight": 1.5 * init[k]["length_skip.weight"]})
+        better = trainer._val_ce(sharper, k).mean() < trainer._val_ce(init[k], k).mean()
         trainer.experts_[k] = sharper
         trainer._select_on_client_val({k}, rerouted=False)
-        assert trainer.served_experts[k] is (sharper if ce["sharper"] < ce["init"] else init[k])
+        assert trainer.served_experts[k] is (sharper if better else init[k])
     # a round trains only on the clients' train parts (a spy that calls the real local training)
     seen, train_expert = [], trainer._train_expert
     trainer._train_expert = lambda state, pairs: seen.append(pairs) or train_expert(state, pairs)
