@@ -170,6 +170,66 @@ def test_router_changes_only_in_pgpd_rounds_and_experts_learn(small):
     assert abs(sum(trainer.history_[-1]["utilisation"]) - 1.0) < 1e-9
 
 
+def test_residual_head_keeps_the_length_prior_and_trains_the_rest(small):
+    model, data = small
+    # batches of 2: the first step moves only the zero-initialised output layer w2 (LoRA's gradient flows
+    # through it), the later ones move LoRA too
+    cfg = FedPrismConfig(n_experts=2, rounds=1, warmup_rounds=1, clients_per_round=2, local_pairs=8, batch_size=2,
+                         init_epochs=5, length_lr_scale=0.0)
+    trainer = FedPrismTrainer(model, data, cfg).setup()
+    before = [dict(e) for e in trainer.experts_]
+    entry = trainer.run_round(1)
+    updated = sorted({k for ks in entry["retrieved"].values() for k in ks})
+    assert updated
+    for k in updated:  # the length path is the federated prior, untouched; LoRA and the content head moved
+        np.testing.assert_array_equal(trainer.experts_[k]["length_skip.weight"], before[k]["length_skip.weight"])
+        np.testing.assert_array_equal(trainer.experts_[k]["length_skip.weight"][0], trainer.length_coefs_[k].astype(np.float32))
+        assert np.abs(trainer.experts_[k]["head.2.weight"]).max() > 0 and not np.any(before[k]["head.2.weight"])
+    assert any(np.abs(trainer.experts_[k][n] - before[k][n]).max() > 0 for k in updated for n in before[k] if "lora_B" in n)
+    with pytest.raises(InvalidInputError, match="length_lr_scale"):
+        FedPrismConfig(length_lr_scale=-1.0)
+
+
+def test_client_validation_split_and_per_expert_early_stopping(small):
+    model, data = small
+    cfg = FedPrismConfig(n_experts=2, rounds=1, warmup_rounds=1, clients_per_round=3, local_pairs=8, batch_size=8,
+                         init_epochs=5, client_val_fraction=0.3)
+    trainer = FedPrismTrainer(model, data, cfg).setup()
+    for own, tr, va in zip(data.clients, trainer._train_parts, trainer._val_parts):  # 14 pairs -> 4 kept out
+        assert len(va) == 4 and not set(tr) & set(va) and sorted(set(tr) | set(va)) == sorted(own)
+    init = list(trainer.experts_)
+    assert all(a is b for a, b in zip(trainer.served_experts, init)) and trainer.val_upload_bytes_ > 0
+    # every client sends (loss sum, count) per expert its validation pairs route to: 8 bytes each
+    assert trainer.val_upload_bytes_ == 8 * sum(len(ks) for ks in trainer._val_experts)
+    # a state whose output bias is +50 puts a BCE of ~25 on every pair (one of each pair's two copies has
+    # label 0): it is rejected; offered against that state as the best copy, the prior is accepted; a
+    # sharper prior (v * 1.5) is kept exactly when its mean CE on the validation pairs is lower
+    for k in range(2):
+        if not (trainer._val_assign == k).any():
+            continue
+        bad = dict(init[k], **{"head.2.bias": np.full_like(init[k]["head.2.bias"], 50.0)})
+        assert trainer._val_ce(bad, k).mean() > 20.0
+        trainer.experts_[k] = bad
+        trainer._select_on_client_val({k}, rerouted=False)
+        assert trainer.served_experts[k] is init[k] and trainer.best_round_[k] == 0
+        trainer.best_experts_[k], trainer._best_ce[k] = bad, trainer._val_ce(bad, k)
+        trainer.experts_[k], trainer._round = init[k], 3
+        trainer._select_on_client_val({k}, rerouted=False)
+        assert trainer.served_experts[k] is init[k] and trainer.best_round_[k] == 3
+        sharper = dict(init[k], **{"length_skip.weight": 1.5 * init[k]["length_skip.weight"]})
+        better = trainer._val_ce(sharper, k).mean() < trainer._val_ce(init[k], k).mean()
+        trainer.experts_[k] = sharper
+        trainer._select_on_client_val({k}, rerouted=False)
+        assert trainer.served_experts[k] is (sharper if better else init[k])
+    # a round trains only on the clients' train parts (a spy that calls the real local training)
+    seen, train_expert = [], trainer._train_expert
+    trainer._train_expert = lambda state, pairs: seen.append(pairs) or train_expert(state, pairs)
+    trainer.run_round(1)
+    assert seen and not set(np.concatenate(seen)) & set(np.concatenate(trainer._val_parts))
+    with pytest.raises(InvalidInputError, match="client_val_fraction"):
+        FedPrismConfig(client_val_fraction=0.5)
+
+
 # ------------------------------------------------------------------ Flower
 
 

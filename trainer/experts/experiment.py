@@ -76,14 +76,19 @@ class DataPreset:
 
 
 PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
-    # quick: the CPU preset's M (not tuned separately); 2 rounds = 1 warm-up + 1 PGPD round
-    "quick": (DataPreset(n_train=600, n_val=150, n_test=200, n_public=120),
+    # quick: the CPU preset's M (not tuned separately); 2 rounds = 1 warm-up + 1 PGPD round; no validation
+    # pairs (nothing is tuned on it, and embedding + caching them was ~15 % of its data preparation)
+    "quick": (DataPreset(n_train=600, n_val=0, n_test=200, n_public=120),
               FedPrismConfig(n_experts=6, rounds=2, warmup_rounds=1, router_every=1, clients_per_round=2,
                              local_pairs=24, batch_size=12, router_epochs=3, eval_every=2)),
     # length_init = 'fedavg_lr' chosen on the validation pairs (trainer.experts.tune), then n_experts = 6
     # (grid 3, 4, 5, 6, 8) by benchmarks/prism_experts_settings.py, also on validation
+    # then the head variant 'residual_lr1e-2' (length path frozen at the federated prior, LoRA + content head
+    # at lr 1e-2) by benchmarks/prism_residual_settings.py, on validation (3 seeds); the quick preset keeps
+    # the previous head (not tuned separately)
     "cpu": (DataPreset(), FedPrismConfig(n_experts=6, rounds=8, warmup_rounds=3, router_every=2, clients_per_round=4,
-                                         local_pairs=40, eval_every=4, length_init="fedavg_lr")),
+                                         local_pairs=40, eval_every=4, length_init="fedavg_lr",
+                                         length_lr_scale=0.0, expert_lr=1e-2)),
     "gpu": (DataPreset(n_train=12000, n_val=1500, n_test=3000, n_public=1500), FedPrismConfig.gpu_preset()),
 }
 
@@ -166,6 +171,8 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
         raise InvalidInputError("give at least one seed")
     if eval_split not in ("val", "test"):
         raise InvalidInputError(f"eval_split must be 'val' or 'test', got {eval_split!r}")
+    if len(prep.val if eval_split == "val" else prep.test) == 0:
+        raise InvalidInputError(f"no {eval_split} pairs in this preset (the quick preset has no validation pairs)")
     bad = [m for m in methods if m not in ALL_METHODS]
     if bad:
         raise InvalidInputError(f"unknown methods {bad}; valid: {', '.join(ALL_METHODS)}")

@@ -33,7 +33,8 @@ group trained by its clients; a test pair is scored by the mean probability of t
 upper reference for what routing can reach, used by ``benchmarks/prism_experts_settings.py``, not a
 method of the table). See :func:`method_config`.
 
-Presets: the CPU default (``trainer.experts.experiment.PRESETS['cpu']``) is scaled down (6 experts and the federated length start, both chosen on validation,
+Presets: the CPU default (``trainer.experts.experiment.PRESETS['cpu']``) is scaled down (6 experts, the federated length start and a residual head over it
+(``length_lr_scale=0``, ``expert_lr=1e-2``), all chosen on validation,
 8 rounds, warm-up 3, PGPD every 2 rounds, 4 clients x 40 pairs per round, MiniLM with LoRA in the
 top layer on cached lower layers); :meth:`FedPrismConfig.gpu_preset` is the
 paper's 5 experts, 400 rounds, warm-up 150, router update every 20 rounds at lr 1e-3, experts at
@@ -85,6 +86,14 @@ class FedPrismConfig:
         output layer at zero: :mod:`trainer.experts.length_init`) or ``'zero'`` (length path 0, head
         at PyTorch's default initialisation).
     length_C : inverse L2 strength of those local regressions.
+    length_lr_scale : float >= 0, the length path's learning rate is ``expert_lr * length_lr_scale``
+        (0 = the length path stays at its start: the expert is the length prior plus a learned content
+        residual ``w2 . tanh(...) + b2``, which starts at zero).
+    client_val_fraction : float in [0, 0.5), share of each client's pairs kept as its local validation
+        split (never trained on); 0 = off. When > 0, before round 1 and after every round every client
+        scores each expert on its validation pairs routed to it and sends (loss sum, count) per expert;
+        the server keeps, per expert, the state with the lowest federated validation loss (per-expert
+        early stopping; the initial state is a candidate), and the run ends with those states.
     eval_every : rounds between test evaluations (the last round is always evaluated).
     seed : int, client sampling, expert initialisation, routing draws.
     selector : SelectorConfig of the experts.
@@ -107,6 +116,8 @@ class FedPrismConfig:
     pgpd: bool = True
     length_init: str = "fedavg_lr"
     length_C: float = 1.0
+    length_lr_scale: float = 1.0
+    client_val_fraction: float = 0.0
     eval_every: int = 2
     seed: int = 0
     selector: SelectorConfig = field(default_factory=SelectorConfig)
@@ -122,6 +133,10 @@ class FedPrismConfig:
             raise InvalidInputError(f"length_init must be one of {LENGTH_INITS}, got {self.length_init!r}")
         if not (np.isfinite(self.length_C) and self.length_C > 0):
             raise InvalidInputError(f"length_C must be finite and > 0, got {self.length_C!r}")
+        if not (np.isfinite(self.length_lr_scale) and self.length_lr_scale >= 0):
+            raise InvalidInputError(f"length_lr_scale must be finite and >= 0, got {self.length_lr_scale!r}")
+        if not 0.0 <= self.client_val_fraction < 0.5:
+            raise InvalidInputError(f"client_val_fraction must be in [0, 0.5), got {self.client_val_fraction!r}")
         if self.routing not in ROUTINGS:
             raise InvalidInputError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         for name in ("n_experts", "rounds", "router_every", "clients_per_round", "local_pairs", "batch_size",
@@ -278,7 +293,11 @@ class FedPrismTrainer:
         a = self.args
         self.model.load_expert_state(state)
         self.model.train()
-        opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=a.expert_lr)
+        skip = self.model.length_skip.weight
+        groups = [{"params": [p for p in self.model.parameters() if p.requires_grad and p is not skip]}]
+        if a.length_lr_scale > 0:
+            groups.append({"params": [skip], "lr": a.expert_lr * a.length_lr_scale})
+        opt = torch.optim.AdamW(groups, lr=a.expert_lr)
         order = self.rng.permutation(pairs)
         for s in range(0, len(order), a.batch_size):
             ha, hb, f, y = self.data.store.batch(self.model, order[s:s + a.batch_size])
@@ -304,13 +323,14 @@ class FedPrismTrainer:
         """P(A better) of pairs under the current experts and routing; also the expert of each pair
         (None for the FedBiscuit-style ensemble)."""
         a = self.args
+        served = self.served_experts
         if a.routing == "client_cluster":
-            return np.mean([self._per_sample(s, pairs, "proba") for s in self.experts_], axis=0), None
+            return np.mean([self._per_sample(s, pairs, "proba") for s in served], axis=0), None
         assign = self._route(pairs) if a.routing != "single" else np.zeros(len(pairs), dtype=np.int64)
         proba = np.zeros(len(pairs))
         for k in np.unique(assign):
             sel = assign == k
-            proba[sel] = self._per_sample(self.experts_[k], pairs[sel], "proba")
+            proba[sel] = self._per_sample(served[k], pairs[sel], "proba")
         return proba, assign
 
     def evaluate(self, pairs: np.ndarray | None = None) -> dict:
@@ -323,6 +343,63 @@ class FedPrismTrainer:
         for d in sorted(set(dom)):
             acc[d] = pairwise_accuracy(proba[dom == d], label[dom == d])
         return {"accuracy": acc, "assignment": assign, "proba": proba}
+
+    @property
+    def served_experts(self) -> list[dict[str, np.ndarray]]:
+        """The experts the server would ship now: the per-expert best on the clients' validation splits
+        when ``client_val_fraction > 0``, else the current aggregated experts."""
+        return self.best_experts_ if self.args.client_val_fraction > 0 else self.experts_
+
+    def _split_clients(self) -> None:
+        """Each client's pairs -> (train part, local validation part); the validation part is a seeded
+        ``client_val_fraction`` of them (at least one train pair kept), drawn with its own generator so
+        that ``client_val_fraction = 0`` leaves every other draw of a run unchanged."""
+        a, d = self.args, self.data
+        if a.client_val_fraction == 0:
+            self._train_parts, self._val_parts = list(d.clients), [np.zeros(0, np.int64) for _ in d.clients]
+            return
+        rng = np.random.default_rng([a.seed, 7919])
+        self._train_parts, self._val_parts = [], []
+        for own in d.clients:
+            n_val = min(int(round(a.client_val_fraction * len(own))), len(own) - 1)
+            perm = rng.permutation(own)
+            self._val_parts.append(np.sort(perm[:n_val]))
+            self._train_parts.append(np.sort(perm[n_val:]))
+
+    def _route_val(self) -> None:
+        """Route every client's validation pairs (its own routing: the router, its group, a draw)."""
+        parts = [(v, self._route(v, None if self._groups is None else int(self._groups[c])))
+                 for c, v in enumerate(self._val_parts) if len(v)]
+        self._val_experts = [set(np.unique(k).tolist()) for _, k in parts]
+        self._val_pairs = np.concatenate([v for v, _ in parts]) if parts else np.zeros(0, np.int64)
+        self._val_assign = np.concatenate([k for _, k in parts]) if parts else np.zeros(0, np.int64)
+
+    def _val_ce(self, state: dict[str, np.ndarray], k: int) -> np.ndarray:
+        """Per-pair CE of ``state`` on the validation pairs routed to expert ``k`` (what the clients
+        holding them compute locally; they send the sum and the count, 8 bytes per expert)."""
+        return self._per_sample(state, self._val_pairs[self._val_assign == k], "ce")
+
+    def _select_on_client_val(self, updated: set[int], rerouted: bool) -> None:
+        """Per-expert early stopping (``client_val_fraction > 0``): an updated expert replaces its best
+        copy when its federated validation loss (mean CE over the clients' validation pairs routed to
+        it) is lower than the best copy's on the same pairs; an expert no validation pair is routed to
+        follows its training. After a router update the pairs are re-routed and the best copies
+        rescored."""
+        if rerouted:
+            self._route_val()
+            self._best_ce = {k: self._val_ce(self.best_experts_[k], k) for k in range(self.args.n_experts)}
+        scored = [(ks & updated) | (ks if rerouted else set()) for ks in self._val_experts]
+        self.val_upload_bytes_ += 8 * sum(len(ks) for ks in scored)
+        self.val_downlink_bytes_ += sum(state_bytes(self.experts_[k]) for ks in scored for k in ks)
+        for k in sorted(updated):
+            n = int((self._val_assign == k).sum())
+            if n == 0:
+                self.best_experts_[k] = self.experts_[k]
+                continue
+            cur = self._val_ce(self.experts_[k], k)
+            if cur.mean() < self._best_ce[k].mean():
+                self.best_experts_[k], self._best_ce[k] = self.experts_[k], cur
+                self.best_round_[k] = self._round
 
     def _client_groups(self) -> np.ndarray:
         from sklearn.cluster import KMeans  # sklearn: optional heavy dependency, imported on use
@@ -340,7 +417,7 @@ class FedPrismTrainer:
         a, d = self.args, self.data
         feats, labels = d.store.features.numpy(), d.store.label.numpy()
         sent = []
-        for c, own in enumerate(d.clients):
+        for c, own in enumerate(self._train_parts):
             assign = self._route(own, None if self._groups is None else int(self._groups[c]))
             sent.append(client_length_coefs(feats[own], labels[own], assign, a.n_experts, C=a.length_C))
         self.length_coefs_ = fedavg_length_coefs(sent, a.n_experts, feats.shape[1])
@@ -366,9 +443,14 @@ class FedPrismTrainer:
         if a.routing == "domain_oracle" and len(self._domains) != a.n_experts:
             raise InvalidInputError(f"routing='domain_oracle' needs n_experts = {len(self._domains)} domains, got {a.n_experts}")
         self._router_bytes = state_bytes(self.router_.state()) if a.routing == "router" else 0
+        self._split_clients()
         self.length_coefs_, self.length_init_upload_bytes_ = None, 0
         if a.length_init == "fedavg_lr":
             self._length_start()
+        self.best_experts_, self.best_round_, self._round = list(self.experts_), [0] * a.n_experts, 0
+        self.val_upload_bytes_, self.val_downlink_bytes_ = 0, 0
+        if a.client_val_fraction > 0:
+            self._select_on_client_val(set(), rerouted=True)
         self.history_ = []
         return self
 
@@ -380,7 +462,7 @@ class FedPrismTrainer:
         updates, router_updates, downlink, retrieved = [], [], 0, {}
         do_pgpd = a.pgpd_round(t)
         for c in chosen:
-            own = d.clients[c]
+            own = self._train_parts[c]
             pairs = self.rng.choice(own, size=min(a.local_pairs, len(own)), replace=False)
             assign = self._route(pairs, None if self._groups is None else int(self._groups[c]))
             experts = self.retrieve(int(c), assign)
@@ -403,6 +485,9 @@ class FedPrismTrainer:
         self.experts_ = aggregate_components(self.experts_, updates)
         if router_updates:
             self.router_.load_state({k: v.astype(np.float32) for k, v in fedavg(router_updates).items()})
+        if a.client_val_fraction > 0:
+            self._round = t
+            self._select_on_client_val({k for u in updates for k in u}, rerouted=bool(router_updates))
         entry = {"round": t, "clients": chosen.tolist(), "retrieved": retrieved, "downlink_bytes": downlink,
                  "router_updated": bool(router_updates)}
         if a.routing == "router":
@@ -438,7 +523,7 @@ class FedPrismTrainer:
         from trainer.experts.selector import save_selector_config  # trainer.experts.selector imports torch: on use only
 
         out.mkdir(parents=True, exist_ok=True)
-        for k, state in enumerate(self.experts_):
+        for k, state in enumerate(self.served_experts):
             self.model.save_expert(state, out / f"expert_{k}")
         save_file(self.router_.state(), str(out / "router.safetensors"))
         save_selector_config(self.args.selector, out / "selector_config.json")

@@ -1,0 +1,185 @@
+"""Choose how the experts' heads train on top of their federated length start, on the **validation**
+pairs only (issue 10; docs/prism.md "Residual over the length prior").
+
+Every expert starts as exactly the federated length-only regression (``length_init='fedavg_lr'``: the
+length path ``v`` at the FedAvg of the clients' local regressions, the content part ``w2 . tanh(...) +
+b2`` at zero; :mod:`trainer.experts.length_init`). Variants of what training may then change, the same
+head design for every method (FedPrism and FedBis here):
+
+- ``trained``: everything (LoRA, content head, length path) at ``expert_lr = 1e-3`` (the previous default).
+- ``residual``: the length path stays at the federated prior (``length_lr_scale = 0``); LoRA and the
+  content head learn a residual over it.
+- ``residual_lr1e-2``: ``residual`` with ``expert_lr = 1e-2`` for LoRA and the content head. The content
+  part starts at zero (``w2 = 0``), so the first step moves only ``w2`` and LoRA gets a gradient only
+  through it; with one local step per expert and client in most rounds (about 7 routed pairs, batches
+  of 16) the residual stays near zero at 1e-3 (the prior barely moves: ``init`` vs ``trained``).
+- ``residual_es_lr1e-2``: ``residual_lr1e-2`` + per-expert early stopping on the clients' local
+  validation splits (``client_val_fraction = 0.2``: each client keeps 20 % of its pairs out of
+  training; the server keeps per expert the state with the lowest federated validation loss, the
+  initial prior included).
+- ``init`` (reference, not a candidate; the preset's length start, which every variant shares except
+  that ``residual_es_lr1e-2`` fits it on the clients' train parts only): the experts before round 1, i.e. the federated length prior
+  under the initial routing, no training at all.
+
+``PYTHONPATH=. HF_HUB_OFFLINE=1 python benchmarks/prism_residual_settings.py --seed S --out DIR`` runs one
+seed (the seeds run as separate processes, so they can run side by side) and writes
+``DIR/prism_residual_settings_seed<S>.json`` after every run; ``--choose`` then combines the seeds into
+``DIR/prism_residual_settings.{json,md,png}``.
+
+Rule: the variant with the highest FedPrism validation accuracy, averaged over the seeds (FedPrism is the
+method being tuned; FedBis gets the same head variant, so the comparison stays fair); ties to the
+simpler variant (order of :data:`VARIANTS`). The CPU preset's 450 validation pairs; the test pairs are
+never read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+# every field explicit: the CPU preset's own defaults are now the chosen variant
+VARIANTS = {"trained": {"length_lr_scale": 1.0, "expert_lr": 1e-3, "client_val_fraction": 0.0},
+            "residual": {"length_lr_scale": 0.0, "expert_lr": 1e-3, "client_val_fraction": 0.0},
+            "residual_lr1e-2": {"length_lr_scale": 0.0, "expert_lr": 1e-2, "client_val_fraction": 0.0},
+            "residual_es_lr1e-2": {"length_lr_scale": 0.0, "expert_lr": 1e-2, "client_val_fraction": 0.2}}
+METHODS = ("fedprism", "fedbis")
+
+
+def run_seed(data_dir: Path, seed: int, out: Path, variants=tuple(VARIANTS), methods=METHODS) -> dict:
+    import torch  # torch: optional heavy dependency
+
+    from trainer.experts.experiment import PRESETS, _federated, prepare_data  # imports pandas, torch: on use only
+    from trainer.experts.fedprism import FedPrismTrainer, method_config  # imports torch: on use only
+    from trainer.report import write_json  # matplotlib neighbours: on use only
+
+    torch.set_num_threads(1)
+    preset, base = PRESETS["cpu"]
+    from trainer.experts.selector import PairSelector  # imports torch: on use only
+
+    model = PairSelector(base.selector, seed=0)
+    prep = prepare_data(data_dir, preset, model, progress=False)
+    data = _federated(prep, preset, seed, "val")
+    path = out / f"prism_residual_settings_seed{seed}.json"
+    res = json.loads(path.read_text()) if path.exists() else {"seed": seed, "split": "val", "n_val": len(prep.val),
+                                                               "runs": {}}
+
+    def record(name, trainer, t0):
+        ev = getattr(trainer, "last_eval_", None) or trainer.evaluate()  # a trained run scored its last round
+        res["runs"][name] = {"acc": ev["accuracy"]["overall"],
+                             "domains": {str(k): v for k, v in ev["accuracy"].items() if k != "overall"},
+                             "best_round": list(trainer.best_round_), "seconds": round(time.time() - t0, 1)}
+        print(name, json.dumps(res["runs"][name]), flush=True)
+        write_json(path, res)
+
+    for m in methods:
+        name = f"{m}/init"
+        if name not in res["runs"]:
+            t0 = time.time()
+            record(name, FedPrismTrainer(model, data, replace(method_config(m, base), seed=seed)).setup(), t0)
+    for m in methods:
+        for v in variants:
+            name = f"{m}/{v}"
+            if name in res["runs"]:
+                continue
+            t0 = time.time()
+            cfg = replace(method_config(m, base), seed=seed, **VARIANTS[v])
+            record(name, FedPrismTrainer(model, data, cfg, progress=False).train(), t0)
+    return res
+
+
+def choose(out: Path) -> dict:
+    seeds = sorted(out.glob("prism_residual_settings_seed*.json"))
+    runs = [json.loads(p.read_text()) for p in seeds]
+    table = {}
+    for m in METHODS:
+        for v in ("init",) + tuple(VARIANTS):
+            vals = [r["runs"][f"{m}/{v}"]["acc"] for r in runs if f"{m}/{v}" in r["runs"]]
+            doms = {}
+            for r in runs:
+                for d, a in r["runs"].get(f"{m}/{v}", {}).get("domains", {}).items():
+                    doms.setdefault(d, []).append(a)
+            table[f"{m}/{v}"] = {"acc_mean": float(np.mean(vals)) if vals else None,
+                                 "acc_std": float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0,
+                                 "acc_per_seed": vals, "domains": {d: float(np.mean(a)) for d, a in doms.items()}}
+    complete = [v for v in VARIANTS if len(table[f"fedprism/{v}"]["acc_per_seed"]) == len(runs)]
+    best = max(table[f"fedprism/{v}"]["acc_mean"] for v in complete)
+    chosen = next(v for v in complete if table[f"fedprism/{v}"]["acc_mean"] == best)
+    return {"split": "val", "seeds": [r["seed"] for r in runs], "table": table, "chosen_variant": chosen,
+            "chosen_settings": VARIANTS[chosen],
+            "rule": "argmax of FedPrism's mean validation accuracy over the seeds; ties to the simpler variant"}
+
+
+def markdown(result: dict) -> str:
+    doms = sorted({d for r in result["table"].values() for d in r["domains"]})
+    lines = [f"Validation pairwise accuracy (450 pairs, seeds {result['seeds']}; mean +- std over seeds)", "",
+             "| method / head variant | overall | per seed | " + " | ".join(doms) + " |",
+             "|---|---|---|" + "---|" * len(doms)]
+    for name, r in result["table"].items():
+        if r["acc_mean"] is None:
+            continue
+        mark = " **(chosen)**" if name.endswith("/" + result["chosen_variant"]) else ""
+        lines.append(f"| {name}{mark} | {r['acc_mean']:.3f} +- {r['acc_std']:.3f} | "
+                     + " / ".join(f"{x:.3f}" for x in r["acc_per_seed"]) + " | "
+                     + " | ".join(f"{r['domains'].get(d, float('nan')):.3f}" for d in doms) + " |")
+    lines += ["", f"Chosen: `{result['chosen_variant']}` {result['chosen_settings']} ({result['rule']})."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib  # matplotlib: optional heavy dependency
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # matplotlib: optional heavy dependency
+
+    from trainer.report import save_figure  # imports matplotlib: on use only
+
+    names = ("init",) + tuple(VARIANTS)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.arange(len(names))
+    for i, m in enumerate(METHODS):
+        rows = [result["table"][f"{m}/{v}"] for v in names]
+        ax.bar(x + (i - 0.5) * 0.38, [r["acc_mean"] or 0 for r in rows], 0.38, yerr=[r["acc_std"] for r in rows],
+               label=m, capsize=3)
+        for j, r in enumerate(rows):
+            ax.scatter([x[j] + (i - 0.5) * 0.38] * len(r["acc_per_seed"]), r["acc_per_seed"], color="k", s=8, zorder=3)
+    ax.set_xticks(x, [n.replace("_", " ") for n in names], fontsize=8)
+    ref = Path(__file__).resolve().parents[1] / "docs" / "results" / "prism_experts_settings.json"
+    if ref.exists():  # the centralised per-domain length-only regression on the same validation pairs
+        ax.axhline(json.loads(ref.read_text())["centralised"]["domain_oracle_length"], color="k", ls="--", lw=1,
+                   label="length-only (per domain, centralised)")
+    ax.set_ylim(0.74, 0.82)
+    ax.set_ylabel("validation pairwise accuracy (450 pairs)")
+    ax.set_title(f"Head variants on the length prior; chosen: {result['chosen_variant']}")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def main() -> None:
+    from trainer.report import write_json, write_text  # matplotlib neighbours: on use only
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, default=Path("../shared/data"))
+    ap.add_argument("--out", type=Path, default=Path("docs/results/prism_residual_settings"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--choose", action="store_true", help="combine the per-seed JSONs already written")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, in the order to run")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, in the order to run")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.choose:
+        result = choose(args.out)
+        write_json(args.out / "prism_residual_settings.json", result)
+        write_text(args.out / "prism_residual_settings.md", markdown(result))
+        plot(result, args.out / "prism_residual_settings.png")
+        print(markdown(result))
+        return
+    run_seed(args.data, args.seed, args.out, variants=tuple(args.variants.split(",")), methods=tuple(args.methods.split(",")))
+
+
+if __name__ == "__main__":
+    main()
