@@ -118,7 +118,7 @@ def test_flower_simulation_gives_the_pooled_statistics_and_the_centralised_lloyd
                                        min_train_nodes=N_CLIENTS, min_available_nodes=N_CLIENTS,
                                        rng=np.random.default_rng(0))
     run_simulation(
-        make_server_app(strategy, c0, num_rounds=2, timeout=120.0),
+        make_server_app(strategy, c0, num_rounds=2, timeout=900.0),
         make_client_app(logs["paths"]),
         num_supernodes=N_CLIENTS,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
