@@ -15,7 +15,7 @@ rounds : id, kind (``kmeans`` or ``mlp``), status (open -> closing -> closed), d
     per-round settings (JSON), and at close the outcome (JSON) and the aggregate (.npz bytes).
 updates : one row per accepted upload: client, round it was sent for, round it is counted in (NULL
     while waiting for the next round), Idempotency-Key, sha256 of the body, the update (K-means: a
-    MessagePack record, :func:`sdk.protocol.encode_kmeans_update_record`, or .npz in older rows; MLP:
+    MessagePack record, :func:`sdk.protocol.encode_kmeans_update_record`, float32 cell means; v2 or .npz in older rows; MLP:
     the safetensors body)
     and the receipt returned to the client (empty for rows written by the one-statement insert:
     the receipt is rebuilt from the row, :func:`receipt_of`). ``(client_id, idempotency_key)`` is unique.
