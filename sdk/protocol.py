@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -231,10 +232,12 @@ def unpack_msgpack_array(value: object, dtype: str, rank: int) -> np.ndarray:
     if len(shape) != rank or not all(type(n) is int and 0 <= n < 2**31 for n in shape):
         raise ShapeError(f"shape must be {rank} non-negative ints, got {list(shape)!r}")
     dt = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape)
     if len(data) != n * dt.itemsize:
         raise ShapeError(f"shape {list(shape)} needs {n * dt.itemsize} bytes of {dtype}, got {len(data)}")
-    return np.frombuffer(data, dtype=dt).reshape(shape).astype(np.int64 if dt.kind in "iu" else np.float64)
+    # A view of the bytes where the dtype is already the wide one (no copy), else a widened copy.
+    return np.frombuffer(data, dtype=dt).reshape(shape).astype(np.int64 if dt.kind in "iu" else np.float64,
+                                                               copy=False)
 
 
 def encode_kmeans_update_msgpack(update: KMeansUpdate, client_id: str, spec: RoundSpec) -> bytes:
