@@ -208,6 +208,9 @@ MSGPACK_ARRAYS = {"count": ("<f8", 2), "sum_accuracy": ("<f8", 2), "sum_cost": (
                   "centroid_cells": ("<i8", 1), "local_centroids": ("<f4", 2), "local_weights": ("<f8", 1)}
 
 
+_INT64, _FLOAT64 = np.dtype(np.int64), np.dtype(np.float64)
+
+
 def pack_msgpack_array(values: np.ndarray, dtype: str) -> list:
     """One array of the MessagePack encoding: ``[shape, data]``, ``shape`` a list of ints and
     ``data`` the C-order bytes of ``values`` cast to ``dtype`` (little-endian)."""
@@ -236,8 +239,9 @@ def unpack_msgpack_array(value: object, dtype: str, rank: int) -> np.ndarray:
     if len(data) != n * dt.itemsize:
         raise ShapeError(f"shape {list(shape)} needs {n * dt.itemsize} bytes of {dtype}, got {len(data)}")
     # A view of the bytes where the dtype is already the wide one (no copy), else a widened copy.
-    return np.frombuffer(data, dtype=dt).reshape(shape).astype(np.int64 if dt.kind in "iu" else np.float64,
-                                                               copy=False)
+    arr = np.frombuffer(data, dtype=dt).reshape(shape)
+    wide = _INT64 if dt.kind in "iu" else _FLOAT64
+    return arr if arr.dtype == wide else arr.astype(wide)
 
 
 def encode_kmeans_update_msgpack(update: KMeansUpdate, client_id: str, spec: RoundSpec) -> bytes:

@@ -325,9 +325,9 @@ def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
     if means.shape != (n_rep, d_emb):
         raise _field_error("local_centroids", f"must have shape {(n_rep, d_emb)}, got {means.shape}")
     if n_rep:
-        # Squared norms in float64 (float32 squares could overflow): NaN or infinity anywhere makes
-        # its row's NaN or infinity, so one max finds them and the largest norm.
-        top = float(np.einsum("ij,ij->i", means, means, dtype=np.float64).max())
+        # Squared norms: NaN or infinity anywhere makes its row's NaN or infinity, so one max finds
+        # them and the largest norm (a square that overflows belongs to a norm far above 1).
+        top = float(np.einsum("ij,ij->i", means, means).max())
         if not math.isfinite(top) and not np.isfinite(means).all():
             raise _field_error("local_centroids", "holds NaN or infinity")
         if not top <= (1.0 + 1e-4) ** 2:
