@@ -54,6 +54,7 @@ import numpy as np
 # put that folder on the path when run as a script (``python benchmarks/sync_load.py``).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from trainer.server.http_limits import HttpLimits  # noqa: E402
+from trainer.server.store import SQLITE_PAGE_BYTES  # noqa: E402
 from sync_fleet import (  # noqa: E402
     Fleet,
     ServerProcess,
@@ -67,9 +68,11 @@ from sync_fleet import (  # noqa: E402
 
 def raw_sqlite_inserts(path: Path, row_bytes: bytes, seconds: float) -> dict:
     """Durable single-row inserts per second into a fresh SQLite file with the server's settings
-    (WAL, ``synchronous=FULL``, ``BEGIN IMMEDIATE``), one thread; p50/p99 per insert in ms."""
+    (WAL, ``synchronous=FULL``, ``BEGIN IMMEDIATE``, the page size of a new store), one thread;
+    p50/p99 per insert in ms."""
     conn = sqlite3.connect(path, isolation_level=None)
     try:
+        conn.execute(f"PRAGMA page_size={SQLITE_PAGE_BYTES}")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("CREATE TABLE rows (id INTEGER PRIMARY KEY, key TEXT UNIQUE NOT NULL, payload BLOB NOT NULL)")
@@ -240,10 +243,11 @@ def run(args, work: Path) -> dict:
         loads, cpu = {}, {}
         for wire_format in ("json", "msgpack"):
             fleet.wire_format = wire_format
-            cpu0, own0 = server.cpu_seconds(), time.process_time()
+            cpu0, main0, own0 = server.cpu_seconds(), server.main_thread_cpu_seconds(), time.process_time()
             with _progress(f"{args.clients} devices, {wire_format}", args.duration_s) as bar:
                 loads[wire_format] = asyncio.run(fleet.run(args.duration_s, clients, on_ack=lambda a: bar.update()))
-            cpu[wire_format] = (cpu0, server.cpu_seconds(), own0, time.process_time())
+            cpu[wire_format] = (cpu0, server.cpu_seconds(), own0, time.process_time(), main0,
+                                server.main_thread_cpu_seconds())
         load = loads["msgpack"]
         floors = {} if args.floor_s <= 0 else {
             "tls": floor_run(d, uploads, clients, args.floor_s, True, args.seed),
@@ -258,11 +262,16 @@ def run(args, work: Path) -> dict:
     load_summary = summary(load, args.warmup_s)
     load_runs = {}
     for wire_format, result in loads.items():
-        (cpu0, cpu1, own0, own1), n = cpu[wire_format], sum(a.status == 201 for a in result.acks)
+        (cpu0, cpu1, own0, own1, main0, main1), n = cpu[wire_format], sum(a.status == 201 for a in result.acks)
+        measured = None not in (cpu0, cpu1, main0, main1) and n > 0
         load_runs[wire_format] = {
             **summary(result, args.warmup_s), "wire_format": wire_format, "timeline_per_s": timeline(result, 0.5),
             "latency_histogram": latency_histogram(result, args.warmup_s),
-            "server_cpu_ms_per_upload": None if cpu0 is None or cpu1 is None or not n else (cpu1 - cpu0) * 1e3 / n,
+            "server_cpu_ms_per_upload": (cpu1 - cpu0) * 1e3 / n if measured else None,
+            # the event loop (HTTP, TLS, decoding and checks) and the other threads (the group-commit
+            # writer: SQLite; the thread pool: the round closer)
+            "server_main_thread_cpu_ms_per_upload": (main1 - main0) * 1e3 / n if measured else None,
+            "server_other_threads_cpu_ms_per_upload": ((cpu1 - cpu0) - (main1 - main0)) * 1e3 / n if measured else None,
             "devices_cpu_ms_per_upload": (own1 - own0) * 1e3 / max(n, 1)}
     failed = [name for name, bad in [
         ("acknowledged_missing", check.acknowledged_missing != 0), ("receipt_mismatch", check.receipt_mismatch != 0),
@@ -301,21 +310,30 @@ def run(args, work: Path) -> dict:
             else load_runs["json"]["server_cpu_ms_per_upload"] / load_runs["msgpack"]["server_cpu_ms_per_upload"],
         },
         "floor": floors,
-        "breakdown_ms_per_upload": breakdown(load_runs["msgpack"]["server_cpu_ms_per_upload"], floors),
+        "breakdown_ms_per_upload": breakdown(load_runs["msgpack"]["server_cpu_ms_per_upload"], floors,
+                                             load_runs["msgpack"]),
         "crash": {**summary(crash), **times, "timeline_per_s": timeline(crash, 0.5), "recovery": check.to_json(),
                   "failed_checks": failed},
         "wall_s": time.time() - started,
     }
 
 
-def breakdown(total_ms: float | None, floors: dict) -> dict | None:
+def breakdown(total_ms: float | None, floors: dict, threads: dict | None = None) -> dict | None:
     """Server CPU per MessagePack upload split into TLS, HTTP (uvicorn + parser, no TLS) and the rest
-    (the app: FastAPI/Starlette, checks, the store), from the floor runs of the same run."""
+    (the app: FastAPI/Starlette, checks, the store), from the floor runs of the same run; with
+    ``threads`` (the load run's JSON), the rest split again into the event loop's share (decoding,
+    checks, hand-over to the store, the answer) and the other threads' (the group-commit writer's
+    SQLite inserts and commits, and the round closer)."""
     tls, plain = (floors.get(k, {}).get("server_cpu_ms_per_request") for k in ("tls", "plain"))
     if total_ms is None or tls is None or plain is None:
         return None
-    return {"total": total_ms, "http_without_tls": plain, "tls": tls - plain, "app_and_store": total_ms - tls,
-            "tls_share": (tls - plain) / total_ms, "http_and_tls_share": tls / total_ms}
+    out = {"total": total_ms, "http_without_tls": plain, "tls": tls - plain, "app_and_store": total_ms - tls,
+           "tls_share": (tls - plain) / total_ms, "http_and_tls_share": tls / total_ms}
+    if threads is not None and threads.get("server_main_thread_cpu_ms_per_upload") is not None:
+        main, other = threads["server_main_thread_cpu_ms_per_upload"], threads["server_other_threads_cpu_ms_per_upload"]
+        # The floor app runs on its event loop only: HTTP and TLS are in the main thread's share.
+        out.update(main_thread=main, other_threads=other, app_on_event_loop=main - tls)
+    return out
 
 
 def markdown(r: dict) -> str:
@@ -373,7 +391,13 @@ def markdown(r: dict) -> str:
              f"(uvicorn, the parser, the event loop) {r['breakdown_ms_per_upload']['http_without_tls']:.2f} ms, TLS "
              f"{r['breakdown_ms_per_upload']['tls']:.2f} ms ({100 * r['breakdown_ms_per_upload']['tls_share']:.0f}%), "
              f"the app and the store {r['breakdown_ms_per_upload']['app_and_store']:.2f} ms (floor runs of the same "
-             "run; the bare app's per-request cost also falls as its request rate rises)."), ""]),
+             "run; the bare app's per-request cost also falls as its request rate rises)"
+             + ("" if "main_thread" not in r["breakdown_ms_per_upload"] else
+                f"; by thread: the event loop {r['breakdown_ms_per_upload']['main_thread']:.2f} ms (HTTP, TLS, "
+                f"decoding and checks: {r['breakdown_ms_per_upload']['app_on_event_loop']:.2f} ms beyond the TLS "
+                f"floor), the group-commit writer and the thread pool "
+                f"{r['breakdown_ms_per_upload']['other_threads']:.2f} ms (SQLite inserts and commits, the round "
+                "closer)") + "."), ""]),
         (f"kill -9 at {crash['kill_s']:.2f} s; the restarted server answered at {crash['ready_s']:.2f} s; "
          + ("no receipt after the kill" if crash["first_ack_after_s"] is None
             else f"first receipt after the kill at {crash['first_ack_after_s']:.2f} s")

@@ -17,7 +17,7 @@ K-means update, wire      :class:`KMeansUpdate`            :func:`encode_kmeans_
 K-means update, arrays    :class:`KMeansUpdate`            :func:`kmeans_update_to_arrays` / :func:`kmeans_update_from_arrays`
   (``.npz``, Flower)                                       (``.npz`` bytes: :func:`encode_kmeans_update_npz` / :func:`decode_kmeans_update_npz`)
 K-means update, stored    :class:`KMeansUpdate`            :func:`encode_kmeans_update_record` / :func:`decode_kmeans_update_record`
-  (server store record)                                    (MessagePack arrays; the decoder also reads ``.npz`` rows)
+  (server store record)                                    (MessagePack arrays; also reads v2 and ``.npz`` rows)
 receipt (JSON)            :class:`Receipt`                 :meth:`Receipt.to_json` / :meth:`Receipt.from_json`
 device sync state (JSON)  :class:`SyncState`               :func:`encode_sync_state` / :func:`decode_sync_state`
   its sent-update record  :class:`KMeansUpdate`            :func:`encode_sent_record` / :func:`decode_sent_record`
@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -207,6 +208,9 @@ MSGPACK_ARRAYS = {"count": ("<f8", 2), "sum_accuracy": ("<f8", 2), "sum_cost": (
                   "centroid_cells": ("<i8", 1), "local_centroids": ("<f4", 2), "local_weights": ("<f8", 1)}
 
 
+_INT64, _FLOAT64 = np.dtype(np.int64), np.dtype(np.float64)
+
+
 def pack_msgpack_array(values: np.ndarray, dtype: str) -> list:
     """One array of the MessagePack encoding: ``[shape, data]``, ``shape`` a list of ints and
     ``data`` the C-order bytes of ``values`` cast to ``dtype`` (little-endian)."""
@@ -231,10 +235,13 @@ def unpack_msgpack_array(value: object, dtype: str, rank: int) -> np.ndarray:
     if len(shape) != rank or not all(type(n) is int and 0 <= n < 2**31 for n in shape):
         raise ShapeError(f"shape must be {rank} non-negative ints, got {list(shape)!r}")
     dt = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape)
     if len(data) != n * dt.itemsize:
         raise ShapeError(f"shape {list(shape)} needs {n * dt.itemsize} bytes of {dtype}, got {len(data)}")
-    return np.frombuffer(data, dtype=dt).reshape(shape).astype(np.int64 if dt.kind in "iu" else np.float64)
+    # A view of the bytes where the dtype is already the wide one (no copy), else a widened copy.
+    arr = np.frombuffer(data, dtype=dt).reshape(shape)
+    wide = _INT64 if dt.kind in "iu" else _FLOAT64
+    return arr if arr.dtype == wide else arr.astype(wide)
 
 
 def encode_kmeans_update_msgpack(update: KMeansUpdate, client_id: str, spec: RoundSpec) -> bytes:
@@ -418,33 +425,44 @@ def decode_kmeans_update_npz(data: bytes) -> KMeansUpdate:
 
 
 #: Version tag of :func:`encode_kmeans_update_record` (first key of the map).
-UPDATE_RECORD_FORMAT = "fedroute.kmeans_update.v2"
+UPDATE_RECORD_FORMAT = "fedroute.kmeans_update.v3"
+#: The array dtypes of each store record format still read (:func:`decode_kmeans_update_record`):
+#: v3 (written now) keeps the cell means as float32, the dtypes of the MessagePack wire encoding
+#: (:data:`MSGPACK_ARRAYS`); v2 (rows written before it) held them as float64.
+RECORD_ARRAYS = {
+    UPDATE_RECORD_FORMAT: MSGPACK_ARRAYS,
+    "fedroute.kmeans_update.v2": {**MSGPACK_ARRAYS, "local_centroids": ("<f8", 2)},
+}
 
 
 def encode_kmeans_update_record(update: KMeansUpdate) -> bytes:
     """The server store's record of an accepted K-means update: a MessagePack map, keys in order
     ``format`` (:data:`UPDATE_RECORD_FORMAT`), then the arrays of :func:`kmeans_update_to_arrays`
     (``count``, ``sum_accuracy``, ``sum_cost``, ``centroid_cells``, ``local_centroids``,
-    ``local_weights``) as ``[shape, bin]`` pairs of little-endian float64 (``centroid_cells``:
-    int64), then ``log_size`` (int). Exact (no rounding) and deterministic; about 20 times cheaper to
-    write than :func:`encode_kmeans_update_npz` (a zip of ``.npy`` files), which it replaces in the
-    store (docs/protocol.md §4)."""
+    ``local_weights``) as ``[shape, bin]`` pairs of little-endian values of the dtypes of the
+    MessagePack wire encoding (:data:`MSGPACK_ARRAYS`: float64, ``centroid_cells`` int64,
+    ``local_centroids`` float32), then ``log_size`` (int). Deterministic; exact but for the cell
+    means, rounded to float32: the precision of the embeddings they average, at which the server
+    keeps them whatever the wire encoding (so storing them as float32 loses nothing; about half
+    the bytes of the float64 v2 record for 32 cells of 384 dimensions). Docs: docs/protocol.md §4."""
     arrays = kmeans_update_to_arrays(update)
     record: dict = {"format": UPDATE_RECORD_FORMAT}
-    for name in UPDATE_ARRAYS[:-1]:
-        record[name] = pack_msgpack_array(arrays[name], "<i8" if name == "centroid_cells" else "<f8")
+    for name, (dtype, _) in MSGPACK_ARRAYS.items():
+        record[name] = pack_msgpack_array(arrays[name], dtype)
     record["log_size"] = int(update.log_size)
     return msgpack.packb(record, use_bin_type=True)
 
 
 def decode_kmeans_update_record(data: bytes) -> KMeansUpdate:
-    """The update of a store record: :func:`encode_kmeans_update_record` bytes, or ``.npz`` bytes
-    (:func:`encode_kmeans_update_npz`, rows written before the v2 record).
+    """The update of a store record: :func:`encode_kmeans_update_record` bytes (v3), a v2 record
+    (float64 cell means), or ``.npz`` bytes (:func:`encode_kmeans_update_npz`, rows written before
+    v2). Arrays come back as :func:`kmeans_update_from_arrays` gives them (float64, cell indices
+    int64), so sums over records (the aggregation) run in float64 whatever the stored dtype.
 
     Raises
     ------
     PayloadError
-        Neither format.
+        None of these formats.
     ShapeError
         Not the update's arrays (see :func:`kmeans_update_from_arrays`).
     """
@@ -454,13 +472,13 @@ def decode_kmeans_update_record(data: bytes) -> KMeansUpdate:
         record = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated classes on bad input
         raise PayloadError(f"not a K-means update record ({type(exc).__name__})") from exc
-    if not isinstance(record, dict) or record.get("format") != UPDATE_RECORD_FORMAT:
-        raise PayloadError(f"not a {UPDATE_RECORD_FORMAT} record")
+    dtypes = RECORD_ARRAYS.get(record.get("format")) if isinstance(record, dict) else None
+    if dtypes is None:
+        raise PayloadError(f"not a K-means update record (formats {list(RECORD_ARRAYS)})")
     arrays = {}
-    for name in UPDATE_ARRAYS[:-1]:
-        integral = name == "centroid_cells"
+    for name, (dtype, rank) in dtypes.items():
         try:
-            arrays[name] = unpack_msgpack_array(record.get(name), "<i8" if integral else "<f8", _RANKS[name])
+            arrays[name] = unpack_msgpack_array(record.get(name), dtype, rank)
         except ShapeError as exc:
             raise ShapeError(f"{name}: {exc}") from exc
     log_size = record.get("log_size")

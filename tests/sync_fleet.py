@@ -269,6 +269,17 @@ class ServerProcess:
             return None
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def main_thread_cpu_seconds(self) -> float | None:
+        """User + system CPU seconds of the running process's main thread (the thread id equal to
+        the process id: uvicorn's event loop, which runs HTTP, TLS and the app's checks; the other
+        threads are the store's group-commit writer and the thread pool), else None."""
+        pid = self.process.pid if self.process is not None else None
+        try:
+            fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, AttributeError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def log_tail(self, n_chars: int = 2000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-n_chars:]

@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -120,10 +121,29 @@ def test_kmeans_update_npz_golden_bytes():
 def test_kmeans_update_store_record_golden_bytes():
     data = encode_kmeans_update_record(update())
     golden("kmeans_update.record.msgpack", data)
-    assert data.startswith(b"\x88\xa6format\xb9fedroute.kmeans_update.v2\xa5count\x92\x92\x02\x02\xc4\x20")
-    means = np.array([[0.5, 0.25, -0.125]], dtype="<f8").tobytes()  # float64: the record is exact
-    assert b"\xaflocal_centroids\x92\x92\x01\x03\xc4\x18" + means in data
+    assert data.startswith(b"\x88\xa6format\xb9fedroute.kmeans_update.v3\xa5count\x92\x92\x02\x02\xc4\x20")
+    means = np.array([[0.5, 0.25, -0.125]], dtype="<f4").tobytes()  # float32, as on the MessagePack wire
+    assert b"\xaflocal_centroids\x92\x92\x01\x03\xc4\x0c" + means in data
     assert data.endswith(b"\xa8log_size\x05")
+    assert len(data) == 275  # 124 bytes of arrays (3 x 32 + 8 + 12 + 8), 151 of keys, shapes, headers and the tag
+
+
+def test_store_records_of_the_previous_version_are_read():
+    v2 = (GOLDEN / "kmeans_update.record_v2.msgpack").read_bytes()  # written by the v2 encoder (float64 means)
+    assert v2.startswith(b"\x88\xa6format\xb9fedroute.kmeans_update.v2")
+    means = np.array([[0.5, 0.25, -0.125]], dtype="<f8").tobytes()
+    assert b"\xaflocal_centroids\x92\x92\x01\x03\xc4\x18" + means in v2
+    assert_same_update(decode_kmeans_update_record(v2), update())
+    # A mean that is not a float32 value keeps its float64 value from a v2 row (and is rounded in v3).
+    exact = msgpack.unpackb(v2)
+    exact["local_centroids"][1] = np.array([[0.1, 0.2, 0.3]], dtype="<f8").tobytes()
+    back = decode_kmeans_update_record(msgpack.packb(exact))
+    np.testing.assert_array_equal(back.local_centroids, [[0.1, 0.2, 0.3]])
+    assert back.local_centroids.dtype == np.float64
+    shorter = KMeansUpdate(update().statistics, update().centroid_cells, np.array([[0.1, 0.2, 0.3]]),
+                           update().local_weights, 5)
+    np.testing.assert_array_equal(decode_kmeans_update_record(encode_kmeans_update_record(shorter)).local_centroids,
+                                  np.float32([[0.1, 0.2, 0.3]]).astype(np.float64))
 
 
 def test_receipt_golden_bytes():
@@ -190,7 +210,7 @@ def test_update_arrays_and_npz_round_trip():
         decode_kmeans_update_npz(b"PK not a zip")
     assert_same_update(decode_kmeans_update_record(encode_kmeans_update_record(update())), update())
     assert_same_update(decode_kmeans_update_record(encode_kmeans_update_npz(update())), update())  # older rows
-    with pytest.raises(PayloadError, match="fedroute.kmeans_update.v2"):
+    with pytest.raises(PayloadError, match="fedroute.kmeans_update.v3"):
         decode_kmeans_update_record(b"\x80")
 
 

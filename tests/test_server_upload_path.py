@@ -149,3 +149,19 @@ def test_the_group_writer_waits_for_an_upload_on_its_way(store_round):
     assert (writer.batches, writer.rows) == (1, 2)
     assert (first["client_id"], second["client_id"], second["update_id"] - first["update_id"]) == ("alice", "alice", 1)
     assert store.count_updates() == 2
+
+
+def test_a_new_sqlite_store_gets_16_kib_pages_and_an_old_one_keeps_its_own(tmp_path):
+    import sqlite3
+
+    Store(f"sqlite:///{tmp_path / 'new.db'}").close()
+    old = sqlite3.connect(tmp_path / "old.db")
+    old.execute("CREATE TABLE t (x)")  # created with SQLite's default 4096-byte pages
+    old.commit()
+    old.close()
+    Store(f"sqlite:///{tmp_path / 'old.db'}").close()
+    for name, page in (("new.db", 16384), ("old.db", 4096)):
+        conn = sqlite3.connect(tmp_path / name)
+        assert conn.execute("PRAGMA page_size").fetchone()[0] == page, name
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal", name
+        conn.close()

@@ -16,6 +16,9 @@ from sdk.local_update import KMeansUpdate, centroid_threshold
 def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: int, min_count: int) -> None:
     """Check a decoded update against the round it answers (ARCHITECTURE.md §6). Pure.
 
+    Each field on its own first (shapes, whole numbers, ranges), then the rules across fields
+    (:func:`check_kmeans_totals`).
+
     Parameters
     ----------
     update : the node's update.
@@ -44,15 +47,6 @@ def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: i
         raise ShapeError(f"log_size={update.log_size} must be >= 0")
     if not np.array_equal(s.count, np.round(s.count)):
         raise ShapeError("counts must be whole numbers (a device reports raw counts)")
-    small = (s.count > 0) & (s.count < min_count)
-    if small.any():
-        k, m = np.argwhere(small)[0]
-        raise PrivacyError(
-            f"count[{k}, {m}]={s.count[k, m]:g} is below min_count={min_count}: such entries are not reported"
-        )
-    total = float(s.count.sum())
-    if total > update.log_size:
-        raise ShapeError(f"counts sum to {total:g}, more than log_size={update.log_size}")
     cells, means, weights = update.centroid_cells, update.local_centroids, update.local_weights
     n_rep = cells.shape[0]
     if cells.size and (cells.min() < 0 or cells.max() >= n_cells):
@@ -68,16 +62,45 @@ def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: i
         raise ShapeError("local_centroids and local_weights must be finite")
     if not np.array_equal(weights, np.round(weights)):
         raise ShapeError("local_weights must be whole numbers (queries per cell)")
-    threshold = centroid_threshold(min_count)
-    if n_rep and weights.min() < threshold:
-        raise PrivacyError(f"local_weights must be >= {threshold} (a mean of fewer queries is not reported), "
-                         f"got {weights.min():g}")
-    if float(weights.sum()) > update.log_size:
-        raise ShapeError(f"local_weights sum to {weights.sum():g}, more than log_size={update.log_size}")
     if n_rep and (np.linalg.norm(means, axis=1) > 1.0 + 1e-4).any():
         raise ShapeError("local_centroids must be means of unit-norm embeddings (norm <= 1)")
-    empty = s.count == 0
-    if (s.sum_accuracy[empty] != 0).any() or (s.sum_cost[empty] != 0).any():
+    check_kmeans_totals(update, min_count)
+
+
+def check_kmeans_totals(update: KMeansUpdate, min_count: int) -> None:
+    """The rules across the fields of an update whose fields are each valid (shapes that fit one
+    another, whole non-negative counts and weights, finite values; checked by
+    :func:`check_kmeans_update` here and field by field by the server's
+    :func:`trainer.server.validation.validate_update`), in this order: no entry with ``0 < count <
+    min_count``, counts summing to at most ``log_size``, local weights at least ``max(min_count,
+    2)`` and summing to at most ``log_size``, sums 0 where the count is 0. Pure.
+
+    Raises
+    ------
+    PrivacyError
+        An entry below ``min_count`` or a cell mean of too few queries.
+    ShapeError
+        Counts or weights summing above ``log_size``, or sums where the count is 0.
+    """
+    s = update.statistics
+    small = (s.count > 0) & (s.count < min_count)
+    if small.any():
+        k, m = np.argwhere(small)[0]
+        raise PrivacyError(
+            f"count[{k}, {m}]={s.count[k, m]:g} is below min_count={min_count}: such entries are not reported"
+        )
+    total = float(s.count.sum())
+    if total > update.log_size:
+        raise ShapeError(f"counts sum to {total:g}, more than log_size={update.log_size}")
+    weights = update.local_weights
+    threshold = centroid_threshold(min_count)
+    if weights.size and weights.min() < threshold:
+        raise PrivacyError(f"local_weights must be >= {threshold} (a mean of fewer queries is not reported), "
+                           f"got {weights.min():g}")
+    if float(weights.sum()) > update.log_size:
+        raise ShapeError(f"local_weights sum to {weights.sum():g}, more than log_size={update.log_size}")
+    # Nonzero sum_accuracy or sum_cost where the count is 0.
+    if (np.logical_or(s.sum_accuracy, s.sum_cost) & (s.count == 0)).any():
         raise ShapeError("sum_accuracy and sum_cost must be 0 where count is 0")
 
 
@@ -119,4 +142,4 @@ def check_difference(update: KMeansUpdate, previous: KMeansUpdate | None, min_co
                            f"{threshold}: hold it back")
 
 
-__all__ = ["check_difference", "check_kmeans_update"]
+__all__ = ["check_difference", "check_kmeans_totals", "check_kmeans_update"]

@@ -49,6 +49,7 @@ import threading
 from pathlib import Path
 from typing import Annotated
 
+import orjson
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi import Path as FastApiPath
 from fastapi.concurrency import run_in_threadpool
@@ -56,6 +57,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.requests import ClientDisconnect
+from starlette.routing import request_response
 
 from sdk.protocol import Receipt
 from trainer.server import round_kinds
@@ -79,7 +81,7 @@ MIN_CLOSE_CHECK_GAP_S = 0.25
 RoundId = Annotated[int, FastApiPath(ge=1, le=MAX_COUNT)]
 _KEY = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_UPLOAD_PATH = re.compile(r"/v1/rounds/[^/]+/updates")
+_UPLOAD_PATH = re.compile(r"/v1/rounds/([^/]+)/updates")
 
 
 def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -110,6 +112,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
     limits = HttpLimits() if limits is None else limits
     state = UploadState() if state is None else state
     wake = asyncio.Event()
+    stopping = asyncio.Event()
     close_lock = threading.Lock()
     owner = f"server-{os.getpid()}-{secrets.token_hex(4)}"
     orphaned: set[int] = set()  # rounds a crashed server left closing: taken over at once
@@ -119,8 +122,6 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             for round_id, outcome in close_due_rounds(store, progress=log.info, owner=owner, takeover=orphaned,
                                                       publisher=publisher):
                 log.info("closed round %s: %s", round_id, outcome.result)
-
-    stopping = asyncio.Event()
 
     async def pause(event: asyncio.Event, seconds: float) -> None:
         """Wait until ``event`` is set or ``seconds`` have passed, whichever comes first."""
@@ -156,6 +157,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             # allocate (about 0.8-1.1 ms per upload otherwise, measured in-process; docs/benchmarks.md).
             gc.collect()
             gc.freeze()
+        stopping.clear()  # an app served again (tests) starts its closer again
         task = asyncio.create_task(closer())
         try:
             yield
@@ -212,7 +214,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         state.tokens.put(token_sha256, client)
         return client
 
-    async def upload(request: Request) -> JSONResponse:
+    async def upload(request: Request) -> Response:
         """``POST /v1/rounds/{round_id}/updates``: a plain Starlette route (added below), not a FastAPI
         path operation: the hot path reads its parameters by hand and skips FastAPI's dependency
         resolution and response handling; the app's exception handlers still answer its errors."""
@@ -251,13 +253,14 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
                     accept_checked, round_id, token, token_sha256, client, idempotency_key, raw, content_type)
         if created and (receipt.get("late") or state.first_in_round(round_id, client)):
             wake.set()  # a late upload: its round is closing, perhaps left so by a crash
-        return JSONResponse(receipt, status_code=201 if created else 200)
+        return Response(orjson.dumps(receipt), status_code=201 if created else 200, media_type="application/json")
 
     # Listed in the app's router; served (POST) by SyncServerApp's short stack: the header-count
-    # limit and the two exception handlers above, without FastAPI's middleware.
+    # limit and the two exception handlers above around the endpoint, without FastAPI's middleware
+    # or the router's path matching (SyncServerApp has matched the path already).
     app.router.add_route("/v1/rounds/{round_id}/updates", upload, methods=["POST"])
     app.upload_app = RequestLimits(
-        ExceptionMiddleware(app.router.routes[-1], handlers={UploadRejected: _rejected, ClientDisconnect: _gone}),
+        ExceptionMiddleware(request_response(upload), handlers={UploadRejected: _rejected, ClientDisconnect: _gone}),
         max_headers=limits.max_headers)
 
     def check_upload(round_id: int, client: str, raw: bytes, content_type: str):
@@ -391,7 +394,8 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
 
 class SyncServerApp(FastAPI):
     """The server's FastAPI application, except that ``POST /v1/rounds/{round_id}/updates`` (the hot
-    path: one request per device upload) goes straight to :attr:`upload_app`, a Starlette ``Route``
+    path: one request per device upload) goes straight to :attr:`upload_app`, the Starlette endpoint
+    (``starlette.routing.request_response``; the path parameter taken from the path matched here)
     under the header-count limit and the route's exception handlers, set by :func:`create_app`.
     FastAPI's own middleware stack (server-error, telemetry, body-limit and exit-stack middleware)
     cost a bare route about 0.27-0.3 ms of CPU per request more (docs/benchmarks.md); an error the
@@ -400,11 +404,13 @@ class SyncServerApp(FastAPI):
     upload_app = None
 
     async def __call__(self, scope, receive, send) -> None:
-        if (self.upload_app is not None and scope["type"] == "http" and scope["method"] == "POST"
-                and _UPLOAD_PATH.fullmatch(scope["path"])):
-            scope["app"] = self
-            await self.upload_app(scope, receive, send)
-            return
+        if self.upload_app is not None and scope["type"] == "http" and scope["method"] == "POST":
+            match = _UPLOAD_PATH.fullmatch(scope["path"])
+            if match is not None:
+                scope["app"] = self
+                scope["path_params"] = {"round_id": match.group(1)}
+                await self.upload_app(scope, receive, send)
+                return
         await super().__call__(scope, receive, send)
 
 

@@ -9,8 +9,6 @@ through :func:`get`, :func:`for_media_type`, :func:`parse_upload` and :func:`val
 
 from __future__ import annotations
 
-import dataclasses
-
 from sdk.errors import InvalidInputError
 from sdk.kind_registry import KindRegistry
 from trainer.server.errors import UploadRejected
@@ -84,7 +82,8 @@ def parse_upload(raw: bytes, content_type: str) -> ParsedUpload:
         415 another content type; 400 undecodable; 422 a malformed envelope.
     """
     kind = for_media_type(content_type)
-    return dataclasses.replace(kind.parse(raw, content_type), parsed_by=kind.name)
+    u = kind.parse(raw, content_type)
+    return ParsedUpload(u.client_id, u.round_id, u.kind, u.content, u.raw, parsed_by=kind.name)
 
 
 def validate_upload(upload: ParsedUpload, round_) -> AcceptedUpload:

@@ -15,7 +15,7 @@ rounds : id, kind (``kmeans`` or ``mlp``), status (open -> closing -> closed), d
     per-round settings (JSON), and at close the outcome (JSON) and the aggregate (.npz bytes).
 updates : one row per accepted upload: client, round it was sent for, round it is counted in (NULL
     while waiting for the next round), Idempotency-Key, sha256 of the body, the update (K-means: a
-    MessagePack record, :func:`sdk.protocol.encode_kmeans_update_record`, or .npz in older rows; MLP:
+    MessagePack record, :func:`sdk.protocol.encode_kmeans_update_record`, float32 cell means; v2 or .npz in older rows; MLP:
     the safetensors body)
     and the receipt returned to the client (empty for rows written by the one-statement insert:
     the receipt is rebuilt from the row, :func:`receipt_of`). ``(client_id, idempotency_key)`` is unique.
@@ -100,8 +100,16 @@ sa.Index("updates_by_counted_round", updates.c.counted_round, updates.c.client_i
 sa.Index("one_unclosed_round", sa.func.nullif(sa.case((rounds.c.status == "closed", 0), else_=1), 0), unique=True)
 
 
+#: Page size of a new SQLite database (bytes; SQLite's default is 4096). A K-means upload is a row of
+#: about 40 KB (32 cells x 384 float32 means); with 16 KiB pages it takes 3 WAL frames instead of 10,
+#: about 0.06 ms less CPU per stored row in batches of 10 (docs/benchmarks.md). Existing databases
+#: keep the page size they were created with.
+SQLITE_PAGE_BYTES = 16384
+
+
 def create_engine(url: str) -> Engine:
-    """Engine for ``url``; SQLite gets WAL, ``synchronous=FULL``, a busy timeout and BEGIN IMMEDIATE.
+    """Engine for ``url``; SQLite gets WAL, ``synchronous=FULL``, a busy timeout, BEGIN IMMEDIATE
+    and, for a new database, :data:`SQLITE_PAGE_BYTES` pages.
 
     Raises
     ------
@@ -114,6 +122,9 @@ def create_engine(url: str) -> Engine:
         def _connect(dbapi_conn, _record) -> None:  # SQLAlchemy docs: "Serializable isolation / Savepoints"
             dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
+            # Only takes effect in a new database (before its first table): uploads are rows of tens of
+            # KB, and larger pages write them in fewer WAL frames (SQLITE_PAGE_BYTES, docs/benchmarks.md).
+            cur.execute(f"PRAGMA page_size={SQLITE_PAGE_BYTES}")
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=FULL")
             cur.execute("PRAGMA busy_timeout=30000")
@@ -214,13 +225,45 @@ def _insert_checked(check_previous: bool):
 _INSERT_CHECKED = {False: _insert_checked(False), True: _insert_checked(True)}
 
 
+class _DriverStatement:
+    """A Core statement compiled ONCE for a dialect and run on the DBAPI cursor of a connection.
+
+    The hot insert (one per accepted upload) skips SQLAlchemy's per-execution work: the compiled-
+    cache lookup, the execution context, parameter and result processing and the Row objects
+    (about 0.1-0.2 ms of CPU per row, docs/benchmarks.md). Only for statements whose parameters
+    the driver takes as they are (str, int, float, bytes) and whose results need no processing.
+    """
+
+    def __init__(self, statement, dialect) -> None:
+        compiled = statement.compile(dialect=dialect)
+        self.sql = compiled.string
+        if compiled.escaped_bind_names:
+            raise ValueError("bound parameter names that the dialect escapes are not supported here")
+        # The statement's own literals (status values, '') with their values; the rest come per call.
+        self._literals = {name: bind.effective_value for bind, name in compiled.bind_names.items() if not bind.required}
+        self._order = tuple(compiled.positiontup) if compiled.positional else None
+
+    def rows(self, conn: Connection, params: dict) -> list[tuple]:
+        """All rows (tuples) of the statement run with ``params`` (bound parameter name -> value)
+        in ``conn``'s transaction."""
+        values = {**self._literals, **params}
+        cursor = conn.connection.dbapi_connection.cursor()
+        try:
+            cursor.execute(self.sql, values if self._order is None else [values[k] for k in self._order])
+            return cursor.fetchall()  # to the end: the statement is finished before the commit
+        finally:
+            cursor.close()
+
+
 def receipt_of(row) -> dict:
     """The receipt JSON (:class:`sdk.protocol.Receipt`) of a stored update row (``id``,
-    ``client_id``, ``sent_round``, ``late``, ``log_size``): an on-time update counts in the round it
-    was sent for, a late one in none yet (the receipt never changes after the 201)."""
-    late = bool(row.late)
-    return Receipt(int(row.id), row.client_id, int(row.sent_round), late, None if late else int(row.sent_round),
-                   int(row.log_size)).to_json()
+    ``client_id``, ``sent_round``, ``late``, ``log_size``, in that order: a Row or a tuple): an
+    on-time update counts in the round it was sent for, a late one in none yet (the receipt never
+    changes after the 201)."""
+    update_id, client_id, sent_round, late, log_size = row[:5]
+    late = bool(late)
+    return Receipt(int(update_id), client_id, int(sent_round), late, None if late else int(sent_round),
+                   int(log_size)).to_json()
 
 
 def _round(row) -> Round:
@@ -247,6 +290,8 @@ class Store:
         # SQLite has one writer: this process's writers queue on a lock rather than in SQLite's busy
         # handler (which sleeps in steps of up to 100 ms); other processes still wait on busy_timeout.
         self._write_lock = threading.Lock() if self.engine.dialect.name == "sqlite" else contextlib.nullcontext()
+        self._insert_checked = {flag: _DriverStatement(statement, self.engine.dialect)
+                                for flag, statement in _INSERT_CHECKED.items()}
         metadata.create_all(self.engine)
         inspector = sa.inspect(self.engine)
         for table in (clients, rounds, updates):
@@ -518,8 +563,8 @@ class Store:
                           "body_sha256": row["body_sha256"], "now": time.time(), "log_size": int(row["log_size"]),
                           "payload": row["payload"], "token_sha256": row["token_sha256"],
                           "previous_id": int(previous_id or 0)}
-                stored = conn.execute(_INSERT_CHECKED[previous_id is not None], params).first()
-                results.append(None if stored is None else receipt_of(stored))
+                stored = self._insert_checked[previous_id is not None].rows(conn, params)
+                results.append(receipt_of(stored[0]) if stored else None)
         return results
 
     def add_update(self, *, client_id: str, round_: Round, key: str, body_sha256: str, payload: bytes,

@@ -19,7 +19,7 @@ and the first failure is answered (the detail starts with the field's name):
    [0, count * max cost] (USD); ``centroid_cells`` in [0, n_cells), distinct; ``local_centroids``
    (n_reported, d_emb), norm <= 1 (kept at float32 precision whatever the encoding, so both store
    the same row); ``local_weights`` (n_reported,), whole, <= 2**31 - 1;
-4. across fields (:func:`trainer.federated.update_checks.check_kmeans_update`, shared with Flower):
+4. across fields (:func:`trainer.federated.update_checks.check_kmeans_totals`, shared with Flower):
    counts summing to at most ``log_size``, the privacy threshold ``min_count`` for entries and
    reported cell means, sums 0 where the count is 0; and an update that reports nothing is refused.
 """
@@ -40,7 +40,7 @@ from sdk.errors import PayloadError, PrivacyError, ShapeError
 from sdk.local_update import KMeansUpdate
 from sdk.protocol import MSGPACK_ARRAYS, UPDATE_FIELDS, unpack_msgpack_array
 from trainer.federated.mlp_local import UPLOAD_FIELDS, read_parameters
-from trainer.federated.update_checks import check_kmeans_update
+from trainer.federated.update_checks import check_kmeans_totals
 from trainer.server.errors import UploadRejected
 from trainer.server.round_kind import ParsedUpload
 from trainer.server.store import Round
@@ -265,12 +265,21 @@ def _whole(arr: np.ndarray) -> bool:
     return not np.fmod(arr, 1.0).any()
 
 
+def _above_tolerance(s_acc: np.ndarray, count: np.ndarray) -> bool:
+    """True if a sum of scores exceeds its count by more than the tolerance of
+    :class:`sdk.CellStatistics` (in either of the two roundings of the comparison)."""
+    tol = 1e-9 * np.maximum(1.0, count)
+    return bool((s_acc - count > tol).any() or (s_acc > count + tol).any())
+
+
 def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
     """Steps 3 and 4 of the module docstring: check ``body`` against ``round_``, field by field in
     order, and return the update it holds (``local_centroids`` at float32 precision, as float64).
 
     Each array is checked with a few whole-array numpy operations (min and max for finiteness and
-    range, one pass for whole numbers), never element by element in Python.
+    range, one pass for whole numbers, one for the norms of the cell means), never element by
+    element in Python; each rule is checked once (step 4 only takes the rules across fields,
+    :func:`trainer.federated.update_checks.check_kmeans_totals`).
 
     Raises
     ------
@@ -284,16 +293,18 @@ def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
     if body.models != round_.models:
         raise _field_error("models", f"must be the round's {list(round_.models)} in that order")
     a = body.arrays
-    shape = (round_.centroids.shape[0], len(round_.models))
+    n_cells, d_emb = round_.centroids.shape
+    shape = (n_cells, len(round_.models))
     count = a["count"]
-    low, high = _bounds("count", count, shape)
-    if low < 0 or high > MAX_COUNT or not _whole(count):
+    low, count_max = _bounds("count", count, shape)
+    if low < 0 or count_max > MAX_COUNT or not _whole(count):
         raise _field_error("count", f"entries must be whole numbers in [0, {MAX_COUNT}]")
     s_acc = a["sum_accuracy"]
     low, high = _bounds("sum_accuracy", s_acc, shape)
-    # Scores in [0, 1], with sdk.CellStatistics' tolerance: sums of float scores round.
+    # Scores in [0, 1], with sdk.CellStatistics' tolerance: sums of float scores round. The tolerant
+    # comparison runs only where a plain one fails.
     if (low < 0 and (s_acc < -1e-9 * np.maximum(1.0, count)).any()) or (
-            high > 0 and (s_acc - count > 1e-9 * np.maximum(1.0, count)).any()):
+            high > 0 and (s_acc > count).any() and _above_tolerance(s_acc, count)):
         raise _field_error("sum_accuracy", "entries must lie in [0, count] (scores in [0, 1])")
     s_cost = a["sum_cost"]
     low, high = _bounds("sum_cost", s_cost, shape)
@@ -303,27 +314,38 @@ def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
     if high > 0 and (s_cost > count * c_max).any():
         raise _field_error("sum_cost", f"is above {c_max:g} USD per query")
     cells = a["centroid_cells"]
-    n_rep, (n_cells, d_emb) = cells.shape[0], round_.centroids.shape
-    if n_rep and (cells.min() < 0 or cells.max() >= n_cells or np.bincount(cells, minlength=n_cells).max() > 1):
-        raise _field_error("centroid_cells", f"must be distinct cells in [0, {n_cells}), got {cells.tolist()[:10]}")
+    n_rep = cells.shape[0]
+    if n_rep:  # at most n_cells of them: a few Python ints
+        listed = cells.tolist() if n_rep <= n_cells else []
+        if not listed or min(listed) < 0 or max(listed) >= n_cells or len(set(listed)) < n_rep:
+            raise _field_error("centroid_cells", f"must be distinct cells in [0, {n_cells}), got {cells[:10].tolist()}")
     means = a["local_centroids"]
     if means.size == 0:
         means = means.reshape(0, d_emb)
-    _bounds("local_centroids", means, (n_rep, d_emb))
-    if n_rep and np.einsum("ij,ij->i", means, means).max() > (1.0 + 1e-4) ** 2:
-        raise _field_error("local_centroids", "must be means of unit-norm embeddings (norm <= 1)")
-    if not body.means_float32:  # the precision of the embeddings, for both encodings
-        means = means.astype(np.float32).astype(np.float64)
+    if means.shape != (n_rep, d_emb):
+        raise _field_error("local_centroids", f"must have shape {(n_rep, d_emb)}, got {means.shape}")
+    if n_rep:
+        # Squared norms: NaN or infinity anywhere makes its row's NaN or infinity, so one max finds
+        # them and the largest norm (a square that overflows belongs to a norm far above 1).
+        top = float(np.einsum("ij,ij->i", means, means).max())
+        if not math.isfinite(top) and not np.isfinite(means).all():
+            raise _field_error("local_centroids", "holds NaN or infinity")
+        if not top <= (1.0 + 1e-4) ** 2:
+            raise _field_error("local_centroids", "must be means of unit-norm embeddings (norm <= 1)")
+    # The precision of the embeddings, for both encodings (MessagePack sends float32 values).
+    means = means.astype(np.float64) if body.means_float32 else means.astype(np.float32).astype(np.float64)
     weights = a["local_weights"]
     low, high = _bounds("local_weights", weights, (n_rep,))
     if low < 0 or high > MAX_COUNT or not _whole(weights):
         raise _field_error("local_weights", f"must be whole numbers in [0, {MAX_COUNT}]")
-    if count.sum() == 0 and n_rep == 0:
+    if count_max == 0 and n_rep == 0:
         raise UploadRejected(422, "count: the update reports nothing (no evaluation above min_count): do not "
                                   "upload it")
     try:
-        update = KMeansUpdate(CellStatistics(count, s_acc, s_cost), cells, means, weights, int(body.log_size))
-        check_kmeans_update(update, round_.centroids, len(round_.models), round_.min_count)
+        # Every rule of CellStatistics' constructor was checked above, field by field.
+        update = KMeansUpdate(CellStatistics.of_checked(count, s_acc, s_cost), cells, means, weights,
+                              int(body.log_size))
+        check_kmeans_totals(update, round_.min_count)
     except (ShapeError, PrivacyError) as exc:
         raise UploadRejected(422, f"invalid update: {exc}") from exc
     return update
