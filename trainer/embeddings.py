@@ -79,7 +79,9 @@ class EmbeddingCache:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path)
+        # Several processes may fill one cache at once (parallel jobs, test workers): a writer waits
+        # up to 120 s for another's transaction instead of failing after sqlite3's default 5 s.
+        self._db = sqlite3.connect(path, timeout=120.0)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT PRIMARY KEY, dim INTEGER, vec BLOB)")
 
