@@ -209,6 +209,7 @@ MSGPACK_ARRAYS = {"count": ("<f8", 2), "sum_accuracy": ("<f8", 2), "sum_cost": (
 
 
 _INT64, _FLOAT64 = np.dtype(np.int64), np.dtype(np.float64)
+_DTYPES = {dtype: np.dtype(dtype) for dtype, _ in MSGPACK_ARRAYS.values()}  # parsed once
 
 
 def pack_msgpack_array(values: np.ndarray, dtype: str) -> list:
@@ -218,9 +219,9 @@ def pack_msgpack_array(values: np.ndarray, dtype: str) -> list:
     return [list(a.shape), a.tobytes()]
 
 
-def unpack_msgpack_array(value: object, dtype: str, rank: int) -> np.ndarray:
+def unpack_msgpack_array(value: object, dtype: str, rank: int, widen: bool = True) -> np.ndarray:
     """The ndarray of a ``[shape, data]`` pair of the MessagePack encoding (read-only, ``dtype``
-    widened to float64 or int64).
+    widened to float64 or int64; ``widen=False``: a view of the bytes in ``dtype`` itself).
 
     Raises
     ------
@@ -232,16 +233,16 @@ def unpack_msgpack_array(value: object, dtype: str, rank: int) -> np.ndarray:
             and isinstance(value[1], bytes)):
         raise ShapeError("must be [shape, bytes] (a list of ints and a bin)")
     shape, data = value
-    if len(shape) != rank or not all(type(n) is int and 0 <= n < 2**31 for n in shape):
+    if len(shape) != rank or not all([type(n) is int and 0 <= n < 2**31 for n in shape]):
         raise ShapeError(f"shape must be {rank} non-negative ints, got {list(shape)!r}")
-    dt = np.dtype(dtype)
+    dt = _DTYPES.get(dtype) or np.dtype(dtype)
     n = math.prod(shape)
     if len(data) != n * dt.itemsize:
         raise ShapeError(f"shape {list(shape)} needs {n * dt.itemsize} bytes of {dtype}, got {len(data)}")
     # A view of the bytes where the dtype is already the wide one (no copy), else a widened copy.
     arr = np.frombuffer(data, dtype=dt).reshape(shape)
     wide = _INT64 if dt.kind in "iu" else _FLOAT64
-    return arr if arr.dtype == wide else arr.astype(wide)
+    return arr if arr.dtype == wide or not widen else arr.astype(wide)
 
 
 def encode_kmeans_update_msgpack(update: KMeansUpdate, client_id: str, spec: RoundSpec) -> bytes:
@@ -435,7 +436,7 @@ RECORD_ARRAYS = {
 }
 
 
-def encode_kmeans_update_record(update: KMeansUpdate) -> bytes:
+def encode_kmeans_update_record(update: KMeansUpdate, packed: Mapping[str, list] | None = None) -> bytes:
     """The server store's record of an accepted K-means update: a MessagePack map, keys in order
     ``format`` (:data:`UPDATE_RECORD_FORMAT`), then the arrays of :func:`kmeans_update_to_arrays`
     (``count``, ``sum_accuracy``, ``sum_cost``, ``centroid_cells``, ``local_centroids``,
@@ -444,11 +445,17 @@ def encode_kmeans_update_record(update: KMeansUpdate) -> bytes:
     ``local_centroids`` float32), then ``log_size`` (int). Deterministic; exact but for the cell
     means, rounded to float32: the precision of the embeddings they average, at which the server
     keeps them whatever the wire encoding (so storing them as float32 loses nothing; about half
-    the bytes of the float64 v2 record for 32 cells of 384 dimensions). Docs: docs/protocol.md §4."""
-    arrays = kmeans_update_to_arrays(update)
+    the bytes of the float64 v2 record for 32 cells of 384 dimensions). Docs: docs/protocol.md §4.
+
+    ``packed``: name -> ``[shape, bytes]`` pairs already in the record's form (the MessagePack wire
+    pairs of an upload, :func:`pack_msgpack_array`'s output for the same arrays), used as they are
+    instead of packing ``update``'s arrays again (the server's upload path: the bytes it received and
+    checked are the bytes it stores); the caller guarantees they hold ``update``'s values and shapes."""
+    packed = packed or {}
+    arrays = None if all(name in packed for name in MSGPACK_ARRAYS) else kmeans_update_to_arrays(update)
     record: dict = {"format": UPDATE_RECORD_FORMAT}
     for name, (dtype, _) in MSGPACK_ARRAYS.items():
-        record[name] = pack_msgpack_array(arrays[name], dtype)
+        record[name] = packed[name] if name in packed else pack_msgpack_array(arrays[name], dtype)
     record["log_size"] = int(update.log_size)
     return msgpack.packb(record, use_bin_type=True)
 

@@ -165,3 +165,40 @@ def test_a_new_sqlite_store_gets_16_kib_pages_and_an_old_one_keeps_its_own(tmp_p
         assert conn.execute("PRAGMA page_size").fetchone()[0] == page, name
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal", name
         conn.close()
+
+
+def test_a_failed_batch_stores_none_of_its_rows_and_the_next_batch_is_stored(store_round):
+    import sqlalchemy as sa
+
+    store, r = store_round
+    token_sha256 = hash_token(store.add_client("alice"))
+    row = {"client_id": "alice", "token_sha256": token_sha256, "round_id": r.id, "body_sha256": "0" * 64,
+           "payload": b"x" * 100, "log_size": 5, "previous_id": None}
+    with pytest.raises(sa.exc.IntegrityError):  # the second row's payload breaks NOT NULL: the batch rolls back
+        store.insert_updates([{**row, "key": "k1"}, {**row, "key": "k2", "payload": None}])
+    assert store.count_updates() == 0
+    # The batch connection was replaced; a stored key is skipped (None), a revoked token too.
+    first, again = store.insert_updates([{**row, "key": "k1"}, {**row, "key": "k1"}])
+    assert (first["client_id"], first["round_id"], first["late"], again) == ("alice", r.id, False, None)
+    assert store.insert_updates([{**row, "key": "k3", "token_sha256": "f" * 64}]) == [None]
+    assert store.count_updates() == 1
+
+
+def test_the_stored_record_reuses_the_msgpack_bytes_and_equals_the_packed_one(store_round):
+    from sdk.protocol import encode_kmeans_update, encode_kmeans_update_record
+
+    _, r = store_round
+    body = msgpack_body(r)
+    accepted = check(r, body)
+    update = decode_kmeans_update_record(accepted.payload)
+    assert accepted.payload == encode_kmeans_update_record(update)  # the same bytes as packing the update
+    spec = RoundSpec(r.id, "kmeans", r.centroids, r.centroids_hash, r.models, "e", D_EMB, r.min_count,
+                     "2030-01-01T00:00:00.000000Z")
+    from_json = round_kinds.validate_upload(round_kinds.parse_upload(
+        encode_kmeans_update(an_update(), "alice", spec), "application/json"), r)
+    assert accepted.payload == from_json.payload  # JSON packs its arrays; the same bytes
+    # An empty local_centroids sent as [0, 0] is stored with the round's d_emb, like JSON's [].
+    empty = msgpack_body(r, centroid_cells=mp_array(np.zeros(0), "<i8"),
+                         local_centroids=mp_array(np.zeros((0, 0)), "<f4"), local_weights=mp_array([], "<f8"))
+    stored = decode_kmeans_update_record(check(r, empty).payload)
+    assert stored.local_centroids.shape == (0, D_EMB)

@@ -28,8 +28,8 @@ Rounds close in the background (quorum or deadline, checked every ``tick_s`` sec
 each accepted upload), also after a restart.
 
 The upload path checks an upload against cached state (token -> client, the round's base, the
-client's previous upload: :mod:`trainer.server.upload_state`) and stores it with one ``INSERT ...
-SELECT`` that re-checks that state in its transaction (:meth:`Store.insert_update`); when the state
+client's previous upload: :mod:`trainer.server.upload_state`) and stores it with a check ``SELECT``
+and an ``INSERT`` that re-check that state in one transaction (:meth:`Store.insert_update`); when the state
 moved (a revoke, a round closed, a retry) it takes the checked path (:meth:`Store.add_update`).
 HTTP limits (header size and time, body time, keep-alive): :mod:`trainer.server.http_limits`.
 """

@@ -4,8 +4,8 @@ The upload route hands each checked upload to :meth:`GroupWriter.insert` and awa
 is gathered on the event loop: while the writer thread stores one batch, the uploads that arrive
 wait for the next; when the thread is free, the uploads waiting go at once, unless other uploads
 are still on their way in the route (``active``), in which case the batch waits for them up to
-``commit_delay_s`` (PostgreSQL's ``commit_delay``). The thread runs each upload's single ``INSERT
-... SELECT`` (:meth:`trainer.server.store.Store.insert_updates`) in ONE transaction, commits it (on
+``commit_delay_s`` (PostgreSQL's ``commit_delay``). The thread runs each upload's check ``SELECT`` and
+``INSERT`` (:meth:`trainer.server.store.Store.insert_updates`) in ONE transaction, commits it (on
 SQLite: WAL, ``synchronous=FULL``, so the commit is durable when it returns) and only then hands the
 receipts back to the event loop, which answers the waiting requests. So no receipt (201) is sent
 before its row is durable, as without grouping, while a burst of N uploads costs one commit (one

@@ -54,7 +54,14 @@ from trainer.server.round_kind import (
     round_settings,
 )
 from trainer.server.store import Round, Store, array_bytes
-from trainer.server.validation import JSON_TYPES, MSGPACK_TYPES, decode_body, parse_kmeans_body, validate_update
+from trainer.server.validation import (
+    JSON_TYPES,
+    MSGPACK_TYPES,
+    decode_body,
+    parse_kmeans_body,
+    record_pairs,
+    validate_update,
+)
 
 KMEANS_FILE = "kmeans.npz"
 
@@ -239,7 +246,8 @@ class KMeansRoundKind(ServerRoundKind):
             except PrivacyError as exc:
                 raise UploadRejected(422, f"invalid update: {exc}") from exc
 
-        return AcceptedUpload(encode_kmeans_update_record(update), update.log_size, check_previous, memo=update)
+        record = encode_kmeans_update_record(update, packed=record_pairs(upload.content, update))
+        return AcceptedUpload(record, update.log_size, check_previous, memo=update)
 
     def memo_of(self, payload: bytes) -> KMeansUpdate:
         return decode_kmeans_update_record(payload)

@@ -1,7 +1,7 @@
 """In-memory state of the upload path: cached auth and rounds, each client's previous upload, the quota.
 
-Nothing here is trusted for durability or for access: every upload's single ``INSERT ... SELECT``
-(:meth:`trainer.server.store.Store.insert_update`) re-checks, in the same transaction, that the
+Nothing here is trusted for durability or for access: every upload's check ``SELECT`` and
+``INSERT`` (:meth:`trainer.server.store.Store.insert_update`) re-check, in the same transaction, that the
 token is still the client's active token, that the round is still open (or the latest), and that the
 previous upload held here is still the client's latest. A revoke, a token rotation or a round close
 made by the CLI in another process therefore takes effect on the very next upload (the insert

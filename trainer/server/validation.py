@@ -66,10 +66,14 @@ class KMeansBody:
     """A K-means upload whose fields have the right types (step 2), not yet checked against a round.
 
     arrays : name -> ndarray for ``count``, ``sum_accuracy``, ``sum_cost`` (2-D float64),
-        ``centroid_cells`` (1-D int64), ``local_centroids`` (2-D float64; (0, 0) when empty in
-        JSON), ``local_weights`` (1-D float64).
+        ``centroid_cells`` (1-D int64), ``local_centroids`` (2-D: float32 when ``means_float32``,
+        a read-only view of the body's bytes, else float64; (0, 0) when empty in JSON),
+        ``local_weights`` (1-D float64).
     means_float32 : True when ``local_centroids`` came as float32 (MessagePack): already at the
         precision the store keeps, so not rounded again.
+    wire : name -> the ``[shape, bytes]`` pair of each array as received (MessagePack; None for
+        JSON): the arrays above are views of these bytes, which the store's record reuses
+        (:func:`sdk.protocol.encode_kmeans_update_record`) once they are checked.
     """
 
     client_id: str
@@ -80,6 +84,7 @@ class KMeansBody:
     log_size: int
     arrays: dict[str, np.ndarray]
     means_float32: bool = False
+    wire: dict[str, list] | None = None
 
 
 SAFETENSORS_TYPES = ("application/x-safetensors", "application/vnd.safetensors")
@@ -231,20 +236,39 @@ def parse_kmeans_body(obj: object) -> KMeansBody:
     if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
         raise _field_error("models", "must be a list of strings")
     log_size = _int_field(obj, "log_size", 0, MAX_COUNT)
-    arrays, means_float32 = {}, False
+    arrays, means_float32, wire = {}, False, {}
     for name, (dtype, rank) in MSGPACK_ARRAYS.items():
         value = obj[name]
         if isinstance(value, list) and len(value) == 2 and isinstance(value[1], bytes):  # MessagePack [shape, bin]
-            try:
-                arrays[name] = unpack_msgpack_array(value, dtype, rank)
+            means = name == "local_centroids"
+            try:  # the cell means stay float32 (the precision kept), a view of the body: no copy
+                arrays[name] = unpack_msgpack_array(value, dtype, rank, widen=not means)
             except ShapeError as exc:
                 raise _field_error(name, str(exc)) from exc
-            means_float32 = means_float32 or (name == "local_centroids" and dtype == "<f4")
+            means_float32 = means_float32 or (means and dtype == "<f4")
+            wire[name] = value
         elif name == "centroid_cells":
             arrays[name] = _json_cells(value)
         else:
             arrays[name] = _json_array(name, value, rank)
-    return KMeansBody(client_id, round_id, kind, centroids_hash, tuple(models), log_size, arrays, means_float32)
+    return KMeansBody(client_id, round_id, kind, centroids_hash, tuple(models), log_size, arrays, means_float32,
+                      wire if len(wire) == len(MSGPACK_ARRAYS) else None)
+
+
+def record_pairs(body: KMeansBody, update: KMeansUpdate) -> dict[str, list]:
+    """The ``[shape, bytes]`` pairs of a MessagePack ``body`` that the store's record of its checked
+    ``update`` (:func:`validate_update`'s result) can take as they are
+    (:func:`sdk.protocol.encode_kmeans_update_record` ``packed``): those whose shape is the checked
+    array's (an empty ``local_centroids`` sent as ``[0, 0]`` is packed again as ``[0, d_emb]``).
+    The checked arrays are views of these bytes in the record's dtypes, so the record's bytes are
+    the same either way; empty for a JSON body."""
+    if body.wire is None:
+        return {}
+    s = update.statistics
+    shapes = {"count": s.count.shape, "sum_accuracy": s.sum_accuracy.shape, "sum_cost": s.sum_cost.shape,
+              "centroid_cells": update.centroid_cells.shape, "local_centroids": update.local_centroids.shape,
+              "local_weights": update.local_weights.shape}
+    return {name: pair for name, pair in body.wire.items() if list(pair[0]) == list(shapes[name])}
 
 
 def _bounds(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> tuple[float, float]:
@@ -262,7 +286,7 @@ def _bounds(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> tuple[float, 
 
 def _whole(arr: np.ndarray) -> bool:
     """True if every entry of the (finite) float array is a whole number."""
-    return not np.fmod(arr, 1.0).any()
+    return not (arr != np.floor(arr)).any()
 
 
 def _above_tolerance(s_acc: np.ndarray, count: np.ndarray) -> bool:
@@ -325,14 +349,16 @@ def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
     if means.shape != (n_rep, d_emb):
         raise _field_error("local_centroids", f"must have shape {(n_rep, d_emb)}, got {means.shape}")
     if n_rep:
-        # Squared norms: NaN or infinity anywhere makes its row's NaN or infinity, so one max finds
-        # them and the largest norm (a square that overflows belongs to a norm far above 1).
-        top = float(np.einsum("ij,ij->i", means, means).max())
+        # Squared norms (summed in float64 whatever the wire's dtype): NaN or infinity anywhere makes
+        # its row's NaN or infinity, so one max finds them and the largest norm (a square that
+        # overflows belongs to a norm far above 1).
+        top = float(np.einsum("ij,ij->i", means, means, dtype=np.float64).max())
         if not math.isfinite(top) and not np.isfinite(means).all():
             raise _field_error("local_centroids", "holds NaN or infinity")
         if not top <= (1.0 + 1e-4) ** 2:
             raise _field_error("local_centroids", "must be means of unit-norm embeddings (norm <= 1)")
-    # The precision of the embeddings, for both encodings (MessagePack sends float32 values).
+    # The precision of the embeddings, for both encodings (MessagePack sends float32 values: widened
+    # once, from the body's bytes).
     means = means.astype(np.float64) if body.means_float32 else means.astype(np.float32).astype(np.float64)
     weights = a["local_weights"]
     low, high = _bounds("local_weights", weights, (n_rep,))
