@@ -30,7 +30,8 @@ def eval_markdown(res: dict) -> str:
     lines += [_row(k, m) for k, m in {**res["single_rms"], **res["router_weighting"]}.items()]
     if res.get("routing_variants"):
         lines += ["", "Routing variants (the validation-chosen weighting of each seed; `sparse|prompt` routes the responses "
-                  "of one prompt together, `soft|...|T=t` uses softmax(z / t)):", "",
+                  "of one prompt together, `sparse<f|...` gives rows whose largest weight is below f the soft reward, "
+                  "`soft|...|T=t` uses softmax(z / t)):", "",
                   "| variant | ID accuracy | held-out category |", "|---|---|---|"]
         lines += [_row(k.removeprefix("routing_"), m) for k, m in res["routing_variants"].items()]
     lines += ["", "Without normalisation (raw client rewards):", "", "| method | ID accuracy | held-out category |", "|---|---|---|"]
@@ -130,10 +131,10 @@ def eval_figure(res: dict, path: Path) -> None:
         ax2.set_ylim(0, max(0.4, max(diag[k]["pairs_away"] for k in keys) * 1.2))
         ax[2].set_xticks(xv, keys, rotation=45, ha="right", fontsize=7)
         ax[2].set_ylim(0.7, 0.9)
-        ax[2].set_ylabel("held-out pairwise accuracy (red: chosen on validation)")
+        ax[2].set_ylabel("held-out accuracy (red: chosen on validation)")
         ax[2].legend(fontsize=8, loc="upper left")
         ax2.legend(fontsize=8, loc="upper right")
-        ax[2].set_title("held-out category: every routing variant")
+        ax[2].set_title("held-out category: every routing variant (diagnosis)")
     save_figure(fig, path, dpi=120)
 
 
