@@ -13,29 +13,22 @@ writes ``docs/mor_length_prior_settings[_quick].json``.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
+from benchmarks.mor_settings_setup import setup, write_json
 from trainer.rewards.pair_features import response_lengths
 from trainer.rewards.reward_models import fit_length_prior, pairwise_accuracy
-from trainer.rewards.mor_trainer import MoRConfig, MoRTrainer
 
 CANDIDATES = (("off", None), ("prior C=0.1", 0.1), ("prior C=1", 1.0), ("prior C=10", 10.0))
 
 
 def main(argv: list[str]) -> None:
-    torch.set_num_threads(1)
-    quick = "--quick" in argv
-    cfg = MoRConfig.quick() if quick else MoRConfig()
-    cfg = replace(cfg, client_archs=tuple("mlp" for _ in cfg.client_names))
-    trainer = MoRTrainer(cfg, show_progress=False)
-    names = list(cfg.client_names)
+    bench = setup(argv)
+    quick, cfg, trainer, names = bench.quick, bench.cfg, bench.trainer, bench.names
     scores: dict[str, list[list[float]]] = {n: [] for n, _ in CANDIDATES}
     scores["length fit alone (C=1)"] = []
     for seed in tqdm(range(3), desc="seeds"):
@@ -57,10 +50,8 @@ def main(argv: list[str]) -> None:
         scores["length fit alone (C=1)"].append(row)
     rows = [{"setting": k, "val_acc_mean": float(np.mean(v)), "val_acc_std_over_seeds": float(np.std(np.mean(v, axis=1))),
              "val_acc_per_client": dict(zip(names, np.mean(v, axis=0).tolist()))} for k, v in scores.items()]
-    out = Path(f"docs/mor_length_prior_settings{'_quick' if quick else ''}.json")
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps({"pool": "quick" if quick else "default", "archs": "all mlp", "seeds": [0, 1, 2], "rows": rows}, indent=2))
-    tmp.replace(out)
+    write_json("mor_length_prior_settings", quick,
+               {"pool": "quick" if quick else "default", "archs": "all mlp", "seeds": [0, 1, 2], "rows": rows})
     for d in rows:
         print(d)
 

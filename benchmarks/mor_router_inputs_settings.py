@@ -15,6 +15,15 @@ Choice: the ``router_inputs`` whose best (weighting, variant) has the highest me
 over clients of validation accuracy. Run:
 ``PYTHONPATH=. HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/mor_router_inputs_settings.py [--quick]``;
 writes ``docs/mor_router_inputs_settings[_quick].json``.
+
+``--loco`` (leave one category out): the cross-category settings, chosen without the held-out category (koala).
+In fold S, the AlpacaEval subset S (every subset of the pool but koala, in turn) is removed from the helpfulness
+client: its reward model and the router never see it, and S scores each candidate as a *validation category*.
+Candidates: routers :data:`LOCO_ROUTERS` (pair vs prompt input, fewer / more rounds, dropout + weight decay, a
+narrower trunk; equal weighting) x routing rules :func:`loco_rules` (sparse per response / prompt, with and
+without the uncertain-routing fallback ``RoutingRule.fallback``; soft x route_by x :data:`LOCO_TEMPERATURES`).
+Choice, fixed before the run (:func:`loco_choose`): the highest mean of (in-distribution validation accuracy,
+validation-category accuracy), means over seeds 0..2 and folds. Writes ``docs/mor_router_loco_settings[_quick].json``.
 """
 
 from __future__ import annotations
@@ -23,24 +32,17 @@ import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
+from benchmarks.mor_settings_setup import json_path, normalised_scores, setup, write_json
 from trainer.rewards.client_router import WEIGHTINGS, ClientRouterData, FederatedRouterTrainer
 from trainer.rewards.evaluation import routed_accuracies, routed_reward
-from trainer.rewards.mor_trainer import MoRConfig, MoRTrainer
 from trainer.rewards.reward_models import pairwise_accuracy
 from trainer.rewards.routing_rule import RoutingRule
 
 INPUTS = ("pair", "text", "prompt")
-
-
-def _scores(trainer, rm, pairs, fc, fr):
-    rc, rr = rm.raw_scores_from_features(fc), rm.raw_scores_from_features(fr)
-    return np.stack([rm.normaliser_(rc), rm.normaliser_(rr)]).astype(np.float64)
 
 
 def choose(per_seed: list[dict], names: list[str]) -> dict:
@@ -73,12 +75,8 @@ def choose(per_seed: list[dict], names: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    torch.set_num_threads(1)
-    quick = "--quick" in argv
-    cfg = MoRConfig.quick() if quick else MoRConfig()
-    cfg = replace(cfg, client_archs=tuple("mlp" for _ in cfg.client_names))
-    trainer = MoRTrainer(cfg, show_progress=False)
-    names = list(cfg.client_names)
+    bench = setup(argv)
+    quick, cfg, trainer, names = bench.quick, bench.cfg, bench.trainer, bench.names
     t0 = time.perf_counter()
     per_seed = []
     for seed in tqdm(range(3), desc="seeds"):
@@ -88,10 +86,7 @@ def main(argv: list[str]) -> None:
         data = [ClientRouterData(fc, fr, k) for k, (fc, fr) in enumerate(train_feats)]
         val = []
         for k, c in enumerate(split.clients):
-            pairs = c.pairs("val")
-            fc, fr = trainer.features(pairs)
-            s = np.stack([_scores(trainer, rm, pairs, fc, fr) for rm in rms], -1)  # (2, n, K)
-            groups = np.unique(np.asarray(pairs.prompts), return_inverse=True)[1]
+            s, fc, fr, groups = normalised_scores(trainer, rms, c.pairs("val"))  # s (2, n, K)
             val.append((k, fc, fr, s, groups))
         row = {"seed": seed, "own_rm": {n: pairwise_accuracy(v[3][0, :, v[0]], v[3][1, :, v[0]]) for n, v in zip(names, val)},
                "routers": {}}
@@ -120,8 +115,7 @@ def main(argv: list[str]) -> None:
                              for r, pc in row["routers"].items()}}), flush=True)
     out = {"quick": quick, "clients": "every client an MLP", "seeds": [0, 1, 2], "split": "validation",
            **choose(per_seed, names), "per_seed": per_seed, "seconds": time.perf_counter() - t0}
-    path = Path(__file__).resolve().parents[1] / "docs" / f"mor_router_inputs_settings{'_quick' if quick else ''}.json"
-    path.write_text(json.dumps(out, indent=1))
+    path = write_json("mor_router_inputs_settings", quick, out)
     report(out)
     print(f"wrote {path} in {out['seconds']:.0f} s")
 
@@ -140,12 +134,144 @@ def report(out: dict) -> None:
     print("chosen:", out["chosen_defaults"])
 
 
+# ---------------------------------------------------------------- leave-one-category-out (``--loco``)
+#
+# The held-out category (koala) tests whether routing generalises to an AlpacaEval source the router never saw.
+# Settings that matter there are chosen on a *validation category* instead: in fold S, the AlpacaEval subset S
+# (never koala, which stays out of every fold) is removed from the helpfulness client (its reward model and the
+# router never see it) and its pairs score the rule, next to the usual in-distribution validation pairs. Folds
+# run over every other AlpacaEval subset of the pool, seeds 0..2.
+
+#: Router candidates: name -> (router_inputs, RouterConfig overrides); weighting is equal in all (chosen above).
+LOCO_ROUTERS = {
+    "pair": ("pair", {}),
+    "pair/rounds=10": ("pair", {"rounds": 10}),
+    "pair/rounds=60": ("pair", {"rounds": 60}),
+    "pair/dropout=0.5,wd=1": ("pair", {"dropout": 0.5, "weight_decay": 1.0}),
+    "pair/hidden=32": ("pair", {"hidden": 32}),
+    "prompt": ("prompt", {}),
+    "prompt/dropout=0.5,wd=1": ("prompt", {"dropout": 0.5, "weight_decay": 1.0}),
+}
+LOCO_TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0)
+#: Uncertain-routing fallback (``RoutingRule.fallback``): sparse routing, except rows whose largest weight (T = 1)
+#: is below tau get the soft reward (``sparse<tau|<route_by>``).
+LOCO_FALLBACK = (0.6, 0.8, 0.95)
+
+
+def loco_rules() -> list[tuple[str, RoutingRule]]:
+    """(variant key, rule) of every routing rule compared: sparse x route_by x (0, LOCO_FALLBACK), soft x route_by x
+    LOCO_TEMPERATURES."""
+    rules = [RoutingRule("sparse", 1.0, by, f) for by in ("response", "prompt") for f in (0.0, *LOCO_FALLBACK)]
+    rules += [RoutingRule("soft", t, by) for by in ("response", "prompt") for t in LOCO_TEMPERATURES]
+    return [(r.variant, r) for r in rules]
+
+
+def _rule_acc(rule: RoutingRule, s: np.ndarray, z: np.ndarray, groups: np.ndarray) -> float:
+    """Pairwise accuracy of ``rule`` on scores s (2, n, K) with router logits z (2, n, K) (the evaluation's code path)."""
+    r = routed_reward(s, z, rule, groups)
+    return pairwise_accuracy(r[0], r[1])
+
+
+def loco_main(argv: list[str]) -> None:
+    from trainer.rewards.mor_trainer import ClientSplit  # only the --loco mode re-splits a client
+
+    bench = setup(argv)
+    quick, cfg, trainer, names = bench.quick, bench.cfg, bench.trainer, bench.names
+    own = cfg.client_domains.index("alpacaeval")
+    pool = trainer.load_pool()
+    folds = sorted(set(pool[pool["client"] == names[own]]["subset"]))
+    rules = loco_rules()
+    t0 = time.perf_counter()
+    per_seed = []
+    for seed in tqdm(range(3), desc="seeds"):
+        split = trainer.prepare(seed)
+        base_rms = {k: trainer.train_reward_model(c, "mlp", seed)[0] for k, c in enumerate(split.clients) if k != own}
+        row = {"seed": seed, "folds": {}}
+        for cat in tqdm(folds, desc=f"seed {seed} folds", leave=False):
+            c = split.clients[own]
+            keep = lambda f: f[f["subset"] != cat].reset_index(drop=True)  # noqa: E731
+            clients = list(split.clients)
+            clients[own] = ClientSplit(c.name, c.domain, keep(c.train), keep(c.val), keep(c.test))
+            cat_frame = pool[(pool["client"] == names[own]) & (pool["subset"] == cat)].reset_index(drop=True)
+            rms = [trainer.train_reward_model(clients[k], "mlp", seed)[0] if k == own else base_rms[k] for k in range(len(names))]
+            feats = [trainer.features(cl.pairs("train")) for cl in clients]
+            data = [ClientRouterData(fc, fr, k) for k, (fc, fr) in enumerate(feats)]
+            val = [normalised_scores(trainer, rms, cl.pairs("val")) for cl in clients]
+            s_cat, fc_cat, fr_cat, g_cat = normalised_scores(trainer, rms, ClientSplit(c.name, c.domain, cat_frame, cat_frame, cat_frame).pairs("train"))
+            fold = {"n_cat": int(s_cat.shape[1]), "own_rm_val": {n: pairwise_accuracy(v[0][0, :, k], v[0][1, :, k])
+                                                                  for k, (n, v) in enumerate(zip(names, val))},
+                    "own_rm_cat": pairwise_accuracy(s_cat[0, :, own], s_cat[1, :, own]), "routers": {}}
+            for rname, (inputs, over) in LOCO_ROUTERS.items():
+                trainer.args = replace(cfg, router_inputs=inputs)
+                cols = trainer.router_input_columns(feats[0][0].shape[1])
+                trainer.args = cfg
+                router = FederatedRouterTrainer(replace(cfg.router, weighting="equal", seed=seed, input_columns=cols, **over)).train(data, names)
+                zs = [np.stack([router.logits(fc), router.logits(fr)]).astype(np.float64) for _, fc, fr, _ in val]
+                z_cat = np.stack([router.logits(fc_cat), router.logits(fr_cat)]).astype(np.float64)
+                fold["routers"][rname] = {
+                    "val": {key: [_rule_acc(rule, v[0], z, v[3]) for v, z in zip(val, zs)] for key, rule in rules},
+                    "cat": {key: _rule_acc(rule, s_cat, z_cat, g_cat) for key, rule in rules},
+                    "cat_away_share": float((z_cat.argmax(-1) != own).mean()),
+                    "val_away_share": [float((z.argmax(-1) != k).mean()) for k, z in enumerate(zs)]}
+            row["folds"][cat] = fold
+            print(json.dumps({"seed": seed, "fold": cat, "own_rm_cat": round(fold["own_rm_cat"], 3),
+                              **{r: [round(float(np.mean(v["val"]["sparse|response"])), 3), round(v["cat"]["sparse|response"], 3),
+                                     round(v["cat_away_share"], 3)] for r, v in fold["routers"].items()}}), flush=True)
+        per_seed.append(row)
+    out = {"quick": quick, "clients": "every client an MLP", "seeds": [0, 1, 2], "folds": folds,
+           "split": "validation pairs + a validation category (never koala)", **loco_choose(per_seed, names),
+           "per_seed": per_seed, "seconds": time.perf_counter() - t0}
+    path = write_json("mor_router_loco_settings", quick, out)
+    loco_report(out)
+    print(f"wrote {path} in {out['seconds']:.0f} s")
+
+
+def loco_choose(per_seed: list[dict], names: list[str]) -> dict:
+    """Means over seeds and folds of every (router, rule): ``id`` (mean over clients of validation accuracy),
+    ``cat`` (validation-category accuracy), ``score = (id + cat) / 2``; the choice (fixed before the run): the
+    router and sparse-like rule (sparse or fallback) with the highest score, then the best soft rule for that router."""
+    cells = [f for s in per_seed for f in s["folds"].values()]
+    routers, keys = list(cells[0]["routers"]), list(cells[0]["routers"][next(iter(cells[0]["routers"]))]["cat"])
+    table = {}
+    for r in routers:
+        for k in keys:
+            ids = np.array([np.mean(f["routers"][r]["val"][k]) for f in cells])
+            cats = np.array([f["routers"][r]["cat"][k] for f in cells])
+            table[f"{r}/{k}"] = {"id": float(ids.mean()), "cat": float(cats.mean()), "score": float((ids.mean() + cats.mean()) / 2),
+                                 "cat_per_fold": {fo: float(np.mean([s["folds"][fo]["routers"][r]["cat"][k] for s in per_seed]))
+                                                  for fo in per_seed[0]["folds"]}}
+        table[f"{r}/away"] = {"cat": float(np.mean([f["routers"][r]["cat_away_share"] for f in cells])),
+                              "val": np.mean([f["routers"][r]["val_away_share"] for f in cells], axis=0).tolist()}
+    oracle = {"id": float(np.mean([np.mean(list(f["own_rm_val"].values())) for f in cells])),
+              "cat": float(np.mean([f["own_rm_cat"] for f in cells])),
+              "cat_per_fold": {fo: float(np.mean([s["folds"][fo]["own_rm_cat"] for s in per_seed])) for fo in per_seed[0]["folds"]}}
+    scored = {k: v for k, v in table.items() if "score" in v}
+    sparse = max((k for k in scored if k.split("/", 1)[1].split("/")[-1].startswith("sparse")), key=lambda k: scored[k]["score"])
+    router = sparse.rsplit("/", 1)[0]
+    soft = max((k for k in scored if k.startswith(router + "/soft|") and k.count("/") == sparse.count("/")), key=lambda k: scored[k]["score"])
+    return {"table": table, "oracle_own_rm": oracle,
+            "chosen": {"router": router, "sparse": sparse.rsplit("/", 1)[1], "soft": soft.rsplit("/", 1)[1],
+                       "sparse_scores": scored[sparse], "soft_scores": scored[soft]}}
+
+
+def loco_report(out: dict) -> None:
+    print(f"oracle (own RM): id {out['oracle_own_rm']['id']:.3f}, category {out['oracle_own_rm']['cat']:.3f}")
+    for k, v in sorted(out["table"].items(), key=lambda kv: -kv[1].get("score", -1)):
+        if "score" in v:
+            print(f"{k:45s} id {v['id']:.3f} cat {v['cat']:.3f} score {v['score']:.3f}")
+        else:
+            print(f"{k:45s} away: category {v['cat']:.3f}, val {np.round(v['val'], 3).tolist()}")
+    print("chosen:", out["chosen"])
+
+
 if __name__ == "__main__":
     if "--summarise" in sys.argv:  # recompute the choice from a written JSON (no training)
-        path = Path(__file__).resolve().parents[1] / "docs" / f"mor_router_inputs_settings{'_quick' if '--quick' in sys.argv else ''}.json"
-        data = json.loads(path.read_text())
+        quick = "--quick" in sys.argv
+        data = json.loads(json_path("mor_router_inputs_settings", quick).read_text())
         data |= choose(data["per_seed"], list(data["per_seed"][0]["own_rm"]))
-        path.write_text(json.dumps(data, indent=1))
+        write_json("mor_router_inputs_settings", quick, data)
         report(data)
+    elif "--loco" in sys.argv:
+        loco_main(sys.argv[1:])
     else:
         main(sys.argv[1:])

@@ -446,8 +446,8 @@ def test_train_saves_the_validation_chosen_router_and_variants_and_load_uses_the
     choice = {"weighting": "samples", "sparse": "sparse|prompt", "soft": "soft|prompt|T=2", "val": {"samples/sparse|prompt": 0.7}}
     trainer.save(models, tmp_path / "mix", routing=choice, mode="sparse")
     meta = __import__("json").loads((tmp_path / "mix" / "mixture.json").read_text())
-    assert meta["variants"] == {"sparse": {"mode": "sparse", "temperature": 1.0, "route_by": "prompt"},
-                                "soft": {"mode": "soft", "temperature": 2.0, "route_by": "prompt"}}
+    assert meta["variants"] == {"sparse": {"mode": "sparse", "temperature": 1.0, "route_by": "prompt", "fallback": 0.0},
+                                "soft": {"mode": "soft", "temperature": 2.0, "route_by": "prompt", "fallback": 0.0}}
     assert meta["selection"]["chosen_on"] == "validation" and meta["selection"]["weighting"] == "samples"
     sparse = load_mixture(tmp_path / "mix", cache_dir=encoder.cache_dir)
     assert (sparse.mode, sparse.route_by, sparse.temperature) == ("sparse", "prompt", 1.0)
@@ -486,7 +486,7 @@ def test_grpo_reward_evaluation_and_mixture_compute_one_routed_reward(mixture, c
     each = np.stack([rm.score(p, r) for rm in rms], axis=1).astype(np.float64)
     seen = set()
     for rule in (RoutingRule("sparse"), RoutingRule("sparse", 1.0, "prompt"), RoutingRule("soft", 0.5),
-                 RoutingRule("soft", 2.0, "prompt")):
+                 RoutingRule("soft", 2.0, "prompt"), RoutingRule("sparse", 1.0, "prompt", 0.99)):
         mix = RoutedReward(router, rms, encoder, rule.mode, variants={rule.mode: rule})
         want = mix(p, r)
         grpo = from_mixture(mix, ThompsonConfig(enabled=False))
@@ -505,13 +505,16 @@ def test_grpo_reward_evaluation_and_mixture_compute_one_routed_reward(mixture, c
 def test_routing_rule_variants_and_bad_input():
     from trainer.rewards.routing_rule import RoutingRule
 
-    for key in ("sparse|response", "sparse|prompt", "soft|response|T=0.5", "soft|prompt|T=2"):
+    for key in ("sparse|response", "sparse|prompt", "soft|response|T=0.5", "soft|prompt|T=2", "sparse<0.8|prompt"):
         assert RoutingRule.from_variant(key).variant == key
-    for bad in ("sparse", "soft|prompt", "soft|prompt|T=x", "hard|response"):
+    assert RoutingRule.from_variant("sparse<0.8|prompt") == RoutingRule("sparse", 1.0, "prompt", 0.8)
+    for bad in ("sparse", "soft|prompt", "soft|prompt|T=x", "hard|response", "sparse<1|prompt", "sparse<x|prompt"):
         with pytest.raises(InvalidInputError):
             RoutingRule.from_variant(bad)
-    with pytest.raises(InvalidInputError):
-        RoutingRule("soft", float("nan"))
+    for bad in (dict(mode="soft", temperature=float("nan")), dict(mode="soft", fallback=0.5),
+                dict(mode="sparse", fallback=-0.1), dict(mode="sparse", fallback=True)):
+        with pytest.raises(InvalidInputError):
+            RoutingRule(**bad)
     with pytest.raises(ShapeError):
         RoutingRule("soft").weights(np.zeros((0, 2)))
     # by hand: logits (ln 3, 0) -> (0.75, 0.25); T = 2 -> (sqrt 3, 1) / (sqrt 3 + 1)
@@ -521,6 +524,13 @@ def test_routing_rule_variants_and_bad_input():
     rewards, choice = RoutingRule("sparse").combine(np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]]),
                                                     lambda k, rows: asked.append((k, rows.tolist())) or np.full(len(rows), 10.0 * (k + 1)))
     assert asked == [(0, [0, 2]), (1, [1])] and rewards.tolist() == [10.0, 20.0, 10.0] and choice.tolist() == [0, 1, 0]
+    # fallback 0.7: row 2's largest weight 0.6 < 0.7 -> soft, every client asked: 0.6 * 10 + 0.4 * 20 = 14
+    asked = []
+    rewards, choice = RoutingRule("sparse", 1.0, "response", 0.7).combine(
+        np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]]),
+        lambda k, rows: asked.append((k, rows.tolist())) or np.full(len(rows), 10.0 * (k + 1)))
+    assert asked == [(0, [0, 2]), (1, [1, 2])] and choice.tolist() == [0, 1, 0]
+    np.testing.assert_allclose(rewards, [10.0, 20.0, 14.0])
 
 
 def test_prompt_only_router_keeps_response_columns_at_zero(clients, encoder):
@@ -561,3 +571,20 @@ def test_choose_routing_keeps_the_defaults_unless_validation_beats_them_by_the_m
     got = choose_routing(big, ["a", "b"], *defaults, margin_se=1.0)
     assert (got["weighting"], got["sparse"], got["soft"]) == ("samples", "sparse|prompt", "soft|response|T=2")
     assert got["val"]["samples/sparse|prompt"] == 0.75
+
+
+def test_routing_errors_split_routing_from_reward_model_errors_by_hand():
+    """Two pairs, two clients, own client 0. Pair 0: both responses routed home, own RM right. Pair 1: the chosen
+    response goes to client 1 (score -1 < the rejected's 0.5 at home): routed wrong, own RM right. Per response:
+    half the pairs away, costing 1 pair of 2 (0.5); per prompt (each pair its own group), pair 1's weights average
+    to (0.5, 0.5), argmax client 0: nothing away."""
+    from trainer.rewards.evaluation import EvalSet, routing_errors
+
+    norm = np.array([[[1.0, 0.0], [1.0, -1.0]], [[0.0, 0.0], [0.5, 3.0]]])  # (2 sides, 2 pairs, 2 clients)
+    z = np.array([[[2.0, 0.0], [0.0, 2.0]], [[2.0, 0.0], [2.0, 0.0]]])
+    e = EvalSet("t", 0, norm, norm, {"equal": z}, np.zeros((2, 2)), np.full(2, 0.5), np.array([0, 1]))
+    got = routing_errors(e, z)
+    assert got["sparse|response"] == {"pairs_away": 0.5, "routing_cost": 0.5, "acc_home": 1.0, "acc_away_routed": 0.0,
+                                      "acc_away_own": 1.0}
+    assert got["sparse|prompt"] == {"pairs_away": 0.0, "routing_cost": 0.0, "acc_home": 1.0, "acc_away_routed": None,
+                                    "acc_away_own": None}

@@ -75,11 +75,13 @@ class RoutedGRPOReward:
     routing : NeuralThompsonRouting over the router (K outputs); ``routing.config.enabled`` switches
         the online update (off = the offline router's argmax).
     mode : ``"sparse"`` (top-1 client per pair) or ``"soft"`` (softmax-weighted, every client asked).
-    temperature, route_by : the rest of the routing rule (:class:`trainer.rewards.routing_rule.RoutingRule`, the
+    temperature, route_by, fallback : the rest of the routing rule (:class:`trainer.rewards.routing_rule.RoutingRule`, the
         code path of the evaluation and of ``RoutedReward``): ``softmax(z / temperature)`` weights; with
         ``route_by="prompt"`` the completions of one prompt in a call (a GRPO group) share the mean weights, so
         the group is scored by one client. With online routing on, ``z`` is the Thompson sample on the logit scale
         (``RoutingDecision.logits``); off, the router's logits, so the reward equals ``RoutedReward``'s.
+        ``fallback`` > 0 (sparse): a pair whose largest weight is below it gets the soft reward (every client asked);
+        its bandit arm is still the argmax.
 
     Attributes
     ----------
@@ -98,10 +100,10 @@ class RoutedGRPOReward:
     __name__ = "routed_reward"  # TRL names reward columns after the callable
 
     def __init__(self, encoder: PairEncoderFn, clients: Sequence[ClientReward], routing: NeuralThompsonRouting,
-                 mode: str = "sparse", temperature: float = 1.0, route_by: str = "response") -> None:
+                 mode: str = "sparse", temperature: float = 1.0, route_by: str = "response", fallback: float = 0.0) -> None:
         if mode not in ROUTING_MODES:
             raise AlignmentConfigError(f"mode must be one of {ROUTING_MODES}, got {mode!r}")
-        self.rule = RoutingRule(mode, temperature, route_by)
+        self.rule = RoutingRule(mode, temperature, route_by, fallback)
         if len(clients) != routing.n_arms:
             raise AlignmentConfigError(f"{len(clients)} client reward models but the router has {routing.n_arms} outputs")
         if mode == "soft" and routing.config.enabled:
@@ -491,7 +493,7 @@ def from_mixture(mixture, thompson: ThompsonConfig) -> RoutedGRPOReward:
     clients = [_ClientScore(rm, mixture.normalise) for rm in mixture.reward_models]
     rule = mixture.rule
     return RoutedGRPOReward(mixture.encoder.encode, clients, NeuralThompsonRouting(router, thompson), rule.mode,
-                            rule.temperature, rule.route_by)
+                            rule.temperature, rule.route_by, rule.fallback)
 
 
 class _ClientScore:

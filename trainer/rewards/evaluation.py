@@ -42,6 +42,8 @@ N_RANDOM_DRAWS = 20
 #: Soft-routing temperatures compared on validation (:func:`choose_routing`), with per-response (the paper) or
 #: per-prompt routing (:data:`trainer.rewards.routing_rule.ROUTE_BY`).
 TEMPERATURES = (0.5, 1.0, 2.0)
+#: Sparse routing's uncertain-routing fallbacks compared on validation (``RoutingRule.fallback``; 0 = plain sparse).
+FALLBACKS = (0.0, 0.8)
 
 
 @dataclass
@@ -118,16 +120,39 @@ def routed_reward(s: np.ndarray, z: np.ndarray, rule: RoutingRule, groups: np.nd
 
 
 def routing_variants() -> list[RoutingRule]:
-    """The routing variants compared on validation: sparse x :data:`ROUTE_BY`, soft x ROUTE_BY x :data:`TEMPERATURES`."""
-    return [RoutingRule("sparse", 1.0, by) for by in ROUTE_BY] + \
+    """The routing variants compared on validation: sparse x :data:`ROUTE_BY` x :data:`FALLBACKS`, soft x ROUTE_BY x
+    :data:`TEMPERATURES`."""
+    return [RoutingRule("sparse", 1.0, by, f) for f in FALLBACKS for by in ROUTE_BY] + \
         [RoutingRule("soft", t, by) for by in ROUTE_BY for t in TEMPERATURES]
 
 
 def routed_accuracies(s: np.ndarray, z: np.ndarray, groups: np.ndarray | None = None) -> dict:
     """Accuracy of every routing variant on scores s (2, n, K) with router logits z (2, n, K):
-    ``{"sparse|<route_by>": acc, "soft|<route_by>|T=<t>": acc}`` (:func:`routing_variants`, keys
-    :attr:`RoutingRule.variant`)."""
+    ``{"sparse|<route_by>": acc, "sparse<<f>|<route_by>": acc, "soft|<route_by>|T=<t>": acc}``
+    (:func:`routing_variants`, keys :attr:`RoutingRule.variant`)."""
     return {rule.variant: _acc(routed_reward(s, z, rule, groups)) for rule in routing_variants()}
+
+
+def routing_errors(e: EvalSet, z: np.ndarray) -> dict:
+    """Routing errors vs reward-model errors of every routing variant on one EvalSet with router logits z (2, n, K).
+
+    Per variant key (:func:`routing_variants`): ``pairs_away`` (share of pairs with a response whose largest routing
+    weight is another client than its own), ``routing_cost`` (the own client's RM accuracy minus the routed reward's
+    on those pairs, per pair of the set: what routing errors cost against the oracle), ``acc_home`` (routed
+    accuracy on the other pairs), ``acc_away_routed`` / ``acc_away_own`` (routed / own-RM accuracy on the pairs
+    away; None when there are none)."""
+    won = lambda sc: (sc[0] > sc[1]) + 0.5 * (sc[0] == sc[1])  # noqa: E731 (per-pair pairwise accuracy)
+    own = won(e.norm[..., e.own])
+    out = {}
+    for rule in routing_variants():
+        flat, g = _flat(z, e.groups)
+        away = (rule.weights(flat, g).argmax(1).reshape(z.shape[:2]) != e.own).any(0)
+        routed = won(routed_reward(e.norm, z, rule, e.groups))
+        out[rule.variant] = {"pairs_away": float(away.mean()), "routing_cost": float((own[away].sum() - routed[away].sum()) / e.n),
+                             "acc_home": float(routed[~away].mean()) if (~away).any() else None,
+                             "acc_away_routed": float(routed[away].mean()) if away.any() else None,
+                             "acc_away_own": float(own[away].mean()) if away.any() else None}
+    return out
 
 
 def set_accuracies(e: EvalSet, rng: np.random.Generator) -> dict:
@@ -147,15 +172,7 @@ def set_accuracies(e: EvalSet, rng: np.random.Generator) -> dict:
             out.setdefault("router_sparse" + tag, {})[w] = variants["sparse|response"]
             out.setdefault("router_soft" + tag, {})[w] = variants["soft|response|T=1"]
     out["own_share"] = {w: float((z.argmax(-1) == e.own).mean()) for w, z in e.logits.items()}
-    # routing errors vs reward-model errors (sparse, per response): pairs with a response routed away from its
-    # own client, and the accuracy they cost against the oracle (own client's RM) on those same pairs
-    out["pairs_away"], out["routing_cost"] = {}, {}
-    for w, z in e.logits.items():
-        away = (z.argmax(-1) != e.own).any(0)
-        routed = routed_reward(e.norm, z, RoutingRule("sparse"), e.groups)
-        won = lambda sc: (sc[0] > sc[1]) + 0.5 * (sc[0] == sc[1])  # noqa: E731 (per-pair pairwise accuracy)
-        out["pairs_away"][w] = float(away.mean())
-        out["routing_cost"][w] = float((won(e.norm[..., e.own])[away].sum() - won(routed)[away].sum()) / e.n)
+    out["routing_errors"] = {w: routing_errors(e, z) for w, z in e.logits.items()}
     out["choice_share"] = {w: (np.bincount(z.argmax(-1).ravel(), minlength=k) / (2 * e.n)).tolist()
                            for w, z in e.logits.items()}
     return out
@@ -165,8 +182,8 @@ def choose_routing(val: dict, names: list[str], default_weighting: str, default_
                    default_soft: str = "soft|response|T=1", margin_se: float = 0.0) -> dict:
     """The routing settings of one seed, chosen on VALIDATION accuracy (mean over clients):
 
-    - ``weighting`` and the sparse ``route_by``: the best ``sparse|<route_by>`` over weightings x
-      :data:`ROUTE_BY`; the soft ``route_by`` and ``temperature``: the best ``soft|...`` variant for that weighting;
+    - ``weighting`` and the sparse ``route_by`` and ``fallback``: the best sparse variant of :func:`routing_variants`
+      over weightings; the soft ``route_by`` and ``temperature``: the best ``soft|...`` variant for that weighting;
     - a candidate replaces the default (``default_weighting`` / ``default_sparse``, then ``default_soft``: the
       settings chosen over seeds by ``benchmarks/mor_router_inputs_settings.py``) only when it beats the
       default's validation accuracy by more than ``margin_se`` binomial standard errors of the default,
@@ -188,8 +205,9 @@ def choose_routing(val: dict, names: list[str], default_weighting: str, default_
         best = max(cands, key=lambda c: (mean(*c), c == default))
         return best if mean(*best) > a + margin else default
 
-    w, sk = pick([(w, f"sparse|{by}") for w in WEIGHTINGS for by in ROUTE_BY], (default_weighting, default_sparse))
-    _, ok = pick([(w, f"soft|{by}|T={t:g}") for by in ROUTE_BY for t in TEMPERATURES], (w, default_soft))
+    rules = routing_variants()
+    w, sk = pick([(w, r.variant) for w in WEIGHTINGS for r in rules if r.mode == "sparse"], (default_weighting, default_sparse))
+    _, ok = pick([(w, r.variant) for r in rules if r.mode == "soft"], (w, default_soft))
     return {"weighting": w, "sparse": sk, "soft": ok,
             "val": {f"{ww}/{v}": mean(ww, v) for ww in WEIGHTINGS for v in val[names[0]]["routing"][""][ww]}}
 
@@ -208,7 +226,7 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
     val_router = {w: float(np.mean([val[n]["router_sparse"][w] for n in names])) for w in WEIGHTINGS}
     val_share = {w: float(np.mean([val[n]["own_share"][w] for n in names])) for w in WEIGHTINGS}
     a = trainer.args
-    routing = choose_routing(val, names, a.router.weighting, RoutingRule("sparse", 1.0, a.route_by).variant,
+    routing = choose_routing(val, names, a.router.weighting, RoutingRule("sparse", 1.0, a.route_by, a.sparse_fallback).variant,
                              RoutingRule("soft", a.temperature, a.soft_route_by).variant, a.routing_margin_se)
     weighting = routing["weighting"]
     val_single = [float(np.mean([val[n]["single"][j] for n in names])) for j in range(len(names))]
@@ -228,7 +246,10 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
                 "no_norm_router_rm_soft": rr[routing["soft"]],
                 "no_norm_avg_rm": acc["avg_rm_no_norm"], "no_norm_random_rm": acc["random_rm_no_norm"],
                 **{f"own_share_{w}": acc["own_share"][w] for w in WEIGHTINGS},
-                "pairs_away": acc["pairs_away"][weighting], "routing_cost": acc["routing_cost"][weighting]}
+                "pairs_away": acc["routing_errors"][weighting][routing["sparse"]]["pairs_away"],
+                "routing_cost": acc["routing_errors"][weighting][routing["sparse"]]["routing_cost"],
+                "soft_pairs_away": acc["routing_errors"][weighting][routing["soft"]]["pairs_away"],
+                "soft_routing_cost": acc["routing_errors"][weighting][routing["soft"]]["routing_cost"]}
 
     per_client = {n: pick(test[n]) for n in names}
     keys = list(per_client[names[0]])
@@ -237,6 +258,7 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
             "best_single": names[best], "val_single": dict(zip(names, val_single)),
             "id": {k: float(np.mean([per_client[n][k] for n in names])) for k in keys},
             "per_client": per_client, "heldout": pick(held) if held is not None else None,
+            "heldout_routing_errors": held["routing_errors"][weighting] if held is not None else None,
             "choice_share": {n: test[n]["choice_share"] for n in names} | ({"heldout": held["choice_share"]} if held else {}),
             "n_pairs": {n: {"train": len(c.train), "val": len(c.val), "test": len(c.test)} for n, c in zip(names, split.clients)}
             | ({"heldout": len(split.heldout)} if split.heldout is not None else {}),
@@ -276,8 +298,9 @@ def run_evaluation(trainer: MoRTrainer, progress=None) -> dict:
     return {"methods": {m: methods[m] for m in METHODS},
             "single_rms": {k: v for k, v in methods.items() if k.startswith("single_")},
             "router_weighting": {k: v for k, v in methods.items() if k.startswith(("router_rm_sparse_", "router_rm_soft_", "own_share_"))},
-            "routing_errors": {k: v for k, v in methods.items() if k in ("pairs_away", "routing_cost")},
-            "routing_variants": {k: v for k, v in methods.items() if k.startswith(("routing_sparse|", "routing_soft|"))},
+            "routing_errors": {k: v for k, v in methods.items() if k in ("pairs_away", "routing_cost", "soft_pairs_away",
+                                                                         "soft_routing_cost")},
+            "routing_variants": {k: v for k, v in methods.items() if k.startswith(("routing_sparse|", "routing_sparse<", "routing_soft|"))},
             "routing_chosen_on_validation": [{k: s["routing"][k] for k in ("weighting", "sparse", "soft")} for s in seeds],
             "ablation_no_norm": {k: v for k, v in methods.items() if k.startswith("no_norm_")},
             "weighting_chosen_on_validation": [s["weighting"] for s in seeds],

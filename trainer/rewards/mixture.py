@@ -19,7 +19,7 @@ Saved layout (:func:`save_mixture` / :func:`load_mixture`)::
 
     DIR/mixture.json   {"format_version": 1, "mode": "sparse"|"soft", "normalise": bool,
                         "temperature": float, "route_by": "response"|"prompt"   (the active rule),
-                        "variants": {"sparse": {"mode", "temperature", "route_by"}, "soft": {...}},
+                        "variants": {"sparse": {"mode", "temperature", "route_by", "fallback"}, "soft": {...}},
                         "selection": {...} (optional: how the variants were chosen, e.g. validation accuracies),
                         "client_names": [K str], "embedder": {EmbedderConfig fields},
                         "length_features": bool,
@@ -27,7 +27,8 @@ Saved layout (:func:`save_mixture` / :func:`load_mixture`)::
     DIR/router/        ClientRouter.save layout (router.json, router.safetensors)
     DIR/clients/<name>/ reward model layout of trainer.rewards.reward_models (reward_model.json + weights)
 
-Files without ``variants`` (older saves) load with ``temperature`` / ``route_by`` for both modes.
+Files without ``variants`` (older saves) load with ``temperature`` / ``route_by`` for both modes. Variants without
+``fallback`` (saved before it existed) load with ``fallback = 0``.
 
 The router reads ``PairEncoder(EmbedderConfig(**embedder)).encode(prompts, responses)``, i.e.
 ``[e(x), e(y), l(y)]`` of width 2 * 384 + 3 for MiniLM (``2 * 384`` when ``length_features`` is false); client ``k`` of the router's logits is

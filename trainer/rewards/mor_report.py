@@ -30,7 +30,8 @@ def eval_markdown(res: dict) -> str:
     lines += [_row(k, m) for k, m in {**res["single_rms"], **res["router_weighting"]}.items()]
     if res.get("routing_variants"):
         lines += ["", "Routing variants (the validation-chosen weighting of each seed; `sparse|prompt` routes the responses "
-                  "of one prompt together, `soft|...|T=t` uses softmax(z / t)):", "",
+                  "of one prompt together, `sparse<f|...` gives rows whose largest weight is below f the soft reward, "
+                  "`soft|...|T=t` uses softmax(z / t)):", "",
                   "| variant | ID accuracy | held-out category |", "|---|---|---|"]
         lines += [_row(k.removeprefix("routing_"), m) for k, m in res["routing_variants"].items()]
     lines += ["", "Without normalisation (raw client rewards):", "", "| method | ID accuracy | held-out category |", "|---|---|---|"]
@@ -43,19 +44,45 @@ def eval_markdown(res: dict) -> str:
     if res.get("routing_errors"):
         e = res["routing_errors"]
         held = "heldout_acc_mean" in e["pairs_away"]
-        lines += ["", "Routing errors vs reward-model errors (sparse per response, the chosen weighting): share of test pairs "
-                  "with a response routed away from its own client, and the accuracy that costs (own client's RM minus "
-                  "routed reward on those pairs, per pair of the set); the rest of the gap to 1 is the reward models':", "",
+        lines += ["", "Routing errors vs reward-model errors (the validation-chosen weighting and rules): share of test pairs "
+                  "with a response whose largest routing weight is another client than its own, and the accuracy that "
+                  "costs (own client's RM minus routed reward on those pairs, per pair of the set); the rest of the gap to 1 "
+                  "is the reward models':", "",
                   "| | " + " | ".join(clients) + (" | held-out |" if held else " |"), "|---|" + "---|" * (len(clients) + held)]
-        for k in ("pairs_away", "routing_cost"):
-            lines.append(f"| {k.replace('_', ' ')} | " + " | ".join(f"{e[k]['per_client_mean'][c]:.3f}" for c in clients)
-                         + (f" | {e[k]['heldout_acc_mean']:.3f} |" if held else " |"))
+        for k in ("pairs_away", "routing_cost", "soft_pairs_away", "soft_routing_cost"):
+            if k in e:
+                label = ("soft: " if k.startswith("soft_") else "sparse: ") + k.removeprefix("soft_").replace("_", " ")
+                lines.append(f"| {label} | " + " | ".join(f"{e[k]['per_client_mean'][c]:.3f}" for c in clients)
+                             + (f" | {e[k]['heldout_acc_mean']:.3f} |" if held else " |"))
+    if res["seeds"][0].get("heldout_routing_errors"):
+        lines += ["", "Held-out category, every routing variant (mean over seeds; diagnosis only, nothing is chosen here): "
+                  "accuracy, pairs away from the helpfulness client, accuracy of the routed reward and of the "
+                  "helpfulness RM on those pairs:", "",
+                  "| variant | held-out accuracy | pairs away | routed on away pairs | helpfulness RM on away pairs |",
+                  "|---|---|---|---|---|"]
+        for v, row in heldout_diagnosis(res).items():
+            lines.append(f"| {v} | {row['acc']:.3f} | {row['pairs_away']:.3f} | {row['acc_away_routed']:.3f} | "
+                         f"{row['acc_away_own']:.3f} |")
     if res.get("routing_chosen_on_validation"):
         lines += ["", f"Routing chosen on validation per seed: {res['routing_chosen_on_validation']}."]
     lines += ["", f"Weighting chosen on validation per seed: {res['weighting_chosen_on_validation']}; "
               f"best single RM chosen on validation: {res['best_single_chosen_on_validation']}.",
               f"Wall time: {res['seconds']:.0f} s."]
     return "\n".join(lines) + "\n"
+
+
+def heldout_diagnosis(res: dict) -> dict:
+    """Per routing variant, means over seeds on the held-out category: ``acc`` (routed accuracy), ``pairs_away``,
+    ``acc_away_routed``, ``acc_away_own`` (:func:`trainer.rewards.evaluation.routing_errors`; NaN when no seed had
+    pairs away)."""
+    seeds = res["seeds"]
+    out = {}
+    for v in seeds[0]["heldout_routing_errors"]:
+        errs = [s["heldout_routing_errors"][v] for s in seeds]
+        mean = lambda k: float(np.mean([x[k] for x in errs if x[k] is not None] or [np.nan]))  # noqa: E731
+        out[v] = {"acc": float(np.mean([s["heldout"][f"routing_{v}"] for s in seeds])), "pairs_away": mean("pairs_away"),
+                  "acc_away_routed": mean("acc_away_routed"), "acc_away_own": mean("acc_away_own")}
+    return out
 
 
 def eval_figure(res: dict, path: Path) -> None:
@@ -67,7 +94,8 @@ def eval_figure(res: dict, path: Path) -> None:
     methods = res["methods"]
     keys = list(methods)
     x = np.arange(len(keys))
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    diag = heldout_diagnosis(res) if res["seeds"][0].get("heldout_routing_errors") else None
+    fig, ax = plt.subplots(1, 3 if diag else 2, figsize=(18 if diag else 12, 4.2))
     ax[0].bar(x - 0.2, [methods[k]["id_acc_mean"] for k in keys], 0.4, yerr=[methods[k]["id_acc_std"] for k in keys],
               label="in-distribution (mean of clients)", capsize=3)
     if "heldout_acc_mean" in methods[keys[0]]:
@@ -90,6 +118,23 @@ def eval_figure(res: dict, path: Path) -> None:
     ax[1].set_ylabel("share of test responses routed to own client")
     ax[1].legend(fontsize=8)
     ax[1].set_title("router aggregation")
+    if diag:
+        chosen = {c[m] for c in res.get("routing_chosen_on_validation", []) for m in ("sparse", "soft")}
+        keys = list(diag)
+        xv = np.arange(len(keys))
+        ax[2].bar(xv, [diag[k]["acc"] for k in keys], 0.6, color=["C3" if k in chosen else "C0" for k in keys])
+        own = methods["oracle_client"]["heldout_acc_mean"]
+        ax[2].axhline(own, color="k", ls="--", lw=0.9, label=f"helpfulness RM alone ({own:.3f})")
+        ax2 = ax[2].twinx()
+        ax2.plot(xv, [diag[k]["pairs_away"] for k in keys], "o", color="C1", label="pairs routed away")
+        ax2.set_ylabel("share of held-out pairs routed away", color="C1")
+        ax2.set_ylim(0, max(0.4, max(diag[k]["pairs_away"] for k in keys) * 1.2))
+        ax[2].set_xticks(xv, keys, rotation=45, ha="right", fontsize=7)
+        ax[2].set_ylim(0.7, 0.9)
+        ax[2].set_ylabel("held-out accuracy (red: chosen on validation)")
+        ax[2].legend(fontsize=8, loc="upper left")
+        ax2.legend(fontsize=8, loc="upper right")
+        ax[2].set_title("held-out category: every routing variant (diagnosis)")
     save_figure(fig, path, dpi=120)
 
 

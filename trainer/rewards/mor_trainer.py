@@ -82,7 +82,10 @@ class MoRConfig:
     split_fractions : (train, val, test) shares of each client's prompts.
     lora_train_pairs : cap on the LoRA client's training pairs (CPU cost; None = all).
     mlp_rm, lora_rm : :class:`RewardModelConfig` of each architecture (``arch`` is set per client).
-    router : :class:`RouterConfig`; its ``weighting`` is the default of :meth:`MoRTrainer.mixture`.
+    router : :class:`RouterConfig`; its ``weighting`` is the default of :meth:`MoRTrainer.mixture`. Default: dropout 0.5
+        and weight decay 1 (RouterConfig's 0.1 / 1e-4 otherwise), chosen with the routing rules below on a validation
+        category (``benchmarks/mor_router_inputs_settings.py --loco``, ``docs/mor_router_loco_settings.json``; within
+        0.001 of the unregularised router there).
     fedavg_rm_rounds : rounds of the FedAvg reward-model baseline (1 local epoch each).
     embedder : EmbedderConfig of the frozen pair encoder (128 tokens: half the CPU time of 256).
     length_features : append the response length to the pair features.
@@ -107,13 +110,17 @@ class MoRConfig:
         Chosen on validation by ``benchmarks/mor_router_inputs_settings.py`` (docs/mor.md): ``"pair"`` (best variant
         0.725 vs text 0.719, prompt 0.722; the router's length columns help it keep AlpacaEval responses home).
     mode : ``"sparse"`` or ``"soft"``, the routed reward saved by :meth:`MoRTrainer.save`.
-    route_by : the sparse routing's ``route_by``; soft_route_by, temperature : the soft routing's
+    route_by, sparse_fallback : the sparse routing's ``route_by`` and ``fallback`` (rows whose largest routing weight is
+        below it get the soft reward); soft_route_by, temperature : the soft routing's
         (:class:`trainer.rewards.routing_rule.RoutingRule`). These and ``router.weighting`` are the defaults the
         evaluation keeps per seed unless that seed's validation pairs show a variant better by more than
         ``routing_margin_se`` standard errors (:func:`trainer.rewards.evaluation.choose_routing`); ``fedroute mor
-        train`` saves that per-seed choice. Defaults (equal weighting, sparse per response, soft per prompt at
-        T = 0.5) chosen over seeds 0-2 on validation pairs by ``benchmarks/mor_router_inputs_settings.py``
-        (``docs/mor_router_inputs_settings.json``: mean validation accuracy 0.722 and 0.725, oracle 0.732).
+        train`` saves that per-seed choice. Equal weighting chosen on validation pairs by
+        ``benchmarks/mor_router_inputs_settings.py`` (``docs/mor_router_inputs_settings.json``); the rules (sparse per
+        prompt with fallback 0.8, soft per prompt at T = 1) on the in-distribution validation pairs and a validation
+        category (each AlpacaEval subset but the held-out one, left out in turn) by ``--loco`` of the same script
+        (``docs/mor_router_loco_settings.json``: validation-category accuracy 0.871 / 0.872 vs 0.854 for sparse per
+        response, own RM 0.892).
     seeds : seeds 0..seeds-1 of the evaluation.
     cache_dir : embedding cache folder (None: ``$FEDROUTE_CACHE`` or ``~/.cache/fedroute``).
     """
@@ -133,7 +140,7 @@ class MoRConfig:
     mlp_rm: RewardModelConfig = field(default_factory=lambda: RewardModelConfig(arch="mlp"))
     lora_rm: RewardModelConfig = field(default_factory=lambda: RewardModelConfig(
         arch="lora", epochs=2, batch_size=16, lr=5e-4, weight_decay=0.0, max_tokens=64, patience=1))
-    router: RouterConfig = field(default_factory=RouterConfig)
+    router: RouterConfig = field(default_factory=lambda: RouterConfig(dropout=0.5, weight_decay=1.0))
     fedavg_rm_rounds: int = 30
     embedder: EmbedderConfig = field(default_factory=lambda: EmbedderConfig(max_tokens=128))
     length_features: bool = True
@@ -143,9 +150,10 @@ class MoRConfig:
     clip: float | None = None
     router_inputs: str = "pair"
     mode: str = "sparse"
-    route_by: str = "response"
+    route_by: str = "prompt"
+    sparse_fallback: float = 0.8
     soft_route_by: str = "prompt"
-    temperature: float = 0.5
+    temperature: float = 1.0
     routing_margin_se: float = 1.0
     seeds: int = 3
     cache_dir: str | None = None
@@ -164,7 +172,7 @@ class MoRConfig:
             raise InvalidInputError(f"heldout_subset={self.heldout_subset!r} is an AlpacaEval subset but no client holds alpacaeval")
         if self.router_inputs not in ("pair", "text", "prompt"):
             raise InvalidInputError(f"router_inputs must be 'pair', 'text' or 'prompt', got {self.router_inputs!r}")
-        RoutingRule("sparse", 1.0, self.route_by), RoutingRule("soft", self.temperature, self.soft_route_by)  # validate
+        RoutingRule("sparse", 1.0, self.route_by, self.sparse_fallback), RoutingRule("soft", self.temperature, self.soft_route_by)  # validate
         if not self.routing_margin_se >= 0:
             raise InvalidInputError(f"routing_margin_se must be >= 0, got {self.routing_margin_se!r}")
         if self.mode not in ("sparse", "soft"):
@@ -389,7 +397,7 @@ class MoRTrainer:
         """
         a = self.args
         keys = (routing["sparse"], routing["soft"]) if routing is not None else (
-            RoutingRule("sparse", 1.0, a.route_by).variant, RoutingRule("soft", a.temperature, a.soft_route_by).variant)
+            RoutingRule("sparse", 1.0, a.route_by, a.sparse_fallback).variant, RoutingRule("soft", a.temperature, a.soft_route_by).variant)
         variants = {r.mode: r for r in map(RoutingRule.from_variant, keys)}
         w = weighting or (routing or {}).get("weighting") or self.args.router.weighting
         return RoutedReward(models.routers[w], models.reward_models, self.encoder, mode or self.args.mode, normalise,

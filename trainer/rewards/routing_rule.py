@@ -10,6 +10,10 @@ Paper 001 (MoR), Sec. "GRPO with MoR":
 - ``mode="sparse"``: ``k* = argmax_k w_k`` and the reward is client k*'s normalised score
   ``R_bar_k*(x, y)``; only client k* is asked about that pair.
 - ``mode="soft"``: ``R_mix = sum_k w_k R_bar_k(x, y)`` (Eq. ``R_mix``); every client is asked.
+- ``mode="sparse"`` with ``fallback = tau > 0`` (ours, not the paper's): a row whose largest weight is below
+  ``tau`` (the router is unsure) is scored like soft routing, ``sum_k w_k R_bar_k``, and every client is asked
+  about it; the other rows stay sparse. Chosen on a validation category by
+  ``benchmarks/mor_router_inputs_settings.py --loco`` (docs/mor.md).
 
 Weights ``w = softmax(z / temperature)`` of the router logits ``z`` (n, K) (T < 1 sharpens towards sparse
 routing, T > 1 flattens towards AvgRM). ``route_by="prompt"`` gives every response of one prompt group
@@ -50,13 +54,17 @@ class RoutingRule:
 
     mode : ``"sparse"`` | ``"soft"``. temperature : > 0, divides the logits before the softmax.
     route_by : ``"response"`` | ``"prompt"``.
+    fallback : sparse only, in [0, 1): rows whose largest routing weight is below it get the soft reward (every
+        client asked); 0 (default) = plain sparse routing.
 
-    Raises InvalidInputError on an unknown mode / route_by or a temperature that is not a finite number > 0.
+    Raises InvalidInputError on an unknown mode / route_by, a temperature that is not a finite number > 0, or a
+    fallback outside [0, 1) (or non-zero with soft routing).
     """
 
     mode: str = "sparse"
     temperature: float = 1.0
     route_by: str = "response"
+    fallback: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -67,25 +75,34 @@ class RoutingRule:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not np.isfinite(t) or t <= 0:
             raise InvalidInputError(f"temperature must be a finite number > 0, got {t!r}")
         object.__setattr__(self, "temperature", float(t))
+        f = self.fallback
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1 or (self.mode == "soft" and f != 0):
+            raise InvalidInputError(f"fallback must be a number in [0, 1) (0 with soft routing), got {f!r}")
+        object.__setattr__(self, "fallback", float(f))
 
     @classmethod
     def from_variant(cls, variant: str) -> RoutingRule:
-        """Parse an evaluation variant key: ``"sparse|<route_by>"`` or ``"soft|<route_by>|T=<t>"``.
-        Raises InvalidInputError on any other string."""
+        """Parse an evaluation variant key: ``"sparse|<route_by>"``, ``"sparse<<fallback>|<route_by>"`` or
+        ``"soft|<route_by>|T=<t>"``. Raises InvalidInputError on any other string."""
         parts = str(variant).split("|")
         try:
             if parts[0] == "sparse" and len(parts) == 2:
                 return cls("sparse", 1.0, parts[1])
+            if parts[0].startswith("sparse<") and len(parts) == 2:
+                return cls("sparse", 1.0, parts[1], float(parts[0][len("sparse<"):]))
             if parts[0] == "soft" and len(parts) == 3 and parts[2].startswith("T="):
                 return cls("soft", float(parts[2][2:]), parts[1])
         except ValueError:
             pass
-        raise InvalidInputError(f"routing variant must be 'sparse|<route_by>' or 'soft|<route_by>|T=<t>', got {variant!r}")
+        raise InvalidInputError(f"routing variant must be 'sparse|<route_by>', 'sparse<<fallback>|<route_by>' or "
+                                f"'soft|<route_by>|T=<t>', got {variant!r}")
 
     @property
     def variant(self) -> str:
         """The evaluation's key of this rule (inverse of :meth:`from_variant`; sparse ignores T)."""
-        return f"sparse|{self.route_by}" if self.mode == "sparse" else f"soft|{self.route_by}|T={self.temperature:g}"
+        if self.mode == "sparse":
+            return f"sparse<{self.fallback:g}|{self.route_by}" if self.fallback else f"sparse|{self.route_by}"
+        return f"soft|{self.route_by}|T={self.temperature:g}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,25 +132,26 @@ class RoutingRule:
         """The routed reward from routing ``weights`` (n, K) (:meth:`weights`).
 
         ask : ``ask(k, rows) -> (len(rows),)`` client k's normalised scores of the rows ``rows`` (int array);
-            sparse asks each client only about the rows routed to it, soft asks every client about every row.
+            sparse asks each client only about the rows routed to it (and, with ``fallback``, every client about
+            the rows whose largest weight is below it), soft asks every client about every row.
         Returns (rewards (n,) float64, choice (n,) int64 = argmax of the weights, the client each row went to).
         Raises ShapeError when a client returns the wrong number of scores.
         """
         w = np.asarray(weights, dtype=np.float64)
         n, k_clients = w.shape
         choice = w.argmax(axis=1)
+        mixed = np.ones(n, dtype=bool) if self.mode == "soft" else w.max(axis=1) < self.fallback  # soft-scored rows
         out = np.zeros(n, dtype=np.float64)
         for k in range(k_clients):
-            rows = np.flatnonzero(choice == k) if self.mode == "sparse" else np.arange(n)
+            rows = np.flatnonzero((choice == k) | mixed)
             if not len(rows):
                 continue
             s = np.asarray(ask(k, rows), dtype=np.float64)
             if s.shape != (len(rows),):
                 raise ShapeError(f"client {k} returned {s.shape} scores for {len(rows)} rows")
-            if self.mode == "sparse":
-                out[rows] = s
-            else:
-                out += w[:, k] * s
+            m = mixed[rows]
+            out[rows[~m]] = s[~m]
+            out[rows[m]] += w[rows[m], k] * s[m]
         return out, choice
 
     def reward(self, logits: np.ndarray, scores: np.ndarray, groups: np.ndarray | None = None) -> np.ndarray:
