@@ -45,6 +45,7 @@ import zipfile
 from typing import Sequence
 
 import numpy as np
+from numpy.lib import format as npy_format
 
 from sdk.artefact_kind import ArtefactKind, LoadContext
 from sdk.builtin_kinds import TOKENIZER_FILE
@@ -155,8 +156,6 @@ def decode_table(data: bytes, dim: int) -> tuple[np.ndarray, np.ndarray | None]:
 def _npy_table(data: bytes, dim: int) -> tuple[np.ndarray, np.ndarray | None]:
     """(vectors, scales or None) viewed in place from a ``.npy`` table (header read by numpy's own
     ``numpy.lib.format``)."""
-    from numpy.lib import format as npy_format  # loaded by `import numpy` already (np.load uses it)
-
     stream = io.BytesIO(data)
     try:
         version = npy_format.read_magic(stream)
