@@ -12,12 +12,16 @@ checkouts taking turns run by run (so a change in the machine's load hits them a
 2. **imports**: ``python -X importtime``, self time summed per top-level package (median over runs);
 3. **load steps**: with every module already imported, the steps ``Router.load`` takes for a
    static K-means bundle, one by one: manifest signature and schema, reading and hashing the used
-   files, parsing ``tokenizer.json``, decoding the table, then the embedder built from both again
-   (cheaper the second time: the process's heap has grown) and the router.
+   files, building the tokenizer (one ``tokenizer.json``, or the split pipeline JSON + WordPiece
+   vocabulary of newer bundles, hashed again here as ``Router.load`` hashes it from its
+   descriptor), decoding the table, then ``StaticEmbedder`` (given the tokenizer built above, or
+   for a one-JSON bundle parsing it again; the table decoded again: this step repeats work,
+   ``Router.load`` does each once) and the router.
 
 With ``--baseline-root DIR`` (a checkout of another commit, e.g. ``git worktree add /tmp/base HEAD~3``
 or ``git archive HEAD~3 sdk | tar -x -C /tmp/base``) the same children also run with that
-checkout's ``sdk`` first on ``sys.path``: before/after in one run. Children read compiled bytecode
+checkout's ``sdk`` first on ``sys.path``: before/after in one run; ``--baseline-bundle`` gives that
+checkout its own bundle (one its code can read, e.g. exported by it: a bundle format changed). Children read compiled bytecode
 (a private ``PYTHONPYCACHEPREFIX``, filled by one untimed run each), as in ``choose_latency.py``.
 CPU time is what other work on the machine inflates least; quote the load average beside it.
 
@@ -72,7 +76,7 @@ import numpy, tokenizers
 from sdk import Router, kinds
 from sdk import bundle_manifest as fmt
 from sdk.embedder import load_tokenizer
-from sdk.static_embedder import StaticEmbedder, decode_table
+from sdk import static_embedder as se
 steps = []
 def step(name, fn):
     w, c = time.perf_counter(), time.process_time()
@@ -81,8 +85,11 @@ def step(name, fn):
     return out
 raw = open(os.path.join(bundle, fmt.MANIFEST_FILE), "rb").read()
 manifest = step("manifest: signature + schema", lambda: fmt.verify_manifest(raw, key))
-table_name = manifest["embedder"]["files"][precision]
-names = ["tokenizer.json", table_name, *kinds.get("router", manifest["router_kind"]).files(manifest, precision)]
+emb = manifest["embedder"]
+table_name = emb["files"][precision]
+split = emb.get("tokenizer_files")  # the WordPiece tokenizer in two files (pipeline + vocab), else tokenizer.json
+tok_names = [split["pipeline"], split["vocab"]] if split else ["tokenizer.json"]
+names = [*tok_names, table_name, *kinds.get("router", manifest["router_kind"]).files(manifest, precision)]
 def read_and_hash():
     files = {}
     for n in names:
@@ -91,12 +98,17 @@ def read_and_hash():
         files[n] = data
     return files
 files = step("read + sha256 of the used files (MB: %.1f)" % (sum(os.path.getsize(os.path.join(bundle, n)) for n in names) / 2**20), read_and_hash)
-tok_json = files["tokenizer.json"].decode("utf-8")
-step("tokenizer.json parse (tokenizers)", lambda: load_tokenizer(tok_json))
-step("table decode (np.load of the .npz + checks)", lambda: decode_table(files[table_name], manifest["embedder"]["dim"]))
-emb = step("StaticEmbedder (the two again, warm heap, + checks)", lambda: StaticEmbedder(tok_json, files[table_name], manifest["embedder"]["dim"]))
+tok_json = files[tok_names[0]].decode("utf-8")
+if split:
+    tok = step("tokenizer: pipeline JSON + WordPiece.from_file (split)",
+               lambda: se.load_split_tokenizer(tok_json, fmt.VerifiedFile(os.path.join(bundle, split["vocab"]), manifest["files"][split["vocab"]], 1 << 26)))
+else:
+    tok = step("tokenizer: tokenizer.json parse (one JSON)", lambda: load_tokenizer(tok_json))
+step("table decode (%s + checks)" % table_name.rsplit(".", 1)[-1], lambda: se.decode_table(files[table_name], emb["dim"]))
+embedder = step("StaticEmbedder from the two (tokenizer built above; table decoded again)",
+                lambda: se.StaticEmbedder(tok if split else tok_json, files[table_name], emb["dim"]))
 step("router scorer (kmeans.npz)", lambda: kinds.load_artefact("router", manifest, files, precision=precision))
-step("first embed()", lambda: emb.embed(["What is the capital of France? Answer in one word."]))
+step("first embed()", lambda: embedder.embed(["What is the capital of France? Answer in one word."]))
 print(json.dumps(steps))
 """
 
@@ -172,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--runs", type=int, default=15, help="fresh children per set and checkout (median)")
     parser.add_argument("--baseline-root", type=Path, default=None,
                         help="another checkout (a folder holding sdk/) measured in the same run, as 'baseline'")
+    parser.add_argument("--baseline-bundle", type=Path, default=None,
+                        help="the bundle the baseline checkout loads (default: --bundle)")
     parser.add_argument("--out", type=Path, default=Path("results/benchmarks"))
     args = parser.parse_args(argv)
     if args.runs < 3:
@@ -182,22 +196,28 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"--baseline-root {args.baseline_root} holds no sdk/ package")
         roots = {"baseline": args.baseline_root.resolve(), "current": ROOT}
     bundle, key = args.bundle.resolve(), args.public_key.resolve()
+    bundles = {name: bundle for name in roots}
+    if args.baseline_bundle is not None:
+        if "baseline" not in roots:
+            parser.error("--baseline-bundle goes with --baseline-root")
+        bundles["baseline"] = args.baseline_bundle.resolve()
     from tqdm.auto import tqdm
 
     load_before = _load()
     with tempfile.TemporaryDirectory(prefix="fedroute-pycache-") as pycache:
         env = _env(pycache)
-        for root in roots.values():  # untimed: fills the bytecode cache
-            phases(root, bundle, key, args.precision, env)
+        for name, root in roots.items():  # untimed: fills the bytecode cache
+            phases(root, bundles[name], key, args.precision, env)
         ph = {name: [] for name in roots}
         imp = {name: [] for name in roots}
         steps = {name: [] for name in roots}
         for _ in tqdm(range(args.runs), desc="cold-start children", unit="round"):
             for name, root in roots.items():
-                ph[name].append(phases(root, bundle, key, args.precision, env))
-                imp[name].append(import_self_times(root, bundle, key, args.precision, env))
-                steps[name].append(load_steps(root, bundle, key, args.precision, env))
-    results: dict = {"bundle": str(args.bundle), "precision": args.precision, "runs": args.runs,
+                ph[name].append(phases(root, bundles[name], key, args.precision, env))
+                imp[name].append(import_self_times(root, bundles[name], key, args.precision, env))
+                steps[name].append(load_steps(root, bundles[name], key, args.precision, env))
+    results: dict = {"bundle": str(args.bundle), "bundles": {k: str(v) for k, v in bundles.items()},
+                     "precision": args.precision, "runs": args.runs,
                      "roots": {k: str(v) for k, v in roots.items()},
                      "load_avg_1min": {"before": load_before, "after": _load()}, "checkouts": {}}
     for name in roots:
@@ -241,8 +261,10 @@ def markdown(r: dict, top: int = 14) -> str:
         f"{r['checkouts'][n]['import_self_total_ms'] - sum(r['checkouts'][n]['import_self_ms'].get(p, 0.0) for p in shown):.1f}"
         for n in names) + " |")
     lines.append("| all imports | " + " | ".join(f"{r['checkouts'][n]['import_self_total_ms']:.1f}" for n in names) + " |")
-    lines += ["", "**Router.load's steps, one by one** (modules already imported; wall / CPU):", "", head, rule]
-    for key in first["load_steps_ms"]:
+    lines += ["", "**Router.load's steps, one by one** (modules already imported; wall / CPU; n/a: a step "
+              "the other checkout's bundle format does not have):", "", head, rule]
+    step_names = list(dict.fromkeys(k for n in names for k in r["checkouts"][n]["load_steps_ms"]))
+    for key in step_names:
         lines.append(f"| {key} | " + " | ".join(
             f"{r['checkouts'][n]['load_steps_ms'][key]['wall_ms']:.1f} / {r['checkouts'][n]['load_steps_ms'][key]['cpu_ms']:.1f}"
             if key in r["checkouts"][n]["load_steps_ms"] else "n/a" for n in names) + " |")

@@ -7,13 +7,16 @@ gate, :func:`export.parity.check_bundle`, measures the same cosine on the way to
 
 - ``onnx``: the sentence-transformer exported by optimum, fused (:mod:`export.embedder_fusion`) (+ int8 by
   onnxruntime), :mod:`export.embedder_onnx`;
-- ``static``: the model2vec table (float16, + int8 with per-row scales) and its ``tokenizer.json``,
+- ``static``: the model2vec table (float16, + int8 with per-row scales, ``.npy``) and its tokenizer
+  (a WordPiece one split in two files that load faster, :func:`split_wordpiece`; else ``tokenizer.json``),
   :mod:`sdk.static_embedder` (format) and :mod:`trainer.static_embedder` (the table the routers trained on).
 """
 
 from __future__ import annotations
 
 import abc
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -24,7 +27,9 @@ from export.errors import ExportError
 from sdk import bundle_manifest as fmt
 from sdk import kinds as sdk_kinds
 from sdk.embedder import MAX_QUERY_CHARS
-from sdk.static_embedder import STATIC_TABLE_FILES, encode_table
+from sdk.errors import BundleError
+from sdk.static_embedder import SPLIT_TOKENIZER_FILES, STATIC_TABLE_FILES, encode_table, load_split_tokenizer
+from sdk.verified_file import VerifiedFile
 from trainer.embedder_paths import default_cache_dir
 from trainer.embeddings import EmbedderConfig, resolve_model_path
 from trainer.static_embedder import model_digest
@@ -151,9 +156,59 @@ class OnnxEmbedderExportKind(EmbedderExportKind):
         return {}  # the default embedder kind: manifests stay as before embedder kinds existed
 
 
+def split_wordpiece(tokenizer_json: str, scratch: Path) -> dict[str, bytes] | None:
+    """The two files of a WordPiece tokenizer (:data:`sdk.static_embedder.SPLIT_TOKENIZER_FILES`):
+    the pipeline JSON, whose WordPiece vocabulary keeps only the added tokens (and the unknown
+    token), and the vocabulary as text, one token per line (line ``i`` = id ``i``), the
+    ``vocab.txt`` format ``tokenizers.models.WordPiece.from_file`` reads.
+
+    ``None`` (ship ``tokenizer.json`` as it is) when the model is not WordPiece, its ids are not
+    0..n-1, a token would not survive a line (empty, a line break, trailing whitespace), or the
+    tokenizer rebuilt from the two files, both ways the SDK reads them
+    (:func:`sdk.static_embedder.load_split_tokenizer`: from a verified file by path and from bytes),
+    does not serialise to exactly the original JSON. ``scratch``: a folder for the by-path check.
+    """
+    from tokenizers import Tokenizer  # native library, imported where a tokenizer is handled
+
+    spec = json.loads(tokenizer_json)
+    model = spec.get("model") or {}
+    if model.get("type") != "WordPiece" or not isinstance(model.get("vocab"), dict):
+        return None
+    vocab = model["vocab"]
+    ordered = sorted(vocab, key=vocab.get)
+    if [vocab[t] for t in ordered] != list(range(len(ordered))):
+        return None
+    if any(not t or "\n" in t or "\r" in t or t != t.rstrip() for t in ordered):
+        return None
+    # the added tokens keep their ids (those beyond the vocabulary too: from the pipeline alone
+    # tokenizers would renumber them after its smaller vocabulary), and the unknown token
+    kept = {a["content"]: a["id"] for a in spec.get("added_tokens", [])}
+    if any(vocab.get(t, i) != i for t, i in kept.items()):
+        return None
+    if model.get("unk_token") in vocab:
+        kept[model["unk_token"]] = vocab[model["unk_token"]]
+    pipeline = {**spec, "model": {**model, "vocab": dict(sorted(kept.items(), key=lambda kv: kv[1]))}}
+    pipeline_json = json.dumps(pipeline, ensure_ascii=False)
+    vocab_txt = "".join(t + "\n" for t in ordered).encode("utf-8")
+    original = json.loads(Tokenizer.from_str(tokenizer_json).to_str())
+    path = Path(scratch) / SPLIT_TOKENIZER_FILES["vocab"]
+    path.write_bytes(vocab_txt)
+    try:
+        with VerifiedFile(path, hashlib.sha256(vocab_txt).hexdigest(), len(vocab_txt)) as opened:
+            by_path = load_split_tokenizer(pipeline_json, opened)
+        rebuilt = (by_path, load_split_tokenizer(pipeline_json, vocab_txt))
+    except BundleError:
+        return None
+    if any(json.loads(r.to_str()) != original for r in rebuilt):
+        return None
+    return {SPLIT_TOKENIZER_FILES["pipeline"]: pipeline_json.encode("utf-8"), SPLIT_TOKENIZER_FILES["vocab"]: vocab_txt}
+
+
 class StaticEmbedderExportKind(EmbedderExportKind):
     """``embedder/static``: the model2vec table the routers trained on (checked by its sha256),
-    as ``static_table.f16.npz`` (+ ``static_table.int8.npz`` with ``int8``) and ``tokenizer.json``."""
+    as ``static_table.f16.npy`` (+ ``static_table.int8.npy`` with ``int8``) and the tokenizer
+    (``static_tokenizer.json`` + ``static_vocab.txt`` for WordPiece, :func:`split_wordpiece`; else
+    ``tokenizer.json``)."""
 
     name = "static"
 
@@ -171,12 +226,16 @@ class StaticEmbedderExportKind(EmbedderExportKind):
         progress(f"writing the static table of {config.model} ({model.stored_table.shape[0]} tokens x "
                  f"{model.stored_table.shape[1]}, float16{' + int8' if int8 else ''})")
         precisions = ("fp32", "int8") if int8 else ("fp32",)
-        files = {fmt.TOKENIZER_FILE: model.tokenizer.to_str().encode("utf-8")}
+        tokenizer_json = model.tokenizer.to_str()
+        split = split_wordpiece(tokenizer_json, Path(scratch))
+        files = dict(split) if split else {fmt.TOKENIZER_FILE: tokenizer_json.encode("utf-8")}
         for p in precisions:
             files[STATIC_TABLE_FILES[p]] = encode_table(model.stored_table, p)
         entry = {"name": config.model, "dim": int(model.stored_table.shape[1]), "max_tokens": MAX_QUERY_CHARS,
                  "truncation_side": "left", "pooling": "mean", "normalised": True,
                  "files": {p: STATIC_TABLE_FILES[p] for p in precisions}, "table_sha256": digest}
+        if split:
+            entry["tokenizer_files"] = dict(SPLIT_TOKENIZER_FILES)
         return BundleEmbedder(files, entry, self.name)
 
 

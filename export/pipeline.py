@@ -147,7 +147,7 @@ def export_bundle(
     router_dir : folder written by ``fedroute simulate`` (``results/routers/{mlp,kmeans}``).
     out : bundle directory to create or replace (atomically).
     signing_key : path of ``signing.key`` (see ``fedroute keygen``).
-    int8 : also ship the int8 embedder (``embedder.int8.onnx``, or ``static_table.int8.npz`` for a
+    int8 : also ship the int8 embedder (``embedder.int8.onnx``, or ``static_table.int8.npy`` for a
         static embedder); same as ``precisions=("int8",)``.
     precisions : quantised precisions to ship besides fp32: for an ONNX embedder keys of
         :data:`export.embedder_onnx.QUANTISED_PRECISIONS` (``"int8"``, ``"int8-all"``), for a static

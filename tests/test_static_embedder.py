@@ -72,12 +72,105 @@ def test_int8_rows_round_trip_within_half_a_step():
     assert np.all(np.abs(q * scales[:, None] - v) <= scales[:, None] / 2 + 1e-7)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_npy_table_is_read_in_place_and_npz_tables_of_older_bundles_still_load(precision):
+    """The .npy table is a read-only view of the file's bytes (no copy); an .npz table (bundles
+    exported before) decodes to the same arrays."""
+    import io
+
+    raw = encode_table(VECTORS, precision)
+    assert raw[:6] == b"\x93NUMPY"
+    vectors, scales = decode_table(raw, 3)
+    assert not vectors.flags.writeable and np.shares_memory(vectors, np.frombuffer(raw, np.uint8))
+    buf = io.BytesIO()
+    if precision == "fp32":
+        # float16 holds these values exactly
+        assert scales is None and vectors.dtype == np.float16 and vectors.tolist() == VECTORS.tolist()
+        np.savez(buf, vectors=VECTORS.astype(np.float16))
+    else:
+        # one non-zero entry per row: q = +-127 there, scale = |max| / 127
+        assert vectors.dtype == np.int8 and vectors.tolist() == [[127, 127, 127], [127, 0, 0], [0, 127, 0], [0, 0, 127]]
+        np.testing.assert_array_equal(scales, np.float32([9, 1, 2, 4]) / np.float32(127))
+        np.savez(buf, vectors=np.asarray(vectors), scales=np.asarray(scales))
+    old_vectors, old_scales = decode_table(buf.getvalue(), 3)
+    np.testing.assert_array_equal(old_vectors, vectors)
+    assert (old_scales is None) == (scales is None) and (scales is None or np.array_equal(old_scales, scales))
+
+
+def wordpiece_tokenizer_json(vocab: list[str], added: list[str]) -> str:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.add_special_tokens(added)
+    return tok.to_str()
+
+
+def test_split_wordpiece_tokenizer_rebuilds_the_same_tokenizer_both_ways(tmp_path):
+    from tokenizers import Tokenizer
+
+    from export.embedder_export import split_wordpiece
+    from sdk.static_embedder import SPLIT_TOKENIZER_FILES, load_split_tokenizer
+    from sdk.verified_file import VerifiedFile
+
+    vocab = ["[PAD]", "[UNK]", "a", "b", "##b", "cat", "##s", "\u00e9t\u00e9"]
+    full = wordpiece_tokenizer_json(vocab, ["[PAD]", "[UNK]", "<new>"])  # <new>: an added id beyond the vocab (8)
+    split = split_wordpiece(full, tmp_path)
+    assert split is not None
+    assert split[SPLIT_TOKENIZER_FILES["vocab"]] == "".join(t + "\n" for t in vocab).encode()
+    pipeline = json.loads(split[SPLIT_TOKENIZER_FILES["pipeline"]])
+    assert pipeline["model"]["vocab"] == {"[PAD]": 0, "[UNK]": 1, "<new>": 8}  # the added tokens only
+    original = Tokenizer.from_str(full)
+    path = tmp_path / "v.txt"
+    path.write_bytes(split[SPLIT_TOKENIZER_FILES["vocab"]])
+    import hashlib
+
+    with VerifiedFile(path, hashlib.sha256(path.read_bytes()).hexdigest(), 1 << 20) as opened:
+        by_path = load_split_tokenizer(split[SPLIT_TOKENIZER_FILES["pipeline"]].decode(), opened)
+    from_bytes = load_split_tokenizer(split[SPLIT_TOKENIZER_FILES["pipeline"]].decode(), split[SPLIT_TOKENIZER_FILES["vocab"]])
+    for text in ["A cats b bb", "Été [UNK] <new> [PAD] zzz", "cat\tcats"]:
+        want = original.encode(text, add_special_tokens=False).ids
+        assert by_path.encode(text, add_special_tokens=False).ids == want == from_bytes.encode(text, add_special_tokens=False).ids
+    # hand-checked: "a" 2, "cat" 5 + "##s" 6, "b" 3, "b" 3 + "##b" 4
+    assert by_path.encode("A cats b bb", add_special_tokens=False).ids == [2, 5, 6, 3, 3, 4]
+
+
+@pytest.mark.parametrize("vocab, why", [
+    (["[UNK]", "a ", "b"], "trailing whitespace"),
+    (["[UNK]", "a\rb", "b"], "a line break"),
+])
+def test_split_wordpiece_keeps_tokenizer_json_when_a_token_would_not_survive_a_line(vocab, why, tmp_path):
+    from export.embedder_export import split_wordpiece
+
+    assert split_wordpiece(wordpiece_tokenizer_json(vocab, ["[UNK]"]), tmp_path) is None, why
+    assert split_wordpiece(tiny_tokenizer().to_str(), tmp_path) is None  # WordLevel: not split
+
+
+def test_split_tokenizer_with_a_mismatched_added_token_id_is_refused():
+    from sdk.static_embedder import load_split_tokenizer
+
+    pipeline = wordpiece_tokenizer_json(["[PAD]", "[UNK]"], ["[PAD]", "[UNK]"])
+    with pytest.raises(BundleError, match="added token '\\[PAD\\]' has id 0 in the pipeline, 1 in the vocabulary"):
+        load_split_tokenizer(pipeline, b"[UNK]\n[PAD]\n")
+    with pytest.raises(BundleError, match="the model must be WordPiece"):
+        load_split_tokenizer(tiny_tokenizer().to_str(), b"[UNK]\n")
+
+
 @pytest.mark.parametrize("data, match", [
-    (b"not a zip", "not a readable .npz"),
+    (b"not a zip", "not a readable .npy or .npz"),
     ("wrong_dim", "dimension 4"),
     ("nan", "NaN or inf"),
     ("zero_scale", "scales must be finite and > 0"),
     ("float32", "expected float16"),
+    ("npy_float32", "expected float16"),
+    ("npy_truncated", "holds 27 data bytes, its header declares 28"),
+    ("npy_trailing", "holds 25 data bytes, its header declares 24"),
+    ("npy_nan", "NaN or inf"),
+    ("npy_zero_scale", "scales must be finite and > 0"),
+    ("npy_records", "expected a 2-D float16 array or 1-D \\(scale, q\\) records"),
+    ("npy_fortran", "C-order"),
+    ("npy_bad_header", "not a readable .npy"),
 ])
 def test_corrupt_tables_are_refused(data, match):
     import io
@@ -87,11 +180,24 @@ def test_corrupt_tables_are_refused(data, match):
         np.savez(buf, **arrays)
         return buf.getvalue()
 
+    def npy(array):
+        buf = io.BytesIO()
+        np.save(buf, array)
+        return buf.getvalue()
+
     raw = {
         "wrong_dim": lambda: encode_table(np.ones((4, 4)), "fp32"),
         "nan": lambda: npz(vectors=np.array([[np.nan, 0, 0]] * 4, dtype=np.float16)),
         "zero_scale": lambda: npz(vectors=np.ones((4, 3), np.int8), scales=np.zeros(4, np.float32)),
         "float32": lambda: npz(vectors=np.ones((4, 3), np.float32)),
+        "npy_float32": lambda: npy(np.ones((4, 3), np.float32)),
+        "npy_truncated": lambda: encode_table(np.ones((4, 3)), "int8")[:-1],
+        "npy_trailing": lambda: encode_table(np.ones((4, 3)), "fp32") + b"\0",
+        "npy_nan": lambda: npy(np.array([[np.nan, 0, 0]] * 4, dtype=np.float16)),
+        "npy_zero_scale": lambda: npy(np.zeros(4, dtype=[("scale", "<f4"), ("q", "i1", (3,))])),
+        "npy_records": lambda: npy(np.zeros(4, dtype=[("q", "i1", (3,)), ("scale", "<f4")])),
+        "npy_fortran": lambda: npy(np.asfortranarray(np.ones((4, 3), np.float16))),
+        "npy_bad_header": lambda: b"\x93NUMPY\x01\x00\x04\x00{'x'",
     }.get(data, lambda: data)()
     with pytest.raises(BundleError, match=match):
         decode_table(raw, 3)
@@ -191,7 +297,9 @@ def test_static_bundle_round_trip(static_cache, routerbench_dir, signing_keys, t
                            cache_dir=static_cache, progress=lambda _: None)
     manifest = result.manifest
     assert manifest["embedder_kind"] == "static" and manifest["router_kind"] == "kmeans"
-    assert manifest["embedder"]["files"] == {"fp32": "static_table.f16.npz", "int8": "static_table.int8.npz"}
+    assert manifest["embedder"]["files"] == {"fp32": "static_table.f16.npy", "int8": "static_table.int8.npy"}
+    assert manifest["embedder"]["tokenizer_files"] == {"pipeline": "static_tokenizer.json", "vocab": "static_vocab.txt"}
+    assert "tokenizer.json" not in manifest["files"]
     assert manifest["embedder"]["dim"] == 256 and manifest["embedder"]["table_sha256"] == router.embedder["table_sha256"]
     assert result.parity["passed"] and result.parity["precisions"]["fp32"]["cosine"]["min"] > 0.99999
     assert json.loads((tmp_path / "bundle" / "parity.json").read_text())["passed"]
@@ -224,7 +332,7 @@ def test_static_bundle_round_trip(static_cache, routerbench_dir, signing_keys, t
     # a table changed after signing: refused by its sha256; re-signed but malformed: refused by the loader
     copy = tmp_path / "tampered"
     shutil.copytree((tmp_path / "bundle").resolve(), copy)
-    table = copy / "static_table.f16.npz"
+    table = copy / "static_table.f16.npy"
     table.write_bytes(table.read_bytes()[:-10] + b"0123456789")
     with pytest.raises(BundleError, match="sha256"):
         Router.load(copy, signing_keys[1], precision="fp32")
@@ -233,11 +341,11 @@ def test_static_bundle_round_trip(static_cache, routerbench_dir, signing_keys, t
     from export.signing import load_signing_key
 
     files = {n: (tmp_path / "bundle" / n).read_bytes() for n in manifest["files"]}
-    files["static_table.f16.npz"] = b"PK\x03\x04 truncated"
+    files["static_table.f16.npy"] = b"PK\x03\x04 truncated"
     fields = {k: v for k, v in manifest.items() if k not in ("format_version", "created_utc", "files", "signature")}
     fields["bundle_version"] = manifest["bundle_version"] + 1
     write_bundle(tmp_path / "bundle", files, fields, load_signing_key(signing_keys[0]))
-    with pytest.raises(BundleError, match="static table is not a readable .npz"):
+    with pytest.raises(BundleError, match="static table is not a readable .npy or .npz"):
         Router.load(tmp_path / "bundle", signing_keys[1], precision="fp32")
 
 
