@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variant", default="trained", choices=sorted(VARIANTS))
-    ap.add_argument("--methods", default="fedprism,fedbis,random_routing,length_only")
+    ap.add_argument("--methods", default="fedprism,fedbis,random_routing,length_only,length_only_global")
     ap.add_argument("--merge", action="store_true")
     ap.add_argument("--extra", type=Path, action="append", default=[],
                     help="with --merge: a folder of the same seeds with other methods (repeatable)")
