@@ -33,8 +33,14 @@ group trained by its clients; a test pair is scored by the mean probability of t
 upper reference for what routing can reach, used by ``benchmarks/prism_experts_settings.py``, not a
 method of the table). See :func:`method_config`.
 
-Presets: the CPU default (``trainer.experts.experiment.PRESETS['cpu']``) is scaled down (6 experts, the federated length start and a residual head over it
-(``length_lr_scale=0``, ``expert_lr=1e-2``), all chosen on validation,
+With ``length_prior='domain'`` the start is instead one FedAvg length-only regression per *domain*
+(clients fit one per domain they hold), added to every expert's logit as a fixed offset chosen by the
+pair's domain label (the per-domain length-only baseline's input); the experts' own length paths
+start and stay at 0, so each expert is that prior plus its learned content residual.
+
+Presets: the CPU default (``trainer.experts.experiment.PRESETS['cpu']``) is scaled down (6 experts, the
+federated per-domain length prior and a content residual over it (``length_prior='domain'``,
+``length_lr_scale=0``, ``expert_lr=1e-2``), all chosen on validation,
 8 rounds, warm-up 3, PGPD every 2 rounds, 4 clients x 40 pairs per round, MiniLM with LoRA in the
 top layer on cached lower layers); :meth:`FedPrismConfig.gpu_preset` is the
 paper's 5 experts, 400 rounds, warm-up 150, router update every 20 rounds at lr 1e-3, experts at
