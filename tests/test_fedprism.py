@@ -89,6 +89,19 @@ def test_length_start_local_fit_and_fedavg_by_hand():
         client_length_coefs(np.zeros((2, 3)), np.array([0, 1]), np.array([0]), 2)
 
 
+def test_saved_length_prior_reads_one_domain(tmp_path):
+    import json
+
+    from trainer.experts.length_init import saved_length_prior
+
+    assert saved_length_prior(tmp_path, "alpacaeval") is None  # a run without the per-domain prior
+    (tmp_path / "length_prior.json").write_text(json.dumps({"domains": ["alpacaeval", "hh_harmless"],
+                                                            "coefs": [[1.0, 2.0, 3.0], [-1.0, 0.5, 0.0]]}))
+    np.testing.assert_array_equal(saved_length_prior(tmp_path, "hh_harmless"), np.float32([-1.0, 0.5, 0.0]))
+    with pytest.raises(InvalidInputError, match="routerbench"):
+        saved_length_prior(tmp_path, "routerbench")
+
+
 # ------------------------------------------------------------------ the loop on real pairs
 
 
