@@ -149,7 +149,7 @@ def markdown(result: dict) -> str:
     for name, r in result["table"].items():
         if r["acc_mean"] is None:
             continue
-        mark = " **(chosen)**" if name.endswith("/" + result["chosen_variant"]) else ""
+        mark = " **(chosen)**" if name == "fedprism/" + result["chosen_variant"] else ""
         lines.append(f"| {name}{mark} | {r['acc_mean']:.3f} +- {r['acc_std']:.3f} | "
                      + " / ".join(f"{x:.3f}" for x in r["acc_per_seed"]) + " | "
                      + " | ".join(f"{r['domains'].get(d, float('nan')):.3f}" for d in doms) + " |")
@@ -188,7 +188,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylim(0.6, 0.84)
     ax.set_ylabel("validation pairwise accuracy (450 pairs)")
     ax.set_title(f"Head variants on the length prior; chosen: {result['chosen_variant']}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     save_figure(fig, path)
 
 
