@@ -271,8 +271,8 @@ def _fold_length_prior(selector, expert_dir: Path, prior_domain: str | None) -> 
     (``length_prior='domain'`` runs only; see :func:`export_selector_bundle`)."""
     import torch  # torch: optional heavy dependency (trainer extra), imported on use
 
-    from sdk.errors import InvalidInputError
-    from trainer.experts.length_init import saved_length_prior
+    from sdk.errors import InvalidInputError  # kept beside its one use, like load_trained_selector's
+    from trainer.experts.length_init import saved_length_prior  # trainer side of the run layout: on use only
 
     if not (expert_dir.parent / "length_prior.json").exists():
         return
