@@ -11,6 +11,7 @@ seed-0 folder also holds ``fedprism_seed0/`` and ``fedbis_seed0/``); ``--merge``
 ``DIR/results.{json,md}``, ``DIR/history.json`` and the PNGs, the same format as ``fedroute prism train``
 (mean and sample std over the seeds). ``--variant`` is a head variant of
 ``benchmarks/prism_residual_settings.py`` (chosen there on validation), applied to every method.
+``--compare DIR1 DIR2 ... --out PNG`` plots the methods of several merged folders side by side.
 """
 
 from __future__ import annotations
@@ -86,17 +87,58 @@ def merge(out: Path, extra: tuple[Path, ...] = ()) -> dict:
     return merged
 
 
+def compare(folders: list[Path], labels: list[str], path: Path) -> None:
+    """Bar chart of the methods' test accuracy (mean +- std over seeds, dots per seed) of several merged
+    results folders side by side (e.g. two head variants), with both length-only baselines as lines."""
+    import matplotlib  # matplotlib: optional heavy dependency
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # matplotlib: optional heavy dependency
+
+    from trainer.report import save_figure  # imports matplotlib: on use only
+
+    res = [json.loads((f / "results.json").read_text()) for f in folders]
+    methods = [m for m in ("fedprism", "fedbis", "fedbiscuit", "random_routing", "frozen_router", "no_warmup")
+               if any(m in r["methods"] for r in res)]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    width = 0.8 / len(res)
+    x = np.arange(len(methods))
+    for i, (r, lab) in enumerate(zip(res, labels)):
+        off = (i - (len(res) - 1) / 2) * width
+        rows = [r["methods"].get(m) for m in methods]
+        ax.bar(x + off, [e["acc_mean"] if e else 0 for e in rows], width, yerr=[e["acc_std"] if e else 0 for e in rows],
+               capsize=3, label=lab)
+        for j, e in enumerate(rows):
+            if e:
+                ax.scatter([x[j] + off] * len(e["acc_per_seed"]), e["acc_per_seed"], color="k", s=8, zorder=3)
+    for m, ls in (("length_only", "--"), ("length_only_global", ":")):
+        vals = [r["methods"][m]["acc_mean"] for r in res if m in r["methods"]]
+        if vals:
+            ax.axhline(vals[0], color="k", ls=ls, lw=1, label=f"{m} {vals[0]:.3f}")
+    ax.set_xticks(x, methods, fontsize=8)
+    ax.set_ylim(0.6, 0.82)
+    ax.set_ylabel("test pairwise accuracy (600 pairs)")
+    ax.set_title("Same clients, seeds and test pairs under different expert heads (one bar colour per results folder)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    save_figure(fig, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=Path("../shared/data"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variant", default="trained", choices=sorted(VARIANTS))
-    ap.add_argument("--methods", default="fedprism,fedbis,random_routing,length_only")
+    ap.add_argument("--methods", default="fedprism,fedbis,random_routing,length_only,length_only_global")
     ap.add_argument("--merge", action="store_true")
     ap.add_argument("--extra", type=Path, action="append", default=[],
                     help="with --merge: a folder of the same seeds with other methods (repeatable)")
+    ap.add_argument("--compare", type=Path, nargs="+", default=None,
+                    help="merged results folders to plot side by side into --out (a PNG path); labels = folder names")
     args = ap.parse_args()
+    if args.compare:
+        compare(args.compare, [f.name for f in args.compare], args.out)
+        return
     if args.merge:
         from trainer.experts.experiment import markdown  # imports pandas, torch: on use only
 

@@ -266,9 +266,31 @@ def selector_fields(selector, name: str, method: str, expert: int | None, files:
     }
 
 
+def _fold_length_prior(selector, expert_dir: Path, prior_domain: str | None) -> None:
+    """Add the run's per-domain length prior of ``prior_domain`` to the selector's length path, in place
+    (``length_prior='domain'`` runs only; see :func:`export_selector_bundle`)."""
+    import torch  # torch: optional heavy dependency (trainer extra), imported on use
+
+    from sdk.errors import InvalidInputError  # kept beside its one use, like load_trained_selector's
+    from trainer.experts.length_init import saved_length_prior  # trainer side of the run layout: on use only
+
+    if not (expert_dir.parent / "length_prior.json").exists():
+        return
+    if prior_domain is None:
+        saved = json.loads((expert_dir.parent / "length_prior.json").read_text())["domains"]
+        raise ExportError(f"{expert_dir} is a residual over a per-domain length prior (length_prior='domain'); "
+                          f"give the domain the bundle serves (prior_domain / --prior-domain), one of {saved}")
+    try:
+        w = saved_length_prior(expert_dir.parent, prior_domain)
+    except InvalidInputError as exc:
+        raise ExportError(str(exc)) from exc
+    with torch.no_grad():
+        selector.length_skip.weight.add_(torch.from_numpy(w)[None, :])
+
+
 def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parity_pairs, *, int8: bool = False,
                            name: str | None = None, method: str | None = None, expert: int | None = None,
-                           bundle_version: int | None = None,
+                           bundle_version: int | None = None, prior_domain: str | None = None,
                            progress: Callable[[str], None] = print) -> SelectorExportResult:
     """Export the expert saved at ``expert_dir`` as a signed selector bundle at ``out``.
 
@@ -284,11 +306,17 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
     method, expert : provenance written to the manifest (e.g. ``"fedprism"``, 2; ``"fedbis"``, 0); default
         read from the run layout ``<method>_seed0/expert_<k>``.
     bundle_version : default 1 + the version at ``out``.
+    prior_domain : for an expert of a ``length_prior='domain'`` run (``length_prior.json`` beside the
+        expert folders): the domain whose fixed length prior ``w_d`` is folded into the exported length
+        path (``v + w_d``: exact for pairs of that domain, since the prior is the linear offset
+        ``w_d . f``), e.g. ``'alpacaeval'``; the bundle then serves that domain. Ignored otherwise.
 
     Raises
     ------
     ExportError
-        Unreadable expert, config or key; no parity pairs; ``out`` not replaceable.
+        Unreadable expert, config or key; no parity pairs; ``out`` not replaceable; an expert of a
+        ``length_prior='domain'`` run without ``prior_domain`` (it is a residual, not a selector on its
+        own), or a domain the prior lacks.
     ParityError
         A parity threshold is missed; nothing is written at ``out``.
     """
@@ -300,6 +328,7 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
     if parity_pairs is None or len(parity_pairs) == 0:
         raise ExportError("no parity pairs: give real preference pairs to check the export against")
     selector = load_trained_selector(Path(expert_dir))
+    _fold_length_prior(selector, Path(expert_dir), prior_domain)
     found_method, found_expert = _provenance(Path(expert_dir))
     method = method or found_method
     expert = found_expert if expert is None else expert

@@ -89,6 +89,19 @@ def test_length_start_local_fit_and_fedavg_by_hand():
         client_length_coefs(np.zeros((2, 3)), np.array([0, 1]), np.array([0]), 2)
 
 
+def test_saved_length_prior_reads_one_domain(tmp_path):
+    import json
+
+    from trainer.experts.length_init import saved_length_prior
+
+    assert saved_length_prior(tmp_path, "alpacaeval") is None  # a run without the per-domain prior
+    (tmp_path / "length_prior.json").write_text(json.dumps({"domains": ["alpacaeval", "hh_harmless"],
+                                                            "coefs": [[1.0, 2.0, 3.0], [-1.0, 0.5, 0.0]]}))
+    np.testing.assert_array_equal(saved_length_prior(tmp_path, "hh_harmless"), np.float32([-1.0, 0.5, 0.0]))
+    with pytest.raises(InvalidInputError, match="routerbench"):
+        saved_length_prior(tmp_path, "routerbench")
+
+
 # ------------------------------------------------------------------ the loop on real pairs
 
 
@@ -188,6 +201,48 @@ def test_residual_head_keeps_the_length_prior_and_trains_the_rest(small):
     assert any(np.abs(trainer.experts_[k][n] - before[k][n]).max() > 0 for k in updated for n in before[k] if "lora_B" in n)
     with pytest.raises(InvalidInputError, match="length_lr_scale"):
         FedPrismConfig(length_lr_scale=-1.0)
+
+
+def test_domain_prior_is_the_fedavged_per_domain_regression_plus_a_residual(small):
+    from sklearn.linear_model import LogisticRegression
+
+    model, data = small
+    cfg = FedPrismConfig(n_experts=2, rounds=1, warmup_rounds=1, clients_per_round=2, local_pairs=8, batch_size=2,
+                         init_epochs=5, length_lr_scale=0.0, expert_lr=1e-2, length_prior="domain")
+    trainer = FedPrismTrainer(model, data, cfg).setup()
+    feats, labels = data.store.features.numpy().astype(np.float64), data.store.label.numpy()
+    doms = sorted(set(data.domain))
+    num, den = np.zeros((3, 3)), np.zeros(3)
+    for own in data.clients:  # by hand: each client's fit per domain on pairs + swapped copies, count-weighted mean
+        for j, dname in enumerate(doms):
+            sel = own[data.domain[own] == dname]
+            if len(sel) == 0:
+                continue
+            x, y = feats[sel], labels[sel]
+            lr = LogisticRegression(C=1.0, fit_intercept=False).fit(np.concatenate([x, -x]),
+                                                                    np.concatenate([y, 1 - y]).astype(int))
+            num[j] += len(x) * lr.coef_[0]
+            den[j] += len(x)
+    w = num / den[:, None]
+    np.testing.assert_allclose(trainer.domain_length_coefs_, w, rtol=1e-6, atol=1e-8)
+    pairs = data.eval_pairs
+    prior = 1 / (1 + np.exp(-(feats[pairs] * w[np.searchsorted(doms, data.domain[pairs])]).sum(1)))
+    for k in range(2):  # before training every expert is exactly the per-domain length-only regression
+        assert not np.any(trainer.experts_[k]["length_skip.weight"])
+        np.testing.assert_allclose(trainer._per_sample(trainer.experts_[k], pairs, "proba"), prior, atol=1e-5)
+    trainer.run_round(1)
+    moved = [k for k in range(2) if np.abs(trainer.experts_[k]["head.2.weight"]).max() > 0]
+    assert moved and all(not np.any(trainer.experts_[k]["length_skip.weight"]) for k in range(2))
+    p1 = trainer._per_sample(trainer.experts_[moved[0]], pairs, "proba")
+    assert np.abs(p1 - prior).max() > 1e-4  # the residual changed the prediction
+    trainer.args = replace(cfg, residual_scale=0.0)  # a zero residual scale serves the prior alone
+    np.testing.assert_allclose(trainer._per_sample(trainer.served_experts[moved[0]], pairs, "proba"), prior, atol=1e-5)
+    with pytest.raises(InvalidInputError, match="length_prior"):
+        FedPrismConfig(length_prior="subset")
+    with pytest.raises(InvalidInputError, match="length_init"):
+        FedPrismConfig(length_prior="domain", length_init="zero")
+    with pytest.raises(InvalidInputError, match="residual_scale"):
+        FedPrismConfig(residual_scale=-0.5)
 
 
 def test_client_validation_split_and_per_expert_early_stopping(small):

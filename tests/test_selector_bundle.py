@@ -225,3 +225,22 @@ def test_export_refuses_failed_parity_and_writes_nothing(trained_expert, hh_pair
     assert not out.exists()
     with pytest.raises(ExportError, match="not a saved selector expert"):
         selector_export.export_selector_bundle(tmp_path, out, signing_keys[0], hh_pairs[1], progress=lambda m: None)
+
+
+def test_export_folds_a_runs_per_domain_length_prior_or_refuses(trained_expert, tmp_path):
+    from export import selector_export
+
+    run = tmp_path / "fedprism_seed0"
+    shutil.copytree(trained_expert.parent, run)
+    base = selector_export.load_trained_selector(run / "expert_0")
+    v = base.length_skip.weight.detach().numpy().copy()
+    selector_export._fold_length_prior(base, run / "expert_0", None)  # no length_prior.json: unchanged
+    np.testing.assert_array_equal(base.length_skip.weight.detach().numpy(), v)
+    (run / "length_prior.json").write_text(json.dumps({"domains": ["alpacaeval", "hh_harmless"],
+                                                       "coefs": [[1.5, 0.25, -0.5], [-1.0, 0.0, 0.0]]}))
+    selector_export._fold_length_prior(base, run / "expert_0", "alpacaeval")  # v + w_alpacaeval
+    np.testing.assert_allclose(base.length_skip.weight.detach().numpy(), v + np.array([[1.5, 0.25, -0.5]]), atol=1e-7)
+    with pytest.raises(ExportError, match="--prior-domain"):
+        selector_export._fold_length_prior(base, run / "expert_0", None)
+    with pytest.raises(ExportError, match="routerbench"):
+        selector_export._fold_length_prior(base, run / "expert_0", "routerbench")

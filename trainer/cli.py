@@ -192,6 +192,7 @@ def export_cmd(
     prices: Annotated[Optional[Path], typer.Option(help="JSON {model: {input: USD per 1k tokens, output: ...}} for the price table")] = None,
     bundle_version: Annotated[Optional[int], typer.Option(min=1, help="default: previous version at --out + 1")] = None,
     parity_pairs: Annotated[int, typer.Option(min=1, help="--selector: real held-out pairs for the parity check")] = 200,
+    prior_domain: Annotated[Optional[str], typer.Option(help="--selector of a length_prior='domain' run: the domain whose length prior is folded in")] = None,
     cache_dir: CacheOpt = None,
 ) -> None:
     """Compile a trained router (or a preference selector) into a signed, parity-checked bundle for the SDK."""
@@ -208,7 +209,8 @@ def export_cmd(
         pairs = parity_pairs_for(selector, data or Path("../shared/data"), parity_pairs)
         try:
             result = export_selector_bundle(selector, out, signing_key, pairs, int8=int8,
-                                            bundle_version=bundle_version, progress=typer.echo)
+                                            bundle_version=bundle_version, prior_domain=prior_domain,
+                                            progress=typer.echo)
         except ParityError as exc:
             typer.echo("parity report: " + json.dumps(exc.report), err=True)
             raise

@@ -16,7 +16,8 @@ regression fitted on the pooled client pairs). Everything is scored on the same 
 Output folder (``fedroute prism train --out DIR``)
 --------------------------------------------------
 - ``results.json``: ``methods.<m>.{acc_mean, acc_std, acc_per_seed, domains.<d>.{acc_mean, acc_std}}``
-  for m in fedprism, fedbis, fedbiscuit, random_routing, frozen_router, no_warmup, length_only;
+  for m in fedprism, fedbis, fedbiscuit, random_routing, frozen_router, no_warmup, length_only (per-domain
+  regression; reads the domain label at prediction time), length_only_global (one regression);
   ``utilisation.{max_share, max_share_per_seed, entropy, share}`` (FedPrism, final round, test pairs);
   ``bytes.{downlink_per_round, dense_downlink_per_round, per_method}`` (mean bytes sent to the clients
   of a round; dense = every client downloads all M experts); ``config``, ``data``, ``seconds``.
@@ -59,7 +60,10 @@ from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
 from trainer.embeddings import EmbedderConfig, default_cache_dir, embed_texts
 from trainer.report import save_figure, write_json, write_text
 
-ALL_METHODS = METHODS + ("length_only",)
+# the length-only baselines of issue 10 (logistic regression on length features): per domain (the domain label
+# is read at prediction time) and one global model
+LENGTH_ONLY = {"length_only": True, "length_only_global": False}
+ALL_METHODS = METHODS + tuple(LENGTH_ONLY)
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,11 @@ PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
     # length_init = 'fedavg_lr' chosen on the validation pairs (trainer.experts.tune), then n_experts = 6
     # (grid 3, 4, 5, 6, 8) by benchmarks/prism_experts_settings.py, also on validation
     # then the head variant 'residual_lr1e-2' (length path frozen at the federated prior, LoRA + content head
-    # at lr 1e-2) by benchmarks/prism_residual_settings.py, on validation (3 seeds); the quick preset keeps
-    # the previous head (not tuned separately)
+    # at lr 1e-2) by benchmarks/prism_residual_settings.py, on validation (3 seeds); then, by the same script and
+    # rule, 'domain_residual_lr1e-2' (every expert = the federated per-domain length prior + its content
+    # residual), which reads the domain label at prediction time; sdk.Selector.prefer(x, y_a, y_b) has no
+    # domain input, so the default stays label-free (length_prior='expert'); 'domain' is opt-in
+    # (docs/prism.md, "Which head ships"). The quick preset keeps the same head (not tuned separately)
     "cpu": (DataPreset(), FedPrismConfig(n_experts=6, rounds=8, warmup_rounds=3, router_every=2, clients_per_round=4,
                                          local_pairs=40, eval_every=4, length_init="fedavg_lr",
                                          length_lr_scale=0.0, expert_lr=1e-2)),
@@ -186,9 +193,9 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
         data = _federated(prep, preset, seed, eval_split)
         eval_df = (prep.val if eval_split == "val" else prep.test)
         for m in methods:
-            if m == "length_only":
+            if m in LENGTH_ONLY:
                 tr = prep.train.iloc[np.concatenate(data.clients)]
-                proba = LengthBaseline(per_domain=True).fit(tr).predict_proba(eval_df)
+                proba = LengthBaseline(per_domain=LENGTH_ONLY[m]).fit(tr).predict_proba(eval_df)
                 y = eval_df.label.to_numpy()
                 res = {"overall": pairwise_accuracy(proba, y)}
                 for d in sorted(eval_df.domain.unique()):
@@ -281,8 +288,9 @@ def write_results(out: Path, result: dict, history: dict) -> None:
         rounds = [h["round"] for h in next(iter(hs.values())) if "accuracy" in h]
         vals = np.array([[h["accuracy"]["overall"] for h in run if "accuracy" in h] for run in hs.values()])
         ax.errorbar(rounds, vals.mean(0), yerr=vals.std(0), label=m, marker="o", capsize=3)
-    if "length_only" in result["methods"]:
-        ax.axhline(result["methods"]["length_only"]["acc_mean"], color="k", ls="--", label="length_only")
+    for m, ls in (("length_only", "--"), ("length_only_global", ":")):
+        if m in result["methods"]:
+            ax.axhline(result["methods"][m]["acc_mean"], color="k", ls=ls, label=m)
     ax.set_xlabel("round")
     ax.set_ylabel(f"{result['eval_split']} pairwise accuracy")
     ax.set_title("Held-out accuracy per round (mean +- std over seeds)")

@@ -33,8 +33,14 @@ group trained by its clients; a test pair is scored by the mean probability of t
 upper reference for what routing can reach, used by ``benchmarks/prism_experts_settings.py``, not a
 method of the table). See :func:`method_config`.
 
-Presets: the CPU default (``trainer.experts.experiment.PRESETS['cpu']``) is scaled down (6 experts, the federated length start and a residual head over it
-(``length_lr_scale=0``, ``expert_lr=1e-2``), all chosen on validation,
+With ``length_prior='domain'`` the start is instead one FedAvg length-only regression per *domain*
+(clients fit one per domain they hold), added to every expert's logit as a fixed offset chosen by the
+pair's domain label (the per-domain length-only baseline's input); the experts' own length paths
+start and stay at 0, so each expert is that prior plus its learned content residual.
+
+Presets: the CPU default (``trainer.experts.experiment.PRESETS['cpu']``) is scaled down (6 experts, the
+federated per-domain length prior and a content residual over it (``length_prior='domain'``,
+``length_lr_scale=0``, ``expert_lr=1e-2``), all chosen on validation,
 8 rounds, warm-up 3, PGPD every 2 rounds, 4 clients x 40 pairs per round, MiniLM with LoRA in the
 top layer on cached lower layers); :meth:`FedPrismConfig.gpu_preset` is the
 paper's 5 experts, 400 rounds, warm-up 150, router update every 20 rounds at lr 1e-3, experts at
@@ -61,6 +67,7 @@ from trainer.report import write_text
 
 ROUTINGS = ("router", "random", "single", "client_cluster", "domain_oracle")
 LENGTH_INITS = ("fedavg_lr", "zero")
+LENGTH_PRIORS = ("expert", "domain")
 METHODS = ("fedprism", "fedbis", "fedbiscuit", "random_routing", "frozen_router", "no_warmup")
 
 
@@ -86,6 +93,16 @@ class FedPrismConfig:
         output layer at zero: :mod:`trainer.experts.length_init`) or ``'zero'`` (length path 0, head
         at PyTorch's default initialisation).
     length_C : inverse L2 strength of those local regressions.
+    length_prior : ``'expert'`` (each expert's own length path ``v_k`` is its prior: the federated fit on
+        the pairs initially routed to it) or ``'domain'`` (every expert adds the fixed offset
+        ``w_d . f`` of the pair's *domain* ``d``, the FedAvg of the clients' local per-domain length-only
+        regressions, to its own output, whose length path ``v_k`` starts at 0: expert logit = the
+        length-only baseline's logit + a learned content residual). ``'domain'`` reads the pair's domain
+        label at training *and* prediction time, the same input as the per-domain length-only
+        baseline; it needs ``length_init='fedavg_lr'``.
+    residual_scale : float >= 0, the served experts' head output layer (``w2``, ``b2``: the content
+        residual over the length path/prior) is multiplied by it (1 = as trained, 0 = the prior alone);
+        applied to :attr:`FedPrismTrainer.served_experts` (evaluation and saved experts), not in training.
     length_lr_scale : float >= 0, the length path's learning rate is ``expert_lr * length_lr_scale``
         (0 = the length path stays at its start: the expert is the length prior plus a learned content
         residual ``w2 . tanh(...) + b2``, which starts at zero).
@@ -117,6 +134,8 @@ class FedPrismConfig:
     length_init: str = "fedavg_lr"
     length_C: float = 1.0
     length_lr_scale: float = 1.0
+    length_prior: str = "expert"
+    residual_scale: float = 1.0
     client_val_fraction: float = 0.0
     eval_every: int = 2
     seed: int = 0
@@ -131,6 +150,12 @@ class FedPrismConfig:
             self.selector = SelectorConfig(**sel)
         if self.length_init not in LENGTH_INITS:
             raise InvalidInputError(f"length_init must be one of {LENGTH_INITS}, got {self.length_init!r}")
+        if self.length_prior not in LENGTH_PRIORS:
+            raise InvalidInputError(f"length_prior must be one of {LENGTH_PRIORS}, got {self.length_prior!r}")
+        if self.length_prior == "domain" and self.length_init != "fedavg_lr":
+            raise InvalidInputError("length_prior='domain' needs length_init='fedavg_lr' (the prior is a federated fit)")
+        if not (np.isfinite(self.residual_scale) and self.residual_scale >= 0):
+            raise InvalidInputError(f"residual_scale must be finite and >= 0, got {self.residual_scale!r}")
         if not (np.isfinite(self.length_C) and self.length_C > 0):
             raise InvalidInputError(f"length_C must be finite and > 0, got {self.length_C!r}")
         if not (np.isfinite(self.length_lr_scale) and self.length_lr_scale >= 0):
@@ -300,13 +325,20 @@ class FedPrismTrainer:
         opt = torch.optim.AdamW(groups, lr=a.expert_lr)
         order = self.rng.permutation(pairs)
         for s in range(0, len(order), a.batch_size):
-            ha, hb, f, y = self.data.store.batch(self.model, order[s:s + a.batch_size])
-            loss = self.model.pair_loss(ha, hb, f, y)
+            batch = order[s:s + a.batch_size]
+            ha, hb, f, y = self.data.store.batch(self.model, batch)
+            loss = self.model.pair_loss(ha, hb, f, y, prior=self._prior(batch))
             opt.zero_grad()
             loss.backward()
             opt.step()
         self.model.train(False)
         return self.model.expert_state()
+
+    def _prior(self, pairs: np.ndarray) -> torch.Tensor | None:
+        """The per-pair length-prior weights (len(pairs), 3) of ``length_prior='domain'``, else None."""
+        if getattr(self, "_prior_w", None) is None:
+            return None
+        return self._prior_w[torch.from_numpy(np.asarray(pairs, dtype=np.int64))]
 
     @torch.no_grad()
     def _per_sample(self, state: dict[str, np.ndarray], pairs: np.ndarray, what: str) -> np.ndarray:
@@ -314,8 +346,11 @@ class FedPrismTrainer:
         self.model.train(False)
         out = []
         for s in range(0, len(pairs), 128):
-            ha, hb, f, y = self.data.store.batch(self.model, pairs[s:s + 128])
-            v = self.model.pair_loss(ha, hb, f, y, reduction="none") if what == "ce" else self.model.pair_proba(ha, hb, f)
+            batch = pairs[s:s + 128]
+            ha, hb, f, y = self.data.store.batch(self.model, batch)
+            prior = self._prior(batch)
+            v = (self.model.pair_loss(ha, hb, f, y, reduction="none", prior=prior) if what == "ce"
+                 else self.model.pair_proba(ha, hb, f, prior))
             out.append(v.numpy())
         return np.concatenate(out) if out else np.zeros(0)
 
@@ -348,7 +383,13 @@ class FedPrismTrainer:
     def served_experts(self) -> list[dict[str, np.ndarray]]:
         """The experts the server would ship now: the per-expert best on the clients' validation splits
         when ``client_val_fraction > 0``, else the current aggregated experts."""
-        return self.best_experts_ if self.args.client_val_fraction > 0 else self.experts_
+        served = self.best_experts_ if self.args.client_val_fraction > 0 else self.experts_
+        if self.args.residual_scale == 1.0:
+            return served
+        last = self.model.head[-1]
+        names = (_name_of(self.model, last.weight), _name_of(self.model, last.bias))
+        return [{n: (v * np.float32(self.args.residual_scale) if n in names else v) for n, v in s.items()}
+                for s in served]
 
     def _split_clients(self) -> None:
         """Each client's pairs -> (train part, local validation part); the validation part is a seeded
@@ -417,10 +458,20 @@ class FedPrismTrainer:
         a, d = self.args, self.data
         feats, labels = d.store.features.numpy(), d.store.label.numpy()
         sent = []
-        for c, own in enumerate(self._train_parts):
-            assign = self._route(own, None if self._groups is None else int(self._groups[c]))
-            sent.append(client_length_coefs(feats[own], labels[own], assign, a.n_experts, C=a.length_C))
-        self.length_coefs_ = fedavg_length_coefs(sent, a.n_experts, feats.shape[1])
+        if a.length_prior == "domain":
+            # per-domain prior (same inputs as the per-domain length-only baseline): clients fit one local
+            # regression per domain they hold; the FedAvg per domain is every expert's fixed offset
+            dom = np.searchsorted(self._domains, d.domain).astype(np.int64)
+            for own in self._train_parts:
+                sent.append(client_length_coefs(feats[own], labels[own], dom[own], len(self._domains), C=a.length_C))
+            self.domain_length_coefs_ = fedavg_length_coefs(sent, len(self._domains), feats.shape[1])
+            self._prior_w = torch.from_numpy(self.domain_length_coefs_[dom].astype(np.float32))
+            self.length_coefs_ = np.zeros((a.n_experts, feats.shape[1]))
+        else:
+            for c, own in enumerate(self._train_parts):
+                assign = self._route(own, None if self._groups is None else int(self._groups[c]))
+                sent.append(client_length_coefs(feats[own], labels[own], assign, a.n_experts, C=a.length_C))
+            self.length_coefs_ = fedavg_length_coefs(sent, a.n_experts, feats.shape[1])
         self.length_init_upload_bytes_ = upload_bytes(sent)
         last = self.model.head[-1]
         for k, state in enumerate(self.experts_):
@@ -445,6 +496,7 @@ class FedPrismTrainer:
         self._router_bytes = state_bytes(self.router_.state()) if a.routing == "router" else 0
         self._split_clients()
         self.length_coefs_, self.length_init_upload_bytes_ = None, 0
+        self.domain_length_coefs_, self._prior_w = None, None
         if a.length_init == "fedavg_lr":
             self._length_start()
         self.best_experts_, self.best_round_, self._round = list(self.experts_), [0] * a.n_experts, 0
@@ -528,3 +580,6 @@ class FedPrismTrainer:
         save_file(self.router_.state(), str(out / "router.safetensors"))
         save_selector_config(self.args.selector, out / "selector_config.json")
         write_text(out / "fedprism_config.json", json.dumps(self.args.to_dict(), indent=2))
+        if self.domain_length_coefs_ is not None:  # length_prior='domain': the fixed per-domain offsets
+            write_text(out / "length_prior.json", json.dumps({"domains": self._domains.tolist(),
+                                                              "coefs": self.domain_length_coefs_.tolist()}, indent=2))

@@ -22,13 +22,15 @@ rule from a few hundred pair-steps at ``expert_lr``; instead each expert **start
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from sdk.errors import InvalidInputError, ShapeError
 
-__all__ = ["client_length_coefs", "fedavg_length_coefs", "upload_bytes"]
+__all__ = ["client_length_coefs", "fedavg_length_coefs", "saved_length_prior", "upload_bytes"]
 
 
 def client_length_coefs(features: np.ndarray, labels: np.ndarray, assign: np.ndarray, n_experts: int,
@@ -112,3 +114,21 @@ def fedavg_length_coefs(client_coefs: Sequence[dict[int, tuple[np.ndarray, float
 def upload_bytes(client_coefs: Sequence[dict[int, tuple[np.ndarray, float]]]) -> int:
     """Bytes the clients send for the length start: (coefficients + count) as float32 per expert."""
     return int(sum(4 * (np.asarray(w).size + 1) for coefs in client_coefs for w, _ in coefs.values()))
+
+
+def saved_length_prior(folder: str | Path, domain: str) -> np.ndarray | None:
+    """The fixed per-domain length prior of a run saved with ``length_prior='domain'``
+    (``length_prior.json``): the weights of ``domain``, ndarray (3,) float32; None for a run without it.
+
+    Raises
+    ------
+    InvalidInputError
+        ``domain`` is not in the saved prior.
+    """
+    path = Path(folder) / "length_prior.json"
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    if domain not in saved["domains"]:
+        raise InvalidInputError(f"{path}: no length prior for domain {domain!r} (has {saved['domains']})")
+    return np.asarray(saved["coefs"][saved["domains"].index(domain)], dtype=np.float32)

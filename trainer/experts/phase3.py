@@ -34,6 +34,7 @@ import pandas as pd
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.data.preferences import ALPACA_REFERENCE, PAIR_COLUMNS
 from trainer.preference_metrics import pairwise_accuracy
+from trainer.experts.length_init import saved_length_prior
 from trainer.embeddings import EmbedderConfig, embed_texts
 from trainer.report import save_figure, write_json, write_text
 
@@ -252,7 +253,8 @@ def load_saved_method(folder: str | os.PathLike[str]):
     return model, experts, router, config, splits
 
 
-def routed_proba(model, experts, router, store, prompt_emb: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def routed_proba(model, experts, router, store, prompt_emb: np.ndarray | None,
+                 prior: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """P(A better) of every pair of ``store`` by the routed expert (paper 000 §3.3): ``k* = argmax R(h_x)``,
     then ``E_k*``'s symmetric probability (``PairSelector.pair_proba``).
 
@@ -261,6 +263,8 @@ def routed_proba(model, experts, router, store, prompt_emb: np.ndarray | None) -
     store : SegmentStore of the pairs.
     prompt_emb : ndarray of shape (n_pairs, d_emb), float32 (MiniLM prompt embeddings), or None when
         ``router`` is None (a single selector).
+    prior : ndarray (3,) float32, the length prior of a ``length_prior='domain'`` run for the pairs'
+        domain (:func:`saved_length_prior`), added to every expert's logit; None for none.
 
     Returns
     -------
@@ -278,7 +282,8 @@ def routed_proba(model, experts, router, store, prompt_emb: np.ndarray | None) -
             idx = np.flatnonzero(assign == k)
             for s in range(0, len(idx), 128):
                 ha, hb, f, _ = store.batch(model, idx[s:s + 128])
-                proba[idx[s:s + 128]] = model.pair_proba(ha, hb, f).double().numpy()
+                pw = None if prior is None else torch.from_numpy(np.asarray(prior, np.float32)).expand(len(f), -1)
+                proba[idx[s:s + 128]] = model.pair_proba(ha, hb, f, pw).double().numpy()
     return proba, assign
 
 
@@ -339,12 +344,13 @@ def run_phase3(run_dir: str | os.PathLike[str], data_dir: str | os.PathLike[str]
                                 list(label), show_progress=progress)
     emb = embed_texts(list(test.prompt), EmbedderConfig(), cache_dir, show_progress=progress)
     labellers: dict[str, np.ndarray] = {}
-    p_prism, expert = routed_proba(model, experts, router, store, emb)
+    p_prism, expert = routed_proba(model, experts, router, store, emb, saved_length_prior(prism_dir, "alpacaeval"))
     labellers["fedprism"] = p_prism
     fedbis_dir = run_dir / "fedbis_seed0"
     if fedbis_dir.is_dir():
         bis_model, bis_experts, _, _, _ = load_saved_method(fedbis_dir)
-        labellers["fedbis"], _ = routed_proba(bis_model, bis_experts, None, store, None)
+        labellers["fedbis"], _ = routed_proba(bis_model, bis_experts, None, store, None,
+                                              saved_length_prior(fedbis_dir, "alpacaeval"))
     labellers["length_only"] = LengthBaseline(per_domain=True).fit(train[train.domain == "alpacaeval"]).predict_proba(test)
     labellers["always_first"] = np.full(len(test), 0.5)
 
