@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-# every field explicit: the CPU preset's own defaults are now the chosen variant
+# every field explicit: each variant means the same whatever PRESETS["cpu"] carries
 _EXPERT = {"length_prior": "expert", "residual_scale": 1.0}
 VARIANTS = {"trained": {"length_lr_scale": 1.0, "expert_lr": 1e-3, "client_val_fraction": 0.0, **_EXPERT},
             "residual": {"length_lr_scale": 0.0, "expert_lr": 1e-3, "client_val_fraction": 0.0, **_EXPERT},

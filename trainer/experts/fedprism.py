@@ -39,8 +39,9 @@ pair's domain label (the per-domain length-only baseline's input); the experts' 
 start and stay at 0, so each expert is that prior plus its learned content residual.
 
 Presets: the CPU default (``trainer.experts.experiment.PRESETS['cpu']``) is scaled down (6 experts, the
-federated per-domain length prior and a content residual over it (``length_prior='domain'``,
-``length_lr_scale=0``, ``expert_lr=1e-2``), all chosen on validation,
+federated per-expert length start and a content residual over it (``length_lr_scale=0``,
+``expert_lr=1e-2``), all chosen on validation; label-free, as ``sdk.Selector`` needs: the per-domain
+prior, ranked higher on validation, reads the domain label and is opt-in, docs/prism.md),
 8 rounds, warm-up 3, PGPD every 2 rounds, 4 clients x 40 pairs per round, MiniLM with LoRA in the
 top layer on cached lower layers); :meth:`FedPrismConfig.gpu_preset` is the
 paper's 5 experts, 400 rounds, warm-up 150, router update every 20 rounds at lr 1e-3, experts at
