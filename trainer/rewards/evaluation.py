@@ -144,8 +144,8 @@ def routing_errors(e: EvalSet, z: np.ndarray) -> dict:
     won = lambda sc: (sc[0] > sc[1]) + 0.5 * (sc[0] == sc[1])  # noqa: E731 (per-pair pairwise accuracy)
     own = won(e.norm[..., e.own])
     out = {}
+    flat, g = _flat(z, e.groups)
     for rule in routing_variants():
-        flat, g = _flat(z, e.groups)
         away = (rule.weights(flat, g).argmax(1).reshape(z.shape[:2]) != e.own).any(0)
         routed = won(routed_reward(e.norm, z, rule, e.groups))
         out[rule.variant] = {"pairs_away": float(away.mean()), "routing_cost": float((own[away].sum() - routed[away].sum()) / e.n),
