@@ -191,3 +191,53 @@ def test_validate_upload_names_the_same_field_as_before_for_a_json_body(round_):
     with pytest.raises(UploadRejected) as info:
         round_kinds.validate_upload(round_kinds.parse_upload(raw, "application/json"), round_)
     assert info.value.detail == "local_weights: must be whole numbers in [0, 2147483647]"
+
+
+def _small_move_reference(update, previous, min_count: int) -> bool:
+    """The rule of check_difference written out entry by entry (a hand-written reference)."""
+    from sdk.local_update import centroid_threshold
+
+    now, before = update.statistics.count, previous.statistics.count
+    for k in range(now.shape[0]):
+        for m in range(now.shape[1]):
+            d = abs(now[k, m] - before[k, m])
+            if now[k, m] > 0 and 0 < d < min_count:
+                return True
+    w_now = dict(zip(update.centroid_cells.tolist(), update.local_weights.tolist()))
+    w_before = dict(zip(previous.centroid_cells.tolist(), previous.local_weights.tolist()))
+    return any(w > 0 and 0 < abs(w - w_before.get(k, 0.0)) < centroid_threshold(min_count) for k, w in w_now.items())
+
+
+def test_the_difference_check_refuses_exactly_the_small_moves():
+    """300 random pairs of updates (whole counts 0-6, weights 0-6 on random cells): check_difference
+    (its quick test first) refuses exactly the pairs the entry-by-entry rule finds."""
+    from sdk.cell_statistics import CellStatistics
+    from sdk.errors import PrivacyError
+    from sdk.protocol import KMeansUpdate
+    from trainer.federated.update_checks import check_difference
+
+    rng = np.random.default_rng(3)
+
+    def random_update(base=None):
+        count = rng.integers(0, 7, size=(4, 2)).astype(float) if base is None else base.statistics.count.copy()
+        if base is not None:
+            count.flat[rng.integers(count.size)] = rng.integers(0, 7)
+        cells = np.sort(rng.choice(4, size=rng.integers(0, 5), replace=False)).astype(np.int64)
+        weights = rng.integers(0, 7, size=cells.size).astype(float)
+        return KMeansUpdate(CellStatistics(count, count * 0.5, count * 0.001), cells, np.zeros((cells.size, 3)),
+                            weights, 100)
+
+    refused = 0
+    for _ in range(300):
+        previous = random_update()
+        update = random_update(previous if rng.random() < 0.7 else None)
+        min_count = int(rng.integers(1, 5))
+        expected = _small_move_reference(update, previous, min_count)
+        try:
+            check_difference(update, previous, min_count)
+            got = False
+        except PrivacyError:
+            got = True
+        assert got == expected
+        refused += got
+    assert 50 < refused < 250  # both outcomes were exercised
