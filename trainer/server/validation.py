@@ -55,6 +55,7 @@ MAX_COST_PER_QUERY_USD = 1000.0
 JSON_TYPES = ("application/json",)
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 _NUMBER = frozenset((int, float))
+_FIELD_SET = frozenset(UPDATE_FIELDS)
 
 
 def _field_error(name: str, message: str, status: int = 422) -> UploadRejected:
@@ -222,11 +223,11 @@ def parse_kmeans_body(obj: object) -> KMeansBody:
     if not isinstance(obj, dict):
         raise UploadRejected(422, "body: a K-means update is an object (map) of the fields "
                                   f"{list(UPDATE_FIELDS)}")
-    unknown = [k for k in obj if k not in UPDATE_FIELDS]
-    if unknown:
-        raise UploadRejected(422, f"{str(unknown[0])[:64]}: unknown field (the fields are {list(UPDATE_FIELDS)})")
-    missing = [k for k in UPDATE_FIELDS if k not in obj]
-    if missing:
+    if obj.keys() != _FIELD_SET:  # the keys are the fields (any order), else name the first stray or missing one
+        unknown = [k for k in obj if k not in _FIELD_SET]
+        if unknown:
+            raise UploadRejected(422, f"{str(unknown[0])[:64]}: unknown field (the fields are {list(UPDATE_FIELDS)})")
+        missing = [k for k in UPDATE_FIELDS if k not in obj]
         raise _field_error(missing[0], "field required")
     client_id = _str_field(obj, "client_id", 1, 64)
     round_id = _int_field(obj, "round_id", 1, MAX_COUNT)
