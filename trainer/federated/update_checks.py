@@ -156,8 +156,10 @@ def _may_move_too_little(update: KMeansUpdate, previous: KMeansUpdate, min_count
     n_cells = update.statistics.n_cells
     now = dict(zip(update.centroid_cells.tolist(), update.local_weights.tolist()))
     before = dict(zip(previous.centroid_cells.tolist(), previous.local_weights.tolist()))
+    keys = (*now, *before)
     if (len(now) != len(update.centroid_cells) or len(before) != len(previous.centroid_cells)
-            or not all(type(k) is int and 0 <= k < n_cells for k in (*now, *before))):
+            or (keys and (update.centroid_cells.dtype.kind != "i" or previous.centroid_cells.dtype.kind != "i"
+                          or min(keys) < 0 or max(keys) >= n_cells))):
         return True
     threshold = centroid_threshold(min_count)
     # Cells no longer reported (now 0) reveal nothing; a NaN weight is never "small" in either version.

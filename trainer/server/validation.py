@@ -259,17 +259,17 @@ def parse_kmeans_body(obj: object) -> KMeansBody:
 def record_pairs(body: KMeansBody, update: KMeansUpdate) -> dict[str, list]:
     """The ``[shape, bytes]`` pairs of a MessagePack ``body`` that the store's record of its checked
     ``update`` (:func:`validate_update`'s result) can take as they are
-    (:func:`sdk.protocol.encode_kmeans_update_record` ``packed``): those whose shape is the checked
-    array's (an empty ``local_centroids`` sent as ``[0, 0]`` is packed again as ``[0, d_emb]``).
-    The checked arrays are views of these bytes in the record's dtypes, so the record's bytes are
-    the same either way; empty for a JSON body."""
+    (:func:`sdk.protocol.encode_kmeans_update_record` ``packed``): all of them, but an empty
+    ``local_centroids`` whose shape is not the checked array's (sent as ``[0, 0]``, packed again as
+    ``[0, d_emb]``); the other arrays were checked to have their wire shapes. The checked arrays are
+    views of these bytes in the record's dtypes, so the record's bytes are the same either way;
+    empty for a JSON body."""
     if body.wire is None:
         return {}
-    s = update.statistics
-    shapes = {"count": s.count.shape, "sum_accuracy": s.sum_accuracy.shape, "sum_cost": s.sum_cost.shape,
-              "centroid_cells": update.centroid_cells.shape, "local_centroids": update.local_centroids.shape,
-              "local_weights": update.local_weights.shape}
-    return {name: pair for name, pair in body.wire.items() if list(pair[0]) == list(shapes[name])}
+    means = body.wire["local_centroids"]
+    if update.local_centroids.size == 0 and list(means[0]) != list(update.local_centroids.shape):
+        return {name: pair for name, pair in body.wire.items() if name != "local_centroids"}
+    return body.wire
 
 
 def _bounds(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> tuple[float, float]:
