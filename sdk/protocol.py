@@ -209,6 +209,7 @@ MSGPACK_ARRAYS = {"count": ("<f8", 2), "sum_accuracy": ("<f8", 2), "sum_cost": (
 
 
 _INT64, _FLOAT64 = np.dtype(np.int64), np.dtype(np.float64)
+_WIDE = (_INT64, _FLOAT64)
 _DTYPES = {dtype: np.dtype(dtype) for dtype, _ in MSGPACK_ARRAYS.values()}  # parsed once
 
 
@@ -239,10 +240,10 @@ def unpack_msgpack_array(value: object, dtype: str, rank: int, widen: bool = Tru
     n = math.prod(shape)
     if len(data) != n * dt.itemsize:
         raise ShapeError(f"shape {list(shape)} needs {n * dt.itemsize} bytes of {dtype}, got {len(data)}")
-    # A view of the bytes where the dtype is already the wide one (no copy), else a widened copy.
-    arr = np.frombuffer(data, dtype=dt).reshape(shape)
-    wide = _INT64 if dt.kind in "iu" else _FLOAT64
-    return arr if arr.dtype == wide or not widen else arr.astype(wide)
+    # A view of the bytes (read-only, like the bytes) where the dtype is already the wide one (no
+    # copy), else a widened copy.
+    arr = np.ndarray(shape, dt, data)
+    return arr if not widen or dt in _WIDE else arr.astype(_INT64 if dt.kind in "iu" else _FLOAT64)
 
 
 def encode_kmeans_update_msgpack(update: KMeansUpdate, client_id: str, spec: RoundSpec) -> bytes:

@@ -118,6 +118,8 @@ def check_difference(update: KMeansUpdate, previous: KMeansUpdate | None, min_co
     """
     if previous is None or previous.statistics.count.shape != update.statistics.count.shape:
         return
+    if not _may_move_too_little(update, previous, min_count):
+        return  # the common case (the server checks every upload): no small move anywhere
     # A move to zero (an entry no longer reported, e.g. after min_count went up) reveals nothing new.
     d = np.abs(update.statistics.count - previous.statistics.count)
     small = (d > 0) & (d < min_count) & (update.statistics.count > 0)
@@ -140,6 +142,28 @@ def check_difference(update: KMeansUpdate, previous: KMeansUpdate | None, min_co
         k = int(np.flatnonzero(small)[0])
         raise PrivacyError(f"the mean of cell {k} moved by {dw[k]:g} queries since your last upload, fewer than "
                            f"{threshold}: hold it back")
+
+
+def _may_move_too_little(update: KMeansUpdate, previous: KMeansUpdate, min_count: int) -> bool:
+    """False only if no entry and no reported cell moved by too little (the rule of
+    :func:`check_difference`): the counts in three numpy calls, the cell weights (at most ``n_cells``
+    of them) as Python numbers. True when one did, or when the cells are not plain distinct indices
+    in ``[0, n_cells)`` (:func:`check_difference` then decides as before)."""
+    count = update.statistics.count
+    d = count - previous.statistics.count
+    if np.count_nonzero((np.abs(d) < min_count) & (d != 0) & (count > 0)):
+        return True
+    n_cells = update.statistics.n_cells
+    now = dict(zip(update.centroid_cells.tolist(), update.local_weights.tolist()))
+    before = dict(zip(previous.centroid_cells.tolist(), previous.local_weights.tolist()))
+    keys = (*now, *before)
+    if (len(now) != len(update.centroid_cells) or len(before) != len(previous.centroid_cells)
+            or (keys and (update.centroid_cells.dtype.kind != "i" or previous.centroid_cells.dtype.kind != "i"
+                          or min(keys) < 0 or max(keys) >= n_cells))):
+        return True
+    threshold = centroid_threshold(min_count)
+    # Cells no longer reported (now 0) reveal nothing; a NaN weight is never "small" in either version.
+    return any(w > 0 and 0 < abs(w - before.get(k, 0.0)) < threshold for k, w in now.items())
 
 
 __all__ = ["check_difference", "check_kmeans_totals", "check_kmeans_update"]

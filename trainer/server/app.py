@@ -55,9 +55,7 @@ from fastapi import Path as FastApiPath
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.requests import ClientDisconnect
-from starlette.routing import request_response
 
 from sdk.protocol import Receipt
 from trainer.server import round_kinds
@@ -199,8 +197,8 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             return Response(status_code=204)
         return {**round_kinds.get(r.kind).describe(r), "client_id": client}
 
-    def bearer_token(request: Request) -> str:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    def bearer_token(authorization: str) -> str:
+        scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise UploadRejected(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
         return token.strip()
@@ -214,20 +212,21 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         state.tokens.put(token_sha256, client)
         return client
 
-    async def upload(request: Request) -> Response:
-        """``POST /v1/rounds/{round_id}/updates``: a plain Starlette route (added below), not a FastAPI
-        path operation: the hot path reads its parameters by hand and skips FastAPI's dependency
-        resolution and response handling; the app's exception handlers still answer its errors."""
+    async def upload(round_text: str, headers: dict[str, str], receive) -> tuple[int, bytes]:
+        """``POST /v1/rounds/{round_id}/updates`` (served by :class:`UploadEndpoint`): the path's round
+        id, the request headers it reads (lower-case names) and the ASGI ``receive``; returns the
+        status (201, or 200 for a retry) and the receipt's JSON bytes. Raises UploadRejected (4xx)
+        and ClientDisconnect, which the endpoint answers."""
         writer.active += 1  # the group writer waits briefly for uploads on their way (commit delay)
         try:
-            return await _upload(request)
+            return await _upload(round_text, headers, receive)
         finally:
             writer.active -= 1
 
-    async def _upload(request: Request) -> JSONResponse:
-        round_id = _path_round_id(request.path_params["round_id"])
-        idempotency_key = request.headers.get("idempotency-key")
-        token = bearer_token(request)
+    async def _upload(round_text: str, headers: dict[str, str], receive) -> tuple[int, bytes]:
+        round_id = _path_round_id(round_text)
+        idempotency_key = headers.get("idempotency-key")
+        token = bearer_token(headers.get("authorization", ""))
         token_sha256 = hash_token(token)
         client = state.tokens.get(token_sha256) or await run_in_threadpool(authenticate, token, token_sha256)
         if idempotency_key is None or not _KEY.fullmatch(idempotency_key):
@@ -237,8 +236,8 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             raise UploadRejected(429, f"client {client!r} is over its quota of {quota.uploads} uploads per "
                                       f"{quota.window_s:g} s; retry in {retry_after} s",
                                  {"Retry-After": str(retry_after)})
-        raw = await _read_limited(request, max_body_bytes)
-        content_type = request.headers.get("content-type", "")
+        raw = await _read_limited(receive, headers.get("content-length"), max_body_bytes)
+        content_type = headers.get("content-type", "")
         # A small body of a known round is checked here: a hop to a thread costs more than the check.
         if len(raw) <= INLINE_CHECK_BYTES and state.rounds.get(round_id) is not None:
             checked = check_upload(round_id, client, raw, content_type)
@@ -253,15 +252,14 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
                     accept_checked, round_id, token, token_sha256, client, idempotency_key, raw, content_type)
         if created and (receipt.get("late") or state.first_in_round(round_id, client)):
             wake.set()  # a late upload: its round is closing, perhaps left so by a crash
-        return Response(orjson.dumps(receipt), status_code=201 if created else 200, media_type="application/json")
+        return 201 if created else 200, orjson.dumps(receipt)
 
-    # Listed in the app's router; served (POST) by SyncServerApp's short stack: the header-count
-    # limit and the two exception handlers above around the endpoint, without FastAPI's middleware
-    # or the router's path matching (SyncServerApp has matched the path already).
-    app.router.add_route("/v1/rounds/{round_id}/updates", upload, methods=["POST"])
-    app.upload_app = RequestLimits(
-        ExceptionMiddleware(request_response(upload), handlers={UploadRejected: _rejected, ClientDisconnect: _gone}),
-        max_headers=limits.max_headers)
+    # Served (POST) by SyncServerApp's short stack: the header-count limit around the bare ASGI
+    # endpoint, without FastAPI's middleware or the router's path matching (SyncServerApp has matched
+    # the path already); also listed in the app's router (an ASGI endpoint: the same callable).
+    endpoint = UploadEndpoint(upload)
+    app.router.add_route("/v1/rounds/{round_id}/updates", endpoint, methods=["POST"])
+    app.upload_app = RequestLimits(endpoint, max_headers=limits.max_headers)
 
     def check_upload(round_id: int, client: str, raw: bytes, content_type: str):
         """Decode and check an upload against the cached round: ``(upload, digest, round,
@@ -392,14 +390,52 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
     return app
 
 
+class UploadEndpoint:
+    """The ASGI endpoint of ``POST /v1/rounds/{round_id}/updates`` (the hot path: one request per
+    device upload), without Starlette's request and response objects or exception middleware:
+    ``handle(round_id text, headers, receive)`` (:func:`create_app`'s ``upload``) gets the path's round
+    id (``scope["path_params"]``), the headers it reads (:data:`UPLOAD_HEADERS`, first occurrence,
+    latin-1 as Starlette decodes them) and ``receive``; its ``(status, JSON bytes)`` is sent with
+    ``content-length`` and ``content-type: application/json``, as Starlette's ``Response`` would. An
+    :class:`UploadRejected` is answered as the app's handler answers it (``{"detail": ...}``, its
+    status and headers: Starlette's ``JSONResponse``); a ``ClientDisconnect`` (the client went away
+    mid-body) with one INFO line and a 400 nobody reads. Anything else propagates (uvicorn answers
+    500)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            if name in UPLOAD_HEADERS and UPLOAD_HEADERS[name] not in headers:
+                headers[UPLOAD_HEADERS[name]] = value.decode("latin-1")
+        try:
+            status, body = await self.handle(scope["path_params"]["round_id"], headers, receive)
+        except UploadRejected as exc:
+            await JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)(scope, receive, send)
+            return
+        except ClientDisconnect:
+            log.info("client disconnected during %s %s; nothing stored", scope["method"], scope["path"])
+            await Response(status_code=400)(scope, receive, send)  # nobody reads it
+            return
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+#: The request headers the upload route reads: raw (lower-case, as ASGI servers give them) -> name.
+UPLOAD_HEADERS = {h.encode(): h for h in ("authorization", "idempotency-key", "content-type", "content-length")}
+
+
 class SyncServerApp(FastAPI):
     """The server's FastAPI application, except that ``POST /v1/rounds/{round_id}/updates`` (the hot
-    path: one request per device upload) goes straight to :attr:`upload_app`, the Starlette endpoint
-    (``starlette.routing.request_response``; the path parameter taken from the path matched here)
-    under the header-count limit and the route's exception handlers, set by :func:`create_app`.
-    FastAPI's own middleware stack (server-error, telemetry, body-limit and exit-stack middleware)
-    cost a bare route about 0.27-0.3 ms of CPU per request more (docs/benchmarks.md); an error the
-    route does not handle is answered 500 by uvicorn."""
+    path: one request per device upload) goes straight to :attr:`upload_app`, the bare ASGI
+    :class:`UploadEndpoint` under the header-count limit (the path parameter taken from the path
+    matched here), set by :func:`create_app`. FastAPI's own middleware stack (server-error,
+    telemetry, body-limit and exit-stack middleware) cost a bare route about 0.27-0.3 ms of CPU per
+    request more, Starlette's request/response objects and exception middleware some more
+    (docs/benchmarks.md); an error the endpoint does not answer is answered 500 by uvicorn."""
 
     upload_app = None
 
@@ -421,15 +457,23 @@ def _path_round_id(text: str) -> int:
     return int(text)
 
 
-async def _read_limited(request: Request, limit: int) -> bytes:
-    """The request body, or 413 as soon as it (or its Content-Length) exceeds ``limit`` bytes."""
-    declared = request.headers.get("content-length")
+async def _read_limited(receive, declared: str | None, limit: int) -> bytes:
+    """The request body from ASGI ``receive``, or 413 as soon as it (or its Content-Length
+    ``declared``) exceeds ``limit`` bytes; ClientDisconnect if the client goes away first (as
+    Starlette's ``Request.stream``)."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise UploadRejected(413, f"body of {declared} bytes is over the {limit}-byte limit")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise UploadRejected(413, f"body is over the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    while True:
+        message = await receive()
+        if message["type"] == "http.request":
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise UploadRejected(413, f"body is over the {limit}-byte limit")
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+        elif message["type"] == "http.disconnect":
+            raise ClientDisconnect()

@@ -37,7 +37,7 @@ import orjson
 
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import PayloadError, PrivacyError, ShapeError
-from sdk.local_update import KMeansUpdate
+from sdk.local_update import KMeansUpdate, centroid_threshold
 from sdk.protocol import MSGPACK_ARRAYS, UPDATE_FIELDS, unpack_msgpack_array
 from trainer.federated.mlp_local import UPLOAD_FIELDS, read_parameters
 from trainer.federated.update_checks import check_kmeans_totals
@@ -55,6 +55,7 @@ MAX_COST_PER_QUERY_USD = 1000.0
 JSON_TYPES = ("application/json",)
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 _NUMBER = frozenset((int, float))
+_FIELD_SET = frozenset(UPDATE_FIELDS)
 
 
 def _field_error(name: str, message: str, status: int = 422) -> UploadRejected:
@@ -222,11 +223,11 @@ def parse_kmeans_body(obj: object) -> KMeansBody:
     if not isinstance(obj, dict):
         raise UploadRejected(422, "body: a K-means update is an object (map) of the fields "
                                   f"{list(UPDATE_FIELDS)}")
-    unknown = [k for k in obj if k not in UPDATE_FIELDS]
-    if unknown:
-        raise UploadRejected(422, f"{str(unknown[0])[:64]}: unknown field (the fields are {list(UPDATE_FIELDS)})")
-    missing = [k for k in UPDATE_FIELDS if k not in obj]
-    if missing:
+    if obj.keys() != _FIELD_SET:  # the keys are the fields (any order), else name the first stray or missing one
+        unknown = [k for k in obj if k not in _FIELD_SET]
+        if unknown:
+            raise UploadRejected(422, f"{str(unknown[0])[:64]}: unknown field (the fields are {list(UPDATE_FIELDS)})")
+        missing = [k for k in UPDATE_FIELDS if k not in obj]
         raise _field_error(missing[0], "field required")
     client_id = _str_field(obj, "client_id", 1, 64)
     round_id = _int_field(obj, "round_id", 1, MAX_COUNT)
@@ -258,17 +259,17 @@ def parse_kmeans_body(obj: object) -> KMeansBody:
 def record_pairs(body: KMeansBody, update: KMeansUpdate) -> dict[str, list]:
     """The ``[shape, bytes]`` pairs of a MessagePack ``body`` that the store's record of its checked
     ``update`` (:func:`validate_update`'s result) can take as they are
-    (:func:`sdk.protocol.encode_kmeans_update_record` ``packed``): those whose shape is the checked
-    array's (an empty ``local_centroids`` sent as ``[0, 0]`` is packed again as ``[0, d_emb]``).
-    The checked arrays are views of these bytes in the record's dtypes, so the record's bytes are
-    the same either way; empty for a JSON body."""
+    (:func:`sdk.protocol.encode_kmeans_update_record` ``packed``): all of them, but an empty
+    ``local_centroids`` whose shape is not the checked array's (sent as ``[0, 0]``, packed again as
+    ``[0, d_emb]``); the other arrays were checked to have their wire shapes. The checked arrays are
+    views of these bytes in the record's dtypes, so the record's bytes are the same either way;
+    empty for a JSON body."""
     if body.wire is None:
         return {}
-    s = update.statistics
-    shapes = {"count": s.count.shape, "sum_accuracy": s.sum_accuracy.shape, "sum_cost": s.sum_cost.shape,
-              "centroid_cells": update.centroid_cells.shape, "local_centroids": update.local_centroids.shape,
-              "local_weights": update.local_weights.shape}
-    return {name: pair for name, pair in body.wire.items() if list(pair[0]) == list(shapes[name])}
+    means = body.wire["local_centroids"]
+    if update.local_centroids.size == 0 and list(means[0]) != list(update.local_centroids.shape):
+        return {name: pair for name, pair in body.wire.items() if name != "local_centroids"}
+    return body.wire
 
 
 def _bounds(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> tuple[float, float]:
@@ -300,10 +301,14 @@ def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
     """Steps 3 and 4 of the module docstring: check ``body`` against ``round_``, field by field in
     order, and return the update it holds (``local_centroids`` at float32 precision, as float64).
 
-    Each array is checked with a few whole-array numpy operations (min and max for finiteness and
-    range, one pass for whole numbers, one for the norms of the cell means), never element by
-    element in Python; each rule is checked once (step 4 only takes the rules across fields,
-    :func:`trainer.federated.update_checks.check_kmeans_totals`).
+    A valid update (nearly every upload) is accepted by :func:`_accept_valid`: every rule of steps 3
+    and 4 at once, in about a dozen numpy calls (the three statistics in one element-wise test, the
+    reported cells and weights as Python numbers). Anything it does not accept goes through
+    :func:`_check_fields`, field by field in order, each array with a few whole-array numpy
+    operations (min and max for finiteness and range, one pass for whole numbers, one for the norms
+    of the cell means), then the rules across fields
+    (:func:`trainer.federated.update_checks.check_kmeans_totals`); that names the first offending
+    field. In-process, the fast acceptance takes about half the time of the field checks.
 
     Raises
     ------
@@ -316,6 +321,83 @@ def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
                                   "fetch /v1/rounds/current again")
     if body.models != round_.models:
         raise _field_error("models", f"must be the round's {list(round_.models)} in that order")
+    update = _accept_valid(body, round_)
+    return _check_fields(body, round_) if update is None else update
+
+
+#: The norm bound of a cell mean, squared, as :func:`_check_fields` checks it; :func:`_accept_valid`
+#: accepts only norms below it by a relative margin far above the rounding of any order of summation.
+_MAX_NORM2 = (1.0 + 1e-4) ** 2
+_FAST_MAX_NORM2 = _MAX_NORM2 * (1.0 - 1e-12)
+#: Row-wise dot products of two (n, d) arrays: numpy 2's ``vecdot`` ufunc (a third of ``einsum``'s
+#: time on a 32 x 384 float64 array), ``einsum`` on numpy 1.
+_row_dot = getattr(np, "vecdot", None) or (lambda x, y: np.einsum("ij,ij->i", x, y))
+
+
+def _accept_valid(body: KMeansBody, round_: Round) -> KMeansUpdate | None:
+    """The update of ``body`` if it passes every rule of :func:`_check_fields` and
+    :func:`trainer.federated.update_checks.check_kmeans_totals`, checked with the fewest numpy calls
+    (one combined element-wise test of the three statistics, one reduction each for the totals and
+    the norms, the reported cells and weights as Python numbers); None when any test fails or is too
+    close to call, and :func:`_check_fields` then finds and names the first offending field (or
+    accepts what these tests were stricter about: scores above the count within the tolerance of
+    :class:`sdk.CellStatistics`). Accepts nothing :func:`_check_fields` refuses, and returns the same
+    update for what both accept (tested)."""
+    a = body.arrays
+    count, s_acc, s_cost = a["count"], a["sum_accuracy"], a["sum_cost"]
+    n_cells, d_emb = round_.centroids.shape
+    shape = (n_cells, len(round_.models))
+    if count.shape != shape or s_acc.shape != shape or s_cost.shape != shape:
+        return None
+    min_count = round_.min_count
+    c_max = round_.settings.aggregation.get("max_cost_usd") or MAX_COST_PER_QUERY_USD
+    # Every comparison is False for NaN: `ok` is all True only for whole counts in {0} and
+    # [min_count, inf], scores in [0, count], costs in [0, count * c_max] (so both sums are 0 where
+    # the count is 0); the total, at most log_size <= MAX_COUNT, bounds each count (and is infinite
+    # for an infinite one).
+    ok = count == np.floor(count)
+    ok &= (count >= min_count) | (count == 0)
+    ok &= s_acc >= 0
+    ok &= s_acc <= count
+    ok &= s_cost >= 0
+    ok &= s_cost <= count * c_max
+    if np.count_nonzero(ok) != ok.size:
+        return None
+    total = float(np.add.reduce(count, axis=None))  # whole numbers below 2**53: exact in any order
+    if total > body.log_size:
+        return None
+    cells, weights, means = a["centroid_cells"], a["local_weights"], a["local_centroids"]
+    n_rep = cells.shape[0]
+    if weights.shape != (n_rep,) or n_rep > n_cells:
+        return None
+    listed, w = cells.tolist(), weights.tolist()
+    threshold = centroid_threshold(min_count)
+    if n_rep and (min(listed) < 0 or max(listed) >= n_cells or len(set(listed)) < n_rep
+                  or not all(threshold <= x <= MAX_COUNT and x.is_integer() for x in w)
+                  or sum(w) > body.log_size):  # whole numbers: exact sums
+        return None
+    if total == 0 and n_rep == 0:
+        return None
+    if means.size == 0:
+        means = means.reshape(0, d_emb)
+    if means.shape != (n_rep, d_emb):
+        return None
+    # The precision kept: float32 values, as float64 (as _check_fields). The squared norms are summed
+    # in float64 from the values the field checks take (the body's float32 values, exactly; a JSON
+    # body's float64 values, before rounding): NaN or infinity makes its row's NaN or infinity,
+    # refused by the comparison like a norm near or above 1.
+    wide = means.astype(np.float64) if body.means_float32 else None
+    normed = means if wide is None else wide
+    if n_rep and not float(np.maximum.reduce(_row_dot(normed, normed))) <= _FAST_MAX_NORM2:
+        return None
+    if wide is None:
+        wide = means.astype(np.float32).astype(np.float64)
+    return KMeansUpdate(CellStatistics.of_checked(count, s_acc, s_cost), cells, wide, weights, int(body.log_size))
+
+
+def _check_fields(body: KMeansBody, round_: Round) -> KMeansUpdate:
+    """:func:`validate_update` field by field in the module docstring's order (after the hash and
+    the models): the first offending field raises; else the update."""
     a = body.arrays
     n_cells, d_emb = round_.centroids.shape
     shape = (n_cells, len(round_.models))
@@ -355,7 +437,7 @@ def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
         top = float(np.einsum("ij,ij->i", means, means, dtype=np.float64).max())
         if not math.isfinite(top) and not np.isfinite(means).all():
             raise _field_error("local_centroids", "holds NaN or infinity")
-        if not top <= (1.0 + 1e-4) ** 2:
+        if not top <= _MAX_NORM2:
             raise _field_error("local_centroids", "must be means of unit-norm embeddings (norm <= 1)")
     # The precision of the embeddings, for both encodings (MessagePack sends float32 values: widened
     # once, from the body's bytes).

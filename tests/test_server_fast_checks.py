@@ -1,0 +1,243 @@
+"""The upload path's one-pass acceptance of a K-means update (:func:`trainer.server.validation._accept_valid`)
+against the field-by-field checks (:func:`trainer.server.validation._check_fields`): on valid and
+broken updates, MessagePack and JSON bodies, it accepts nothing the field checks refuse, returns the
+same update when it accepts, and accepts the plain valid update (so the fast path is the one taken)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from trainer.federated.kmeans_aggregation import AggregationConfig
+from trainer.server import round_kinds
+from trainer.server.errors import UploadRejected
+from trainer.server.round_kind import round_settings
+from trainer.server.store import Store
+from trainer.server.validation import _accept_valid, _check_fields, decode_body, parse_kmeans_body
+
+N_CELLS, D_EMB, MODELS, MIN_COUNT = 4, 3, ("a", "b"), 2
+
+
+@pytest.fixture(scope="module")
+def round_(tmp_path_factory):
+    store = Store(f"sqlite:///{tmp_path_factory.mktemp('fast') / 'fed.db'}")
+    r = store.open_round(kind="kmeans", models=list(MODELS), embedder={"name": "e", "dim": D_EMB},
+                         deadline_unix=time.time() + 3600, quorum=10, min_count=MIN_COUNT,
+                         settings=round_settings(aggregation=AggregationConfig()),
+                         centroids=np.eye(N_CELLS, D_EMB, dtype=np.float32))
+    yield r
+    store.close()
+
+
+def base_fields() -> dict:
+    """A valid update: counts 2 and 3, scores 0.5 per query, 0.002 USD per query; cells 1 and 3
+    reported over 2 and 4 queries; log size 10."""
+    count = np.zeros((N_CELLS, len(MODELS)))
+    count[0, 0], count[1, 1] = 2, 3
+    return {"count": count, "sum_accuracy": count * 0.5, "sum_cost": count * 0.002,
+            "centroid_cells": np.array([1, 3]), "local_centroids": np.array([[0.0, 0.6, 0.1], [0.5, 0.5, 0.5]]),
+            "local_weights": np.array([2.0, 4.0]), "log_size": 10}
+
+
+def _set(name, index, value):
+    def change(f):
+        f[name] = np.array(f[name], dtype=np.float64 if name != "centroid_cells" else np.int64)
+        f[name][index] = value
+    return change
+
+
+TOLERANCE_NEG = -1e-12  # a score sum below 0 within sdk.CellStatistics' tolerance: accepted by the field checks
+CASES = {
+    "valid": lambda f: None,
+    "count NaN": _set("count", (2, 1), np.nan),
+    "count +inf": _set("count", (2, 1), np.inf),
+    "count -inf": _set("count", (2, 1), -np.inf),
+    "count negative": _set("count", (2, 1), -2.0),
+    "count fraction": _set("count", (1, 1), 3.5),
+    "count below min_count": _set("count", (2, 1), 1.0),
+    "count above MAX_COUNT": _set("count", (2, 1), 2.0**31),
+    "counts above log_size": _set("count", (2, 1), 6.0),
+    "score NaN": _set("sum_accuracy", (0, 0), np.nan),
+    "score above count": _set("sum_accuracy", (0, 0), 2.1),
+    "score above count within tolerance": _set("sum_accuracy", (0, 0), 2.0 + 1e-10),
+    "score below 0 within tolerance": _set("sum_accuracy", (0, 0), TOLERANCE_NEG),
+    "score below 0 where count is 0": _set("sum_accuracy", (3, 0), TOLERANCE_NEG),
+    "score where count is 0": _set("sum_accuracy", (3, 0), 1e-300),
+    "score negative": _set("sum_accuracy", (0, 0), -0.5),
+    "cost negative": _set("sum_cost", (0, 0), -0.001),
+    "cost -0.0": _set("sum_cost", (3, 0), -0.0),
+    "cost above the bound": _set("sum_cost", (1, 1), 3000.5),
+    "cost at the bound": _set("sum_cost", (1, 1), 3000.0),
+    "cost inf": _set("sum_cost", (1, 1), np.inf),
+    "cost where count is 0": _set("sum_cost", (3, 1), 1e-300),
+    "cells repeated": _set("centroid_cells", 1, 1),
+    "cell out of range": _set("centroid_cells", 1, N_CELLS),
+    "cell negative": _set("centroid_cells", 1, -1),
+    "mean NaN": _set("local_centroids", (0, 1), np.nan),
+    "mean inf": _set("local_centroids", (0, 1), np.inf),
+    "mean norm above 1": _set("local_centroids", (0, 1), 1.0001),
+    "mean norm at the bound": _set("local_centroids", (0, 1), 1.0 + 1e-4),
+    "mean norm just below the bound": _set("local_centroids", (0, 1), 1.0 + 0.99e-4),
+    "weight fraction": _set("local_weights", 0, 2.5),
+    "weight below threshold": _set("local_weights", 0, 1.0),
+    "weight NaN": _set("local_weights", 0, np.nan),
+    "weight -inf": _set("local_weights", 0, -np.inf),
+    "weights above log_size": _set("local_weights", 1, 9.0),
+    "nothing reported": lambda f: f.update(count=np.zeros((N_CELLS, 2)), sum_accuracy=np.zeros((N_CELLS, 2)),
+                                           sum_cost=np.zeros((N_CELLS, 2)), centroid_cells=np.zeros(0, np.int64),
+                                           local_centroids=np.zeros((0, D_EMB)), local_weights=np.zeros(0)),
+    "means only": lambda f: f.update(count=np.zeros((N_CELLS, 2)), sum_accuracy=np.zeros((N_CELLS, 2)),
+                                     sum_cost=np.zeros((N_CELLS, 2))),
+    "counts only": lambda f: f.update(centroid_cells=np.zeros(0, np.int64), local_centroids=np.zeros((0, D_EMB)),
+                                      local_weights=np.zeros(0)),
+    "count of another shape": lambda f: f.update(count=np.zeros((N_CELLS, 3))),
+    "means of another dimension": lambda f: f.update(local_centroids=np.zeros((2, D_EMB + 1))),
+    "fewer weights than cells": lambda f: f.update(local_weights=np.array([2.0])),
+}
+
+
+def body_of(r, fields: dict, media: str):
+    """The parsed body (:class:`KMeansBody`) of ``fields`` sent as MessagePack or JSON."""
+    wire = {"client_id": "alice", "round_id": r.id, "kind": "kmeans", "centroids_hash": r.centroids_hash,
+            "models": list(MODELS), "log_size": fields["log_size"]}
+    for name, dtype in (("count", "<f8"), ("sum_accuracy", "<f8"), ("sum_cost", "<f8"), ("centroid_cells", "<i8"),
+                        ("local_centroids", "<f4"), ("local_weights", "<f8")):
+        a = np.asarray(fields[name])
+        if media == "application/msgpack":
+            a = np.ascontiguousarray(a, dtype=dtype)
+            wire[name] = [list(a.shape), a.tobytes()]
+        else:
+            wire[name] = a.tolist()
+    raw = msgpack.packb(wire) if media == "application/msgpack" else json.dumps(wire).encode()
+    try:
+        return parse_kmeans_body(decode_body(raw, media))
+    except UploadRejected:
+        return None  # refused by the field types already (a negative cell in JSON), before either check
+
+
+@pytest.mark.parametrize("media", ["application/msgpack", "application/json"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_fast_acceptance_agrees_with_the_field_checks(round_, media, case):
+    fields = base_fields()
+    CASES[case](fields)
+    body = body_of(round_, fields, media)
+    if body is None:
+        assert case == "cell negative" and media == "application/json"
+        return
+    fast = _accept_valid(body, round_)
+    try:
+        slow = _check_fields(body, round_)
+    except UploadRejected:
+        assert fast is None, f"{case}: accepted by the fast path, refused by the field checks"
+        return
+    if case in ("valid", "means only", "counts only", "cost at the bound", "mean norm just below the bound"):
+        assert fast is not None, f"{case}: the fast path should accept it"
+    if fast is None:
+        return
+    s, f = slow.statistics, fast.statistics
+    for a, b in ((s.count, f.count), (s.sum_accuracy, f.sum_accuracy), (s.sum_cost, f.sum_cost),
+                 (slow.centroid_cells, fast.centroid_cells), (slow.local_centroids, fast.local_centroids),
+                 (slow.local_weights, fast.local_weights)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    assert slow.log_size == fast.log_size
+
+
+def test_random_perturbations_never_pass_the_fast_path_alone(round_):
+    """300 updates with 1-3 random entries set to edge values: the fast path accepts only what the
+    field checks accept, with equal arrays."""
+    rng = np.random.default_rng(7)
+    edges = [np.nan, np.inf, -np.inf, -1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 1e-300, -1e-300, 2.0**31]
+    names = ["count", "sum_accuracy", "sum_cost", "local_centroids", "local_weights"]
+    agreed = accepted = 0
+    for _ in range(300):
+        fields = base_fields()
+        for _ in range(rng.integers(1, 4)):
+            name = names[rng.integers(len(names))]
+            a = np.array(fields[name], dtype=np.float64)
+            a.flat[rng.integers(a.size)] = edges[rng.integers(len(edges))] * (0.5 if name == "local_centroids" else 1)
+            fields[name] = a
+        media = ("application/msgpack", "application/json")[rng.integers(2)]
+        body = body_of(round_, fields, media)
+        fast = _accept_valid(body, round_)
+        try:
+            slow = _check_fields(body, round_)
+        except UploadRejected:
+            assert fast is None
+            agreed += 1
+            continue
+        if fast is not None:
+            accepted += 1
+            np.testing.assert_array_equal(fast.statistics.count, slow.statistics.count)
+            np.testing.assert_array_equal(fast.statistics.sum_accuracy, slow.statistics.sum_accuracy)
+            np.testing.assert_array_equal(fast.statistics.sum_cost, slow.statistics.sum_cost)
+            np.testing.assert_array_equal(fast.local_centroids, slow.local_centroids)
+            np.testing.assert_array_equal(fast.local_weights, slow.local_weights)
+    assert agreed > 100 and accepted > 10  # both branches were exercised
+
+
+def test_validate_upload_names_the_same_field_as_before_for_a_json_body(round_):
+    """The public path (fast acceptance, then the field checks) still names the first offending field."""
+    fields = base_fields()
+    fields["count"][2, 1] = 1.0  # below min_count: a rule across fields, checked last
+    fields["local_weights"] = np.array([2.5, 4.0])  # an earlier field in the order
+    raw = json.dumps({"client_id": "alice", "round_id": round_.id, "kind": "kmeans",
+                      "centroids_hash": round_.centroids_hash, "models": list(MODELS), "log_size": 10,
+                      **{k: np.asarray(v).tolist() for k, v in fields.items() if k != "log_size"}}).encode()
+    with pytest.raises(UploadRejected) as info:
+        round_kinds.validate_upload(round_kinds.parse_upload(raw, "application/json"), round_)
+    assert info.value.detail == "local_weights: must be whole numbers in [0, 2147483647]"
+
+
+def _small_move_reference(update, previous, min_count: int) -> bool:
+    """The rule of check_difference written out entry by entry (a hand-written reference)."""
+    from sdk.local_update import centroid_threshold
+
+    now, before = update.statistics.count, previous.statistics.count
+    for k in range(now.shape[0]):
+        for m in range(now.shape[1]):
+            d = abs(now[k, m] - before[k, m])
+            if now[k, m] > 0 and 0 < d < min_count:
+                return True
+    w_now = dict(zip(update.centroid_cells.tolist(), update.local_weights.tolist()))
+    w_before = dict(zip(previous.centroid_cells.tolist(), previous.local_weights.tolist()))
+    return any(w > 0 and 0 < abs(w - w_before.get(k, 0.0)) < centroid_threshold(min_count) for k, w in w_now.items())
+
+
+def test_the_difference_check_refuses_exactly_the_small_moves():
+    """300 random pairs of updates (whole counts 0-6, weights 0-6 on random cells): check_difference
+    (its quick test first) refuses exactly the pairs the entry-by-entry rule finds."""
+    from sdk.cell_statistics import CellStatistics
+    from sdk.errors import PrivacyError
+    from sdk.protocol import KMeansUpdate
+    from trainer.federated.update_checks import check_difference
+
+    rng = np.random.default_rng(3)
+
+    def random_update(base=None):
+        count = rng.integers(0, 7, size=(4, 2)).astype(float) if base is None else base.statistics.count.copy()
+        if base is not None:
+            count.flat[rng.integers(count.size)] = rng.integers(0, 7)
+        cells = np.sort(rng.choice(4, size=rng.integers(0, 5), replace=False)).astype(np.int64)
+        weights = rng.integers(0, 7, size=cells.size).astype(float)
+        return KMeansUpdate(CellStatistics(count, count * 0.5, count * 0.001), cells, np.zeros((cells.size, 3)),
+                            weights, 100)
+
+    refused = 0
+    for _ in range(300):
+        previous = random_update()
+        update = random_update(previous if rng.random() < 0.7 else None)
+        min_count = int(rng.integers(1, 5))
+        expected = _small_move_reference(update, previous, min_count)
+        try:
+            check_difference(update, previous, min_count)
+            got = False
+        except PrivacyError:
+            got = True
+        assert got == expected
+        refused += got
+    assert 50 < refused < 250  # both outcomes were exercised
