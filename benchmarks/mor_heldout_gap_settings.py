@@ -168,8 +168,10 @@ def main(argv: list[str]) -> None:
             cands = candidates(t_cal, bias)
             acc = lambda r: pairwise_accuracy(r[0], r[1])  # noqa: E731
             # the script's rule_reward must equal the library's RoutingRule on the defaults (one code path)
-            for tau, rule in ((0.8, RoutingRule("sparse", 1.0, "prompt", 0.8)), (None, RoutingRule("soft", 1.0, "prompt"))):
-                assert np.allclose(rule_reward(s_cat, z_cat, g_cat, tau), routed_reward(s_cat, z_cat, rule, g_cat))
+            for name, rule in (("base/sparse<0.8", RoutingRule("sparse", 1.0, "prompt", 0.8)), ("base/soft", RoutingRule("soft", 1.0, "prompt")),
+                               ("top2/sparse<0.8", RoutingRule("sparse", 1.0, "prompt", 0.8, 2)),
+                               ("ovr/soft", RoutingRule("soft", 1.0, "prompt", probabilities="ovr"))):
+                assert np.allclose(rule_reward(s_cat, z_cat, g_cat, **cands[name]), routed_reward(s_cat, z_cat, rule, g_cat))
             cell = {"seed": seed, "fold": cat, "n_cat": int(s_cat.shape[1]), "t_cal": t_cal, "prior": np.exp(bias).tolist(),
                     "own_rm_val": [pairwise_accuracy(v[0][0, :, k], v[0][1, :, k]) for k, v in enumerate(val)],
                     "own_rm_cat": pairwise_accuracy(s_cat[0, :, own], s_cat[1, :, own]),
