@@ -12,6 +12,7 @@ import torch
 
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.rewards.client_router import (
+    ClientRouter,
     ClientRouterData,
     FederatedRouterTrainer,
     RouterConfig,
@@ -20,6 +21,7 @@ from trainer.rewards.client_router import (
     local_router_update,
     own_client_targets,
     router_bce_loss,
+    stack_routers,
 )
 from trainer.rewards.mixture import RoutedReward, load_mixture, save_mixture, softmax
 from trainer.rewards.pair_features import PairEncoder
@@ -204,6 +206,51 @@ def test_router_bce_loss_by_hand():
     want_c = (sp(0.0) + sp(-2.0) + sp(-1.0)) / 3
     want_r = (sp(1.0) + sp(-0.0) + sp(0.0)) / 3
     assert float(router_bce_loss(zc, zr, client_index=1)) == pytest.approx(0.5 * (want_c + want_r), abs=1e-6)
+
+
+def test_label_smoothed_targets_and_loss_by_hand():
+    # eps 0.3, K 3: off-target 0.3 / 3 = 0.1, own 1 - 0.3 + 0.1 = 0.8
+    np.testing.assert_allclose(own_client_targets(1, 0, 3, 0.3), [[0.8, 0.1, 0.1]], atol=1e-7)
+    with pytest.raises(InvalidInputError, match="smoothing"):
+        own_client_targets(1, 0, 3, 1.0)
+    with pytest.raises(InvalidInputError, match="label_smoothing"):
+        RouterConfig(label_smoothing=-0.1)
+    sp = lambda x: math.log1p(math.exp(x))  # noqa: E731  BCE(z, t) = t softplus(-z) + (1 - t) softplus(z)
+    bce = lambda z, t: t * sp(-z) + (1 - t) * sp(z)  # noqa: E731
+    zc, zr = torch.tensor([[2.0, -1.0]]), torch.tensor([[0.0, 1.0]])
+    # eps 0.2, K 2: targets (0.1, 0.9) for client 1
+    want = 0.5 * ((bce(2.0, 0.1) + bce(-1.0, 0.9)) / 2 + (bce(0.0, 0.1) + bce(1.0, 0.9)) / 2)
+    assert float(router_bce_loss(zc, zr, client_index=1, smoothing=0.2)) == pytest.approx(want, abs=1e-6)
+
+
+def test_stacked_routers_give_the_mean_of_the_members_logits():
+    members = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        members.append(ClientRouter(4, 3, 5, 0.5, ["a", "b", "c"]))
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+    stacked = stack_routers(members)
+    assert stacked.hidden == 15 and stacked.client_names == ["a", "b", "c"]
+    np.testing.assert_allclose(stacked.logits(x), np.mean([m.logits(x) for m in members], 0), atol=1e-6)
+    with pytest.raises(InvalidInputError, match="share"):
+        stack_routers([members[0], ClientRouter(4, 3, 5, 0.1, ["a", "b", "c"])])
+
+
+def test_an_ensemble_config_trains_independent_fedavg_runs_and_stacks_them():
+    rng = np.random.default_rng(1)
+    data = [ClientRouterData(rng.normal(size=(12, 4)).astype(np.float32), rng.normal(size=(12, 4)).astype(np.float32), k)
+            for k in range(2)]
+    small = RouterConfig(hidden=3, rounds=2, local_steps=1, batch_size=4, seed=5)
+    singles = [FederatedRouterTrainer(RouterConfig(hidden=3, rounds=2, local_steps=1, batch_size=4, seed=s)) for s in (5, 1005)]
+    members = [t.train(data) for t in singles]
+    ens = FederatedRouterTrainer(RouterConfig(**{**small.__dict__, "ensemble": 2}))
+    stacked = ens.train(data)
+    x = data[0].features_chosen
+    assert stacked.hidden == 6
+    np.testing.assert_allclose(stacked.logits(x), (members[0].logits(x) + members[1].logits(x)) / 2, atol=1e-6)
+    assert ens.bytes_per_round_ == 2 * singles[0].bytes_per_round_
+    with pytest.raises(InvalidInputError, match="ensemble"):
+        RouterConfig(ensemble=0)
 
 
 def test_a_local_step_raises_the_own_clients_logit_for_both_responses():
