@@ -12,6 +12,7 @@ import torch
 
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.rewards.client_router import (
+    ClientRouter,
     ClientRouterData,
     FederatedRouterTrainer,
     RouterConfig,
@@ -20,6 +21,7 @@ from trainer.rewards.client_router import (
     local_router_update,
     own_client_targets,
     router_bce_loss,
+    stack_routers,
 )
 from trainer.rewards.mixture import RoutedReward, load_mixture, save_mixture, softmax
 from trainer.rewards.pair_features import PairEncoder
@@ -204,6 +206,51 @@ def test_router_bce_loss_by_hand():
     want_c = (sp(0.0) + sp(-2.0) + sp(-1.0)) / 3
     want_r = (sp(1.0) + sp(-0.0) + sp(0.0)) / 3
     assert float(router_bce_loss(zc, zr, client_index=1)) == pytest.approx(0.5 * (want_c + want_r), abs=1e-6)
+
+
+def test_label_smoothed_targets_and_loss_by_hand():
+    # eps 0.3, K 3: off-target 0.3 / 3 = 0.1, own 1 - 0.3 + 0.1 = 0.8
+    np.testing.assert_allclose(own_client_targets(1, 0, 3, 0.3), [[0.8, 0.1, 0.1]], atol=1e-7)
+    with pytest.raises(InvalidInputError, match="smoothing"):
+        own_client_targets(1, 0, 3, 1.0)
+    with pytest.raises(InvalidInputError, match="label_smoothing"):
+        RouterConfig(label_smoothing=-0.1)
+    sp = lambda x: math.log1p(math.exp(x))  # noqa: E731  BCE(z, t) = t softplus(-z) + (1 - t) softplus(z)
+    bce = lambda z, t: t * sp(-z) + (1 - t) * sp(z)  # noqa: E731
+    zc, zr = torch.tensor([[2.0, -1.0]]), torch.tensor([[0.0, 1.0]])
+    # eps 0.2, K 2: targets (0.1, 0.9) for client 1
+    want = 0.5 * ((bce(2.0, 0.1) + bce(-1.0, 0.9)) / 2 + (bce(0.0, 0.1) + bce(1.0, 0.9)) / 2)
+    assert float(router_bce_loss(zc, zr, client_index=1, smoothing=0.2)) == pytest.approx(want, abs=1e-6)
+
+
+def test_stacked_routers_give_the_mean_of_the_members_logits():
+    members = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        members.append(ClientRouter(4, 3, 5, 0.5, ["a", "b", "c"]))
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+    stacked = stack_routers(members)
+    assert stacked.hidden == 15 and stacked.client_names == ["a", "b", "c"]
+    np.testing.assert_allclose(stacked.logits(x), np.mean([m.logits(x) for m in members], 0), atol=1e-6)
+    with pytest.raises(InvalidInputError, match="share"):
+        stack_routers([members[0], ClientRouter(4, 3, 5, 0.1, ["a", "b", "c"])])
+
+
+def test_an_ensemble_config_trains_independent_fedavg_runs_and_stacks_them():
+    rng = np.random.default_rng(1)
+    data = [ClientRouterData(rng.normal(size=(12, 4)).astype(np.float32), rng.normal(size=(12, 4)).astype(np.float32), k)
+            for k in range(2)]
+    small = RouterConfig(hidden=3, rounds=2, local_steps=1, batch_size=4, seed=5)
+    singles = [FederatedRouterTrainer(RouterConfig(hidden=3, rounds=2, local_steps=1, batch_size=4, seed=s)) for s in (5, 1005)]
+    members = [t.train(data) for t in singles]
+    ens = FederatedRouterTrainer(RouterConfig(**{**small.__dict__, "ensemble": 2}))
+    stacked = ens.train(data)
+    x = data[0].features_chosen
+    assert stacked.hidden == 6
+    np.testing.assert_allclose(stacked.logits(x), (members[0].logits(x) + members[1].logits(x)) / 2, atol=1e-6)
+    assert ens.bytes_per_round_ == 2 * singles[0].bytes_per_round_
+    with pytest.raises(InvalidInputError, match="ensemble"):
+        RouterConfig(ensemble=0)
 
 
 def test_a_local_step_raises_the_own_clients_logit_for_both_responses():
@@ -446,8 +493,9 @@ def test_train_saves_the_validation_chosen_router_and_variants_and_load_uses_the
     choice = {"weighting": "samples", "sparse": "sparse|prompt", "soft": "soft|prompt|T=2", "val": {"samples/sparse|prompt": 0.7}}
     trainer.save(models, tmp_path / "mix", routing=choice, mode="sparse")
     meta = __import__("json").loads((tmp_path / "mix" / "mixture.json").read_text())
-    assert meta["variants"] == {"sparse": {"mode": "sparse", "temperature": 1.0, "route_by": "prompt", "fallback": 0.0},
-                                "soft": {"mode": "soft", "temperature": 2.0, "route_by": "prompt", "fallback": 0.0}}
+    plain = {"fallback": 0.0, "fallback_top": 0, "probabilities": "softmax"}
+    assert meta["variants"] == {"sparse": {"mode": "sparse", "temperature": 1.0, "route_by": "prompt", **plain},
+                                "soft": {"mode": "soft", "temperature": 2.0, "route_by": "prompt", **plain}}
     assert meta["selection"]["chosen_on"] == "validation" and meta["selection"]["weighting"] == "samples"
     sparse = load_mixture(tmp_path / "mix", cache_dir=encoder.cache_dir)
     assert (sparse.mode, sparse.route_by, sparse.temperature) == ("sparse", "prompt", 1.0)
@@ -486,7 +534,8 @@ def test_grpo_reward_evaluation_and_mixture_compute_one_routed_reward(mixture, c
     each = np.stack([rm.score(p, r) for rm in rms], axis=1).astype(np.float64)
     seen = set()
     for rule in (RoutingRule("sparse"), RoutingRule("sparse", 1.0, "prompt"), RoutingRule("soft", 0.5),
-                 RoutingRule("soft", 2.0, "prompt"), RoutingRule("sparse", 1.0, "prompt", 0.99)):
+                 RoutingRule("soft", 2.0, "prompt"), RoutingRule("sparse", 1.0, "prompt", 0.99),
+                 RoutingRule("sparse", 1.0, "prompt", 0.99, 2), RoutingRule("soft", 1.0, "prompt", probabilities="ovr")):
         mix = RoutedReward(router, rms, encoder, rule.mode, variants={rule.mode: rule})
         want = mix(p, r)
         grpo = from_mixture(mix, ThompsonConfig(enabled=False))
@@ -584,7 +633,50 @@ def test_routing_errors_split_routing_from_reward_model_errors_by_hand():
     z = np.array([[[2.0, 0.0], [0.0, 2.0]], [[2.0, 0.0], [2.0, 0.0]]])
     e = EvalSet("t", 0, norm, norm, {"equal": z}, np.zeros((2, 2)), np.full(2, 0.5), np.array([0, 1]))
     got = routing_errors(e, z)
+    zero = {"share": 0.0, "cost": 0.0}
+    assert got["sparse|response"]["buckets"] == {"home_sure": {"share": 0.5, "cost": 0.0}, "home_mixed": zero,
+                                                 "away_sure": {"share": 0.5, "cost": 0.5}, "away_mixed": zero}
+    del got["sparse|response"]["buckets"], got["sparse|prompt"]["buckets"]
     assert got["sparse|response"] == {"pairs_away": 0.5, "routing_cost": 0.5, "acc_home": 1.0, "acc_away_routed": 0.0,
                                       "acc_away_own": 1.0}
     assert got["sparse|prompt"] == {"pairs_away": 0.0, "routing_cost": 0.0, "acc_home": 1.0, "acc_away_routed": None,
                                     "acc_away_own": None}
+    # fallback 0.8 per prompt: pair 0's weights (0.881, 0.119) stay sparse; pair 1's (0.5, 0.5) get the mixture,
+    # chosen 0.5 * 1 + 0.5 * (-1) = 0 < rejected 0.5 * 0.5 + 0.5 * 3 = 1.75: wrong where the own RM is right. Nothing is
+    # routed away (routing_cost 0), yet the mixing costs 1 pair of 2: the home_mixed bucket.
+    got = routing_errors(e, z)["sparse<0.8|prompt"]
+    assert (got["pairs_away"], got["routing_cost"], got["acc_home"]) == (0.0, 0.0, 0.5)
+    assert got["buckets"] == {"home_sure": {"share": 0.5, "cost": 0.0}, "home_mixed": {"share": 0.5, "cost": 0.5},
+                              "away_sure": zero, "away_mixed": zero}
+
+
+def test_fallback_top_and_one_vs_rest_probabilities_by_hand():
+    """RoutingRule.fallback_top: an unsure row mixes only its k largest weights, renormalised, and only those clients
+    are asked; probabilities="ovr": normalised sigmoids of the logits."""
+    from trainer.rewards.routing_rule import RoutingRule
+
+    w = np.array([[0.05, 0.9, 0.05], [0.5, 0.3, 0.2]])  # row 0 sure (0.9 >= 0.7), row 1 unsure (0.5 < 0.7)
+    ask = lambda log: lambda k, rows: log.append((k, rows.tolist())) or np.full(len(rows), 10.0 * (k + 1))  # noqa: E731
+    asked = []
+    rewards, choice = RoutingRule("sparse", 1.0, "response", 0.7, 2).combine(w, ask(asked))
+    assert asked == [(0, [1]), (1, [0, 1])] and choice.tolist() == [1, 0]  # client 2 is never asked
+    np.testing.assert_allclose(rewards, [20.0, (0.5 * 10 + 0.3 * 20) / 0.8])  # 13.75
+    asked = []
+    rewards, _ = RoutingRule("sparse", 1.0, "response", 0.7).combine(w, ask(asked))  # every client: 5 + 6 + 6 = 17
+    assert asked == [(0, [1]), (1, [0, 1]), (2, [1])]
+    np.testing.assert_allclose(rewards, [20.0, 17.0])
+    # logits (0, ln 3): sigmoids (1/2, 3/4) -> (0.4, 0.6); softmax would give (0.25, 0.75)
+    z = np.array([[0.0, np.log(3.0)]])
+    np.testing.assert_allclose(RoutingRule("soft", probabilities="ovr").weights(z), [[0.4, 0.6]])
+    np.testing.assert_allclose(RoutingRule("soft").weights(z), [[0.25, 0.75]])
+    for key in ("sparse<0.8,top2|prompt", "soft|prompt|T=1|ovr", "sparse|response|ovr", "sparse<0.6,top3|response|ovr"):
+        assert RoutingRule.from_variant(key).variant == key
+    assert RoutingRule.from_variant("sparse<0.8,top2|prompt") == RoutingRule("sparse", 1.0, "prompt", 0.8, 2)
+    assert RoutingRule.from_variant("soft|prompt|T=1|ovr") == RoutingRule("soft", 1.0, "prompt", probabilities="ovr")
+    for bad in ("sparse<0.8,top1|prompt", "sparse<0.8,topx|prompt", "soft|prompt|T=1|sigmoid"):
+        with pytest.raises(InvalidInputError):
+            RoutingRule.from_variant(bad)
+    for bad in (dict(fallback=0.8, fallback_top=1), dict(fallback_top=2), dict(mode="soft", fallback_top=2),
+                dict(fallback=0.8, fallback_top=True), dict(probabilities="sigmoid")):
+        with pytest.raises(InvalidInputError):
+            RoutingRule(**bad)

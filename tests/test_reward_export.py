@@ -92,9 +92,10 @@ def test_onnx_parity_with_torch(reward_bundle, mor_mixture, signing_keys):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["reward_scorer_kind"] == "mor" and manifest["client"] == {"name": "harmless", "index": 1}
     assert "router_kind" not in manifest
-    assert manifest["routing"] == {"active": {"mode": "sparse", "temperature": 1.0, "route_by": "prompt", "fallback": 0.0},
-                                   "variants": {"sparse": {"mode": "sparse", "temperature": 1.0, "route_by": "prompt", "fallback": 0.0},
-                                                "soft": {"mode": "soft", "temperature": 0.5, "route_by": "response", "fallback": 0.0}}}
+    plain = {"fallback": 0.0, "fallback_top": 0, "probabilities": "softmax"}
+    assert manifest["routing"] == {"active": {"mode": "sparse", "temperature": 1.0, "route_by": "prompt", **plain},
+                                   "variants": {"sparse": {"mode": "sparse", "temperature": 1.0, "route_by": "prompt", **plain},
+                                                "soft": {"mode": "soft", "temperature": 0.5, "route_by": "response", **plain}}}
     assert json.loads((out / "parity.json").read_text())["passed"]
 
 

@@ -82,6 +82,8 @@ class RoutedGRPOReward:
         (``RoutingDecision.logits``); off, the router's logits, so the reward equals ``RoutedReward``'s.
         ``fallback`` > 0 (sparse): a pair whose largest weight is below it gets the soft reward (every client asked);
         its bandit arm is still the argmax.
+    fallback_top, probabilities : as :class:`RoutingRule` (the fallback mixes only the ``fallback_top`` clients with the
+        largest weights; ``"ovr"``: normalised sigmoids of the logits instead of the softmax).
 
     Attributes
     ----------
@@ -100,10 +102,11 @@ class RoutedGRPOReward:
     __name__ = "routed_reward"  # TRL names reward columns after the callable
 
     def __init__(self, encoder: PairEncoderFn, clients: Sequence[ClientReward], routing: NeuralThompsonRouting,
-                 mode: str = "sparse", temperature: float = 1.0, route_by: str = "response", fallback: float = 0.0) -> None:
+                 mode: str = "sparse", temperature: float = 1.0, route_by: str = "response", fallback: float = 0.0,
+                 fallback_top: int = 0, probabilities: str = "softmax") -> None:
         if mode not in ROUTING_MODES:
             raise AlignmentConfigError(f"mode must be one of {ROUTING_MODES}, got {mode!r}")
-        self.rule = RoutingRule(mode, temperature, route_by, fallback)
+        self.rule = RoutingRule(mode, temperature, route_by, fallback, fallback_top, probabilities)
         if len(clients) != routing.n_arms:
             raise AlignmentConfigError(f"{len(clients)} client reward models but the router has {routing.n_arms} outputs")
         if mode == "soft" and routing.config.enabled:
@@ -485,7 +488,7 @@ def from_mixture(mixture, thompson: ThompsonConfig) -> RoutedGRPOReward:
 
     The router is copied (the online update never changes the saved, offline router); the encoder is
     the mixture's ``PairEncoder``; client ``k`` answers with its normalised score (raw when the
-    mixture has ``normalise=False``). The routing rule (mode, temperature, route_by) is the mixture's active
+    mixture has ``normalise=False``). The routing rule (every field of ``RoutingRule``) is the mixture's active
     one (``mixture.rule``: for a mixture saved by ``fedroute mor train``, the variant chosen on validation).
     """
 
@@ -493,7 +496,7 @@ def from_mixture(mixture, thompson: ThompsonConfig) -> RoutedGRPOReward:
     clients = [_ClientScore(rm, mixture.normalise) for rm in mixture.reward_models]
     rule = mixture.rule
     return RoutedGRPOReward(mixture.encoder.encode, clients, NeuralThompsonRouting(router, thompson), rule.mode,
-                            rule.temperature, rule.route_by, rule.fallback)
+                            rule.temperature, rule.route_by, rule.fallback, rule.fallback_top, rule.probabilities)
 
 
 class _ClientScore:

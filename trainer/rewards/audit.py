@@ -106,7 +106,7 @@ def run_audit(trainer: MoRTrainer, defended: RewardModelConfig | None = None, na
         if n_router is None:
             d_in = fm[0].shape[1]
             r = trainer.args.router
-            n_router = ClientRouter(d_in, len(split.clients), r.hidden, r.dropout).n_parameters()
+            n_router = r.ensemble * ClientRouter(d_in, len(split.clients), r.hidden, r.dropout).n_parameters()  # every member of the ensemble travels
 
     def mean_attacks(rows: list[dict]) -> dict:
         return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}

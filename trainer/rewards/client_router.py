@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -119,22 +119,28 @@ class ClientRouter(nn.Module):
         return router
 
 
-def own_client_targets(n: int, client_index: int, n_clients: int) -> np.ndarray:
-    """One-hot targets ``e_k`` for n samples of client k: (n, n_clients) float32.
+def own_client_targets(n: int, client_index: int, n_clients: int, smoothing: float = 0.0) -> np.ndarray:
+    """One-hot targets ``e_k`` for n samples of client k: (n, n_clients) float32. With ``smoothing`` eps > 0:
+    label smoothing (Szegedy et al. 2016, "Rethinking the Inception Architecture", Sec. 7),
+    ``(1 - eps) e_k + eps / K``.
 
-    Raises InvalidInputError: ``client_index`` not in ``[0, n_clients)`` or n < 0."""
+    Raises InvalidInputError: ``client_index`` not in ``[0, n_clients)``, n < 0 or eps not in [0, 1)."""
     if not 0 <= client_index < n_clients or n < 0:
         raise InvalidInputError(f"client_index={client_index} must be in [0, {n_clients}) and n={n} >= 0")
-    out = np.zeros((n, n_clients), dtype=np.float32)
-    out[:, client_index] = 1.0
+    if not 0.0 <= smoothing < 1.0:
+        raise InvalidInputError(f"label smoothing must be in [0, 1), got {smoothing!r}")
+    out = np.full((n, n_clients), smoothing / n_clients, dtype=np.float32)
+    out[:, client_index] = 1.0 - smoothing + smoothing / n_clients
     return out
 
 
-def router_bce_loss(logits_chosen: torch.Tensor, logits_rejected: torch.Tensor, client_index: int) -> torch.Tensor:
+def router_bce_loss(logits_chosen: torch.Tensor, logits_rejected: torch.Tensor, client_index: int,
+                    smoothing: float = 0.0) -> torch.Tensor:
     """``0.5 [BCE(z+, e_k) + BCE(z-, e_k)]`` (paper 001, ``L_router^(k)``), BCE with logits averaged
-    over pairs and the K outputs. logits_* : (n, K) tensors. Returns a scalar tensor."""
+    over pairs and the K outputs; ``smoothing``: the targets of :func:`own_client_targets`.
+    logits_* : (n, K) tensors. Returns a scalar tensor."""
     n, k = logits_chosen.shape
-    target = torch.from_numpy(own_client_targets(n, client_index, k))
+    target = torch.from_numpy(own_client_targets(n, client_index, k, smoothing))
     bce = nn.functional.binary_cross_entropy_with_logits
     return 0.5 * (bce(logits_chosen, target) + bce(logits_rejected, target))
 
@@ -173,6 +179,13 @@ class RouterConfig:
     ``benchmarks/mor_router_settings.py`` (``docs/mor_router_settings.json``, docs/mor.md).
     participation : share of clients sampled per round (at least one).
     seed : initialisation, sampling and shuffling seed.
+    ensemble : m >= 1 routers, each trained by this FedAvg run from its own seed (``seed + 1000 j``, j < m; member 0
+        is the single router), combined by the mean of their logits (:func:`stack_routers`: one router of width
+        ``m * hidden``); m times the router communication per round. An ensemble average (Lakshminarayanan et al.
+        2017, "Simple and Scalable Predictive Uncertainty Estimation using Deep Ensembles"), logits averaged so it stays
+        one :class:`ClientRouter`. Simulation only (:class:`FederatedRouterTrainer`); on Flower run the strategy m
+        times.
+    label_smoothing : eps of the BCE targets ``(1 - eps) e_k + eps / K`` (:func:`own_client_targets`; 0: the paper).
     input_columns : None (the router reads every feature column, ``g_phi(x, y)`` of the paper) or n >= 1: only
         the first n columns reach the router (with n = the embedder width, ``e(x)`` alone: a prompt-only router
         ``g_phi(x)``, which routes every response to one prompt, a preference pair or a GRPO group, alike). The
@@ -193,8 +206,14 @@ class RouterConfig:
     participation: float = 1.0
     seed: int = 0
     input_columns: int | None = None
+    label_smoothing: float = 0.0
+    ensemble: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.ensemble, bool) or int(self.ensemble) < 1:
+            raise InvalidInputError(f"ensemble must be an integer >= 1, got {self.ensemble!r}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise InvalidInputError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         if self.weighting not in WEIGHTINGS:
             raise InvalidInputError(f"weighting must be one of {list(WEIGHTINGS)}, got {self.weighting!r}")
         for name in ("hidden", "rounds", "local_epochs", "batch_size"):
@@ -206,6 +225,30 @@ class RouterConfig:
             raise InvalidInputError(f"input_columns must be None or an integer >= 1, got {self.input_columns!r}")
         if not 0.0 < self.participation <= 1.0:
             raise InvalidInputError(f"participation must be in (0, 1], got {self.participation}")
+
+
+def stack_routers(routers: Sequence[ClientRouter]) -> ClientRouter:
+    """One router whose logits are the MEAN of the logits of ``routers`` (an ensemble, e.g. of FedAvg-trained routers
+    from different initialisation seeds): the trunks side by side (hidden = sum of the members' widths), the head
+    ``[W_1 ... W_m] / m`` and bias ``mean(b_i)``; exact for the ``Linear - GELU - Dropout - Linear`` layout in eval
+    mode. The result saves, exports and adapts online like any :class:`ClientRouter`.
+
+    Raises InvalidInputError on no routers or members with a different input width, client count, names or dropout."""
+    if not routers:
+        raise InvalidInputError("stack_routers needs at least one router")
+    r0 = routers[0]
+    for r in routers:
+        if (r.d_in, r.n_clients, r.client_names, r.dropout) != (r0.d_in, r0.n_clients, r0.client_names, r0.dropout):
+            raise InvalidInputError("routers to stack must share d_in, n_clients, client_names and dropout")
+    out = ClientRouter(r0.d_in, r0.n_clients, sum(r.hidden for r in routers), r0.dropout, r0.client_names)
+    m = len(routers)
+    with torch.no_grad():
+        out.trunk[0].weight.copy_(torch.cat([r.trunk[0].weight for r in routers], 0))
+        out.trunk[0].bias.copy_(torch.cat([r.trunk[0].bias for r in routers], 0))
+        out.head.weight.copy_(torch.cat([r.head.weight for r in routers], 1) / m)
+        out.head.bias.copy_(torch.stack([r.head.bias for r in routers]).mean(0))
+    out.eval()
+    return out
 
 
 @dataclass
@@ -266,7 +309,7 @@ def local_router_update(router: ClientRouter, data: ClientRouterData, config: Ro
         batches = [torch.from_numpy(order[i * config.batch_size : (i + 1) * config.batch_size])
                    for i in range(config.local_steps)]
     for idx in batches:
-        loss = router_bce_loss(router(fc[idx]), router(fr[idx]), data.client_index)
+        loss = router_bce_loss(router(fc[idx]), router(fr[idx]), data.client_index, config.label_smoothing)
         opt.zero_grad()
         loss.backward()
         if config.input_columns is not None:  # columns the router does not read get no update
@@ -283,7 +326,7 @@ class FederatedRouterTrainer:
     :func:`local_router_update` from the global parameters and :func:`aggregate_routers` combines them.
 
     ``train(clients, client_names) -> ClientRouter``; ``bytes_per_round_`` is the upload + download of
-    router parameters (float32) in the last round.
+    router parameters (float32) in the last round (summed over the members of ``RouterConfig.ensemble``).
     """
 
     args: RouterConfig = field(default_factory=RouterConfig)
@@ -291,6 +334,14 @@ class FederatedRouterTrainer:
 
     def train(self, clients: Sequence[ClientRouterData], client_names: Sequence[str] | None = None) -> ClientRouter:
         a = self.args
+        if a.ensemble > 1:  # m independent FedAvg runs, stacked (RouterConfig.ensemble)
+            members, nbytes = [], 0
+            for j in range(a.ensemble):
+                rt = FederatedRouterTrainer(replace(a, ensemble=1, seed=a.seed + 1000 * j), self.show_progress)
+                members.append(rt.train(clients, client_names))
+                nbytes += rt.bytes_per_round_
+            self.bytes_per_round_ = nbytes
+            return stack_routers(members)
         if len(clients) < 2:
             raise InvalidInputError(f"federated router training needs >= 2 clients, got {len(clients)}")
         d_in = clients[0].features_chosen.shape[1]

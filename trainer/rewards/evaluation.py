@@ -44,6 +44,9 @@ N_RANDOM_DRAWS = 20
 TEMPERATURES = (0.5, 1.0, 2.0)
 #: Sparse routing's uncertain-routing fallbacks compared on validation (``RoutingRule.fallback``; 0 = plain sparse).
 FALLBACKS = (0.0, 0.8)
+#: Also compared: the fallback 0.8 mixing only the two clients with the largest weights (``RoutingRule.fallback_top``)
+#: and soft routing at T = 1 on normalised one-vs-rest probabilities (``probabilities="ovr"``), each per route_by.
+FALLBACK_TOP = 2
 
 
 @dataclass
@@ -120,10 +123,13 @@ def routed_reward(s: np.ndarray, z: np.ndarray, rule: RoutingRule, groups: np.nd
 
 
 def routing_variants() -> list[RoutingRule]:
-    """The routing variants compared on validation: sparse x :data:`ROUTE_BY` x :data:`FALLBACKS`, soft x ROUTE_BY x
-    :data:`TEMPERATURES`."""
+    """The routing variants compared on validation: sparse x :data:`ROUTE_BY` x :data:`FALLBACKS`, sparse with fallback
+    0.8 and ``fallback_top`` :data:`FALLBACK_TOP` x ROUTE_BY, soft x ROUTE_BY x :data:`TEMPERATURES`, soft at T = 1 with
+    ``probabilities="ovr"`` x ROUTE_BY."""
     return [RoutingRule("sparse", 1.0, by, f) for f in FALLBACKS for by in ROUTE_BY] + \
-        [RoutingRule("soft", t, by) for by in ROUTE_BY for t in TEMPERATURES]
+        [RoutingRule("sparse", 1.0, by, 0.8, FALLBACK_TOP) for by in ROUTE_BY] + \
+        [RoutingRule("soft", t, by) for by in ROUTE_BY for t in TEMPERATURES] + \
+        [RoutingRule("soft", 1.0, by, probabilities="ovr") for by in ROUTE_BY]
 
 
 def routed_accuracies(s: np.ndarray, z: np.ndarray, groups: np.ndarray | None = None) -> dict:
@@ -140,18 +146,26 @@ def routing_errors(e: EvalSet, z: np.ndarray) -> dict:
     weight is another client than its own), ``routing_cost`` (the own client's RM accuracy minus the routed reward's
     on those pairs, per pair of the set: what routing errors cost against the oracle), ``acc_home`` (routed
     accuracy on the other pairs), ``acc_away_routed`` / ``acc_away_own`` (routed / own-RM accuracy on the pairs
-    away; None when there are none)."""
+    away; None when there are none), ``buckets``: {``home_sure``, ``home_mixed``, ``away_sure``, ``away_mixed``} ->
+    {``share``, ``cost``}, the pairs split by away or not and by whether a response of the pair got the mixture
+    (soft routing: every pair; sparse: a largest weight below ``fallback``), with the share of pairs and the cost
+    against the own RM per pair of the set (the four costs add up to ``routing_cost`` plus the home pairs' cost)."""
     won = lambda sc: (sc[0] > sc[1]) + 0.5 * (sc[0] == sc[1])  # noqa: E731 (per-pair pairwise accuracy)
     own = won(e.norm[..., e.own])
     out = {}
     flat, g = _flat(z, e.groups)
     for rule in routing_variants():
-        away = (rule.weights(flat, g).argmax(1).reshape(z.shape[:2]) != e.own).any(0)
+        w = rule.weights(flat, g)
+        away = (w.argmax(1).reshape(z.shape[:2]) != e.own).any(0)
+        mixed = np.ones(e.n, dtype=bool) if rule.mode == "soft" else (w.max(1) < rule.fallback).reshape(z.shape[:2]).any(0)
         routed = won(routed_reward(e.norm, z, rule, e.groups))
+        buckets = {f"{a}_{b}": {"share": float(m.mean()), "cost": float((own[m].sum() - routed[m].sum()) / e.n)}
+                   for a, am in (("home", ~away), ("away", away)) for b, bm in (("sure", ~mixed), ("mixed", mixed))
+                   for m in [am & bm]}
         out[rule.variant] = {"pairs_away": float(away.mean()), "routing_cost": float((own[away].sum() - routed[away].sum()) / e.n),
                              "acc_home": float(routed[~away].mean()) if (~away).any() else None,
                              "acc_away_routed": float(routed[away].mean()) if away.any() else None,
-                             "acc_away_own": float(own[away].mean()) if away.any() else None}
+                             "acc_away_own": float(own[away].mean()) if away.any() else None, "buckets": buckets}
     return out
 
 
@@ -226,8 +240,7 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
     val_router = {w: float(np.mean([val[n]["router_sparse"][w] for n in names])) for w in WEIGHTINGS}
     val_share = {w: float(np.mean([val[n]["own_share"][w] for n in names])) for w in WEIGHTINGS}
     a = trainer.args
-    routing = choose_routing(val, names, a.router.weighting, RoutingRule("sparse", 1.0, a.route_by, a.sparse_fallback).variant,
-                             RoutingRule("soft", a.temperature, a.soft_route_by).variant, a.routing_margin_se)
+    routing = choose_routing(val, names, a.router.weighting, a.sparse_rule().variant, a.soft_rule().variant, a.routing_margin_se)
     weighting = routing["weighting"]
     val_single = [float(np.mean([val[n]["single"][j] for n in names])) for j in range(len(names))]
     best = int(np.argmax(val_single))

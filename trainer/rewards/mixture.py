@@ -19,7 +19,8 @@ Saved layout (:func:`save_mixture` / :func:`load_mixture`)::
 
     DIR/mixture.json   {"format_version": 1, "mode": "sparse"|"soft", "normalise": bool,
                         "temperature": float, "route_by": "response"|"prompt"   (the active rule),
-                        "variants": {"sparse": {"mode", "temperature", "route_by", "fallback"}, "soft": {...}},
+                        "variants": {"sparse": {"mode", "temperature", "route_by", "fallback", "fallback_top",
+                                                "probabilities"}, "soft": {...}},
                         "selection": {...} (optional: how the variants were chosen, e.g. validation accuracies),
                         "client_names": [K str], "embedder": {EmbedderConfig fields},
                         "length_features": bool,
@@ -28,7 +29,8 @@ Saved layout (:func:`save_mixture` / :func:`load_mixture`)::
     DIR/clients/<name>/ reward model layout of trainer.rewards.reward_models (reward_model.json + weights)
 
 Files without ``variants`` (older saves) load with ``temperature`` / ``route_by`` for both modes. Variants without
-``fallback`` (saved before it existed) load with ``fallback = 0``.
+``fallback`` (saved before it existed) load with ``fallback = 0``; without ``fallback_top`` / ``probabilities`` with 0 /
+``"softmax"``.
 
 The router reads ``PairEncoder(EmbedderConfig(**embedder)).encode(prompts, responses)``, i.e.
 ``[e(x), e(y), l(y)]`` of width 2 * 384 + 3 for MiniLM (``2 * 384`` when ``length_features`` is false); client ``k`` of the router's logits is

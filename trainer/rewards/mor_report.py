@@ -63,6 +63,18 @@ def eval_markdown(res: dict) -> str:
         for v, row in heldout_diagnosis(res).items():
             lines.append(f"| {v} | {row['acc']:.3f} | {row['pairs_away']:.3f} | {row['acc_away_routed']:.3f} | "
                          f"{row['acc_away_own']:.3f} |")
+        diag = heldout_diagnosis(res)
+        if "buckets" in next(iter(diag.values())):
+            names = ("home_sure", "home_mixed", "away_sure", "away_mixed")
+            lines += ["", "Held-out category, where the gap to the helpfulness RM goes (mean over seeds; diagnosis only): "
+                      "pairs split by routed away or home and by scored by one client (sure) or by the mixture (mixed: "
+                      "soft routing, or a sparse fallback); per bucket the share of pairs / the accuracy it costs against the "
+                      "helpfulness RM, per pair of the category (the costs add up to the gap):", "",
+                      "| variant | gap | " + " | ".join(n.replace("_", " ") for n in names) + " |", "|---|---|" + "---|" * len(names)]
+            for v, row in diag.items():
+                b = row["buckets"]
+                lines.append(f"| {v} | {sum(b[n]['cost'] for n in names):.3f} | "
+                             + " | ".join(f"{b[n]['share']:.3f} / {b[n]['cost']:+.3f}" for n in names) + " |")
     if res.get("routing_chosen_on_validation"):
         lines += ["", f"Routing chosen on validation per seed: {res['routing_chosen_on_validation']}."]
     lines += ["", f"Weighting chosen on validation per seed: {res['weighting_chosen_on_validation']}; "
@@ -74,7 +86,7 @@ def eval_markdown(res: dict) -> str:
 def heldout_diagnosis(res: dict) -> dict:
     """Per routing variant, means over seeds on the held-out category: ``acc`` (routed accuracy), ``pairs_away``,
     ``acc_away_routed``, ``acc_away_own`` (:func:`trainer.rewards.evaluation.routing_errors`; NaN when no seed had
-    pairs away)."""
+    pairs away) and, when the seeds have them, ``buckets`` (mean ``share`` / ``cost`` per bucket)."""
     seeds = res["seeds"]
     out = {}
     for v in seeds[0]["heldout_routing_errors"]:
@@ -82,6 +94,9 @@ def heldout_diagnosis(res: dict) -> dict:
         mean = lambda k: float(np.mean([x[k] for x in errs if x[k] is not None] or [np.nan]))  # noqa: E731
         out[v] = {"acc": float(np.mean([s["heldout"][f"routing_{v}"] for s in seeds])), "pairs_away": mean("pairs_away"),
                   "acc_away_routed": mean("acc_away_routed"), "acc_away_own": mean("acc_away_own")}
+        if all("buckets" in x for x in errs):  # results written before the buckets existed have none
+            out[v]["buckets"] = {b: {m: float(np.mean([x["buckets"][b][m] for x in errs])) for m in ("share", "cost")}
+                                 for b in errs[0]["buckets"]}
     return out
 
 

@@ -15,6 +15,14 @@ Paper 001 (MoR), Sec. "GRPO with MoR":
   about it; the other rows stay sparse. Chosen on a validation category by
   ``benchmarks/mor_router_inputs_settings.py --loco`` (docs/mor.md).
 
+- ``fallback_top = k >= 2`` (ours, with ``fallback``): the fallback's soft reward mixes only the k clients with the
+  largest weights, renormalised, and only they are asked about that row (an unsure row is scored by the candidate
+  criteria, not by a client the router all but rules out).
+- ``probabilities="ovr"`` (ours): weights ``sigmoid(z / T) / sum_k sigmoid(z_k / T)``, the one-vs-rest probabilities
+  the router's BCE loss (paper 001, ``L_router``) trains, normalised, instead of the paper's softmax.
+  ``fallback_top`` and ``probabilities`` were chosen on a validation category by
+  ``benchmarks/mor_heldout_gap_settings.py`` (docs/mor.md).
+
 Weights ``w = softmax(z / temperature)`` of the router logits ``z`` (n, K) (T < 1 sharpens towards sparse
 routing, T > 1 flattens towards AvgRM). ``route_by="prompt"`` gives every response of one prompt group
 (``groups``, e.g. the responses of one prompt in a call, a preference pair, a GRPO group) the mean of the
@@ -33,6 +41,7 @@ from sdk.errors import InvalidInputError, ShapeError
 
 MODES = ("sparse", "soft")
 ROUTE_BY = ("response", "prompt")
+PROBABILITIES = ("softmax", "ovr")
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -56,15 +65,21 @@ class RoutingRule:
     route_by : ``"response"`` | ``"prompt"``.
     fallback : sparse only, in [0, 1): rows whose largest routing weight is below it get the soft reward (every
         client asked); 0 (default) = plain sparse routing.
+    fallback_top : with ``fallback`` > 0 only: 0 (default) = the fallback mixes every client; k >= 2 = only the k
+        clients with the largest weights of the row, renormalised (only they are asked about it).
+    probabilities : ``"softmax"`` (default, the paper) or ``"ovr"`` (normalised ``sigmoid(z / T)``).
 
-    Raises InvalidInputError on an unknown mode / route_by, a temperature that is not a finite number > 0, or a
-    fallback outside [0, 1) (or non-zero with soft routing).
+    Raises InvalidInputError on an unknown mode / route_by / probabilities, a temperature that is not a finite number
+    > 0, a fallback outside [0, 1) (or non-zero with soft routing), or a fallback_top that is not 0 or an int >= 2
+    with a fallback > 0.
     """
 
     mode: str = "sparse"
     temperature: float = 1.0
     route_by: str = "response"
     fallback: float = 0.0
+    fallback_top: int = 0
+    probabilities: str = "softmax"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -79,37 +94,51 @@ class RoutingRule:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1 or (self.mode == "soft" and f != 0):
             raise InvalidInputError(f"fallback must be a number in [0, 1) (0 with soft routing), got {f!r}")
         object.__setattr__(self, "fallback", float(f))
+        k = self.fallback_top
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0 or k == 1 or (k and not self.fallback):
+            raise InvalidInputError(f"fallback_top must be 0 or an int >= 2 with a fallback > 0, got {k!r}")
+        object.__setattr__(self, "fallback_top", int(k))
+        if self.probabilities not in PROBABILITIES:
+            raise InvalidInputError(f"probabilities must be one of {list(PROBABILITIES)}, got {self.probabilities!r}")
 
     @classmethod
     def from_variant(cls, variant: str) -> RoutingRule:
-        """Parse an evaluation variant key: ``"sparse|<route_by>"``, ``"sparse<<fallback>|<route_by>"`` or
-        ``"soft|<route_by>|T=<t>"``. Raises InvalidInputError on any other string."""
+        """Parse an evaluation variant key: ``"sparse|<route_by>"``, ``"sparse<<fallback>|<route_by>"``,
+        ``"sparse<<fallback>,top<k>|<route_by>"`` or ``"soft|<route_by>|T=<t>"``, each optionally followed by ``"|ovr"``
+        (``probabilities="ovr"``). Raises InvalidInputError on any other string."""
         parts = str(variant).split("|")
+        probs = "softmax"
+        if len(parts) > 2 and parts[-1] in PROBABILITIES:
+            probs, parts = parts[-1], parts[:-1]
         try:
             if parts[0] == "sparse" and len(parts) == 2:
-                return cls("sparse", 1.0, parts[1])
+                return cls("sparse", 1.0, parts[1], probabilities=probs)
             if parts[0].startswith("sparse<") and len(parts) == 2:
-                return cls("sparse", 1.0, parts[1], float(parts[0][len("sparse<"):]))
+                f, _, top = parts[0][len("sparse<"):].partition(",top")
+                return cls("sparse", 1.0, parts[1], float(f), int(top) if top else 0, probs)
             if parts[0] == "soft" and len(parts) == 3 and parts[2].startswith("T="):
-                return cls("soft", float(parts[2][2:]), parts[1])
+                return cls("soft", float(parts[2][2:]), parts[1], probabilities=probs)
         except ValueError:
             pass
-        raise InvalidInputError(f"routing variant must be 'sparse|<route_by>', 'sparse<<fallback>|<route_by>' or "
-                                f"'soft|<route_by>|T=<t>', got {variant!r}")
+        raise InvalidInputError(f"routing variant must be 'sparse|<route_by>', 'sparse<<fallback>[,top<k>]|<route_by>' or "
+                                f"'soft|<route_by>|T=<t>', each optionally followed by '|ovr', got {variant!r}")
 
     @property
     def variant(self) -> str:
         """The evaluation's key of this rule (inverse of :meth:`from_variant`; sparse ignores T)."""
+        ovr = "|ovr" if self.probabilities == "ovr" else ""
         if self.mode == "sparse":
-            return f"sparse<{self.fallback:g}|{self.route_by}" if self.fallback else f"sparse|{self.route_by}"
-        return f"soft|{self.route_by}|T={self.temperature:g}"
+            top = f",top{self.fallback_top}" if self.fallback_top else ""
+            return (f"sparse<{self.fallback:g}{top}|{self.route_by}" if self.fallback else f"sparse|{self.route_by}") + ovr
+        return f"soft|{self.route_by}|T={self.temperature:g}" + ovr
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def weights(self, logits: np.ndarray, groups: np.ndarray | None = None) -> np.ndarray:
-        """Routing weights (n, K) float64: ``softmax(logits / temperature)``; with ``route_by="prompt"`` each
-        row replaced by the mean of the rows of its group.
+        """Routing weights (n, K) float64: ``softmax(logits / temperature)`` (``probabilities="ovr"``: normalised
+        ``sigmoid(logits / temperature)``); with ``route_by="prompt"`` each row replaced by the mean of the rows of
+        its group.
 
         logits : (n, K) router logits. groups : (n,) ints, the prompt group of each row (None: each row
         its own group; needed for ``route_by="prompt"`` to have an effect). Raises ShapeError on bad shapes.
@@ -117,7 +146,12 @@ class RoutingRule:
         z = np.asarray(logits, dtype=np.float64)
         if z.ndim != 2 or z.shape[0] == 0 or z.shape[1] < 1 or not np.isfinite(z).all():
             raise ShapeError(f"logits must be finite with shape (n >= 1, K), got {z.shape}")
-        w = softmax(z / self.temperature)
+        if self.probabilities == "ovr":
+            p = 0.5 * (1.0 + np.tanh(0.5 * z / self.temperature))  # sigmoid, without overflow warnings
+            p = np.clip(p, np.finfo(np.float64).tiny, None)
+            w = p / p.sum(axis=1, keepdims=True)
+        else:
+            w = softmax(z / self.temperature)
         if self.route_by == "prompt" and groups is not None:
             g = np.asarray(groups)
             if g.shape != (len(z),):
@@ -132,8 +166,9 @@ class RoutingRule:
         """The routed reward from routing ``weights`` (n, K) (:meth:`weights`).
 
         ask : ``ask(k, rows) -> (len(rows),)`` client k's normalised scores of the rows ``rows`` (int array);
-            sparse asks each client only about the rows routed to it (and, with ``fallback``, every client about
-            the rows whose largest weight is below it), soft asks every client about every row.
+            sparse asks each client only about the rows routed to it (and, with ``fallback``, every client, or the
+            ``fallback_top`` clients with the largest weights, about the rows whose largest weight is below it), soft
+            asks every client about every row.
         Returns (rewards (n,) float64, choice (n,) int64 = argmax of the weights, the client each row went to).
         Raises ShapeError when a client returns the wrong number of scores.
         """
@@ -141,9 +176,15 @@ class RoutingRule:
         n, k_clients = w.shape
         choice = w.argmax(axis=1)
         mixed = np.ones(n, dtype=bool) if self.mode == "soft" else w.max(axis=1) < self.fallback  # soft-scored rows
+        asked = np.ones_like(w, dtype=bool)  # which clients a mixed row mixes (and asks)
+        if self.fallback_top:
+            asked = np.zeros_like(w, dtype=bool)
+            np.put_along_axis(asked, np.argsort(-w, axis=1, kind="stable")[:, : self.fallback_top], True, axis=1)
+            w = np.where(asked, w, 0.0)
+            w = w / w.sum(axis=1, keepdims=True)
         out = np.zeros(n, dtype=np.float64)
         for k in range(k_clients):
-            rows = np.flatnonzero((choice == k) | mixed)
+            rows = np.flatnonzero((choice == k) | (mixed & asked[:, k]))
             if not len(rows):
                 continue
             s = np.asarray(ask(k, rows), dtype=np.float64)
