@@ -32,6 +32,9 @@ MAX_LAMBDA = 1e12
 #: ``precision="auto"`` loads the first of these the bundle ships (fastest first; every shipped
 #: precision passed the export's parity gate).
 AUTO_PRECISIONS = ("int8-all", "int8", "fp32")
+#: ``Router.load`` reads and hashes used files of at least this size in the background
+#: (:mod:`sdk.background_read`): the static embedder's table overlaps its tokenizer's construction.
+BACKGROUND_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -217,8 +220,10 @@ class Router:
             chosen["by_path"] = tuple(name for kind in used for name in kind.path_files(manifest, want))
             return tuple(name for kind in used for name in kind.files(manifest, want))
 
+        # Files of >= 1 MiB (a static table) are read and hashed by a worker thread while the kinds load the
+        # rest (the tokenizer); each is verified when the kind looks it up, before any use of it.
         with fmt.read_verified(bundle_dir, public_key, wanted=files_needed, by_path=lambda _: chosen["by_path"],
-                               verify_unused=False) as verified:
+                               verify_unused=False, background_bytes=BACKGROUND_BYTES) as verified:
             manifest, precision = verified.manifest, chosen["precision"]
             embedder = kinds.load_artefact(kinds.EMBEDDER_FAMILY, manifest, verified.files, options=options,
                                            precision=precision, paths=verified.opened)
