@@ -180,7 +180,10 @@ class Router:
         verified at export and are at install (:mod:`sdk.sync`, :func:`sdk.bundle_manifest.verify_all`).
         The encoder is hashed from one open descriptor and onnxruntime loads it from that
         descriptor's path, so it is never held in Python memory and a file swapped after the check
-        is not the one loaded (:mod:`sdk.verified_file`).
+        is not the one loaded (:mod:`sdk.verified_file`). A used file of at least
+        :data:`BACKGROUND_BYTES` (a static embedder's table) is read and hashed by a worker thread
+        while the rest loads, and handed to its kind only once its sha256 matched
+        (:mod:`sdk.background_read`).
 
         Raises
         ------
