@@ -129,6 +129,17 @@ class PendingFiles(Mapping):
     def __len__(self) -> int:
         return len(self._ready) + len(self._pending)
 
+    def check_all(self) -> None:
+        """Wait for every file not looked up yet and check it, as a lookup would.
+
+        Raises
+        ------
+        BundleError
+            A file that could not be read or whose sha256 differs from the manifest's.
+        """
+        for name in list(self._pending):
+            self[name]
+
     def close(self) -> None:
         """Wait for the workers whose files were not looked up (their bytes are dropped)."""
         for read in self._pending.values():

@@ -232,6 +232,7 @@ class Router:
                                            precision=precision, paths=verified.opened)
             scorer = kinds.load_artefact(kinds.ROUTER_FAMILY, manifest, verified.files, options=options,
                                          precision=precision, paths=verified.opened)
+            verified.files.check_all()  # a used file no kind looked up is still refused if corrupt
         return cls(manifest, embedder, scorer, precision)
 
     # -- prediction ---------------------------------------------------------------------------

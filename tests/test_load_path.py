@@ -147,6 +147,8 @@ def test_background_reads_hand_out_only_verified_bytes(copy, signing_keys):
         for _ in range(2):  # refused at every lookup, never handed out
             with pytest.raises(BundleError, match=r"embedder.int8.onnx: sha256 .* does not match"):
                 verified.files["embedder.int8.onnx"]
+        with pytest.raises(BundleError, match=r"embedder.int8.onnx: sha256 .* does not match"):
+            verified.files.check_all()  # what Router.load calls for files no kind looked up
     with fmt.read_verified(copy, signing_keys[1], wanted=names, verify_unused=False, background_bytes=1):
         pass  # never looked up: close() waits for the workers
     assert set(os.listdir("/proc/self/fd")) <= before
