@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,6 +25,7 @@ from sdk import bundle_manifest as fmt
 from sdk import kinds
 from sdk.embedder import SessionThreads
 from sdk.arrays import finite_rows
+from sdk.background_read import PendingFiles
 from sdk.errors import BudgetError, BundleError, InvalidInputError, InvalidQueryError
 from sdk.utility import _decide_unchecked, check_lambda
 
@@ -33,8 +35,19 @@ MAX_LAMBDA = 1e12
 #: precision passed the export's parity gate).
 AUTO_PRECISIONS = ("int8-all", "int8", "fp32")
 #: ``Router.load`` reads and hashes used files of at least this size in the background
-#: (:mod:`sdk.background_read`): the static embedder's table overlaps its tokenizer's construction.
+#: (:mod:`sdk.background_read`): the static embedder's table overlaps its tokenizer's construction
+#: (only where the process may run on more than one CPU, :func:`_background_bytes`).
 BACKGROUND_BYTES = 1 << 20
+
+
+def _background_bytes() -> int | None:
+    """:data:`BACKGROUND_BYTES` if this process may use two CPUs or more, else None (one CPU: nothing
+    to overlap, a worker thread would only add GIL hand-overs)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS, Windows)
+        cpus = os.cpu_count() or 1
+    return BACKGROUND_BYTES if cpus > 1 else None
 
 
 @dataclass(frozen=True)
@@ -226,13 +239,14 @@ class Router:
         # Files of >= 1 MiB (a static table) are read and hashed by a worker thread while the kinds load the
         # rest (the tokenizer); each is verified when the kind looks it up, before any use of it.
         with fmt.read_verified(bundle_dir, public_key, wanted=files_needed, by_path=lambda _: chosen["by_path"],
-                               verify_unused=False, background_bytes=BACKGROUND_BYTES) as verified:
+                               verify_unused=False, background_bytes=_background_bytes()) as verified:
             manifest, precision = verified.manifest, chosen["precision"]
             embedder = kinds.load_artefact(kinds.EMBEDDER_FAMILY, manifest, verified.files, options=options,
                                            precision=precision, paths=verified.opened)
             scorer = kinds.load_artefact(kinds.ROUTER_FAMILY, manifest, verified.files, options=options,
                                          precision=precision, paths=verified.opened)
-            verified.files.check_all()  # a used file no kind looked up is still refused if corrupt
+            if isinstance(verified.files, PendingFiles):
+                verified.files.check_all()  # a used file no kind looked up is still refused if corrupt
         return cls(manifest, embedder, scorer, precision)
 
     # -- prediction ---------------------------------------------------------------------------

@@ -152,3 +152,16 @@ def test_background_reads_hand_out_only_verified_bytes(copy, signing_keys):
     with fmt.read_verified(copy, signing_keys[1], wanted=names, verify_unused=False, background_bytes=1):
         pass  # never looked up: close() waits for the workers
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
+def test_background_reads_only_with_a_second_cpu():
+    from sdk import router as router_module
+
+    cpus = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(cpus)})
+        assert router_module._background_bytes() is None
+    finally:
+        os.sched_setaffinity(0, cpus)
+    assert router_module._background_bytes() == (router_module.BACKGROUND_BYTES if len(cpus) > 1 else None)
