@@ -14,7 +14,11 @@ Profiles (:data:`PROFILES`, one function each; ratios are against the first, mea
   fusion in the same run;
 - ``static``: ``Router.choose`` on ``--static-bundle`` (a router bundle whose embedder is a static
   model2vec kind). A profile whose bundle, precision or embedder kind is missing is listed as
-  "not available in this checkout", with the reason.
+  "not available in this checkout", with the reason;
+- ``model2vec`` (reference, in the ``static`` group): model2vec's own ``StaticModel.from_pretrained`` +
+  ``encode`` on the distilled folder of the static bundle's table (:func:`model2vec_profile`), so that a
+  model2vec figure (issue 13 quoted a 0.17 s cold start from a prototype) is measured by this script's
+  definition in the same run; not checked against the targets.
 
 Latency: single query, warm, one intra-op thread, ``--n-prompts`` real RouterBench test prompts; the
 profiles take turns query by query (round-robin), so a change in the machine's load hits them alike.
@@ -52,8 +56,8 @@ not measured):
         --data ../shared/data/routerbench --out results/benchmarks [--static-bundle bundles/static] \
         [--unfused-bundle bundles/latency-unfused]
 
-``--profiles static`` (names or prefixes, comma-separated) measures only those rows and the torch
-baseline; the load-path table needs an ``onnx-`` row. Writes ``choose_latency.json``,
+``--profiles static`` (names, prefixes or groups, comma-separated) measures only those rows (with the
+``static`` group's model2vec reference row) and the torch baseline; the load-path table needs an ``onnx-`` row. Writes ``choose_latency.json``,
 ``choose_latency.md`` and ``choose_latency.png`` under ``--out``.
 """
 
@@ -91,6 +95,12 @@ if spec["kind"] == "router":
     from sdk import Router
     router = Router.load(spec["bundle"], spec["public_key"], precision=spec["precision"], intra_op_threads=1)
     run = lambda q: router.choose(q, spec["lam"])
+elif spec["kind"] == "model2vec":
+    from model2vec import StaticModel
+    m2v = StaticModel.from_pretrained(spec["folder"], normalize=True)
+    m2v.tokenizer.no_padding()
+    m2v.tokenizer.no_truncation()
+    run = lambda q: m2v.encode([q], max_length=None, use_multiprocessing=False)
 else:
     import torch
     torch.set_num_threads(1)
@@ -155,6 +165,7 @@ class Profile:
     run: Callable[[str], object] | None = None
     child: dict | None = None
     unavailable: str | None = None
+    group: str | None = None  # ``--profiles`` selects a reference row by its group too (e.g. "static")
 
 
 def torch_profile(args, emb: dict) -> Profile:
@@ -205,6 +216,42 @@ def static_profiles(args) -> list[Profile]:
                            args.public_key, p, args.lam, "") for p in files]
 
 
+def model2vec_profile(args) -> list[Profile]:
+    """Reference row for the static rows (issue 13 quoted a 0.17 s cold start from a model2vec
+    prototype): model2vec's own ``StaticModel.from_pretrained`` on the distilled folder the static
+    bundle's table came from, then ``encode([prompt])`` (normalised, no padding or truncation, no
+    multiprocessing, as ``trainer.static_embedder`` runs it; encode only, no routing), measured by the same
+    child protocol. The folder: ``--model2vec-folder``, else the trainer's cache entry for the static
+    bundle's embedder (``static:all-MiniLM-L6-v2`` -> ``<cache>/static/...``, written when the bundle
+    was built). In the ``static`` group of ``--profiles``; not checked against issue 13's targets."""
+    name, label = "model2vec", "model2vec `StaticModel.encode` (reference: from_pretrained + encode, no routing)"
+    folder = args.model2vec_folder
+    if folder is None and args.static_bundle is not None:
+        try:
+            spec = json.loads((args.static_bundle / "manifest.json").read_text())["embedder"]["name"]
+            from trainer.embedder_paths import default_cache_dir
+            from trainer.static_embedder import StaticEmbedderTrainerKind
+
+            folder = StaticEmbedderTrainerKind().resolve_path(spec.split(":", 1)[1], default_cache_dir())
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            return [Profile(name, label, unavailable=f"no model2vec folder found ({exc})", group="static")]
+    if folder is None:
+        return [Profile(name, label, unavailable="no --static-bundle or --model2vec-folder given", group="static")]
+    try:
+        from model2vec import StaticModel
+    except ImportError as exc:
+        return [Profile(name, label, unavailable=f"model2vec is not installed ({exc})", group="static")]
+    from trainer.static_embedder import is_model2vec_folder
+
+    if not is_model2vec_folder(Path(folder)):
+        return [Profile(name, label, unavailable=f"{folder} is not a model2vec folder", group="static")]
+    model = StaticModel.from_pretrained(str(folder), normalize=True)
+    model.tokenizer.no_padding()
+    model.tokenizer.no_truncation()
+    return [Profile(name, label, lambda p: model.encode([p], max_length=None, use_multiprocessing=False),
+                    {"kind": "model2vec", "folder": str(Path(folder).resolve())}, group="static")]
+
+
 def unfused_profiles(args) -> list[Profile]:
     """Same-run check of the graph fusion (:mod:`export.embedder_fusion`): the int8 and int8-all encoders
     of ``--unfused-bundle`` (``benchmarks/latency_bundle.py --no-fuse``), named ``unfused onnx-...`` so
@@ -227,6 +274,7 @@ PROFILES: list[Callable] = [
                                 a.bundle, a.public_key, "int8-all", a.lam, "no --bundle"),
     lambda a, e: unfused_profiles(a),
     lambda a, e: static_profiles(a),
+    lambda a, e: model2vec_profile(a),
 ]
 
 
@@ -314,6 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--static-bundle", type=Path, default=None, help="router bundle with a static embedder")
     parser.add_argument("--unfused-bundle", type=Path, default=None,
                         help="the same router's bundle with unfused encoders (latency_bundle.py --no-fuse)")
+    parser.add_argument("--model2vec-folder", type=Path, default=None,
+                        help="model2vec folder of the reference row (default: the trainer's distilled copy of the "
+                             "static bundle's embedder, if present)")
     parser.add_argument("--build-dir", type=Path, default=Path("results/latency-bundles"),
                         help="without --bundle: where benchmarks/choose_latency_bundles.py builds (or finds) the "
                              "keys, routers and both bundles")
@@ -358,7 +409,8 @@ def main(argv: list[str] | None = None) -> dict:
         profiles.extend(made if isinstance(made, list) else [made])
     if args.profiles is not None:
         wanted = [w.strip() for w in args.profiles.split(",") if w.strip()]
-        profiles = profiles[:1] + [p for p in profiles[1:] if any(p.name == w or p.name.startswith(w) for w in wanted)]
+        profiles = profiles[:1] + [p for p in profiles[1:]
+                                   if any(p.name == w or p.name.startswith(w) or p.group == w for w in wanted)]
         if len(profiles) == 1:
             parser.error(f"--profiles {args.profiles!r} selects no profile besides the baseline")
     measured = [p for p in profiles if p.unavailable is None]

@@ -44,6 +44,7 @@ except (ImportError, AttributeError):  # a cryptography whose internals differ: 
     from cryptography.hazmat.primitives.serialization import load_pem_public_key as _load_pem_public_key
 
 from sdk import kinds
+from sdk.background_read import BackgroundRead, PendingFiles, check_digest, read_descriptor
 from sdk.builtin_kinds import TOKENIZER_FILE  # noqa: F401  (re-exported: the bundle format names it)
 from sdk.errors import BundleError
 from sdk.verified_file import VerifiedFile, open_regular, sha256_of_descriptor
@@ -146,20 +147,24 @@ class VerifiedBundle:
     ----------
     directory : Path of the bundle.
     manifest : dict, the parsed manifest (signature included).
-    files : dict file name -> bytes, only the files asked for (all verified against the manifest).
+    files : mapping file name -> bytes, only the files asked for (all verified against the manifest;
+        with ``read_verified(..., background_bytes=...)`` a :class:`~sdk.background_read.PendingFiles`
+        whose large files are verified when first looked up).
     opened : dict file name -> :class:`~sdk.verified_file.VerifiedFile`, the files asked for by path
         (verified, still open); close them with :meth:`close` or by using the bundle as a context manager.
     """
 
     directory: Path
     manifest: dict
-    files: dict[str, bytes]
+    files: Mapping[str, bytes]
     opened: dict[str, VerifiedFile] = field(default_factory=dict)
 
     def close(self) -> None:
-        """Close the files held open in :attr:`opened`."""
+        """Close the files held open in :attr:`opened` (and wait for background reads not looked up)."""
         for f in self.opened.values():
             f.close()
+        if isinstance(self.files, PendingFiles):
+            self.files.close()
 
     def __enter__(self) -> VerifiedBundle:
         return self
@@ -169,15 +174,7 @@ class VerifiedBundle:
 
 
 def _read_limited(path: Path, limit: int) -> bytes:
-    fd = open_regular(path)
-    try:
-        with os.fdopen(fd, "rb", closefd=True) as f:
-            data = f.read(limit + 1)
-    except OSError as exc:
-        raise BundleError(f"{path.name}: cannot be read ({exc})") from exc
-    if len(data) > limit:
-        raise BundleError(f"{path.name}: over the {limit}-byte limit")
-    return data
+    return read_descriptor(open_regular(path), path.name, limit)
 
 
 def _check_schema(manifest: dict) -> None:
@@ -279,7 +276,7 @@ Names = Iterable[str] | Callable[[dict], Iterable[str]]
 
 
 def read_verified(directory, public_key, wanted: Names | None = None, *, by_path: Names = (),
-                  verify_unused: bool = True) -> VerifiedBundle:
+                  verify_unused: bool = True, background_bytes: int | None = None) -> VerifiedBundle:
     """Read ``manifest.json`` and files of the bundle at ``directory``, verifying what is used.
 
     Parameters
@@ -294,6 +291,12 @@ def read_verified(directory, public_key, wanted: Names | None = None, *, by_path
     verify_unused : also hash the listed files that are neither wanted nor by path (streamed, not
         kept). ``Router.load`` passes False: an unused precision's 90 MB encoder is not read at
         every load; :func:`verify_all` and the sync install check every file.
+    background_bytes : if set, wanted files of at least this many bytes are read and hashed by
+        worker threads (:class:`~sdk.background_read.BackgroundRead`, started before the other
+        files are read) and this returns without waiting for them: looking such a file up in
+        ``files`` waits for it and raises BundleError there if it does not verify, so it is never
+        handed out unverified. ``Router.load`` passes 1 MiB: a static table is hashed while the
+        tokenizer is built.
 
     Returns
     -------
@@ -322,25 +325,33 @@ def read_verified(directory, public_key, wanted: Names | None = None, *, by_path
     unknown = (wanted_set | open_set) - set(manifest["files"])
     if unknown:
         raise BundleError(f"bundle does not list {sorted(unknown)}")
-    verified = VerifiedBundle(directory, manifest, {})
+    files = PendingFiles() if background_bytes is not None else {}
+    verified = VerifiedBundle(directory, manifest, files)
     try:
-        for name, digest in manifest["files"].items():
-            path = directory / name
-            if name in open_set:
-                verified.opened[name] = VerifiedFile(path, digest, MAX_FILE_BYTES)
-                continue
-            if name in wanted_set:
-                data = _read_limited(path, MAX_FILE_BYTES)
-                actual = sha256_hex(data)
-                verified.files[name] = data
-            elif verify_unused:
-                actual = _stream_sha256(path)
+        small = {}  # wanted files read here, each an open descriptor
+        for name in (n for n in manifest["files"] if n in wanted_set):
+            fd = open_regular(directory / name)
+            if background_bytes is not None and os.fstat(fd).st_size >= background_bytes:
+                files.add_pending(BackgroundRead(fd, name, manifest["files"][name], MAX_FILE_BYTES))
             else:
-                continue
-            if actual != digest:
-                raise BundleError(f"{name}: sha256 {actual[:16]}… does not match the manifest's {digest[:16]}… "
-                                  "(file corrupt or tampered)")
+                small[name] = fd
+        for name, digest in manifest["files"].items():
+            if name in open_set:
+                verified.opened[name] = VerifiedFile(directory / name, digest, MAX_FILE_BYTES)
+            elif name in small:
+                data = check_digest(name, read_descriptor(small.pop(name), name, MAX_FILE_BYTES), digest)
+                if background_bytes is not None:
+                    files.add(name, data)
+                else:
+                    files[name] = data
+            elif name not in wanted_set and verify_unused:
+                actual = _stream_sha256(directory / name)
+                if actual != digest:
+                    raise BundleError(f"{name}: sha256 {actual[:16]}… does not match the manifest's {digest[:16]}… "
+                                      "(file corrupt or tampered)")
     except BaseException:
+        for fd in small.values():
+            os.close(fd)
         verified.close()
         raise
     return verified

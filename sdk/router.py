@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,6 +25,7 @@ from sdk import bundle_manifest as fmt
 from sdk import kinds
 from sdk.embedder import SessionThreads
 from sdk.arrays import finite_rows
+from sdk.background_read import PendingFiles
 from sdk.errors import BudgetError, BundleError, InvalidInputError, InvalidQueryError
 from sdk.utility import _decide_unchecked, check_lambda
 
@@ -32,6 +34,20 @@ MAX_LAMBDA = 1e12
 #: ``precision="auto"`` loads the first of these the bundle ships (fastest first; every shipped
 #: precision passed the export's parity gate).
 AUTO_PRECISIONS = ("int8-all", "int8", "fp32")
+#: ``Router.load`` reads and hashes used files of at least this size in the background
+#: (:mod:`sdk.background_read`): the static embedder's table overlaps its tokenizer's construction
+#: (only where the process may run on more than one CPU, :func:`_background_bytes`).
+BACKGROUND_BYTES = 1 << 20
+
+
+def _background_bytes() -> int | None:
+    """:data:`BACKGROUND_BYTES` if this process may use two CPUs or more, else None (one CPU: nothing
+    to overlap, a worker thread would only add GIL hand-overs)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS, Windows)
+        cpus = os.cpu_count() or 1
+    return BACKGROUND_BYTES if cpus > 1 else None
 
 
 @dataclass(frozen=True)
@@ -177,7 +193,10 @@ class Router:
         verified at export and are at install (:mod:`sdk.sync`, :func:`sdk.bundle_manifest.verify_all`).
         The encoder is hashed from one open descriptor and onnxruntime loads it from that
         descriptor's path, so it is never held in Python memory and a file swapped after the check
-        is not the one loaded (:mod:`sdk.verified_file`).
+        is not the one loaded (:mod:`sdk.verified_file`). A used file of at least
+        :data:`BACKGROUND_BYTES` (a static embedder's table) is read and hashed by a worker thread
+        while the rest loads, and handed to its kind only once its sha256 matched
+        (:mod:`sdk.background_read`).
 
         Raises
         ------
@@ -217,13 +236,17 @@ class Router:
             chosen["by_path"] = tuple(name for kind in used for name in kind.path_files(manifest, want))
             return tuple(name for kind in used for name in kind.files(manifest, want))
 
+        # Files of >= 1 MiB (a static table) are read and hashed by a worker thread while the kinds load the
+        # rest (the tokenizer); each is verified when the kind looks it up, before any use of it.
         with fmt.read_verified(bundle_dir, public_key, wanted=files_needed, by_path=lambda _: chosen["by_path"],
-                               verify_unused=False) as verified:
+                               verify_unused=False, background_bytes=_background_bytes()) as verified:
             manifest, precision = verified.manifest, chosen["precision"]
             embedder = kinds.load_artefact(kinds.EMBEDDER_FAMILY, manifest, verified.files, options=options,
                                            precision=precision, paths=verified.opened)
             scorer = kinds.load_artefact(kinds.ROUTER_FAMILY, manifest, verified.files, options=options,
                                          precision=precision, paths=verified.opened)
+            if isinstance(verified.files, PendingFiles):
+                verified.files.check_all()  # a used file no kind looked up is still refused if corrupt
         return cls(manifest, embedder, scorer, precision)
 
     # -- prediction ---------------------------------------------------------------------------

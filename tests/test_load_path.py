@@ -129,3 +129,39 @@ def test_router_load_leaves_no_descriptor_open(three_precisions, signing_keys):
     with pytest.raises(BundleError):
         Router.load(broken, signing_keys[1], precision="int8")
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_background_reads_hand_out_only_verified_bytes(copy, signing_keys):
+    """read_verified(background_bytes=...) (Router.load: the static table) returns before the large files
+    are hashed; a lookup waits and gives the same bytes, or raises for a corrupt file; nothing stays open."""
+    names = ["kmeans.npz", "tokenizer.json", "embedder.int8.onnx"]
+    expected = {n: (copy / n).read_bytes() for n in names}
+    before = set(os.listdir("/proc/self/fd"))
+    with fmt.read_verified(copy, signing_keys[1], wanted=names, verify_unused=False, background_bytes=1) as verified:
+        assert sorted(verified.files) == sorted(names) and len(verified.files) == 3
+        assert {n: verified.files[n] for n in names} == expected
+    flip_a_bit(copy / "embedder.int8.onnx")
+    with fmt.read_verified(copy, signing_keys[1], wanted=names, verify_unused=False,
+                           background_bytes=1 << 20) as verified:
+        assert verified.files["kmeans.npz"] == expected["kmeans.npz"]  # small: read and checked at once
+        for _ in range(2):  # refused at every lookup, never handed out
+            with pytest.raises(BundleError, match=r"embedder.int8.onnx: sha256 .* does not match"):
+                verified.files["embedder.int8.onnx"]
+        with pytest.raises(BundleError, match=r"embedder.int8.onnx: sha256 .* does not match"):
+            verified.files.check_all()  # what Router.load calls for files no kind looked up
+    with fmt.read_verified(copy, signing_keys[1], wanted=names, verify_unused=False, background_bytes=1):
+        pass  # never looked up: close() waits for the workers
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
+def test_background_reads_only_with_a_second_cpu():
+    from sdk import router as router_module
+
+    cpus = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(cpus)})
+        assert router_module._background_bytes() is None
+    finally:
+        os.sched_setaffinity(0, cpus)
+    assert router_module._background_bytes() == (router_module.BACKGROUND_BYTES if len(cpus) > 1 else None)
