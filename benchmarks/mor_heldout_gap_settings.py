@@ -48,12 +48,10 @@ from dataclasses import replace
 
 import numpy as np
 from scipy.optimize import minimize_scalar
-from tqdm.auto import tqdm
 
-from benchmarks.mor_settings_setup import normalised_scores, setup, write_json
-from trainer.rewards.client_router import ClientRouterData, FederatedRouterTrainer
+from benchmarks.mor_settings_setup import loco_categories, loco_folds, setup, write_json
+from trainer.rewards.client_router import FederatedRouterTrainer
 from trainer.rewards.evaluation import routed_reward
-from trainer.rewards.mor_trainer import ClientSplit
 from trainer.rewards.reward_models import pairwise_accuracy
 from trainer.rewards.routing_rule import RoutingRule, softmax
 
@@ -138,50 +136,37 @@ def buckets(s: np.ndarray, z: np.ndarray, groups: np.ndarray, own: int, tau: flo
 
 def main(argv: list[str]) -> None:
     bench = setup(argv)
-    cfg, trainer, names = bench.cfg, bench.trainer, bench.names
-    own = cfg.client_domains.index("alpacaeval")
-    pool = trainer.load_pool()
-    folds = sorted(set(pool[pool["client"] == names[own]]["subset"]))
+    cfg, names = bench.cfg, bench.names
+    own, folds = loco_categories(bench)
     t0 = time.perf_counter()
     cells = []
-    for seed in tqdm(range(3), desc="seeds"):
-        split = trainer.prepare(seed)
-        base_rms = {k: trainer.train_reward_model(c, "mlp", seed)[0] for k, c in enumerate(split.clients) if k != own}
-        for cat in tqdm(folds, desc=f"seed {seed} folds", leave=False):
-            c = split.clients[own]
-            keep = lambda f: f[f["subset"] != cat].reset_index(drop=True)  # noqa: E731
-            clients = list(split.clients)
-            clients[own] = ClientSplit(c.name, c.domain, keep(c.train), keep(c.val), keep(c.test))
-            cat_frame = pool[(pool["client"] == names[own]) & (pool["subset"] == cat)].reset_index(drop=True)
-            rms = [trainer.train_reward_model(clients[k], "mlp", seed)[0] if k == own else base_rms[k] for k in range(len(names))]
-            feats = [trainer.features(cl.pairs("train")) for cl in clients]
-            data = [ClientRouterData(fc, fr, k) for k, (fc, fr) in enumerate(feats)]
-            router = FederatedRouterTrainer(replace(cfg.router, weighting="equal", seed=seed)).train(data, names)
-            val = [normalised_scores(trainer, rms, cl.pairs("val")) for cl in clients]
-            s_cat, fc_cat, fr_cat, g_cat = normalised_scores(trainer, rms, ClientSplit(c.name, c.domain, cat_frame, cat_frame, cat_frame).pairs("train"))
-            zs = [np.stack([router.logits(fc), router.logits(fr)]).astype(np.float64) for _, fc, fr, _ in val]
-            z_cat = np.stack([router.logits(fc_cat), router.logits(fr_cat)]).astype(np.float64)
-            t_cal = fit_temperature(np.concatenate([z.reshape(-1, z.shape[-1]) for z in zs]),
-                                    np.concatenate([np.full(z.shape[0] * z.shape[1], k) for k, z in enumerate(zs)]))
-            n_train = np.array([len(cl.train) for cl in clients], dtype=np.float64)
-            bias = np.log(n_train / n_train.sum())
-            cands = candidates(t_cal, bias)
-            acc = lambda r: pairwise_accuracy(r[0], r[1])  # noqa: E731
-            # the script's rule_reward must equal the library's RoutingRule on the defaults (one code path)
-            for name, rule in (("base/sparse<0.8", RoutingRule("sparse", 1.0, "prompt", 0.8)), ("base/soft", RoutingRule("soft", 1.0, "prompt")),
-                               ("top2/sparse<0.8", RoutingRule("sparse", 1.0, "prompt", 0.8, 2)),
-                               ("ovr/soft", RoutingRule("soft", 1.0, "prompt", probabilities="ovr"))):
-                assert np.allclose(rule_reward(s_cat, z_cat, g_cat, **cands[name]), routed_reward(s_cat, z_cat, rule, g_cat))
-            cell = {"seed": seed, "fold": cat, "n_cat": int(s_cat.shape[1]), "t_cal": t_cal, "prior": np.exp(bias).tolist(),
-                    "own_rm_val": [pairwise_accuracy(v[0][0, :, k], v[0][1, :, k]) for k, v in enumerate(val)],
-                    "own_rm_cat": pairwise_accuracy(s_cat[0, :, own], s_cat[1, :, own]),
-                    "val": {name: [acc(rule_reward(v[0], z, v[3], **kw)) for v, z in zip(val, zs)] for name, kw in cands.items()},
-                    "cat": {name: acc(rule_reward(s_cat, z_cat, g_cat, **kw)) for name, kw in cands.items()},
-                    "diagnosis_cat": buckets(s_cat, z_cat, g_cat, own),
-                    "diagnosis_val_own": buckets(val[own][0], zs[own], val[own][3], own)}
-            cells.append(cell)
-            print(json.dumps({"seed": seed, "fold": cat, "t_cal": round(t_cal, 3), "own_rm_cat": round(cell["own_rm_cat"], 3),
-                              **{k: round(v, 3) for k, v in cell["cat"].items()}}), flush=True)
+    for fold in loco_folds(bench):
+        seed, cat, clients, data, val = fold.seed, fold.category, fold.clients, fold.data, fold.val
+        s_cat, fc_cat, fr_cat, g_cat = fold.cat
+        router = FederatedRouterTrainer(replace(cfg.router, weighting="equal", seed=seed)).train(data, names)
+        zs = [np.stack([router.logits(fc), router.logits(fr)]).astype(np.float64) for _, fc, fr, _ in val]
+        z_cat = np.stack([router.logits(fc_cat), router.logits(fr_cat)]).astype(np.float64)
+        t_cal = fit_temperature(np.concatenate([z.reshape(-1, z.shape[-1]) for z in zs]),
+                                np.concatenate([np.full(z.shape[0] * z.shape[1], k) for k, z in enumerate(zs)]))
+        n_train = np.array([len(cl.train) for cl in clients], dtype=np.float64)
+        bias = np.log(n_train / n_train.sum())
+        cands = candidates(t_cal, bias)
+        acc = lambda r: pairwise_accuracy(r[0], r[1])  # noqa: E731
+        # the script's rule_reward must equal the library's RoutingRule on the defaults (one code path)
+        for name, rule in (("base/sparse<0.8", RoutingRule("sparse", 1.0, "prompt", 0.8)), ("base/soft", RoutingRule("soft", 1.0, "prompt")),
+                           ("top2/sparse<0.8", RoutingRule("sparse", 1.0, "prompt", 0.8, 2)),
+                           ("ovr/soft", RoutingRule("soft", 1.0, "prompt", probabilities="ovr"))):
+            assert np.allclose(rule_reward(s_cat, z_cat, g_cat, **cands[name]), routed_reward(s_cat, z_cat, rule, g_cat))
+        cell = {"seed": seed, "fold": cat, "n_cat": int(s_cat.shape[1]), "t_cal": t_cal, "prior": np.exp(bias).tolist(),
+                "own_rm_val": [pairwise_accuracy(v[0][0, :, k], v[0][1, :, k]) for k, v in enumerate(val)],
+                "own_rm_cat": pairwise_accuracy(s_cat[0, :, own], s_cat[1, :, own]),
+                "val": {name: [acc(rule_reward(v[0], z, v[3], **kw)) for v, z in zip(val, zs)] for name, kw in cands.items()},
+                "cat": {name: acc(rule_reward(s_cat, z_cat, g_cat, **kw)) for name, kw in cands.items()},
+                "diagnosis_cat": buckets(s_cat, z_cat, g_cat, own),
+                "diagnosis_val_own": buckets(val[own][0], zs[own], val[own][3], own)}
+        cells.append(cell)
+        print(json.dumps({"seed": seed, "fold": cat, "t_cal": round(t_cal, 3), "own_rm_cat": round(cell["own_rm_cat"], 3),
+                          **{k: round(v, 3) for k, v in cell["cat"].items()}}), flush=True)
     out = {"clients": "every client an MLP", "router": "MoRConfig().router (pair, dropout 0.5, wd 1, equal)",
            "seeds": [0, 1, 2], "folds": folds, "split": "validation pairs + a validation category (never koala)",
            **summarise(cells), "cells": cells, "seconds": time.perf_counter() - t0}

@@ -36,13 +36,11 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from benchmarks.mor_heldout_gap_settings import buckets
-from benchmarks.mor_settings_setup import normalised_scores, setup, write_json
-from trainer.rewards.client_router import ClientRouterData, FederatedRouterTrainer, router_bce_loss, stack_routers
+from benchmarks.mor_settings_setup import loco_categories, loco_folds, setup, write_json
+from trainer.rewards.client_router import FederatedRouterTrainer, router_bce_loss, stack_routers
 from trainer.rewards.evaluation import routed_reward
-from trainer.rewards.mor_trainer import ClientSplit
 from trainer.rewards.reward_models import pairwise_accuracy
 
 CANDIDATES = {"base": {}, "ls0.05": {"label_smoothing": 0.05}, "ls0.1": {"label_smoothing": 0.1},
@@ -81,48 +79,35 @@ def train_router(cfg_router, data, names, seed: int, ensemble: int = 1, early_st
 
 def main(argv: list[str]) -> None:
     bench = setup(argv)
-    cfg, trainer, names = bench.cfg, bench.trainer, bench.names
+    cfg, names = bench.cfg, bench.names
     rules = {"sparse": cfg.sparse_rule(), "soft": cfg.soft_rule()}
-    own = cfg.client_domains.index("alpacaeval")
-    pool = trainer.load_pool()
-    folds = sorted(set(pool[pool["client"] == names[own]]["subset"]))
+    own, folds = loco_categories(bench)
     t0 = time.perf_counter()
     batch2 = "--batch2" in argv
     cands = CANDIDATES_2 if batch2 else CANDIDATES
     cells, router_seconds, nbytes = [], dict.fromkeys(cands, 0.0), {}
-    for seed in tqdm(range(3), desc="seeds"):
-        split = trainer.prepare(seed)
-        base_rms = {k: trainer.train_reward_model(c, "mlp", seed)[0] for k, c in enumerate(split.clients) if k != own}
-        for cat in tqdm(folds, desc=f"seed {seed} folds", leave=False):
-            c = split.clients[own]
-            keep = lambda f: f[f["subset"] != cat].reset_index(drop=True)  # noqa: E731
-            clients = list(split.clients)
-            clients[own] = ClientSplit(c.name, c.domain, keep(c.train), keep(c.val), keep(c.test))
-            cat_frame = pool[(pool["client"] == names[own]) & (pool["subset"] == cat)].reset_index(drop=True)
-            rms = [trainer.train_reward_model(clients[k], "mlp", seed)[0] if k == own else base_rms[k] for k in range(len(names))]
-            feats = [trainer.features(cl.pairs("train")) for cl in clients]
-            data = [ClientRouterData(fc, fr, k) for k, (fc, fr) in enumerate(feats)]
-            val = [normalised_scores(trainer, rms, cl.pairs("val")) for cl in clients]
-            s_cat, fc_cat, fr_cat, g_cat = normalised_scores(trainer, rms, ClientSplit(c.name, c.domain, cat_frame, cat_frame, cat_frame).pairs("train"))
-            cell = {"seed": seed, "fold": cat, "n_cat": int(s_cat.shape[1]),
-                    "own_rm_val": [pairwise_accuracy(v[0][0, :, k], v[0][1, :, k]) for k, v in enumerate(val)],
-                    "own_rm_cat": pairwise_accuracy(s_cat[0, :, own], s_cat[1, :, own]), "val": {}, "cat": {}, "away_sure": {}}
-            for name, kw in cands.items():
-                t = time.perf_counter()
-                router, nbytes[name] = train_router(cfg.router, data, names, seed, val=val, **kw)
-                router_seconds[name] += time.perf_counter() - t
-                zs = [np.stack([router.logits(fc), router.logits(fr)]).astype(np.float64) for _, fc, fr, _ in val]
-                z_cat = np.stack([router.logits(fc_cat), router.logits(fr_cat)]).astype(np.float64)
-                for mode, rule in rules.items():
-                    acc = lambda s, z, g: pairwise_accuracy(*routed_reward(s, z, rule, g))  # noqa: E731
-                    cell["val"][f"{name}/{mode}"] = [acc(v[0], z, v[3]) for v, z in zip(val, zs)]
-                    cell["cat"][f"{name}/{mode}"] = acc(s_cat, z_cat, g_cat)
-                b = buckets(s_cat, z_cat, g_cat, own)["away_sure"]
-                cell["away_sure"][name] = {"share": b["share"], "cost": b["cost"]}
-            cells.append(cell)
-            print(json.dumps({"seed": seed, "fold": cat, "own_rm_cat": round(cell["own_rm_cat"], 3),
-                              **{k: round(v, 3) for k, v in cell["cat"].items()},
-                              "t": round(time.perf_counter() - t0)}), flush=True)
+    for fold in loco_folds(bench):
+        seed, cat, data, val = fold.seed, fold.category, fold.data, fold.val
+        s_cat, fc_cat, fr_cat, g_cat = fold.cat
+        cell = {"seed": seed, "fold": cat, "n_cat": int(s_cat.shape[1]),
+                "own_rm_val": [pairwise_accuracy(v[0][0, :, k], v[0][1, :, k]) for k, v in enumerate(val)],
+                "own_rm_cat": pairwise_accuracy(s_cat[0, :, own], s_cat[1, :, own]), "val": {}, "cat": {}, "away_sure": {}}
+        for name, kw in cands.items():
+            t = time.perf_counter()
+            router, nbytes[name] = train_router(cfg.router, data, names, seed, val=val, **kw)
+            router_seconds[name] += time.perf_counter() - t
+            zs = [np.stack([router.logits(fc), router.logits(fr)]).astype(np.float64) for _, fc, fr, _ in val]
+            z_cat = np.stack([router.logits(fc_cat), router.logits(fr_cat)]).astype(np.float64)
+            for mode, rule in rules.items():
+                acc = lambda s, z, g: pairwise_accuracy(*routed_reward(s, z, rule, g))  # noqa: E731
+                cell["val"][f"{name}/{mode}"] = [acc(v[0], z, v[3]) for v, z in zip(val, zs)]
+                cell["cat"][f"{name}/{mode}"] = acc(s_cat, z_cat, g_cat)
+            b = buckets(s_cat, z_cat, g_cat, own)["away_sure"]
+            cell["away_sure"][name] = {"share": b["share"], "cost": b["cost"]}
+        cells.append(cell)
+        print(json.dumps({"seed": seed, "fold": cat, "own_rm_cat": round(cell["own_rm_cat"], 3),
+                          **{k: round(v, 3) for k, v in cell["cat"].items()},
+                          "t": round(time.perf_counter() - t0)}), flush=True)
     out = {"clients": "every client an MLP", "router": "MoRConfig().router (pair, dropout 0.5, wd 1, equal)",
            "rules": {m: r.variant for m, r in rules.items()}, "candidates": cands,
            "early_stop_rounds": EARLY_STOP_ROUNDS,

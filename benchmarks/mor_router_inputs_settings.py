@@ -36,7 +36,7 @@ from dataclasses import replace
 import numpy as np
 from tqdm.auto import tqdm
 
-from benchmarks.mor_settings_setup import json_path, normalised_scores, setup, write_json
+from benchmarks.mor_settings_setup import json_path, loco_categories, loco_folds, normalised_scores, setup, write_json
 from trainer.rewards.client_router import WEIGHTINGS, ClientRouterData, FederatedRouterTrainer
 from trainer.rewards.evaluation import routed_accuracies, routed_reward
 from trainer.rewards.reward_models import pairwise_accuracy
@@ -173,51 +173,37 @@ def _rule_acc(rule: RoutingRule, s: np.ndarray, z: np.ndarray, groups: np.ndarra
 
 
 def loco_main(argv: list[str]) -> None:
-    from trainer.rewards.mor_trainer import ClientSplit  # only the --loco mode re-splits a client
-
     bench = setup(argv)
     quick, cfg, trainer, names = bench.quick, bench.cfg, bench.trainer, bench.names
-    own = cfg.client_domains.index("alpacaeval")
-    pool = trainer.load_pool()
-    folds = sorted(set(pool[pool["client"] == names[own]]["subset"]))
+    own, folds = loco_categories(bench)
     rules = loco_rules()
     t0 = time.perf_counter()
     per_seed = []
-    for seed in tqdm(range(3), desc="seeds"):
-        split = trainer.prepare(seed)
-        base_rms = {k: trainer.train_reward_model(c, "mlp", seed)[0] for k, c in enumerate(split.clients) if k != own}
-        row = {"seed": seed, "folds": {}}
-        for cat in tqdm(folds, desc=f"seed {seed} folds", leave=False):
-            c = split.clients[own]
-            keep = lambda f: f[f["subset"] != cat].reset_index(drop=True)  # noqa: E731
-            clients = list(split.clients)
-            clients[own] = ClientSplit(c.name, c.domain, keep(c.train), keep(c.val), keep(c.test))
-            cat_frame = pool[(pool["client"] == names[own]) & (pool["subset"] == cat)].reset_index(drop=True)
-            rms = [trainer.train_reward_model(clients[k], "mlp", seed)[0] if k == own else base_rms[k] for k in range(len(names))]
-            feats = [trainer.features(cl.pairs("train")) for cl in clients]
-            data = [ClientRouterData(fc, fr, k) for k, (fc, fr) in enumerate(feats)]
-            val = [normalised_scores(trainer, rms, cl.pairs("val")) for cl in clients]
-            s_cat, fc_cat, fr_cat, g_cat = normalised_scores(trainer, rms, ClientSplit(c.name, c.domain, cat_frame, cat_frame, cat_frame).pairs("train"))
-            fold = {"n_cat": int(s_cat.shape[1]), "own_rm_val": {n: pairwise_accuracy(v[0][0, :, k], v[0][1, :, k])
-                                                                  for k, (n, v) in enumerate(zip(names, val))},
-                    "own_rm_cat": pairwise_accuracy(s_cat[0, :, own], s_cat[1, :, own]), "routers": {}}
-            for rname, (inputs, over) in LOCO_ROUTERS.items():
-                trainer.args = replace(cfg, router_inputs=inputs)
-                cols = trainer.router_input_columns(feats[0][0].shape[1])
-                trainer.args = cfg
-                router = FederatedRouterTrainer(replace(cfg.router, weighting="equal", seed=seed, input_columns=cols, **over)).train(data, names)
-                zs = [np.stack([router.logits(fc), router.logits(fr)]).astype(np.float64) for _, fc, fr, _ in val]
-                z_cat = np.stack([router.logits(fc_cat), router.logits(fr_cat)]).astype(np.float64)
-                fold["routers"][rname] = {
-                    "val": {key: [_rule_acc(rule, v[0], z, v[3]) for v, z in zip(val, zs)] for key, rule in rules},
-                    "cat": {key: _rule_acc(rule, s_cat, z_cat, g_cat) for key, rule in rules},
-                    "cat_away_share": float((z_cat.argmax(-1) != own).mean()),
-                    "val_away_share": [float((z.argmax(-1) != k).mean()) for k, z in enumerate(zs)]}
-            row["folds"][cat] = fold
-            print(json.dumps({"seed": seed, "fold": cat, "own_rm_cat": round(fold["own_rm_cat"], 3),
-                              **{r: [round(float(np.mean(v["val"]["sparse|response"])), 3), round(v["cat"]["sparse|response"], 3),
-                                     round(v["cat_away_share"], 3)] for r, v in fold["routers"].items()}}), flush=True)
-        per_seed.append(row)
+    for lf in loco_folds(bench):
+        seed, cat, data, val = lf.seed, lf.category, lf.data, lf.val
+        s_cat, fc_cat, fr_cat, g_cat = lf.cat
+        if not per_seed or per_seed[-1]["seed"] != seed:
+            per_seed.append({"seed": seed, "folds": {}})
+        row = per_seed[-1]
+        fold = {"n_cat": int(s_cat.shape[1]), "own_rm_val": {n: pairwise_accuracy(v[0][0, :, k], v[0][1, :, k])
+                                                              for k, (n, v) in enumerate(zip(names, val))},
+                "own_rm_cat": pairwise_accuracy(s_cat[0, :, own], s_cat[1, :, own]), "routers": {}}
+        for rname, (inputs, over) in LOCO_ROUTERS.items():
+            trainer.args = replace(cfg, router_inputs=inputs)
+            cols = trainer.router_input_columns(data[0].features_chosen.shape[1])
+            trainer.args = cfg
+            router = FederatedRouterTrainer(replace(cfg.router, weighting="equal", seed=seed, input_columns=cols, **over)).train(data, names)
+            zs = [np.stack([router.logits(fc), router.logits(fr)]).astype(np.float64) for _, fc, fr, _ in val]
+            z_cat = np.stack([router.logits(fc_cat), router.logits(fr_cat)]).astype(np.float64)
+            fold["routers"][rname] = {
+                "val": {key: [_rule_acc(rule, v[0], z, v[3]) for v, z in zip(val, zs)] for key, rule in rules},
+                "cat": {key: _rule_acc(rule, s_cat, z_cat, g_cat) for key, rule in rules},
+                "cat_away_share": float((z_cat.argmax(-1) != own).mean()),
+                "val_away_share": [float((z.argmax(-1) != k).mean()) for k, z in enumerate(zs)]}
+        row["folds"][cat] = fold
+        print(json.dumps({"seed": seed, "fold": cat, "own_rm_cat": round(fold["own_rm_cat"], 3),
+                          **{r: [round(float(np.mean(v["val"]["sparse|response"])), 3), round(v["cat"]["sparse|response"], 3),
+                                 round(v["cat_away_share"], 3)] for r, v in fold["routers"].items()}}), flush=True)
     out = {"quick": quick, "clients": "every client an MLP", "seeds": [0, 1, 2], "folds": folds,
            "split": "validation pairs + a validation category (never koala)", **loco_choose(per_seed, names),
            "per_seed": per_seed, "seconds": time.perf_counter() - t0}

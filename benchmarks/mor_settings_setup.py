@@ -1,20 +1,24 @@
 """Shared setup of the MoR settings benchmarks (``benchmarks/mor_*_settings.py``): the config and trainer of a
 run (default or ``--quick`` pool, every client an MLP: a LoRA candidate costs ~1 s per pair on this CPU and the
 settings these scripts choose do not depend on the clients' architecture), the clients' normalised scores of a
-set of pairs, and the atomic JSON write to ``docs/<stem>[_quick].json``.
+set of pairs, the leave-one-category-out folds (:func:`loco_folds`), and the atomic JSON write to
+``docs/<stem>[_quick].json``.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from sdk.atomic_write import write_atomic
-from trainer.rewards.mor_trainer import MoRConfig, MoRTrainer
+from trainer.rewards.client_router import ClientRouterData
+from trainer.rewards.mor_trainer import ClientSplit, MoRConfig, MoRTrainer
 from trainer.rewards.reward_models import ClientRewardModel, PreferencePairs
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -52,6 +56,55 @@ def normalised_scores(trainer: MoRTrainer, rms: list[ClientRewardModel], pairs: 
                   for rm in rms], -1).astype(np.float64)
     groups = np.unique(np.asarray(pairs.prompts), return_inverse=True)[1]
     return s, fc, fr, groups
+
+
+def loco_categories(bench: MoRBench) -> tuple[int, list[str]]:
+    """``(own, folds)``: the helpfulness (AlpacaEval) client's index and the AlpacaEval subsets of the pool that
+    serve as validation categories in turn (koala, the test category, is not in the pool's client data)."""
+    own = bench.cfg.client_domains.index("alpacaeval")
+    pool = bench.trainer.load_pool()
+    return own, sorted(set(pool[pool["client"] == bench.names[own]]["subset"]))
+
+
+@dataclass
+class LocoFold:
+    """One leave-one-category-out cell: seed x validation category. ``category`` is removed from the
+    helpfulness client ``own`` (its train, validation and test pairs); ``rms`` are every client's MLP reward
+    model on that data (the other clients' trained once per seed), ``data`` the router's training data (pair
+    features of each client's train pairs), ``val`` :func:`normalised_scores` of each client's validation pairs,
+    ``cat`` those of the category's pairs (all of them, as ``(s, fc, fr, groups)``)."""
+
+    seed: int
+    category: str
+    own: int
+    clients: list[ClientSplit]
+    rms: list[ClientRewardModel]
+    data: list[ClientRouterData]
+    val: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+    cat: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def loco_folds(bench: MoRBench, seeds=range(3)) -> Iterator[LocoFold]:
+    """The leave-one-category-out folds of ``bench`` (seeds x :func:`loco_categories`), built lazily in that
+    order (a consumer may change ``bench.trainer.args`` between folds, as before this was shared)."""
+    trainer, names = bench.trainer, bench.names
+    own, folds = loco_categories(bench)
+    pool = trainer.load_pool()
+    for seed in tqdm(seeds, desc="seeds"):
+        split = trainer.prepare(seed)
+        base_rms = {k: trainer.train_reward_model(c, "mlp", seed)[0] for k, c in enumerate(split.clients) if k != own}
+        for cat in tqdm(folds, desc=f"seed {seed} folds", leave=False):
+            c = split.clients[own]
+            keep = lambda f: f[f["subset"] != cat].reset_index(drop=True)  # noqa: E731
+            clients = list(split.clients)
+            clients[own] = ClientSplit(c.name, c.domain, keep(c.train), keep(c.val), keep(c.test))
+            cat_frame = pool[(pool["client"] == names[own]) & (pool["subset"] == cat)].reset_index(drop=True)
+            rms = [trainer.train_reward_model(clients[k], "mlp", seed)[0] if k == own else base_rms[k] for k in range(len(names))]
+            feats = [trainer.features(cl.pairs("train")) for cl in clients]
+            data = [ClientRouterData(fc, fr, k) for k, (fc, fr) in enumerate(feats)]
+            val = [normalised_scores(trainer, rms, cl.pairs("val")) for cl in clients]
+            cat_scores = normalised_scores(trainer, rms, ClientSplit(c.name, c.domain, cat_frame, cat_frame, cat_frame).pairs("train"))
+            yield LocoFold(seed, cat, own, clients, rms, data, val, cat_scores)
 
 
 def json_path(stem: str, quick: bool) -> Path:
