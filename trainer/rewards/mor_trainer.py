@@ -85,11 +85,12 @@ class MoRConfig:
     router : :class:`RouterConfig`; its ``weighting`` is the default of :meth:`MoRTrainer.mixture`. Default: dropout 0.5
         and weight decay 1 (RouterConfig's 0.1 / 1e-4 otherwise), chosen with the routing rules below on a validation
         category (``benchmarks/mor_router_inputs_settings.py --loco``, ``docs/mor_router_loco_settings.json``; within
-        0.001 of the unregularised router there). ``ensemble=3`` (the mean of the logits of 3 FedAvg runs from seeds
-        seed, seed + 1000, seed + 2000; 3x the router communication) chosen on the same validation folds by
-        ``benchmarks/mor_router_generalisation_settings.py`` (``docs/mor_router_generalisation_settings.json``:
-        sparse score +0.0007 +- 0.0007 over one router, soft -0.0007 +- 0.0008; label smoothing 0.05 / 0.1, 15
-        rounds, early stopping and 5 members did not win; docs/mor.md).
+        0.001 of the unregularised router there). One router (``ensemble=1``): an ensemble of 3 FedAvg runs
+        (``RouterConfig.ensemble``) won the accuracy-only rule on the same validation folds by one standard error
+        for sparse routing and lost for soft (``benchmarks/mor_router_generalisation_settings.py``,
+        ``docs/mor_router_generalisation_settings.json``: +0.0007 +- 0.0007 / -0.0007 +- 0.0008), at 3x the router
+        communication (7.14 MB per round instead of 2.38 MB, more than FedAvg of the reward MLPs); label smoothing,
+        15 rounds, early stopping and 5 members did not win (docs/mor.md).
     fedavg_rm_rounds : rounds of the FedAvg reward-model baseline (1 local epoch each).
     embedder : EmbedderConfig of the frozen pair encoder (128 tokens: half the CPU time of 256).
     length_features : append the response length to the pair features.
@@ -148,7 +149,7 @@ class MoRConfig:
     mlp_rm: RewardModelConfig = field(default_factory=lambda: RewardModelConfig(arch="mlp"))
     lora_rm: RewardModelConfig = field(default_factory=lambda: RewardModelConfig(
         arch="lora", epochs=2, batch_size=16, lr=5e-4, weight_decay=0.0, max_tokens=64, patience=1))
-    router: RouterConfig = field(default_factory=lambda: RouterConfig(dropout=0.5, weight_decay=1.0, ensemble=3))
+    router: RouterConfig = field(default_factory=lambda: RouterConfig(dropout=0.5, weight_decay=1.0))
     fedavg_rm_rounds: int = 30
     embedder: EmbedderConfig = field(default_factory=lambda: EmbedderConfig(max_tokens=128))
     length_features: bool = True
