@@ -49,7 +49,7 @@ from dataclasses import replace
 import numpy as np
 from scipy.optimize import minimize_scalar
 
-from benchmarks.mor_settings_setup import loco_categories, loco_folds, setup, write_json
+from benchmarks.mor_settings_setup import loco_categories, loco_folds, score_table, setup, write_json
 from trainer.rewards.client_router import FederatedRouterTrainer
 from trainer.rewards.evaluation import routed_reward
 from trainer.rewards.reward_models import pairwise_accuracy
@@ -177,16 +177,9 @@ def main(argv: list[str]) -> None:
 
 def summarise(cells: list[dict]) -> dict:
     names = list(cells[0]["cat"])
-    table = {}
+    table = score_table(cells, lambda n: "base/soft" if n.endswith("/soft") else "base/sparse<0.8")
     for n in names:
-        ids = np.array([np.mean(c["val"][n]) for c in cells])
-        cats = np.array([c["cat"][n] for c in cells])
-        table[n] = {"id": float(ids.mean()), "cat": float(cats.mean()), "score": float((ids.mean() + cats.mean()) / 2),
-                    "cat_minus_own_per_cell": [float(c["cat"][n] - c["own_rm_cat"]) for c in cells]}
-    for n in names:  # paired over (seed, fold) cells against the default of the same mode
-        d = "base/soft" if n.endswith("/soft") else "base/sparse<0.8"
-        diff = np.array([(np.mean(c["val"][n]) + c["cat"][n] - np.mean(c["val"][d]) - c["cat"][d]) / 2 for c in cells])
-        table[n] |= {"score_minus_default": float(diff.mean()), "score_minus_default_se": float(diff.std(ddof=1) / np.sqrt(len(diff)))}
+        table[n]["cat_minus_own_per_cell"] = [float(c["cat"][n] - c["own_rm_cat"]) for c in cells]
     oracle = {"id": float(np.mean([np.mean(c["own_rm_val"]) for c in cells])), "cat": float(np.mean([c["own_rm_cat"] for c in cells]))}
     diag = {}
     for key in ("diagnosis_cat", "diagnosis_val_own"):

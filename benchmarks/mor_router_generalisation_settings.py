@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from benchmarks.mor_heldout_gap_settings import buckets
-from benchmarks.mor_settings_setup import loco_categories, loco_folds, setup, write_json
+from benchmarks.mor_settings_setup import loco_categories, loco_folds, score_table, setup, write_json
 from trainer.rewards.client_router import FederatedRouterTrainer, router_bce_loss, stack_routers
 from trainer.rewards.evaluation import routed_reward
 from trainer.rewards.reward_models import pairwise_accuracy
@@ -121,18 +121,12 @@ def main(argv: list[str]) -> None:
 
 def summarise(cells: list[dict]) -> dict:
     names = list(cells[0]["cat"])
-    table = {}
+    table = score_table(cells, lambda n: "base/" + n.split("/")[1])
     for n in names:
-        ids = np.array([np.mean(c["val"][n]) for c in cells])
-        cats = np.array([c["cat"][n] for c in cells])
-        d = "base/" + n.split("/")[1]
-        diff = np.array([(np.mean(c["val"][n]) + c["cat"][n] - np.mean(c["val"][d]) - c["cat"][d]) / 2 for c in cells])
         cand = n.split("/")[0]
-        table[n] = {"id": float(ids.mean()), "cat": float(cats.mean()), "score": float((ids.mean() + cats.mean()) / 2),
-                    "cat_minus_own_rm": float(np.mean([c["cat"][n] - c["own_rm_cat"] for c in cells])),
-                    "score_minus_default": float(diff.mean()), "score_minus_default_se": float(diff.std(ddof=1) / np.sqrt(len(diff))),
-                    "away_sure_share": float(np.mean([c["away_sure"][cand]["share"] for c in cells])),
-                    "away_sure_cost": float(np.mean([c["away_sure"][cand]["cost"] for c in cells]))}
+        table[n] |= {"cat_minus_own_rm": float(np.mean([c["cat"][n] - c["own_rm_cat"] for c in cells])),
+                     "away_sure_share": float(np.mean([c["away_sure"][cand]["share"] for c in cells])),
+                     "away_sure_cost": float(np.mean([c["away_sure"][cand]["cost"] for c in cells]))}
     chosen = {m: max((n for n in names if n.endswith("/" + m)), key=lambda n: (table[n]["score"], n == f"base/{m}"))
               for m in ("sparse", "soft")}
     oracle = {"id": float(np.mean([np.mean(c["own_rm_val"]) for c in cells])), "cat": float(np.mean([c["own_rm_cat"] for c in cells]))}

@@ -107,6 +107,23 @@ def loco_folds(bench: MoRBench, seeds=range(3)) -> Iterator[LocoFold]:
             yield LocoFold(seed, cat, own, clients, rms, data, val, cat_scores)
 
 
+def score_table(cells: list[dict], default_of) -> dict[str, dict]:
+    """The validation score of every candidate of ``cells`` (LOCO cells, each with ``"val"``: candidate -> per-client
+    validation accuracies, and ``"cat"``: candidate -> validation-category accuracy): ``id`` (mean over cells of the
+    mean over clients), ``cat``, ``score`` = (id + cat) / 2, and ``score_minus_default`` (``_se``: its standard error),
+    the score paired over cells against the candidate ``default_of(name)``."""
+    table = {}
+    for n in cells[0]["cat"]:
+        ids = np.array([np.mean(c["val"][n]) for c in cells])
+        cats = np.array([c["cat"][n] for c in cells])
+        d = default_of(n)
+        diff = np.array([(np.mean(c["val"][n]) + c["cat"][n] - np.mean(c["val"][d]) - c["cat"][d]) / 2 for c in cells])
+        table[n] = {"id": float(ids.mean()), "cat": float(cats.mean()), "score": float((ids.mean() + cats.mean()) / 2),
+                    "score_minus_default": float(diff.mean()),
+                    "score_minus_default_se": float(diff.std(ddof=1) / np.sqrt(len(diff)))}
+    return table
+
+
 def json_path(stem: str, quick: bool) -> Path:
     """``docs/<stem>[_quick].json``."""
     return DOCS / f"{stem}{'_quick' if quick else ''}.json"
