@@ -1,4 +1,4 @@
-"""Validation of the 2-D float arrays that cross the SDK's public boundary."""
+"""Validation of the arrays (2-D float arrays, ``.npz`` bytes) that cross the SDK's public boundary."""
 
 from __future__ import annotations
 
@@ -13,11 +13,27 @@ def finite_rows(x: object, width: int, name: str, rows: str = "n") -> np.ndarray
     Raises
     ------
     ShapeError
-        Another shape, no rows, or a non-finite value (the message names ``name``).
+        Not convertible to float32 (ragged rows, strings, objects, complex numbers), another
+        shape, no rows, or a non-finite value (the message names ``name``).
     """
-    out = np.ascontiguousarray(x, dtype=np.float32)
+    try:
+        with np.errstate(over="ignore"):  # a float64 beyond float32 becomes inf: refused below as not finite
+            out = np.ascontiguousarray(x, dtype=np.float32)
+    except (TypeError, ValueError) as exc:  # ragged lists, non-numeric strings, dicts, complex numbers
+        raise ShapeError(f"{name} must be a ({rows}, {width}) array of real numbers, got {type(x).__name__} "
+                         f"that does not convert to float32 ({exc})") from exc
     if out.ndim != 2 or out.shape[1] != width or len(out) == 0:
         raise ShapeError(f"{name} must have shape ({rows} >= 1, {width}), got {out.shape}")
     if not np.isfinite(out).all():
         raise ShapeError(f"{name} must be finite")
     return out
+
+
+#: First bytes of a zip archive, non-empty or empty: the test ``np.load`` applies to tell an ``.npz``
+#: from an ``.npy`` (read as one array) or anything else (read as a pickle, refused).
+NPZ_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def is_npz(data: bytes) -> bool:
+    """True when ``np.load`` would open ``data`` as an ``.npz`` archive (it may still be corrupt)."""
+    return bytes(data[:4]) in NPZ_MAGIC

@@ -46,6 +46,7 @@ except (ImportError, AttributeError):  # a cryptography whose internals differ: 
 from sdk import kinds
 from sdk.background_read import BackgroundRead, PendingFiles, check_digest, read_descriptor
 from sdk.builtin_kinds import TOKENIZER_FILE  # noqa: F401  (re-exported: the bundle format names it)
+from sdk.embedder import MAX_QUERY_CHARS
 from sdk.errors import BundleError
 from sdk.verified_file import VerifiedFile, open_regular, sha256_of_descriptor
 
@@ -61,12 +62,23 @@ EMBEDDER_FILES = {"fp32": "embedder.onnx", "int8": "embedder.int8.onnx", "int8-a
 #: Largest manifest and largest single file accepted (bytes); a bigger one is a corrupt bundle.
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_FILE_BYTES = 1 << 30
+#: Largest bundle version accepted: the SQLite INTEGER range, so that every row an
+#: :class:`~sdk.eval_log.EvalLog` records for the bundle can hold it.
+MAX_BUNDLE_VERSION = 2**63 - 1
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def is_plain_file_name(name: object) -> bool:
     """True for a bundle file name: letters, digits, ``.``, ``_``, ``-``, not starting with a dot."""
     return isinstance(name, str) and _FILE_NAME.fullmatch(name) is not None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -182,10 +194,10 @@ def _check_schema(manifest: dict) -> None:
         if not cond:
             raise BundleError(f"manifest: {what}")
 
-    need(manifest.get("format_version") == FORMAT_VERSION,
+    need(type(manifest.get("format_version")) is int and manifest["format_version"] == FORMAT_VERSION,
          f"format_version {manifest.get('format_version')!r} is not supported (this SDK reads {FORMAT_VERSION})")
-    need(isinstance(manifest.get("bundle_version"), int) and manifest["bundle_version"] >= 1,
-         "bundle_version must be an integer >= 1")
+    need(type(manifest.get("bundle_version")) is int and 1 <= manifest["bundle_version"] <= MAX_BUNDLE_VERSION,
+         f"bundle_version must be an integer in [1, 2**63 - 1], got {str(manifest.get('bundle_version'))[:40]}")
     kinds.import_named_families(manifest)  # a selector / reward-scorer bundle: its family's module
     for family in kinds.families():
         key = kinds.manifest_key(family)
@@ -212,6 +224,7 @@ def _check_embedder_and_models(manifest: dict, need: Callable[[bool, str], None]
          "models must be a non-empty list of objects")
     ids = [m.get("id") for m in models]
     need(all(isinstance(i, str) and i for i in ids), "every model needs a non-empty string id")
+    need(all(_is_utf8(i) for i in ids), f"model ids must be valid Unicode (no lone surrogates), got {ids!r:.200}")
     need(len(set(ids)) == len(ids), f"duplicate model ids in {ids}")
     for m in models:
         for field in ("price_per_1k_input_usd", "price_per_1k_output_usd", "mean_cost_usd"):
@@ -222,12 +235,15 @@ def _check_embedder_and_models(manifest: dict, need: Callable[[bool, str], None]
     emb = manifest.get("embedder")
     need(isinstance(emb, dict), "embedder must be an object")
     need(isinstance(emb.get("name"), str) and emb["name"], "embedder.name must be a non-empty string")
-    need(isinstance(emb.get("dim"), int) and emb["dim"] > 0, "embedder.dim must be a positive integer")
-    need(isinstance(emb.get("max_tokens"), int) and emb["max_tokens"] > 2, "embedder.max_tokens must be an integer > 2")
+    need(type(emb.get("dim")) is int and emb["dim"] > 0, "embedder.dim must be a positive integer")
+    need(type(emb.get("max_tokens")) is int and 2 < emb["max_tokens"] <= MAX_QUERY_CHARS,
+         f"embedder.max_tokens must be an integer in [3, {MAX_QUERY_CHARS}] (a token spans at least one of the "
+         f"query's last {MAX_QUERY_CHARS} characters the embedder reads), got {str(emb.get('max_tokens'))[:40]}")
     need(emb.get("truncation_side") in ("left", "right"), "embedder.truncation_side must be 'left' or 'right'")
     need(isinstance(emb.get("files"), dict) and emb["files"], "embedder.files must map precision -> file name")
     for precision, name in emb["files"].items():
-        need(name in manifest["files"], f"embedder file {name!r} ({precision}) is not listed in files")
+        need(is_plain_file_name(name) and name in manifest["files"],
+             f"embedder file {name!r:.80} ({precision}) is not a file name listed in files")
 
 
 def verify_manifest(raw: bytes, public_key) -> dict:
@@ -305,10 +321,13 @@ def read_verified(directory, public_key, wanted: Names | None = None, *, by_path
     Raises
     ------
     BundleError
-        Missing/oversized/unparsable manifest, missing or invalid signature, a signature by another
+        A ``directory`` that is not a path (str or os.PathLike) or not a folder, a
+        missing/oversized/unparsable manifest, missing or invalid signature, a signature by another
         key, unsupported format, a checked file missing or whose sha256 differs, or a wanted file
         that the manifest does not list.
     """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise BundleError(f"bundle path must be a str or os.PathLike, got {type(directory).__name__}")
     given = Path(directory)
     if not given.is_dir():
         raise BundleError(f"bundle {given} is not a directory")

@@ -13,7 +13,7 @@ the question of a long few-shot prompt sits, read from at most the query's last 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -28,16 +28,41 @@ def load_tokenizer(tokenizer_json: str, file_name: str = "tokenizer.json"):
     Raises
     ------
     BundleError
-        The JSON is not a tokenizer the ``tokenizers`` library can load.
+        The JSON is not a tokenizer the ``tokenizers`` library can load, or its model names an
+        unknown token that its vocabulary lacks (:func:`check_unknown_token`).
     """
     from tokenizers import Tokenizer  # native library: loaded with the first bundle, not by `import sdk`
 
     try:
-        return Tokenizer.from_str(tokenizer_json)
+        tokenizer = Tokenizer.from_str(tokenizer_json)
     except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
         raise BundleError(f"{file_name} cannot be loaded ({exc})") from exc
+    check_unknown_token(tokenizer, file_name)
+    return tokenizer
+
+
+def check_unknown_token(tokenizer, file_name: str = "tokenizer.json") -> None:
+    """Refuse a tokenizer whose model (WordPiece, WordLevel, BPE) names an unknown token that is not
+    in its vocabulary: ``tokenizers`` loads it, then fails (a bare ``Exception``) on the first query
+    holding a word it does not know.
+
+    Raises
+    ------
+    BundleError
+        The unknown token is missing from the vocabulary.
+    """
+    unk = getattr(tokenizer.model, "unk_token", None)
+    if unk and tokenizer.token_to_id(unk) is None:
+        raise BundleError(f"{file_name}: the unknown token {unk!r:.40} is not in the vocabulary (an unknown word "
+                          "in a query could not be tokenised)")
 
 OUTPUT = "sentence_embedding"
+#: onnxruntime's names of the element types the SDK feeds.
+INT64 = "tensor(int64)"
+FLOAT = "tensor(float)"
+#: Largest onnxruntime thread count accepted: far above any device's cores; a larger number is a bug
+#: (onnxruntime would try to start that many threads, or fail on a count beyond its C int).
+MAX_THREADS = 1024
 #: With left truncation a query is read from at most its last this many characters (64 Ki).
 MAX_QUERY_CHARS = 65_536
 
@@ -48,11 +73,11 @@ def check_threads(intra_op_threads: int = 1, inter_op_threads: int = 1) -> tuple
     Raises
     ------
     InvalidInputError
-        A thread count that is not an integer >= 1.
+        A thread count that is not an integer in [1, :data:`MAX_THREADS`].
     """
     for name, value in (("intra_op_threads", intra_op_threads), ("inter_op_threads", inter_op_threads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidInputError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+            raise InvalidInputError(f"{name} must be an integer in [1, {MAX_THREADS}], got {str(value)[:40]}")
     return intra_op_threads, inter_op_threads
 
 
@@ -62,7 +87,7 @@ def session_options(intra_op_threads: int = 1, inter_op_threads: int = 1):
     Raises
     ------
     InvalidInputError
-        A thread count that is not an integer >= 1.
+        A thread count that is not an integer in [1, :data:`MAX_THREADS`].
     """
     check_threads(intra_op_threads, inter_op_threads)
     import onnxruntime as ort  # heavy native library: loaded with the first ONNX graph, not by `import sdk`
@@ -87,7 +112,7 @@ class SessionThreads:
     Raises
     ------
     InvalidInputError
-        A thread count that is not an integer >= 1.
+        A thread count that is not an integer in [1, :data:`MAX_THREADS`].
     """
 
     intra_op_threads: int = 1
@@ -126,6 +151,55 @@ def inference_session(model: bytes | VerifiedFile, options, what: str):
     return session
 
 
+def check_graph_inputs(session, required: Mapping[str, str], optional: Mapping[str, str], what: str) -> frozenset[str]:
+    """The input names of an onnxruntime ``session``, after checking them against a graph contract.
+
+    Parameters
+    ----------
+    required, optional : input name -> onnxruntime element type (``"tensor(int64)"``,
+        ``"tensor(float)"``); the graph must declare every required input and may declare optional
+        ones, nothing else, each of its type (so a graph that onnxruntime would refuse to run on the
+        SDK's feeds is refused at load, not on the first query).
+    what : names the graph in errors.
+
+    Raises
+    ------
+    BundleError
+        A required input missing, an input outside the contract, or one of another element type.
+    """
+    declared = {i.name: i.type for i in session.get_inputs()}
+    contract = {**optional, **required}
+    missing = [n for n in required if n not in declared]
+    extra = [n for n in declared if n not in contract]
+    if missing or extra:
+        raise BundleError(f"{what}: inputs {sorted(declared)} are not the contract: needs {list(required)}"
+                          f"{f' (+ optionally {list(optional)})' if optional else ''}"
+                          f"{f'; missing {missing}' if missing else ''}{f'; unexpected {extra}' if extra else ''}")
+    wrong = {n: t for n, t in declared.items() if t != contract[n]}
+    if wrong:
+        raise BundleError(f"{what}: input {next(iter(wrong))!r} is {next(iter(wrong.values()))}, "
+                          f"expected {contract[next(iter(wrong))]}")
+    return frozenset(declared)
+
+
+def run_session(session, outputs: list[str], feeds: Mapping[str, np.ndarray], what: str) -> list:
+    """``session.run(outputs, feeds)``, with onnxruntime's failures on the SDK's (validated) feeds
+    re-raised as :class:`BundleError`: the graph and the bundle's declarations disagree (e.g. a
+    ``max_tokens`` beyond the encoder's position table, token ids beyond its vocabulary).
+
+    Raises
+    ------
+    BundleError
+        onnxruntime failed to run the graph.
+    """
+    try:
+        return session.run(outputs, dict(feeds))
+    except Exception as exc:  # onnxruntime raises its own InvalidArgument/RuntimeException/Fail classes
+        raise BundleError(f"{what}: onnxruntime failed to run the graph on this input "
+                          f"({type(exc).__name__}: {str(exc)[:300]}); the bundle's graph and its manifest "
+                          "or tokenizer do not agree") from exc
+
+
 class OnnxEmbedder:
     """Query -> L2-normalised sentence embedding, shape (n_queries, dim) float32.
 
@@ -146,8 +220,8 @@ class OnnxEmbedder:
     Raises
     ------
     BundleError
-        The tokenizer or the graph cannot be loaded, or the graph's inputs/outputs/dimension do not
-        match what the bundle declares.
+        The tokenizer or the graph cannot be loaded, or the graph's inputs (names, int64 types),
+        output (name, rank 2) or dimension do not match what the bundle declares.
 
     Thread safety: :meth:`embed` may be called from several threads at once (the tokenizer is
     configured once here and only read afterwards; onnxruntime's ``run`` is thread-safe).
@@ -163,14 +237,17 @@ class OnnxEmbedder:
         tokenizer.enable_padding(pad_id=self._pad_id, pad_token="[PAD]")
         self._tokenizer = tokenizer
         self._session = inference_session(model, options, "embedder")
-        inputs = {i.name for i in self._session.get_inputs()}
-        if not {"input_ids", "attention_mask"} <= inputs:
-            raise BundleError(f"embedder inputs {sorted(inputs)} lack input_ids/attention_mask")
+        inputs = check_graph_inputs(self._session, {"input_ids": INT64, "attention_mask": INT64},
+                                    {"token_type_ids": INT64}, "embedder")
         self._token_types = "token_type_ids" in inputs
         outputs = {o.name: o for o in self._session.get_outputs()}
         if OUTPUT not in outputs:
             raise BundleError(f"embedder has no '{OUTPUT}' output (outputs: {sorted(outputs)})")
-        graph_dim = outputs[OUTPUT].shape[-1]
+        shape = outputs[OUTPUT].shape
+        if shape and len(shape) != 2:  # an unknown rank (no shape) is checked on the first run
+            raise BundleError(f"embedder output '{OUTPUT}' has shape {shape}, expected (batch, {dim}) "
+                              "(token embeddings instead of pooled sentence embeddings?)")
+        graph_dim = shape[-1] if shape else None
         if isinstance(graph_dim, int) and graph_dim != dim:
             raise BundleError(f"embedder outputs dimension {graph_dim}, the manifest declares {dim}")
         self.dim = int(dim)
@@ -223,7 +300,16 @@ class OnnxEmbedder:
         return encodings
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """Embeddings of already validated, non-empty ``texts``: (n, dim) float32, unit L2 norm."""
+        """Embeddings of already validated, non-empty ``texts``: (n, dim) float32, unit L2 norm.
+
+        Raises
+        ------
+        InvalidQueryError
+            A text with no token the embedder can read (see :meth:`_encode`).
+        BundleError
+            onnxruntime fails to run the graph (:func:`run_session`), or it returns another shape
+            or NaN/inf.
+        """
         texts = list(texts)
         if not self.batched and len(texts) > 1:
             return np.concatenate([self._run(self._encode([t], j)) for j, t in enumerate(texts)])
@@ -236,8 +322,10 @@ class OnnxEmbedder:
         }
         if self._token_types:
             feeds["token_type_ids"] = np.array([e.type_ids for e in encodings], dtype=np.int64)
-        (out,) = self._session.run([OUTPUT], feeds)
+        (out,) = run_session(self._session, [OUTPUT], feeds, "embedder")
         out = np.asarray(out, dtype=np.float32)
         if out.shape != (len(encodings), self.dim):
             raise BundleError(f"embedder returned shape {out.shape}, expected ({len(encodings)}, {self.dim})")
+        if not np.isfinite(out).all():
+            raise BundleError("embedder returned NaN or inf for a valid query (a corrupt encoder graph)")
         return out

@@ -75,6 +75,8 @@ __all__ = ["SCHEMA_VERSION", "EvalLog", "Evaluations"]
 SCHEMA_VERSION = 1
 
 _INT64_MAX = 2**63 - 1
+#: Largest embedding dimension a log file may declare (far above any encoder's); a bigger one is a damaged file.
+_MAX_EMBEDDING_DIM = 1 << 16
 _EMBEDDING_DTYPE = np.dtype("<f4")  # little-endian float32, whatever the host byte order
 _SECONDS_PER_DAY = 86_400.0
 _BUSY_TIMEOUT_S = 10.0
@@ -188,7 +190,7 @@ class EvalLog:
     Raises
     ------
     InvalidInputError
-        ``models`` empty, not a sequence of non-empty str, or with duplicates; ``max_rows`` not an
+        ``models`` empty, not a sequence of non-empty str (valid Unicode), or with duplicates; ``max_rows`` not an
         int >= 1; ``max_age_days`` not None nor a finite real > 0; ``store_text``/``durable`` not bool.
     EvalLogError
         The file cannot be opened or created, is not SQLite, is another SQLite database, or has a
@@ -356,7 +358,8 @@ class EvalLog:
             ``model`` is not a str or not in :attr:`models` (the message lists the known ids).
         InvalidInputError
             ``score``, ``cost_usd``, ``latency_ms``, ``cell``, ``bundle_version``, ``query`` or
-            ``timestamp`` out of range or of the wrong type, or neither ``embedding`` nor ``cell``.
+            ``timestamp`` out of range or of the wrong type, a ``query`` to store that is not valid
+            Unicode (lone surrogates), or neither ``embedding`` nor ``cell``.
         ShapeError
             ``embedding`` not 1-D, empty, not real-valued, non-finite (also after the cast to
             float32), or of another dimension than the log's.
@@ -388,6 +391,8 @@ class EvalLog:
             raise InvalidInputError(f"timestamp {ts!r} is more than a day in the future (now {now:.0f})")
         if query is not None and not isinstance(query, str):
             raise InvalidInputError(f"query must be a str or None, got {type(query).__name__}")
+        if query is not None and self._store_text:
+            _check_utf8("query", query)  # SQLite stores UTF-8: lone surrogates cannot be written
         blob = None
         dim = None
         if embedding is not None:
@@ -553,10 +558,20 @@ def _check_models(models: object) -> tuple[str, ...]:
     bad = [m for m in ids if not isinstance(m, str) or not m]
     if bad:
         raise InvalidInputError(f"models must be non-empty strings, got {bad!r} in {list(ids)!r}")
+    for m in ids:
+        _check_utf8("models", m)
     duplicates = sorted({m for m in ids if ids.count(m) > 1})
     if duplicates:
         raise InvalidInputError(f"models must not repeat ids, got duplicates {duplicates} in {list(ids)}")
     return ids
+
+
+def _check_utf8(name: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"{name} is not valid Unicode ({exc.reason} at position {exc.start}): SQLite "
+                                "stores UTF-8 text") from exc
 
 
 def _check_real(name: str, value: object) -> float:
@@ -584,8 +599,8 @@ def _check_embedding(embedding: object) -> np.ndarray:
         raise ShapeError(f"embedding must be a 1-D array of reals, got {type(embedding).__name__}") from exc
     if arr.dtype.kind not in "fiu":
         raise ShapeError(f"embedding must hold real numbers, got dtype {arr.dtype}")
-    if arr.ndim != 1 or arr.shape[0] == 0:
-        raise ShapeError(f"embedding must have shape (d,) with d >= 1, got {arr.shape}")
+    if arr.ndim != 1 or not 1 <= arr.shape[0] <= _MAX_EMBEDDING_DIM:
+        raise ShapeError(f"embedding must have shape (d,) with 1 <= d <= {_MAX_EMBEDDING_DIM}, got {arr.shape}")
     with np.errstate(over="ignore", invalid="ignore"):
         vector = arr.astype(_EMBEDDING_DTYPE)
     if not np.isfinite(vector).all():
@@ -605,7 +620,7 @@ def _read_embedding_dim(conn: sqlite3.Connection, path: str) -> int | None:
         dim = int(row[0])
     except ValueError:
         dim = 0
-    if dim < 1:
+    if not 1 <= dim <= _MAX_EMBEDDING_DIM:
         raise EvalLogError(f"evaluation log {path!r} is damaged: bad embedding_dim {row[0]!r}")
     return dim
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
+from sdk.arrays import is_npz
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import PayloadError, ShapeError, SyncError
 
@@ -101,12 +102,18 @@ class RoundSpec:
         Raises
         ------
         SyncError
-            A field is missing or has the wrong type or shape, or the centroids do not match
-            their hash (a malformed or tampered answer).
+            A field is missing or has the wrong type (strings where strings belong, ``models`` a
+            list of strings: a string is not read as its characters) or shape, or the centroids do
+            not match their hash (a malformed or tampered answer).
         """
         try:
             if not isinstance(data, Mapping):
                 raise TypeError("not a JSON object")
+            for key in ("kind", "centroids_hash", "embedder_name", "deadline_utc"):
+                if not isinstance(data[key], str):
+                    raise TypeError(f"{key} must be a string, got {type(data[key]).__name__}")
+            if not isinstance(data["models"], list) or not all(isinstance(m, str) for m in data["models"]):
+                raise TypeError(f"models must be a list of strings, got {str(data['models'])[:80]}")
             centroids = np.asarray(data["centroids"], dtype=np.float64)
             spec = cls(
                 round_id=_int(data["round_id"], 1),
@@ -418,6 +425,8 @@ def decode_kmeans_update_npz(data: bytes) -> KMeansUpdate:
     ShapeError
         Not the update's arrays (see :func:`kmeans_update_from_arrays`).
     """
+    if not is_npz(data):  # np.load would read a .npy as one array (not an update)
+        raise PayloadError("not an .npz K-means update (not a zip archive)")
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}

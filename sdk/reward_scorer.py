@@ -40,7 +40,7 @@ import numpy as np
 from sdk import bundle_manifest as fmt
 from sdk import kinds
 from sdk.artefact_kind import ArtefactKind, LoadContext
-from sdk.embedder import inference_session, load_tokenizer, session_options
+from sdk.embedder import FLOAT, INT64, check_graph_inputs, inference_session, load_tokenizer, run_session, session_options
 from sdk.arrays import finite_rows
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 from sdk.pair_encoding import length_features_many
@@ -152,10 +152,9 @@ class _Graph:
 
     def __init__(self, model: bytes, what: str, d_in: int, outputs: dict[str, int | None], options) -> None:
         self._session = inference_session(model, options, what)
-        inputs = self._session.get_inputs()
-        if [i.name for i in inputs] != ["features"]:
-            raise BundleError(f"{what}: expected one input 'features', got {[i.name for i in inputs]}")
-        width = inputs[0].shape[-1]
+        check_graph_inputs(self._session, {"features": FLOAT}, {}, what)
+        shape = self._session.get_inputs()[0].shape
+        width = shape[-1] if shape else None
         if isinstance(width, int) and width != d_in:
             raise BundleError(f"{what}: input width {width}, the manifest declares d_in {d_in}")
         have = {o.name: o for o in self._session.get_outputs()}
@@ -163,13 +162,27 @@ class _Graph:
             if name not in have:
                 raise BundleError(f"{what}: no output {name!r} (outputs: {sorted(have)})")
             shape = have[name].shape
-            if last is not None and isinstance(shape[-1], int) and shape[-1] != last:
+            if last is not None and shape and isinstance(shape[-1], int) and shape[-1] != last:
                 raise BundleError(f"{what}: output {name!r} has width {shape[-1]}, expected {last}")
         self._outputs = list(outputs)
+        self._widths, self._what = dict(outputs), what
 
     def run(self, features: np.ndarray) -> dict[str, np.ndarray]:
-        values = self._session.run(self._outputs, {"features": features})
-        return {n: np.asarray(v, dtype=np.float32) for n, v in zip(self._outputs, values)}
+        """The outputs for ``features`` (n, d_in) float32, each as float32.
+
+        Raises
+        ------
+        BundleError
+            onnxruntime fails to run the graph, or an output with a declared width has another
+            shape than (n, width).
+        """
+        values = run_session(self._session, self._outputs, {"features": features}, self._what)
+        out = {n: np.asarray(v, dtype=np.float32) for n, v in zip(self._outputs, values)}
+        for name, width in self._widths.items():
+            if width is not None and out[name].shape != (features.shape[0], width):
+                raise BundleError(f"{self._what}: output {name!r} has shape {out[name].shape}, expected "
+                                  f"({features.shape[0]}, {width})")
+        return out
 
 
 class _MoRGraphs:
@@ -275,9 +288,8 @@ class _LoRARewardGraph:
     def __init__(self, model: bytes, tokenizer: _PairTokenizer, length_scale: float, options, batch_size: int = 16) -> None:
         self._session = inference_session(model, options, REWARD_FILE)
         inputs = [i.name for i in self._session.get_inputs()]
-        if not set(LORA_REQUIRED_INPUTS) <= set(inputs) or not set(inputs) <= set(LORA_REQUIRED_INPUTS + LORA_OPTIONAL_INPUTS):
-            raise BundleError(f"{REWARD_FILE}: inputs {inputs}; expected {list(LORA_REQUIRED_INPUTS)} "
-                              f"and optionally {list(LORA_OPTIONAL_INPUTS)}")
+        check_graph_inputs(self._session, dict.fromkeys(LORA_REQUIRED_INPUTS, INT64),
+                           {n: FLOAT if n == "lengths" else INT64 for n in LORA_OPTIONAL_INPUTS}, REWARD_FILE)
         outputs = {o.name for o in self._session.get_outputs()}
         if not {"raw", "reward"} <= outputs:
             raise BundleError(f"{REWARD_FILE}: no outputs 'raw' and 'reward' (outputs: {sorted(outputs)})")
@@ -290,7 +302,7 @@ class _LoRARewardGraph:
             p, r = prompts[s : s + self._batch], responses[s : s + self._batch]
             feeds = self._tokenizer(p, r)
             feeds["lengths"] = (length_features_many(r, [""] * len(r)) / self._length_scale).astype(np.float32)
-            a, b = self._session.run(["raw", "reward"], {k: feeds[k] for k in self._inputs})
+            a, b = run_session(self._session, ["raw", "reward"], {k: feeds[k] for k in self._inputs}, REWARD_FILE)
             raw.append(np.asarray(a, dtype=np.float32).reshape(-1))
             reward.append(np.asarray(b, dtype=np.float32).reshape(-1))
         return {"raw": np.concatenate(raw), "reward": np.concatenate(reward)}

@@ -208,7 +208,7 @@ class Router:
         InvalidInputError
             ``precision`` or a thread count is not valid.
         """
-        if precision != "auto" and precision not in fmt.EMBEDDER_FILES:
+        if not isinstance(precision, str) or (precision != "auto" and precision not in fmt.EMBEDDER_FILES):
             raise InvalidInputError(f"precision must be 'auto' or one of {sorted(fmt.EMBEDDER_FILES)}, got {precision!r}")
         # Checked now; onnxruntime is imported only by a kind that creates a session (not a static embedder).
         options = SessionThreads(intra_op_threads, inter_op_threads)
@@ -367,15 +367,19 @@ class Router:
         Raises
         ------
         InvalidInputError
-            Budget not a finite positive number.
+            Budget not a finite positive number (bools, and ints beyond the float range, included).
         InvalidQueryError
             Bad ``sample_queries``.
         BudgetError
             The budget is below the predicted cost of always choosing the cheapest model.
         """
         budget = usd_per_1k_queries
-        if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not math.isfinite(budget) or budget <= 0:
-            raise InvalidInputError(f"usd_per_1k_queries must be a finite number > 0, got {budget!r}")
+        try:  # float() of an int beyond the float range raises OverflowError: not a finite budget either
+            finite = not isinstance(budget, bool) and isinstance(budget, numbers.Real) and math.isfinite(float(budget))
+        except OverflowError:
+            finite = False
+        if not finite or budget <= 0:
+            raise InvalidInputError(f"usd_per_1k_queries must be a finite number > 0, got {str(budget)[:40]}")
         target = float(budget) / 1000.0
         acc, cost, _, _ = self._predict(_check_queries(sample_queries))
 

@@ -19,7 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from sdk.embedder import inference_session
+from sdk.arrays import is_npz
+from sdk.embedder import FLOAT, inference_session, run_session
 from sdk.errors import BundleError
 from sdk.voronoi import nearest_cell
 
@@ -53,8 +54,8 @@ class MlpScorer:
     Raises
     ------
     BundleError
-        Unloadable graph, wrong input/output names or dimensions, missing metadata, or models /
-        embedder that differ from the manifest.
+        Unloadable graph, wrong input/output names, types, ranks or dimensions, missing or
+        malformed metadata, or models / embedder that differ from the manifest.
     """
 
     cells = False
@@ -67,21 +68,53 @@ class MlpScorer:
             emb_name, emb_dim = meta["embedder_name"], int(meta["embedder_dim"])
         except (KeyError, ValueError) as exc:
             raise BundleError(f"router.onnx lacks models/embedder metadata ({exc})") from exc
+        if not isinstance(router_models, list) or not all(isinstance(m, str) for m in router_models):
+            raise BundleError(f"router.onnx metadata 'models' must be a JSON list of model ids, got {meta['models']!r:.80}")
         _check_models(router_models, models, "router.onnx")
         _check_embedder(emb_name, emb_dim, embedder, "router.onnx")
-        (inp,) = self._session.get_inputs()
-        if inp.shape[-1] != embedder["dim"]:
-            raise BundleError(f"router.onnx input dimension {inp.shape[-1]} != embedder dim {embedder['dim']}")
+        inputs = self._session.get_inputs()
+        if len(inputs) != 1 or inputs[0].type != FLOAT:
+            raise BundleError(f"router.onnx must have one {FLOAT} input (batch, {embedder['dim']}), got "
+                              f"{[(i.name, i.type) for i in inputs]}")
+        (inp,) = inputs
+        if not inp.shape or inp.shape[-1] != embedder["dim"]:
+            raise BundleError(f"router.onnx input shape {inp.shape} is not (batch, {embedder['dim']}) (embedder dim)")
         outputs = {o.name: o.shape for o in self._session.get_outputs()}
         for name in ("accuracy", "cost"):
-            if name not in outputs or outputs[name][-1] != len(models):
+            if name not in outputs or len(outputs[name] or ()) != 2 or outputs[name][-1] != len(models):
                 raise BundleError(f"router.onnx output {name!r} must have shape (batch, {len(models)}), got {outputs.get(name)}")
         self._input = inp.name
+        self._n_models = len(models)
 
     def predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
-        """(accuracy, cost USD) of shape (n, n_models) float64, and no cell ids."""
-        acc, cost = self._session.run(["accuracy", "cost"], {self._input: embeddings})
-        return acc.astype(np.float64), cost.astype(np.float64), None
+        """(accuracy, cost USD) of shape (n, n_models) float64, and no cell ids.
+
+        Raises
+        ------
+        BundleError
+            onnxruntime fails to run the graph, or it returns another shape or an infinite value
+            (NaN stays: no estimate).
+        """
+        acc, cost = run_session(self._session, ["accuracy", "cost"], {self._input: embeddings}, "router.onnx")
+        acc, cost = np.asarray(acc, dtype=np.float64), np.asarray(cost, dtype=np.float64)
+        expected = (embeddings.shape[0], self._n_models)
+        if acc.shape != expected or cost.shape != expected:
+            raise BundleError(f"router.onnx returned accuracy {acc.shape} and cost {cost.shape}, expected {expected}")
+        if np.isinf(acc).any() or np.isinf(cost).any():
+            raise BundleError("router.onnx predicted an infinite accuracy or cost (a corrupt router graph)")
+        return acc, cost, None
+
+
+#: Array of ``kmeans.npz`` -> (accepted ``dtype.kind`` codes, ndim, description for errors).
+_KMEANS_ARRAYS = {
+    "centroids": ("fiu", 2, "a 2-D array of real numbers"),
+    "accuracy": ("fiu", 2, "a 2-D array of real numbers"),
+    "cost": ("fiu", 2, "a 2-D array of real numbers"),
+    "count": ("fiu", 2, "a 2-D array of real numbers"),
+    "models": ("U", 1, "a 1-D array of strings"),
+    "embedder_name": ("U", 0, "a string"),
+    "embedder_dim": ("iu", 0, "an integer"),
+}
 
 
 class KMeansScorer:
@@ -92,18 +125,26 @@ class KMeansScorer:
     Raises
     ------
     BundleError
-        Unreadable archive, missing arrays, wrong shapes, non-finite centroids, accuracy outside
-        [0, 1], negative costs, or models / embedder that differ from the manifest.
+        Unreadable archive (or not an ``.npz``), missing arrays, arrays of the wrong dtype (e.g.
+        strings where numbers belong, an embedder dimension that is not an integer), wrong shapes,
+        non-finite centroids, accuracy outside [0, 1], negative costs, or models / embedder that
+        differ from the manifest.
     """
 
     cells = True
 
     def __init__(self, data: bytes, models: Sequence[str], embedder: dict) -> None:
+        if not is_npz(data):  # np.load would read a .npy as one array, anything else as a pickle
+            raise BundleError("kmeans.npz cannot be read (not a zip archive, so not an .npz)")
         try:
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
                 arrays = {k: z[k] for k in ("centroids", "accuracy", "cost", "count", "models", "embedder_name", "embedder_dim")}
         except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
             raise BundleError(f"kmeans.npz cannot be read ({exc})") from exc
+        for name, (kinds, ndim, what) in _KMEANS_ARRAYS.items():
+            a = arrays[name]
+            if a.dtype.kind not in kinds or a.ndim != ndim:
+                raise BundleError(f"kmeans.npz {name} must be {what}, got a {a.ndim}-D {a.dtype} array")
         _check_models([str(m) for m in arrays["models"]], models, "kmeans.npz")
         _check_embedder(str(arrays["embedder_name"]), int(arrays["embedder_dim"]), embedder, "kmeans.npz")
         centroids = np.ascontiguousarray(arrays["centroids"], dtype=np.float32)

@@ -55,7 +55,7 @@ import numpy as np
 
 from sdk import bundle_manifest as fmt
 from sdk import kinds
-from sdk.embedder import inference_session, load_tokenizer, session_options
+from sdk.embedder import FLOAT, INT64, check_graph_inputs, inference_session, load_tokenizer, run_session, session_options
 from sdk.errors import BundleError, InvalidInputError
 from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig, length_features
 
@@ -111,7 +111,7 @@ class OnnxPairScorer:
     ------
     BundleError
         The tokenizer or graph does not load, a special token of ``encoding`` is not in the vocabulary,
-        or the graph's inputs/outputs are not the contract.
+        or the graph's inputs (names, element types)/outputs are not the contract.
     """
 
     def __init__(self, tokenizer_json: str, model: bytes, encoding: PairEncodingConfig, options, what: str) -> None:
@@ -121,14 +121,14 @@ class OnnxPairScorer:
         except InvalidInputError as exc:  # a special token missing from the vocabulary
             raise BundleError(f"selector.pair_encoding does not fit tokenizer.json ({exc})") from exc
         self._session = inference_session(model, options, what)
-        names = {i.name for i in self._session.get_inputs()}
-        if not set(REQUIRED_INPUTS) <= names <= set(REQUIRED_INPUTS + OPTIONAL_INPUTS):
-            raise BundleError(f"{what}: inputs {sorted(names)} are not {list(REQUIRED_INPUTS)} "
-                              f"(+ optionally {list(OPTIONAL_INPUTS)})")
+        names = check_graph_inputs(
+            self._session, {n: FLOAT if n == "length_features" else INT64 for n in REQUIRED_INPUTS},
+            dict.fromkeys(OPTIONAL_INPUTS, INT64), what)
         outputs = [o.name for o in self._session.get_outputs()]
         if OUTPUT_NAME not in outputs:
             raise BundleError(f"{what}: no '{OUTPUT_NAME}' output (outputs: {outputs})")
         self._inputs = names
+        self._what = what
 
     def _feeds(self, prompt: str, first: Sequence[str], second: Sequence[str]) -> dict[str, np.ndarray]:
         n = len(first)
@@ -144,8 +144,14 @@ class OnnxPairScorer:
         return {k: v for k, v in feeds.items() if k in self._inputs}
 
     def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]:
-        """(l(a, b), l(b, a)) in one call of batch 2 (module docstring: each pair runs alone)."""
-        out = self._session.run([OUTPUT_NAME], self._feeds(x, [y_a, y_b], [y_b, y_a]))[0]
+        """(l(a, b), l(b, a)) in one call of batch 2 (module docstring: each pair runs alone).
+
+        Raises
+        ------
+        BundleError
+            onnxruntime fails to run the graph, or it returns other than two finite logits.
+        """
+        out = run_session(self._session, [OUTPUT_NAME], self._feeds(x, [y_a, y_b], [y_b, y_a]), self._what)[0]
         out = np.asarray(out, dtype=np.float64).reshape(-1)
         if out.shape != (2,) or not np.isfinite(out).all():
             raise BundleError(f"selector returned {out!r}, expected two finite logits")
@@ -180,7 +186,8 @@ class OnnxPairSelectorKind(kinds.ArtefactKind):
         for precision, name in sel["files"].items():
             need(precision in SELECTOR_FILES,
                  f"selector.files precision {precision!r} is not one of {sorted(SELECTOR_FILES)}")
-            need(name in files, f"selector file {name!r} ({precision}) is not listed in files")
+            need(fmt.is_plain_file_name(name) and name in files,
+                 f"selector file {name!r:.80} ({precision}) is not a file name listed in files")
         need(sel.get("n_length_features") == N_LENGTH_FEATURES,
              f"selector.n_length_features must be {N_LENGTH_FEATURES}, got {sel.get('n_length_features')!r}")
         enc = sel.get("pair_encoding")

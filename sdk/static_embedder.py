@@ -41,6 +41,7 @@ the two files serialises to exactly the original JSON (:func:`split_wordpiece`).
 from __future__ import annotations
 
 import io
+import math
 import zipfile
 from typing import Sequence
 
@@ -49,7 +50,7 @@ from numpy.lib import format as npy_format
 
 from sdk.artefact_kind import ArtefactKind, LoadContext
 from sdk.builtin_kinds import TOKENIZER_FILE
-from sdk.embedder import MAX_QUERY_CHARS, load_tokenizer
+from sdk.embedder import MAX_QUERY_CHARS, check_unknown_token, load_tokenizer
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 from sdk.verified_file import VerifiedFile
 
@@ -169,7 +170,9 @@ def _npy_table(data: bytes, dim: int) -> tuple[np.ndarray, np.ndarray | None]:
         raise BundleError(f"static table is not a readable .npy ({type(exc).__name__}: {exc})") from exc
     if fortran_order or dtype.hasobject:
         raise BundleError("static table: a C-order array without objects is expected")
-    count = int(np.prod(shape, dtype=np.int64))
+    if any(n < 0 for n in shape):
+        raise BundleError(f"static table: its header declares a negative shape {shape}")
+    count = math.prod(shape)  # Python ints: a huge declared shape cannot wrap around to a small count
     if len(data) - stream.tell() != count * dtype.itemsize:
         raise BundleError(f"static table holds {len(data) - stream.tell()} data bytes, its header declares "
                           f"{count * dtype.itemsize}")
@@ -223,9 +226,9 @@ def load_split_tokenizer(pipeline_json: str, vocab: VerifiedFile | bytes):
     Raises
     ------
     BundleError
-        The pipeline is not a tokenizer JSON with a WordPiece model, the vocabulary cannot be read,
-        the file changed after it was verified, or an added token's id differs from its id in the
-        vocabulary.
+        The pipeline is not a tokenizer JSON with a WordPiece model, the vocabulary cannot be read
+        or lacks the unknown token, the file changed after it was verified, or an added token's id
+        differs from its id in the vocabulary.
     """
     from tokenizers.models import WordPiece  # native library: loaded with the first bundle, not by `import sdk`
 
@@ -250,6 +253,7 @@ def load_split_tokenizer(pipeline_json: str, vocab: VerifiedFile | bytes):
         raise
     except Exception as exc:  # tokenizers raises a bare Exception on an unreadable file
         raise BundleError(f"{name} cannot be loaded ({exc})") from exc
+    check_unknown_token(tokenizer, name)
     n = tokenizer.get_vocab_size(with_added_tokens=False)
     for token_id, added in tokenizer.get_added_tokens_decoder().items():
         if token_id < n and tokenizer.model.token_to_id(added.content) != token_id:
@@ -309,11 +313,22 @@ class StaticEmbedder:
                 raise InvalidQueryError(
                     f"query at position {first_position + i} has no token the static embedder knows in its last "
                     f"{MAX_QUERY_CHARS} characters (only whitespace, control or unknown characters?)")
+            # The row count was checked against the tokenizer's vocabulary size at load, but a
+            # vocabulary whose ids skip numbers can still name a row beyond the table.
+            if ids.max() >= self._vectors.shape[0]:
+                raise BundleError(f"the tokenizer gave token id {int(ids.max())}, beyond the static table's "
+                                  f"{self._vectors.shape[0]} rows (tokenizer and table do not belong together)")
             out.append(ids)
         return out
 
     def n_tokens(self, texts: Sequence[str]) -> list[int]:
-        """Tokens read per text (unknown tokens dropped, no special tokens)."""
+        """Tokens read per text (unknown tokens dropped, no special tokens).
+
+        Raises
+        ------
+        InvalidQueryError, BundleError
+            As :meth:`embed`.
+        """
         return [int(ids.size) for ids in self._ids(list(texts))]
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
@@ -323,6 +338,9 @@ class StaticEmbedder:
         ------
         InvalidQueryError
             A text with no known token (see :meth:`_ids`).
+        BundleError
+            The tokenizer gave a token id beyond the table's rows (a tokenizer whose ids skip
+            numbers, shipped with a table of another vocabulary).
         """
         rows = []
         for ids in self._ids(list(texts)):

@@ -480,8 +480,8 @@ def _read_limited(answer: httpx.Response, limit: int, what: str) -> bytes:
 def _json(answer: _Reply) -> dict:
     try:
         body = json.loads(answer.content)
-    except ValueError as exc:
-        raise SyncError(f"{answer.path} answered non-JSON ({answer.status_code})") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deeply
+        raise SyncError(f"{answer.path} answered non-JSON ({answer.status_code}, {type(exc).__name__})") from exc
     if not isinstance(body, dict):
         raise SyncError(f"{answer.path} answered JSON that is not an object")
     return body
@@ -500,7 +500,7 @@ def _detail(answer: httpx.Response) -> str:
     text = bytes(body[:MAX_ERROR_BYTES]).decode("utf-8", "replace")
     try:
         detail = json.loads(text).get("detail", text)
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, nested too deeply
         detail = text
     return str(detail)
 

@@ -42,7 +42,7 @@ def check_lambda(lam: object) -> float:
         raise InvalidLambdaError(f"lam must be finite, got {value!r}")
     if value < 0:
         raise InvalidLambdaError(f"lam must be >= 0 (0 = ignore cost), got {value!r}")
-    return value
+    return value + 0.0  # -0.0 -> 0.0: the lam a Choice reports (and an app may log) is never negative
 
 
 def _check_predictions(accuracy: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

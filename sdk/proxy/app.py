@@ -11,7 +11,8 @@ Every route but ``/health`` needs ``Authorization: Bearer <token>`` with one of 
     server-sent events passed through, then ``data: [DONE]``). Headers ``x-fedroute-model`` (the
     model that answered), ``x-fedroute-fallbacks`` (failed tries before it) and, when routed,
     ``x-fedroute-routing-ms``. Errors, as ``{"error": {"message", "type", "param", "code"}}``:
-    400 malformed body, ``messages`` or ``model=`` string (a budget <= 0 or NaN included); 404 a model
+    400 malformed body (not a JSON object, NaN/Infinity, nested too deeply), ``messages`` or ``model=``
+    string (a budget <= 0 or NaN included); 413 a body over ``max_body_bytes`` (32 MiB); 404 a model
     id with no upstream (``model_not_found``); the upstream's status for a request it refused (4xx);
     when every try failed: 429 (rate limited), 502 (5xx or unreachable) or 504 (timeout).
 ``GET /v1/models``
@@ -72,7 +73,12 @@ def token_digests(tokens: Iterable[str]) -> frozenset[str]:
     return digests
 
 
-def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | None = None) -> FastAPI:
+#: Largest request body the proxy reads by default (bytes): a long conversation fits many times over.
+MAX_BODY_BYTES = 32 << 20
+
+
+def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application over ``chat`` (built with ``observer=metrics``).
 
     Parameters
@@ -81,12 +87,15 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
     tokens : the callers' bearer tokens (kept as sha256 digests).
     metrics : the :class:`ProxyMetrics` that ``chat`` reports to; a fresh one (then ``chat`` reports
         nothing but requests and feedback are counted) when None.
+    max_body_bytes : int >= 1, the largest request body read (bytes); a larger one is answered 413.
 
     Raises
     ------
     InvalidInputError
-        No token.
+        No token, or ``max_body_bytes`` not an int >= 1.
     """
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise InvalidInputError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     digests = token_digests(tokens)
     metrics = metrics if metrics is not None else ProxyMetrics()
     app = FastAPI(title="fedroute proxy", version="1", docs_url=None, redoc_url=None, openapi_url=None)
@@ -120,7 +129,7 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
     async def completions(request: Request):
         route_label = "invalid"
         try:
-            body = await _json_object(request)
+            body = await _json_object(request, max_body_bytes)
             model = body.pop("model", None)
             messages = body.pop("messages", None)
             if messages is None:
@@ -147,7 +156,7 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
             return error_json(409, "the proxy runs without an EvalLog (no \"log\" in its config): scores cannot be "
                               "recorded", "invalid_request_error", code="no_eval_log")
         try:
-            body = await _json_object(request)
+            body = await _json_object(request, max_body_bytes)
             response_id, score = body.get("id"), body.get("score")
             if not isinstance(response_id, str) or not response_id:
                 raise InvalidInputError("'id' (the completion id) must be a non-empty string")
@@ -157,6 +166,8 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
             return error_json(404, str(exc), "invalid_request_error", param="id", code="unknown_response")
         except InvalidInputError as exc:
             metrics.feedback.labels("invalid").inc()
+            if isinstance(exc, _BodyTooLarge):
+                return _error_for(exc)
             return error_json(400, str(exc), "invalid_request_error", param="score")
         metrics.feedback.labels("recorded").inc()
         return {"recorded": row}
@@ -164,17 +175,45 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
     return app
 
 
-async def _json_object(request: Request) -> dict:
+class _BodyTooLarge(InvalidInputError):
+    """A request body over the proxy's ``max_body_bytes`` (answered 413)."""
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number standard JSON allows")
+
+
+async def _json_object(request: Request, max_body_bytes: int) -> dict:
+    """The request body as a JSON object, read up to ``max_body_bytes``.
+
+    Raises
+    ------
+    InvalidInputError
+        Not JSON (NaN/Infinity included: standard JSON has no such numbers, and the ``openai``
+        client could not send them on), nested too deeply, or not an object.
+    _BodyTooLarge
+        More than ``max_body_bytes`` bytes (the read stops there).
+    """
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise _BodyTooLarge(f"the body is over the proxy's {max_body_bytes}-byte limit")
+        chunks.append(chunk)
     try:
-        body = json.loads(await request.body())
+        body = json.loads(b"".join(chunks), parse_constant=_refuse_constant)
     except ValueError as exc:
         raise InvalidInputError(f"the body is not JSON ({exc})") from exc
+    except RecursionError as exc:
+        raise InvalidInputError("the body is not JSON this proxy reads (nested too deeply)") from exc
     if not isinstance(body, dict):
         raise InvalidInputError("the body must be a JSON object")
     return body
 
 
 def _error_for(exc: FedrouteError) -> JSONResponse:
+    if isinstance(exc, _BodyTooLarge):
+        return error_json(413, str(exc), "invalid_request_error", code="request_too_large")
     if isinstance(exc, UnknownModelError):
         return error_json(404, str(exc), "invalid_request_error", param="model", code="model_not_found")
     if isinstance(exc, ModelSpecError):

@@ -1,0 +1,454 @@
+"""Hostile and malformed input at the SDK's boundaries that used to escape as a raw numpy /
+onnxruntime / tokenizers / sqlite exception (or pass unnoticed), each now a typed fedroute error
+naming the problem.
+
+Everything here is tiny and built in the test: a 4-token tokenizer, a (4, 3) static table, a
+2-cell K-means file, and ONNX graphs of a few nodes (``onnx.helper``), signed with a fresh key by
+the exporter's own writer. No test takes more than a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sdk import EvalLog, Router
+from sdk.errors import (BundleError, EvalLogError, InvalidInputError, InvalidLambdaError, PayloadError,
+                        ShapeError)
+
+VOCAB = {"[UNK]": 0, "a": 1, "b": 2, "c": 3}
+VECTORS = np.array([[9.0, 9.0, 9.0], [1.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 4.0]], dtype=np.float32)
+MODELS = ["cheap", "dear"]
+EMBEDDER = {"name": "tiny", "dim": 3, "max_tokens": 16, "truncation_side": "left"}
+
+
+def tokenizer_json(vocab: dict[str, int] = VOCAB, unk: str = "[UNK]") -> bytes:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok.to_str().encode()
+
+
+def npz(**arrays) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def kmeans_npz(**overrides) -> bytes:
+    """Cell 0 near [1, 0, 0] (the cheap model wins at lam = 1), cell 1 near [0, 1, 0]."""
+    arrays = dict(centroids=np.eye(3, dtype=np.float32)[:2], accuracy=np.array([[0.5, 0.9], [0.6, 0.7]]),
+                  cost=np.array([[0.001, 0.01], [0.001, 0.01]]), count=np.ones((2, 2)), models=np.array(MODELS),
+                  embedder_name=np.array("tiny"), embedder_dim=np.array(3))
+    arrays.update(overrides)
+    return npz(**arrays)
+
+
+@pytest.fixture()
+def bundle(signing_keys, tmp_path):
+    """``bundle(files=None, **fields) -> Path``: a signed static-embedder K-means bundle (the
+    exporter's writer), with files or manifest fields replaced."""
+    from export.bundle_writer import write_bundle
+    from export.signing import load_signing_key
+    from sdk.static_embedder import encode_table
+
+    key = load_signing_key(signing_keys[0])
+    count = iter(range(1000))
+
+    def build(files: dict | None = None, **fields) -> Path:
+        parts = {"tokenizer.json": tokenizer_json(), "static_table.f16.npy": encode_table(VECTORS, "fp32"),
+                 "kmeans.npz": kmeans_npz(), **(files or {})}
+        manifest = {"bundle_version": 1, "router_kind": "kmeans", "embedder_kind": "static",
+                    "models": [{"id": m, "price_per_1k_input_usd": None, "price_per_1k_output_usd": None,
+                                "mean_cost_usd": None} for m in MODELS],
+                    "embedder": {**EMBEDDER, "max_tokens": 65536, "files": {"fp32": "static_table.f16.npy"}}}
+        manifest.update(fields)
+        out = tmp_path / f"b{next(count)}"
+        write_bundle(out, parts, manifest, key)
+        return out
+
+    return build
+
+
+def resign(bundle_dir: Path, signing_key: Path, mutate) -> Path:
+    """Apply ``mutate`` to the bundle's manifest and sign it again with the right key."""
+    from export.signing import load_signing_key, sign_manifest
+
+    path = bundle_dir / "manifest.json"
+    manifest = json.loads(path.read_text())
+    mutate(manifest)
+    signed = sign_manifest(manifest, load_signing_key(signing_key))
+    path.unlink()  # the published file is read-only to writers in place; replace it
+    path.write_text(json.dumps(signed))
+    return bundle_dir
+
+
+def test_the_tiny_bundle_routes_as_computed_by_hand(bundle, signing_keys):
+    router = Router.load(bundle(), signing_keys[1])
+    # "a" embeds to [1, 0, 0]: cell 0, utilities 0.5 - 0.001 and 0.9 - 0.01 at lam = 1 -> "dear";
+    # at lam = 100: 0.4 vs -0.1 -> "cheap".
+    assert router.choose("a", 1.0).model == "dear" and router.choose("a", 100.0).model == "cheap"
+
+
+# -- 1. bundles ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arrays, match", [
+    ({"models": np.array("cheap")}, "models must be a 1-D array of strings, got a 0-D"),
+    ({"embedder_dim": np.array("three")}, "embedder_dim must be an integer, got a 0-D <U5"),
+    ({"embedder_dim": np.array(3.7)}, "embedder_dim must be an integer, got a 0-D float64"),
+    ({"centroids": np.array([["x"] * 3] * 2)}, "centroids must be a 2-D array of real numbers, got a 2-D <U1"),
+    ({"accuracy": np.array([["x", "y"]] * 2)}, "accuracy must be a 2-D array of real numbers"),
+    ({"cost": np.ones((2, 2)) * 1j}, "cost must be a 2-D array of real numbers, got a 2-D complex128"),
+])
+def test_a_kmeans_file_with_arrays_of_the_wrong_dtype_is_a_bundle_error(bundle, signing_keys, arrays, match):
+    with pytest.raises(BundleError, match=f"kmeans.npz {match}"):
+        Router.load(bundle({"kmeans.npz": kmeans_npz(**arrays)}), signing_keys[1])
+
+
+def test_an_npy_or_empty_file_named_kmeans_npz_is_a_bundle_error(bundle, signing_keys):
+    buf = io.BytesIO()
+    np.save(buf, np.ones(3))
+    for data in (buf.getvalue(), b""):
+        with pytest.raises(BundleError, match="kmeans.npz cannot be read \\(not a zip archive"):
+            Router.load(bundle({"kmeans.npz": data}), signing_keys[1])
+
+
+@pytest.mark.parametrize("path, value, match", [
+    (("embedder", "files", "fp32"), ["static_table.f16.npy"], "embedder file \\['static_table.f16.npy'\\] \\(fp32\\) "
+                                                              "is not a file name listed in files"),
+    (("bundle_version",), True, "bundle_version must be an integer in \\[1, 2\\*\\*63 - 1\\], got True"),
+    (("bundle_version",), 2**63, "bundle_version must be an integer in \\[1, 2\\*\\*63 - 1\\], got 9223372036854775808"),
+    (("format_version",), True, "format_version True is not supported"),
+    (("format_version",), 1.0, "format_version 1.0 is not supported"),
+    (("embedder", "dim"), True, "embedder.dim must be a positive integer"),
+    (("embedder", "max_tokens"), 10**30, "embedder.max_tokens must be an integer in \\[3, 65536\\]"),
+    (("models", 0, "id"), "cheap\ud800", "model ids must be valid Unicode"),
+])
+def test_a_signed_manifest_with_values_of_the_wrong_type_is_a_bundle_error(bundle, signing_keys, path, value, match):
+    def mutate(manifest):
+        target = manifest
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    with pytest.raises(BundleError, match=f"manifest: {match}"):
+        Router.load(resign(bundle(), signing_keys[0], mutate), signing_keys[1])
+
+
+def test_a_bundle_version_beyond_sqlite_would_have_made_every_logged_row_fail(bundle, signing_keys, tmp_path):
+    """Why the cap is 2**63 - 1: the last accepted version is logged like any other."""
+    router = Router.load(resign(bundle(), signing_keys[0], lambda m: m.update(bundle_version=2**63 - 1)),
+                         signing_keys[1])
+    with EvalLog(tmp_path / "log.sqlite", router.model_ids) as log:
+        log.record_choice(router.choose("a", 1.0), score=1.0, cost_usd=0.01)
+        assert log.rows().bundle_version.tolist() == [2**63 - 1]
+
+
+@pytest.mark.parametrize("shape, match", [
+    ((2**32, 2**32), "holds 0 data bytes, its header declares 36893488147419103232"),  # wrapped to 0 in int64
+    ((-4, 3), "declares a negative shape \\(-4, 3\\)"),
+])
+def test_a_static_table_header_with_an_absurd_shape_is_a_bundle_error(shape, match):
+    from numpy.lib import format as npy_format
+
+    from sdk.static_embedder import decode_table
+
+    buf = io.BytesIO()
+    npy_format.write_array_header_1_0(buf, {"descr": "<f2", "fortran_order": False, "shape": shape})
+    with pytest.raises(BundleError, match=match):
+        decode_table(buf.getvalue(), 3)
+
+
+def test_a_tokenizer_whose_unknown_token_is_not_in_its_vocabulary_is_refused_at_load(bundle, signing_keys):
+    broken = bundle({"tokenizer.json": tokenizer_json(unk="[NOPE]")})
+    with pytest.raises(BundleError, match="tokenizer.json: the unknown token '\\[NOPE\\]' is not in the vocabulary"):
+        Router.load(broken, signing_keys[1])
+
+
+def test_a_token_id_beyond_the_static_table_is_a_bundle_error_not_an_index_error(bundle, signing_keys):
+    # 4 tokens, 4 table rows, but "c" has id 99: the sizes agree, the ids do not.
+    router = Router.load(bundle({"tokenizer.json": tokenizer_json({**VOCAB, "c": 99})}), signing_keys[1])
+    assert router.choose("a b", 1.0).model == "dear"
+    with pytest.raises(BundleError, match="token id 99, beyond the static table's 4 rows"):
+        router.choose("a c", 1.0)
+
+
+# -- 1b. ONNX graphs of the wrong contract -----------------------------------------------------------
+
+def embedder_graph(ids_type: str = "INT64", out_rank: int = 2, extra_input: bool = False, nan: bool = False,
+                   vocab: int = 8) -> bytes:
+    """input_ids, attention_mask (N, L) -> sentence_embedding (N, 3): mean of rows of eye(vocab, 3)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.eye(vocab, 3, dtype=np.float32) + (np.nan if nan else 0.0), "table")
+    ids_t = getattr(TensorProto, ids_type)
+    inputs = [helper.make_tensor_value_info("input_ids", ids_t, ["N", "L"]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["N", "L"])]
+    nodes = [helper.make_node("Cast", ["input_ids"], ["ids"], to=TensorProto.INT64),
+             helper.make_node("Gather", ["table", "ids"], ["tok"])]
+    last, shape = "tok", ["N", "L", 3]
+    if out_rank == 2:
+        nodes.append(helper.make_node("ReduceMean", ["tok"], ["mean"], axes=[1], keepdims=0))
+        last, shape = "mean", ["N", 3]
+    if extra_input:
+        inputs.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["N", "L"]))
+        nodes += [helper.make_node("Cast", ["position_ids"], ["pf"], to=TensorProto.FLOAT),
+                  helper.make_node("ReduceSum", ["pf"], ["ps"], keepdims=0),
+                  helper.make_node("Mul", [last, "ps"], ["scaled"])]
+        last = "scaled"
+    nodes.append(helper.make_node("Identity", [last], ["sentence_embedding"]))
+    graph = helper.make_graph(nodes, "embedder", inputs,
+                              [helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, shape)], [table])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def router_graph(meta_models: str = json.dumps(MODELS), in_type: str = "FLOAT", two_inputs: bool = False,
+                 accuracy: float = 0.5) -> bytes:
+    """embedding (N, 3) -> accuracy, cost (N, 2): constants ``accuracy`` and 0.001."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inputs = [helper.make_tensor_value_info("embedding", getattr(TensorProto, in_type), ["N", 3])]
+    if two_inputs:
+        inputs.append(helper.make_tensor_value_info("other", TensorProto.FLOAT, ["N", 3]))
+    inits = [numpy_helper.from_array(np.zeros((3, 2), np.float32), "W"),
+             numpy_helper.from_array(np.full(2, accuracy, np.float32), "A"),
+             numpy_helper.from_array(np.full(2, 0.001, np.float32), "C")]
+    nodes = [helper.make_node("Cast", ["embedding"], ["x"], to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["x", "W"], ["xw"]),
+             helper.make_node("Add", ["xw", "A"], ["accuracy"]), helper.make_node("Add", ["xw", "C"], ["cost"])]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 2]) for n in ("accuracy", "cost")]
+    model = helper.make_model(helper.make_graph(nodes, "router", inputs, outputs, inits),
+                              opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    for key, value in {"models": meta_models, "embedder_name": "tiny", "embedder_dim": "3"}.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value
+    return model.SerializeToString()
+
+
+def wordpiece_json() -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "a": 4, "b": 5, "c": 6, "d": 7}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    return tok.to_str()
+
+
+def onnx_embedder(model: bytes):
+    from sdk.embedder import OnnxEmbedder
+
+    return OnnxEmbedder(wordpiece_json(), model, 3, 16, "left", None)
+
+
+def test_the_tiny_onnx_embedder_gives_the_hand_computed_embedding():
+    # "a b" -> [CLS] a b [SEP] = ids 2, 4, 5, 3 -> rows e2, 0, 0, 0 of eye(8, 3): mean [0, 0, 0.25]
+    np.testing.assert_allclose(onnx_embedder(embedder_graph()).embed(["a b"]), [[0.0, 0.0, 0.25]])
+
+
+@pytest.mark.parametrize("graph, match", [
+    (dict(ids_type="INT32"), "embedder: input 'input_ids' is tensor\\(int32\\), expected tensor\\(int64\\)"),
+    (dict(ids_type="FLOAT"), "embedder: input 'input_ids' is tensor\\(float\\), expected tensor\\(int64\\)"),
+    (dict(extra_input=True), "embedder: inputs .* are not the contract.*unexpected \\['position_ids'\\]"),
+    (dict(out_rank=3), "embedder output 'sentence_embedding' has shape \\['N', 'L', 3\\], expected \\(batch, 3\\)"),
+])
+def test_an_encoder_graph_onnxruntime_could_not_run_on_our_feeds_is_refused_at_load(graph, match):
+    with pytest.raises(BundleError, match=match):
+        onnx_embedder(embedder_graph(**graph))
+
+
+def test_an_encoder_that_fails_or_returns_nan_on_a_query_is_a_bundle_error():
+    small_vocab = onnx_embedder(embedder_graph(vocab=4))  # the tokenizer emits ids up to 7
+    with pytest.raises(BundleError, match="embedder: onnxruntime failed to run the graph on this input"):
+        small_vocab.embed(["d"])
+    with pytest.raises(BundleError, match="embedder returned NaN or inf for a valid query"):
+        onnx_embedder(embedder_graph(nan=True)).embed(["a b"])
+
+
+@pytest.mark.parametrize("graph, match", [
+    (dict(in_type="DOUBLE"), "router.onnx must have one tensor\\(float\\) input \\(batch, 3\\), got \\[\\('embedding', "
+                             "'tensor\\(double\\)'\\)\\]"),
+    (dict(two_inputs=True), "router.onnx must have one tensor\\(float\\) input"),
+    (dict(meta_models="5"), "router.onnx metadata 'models' must be a JSON list of model ids, got '5'"),
+    (dict(meta_models="[1, 2]"), "metadata 'models' must be a JSON list of model ids"),
+])
+def test_a_router_graph_of_the_wrong_contract_is_refused_at_load(graph, match):
+    from sdk.scorers import MlpScorer
+
+    with pytest.raises(BundleError, match=match):
+        MlpScorer(router_graph(**graph), MODELS, {**EMBEDDER}, None)
+
+
+def test_a_router_graph_predicting_inf_is_a_bundle_error():
+    from sdk.scorers import MlpScorer
+
+    x = np.ones((1, 3), np.float32)
+    acc, cost, _ = MlpScorer(router_graph(), MODELS, {**EMBEDDER}, None).predict(x)
+    np.testing.assert_allclose(acc, [[0.5, 0.5]])
+    np.testing.assert_allclose(cost, [[0.001, 0.001]], rtol=1e-6)
+    with pytest.raises(BundleError, match="router.onnx predicted an infinite accuracy or cost"):
+        MlpScorer(router_graph(accuracy=np.inf), MODELS, {**EMBEDDER}, None).predict(x)
+
+
+# -- 2. SDK API arguments ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("embeddings", [[["a", "b", "c"]], [[1.0, 2.0, 3.0], [1.0]], [[{}, 1.0, 2.0]], [[1j, 0.0, 0.0]]])
+def test_embeddings_that_do_not_convert_to_float32_are_shape_errors(bundle, signing_keys, embeddings):
+    router = Router.load(bundle(), signing_keys[1])
+    with pytest.raises(ShapeError, match="embeddings must be a \\(n_queries, 3\\) array of real numbers"):
+        router.predict_from_embeddings(embeddings)
+
+
+def test_arguments_of_the_wrong_type_get_clear_errors(bundle, signing_keys):
+    router = Router.load(bundle(), signing_keys[1])
+    with pytest.raises(InvalidInputError, match="usd_per_1k_queries must be a finite number > 0, got 1000000"):
+        router.lam_for_budget(10**400, ["a", "b"])
+    assert math.copysign(1.0, router.choose("a", -0.0).lam) == 1.0  # -0.0 is 0, reported as +0.0
+    with pytest.raises(BundleError, match="bundle path must be a str or os.PathLike, got int"):
+        Router.load(5, signing_keys[1])
+    with pytest.raises(InvalidInputError, match="precision must be 'auto' or one of"):
+        Router.load(bundle(), signing_keys[1], precision=["fp32"])
+    with pytest.raises(InvalidInputError, match="intra_op_threads must be an integer in \\[1, 1024\\]"):
+        Router.load(bundle(), signing_keys[1], intra_op_threads=2**40)
+
+
+def test_check_lambda_normalises_negative_zero():
+    from sdk.utility import check_lambda
+
+    assert math.copysign(1.0, check_lambda(-0.0)) == 1.0
+    with pytest.raises(InvalidLambdaError):
+        check_lambda(-1e-300)
+
+
+# -- 3. the evaluation log -------------------------------------------------------------------------------
+
+def test_text_sqlite_cannot_store_is_refused_before_anything_is_written(tmp_path):
+    with EvalLog(tmp_path / "log.sqlite", MODELS, store_text=True) as log:
+        with pytest.raises(InvalidInputError, match="query is not valid Unicode \\(surrogates not allowed at position 2\\)"):
+            log.record("cheap", 1.0, 0.001, cell=0, query="hi\ud800")
+        assert len(log) == 0
+        log.record("cheap", 1.0, 0.001, cell=0, query="hi")
+        assert log.rows().query == ("hi",)
+    with EvalLog(tmp_path / "drop.sqlite", MODELS) as log:  # not stored: nothing to encode, nothing refused
+        log.record("cheap", 1.0, 0.001, cell=0, query="hi\ud800")
+        assert log.rows().query == (None,)
+    with pytest.raises(InvalidInputError, match="models is not valid Unicode"):
+        EvalLog(tmp_path / "models.sqlite", ["cheap\ud800"])
+
+
+def test_a_log_declaring_an_absurd_embedding_dimension_is_damaged(tmp_path):
+    path = tmp_path / "log.sqlite"
+    with EvalLog(path, MODELS) as log:
+        log.record("cheap", 1.0, 0.001, embedding=np.ones(3))
+        with pytest.raises(ShapeError, match="embedding must have shape \\(d,\\) with 1 <= d <= 65536"):
+            log.record("cheap", 1.0, 0.001, embedding=np.ones(70_000))
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE meta SET value = '99999999999999999999' WHERE key = 'embedding_dim'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(EvalLogError, match="is damaged: bad embedding_dim '99999999999999999999'"):
+        EvalLog(path, MODELS)
+
+
+# -- 4. wire formats ---------------------------------------------------------------------------------------
+
+def test_an_npy_where_an_npz_update_belongs_is_a_payload_error():
+    from sdk.protocol import decode_kmeans_update_npz
+
+    buf = io.BytesIO()
+    np.save(buf, np.ones(3))
+    with pytest.raises(PayloadError, match="not an .npz K-means update \\(not a zip archive\\)"):
+        decode_kmeans_update_npz(buf.getvalue())
+
+
+@pytest.fixture()
+def proxy(bundle, signing_keys):
+    """The proxy app (FastAPI's test client, no socket) over the tiny bundle; the upstream is never
+    reached by the requests below, which all fail before routing."""
+    from fastapi.testclient import TestClient
+
+    from sdk.proxy.app import create_app
+    from sdk.routed_chat import RoutedChat, Upstream
+    from sdk.token_prices import TokenPrice
+
+    router = Router.load(bundle(), signing_keys[1])
+    chat = RoutedChat(router, upstreams={m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in MODELS},
+                      lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS})
+    with TestClient(create_app(chat, ["tok"], max_body_bytes=65536)) as client:
+        client.headers["Authorization"] = "Bearer tok"
+        yield client
+    chat.close()
+
+
+@pytest.mark.parametrize("body, status, match", [
+    (b'{"messages": [{"role": "user", "content": "a"}], "temperature": NaN}', 400, "NaN is not a number standard JSON"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "x": Infinity}', 400, "Infinity is not a number"),
+    (b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", 400, "nested too deeply"),
+    (b'{"messages": [{"role": "user", "content": "' + b"a " * 40_000 + b'"}]}', 413, "over the proxy's 65536-byte limit"),
+])
+def test_proxy_bodies_that_used_to_be_500_or_read_whole_get_4xx(proxy, body, status, match):
+    answer = proxy.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert answer.status_code == status and match in answer.json()["error"]["message"]
+
+
+# -- 3b. the sync client against a server answering garbage -------------------------------------------
+
+def sync_client(tmp_path, signing_keys, handler):
+    """A SyncClient over ``httpx.MockTransport(handler)`` (no socket, no waits)."""
+    import httpx
+
+    from sdk.sync import SyncClient
+
+    log = EvalLog(tmp_path / "log.sqlite", MODELS)
+    client = SyncClient("https://fed.test", "fr_token", log, tmp_path / "bundle", signing_keys[1],
+                        transport=httpx.MockTransport(handler), sleep=lambda s: None, state_path=tmp_path / "state.json")
+    return client, log
+
+
+def test_a_server_answering_deeply_nested_json_is_a_sync_error_not_a_recursion_error(tmp_path, signing_keys):
+    import httpx
+
+    from sdk.errors import SyncError, SyncRejectedError
+
+    deep = b"[" * 30_000 + b"]" * 30_000  # 60 KB: within both the answer and the error-detail limits
+    status = {"code": 200}
+
+    def handler(request):
+        if request.url.path == "/v1/rounds/current":
+            return httpx.Response(status["code"], content=deep)
+        return httpx.Response(404, json={"detail": "no bundle"})
+
+    client, log = sync_client(tmp_path, signing_keys, handler)
+    try:
+        with pytest.raises(SyncError, match="/v1/rounds/current answered non-JSON \\(200, RecursionError\\)"):
+            client.run_once()
+        status["code"] = 403  # the refusal's detail is read as text when it is not a JSON object
+        with pytest.raises(SyncRejectedError) as info:
+            client.run_once()
+        assert info.value.status == 403 and info.value.detail == deep[:500].decode()
+    finally:
+        client.close()
+        log.close()
+
+
+@pytest.mark.parametrize("field, value", [("models", "abc"), ("kind", ["kmeans"]), ("deadline_utc", None)])
+def test_a_round_description_with_fields_of_the_wrong_type_is_a_sync_error(field, value):
+    from sdk.errors import SyncError
+    from sdk.protocol import RoundSpec, centroids_hash
+
+    centroids = np.eye(3, dtype=np.float32)[:2]
+    good = {"round_id": 1, "kind": "kmeans", "centroids": centroids.tolist(), "centroids_hash": centroids_hash(centroids),
+            "models": ["a", "b", "c"], "embedder_name": "toy", "d_emb": 3, "min_count": 1, "deadline_utc": "x"}
+    assert RoundSpec.from_json(good).models == ("a", "b", "c")
+    with pytest.raises(SyncError, match=f"malformed round description from the server: TypeError\\('{field} must be"):
+        RoundSpec.from_json({**good, field: value})
