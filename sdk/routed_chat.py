@@ -479,7 +479,11 @@ class RoutedChat:
         completion_tokens = getattr(usage, "completion_tokens", None)
         cost = None
         if isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
-            cost = self._prices[route.model].cost_usd(prompt_tokens, completion_tokens)
+            try:
+                cost = self._prices[route.model].cost_usd(prompt_tokens, completion_tokens)
+            except InvalidInputError as exc:  # negative or absurd counts from the upstream: the answer still stands
+                log.warning("the answer of %s (id %s) reports unusable usage (%s): its cost is not observed and it "
+                            "is not recorded", route.model, response_id, exc)
         else:
             log.warning("the answer of %s (id %s) has no usage: its cost is not observed and it is not recorded",
                         route.model, response_id)

@@ -289,7 +289,7 @@ class SyncClient:
         if handler is None:
             try:
                 return int(body["round_id"]), None, "", why, None, ()
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: round_id 1e400 (inf)
                 raise SyncError(f"malformed round description from the server: {exc!r}") from exc
         context = DeviceRoundContext(
             client_id=str(body.get("client_id", "")), rows=self.eval_log.rows, sent=state.sent,

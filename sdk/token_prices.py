@@ -46,8 +46,12 @@ class TokenPrice:
     def __post_init__(self) -> None:
         for name in ("input_usd_per_1m", "output_usd_per_1m"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-                raise InvalidInputError(f"{name} must be a finite number >= 0 (USD per 1M tokens), got {value!r}")
+            try:  # math.isfinite of an int beyond the float range raises OverflowError: not finite either
+                finite = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+            except OverflowError:
+                finite = False
+            if not finite or value < 0:
+                raise InvalidInputError(f"{name} must be a finite number >= 0 (USD per 1M tokens), got {str(value)[:40]}")
             object.__setattr__(self, name, float(value))
 
     def cost_usd(self, prompt_tokens: int, completion_tokens: int) -> float:
@@ -56,12 +60,20 @@ class TokenPrice:
         Raises
         ------
         InvalidInputError
-            A token count that is not an int >= 0.
+            A token count that is not an int >= 0, or counts so large that the cost is not a
+            finite float.
         """
         for name, n in (("prompt_tokens", prompt_tokens), ("completion_tokens", completion_tokens)):
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-                raise InvalidInputError(f"{name} must be an int >= 0, got {n!r}")
-        return (int(prompt_tokens) * self.input_usd_per_1m + int(completion_tokens) * self.output_usd_per_1m) / 1e6
+                raise InvalidInputError(f"{name} must be an int >= 0, got {str(n)[:40]}")
+        try:
+            cost = (int(prompt_tokens) * self.input_usd_per_1m + int(completion_tokens) * self.output_usd_per_1m) / 1e6
+        except OverflowError:  # an int beyond the float range
+            cost = math.inf
+        if not math.isfinite(cost):
+            raise InvalidInputError(f"token counts {str(prompt_tokens)[:40]} in, {str(completion_tokens)[:40]} out "
+                                    "give a cost beyond the float range")
+        return cost
 
 
 def price_table(models: Sequence[str], given: Mapping[str, TokenPrice] | None, bundle_models: Sequence) -> dict[str, TokenPrice]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import sqlite3
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -452,3 +454,96 @@ def test_a_round_description_with_fields_of_the_wrong_type_is_a_sync_error(field
     assert RoundSpec.from_json(good).models == ("a", "b", "c")
     with pytest.raises(SyncError, match=f"malformed round description from the server: TypeError\\('{field} must be"):
         RoundSpec.from_json({**good, field: value})
+
+
+def test_a_round_of_an_unknown_kind_with_an_infinite_round_id_is_a_sync_error(tmp_path, signing_keys):
+    import httpx
+
+    from sdk.errors import SyncError
+
+    def handler(request):
+        if request.url.path == "/v1/rounds/current":  # JSON 1e400 parses as inf; int(inf) overflows
+            return httpx.Response(200, content=b'{"kind": "svm", "round_id": 1e400}')
+        return httpx.Response(404, json={"detail": "no bundle"})
+
+    client, log = sync_client(tmp_path, signing_keys, handler)
+    try:
+        with pytest.raises(SyncError, match="malformed round description from the server: OverflowError"):
+            client.run_once()
+    finally:
+        client.close()
+        log.close()
+
+
+DISK_FULL = """
+import resource, signal, sys
+import numpy as np
+from sdk import EvalLog
+from sdk.errors import EvalLogError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+log = EvalLog(sys.argv[1], ["cheap", "dear"])
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+acked = 0
+try:
+    for i in range(1000):
+        log.record("cheap", 0.5, 0.001, embedding=np.full(384, float(i)))
+        acked += 1
+except EvalLogError as exc:
+    print(acked, "cannot write to evaluation log" in str(exc))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE as a full disk: Linux")
+def test_a_full_disk_is_an_eval_log_error_and_every_acknowledged_row_survives(tmp_path):
+    import subprocess
+
+    from conftest import ROOT
+
+    path = tmp_path / "log.sqlite"
+    out = subprocess.run([sys.executable, "-c", DISK_FULL, str(path)], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    acked, named = out.stdout.split()
+    assert int(acked) >= 1 and named == "True", out.stderr
+    with EvalLog(path, MODELS) as log:  # reopened without the limit: exactly the acknowledged rows
+        rows = log.rows()
+        assert rows.id.tolist() == list(range(1, int(acked) + 1))
+        assert rows.embedding[:, 0].tolist() == [float(i) for i in range(int(acked))]
+
+
+# -- 2b. an upstream reporting absurd usage --------------------------------------------------------------
+
+@pytest.mark.parametrize("usage", [b'{"prompt_tokens": -5, "completion_tokens": 3, "total_tokens": -2}',
+                                   b'{"prompt_tokens": 1' + b"0" * 400 + b', "completion_tokens": 3, "total_tokens": 3}'])
+def test_an_answer_with_absurd_usage_is_returned_not_lost_and_its_cost_is_not_observed(bundle, signing_keys, usage):
+    import httpx
+    import openai
+
+    from sdk.routed_chat import RoutedChat, Upstream
+    from sdk.token_prices import TokenPrice
+
+    def upstream(request):  # a third-party OpenAI-compatible endpoint, stubbed at the transport
+        body = (b'{"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "up", "choices": '
+                b'[{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}}], '
+                b'"usage": ' + usage + b"}")
+        return httpx.Response(200, content=body, headers={"content-type": "application/json"})
+
+    client = openai.OpenAI(base_url="http://up.test/v1", api_key="k", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(upstream)))
+    chat = RoutedChat(Router.load(bundle(), signing_keys[1]), upstreams={m: Upstream(client=client) for m in MODELS},
+                      lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS})
+    try:
+        result = chat.create_routed(messages=[{"role": "user", "content": "a"}])
+        assert result.completion.choices[0].message.content == "hi"
+        assert result.outcome.route.model == "dear" and result.outcome.cost_usd is None
+    finally:
+        chat.close()
+
+
+def test_token_prices_refuse_numbers_beyond_the_float_range():
+    from sdk.token_prices import TokenPrice
+
+    with pytest.raises(InvalidInputError, match="input_usd_per_1m must be a finite number >= 0"):
+        TokenPrice(10**400, 1.0)
+    with pytest.raises(InvalidInputError, match="give a cost beyond the float range"):
+        TokenPrice(1.0, 2.0).cost_usd(10**400, 0)
+    assert TokenPrice(1.0, 2.0).cost_usd(1_000_000, 500_000) == 2.0  # 1 USD in + 1 USD out
