@@ -39,6 +39,18 @@ CREATE TABLE IF NOT EXISTS pending (
 """
 
 
+def storable_id(response_id: object) -> bool:
+    """True for a response id this store can hold: a non-empty ``str`` that encodes as UTF-8 (an
+    upstream may send lone surrogates, which SQLite cannot store)."""
+    if not isinstance(response_id, str) or not response_id:
+        return False
+    try:
+        response_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class PendingOutcome:
     """An answered routed call waiting for its score.
@@ -109,9 +121,14 @@ class PendingOutcomes:
 
         Raises
         ------
+        InvalidInputError
+            ``outcome.response_id`` is not a :func:`storable_id` (checked before any write).
         EvalLogError
-            SQLite failed to write.
+            SQLite failed to write (the transaction is rolled back: the store stays usable).
         """
+        if not storable_id(outcome.response_id):
+            raise InvalidInputError(f"response id {outcome.response_id!r:.80} cannot be stored: a non-empty str of "
+                                    "valid Unicode is needed")
         blob = np.ascontiguousarray(outcome.embedding, dtype="<f4").tobytes()
         with self._lock:
             try:
@@ -124,13 +141,18 @@ class PendingOutcomes:
                 self._conn.execute("DELETE FROM pending WHERE timestamp < ?", (time.time() - self._max_age_s,))
                 self._conn.execute("DELETE FROM pending WHERE seq <= ?", (seq - self._max_rows,))
                 self._conn.execute("COMMIT")
-            except sqlite3.Error as exc:
+            except BaseException as exc:  # any failure mid-transaction: roll back, or every later add would fail
                 if self._conn.in_transaction:
                     self._conn.execute("ROLLBACK")
-                raise EvalLogError(f"cannot write the pending-outcome store {self._path!r}: {exc}") from exc
+                if isinstance(exc, sqlite3.Error):
+                    raise EvalLogError(f"cannot write the pending-outcome store {self._path!r}: {exc}") from exc
+                raise
 
     def get(self, response_id: str) -> PendingOutcome | None:
-        """The entry for ``response_id``, or None (unknown, already scored or expired)."""
+        """The entry for ``response_id``, or None (unknown, already scored or expired, or an id no
+        entry can have: not a :func:`storable_id`)."""
+        if not storable_id(response_id):
+            return None
         with self._lock:
             row = self._conn.execute(
                 "SELECT response_id, timestamp, model, cost_usd, latency_ms, embedding, cell, bundle_version "
@@ -142,6 +164,8 @@ class PendingOutcomes:
 
     def remove(self, response_id: str) -> bool:
         """Delete the entry; True if there was one."""
+        if not storable_id(response_id):
+            return False
         with self._lock:
             return self._conn.execute("DELETE FROM pending WHERE response_id = ?", (response_id,)).rowcount > 0
 

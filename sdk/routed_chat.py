@@ -63,7 +63,7 @@ from sdk.chat_text import DEFAULT_CONTEXT_CHARS, routing_text
 from sdk.errors import InvalidInputError, UnknownModelError, UnknownResponseError, UpstreamError
 from sdk.eval_log import EvalLog
 from sdk.model_spec import ROUTED_MODEL, ModelSpec, parse_model_spec
-from sdk.pending_outcomes import PendingOutcome, PendingOutcomes
+from sdk.pending_outcomes import PendingOutcome, PendingOutcomes, storable_id
 from sdk.router import Choice, Router
 from sdk.token_prices import TokenPrice, price_table
 from sdk.utility import _rank_unchecked, check_lambda
@@ -491,7 +491,11 @@ class RoutedChat:
         if plan is not None and plan.budget_usd_per_1k is not None and cost is not None:
             self._controller(plan.budget_usd_per_1k).record(route.model, cost)
         awaiting = False
-        if plan is not None and self._pending is not None and cost is not None and response_id:
+        if plan is not None and self._pending is not None and cost is not None and response_id \
+                and not storable_id(response_id):  # e.g. lone surrogates from the upstream: the answer still stands
+            log.warning("the answer of %s has an id that cannot be stored (%r): it cannot be scored later",
+                        route.model, response_id[:80])
+        elif plan is not None and self._pending is not None and cost is not None and response_id:
             c = plan.choice
             self._pending.add(PendingOutcome(response_id, time.time(), route.model, cost, latency_ms, c.embedding,
                                              c.cell, c.bundle_version))

@@ -15,6 +15,7 @@ import math
 import os
 import sqlite3
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -512,31 +513,76 @@ def test_a_full_disk_is_an_eval_log_error_and_every_acknowledged_row_survives(tm
 
 # -- 2b. an upstream reporting absurd usage --------------------------------------------------------------
 
-@pytest.mark.parametrize("usage", [b'{"prompt_tokens": -5, "completion_tokens": 3, "total_tokens": -2}',
-                                   b'{"prompt_tokens": 1' + b"0" * 400 + b', "completion_tokens": 3, "total_tokens": 3}'])
-def test_an_answer_with_absurd_usage_is_returned_not_lost_and_its_cost_is_not_observed(bundle, signing_keys, usage):
+def stubbed_chat(router, answer: dict, **kwargs):
+    """A RoutedChat whose upstream (a third-party OpenAI-compatible endpoint, stubbed at the transport)
+    answers every call with ``answer["id"]`` and ``answer["usage"]`` (raw JSON bytes, changeable)."""
     import httpx
     import openai
 
     from sdk.routed_chat import RoutedChat, Upstream
     from sdk.token_prices import TokenPrice
 
-    def upstream(request):  # a third-party OpenAI-compatible endpoint, stubbed at the transport
-        body = (b'{"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "up", "choices": '
+    def upstream(request):
+        body = (b'{"id": ' + answer["id"] + b', "object": "chat.completion", "created": 0, "model": "up", "choices": '
                 b'[{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}}], '
-                b'"usage": ' + usage + b"}")
+                b'"usage": ' + answer["usage"] + b"}")
         return httpx.Response(200, content=body, headers={"content-type": "application/json"})
 
     client = openai.OpenAI(base_url="http://up.test/v1", api_key="k", max_retries=0,
                            http_client=httpx.Client(transport=httpx.MockTransport(upstream)))
-    chat = RoutedChat(Router.load(bundle(), signing_keys[1]), upstreams={m: Upstream(client=client) for m in MODELS},
-                      lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS})
+    return RoutedChat(router, upstreams={m: Upstream(client=client) for m in MODELS}, lam=1.0,
+                      prices={m: TokenPrice(1.0, 2.0) for m in MODELS}, **kwargs)
+
+
+USAGE = b'{"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}'
+
+
+@pytest.mark.parametrize("usage", [b'{"prompt_tokens": -5, "completion_tokens": 3, "total_tokens": -2}',
+                                   b'{"prompt_tokens": 1' + b"0" * 400 + b', "completion_tokens": 3, "total_tokens": 3}'])
+def test_an_answer_with_absurd_usage_is_returned_not_lost_and_its_cost_is_not_observed(bundle, signing_keys, usage):
+    chat = stubbed_chat(Router.load(bundle(), signing_keys[1]), {"id": b'"chatcmpl-1"', "usage": usage})
     try:
         result = chat.create_routed(messages=[{"role": "user", "content": "a"}])
         assert result.completion.choices[0].message.content == "hi"
         assert result.outcome.route.model == "dear" and result.outcome.cost_usd is None
     finally:
         chat.close()
+
+
+def test_an_answer_id_sqlite_cannot_store_neither_loses_the_answer_nor_breaks_the_pending_store(
+        bundle, signing_keys, tmp_path):
+    from sdk.errors import UnknownResponseError
+
+    router = Router.load(bundle(), signing_keys[1])
+    answer = {"id": b'"\\ud800"', "usage": USAGE}  # JSON "\ud800": a lone surrogate
+    with EvalLog(tmp_path / "log.sqlite", router.model_ids) as log:
+        chat = stubbed_chat(router, answer, log=log, pending=tmp_path / "pending.sqlite")
+        try:
+            result = chat.create_routed(messages="a")
+            assert result.completion.choices[0].message.content == "hi" and not result.outcome.awaiting_score
+            answer["id"] = b'"chatcmpl-2"'  # the store still takes the next answer (it used to stay mid-transaction)
+            assert chat.create_routed(messages="a").outcome.awaiting_score
+            with pytest.raises(UnknownResponseError, match="no routed call awaits a score under id"):
+                chat.feedback("\ud800", 0.5)
+            assert chat.feedback("chatcmpl-2", 0.5) == 1 and log.rows().cost_usd.tolist() == [(5 + 3 * 2) / 1e6]
+        finally:
+            chat.close()
+
+
+def test_the_pending_store_refuses_an_unstorable_id_before_writing_and_stays_usable(tmp_path):
+    from sdk.pending_outcomes import PendingOutcome, PendingOutcomes
+
+    store = PendingOutcomes(tmp_path / "pending.sqlite")
+    try:
+        def outcome(rid):
+            return PendingOutcome(rid, time.time(), "cheap", 0.001, 5.0, np.ones(3, np.float32), 0, 1)
+
+        with pytest.raises(InvalidInputError, match="cannot be stored: a non-empty str of valid Unicode"):
+            store.add(outcome("a\ud800"))
+        store.add(outcome("ok"))
+        assert len(store) == 1 and store.get("ok").model == "cheap" and store.get("a\ud800") is None
+    finally:
+        store.close()
 
 
 def test_token_prices_refuse_numbers_beyond_the_float_range():
