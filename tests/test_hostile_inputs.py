@@ -593,3 +593,25 @@ def test_token_prices_refuse_numbers_beyond_the_float_range():
     with pytest.raises(InvalidInputError, match="give a cost beyond the float range"):
         TokenPrice(1.0, 2.0).cost_usd(10**400, 0)
     assert TokenPrice(1.0, 2.0).cost_usd(1_000_000, 500_000) == 2.0  # 1 USD in + 1 USD out
+
+
+def test_the_pair_encoder_tokenises_at_most_64_ki_characters_of_a_megabyte_text():
+    from tokenizers import Tokenizer
+
+    from sdk.pair_encoding import PairEncoder
+
+    encoder = PairEncoder(Tokenizer.from_str(wordpiece_json()))
+    real, seen = encoder.tokenizer, []
+
+    class Spy:  # records what reaches the third-party tokenizer, then delegates to it
+        def encode_batch(self, texts, **kwargs):
+            seen.extend(len(t) for t in texts)
+            return real.encode_batch(texts, **kwargs)
+
+    encoder.tokenizer = Spy()
+    long = encoder.encode_segments(["c " * 500_000 + "a b"], ["d " + "c " * 500_000])  # 1 MB each
+    assert max(seen) == 65_536
+    # the prompt's last and the response's first tokens are those of any long enough text
+    short = PairEncoder(Tokenizer.from_str(wordpiece_json())).encode_segments(["c " * 100 + "a b"], ["d " + "c " * 100])
+    for name in ("input_ids", "attention_mask", "token_type_ids"):
+        np.testing.assert_array_equal(long[name], short[name])
