@@ -66,6 +66,8 @@ from sdk.utility import _decide_unchecked
 log = logging.getLogger("fedroute.budget")
 
 #: Correction per window of records, as a multiple of the log-error ``log(R / b)`` (see the module docstring).
+#: Largest ``window`` accepted (queries): its ring buffers take (n_models + 1) floats per query.
+MAX_WINDOW = 1_000_000
 DEFAULT_GAIN = 1.0
 #: Largest change of ``log s`` per record.
 DEFAULT_MAX_STEP = 0.05
@@ -129,7 +131,7 @@ class BudgetController:
     router : an :class:`sdk.Router` (anything with ``model_ids`` and ``predict(queries) ->
         (accuracy, cost)``, each ``(n_queries, n_models)``, cost in USD per query).
     budget_usd_per_1k : float > 0, finite: the budget, USD per 1,000 queries.
-    window : int >= 1: queries in each sliding window (predictions and realised costs).
+    window : int in [1, :data:`MAX_WINDOW`]: queries in each sliding window (predictions and realised costs).
     tolerance : float > 0: relative deviation of the windowed realised spend from the budget that
         raises a ``"drift"`` event (0.10 = +-10%).
     seed : int >= 0 or None: seed of the randomised mixing (None: fresh entropy).
@@ -141,7 +143,7 @@ class BudgetController:
     ------
     InvalidInputError
         A budget, tolerance, gain or max_step that is not a finite number > 0 (NaN, inf, 0,
-        negative, bool, str...); a window that is not an int >= 1; a seed that is not None or an
+        negative, bool, str...); a window that is not an int in [1, MAX_WINDOW]; a seed that is not None or an
         int >= 0; a router without ``model_ids`` and ``predict``; an ``on_event`` that is not callable.
     """
 
@@ -151,8 +153,8 @@ class BudgetController:
         if not hasattr(router, "model_ids") or not callable(getattr(router, "predict", None)):
             raise InvalidInputError(f"router must be an sdk.Router (model_ids and predict), got {type(router).__name__}")
         self.budget_usd_per_1k = _positive_real("budget_usd_per_1k", budget_usd_per_1k)
-        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
-            raise InvalidInputError(f"window must be an int >= 1 (queries), got {window!r}")
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or not 1 <= window <= MAX_WINDOW:
+            raise InvalidInputError(f"window must be an int in [1, {MAX_WINDOW}] (queries), got {str(window)[:40]}")
         self.window = int(window)
         self.tolerance = _positive_real("tolerance", tolerance)
         self.gain = _positive_real("gain", gain)
@@ -266,15 +268,19 @@ class BudgetController:
         Raises
         ------
         ShapeError
-            Wrong shape, inf, or a negative cost.
+            Values that do not convert to float64, wrong shape, inf, or a negative cost.
         InvalidInputError
             Every prediction NaN.
         """
         return self._route(*self._checked(accuracy, cost))
 
     def _checked(self, accuracy: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        a = np.asarray(accuracy, dtype=np.float64)
-        c = np.asarray(cost, dtype=np.float64)
+        try:
+            a = np.asarray(accuracy, dtype=np.float64)
+            c = np.asarray(cost, dtype=np.float64)
+        except (TypeError, ValueError) as exc:  # ragged lists, strings, objects
+            raise ShapeError(f"accuracy and cost must be arrays of real numbers of shape ({len(self._model_ids)},), "
+                             f"got values that do not convert to float64 ({exc})") from exc
         if a.shape != (len(self._model_ids),) or c.shape != a.shape:
             raise ShapeError(f"accuracy and cost must have shape ({len(self._model_ids)},), got {a.shape} and {c.shape}")
         valid = ~(np.isnan(a) | np.isnan(c))
@@ -336,9 +342,12 @@ class BudgetController:
             raise UnknownModelError(f"unknown model {model!r}; the router's models are {list(self._model_ids)}")
         if isinstance(cost_usd, bool) or not isinstance(cost_usd, numbers.Real):
             raise InvalidInputError(f"cost_usd must be a real number (USD), got {type(cost_usd).__name__} {cost_usd!r}")
-        cost = float(cost_usd)
+        try:
+            cost = float(cost_usd)
+        except OverflowError:  # an int beyond the float range
+            cost = math.inf
         if not math.isfinite(cost) or cost < 0:
-            raise InvalidInputError(f"cost_usd must be a finite number >= 0 (USD), got {cost_usd!r}")
+            raise InvalidInputError(f"cost_usd must be a finite number >= 0 (USD), got {str(cost_usd)[:40]}")
         events = []
         with self._lock:
             self._realised.append(cost)

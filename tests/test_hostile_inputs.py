@@ -615,3 +615,18 @@ def test_the_pair_encoder_tokenises_at_most_64_ki_characters_of_a_megabyte_text(
     short = PairEncoder(Tokenizer.from_str(wordpiece_json())).encode_segments(["c " * 100 + "a b"], ["d " + "c " * 100])
     for name in ("input_ids", "attention_mask", "token_type_ids"):
         np.testing.assert_array_equal(long[name], short[name])
+
+
+def test_budget_controller_arguments_beyond_the_float_or_memory_range(bundle, signing_keys):
+    from sdk.budget import BudgetController
+
+    router = Router.load(bundle(), signing_keys[1])
+    with pytest.raises(InvalidInputError, match="window must be an int in \\[1, 1000000\\] \\(queries\\), got 10000"):
+        BudgetController(router, budget_usd_per_1k=1.0, window=10**30)
+    controller = BudgetController(router, budget_usd_per_1k=1.0, seed=0)
+    with pytest.raises(InvalidInputError, match="cost_usd must be a finite number >= 0 \\(USD\\)"):
+        controller.record("cheap", 10**400)
+    for accuracy, cost in (([["a", "b"]], [[1, 2]]), ([[0.5], [0.5, 0.1]], [0.1, 0.2])):
+        with pytest.raises(ShapeError, match="do not convert to float64"):
+            controller.choose_from_predictions(accuracy, cost)
+    assert controller.n_chosen == 0 and controller.n_recorded == 0  # nothing half-counted
