@@ -136,8 +136,9 @@ class SyncClient:
     Raises
     ------
     InvalidInputError
-        A URL that is not https, an empty token, negative retry settings, a ``min_count_floor``
-        below 1 or an unknown ``upload_format``.
+        A URL that is not https, an empty token or one that is not printable ASCII (control
+        characters, spaces or non-ASCII letters inside it), negative retry settings, a
+        ``min_count_floor`` below 1 or an unknown ``upload_format``.
     """
 
     def __init__(self, server_url: str, token: str, eval_log: EvalLog, bundle_dir, public_key, *,
@@ -153,6 +154,9 @@ class SyncClient:
             raise InvalidInputError(f"server_url must be https://..., got {str(server_url)!r}")
         if not isinstance(token, str) or not token.strip():
             raise InvalidInputError("token must be a non-empty string")
+        if not all("\x21" <= ch <= "\x7e" for ch in token.strip()):  # it travels in the Authorization header
+            raise InvalidInputError("token must be printable ASCII without spaces or control characters (it is sent "
+                                    "in an HTTP header); check the token file for stray bytes")
         if retries < 0 or backoff_s < 0 or max_backoff_s < 0:
             raise InvalidInputError("retries, backoff_s and max_backoff_s must be >= 0")
         if isinstance(min_count_floor, bool) or not isinstance(min_count_floor, int) or min_count_floor < 1:

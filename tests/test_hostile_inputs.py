@@ -630,3 +630,13 @@ def test_budget_controller_arguments_beyond_the_float_or_memory_range(bundle, si
         with pytest.raises(ShapeError, match="do not convert to float64"):
             controller.choose_from_predictions(accuracy, cost)
     assert controller.n_chosen == 0 and controller.n_recorded == 0  # nothing half-counted
+
+
+@pytest.mark.parametrize("token", ["t\u00e9st", "fr_a\nInjected: 1", "fr_a\x00b", "fr_\ud800", "fr_a b"])
+def test_a_token_that_cannot_travel_in_an_http_header_is_refused_at_construction(tmp_path, signing_keys, token):
+    from sdk.sync import SyncClient
+
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
+        with pytest.raises(InvalidInputError, match="token must be printable ASCII without spaces or control"):
+            SyncClient("https://fed.test", token, log, tmp_path / "bundle", signing_keys[1])
+        SyncClient("https://fed.test", " fr_AbC-_9 \n", log, tmp_path / "bundle", signing_keys[1]).close()  # stripped
