@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,8 @@ EMBEDDER_FILES = {"fp32": "embedder.onnx", "int8": "embedder.int8.onnx", "int8-a
 #: Largest manifest and largest single file accepted (bytes); a bigger one is a corrupt bundle.
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_FILE_BYTES = 1 << 30
+#: Largest public-key file read (bytes); an Ed25519 PEM is 113.
+MAX_KEY_BYTES = 1 << 16
 #: Largest bundle version accepted: the SQLite INTEGER range, so that every row an
 #: :class:`~sdk.eval_log.EvalLog` records for the bundle can hold it.
 MAX_BUNDLE_VERSION = 2**63 - 1
@@ -122,17 +125,15 @@ def load_public_key(public_key):
     Raises
     ------
     BundleError
-        The file is missing or is not an Ed25519 public key.
+        The file is missing, not a regular file (a FIFO, a device), over :data:`MAX_KEY_BYTES`, or
+        not an Ed25519 public key.
     """
     if isinstance(public_key, Ed25519PublicKey):
         return public_key
     if isinstance(public_key, str) and public_key.lstrip().startswith("-----BEGIN"):
         data = public_key.encode("ascii", "replace")
     elif isinstance(public_key, (str, Path)):
-        try:
-            data = Path(public_key).read_bytes()
-        except OSError as exc:
-            raise BundleError(f"cannot read public key {public_key}: {exc}") from exc
+        data = _read_key_file(Path(public_key))
     elif isinstance(public_key, bytes):
         data = public_key
     else:
@@ -144,6 +145,21 @@ def load_public_key(public_key):
     if not isinstance(key, Ed25519PublicKey):
         raise BundleError(f"public key is {type(key).__name__}, expected Ed25519")
     return key
+
+
+def _read_key_file(path: Path) -> bytes:
+    """The bytes of a public-key file: a regular file (symlinks followed) of at most
+    :data:`MAX_KEY_BYTES`, so a key path naming a FIFO or ``/dev/zero`` fails instead of blocking."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise BundleError(f"cannot read public key {path}: {exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BundleError(f"public key {path} is not a regular file")
+        return read_descriptor(os.dup(fd), "public key", MAX_KEY_BYTES)
+    finally:
+        os.close(fd)
 
 
 def public_key_id(key) -> str:

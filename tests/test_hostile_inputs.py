@@ -640,3 +640,20 @@ def test_a_token_that_cannot_travel_in_an_http_header_is_refused_at_construction
         with pytest.raises(InvalidInputError, match="token must be printable ASCII without spaces or control"):
             SyncClient("https://fed.test", token, log, tmp_path / "bundle", signing_keys[1])
         SyncClient("https://fed.test", " fr_AbC-_9 \n", log, tmp_path / "bundle", signing_keys[1]).close()  # stripped
+
+
+def test_a_public_key_path_naming_a_device_a_fifo_or_a_huge_file_fails_instead_of_blocking(bundle, signing_keys,
+                                                                                          tmp_path):
+    built = bundle()
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)
+    for path in (tmp_path, "/dev/zero", fifo):  # the folder first: before the fix the other two blocked
+        with pytest.raises(BundleError, match="is not a regular file"):
+            Router.load(built, path)
+    huge = tmp_path / "huge.pub"
+    huge.write_bytes(signing_keys[1].read_bytes() + b"\n" * 70_000)
+    with pytest.raises(BundleError, match="public key: over the 65536-byte limit"):
+        Router.load(built, huge)
+    link = tmp_path / "link.pub"
+    link.symlink_to(signing_keys[1])  # a key file may be a link (it is not a bundle file)
+    assert Router.load(built, link).bundle_version == 1
