@@ -152,8 +152,8 @@ def _read_key_file(path: Path) -> bytes:
     :data:`MAX_KEY_BYTES`, so a key path naming a FIFO or ``/dev/zero`` fails instead of blocking."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except OSError as exc:
-        raise BundleError(f"cannot read public key {path}: {exc}") from exc
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise BundleError(f"cannot read public key {str(path)!r}: {exc}") from exc
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise BundleError(f"public key {path} is not a regular file")

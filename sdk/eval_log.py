@@ -242,7 +242,7 @@ class EvalLog:
             conn = sqlite3.connect(
                 str(path), timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
             )
-        except (OSError, sqlite3.Error) as exc:
+        except (OSError, sqlite3.Error, ValueError) as exc:  # ValueError: a NUL byte in the path
             raise EvalLogError(f"cannot open evaluation log {str(path)!r}: {exc}") from exc
         try:
             self._init_connection(conn)

@@ -113,7 +113,7 @@ class PendingOutcomes:
             # few (no fsync per call, which would dominate the proxy's bookkeeping time).
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute(_SCHEMA)
-        except (OSError, sqlite3.Error) as exc:
+        except (OSError, sqlite3.Error, ValueError) as exc:  # ValueError: a NUL byte in the path
             raise EvalLogError(f"cannot open the pending-outcome store {self._path!r}: {exc}") from exc
 
     def add(self, outcome: PendingOutcome) -> None:

@@ -657,3 +657,14 @@ def test_a_public_key_path_naming_a_device_a_fifo_or_a_huge_file_fails_instead_o
     link = tmp_path / "link.pub"
     link.symlink_to(signing_keys[1])  # a key file may be a link (it is not a bundle file)
     assert Router.load(built, link).bundle_version == 1
+
+
+def test_paths_with_a_nul_byte_are_fedroute_errors(bundle, signing_keys, tmp_path):
+    from sdk.pending_outcomes import PendingOutcomes
+
+    with pytest.raises(EvalLogError, match="cannot open evaluation log .*embedded null byte"):
+        EvalLog(str(tmp_path / "log\x00.sqlite"), MODELS)
+    with pytest.raises(EvalLogError, match="cannot open the pending-outcome store .*embedded null byte"):
+        PendingOutcomes(str(tmp_path / "pending\x00.sqlite"))
+    with pytest.raises(BundleError, match="cannot read public key .*embedded null byte"):
+        Router.load(bundle(), str(signing_keys[1]) + "\x00")
