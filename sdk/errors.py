@@ -121,8 +121,8 @@ class UpstreamError(FedrouteError):
     Attributes
     ----------
     status : int or None, the HTTP status of the last failed attempt (None: timeout or no connection).
-    kind : str, the last failure: ``"timeout"``, ``"connection"``, ``"rate_limit"``, ``"server_error"``
-        or ``"client_error"``.
+    kind : str, the last failure: ``"timeout"``, ``"connection"``, ``"rate_limit"``, ``"server_error"``,
+        ``"invalid_response"`` (an answer that is not a chat completion) or ``"client_error"``.
     attempts : tuple of ``sdk.routed_chat.FailedAttempt``, every failed attempt in order.
     """
 

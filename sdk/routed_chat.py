@@ -17,7 +17,9 @@ Per call (:meth:`create`, :meth:`acreate`; ``model=`` as in :mod:`sdk.model_spec
    :class:`sdk.budget.BudgetController` (one per distinct budget) for the first model and ranks the
    rest at its current ``lam``. Router models without an upstream are never chosen.
 2. **Call** the first model through the ``openai`` package. On a timeout, a connection failure, a
-   429 or a 5xx it **falls back** to the next model of the ranking, at most ``max_fallbacks`` times,
+   429, a 5xx or an answer that is not a chat completion (not JSON, JSON nested too deeply, a JSON
+   list or text, no ``choices`` list: kind ``"invalid_response"``) it **falls back** to the next model
+   of the ranking, at most ``max_fallbacks`` times,
    each failure logged (``logging`` warning on ``fedroute.routed_chat``) and kept in
    :attr:`Route.failed`. Any other error (a 4xx: the request itself is wrong) is not retried. When
    every try failed: :class:`sdk.errors.UpstreamError`. Clients built here from a base URL have the
@@ -45,6 +47,7 @@ Requires the ``openai`` package (``pip install 'fedroute[proxy]'``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import numbers
@@ -57,6 +60,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import openai
+from openai.types.chat import ChatCompletion
 
 from sdk.budget import BudgetController
 from sdk.chat_text import DEFAULT_CONTEXT_CHARS, routing_text
@@ -103,7 +107,8 @@ class Upstream:
 class FailedAttempt:
     """One call that failed and was fallen back from (or ended the call).
 
-    ``kind``: ``"timeout"``, ``"connection"``, ``"rate_limit"``, ``"server_error"`` or ``"client_error"``;
+    ``kind``: ``"timeout"``, ``"connection"``, ``"rate_limit"``, ``"server_error"``, ``"invalid_response"``
+    (an answer that is not a chat completion) or ``"client_error"``;
     ``status``: HTTP status or None; ``elapsed_ms``: wall time of the try.
     """
 
@@ -408,7 +413,9 @@ class RoutedChat:
             t0 = time.perf_counter()
             try:
                 response = client.sync.chat.completions.create(model=client.name, **kwargs)
-            except openai.OpenAIError as exc:
+                if not stream:
+                    _check_completion(response)
+            except (openai.OpenAIError, *_GARBAGE) as exc:
                 failed.append(self._failure(m, exc, t0, order, failed))
                 continue
             route = Route(requested, plan, m, tuple(failed))
@@ -437,7 +444,9 @@ class RoutedChat:
             t0 = time.perf_counter()
             try:
                 response = await client.async_.chat.completions.create(model=client.name, **kwargs)
-            except openai.OpenAIError as exc:
+                if not stream:
+                    _check_completion(response)
+            except (openai.OpenAIError, *_GARBAGE) as exc:
                 failed.append(self._failure(m, exc, t0, order, failed))
                 continue
             route = Route(requested, plan, m, tuple(failed))
@@ -460,7 +469,7 @@ class RoutedChat:
         _as_messages(messages)
         return spec.passthrough, None, (spec.passthrough,)
 
-    def _failure(self, model: str, exc: openai.OpenAIError, t0: float, order: tuple[str, ...],
+    def _failure(self, model: str, exc: Exception, t0: float, order: tuple[str, ...],
                  failed: list[FailedAttempt]) -> FailedAttempt:
         kind, status = _classify(exc)
         attempt = FailedAttempt(model, kind, status, str(exc)[:500], _ms(t0))
@@ -494,7 +503,7 @@ class RoutedChat:
         if plan is not None and self._pending is not None and cost is not None and response_id \
                 and not storable_id(response_id):  # e.g. lone surrogates from the upstream: the answer still stands
             log.warning("the answer of %s has an id that cannot be stored (%r): it cannot be scored later",
-                        route.model, response_id[:80])
+                        route.model, str(response_id)[:80])
         elif plan is not None and self._pending is not None and cost is not None and response_id:
             c = plan.choice
             self._pending.add(PendingOutcome(response_id, time.time(), route.model, cost, latency_ms, c.embedding,
@@ -702,7 +711,26 @@ def _clients_for(model: str, spec: object) -> _UpstreamClients:
     return _UpstreamClients(name, sync, async_, owned=spec.base_url is not None)
 
 
-def _classify(exc: openai.OpenAIError) -> tuple[str, int | None]:
+class _NotACompletion(Exception):
+    """An upstream answer that parsed but is not a chat completion (a JSON list, text, no choices)."""
+
+
+#: What a garbage answer raises out of ``chat.completions.create``: a body that is not JSON or
+#: not text, JSON nested too deeply, or not a completion (:func:`_check_completion`).
+_GARBAGE = (json.JSONDecodeError, UnicodeDecodeError, RecursionError, _NotACompletion)
+
+
+def _check_completion(response: object) -> None:
+    """Raise :class:`_NotACompletion` unless ``response`` is a ``ChatCompletion`` with a ``choices`` list
+    (the ``openai`` package returns a non-JSON body as text and a JSON list as a list, unvalidated)."""
+    if not isinstance(response, ChatCompletion) or not isinstance(getattr(response, "choices", None), list):
+        raise _NotACompletion(f"the answer is not a chat completion (a {type(response).__name__} "
+                              "without a 'choices' list)")
+
+
+def _classify(exc: Exception) -> tuple[str, int | None]:
+    if isinstance(exc, (*_GARBAGE, openai.APIResponseValidationError)):
+        return "invalid_response", None
     if isinstance(exc, openai.APITimeoutError):
         return "timeout", None
     if isinstance(exc, openai.APIConnectionError):

@@ -668,3 +668,41 @@ def test_paths_with_a_nul_byte_are_fedroute_errors(bundle, signing_keys, tmp_pat
         PendingOutcomes(str(tmp_path / "pending\x00.sqlite"))
     with pytest.raises(BundleError, match="cannot read public key .*embedded null byte"):
         Router.load(bundle(), str(signing_keys[1]) + "\x00")
+
+
+@pytest.mark.parametrize("garbage, content_type", [(b"<html>busy</html>", "application/json"),
+                                                   (b"<html>busy</html>", "text/html"), (b"[1, 2]", "application/json"),
+                                                   (b"{}", "application/json"),
+                                                   (b'{"x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "application/json")])
+def test_an_answer_that_is_not_a_chat_completion_falls_back_like_a_5xx(bundle, signing_keys, garbage, content_type):
+    import httpx
+    import openai
+
+    from sdk.errors import UpstreamError
+    from sdk.routed_chat import RoutedChat, Upstream
+    from sdk.token_prices import TokenPrice
+
+    good = (b'{"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "cheap", "choices": [{"index": 0, '
+            b'"finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}}], "usage": ' + USAGE + b"}")
+    broken = {"dear", "cheap"}
+
+    def upstream(request):  # a third-party endpoint whose "dear" (the router's first choice) answers garbage
+        if json.loads(request.content)["model"] in broken:
+            return httpx.Response(200, content=garbage, headers={"content-type": content_type})
+        return httpx.Response(200, content=good, headers={"content-type": "application/json"})
+
+    client = openai.OpenAI(base_url="http://up.test/v1", api_key="k", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(upstream)))
+    chat = RoutedChat(Router.load(bundle(), signing_keys[1]), upstreams={m: Upstream(client=client) for m in MODELS},
+                      lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS})
+    try:
+        with pytest.raises(UpstreamError, match="every model tried failed: dear \\(invalid_response\\), cheap "
+                                                "\\(invalid_response\\)") as info:
+            chat.create_routed(messages="a")
+        assert info.value.kind == "invalid_response"
+        broken.discard("cheap")
+        result = chat.create_routed(messages="a")
+        assert result.completion.choices[0].message.content == "hi" and result.outcome.route.model == "cheap"
+        assert [(a.model, a.kind) for a in result.outcome.route.failed] == [("dear", "invalid_response")]
+    finally:
+        chat.close()

@@ -14,7 +14,8 @@ Every route but ``/health`` needs ``Authorization: Bearer <token>`` with one of 
     400 malformed body (not a JSON object, NaN/Infinity, nested too deeply), ``messages`` or ``model=``
     string (a budget <= 0 or NaN included); 413 a body over ``max_body_bytes`` (32 MiB); 404 a model
     id with no upstream (``model_not_found``); the upstream's status for a request it refused (4xx);
-    when every try failed: 429 (rate limited), 502 (5xx or unreachable) or 504 (timeout).
+    when every try failed: 429 (rate limited), 502 (5xx, unreachable, or an answer that is not a chat
+    completion) or 504 (timeout).
 ``GET /v1/models``
     ``fedroute`` and every model callable by name, as OpenAI's model list.
 ``POST /v1/fedroute/feedback``
@@ -49,7 +50,7 @@ from sdk.routed_chat import AsyncRoutedStream, Route, RoutedChat
 #: Request fields passed to ``chat.completions.create`` by name; the others go in ``extra_body``.
 _KNOWN = frozenset(inspect.signature(AsyncCompletions.create).parameters) - {
     "self", "messages", "model", "extra_headers", "extra_query", "extra_body", "timeout"}
-_EXHAUSTED_STATUS = {"rate_limit": 429, "server_error": 502, "connection": 502, "timeout": 504}
+_EXHAUSTED_STATUS = {"rate_limit": 429, "server_error": 502, "invalid_response": 502, "connection": 502, "timeout": 504}
 
 
 def error_json(status: int, message: str, type_: str, *, param: str | None = None, code: str | None = None,
