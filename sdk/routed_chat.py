@@ -60,7 +60,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import openai
-from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from sdk.budget import BudgetController
 from sdk.chat_text import DEFAULT_CONTEXT_CHARS, routing_text
@@ -576,8 +576,39 @@ class RoutedChat:
         self.close()
 
 
+def _chunk_error(model: str, exc: Exception) -> UpstreamError:
+    return UpstreamError(f"{model} sent a stream event that is not a chat completion chunk ({type(exc).__name__}: "
+                         f"{str(exc)[:200]})", status=None, kind="invalid_response")
+
+
+def _checked_chunks(stream, model: str):
+    """The chunks of ``stream``; one that does not parse or is not a ``ChatCompletionChunk`` ends it
+    with :class:`UpstreamError` (kind ``invalid_response``; the chunks before it were passed on)."""
+    try:
+        for chunk in stream:
+            if not isinstance(chunk, ChatCompletionChunk):
+                raise _NotACompletion(f"a {type(chunk).__name__}")
+            yield chunk
+    except _GARBAGE as exc:
+        raise _chunk_error(model, exc) from exc
+
+
+async def _achecked_chunks(stream, model: str):
+    """Async :func:`_checked_chunks`."""
+    try:
+        async for chunk in stream:
+            if not isinstance(chunk, ChatCompletionChunk):
+                raise _NotACompletion(f"a {type(chunk).__name__}")
+            yield chunk
+    except _GARBAGE as exc:
+        raise _chunk_error(model, exc) from exc
+
+
 class RoutedStream:
     """Iterator of ``ChatCompletionChunk`` that records the call when the stream ends.
+
+    Raises :class:`~sdk.errors.UpstreamError` (kind ``"invalid_response"``) during iteration when
+    the upstream sends an event that is not a chunk (the chunks before it were passed on).
 
     ``route`` is known at once; ``outcome`` (:class:`CallOutcome`) once the stream is exhausted or
     closed. Use as an iterator, optionally in a ``with`` block (closing it ends the upstream stream).
@@ -591,7 +622,7 @@ class RoutedStream:
     def _run(self):
         usage = response_id = None
         try:
-            for chunk in self._stream:
+            for chunk in _checked_chunks(self._stream, self.route.model):
                 response_id = response_id or chunk.id
                 if chunk.usage is not None:
                     usage = chunk.usage
@@ -629,7 +660,7 @@ class AsyncRoutedStream:
     async def _run(self):
         usage = response_id = None
         try:
-            async for chunk in self._stream:
+            async for chunk in _achecked_chunks(self._stream, self.route.model):
                 response_id = response_id or chunk.id
                 if chunk.usage is not None:
                     usage = chunk.usage

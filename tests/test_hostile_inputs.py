@@ -706,3 +706,35 @@ def test_an_answer_that_is_not_a_chat_completion_falls_back_like_a_5xx(bundle, s
         assert [(a.model, a.kind) for a in result.outcome.route.failed] == [("dear", "invalid_response")]
     finally:
         chat.close()
+
+
+@pytest.mark.parametrize("bad_event", [b"data: not json\n\n", b"data: [1, 2]\n\n"])
+def test_a_stream_event_that_is_not_a_chunk_ends_the_stream_with_an_upstream_error(bundle, signing_keys, bad_event):
+    import httpx
+    import openai
+
+    from sdk.errors import UpstreamError
+    from sdk.routed_chat import RoutedChat, Upstream
+    from sdk.token_prices import TokenPrice
+
+    chunk = (b'data: {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "up", "choices": '
+             b'[{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": null}]}\n\n')
+
+    def upstream(request):  # a third-party endpoint streaming one chunk, then a broken event
+        return httpx.Response(200, content=chunk + bad_event + b"data: [DONE]\n\n",
+                              headers={"content-type": "text/event-stream"})
+
+    client = openai.OpenAI(base_url="http://up.test/v1", api_key="k", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(upstream)))
+    chat = RoutedChat(Router.load(bundle(), signing_keys[1]), upstreams={m: Upstream(client=client) for m in MODELS},
+                      lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS})
+    try:
+        stream = chat.create_routed(messages="a", stream=True)
+        got = []
+        with pytest.raises(UpstreamError, match="dear sent a stream event that is not a chat completion chunk") as info:
+            for c in stream:
+                got.append(c.choices[0].delta.content)
+        assert got == ["hi"] and info.value.kind == "invalid_response"
+        assert stream.outcome is not None and stream.outcome.cost_usd is None  # recorded as answered without usage
+    finally:
+        chat.close()

@@ -242,7 +242,7 @@ async def _events(stream: AsyncRoutedStream):
     try:
         async for chunk in stream:
             yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
-    except openai.OpenAIError as exc:  # the upstream failed mid-stream: the status is already sent
+    except (openai.OpenAIError, UpstreamError) as exc:  # the upstream failed mid-stream: the status is already sent
         error = {"error": {"message": f"the upstream failed mid-stream: {exc}", "type": "upstream_error",
                            "param": None, "code": None}}
         yield f"data: {json.dumps(error)}\n\n"
