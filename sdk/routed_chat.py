@@ -535,8 +535,12 @@ class RoutedChat:
         """
         if self._log is None or self._pending is None:
             raise InvalidInputError("this RoutedChat has no EvalLog (log=None): there is nowhere to record a score")
-        if isinstance(score, bool) or not isinstance(score, numbers.Real) or not 0.0 <= float(score) <= 1.0:
-            raise InvalidInputError(f"score must be a real number in [0, 1], got {score!r}")
+        try:  # float() of an int beyond the float range raises OverflowError: out of [0, 1] as well
+            in_range = not isinstance(score, bool) and isinstance(score, numbers.Real) and 0.0 <= float(score) <= 1.0
+        except OverflowError:
+            in_range = False
+        if not in_range:
+            raise InvalidInputError(f"score must be a real number in [0, 1], got {str(score)[:40]}")
         if not isinstance(response_id, str):
             raise InvalidInputError(f"response_id must be a str, got {type(response_id).__name__}")
         with self._feedback_lock:

@@ -738,3 +738,16 @@ def test_a_stream_event_that_is_not_a_chunk_ends_the_stream_with_an_upstream_err
         assert stream.outcome is not None and stream.outcome.cost_usd is None  # recorded as answered without usage
     finally:
         chat.close()
+
+
+def test_a_feedback_score_beyond_the_float_range_is_an_invalid_input(bundle, signing_keys, tmp_path):
+    router = Router.load(bundle(), signing_keys[1])
+    with EvalLog(tmp_path / "log.sqlite", router.model_ids) as log:
+        chat = stubbed_chat(router, {"id": b'"chatcmpl-1"', "usage": USAGE}, log=log, pending=tmp_path / "p.sqlite")
+        try:
+            assert chat.create_routed(messages="a").outcome.awaiting_score
+            with pytest.raises(InvalidInputError, match="score must be a real number in \\[0, 1\\], got 1000000"):
+                chat.feedback("chatcmpl-1", 10**400)
+            assert chat.feedback("chatcmpl-1", 1) == 1  # still awaiting: the bad score recorded nothing
+        finally:
+            chat.close()
