@@ -577,9 +577,12 @@ def _check_utf8(name: str, text: str) -> None:
 def _check_real(name: str, value: object) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise InvalidInputError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    result = float(value)
+    try:
+        result = float(value)
+    except OverflowError:  # an int beyond the float range
+        result = math.inf
     if not math.isfinite(result):
-        raise InvalidInputError(f"{name} must be finite, got {result!r}")
+        raise InvalidInputError(f"{name} must be finite, got {str(value)[:40]}")
     return result
 
 

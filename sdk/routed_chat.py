@@ -696,8 +696,13 @@ def check_budget(budget: object) -> float:
     InvalidInputError
         Not a real number (bools included), NaN, inf, or <= 0.
     """
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not math.isfinite(budget) or budget <= 0:
-        raise InvalidInputError(f"budget_usd_per_1k must be a finite number > 0 (USD per 1,000 queries), got {budget!r}")
+    try:  # math.isfinite of an int beyond the float range raises OverflowError: not finite either
+        finite = not isinstance(budget, bool) and isinstance(budget, numbers.Real) and math.isfinite(budget)
+    except OverflowError:
+        finite = False
+    if not finite or budget <= 0:
+        raise InvalidInputError(f"budget_usd_per_1k must be a finite number > 0 (USD per 1,000 queries), "
+                                f"got {str(budget)[:40]}")
     return float(budget)
 
 

@@ -751,3 +751,17 @@ def test_a_feedback_score_beyond_the_float_range_is_an_invalid_input(bundle, sig
             assert chat.feedback("chatcmpl-1", 1) == 1  # still awaiting: the bad score recorded nothing
         finally:
             chat.close()
+
+
+def test_numbers_beyond_the_float_range_are_invalid_inputs_in_the_log_and_the_budget_check(tmp_path):
+    from sdk.routed_chat import check_budget
+
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
+        for field in ("score", "cost_usd", "latency_ms", "timestamp"):
+            kwargs = {"score": 1.0, "cost_usd": 0.001, "latency_ms": 1.0, "timestamp": None, field: 10**400}
+            score, cost = kwargs.pop("score"), kwargs.pop("cost_usd")
+            with pytest.raises(InvalidInputError, match=f"{field} must be finite, got 1000000"):
+                log.record("cheap", score, cost, cell=0, **kwargs)
+        assert len(log) == 0
+    with pytest.raises(InvalidInputError, match="budget_usd_per_1k must be a finite number > 0"):
+        check_budget(10**400)
