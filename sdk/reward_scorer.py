@@ -395,7 +395,7 @@ class RewardScorer:
         ----------
         bundle_dir : path of a bundle written by ``fedroute mor export``.
         public_key : path of ``signing.pub``, its PEM text (str or bytes) or an ``Ed25519PublicKey``.
-        intra_op_threads, inter_op_threads : onnxruntime thread counts, integers >= 1.
+        intra_op_threads, inter_op_threads : onnxruntime thread counts, integers in [1, 1024].
         min_bundle_version : refuse a bundle older than this (a replayed, superseded bundle).
 
         Raises

@@ -183,7 +183,7 @@ class Router:
         public_key : path of ``signing.pub``, its PEM text (str or bytes) or an ``Ed25519PublicKey``.
         precision : ``"int8"``, ``"int8-all"``, ``"fp32"`` or ``"auto"`` (the first the bundle has of
             :data:`AUTO_PRECISIONS`: ``int8-all``, ``int8``, ``fp32``, fastest first).
-        intra_op_threads, inter_op_threads : onnxruntime thread counts, integers >= 1. One
+        intra_op_threads, inter_op_threads : onnxruntime thread counts, integers in [1, 1024]. One
             intra-op thread gives the lowest single-query latency on a busy device.
         min_bundle_version : refuse a bundle older than this. Pass the version the app last
             loaded, so that a replayed old bundle (validly signed, but superseded) is refused.
