@@ -49,12 +49,16 @@ N_LENGTH_FEATURES = 3
 LENGTH_FEATURE_NAMES = ("dlog_chars", "dlog_words", "dlog_lines")
 
 
+#: Largest ``prompt_tokens`` / ``response_tokens`` (a segment is allocated at that length per pair).
+MAX_SEGMENT_TOKENS = 1 << 16
+
+
 @dataclass(frozen=True)
 class PairEncodingConfig:
     """Token budget and special tokens of a pair encoding.
 
-    prompt_tokens : int >= 1, tokens kept from the end of the prompt.
-    response_tokens : int >= 1, tokens kept from the start of each response.
+    prompt_tokens : int in [1, :data:`MAX_SEGMENT_TOKENS`], tokens kept from the end of the prompt.
+    response_tokens : int in [1, :data:`MAX_SEGMENT_TOKENS`], tokens kept from the start of each response.
     prefix_token : str or None, token put first (BERT ``[CLS]``; None for causal LMs).
     sep_token : str, token after the prompt and after the response (BERT ``[SEP]``, Qwen ``<|endoftext|>``).
     pad_token : str, padding token (masked out).
@@ -63,6 +67,12 @@ class PairEncodingConfig:
     67 tokens per segment (the length features carry the full lengths; see the selector's CPU budget). The GPU preset (a Qwen2-0.5B-class causal LM) uses
     :meth:`causal_lm_preset`: 128 + 256 tokens, no prefix, ``<|endoftext|>`` separators, and the
     selector pools the last real token.
+
+    Raises
+    ------
+    InvalidInputError
+        A token count that is not an int in [1, :data:`MAX_SEGMENT_TOKENS`] (bools refused), or a
+        special token that is not a non-empty str (``prefix_token`` may be None).
     """
 
     prompt_tokens: int = 24
@@ -74,8 +84,13 @@ class PairEncodingConfig:
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "response_tokens"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise InvalidInputError(f"{name} must be an int >= 1, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SEGMENT_TOKENS:
+                raise InvalidInputError(f"{name} must be an int in [1, {MAX_SEGMENT_TOKENS}], got {str(v)[:40]}")
+        for name in ("prefix_token", "sep_token", "pad_token"):
+            v = getattr(self, name)
+            if not (isinstance(v, str) and v) and not (name == "prefix_token" and v is None):
+                raise InvalidInputError(f"{name} must be a non-empty str{' or None' if name == 'prefix_token' else ''}, "
+                                        f"got {v!r:.40}")
 
     @classmethod
     def causal_lm_preset(cls) -> PairEncodingConfig:

@@ -765,3 +765,22 @@ def test_numbers_beyond_the_float_range_are_invalid_inputs_in_the_log_and_the_bu
         assert len(log) == 0
     with pytest.raises(InvalidInputError, match="budget_usd_per_1k must be a finite number > 0"):
         check_budget(10**400)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"prompt_tokens": 10**12}, "prompt_tokens must be an int in \\[1, 65536\\], got 1000000000000"),
+    ({"response_tokens": True}, "response_tokens must be an int in \\[1, 65536\\], got True"),
+    ({"sep_token": ["[SEP]"]}, "sep_token must be a non-empty str, got \\['\\[SEP\\]'\\]"),
+    ({"pad_token": ""}, "pad_token must be a non-empty str"),
+])
+def test_a_pair_encoding_that_would_allocate_without_bound_or_crash_the_tokenizer_is_refused(fields, match):
+    from sdk.pair_encoding import PairEncodingConfig
+    from sdk.selector import OnnxPairSelectorKind
+
+    with pytest.raises(InvalidInputError, match=match):
+        PairEncodingConfig(**fields)
+    manifest = {"files": {"tokenizer.json": "0" * 64, "selector.onnx": "0" * 64},
+                "selector": {"name": "s", "files": {"fp32": "selector.onnx"}, "n_length_features": 3,
+                             "pair_encoding": {**PairEncodingConfig().to_dict(), **fields}}}
+    with pytest.raises(BundleError, match=f"manifest: selector.pair_encoding is invalid \\({match}"):
+        OnnxPairSelectorKind().check_manifest(manifest)  # a signed selector bundle carrying it
