@@ -40,7 +40,7 @@ import numpy as np
 from sdk import bundle_manifest as fmt
 from sdk import kinds
 from sdk.artefact_kind import ArtefactKind, LoadContext
-from sdk.embedder import FLOAT, INT64, check_graph_inputs, inference_session, load_tokenizer, run_session, session_options
+from sdk.embedder import FLOAT, INT64, MAX_QUERY_CHARS, check_graph_inputs, inference_session, load_tokenizer, run_session, session_options
 from sdk.arrays import finite_rows
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 from sdk.pair_encoding import length_features_many
@@ -78,8 +78,11 @@ def check_reward_manifest(manifest: dict) -> None:
          "features must hold length_features (bool) and d_in (int > 0)")
     if features["length_features"]:
         scale = features.get("length_scale")
-        need(isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0,
-             "features.length_scale must be a finite number > 0")
+        try:  # math.isfinite of an int beyond the float range raises OverflowError: not finite either
+            finite = isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
+        except OverflowError:
+            finite = False
+        need(finite and scale > 0, "features.length_scale must be a finite number > 0")
     expected = 2 * manifest["embedder"]["dim"] + (3 if features["length_features"] else 0)
     need(features["d_in"] == expected, f"features.d_in {features['d_in']} != 2 * embedder.dim"
          f"{' + 3' if features['length_features'] else ''} = {expected}")
@@ -236,7 +239,7 @@ LORA_OPTIONAL_INPUTS = ("token_type_ids", "lengths")
 
 def check_lora_reward_manifest(manifest: dict) -> None:
     """:func:`check_reward_manifest`, plus the ``mor_lora`` fields: ``reward.encoder`` =
-    ``{"base_model": str, "max_tokens": int >= 2, "truncation_side": "left"|"right", "length_term": bool,
+    ``{"base_model": str, "max_tokens": int in [2, 65536], "truncation_side": "left"|"right", "length_term": bool,
     "lora": {...}}`` and ``reward_tokenizer.json`` among the files.
 
     Raises
@@ -247,10 +250,11 @@ def check_lora_reward_manifest(manifest: dict) -> None:
     check_reward_manifest(manifest)
     enc = manifest["reward"].get("encoder")
     ok = (isinstance(enc, dict) and isinstance(enc.get("base_model"), str)
-          and isinstance(enc.get("max_tokens"), int) and not isinstance(enc.get("max_tokens"), bool) and enc["max_tokens"] >= 2
+          and isinstance(enc.get("max_tokens"), int) and not isinstance(enc.get("max_tokens"), bool)
+          and 2 <= enc["max_tokens"] <= MAX_QUERY_CHARS
           and enc.get("truncation_side") in ("left", "right") and isinstance(enc.get("length_term"), bool))
     if not ok:
-        raise BundleError("manifest: reward.encoder must hold base_model (str), max_tokens (int >= 2), "
+        raise BundleError(f"manifest: reward.encoder must hold base_model (str), max_tokens (int in [2, {MAX_QUERY_CHARS}]), "
                           "truncation_side ('left'|'right') and length_term (bool)")
     if enc["length_term"] and not manifest["features"].get("length_scale"):
         raise BundleError("manifest: reward.encoder.length_term needs features.length_scale")

@@ -784,3 +784,21 @@ def test_a_pair_encoding_that_would_allocate_without_bound_or_crash_the_tokenize
                              "pair_encoding": {**PairEncodingConfig().to_dict(), **fields}}}
     with pytest.raises(BundleError, match=f"manifest: selector.pair_encoding is invalid \\({match}"):
         OnnxPairSelectorKind().check_manifest(manifest)  # a signed selector bundle carrying it
+
+
+def test_reward_manifest_numbers_beyond_what_tokenizers_or_floats_take_are_bundle_errors():
+    from sdk.reward_scorer import check_lora_reward_manifest
+
+    def manifest(max_tokens=128, length_scale=8.0):
+        return {"embedder": {"dim": 3, "files": {"fp32": "embedder.onnx"}}, "clients": ["a", "b"],
+                "client": {"index": 0, "name": "a"}, "features": {"length_features": True, "d_in": 9,
+                                                                   "length_scale": length_scale},
+                "reward": {"arch": "lora", "encoder": {"base_model": "m", "max_tokens": max_tokens,
+                                                       "truncation_side": "left", "length_term": False}},
+                "files": {n: "0" * 64 for n in ("reward.onnx", "client_router.onnx", "reward_tokenizer.json")}}
+
+    check_lora_reward_manifest(manifest())
+    with pytest.raises(BundleError, match="manifest: features.length_scale must be a finite number > 0"):
+        check_lora_reward_manifest(manifest(length_scale=10**400))
+    with pytest.raises(BundleError, match="reward.encoder must hold base_model \\(str\\), max_tokens \\(int in \\[2, 65536\\]\\)"):
+        check_lora_reward_manifest(manifest(max_tokens=10**30))  # tokenizers' enable_truncation overflowed at load
