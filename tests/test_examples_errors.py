@@ -17,3 +17,20 @@ def test_route_with_trained_router_names_the_missing_router(tmp_path, capsys):
         f"([Errno 2] No such file or directory: '{tmp_path / 'routers' / 'kmeans' / 'router.json'}')",
         "(train a router first: the main job writes results/routers/kmeans and .../mlp)",
     ]
+
+
+def test_a_trained_router_folder_given_to_router_load_says_to_export_it(tmp_path):
+    """The newcomer's slip: `Router.load("results/routers/kmeans", ...)` instead of the exported bundle."""
+    import pytest
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from sdk import Router
+    from sdk.errors import BundleError
+
+    folder = tmp_path / "routers" / "kmeans"
+    folder.mkdir(parents=True)
+    (folder / "router.json").write_text("{}")
+    with pytest.raises(BundleError) as info:
+        Router.load(folder, public_key=Ed25519PrivateKey.generate().public_key())
+    assert str(info.value) == (f"{folder} is a trained router folder, not a bundle (no manifest.json): make a bundle "
+                               f"of it with `fedroute export --router {folder} --out BUNDLE --signing-key KEY`")
