@@ -30,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.token:
         parser.error("give --token or set FEDROUTE_PROXY_TOKEN")
+    root = args.base_url.rstrip("/").removesuffix("/v1")
+    try:  # one plain request first: a proxy that is not (yet) listening is one clear line, not a traceback
+        httpx.get(f"{root}/health", timeout=10.0).raise_for_status()
+    except httpx.HTTPError as exc:
+        print(f"error: no fedroute proxy answers at {root}/health ({exc}); start `fedroute proxy` first and wait "
+              "until its /health answers (it loads the bundle for a few seconds)", file=sys.stderr)
+        return 2
     client = openai.OpenAI(base_url=args.base_url, api_key=args.token)
     messages = [{"role": "user", "content": QUESTION}]
 
@@ -52,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         direct = client.chat.completions.create(model=args.passthrough, messages=messages)
         print(f"pass-through {args.passthrough} -> {direct.model}")
 
-    root = args.base_url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {args.token}"}
     if args.score is not None:  # the app's judgement of the answer, later: appended to the device's EvalLog
         r = httpx.post(f"{root}/v1/fedroute/feedback", json={"id": reply.id, "score": args.score}, headers=headers)

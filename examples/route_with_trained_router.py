@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from sdk.errors import FedrouteError
 from trainer.embeddings import EmbedderConfig, embed_texts
 from trainer.kinds import load_router
 
@@ -25,8 +26,13 @@ PROMPTS = [
 LAMBDAS = (0.0, 30.0, 300.0, 3000.0)
 
 
-def main(router_dir: Path) -> None:
-    router = load_router(router_dir)
+def main(router_dir: Path) -> int:
+    try:
+        router = load_router(router_dir)
+    except FedrouteError as exc:  # a wrong path, or the main job not run yet: one line, not a traceback
+        print(f"error: {exc}\n(train a router first: the main job writes results/routers/kmeans and .../mlp)",
+              file=sys.stderr)
+        return 2
     spec = router.embedder or {}
     config = EmbedderConfig(model=spec.get("name", "all-MiniLM-L6-v2"), max_tokens=spec.get("max_tokens", 256),
                             truncation_side=spec.get("truncation_side", "left"))
@@ -38,7 +44,8 @@ def main(router_dir: Path) -> None:
         for i, prompt in enumerate(PROMPTS):
             m = int(choice[i])
             print(f"  {router.models[m]:<36} acc~{acc[i, m]:.2f}  cost~${cost[i, m]:.5f}  | {prompt.splitlines()[0][:50]}")
+    return 0
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "results/routers/kmeans"))
+    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "results/routers/kmeans")))

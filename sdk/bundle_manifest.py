@@ -337,8 +337,9 @@ def read_verified(directory, public_key, wanted: Names | None = None, *, by_path
     Raises
     ------
     BundleError
-        A ``directory`` that is not a path (str or os.PathLike) or not a folder, a
-        missing/oversized/unparsable manifest, missing or invalid signature, a signature by another
+        A ``directory`` that is not a path (str or os.PathLike) or not a folder, a trained
+        router's folder given for its bundle, a missing/oversized/unparsable manifest, missing or
+        invalid signature, a signature by another
         key, unsupported format, a checked file missing or whose sha256 differs, or a wanted file
         that the manifest does not list.
     """
@@ -347,6 +348,9 @@ def read_verified(directory, public_key, wanted: Names | None = None, *, by_path
     given = Path(directory)
     if not given.is_dir():
         raise BundleError(f"bundle {given} is not a directory")
+    if not (given / MANIFEST_FILE).exists() and (given / "router.json").is_file():
+        raise BundleError(f"{given} is a trained router folder, not a bundle (no {MANIFEST_FILE}): make a bundle of it "
+                          f"with `fedroute export --router {given} --out BUNDLE --signing-key KEY`")
     # Resolve a published bundle's symlink once: every file is read from the same version even if
     # the link is swapped to a newer one meanwhile.
     directory = given.resolve()

@@ -46,9 +46,18 @@ def make_sync_command(mlp_trainer=None):
                  "uploads over two partitions can be combined)")] = False,
     ) -> None:
         """Upload this round's statistics and install a newer bundle, once."""
-        token = token_file.read_text().strip() if token_file else os.environ.get("FEDROUTE_TOKEN", "")
-        if not token:
-            raise typer.BadParameter("give --token-file or set FEDROUTE_TOKEN")
+        if token_file is not None:
+            try:
+                token = token_file.read_text().strip()
+            except OSError as exc:
+                raise typer.BadParameter(f"--token-file {token_file}: cannot read it ({exc.strerror})") from exc
+            if not token:  # e.g. a failed `fedroute clients add NAME > token` (its error went to the terminal)
+                raise typer.BadParameter(f"--token-file {token_file} is empty; the operator issues a token with "
+                                         "`fedroute clients add` (`fedroute clients rotate` for an existing client)")
+        else:
+            token = os.environ.get("FEDROUTE_TOKEN", "").strip()
+            if not token:
+                raise typer.BadParameter("give --token-file or set FEDROUTE_TOKEN")
         if not log.is_file():
             raise typer.BadParameter(f"--log {log} does not exist (the app's EvalLog file)")
         models = [m["id"] for m in fmt.read_verified(bundle, public_key, wanted=()).manifest["models"]]

@@ -275,6 +275,23 @@ def test_add_model_cli_refuses_bad_inputs_with_one_line(fitted_routers, tmp_path
         add_model_to_router(router_dir, "budget-genius", cal, router_dir)
 
 
+def test_add_model_refuses_an_out_folder_that_holds_files_before_any_work(fitted_routers, tmp_path):
+    """An --out that is a results folder or another router's folder is never written into (it used to get
+    router.json and kmeans.npz over its own files), nor is a file."""
+    cal = write_calibration(fitted_routers, tmp_path / "cal.csv", n=3)
+    router_dir = fitted_routers["dir"] / "kmeans"
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "results.json").write_text("{}")
+    result = CliRunner().invoke(app, ["add-model", "--router", str(router_dir), "--calibration", str(cal),
+                                      "--out", str(taken), "--model", "budget-genius"])
+    assert result.exit_code != 0 and isinstance(result.exception, InvalidInputError)
+    assert str(result.exception).startswith(f"--out {taken} already exists and is not an empty folder")
+    assert sorted(p.name for p in taken.iterdir()) == ["results.json"] and (taken / "results.json").read_text() == "{}"
+    with pytest.raises(InvalidInputError, match="already exists and is not an empty folder"):
+        add_model_to_router(router_dir, "budget-genius", cal, cal)  # a file
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kmeans", "mlp"])
 def test_add_model_then_export_then_the_sdk_routes_to_the_new_model(kind, fitted_routers, tmp_path):

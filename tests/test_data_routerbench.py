@@ -247,6 +247,22 @@ def test_small_valid_file_keeps_nan_and_values(few_rows: pd.DataFrame, tmp_path:
     assert np.isnan(table.accuracy[7]).any() and not np.isnan(table.accuracy[:7]).any()
 
 
+def test_the_data_root_instead_of_its_routerbench_folder_names_the_folder_to_give(few_rows: pd.DataFrame,
+                                                                                   tmp_path: Path) -> None:
+    """`--data ../shared/data` (the root, as the prism and mor commands take it) points at the subfolder."""
+    (tmp_path / "routerbench").mkdir()
+    _write(few_rows, tmp_path / "routerbench" / "train.parquet")
+    _write(few_rows, tmp_path / "routerbench" / "test.parquet")
+    with pytest.raises(DataUnavailableError) as info:
+        load_routerbench_dir(tmp_path)
+    assert str(info.value) == (f"{tmp_path} holds no train.parquet or train.csv; the subfolder "
+                               f"{tmp_path / 'routerbench'} does: give --data {tmp_path / 'routerbench'}")
+    with pytest.raises(DataUnavailableError, match="evaluation file not found"):
+        load_routerbench_dir(tmp_path / "routerbench" / "missing")
+    train, _ = load_routerbench_dir(tmp_path / "routerbench")
+    assert train.n_queries == len(few_rows)
+
+
 def test_csv_prompt_that_looks_like_na_stays_text(few_rows: pd.DataFrame, tmp_path: Path) -> None:
     frame = few_rows.copy()
     frame.loc[0, "prompt"] = "NA"

@@ -292,6 +292,25 @@ def test_the_proxy_examples_run_against_the_proxy(deployment, tmp_path, capsys):
     assert not (tmp_path / "reply.json").exists()
 
 
+def test_the_proxy_client_example_says_when_no_proxy_listens(capsys):
+    """Run before the proxy has loaded its bundle (the walk-through's race), the example prints one line
+    naming the URL and exits 2 instead of the openai client's connection-error traceback."""
+    import runpy
+    import socket
+
+    from conftest import ROOT
+
+    with socket.socket() as s:  # a port nothing listens on: bound, never listened, closed before the call
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    module = runpy.run_path(str(ROOT / "examples" / "proxy_client.py"))
+    assert module["main"](["--base-url", f"http://127.0.0.1:{port}/v1", "--token", TOKEN]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"error: no fedroute proxy answers at http://127.0.0.1:{port}/health (")
+    assert "start `fedroute proxy` first" in captured.err and "Traceback" not in captured.err
+
+
 def test_the_proxy_command_reports_a_bad_config_in_one_line(tmp_path):
     import subprocess
     import sys

@@ -34,7 +34,7 @@ def add_model_to_router(router_dir: Path, model: str, calibration: Path, out: Pa
     Raises
     ------
     InvalidInputError
-        ``out`` is the router's own folder, the router has no embedder identity, or anything the
+        ``out`` is the router's own folder or an existing file or non-empty folder, the router has no embedder identity, or anything the
         calibration checks raise (:func:`trainer.routers.add_model.load_calibration`, ``resolve_price``).
     UnknownModelError
         The calibration file has rows for other models.
@@ -47,6 +47,9 @@ def add_model_to_router(router_dir: Path, model: str, calibration: Path, out: Pa
     if out.resolve() == router_dir.resolve():
         raise InvalidInputError(f"--out {out} is the router's own folder: write the wider router to a new folder "
                                 "(the old one stays as it was)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InvalidInputError(f"--out {out} already exists and is not an empty folder: write the wider router to a "
+                                "new folder (remove this one first to redo an add-model); nothing was written")
     router = kinds.load_router(router_dir)
     cal = load_calibration(calibration, model, router.models)
     price = resolve_price(cal, price_usd)

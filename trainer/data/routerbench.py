@@ -355,7 +355,16 @@ def load_routerbench_dir(data_dir: str | os.PathLike[str]) -> tuple[EvalTable, E
         parquet, csv = folder / f"{stem}.parquet", folder / f"{stem}.csv"
         return csv if not parquet.exists() and csv.exists() else parquet
 
-    return load_eval_file(pick("train")), load_eval_file(pick("test"))
+    train = pick("train")
+    if not train.exists() and folder.is_dir():
+        # The usual slip: --data ../shared/data (the data root) instead of ../shared/data/routerbench.
+        inside = sorted(p.parent for p in folder.glob("*/train.*") if p.suffix in (".parquet", ".csv"))
+        if inside:
+            raise DataUnavailableError(
+                f"{folder} holds no train.parquet or train.csv; the subfolder {inside[0]} does: "
+                f"give --data {inside[0]}"
+            )
+    return load_eval_file(train), load_eval_file(pick("test"))
 
 
 def from_upstream_frame(df: pd.DataFrame, source: str) -> EvalTable:

@@ -1,0 +1,39 @@
+"""`fedroute-sync` names what is wrong with its token before it touches the network or the bundle."""
+
+from __future__ import annotations
+
+import typer
+from typer.testing import CliRunner
+
+from sdk.sync_cli import sync
+
+
+def run_sync(tmp_path, *args, env=None):
+    app = typer.Typer()
+    app.command()(sync)
+    base = ["--server", "https://127.0.0.1:9", "--log", str(tmp_path / "log.sqlite"), "--bundle", str(tmp_path / "b"),
+            "--public-key", str(tmp_path / "k.pub")]
+    return CliRunner().invoke(app, [*base, *args], env={"FEDROUTE_TOKEN": "", "COLUMNS": "500", **(env or {})})
+
+
+def flat(output: str) -> str:
+    """The message without rich's box and line breaks."""
+    return " ".join(output.replace("│", " ").split())
+
+
+def test_an_empty_token_file_is_named_not_reported_as_missing(tmp_path):
+    """Rerunning the README's operator block empties device-N/token (`clients add` of an existing client
+    fails after the shell truncated the file); sync used to say 'give --token-file or set FEDROUTE_TOKEN'."""
+    (tmp_path / "token").write_text("\n")
+    result = run_sync(tmp_path, "--token-file", str(tmp_path / "token"))
+    assert result.exit_code == 2
+    assert (f"--token-file {tmp_path / 'token'} is empty; the operator issues a token with `fedroute clients add` "
+            "(`fedroute clients rotate` for an existing client)") in flat(result.output)
+
+
+def test_a_missing_token_file_and_no_token_at_all(tmp_path):
+    result = run_sync(tmp_path, "--token-file", str(tmp_path / "absent"))
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert f"--token-file {tmp_path / 'absent'}: cannot read it (No such file or directory)" in flat(result.output)
+    result = run_sync(tmp_path)
+    assert result.exit_code == 2 and "give --token-file or set FEDROUTE_TOKEN" in flat(result.output)
