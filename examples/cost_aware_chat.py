@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from sdk import EvalLog, Router
-from sdk.errors import FedrouteError
+from sdk.errors import FedrouteError, PriceError
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                 row = chat.feedback(result.completion.id, score)
                 print(f"  recorded evaluation #{row} in {log_path} (score {score}, cost {outcome.cost_usd:.6f} USD)")
             chat.close()
+    except PriceError as exc:  # its message names RoutedChat's `prices=` argument; here that is --prices
+        print(f"error: {exc}\n(in this example: --prices FILE, see --help)", file=sys.stderr)
+        return 2
     except FedrouteError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -229,6 +229,24 @@ def test_example_calls_an_openai_compatible_endpoint_and_logs_the_priced_cost(ma
     assert rows.latency_ms[0] > 0
 
 
+def test_example_without_prices_names_its_prices_option(make_bundle, signing_keys, tmp_path, monkeypatch, capsys):
+    """A bundle without a price table and no --prices: the example stops before any call and points at
+    its own --prices option (the PriceError itself names RoutedChat's `prices=` argument)."""
+    import runpy
+
+    from conftest import ROOT
+
+    bundle = make_bundle(tmp_path / "bundle")
+    monkeypatch.setenv("OPENAI_API_KEY", "test-key")
+    module = runpy.run_path(str(ROOT / "examples" / "cost_aware_chat.py"))
+    code = module["main"](["--bundle", str(bundle), "--public-key", str(signing_keys[1]), "--log",
+                           str(tmp_path / "log.sqlite"), "--base-url", "http://127.0.0.1:9/v1", "hello"])
+    assert code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: ") and "price" in err[0]
+    assert err[1] == "(in this example: --prices FILE, see --help)"
+
+
 def test_export_refuses_bad_targets_before_any_work(fitted_routers, tmp_path, signing_keys, make_bundle):
     from export.pipeline import export_bundle
 
