@@ -74,11 +74,6 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 #: Upload bodies up to this size (bytes) are decoded and checked on the event loop (a MessagePack
 #: K-means update of 32 cells is about 50 KB, under a millisecond); larger ones (JSON) in a thread.
 INLINE_CHECK_BYTES = 128 << 10
-#: The cyclic garbage collector's young-generation threshold in a server process (``freeze_gc``):
-#: net allocations of container objects between two collections (CPython's default: 700). A
-#: MessagePack upload leaves about 25, so the default collected every ~30 uploads, about 0.8 ms each
-#: (0.03 ms per upload); at 5000, one collection of about 3 ms per ~200 uploads (docs/benchmarks.md).
-GC_YOUNG_THRESHOLD = 5000
 #: Shortest gap (seconds) between two checks for rounds to close when uploads keep waking the closer.
 MIN_CLOSE_CHECK_GAP_S = 0.25
 RoundId = Annotated[int, FastApiPath(ge=1, le=MAX_COUNT)]
@@ -108,8 +103,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
     commit_delay_s : longest wait (seconds) of a batch of uploads for others already in the route
         before its commit (:mod:`trainer.server.group_commit`); 0: commit at once.
     freeze_gc : at startup, move every object alive to the garbage collector's permanent
-        generation (``gc.freeze()``) and raise its young-generation threshold to
-        :data:`GC_YOUNG_THRESHOLD`; for a server process (``fedroute serve``), not a test process.
+        generation (``gc.freeze()``); for a server process (``fedroute serve``), not a test process.
     """
     quota = UploadQuota() if quota is None else quota
     writer = GroupWriter(store, commit_delay_s=commit_delay_s)
@@ -161,10 +155,6 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
             # allocate (about 0.8-1.1 ms per upload otherwise, measured in-process; docs/benchmarks.md).
             gc.collect()
             gc.freeze()
-            # Young-generation collections every GC_YOUNG_THRESHOLD net allocations instead of 700:
-            # each upload leaves a few dozen, so the default collected every ~30 uploads (~0.03 ms
-            # of CPU per upload); cycles are still collected, every few hundred uploads.
-            gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
         stopping.clear()  # an app served again (tests) starts its closer again
         task = asyncio.create_task(closer())
         try:

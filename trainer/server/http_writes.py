@@ -1,16 +1,17 @@
 """One write per response: the writes an HTTP connection makes in one event-loop iteration, sent as one.
 
 uvicorn writes a response's head (``http.response.start``) and its body (``http.response.body``) with
-two ``transport.write`` calls; over TLS each is its own TLS record and, on an idle socket, its own
-``send`` system call (on 127.0.0.1 the kernel also runs the receiving side's TCP processing in the
-sender's time). :class:`CoalescedWrites`, mixed into the server's uvicorn protocol classes
+two ``transport.write`` calls; over TLS each is its own TLS record and, as uvloop sends at once
+when the socket has nothing queued, its own ``send`` system call (on 127.0.0.1 the kernel also runs
+the receiving side's TCP processing in the sender's time). :class:`CoalescedWrites`, mixed into the server's uvicorn protocol classes
 (:mod:`trainer.server.http_limits`), puts a :class:`CoalescingTransport` between uvicorn and the
 connection's transport: the writes of one event-loop iteration (a route's whole answer: the upload
 route sends its head and body in one task step) are joined and written once, at the end of the
 iteration (``loop.call_soon``), and before a ``close`` or ``write_eof``. The bytes on the wire and
 their order are the same; only their grouping into writes changes. With TLS, 64 devices and
-MessagePack uploads, about 0.1 ms less server CPU per upload in alternating runs
-(docs/benchmarks.md, round 5).
+MessagePack bodies, the bare floor app (``benchmarks/http_floor_app.py``) cost 0.05-0.06 ms less
+CPU per request with it, in two sets of alternating runs (9 of 11 pairs lower); on the full upload
+path the difference was within the noise of those runs (docs/benchmarks.md, round 5).
 """
 
 from __future__ import annotations
