@@ -40,8 +40,6 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from trainer.server.http_writes import CoalescedWrites
-
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ImportError:  # httptools is optional (uvicorn[standard]); h11 is always there
@@ -183,15 +181,13 @@ _HEADERS_TIMEOUT = _answer("request headers not received within the deadline\n")
 _TOO_LARGE = _answer("request headers too large\n", b"431 Request Header Fields Too Large")
 
 
-class DeadlineH11Protocol(_Deadlines, CoalescedWrites, H11Protocol):
-    """uvicorn's h11 protocol with :class:`_Deadlines` and one write per response
-    (:class:`trainer.server.http_writes.CoalescedWrites`)."""
+class DeadlineH11Protocol(_Deadlines, H11Protocol):
+    """uvicorn's h11 protocol with :class:`_Deadlines`."""
 
 
 if HttpToolsProtocol is not None:
-    class DeadlineHttpToolsProtocol(_Deadlines, CoalescedWrites, HttpToolsProtocol):
-        """uvicorn's httptools protocol (C parser, the cheaper one) with :class:`_Deadlines` and one
-        write per response (:class:`trainer.server.http_writes.CoalescedWrites`)."""
+    class DeadlineHttpToolsProtocol(_Deadlines, HttpToolsProtocol):
+        """uvicorn's httptools protocol (C parser, the cheaper one) with :class:`_Deadlines`."""
 else:  # pragma: no cover - httptools not installed
     DeadlineHttpToolsProtocol = None
 
