@@ -76,20 +76,26 @@ class _Deadlines:
     its connection and request forever):
 
     - headers: armed when the connection opens and when the first bytes of a next request arrive,
-      cancelled once h11 has the whole request head;
-    - body: armed when a request's head is complete, cancelled once its body is complete.
+      ended once the parser has the whole request head;
+    - body: armed when a request's head is complete, ended once its body is complete.
 
     At a deadline the client gets a 408 (unless the app has answered already) and the connection is
     closed; an app still reading the body sees a disconnect (``ClientDisconnect``) and stores nothing.
-    One timer per phase, no per-chunk cost. A request head (request line + headers) still incomplete
+    No per-chunk cost, and one timer per connection rather than one per phase: a phase only notes
+    its deadline (loop time); the connection's timer, when it fires, ends a phase past its deadline,
+    re-arms itself at the deadline of a phase still running, and lapses when none is (the next phase
+    then arms it again). So a connection busy with requests re-arms its timer about once per
+    deadline period instead of creating and cancelling two timers per request (a ``call_later`` and
+    its ``cancel``: about 3 us of CPU on uvloop in a loop; docs/benchmarks.md, round 5). A request head (request line + headers) still incomplete
     after ``max_header_bytes`` bytes gets a 431 and the connection is closed (httptools would buffer
     any size; h11 answers 400 itself at ``h11_max_incomplete_event_size``)."""
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_header_bytes: int = 16 * 1024
-    _deadline: asyncio.TimerHandle | None = None
-    _phase: str = ""
+    _timer: asyncio.TimerHandle | None = None  # the connection's timer (may be due before _due)
+    _phase: str = ""  # "headers", "body" or "" (none running)
+    _due: float = 0.0  # the running phase's deadline (loop time, s)
     _head_bytes: int = 0
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -97,50 +103,57 @@ class _Deadlines:
         self._arm("headers", self.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
-        reading_head = self._between_requests()
+        reading_head = self.cycle is None or self.cycle.response_complete
         if reading_head:
-            if self._deadline is None:
+            if not self._phase:
                 self._arm("headers", self.header_timeout_s)
                 self._head_bytes = 0
             self._head_bytes += len(data)
         super().data_received(data)
-        if (reading_head and self._between_requests() and self._head_bytes > self.max_header_bytes
-                and not self.transport.is_closing()):
-            self._cancel()
-            self.logger.info("closing a connection whose request head is over %d bytes", self.max_header_bytes)
-            self.transport.write(_TOO_LARGE)
-            self.transport.close()
-            return
-        self._update_deadline()
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:  # still between requests: the head is incomplete
+            if reading_head and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
+                self._stop()
+                self.logger.info("closing a connection whose request head is over %d bytes", self.max_header_bytes)
+                self.transport.write(_TOO_LARGE)
+                self.transport.close()
+            return  # the header deadline (if armed) keeps running
+        if cycle.more_body:
+            if self._phase != "body":
+                self._arm("body", self.body_timeout_s)
+        else:
+            self._phase = ""  # the request is complete: its timer lapses (or serves the next phase)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel()
+        self._stop()
         super().connection_lost(exc)
 
     def _between_requests(self) -> bool:
         return self.cycle is None or self.cycle.response_complete
 
-    def _update_deadline(self) -> None:
-        if self._between_requests():
-            return  # the header deadline (if armed) keeps running
-        if self.cycle.more_body:
-            if self._phase != "body":
-                self._arm("body", self.body_timeout_s)
-        else:
-            self._cancel()
-
     def _arm(self, phase: str, seconds: float) -> None:
-        self._cancel()
-        self._phase = phase
-        self._deadline = self.loop.call_later(seconds, self._expired)
+        self._phase, self._due = phase, self.loop.time() + seconds
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= self._due:
+                return  # it fires first, then waits for what is left of this phase
+            timer.cancel()
+        self._timer = self.loop.call_at(self._due, self._expired)
 
-    def _cancel(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._deadline, self._phase = None, ""
+    def _stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._phase = None, ""
 
     def _expired(self) -> None:
-        phase, self._deadline, self._phase = self._phase, None, ""
+        self._timer = None
+        phase = self._phase
+        if not phase:
+            return  # no phase running: the next one arms the timer
+        if self._due - self.loop.time() > 0.001:  # a later phase than the one it was armed for
+            self._timer = self.loop.call_at(self._due, self._expired)
+            return
+        self._phase = ""
         if self.transport.is_closing():
             return
         if phase == "headers":

@@ -89,7 +89,10 @@ class UploadState:
     def client_lock(self, client_id: str) -> asyncio.Lock:
         """The lock (on the event loop) that serialises one client's uploads in this process
         (check against the previous upload, insert, cache update)."""
-        return self._locks.setdefault(client_id, asyncio.Lock())
+        lock = self._locks.get(client_id)
+        if lock is None:  # not setdefault: that would build a Lock on every call
+            lock = self._locks[client_id] = asyncio.Lock()
+        return lock
 
 
 class UploadQuota:
