@@ -51,6 +51,9 @@ def make_sync_command(mlp_trainer=None):
                 token = token_file.read_text().strip()
             except OSError as exc:
                 raise typer.BadParameter(f"--token-file {token_file}: cannot read it ({exc.strerror})") from exc
+            except UnicodeDecodeError as exc:  # e.g. the EvalLog or a key given by mistake
+                raise typer.BadParameter(f"--token-file {token_file} is not a text file (byte {exc.start} is not UTF-8); "
+                                         "it holds the token `fedroute clients add` printed") from exc
             if not token:  # e.g. a failed `fedroute clients add NAME > token` (its error went to the terminal)
                 raise typer.BadParameter(f"--token-file {token_file} is empty; the operator issues a token with "
                                          "`fedroute clients add` (`fedroute clients rotate` for an existing client)")

@@ -37,3 +37,12 @@ def test_a_missing_token_file_and_no_token_at_all(tmp_path):
     assert f"--token-file {tmp_path / 'absent'}: cannot read it (No such file or directory)" in flat(result.output)
     result = run_sync(tmp_path)
     assert result.exit_code == 2 and "give --token-file or set FEDROUTE_TOKEN" in flat(result.output)
+
+
+def test_a_binary_token_file_is_named_not_a_traceback(tmp_path):
+    """Giving the EvalLog (SQLite) or a key as --token-file used to end in a UnicodeDecodeError traceback."""
+    (tmp_path / "token").write_bytes(b"tok\xf8en")
+    result = run_sync(tmp_path, "--token-file", str(tmp_path / "token"))
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert (f"--token-file {tmp_path / 'token'} is not a text file (byte 3 is not UTF-8); it holds the token "
+            "`fedroute clients add` printed") in flat(result.output)
