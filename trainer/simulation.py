@@ -11,6 +11,8 @@ the client's tasks), where personalisation is meant to help.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +39,7 @@ class SimulationConfig:
     n_clients : N. alpha : Dirichlet concentration of the task split.
     preference_concentration : Dirichlet concentration of each client's model preference.
     participation : share of clients per round. routers : kinds to train.
+    Raises InvalidInputError for a concentration that is not a finite number > 0 or an unknown router kind.
     """
 
     n_clients: int = 10
@@ -48,6 +51,11 @@ class SimulationConfig:
     kmeans: KMeansRouterConfig = field(default_factory=KMeansRouterConfig)
 
     def __post_init__(self) -> None:
+        # numpy's Dirichlet draws NaN shares for a NaN concentration (a silent wrong split) and fails on inf
+        for name in ("alpha", "preference_concentration"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < math.inf:
+                raise InvalidInputError(f"{name} (a Dirichlet concentration) must be a finite number > 0, got {value!r}")
         valid = kinds.in_order()  # registration order: mlp, kmeans (the CLI has always listed them so)
         unknown = set(self.routers) - set(valid)
         if not self.routers:
