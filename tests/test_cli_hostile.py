@@ -24,3 +24,39 @@ def test_simulate_rejects_a_non_finite_alpha_before_reading_data(tmp_path, alpha
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert f"alpha (a Dirichlet concentration) must be a finite number > 0, got {alpha}" in flat(result.output)
     assert not out.exists()
+
+
+@pytest.fixture()
+def prefs(tmp_path):
+    path = tmp_path / "prefs.jsonl"
+    path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "prompt_id": 1}\n')
+    return path
+
+
+@pytest.mark.parametrize("content, suffix, expected", [
+    (b"PAR1 not really", ".parquet", "Parquet magic bytes not found"),
+    (b"hello notes\n", ".jsonl", "ValueError: Expected object or value at position 0"),
+])
+def test_prism_dpo_names_a_corrupt_preference_file(tmp_path, content, suffix, expected):
+    """A corrupt --prefs used to end in an ArrowInvalid / ValueError traceback."""
+    bad = tmp_path / f"prefs{suffix}"
+    bad.write_bytes(content)
+    result = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(bad), "--out", str(tmp_path / "dpo"), "--tiny"],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    message = flat(result.output)
+    assert f"--prefs {bad}: not a preference set written by `fedroute prism label`" in message and expected in message
+    assert not (tmp_path / "dpo").exists()
+
+
+def test_prism_dpo_rejects_a_nan_heldout_fraction_and_a_file_as_out(tmp_path, prefs):
+    """--heldout-fraction nan passed (int(round(nan)) traceback after reading); --out FILE ended in FileExistsError."""
+    result = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(prefs), "--out", str(tmp_path / "dpo"), "--tiny",
+                                      "--heldout-fraction", "nan"], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and "--heldout-fraction must lie in [0, 1), got nan" in flat(result.output)
+    assert not (tmp_path / "dpo").exists()
+    (tmp_path / "notes.txt").write_text("keep me")
+    result = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(prefs), "--out", str(tmp_path / "notes.txt"),
+                                      "--tiny"], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and f"--out {tmp_path / 'notes.txt'} exists and is not a folder" in flat(result.output)
+    assert (tmp_path / "notes.txt").read_text() == "keep me"

@@ -108,7 +108,15 @@ def dpo(
         steps = min(steps, 40)
     if (policy is None) == (not tiny):
         raise typer.BadParameter("give exactly one of --policy PATH_OR_ID and --tiny/--quick")
-    rows = pd.read_parquet(prefs) if prefs.suffix == ".parquet" else pd.read_json(prefs, lines=True)
+    if not 0.0 <= heldout_fraction < 1.0:  # also NaN, which typer's range check lets through
+        raise typer.BadParameter(f"--heldout-fraction must lie in [0, 1), got {heldout_fraction}")
+    if out.exists() and not out.is_dir():
+        raise typer.BadParameter(f"--out {out} exists and is not a folder")
+    try:
+        rows = pd.read_parquet(prefs) if prefs.suffix == ".parquet" else pd.read_json(prefs, lines=True)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid and pandas' JSON errors are ValueErrors
+        raise typer.BadParameter(f"--prefs {prefs}: not a preference set written by `fedroute prism label` "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
     for col in ("prompt", "chosen", "rejected", "prompt_id"):
         if col not in rows.columns:
             raise typer.BadParameter(f"--prefs {prefs} has no column {col!r}; write it with `fedroute prism label`")
