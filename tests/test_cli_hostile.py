@@ -60,3 +60,15 @@ def test_prism_dpo_rejects_a_nan_heldout_fraction_and_a_file_as_out(tmp_path, pr
                                       "--tiny"], env={"COLUMNS": "500"})
     assert result.exit_code == 2 and f"--out {tmp_path / 'notes.txt'} exists and is not a folder" in flat(result.output)
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("command", [["prism", "train", "--quick"], ["prism", "label", "--run", "RUN"]])
+def test_prism_train_and_label_refuse_a_file_as_out_before_any_work(tmp_path, command):
+    """`prism train --out FILE` used to end in a NotADirectoryError traceback after the data preparation."""
+    (tmp_path / "notes.txt").write_text("keep me")
+    args = [str(tmp_path) if a == "RUN" else a for a in command]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "notes.txt"), "--data", str(tmp_path / "absent")],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert f"--out {tmp_path / 'notes.txt'} exists and is not a folder" in flat(result.output)
+    assert (tmp_path / "notes.txt").read_text() == "keep me"

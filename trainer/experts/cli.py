@@ -21,6 +21,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="FedPrism: federated preference experts with instance-wise routing (paper 000).")
 
 
+def _check_out(out: Path) -> None:
+    """Refuse an --out that is an existing file before any work (it used to fail after data preparation)."""
+    if out.exists() and not out.is_dir():
+        raise typer.BadParameter(f"--out {out} exists and is not a folder")
+
+
 @app.command()
 def train(
     out: Annotated[Path, typer.Option(help="output folder (results.json, results.md, PNGs, fedprism_seed0/)")],
@@ -40,6 +46,7 @@ def train(
     from trainer.experts.experiment import ALL_METHODS, PRESETS, prepare_data, run_experiment  # trainer.experts.experiment imports pandas, torch: on use only
     from trainer.experts.selector import PairSelector  # trainer.experts.selector imports torch: on use only
 
+    _check_out(out)
     name = "quick" if quick else preset
     if name not in PRESETS:
         raise typer.BadParameter(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -77,6 +84,7 @@ def label(
 
     from trainer.experts.phase3 import agreement_markdown, run_phase3  # trainer.experts.phase3 imports pandas: on use only
 
+    _check_out(out)
     torch.set_num_threads(device_threads)
     result = run_phase3(run, data, out, max_pairs=max_pairs, cache_dir=cache_dir)
     typer.echo(agreement_markdown(result["agreement"]))
@@ -110,8 +118,7 @@ def dpo(
         raise typer.BadParameter("give exactly one of --policy PATH_OR_ID and --tiny/--quick")
     if not 0.0 <= heldout_fraction < 1.0:  # also NaN, which typer's range check lets through
         raise typer.BadParameter(f"--heldout-fraction must lie in [0, 1), got {heldout_fraction}")
-    if out.exists() and not out.is_dir():
-        raise typer.BadParameter(f"--out {out} exists and is not a folder")
+    _check_out(out)
     try:
         rows = pd.read_parquet(prefs) if prefs.suffix == ".parquet" else pd.read_json(prefs, lines=True)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid and pandas' JSON errors are ValueErrors
