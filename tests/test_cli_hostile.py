@@ -72,3 +72,21 @@ def test_prism_train_and_label_refuse_a_file_as_out_before_any_work(tmp_path, co
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert f"--out {tmp_path / 'notes.txt'} exists and is not a folder" in flat(result.output)
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("command", [["mor", "train"], ["mor", "eval"], ["mor", "audit"]])
+def test_mor_commands_refuse_a_file_as_out_before_training(tmp_path, command):
+    """`mor train|eval|audit --out FILE` used to train first and then fail writing (the run was lost)."""
+    (tmp_path / "notes.txt").write_text("keep me")
+    result = CliRunner().invoke(app, [*command, "--quick", "--out", str(tmp_path / "notes.txt"),
+                                      "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert f"--out {tmp_path / 'notes.txt'} exists and is not a folder" in flat(result.output)
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_mor_audit_rejects_a_nan_clip(tmp_path):
+    result = CliRunner().invoke(app, ["mor", "audit", "--quick", "--clip", "nan", "--out", str(tmp_path / "audit"),
+                                      "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and "--clip must be a number >= 0.01, got nan" in flat(result.output)
+    assert not (tmp_path / "audit").exists()

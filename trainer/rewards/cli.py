@@ -38,6 +38,12 @@ def _config(quick: bool, data: Path, seeds: Optional[int], cache: Optional[Path]
     return MoRConfig.quick(**over) if quick else MoRConfig(**over)
 
 
+def _check_out(out: Path) -> None:
+    """Refuse an --out that is an existing file before training (the save at the end used to fail, losing the run)."""
+    if out.exists() and not out.is_dir():
+        raise typer.BadParameter(f"--out {out} exists and is not a folder")
+
+
 def _setup(threads: int) -> None:
     import torch  # torch: optional heavy dependency, imported on use
 
@@ -56,6 +62,7 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.evaluation import evaluate_seed  # trainer.rewards.evaluation imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
+    _check_out(out)
     _setup(threads)
     if mode not in ("sparse", "soft") or weighting not in (None, "equal", "samples"):
         raise typer.BadParameter(f"--mode must be sparse|soft and --weighting equal|samples, got {mode!r}, {weighting!r}")
@@ -81,6 +88,7 @@ def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.evaluation import run_evaluation  # trainer.rewards.evaluation imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
+    _check_out(out)
     _setup(threads)
     cfg = _config(quick, data, seeds, cache)
     trainer = MoRTrainer(cfg)
@@ -104,6 +112,9 @@ def audit(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.audit import run_audit  # trainer.rewards.audit imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
+    _check_out(out)
+    if not clip >= 0.01:  # NaN passes typer's min=0.01
+        raise typer.BadParameter(f"--clip must be a number >= 0.01, got {clip}")
     _setup(threads)
     cfg = _config(quick, data, seeds, cache)
     t0 = time.perf_counter()
