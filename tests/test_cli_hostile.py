@@ -90,3 +90,21 @@ def test_mor_audit_rejects_a_nan_clip(tmp_path):
                                       "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
     assert result.exit_code == 2 and "--clip must be a number >= 0.01, got nan" in flat(result.output)
     assert not (tmp_path / "audit").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tick-s", "nan"], "--tick-s must be a finite number, got nan"),
+    (["--body-timeout-s", "inf"], "--body-timeout-s must be a finite number, got inf"),
+    (["--bundle-dir", "NOTES"], "--bundle-dir NOTES is a file, not a bundle folder"),
+])
+def test_serve_refuses_non_finite_timings_and_a_file_as_bundle_dir(tmp_path, args, message):
+    """`serve --tick-s nan` used to start and its round closer died at once (rounds never closed); a file as
+    --bundle-dir was served as if it were a bundle. Both are refused before the TLS files are even read."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    args = [str(notes) if a == "NOTES" else a for a in args]
+    result = CliRunner().invoke(app, ["serve", "--tls-cert", str(notes), "--tls-key", str(notes), "--db",
+                                      f"sqlite:///{tmp_path / 'fed.db'}", *args], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert message.replace("NOTES", str(notes)) in flat(result.output)
+    assert not (tmp_path / "fed.db").exists() and notes.read_text() == "keep me"

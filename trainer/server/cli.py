@@ -9,6 +9,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import ssl
 from pathlib import Path
 from typing import Annotated
@@ -66,6 +67,13 @@ def serve(
     from trainer.server.http_limits import HttpLimits  # server extra (uvicorn)
     from trainer.server.upload_state import UploadQuota  # server extra
 
+    for option, value in (("--tick-s", tick_s), ("--quota-window-s", quota_window_s),
+                          ("--header-timeout-s", header_timeout_s), ("--body-timeout-s", body_timeout_s),
+                          ("--commit-delay-ms", commit_delay_ms)):
+        if not math.isfinite(value):  # NaN passes typer's min=; --tick-s nan killed the round closer at start
+            raise typer.BadParameter(f"{option} must be a finite number, got {value}")
+    if bundle_dir is not None and bundle_dir.exists() and not bundle_dir.is_dir():
+        raise typer.BadParameter(f"--bundle-dir {bundle_dir} is a file, not a bundle folder")
     try:  # a clear error now rather than a traceback from inside uvicorn
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(tls_cert), str(tls_key))
     except (ssl.SSLError, OSError) as exc:
