@@ -108,3 +108,20 @@ def test_serve_refuses_non_finite_timings_and_a_file_as_bundle_dir(tmp_path, arg
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert message.replace("NOTES", str(notes)) in flat(result.output)
     assert not (tmp_path / "fed.db").exists() and notes.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ts-lambda", "nan"], "--ts-lambda / --ts-nu: lam must be a finite number > 0, got nan"),
+    (["--beta", "nan"], "--beta must be a finite number > 0, got nan"),
+    (["--learning-rate", "-1"], "--learning-rate must be a finite number > 0, got -1.0"),
+    (["--steps", "0"], "Invalid value for '--steps': 0 is not in the range x>=1"),
+])
+def test_mor_grpo_checks_its_numbers_before_writing_out(tmp_path, args, message):
+    """--ts-lambda nan used to fail only after OUT/tiny_policy was written; --steps 0 was passed to TRL."""
+    (tmp_path / "mixture.json").write_text("{}")
+    out = tmp_path / "grpo"
+    result = CliRunner().invoke(app, ["mor", "grpo", "--mixture", str(tmp_path), "--out", str(out), *args],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert message in flat(result.output)
+    assert not out.exists()

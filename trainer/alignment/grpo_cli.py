@@ -4,6 +4,7 @@ sub-app by :func:`register` (from ``trainer.cli``); heavy imports happen inside 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -45,11 +46,11 @@ def grpo(
     model: Annotated[Optional[str], typer.Option(help="policy causal LM: local path or hub id; default: a tiny random "
                                                       "2-layer Llama built offline into OUT/tiny_policy")] = None,
     data: DataOpt = Path("../shared/data"),
-    steps: Annotated[int, typer.Option(help="GRPO optimiser steps")] = 60,
-    n_prompts: Annotated[int, typer.Option(help="public prompts to train on")] = 256,
-    num_generations: Annotated[int, typer.Option(help="completions per prompt (group size M)")] = 4,
-    prompts_per_step: Annotated[int, typer.Option(help="prompts per optimiser step")] = 4,
-    max_completion_length: Annotated[int, typer.Option(help="tokens generated per completion")] = 32,
+    steps: Annotated[int, typer.Option(min=1, help="GRPO optimiser steps")] = 60,
+    n_prompts: Annotated[int, typer.Option(min=1, help="public prompts to train on")] = 256,
+    num_generations: Annotated[int, typer.Option(min=1, help="completions per prompt (group size M)")] = 4,
+    prompts_per_step: Annotated[int, typer.Option(min=1, help="prompts per optimiser step")] = 4,
+    max_completion_length: Annotated[int, typer.Option(min=1, help="tokens generated per completion")] = 32,
     learning_rate: Annotated[float, typer.Option(help="policy learning rate (1e-2 suits the tiny random policy; "
                                                       "use ~1e-6 for a real instruct model)")] = 1e-2,
     beta: Annotated[float, typer.Option(help="KL coefficient to the reference policy (> 0)")] = 0.04,
@@ -68,6 +69,15 @@ def grpo(
 
     if online not in ("compare", "on", "off"):
         raise typer.BadParameter(f"--online must be 'compare', 'on' or 'off', got {online!r}")
+    for option, value in (("--learning-rate", learning_rate), ("--beta", beta)):
+        if not 0.0 < value < math.inf:  # also NaN, which typer's float type accepts
+            raise typer.BadParameter(f"{option} must be a finite number > 0, got {value}")
+    if out.exists() and not out.is_dir():
+        raise typer.BadParameter(f"--out {out} exists and is not a folder")
+    try:  # checked before OUT/tiny_policy is written
+        thompson = ThompsonConfig(enabled=online != "off", lam=ts_lambda, nu=ts_nu, seed=seed)
+    except InvalidInputError as exc:
+        raise typer.BadParameter(f"--ts-lambda / --ts-nu: {exc}") from exc
     if quick:
         steps, n_prompts, max_completion_length = 20, 64, 16
     mix = load_mixture(mixture, cache_dir=cache_dir)
@@ -82,7 +92,6 @@ def grpo(
         model = str(build_tiny_causal_lm(out / "tiny_policy", train_texts=prompts, vocab_size=512, seed=seed,
                                          overwrite=True))
         typer.echo(f"policy: a tiny random 2-layer Llama with a BPE tokenizer trained on the prompts -> {model}")
-    thompson = ThompsonConfig(enabled=online != "off", lam=ts_lambda, nu=ts_nu, seed=seed)
     config = RoutedGRPOConfig(model=model, output_dir=out, beta=beta, learning_rate=learning_rate,
                               num_generations=num_generations, prompts_per_step=prompts_per_step,
                               max_completion_length=max_completion_length, max_steps=steps, thompson=thompson,
