@@ -262,14 +262,6 @@ def check_lora_reward_manifest(manifest: dict) -> None:
         raise BundleError(f"manifest: {REWARD_TOKENIZER_FILE} is not listed in files")
 
 
-def lora_pair_texts(prompts, responses) -> tuple[list[str], list[str]]:
-    """The texts the ``mor_lora`` reward model tokenises, on the device and in the trainer: each prompt's
-    and response's last :data:`~sdk.embedder.MAX_QUERY_CHARS` characters (the model truncates from the
-    left, so it keeps tokens from the end), an all-whitespace response as ``"(empty)"``."""
-    return ([p[-MAX_QUERY_CHARS:] for p in prompts],
-            [r[-MAX_QUERY_CHARS:] if r.strip() else EMPTY_RESPONSE for r in responses])
-
-
 class _PairTokenizer:
     """The trainer's tokenisation of a (prompt, response) pair for the LoRA reward model, with
     ``tokenizers`` only: one sequence ``[CLS] x [SEP] y [SEP]`` (the tokenizer's own pair template),
@@ -286,11 +278,8 @@ class _PairTokenizer:
         self._tokenizer = tokenizer
 
     def __call__(self, prompts: list[str], responses: list[str]) -> dict[str, np.ndarray]:
-        """(n, seq) int64 ``input_ids``, ``attention_mask``, ``token_type_ids``. Only each text's last
-        :data:`~sdk.embedder.MAX_QUERY_CHARS` (65,536) characters are tokenised (left truncation keeps
-        tokens from that end; the trainer caps the same way, :func:`lora_pair_texts`): a multi-megabyte
-        text costs what 64 Ki characters cost."""
-        enc = self._tokenizer.encode_batch(list(zip(*lora_pair_texts(prompts, responses))))
+        """(n, seq) int64 ``input_ids``, ``attention_mask``, ``token_type_ids``."""
+        enc = self._tokenizer.encode_batch(list(zip(prompts, responses)))
         return {"input_ids": np.array([e.ids for e in enc], dtype=np.int64),
                 "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
                 "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64)}

@@ -218,30 +218,6 @@ def test_sdk_pair_tokenizer_matches_the_trainers_transformers_tokenisation(lora_
     assert max(lengths) == rm.max_tokens  # some pairs were truncated to the 64-token budget
 
 
-def test_lora_pair_texts_cap_long_texts_the_same_on_device_and_in_the_trainer(lora_mixture):
-    """A 1 MB prompt and response: the trainer and the device tokenise the same last 65,536 characters of
-    each (left truncation keeps the end), so they agree, and the ids are those of the capped texts."""
-    from sdk.embedder import MAX_QUERY_CHARS
-    from sdk.reward_scorer import _PairTokenizer, lora_pair_texts
-
-    mixture, prompts, responses = lora_mixture
-    rm = mixture.reward_models[1]
-    sdk_tok = _PairTokenizer(rm.tokenizer.backend_tokenizer.to_str(), rm.max_tokens, "left")
-    long_p = "a question " * 100_000 + "How do I stay safe?"
-    long_r = "first words " + "x y " * 250_000 + "the answer ends here."
-    p, r = lora_pair_texts([long_p, "hi"], [long_r, "   "])
-    assert [len(t) for t in p] == [MAX_QUERY_CHARS, 2] and len(r[0]) == MAX_QUERY_CHARS and r[1] == "(empty)"
-    assert p[0].endswith("How do I stay safe?") and r[0].endswith("the answer ends here.")
-    want = {k: v.numpy() for k, v in rm.tokenize([long_p, "hi"], [long_r, "   "]).items()}
-    got = sdk_tok([long_p, "hi"], [long_r, "   "])
-    capped = sdk_tok(p, r)
-    for name in ("input_ids", "attention_mask", "token_type_ids"):
-        np.testing.assert_array_equal(got[name], want[name])
-        np.testing.assert_array_equal(got[name], capped[name])
-    ids = rm.tokenizer.convert_ids_to_tokens([int(i) for i in got["input_ids"][0] if i])
-    assert ids[-6:] == ["the", "answer", "ends", "here", ".", "[SEP]"]
-
-
 def test_lora_reward_model_onnx_parity_with_torch(lora_bundle, lora_mixture, signing_keys):
     out, result = lora_bundle
     mixture, prompts, responses = lora_mixture

@@ -54,7 +54,6 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sdk.errors import InvalidInputError, ShapeError
-from sdk.reward_scorer import lora_pair_texts
 from trainer.embeddings import EmbedderConfig, resolve_model_path
 from trainer.rewards.pair_features import PairEncoder
 from trainer.preference_metrics import pairwise_accuracy as metric
@@ -419,9 +418,7 @@ class LoRARewardModel(ClientRewardModel):
     def tokenize(self, prompts: Sequence[str], responses: Sequence[str]) -> dict:
         if len(prompts) != len(responses):
             raise InvalidInputError(f"{len(prompts)} prompts but {len(responses)} responses")
-        # The device tokenises the same texts (sdk.reward_scorer.lora_pair_texts: the last 64 Ki characters
-        # of each, "(empty)" for a blank response), so a multi-megabyte text costs what 64 Ki characters cost.
-        return self.tokenizer(*lora_pair_texts(prompts, responses), truncation=True,
+        return self.tokenizer(list(prompts), [r if r.strip() else "(empty)" for r in responses], truncation=True,
                               max_length=self.max_tokens, padding=True, return_tensors="pt")
 
     def forward_texts(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
