@@ -49,7 +49,7 @@ from dataclasses import replace
 import numpy as np
 from scipy.optimize import minimize_scalar
 
-from benchmarks.mor_settings_setup import loco_categories, loco_folds, score_table, setup, write_json
+from benchmarks.mor_settings_setup import loco_categories, loco_folds, print_candidates, score_table, setup, write_json
 from trainer.rewards.client_router import FederatedRouterTrainer
 from trainer.rewards.evaluation import routed_reward
 from trainer.rewards.reward_models import pairwise_accuracy
@@ -194,9 +194,7 @@ def summarise(cells: list[dict]) -> dict:
 def report(out: dict) -> None:
     o = out["oracle_own_rm"]
     print(f"own RM: id {o['id']:.3f} cat {o['cat']:.3f}; mean calibrated T {out['t_cal_mean']:.3f}")
-    for n, v in sorted(out["table"].items(), key=lambda kv: -kv[1]["score"]):
-        print(f"{n:20s} id {v['id']:.4f} cat {v['cat']:.4f} score {v['score']:.4f} "
-              f"vs default {v['score_minus_default']:+.4f} ± {v['score_minus_default_se']:.4f}")
+    print_candidates(out["table"], 20)
     for key, d in out["diagnosis"].items():
         print(key)
         for b, v in d.items():

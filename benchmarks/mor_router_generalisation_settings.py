@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from benchmarks.mor_heldout_gap_settings import buckets
-from benchmarks.mor_settings_setup import loco_categories, loco_folds, score_table, setup, write_json
+from benchmarks.mor_settings_setup import loco_categories, loco_folds, print_candidates, score_table, setup, write_json
 from trainer.rewards.client_router import FederatedRouterTrainer, router_bce_loss, stack_routers
 from trainer.rewards.evaluation import routed_reward
 from trainer.rewards.reward_models import pairwise_accuracy
@@ -136,9 +136,7 @@ def summarise(cells: list[dict]) -> dict:
 def report(out: dict) -> None:
     o = out["oracle_own_rm"]
     print(f"own RM: id {o['id']:.4f} cat {o['cat']:.4f}")
-    for n, v in sorted(out["table"].items(), key=lambda kv: -kv[1]["score"]):
-        print(f"{n:14s} id {v['id']:.4f} cat {v['cat']:.4f} score {v['score']:.4f} vs default {v['score_minus_default']:+.4f}"
-              f" ± {v['score_minus_default_se']:.4f}  away-sure {v['away_sure_share']:.3f} cost {v['away_sure_cost']:.4f}")
+    print_candidates(out["table"], 14, lambda v: f"  away-sure {v['away_sure_share']:.3f} cost {v['away_sure_cost']:.4f}")
     print("router bytes/round", out["router_bytes_per_round"], "router s", {k: round(v) for k, v in out["router_seconds_total"].items()})
     print("chosen:", out["chosen"])
 

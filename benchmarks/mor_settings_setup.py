@@ -134,3 +134,11 @@ def write_json(stem: str, quick: bool, data: dict) -> Path:
     path = json_path(stem, quick)
     write_atomic(path, json.dumps(data, indent=1).encode())
     return path
+
+
+def print_candidates(table: dict[str, dict], name_width: int, extra=lambda v: "") -> None:
+    """Print :func:`score_table`'s rows, best score first: ID and category accuracy, score, paired difference
+    to the default ± its standard error, then ``extra(row)``."""
+    for n, v in sorted(table.items(), key=lambda kv: -kv[1]["score"]):
+        print(f"{n:{name_width}s} id {v['id']:.4f} cat {v['cat']:.4f} score {v['score']:.4f} "
+              f"vs default {v['score_minus_default']:+.4f} ± {v['score_minus_default_se']:.4f}{extra(v)}")
