@@ -7,7 +7,7 @@ paper 001: the reward model never leaves its client). This module declares the f
 interface :class:`RewardGraphs`) and registers its two kinds at import: ``mor`` (:class:`MoRRewardScorerKind`,
 an MLP reward model on the pair features, files below) and ``mor_lora`` (:class:`MoRLoRARewardScorerKind`,
 a LoRA-tuned encoder with its adapter merged: ``reward.onnx`` reads the tokenised pair instead, see
-:class:`_PairTokenizer` and :func:`check_lora_reward_manifest`; ``reward_tokenizer.json`` is its tokenizer).
+:class:`sdk.pair_tokenizer.PairTokenizer` and :func:`check_lora_reward_manifest`; ``reward_tokenizer.json`` is its tokenizer).
 
 - ``tokenizer.json`` + ``embedder.onnx``: the frozen sentence encoder ``e(.)`` (as :class:`sdk.Router`);
 - ``reward.onnx``: input ``features (batch, d_in) float32`` -> outputs ``raw (batch,)`` (the
@@ -44,6 +44,7 @@ from sdk.embedder import FLOAT, INT64, MAX_QUERY_CHARS, check_graph_inputs, infe
 from sdk.arrays import finite_rows
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 from sdk.pair_encoding import length_features_many
+from sdk.pair_tokenizer import PairTokenizer
 
 FAMILY = "reward_scorer"
 KIND = "mor"
@@ -262,34 +263,11 @@ def check_lora_reward_manifest(manifest: dict) -> None:
         raise BundleError(f"manifest: {REWARD_TOKENIZER_FILE} is not listed in files")
 
 
-class _PairTokenizer:
-    """The trainer's tokenisation of a (prompt, response) pair for the LoRA reward model, with
-    ``tokenizers`` only: one sequence ``[CLS] x [SEP] y [SEP]`` (the tokenizer's own pair template),
-    truncated to ``max_tokens`` in all by the ``longest_first`` strategy from ``truncation_side``, padded to
-    the longest pair of the batch (what ``transformers``' ``tokenizer(x, y, truncation=True,
-    max_length=max_tokens, padding=True)`` does with ``truncation_side``)."""
-
-    def __init__(self, tokenizer_json: str, max_tokens: int, truncation_side: str) -> None:
-        tokenizer = load_tokenizer(tokenizer_json, REWARD_TOKENIZER_FILE)
-        tokenizer.no_padding()
-        tokenizer.enable_truncation(max_tokens, strategy="longest_first", direction=truncation_side)
-        pad_id = tokenizer.token_to_id("[PAD]")
-        tokenizer.enable_padding(pad_id=0 if pad_id is None else pad_id, pad_token="[PAD]")
-        self._tokenizer = tokenizer
-
-    def __call__(self, prompts: list[str], responses: list[str]) -> dict[str, np.ndarray]:
-        """(n, seq) int64 ``input_ids``, ``attention_mask``, ``token_type_ids``."""
-        enc = self._tokenizer.encode_batch(list(zip(prompts, responses)))
-        return {"input_ids": np.array([e.ids for e in enc], dtype=np.int64),
-                "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
-                "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64)}
-
-
 class _LoRARewardGraph:
     """``reward.onnx`` of kind ``mor_lora``: tokenised pair (+ ``lengths (batch, 3)`` float32) -> ``raw``,
     ``reward`` (batch,) float32. Checks its inputs and outputs on load."""
 
-    def __init__(self, model: bytes, tokenizer: _PairTokenizer, length_scale: float, options, batch_size: int = 16) -> None:
+    def __init__(self, model: bytes, tokenizer: PairTokenizer, length_scale: float, options, batch_size: int = 16) -> None:
         self._session = inference_session(model, options, REWARD_FILE)
         inputs = [i.name for i in self._session.get_inputs()]
         check_graph_inputs(self._session, dict.fromkeys(LORA_REQUIRED_INPUTS, INT64),
@@ -349,7 +327,10 @@ class MoRLoRARewardScorerKind(ArtefactKind):
             tokenizer_json = context.files[REWARD_TOKENIZER_FILE].decode("utf-8")
         except UnicodeDecodeError as exc:
             raise BundleError(f"{REWARD_TOKENIZER_FILE} is not UTF-8 text ({exc})") from exc
-        tokenizer = _PairTokenizer(tokenizer_json, enc["max_tokens"], enc["truncation_side"])
+        try:
+            tokenizer = PairTokenizer(load_tokenizer(tokenizer_json, REWARD_TOKENIZER_FILE), enc["max_tokens"], enc["truncation_side"])
+        except InvalidInputError as exc:
+            raise BundleError(f"manifest: reward.encoder: {exc}") from exc
         reward = _LoRARewardGraph(context.files[REWARD_FILE], tokenizer, features.get("length_scale", 1.0), context.options)
         router = _Graph(context.files[CLIENT_ROUTER_FILE], CLIENT_ROUTER_FILE, features["d_in"],
                         {"logits": len(manifest["clients"])}, context.options)

@@ -12,6 +12,7 @@ import shutil
 
 import numpy as np
 import pytest
+import tokenizers
 import torch
 
 from export.errors import ExportError
@@ -200,20 +201,22 @@ def lora_bundle(lora_mixture, exported_embedder, signing_keys, tmp_path_factory)
     return out, result
 
 
-def test_sdk_pair_tokenizer_matches_the_trainers_transformers_tokenisation(lora_mixture):
-    """The device's tokenizers-only pair encoding (longest_first, left truncation, 64 tokens) gives the trainer's
-    token ids, masks and token types, on real pairs long enough to be truncated."""
-    from sdk.reward_scorer import _PairTokenizer
+def test_pair_tokenisation_matches_transformers_on_real_pairs(lora_mixture):
+    """The trainer's pair encoding (sdk.pair_tokenizer, which the device runs too: longest_first, left
+    truncation, 64 tokens) gives transformers' token ids, masks and token types on real pairs long enough to
+    be truncated; the device's tokenizer, rebuilt from the trainer's tokenizer JSON, gives the same."""
+    from sdk.pair_tokenizer import PairTokenizer
 
     mixture, prompts, responses = lora_mixture
     rm = mixture.reward_models[1]
-    sdk_tok = _PairTokenizer(rm.tokenizer.backend_tokenizer.to_str(), rm.max_tokens, "left")
+    sdk_tok = PairTokenizer(tokenizers.Tokenizer.from_str(rm.tokenizer.backend_tokenizer.to_str()), rm.max_tokens, "left")
     for s in range(0, len(prompts), 16):
         p, r = prompts[s : s + 16], responses[s : s + 16]
-        want = {k: v.numpy() for k, v in rm.tokenize(p, r).items()}
-        got = sdk_tok(p, r)
+        want = rm.tokenizer(p, r, truncation=True, max_length=rm.max_tokens, padding=True, return_tensors="np")
+        trainer_feeds = rm.tokenize(p, r)
         for name in ("input_ids", "attention_mask", "token_type_ids"):
-            np.testing.assert_array_equal(got[name], want[name])
+            np.testing.assert_array_equal(trainer_feeds[name].numpy(), want[name])
+            np.testing.assert_array_equal(sdk_tok(p, r)[name], want[name])
     lengths = [int(m.sum()) for m in sdk_tok(prompts, responses)["attention_mask"]]
     assert max(lengths) == rm.max_tokens  # some pairs were truncated to the 64-token budget
 

@@ -54,6 +54,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sdk.errors import InvalidInputError, ShapeError
+from sdk.pair_tokenizer import PairTokenizer
 from trainer.embeddings import EmbedderConfig, resolve_model_path
 from trainer.rewards.pair_features import PairEncoder
 from trainer.preference_metrics import pairwise_accuracy as metric
@@ -394,6 +395,9 @@ class LoRARewardModel(ClientRewardModel):
         path = resolve_model_path(base_model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.truncation_side = "left"
+        # The device's pair tokenisation (longest_first to max_tokens, cost linear in the texts' length):
+        # the trainer and the exported bundle agree by construction.
+        self.pair_tokenizer = PairTokenizer(self.tokenizer.backend_tokenizer, self.max_tokens, "left")
         base = AutoModel.from_pretrained(path)
         if adapter_dir is None:
             cfg = LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
@@ -418,8 +422,8 @@ class LoRARewardModel(ClientRewardModel):
     def tokenize(self, prompts: Sequence[str], responses: Sequence[str]) -> dict:
         if len(prompts) != len(responses):
             raise InvalidInputError(f"{len(prompts)} prompts but {len(responses)} responses")
-        return self.tokenizer(list(prompts), [r if r.strip() else "(empty)" for r in responses], truncation=True,
-                              max_length=self.max_tokens, padding=True, return_tensors="pt")
+        feeds = self.pair_tokenizer(list(prompts), [r if r.strip() else "(empty)" for r in responses])
+        return {k: torch.from_numpy(v) for k, v in feeds.items()}
 
     def forward_texts(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
         """(n,) tensor of raw rewards with gradients (training mode is the caller's)."""
