@@ -11,7 +11,6 @@ final bundle, with the parity figures in its signed ``parity.json``. A failed ch
 
 from __future__ import annotations
 
-import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from export.embedder_export import BundleEmbedder, check_quantised, onnx_embedde
 from export.embedder_onnx import ExportedEmbedder
 from export.errors import ExportError
 from export.signing import load_signing_key
+from sdk.real_numbers import finite_float
 from trainer.embeddings import EmbedderConfig, embed_texts
 from trainer.kinds import load_router
 
@@ -56,8 +56,8 @@ def check_prices(prices: dict, models) -> dict[str, tuple[float | None, float | 
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise ExportError(f"prices[{model!r}] must be (input, output) USD per 1k tokens, got {pair!r}")
         for side, value in zip(("input", "output"), pair):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value < 0):
+            usd = finite_float(value)
+            if value is not None and (usd is None or usd < 0):
                 raise ExportError(f"prices[{model!r}].{side} must be a number >= 0 (USD per 1k tokens) or null, got {value!r}")
         out[model] = (None if pair[0] is None else float(pair[0]), None if pair[1] is None else float(pair[1]))
     return out

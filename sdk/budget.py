@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sdk.errors import InvalidInputError, ShapeError, UnknownModelError
+from sdk.real_numbers import finite_float, is_real_number
 from sdk.spend_curve import Mix, SpendCurve, row_steps
 from sdk.utility import _decide_unchecked
 
@@ -105,13 +106,12 @@ class BudgetEvent:
 
 
 def _positive_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real_number(value):
         raise InvalidInputError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    try:
-        out = float(value)
-    except OverflowError as exc:
-        raise InvalidInputError(f"{name} must be finite, got an integer too large for a float") from exc
-    if not math.isfinite(out) or out <= 0:
+    out = finite_float(value)
+    if out is None and isinstance(value, numbers.Rational):  # a rational is never NaN or inf: beyond the float range
+        raise InvalidInputError(f"{name} must be finite, got an integer too large for a float")
+    if out is None or out <= 0:
         raise InvalidInputError(f"{name} must be a finite number > 0, got {value!r}")
     return out
 
@@ -340,13 +340,10 @@ class BudgetController:
         """
         if not isinstance(model, str) or model not in self._index:
             raise UnknownModelError(f"unknown model {model!r}; the router's models are {list(self._model_ids)}")
-        if isinstance(cost_usd, bool) or not isinstance(cost_usd, numbers.Real):
+        if not is_real_number(cost_usd):
             raise InvalidInputError(f"cost_usd must be a real number (USD), got {type(cost_usd).__name__} {cost_usd!r}")
-        try:
-            cost = float(cost_usd)
-        except OverflowError:  # an int beyond the float range
-            cost = math.inf
-        if not math.isfinite(cost) or cost < 0:
+        cost = finite_float(cost_usd)
+        if cost is None or cost < 0:
             raise InvalidInputError(f"cost_usd must be a finite number >= 0 (USD), got {str(cost_usd)[:40]}")
         events = []
         with self._lock:

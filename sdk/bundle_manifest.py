@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import math
 import os
 import re
 import stat
@@ -49,6 +48,7 @@ from sdk.background_read import BackgroundRead, PendingFiles, check_digest, read
 from sdk.builtin_kinds import TOKENIZER_FILE  # noqa: F401  (re-exported: the bundle format names it)
 from sdk.embedder import MAX_QUERY_CHARS
 from sdk.errors import BundleError
+from sdk.real_numbers import finite_float
 from sdk.verified_file import VerifiedFile, open_regular, sha256_of_descriptor
 
 #: Version 1 names each artefact's kind with a ``"<family>_kind"`` key (:mod:`sdk.kinds`); every
@@ -245,8 +245,8 @@ def _check_embedder_and_models(manifest: dict, need: Callable[[bool, str], None]
     for m in models:
         for field in ("price_per_1k_input_usd", "price_per_1k_output_usd", "mean_cost_usd"):
             value = m.get(field)
-            need(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                   and math.isfinite(value) and value >= 0),
+            usd = finite_float(value)
+            need(value is None or (usd is not None and usd >= 0),
                  f"model {m['id']!r}: {field} must be a number >= 0 (USD) or null, got {value!r}")
     emb = manifest.get("embedder")
     need(isinstance(emb, dict), "embedder must be an object")

@@ -53,7 +53,6 @@ This module imports only the standard library, numpy and :mod:`sdk.errors`.
 
 from __future__ import annotations
 
-import math
 import numbers
 import os
 import sqlite3
@@ -67,6 +66,7 @@ from types import TracebackType
 import numpy as np
 
 from sdk.errors import EvalLogError, InvalidInputError, ShapeError, UnknownModelError
+from sdk.real_numbers import finite_float, is_real_number
 
 __all__ = ["SCHEMA_VERSION", "EvalLog", "Evaluations"]
 
@@ -575,13 +575,10 @@ def _check_utf8(name: str, text: str) -> None:
 
 
 def _check_real(name: str, value: object) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    if not is_real_number(value):
         raise InvalidInputError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    try:
-        result = float(value)
-    except OverflowError:  # an int beyond the float range
-        result = math.inf
-    if not math.isfinite(result):
+    result = finite_float(value)
+    if result is None:
         raise InvalidInputError(f"{name} must be finite, got {str(value)[:40]}")
     return result
 

@@ -31,7 +31,6 @@ nothing is half-loaded.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -45,6 +44,7 @@ from sdk.arrays import finite_rows
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 from sdk.pair_encoding import length_features_many
 from sdk.pair_tokenizer import PairTokenizer
+from sdk.real_numbers import finite_float
 
 FAMILY = "reward_scorer"
 KIND = "mor"
@@ -78,12 +78,8 @@ def check_reward_manifest(manifest: dict) -> None:
          and isinstance(features.get("d_in"), int) and features["d_in"] > 0,
          "features must hold length_features (bool) and d_in (int > 0)")
     if features["length_features"]:
-        scale = features.get("length_scale")
-        try:  # math.isfinite of an int beyond the float range raises OverflowError: not finite either
-            finite = isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
-        except OverflowError:
-            finite = False
-        need(finite and scale > 0, "features.length_scale must be a finite number > 0")
+        scale = finite_float(features.get("length_scale"))
+        need(scale is not None and scale > 0, "features.length_scale must be a finite number > 0")
     expected = 2 * manifest["embedder"]["dim"] + (3 if features["length_features"] else 0)
     need(features["d_in"] == expected, f"features.d_in {features['d_in']} != 2 * embedder.dim"
          f"{' + 3' if features['length_features'] else ''} = {expected}")

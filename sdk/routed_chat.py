@@ -68,6 +68,7 @@ from sdk.errors import InvalidInputError, UnknownModelError, UnknownResponseErro
 from sdk.eval_log import EvalLog
 from sdk.model_spec import ROUTED_MODEL, ModelSpec, parse_model_spec
 from sdk.pending_outcomes import PendingOutcome, PendingOutcomes, storable_id
+from sdk.real_numbers import finite_float
 from sdk.router import Choice, Router
 from sdk.token_prices import TokenPrice, price_table
 from sdk.utility import _rank_unchecked, check_lambda
@@ -535,11 +536,8 @@ class RoutedChat:
         """
         if self._log is None or self._pending is None:
             raise InvalidInputError("this RoutedChat has no EvalLog (log=None): there is nowhere to record a score")
-        try:  # float() of an int beyond the float range raises OverflowError: out of [0, 1] as well
-            in_range = not isinstance(score, bool) and isinstance(score, numbers.Real) and 0.0 <= float(score) <= 1.0
-        except OverflowError:
-            in_range = False
-        if not in_range:
+        value = finite_float(score)
+        if value is None or not 0.0 <= value <= 1.0:
             raise InvalidInputError(f"score must be a real number in [0, 1], got {str(score)[:40]}")
         if not isinstance(response_id, str):
             raise InvalidInputError(f"response_id must be a str, got {type(response_id).__name__}")
@@ -696,14 +694,11 @@ def check_budget(budget: object) -> float:
     InvalidInputError
         Not a real number (bools included), NaN, inf, or <= 0.
     """
-    try:  # math.isfinite of an int beyond the float range raises OverflowError: not finite either
-        finite = not isinstance(budget, bool) and isinstance(budget, numbers.Real) and math.isfinite(budget)
-    except OverflowError:
-        finite = False
-    if not finite or budget <= 0:
+    value = finite_float(budget)
+    if value is None or value <= 0:
         raise InvalidInputError(f"budget_usd_per_1k must be a finite number > 0 (USD per 1,000 queries), "
                                 f"got {str(budget)[:40]}")
-    return float(budget)
+    return value
 
 
 def _as_messages(messages: object) -> Sequence:

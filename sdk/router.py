@@ -13,8 +13,6 @@ is raised and no ``Router`` exists (nothing is half-loaded).
 from __future__ import annotations
 
 import copy
-import math
-import numbers
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -27,6 +25,7 @@ from sdk.embedder import SessionThreads
 from sdk.arrays import finite_rows
 from sdk.background_read import PendingFiles
 from sdk.errors import BudgetError, BundleError, InvalidInputError, InvalidQueryError
+from sdk.real_numbers import finite_float
 from sdk.utility import _decide_unchecked, check_lambda
 
 #: Upper end of the lambda search in :meth:`Router.lam_for_budget`, USD^-1.
@@ -373,14 +372,10 @@ class Router:
         BudgetError
             The budget is below the predicted cost of always choosing the cheapest model.
         """
-        budget = usd_per_1k_queries
-        try:  # float() of an int beyond the float range raises OverflowError: not a finite budget either
-            finite = not isinstance(budget, bool) and isinstance(budget, numbers.Real) and math.isfinite(float(budget))
-        except OverflowError:
-            finite = False
-        if not finite or budget <= 0:
-            raise InvalidInputError(f"usd_per_1k_queries must be a finite number > 0, got {str(budget)[:40]}")
-        target = float(budget) / 1000.0
+        budget = finite_float(usd_per_1k_queries)
+        if budget is None or budget <= 0:
+            raise InvalidInputError(f"usd_per_1k_queries must be a finite number > 0, got {str(usd_per_1k_queries)[:40]}")
+        target = budget / 1000.0
         acc, cost, _, _ = self._predict(_check_queries(sample_queries))
 
         def mean_cost(lam: float) -> float:

@@ -17,12 +17,12 @@ token (reasoning tokens included, as OpenAI counts them) the output price.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sdk.errors import InvalidInputError, PriceError
+from sdk.real_numbers import finite_float
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,10 @@ class TokenPrice:
     def __post_init__(self) -> None:
         for name in ("input_usd_per_1m", "output_usd_per_1m"):
             value = getattr(self, name)
-            try:  # math.isfinite of an int beyond the float range raises OverflowError: not finite either
-                finite = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-            except OverflowError:
-                finite = False
-            if not finite or value < 0:
+            price = finite_float(value)
+            if price is None or price < 0:
                 raise InvalidInputError(f"{name} must be a finite number >= 0 (USD per 1M tokens), got {str(value)[:40]}")
-            object.__setattr__(self, name, float(value))
+            object.__setattr__(self, name, price)
 
     def cost_usd(self, prompt_tokens: int, completion_tokens: int) -> float:
         """Cost in USD of ``prompt_tokens`` in and ``completion_tokens`` out (ints >= 0).
@@ -66,11 +63,10 @@ class TokenPrice:
         for name, n in (("prompt_tokens", prompt_tokens), ("completion_tokens", completion_tokens)):
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
                 raise InvalidInputError(f"{name} must be an int >= 0, got {str(n)[:40]}")
-        try:
-            cost = (int(prompt_tokens) * self.input_usd_per_1m + int(completion_tokens) * self.output_usd_per_1m) / 1e6
-        except OverflowError:  # an int beyond the float range
-            cost = math.inf
-        if not math.isfinite(cost):
+        n_in, n_out = finite_float(prompt_tokens), finite_float(completion_tokens)  # None: beyond the float range
+        cost = None if n_in is None or n_out is None else finite_float(
+            (n_in * self.input_usd_per_1m + n_out * self.output_usd_per_1m) / 1e6)
+        if cost is None:
             raise InvalidInputError(f"token counts {str(prompt_tokens)[:40]} in, {str(completion_tokens)[:40]} out "
                                     "give a cost beyond the float range")
         return cost

@@ -10,12 +10,12 @@ router that never observed it): such a model is never chosen.
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import numpy as np
 
 from sdk.errors import InvalidInputError, InvalidLambdaError, ShapeError
+from sdk.real_numbers import finite_float, is_real_number
 
 
 def check_lambda(lam: object) -> float:
@@ -30,16 +30,14 @@ def check_lambda(lam: object) -> float:
     InvalidLambdaError
         If ``lam`` is not a real number (bools included), is NaN or inf, or is negative.
     """
-    if isinstance(lam, bool) or not isinstance(lam, numbers.Real):
+    if not is_real_number(lam):
         raise InvalidLambdaError(
             f"lam must be a real number in USD^-1, got {type(lam).__name__} {lam!r}"
         )
-    try:
-        value = float(lam)
-    except OverflowError as exc:  # e.g. an int with 400 digits
-        raise InvalidLambdaError("lam must be finite, got an integer too large for a float") from exc
-    if not math.isfinite(value):
-        raise InvalidLambdaError(f"lam must be finite, got {value!r}")
+    value = finite_float(lam)
+    if value is None:  # a rational (int, Fraction) is never NaN or inf: it is beyond the float range
+        shown = "an integer too large for a float" if isinstance(lam, numbers.Rational) else repr(float(lam))
+        raise InvalidLambdaError(f"lam must be finite, got {shown}")
     if value < 0:
         raise InvalidLambdaError(f"lam must be >= 0 (0 = ignore cost), got {value!r}")
     return value + 0.0  # -0.0 -> 0.0: the lam a Choice reports (and an app may log) is never negative

@@ -81,7 +81,7 @@ def test_price_comes_from_the_option_or_the_calibration_mean_and_a_model_without
     empty = calibration_from_frame(frame().iloc[:0], "new", POOL)
     with pytest.raises(InvalidInputError, match="'new' has no price.*give --price"):
         resolve_price(empty, None)
-    for bad in (-1.0, float("nan"), float("inf")):
+    for bad in (-1.0, float("nan"), float("inf"), 10**400, True):  # 10**400 was an OverflowError traceback
         with pytest.raises(InvalidInputError, match="--price must be a finite number >= 0"):
             resolve_price(cal, bad)
 

@@ -304,7 +304,7 @@ def test_loading_and_choosing_imports_no_torch(kmeans_bundle, signing_keys):
     assert out.stdout.strip() == ""
 
 
-@pytest.mark.parametrize("bad", [-1.0, "0.008", [1, 2], True])
+@pytest.mark.parametrize("bad", [-1.0, "0.008", [1, 2], True, pytest.param(10**400, id="10**400")])
 def test_price_table_values_must_be_non_negative_numbers(make_bundle, tmp_path, signing_keys, bad):
     from sdk.bundle_manifest import MANIFEST_FILE
 

@@ -289,3 +289,12 @@ def test_example_dry_run_never_writes_the_real_log(make_bundle, signing_keys, tm
                            "What is 2 + 2?"]) == 0
     assert "dry run: no model was called" in capsys.readouterr().out
     assert (tmp_path / "chat_log.dry_run.sqlite").exists() and not (tmp_path / "chat_log.sqlite").exists()
+
+
+def test_price_table_refuses_an_int_beyond_the_float_range():
+    """An int beyond the float range (10**400) used to end in an OverflowError traceback."""
+    from export.pipeline import check_prices  # as the other tests here: export.pipeline loads on use
+
+    with pytest.raises(ExportError, match=r"prices\['a'\].output must be a number >= 0 \(USD per 1k tokens\) or null"):
+        check_prices({"a": (0.001, 10**400)}, ["a"])
+    assert check_prices({"a": (None, 2)}, ["a"]) == {"a": (None, 2.0)}

@@ -97,6 +97,8 @@ def test_config_validation_names_the_field():
         RoutedGRPOConfig(model="x", beta=0.0)
     with pytest.raises(AlignmentConfigError, match="num_generations"):
         RoutedGRPOConfig(model="x", num_generations=1)
+    with pytest.raises(AlignmentConfigError, match="learning_rate=1000000.* should be a finite number > 0"):
+        RoutedGRPOConfig(model="x", learning_rate=10**400)  # beyond the float range: was an OverflowError traceback
     with pytest.raises(AlignmentConfigError, match="soft"):
         RoutedGRPOConfig(model="x", routing_mode="soft")  # thompson enabled by default
     RoutedGRPOConfig(model="x", routing_mode="soft", thompson=ThompsonConfig(enabled=False))

@@ -157,7 +157,8 @@ def test_bandit_feedback_is_one_when_the_grpo_loss_does_not_increase():
 
 
 @pytest.mark.parametrize("kwargs", [{"lam": 0.0}, {"lam": float("inf")}, {"nu": -1.0}, {"width": 0},
-                                    {"lr": 0.0}, {"n_update_steps": 0}])
+                                    {"lr": 0.0}, {"n_update_steps": 0},
+                                    {"lam": 10**400}, {"nu": True}, {"lr": float("nan")}, {"nu": "1"}])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(InvalidInputError):
         ThompsonConfig(**kwargs)

@@ -15,6 +15,7 @@ import numpy as np
 import typer
 
 from sdk.errors import InvalidInputError
+from sdk.finite_option import finite_option
 
 __all__ = ["add_model_to_router", "add_model_command"]
 
@@ -80,7 +81,7 @@ def add_model_command(
     calibration: Annotated[Path, typer.Option(help="calibration file (.csv/.parquet/.jsonl) with columns prompt, model, "
                                                     "score (in [0, 1]), cost_usd (USD per query)")],
     out: Annotated[Path, typer.Option(help="folder for the wider router (not the --router folder)")],
-    price: Annotated[Optional[float], typer.Option(help="the new model's price, USD per query (default: the mean "
+    price: Annotated[Optional[float], typer.Option(callback=finite_option, help="the new model's price, USD per query (default: the mean "
                                                         "cost_usd of the calibration rows)")] = None,
     cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder (default $FEDROUTE_CACHE or "
                                                            "~/.cache/fedroute)")] = None,

@@ -15,6 +15,7 @@ import typer
 
 from sdk.console import run_app
 from sdk.errors import InvalidInputError
+from sdk.finite_option import finite_option
 from export.selector_export import export_selector_bundle, parity_pairs_for
 from export.errors import ParityError
 
@@ -104,7 +105,7 @@ def simulate(
     out: OutOpt = Path("results"),
     seeds: SeedsOpt = 5,
     n_clients: Annotated[int, typer.Option(min=1, help="N, number of clients")] = 10,
-    alpha: Annotated[float, typer.Option(min=1e-6, help="Dirichlet concentration of the task split")] = 0.6,
+    alpha: Annotated[float, typer.Option(callback=finite_option, min=1e-6, help="Dirichlet concentration of the task split")] = 0.6,
     routers: RoutersOpt = "mlp,kmeans",
     embedder: EmbedderOpt = "all-MiniLM-L6-v2",
     max_tokens: MaxTokensOpt = 256,

@@ -30,6 +30,7 @@ import typer
 
 from sdk.errors import InvalidInputError
 from sdk.eval_log import EvalLog
+from sdk.finite_option import finite_option
 from sdk.router import Router
 from sdk.utility import check_lambda
 
@@ -128,8 +129,8 @@ def demo_log(
     data: Annotated[Path, typer.Option(help="RouterBench folder (its train.parquet is used) or a .parquet/.csv file")],
     out: Annotated[Path, typer.Option(help="the EvalLog SQLite file to append to (created with its folder)")],
     rows: Annotated[int, typer.Option(min=1, help="prompts to route and log")] = 200,
-    lam: Annotated[float, typer.Option(min=0.0, help="accuracy-cost trade-off, 1/USD")] = 100.0,
-    explore: Annotated[float, typer.Option(min=0.0, max=1.0, help="share of queries sent to a random labelled model")] = 0.2,
+    lam: Annotated[float, typer.Option(callback=finite_option, min=0.0, help="accuracy-cost trade-off, 1/USD")] = 100.0,
+    explore: Annotated[float, typer.Option(callback=finite_option, min=0.0, max=1.0, help="share of queries sent to a random labelled model")] = 0.2,
     seed: Annotated[int, typer.Option(help="seeds the row sample and exploration")] = 0,
 ) -> None:
     """Make a device's evaluation log from RouterBench rows: route each prompt with the bundle and

@@ -30,7 +30,6 @@ generation.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ import copy
 import numpy as np
 
 from sdk.errors import InvalidInputError
+from sdk.real_numbers import finite_float
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.thompson_routing import NeuralThompsonRouting, ThompsonConfig, bandit_feedback
 from trainer.alignment.policy_models import load_policy, prepare_tokenizer
@@ -282,8 +282,8 @@ class RoutedGRPOConfig:
             return AlignmentConfigError(f"{name}={getattr(self, name)!r} should be {rule}")
 
         for name in ("beta", "learning_rate", "temperature"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            value = finite_float(getattr(self, name))
+            if value is None or value <= 0:
                 raise bad(name, "a finite number > 0" + (" (MoR's GRPO keeps a KL penalty)" if name == "beta" else ""))
         for name, low in (("num_generations", 2), ("prompts_per_step", 1), ("max_completion_length", 1),
                           ("max_steps", 1)):

@@ -4,13 +4,13 @@ sub-app by :func:`register` (from ``trainer.cli``); heavy imports happen inside 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 import numpy as np
 from sdk.errors import InvalidInputError
+from sdk.finite_option import finite_option
 from trainer.alignment.policy_models import build_tiny_causal_lm
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
@@ -51,12 +51,12 @@ def grpo(
     num_generations: Annotated[int, typer.Option(min=1, help="completions per prompt (group size M)")] = 4,
     prompts_per_step: Annotated[int, typer.Option(min=1, help="prompts per optimiser step")] = 4,
     max_completion_length: Annotated[int, typer.Option(min=1, help="tokens generated per completion")] = 32,
-    learning_rate: Annotated[float, typer.Option(help="policy learning rate (1e-2 suits the tiny random policy; "
+    learning_rate: Annotated[float, typer.Option(callback=finite_option, help="policy learning rate (1e-2 suits the tiny random policy; "
                                                       "use ~1e-6 for a real instruct model)")] = 1e-2,
-    beta: Annotated[float, typer.Option(help="KL coefficient to the reference policy (> 0)")] = 0.04,
+    beta: Annotated[float, typer.Option(callback=finite_option, help="KL coefficient to the reference policy (> 0)")] = 0.04,
     online: Annotated[str, typer.Option(help="'compare' (run on and off), 'on' or 'off'")] = "compare",
-    ts_lambda: Annotated[float, typer.Option("--ts-lambda", help="Thompson sampling lambda (prior, pull-back)")] = 1.0,
-    ts_nu: Annotated[float, typer.Option("--ts-nu", help="Thompson sampling exploration scale nu")] = 1.0,
+    ts_lambda: Annotated[float, typer.Option("--ts-lambda", callback=finite_option, help="Thompson sampling lambda (prior, pull-back)")] = 1.0,
+    ts_nu: Annotated[float, typer.Option("--ts-nu", callback=finite_option, help="Thompson sampling exploration scale nu")] = 1.0,
     device: Annotated[str, typer.Option(help="cpu (float32, 1 thread) or cuda (bfloat16)")] = "cpu",
     quick: Annotated[bool, typer.Option("--quick", help="20 steps, 64 prompts, 16 tokens (a few minutes on CPU)")] = False,
     seed: int = 0,
@@ -70,7 +70,7 @@ def grpo(
     if online not in ("compare", "on", "off"):
         raise typer.BadParameter(f"--online must be 'compare', 'on' or 'off', got {online!r}")
     for option, value in (("--learning-rate", learning_rate), ("--beta", beta)):
-        if not 0.0 < value < math.inf:  # also NaN, which typer's float type accepts
+        if value <= 0:  # NaN and inf: refused by finite_option while parsing
             raise typer.BadParameter(f"{option} must be a finite number > 0, got {value}")
     if out.exists() and not out.is_dir():
         raise typer.BadParameter(f"--out {out} exists and is not a folder")

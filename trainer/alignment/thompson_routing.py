@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from sdk.errors import InvalidInputError, ShapeError
+from sdk.real_numbers import finite_float
 
 
 #: Posterior samples are clipped to [SAMPLE_CLIP, 1 - SAMPLE_CLIP] before the logit (RoutingDecision.logits).
@@ -72,13 +73,14 @@ class ThompsonConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.lam, (int, float)) and math.isfinite(self.lam) and self.lam > 0):
+        lam, nu, lr = finite_float(self.lam), finite_float(self.nu), finite_float(self.lr)
+        if lam is None or lam <= 0:
             raise InvalidInputError(f"lam must be a finite number > 0, got {self.lam!r}")
-        if not (isinstance(self.nu, (int, float)) and math.isfinite(self.nu) and self.nu >= 0):
+        if nu is None or nu < 0:
             raise InvalidInputError(f"nu must be a finite number >= 0, got {self.nu!r}")
         if self.width is not None and (isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1):
             raise InvalidInputError(f"width must be an integer >= 1 or None, got {self.width!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+        if lr is None or lr <= 0:
             raise InvalidInputError(f"lr must be a finite number > 0, got {self.lr!r}")
         if isinstance(self.n_update_steps, bool) or not isinstance(self.n_update_steps, int) or self.n_update_steps < 1:
             raise InvalidInputError(f"n_update_steps must be an integer >= 1, got {self.n_update_steps!r}")

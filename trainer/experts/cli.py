@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 from sdk.errors import InvalidInputError
+from sdk.finite_option import finite_option
 import numpy as np
 from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig
 from trainer.alignment.errors import AlignmentConfigError
@@ -99,11 +100,11 @@ def dpo(
     tiny: Annotated[bool, typer.Option("--tiny", help="build a tiny random-weight policy (2 layers, BPE trained on the set) instead of --policy: a CPU smoke run")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="--tiny with 40 steps")] = False,
     steps: Annotated[int, typer.Option(min=1, help="optimiser steps")] = 120,
-    beta: Annotated[float, typer.Option(help="DPO beta")] = 0.1,
-    lr: Annotated[Optional[float], typer.Option(help="learning rate (default 1e-5; 5e-7 with --gpu; 1e-3 with --tiny)")] = None,
+    beta: Annotated[float, typer.Option(callback=finite_option, help="DPO beta")] = 0.1,
+    lr: Annotated[Optional[float], typer.Option(callback=finite_option, help="learning rate (default 1e-5; 5e-7 with --gpu; 1e-3 with --tiny)")] = None,
     batch_size: Annotated[int, typer.Option(min=1)] = 8,
     max_length: Annotated[int, typer.Option(min=16, help="tokens per prompt + response")] = 256,
-    heldout_fraction: Annotated[float, typer.Option(help="share of prompts held out for the implicit-reward accuracy")] = 0.2,
+    heldout_fraction: Annotated[float, typer.Option(callback=finite_option, help="share of prompts held out for the implicit-reward accuracy")] = 0.2,
     gpu: Annotated[bool, typer.Option("--gpu", help="the GPU preset: cuda, bf16, gradient checkpointing (DPORunConfig.gpu_preset)")] = False,
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
@@ -116,7 +117,7 @@ def dpo(
         steps = min(steps, 40)
     if (policy is None) == (not tiny):
         raise typer.BadParameter("give exactly one of --policy PATH_OR_ID and --tiny/--quick")
-    if not 0.0 <= heldout_fraction < 1.0:  # also NaN, which typer's range check lets through
+    if not 0.0 <= heldout_fraction < 1.0:  # NaN and inf: refused by finite_option while parsing
         raise typer.BadParameter(f"--heldout-fraction must lie in [0, 1), got {heldout_fraction}")
     _check_out(out)
     try:

@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 from dataclasses import replace
+from sdk.finite_option import finite_option
 from trainer.report import write_json
 from trainer.rewards.mor_report import write_eval
 from trainer.rewards.mor_report import write_audit
@@ -106,15 +107,13 @@ def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
 
 @app.command()
 def audit(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"), seeds: SeedsOpt = None,
-          clip: Annotated[float, typer.Option(min=0.01, help="clip of normalised scores in the clipped variant")] = 1.0,
+          clip: Annotated[float, typer.Option(callback=finite_option, min=0.01, help="clip of normalised scores in the clipped variant")] = 1.0,
           cache: CacheOpt = None, threads: ThreadsOpt = 1) -> None:
     """Membership inference on reward margins (naive vs defended reward MLPs) and communication."""
     from trainer.rewards.audit import run_audit  # trainer.rewards.audit imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     _check_out(out)
-    if not clip >= 0.01:  # NaN passes typer's min=0.01
-        raise typer.BadParameter(f"--clip must be a number >= 0.01, got {clip}")
     _setup(threads)
     cfg = _config(quick, data, seeds, cache)
     t0 = time.perf_counter()

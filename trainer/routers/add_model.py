@@ -41,6 +41,7 @@ import numpy as np
 
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import InvalidInputError, ShapeError, UnknownModelError
+from sdk.real_numbers import finite_float
 from sdk.voronoi import nearest_cell
 from trainer.routers.kmeans_router import KMeansRouter
 from trainer.routers.mlp_router import MLPRouter
@@ -177,10 +178,7 @@ def resolve_price(calibration: Calibration, price_usd: float | None) -> float:
         (a model without a price: its cost prior would be unknown).
     """
     if price_usd is not None:
-        if isinstance(price_usd, bool) or not isinstance(price_usd, (int, float)) or not math.isfinite(price_usd) \
-                or price_usd < 0:
-            raise InvalidInputError(f"--price must be a finite number >= 0 (USD per query), got {price_usd!r}")
-        return float(price_usd)
+        return _price(price_usd, "--price")
     if calibration.n == 0:
         raise InvalidInputError(f"model {calibration.model!r} has no price: the calibration set has no row to take "
                                 "its mean cost from; give --price (USD per query)")
@@ -201,11 +199,11 @@ def _check_arrays(router, embeddings: np.ndarray, accuracy: np.ndarray, cost: np
     return x, acc, cst
 
 
-def _price(price_usd: float) -> float:
-    if isinstance(price_usd, bool) or not isinstance(price_usd, (int, float)) or not math.isfinite(price_usd) \
-            or price_usd < 0:
-        raise InvalidInputError(f"price_usd must be a finite number >= 0 (USD per query), got {price_usd!r}")
-    return float(price_usd)
+def _price(price_usd: object, name: str = "price_usd") -> float:
+    price = finite_float(price_usd)
+    if price is None or price < 0:
+        raise InvalidInputError(f"{name} must be a finite number >= 0 (USD per query), got {price_usd!r}")
+    return price
 
 
 def add_model_kmeans(router: KMeansRouter, model: str, embeddings: np.ndarray, accuracy: np.ndarray,

@@ -9,13 +9,13 @@ import functools
 import inspect
 import json
 import logging
-import math
 import ssl
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from sdk.finite_option import finite_option
 from sdk.kind_registry import UnknownKindError
 from trainer.federated.gaussian_privacy import gaussian_epsilon
 from trainer.server.round_kind import OpenRequest, Publisher
@@ -43,18 +43,18 @@ def serve(
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port")] = 8443,
     bundle_dir: Annotated[Path | None, typer.Option(help="published bundle served at /v1/bundles")] = None,
     max_body_bytes: Annotated[int, typer.Option(min=1024, help="largest accepted upload (bytes)")] = 4 << 20,
-    tick_s: Annotated[float, typer.Option(min=0.05, help="seconds between checks for rounds to close")] = 1.0,
+    tick_s: Annotated[float, typer.Option(callback=finite_option, min=0.05, help="seconds between checks for rounds to close")] = 1.0,
     upload_quota: Annotated[int, typer.Option(min=0, help="uploads per client per --quota-window-s (429 with "
                                                          "Retry-After above it; 0: no quota)")] = 30,
-    quota_window_s: Annotated[float, typer.Option(min=0.001, help="window of the upload quota (seconds)")] = 60.0,
-    header_timeout_s: Annotated[float, typer.Option(min=0.01, help="seconds to send a request's headers (408)")] = 10.0,
-    body_timeout_s: Annotated[float, typer.Option(min=0.01, help="seconds to send a request's body after its "
+    quota_window_s: Annotated[float, typer.Option(callback=finite_option, min=0.001, help="window of the upload quota (seconds)")] = 60.0,
+    header_timeout_s: Annotated[float, typer.Option(callback=finite_option, min=0.01, help="seconds to send a request's headers (408)")] = 10.0,
+    body_timeout_s: Annotated[float, typer.Option(callback=finite_option, min=0.01, help="seconds to send a request's body after its "
                                                              "headers (408)")] = 30.0,
     max_header_bytes: Annotated[int, typer.Option(min=1024, help="largest request line + headers (bytes)")] = 16384,
     access_log: Annotated[bool, typer.Option(help="log one line per request (costs CPU per upload)")] = False,
     http_parser: Annotated[str | None, typer.Option(help="httptools (default when installed) or h11 (uvicorn's "
                                                          "HTTP parsers; both with the header cap and deadlines)")] = None,
-    commit_delay_ms: Annotated[float, typer.Option(min=0.0, max=1000.0, help="longest wait of a group commit for "
+    commit_delay_ms: Annotated[float, typer.Option(callback=finite_option, min=0.0, max=1000.0, help="longest wait of a group commit for "
                                                    "uploads already on their way (ms; 0: commit at once)")] = 5.0,
     *,
     publisher: Publisher | None = None,
@@ -67,11 +67,6 @@ def serve(
     from trainer.server.http_limits import HttpLimits  # server extra (uvicorn)
     from trainer.server.upload_state import UploadQuota  # server extra
 
-    for option, value in (("--tick-s", tick_s), ("--quota-window-s", quota_window_s),
-                          ("--header-timeout-s", header_timeout_s), ("--body-timeout-s", body_timeout_s),
-                          ("--commit-delay-ms", commit_delay_ms)):
-        if not math.isfinite(value):  # NaN passes typer's min=; --tick-s nan killed the round closer at start
-            raise typer.BadParameter(f"{option} must be a finite number, got {value}")
     if bundle_dir is not None and bundle_dir.exists() and not bundle_dir.is_dir():
         raise typer.BadParameter(f"--bundle-dir {bundle_dir} is a file, not a bundle folder")
     try:  # a clear error now rather than a traceback from inside uvicorn
@@ -138,20 +133,20 @@ def rounds_open(
                                            "(FedAvg, clients with torch)")] = "kmeans",
     signing_key: Annotated[Path | None, typer.Option(help="signing.key: publish a new bundle at close")] = None,
     public_key: Annotated[Path | None, typer.Option(help="signing.pub, when the round does not publish")] = None,
-    deadline_s: Annotated[float, typer.Option(min=0.001, help="seconds until the round closes")] = 3600.0,
+    deadline_s: Annotated[float, typer.Option(callback=finite_option, min=0.001, help="seconds until the round closes")] = 3600.0,
     quorum: Annotated[int, typer.Option(min=1, help="the round closes early once this many clients uploaded")] = 1,
     min_count: Annotated[int, typer.Option(min=1, help="privacy threshold: smallest reported (cell, model) count, "
                                                       "or smallest MLP training set")] = 5,
     recluster: Annotated[bool, typer.Option(help="kmeans: use the Lloyd step of the last aggregated round")] = False,
     router: Annotated[Path | None, typer.Option(help="mlp: trained router folder with the starting parameters")] = None,
     resume: Annotated[bool, typer.Option("--continue", help="mlp: start from the last aggregated MLP round")] = False,
-    clip_count: Annotated[float | None, typer.Option(help="most queries (or samples) one client may weigh "
+    clip_count: Annotated[float | None, typer.Option(callback=finite_option, help="most queries (or samples) one client may weigh "
                                                         "(default: 20,000, an EvalLog's default retention)")] = 20000.0,
-    max_cost_usd: Annotated[float | None, typer.Option(help="kmeans: bound on one query's cost (USD), for clipping/DP")] = None,
-    clip_norm: Annotated[float | None, typer.Option(help="mlp: L2 bound of each client's delta (DP-FedAvg)")] = None,
-    trim_fraction: Annotated[float, typer.Option(min=0.0, max=0.49, help="share of clients trimmed at each end")] = 0.0,
-    noise_multiplier: Annotated[float, typer.Option(min=0.0, help="Gaussian DP noise, std / sensitivity")] = 0.0,
-    delta: Annotated[float, typer.Option(help="delta of the (epsilon, delta) guarantee")] = 1e-5,
+    max_cost_usd: Annotated[float | None, typer.Option(callback=finite_option, help="kmeans: bound on one query's cost (USD), for clipping/DP")] = None,
+    clip_norm: Annotated[float | None, typer.Option(callback=finite_option, help="mlp: L2 bound of each client's delta (DP-FedAvg)")] = None,
+    trim_fraction: Annotated[float, typer.Option(callback=finite_option, min=0.0, max=0.49, help="share of clients trimmed at each end")] = 0.0,
+    noise_multiplier: Annotated[float, typer.Option(callback=finite_option, min=0.0, help="Gaussian DP noise, std / sensitivity")] = 0.0,
+    delta: Annotated[float, typer.Option(callback=finite_option, help="delta of the (epsilon, delta) guarantee")] = 1e-5,
     seed: Annotated[int | None, typer.Option(help="seed of the DP noise (tests only: whoever knows it can remove "
                                                  "the noise; default: secret, random)")] = None,
     prior_router: Annotated[Path | None, typer.Option(help="kmeans: trained router whose statistics (same "

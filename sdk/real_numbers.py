@@ -1,0 +1,67 @@
+"""Scalar numbers given by callers: the one test of "a finite real number" used at public boundaries.
+
+What counts as a real number is Python's numeric tower, :class:`numbers.Real`: ``int``, ``float``,
+:class:`fractions.Fraction` and numpy's integer and floating scalars (``np.int64``, ``np.float32``...;
+numpy registers them). Not real here:
+
+- ``bool`` and ``numpy.bool_``. ``bool`` subclasses ``int`` (so it is a ``numbers.Real``), but a
+  ``True`` passed as a price, a budget or a trade-off is a bug in the caller, never the number 1.
+- :class:`decimal.Decimal`. The standard library registers it as :class:`numbers.Number` only, not
+  ``numbers.Real``, because Decimal does not mix with float in arithmetic (``Decimal(1) + 0.5``
+  raises TypeError). A caller holding a Decimal converts it with ``float(d)`` first, deciding the
+  rounding; we do not decide it silently.
+- ``complex``, ``str``, ``None`` and everything else.
+
+Finite means ``math.isfinite`` of the value as a float: NaN and +-inf are not. An int (or a Fraction)
+beyond the float range, about +-1.8e308 (e.g. ``10**400``), has no float: ``float()`` and
+``math.isfinite`` raise OverflowError on it. It counts as not finite, so no caller meets that
+OverflowError.
+
+Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+
+def is_real_number(value: object) -> bool:
+    """Whether ``value`` is a real number in the sense of this module (finite or not).
+
+    True for ``int``, ``float``, ``Fraction`` and numpy integer/floating scalars, including NaN, +-inf
+    and ints beyond the float range; False for ``bool``, ``numpy.bool_``, ``Decimal``, ``complex``,
+    ``str``, ``None`` and other objects. Never raises.
+    """
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def finite_float(value: object) -> float | None:
+    """``value`` as a Python ``float`` when it is a finite real number, else ``None``.
+
+    Parameters
+    ----------
+    value : any object; typically a number a caller passed in (a price in USD, a budget in USD per
+        1,000 queries, a trade-off in USD^-1...: the unit is the caller's).
+
+    Returns
+    -------
+    float or None
+        ``float(value)`` when :func:`is_real_number` holds and that float is finite; ``None`` for NaN,
+        +-inf, an int or Fraction beyond the float range (``10**400``: ``float()`` would raise
+        OverflowError), and for anything that is not a real number (``bool``, ``numpy.bool_``,
+        ``Decimal``, ``str``, ``None``...). Never raises. ``-0.0`` stays ``-0.0``.
+
+    A ``None`` result for a value that :func:`is_real_number` accepts and that is a
+    :class:`numbers.Rational` (an int, a Fraction, a numpy integer) always means "beyond the float
+    range": rationals are never NaN or inf.
+    """
+    if not is_real_number(value):
+        return None
+    try:
+        result = float(value)
+    except OverflowError:  # an int or Fraction beyond the float range
+        return None
+    return result if math.isfinite(result) else None
