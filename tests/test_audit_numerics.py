@@ -140,3 +140,18 @@ def test_router_update_of_an_empty_client_is_a_clear_error():
     empty = ClientRouterData(np.zeros((0, 4), np.float32), np.zeros((0, 4), np.float32), 0)
     with pytest.raises(InvalidInputError, match="no preference pair"):  # was ZeroDivisionError
         local_router_update(router, empty, RouterConfig(hidden=4), np.random.default_rng(0))
+
+
+def test_lloyd_step_moves_a_cell_whose_clipped_weight_is_below_one():
+    # weighted K-means (paper 002): next centroid = sum w mu / sum w for any w > 0; count clipping
+    # (C = 10 of 1000 queries: s = 0.01) scales the weight 50 to 0.5, which used to freeze the cell
+    from sdk.cell_statistics import CellStatistics
+    from sdk.local_update import KMeansUpdate
+    from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans
+
+    c = np.array([[1.0, 0.0], [0.0, 1.0]])
+    stats = CellStatistics(np.array([[1000.0], [0.0]]), np.array([[500.0], [0.0]]), np.array([[1.0], [0.0]]))
+    u = KMeansUpdate(stats, np.array([0, 1]), np.array([[0.6, 0.8], [0.8, 0.6]]), np.array([950.0, 50.0]), 1000)
+    agg = aggregate_kmeans(c, {"a": u}, AggregationConfig(clip_count=10), np.random.default_rng(0))
+    np.testing.assert_allclose(agg.cell_weights, [9.5, 0.5])
+    np.testing.assert_allclose(agg.next_centroids, [[0.6, 0.8], [0.8, 0.6]], rtol=1e-6)
