@@ -93,7 +93,7 @@ def test_mlp_router_with_a_free_model_trains_finite():
     acc = rng.uniform(size=60)
     cost = np.where(m == 0, 0.0, 2e-3)
     router = train_mlp_router([ClientData(x, m, acc, cost)], ["free", "paid"],
-                              MLPRouterConfig(hidden=8, epochs=3, epoch_patience=3), rng, federated=False)
+                              MLPRouterConfig(hidden=8, epochs=1, epoch_patience=1), rng, federated=False)
     a, c = router.predict(x[:5])
     assert np.isfinite(a).all() and np.isfinite(c).all()
     assert (np.abs(c[:, 0]) < c[:, 1]).all()
