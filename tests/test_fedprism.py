@@ -40,8 +40,10 @@ def test_component_aggregation_equals_the_hand_computed_weighted_mean():
         aggregate_components(cur, [{3: ({"w": np.zeros(2)}, 1.0)}])
     with pytest.raises(ShapeError):
         aggregate_components(cur, [{0: ({"w": np.zeros(3)}, 1.0)}])
-    with pytest.raises(InvalidInputError, match="n_examples"):
-        aggregate_components(cur, [{0: ({"w": np.zeros(2)}, 0.0)}])
+    # a zero-count update has weight 0 (no 0/0): the expert keeps its parameters; a negative count is refused
+    np.testing.assert_array_equal(aggregate_components(cur, [{0: ({"w": np.full(2, 9.0)}, 0.0)}])[0]["w"], cur[0]["w"])
+    with pytest.raises(InvalidInputError, match="finite and >= 0"):
+        aggregate_components(cur, [{0: ({"w": np.zeros(2)}, -1.0)}])
 
 
 def test_pgpd_pseudo_label_is_the_argmin_ce_among_retrieved_experts():

@@ -6,6 +6,10 @@ updated *it*, weighted by those sample counts; an expert nobody updated keeps it
 
     theta_k <- sum_{i in U_k} n_ik theta_ik / sum_{i in U_k} n_ik   if U_k is non-empty, else theta_k.
 
+An update with ``n_ik = 0`` (a client that sent expert k back without using any sample for it) has
+weight 0 in that formula, so it is left out; an expert whose every update has count 0 keeps its
+parameters (no 0/0).
+
 Pure functions in the style of Flower's strategies (no I/O, clock or sampling); the per-expert mean
 is :func:`trainer.routers.fedavg.fedavg`, which validates names, shapes, finiteness and counts.
 """
@@ -40,7 +44,7 @@ def aggregate_components(
     Raises
     ------
     InvalidInputError
-        An expert index outside ``[0, n_experts)``, or a count that is not finite and > 0.
+        An expert index outside ``[0, n_experts)``, or a count that is negative or not finite.
     ShapeError
         An update's names or shapes differ from the current expert's, or it holds NaN/inf.
     """
@@ -50,13 +54,17 @@ def aggregate_components(
         for k, (params, count) in upd.items():
             if not (isinstance(k, (int, np.integer)) and 0 <= k < n):
                 raise InvalidInputError(f"client {c}: expert index {k!r} outside [0, {n})")
-            per[k].append((params, count))
+            if not (np.isfinite(count) and count >= 0):
+                raise InvalidInputError(f"client {c}, expert {k}: sample count must be finite and >= 0, got {count!r}")
+            per[k].append((params, float(count)))
     out = []
     for k in range(n):
-        if not per[k]:
+        if per[k]:  # same names and shapes as the current expert, finite values (zero-count updates too)
+            validate_updates([(current[k], 1.0)] + [(p, 1.0) for p, _ in per[k]])
+        used = [(p, w) for p, w in per[k] if w > 0]  # weight 0 in the paper's mean: left out, so no 0/0
+        if not used:
             out.append({name: np.array(v, dtype=np.float32, copy=True) for name, v in current[k].items()})
             continue
-        validate_updates([(current[k], 1.0)] + per[k])  # same names and shapes as the current expert
-        mean = fedavg(per[k])
+        mean = fedavg(used)
         out.append({name: v.astype(np.float32) for name, v in mean.items()})
     return out

@@ -16,7 +16,10 @@
    sample, argmin -> pseudo-label, ``router_epochs`` of KL-to-one-hot into a local router copy.
 6. **Aggregation**: each expert is averaged over the clients that updated it, weighted by the samples
    it used (:func:`trainer.experts.aggregation.aggregate_components`); routers updated by PGPD are
-   FedAvg-ed weighted by their sample counts.
+   FedAvg-ed weighted by their sample counts. That count is the pairs the client drew for the round
+   (``min(local_pairs, |D_i|)``, the samples the distillation used), not the paper's full ``|D_i|``
+   (paper 000, Eq. of Step 4): a deliberate deviation, since with one local pass over a per-round draw
+   the router never saw the rest of ``D_i``; the two agree whenever ``|D_i| <= local_pairs``.
 
 Before round 1 (``length_init='fedavg_lr'``, the default), every expert's length path starts at the
 FedAvg of client-local length-only logistic regressions on the pairs initially routed to it

@@ -16,6 +16,12 @@ Wire format
   for expert k), ``n-router`` (samples behind the router update, 0 if none); ``config["config"]``:
   ``needs`` (list of int, the experts its samples route to, for the next round).
 
+Deviation from paper 000 (Step 1 routes with the *current* round's router before retrieving): to save
+a round trip, a node's request is the ``needs`` it reported at the end of its previous round, routed
+with the router it held then; after a PGPD round the new global router can route some of its samples
+to an expert it was not sent; ``local_step`` must leave those samples out for that round (it may
+return only experts it was sent), and the next round's retrieval includes that expert.
+
 The node's work is a callable ``local_step(experts, router, pgpd, partition_id) -> (updates, router or
 None, n_router, needs)`` with ``experts``/``updates`` as ``{k: params}`` / ``{k: (params, n)}``;
 ``trainer.experts.fedprism`` holds the in-process equivalent of that step.

@@ -10,7 +10,8 @@ rule from a few hundred pair-steps at ``expert_lr``; instead each expert **start
    :class:`trainer.length_baseline.LengthBaseline` (scikit-learn ``LogisticRegression``, lbfgs,
    ``C``, no intercept) on those pairs **and their position-swapped copies** ``(-f, 1 - y)`` (so
    both classes are always present; for a no-intercept model the swapped copy has the same loss
-   term, i.e. it is the baseline's fit with ``C`` halved).
+   term, so the data term counts twice: it is the baseline's fit with ``C`` *doubled*, i.e. half
+   the L2 strength; test: ``tests/test_audit_numerics.py``).
 2. The client sends ``(w_ck, n_ck)``: 3 coefficients and its pair count per expert, float32
    (16 bytes per expert; :func:`upload_bytes`). No pair, feature or label leaves the client.
 3. The server averages ``w_k = sum_c n_ck w_ck / sum_c n_ck`` (FedAvg, McMahan et al. 2017,

@@ -8,7 +8,7 @@ Paper 000 (FedPrism), Sec. 3.1-3.4 and ARCHITECTURE.md §7:
 - :func:`kmeans_init`: K-means (scikit-learn, M clusters) on embeddings of *public* prompts held by no
   client gives pseudo-labels; the router is fitted to them with cross-entropy, so routing starts by
   topic before any expert is trained.
-- PGPD (prompt-grouped pseudo-label distillation): for each local sample the cross-entropy of every
+- PGPD (Posterior-Guided Performance Distillation, paper 000 Sec. 3.2 Step 3): for each local sample the cross-entropy of every
   retrieved expert is computed; :func:`pgpd_pseudo_labels` takes the argmin (among the retrieved
   experts only); :func:`distil_router` minimises ``KL(onehot(argmin) || softmax(router(e)))``,
   which for a one-hot target equals the cross-entropy ``-log softmax(router(e))[argmin]``.

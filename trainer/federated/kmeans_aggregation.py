@@ -184,12 +184,14 @@ def lloyd_step(
             raise ShapeError(f"local centroids have shape {u.local_centroids.shape}, expected ({cells.size}, {c.shape[1]})")
         np.add.at(weights, cells, u.local_weights)
         np.add.at(sums, cells, u.local_centroids * u.local_weights[:, None])
-    return weights, sums, _centroids_from_sums(c, weights, sums)
+    return weights, sums, _centroids_from_sums(c, weights, sums, noisy=False)
 
 
-def _centroids_from_sums(c: np.ndarray, weights: np.ndarray, sums: np.ndarray) -> np.ndarray:
-    # Under noise a tiny or negative weight would blow the mean up: such a cell keeps its centroid.
-    ok = weights >= 1.0
+def _centroids_from_sums(c: np.ndarray, weights: np.ndarray, sums: np.ndarray, noisy: bool = True) -> np.ndarray:
+    # Under noise a tiny or negative weight would blow the mean up: such a cell (weight < 1) keeps its
+    # centroid. Without noise any positive weight is exact (a convex combination of local centroids):
+    # count clipping can scale a cell's weight below 1, and that cell must still move (noisy=False).
+    ok = weights >= 1.0 if noisy else weights > 0.0
     out = c.copy()
     out[ok] = sums[ok] / weights[ok, None]
     return out.astype(np.float32)

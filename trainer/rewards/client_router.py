@@ -295,7 +295,10 @@ def local_router_update(router: ClientRouter, data: ClientRouterData, config: Ro
                         rng: np.random.Generator) -> tuple[dict[str, np.ndarray], int]:
     """Client k's local step: ``local_epochs`` of AdamW on ``L_router^(k)`` (or ``local_steps``
     minibatches) from the router's current parameters (modified in place). Returns (parameters,
-    n_pairs), the upload of the round."""
+    n_pairs), the upload of the round. Raises InvalidInputError when the client holds no pair (its
+    update would carry no information and ``local_steps`` would divide by its 0 pairs)."""
+    if data.n_pairs == 0:
+        raise InvalidInputError(f"client {data.client_index} holds no preference pair: it cannot update the router")
     opt = torch.optim.AdamW(router.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     fc, fr = torch.from_numpy(np.asarray(data.features_chosen, np.float32)), torch.from_numpy(np.asarray(data.features_rejected, np.float32))
     router.train()

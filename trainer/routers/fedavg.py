@@ -61,6 +61,7 @@ def fedavg(updates: Sequence[tuple[Parameters, float]]) -> dict[str, np.ndarray]
     """
     validate_updates(updates)
     weights = np.array([float(n) for _, n in updates])
+    weights = weights / weights.max()  # first to (0, 1]: the sum of huge finite counts must not overflow to inf
     weights = weights / weights.sum()
     return {
         k: np.tensordot(weights, np.stack([np.asarray(p[k], dtype=np.float64) for p, _ in updates]), axes=1)

@@ -203,9 +203,12 @@ def _initial_state(d_emb: int, stats: CellStatistics, config: MLPRouterConfig, s
     torch.manual_seed(seed)
     net = build_network(d_emb, stats.n_models, config.hidden, config.dropout)
     acc_mean, cost_mean = model_means(stats, config.model_prior_strength)
+    # normalised cost starts at 1 (= the model's mean cost; costs are not shrunk), or at 0 for a model whose
+    # logged costs are all 0: its cost scale is 1 USD (train_mlp_router), so 1 would predict 1 USD per query
+    cost_bias = np.where(np.isfinite(cost_mean) & (np.nan_to_num(cost_mean) > 0), 1.0, 0.0)
     with torch.no_grad():
         for head, bias in ((net.accuracy_head, np.nan_to_num(acc_mean, nan=0.0)),
-                           (net.cost_head, np.where(np.isfinite(cost_mean), 1.0, 0.0))):
+                           (net.cost_head, cost_bias)):
             head.weight.zero_()
             head.bias.copy_(torch.as_tensor(bias, dtype=torch.float32))
         net.shared_accuracy.weight.zero_()
@@ -317,7 +320,9 @@ def train_mlp_router(
     stats = CellStatistics.merge([p.train.model_statistics(n_models) for p in parties])
     _, cost_mean = model_means(stats)
     available = stats.count.sum(axis=0) > 0
-    cost_scale = np.where(available, cost_mean, 1.0)
+    # a model whose observed costs are all 0 (a free, e.g. on-device, model) has mean 0: scale 1 keeps its
+    # normalised targets at 0 instead of 0/0 = NaN (which poisoned the whole trunk); as trainer.federated.mlp_local
+    cost_scale = np.where(available & (cost_mean > 0), cost_mean, 1.0)
     torch_seed = int(rng.integers(2**31))
     gen = torch.Generator().manual_seed(torch_seed)
     net = _initial_state(d_emb, stats, config, torch_seed).to(config.device)
