@@ -55,6 +55,7 @@ from tqdm.auto import tqdm
 
 from sdk.errors import InvalidInputError, ShapeError
 from sdk.pair_tokenizer import PairTokenizer
+from trainer.config_fields import check_bool, check_int, check_real
 from trainer.embeddings import EmbedderConfig, resolve_model_path
 from trainer.rewards.pair_features import PairEncoder
 from trainer.preference_metrics import pairwise_accuracy as metric
@@ -568,6 +569,23 @@ class RewardModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "hidden", "patience", "max_tokens", "lora_r"):
+            check_int(self, name, 1)
+        check_int(self, "seed", 0)
+        for name in ("early_stopping", "length_prior", "keep_start"):
+            check_bool(self, name)
+        check_real(self, "lr", 0, low_open=True)
+        check_real(self, "lora_alpha", 0, low_open=True)
+        check_real(self, "length_prior_C", 0, low_open=True)
+        check_real(self, "dp_max_grad_norm", 0, low_open=True)
+        check_real(self, "weight_decay", 0)
+        check_real(self, "eps", 0)
+        check_real(self, "dropout", 0, 1, high_open=True)
+        check_real(self, "lora_dropout", 0, 1, high_open=True)
+        check_real(self, "val_fraction", 0, 1, low_open=True, high_open=True)
+        check_real(self, "clip", 0, low_open=True, optional=True)
+        check_real(self, "dp_noise_multiplier", 0, low_open=True, optional=True)
+        check_real(self, "dp_delta", 0, 1, low_open=True, high_open=True, optional=True)
         if self.dp_noise_multiplier is not None and (self.arch != "mlp" or self.dp_noise_multiplier <= 0 or self.dp_max_grad_norm <= 0):
             raise InvalidInputError(f"DP-SGD needs arch 'mlp', dp_noise_multiplier > 0 and dp_max_grad_norm > 0; got arch={self.arch!r}, "
                                     f"dp_noise_multiplier={self.dp_noise_multiplier}, dp_max_grad_norm={self.dp_max_grad_norm}")
@@ -576,16 +594,6 @@ class RewardModelConfig:
         if self.length_prior and (self.dp_noise_multiplier is not None or not self.length_prior_C > 0):
             raise InvalidInputError(f"length_prior needs no DP-SGD and length_prior_C > 0; got dp_noise_multiplier="
                                     f"{self.dp_noise_multiplier}, length_prior_C={self.length_prior_C}")
-        for name in ("epochs", "batch_size", "hidden", "patience", "max_tokens", "lora_r"):
-            if int(getattr(self, name)) < 1:
-                raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise InvalidInputError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.lr <= 0 or self.weight_decay < 0 or not 0.0 <= self.dropout < 1.0:
-            raise InvalidInputError(f"need lr > 0, weight_decay >= 0, 0 <= dropout < 1; got lr={self.lr}, "
-                                    f"weight_decay={self.weight_decay}, dropout={self.dropout}")
-        if self.clip is not None and self.clip <= 0:
-            raise InvalidInputError(f"clip must be > 0 or None, got {self.clip}")
 
 
 @dataclass
