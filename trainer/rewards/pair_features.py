@@ -45,13 +45,17 @@ class PairEncoder:
         Returns ndarray of shape (n, 2 * d_emb + 3), float32: ``[e(prompt), e(response), l(response)]``
         per row (``(n, 2 * d_emb)`` when ``length_features`` is False).
 
-        Raises InvalidInputError: lengths differ, or a text is empty (a whitespace-only response is
+        Raises InvalidInputError: lengths differ, a text is not a str, or a text is empty (a whitespace-only response is
         encoded as the single token ``"(empty)"`` rather than refused, since HH-RLHF holds a few).
         """
         if len(prompts) != len(responses):
             raise InvalidInputError(f"{len(prompts)} prompts but {len(responses)} responses")
         if len(prompts) == 0:
             raise InvalidInputError("encode needs at least one (prompt, response) pair, got 0")
+        for name, texts in (("prompts", prompts), ("responses", responses)):
+            bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+            if bad is not None:  # a None or NaN (a missing cell) would otherwise be embedded as "(empty)"
+                raise InvalidInputError(f"{name}[{bad}] must be a str, got {texts[bad]!r}")
         responses = [r if isinstance(r, str) and r.strip() else "(empty)" for r in responses]
         uniq = list(dict.fromkeys(list(prompts) + responses))
         vecs = embed_texts(uniq, self.embedder, self.cache_dir, show_progress=self.show_progress)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,6 +55,7 @@ from tqdm.auto import tqdm
 
 from sdk.errors import InvalidInputError, ShapeError
 from sdk.pair_tokenizer import PairTokenizer
+from sdk.real_numbers import finite_float
 from trainer.config_fields import check_bool, check_int, check_real
 from trainer.embeddings import EmbedderConfig, resolve_model_path
 from trainer.rewards.pair_features import PairEncoder
@@ -74,7 +75,11 @@ class PreferencePairs:
     """Preference tuples ``(x, y+, y-)`` of one client.
 
     prompts, chosen, rejected : tuples of n str (``chosen[i]`` preferred over ``rejected[i]``).
-    prompt_ids : tuple of n hashable ids (pairs sharing a prompt share an id; splits are by prompt).
+    prompt_ids : tuple of n hashable ids, not None (pairs sharing a prompt share an id; splits are by prompt).
+
+    Raises InvalidInputError: a field that is not a tuple or list (a str would be read as its
+    characters), lengths that differ, a text that is not a str (None, NaN from a missing cell, a
+    number) or an id that is None or unhashable.
     """
 
     prompts: tuple
@@ -83,10 +88,20 @@ class PreferencePairs:
     prompt_ids: tuple
 
     def __post_init__(self) -> None:
+        for name in ("prompts", "chosen", "rejected", "prompt_ids"):
+            if not isinstance(getattr(self, name), (tuple, list)):
+                raise InvalidInputError(f"PreferencePairs.{name} must be a tuple, got {type(getattr(self, name)).__name__}")
         n = len(self.prompts)
         for name in ("chosen", "rejected", "prompt_ids"):
             if len(getattr(self, name)) != n:
                 raise InvalidInputError(f"PreferencePairs: {n} prompts but {len(getattr(self, name))} {name}")
+        for name in ("prompts", "chosen", "rejected"):
+            bad = next((i for i, t in enumerate(getattr(self, name)) if not isinstance(t, str)), None)
+            if bad is not None:
+                raise InvalidInputError(f"PreferencePairs.{name}[{bad}] must be a str, got {getattr(self, name)[bad]!r}")
+        for i, pid in enumerate(self.prompt_ids):
+            if pid is None or not isinstance(pid, Hashable):
+                raise InvalidInputError(f"PreferencePairs.prompt_ids[{i}] must be a hashable id, got {pid!r}")
 
     @property
     def n_pairs(self) -> int:
@@ -113,8 +128,11 @@ class PreferencePairs:
         """From a pairs DataFrame (``trainer.data.preferences`` schema: ``prompt_id, prompt,
         response_a, response_b, label`` with label 1 = a preferred, 0 = b preferred).
 
-        Raises InvalidInputError: a column is missing or a label is not 0/1.
+        Raises InvalidInputError: ``frame`` is not a DataFrame, a column is missing, a label is not 0/1
+        or a text is not a str (see the class).
         """
+        if not hasattr(frame, "columns"):
+            raise InvalidInputError(f"PreferencePairs.from_frame needs a pandas DataFrame, got {type(frame).__name__}")
         missing = {"prompt_id", "prompt", "response_a", "response_b", "label"} - set(frame.columns)
         if missing:
             raise InvalidInputError(f"pairs frame lacks columns {sorted(missing)}")
@@ -167,6 +185,11 @@ class ScoreNormaliser:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.mean) and math.isfinite(self.std) and self.std >= 0):
             raise InvalidInputError(f"normaliser needs finite mean and std >= 0, got mean={self.mean}, std={self.std}")
+        if finite_float(self.eps) is None or self.eps < 0:
+            raise InvalidInputError(f"normaliser eps={self.eps!r} should be a finite number >= 0")
+        if self.std + self.eps == 0:
+            raise InvalidInputError("normaliser has std=0 (constant raw scores) and eps=0: z-scores would divide by zero; "
+                                    "use eps > 0")
         if self.clip is not None and not self.clip > 0:
             raise InvalidInputError(f"clip must be > 0 or None, got {self.clip}")
 
@@ -610,6 +633,9 @@ class RewardModelTrainer:
     def train(self, pairs: PreferencePairs) -> ClientRewardModel:
         """Raises InvalidInputError: fewer than 4 pairs (or 2 prompts when early stopping)."""
         a = self.args
+        if not isinstance(pairs, PreferencePairs):
+            raise InvalidInputError(f"train needs PreferencePairs (PreferencePairs.from_frame(df) for a pairs frame), "
+                                    f"got {type(pairs).__name__}")
         if pairs.n_pairs < 4:
             raise InvalidInputError(f"a reward model needs >= 4 training pairs, got {pairs.n_pairs}")
         rng = np.random.default_rng(a.seed)
