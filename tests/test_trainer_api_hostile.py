@@ -21,6 +21,9 @@ from trainer.data.preferences import dirichlet_clients, split_by_prompt
 from trainer.experts.aggregation import aggregate_components
 from trainer.experts.fedprism import FedPrismConfig
 from trainer.experts.selector import SelectorConfig
+from trainer.federated.kmeans_aggregation import AggregationConfig
+from trainer.federated.mlp_aggregation import MLPAggregationConfig
+from trainer.federated.partition import dirichlet_partition
 from trainer.rewards.client_router import RouterConfig
 from trainer.rewards.mor_trainer import MoRConfig
 from trainer.rewards.pair_features import PairEncoder
@@ -94,6 +97,11 @@ CONFIG_CASES = [
     ("dpo-beta-str", lambda: DPORunConfig(model="m", beta="0.1"), AlignmentConfigError, r"beta='0\.1'"),
     ("dpo-warmup-none", lambda: DPORunConfig(model="m", warmup_ratio=None), AlignmentConfigError, r"warmup_ratio=None"),
     ("thompson-enabled-str", lambda: ThompsonConfig(enabled="no"), InvalidInputError, r"enabled='no'"),
+    ("dp-fedavg-clients-nan", lambda: MLPAggregationConfig(clip_norm=1.0, noise_multiplier=1.0, expected_clients=NAN),
+     InvalidInputError, r"MLPAggregationConfig\.expected_clients=nan should be an integer >= 1 or None"),
+    ("dp-fedavg-clip-bool", lambda: MLPAggregationConfig(clip_norm=True), InvalidInputError, r"clip_norm=True"),
+    ("kmeans-agg-trim-str", lambda: AggregationConfig(trim_fraction="0.1"), InvalidInputError, r"trim_fraction='0\.1'"),
+    ("kmeans-agg-clip-str", lambda: AggregationConfig(clip_count="5"), InvalidInputError, r"clip_count='5'"),
 ]
 
 DATA_CASES = [
@@ -120,6 +128,10 @@ DATA_CASES = [
     ("dirichlet-alpha-0", lambda: dirichlet_clients(pairs_frame(), 3, 0.0), InvalidInputError, r"alpha must be finite and > 0"),
     ("dirichlet-alpha-str", lambda: dirichlet_clients(pairs_frame(), 3, "0.5"), InvalidInputError, r"alpha must be finite and > 0, got '0\.5'"),
     ("dirichlet-alpha-bool", lambda: dirichlet_clients(pairs_frame(), 3, True), InvalidInputError, r"alpha"),
+    ("partition-alpha-str", lambda: dirichlet_partition(np.arange(8) % 2, 3, "0.5", np.random.default_rng(0)),
+     InvalidInputError, r"alpha must be a finite number > 0, got '0\.5'"),
+    ("partition-alpha-0", lambda: dirichlet_partition(np.arange(8) % 2, 3, 0.0, np.random.default_rng(0)),
+     InvalidInputError, r"alpha must be a finite number > 0, got 0\.0"),
     ("dirichlet-clients-bool", lambda: dirichlet_clients(pairs_frame(), True, 0.5), InvalidInputError, r"n_clients must be an int"),
     ("normaliser-eps-neg", lambda: ScoreNormaliser(0.0, 1.0, eps=-1.0), InvalidInputError, r"eps=-1\.0"),
     ("normaliser-constant-eps-0", lambda: ScoreNormaliser.fit(np.ones(3), eps=0.0), InvalidInputError, r"std=0 .* eps=0"),
