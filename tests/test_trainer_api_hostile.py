@@ -16,6 +16,7 @@ import pytest
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.alignment.dpo import DPORunConfig
 from trainer.alignment.errors import AlignmentConfigError
+from trainer.alignment.grpo import RoutedGRPOConfig
 from trainer.alignment.thompson_routing import ThompsonConfig
 from trainer.data.preferences import dirichlet_clients, split_by_prompt
 from trainer.experts.aggregation import aggregate_components
@@ -92,6 +93,12 @@ CONFIG_CASES = [
     ("mor-margin-inf", lambda: MoRConfig(routing_margin_se=INF), InvalidInputError, r"routing_margin_se=inf"),
     ("mor-names-none", lambda: MoRConfig(client_names=None), InvalidInputError, r"client_names must be a tuple"),
     ("mor-pool-str", lambda: MoRConfig(pool_pairs=("900", 300, 900)), InvalidInputError, r"pool_pairs"),
+    ("mor-router-dict", lambda: MoRConfig(router={"lr": 1e-3}), InvalidInputError, r"MoRConfig\.router should be a RouterConfig"),
+    ("mor-rm-none", lambda: MoRConfig(mlp_rm=None), InvalidInputError, r"mlp_rm should be a RewardModelConfig"),
+    ("sim-mlp-dict", lambda: SimulationConfig(mlp={"lr": 1e-3}), InvalidInputError, r"mlp should be a MLPRouterConfig"),
+    ("sim-routers-str", lambda: SimulationConfig(routers="mlp"), InvalidInputError, r"routers must be a tuple"),
+    ("fedprism-selector-none", lambda: FedPrismConfig(selector=None), InvalidInputError, r"selector should be a SelectorConfig"),
+    ("grpo-thompson-none", lambda: RoutedGRPOConfig(model="m", thompson=None), AlignmentConfigError, r"thompson should be a ThompsonConfig"),
     ("dpo-steps-float", lambda: DPORunConfig(model="m", max_steps=1.5), AlignmentConfigError, r"max_steps=1\.5"),
     ("dpo-steps-inf", lambda: DPORunConfig(model="m", max_steps=INF), AlignmentConfigError, r"max_steps=inf"),
     ("dpo-beta-str", lambda: DPORunConfig(model="m", beta="0.1"), AlignmentConfigError, r"beta='0\.1'"),

@@ -23,7 +23,7 @@ import numpy as np
 from sdk.errors import InvalidInputError
 from sdk.real_numbers import finite_float
 
-__all__ = ["check_bool", "check_int", "check_real"]
+__all__ = ["check_bool", "check_config", "check_int", "check_real"]
 
 
 def _fail(config: object, name: str, rule: str, error: type[InvalidInputError]) -> InvalidInputError:
@@ -70,6 +70,15 @@ def check_real(config: object, name: str, low: float | None = None, high: float 
         bounds += [f"{'<' if high_open else '<='} {high}"] if high is not None else []
         rule = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
         raise _fail(config, name, rule + (" or None" if optional else ""), error)
+
+
+def check_config(config: object, name: str, kind: type, *,
+                 error: type[InvalidInputError] = InvalidInputError) -> None:
+    """Raise ``error`` unless ``config.<name>`` is an instance of ``kind`` (a nested config such as
+    ``MoRConfig.router``: a dict or None there would fail only when training reaches it)."""
+    if not isinstance(getattr(config, name), kind):
+        raise error(f"{type(config).__name__}.{name} should be a {kind.__name__} (e.g. {kind.__name__}(**settings)), "
+                    f"got {type(getattr(config, name)).__name__}")
 
 
 def check_bool(config: object, name: str, *, error: type[InvalidInputError] = InvalidInputError) -> None:

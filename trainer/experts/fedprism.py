@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from sdk.errors import InvalidInputError
-from trainer.config_fields import check_bool, check_int, check_real
+from trainer.config_fields import check_bool, check_config, check_int, check_real
 from trainer.experts.aggregation import aggregate_components
 from trainer.experts.prompt_router import PromptRouter, fit_router, kmeans_init, pgpd_pseudo_labels
 from trainer.experts.selector import PairSelector, SegmentStore, SelectorConfig
@@ -150,6 +150,7 @@ class FedPrismConfig:
             sel = dict(self.selector)
             sel["encoding"] = PairEncodingConfig(**sel["encoding"])
             self.selector = SelectorConfig(**sel)
+        check_config(self, "selector", SelectorConfig)
         if self.length_init not in LENGTH_INITS:
             raise InvalidInputError(f"length_init must be one of {LENGTH_INITS}, got {self.length_init!r}")
         if self.length_prior not in LENGTH_PRIORS:

@@ -42,7 +42,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sdk.errors import InvalidInputError
-from trainer.config_fields import check_bool, check_int, check_real
+from trainer.config_fields import check_bool, check_config, check_int, check_real
 from trainer.data.preferences import DOMAINS, load_preference_pairs, split_by_prompt
 from trainer.embeddings import EmbedderConfig
 from trainer.routers.fedavg import fedavg
@@ -171,6 +171,9 @@ class MoRConfig:
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
+        for name, kind in (("mlp_rm", RewardModelConfig), ("lora_rm", RewardModelConfig), ("router", RouterConfig),
+                           ("embedder", EmbedderConfig)):
+            check_config(self, name, kind)
         for name in ("client_names", "client_domains", "client_archs", "pool_pairs", "split_fractions"):
             if not isinstance(getattr(self, name), (tuple, list)):
                 raise InvalidInputError(f"MoRConfig.{name} must be a tuple with one entry per client, got {getattr(self, name)!r}")
