@@ -129,6 +129,8 @@ DATA_CASES = [
     ("train-on-frame", lambda: RewardModelTrainer().train(pairs_frame()), InvalidInputError, r"train needs PreferencePairs"),
     ("train-on-empty", lambda: RewardModelTrainer().train(PreferencePairs.from_frame(pairs_frame().iloc[:0])),
      InvalidInputError, r">= 4 training pairs, got 0"),
+    ("encode-empty", lambda: PairEncoder().encode([], []), InvalidInputError, r"at least one \(prompt, response\) pair, got 0"),
+    ("encode-lengths", lambda: PairEncoder().encode(["a", "b"], ["x"]), InvalidInputError, r"2 prompts but 1 responses"),
     ("encode-none-response", lambda: PairEncoder().encode(["a"], [None]), InvalidInputError, r"responses\[0\] must be a str, got None"),
     ("split-fractions-str", lambda: split_by_prompt(pairs_frame(), "abc"), InvalidInputError, r"fractions must be 3"),
     ("split-seed-neg", lambda: split_by_prompt(pairs_frame(), seed=-1), InvalidInputError, r"seed must be an int >= 0"),

@@ -58,7 +58,7 @@ from sdk.pair_tokenizer import PairTokenizer
 from sdk.real_numbers import finite_float
 from trainer.config_fields import check_bool, check_int, check_real
 from trainer.embeddings import EmbedderConfig, resolve_model_path
-from trainer.rewards.pair_features import PairEncoder
+from trainer.rewards.pair_features import PairEncoder, check_pair_texts
 from trainer.preference_metrics import pairwise_accuracy as metric
 from trainer.rewards.pair_features import LENGTH_SCALE
 from trainer.rewards.pair_features import response_lengths
@@ -458,8 +458,7 @@ class LoRARewardModel(ClientRewardModel):
         return self.module(**self.tokenize(prompts, responses), lengths=lengths)
 
     def raw_scores(self, prompts, responses) -> np.ndarray:
-        if len(prompts) == 0:
-            raise InvalidInputError("raw_scores needs at least one pair, got 0")
+        check_pair_texts(prompts, responses)
         self.module.eval()
         out = []
         with torch.no_grad():
