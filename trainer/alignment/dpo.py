@@ -38,6 +38,7 @@ import numpy as np
 
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import load_policy
+from trainer.config_fields import check_bool, check_int, check_real
 from trainer.report import save_figure, write_json
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
@@ -97,23 +98,21 @@ class DPORunConfig:
         self.model = os.fspath(self.model)
         if not self.model:
             raise AlignmentConfigError("model='' is empty; pass a policy path or hub id")
-        if not (self.beta > 0 and math.isfinite(self.beta)):
-            raise AlignmentConfigError(f"beta={self.beta} should be a finite number > 0")
-        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
-            raise AlignmentConfigError(f"learning_rate={self.learning_rate} should be a finite number > 0")
+        for name in ("beta", "learning_rate"):
+            check_real(self, name, 0, low_open=True, error=AlignmentConfigError)
         for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "max_length", "eval_batch_size"):
-            if int(getattr(self, name)) < 1:
-                raise AlignmentConfigError(f"{name}={getattr(self, name)} should be >= 1")
+            check_int(self, name, 1, error=AlignmentConfigError)
+        check_int(self, "num_threads", 1, optional=True, error=AlignmentConfigError)
+        check_int(self, "seed", 0, error=AlignmentConfigError)
+        check_real(self, "warmup_ratio", 0, 1, high_open=True, error=AlignmentConfigError)
+        for name in ("chat", "gradient_checkpointing"):
+            check_bool(self, name, error=AlignmentConfigError)
         if self.dtype not in ("float32", "bfloat16"):
             raise AlignmentConfigError(f"dtype={self.dtype!r} should be 'float32' or 'bfloat16'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise AlignmentConfigError(f"device={self.device!r} should be 'cpu' or 'cuda[:i]'")
         if self.device == "cpu" and self.dtype == "bfloat16":
             raise AlignmentConfigError("dtype='bfloat16' with device='cpu': CPU runs train in float32")
-        if self.num_threads is not None and int(self.num_threads) < 1:
-            raise AlignmentConfigError(f"num_threads={self.num_threads} should be >= 1 or None")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise AlignmentConfigError(f"warmup_ratio={self.warmup_ratio} should be in [0, 1)")
 
     @classmethod
     def gpu_preset(cls, model: str, **overrides) -> DPORunConfig:

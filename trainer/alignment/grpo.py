@@ -41,6 +41,7 @@ import numpy as np
 from sdk.errors import InvalidInputError
 from sdk.real_numbers import finite_float
 from trainer.alignment.errors import AlignmentConfigError
+from trainer.config_fields import check_config
 from trainer.alignment.thompson_routing import NeuralThompsonRouting, ThompsonConfig, bandit_feedback
 from trainer.alignment.policy_models import load_policy, prepare_tokenizer
 from trainer.report import save_figure, write_json, write_text
@@ -277,6 +278,7 @@ class RoutedGRPOConfig:
         self.output_dir = Path(self.output_dir)
         if isinstance(self.thompson, dict):
             self.thompson = ThompsonConfig(**self.thompson)
+        check_config(self, "thompson", ThompsonConfig, error=AlignmentConfigError)
 
         def bad(name: str, rule: str) -> AlignmentConfigError:
             return AlignmentConfigError(f"{name}={getattr(self, name)!r} should be {rule}")

@@ -43,6 +43,7 @@ from torch import nn
 
 from sdk.errors import InvalidInputError, ShapeError
 from sdk.real_numbers import finite_float
+from trainer.config_fields import check_bool, check_int
 
 
 #: Posterior samples are clipped to [SAMPLE_CLIP, 1 - SAMPLE_CLIP] before the logit (RoutingDecision.logits).
@@ -73,6 +74,8 @@ class ThompsonConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_bool(self, "enabled")
+        check_int(self, "seed", 0)
         lam, nu, lr = finite_float(self.lam), finite_float(self.nu), finite_float(self.lr)
         if lam is None or lam <= 0:
             raise InvalidInputError(f"lam must be a finite number > 0, got {self.lam!r}")

@@ -82,6 +82,7 @@ import numpy as np
 import pandas as pd
 
 from sdk.errors import InvalidInputError
+from sdk.real_numbers import finite_float
 from trainer.data.errors import DataFormatError, DataUnavailableError
 
 __all__ = [
@@ -379,6 +380,11 @@ def load_preference_pairs(
 # ----------------------------------------------------------------------------- splits and clients
 
 
+def _check_seed(seed: object) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InvalidInputError(f"seed must be an int >= 0 (numpy's default_rng), got {seed!r}")
+
+
 def _require(df: pd.DataFrame, columns: Sequence[str]) -> None:
     missing = [c for c in columns if c not in df.columns]
     if missing:
@@ -408,7 +414,11 @@ def split_by_prompt(
         A needed column is missing.
     """
     _require(df, ("prompt_id", "domain"))
-    fr = np.asarray(fractions, dtype=np.float64)
+    _check_seed(seed)
+    try:
+        fr = np.asarray(fractions, dtype=np.float64)
+    except (TypeError, ValueError):
+        fr = np.empty(0)
     if fr.shape != (3,) or (fr < 0).any() or not np.isclose(fr.sum(), 1.0):
         raise InvalidInputError(f"fractions must be 3 non-negative numbers summing to 1, got {fractions}")
     rng = np.random.default_rng(seed)
@@ -449,10 +459,12 @@ def dirichlet_clients(
     """
     if by not in ("subset", "domain"):
         raise InvalidInputError(f"by must be 'subset' or 'domain', got {by!r}")
-    if not isinstance(n_clients, (int, np.integer)) or n_clients < 1:
+    if isinstance(n_clients, bool) or not isinstance(n_clients, (int, np.integer)) or n_clients < 1:
         raise InvalidInputError(f"n_clients must be an int >= 1, got {n_clients!r}")
-    if not (np.isfinite(alpha) and alpha > 0):
+    value = finite_float(alpha)
+    if value is None or value <= 0:
         raise InvalidInputError(f"alpha must be finite and > 0, got {alpha!r}")
+    _check_seed(seed)
     _require(df, ("prompt_id", by))
     rng = np.random.default_rng(seed)
     groups = sorted(df[by].unique())

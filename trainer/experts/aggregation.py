@@ -51,8 +51,11 @@ def aggregate_components(
     n = len(current)
     per: list[list[tuple[Parameters, float]]] = [[] for _ in range(n)]
     for c, upd in enumerate(updates):
+        if not isinstance(upd, Mapping):
+            raise InvalidInputError(f"client {c}: update must be a mapping expert index -> (parameters, n_samples), "
+                                    f"got {type(upd).__name__}")
         for k, (params, count) in upd.items():
-            if not (isinstance(k, (int, np.integer)) and 0 <= k < n):
+            if isinstance(k, bool) or not (isinstance(k, (int, np.integer)) and 0 <= k < n):
                 raise InvalidInputError(f"client {c}: expert index {k!r} outside [0, {n})")
             if not (np.isfinite(count) and count >= 0):
                 raise InvalidInputError(f"client {c}, expert {k}: sample count must be finite and >= 0, got {count!r}")

@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from sdk.errors import InvalidInputError
+from trainer.config_fields import check_bool, check_config, check_int, check_real
 from trainer.experts.aggregation import aggregate_components
 from trainer.experts.prompt_router import PromptRouter, fit_router, kmeans_init, pgpd_pseudo_labels
 from trainer.experts.selector import PairSelector, SegmentStore, SelectorConfig
@@ -152,37 +153,34 @@ class FedPrismConfig:
             sel = dict(self.selector)
             sel["encoding"] = PairEncodingConfig(**sel["encoding"])
             self.selector = SelectorConfig(**sel)
+        check_config(self, "selector", SelectorConfig)
         if self.length_init not in LENGTH_INITS:
             raise InvalidInputError(f"length_init must be one of {LENGTH_INITS}, got {self.length_init!r}")
         if self.length_prior not in LENGTH_PRIORS:
             raise InvalidInputError(f"length_prior must be one of {LENGTH_PRIORS}, got {self.length_prior!r}")
         if self.length_prior == "domain" and self.length_init != "fedavg_lr":
             raise InvalidInputError("length_prior='domain' needs length_init='fedavg_lr' (the prior is a federated fit)")
-        if not (np.isfinite(self.residual_scale) and self.residual_scale >= 0):
-            raise InvalidInputError(f"residual_scale must be finite and >= 0, got {self.residual_scale!r}")
-        if not (np.isfinite(self.length_C) and self.length_C > 0):
-            raise InvalidInputError(f"length_C must be finite and > 0, got {self.length_C!r}")
-        if not (np.isfinite(self.length_lr_scale) and self.length_lr_scale >= 0):
-            raise InvalidInputError(f"length_lr_scale must be finite and >= 0, got {self.length_lr_scale!r}")
-        if not 0.0 <= self.client_val_fraction < 0.5:
-            raise InvalidInputError(f"client_val_fraction must be in [0, 0.5), got {self.client_val_fraction!r}")
+        check_real(self, "residual_scale", 0)
+        check_real(self, "length_C", 0, low_open=True)
+        check_real(self, "length_lr_scale", 0)
+        check_real(self, "client_val_fraction", 0, 0.5, high_open=True)
+        for name in ("expert_lr", "router_lr", "init_lr"):
+            check_real(self, name, 0, low_open=True)
+        check_bool(self, "pgpd")
         if self.routing not in ROUTINGS:
             raise InvalidInputError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         for name in ("n_experts", "rounds", "router_every", "clients_per_round", "local_pairs", "batch_size",
                      "router_epochs", "router_hidden", "eval_every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise InvalidInputError(f"{name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.warmup_rounds, int) or not 0 <= self.warmup_rounds <= self.rounds:
+            check_int(self, name, 1)
+        check_int(self, "init_epochs", 0)
+        check_int(self, "seed", 0)
+        check_int(self, "warmup_rounds", 0)
+        if not self.warmup_rounds <= self.rounds:
             raise InvalidInputError(f"warmup_rounds={self.warmup_rounds!r} must be in [0, rounds={self.rounds}]")
         if self.routing == "single" and self.n_experts != 1:
             raise InvalidInputError(f"routing='single' (FedBis) needs n_experts=1, got {self.n_experts}")
         if self.pgpd and self.routing != "router":
             raise InvalidInputError(f"pgpd=True needs routing='router', got routing={self.routing!r}")
-        for name in ("expert_lr", "router_lr", "init_lr"):
-            v = getattr(self, name)
-            if not (np.isfinite(v) and v > 0):
-                raise InvalidInputError(f"{name} must be finite and > 0, got {v!r}")
 
     @classmethod
     def gpu_preset(cls, backbone: str = "Qwen/Qwen2-0.5B") -> FedPrismConfig:

@@ -52,6 +52,7 @@ from torch import nn
 
 from sdk.errors import InvalidInputError, ShapeError
 from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig, length_features_many
+from trainer.config_fields import check_bool, check_int, check_real
 from trainer.data.errors import DataUnavailableError
 from trainer.embeddings import resolve_model_path
 from tokenizers import Tokenizer
@@ -90,6 +91,10 @@ class SelectorConfig:
     def __post_init__(self) -> None:
         if isinstance(self.encoding, dict):
             self.encoding = PairEncodingConfig(**self.encoding)
+        for name in ("lora_layers", "target_modules"):  # tuple("query") would be ('q', 'u', 'e', 'r', 'y')
+            if isinstance(getattr(self, name), str):
+                raise InvalidInputError(f"SelectorConfig.{name} must be a tuple, not the str {getattr(self, name)!r}; "
+                                        f"write ({getattr(self, name)!r},)")
         if self.lora_layers is not None:
             self.lora_layers = tuple(int(i) for i in self.lora_layers)
             if not self.lora_layers or min(self.lora_layers) < 0:
@@ -100,9 +105,11 @@ class SelectorConfig:
         if self.cache_lower_layers and self.lora_layers is None:
             raise InvalidInputError("cache_lower_layers=True needs lora_layers (the layers above the cache); "
                                     "with lora_layers=None set cache_lower_layers=False")
-        if self.lora_r < 1 or self.lora_alpha <= 0 or not 0.0 <= self.lora_dropout < 1.0:
-            raise InvalidInputError(f"bad LoRA settings r={self.lora_r}, alpha={self.lora_alpha}, "
-                                    f"dropout={self.lora_dropout}")
+        check_int(self, "lora_r", 1)
+        check_int(self, "head_hidden", 1)
+        check_real(self, "lora_alpha", 0, low_open=True)
+        check_real(self, "lora_dropout", 0, 1, high_open=True)
+        check_bool(self, "cache_lower_layers")
 
     @classmethod
     def gpu_preset(cls, backbone: str = "Qwen/Qwen2-0.5B") -> SelectorConfig:

@@ -42,6 +42,7 @@ import numpy as np
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import InvalidInputError, ShapeError
 from sdk.local_update import KMeansUpdate
+from trainer.config_fields import check_real
 from trainer.federated.gaussian_privacy import gaussian_epsilon
 
 #: L2 sensitivity of one client's clipped, rescaled contribution (five parts of norm <= 1 each).
@@ -73,21 +74,16 @@ class AggregationConfig:
     delta: float = 1e-5
 
     def __post_init__(self) -> None:
-        if self.clip_count is not None and not (math.isfinite(self.clip_count) and self.clip_count > 0):
-            raise InvalidInputError(f"clip_count must be a number > 0, got {self.clip_count!r}")
-        if self.max_cost_usd is not None and not (math.isfinite(self.max_cost_usd) and self.max_cost_usd > 0):
-            raise InvalidInputError(f"max_cost_usd must be a number > 0 (USD per query), got {self.max_cost_usd!r}")
-        if not (0.0 <= self.trim_fraction < 0.5):
-            raise InvalidInputError(f"trim_fraction must lie in [0, 0.5), got {self.trim_fraction!r}")
-        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
-            raise InvalidInputError(f"noise_multiplier must be >= 0, got {self.noise_multiplier!r}")
+        check_real(self, "clip_count", 0, low_open=True, optional=True)
+        check_real(self, "max_cost_usd", 0, low_open=True, optional=True)  # USD per query
+        check_real(self, "trim_fraction", 0, 0.5, high_open=True)
+        check_real(self, "noise_multiplier", 0)
+        check_real(self, "delta", 0, 1, low_open=True, high_open=True)
         if self.noise_multiplier > 0 and (self.clip_count is None or self.max_cost_usd is None):
             raise InvalidInputError("Gaussian noise needs clip_count and max_cost_usd (they bound the sensitivity)")
         if self.noise_multiplier > 0 and self.trim_fraction > 0:
             raise InvalidInputError("Gaussian noise needs trim_fraction=0: trimming lets one client change which "
                                     "others are kept, beyond the sensitivity bound")
-        if not (0.0 < self.delta < 1.0):
-            raise InvalidInputError(f"delta must lie in (0, 1), got {self.delta!r}")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sdk.errors import InvalidInputError, ShapeError
+from trainer.config_fields import check_int, check_real
 from trainer.routers.fedavg import fedavg
 from trainer.federated.gaussian_privacy import gaussian_epsilon
 
@@ -71,18 +72,14 @@ class MLPAggregationConfig:
 
     def __post_init__(self) -> None:
         for name in ("clip_count", "clip_norm"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise InvalidInputError(f"{name} must be a number > 0, got {value!r}")
-        if not 0 <= self.trim_fraction < 0.5:
-            raise InvalidInputError(f"trim_fraction must lie in [0, 0.5), got {self.trim_fraction!r}")
-        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
-            raise InvalidInputError(f"noise_multiplier must be >= 0, got {self.noise_multiplier!r}")
+            check_real(self, name, 0, low_open=True, optional=True)
+        check_real(self, "trim_fraction", 0, 0.5, high_open=True)
+        check_real(self, "noise_multiplier", 0)
+        check_real(self, "delta", 0, 1, low_open=True, high_open=True)
+        check_int(self, "expected_clients", 1, optional=True)  # a NaN W would make every parameter NaN
         if self.noise_multiplier > 0 and (self.clip_norm is None or self.trim_fraction > 0
                                           or not self.expected_clients or self.expected_clients < 1):
             raise InvalidInputError("DP-FedAvg noise needs clip_norm, expected_clients >= 1 and no trimming")
-        if not 0 < self.delta < 1:
-            raise InvalidInputError(f"delta must lie in (0, 1), got {self.delta!r}")
 
 
 @dataclass(frozen=True)

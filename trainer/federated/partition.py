@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sdk.errors import InvalidInputError
+from sdk.real_numbers import finite_float
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def dirichlet_partition(
     """
     if int(n_clients) != n_clients or n_clients < 1:
         raise InvalidInputError(f"n_clients must be an integer >= 1, got {n_clients!r}")
-    if not (np.isfinite(alpha) and alpha > 0):
+    if finite_float(alpha) is None or alpha <= 0:  # also a str, None or bool alpha
         raise InvalidInputError(f"alpha must be a finite number > 0, got {alpha!r}")
     tasks = np.asarray(tasks)
     client = np.full(tasks.shape[0], -1, dtype=np.int64)

@@ -37,6 +37,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sdk.errors import InvalidInputError, ShapeError
+from trainer.config_fields import check_int, check_real
 from trainer.routers.fedavg import fedavg, validate_updates
 
 WEIGHTINGS = ("samples", "equal")
@@ -210,21 +211,18 @@ class RouterConfig:
     ensemble: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.ensemble, bool) or int(self.ensemble) < 1:
-            raise InvalidInputError(f"ensemble must be an integer >= 1, got {self.ensemble!r}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise InvalidInputError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
+        for name in ("hidden", "rounds", "local_epochs", "batch_size", "ensemble"):
+            check_int(self, name, 1)
+        check_int(self, "local_steps", 1, optional=True)
+        check_int(self, "input_columns", 1, optional=True)
+        check_int(self, "seed", 0)
+        check_real(self, "lr", 0, low_open=True)
+        check_real(self, "weight_decay", 0)
+        check_real(self, "dropout", 0, 1, high_open=True)
+        check_real(self, "label_smoothing", 0, 1, high_open=True)
+        check_real(self, "participation", 0, 1, low_open=True)
         if self.weighting not in WEIGHTINGS:
             raise InvalidInputError(f"weighting must be one of {list(WEIGHTINGS)}, got {self.weighting!r}")
-        for name in ("hidden", "rounds", "local_epochs", "batch_size"):
-            if int(getattr(self, name)) < 1:
-                raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.local_steps is not None and self.local_steps < 1:
-            raise InvalidInputError(f"local_steps must be >= 1 or None, got {self.local_steps}")
-        if self.input_columns is not None and (isinstance(self.input_columns, bool) or int(self.input_columns) < 1):
-            raise InvalidInputError(f"input_columns must be None or an integer >= 1, got {self.input_columns!r}")
-        if not 0.0 < self.participation <= 1.0:
-            raise InvalidInputError(f"participation must be in (0, 1], got {self.participation}")
 
 
 def stack_routers(routers: Sequence[ClientRouter]) -> ClientRouter:

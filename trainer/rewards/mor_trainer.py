@@ -42,6 +42,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sdk.errors import InvalidInputError
+from trainer.config_fields import check_bool, check_config, check_int, check_real
 from trainer.data.preferences import DOMAINS, load_preference_pairs, split_by_prompt
 from trainer.embeddings import EmbedderConfig
 from trainer.routers.fedavg import fedavg
@@ -170,6 +171,12 @@ class MoRConfig:
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
+        for name, kind in (("mlp_rm", RewardModelConfig), ("lora_rm", RewardModelConfig), ("router", RouterConfig),
+                           ("embedder", EmbedderConfig)):
+            check_config(self, name, kind)
+        for name in ("client_names", "client_domains", "client_archs", "pool_pairs", "split_fractions"):
+            if not isinstance(getattr(self, name), (tuple, list)):
+                raise InvalidInputError(f"MoRConfig.{name} must be a tuple with one entry per client, got {getattr(self, name)!r}")
         n = len(self.client_names)
         if n < 2 or len(self.client_domains) != n or len(self.client_archs) != n:
             raise InvalidInputError(f"need >= 2 clients with one name, domain and arch each, got names={self.client_names}, "
@@ -184,18 +191,30 @@ class MoRConfig:
         if self.router_inputs not in ("pair", "text", "prompt"):
             raise InvalidInputError(f"router_inputs must be 'pair', 'text' or 'prompt', got {self.router_inputs!r}")
         self.sparse_rule(), self.soft_rule()  # validate
-        if not self.routing_margin_se >= 0:
-            raise InvalidInputError(f"routing_margin_se must be >= 0, got {self.routing_margin_se!r}")
         if self.mode not in ("sparse", "soft"):
             raise InvalidInputError(f"mode must be 'sparse' or 'soft', got {self.mode!r}")
-        if len(self.pool_pairs) != n or min(self.pool_pairs) < 10:
+        if len(self.pool_pairs) != n or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 10
+                                                for v in self.pool_pairs):
             raise InvalidInputError(f"pool_pairs must give >= 10 pairs for each of the {n} clients, got {self.pool_pairs}")
         if not isinstance(self.length_prior, bool) and (len(self.length_prior) != n
                                                         or not all(isinstance(v, bool) for v in self.length_prior)):
             raise InvalidInputError(f"length_prior must be a bool or one bool per client ({n}), got {self.length_prior!r}")
         for name in ("heldout_pairs", "pairs_per_prompt", "seeds", "fedavg_rm_rounds", "max_eval_pairs"):
-            if int(getattr(self, name)) < 1:
-                raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
+            check_int(self, name, 1)
+        check_int(self, "lora_train_pairs", 1, optional=True)
+        check_int(self, "pool_seed", 0)
+        check_real(self, "length_prior_C", 0, low_open=True)
+        check_real(self, "clip", 0, low_open=True, optional=True)
+        check_real(self, "routing_margin_se", 0)
+        check_bool(self, "length_features")
+        check_bool(self, "keep_start")
+        try:
+            fractions = np.asarray(self.split_fractions, dtype=np.float64)
+        except (TypeError, ValueError):
+            fractions = np.empty(0)
+        if fractions.shape != (3,) or not (fractions > 0).all() or not np.isclose(fractions.sum(), 1.0):
+            raise InvalidInputError(f"MoRConfig.split_fractions must be 3 numbers > 0 (train, val, test) summing to 1, "
+                                    f"got {self.split_fractions!r}")
 
     def sparse_rule(self) -> RoutingRule:
         """The default sparse routing rule (``route_by``, ``sparse_fallback``, ``sparse_fallback_top``)."""

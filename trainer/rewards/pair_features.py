@@ -24,6 +24,22 @@ from trainer.embeddings import EmbedderConfig, embed_texts
 from sdk.pair_encoding import length_features_many
 
 
+def check_pair_texts(prompts: Sequence[str], responses: Sequence[str]) -> None:
+    """Raise InvalidInputError unless ``prompts`` and ``responses`` are equally long (n >= 1) sequences of str.
+
+    A None or NaN (a missing cell of a frame) would otherwise be embedded as ``"(empty)"``, and a
+    shorter list would be paired up silently to its length.
+    """
+    if len(prompts) != len(responses):
+        raise InvalidInputError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if len(prompts) == 0:
+        raise InvalidInputError("scoring needs at least one (prompt, response) pair, got 0")
+    for name, texts in (("prompts", prompts), ("responses", responses)):
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise InvalidInputError(f"{name}[{bad}] must be a str, got {texts[bad]!r}")
+
+
 @dataclass
 class PairEncoder:
     """``encode(prompts, responses) -> ndarray (n, 2 * d_emb + 3) float32`` (``2 * d_emb`` without length).
@@ -45,13 +61,10 @@ class PairEncoder:
         Returns ndarray of shape (n, 2 * d_emb + 3), float32: ``[e(prompt), e(response), l(response)]``
         per row (``(n, 2 * d_emb)`` when ``length_features`` is False).
 
-        Raises InvalidInputError: lengths differ, or a text is empty (a whitespace-only response is
+        Raises InvalidInputError: lengths differ, a text is not a str, or a text is empty (a whitespace-only response is
         encoded as the single token ``"(empty)"`` rather than refused, since HH-RLHF holds a few).
         """
-        if len(prompts) != len(responses):
-            raise InvalidInputError(f"{len(prompts)} prompts but {len(responses)} responses")
-        if len(prompts) == 0:
-            raise InvalidInputError("encode needs at least one (prompt, response) pair, got 0")
+        check_pair_texts(prompts, responses)
         responses = [r if isinstance(r, str) and r.strip() else "(empty)" for r in responses]
         uniq = list(dict.fromkeys(list(prompts) + responses))
         vecs = embed_texts(uniq, self.embedder, self.cache_dir, show_progress=self.show_progress)

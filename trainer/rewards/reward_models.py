@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,8 +55,10 @@ from tqdm.auto import tqdm
 
 from sdk.errors import InvalidInputError, ShapeError
 from sdk.pair_tokenizer import PairTokenizer
+from sdk.real_numbers import finite_float
+from trainer.config_fields import check_bool, check_int, check_real
 from trainer.embeddings import EmbedderConfig, resolve_model_path
-from trainer.rewards.pair_features import PairEncoder
+from trainer.rewards.pair_features import PairEncoder, check_pair_texts
 from trainer.preference_metrics import pairwise_accuracy as metric
 from trainer.rewards.pair_features import LENGTH_SCALE
 from trainer.rewards.pair_features import response_lengths
@@ -73,7 +75,11 @@ class PreferencePairs:
     """Preference tuples ``(x, y+, y-)`` of one client.
 
     prompts, chosen, rejected : tuples of n str (``chosen[i]`` preferred over ``rejected[i]``).
-    prompt_ids : tuple of n hashable ids (pairs sharing a prompt share an id; splits are by prompt).
+    prompt_ids : tuple of n hashable ids, not None (pairs sharing a prompt share an id; splits are by prompt).
+
+    Raises InvalidInputError: a field that is not a tuple or list (a str would be read as its
+    characters), lengths that differ, a text that is not a str (None, NaN from a missing cell, a
+    number) or an id that is None or unhashable.
     """
 
     prompts: tuple
@@ -82,10 +88,20 @@ class PreferencePairs:
     prompt_ids: tuple
 
     def __post_init__(self) -> None:
+        for name in ("prompts", "chosen", "rejected", "prompt_ids"):
+            if not isinstance(getattr(self, name), (tuple, list)):
+                raise InvalidInputError(f"PreferencePairs.{name} must be a tuple, got {type(getattr(self, name)).__name__}")
         n = len(self.prompts)
         for name in ("chosen", "rejected", "prompt_ids"):
             if len(getattr(self, name)) != n:
                 raise InvalidInputError(f"PreferencePairs: {n} prompts but {len(getattr(self, name))} {name}")
+        for name in ("prompts", "chosen", "rejected"):
+            bad = next((i for i, t in enumerate(getattr(self, name)) if not isinstance(t, str)), None)
+            if bad is not None:
+                raise InvalidInputError(f"PreferencePairs.{name}[{bad}] must be a str, got {getattr(self, name)[bad]!r}")
+        for i, pid in enumerate(self.prompt_ids):
+            if pid is None or not isinstance(pid, Hashable):
+                raise InvalidInputError(f"PreferencePairs.prompt_ids[{i}] must be a hashable id, got {pid!r}")
 
     @property
     def n_pairs(self) -> int:
@@ -112,8 +128,11 @@ class PreferencePairs:
         """From a pairs DataFrame (``trainer.data.preferences`` schema: ``prompt_id, prompt,
         response_a, response_b, label`` with label 1 = a preferred, 0 = b preferred).
 
-        Raises InvalidInputError: a column is missing or a label is not 0/1.
+        Raises InvalidInputError: ``frame`` is not a DataFrame, a column is missing, a label is not 0/1
+        or a text is not a str (see the class).
         """
+        if not hasattr(frame, "columns"):
+            raise InvalidInputError(f"PreferencePairs.from_frame needs a pandas DataFrame, got {type(frame).__name__}")
         missing = {"prompt_id", "prompt", "response_a", "response_b", "label"} - set(frame.columns)
         if missing:
             raise InvalidInputError(f"pairs frame lacks columns {sorted(missing)}")
@@ -166,6 +185,11 @@ class ScoreNormaliser:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.mean) and math.isfinite(self.std) and self.std >= 0):
             raise InvalidInputError(f"normaliser needs finite mean and std >= 0, got mean={self.mean}, std={self.std}")
+        if finite_float(self.eps) is None or self.eps < 0:
+            raise InvalidInputError(f"normaliser eps={self.eps!r} should be a finite number >= 0")
+        if self.std + self.eps == 0:
+            raise InvalidInputError("normaliser has std=0 (constant raw scores) and eps=0: z-scores would divide by zero; "
+                                    "use eps > 0")
         if self.clip is not None and not self.clip > 0:
             raise InvalidInputError(f"clip must be > 0 or None, got {self.clip}")
 
@@ -434,8 +458,7 @@ class LoRARewardModel(ClientRewardModel):
         return self.module(**self.tokenize(prompts, responses), lengths=lengths)
 
     def raw_scores(self, prompts, responses) -> np.ndarray:
-        if len(prompts) == 0:
-            raise InvalidInputError("raw_scores needs at least one pair, got 0")
+        check_pair_texts(prompts, responses)
         self.module.eval()
         out = []
         with torch.no_grad():
@@ -568,6 +591,23 @@ class RewardModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "hidden", "patience", "max_tokens", "lora_r"):
+            check_int(self, name, 1)
+        check_int(self, "seed", 0)
+        for name in ("early_stopping", "length_prior", "keep_start"):
+            check_bool(self, name)
+        check_real(self, "lr", 0, low_open=True)
+        check_real(self, "lora_alpha", 0, low_open=True)
+        check_real(self, "length_prior_C", 0, low_open=True)
+        check_real(self, "dp_max_grad_norm", 0, low_open=True)
+        check_real(self, "weight_decay", 0)
+        check_real(self, "eps", 0)
+        check_real(self, "dropout", 0, 1, high_open=True)
+        check_real(self, "lora_dropout", 0, 1, high_open=True)
+        check_real(self, "val_fraction", 0, 1, low_open=True, high_open=True)
+        check_real(self, "clip", 0, low_open=True, optional=True)
+        check_real(self, "dp_noise_multiplier", 0, low_open=True, optional=True)
+        check_real(self, "dp_delta", 0, 1, low_open=True, high_open=True, optional=True)
         if self.dp_noise_multiplier is not None and (self.arch != "mlp" or self.dp_noise_multiplier <= 0 or self.dp_max_grad_norm <= 0):
             raise InvalidInputError(f"DP-SGD needs arch 'mlp', dp_noise_multiplier > 0 and dp_max_grad_norm > 0; got arch={self.arch!r}, "
                                     f"dp_noise_multiplier={self.dp_noise_multiplier}, dp_max_grad_norm={self.dp_max_grad_norm}")
@@ -576,16 +616,6 @@ class RewardModelConfig:
         if self.length_prior and (self.dp_noise_multiplier is not None or not self.length_prior_C > 0):
             raise InvalidInputError(f"length_prior needs no DP-SGD and length_prior_C > 0; got dp_noise_multiplier="
                                     f"{self.dp_noise_multiplier}, length_prior_C={self.length_prior_C}")
-        for name in ("epochs", "batch_size", "hidden", "patience", "max_tokens", "lora_r"):
-            if int(getattr(self, name)) < 1:
-                raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise InvalidInputError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.lr <= 0 or self.weight_decay < 0 or not 0.0 <= self.dropout < 1.0:
-            raise InvalidInputError(f"need lr > 0, weight_decay >= 0, 0 <= dropout < 1; got lr={self.lr}, "
-                                    f"weight_decay={self.weight_decay}, dropout={self.dropout}")
-        if self.clip is not None and self.clip <= 0:
-            raise InvalidInputError(f"clip must be > 0 or None, got {self.clip}")
 
 
 @dataclass
@@ -602,6 +632,9 @@ class RewardModelTrainer:
     def train(self, pairs: PreferencePairs) -> ClientRewardModel:
         """Raises InvalidInputError: fewer than 4 pairs (or 2 prompts when early stopping)."""
         a = self.args
+        if not isinstance(pairs, PreferencePairs):
+            raise InvalidInputError(f"train needs PreferencePairs (PreferencePairs.from_frame(df) for a pairs frame), "
+                                    f"got {type(pairs).__name__}")
         if pairs.n_pairs < 4:
             raise InvalidInputError(f"a reward model needs >= 4 training pairs, got {pairs.n_pairs}")
         rng = np.random.default_rng(a.seed)

@@ -31,7 +31,11 @@ def validate_updates(updates: Sequence[tuple[Parameters, float]]) -> None:
     ref_params, _ = updates[0]
     ref = {k: np.shape(v) for k, v in ref_params.items()}
     for i, (params, n) in enumerate(updates):
-        if not (np.isfinite(n) and n > 0):
+        try:  # a str count makes np.isfinite raise TypeError; a bool is a caller's bug, not 1 sample
+            ok = not isinstance(n, (bool, np.bool_)) and bool(np.isfinite(n)) and n > 0
+        except TypeError:
+            ok = False
+        if not ok:
             raise InvalidInputError(f"update {i}: n_examples must be finite and > 0, got {n!r}")
         if set(params) != set(ref):
             raise ShapeError(

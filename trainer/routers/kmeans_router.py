@@ -29,6 +29,7 @@ from sdk.atomic_write import write_atomic
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import InvalidInputError
 from sdk.voronoi import nearest_cell
+from trainer.config_fields import check_int, check_real
 from trainer.data.client_data import ClientData
 from trainer.routers.base import Router, read_meta
 from trainer.routers.shrinkage import priced_model_costs, shrunk_means
@@ -61,18 +62,13 @@ class KMeansRouterConfig:
     min_count: int = 1
 
     def __post_init__(self) -> None:
-        if self.n_clusters < 1 or self.n_local_clusters < 1:
-            raise InvalidInputError(
-                f"n_clusters={self.n_clusters} and n_local_clusters={self.n_local_clusters} must be >= 1"
-            )
-        if not 0 < self.participation <= 1:
-            raise InvalidInputError(f"participation must lie in (0, 1], got {self.participation}")
-        if self.prior_strength < 0 or self.model_prior_strength < 0 or self.min_count < 1:
-            raise InvalidInputError(
-                f"prior_strength={self.prior_strength} must be >= 0 and min_count={self.min_count} >= 1"
-            )
-        if self.centroid_rounds < 1 or self.statistics_rounds < 1:
-            raise InvalidInputError("centroid_rounds and statistics_rounds must be >= 1")
+        for name in ("n_clusters", "n_local_clusters", "min_count", "centroid_rounds", "statistics_rounds"):
+            check_int(self, name, 1)
+        check_real(self, "prior_strength", 0)
+        check_real(self, "model_prior_strength", 0)
+        check_real(self, "participation", 0, 1, low_open=True)
+        if self.prior not in ("model", "additive"):  # trainer.routers.shrinkage.shrunk_means's priors
+            raise InvalidInputError(f"KMeansRouterConfig.prior must be 'model' or 'additive', got {self.prior!r}")
 
 
 class KMeansRouter(Router):

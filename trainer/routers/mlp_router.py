@@ -41,6 +41,7 @@ import numpy as np
 from sdk.cell_statistics import CellStatistics
 from sdk.atomic_write import write_atomic
 from sdk.errors import InvalidInputError
+from trainer.config_fields import check_int, check_real
 from trainer.data.client_data import ClientData
 from trainer.routers.fedavg import fedavg
 from trainer.routers.shrinkage import model_means
@@ -81,19 +82,15 @@ class MLPRouterConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.hidden < 1 or self.batch_size < 1 or self.local_epochs < 1:
-            raise InvalidInputError("hidden, batch_size and local_epochs must be >= 1")
-        if not 0 <= self.dropout < 1:
-            raise InvalidInputError(f"dropout must lie in [0, 1), got {self.dropout}")
-        if not 0 < self.participation <= 1:
-            raise InvalidInputError(f"participation must lie in (0, 1], got {self.participation}")
-        if not 0 <= self.val_fraction < 1:
-            raise InvalidInputError(f"val_fraction must lie in [0, 1), got {self.val_fraction}")
-        if self.interaction_penalty < 0 or self.model_prior_strength < 0:
-            raise InvalidInputError(
-                f"interaction_penalty={self.interaction_penalty} and "
-                f"model_prior_strength={self.model_prior_strength} must be >= 0"
-            )
+        for name in ("hidden", "batch_size", "local_epochs", "rounds", "patience", "epochs", "epoch_patience"):
+            check_int(self, name, 1)
+        check_real(self, "lr", 0, low_open=True)
+        check_real(self, "grad_clip", 0, low_open=True)
+        for name in ("weight_decay", "interaction_penalty", "model_prior_strength"):
+            check_real(self, name, 0)
+        check_real(self, "dropout", 0, 1, high_open=True)
+        check_real(self, "participation", 0, 1, low_open=True)
+        check_real(self, "val_fraction", 0, 1, high_open=True)
         if self.patience > self.rounds:
             raise InvalidInputError(f"patience={self.patience} must be <= rounds={self.rounds}")
 
