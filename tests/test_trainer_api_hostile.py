@@ -147,7 +147,8 @@ DATA_CASES = [
     ("fedavg-str-count", lambda: fedavg([(ONE, "3")]), InvalidInputError, r"n_examples must be finite and > 0, got '3'"),
     ("fedavg-bool-count", lambda: fedavg([(ONE, True)]), InvalidInputError, r"got True"),
     ("fedavg-zero-counts", lambda: fedavg([(ONE, 0), (ONE, 0)]), InvalidInputError, r"got 0"),
-    ("components-zero-count", lambda: aggregate_components([ONE], [{0: (ONE, 0.0)}]), InvalidInputError, r"got 0\.0"),
+    # a zero count has weight 0 (paper 000 Step 4; tests/test_fedprism.py), a negative one is refused
+    ("components-negative-count", lambda: aggregate_components([ONE], [{0: (ONE, -1.0)}]), InvalidInputError, r"got -1\.0"),
     ("components-shape", lambda: aggregate_components([ONE], [{0: ({"w": np.ones(3)}, 1.0)}]), ShapeError, r"'w' has shape \(3,\)"),
     ("components-not-mapping", lambda: aggregate_components([ONE], [[ONE]]), InvalidInputError, r"update must be a mapping"),
     ("components-bool-index", lambda: aggregate_components([ONE], [{True: (ONE, 1.0)}]), InvalidInputError, r"expert index True"),
