@@ -23,7 +23,7 @@ import numpy as np
 from sdk.errors import InvalidInputError
 from sdk.real_numbers import finite_float
 
-__all__ = ["check_bool", "check_config", "check_int", "check_real"]
+__all__ = ["check_bool", "check_config", "check_int", "check_real", "check_sequence"]
 
 
 def _fail(config: object, name: str, rule: str, error: type[InvalidInputError]) -> InvalidInputError:
@@ -86,3 +86,14 @@ def check_bool(config: object, name: str, *, error: type[InvalidInputError] = In
     ``0``, ``"False"`` or ``None`` is a bug in the caller (``"False"`` is truthy)."""
     if not isinstance(getattr(config, name), (bool, np.bool_)):
         raise _fail(config, name, "True or False", error)
+
+
+def check_sequence(config: object, name: str, *, optional: bool = False,
+                   error: type[InvalidInputError] = InvalidInputError) -> None:
+    """Raise ``error`` unless ``config.<name>`` is a tuple or list (or None when ``optional``): a str
+    would be read as its characters (``tuple("query")`` is ``('q', 'u', 'e', 'r', 'y')``)."""
+    value = getattr(config, name)
+    if (optional and value is None) or isinstance(value, (tuple, list)):
+        return
+    hint = f"; write ({value!r},)" if isinstance(value, str) else ""
+    raise error(f"{type(config).__name__}.{name} must be a tuple, got {type(value).__name__} {value!r:.60}{hint}")

@@ -11,7 +11,6 @@ the client's tasks), where personalisation is meant to help.
 
 from __future__ import annotations
 
-import math
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from sdk.errors import InvalidInputError
 from sdk.log_checks import check_log
 from sdk.personalisation import holdout_split, personalisation_weights, personalise
 from trainer import kinds, metrics
-from trainer.config_fields import check_config, check_int, check_real
+from trainer.config_fields import check_config, check_int, check_real, check_sequence
 from trainer.data.client_data import ClientData
 from trainer.data.routerbench import EvalTable
 from trainer.federated.partition import dirichlet_partition, sparse_logging
@@ -54,14 +53,10 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         # numpy's Dirichlet draws NaN shares for a NaN concentration (a silent wrong split) and fails on inf
         for name in ("alpha", "preference_concentration"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < math.inf:
-                raise InvalidInputError(f"{name} (a Dirichlet concentration) must be a finite number > 0, got {value!r}")
+            check_real(self, name, 0, low_open=True)
         check_config(self, "mlp", MLPRouterConfig)
         check_config(self, "kmeans", KMeansRouterConfig)
-        if isinstance(self.routers, str):
-            raise InvalidInputError(f"SimulationConfig.routers must be a tuple of router kinds, not the str {self.routers!r}; "
-                                    f"write ({self.routers!r},)")
+        check_sequence(self, "routers")
         check_int(self, "n_clients", 1)
         check_real(self, "participation", 0, 1, low_open=True)
         valid = kinds.in_order()  # registration order: mlp, kmeans (the CLI has always listed them so)

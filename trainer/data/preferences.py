@@ -88,6 +88,7 @@ from trainer.data.errors import DataFormatError, DataUnavailableError
 __all__ = [
     "DOMAINS",
     "PAIR_COLUMNS",
+    "check_split_fractions",
     "dirichlet_clients",
     "load_alpacaeval_pairs",
     "load_hh_harmless_pairs",
@@ -385,6 +386,26 @@ def _check_seed(seed: object) -> None:
         raise InvalidInputError(f"seed must be an int >= 0 (numpy's default_rng), got {seed!r}")
 
 
+def check_split_fractions(fractions: object, *, positive: bool = False, name: str = "fractions") -> np.ndarray:
+    """``fractions`` (train, validation, test) as a (3,) float64 array if they are 3 numbers >= 0 (> 0 with
+    ``positive``: no empty split) summing to 1.
+
+    Raises
+    ------
+    InvalidInputError
+        Anything else (a str, NaN, a negative or zero share, a sum other than 1).
+    """
+    try:
+        fr = np.asarray(fractions, dtype=np.float64)
+    except (TypeError, ValueError):
+        fr = np.empty(0)
+    ok = fr.shape == (3,) and bool(((fr > 0) if positive else (fr >= 0)).all()) and bool(np.isclose(fr.sum(), 1.0))
+    if not ok:
+        raise InvalidInputError(f"{name} must be 3 numbers {'> 0' if positive else '>= 0'} (train, validation, test) "
+                                f"summing to 1, got {fractions!r}")
+    return fr
+
+
 def _require(df: pd.DataFrame, columns: Sequence[str]) -> None:
     missing = [c for c in columns if c not in df.columns]
     if missing:
@@ -415,12 +436,7 @@ def split_by_prompt(
     """
     _require(df, ("prompt_id", "domain"))
     _check_seed(seed)
-    try:
-        fr = np.asarray(fractions, dtype=np.float64)
-    except (TypeError, ValueError):
-        fr = np.empty(0)
-    if fr.shape != (3,) or (fr < 0).any() or not np.isclose(fr.sum(), 1.0):
-        raise InvalidInputError(f"fractions must be 3 non-negative numbers summing to 1, got {fractions}")
+    fr = check_split_fractions(fractions)
     rng = np.random.default_rng(seed)
     part_of: dict[str, int] = {}
     for domain in sorted(df["domain"].unique()):

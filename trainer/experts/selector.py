@@ -52,7 +52,7 @@ from torch import nn
 
 from sdk.errors import InvalidInputError, ShapeError
 from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig, length_features_many
-from trainer.config_fields import check_bool, check_int, check_real
+from trainer.config_fields import check_bool, check_int, check_real, check_sequence
 from trainer.data.errors import DataUnavailableError
 from trainer.embeddings import resolve_model_path
 from tokenizers import Tokenizer
@@ -91,10 +91,8 @@ class SelectorConfig:
     def __post_init__(self) -> None:
         if isinstance(self.encoding, dict):
             self.encoding = PairEncodingConfig(**self.encoding)
-        for name in ("lora_layers", "target_modules"):  # tuple("query") would be ('q', 'u', 'e', 'r', 'y')
-            if isinstance(getattr(self, name), str):
-                raise InvalidInputError(f"SelectorConfig.{name} must be a tuple, not the str {getattr(self, name)!r}; "
-                                        f"write ({getattr(self, name)!r},)")
+        for name in ("lora_layers", "target_modules"):
+            check_sequence(self, name, optional=True)
         if self.lora_layers is not None:
             self.lora_layers = tuple(int(i) for i in self.lora_layers)
             if not self.lora_layers or min(self.lora_layers) < 0:

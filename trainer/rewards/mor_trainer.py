@@ -42,8 +42,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sdk.errors import InvalidInputError
-from trainer.config_fields import check_bool, check_config, check_int, check_real
-from trainer.data.preferences import DOMAINS, load_preference_pairs, split_by_prompt
+from trainer.config_fields import check_bool, check_config, check_int, check_real, check_sequence
+from trainer.data.preferences import DOMAINS, check_split_fractions, load_preference_pairs, split_by_prompt
 from trainer.embeddings import EmbedderConfig
 from trainer.routers.fedavg import fedavg
 from trainer.rewards.client_router import (
@@ -175,8 +175,7 @@ class MoRConfig:
                            ("embedder", EmbedderConfig)):
             check_config(self, name, kind)
         for name in ("client_names", "client_domains", "client_archs", "pool_pairs", "split_fractions"):
-            if not isinstance(getattr(self, name), (tuple, list)):
-                raise InvalidInputError(f"MoRConfig.{name} must be a tuple with one entry per client, got {getattr(self, name)!r}")
+            check_sequence(self, name)
         n = len(self.client_names)
         if n < 2 or len(self.client_domains) != n or len(self.client_archs) != n:
             raise InvalidInputError(f"need >= 2 clients with one name, domain and arch each, got names={self.client_names}, "
@@ -208,13 +207,7 @@ class MoRConfig:
         check_real(self, "routing_margin_se", 0)
         check_bool(self, "length_features")
         check_bool(self, "keep_start")
-        try:
-            fractions = np.asarray(self.split_fractions, dtype=np.float64)
-        except (TypeError, ValueError):
-            fractions = np.empty(0)
-        if fractions.shape != (3,) or not (fractions > 0).all() or not np.isclose(fractions.sum(), 1.0):
-            raise InvalidInputError(f"MoRConfig.split_fractions must be 3 numbers > 0 (train, val, test) summing to 1, "
-                                    f"got {self.split_fractions!r}")
+        check_split_fractions(self.split_fractions, positive=True, name="MoRConfig.split_fractions")
 
     def sparse_rule(self) -> RoutingRule:
         """The default sparse routing rule (``route_by``, ``sparse_fallback``, ``sparse_fallback_top``)."""

@@ -35,9 +35,14 @@ def check_pair_texts(prompts: Sequence[str], responses: Sequence[str]) -> None:
     if len(prompts) == 0:
         raise InvalidInputError("scoring needs at least one (prompt, response) pair, got 0")
     for name, texts in (("prompts", prompts), ("responses", responses)):
-        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
-        if bad is not None:
-            raise InvalidInputError(f"{name}[{bad}] must be a str, got {texts[bad]!r}")
+        check_texts(name, texts)
+
+
+def check_texts(name: str, texts: Sequence) -> None:
+    """Raise InvalidInputError naming ``name[i]`` for the first item of ``texts`` that is not a str."""
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise InvalidInputError(f"{name}[{bad}] must be a str, got {texts[bad]!r}")
 
 
 @dataclass

@@ -58,7 +58,7 @@ from sdk.pair_tokenizer import PairTokenizer
 from sdk.real_numbers import finite_float
 from trainer.config_fields import check_bool, check_int, check_real
 from trainer.embeddings import EmbedderConfig, resolve_model_path
-from trainer.rewards.pair_features import PairEncoder, check_pair_texts
+from trainer.rewards.pair_features import PairEncoder, check_pair_texts, check_texts
 from trainer.preference_metrics import pairwise_accuracy as metric
 from trainer.rewards.pair_features import LENGTH_SCALE
 from trainer.rewards.pair_features import response_lengths
@@ -96,9 +96,7 @@ class PreferencePairs:
             if len(getattr(self, name)) != n:
                 raise InvalidInputError(f"PreferencePairs: {n} prompts but {len(getattr(self, name))} {name}")
         for name in ("prompts", "chosen", "rejected"):
-            bad = next((i for i, t in enumerate(getattr(self, name)) if not isinstance(t, str)), None)
-            if bad is not None:
-                raise InvalidInputError(f"PreferencePairs.{name}[{bad}] must be a str, got {getattr(self, name)[bad]!r}")
+            check_texts(f"PreferencePairs.{name}", getattr(self, name))
         for i, pid in enumerate(self.prompt_ids):
             if pid is None or not isinstance(pid, Hashable):
                 raise InvalidInputError(f"PreferencePairs.prompt_ids[{i}] must be a hashable id, got {pid!r}")
@@ -444,8 +442,8 @@ class LoRARewardModel(ClientRewardModel):
             self.module.head.bias.zero_()
 
     def tokenize(self, prompts: Sequence[str], responses: Sequence[str]) -> dict:
-        if len(prompts) != len(responses):
-            raise InvalidInputError(f"{len(prompts)} prompts but {len(responses)} responses")
+        """``input_ids``, ``attention_mask``, ``token_type_ids`` (n, seq) int64 tensors (raises
+        InvalidInputError when the two lists differ in length, :class:`sdk.pair_tokenizer.PairTokenizer`)."""
         feeds = self.pair_tokenizer(list(prompts), [r if r.strip() else "(empty)" for r in responses])
         return {k: torch.from_numpy(v) for k, v in feeds.items()}
 
