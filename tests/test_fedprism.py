@@ -58,6 +58,22 @@ def test_pgpd_pseudo_label_is_the_argmin_ce_among_retrieved_experts():
     assert loss < 0.05 and router.route(emb).tolist() == [2, 0, 1]
 
 
+def test_building_a_router_leaves_the_global_torch_rng_alone():
+    # PGPD builds a router copy per client; a reseed there used to restart the experts' dropout
+    # stream for every later client (the same masks client after client).
+    import torch
+
+    torch.manual_seed(123)
+    expected = torch.rand(5)
+    torch.manual_seed(123)
+    a = PromptRouter(4, 3, hidden=8, seed=7)
+    np.testing.assert_array_equal(torch.rand(5).numpy(), expected.numpy())
+    b, c = PromptRouter(4, 3, hidden=8, seed=7), PromptRouter(4, 3, hidden=8, seed=8)
+    for name, value in a.state().items():  # the seed alone fixes the weights
+        np.testing.assert_array_equal(value, b.state()[name])
+    assert not np.array_equal(a.state()["net.0.weight"], c.state()["net.0.weight"])
+
+
 def test_router_schedule_frozen_in_warmup_then_every_f_rounds():
     cfg = FedPrismConfig(rounds=9, warmup_rounds=3, router_every=2)
     assert [t for t in range(1, 10) if cfg.pgpd_round(t)] == [5, 7, 9]

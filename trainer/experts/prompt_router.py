@@ -31,15 +31,17 @@ class PromptRouter(nn.Module):
     d_emb : int, prompt-embedding width (384 for MiniLM).
     n_experts : int >= 1.
     hidden : int, 128 in the paper.
-    seed : int, initialisation.
+    seed : int, initialisation. The weights are drawn from a forked torch RNG seeded with it, so
+        building a router leaves the global torch RNG (the experts' dropout masks) where it was.
     """
 
     def __init__(self, d_emb: int, n_experts: int, hidden: int = 128, seed: int = 0) -> None:
         super().__init__()
         if n_experts < 1 or d_emb < 1 or hidden < 1:
             raise InvalidInputError(f"bad router sizes d_emb={d_emb}, n_experts={n_experts}, hidden={hidden}")
-        torch.manual_seed(seed)
-        self.net = nn.Sequential(nn.Linear(d_emb, hidden), nn.Tanh(), nn.Linear(hidden, n_experts))
+        with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG stream
+            torch.manual_seed(seed)
+            self.net = nn.Sequential(nn.Linear(d_emb, hidden), nn.Tanh(), nn.Linear(hidden, n_experts))
         self.n_experts = n_experts
 
     def forward(self, emb: torch.Tensor) -> torch.Tensor:
