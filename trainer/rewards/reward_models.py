@@ -181,15 +181,16 @@ class ScoreNormaliser:
     clip: float | None = None
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.mean) and math.isfinite(self.std) and self.std >= 0):
-            raise InvalidInputError(f"normaliser needs finite mean and std >= 0, got mean={self.mean}, std={self.std}")
+        mean, std = finite_float(self.mean), finite_float(self.std)
+        if mean is None or std is None or std < 0:
+            raise InvalidInputError(f"normaliser needs finite mean and std >= 0, got mean={self.mean!r}, std={self.std!r}")
         if finite_float(self.eps) is None or self.eps < 0:
             raise InvalidInputError(f"normaliser eps={self.eps!r} should be a finite number >= 0")
         if self.std + self.eps == 0:
             raise InvalidInputError("normaliser has std=0 (constant raw scores) and eps=0: z-scores would divide by zero; "
                                     "use eps > 0")
-        if self.clip is not None and not self.clip > 0:
-            raise InvalidInputError(f"clip must be > 0 or None, got {self.clip}")
+        if self.clip is not None and not (finite_float(self.clip) or 0.0) > 0:
+            raise InvalidInputError(f"clip must be a finite number > 0 or None, got {self.clip!r}")
 
     @classmethod
     def fit(cls, raw: np.ndarray, eps: float = 1e-6, clip: float | None = None) -> ScoreNormaliser:
