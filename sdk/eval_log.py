@@ -632,13 +632,14 @@ def _to_evaluations(records: list[tuple], dim: int, path: str) -> Evaluations:
         blob = r[7]
         if blob is None:
             continue
-        vector = np.frombuffer(blob, dtype=_EMBEDDING_DTYPE)
-        if vector.shape != (dim,):
+        if not isinstance(blob, bytes) or len(blob) != dim * _EMBEDDING_DTYPE.itemsize:
+            # Checked before np.frombuffer, which raises on a str or a size that is not a multiple of 4.
+            size = f"{len(blob)} bytes" if isinstance(blob, bytes) else f"a {type(blob).__name__}"
             raise EvalLogError(
-                f"evaluation log {path!r} is damaged: row {r[0]} has an embedding of "
-                f"{vector.shape[0]} values, the log's dimension is {dim}"
+                f"evaluation log {path!r} is damaged: row {r[0]} has an embedding of {size}, "
+                f"the log's dimension {dim} needs {dim * _EMBEDDING_DTYPE.itemsize} bytes"
             )
-        embedding[i] = vector
+        embedding[i] = np.frombuffer(blob, dtype=_EMBEDDING_DTYPE)
     return Evaluations(
         id=np.array([r[0] for r in records], dtype=np.int64),
         timestamp=np.array([r[1] for r in records], dtype=np.float64),
