@@ -363,6 +363,25 @@ def test_a_log_declaring_an_absurd_embedding_dimension_is_damaged(tmp_path):
         EvalLog(path, MODELS)
 
 
+
+@pytest.mark.parametrize("blob, size", [(b"\x00\x11", "2 bytes"), ("abcdabcdabcd", "a str")])
+def test_a_row_whose_embedding_is_not_the_logs_float32_vector_is_damaged(tmp_path, blob, size):
+    # np.frombuffer raised a raw ValueError (2 bytes: not a multiple of 4) or TypeError (a str) before the check.
+    path = tmp_path / "log.sqlite"
+    with EvalLog(path, MODELS) as log:
+        for _ in range(2):
+            log.record("cheap", 1.0, 0.001, embedding=np.ones(3))
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE evaluations SET embedding = ? WHERE id = 2", (blob,))
+    conn.commit()
+    conn.close()
+    with EvalLog(path, MODELS) as log:
+        with pytest.raises(EvalLogError, match=f"is damaged: row 2 has an embedding of {size}, the log's dimension 3 "
+                                               "needs 12 bytes"):
+            log.rows()
+        assert len(log) == 2  # nothing is deleted: the damaged row stays for inspection
+
+
 # -- 4. wire formats ---------------------------------------------------------------------------------------
 
 def test_an_npy_where_an_npz_update_belongs_is_a_payload_error():
@@ -630,6 +649,28 @@ def test_budget_controller_arguments_beyond_the_float_or_memory_range(bundle, si
         with pytest.raises(ShapeError, match="do not convert to float64"):
             controller.choose_from_predictions(accuracy, cost)
     assert controller.n_chosen == 0 and controller.n_recorded == 0  # nothing half-counted
+
+
+def test_budget_controller_budgets_and_costs_whose_arithmetic_over_or_underflows(bundle, signing_keys):
+    from sdk.budget import BudgetController
+
+    router = Router.load(bundle(), signing_keys[1])
+    # 5e-324 USD per 1k is a finite number > 0, but / 1000 is 0.0: math.log raised "math domain error".
+    with pytest.raises(InvalidInputError, match="budget_usd_per_1k must be at least 2.23e-305 USD per 1,000 queries"):
+        BudgetController(router, budget_usd_per_1k=5e-324)
+    # Two finite costs whose sum is beyond the float range: math.fsum raised OverflowError, after the cost had
+    # entered the window, so every later record (even of 0 USD) raised too.
+    controller = BudgetController(router, budget_usd_per_1k=1.0, window=4, seed=0)
+    for cost in (1e308, 1e308, 0.0):
+        controller.record("cheap", cost)
+    assert controller.n_recorded == 3
+    assert controller.realised_usd_per_1k == math.inf  # the mean, 2e308 / 3 USD, is 6.7e307: x 1000 is beyond
+    controller.record("cheap", 0.0)
+    controller.record("cheap", 0.0)  # the window (1e308, 0, 0, 0): mean 2.5e307 USD
+    assert controller.realised_usd_per_1k == math.inf and controller.choose("a") in MODELS
+    for _ in range(4):
+        controller.record("cheap", 0.004)
+    assert controller.realised_usd_per_1k == pytest.approx(4.0)  # the huge costs left the window
 
 
 @pytest.mark.parametrize("token", ["t\u00e9st", "fr_a\nInjected: 1", "fr_a\x00b", "fr_\ud800", "fr_a b"])
