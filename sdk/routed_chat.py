@@ -394,7 +394,8 @@ class RoutedChat:
         Raises
         ------
         ModelSpecError, UnknownModelError, InvalidQueryError, InvalidInputError
-            Bad ``model=`` (malformed, or an id with no upstream) or ``messages``.
+            Bad ``model=`` (malformed, or an id with no upstream) or ``messages``, a ``stream_options``
+            that is not a mapping, or text the request cannot carry (lone surrogates; nothing is sent).
         UpstreamError
             A non-retryable upstream error, or every try failed (``.attempts``).
         """
@@ -416,6 +417,8 @@ class RoutedChat:
                 response = client.sync.chat.completions.create(model=client.name, **kwargs)
                 if not stream:
                     _check_completion(response)
+            except UnicodeEncodeError as exc:
+                raise _unsendable(exc) from exc
             except (openai.OpenAIError, *_GARBAGE) as exc:
                 failed.append(self._failure(m, exc, t0, order, failed))
                 continue
@@ -447,6 +450,8 @@ class RoutedChat:
                 response = await client.async_.chat.completions.create(model=client.name, **kwargs)
                 if not stream:
                     _check_completion(response)
+            except UnicodeEncodeError as exc:
+                raise _unsendable(exc) from exc
             except (openai.OpenAIError, *_GARBAGE) as exc:
                 failed.append(self._failure(m, exc, t0, order, failed))
                 continue
@@ -712,12 +717,22 @@ def _call_kwargs(messages: object, kwargs: dict) -> tuple[dict, bool, bool]:
     kwargs = dict(kwargs, messages=list(_as_messages(messages)))
     stream = bool(kwargs.get("stream"))
     strip = False
+    if kwargs.get("stream_options") is not None and not isinstance(kwargs["stream_options"], Mapping):
+        raise InvalidInputError(f"stream_options must be a mapping (a JSON object), got "
+                                f"{type(kwargs['stream_options']).__name__}")
     if stream:
         options = dict(kwargs.get("stream_options") or {})
         strip = not options.get("include_usage")
         options["include_usage"] = True
         kwargs["stream_options"] = options
     return kwargs, stream, strip
+
+
+def _unsendable(exc: UnicodeEncodeError) -> InvalidInputError:
+    """The request's own fault, raised before anything is sent: text the ``openai`` client cannot encode
+    (a lone surrogate such as a JSON body's ``"\\ud800"`` in a message it does not route, or in ``user``)."""
+    return InvalidInputError(f"the request holds text that is not valid Unicode ({exc.reason}: "
+                             f"{exc.object[exc.start:exc.end]!r}); nothing was sent")
 
 
 def _clients_for(model: str, spec: object) -> _UpstreamClients:
