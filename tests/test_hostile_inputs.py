@@ -437,6 +437,37 @@ def sync_client(tmp_path, signing_keys, handler):
     return client, log
 
 
+
+UNSENDABLE = "the request holds text that is not valid Unicode (surrogates not allowed: '\\ud800'); nothing was sent"
+
+
+@pytest.mark.parametrize("body, match", [
+    (b'{"messages": [{"role": "user", "content": "a"}], "stream": true, "stream_options": "on"}',
+     "stream_options must be a mapping (a JSON object), got str"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "stream_options": [1]}',
+     "stream_options must be a mapping (a JSON object), got list"),
+    # JSON escapes of lone surrogates outside the routed text: the openai client's encoder raised UnicodeEncodeError
+    (b'{"messages": [{"role": "system", "content": "\\ud800"}, {"role": "user", "content": "a"}]}', UNSENDABLE),
+    (b'{"messages": [{"role": "user", "content": "a"}], "user": "\\ud800"}', UNSENDABLE),
+])
+def test_proxy_requests_the_openai_client_cannot_send_are_400_not_500(proxy, body, match):
+    answer = proxy.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and answer.json()["error"]["message"] == match
+
+
+def test_routed_chat_refuses_a_request_it_cannot_send_before_any_fallback(bundle, signing_keys):
+    from sdk.routed_chat import RoutedChat, Upstream
+    from sdk.token_prices import TokenPrice
+
+    router = Router.load(bundle(), signing_keys[1])
+    with RoutedChat(router, upstreams={m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in MODELS},
+                    lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS}) as chat:
+        with pytest.raises(InvalidInputError, match="not valid Unicode \\(surrogates not allowed"):
+            chat.create(messages=[{"role": "assistant", "content": "\ud800"}, {"role": "user", "content": "a"}])
+        with pytest.raises(InvalidInputError, match="stream_options must be a mapping"):
+            chat.create(messages="a", model="cheap", stream=True, stream_options=("include_usage", True))
+
+
 def test_a_server_answering_deeply_nested_json_is_a_sync_error_not_a_recursion_error(tmp_path, signing_keys):
     import httpx
 
