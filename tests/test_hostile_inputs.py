@@ -333,6 +333,30 @@ def test_check_lambda_normalises_negative_zero():
         check_lambda(-1e-300)
 
 
+
+def _array_calls():
+    from sdk.personalisation import interpolation_weights, personalise
+    from sdk.spend_curve import decision_steps
+    from sdk.utility import decide, utility
+
+    return {
+        "strings": (lambda: decide([["a", 0.5]], [[0.1, 0.2]], 1.0), "accuracy"),
+        "ragged": (lambda: utility([[0.5, 0.9]], [[0.1], [0.2, 0.3]], 1.0), "cost"),
+        "steps": (lambda: decision_steps([[0.5, 0.9]], [["x", 0.2]]), "cost"),
+        "errors": (lambda: interpolation_weights(["a"], [0.1]), "global_error"),
+        "weights": (lambda: personalise([[0.5]], [[0.5]], [{"w": 1}]), "weights"),
+        # numpy dropped the imaginary part with a warning only: decide() answered 0 here
+        "complex": (lambda: decide(np.array([[0.5 + 1j, 0.9]]), [[0.1, 0.2]], 1.0), "accuracy"),
+    }
+
+
+@pytest.mark.parametrize("case", ["strings", "ragged", "steps", "errors", "weights", "complex"])
+def test_public_array_functions_refuse_values_that_are_not_real_numbers(case):
+    call, name = _array_calls()[case]  # were numpy's raw ValueError / TypeError
+    with pytest.raises(ShapeError, match=f"{name} must be an array of real numbers, got "):
+        call()
+
+
 # -- 3. the evaluation log -------------------------------------------------------------------------------
 
 def test_text_sqlite_cannot_store_is_refused_before_anything_is_written(tmp_path):
