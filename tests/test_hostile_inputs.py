@@ -335,6 +335,7 @@ def test_check_lambda_normalises_negative_zero():
 
 
 def _array_calls():
+    from sdk.cell_statistics import CellStatistics
     from sdk.personalisation import interpolation_weights, personalise
     from sdk.spend_curve import decision_steps
     from sdk.utility import decide, utility
@@ -347,10 +348,11 @@ def _array_calls():
         "weights": (lambda: personalise([[0.5]], [[0.5]], [{"w": 1}]), "weights"),
         # numpy dropped the imaginary part with a warning only: decide() answered 0 here
         "complex": (lambda: decide(np.array([[0.5 + 1j, 0.9]]), [[0.1, 0.2]], 1.0), "accuracy"),
+        "statistics": (lambda: CellStatistics([[1.0]], [["x"]], [[0.0]]), "sum_accuracy"),
     }
 
 
-@pytest.mark.parametrize("case", ["strings", "ragged", "steps", "errors", "weights", "complex"])
+@pytest.mark.parametrize("case", ["strings", "ragged", "steps", "errors", "weights", "complex", "statistics"])
 def test_public_array_functions_refuse_values_that_are_not_real_numbers(case):
     call, name = _array_calls()[case]  # were numpy's raw ValueError / TypeError
     with pytest.raises(ShapeError, match=f"{name} must be an array of real numbers, got "):
