@@ -440,10 +440,16 @@ class EvalLog:
     ) -> int:
         """:meth:`record` the outcome of a :class:`sdk.router.Choice`: its embedding, cell and bundle
         version are taken from the choice; ``model`` overrides ``choice.model`` when the app sent
-        the query elsewhere. Same errors as :meth:`record`."""
+        the query elsewhere. Same errors as :meth:`record`, and :class:`InvalidInputError` for a
+        ``choice`` that is not a ``Choice`` (e.g. its model id)."""
+        try:  # duck-typed: this module does not import sdk.router
+            chosen, embedding, cell, version = choice.model, choice.embedding, choice.cell, choice.bundle_version
+        except AttributeError:
+            raise InvalidInputError(f"choice must be the sdk.Choice that Router.choose returned, got "
+                                    f"{type(choice).__name__} {choice!r:.80} (EvalLog.record takes a model id)") from None
         return self.record(
-            choice.model if model is None else model, score, cost_usd, latency_ms=latency_ms,
-            embedding=choice.embedding, cell=choice.cell, bundle_version=choice.bundle_version, query=query,
+            chosen if model is None else model, score, cost_usd, latency_ms=latency_ms,
+            embedding=embedding, cell=cell, bundle_version=version, query=query,
         )
 
     def rows(self, since_id: int = 0) -> Evaluations:

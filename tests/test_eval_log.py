@@ -444,3 +444,13 @@ def test_timestamp_from_the_future_is_refused(tmp_path):
             log.record(MODELS[0], 1.0, 0.001, cell=0, timestamp=time.time() + 3 * 86_400)
         log.record(MODELS[0], 1.0, 0.001, cell=0, timestamp=time.time() + 60)  # clock skew is fine
         assert len(log) == 1
+
+
+def test_record_choice_given_a_model_id_instead_of_the_choice_is_an_invalid_input(tmp_path):
+    # A new user's slip (the model id, or None when routing was skipped) was a raw AttributeError.
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
+        for wrong in (MODELS[0], None):
+            with pytest.raises(InvalidInputError, match=f"choice must be the sdk.Choice that Router.choose returned, "
+                                                        f"got {type(wrong).__name__}"):
+                log.record_choice(wrong, score=1.0, cost_usd=0.001)
+        assert len(log) == 0
