@@ -235,8 +235,8 @@ class RoutedChat:
         A model of ``upstreams`` or ``passthrough`` without a token price (``prices`` nor bundle).
     InvalidInputError
         Not exactly one of ``lam`` / ``budget_usd_per_1k``, ``lam`` < 0 or NaN, a budget <= 0 or NaN,
-        an empty ``upstreams``, an upstream value of another type, a ``passthrough`` key that is a
-        router model or starts with ``fedroute``, bad ``max_fallbacks`` / ``context_chars``, a
+        an empty ``upstreams``, an upstream value of another type, ``passthrough`` / ``prices`` that
+        are not mappings, a ``passthrough`` key that is a router model or starts with ``fedroute``, bad ``max_fallbacks`` / ``context_chars``, a
         ``log`` over other models, or an ``openai`` client that cannot be built (no API key).
     """
 
@@ -262,6 +262,9 @@ class RoutedChat:
         if unknown:
             raise UnknownModelError(f"upstreams names {unknown}, not in the router's models {list(router.model_ids)} "
                                     "(models the router does not know go in passthrough=)")
+        if passthrough is not None and not isinstance(passthrough, Mapping):
+            raise InvalidInputError(f"passthrough must be a mapping {{model id: base URL or Upstream}}, got "
+                                    f"{type(passthrough).__name__}")
         passthrough = dict(passthrough or {})
         for name in passthrough:
             if not isinstance(name, str) or not name.strip() or name.startswith(ROUTED_MODEL) or name in router.model_ids:
