@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import re
 import sqlite3
 import sys
 import time
@@ -488,10 +489,23 @@ def test_routed_chat_refuses_a_request_it_cannot_send_before_any_fallback(bundle
     router = Router.load(bundle(), signing_keys[1])
     with RoutedChat(router, upstreams={m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in MODELS},
                     lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS}) as chat:
-        with pytest.raises(InvalidInputError, match="not valid Unicode \\(surrogates not allowed"):
-            chat.create(messages=[{"role": "assistant", "content": "\ud800"}, {"role": "user", "content": "a"}])
+        with pytest.raises(InvalidInputError, match=re.escape(UNSENDABLE)):
+            chat.create(messages=[{"role": "system", "content": "\ud800"}, {"role": "user", "content": "a"}])
         with pytest.raises(InvalidInputError, match="stream_options must be a mapping"):
             chat.create(messages="a", model="cheap", stream=True, stream_options=("include_usage", True))
+
+
+def test_routed_chat_refuses_a_list_where_a_mapping_belongs(bundle, signing_keys):
+    from sdk.routed_chat import RoutedChat, Upstream
+    from sdk.token_prices import TokenPrice
+
+    router = Router.load(bundle(), signing_keys[1])  # a list was dict()'s raw TypeError / ValueError
+    upstreams = {m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in MODELS}
+    with pytest.raises(InvalidInputError, match="prices must be a mapping \\{model id: TokenPrice\\}, got list"):
+        RoutedChat(router, upstreams=upstreams, lam=1.0, prices=[TokenPrice(1.0, 2.0)] * 2)
+    with pytest.raises(InvalidInputError, match="passthrough must be a mapping .* got list"):
+        RoutedChat(router, upstreams=upstreams, lam=1.0, passthrough=["gpt-4o"],
+                   prices={m: TokenPrice(1.0, 2.0) for m in MODELS})
 
 
 def test_a_server_answering_deeply_nested_json_is_a_sync_error_not_a_recursion_error(tmp_path, signing_keys):
