@@ -221,8 +221,8 @@ class SyncClient:
             The server refused a request (4xx); ``status`` says why.
         SyncError
             The server stayed unreachable or failing (5xx) after the retries, answered an
-            unexpected status (3xx, another 2xx) or nonsense, an answer was over its size limit, or
-            the state file is unreadable.
+            unexpected status (3xx, another 2xx) or nonsense, an answer was over its size limit,
+            the state file is unreadable, or this client was closed.
         BundleError
             A published bundle failed verification, or no model of it has an estimate for a probe
             query (nothing was installed).
@@ -235,6 +235,8 @@ class SyncClient:
         Exception
             Whatever ``mlp_trainer`` raises, unchanged.
         """
+        if self._http.is_closed:  # httpx's own error would be a raw RuntimeError
+            raise SyncError(f"this SyncClient of {self._http.base_url} is closed; create a new one to sync again")
         # One sync at a time per device: two would hold back against the same sent record.
         with bundle_install.locked(self.state_path):
             return self._run_once()

@@ -218,6 +218,15 @@ def test_constructor_arguments_of_the_wrong_type_or_range_are_refused(tmp_path, 
             SyncClient(**args)
 
 
+
+def test_a_closed_client_says_so(tmp_path, signing_keys):
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
+        client = SyncClient("https://fed.test", "t", log, tmp_path / "b", signing_keys[1])
+        client.close()
+        with pytest.raises(SyncError, match="this SyncClient of https://fed.test is closed"):  # was httpx's RuntimeError
+            client.run_once()
+
+
 # --- answer size limits ------------------------------------------------------------------------
 
 
