@@ -541,6 +541,8 @@ class RoutedChat:
         UnknownResponseError
             No routed call awaits a score under ``response_id`` (unknown, already scored, expired,
             a pass-through, or an answer without usage).
+        EvalLogError
+            The log or the pending store cannot be written or read, or was closed (:meth:`close`).
         """
         if self._log is None or self._pending is None:
             raise InvalidInputError("this RoutedChat has no EvalLog (log=None): there is nowhere to record a score")
