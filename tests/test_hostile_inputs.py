@@ -659,6 +659,24 @@ def test_an_answer_id_sqlite_cannot_store_neither_loses_the_answer_nor_breaks_th
             chat.close()
 
 
+
+def test_feedback_after_close_is_an_eval_log_error_not_sqlites(bundle, signing_keys, tmp_path):
+    from sdk.pending_outcomes import PendingOutcome
+    from sdk.routed_chat import RoutedChat, Upstream
+    from sdk.token_prices import TokenPrice
+
+    router = Router.load(bundle(), signing_keys[1])
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
+        chat = RoutedChat(router, upstreams={m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in MODELS},
+                          lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS}, log=log)
+        chat.close()  # closes the pending store; feedback then met sqlite3.ProgrammingError
+        with pytest.raises(EvalLogError, match="the pending-outcome store .*log.pending.sqlite' is closed"):
+            chat.feedback("chatcmpl-1", 1.0)
+        with pytest.raises(EvalLogError, match="is closed"):
+            chat.pending.add(PendingOutcome("chatcmpl-1", time.time(), "cheap", 0.001, 5.0, np.ones(3), 0, 1))
+        assert len(log) == 0
+
+
 def test_the_pending_store_refuses_an_unstorable_id_before_writing_and_stays_usable(tmp_path):
     from sdk.pending_outcomes import PendingOutcome, PendingOutcomes
 
