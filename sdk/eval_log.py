@@ -68,13 +68,17 @@ import numpy as np
 from sdk.errors import EvalLogError, InvalidInputError, ShapeError, UnknownModelError
 from sdk.real_numbers import finite_float, is_real_number
 
-__all__ = ["SCHEMA_VERSION", "EvalLog", "Evaluations"]
+__all__ = ["MAX_COST_PER_QUERY_USD", "SCHEMA_VERSION", "EvalLog", "Evaluations"]
 
 #: Value of ``PRAGMA user_version`` written by this version; files with another non-zero value are
 #: refused with :class:`EvalLogError`.
 SCHEMA_VERSION = 1
 
 _INT64_MAX = 2**63 - 1
+#: Largest cost of one query a row may record, USD. The aggregation server refuses every upload whose
+#: mean cost in an entry is above it (``trainer/server/validation.py`` imports this bound), so a log
+#: holding such rows could never sync again: a unit mistake (micro-USD, cents) is refused at ``record``.
+MAX_COST_PER_QUERY_USD = 1000.0
 #: Largest embedding dimension a log file may declare (far above any encoder's); a bigger one is a damaged file.
 _MAX_EMBEDDING_DIM = 1 << 16
 _EMBEDDING_DTYPE = np.dtype("<f4")  # little-endian float32, whatever the host byte order
@@ -335,7 +339,7 @@ class EvalLog:
         ----------
         model : str, one of :attr:`models`, the model the query was sent to.
         score : real number in [0, 1] (bools rejected), the observed quality of the answer.
-        cost_usd : real number, USD, finite and >= 0.
+        cost_usd : real number, USD, in [0, :data:`MAX_COST_PER_QUERY_USD`] (1000).
         latency_ms : real number, milliseconds, finite and >= 0, or None (stored as NULL).
         embedding : array-like of shape (d,), real, finite, or None; stored as float32. ``d`` must
             equal the log's embedding dimension, which the first stored embedding fixes.
@@ -375,8 +379,9 @@ class EvalLog:
         if not 0.0 <= score_f <= 1.0:
             raise InvalidInputError(f"score must lie in [0, 1], got {score_f!r}")
         cost_f = _check_real("cost_usd", cost_usd)
-        if cost_f < 0:
-            raise InvalidInputError(f"cost_usd must be >= 0 (USD), got {cost_f!r}")
+        if not 0 <= cost_f <= MAX_COST_PER_QUERY_USD:
+            raise InvalidInputError(f"cost_usd must lie in [0, {MAX_COST_PER_QUERY_USD:g}] (USD per query; the sync "
+                                    f"server refuses more), got {cost_f!r}")
         latency_f = None
         if latency_ms is not None:
             latency_f = _check_real("latency_ms", latency_ms)
