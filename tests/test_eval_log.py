@@ -122,6 +122,11 @@ BAD_RECORDS = [
     pytest.param(dict(cost_usd=-0.01), InvalidInputError, r"cost_usd.*-0\.01", id="cost<0"),
     pytest.param(dict(cost_usd=float("inf")), InvalidInputError, r"cost_usd.*inf", id="cost-inf"),
     pytest.param(dict(cost_usd=float("nan")), InvalidInputError, r"cost_usd.*nan", id="cost-nan"),
+    # micro-USD by mistake: the server refuses an entry whose mean cost is above 1000 USD, so every later
+    # upload of the log was refused (and two rows of 1e308 overflowed the device's cost sums)
+    pytest.param(dict(cost_usd=2100.0), InvalidInputError,
+                 r"cost_usd must lie in \[0, 1000\] \(USD per query; the sync server refuses more\), got 2100\.0",
+                 id="cost-above-the-sync-bound"),
     pytest.param(dict(latency_ms=-1.0), InvalidInputError, r"latency_ms.*-1\.0", id="latency<0"),
     pytest.param(dict(latency_ms=float("inf")), InvalidInputError, r"latency_ms.*inf", id="latency-inf"),
     pytest.param(dict(embedding=np.ones((2, DIM))), ShapeError, r"embedding.*\(2, 8\)", id="emb-2d"),
