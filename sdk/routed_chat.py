@@ -287,6 +287,7 @@ class RoutedChat:
         self._budget_seed = budget_seed
         self._controllers: dict[float, BudgetController] = {}
         self._lock = threading.Lock()
+        self._closed = False
         self._feedback_lock = threading.Lock()
         # Drop-in shape of openai.OpenAI: chat.chat.completions.create(model=..., messages=...).
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
@@ -468,6 +469,9 @@ class RoutedChat:
     # -- shared steps ------------------------------------------------------------------------
 
     def _prepare(self, messages: object, model: str | None) -> tuple[str, Plan | None, tuple[str, ...]]:
+        if self._closed:  # nothing is sent: an answer could not be recorded (the pending store is closed)
+            raise UpstreamError("this RoutedChat is closed (close() shut its clients and its pending store); "
+                                "create a new one", status=None, kind="connection")
         spec = parse_model_spec(model)
         if spec.routed:
             plan = self._plan(_as_messages(messages), spec)
@@ -567,7 +571,9 @@ class RoutedChat:
         return await asyncio.to_thread(self.feedback, response_id, score)
 
     def close(self) -> None:
-        """Close the sync clients built here and the pending store (not ``log``, which the app owns)."""
+        """Close the sync clients built here and the pending store (not ``log``, which the app owns). Later
+        calls raise :class:`UpstreamError` before sending anything (``feedback``: :class:`EvalLogError`)."""
+        self._closed = True
         for c in self._clients.values():
             if c.owned and c.sync is not None:
                 c.sync.close()
