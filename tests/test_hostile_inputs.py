@@ -660,7 +660,8 @@ def test_an_answer_id_sqlite_cannot_store_neither_loses_the_answer_nor_breaks_th
 
 
 
-def test_feedback_after_close_is_an_eval_log_error_not_sqlites(bundle, signing_keys, tmp_path):
+def test_feedback_and_calls_after_close_are_fedroute_errors(bundle, signing_keys, tmp_path):
+    from sdk.errors import UpstreamError
     from sdk.pending_outcomes import PendingOutcome
     from sdk.routed_chat import RoutedChat, Upstream
     from sdk.token_prices import TokenPrice
@@ -674,6 +675,8 @@ def test_feedback_after_close_is_an_eval_log_error_not_sqlites(bundle, signing_k
             chat.feedback("chatcmpl-1", 1.0)
         with pytest.raises(EvalLogError, match="is closed"):
             chat.pending.add(PendingOutcome("chatcmpl-1", time.time(), "cheap", 0.001, 5.0, np.ones(3), 0, 1))
+        with pytest.raises(UpstreamError, match="this RoutedChat is closed"):  # was httpx's RuntimeError
+            chat.create(messages="a")
         assert len(log) == 0
 
 
