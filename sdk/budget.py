@@ -79,6 +79,9 @@ TARGET_RANGE = 8.0
 MIN_RECORDS = 20
 #: Events kept in :attr:`BudgetController.events`.
 MAX_EVENTS = 1000
+#: Smallest budget accepted, USD per 1,000 queries (~2.2e-305): below it the budget per query, and the
+#: bounds and floors derived from it, underflow to 0.
+MIN_BUDGET_USD_PER_1K = 1000.0 * sys.float_info.min
 
 
 @dataclass(frozen=True)
@@ -180,8 +183,8 @@ class BudgetController:
         self._model_ids = tuple(router.model_ids)
         self._index = {m: i for i, m in enumerate(self._model_ids)}
         self._budget = self.budget_usd_per_1k / 1000.0
-        if self._budget < sys.float_info.min:  # below it, b / TARGET_RANGE and 1e-12 * b underflow to 0: log(0)
-            raise InvalidInputError(f"budget_usd_per_1k must be at least {1000.0 * sys.float_info.min:.3g} USD per "
+        if self.budget_usd_per_1k < MIN_BUDGET_USD_PER_1K:  # b / TARGET_RANGE, 1e-12 * b would underflow: log(0)
+            raise InvalidInputError(f"budget_usd_per_1k must be at least {MIN_BUDGET_USD_PER_1K:.3g} USD per "
                                     f"1,000 queries (a smaller budget underflows), got {budget_usd_per_1k!r}")
         self._log_target = math.log(self._budget)
         self._rng = np.random.default_rng(seed)

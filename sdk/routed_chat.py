@@ -62,7 +62,7 @@ import numpy as np
 import openai
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from sdk.budget import BudgetController
+from sdk.budget import MIN_BUDGET_USD_PER_1K, BudgetController
 from sdk.chat_text import DEFAULT_CONTEXT_CHARS, routing_text
 from sdk.errors import InvalidInputError, UnknownModelError, UnknownResponseError, UpstreamError
 from sdk.eval_log import EvalLog
@@ -234,9 +234,10 @@ class RoutedChat:
     PriceError
         A model of ``upstreams`` or ``passthrough`` without a token price (``prices`` nor bundle).
     InvalidInputError
-        Not exactly one of ``lam`` / ``budget_usd_per_1k``, ``lam`` < 0 or NaN, a budget <= 0 or NaN,
-        an empty ``upstreams``, an upstream value of another type, ``passthrough`` / ``prices`` that
-        are not mappings, a ``passthrough`` key that is a router model or starts with ``fedroute``, bad ``max_fallbacks`` / ``context_chars``, a
+        Not exactly one of ``lam`` / ``budget_usd_per_1k``, ``lam`` < 0 or NaN, a budget <= 0, NaN or
+        below :data:`sdk.budget.MIN_BUDGET_USD_PER_1K`, an empty ``upstreams``, an upstream value of
+        another type, ``passthrough`` / ``prices`` that are not mappings, a ``passthrough`` key that is
+        a router model or starts with ``fedroute``, bad ``max_fallbacks`` / ``context_chars``, a
         ``log`` over other models, or an ``openai`` client that cannot be built (no API key).
     """
 
@@ -708,12 +709,15 @@ def check_budget(budget: object) -> float:
     Raises
     ------
     InvalidInputError
-        Not a real number (bools included), NaN, inf, or <= 0.
+        Not a real number (bools included), NaN, inf, <= 0 or below :data:`sdk.budget.MIN_BUDGET_USD_PER_1K`.
     """
     value = finite_float(budget)
     if value is None or value <= 0:
         raise InvalidInputError(f"budget_usd_per_1k must be a finite number > 0 (USD per 1,000 queries), "
                                 f"got {str(budget)[:40]}")
+    if value < MIN_BUDGET_USD_PER_1K:  # refused here, not by the controller at the first call
+        raise InvalidInputError(f"budget_usd_per_1k must be at least {MIN_BUDGET_USD_PER_1K:.3g} USD per 1,000 "
+                                f"queries (a smaller budget underflows), got {budget!r}")
     return value
 
 

@@ -495,12 +495,17 @@ def test_routed_chat_refuses_a_request_it_cannot_send_before_any_fallback(bundle
             chat.create(messages="a", model="cheap", stream=True, stream_options=("include_usage", True))
 
 
-def test_routed_chat_refuses_a_list_where_a_mapping_belongs(bundle, signing_keys):
+def test_routed_chat_refuses_at_construction_what_would_fail_later(bundle, signing_keys):
     from sdk.routed_chat import RoutedChat, Upstream
     from sdk.token_prices import TokenPrice
 
-    router = Router.load(bundle(), signing_keys[1])  # a list was dict()'s raw TypeError / ValueError
+    router = Router.load(bundle(), signing_keys[1])
     upstreams = {m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in MODELS}
+    # a budget the controller would refuse at the first call is refused at construction
+    with pytest.raises(InvalidInputError, match="budget_usd_per_1k must be at least 2.23e-305 USD per 1,000"):
+        RoutedChat(router, upstreams=upstreams, budget_usd_per_1k=1e-310,
+                   prices={m: TokenPrice(1.0, 2.0) for m in MODELS})
+    # a list where a mapping belongs was dict()'s raw TypeError / ValueError
     with pytest.raises(InvalidInputError, match="prices must be a mapping \\{model id: TokenPrice\\}, got list"):
         RoutedChat(router, upstreams=upstreams, lam=1.0, prices=[TokenPrice(1.0, 2.0)] * 2)
     with pytest.raises(InvalidInputError, match="passthrough must be a mapping .* got list"):
