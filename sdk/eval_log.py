@@ -451,7 +451,8 @@ class EvalLog:
             chosen, embedding, cell, version = choice.model, choice.embedding, choice.cell, choice.bundle_version
         except AttributeError:
             raise InvalidInputError(f"choice must be the sdk.Choice that Router.choose returned, got "
-                                    f"{type(choice).__name__} {choice!r:.80} (EvalLog.record takes a model id)") from None
+                                    f"{type(choice).__name__} {choice!r:.80} (EvalLog.record takes a model id)"
+                                    ) from None
         return self.record(
             chosen if model is None else model, score, cost_usd, latency_ms=latency_ms,
             embedding=embedding, cell=cell, bundle_version=version, query=query,

@@ -223,7 +223,8 @@ def test_a_closed_client_says_so(tmp_path, signing_keys):
     with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
         client = SyncClient("https://fed.test", "t", log, tmp_path / "b", signing_keys[1])
         client.close()
-        with pytest.raises(SyncError, match="this SyncClient of https://fed.test is closed"):  # was httpx's RuntimeError
+        # was httpx's RuntimeError
+        with pytest.raises(SyncError, match="this SyncClient of https://fed.test is closed"):
             client.run_once()
 
 
