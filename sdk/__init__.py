@@ -24,7 +24,9 @@ On the device:
 
 The math shared by the device and the trainer lives here once:
 
-- :mod:`sdk.utility` — utility ``U = A - lam * C`` and the decision rule (METRICS.md tie-break);
+- :mod:`sdk.utility` — utility ``U = A - lam * C`` and the decision rule (METRICS.md tie-break); ``sdk.utility``
+  is this module (``from sdk.utility import utility`` for the function: a package attribute cannot be both,
+  and the import system rebinds it to the module once anything imports ``sdk.utility``);
 - :mod:`sdk.voronoi` — nearest-centroid (Voronoi cell) lookup;
 - :mod:`sdk.cell_statistics` — per-(cell, model) count/sum statistics, their merge and shrunk means;
 - :mod:`sdk.personalisation` — the error-weighted interpolation of a global and a local estimator.
@@ -59,7 +61,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time `__getattr__` impor
     from sdk.router import Choice, ModelInfo, ModelScore, Router
     from sdk.selector import Selector
     from sdk.sync import SyncClient, SyncResult
-    from sdk.utility import check_lambda, decide, utility
+    from sdk.utility import check_lambda, decide
     from sdk.voronoi import nearest_cell
 
 #: Public name -> the module that defines it (imported on first access of the name).
@@ -82,7 +84,6 @@ _LAZY = {
     "SyncResult": "sdk.sync",
     "check_lambda": "sdk.utility",
     "decide": "sdk.utility",
-    "utility": "sdk.utility",
     "nearest_cell": "sdk.voronoi",
 }
 
@@ -117,7 +118,6 @@ __all__ = [
     "interpolation_weights",
     "nearest_cell",
     "personalise",
-    "utility",
 ]
 
 

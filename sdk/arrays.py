@@ -1,4 +1,4 @@
-"""Validation of the arrays (2-D float arrays, ``.npz`` bytes) that cross the SDK's public boundary."""
+"""Validation of the arrays (float arrays, ``.npz`` bytes) that cross the SDK's public boundary."""
 
 from __future__ import annotations
 
@@ -27,6 +27,24 @@ def finite_rows(x: object, width: int, name: str, rows: str = "n") -> np.ndarray
     if not np.isfinite(out).all():
         raise ShapeError(f"{name} must be finite")
     return out
+
+
+def real_array(x: object, name: str) -> np.ndarray:
+    """``x`` as a float64 ndarray of any shape (NaN and inf kept: the caller checks shape and values).
+
+    Raises
+    ------
+    ShapeError
+        Not convertible to float64: ragged rows, non-numeric strings, dicts, complex numbers (the
+        message names ``name``); numpy's own ValueError / TypeError never reaches the caller.
+    """
+    try:
+        if np.iscomplexobj(x):  # numpy would drop the imaginary part of a complex array with a warning only
+            raise TypeError("complex numbers")
+        return np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ShapeError(f"{name} must be an array of real numbers, got {type(x).__name__} that does not convert "
+                         f"to float64 ({exc})") from exc
 
 
 #: First bytes of a zip archive, non-empty or empty: the test ``np.load`` applies to tell an ``.npz``

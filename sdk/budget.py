@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -78,6 +79,9 @@ TARGET_RANGE = 8.0
 MIN_RECORDS = 20
 #: Events kept in :attr:`BudgetController.events`.
 MAX_EVENTS = 1000
+#: Smallest budget accepted, USD per 1,000 queries (~2.2e-305): below it the budget per query, and the
+#: bounds and floors derived from it, underflow to 0.
+MIN_BUDGET_USD_PER_1K = 1000.0 * sys.float_info.min
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,15 @@ def _positive_real(name: str, value: object) -> float:
     return out
 
 
+def _mean(values: deque[float]) -> float:
+    """The exact mean of finite floats >= 0 (``math.fsum``), also where their sum exceeds the float range
+    (``fsum`` raises OverflowError there: each value is then divided by ``n`` first)."""
+    try:
+        return math.fsum(values) / len(values)
+    except OverflowError:
+        return math.fsum(v / len(values) for v in values)
+
+
 class BudgetController:
     """Route with ``router`` so that the realised spend stays at ``budget_usd_per_1k`` USD per 1,000 queries.
 
@@ -143,7 +156,8 @@ class BudgetController:
     ------
     InvalidInputError
         A budget, tolerance, gain or max_step that is not a finite number > 0 (NaN, inf, 0,
-        negative, bool, str...); a window that is not an int in [1, MAX_WINDOW]; a seed that is not None or an
+        negative, bool, str...), a budget below ``1000 * sys.float_info.min`` (~2.2e-305, it would
+        underflow); a window that is not an int in [1, MAX_WINDOW]; a seed that is not None or an
         int >= 0; a router without ``model_ids`` and ``predict``; an ``on_event`` that is not callable.
     """
 
@@ -169,6 +183,9 @@ class BudgetController:
         self._model_ids = tuple(router.model_ids)
         self._index = {m: i for i, m in enumerate(self._model_ids)}
         self._budget = self.budget_usd_per_1k / 1000.0
+        if self.budget_usd_per_1k < MIN_BUDGET_USD_PER_1K:  # b / TARGET_RANGE, 1e-12 * b would underflow: log(0)
+            raise InvalidInputError(f"budget_usd_per_1k must be at least {MIN_BUDGET_USD_PER_1K:.3g} USD per "
+                                    f"1,000 queries (a smaller budget underflows), got {budget_usd_per_1k!r}")
         self._log_target = math.log(self._budget)
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
@@ -180,7 +197,7 @@ class BudgetController:
         self._step_delta = np.zeros((self.window, n_steps))
         self._n_predicted = 0
         self._realised: deque[float] = deque(maxlen=self.window)
-        self._realised_sum = 0.0
+        self._realised_mean = 0.0
         self._mix: Mix | None = None
         self._n_chosen = 0
         self._n_recorded = 0
@@ -234,7 +251,7 @@ class BudgetController:
             return tuple(self._events)
 
     def _realised_per_1k(self) -> float | None:
-        return None if not self._realised else 1000.0 * self._realised_sum / len(self._realised)
+        return None if not self._realised else 1000.0 * self._realised_mean
 
     # -- routing ------------------------------------------------------------------------------
 
@@ -348,9 +365,8 @@ class BudgetController:
         events = []
         with self._lock:
             self._realised.append(cost)
-            self._realised_sum = math.fsum(self._realised)
+            self._realised_mean = realised = _mean(self._realised)
             self._n_recorded += 1
-            realised = self._realised_sum / len(self._realised)
             if len(self._realised) >= min(self.window, MIN_RECORDS):
                 error = math.log(max(realised, 1e-12 * self._budget) / self._budget)
                 step = min(max(self.gain / self.window * error, -self.max_step), self.max_step)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sdk.arrays import real_array
 from sdk.errors import ShapeError
 
 
@@ -35,7 +36,8 @@ class CellStatistics:
     Raises
     ------
     ShapeError
-        On construction, if shapes differ or are not 2-D, values are not finite, counts are negative,
+        On construction, if values are not real numbers (strings, complex...), shapes differ or are not
+        2-D, values are not finite, counts are negative,
         ``sum_accuracy`` is outside ``[0, count]`` or ``sum_cost`` is negative.
     """
 
@@ -49,7 +51,7 @@ class CellStatistics:
         # run on every upload the server accepts, docs/benchmarks.md).
         arrays, bounds = {}, {}
         for name in ("count", "sum_accuracy", "sum_cost"):
-            arr = np.asarray(getattr(self, name), dtype=np.float64)
+            arr = real_array(getattr(self, name), name)
             if arr.ndim != 2:
                 raise ShapeError(f"{name} must have shape (n_cells, n_models), got {arr.shape}")
             low, high = (float(arr.min()), float(arr.max())) if arr.size else (0.0, 0.0)

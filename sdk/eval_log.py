@@ -68,13 +68,17 @@ import numpy as np
 from sdk.errors import EvalLogError, InvalidInputError, ShapeError, UnknownModelError
 from sdk.real_numbers import finite_float, is_real_number
 
-__all__ = ["SCHEMA_VERSION", "EvalLog", "Evaluations"]
+__all__ = ["MAX_COST_PER_QUERY_USD", "SCHEMA_VERSION", "EvalLog", "Evaluations"]
 
 #: Value of ``PRAGMA user_version`` written by this version; files with another non-zero value are
 #: refused with :class:`EvalLogError`.
 SCHEMA_VERSION = 1
 
 _INT64_MAX = 2**63 - 1
+#: Largest cost of one query a row may record, USD. The aggregation server refuses every upload whose
+#: mean cost in an entry is above it (``trainer/server/validation.py`` imports this bound), so a log
+#: holding such rows could never sync again: a unit mistake (micro-USD, cents) is refused at ``record``.
+MAX_COST_PER_QUERY_USD = 1000.0
 #: Largest embedding dimension a log file may declare (far above any encoder's); a bigger one is a damaged file.
 _MAX_EMBEDDING_DIM = 1 << 16
 _EMBEDDING_DTYPE = np.dtype("<f4")  # little-endian float32, whatever the host byte order
@@ -335,7 +339,7 @@ class EvalLog:
         ----------
         model : str, one of :attr:`models`, the model the query was sent to.
         score : real number in [0, 1] (bools rejected), the observed quality of the answer.
-        cost_usd : real number, USD, finite and >= 0.
+        cost_usd : real number, USD, in [0, :data:`MAX_COST_PER_QUERY_USD`] (1000).
         latency_ms : real number, milliseconds, finite and >= 0, or None (stored as NULL).
         embedding : array-like of shape (d,), real, finite, or None; stored as float32. ``d`` must
             equal the log's embedding dimension, which the first stored embedding fixes.
@@ -375,8 +379,9 @@ class EvalLog:
         if not 0.0 <= score_f <= 1.0:
             raise InvalidInputError(f"score must lie in [0, 1], got {score_f!r}")
         cost_f = _check_real("cost_usd", cost_usd)
-        if cost_f < 0:
-            raise InvalidInputError(f"cost_usd must be >= 0 (USD), got {cost_f!r}")
+        if not 0 <= cost_f <= MAX_COST_PER_QUERY_USD:
+            raise InvalidInputError(f"cost_usd must lie in [0, {MAX_COST_PER_QUERY_USD:g}] (USD per query; the sync "
+                                    f"server refuses more), got {cost_f!r}")
         latency_f = None
         if latency_ms is not None:
             latency_f = _check_real("latency_ms", latency_ms)
@@ -440,10 +445,17 @@ class EvalLog:
     ) -> int:
         """:meth:`record` the outcome of a :class:`sdk.router.Choice`: its embedding, cell and bundle
         version are taken from the choice; ``model`` overrides ``choice.model`` when the app sent
-        the query elsewhere. Same errors as :meth:`record`."""
+        the query elsewhere. Same errors as :meth:`record`, and :class:`InvalidInputError` for a
+        ``choice`` that is not a ``Choice`` (e.g. its model id)."""
+        try:  # duck-typed: this module does not import sdk.router
+            chosen, embedding, cell, version = choice.model, choice.embedding, choice.cell, choice.bundle_version
+        except AttributeError:
+            raise InvalidInputError(f"choice must be the sdk.Choice that Router.choose returned, got "
+                                    f"{type(choice).__name__} {choice!r:.80} (EvalLog.record takes a model id)"
+                                    ) from None
         return self.record(
-            choice.model if model is None else model, score, cost_usd, latency_ms=latency_ms,
-            embedding=choice.embedding, cell=choice.cell, bundle_version=choice.bundle_version, query=query,
+            chosen if model is None else model, score, cost_usd, latency_ms=latency_ms,
+            embedding=embedding, cell=cell, bundle_version=version, query=query,
         )
 
     def rows(self, since_id: int = 0) -> Evaluations:
@@ -632,13 +644,14 @@ def _to_evaluations(records: list[tuple], dim: int, path: str) -> Evaluations:
         blob = r[7]
         if blob is None:
             continue
-        vector = np.frombuffer(blob, dtype=_EMBEDDING_DTYPE)
-        if vector.shape != (dim,):
+        if not isinstance(blob, bytes) or len(blob) != dim * _EMBEDDING_DTYPE.itemsize:
+            # Checked before np.frombuffer, which raises on a str or a size that is not a multiple of 4.
+            size = f"{len(blob)} bytes" if isinstance(blob, bytes) else f"a {type(blob).__name__}"
             raise EvalLogError(
-                f"evaluation log {path!r} is damaged: row {r[0]} has an embedding of "
-                f"{vector.shape[0]} values, the log's dimension is {dim}"
+                f"evaluation log {path!r} is damaged: row {r[0]} has an embedding of {size}, "
+                f"the log's dimension {dim} needs {dim * _EMBEDDING_DTYPE.itemsize} bytes"
             )
-        embedding[i] = vector
+        embedding[i] = np.frombuffer(blob, dtype=_EMBEDDING_DTYPE)
     return Evaluations(
         id=np.array([r[0] for r in records], dtype=np.int64),
         timestamp=np.array([r[1] for r in records], dtype=np.float64),

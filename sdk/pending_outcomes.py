@@ -101,6 +101,7 @@ class PendingOutcomes:
             raise InvalidInputError(f"max_age_s must be a number > 0 (seconds), got {max_age_s!r}")
         self._max_rows, self._max_age_s = max_rows, float(max_age_s)
         self._lock = threading.Lock()
+        self._closed = False
         self._path = str(path)
         try:
             if self._path != ":memory:":
@@ -131,6 +132,7 @@ class PendingOutcomes:
                                     "valid Unicode is needed")
         blob = np.ascontiguousarray(outcome.embedding, dtype="<f4").tobytes()
         with self._lock:
+            self._check_open()
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
                 seq = self._conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM pending").fetchone()[0]
@@ -154,6 +156,7 @@ class PendingOutcomes:
         if not storable_id(response_id):
             return None
         with self._lock:
+            self._check_open()
             row = self._conn.execute(
                 "SELECT response_id, timestamp, model, cost_usd, latency_ms, embedding, cell, bundle_version "
                 "FROM pending WHERE response_id = ?", (response_id,)).fetchone()
@@ -167,13 +170,21 @@ class PendingOutcomes:
         if not storable_id(response_id):
             return False
         with self._lock:
+            self._check_open()
             return self._conn.execute("DELETE FROM pending WHERE response_id = ?", (response_id,)).rowcount > 0
 
     def __len__(self) -> int:
         with self._lock:
+            self._check_open()
             return int(self._conn.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
 
     def close(self) -> None:
         """Close the file. Idempotent."""
         with self._lock:
             self._conn.close()
+            self._closed = True
+
+    def _check_open(self) -> None:
+        """Raise :class:`EvalLogError` after :meth:`close` (sqlite3's own error would be a raw ProgrammingError)."""
+        if self._closed:
+            raise EvalLogError(f"the pending-outcome store {self._path!r} is closed")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sdk.arrays import real_array
 from sdk.errors import InvalidInputError, ShapeError
 from sdk.log_checks import LogCheck, warn
 
@@ -46,8 +47,8 @@ def interpolation_weights(global_error: np.ndarray, local_error: np.ndarray) -> 
     ShapeError
         Shapes differ or an error is negative or inf.
     """
-    eg = np.asarray(global_error, dtype=np.float64)
-    el = np.asarray(local_error, dtype=np.float64)
+    eg = real_array(global_error, "global_error")
+    el = real_array(local_error, "local_error")
     if eg.shape != el.shape or eg.ndim != 1:
         raise ShapeError(f"errors must be 1-D of one shape, got {eg.shape} and {el.shape}")
     if np.isinf(eg).any() or np.isinf(el).any() or (eg < 0).any() or (el < 0).any():
@@ -75,9 +76,9 @@ def personalise(global_pred: np.ndarray, local_pred: np.ndarray, weights: np.nda
     ------
     ShapeError
     """
-    g = np.asarray(global_pred, dtype=np.float64)
-    loc = np.asarray(local_pred, dtype=np.float64)
-    w = np.asarray(weights, dtype=np.float64)
+    g = real_array(global_pred, "global_pred")
+    loc = real_array(local_pred, "local_pred")
+    w = real_array(weights, "weights")
     if g.shape != loc.shape or g.ndim != 2 or w.shape != (g.shape[1],):
         raise ShapeError(
             f"expected global/local of one shape (n_queries, n_models) and weights (n_models,), "

@@ -424,7 +424,11 @@ class RewardScorer:
 
     def _features(self, prompts: list[str], responses: list[str]) -> np.ndarray:
         texts = list(dict.fromkeys(prompts + responses))
-        vecs = self._embedder.embed(texts)
+        try:
+            vecs = self._embedder.embed(texts)
+        except InvalidQueryError as exc:  # its "position" counts the de-duplicated texts: name the caller's
+            raise InvalidQueryError(f"{self._unreadable(prompts, responses)} has no token the embedder can read "
+                                    "(only whitespace, control or zero-width characters?)") from exc
         row = {t: i for i, t in enumerate(texts)}
         parts = [vecs[[row[p] for p in prompts]], vecs[[row[r] for r in responses]]]
         if self._length:
@@ -434,6 +438,16 @@ class RewardScorer:
         if out.shape[1] != self.d_in:
             raise BundleError(f"features have width {out.shape[1]}, the bundle declares {self.d_in}")
         return out
+
+    def _unreadable(self, prompts: list[str], responses: list[str]) -> str:
+        """``prompts[i]`` or ``responses[i]``, the first text the embedder refuses (called after it refused one)."""
+        for name, texts in (("prompts", prompts), ("responses", responses)):
+            for i, text in enumerate(texts):
+                try:
+                    self._embedder.embed([text])
+                except InvalidQueryError:
+                    return f"{name}[{i}]"
+        return "a text"  # not reached: the batch was refused for one of its texts
 
     # -- scores and routing ------------------------------------------------------------------------
 

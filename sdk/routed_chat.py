@@ -62,7 +62,7 @@ import numpy as np
 import openai
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from sdk.budget import BudgetController
+from sdk.budget import MIN_BUDGET_USD_PER_1K, BudgetController
 from sdk.chat_text import DEFAULT_CONTEXT_CHARS, routing_text
 from sdk.errors import InvalidInputError, UnknownModelError, UnknownResponseError, UpstreamError
 from sdk.eval_log import EvalLog
@@ -234,9 +234,10 @@ class RoutedChat:
     PriceError
         A model of ``upstreams`` or ``passthrough`` without a token price (``prices`` nor bundle).
     InvalidInputError
-        Not exactly one of ``lam`` / ``budget_usd_per_1k``, ``lam`` < 0 or NaN, a budget <= 0 or NaN,
-        an empty ``upstreams``, an upstream value of another type, a ``passthrough`` key that is a
-        router model or starts with ``fedroute``, bad ``max_fallbacks`` / ``context_chars``, a
+        Not exactly one of ``lam`` / ``budget_usd_per_1k``, ``lam`` < 0 or NaN, a budget <= 0, NaN or
+        below :data:`sdk.budget.MIN_BUDGET_USD_PER_1K`, an empty ``upstreams``, an upstream value of
+        another type, ``passthrough`` / ``prices`` that are not mappings, a ``passthrough`` key that is
+        a router model or starts with ``fedroute``, bad ``max_fallbacks`` / ``context_chars``, a
         ``log`` over other models, or an ``openai`` client that cannot be built (no API key).
     """
 
@@ -262,6 +263,9 @@ class RoutedChat:
         if unknown:
             raise UnknownModelError(f"upstreams names {unknown}, not in the router's models {list(router.model_ids)} "
                                     "(models the router does not know go in passthrough=)")
+        if passthrough is not None and not isinstance(passthrough, Mapping):
+            raise InvalidInputError(f"passthrough must be a mapping {{model id: base URL or Upstream}}, got "
+                                    f"{type(passthrough).__name__}")
         passthrough = dict(passthrough or {})
         for name in passthrough:
             if not isinstance(name, str) or not name.strip() or name.startswith(ROUTED_MODEL) or name in router.model_ids:
@@ -284,6 +288,7 @@ class RoutedChat:
         self._budget_seed = budget_seed
         self._controllers: dict[float, BudgetController] = {}
         self._lock = threading.Lock()
+        self._closed = False
         self._feedback_lock = threading.Lock()
         # Drop-in shape of openai.OpenAI: chat.chat.completions.create(model=..., messages=...).
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
@@ -394,7 +399,8 @@ class RoutedChat:
         Raises
         ------
         ModelSpecError, UnknownModelError, InvalidQueryError, InvalidInputError
-            Bad ``model=`` (malformed, or an id with no upstream) or ``messages``.
+            Bad ``model=`` (malformed, or an id with no upstream) or ``messages``, a ``stream_options``
+            that is not a mapping, or text the request cannot carry (lone surrogates; nothing is sent).
         UpstreamError
             A non-retryable upstream error, or every try failed (``.attempts``).
         """
@@ -416,6 +422,8 @@ class RoutedChat:
                 response = client.sync.chat.completions.create(model=client.name, **kwargs)
                 if not stream:
                     _check_completion(response)
+            except UnicodeEncodeError as exc:
+                raise _unsendable(exc) from exc
             except (openai.OpenAIError, *_GARBAGE) as exc:
                 failed.append(self._failure(m, exc, t0, order, failed))
                 continue
@@ -447,6 +455,8 @@ class RoutedChat:
                 response = await client.async_.chat.completions.create(model=client.name, **kwargs)
                 if not stream:
                     _check_completion(response)
+            except UnicodeEncodeError as exc:
+                raise _unsendable(exc) from exc
             except (openai.OpenAIError, *_GARBAGE) as exc:
                 failed.append(self._failure(m, exc, t0, order, failed))
                 continue
@@ -460,6 +470,9 @@ class RoutedChat:
     # -- shared steps ------------------------------------------------------------------------
 
     def _prepare(self, messages: object, model: str | None) -> tuple[str, Plan | None, tuple[str, ...]]:
+        if self._closed:  # nothing is sent: an answer could not be recorded (the pending store is closed)
+            raise UpstreamError("this RoutedChat is closed (close() shut its clients and its pending store); "
+                                "create a new one", status=None, kind="connection")
         spec = parse_model_spec(model)
         if spec.routed:
             plan = self._plan(_as_messages(messages), spec)
@@ -533,6 +546,8 @@ class RoutedChat:
         UnknownResponseError
             No routed call awaits a score under ``response_id`` (unknown, already scored, expired,
             a pass-through, or an answer without usage).
+        EvalLogError
+            The log or the pending store cannot be written or read, or was closed (:meth:`close`).
         """
         if self._log is None or self._pending is None:
             raise InvalidInputError("this RoutedChat has no EvalLog (log=None): there is nowhere to record a score")
@@ -557,7 +572,9 @@ class RoutedChat:
         return await asyncio.to_thread(self.feedback, response_id, score)
 
     def close(self) -> None:
-        """Close the sync clients built here and the pending store (not ``log``, which the app owns)."""
+        """Close the sync clients built here and the pending store (not ``log``, which the app owns). Later
+        calls raise :class:`UpstreamError` before sending anything (``feedback``: :class:`EvalLogError`)."""
+        self._closed = True
         for c in self._clients.values():
             if c.owned and c.sync is not None:
                 c.sync.close()
@@ -692,12 +709,15 @@ def check_budget(budget: object) -> float:
     Raises
     ------
     InvalidInputError
-        Not a real number (bools included), NaN, inf, or <= 0.
+        Not a real number (bools included), NaN, inf, <= 0 or below :data:`sdk.budget.MIN_BUDGET_USD_PER_1K`.
     """
     value = finite_float(budget)
     if value is None or value <= 0:
         raise InvalidInputError(f"budget_usd_per_1k must be a finite number > 0 (USD per 1,000 queries), "
                                 f"got {str(budget)[:40]}")
+    if value < MIN_BUDGET_USD_PER_1K:  # refused here, not by the controller at the first call
+        raise InvalidInputError(f"budget_usd_per_1k must be at least {MIN_BUDGET_USD_PER_1K:.3g} USD per 1,000 "
+                                f"queries (a smaller budget underflows), got {budget!r}")
     return value
 
 
@@ -712,12 +732,22 @@ def _call_kwargs(messages: object, kwargs: dict) -> tuple[dict, bool, bool]:
     kwargs = dict(kwargs, messages=list(_as_messages(messages)))
     stream = bool(kwargs.get("stream"))
     strip = False
+    if kwargs.get("stream_options") is not None and not isinstance(kwargs["stream_options"], Mapping):
+        raise InvalidInputError(f"stream_options must be a mapping (a JSON object), got "
+                                f"{type(kwargs['stream_options']).__name__}")
     if stream:
         options = dict(kwargs.get("stream_options") or {})
         strip = not options.get("include_usage")
         options["include_usage"] = True
         kwargs["stream_options"] = options
     return kwargs, stream, strip
+
+
+def _unsendable(exc: UnicodeEncodeError) -> InvalidInputError:
+    """The request's own fault, raised before anything is sent: text the ``openai`` client cannot encode
+    (a lone surrogate such as a JSON body's ``"\\ud800"`` in a message it does not route, or in ``user``)."""
+    return InvalidInputError(f"the request holds text that is not valid Unicode ({exc.reason}: "
+                             f"{exc.object[exc.start:exc.end]!r}); nothing was sent")
 
 
 def _clients_for(model: str, spec: object) -> _UpstreamClients:

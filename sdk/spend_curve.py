@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sdk.arrays import real_array
 from sdk.errors import InvalidInputError, ShapeError
 
 #: Breakpoints closer than this relative distance are one breakpoint (float rounding of equal ratios).
@@ -75,8 +76,8 @@ def decision_steps(accuracy: np.ndarray, cost: np.ndarray) -> DecisionSteps:
     InvalidInputError
         A query has no model with an estimate.
     """
-    a = np.asarray(accuracy, dtype=np.float64)
-    c = np.asarray(cost, dtype=np.float64)
+    a = real_array(accuracy, "accuracy")
+    c = real_array(cost, "cost")
     if a.ndim != 2 or a.shape != c.shape:
         raise ShapeError(f"accuracy and cost must both have shape (n_queries, n_models), got {a.shape} and {c.shape}")
     if np.isinf(a).any() or np.isinf(c).any():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
 import random
 import shutil
@@ -57,6 +58,7 @@ from sdk.errors import (
 from sdk.device_rounds import DeviceRoundContext
 from sdk.eval_log import EvalLog, Evaluations
 from sdk.protocol import Receipt, SyncState, decode_sync_state, encode_sync_state
+from sdk.real_numbers import finite_float
 from sdk.router import Router
 
 #: Largest round description (``GET /v1/rounds/current``: the centroids) and MLP parameters read.
@@ -136,8 +138,10 @@ class SyncClient:
     Raises
     ------
     InvalidInputError
-        A URL that is not https, an empty token or one that is not printable ASCII (control
-        characters, spaces or non-ASCII letters inside it), negative retry settings, a
+        A URL that is not https (or not a URL), an empty token or one that is not printable ASCII
+        (control characters, spaces or non-ASCII letters inside it), ``retries`` not an int >= 0,
+        ``timeout_s`` not a finite number > 0, ``backoff_s`` / ``max_backoff_s`` not finite numbers >= 0,
+        an ``eval_log`` that is not an :class:`sdk.EvalLog`, a ``bundle_dir`` that is not a path, a
         ``min_count_floor`` below 1 or an unknown ``upload_format``.
     """
 
@@ -149,7 +153,10 @@ class SyncClient:
                  mlp_trainer: Callable[[Evaluations, dict, bytes, str], bytes | None] | None = None,
                  min_count_floor: int = 5, allow_repartition: bool = False,
                  upload_format: str = "msgpack") -> None:
-        url = httpx.URL(str(server_url))
+        try:
+            url = httpx.URL(str(server_url))
+        except httpx.InvalidURL as exc:
+            raise InvalidInputError(f"server_url {str(server_url)!r} is not a URL ({exc})") from exc
         if url.scheme != "https":
             raise InvalidInputError(f"server_url must be https://..., got {str(server_url)!r}")
         if not isinstance(token, str) or not token.strip():
@@ -157,8 +164,19 @@ class SyncClient:
         if not all("\x21" <= ch <= "\x7e" for ch in token.strip()):  # it travels in the Authorization header
             raise InvalidInputError("token must be printable ASCII without spaces or control characters (it is sent "
                                     "in an HTTP header); check the token file for stray bytes")
-        if retries < 0 or backoff_s < 0 or max_backoff_s < 0:
-            raise InvalidInputError("retries, backoff_s and max_backoff_s must be >= 0")
+        if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or retries < 0:
+            raise InvalidInputError(f"retries must be an int >= 0, got {retries!r}")
+        for name, value in (("backoff_s", backoff_s), ("max_backoff_s", max_backoff_s)):
+            seconds = finite_float(value)  # NaN reached time.sleep (ValueError) only at the first retry
+            if seconds is None or seconds < 0:
+                raise InvalidInputError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        timeout = finite_float(timeout_s)
+        if timeout is None or timeout <= 0:
+            raise InvalidInputError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+        if not isinstance(eval_log, EvalLog):
+            raise InvalidInputError(f"eval_log must be an sdk.EvalLog, got {type(eval_log).__name__}")
+        if not isinstance(bundle_dir, (str, os.PathLike)):
+            raise InvalidInputError(f"bundle_dir must be a path, got {type(bundle_dir).__name__}")
         if isinstance(min_count_floor, bool) or not isinstance(min_count_floor, int) or min_count_floor < 1:
             raise InvalidInputError(f"min_count_floor must be an int >= 1, got {min_count_floor!r}")
         if upload_format not in ("msgpack", "json"):
@@ -177,7 +195,7 @@ class SyncClient:
         except (OSError, ssl.SSLError) as exc:
             raise InvalidInputError(f"ca_cert {ca_cert} is not a readable PEM certificate file ({exc})") from exc
         self._http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token.strip()}"},
-                                  timeout=timeout_s, verify=verify, transport=transport)
+                                  timeout=timeout, verify=verify, transport=transport)
 
     def close(self) -> None:
         self._http.close()
@@ -203,8 +221,8 @@ class SyncClient:
             The server refused a request (4xx); ``status`` says why.
         SyncError
             The server stayed unreachable or failing (5xx) after the retries, answered an
-            unexpected status (3xx, another 2xx) or nonsense, an answer was over its size limit, or
-            the state file is unreadable.
+            unexpected status (3xx, another 2xx) or nonsense, an answer was over its size limit,
+            the state file is unreadable, or this client was closed.
         BundleError
             A published bundle failed verification, or no model of it has an estimate for a probe
             query (nothing was installed).
@@ -217,6 +235,8 @@ class SyncClient:
         Exception
             Whatever ``mlp_trainer`` raises, unchanged.
         """
+        if self._http.is_closed:  # httpx's own error would be a raw RuntimeError
+            raise SyncError(f"this SyncClient of {self._http.base_url} is closed; create a new one to sync again")
         # One sync at a time per device: two would hold back against the same sent record.
         with bundle_install.locked(self.state_path):
             return self._run_once()

@@ -62,7 +62,8 @@ def make_sync_command(mlp_trainer=None):
             if not token:
                 raise typer.BadParameter("give --token-file or set FEDROUTE_TOKEN")
         if not log.is_file():
-            raise typer.BadParameter(f"--log {log} does not exist (the app's EvalLog file)")
+            what = "is not a file" if log.exists() else "does not exist"  # e.g. the app's data folder
+            raise typer.BadParameter(f"--log {log} {what} (the app's EvalLog file)")
         models = [m["id"] for m in fmt.read_verified(bundle, public_key, wanted=()).manifest["models"]]
         with EvalLog(log, models) as eval_log, SyncClient(
                 server, token, eval_log, bundle, public_key, ca_cert=ca_cert, state_path=state, retries=retries,

@@ -91,8 +91,11 @@ def price_table(models: Sequence[str], given: Mapping[str, TokenPrice] | None, b
         A model of ``models`` with no price in ``given`` nor a complete one in the bundle (the
         message names every such model and both ways to give a price).
     InvalidInputError
-        ``given`` names a model that is not in ``models``, or a value that is not a ``TokenPrice``.
+        ``given`` is not a mapping, names a model that is not in ``models``, or has a value that is
+        not a ``TokenPrice``.
     """
+    if given is not None and not isinstance(given, Mapping):
+        raise InvalidInputError(f"prices must be a mapping {{model id: TokenPrice}}, got {type(given).__name__}")
     given = dict(given or {})
     for model, price in given.items():
         if model not in models:

@@ -14,6 +14,7 @@ import numbers
 
 import numpy as np
 
+from sdk.arrays import real_array
 from sdk.errors import InvalidInputError, InvalidLambdaError, ShapeError
 from sdk.real_numbers import finite_float, is_real_number
 
@@ -44,8 +45,8 @@ def check_lambda(lam: object) -> float:
 
 
 def _check_predictions(accuracy: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    accuracy = np.asarray(accuracy, dtype=np.float64)
-    cost = np.asarray(cost, dtype=np.float64)
+    accuracy = real_array(accuracy, "accuracy")
+    cost = real_array(cost, "cost")
     if accuracy.ndim != 2 or accuracy.shape != cost.shape:
         raise ShapeError(
             "accuracy and cost must both have shape (n_queries, n_models); "

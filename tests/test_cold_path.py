@@ -147,3 +147,17 @@ def test_the_pem_loader_is_cryptographys_public_one_and_refuses_other_keys(tmp_p
         fmt.load_public_key(other)
     with pytest.raises(BundleError, match="not a PEM public key"):
         fmt.load_public_key(pem.replace(b"MCow", b"MCox"))
+
+
+def test_sdk_utility_is_the_module_whatever_was_imported_first():
+    # `utility` was also a lazy public name for the function: `sdk.utility` was the function until something
+    # imported the submodule (every Router load does), the module afterwards, so `from sdk import utility;
+    # utility(a, c, lam)` failed with "'module' object is not callable" in an app that had loaded a router.
+    got = run_child(
+        "import json, sdk\n"
+        "first = sdk.utility\n"
+        "from sdk import Router\n"
+        "from sdk import utility\n"
+        "print(json.dumps({'first': type(first).__name__, 'after': type(utility).__name__, 'same': first is utility,"
+        " 'u': utility.utility([[0.5, 0.9]], [[0.001, 0.01]], 50.0).tolist()}))\n")
+    assert got == {"first": "module", "after": "module", "same": True, "u": [[0.45, 0.4]]}

@@ -122,6 +122,11 @@ BAD_RECORDS = [
     pytest.param(dict(cost_usd=-0.01), InvalidInputError, r"cost_usd.*-0\.01", id="cost<0"),
     pytest.param(dict(cost_usd=float("inf")), InvalidInputError, r"cost_usd.*inf", id="cost-inf"),
     pytest.param(dict(cost_usd=float("nan")), InvalidInputError, r"cost_usd.*nan", id="cost-nan"),
+    # micro-USD by mistake: the server refuses an entry whose mean cost is above 1000 USD, so every later
+    # upload of the log was refused (and two rows of 1e308 overflowed the device's cost sums)
+    pytest.param(dict(cost_usd=2100.0), InvalidInputError,
+                 r"cost_usd must lie in \[0, 1000\] \(USD per query; the sync server refuses more\), got 2100\.0",
+                 id="cost-above-the-sync-bound"),
     pytest.param(dict(latency_ms=-1.0), InvalidInputError, r"latency_ms.*-1\.0", id="latency<0"),
     pytest.param(dict(latency_ms=float("inf")), InvalidInputError, r"latency_ms.*inf", id="latency-inf"),
     pytest.param(dict(embedding=np.ones((2, DIM))), ShapeError, r"embedding.*\(2, 8\)", id="emb-2d"),
@@ -444,3 +449,13 @@ def test_timestamp_from_the_future_is_refused(tmp_path):
             log.record(MODELS[0], 1.0, 0.001, cell=0, timestamp=time.time() + 3 * 86_400)
         log.record(MODELS[0], 1.0, 0.001, cell=0, timestamp=time.time() + 60)  # clock skew is fine
         assert len(log) == 1
+
+
+def test_record_choice_given_a_model_id_instead_of_the_choice_is_an_invalid_input(tmp_path):
+    # A new user's slip (the model id, or None when routing was skipped) was a raw AttributeError.
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
+        for wrong in (MODELS[0], None):
+            with pytest.raises(InvalidInputError, match=f"choice must be the sdk.Choice that Router.choose returned, "
+                                                        f"got {type(wrong).__name__}"):
+                log.record_choice(wrong, score=1.0, cost_usd=0.001)
+        assert len(log) == 0

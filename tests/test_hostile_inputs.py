@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import re
 import sqlite3
 import sys
 import time
@@ -333,6 +334,32 @@ def test_check_lambda_normalises_negative_zero():
         check_lambda(-1e-300)
 
 
+
+def _array_calls():
+    from sdk.cell_statistics import CellStatistics
+    from sdk.personalisation import interpolation_weights, personalise
+    from sdk.spend_curve import decision_steps
+    from sdk.utility import decide, utility
+
+    return {
+        "strings": (lambda: decide([["a", 0.5]], [[0.1, 0.2]], 1.0), "accuracy"),
+        "ragged": (lambda: utility([[0.5, 0.9]], [[0.1], [0.2, 0.3]], 1.0), "cost"),
+        "steps": (lambda: decision_steps([[0.5, 0.9]], [["x", 0.2]]), "cost"),
+        "errors": (lambda: interpolation_weights(["a"], [0.1]), "global_error"),
+        "weights": (lambda: personalise([[0.5]], [[0.5]], [{"w": 1}]), "weights"),
+        # numpy dropped the imaginary part with a warning only: decide() answered 0 here
+        "complex": (lambda: decide(np.array([[0.5 + 1j, 0.9]]), [[0.1, 0.2]], 1.0), "accuracy"),
+        "statistics": (lambda: CellStatistics([[1.0]], [["x"]], [[0.0]]), "sum_accuracy"),
+    }
+
+
+@pytest.mark.parametrize("case", ["strings", "ragged", "steps", "errors", "weights", "complex", "statistics"])
+def test_public_array_functions_refuse_values_that_are_not_real_numbers(case):
+    call, name = _array_calls()[case]  # were numpy's raw ValueError / TypeError
+    with pytest.raises(ShapeError, match=f"{name} must be an array of real numbers, got "):
+        call()
+
+
 # -- 3. the evaluation log -------------------------------------------------------------------------------
 
 def test_text_sqlite_cannot_store_is_refused_before_anything_is_written(tmp_path):
@@ -361,6 +388,25 @@ def test_a_log_declaring_an_absurd_embedding_dimension_is_damaged(tmp_path):
     conn.close()
     with pytest.raises(EvalLogError, match="is damaged: bad embedding_dim '99999999999999999999'"):
         EvalLog(path, MODELS)
+
+
+
+@pytest.mark.parametrize("blob, size", [(b"\x00\x11", "2 bytes"), ("abcdabcdabcd", "a str")])
+def test_a_row_whose_embedding_is_not_the_logs_float32_vector_is_damaged(tmp_path, blob, size):
+    # np.frombuffer raised a raw ValueError (2 bytes: not a multiple of 4) or TypeError (a str) before the check.
+    path = tmp_path / "log.sqlite"
+    with EvalLog(path, MODELS) as log:
+        for _ in range(2):
+            log.record("cheap", 1.0, 0.001, embedding=np.ones(3))
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE evaluations SET embedding = ? WHERE id = 2", (blob,))
+    conn.commit()
+    conn.close()
+    with EvalLog(path, MODELS) as log:
+        with pytest.raises(EvalLogError, match=f"is damaged: row 2 has an embedding of {size}, the log's dimension 3 "
+                                               "needs 12 bytes"):
+            log.rows()
+        assert len(log) == 2  # nothing is deleted: the damaged row stays for inspection
 
 
 # -- 4. wire formats ---------------------------------------------------------------------------------------
@@ -416,6 +462,55 @@ def sync_client(tmp_path, signing_keys, handler):
     client = SyncClient("https://fed.test", "fr_token", log, tmp_path / "bundle", signing_keys[1],
                         transport=httpx.MockTransport(handler), sleep=lambda s: None, state_path=tmp_path / "state.json")
     return client, log
+
+
+
+UNSENDABLE = "the request holds text that is not valid Unicode (surrogates not allowed: '\\ud800'); nothing was sent"
+
+
+@pytest.mark.parametrize("body, match", [
+    (b'{"messages": [{"role": "user", "content": "a"}], "stream": true, "stream_options": "on"}',
+     "stream_options must be a mapping (a JSON object), got str"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "stream_options": [1]}',
+     "stream_options must be a mapping (a JSON object), got list"),
+    # JSON escapes of lone surrogates outside the routed text: the openai client's encoder raised UnicodeEncodeError
+    (b'{"messages": [{"role": "system", "content": "\\ud800"}, {"role": "user", "content": "a"}]}', UNSENDABLE),
+    (b'{"messages": [{"role": "user", "content": "a"}], "user": "\\ud800"}', UNSENDABLE),
+])
+def test_proxy_requests_the_openai_client_cannot_send_are_400_not_500(proxy, body, match):
+    answer = proxy.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and answer.json()["error"]["message"] == match
+
+
+def test_routed_chat_refuses_a_request_it_cannot_send_before_any_fallback(bundle, signing_keys):
+    from sdk.routed_chat import RoutedChat, Upstream
+    from sdk.token_prices import TokenPrice
+
+    router = Router.load(bundle(), signing_keys[1])
+    with RoutedChat(router, upstreams={m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in MODELS},
+                    lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS}) as chat:
+        with pytest.raises(InvalidInputError, match=re.escape(UNSENDABLE)):
+            chat.create(messages=[{"role": "system", "content": "\ud800"}, {"role": "user", "content": "a"}])
+        with pytest.raises(InvalidInputError, match="stream_options must be a mapping"):
+            chat.create(messages="a", model="cheap", stream=True, stream_options=("include_usage", True))
+
+
+def test_routed_chat_refuses_at_construction_what_would_fail_later(bundle, signing_keys):
+    from sdk.routed_chat import RoutedChat, Upstream
+    from sdk.token_prices import TokenPrice
+
+    router = Router.load(bundle(), signing_keys[1])
+    upstreams = {m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in MODELS}
+    # a budget the controller would refuse at the first call is refused at construction
+    with pytest.raises(InvalidInputError, match="budget_usd_per_1k must be at least 2.23e-305 USD per 1,000"):
+        RoutedChat(router, upstreams=upstreams, budget_usd_per_1k=1e-310,
+                   prices={m: TokenPrice(1.0, 2.0) for m in MODELS})
+    # a list where a mapping belongs was dict()'s raw TypeError / ValueError
+    with pytest.raises(InvalidInputError, match="prices must be a mapping \\{model id: TokenPrice\\}, got list"):
+        RoutedChat(router, upstreams=upstreams, lam=1.0, prices=[TokenPrice(1.0, 2.0)] * 2)
+    with pytest.raises(InvalidInputError, match="passthrough must be a mapping .* got list"):
+        RoutedChat(router, upstreams=upstreams, lam=1.0, passthrough=["gpt-4o"],
+                   prices={m: TokenPrice(1.0, 2.0) for m in MODELS})
 
 
 def test_a_server_answering_deeply_nested_json_is_a_sync_error_not_a_recursion_error(tmp_path, signing_keys):
@@ -569,6 +664,27 @@ def test_an_answer_id_sqlite_cannot_store_neither_loses_the_answer_nor_breaks_th
             chat.close()
 
 
+
+def test_feedback_and_calls_after_close_are_fedroute_errors(bundle, signing_keys, tmp_path):
+    from sdk.errors import UpstreamError
+    from sdk.pending_outcomes import PendingOutcome
+    from sdk.routed_chat import RoutedChat, Upstream
+    from sdk.token_prices import TokenPrice
+
+    router = Router.load(bundle(), signing_keys[1])
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
+        chat = RoutedChat(router, upstreams={m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in MODELS},
+                          lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS}, log=log)
+        chat.close()  # closes the pending store; feedback then met sqlite3.ProgrammingError
+        with pytest.raises(EvalLogError, match="the pending-outcome store .*log.pending.sqlite' is closed"):
+            chat.feedback("chatcmpl-1", 1.0)
+        with pytest.raises(EvalLogError, match="is closed"):
+            chat.pending.add(PendingOutcome("chatcmpl-1", time.time(), "cheap", 0.001, 5.0, np.ones(3), 0, 1))
+        with pytest.raises(UpstreamError, match="this RoutedChat is closed"):  # was httpx's RuntimeError
+            chat.create(messages="a")
+        assert len(log) == 0
+
+
 def test_the_pending_store_refuses_an_unstorable_id_before_writing_and_stays_usable(tmp_path):
     from sdk.pending_outcomes import PendingOutcome, PendingOutcomes
 
@@ -630,6 +746,28 @@ def test_budget_controller_arguments_beyond_the_float_or_memory_range(bundle, si
         with pytest.raises(ShapeError, match="do not convert to float64"):
             controller.choose_from_predictions(accuracy, cost)
     assert controller.n_chosen == 0 and controller.n_recorded == 0  # nothing half-counted
+
+
+def test_budget_controller_budgets_and_costs_whose_arithmetic_over_or_underflows(bundle, signing_keys):
+    from sdk.budget import BudgetController
+
+    router = Router.load(bundle(), signing_keys[1])
+    # 5e-324 USD per 1k is a finite number > 0, but / 1000 is 0.0: math.log raised "math domain error".
+    with pytest.raises(InvalidInputError, match="budget_usd_per_1k must be at least 2.23e-305 USD per 1,000 queries"):
+        BudgetController(router, budget_usd_per_1k=5e-324)
+    # Two finite costs whose sum is beyond the float range: math.fsum raised OverflowError, after the cost had
+    # entered the window, so every later record (even of 0 USD) raised too.
+    controller = BudgetController(router, budget_usd_per_1k=1.0, window=4, seed=0)
+    for cost in (1e308, 1e308, 0.0):
+        controller.record("cheap", cost)
+    assert controller.n_recorded == 3
+    assert controller.realised_usd_per_1k == math.inf  # the mean, 2e308 / 3 USD, is 6.7e307: x 1000 is beyond
+    controller.record("cheap", 0.0)
+    controller.record("cheap", 0.0)  # the window (1e308, 0, 0, 0): mean 2.5e307 USD
+    assert controller.realised_usd_per_1k == math.inf and controller.choose("a") in MODELS
+    for _ in range(4):
+        controller.record("cheap", 0.004)
+    assert controller.realised_usd_per_1k == pytest.approx(4.0)  # the huge costs left the window
 
 
 @pytest.mark.parametrize("token", ["t\u00e9st", "fr_a\nInjected: 1", "fr_a\x00b", "fr_\ud800", "fr_a b"])

@@ -256,6 +256,25 @@ def test_config_errors(tmp_path, make_bundle, signing_keys, monkeypatch):
         create_app(object(), ["", "  "])
 
 
+
+@pytest.mark.parametrize("override, match", [
+    ({"bundle": 5}, "'bundle' must be a path string, got int 5"),
+    ({"public_key": None}, "'public_key' must be a path string, got NoneType None"),
+    ({"log": ["a"]}, "'log' must be a path string, got list \\['a'\\]"),
+    ({"passthrough": {"x": {"base_url": "http://127.0.0.1:9/v1", "api_key_env": 5}}},
+     "passthrough\\['x'\\]\\['api_key_env'\\] must be a string, got int 5"),
+    ({"upstreams": {"m": {"base_url": "http://127.0.0.1:9/v1", "model": {"a": 1}}}},
+     "upstreams\\['m'\\]\\['model'\\] must be a string, got dict"),
+])
+def test_config_values_of_the_wrong_json_type_are_refused_at_load(tmp_path, override, match):
+    # They passed load() and raised raw TypeErrors in build_chat (Path / 5, os.environ.get(5)): a traceback at start.
+    raw = {"bundle": "bundles/kmeans", "public_key": "keys/signing.pub", "log": "proxy_log.sqlite", "lam": 100,
+           "upstreams": {"m": {"base_url": "http://127.0.0.1:9/v1"}}, **override}
+    (tmp_path / "proxy.json").write_text(json.dumps(raw))
+    with pytest.raises(InvalidInputError, match=match):
+        ProxyConfig.load(tmp_path / "proxy.json")
+
+
 def test_the_proxy_command_is_registered():
     from typer.testing import CliRunner
 

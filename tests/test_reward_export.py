@@ -120,6 +120,17 @@ def test_bad_inputs_raise_sdk_errors(reward_bundle, signing_keys):
     assert scorer.score("a question", "   ") == pytest.approx(scorer.score("a question", "(empty)"), abs=1e-6)
 
 
+
+def test_a_text_the_embedder_cannot_read_is_named_by_argument_and_index(reward_bundle, signing_keys):
+    # The embedder's message counted the de-duplicated prompts + responses ("query at position 3" for the
+    # second response of two pairs, "position 1" for the response of one pair).
+    scorer = RewardScorer.load(reward_bundle[0], signing_keys[1])
+    with pytest.raises(InvalidQueryError, match=r"^responses\[1\] has no token the embedder can read"):
+        scorer.score_batch(["a question", "another"], ["an answer", "\x00\x01"])
+    with pytest.raises(InvalidQueryError, match=r"^prompts\[0\] has no token the embedder can read"):
+        scorer.route("\u200b", "an answer")
+
+
 def test_tampered_or_foreign_bundles_are_refused(reward_bundle, signing_keys, tmp_path):
     from export.signing import generate_keypair
 

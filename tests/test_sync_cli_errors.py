@@ -46,3 +46,10 @@ def test_a_binary_token_file_is_named_not_a_traceback(tmp_path):
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert (f"--token-file {tmp_path / 'token'} is not a text file (byte 3 is not UTF-8); it holds the token "
             "`fedroute clients add` printed") in flat(result.output)
+
+
+def test_a_log_that_is_a_folder_is_not_reported_as_missing(tmp_path):
+    result = run_sync(tmp_path, "--log", str(tmp_path), env={"FEDROUTE_TOKEN": "tok"})
+    assert result.exit_code == 2 and f"--log {tmp_path} is not a file (the app's EvalLog file)" in flat(result.output)
+    result = run_sync(tmp_path, env={"FEDROUTE_TOKEN": "tok"})
+    assert f"--log {tmp_path / 'log.sqlite'} does not exist (the app's EvalLog file)" in flat(result.output)

@@ -200,6 +200,34 @@ def test_using_http_or_a_bad_floor_is_refused(tmp_path, signing_keys):
             SyncClient("https://fed.test", "t", log, tmp_path / "b", signing_keys[1], min_count_floor=0)
 
 
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"retries": "3"}, "retries must be an int >= 0, got '3'"),  # was TypeError: '<' between str and int
+    ({"retries": float("nan")}, "retries must be an int >= 0, got nan"),  # was ValueError from int(nan)
+    ({"backoff_s": float("nan")}, "backoff_s must be a finite number of seconds >= 0, got nan"),  # accepted
+    ({"timeout_s": -1}, "timeout_s must be a finite number of seconds > 0, got -1"),  # accepted
+    ({"server_url": "https://[::1"}, "server_url 'https://\\[::1' is not a URL"),  # was httpx.InvalidURL
+    ({"eval_log": None}, "eval_log must be an sdk.EvalLog, got NoneType"),  # accepted: AttributeError at sync
+    ({"bundle_dir": None}, "bundle_dir must be a path, got NoneType"),  # was TypeError from Path(None)
+])
+def test_constructor_arguments_of_the_wrong_type_or_range_are_refused(tmp_path, signing_keys, kwargs, match):
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
+        args = {"server_url": "https://fed.test", "token": "t", "eval_log": log, "bundle_dir": tmp_path / "b",
+                "public_key": signing_keys[1], **kwargs}
+        with pytest.raises(InvalidInputError, match=match):
+            SyncClient(**args)
+
+
+
+def test_a_closed_client_says_so(tmp_path, signing_keys):
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
+        client = SyncClient("https://fed.test", "t", log, tmp_path / "b", signing_keys[1])
+        client.close()
+        # was httpx's RuntimeError
+        with pytest.raises(SyncError, match="this SyncClient of https://fed.test is closed"):
+            client.run_once()
+
+
 # --- answer size limits ------------------------------------------------------------------------
 
 

@@ -60,7 +60,8 @@ class ProxyConfig:
         ------
         InvalidInputError
             Unreadable or not JSON, unknown keys, missing ``bundle`` / ``public_key`` / ``upstreams``,
-            an upstream that is not an object with ``base_url``.
+            a ``bundle`` / ``public_key`` / ``log`` that is not a path string, an upstream that is not
+            an object with ``base_url``, an ``api_key_env`` or ``model`` that is not a string.
         """
         path = Path(path)
         try:
@@ -75,6 +76,10 @@ class ProxyConfig:
         for key in ("bundle", "public_key", "upstreams"):
             if key not in raw:
                 raise InvalidInputError(f"proxy config {path}: {key!r} is required")
+        for key in ("bundle", "public_key", "log"):  # paths, joined to the config's folder
+            if key in raw and not (isinstance(raw[key], str) or (key == "log" and raw[key] is None)):
+                raise InvalidInputError(f"proxy config {path}: {key!r} must be a path string, got "
+                                        f"{type(raw[key]).__name__} {raw[key]!r:.80}")
         for section in ("upstreams", "passthrough"):
             entries = raw.get(section, {})
             if not isinstance(entries, dict):
@@ -87,6 +92,10 @@ class ProxyConfig:
                 if bad:
                     raise InvalidInputError(f"proxy config {path}: {section}[{model!r}] has unknown keys {bad}; "
                                             f"valid: {sorted(_UPSTREAM)}")
+                for key in ("api_key_env", "model"):
+                    if entry.get(key) is not None and not isinstance(entry[key], str):
+                        raise InvalidInputError(f"proxy config {path}: {section}[{model!r}][{key!r}] must be a "
+                                                f"string, got {type(entry[key]).__name__} {entry[key]!r:.80}")
         return cls(path, raw)
 
     def _file(self, key: str) -> Path:

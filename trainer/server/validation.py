@@ -37,6 +37,9 @@ import orjson
 
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import PayloadError, PrivacyError, ShapeError
+# Cost bound of one query (USD) when the round sets no max_cost_usd: rejects absurd sums that would overflow
+# the merge. The device's EvalLog refuses rows above it, so a device never logs what it could not upload.
+from sdk.eval_log import MAX_COST_PER_QUERY_USD
 from sdk.local_update import KMeansUpdate, centroid_threshold
 from sdk.protocol import MSGPACK_ARRAYS, UPDATE_FIELDS, unpack_msgpack_array
 from trainer.federated.mlp_local import UPLOAD_FIELDS, read_parameters
@@ -49,9 +52,6 @@ from trainer.server.store import Round
 #: Largest count, weight or sample number accepted (the SQLite/PostgreSQL INTEGER range, and far
 #: beyond any device's log).
 MAX_COUNT = 2**31 - 1
-#: Cost bound of one query (USD) when the round sets no max_cost_usd: rejects absurd sums that
-#: would overflow the merge.
-MAX_COST_PER_QUERY_USD = 1000.0
 JSON_TYPES = ("application/json",)
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 _NUMBER = frozenset((int, float))
