@@ -14,8 +14,9 @@ Per call (:meth:`create`, :meth:`acreate`; ``model=`` as in :mod:`sdk.model_spec
    ``context_chars`` characters of the turns before it) is embedded and every model scored; the
    models *with an upstream* are ranked by utility ``A - lam * C`` (paper 002; ties: lower predicted
    cost, then lower index; models without an estimate never called). ``fedroute:budget=Y`` asks a
-   :class:`sdk.budget.BudgetController` (one per distinct budget) for the first model and ranks the
-   rest at its current ``lam``. Router models without an upstream are never chosen.
+   :class:`sdk.budget.BudgetController` (one per distinct budget) for the first model, choosing among
+   the models with an upstream only (its spend curve is theirs), and ranks the rest at its current
+   ``lam``. Router models without an upstream are never chosen.
 2. **Call** the first model through the ``openai`` package. On a timeout, a connection failure, a
    429, a 5xx or an answer that is not a chat completion (not JSON, JSON nested too deeply, a JSON
    list or text, no ``choices`` list: kind ``"invalid_response"``) it **falls back** to the next model
@@ -353,11 +354,15 @@ class RoutedChat:
             self._budget if spec.lam is None else None)
         first = None
         if budget is not None:
-            # One embedding: the choice at the controller's lam, then its randomised pick from the same predictions.
+            # One embedding: the choice at the controller's lam, then its randomised pick from the same
+            # predictions, models without an upstream left out (NaN = no estimate): the controller's spend
+            # curve is then that of the models this client can call, and its pick is one of them.
             controller = self._controller(budget)
             choice = self._router.choose(text, float(controller.lam))
-            first = controller.choose_from_predictions(np.array([s.accuracy for s in choice.scores]),
-                                                       np.array([s.cost_usd for s in choice.scores]))
+            pool = set(self._pool)
+            first = controller.choose_from_predictions(
+                np.array([s.accuracy if s.model in pool else math.nan for s in choice.scores]),
+                np.array([s.cost_usd if s.model in pool else math.nan for s in choice.scores]))
         else:
             choice = self._router.choose(text, self._lam if spec.lam is None else spec.lam)
         lam = choice.lam

@@ -227,6 +227,24 @@ def test_budget_mode_uses_one_controller_per_budget_and_feeds_it_the_observed_co
     assert default.choose(QUERY).budget_usd_per_1k == 1.0
 
 
+def test_budget_controller_chooses_and_predicts_spend_among_the_pool_only(router, stub, tmp_path):
+    # The router scores 11 models, the client has upstreams for 3. An unreachable budget makes the
+    # controller take its cheapest decisions: its predicted spend must be the cheapest *pool* model's
+    # predicted cost (it was the cheapest of all 11, a model the client cannot call), and its pick
+    # that model.
+    assert len(router.model_ids) > len(POOL)
+    chat = make_chat(router, stub, tmp_path, budget_seed=0)
+    plan = chat.choose(QUERY, model="fedroute:budget=1e-9")
+    scores = router.choose(QUERY, 0.0).scores
+    cheapest_pool = min((s.cost_usd, i, s.model) for i, s in enumerate(scores) if s.model in POOL)
+    cheapest_all = min(s.cost_usd for s in scores)
+    assert cheapest_all < cheapest_pool[0]  # the case this test is about
+    controller = chat.budget_controllers()[1e-9]
+    assert controller.mix is not None and not controller.mix.reachable
+    assert controller.mix.expected_cost == pytest.approx(cheapest_pool[0], rel=1e-12)
+    assert plan.order[0] == cheapest_pool[2]
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 
