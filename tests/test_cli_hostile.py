@@ -159,3 +159,52 @@ def test_mor_grpo_checks_its_numbers_before_writing_out(tmp_path, args, message)
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert message in flat(result.output)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seed", "-1"], "Invalid value for '--seed': -1 is not in the range x>=0"),
+    (["--lr", "-1"], "DPORunConfig.learning_rate=-1.0 should be a finite number > 0"),
+    (["--lr", "0"], "DPORunConfig.learning_rate=0.0 should be a finite number > 0"),
+])
+def test_prism_dpo_checks_its_settings_before_writing_out(tmp_path, args, message):
+    """--seed -1 ended in numpy's ValueError traceback; --lr -1 was refused only after OUT/tiny_policy was
+    written; --lr 0 was silently replaced by the default 1e-3."""
+    two = tmp_path / "prefs.jsonl"  # two prompts: one to train on, one held out
+    two.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "prompt_id": 1}\n'
+                   '{"prompt": "d", "chosen": "e", "rejected": "f", "prompt_id": 2}\n')
+    out = tmp_path / "dpo"
+    result = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(two), "--out", str(out), "--tiny", *args],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert message in flat(result.output)
+    assert not out.exists()
+
+
+def test_prism_dpo_refuses_a_set_whose_every_prompt_is_held_out(tmp_path, prefs):
+    """One prompt, 20 % held out (at least one prompt): nothing to train on. It used to build OUT/ and end in
+    the tokenizer's 'train_texts holds no non-empty string'."""
+    out = tmp_path / "dpo"
+    result = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(prefs), "--out", str(out), "--tiny"],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert (f"--prefs {prefs} holds 1 prompt(s) and all are held out (--heldout-fraction 0.2): "
+            "no pair is left to train on") in flat(result.output)
+    assert not out.exists()
+
+
+def test_prism_dpo_options_given_with_gpu_override_the_preset():
+    """--gpu used to drop --batch-size and --max-length silently (the preset's 8 and 1024 ran instead), and
+    ran the CLI's 120 steps instead of the preset's documented 300 (docs/prism_device_and_dpo.md)."""
+    from trainer.experts.cli import _dpo_config
+
+    gpu = _dpo_config("p", gpu=True, tiny=False, steps=5, beta=0.2, lr=None, batch_size=2, max_length=512, seed=1)
+    assert (gpu.batch_size, gpu.max_length, gpu.learning_rate, gpu.gradient_accumulation_steps) == (2, 512, 5e-7, 4)
+    assert (gpu.max_steps, gpu.beta, gpu.seed, gpu.device) == (5, 0.2, 1, "cuda")
+    preset = _dpo_config("p", gpu=True, tiny=False, steps=None, beta=0.2, lr=None, batch_size=None, max_length=None,
+                         seed=1)
+    assert (preset.max_steps, preset.batch_size, preset.max_length) == (300, 8, 1024)
+    tiny = _dpo_config("p", gpu=False, tiny=True, steps=None, beta=0.2, lr=None, batch_size=None, max_length=None,
+                       seed=0)
+    assert (tiny.max_steps, tiny.learning_rate, tiny.batch_size, tiny.max_length, tiny.device) == (120, 1e-3, 8, 256, "cpu")
+    assert _dpo_config("p", gpu=False, tiny=False, steps=5, beta=0.2, lr=2e-4, batch_size=None, max_length=None,
+                       seed=0).learning_rate == 2e-4
