@@ -208,3 +208,68 @@ def test_prism_dpo_options_given_with_gpu_override_the_preset():
     assert (tiny.max_steps, tiny.learning_rate, tiny.batch_size, tiny.max_length, tiny.device) == (120, 1e-3, 8, 256, "cpu")
     assert _dpo_config("p", gpu=False, tiny=False, steps=5, beta=0.2, lr=2e-4, batch_size=None, max_length=None,
                        seed=0).learning_rate == 2e-4
+
+
+def console(monkeypatch, capsys, args: list[str]) -> tuple[int, str]:
+    """Run ``fedroute ARGS`` as the console script does (trainer.cli.main); (exit status, stderr)."""
+    from trainer.cli import main
+
+    monkeypatch.setattr("sys.argv", ["fedroute", *args])
+    monkeypatch.setenv("COLUMNS", "500")
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("fedprism_config.json", '{"n_experts": 2', "fedprism_config.json: unreadable (JSONDecodeError: Expecting ',' delimiter"),
+    ("fedprism_config.json", '{"n_experts": "2"}', "fedprism_config.json: n_experts should be an int >= 1, got '2'"),
+    ("splits.json", "[]", "splits.json: expected a JSON object, got list"),
+    ("splits.json", '{"test": []}', "splits.json: no list of prompt ids under ['train']"),
+    ("selector_config.json", "{}", "selector_config.json: not a selector config written by `fedroute prism train` "
+                                   "(KeyError: 'encoding')"),
+])
+def test_prism_label_names_a_corrupt_file_of_the_run(tmp_path, monkeypatch, capsys, name, content, message):
+    """A truncated or foreign file in RUN/fedprism_seed0/ ended in a JSONDecodeError / KeyError traceback."""
+    saved = tmp_path / "run" / "fedprism_seed0"
+    (saved / "expert_0").mkdir(parents=True)
+    files = {"fedprism_config.json": '{"n_experts": 1}', "splits.json": '{"train": [], "test": []}',
+             "selector_config.json": "{}"}
+    for file, text in {**files, name: content}.items():
+        (saved / file).write_text(text)
+    code, err = console(monkeypatch, capsys, ["prism", "label", "--run", str(tmp_path / "run"),
+                                              "--out", str(tmp_path / "phase3")])
+    assert code == 2 and err.startswith(f"error: {saved}") and message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "phase3").exists()
+
+
+@pytest.mark.parametrize("content", ['{"train": [1]', '{"train": [1]}'])
+def test_export_selector_names_a_corrupt_splits_file(tmp_path, monkeypatch, capsys, content):
+    """RUN/fedprism_seed0/splits.json truncated or without 'test': JSONDecodeError / KeyError tracebacks (after
+    loading the preference data); now one line before the data is read."""
+    expert = tmp_path / "fedprism_seed0" / "expert_0"
+    (expert / "adapter").mkdir(parents=True)
+    (expert.parent / "splits.json").write_text(content)
+    code, err = console(monkeypatch, capsys, ["export", "--selector", str(expert), "--out", str(tmp_path / "bundle"),
+                                              "--signing-key", str(tmp_path / "signing.key"),
+                                              "--data", str(tmp_path / "no_data")])
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: {expert.parent / 'splits.json'}: not the splits.json of `fedroute prism train` "
+                          "(no readable 'test' list: ")
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_prism_label_names_a_run_whose_experts_were_not_all_written(tmp_path, monkeypatch, capsys):
+    """A run killed while saving (expert_1/ and router.safetensors missing) ended in safetensors' traceback."""
+    from trainer.experts.selector import SelectorConfig, save_selector_config
+
+    saved = tmp_path / "run" / "fedprism_seed0"
+    (saved / "expert_0").mkdir(parents=True)
+    save_selector_config(SelectorConfig(), saved / "selector_config.json")
+    (saved / "fedprism_config.json").write_text('{"n_experts": 2}')
+    (saved / "splits.json").write_text('{"train": [], "test": []}')
+    code, err = console(monkeypatch, capsys, ["prism", "label", "--run", str(tmp_path / "run"),
+                                              "--out", str(tmp_path / "phase3")])
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: {saved}: cannot load its 2 experts and router (") and "interrupted" in err
+    assert not (tmp_path / "phase3").exists()
