@@ -273,3 +273,21 @@ def test_prism_label_names_a_run_whose_experts_were_not_all_written(tmp_path, mo
     assert code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: {saved}: cannot load its 2 experts and router (") and "interrupted" in err
     assert not (tmp_path / "phase3").exists()
+
+
+@pytest.mark.parametrize("command", [["mor", "grpo", "--quick"],
+                                     ["mor", "export", "--client", "harmlessness", "--signing-key", "KEY"]])
+@pytest.mark.parametrize("content, message", [
+    ('{"format_version": 1', "mixture.json: unreadable (JSONDecodeError: Expecting ',' delimiter"),
+    ('{"format_version": 1}', "mixture.json: not a mixture written by `fedroute mor train` (KeyError: 'embedder')"),
+    ("[1]", "mixture.json: format_version None, expected 1"),
+])
+def test_mor_commands_name_a_corrupt_mixture_json(tmp_path, monkeypatch, capsys, command, content, message):
+    """A truncated or foreign mixture.json ended in a JSONDecodeError / KeyError / AttributeError traceback."""
+    (tmp_path / "mix").mkdir()
+    (tmp_path / "mix" / "mixture.json").write_text(content)
+    args = [str(tmp_path / "signing.key") if a == "KEY" else a for a in command]
+    code, err = console(monkeypatch, capsys, [*args, "--mixture", str(tmp_path / "mix"), "--out", str(tmp_path / "out")])
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: {tmp_path / 'mix' / 'mixture.json'}") and message in err
+    assert not (tmp_path / "out").exists()
