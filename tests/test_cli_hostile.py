@@ -291,3 +291,14 @@ def test_mor_commands_name_a_corrupt_mixture_json(tmp_path, monkeypatch, capsys,
     assert code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: {tmp_path / 'mix' / 'mixture.json'}") and message in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("methods", [",", " ", "fedprism,fedprism"])
+def test_prism_train_refuses_no_or_repeated_methods_before_the_data(tmp_path, methods):
+    """--methods ',' prepared the data and wrote an empty results table with exit 0; a repeated method was
+    trained twice and its accuracies appended twice per seed."""
+    result = CliRunner().invoke(app, ["prism", "train", "--quick", "--methods", methods, "--out", str(tmp_path / "run"),
+                                      "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert f"--methods {methods!r}: give each method once, at least one; valid: fedprism," in flat(result.output)
+    assert not (tmp_path / "run").exists()

@@ -64,6 +64,8 @@ def train(
     unknown = [m for m in chosen if m not in ALL_METHODS]
     if unknown:
         raise typer.BadParameter(f"--methods: unknown {unknown}; valid: {', '.join(ALL_METHODS)}")
+    if not chosen or len(set(chosen)) != len(chosen):
+        raise typer.BadParameter(f"--methods {methods!r}: give each method once, at least one; valid: {', '.join(ALL_METHODS)}")
     model = PairSelector(base.selector)
     prep = prepare_data(data, data_preset, model, cache_dir=cache_dir)
     result = run_experiment(prep, model, data_preset, base, range(seeds), out, methods=chosen)
