@@ -302,3 +302,24 @@ def test_prism_train_refuses_no_or_repeated_methods_before_the_data(tmp_path, me
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert f"--methods {methods!r}: give each method once, at least one; valid: fedprism," in flat(result.output)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", [["rounds", "status"], ["rounds", "close"], ["clients", "list"],
+                                     ["clients", "revoke", "phone-1"], ["clients", "rotate", "phone-1"],
+                                     ["publish", "--round", "1", "--bundle-dir", "B", "--signing-key", "K"]])
+def test_operator_commands_refuse_a_sqlite_database_that_does_not_exist(tmp_path, command):
+    """A typo in --db created an empty database: `rounds status` answered {"round_id": null} with exit 0 and
+    `clients list` printed nothing, as if the server had no round and no client."""
+    typo = tmp_path / "fd.db"
+    result = CliRunner().invoke(app, [*command, "--db", f"sqlite:///{typo}"], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert (f"--db sqlite:///{typo}: no database at {typo}; `fedroute clients add` or `fedroute rounds open` "
+            "creates one") in flat(result.output)
+    assert not typo.exists()
+
+
+def test_clients_add_still_creates_the_database(tmp_path):
+    db = tmp_path / "fed.db"
+    assert CliRunner().invoke(app, ["clients", "add", "phone-1", "--db", f"sqlite:///{db}"]).exit_code == 0
+    listed = CliRunner().invoke(app, ["clients", "list", "--db", f"sqlite:///{db}"])
+    assert listed.exit_code == 0 and "phone-1" in listed.output
