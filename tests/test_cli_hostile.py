@@ -323,3 +323,14 @@ def test_clients_add_still_creates_the_database(tmp_path):
     assert CliRunner().invoke(app, ["clients", "add", "phone-1", "--db", f"sqlite:///{db}"]).exit_code == 0
     listed = CliRunner().invoke(app, ["clients", "list", "--db", f"sqlite:///{db}"])
     assert listed.exit_code == 0 and "phone-1" in listed.output
+
+
+@pytest.mark.parametrize("option", ["--n-parity", "--bundle-version"])
+def test_mor_export_refuses_counts_below_one_while_parsing(tmp_path, option):
+    """--n-parity -3 ended in pandas' 'A negative number of rows requested' traceback after the mixture and the
+    data were loaded; --bundle-version 0 was refused only after that."""
+    result = CliRunner().invoke(app, ["mor", "export", "--mixture", str(tmp_path), "--client", "c", "--out",
+                                      str(tmp_path / "b"), "--signing-key", str(tmp_path / "k"), option, "-3"],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and f"Invalid value for '{option}': -3 is not in the range x>=1" in flat(result.output)
+    assert not (tmp_path / "b").exists()
