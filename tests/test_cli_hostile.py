@@ -149,9 +149,14 @@ def test_serve_refuses_a_file_as_bundle_dir(tmp_path):
     (["--beta", "0"], "--beta must be a finite number > 0, got 0.0"),
     (["--learning-rate", "-1"], "--learning-rate must be a finite number > 0, got -1.0"),
     (["--steps", "0"], "Invalid value for '--steps': 0 is not in the range x>=1"),
+    (["--device", "bogus"], "device='bogus' should be one of ('cpu', 'cuda')"),
+    (["--num-generations", "1"], "num_generations=1 should be an integer >= 2"),
+    (["--seed", "-1"], "Invalid value for '--seed': -1 is not in the range x>=0"),
 ])
 def test_mor_grpo_checks_its_numbers_before_writing_out(tmp_path, args, message):
-    """--ts-lambda -1 used to fail only after OUT/tiny_policy was written; --steps 0 was passed to TRL."""
+    """--ts-lambda -1 used to fail only after OUT/tiny_policy was written; --steps 0 was passed to TRL;
+    --device bogus and --num-generations 1 were refused after the mixture and the data were read and
+    OUT/tiny_policy was written; --seed -1 was blamed on --ts-lambda / --ts-nu."""
     (tmp_path / "mixture.json").write_text("{}")
     out = tmp_path / "grpo"
     result = CliRunner().invoke(app, ["mor", "grpo", "--mixture", str(tmp_path), "--out", str(out), *args],
