@@ -28,6 +28,9 @@ Saved layout (:func:`save_mixture` / :func:`load_mixture`)::
     DIR/router/        ClientRouter.save layout (router.json, router.safetensors)
     DIR/clients/<name>/ reward model layout of trainer.rewards.reward_models (reward_model.json + weights)
 
+``router/`` and ``clients/`` are written to ``DIR/.mixture.partial/`` first and swapped in, ``mixture.json``
+last: a save killed midway leaves the earlier mixture whole, or (within the swap) no ``mixture.json``.
+
 Files without ``variants`` (older saves) load with ``temperature`` / ``route_by`` for both modes. Variants without
 ``fallback`` (saved before it existed) load with ``fallback = 0``; without ``fallback_top`` / ``probabilities`` with 0 /
 ``"softmax"``.
@@ -40,6 +43,7 @@ The router reads ``PairEncoder(EmbedderConfig(**embedder)).encode(prompts, respo
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -156,16 +160,23 @@ class RoutedReward:
 
 
 def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | None = None) -> Path:
-    """Write the module docstring's layout into ``directory`` (created; files replaced atomically).
+    """Write the module docstring's layout into ``directory`` (created; parts staged and swapped in, module docstring).
     ``selection`` (JSON-serialisable) records how the variants were chosen (``mixture.json["selection"]``)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     names = mixture.client_names
     if len(set(names)) != len(names) or any("/" in n or n in ("", ".", "..") for n in names):
         raise InvalidInputError(f"client names must be distinct folder names, got {names}")
-    mixture.router.save(directory / "router")
+    staged = directory / ".mixture.partial"  # the module docstring's swap
+    shutil.rmtree(staged, ignore_errors=True)
+    mixture.router.save(staged / "router")
     for name, rm in zip(names, mixture.reward_models):
-        rm.save(directory / "clients" / name)
+        rm.save(staged / "clients" / name)
+    (directory / "mixture.json").unlink(missing_ok=True)
+    for part in ("router", "clients"):
+        shutil.rmtree(directory / part, ignore_errors=True)
+        (staged / part).rename(directory / part)
+    staged.rmdir()
     meta = {"format_version": FORMAT_VERSION, "mode": mixture.mode, "normalise": mixture.normalise,
             "temperature": mixture.temperature, "route_by": mixture.route_by,
             "variants": {m: r.to_dict() for m, r in mixture.variants.items()},
