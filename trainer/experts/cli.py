@@ -59,6 +59,9 @@ def train(
         except InvalidInputError as exc:
             raise typer.BadParameter(str(exc)) from exc
     if n_experts is not None:
+        if n_experts > data_preset.n_public:  # else refused by the router's K-means start after the data preparation
+            raise typer.BadParameter(f"--n-experts {n_experts}: the {name} preset holds {data_preset.n_public} public prompts "
+                                     "and the router's K-means start needs at least one per expert")
         base = replace(base, n_experts=n_experts)
     chosen = ALL_METHODS if methods == "all" else tuple(m.strip() for m in methods.split(",") if m.strip())
     unknown = [m for m in chosen if m not in ALL_METHODS]
