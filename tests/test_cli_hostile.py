@@ -350,3 +350,20 @@ def test_prism_train_refuses_more_experts_than_public_prompts_before_the_data(tm
     assert ("--n-experts 121: the quick preset holds 120 public prompts and the router's K-means start needs at "
             "least one per expert") in flat(result.output)
     assert not (tmp_path / "run").exists()
+
+
+def test_no_help_text_shows_sphinx_markup():
+    """`fedroute --help` listed serve as '... HTTP limits: :mod:`trainer.server.http_limits`.' (a docstring
+    role meant for the API docs). Every command's and option's help text is checked."""
+    found = []
+
+    def walk(command: click.Command, path: list[str]) -> None:
+        texts = [command.help or ""] + [getattr(param, "help", None) or "" for param in command.params]
+        found.extend(f"{' '.join(path)}: {text}" for text in texts
+                     if any(role in text for role in (":mod:", ":class:", ":func:", ":meth:", "``")))
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+
+    walk(get_command(app), [])
+    assert found == []

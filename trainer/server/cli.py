@@ -74,7 +74,8 @@ def serve(
     publisher: Publisher | None = None,
 ) -> None:
     """Run the aggregation server over HTTPS (uvicorn with httptools, one process: SQLite has one writer).
-    HTTP limits: :mod:`trainer.server.http_limits`."""
+
+    HTTP limits (the options below): docs/sync-protocol-and-operations.md, trainer/server/http_limits.py."""
     import uvicorn  # server extra, imported on use
 
     from trainer.server.app import create_app  # server extra (fastapi)
