@@ -367,3 +367,16 @@ def test_no_help_text_shows_sphinx_markup():
 
     walk(get_command(app), [])
     assert found == []
+
+
+@pytest.mark.parametrize("command", ["simulate", "ablate"])
+def test_simulate_refuses_the_same_file_as_train_and_test(routerbench_dir, tmp_path, command):
+    """--train F --test F trained and scored on the same queries and reported the inflated figures (exit 0)."""
+    same = routerbench_dir / "test.parquet"
+    result = CliRunner().invoke(app, [command, "--train", str(same), "--test", str(routerbench_dir / ".." / "routerbench" /
+                                                                               "test.parquet"),
+                                      "--out", str(tmp_path / "out"), "--seeds", "1", "--routers", "kmeans"],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert f"--train and --test are the same file ({same}); give a held-out test file" in flat(result.output)
+    assert not (tmp_path / "out").exists()

@@ -55,6 +55,8 @@ def _load_tables(data: Optional[Path], train: Optional[Path], test: Optional[Pat
     if train is not None or test is not None:
         if train is None or test is None:
             raise typer.BadParameter("--train and --test go together")
+        if train.resolve() == test.resolve():  # every test query would be a training query: inflated scores
+            raise typer.BadParameter(f"--train and --test are the same file ({train}); give a held-out test file")
         return load_eval_file(train), load_eval_file(test)
     if data is None:
         raise typer.BadParameter("give --data DIR (with train.parquet and test.parquet) or --train FILE --test FILE")
