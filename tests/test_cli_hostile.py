@@ -380,3 +380,13 @@ def test_simulate_refuses_the_same_file_as_train_and_test(routerbench_dir, tmp_p
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert f"--train and --test are the same file ({same}); give a held-out test file" in flat(result.output)
     assert not (tmp_path / "out").exists()
+
+
+def test_simulate_refuses_a_repeated_router_kind_before_the_data(tmp_path):
+    """--routers kmeans,kmeans trained K-means twice per seed and reported the second, drawn from another RNG
+    state, so the figures differed from --routers kmeans without a word."""
+    result = CliRunner().invoke(app, ["simulate", "--routers", "kmeans,kmeans", "--data", str(tmp_path / "absent"),
+                                      "--out", str(tmp_path / "out")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert "routers=('kmeans', 'kmeans'): give each kind once" in flat(result.output)
+    assert not (tmp_path / "out").exists()
