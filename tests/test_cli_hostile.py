@@ -166,17 +166,19 @@ def test_mor_grpo_checks_its_numbers_before_writing_out(tmp_path, args, message)
     assert not out.exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--seed", "-1"], "Invalid value for '--seed': -1 is not in the range x>=0"),
-    (["--lr", "-1"], "DPORunConfig.learning_rate=-1.0 should be a finite number > 0"),
-    (["--lr", "0"], "DPORunConfig.learning_rate=0.0 should be a finite number > 0"),
+@pytest.mark.parametrize("args, second_prompt, message", [
+    (["--seed", "-1"], '"d"', "Invalid value for '--seed': -1 is not in the range x>=0"),
+    (["--lr", "-1"], '"d"', "DPORunConfig.learning_rate=-1.0 should be a finite number > 0"),
+    (["--lr", "0"], '"d"', "DPORunConfig.learning_rate=0.0 should be a finite number > 0"),
+    (["--seed", "1"], "null", "train rows: row 0 'prompt' should be a non-empty string, got nan"),
 ])
-def test_prism_dpo_checks_its_settings_before_writing_out(tmp_path, args, message):
+def test_prism_dpo_checks_its_settings_before_writing_out(tmp_path, args, second_prompt, message):
     """--seed -1 ended in numpy's ValueError traceback; --lr -1 was refused only after OUT/tiny_policy was
-    written; --lr 0 was silently replaced by the default 1e-3."""
-    two = tmp_path / "prefs.jsonl"  # two prompts: one to train on, one held out
+    written; --lr 0 was silently replaced by the default 1e-3; a row without a prompt was refused after
+    OUT/tiny_policy was written."""
+    two = tmp_path / "prefs.jsonl"  # two prompts: one to train on, one held out (seed 1 holds out prompt 1)
     two.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "prompt_id": 1}\n'
-                   '{"prompt": "d", "chosen": "e", "rejected": "f", "prompt_id": 2}\n')
+                   f'{{"prompt": {second_prompt}, "chosen": "e", "rejected": "f", "prompt_id": 2}}\n')
     out = tmp_path / "dpo"
     result = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(two), "--out", str(out), "--tiny", *args],
                                 env={"COLUMNS": "500"})

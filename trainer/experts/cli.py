@@ -14,7 +14,7 @@ import typer
 from sdk.errors import InvalidInputError
 from sdk.finite_option import finite_option
 import numpy as np
-from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig
+from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig, validate_preference_rows
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
 
@@ -165,7 +165,9 @@ def dpo(
                  for r, a in zip(held_df.itertuples(), agrees)]
     if tiny:
         policy = str(out / "tiny_policy")
-    try:  # every setting is checked before anything is written to --out
+    try:  # every row and setting is checked before anything is written to --out
+        train_rows = validate_preference_rows(train_rows, what="train rows")
+        held_rows = validate_preference_rows(held_rows, what="held-out rows")
         args = _dpo_config(policy, gpu=gpu, tiny=tiny, steps=steps, beta=beta, lr=lr, batch_size=batch_size,
                            max_length=max_length, seed=seed)
     except AlignmentConfigError as exc:
