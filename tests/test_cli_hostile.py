@@ -392,3 +392,17 @@ def test_simulate_refuses_a_repeated_router_kind_before_the_data(tmp_path):
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert "routers=('kmeans', 'kmeans'): give each kind once" in flat(result.output)
     assert not (tmp_path / "out").exists()
+
+
+def test_export_selector_refuses_a_run_whose_test_prompts_are_not_in_the_data(tmp_path, monkeypatch, capsys, shared_data):
+    """splits.json naming no prompt of --data (a run trained on other data) ended in pandas' 'No objects to
+    concatenate' traceback."""
+    expert = tmp_path / "fedprism_seed0" / "expert_0"
+    (expert / "adapter").mkdir(parents=True)
+    (expert.parent / "splits.json").write_text('{"train": [], "test": ["not-a-prompt-id"]}')
+    code, err = console(monkeypatch, capsys, ["export", "--selector", str(expert), "--out", str(tmp_path / "bundle"),
+                                              "--signing-key", str(tmp_path / "signing.key"), "--data", str(shared_data)])
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: no preference pair of {shared_data} is a held-out prompt of "
+                          f"{expert.parent / 'splits.json'} for the parity check")
+    assert not (tmp_path / "bundle").exists()
