@@ -3,6 +3,8 @@ data is read or training starts (no traceback, nothing written)."""
 
 from __future__ import annotations
 
+import json
+
 import click
 import pytest
 import typer
@@ -406,3 +408,29 @@ def test_export_selector_refuses_a_run_whose_test_prompts_are_not_in_the_data(tm
     assert err.startswith(f"error: no preference pair of {shared_data} is a held-out prompt of "
                           f"{expert.parent / 'splits.json'} for the parity check")
     assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.parametrize("owner, command", [
+    ("prism train", ["mor", "eval", "--quick"]), ("prism train", ["simulate"]), ("mor eval", ["prism", "train", "--quick"]),
+])
+def test_a_command_refuses_the_results_folder_of_another(tmp_path, monkeypatch, capsys, owner, command):
+    """`fedroute mor eval --out RUN` on a `prism train` folder (or simulate, or the other way) replaced its
+    results.json and results.md without a word; refused now, before the data is read."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"command": owner, "methods": {}}))
+    code, err = console(monkeypatch, capsys, [*command, "--out", str(out), "--data", str(tmp_path / "absent")])
+    name = " ".join(c for c in command if not c.startswith("--"))
+    assert code == 2 and err == (f"error: --out {out} holds the results of `fedroute {owner}`; `fedroute {name}` would "
+                                 "replace them: give another folder\n")
+    assert json.loads((out / "results.json").read_text()) == {"command": owner, "methods": {}}
+
+
+def test_a_rerun_of_the_same_command_and_an_unmarked_results_file_are_allowed(tmp_path):
+    from trainer.results_owner import claim_results
+
+    (tmp_path / "results.json").write_text('{"command": "simulate"}')
+    claim_results(tmp_path, "simulate")
+    (tmp_path / "results.json").write_text('{"routers": {}}')  # written before the key existed
+    claim_results(tmp_path, "prism train")
+    claim_results(tmp_path / "absent", "prism train")

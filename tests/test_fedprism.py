@@ -3,6 +3,7 @@ sparse retrieval on real preference pairs with the real MiniLM selector; the Flo
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -378,4 +379,5 @@ def test_a_rerun_into_the_same_out_replaces_the_saved_experts_whole(tmp_path: Pa
     run_experiment(prep, model, preset, base, [0], out, methods=("fedprism",), progress=False)
     assert sorted(p.name for p in (out / "fedprism_seed0").glob("expert_*")) == ["expert_0", "expert_1"]
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
-    assert (out / "fedprism_seed0" / "router.safetensors").is_file() and (out / "results.json").is_file()
+    assert (out / "fedprism_seed0" / "router.safetensors").is_file()
+    assert json.loads((out / "results.json").read_text())["command"] == "prism train"  # trainer.results_owner

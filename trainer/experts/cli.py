@@ -17,6 +17,7 @@ import numpy as np
 from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig, validate_preference_rows
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
+from trainer.results_owner import claim_results
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="FedPrism: federated preference experts with instance-wise routing (paper 000).")
@@ -48,6 +49,7 @@ def train(
     from trainer.experts.selector import PairSelector  # trainer.experts.selector imports torch: on use only
 
     _check_out(out)
+    claim_results(out, "prism train")
     name = "quick" if quick else preset
     if name not in PRESETS:
         raise typer.BadParameter(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")

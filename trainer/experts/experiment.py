@@ -62,6 +62,7 @@ from trainer.length_baseline import LengthBaseline
 from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
 from trainer.embeddings import EmbedderConfig, default_cache_dir, embed_texts
 from trainer.report import save_figure, write_json, write_text
+from trainer.results_owner import OWNER_KEY
 
 # the length-only baselines of issue 10 (logistic regression on length features): per domain (the domain label
 # is read at prediction time) and one global model
@@ -240,6 +241,7 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                  "train_domains": prep.train.domain.value_counts().to_dict(),
                  "test_domains": prep.test.domain.value_counts().to_dict()},
         "seconds": round(time.time() - start, 1),
+        OWNER_KEY: "prism train",  # trainer.results_owner
     }
     if "fedprism" in methods:
         result["utilisation"] = {"max_share": float(np.mean(util["max_share"])), "max_share_per_seed": util["max_share"],
