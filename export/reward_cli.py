@@ -23,8 +23,8 @@ def export_reward(
     out: Annotated[Path, typer.Option(help="bundle directory (created or replaced atomically)")],
     signing_key: Annotated[Path, typer.Option(help="signing.key from `fedroute keygen`")],
     data: DataOpt = Path("../shared/data"),
-    n_parity: Annotated[int, typer.Option(help="real pairs for the parity check")] = 200,
-    bundle_version: Annotated[Optional[int], typer.Option(help="default: 1 + the version at OUT")] = None,
+    n_parity: Annotated[int, typer.Option(min=1, help="real pairs for the parity check")] = 200,
+    bundle_version: Annotated[Optional[int], typer.Option(min=1, help="default: 1 + the version at OUT")] = None,
     cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
 ) -> None:
     """Export CLIENT's reward model and the client router as a signed reward-scorer bundle (sdk.RewardScorer)."""

@@ -443,6 +443,8 @@ def export_reward_bundle(mixture, client: str, out: Path, signing_key: Path, pro
 
     if len(prompts) == 0 or len(prompts) != len(responses):
         raise ExportError(f"parity needs n >= 1 real pairs, got {len(prompts)} prompts and {len(responses)} responses")
+    if client not in list(mixture.client_names):  # before the embedder's ONNX export (a minute on a busy CPU)
+        raise ExportError(f"unknown client {client!r}; the mixture has {list(mixture.client_names)}")
     key = load_signing_key(signing_key)
     out = Path(out)
     check_replaceable(out)

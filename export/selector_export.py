@@ -366,20 +366,29 @@ def parity_pairs_for(expert_dir: Path, data_dir: Path, n_pairs: int = 200, seed:
     Raises
     ------
     ExportError
-        The data folder cannot be read.
+        The data folder or the run's ``splits.json`` cannot be read, or no pair is left.
     """
     import pandas as pd  # pandas: optional heavy dependency, imported on use
 
     from trainer.data.preferences import load_preference_pairs  # trainer.data.preferences imports pandas: on use only
 
+    splits = Path(expert_dir).parent / "splits.json"
+    test_ids = None
+    if splits.exists():
+        try:
+            test_ids = set(json.loads(splits.read_text())["test"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON errors are ValueErrors; a wrong layout KeyError/TypeError
+            raise ExportError(f"{splits}: not the splits.json of `fedroute prism train` (no readable 'test' list: "
+                              f"{type(exc).__name__}: {exc})") from exc
     try:
         pairs = load_preference_pairs(data_dir, seed=0)
     except Exception as exc:  # noqa: BLE001 - DataUnavailableError / DataFormatError: one clear message
         raise ExportError(f"cannot read preference pairs from {data_dir} for the parity check: {exc}") from exc
-    splits = Path(expert_dir).parent / "splits.json"
-    if splits.exists():
-        test_ids = set(json.loads(splits.read_text())["test"])
+    if test_ids is not None:
         pairs = pairs[pairs["prompt_id"].isin(test_ids)]
+    if pairs.empty:
+        raise ExportError(f"no preference pair of {data_dir} is a held-out prompt of {splits} for the parity check: "
+                          "was the run trained on other data?")
     per = max(1, n_pairs // max(1, pairs["domain"].nunique()))
     parts = [g.sample(min(per, len(g)), random_state=seed) for _, g in pairs.groupby("domain", sort=True)]
     return pd.concat(parts, ignore_index=True)

@@ -3,6 +3,8 @@ data is read or training starts (no traceback, nothing written)."""
 
 from __future__ import annotations
 
+import json
+
 import click
 import pytest
 import typer
@@ -149,9 +151,14 @@ def test_serve_refuses_a_file_as_bundle_dir(tmp_path):
     (["--beta", "0"], "--beta must be a finite number > 0, got 0.0"),
     (["--learning-rate", "-1"], "--learning-rate must be a finite number > 0, got -1.0"),
     (["--steps", "0"], "Invalid value for '--steps': 0 is not in the range x>=1"),
+    (["--device", "bogus"], "device='bogus' should be one of ('cpu', 'cuda')"),
+    (["--num-generations", "1"], "num_generations=1 should be an integer >= 2"),
+    (["--seed", "-1"], "Invalid value for '--seed': -1 is not in the range x>=0"),
 ])
 def test_mor_grpo_checks_its_numbers_before_writing_out(tmp_path, args, message):
-    """--ts-lambda -1 used to fail only after OUT/tiny_policy was written; --steps 0 was passed to TRL."""
+    """--ts-lambda -1 used to fail only after OUT/tiny_policy was written; --steps 0 was passed to TRL;
+    --device bogus and --num-generations 1 were refused after the mixture and the data were read and
+    OUT/tiny_policy was written; --seed -1 was blamed on --ts-lambda / --ts-nu."""
     (tmp_path / "mixture.json").write_text("{}")
     out = tmp_path / "grpo"
     result = CliRunner().invoke(app, ["mor", "grpo", "--mixture", str(tmp_path), "--out", str(out), *args],
@@ -159,3 +166,271 @@ def test_mor_grpo_checks_its_numbers_before_writing_out(tmp_path, args, message)
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert message in flat(result.output)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args, second_prompt, message", [
+    (["--seed", "-1"], '"d"', "Invalid value for '--seed': -1 is not in the range x>=0"),
+    (["--lr", "-1"], '"d"', "DPORunConfig.learning_rate=-1.0 should be a finite number > 0"),
+    (["--lr", "0"], '"d"', "DPORunConfig.learning_rate=0.0 should be a finite number > 0"),
+    (["--seed", "1"], "null", "train rows: row 0 'prompt' should be a non-empty string, got nan"),
+])
+def test_prism_dpo_checks_its_settings_before_writing_out(tmp_path, args, second_prompt, message):
+    """--seed -1 ended in numpy's ValueError traceback; --lr -1 was refused only after OUT/tiny_policy was
+    written; --lr 0 was silently replaced by the default 1e-3; a row without a prompt was refused after
+    OUT/tiny_policy was written."""
+    two = tmp_path / "prefs.jsonl"  # two prompts: one to train on, one held out (seed 1 holds out prompt 1)
+    two.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "prompt_id": 1}\n'
+                   f'{{"prompt": {second_prompt}, "chosen": "e", "rejected": "f", "prompt_id": 2}}\n')
+    out = tmp_path / "dpo"
+    result = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(two), "--out", str(out), "--tiny", *args],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert message in flat(result.output)
+    assert not out.exists()
+
+
+def test_prism_dpo_refuses_a_set_whose_every_prompt_is_held_out(tmp_path, prefs):
+    """One prompt, 20 % held out (at least one prompt): nothing to train on. It used to build OUT/ and end in
+    the tokenizer's 'train_texts holds no non-empty string'."""
+    out = tmp_path / "dpo"
+    result = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(prefs), "--out", str(out), "--tiny"],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert (f"--prefs {prefs} holds 1 prompt(s) and all are held out (--heldout-fraction 0.2): "
+            "no pair is left to train on") in flat(result.output)
+    assert not out.exists()
+
+
+def test_prism_dpo_options_given_with_gpu_override_the_preset():
+    """--gpu used to drop --batch-size and --max-length silently (the preset's 8 and 1024 ran instead), and
+    ran the CLI's 120 steps instead of the preset's documented 300 (docs/prism_device_and_dpo.md)."""
+    from trainer.experts.cli import _dpo_config
+
+    gpu = _dpo_config("p", gpu=True, tiny=False, steps=5, beta=0.2, lr=None, batch_size=2, max_length=512, seed=1)
+    assert (gpu.batch_size, gpu.max_length, gpu.learning_rate, gpu.gradient_accumulation_steps) == (2, 512, 5e-7, 4)
+    assert (gpu.max_steps, gpu.beta, gpu.seed, gpu.device) == (5, 0.2, 1, "cuda")
+    preset = _dpo_config("p", gpu=True, tiny=False, steps=None, beta=0.2, lr=None, batch_size=None, max_length=None,
+                         seed=1)
+    assert (preset.max_steps, preset.batch_size, preset.max_length) == (300, 8, 1024)
+    tiny = _dpo_config("p", gpu=False, tiny=True, steps=None, beta=0.2, lr=None, batch_size=None, max_length=None,
+                       seed=0)
+    assert (tiny.max_steps, tiny.learning_rate, tiny.batch_size, tiny.max_length, tiny.device) == (120, 1e-3, 8, 256, "cpu")
+    assert _dpo_config("p", gpu=False, tiny=False, steps=5, beta=0.2, lr=2e-4, batch_size=None, max_length=None,
+                       seed=0).learning_rate == 2e-4
+
+
+def console(monkeypatch, capsys, args: list[str]) -> tuple[int, str]:
+    """Run ``fedroute ARGS`` as the console script does (trainer.cli.main); (exit status, stderr)."""
+    from trainer.cli import main
+
+    monkeypatch.setattr("sys.argv", ["fedroute", *args])
+    monkeypatch.setenv("COLUMNS", "500")
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("fedprism_config.json", '{"n_experts": 2', "fedprism_config.json: unreadable (JSONDecodeError: Expecting ',' delimiter"),
+    ("fedprism_config.json", '{"n_experts": "2"}', "fedprism_config.json: n_experts should be an int >= 1, got '2'"),
+    ("splits.json", "[]", "splits.json: expected a JSON object, got list"),
+    ("splits.json", '{"test": []}', "splits.json: no list of prompt ids under ['train']"),
+    ("selector_config.json", "{}", "selector_config.json: not a selector config written by `fedroute prism train` "
+                                   "(KeyError: 'encoding')"),
+])
+def test_prism_label_names_a_corrupt_file_of_the_run(tmp_path, monkeypatch, capsys, name, content, message):
+    """A truncated or foreign file in RUN/fedprism_seed0/ ended in a JSONDecodeError / KeyError traceback."""
+    saved = tmp_path / "run" / "fedprism_seed0"
+    (saved / "expert_0").mkdir(parents=True)
+    files = {"fedprism_config.json": '{"n_experts": 1}', "splits.json": '{"train": [], "test": []}',
+             "selector_config.json": "{}"}
+    for file, text in {**files, name: content}.items():
+        (saved / file).write_text(text)
+    code, err = console(monkeypatch, capsys, ["prism", "label", "--run", str(tmp_path / "run"),
+                                              "--out", str(tmp_path / "phase3")])
+    assert code == 2 and err.startswith(f"error: {saved}") and message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "phase3").exists()
+
+
+@pytest.mark.parametrize("content", ['{"train": [1]', '{"train": [1]}'])
+def test_export_selector_names_a_corrupt_splits_file(tmp_path, monkeypatch, capsys, content):
+    """RUN/fedprism_seed0/splits.json truncated or without 'test': JSONDecodeError / KeyError tracebacks (after
+    loading the preference data); now one line before the data is read."""
+    expert = tmp_path / "fedprism_seed0" / "expert_0"
+    (expert / "adapter").mkdir(parents=True)
+    (expert.parent / "splits.json").write_text(content)
+    code, err = console(monkeypatch, capsys, ["export", "--selector", str(expert), "--out", str(tmp_path / "bundle"),
+                                              "--signing-key", str(tmp_path / "signing.key"),
+                                              "--data", str(tmp_path / "no_data")])
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: {expert.parent / 'splits.json'}: not the splits.json of `fedroute prism train` "
+                          "(no readable 'test' list: ")
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_prism_label_names_a_run_whose_experts_were_not_all_written(tmp_path, monkeypatch, capsys):
+    """A run killed while saving (expert_1/ and router.safetensors missing) ended in safetensors' traceback."""
+    from trainer.experts.selector import SelectorConfig, save_selector_config
+
+    saved = tmp_path / "run" / "fedprism_seed0"
+    (saved / "expert_0").mkdir(parents=True)
+    save_selector_config(SelectorConfig(), saved / "selector_config.json")
+    (saved / "fedprism_config.json").write_text('{"n_experts": 2}')
+    (saved / "splits.json").write_text('{"train": [], "test": []}')
+    code, err = console(monkeypatch, capsys, ["prism", "label", "--run", str(tmp_path / "run"),
+                                              "--out", str(tmp_path / "phase3")])
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: {saved}: cannot load its 2 experts and router (") and "interrupted" in err
+    assert not (tmp_path / "phase3").exists()
+
+
+@pytest.mark.parametrize("command", [["mor", "grpo", "--quick"],
+                                     ["mor", "export", "--client", "harmlessness", "--signing-key", "KEY"]])
+@pytest.mark.parametrize("content, message", [
+    ('{"format_version": 1', "mixture.json: unreadable (JSONDecodeError: Expecting ',' delimiter"),
+    ('{"format_version": 1}', "mixture.json: not a mixture written by `fedroute mor train` (KeyError: 'embedder')"),
+    ("[1]", "mixture.json: format_version None, expected 1"),
+])
+def test_mor_commands_name_a_corrupt_mixture_json(tmp_path, monkeypatch, capsys, command, content, message):
+    """A truncated or foreign mixture.json ended in a JSONDecodeError / KeyError / AttributeError traceback."""
+    (tmp_path / "mix").mkdir()
+    (tmp_path / "mix" / "mixture.json").write_text(content)
+    args = [str(tmp_path / "signing.key") if a == "KEY" else a for a in command]
+    code, err = console(monkeypatch, capsys, [*args, "--mixture", str(tmp_path / "mix"), "--out", str(tmp_path / "out")])
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: {tmp_path / 'mix' / 'mixture.json'}") and message in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("methods", [",", " ", "fedprism,fedprism"])
+def test_prism_train_refuses_no_or_repeated_methods_before_the_data(tmp_path, methods):
+    """--methods ',' prepared the data and wrote an empty results table with exit 0; a repeated method was
+    trained twice and its accuracies appended twice per seed."""
+    result = CliRunner().invoke(app, ["prism", "train", "--quick", "--methods", methods, "--out", str(tmp_path / "run"),
+                                      "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert f"--methods {methods!r}: give each method once, at least one; valid: fedprism," in flat(result.output)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", [["rounds", "status"], ["rounds", "close"], ["clients", "list"],
+                                     ["clients", "revoke", "phone-1"], ["clients", "rotate", "phone-1"],
+                                     ["publish", "--round", "1", "--bundle-dir", "B", "--signing-key", "K"]])
+def test_operator_commands_refuse_a_sqlite_database_that_does_not_exist(tmp_path, command):
+    """A typo in --db created an empty database: `rounds status` answered {"round_id": null} with exit 0 and
+    `clients list` printed nothing, as if the server had no round and no client."""
+    typo = tmp_path / "fd.db"
+    result = CliRunner().invoke(app, [*command, "--db", f"sqlite:///{typo}"], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert (f"--db sqlite:///{typo}: no database at {typo}; `fedroute clients add` or `fedroute rounds open` "
+            "creates one") in flat(result.output)
+    assert not typo.exists()
+
+
+def test_clients_add_still_creates_the_database(tmp_path):
+    db = tmp_path / "fed.db"
+    assert CliRunner().invoke(app, ["clients", "add", "phone-1", "--db", f"sqlite:///{db}"]).exit_code == 0
+    listed = CliRunner().invoke(app, ["clients", "list", "--db", f"sqlite:///{db}"])
+    assert listed.exit_code == 0 and "phone-1" in listed.output
+
+
+@pytest.mark.parametrize("option", ["--n-parity", "--bundle-version"])
+def test_mor_export_refuses_counts_below_one_while_parsing(tmp_path, option):
+    """--n-parity -3 ended in pandas' 'A negative number of rows requested' traceback after the mixture and the
+    data were loaded; --bundle-version 0 was refused only after that."""
+    result = CliRunner().invoke(app, ["mor", "export", "--mixture", str(tmp_path), "--client", "c", "--out",
+                                      str(tmp_path / "b"), "--signing-key", str(tmp_path / "k"), option, "-3"],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and f"Invalid value for '{option}': -3 is not in the range x>=1" in flat(result.output)
+    assert not (tmp_path / "b").exists()
+
+
+def test_prism_train_refuses_more_experts_than_public_prompts_before_the_data(tmp_path):
+    """--n-experts 121 with --quick (120 public prompts) was refused by the router's K-means start only after
+    the data preparation (minutes on a busy CPU)."""
+    result = CliRunner().invoke(app, ["prism", "train", "--quick", "--n-experts", "121", "--out", str(tmp_path / "run"),
+                                      "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert ("--n-experts 121: the quick preset holds 120 public prompts and the router's K-means start needs at "
+            "least one per expert") in flat(result.output)
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_help_text_shows_sphinx_markup():
+    """`fedroute --help` listed serve as '... HTTP limits: :mod:`trainer.server.http_limits`.' (a docstring
+    role meant for the API docs). Every command's and option's help text is checked."""
+    found = []
+
+    def walk(command: click.Command, path: list[str]) -> None:
+        texts = [command.help or ""] + [getattr(param, "help", None) or "" for param in command.params]
+        found.extend(f"{' '.join(path)}: {text}" for text in texts
+                     if any(role in text for role in (":mod:", ":class:", ":func:", ":meth:", "``")))
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+
+    walk(get_command(app), [])
+    assert found == []
+
+
+@pytest.mark.parametrize("command", ["simulate", "ablate"])
+def test_simulate_refuses_the_same_file_as_train_and_test(routerbench_dir, tmp_path, command):
+    """--train F --test F trained and scored on the same queries and reported the inflated figures (exit 0)."""
+    same = routerbench_dir / "test.parquet"
+    result = CliRunner().invoke(app, [command, "--train", str(same), "--test", str(routerbench_dir / ".." / "routerbench" /
+                                                                               "test.parquet"),
+                                      "--out", str(tmp_path / "out"), "--seeds", "1", "--routers", "kmeans"],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert f"--train and --test are the same file ({same}); give a held-out test file" in flat(result.output)
+    assert not (tmp_path / "out").exists()
+
+
+def test_simulate_refuses_a_repeated_router_kind_before_the_data(tmp_path):
+    """--routers kmeans,kmeans trained K-means twice per seed and reported the second, drawn from another RNG
+    state, so the figures differed from --routers kmeans without a word."""
+    result = CliRunner().invoke(app, ["simulate", "--routers", "kmeans,kmeans", "--data", str(tmp_path / "absent"),
+                                      "--out", str(tmp_path / "out")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert "routers=('kmeans', 'kmeans'): give each kind once" in flat(result.output)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_selector_refuses_a_run_whose_test_prompts_are_not_in_the_data(tmp_path, monkeypatch, capsys, shared_data):
+    """splits.json naming no prompt of --data (a run trained on other data) ended in pandas' 'No objects to
+    concatenate' traceback."""
+    expert = tmp_path / "fedprism_seed0" / "expert_0"
+    (expert / "adapter").mkdir(parents=True)
+    (expert.parent / "splits.json").write_text('{"train": [], "test": ["not-a-prompt-id"]}')
+    code, err = console(monkeypatch, capsys, ["export", "--selector", str(expert), "--out", str(tmp_path / "bundle"),
+                                              "--signing-key", str(tmp_path / "signing.key"), "--data", str(shared_data)])
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: no preference pair of {shared_data} is a held-out prompt of "
+                          f"{expert.parent / 'splits.json'} for the parity check")
+    assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.parametrize("owner, command", [
+    ("prism train", ["mor", "eval", "--quick"]), ("prism train", ["simulate"]), ("mor eval", ["prism", "train", "--quick"]),
+])
+def test_a_command_refuses_the_results_folder_of_another(tmp_path, monkeypatch, capsys, owner, command):
+    """`fedroute mor eval --out RUN` on a `prism train` folder (or simulate, or the other way) replaced its
+    results.json and results.md without a word; refused now, before the data is read."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"command": owner, "methods": {}}))
+    code, err = console(monkeypatch, capsys, [*command, "--out", str(out), "--data", str(tmp_path / "absent")])
+    name = " ".join(c for c in command if not c.startswith("--"))
+    assert code == 2 and err == (f"error: --out {out} holds the results of `fedroute {owner}`; `fedroute {name}` would "
+                                 "replace them: give another folder\n")
+    assert json.loads((out / "results.json").read_text()) == {"command": owner, "methods": {}}
+
+
+def test_a_rerun_of_the_same_command_and_an_unmarked_results_file_are_allowed(tmp_path):
+    from trainer.results_owner import claim_results
+
+    (tmp_path / "results.json").write_text('{"command": "simulate"}')
+    claim_results(tmp_path, "simulate")
+    (tmp_path / "results.json").write_text('{"routers": {}}')  # written before the key existed
+    claim_results(tmp_path, "prism train")
+    claim_results(tmp_path / "absent", "prism train")

@@ -43,6 +43,7 @@ def run(small_tables, cache_dir, tmp_path_factory):
 def test_results_json_holds_the_documented_keys(run):
     out, _ = run
     results = json.loads((out / "results.json").read_text())
+    assert results["command"] == "simulate"  # trainer.results_owner: another command's --out refuses this folder
     for name in ("oracle", "zero", "random"):
         assert 0.0 <= results["references"][name]["auc"] <= 1.0
     for kind in ("mlp", "kmeans"):

@@ -3,6 +3,7 @@ sparse retrieval on real preference pairs with the real MiniLM selector; the Flo
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -341,3 +342,42 @@ def test_flower_simulation_aggregates_per_component_with_sparse_retrieval(monkey
     np.testing.assert_allclose(strategy.experts_[2]["w"], [2 + 2 * 6] * 2)
     # PGPD in round 2 only: router = (2 * (0 + 0) + 3 * (0 + 1)) / 5
     np.testing.assert_allclose(strategy.router_["b"], [3 / 5] * 3, rtol=1e-6)
+
+
+
+def test_a_rerun_into_the_same_out_replaces_the_saved_experts_whole(tmp_path: Path):
+    """`prism train --out DIR` again with fewer experts kept the earlier run's expert_5/ in fedprism_seed0/
+    (written in place), and a run killed after saving seed 0 left new experts beside the old results.json.
+    The seed-0 folders are staged in .<m>_seed0.partial/ and swapped in after the results. Short synthetic
+    pairs and random unit prompt embeddings keep it fast (the layout, not the accuracy, is under test)."""
+    import pandas as pd
+
+    from trainer.data.preferences import DOMAINS
+    from sdk.pair_encoding import PairEncodingConfig
+    from trainer.experts.experiment import DataPreset, PreparedData, run_experiment
+
+    out = tmp_path / "run"
+    (out / "fedprism_seed0" / "expert_5").mkdir(parents=True)  # an earlier M = 6 run
+    (out / ".fedprism_seed0.partial" / "expert_3").mkdir(parents=True)  # left by a killed run
+    n = 48  # two pairs per prompt; 36 train, 12 test
+    dom = [DOMAINS[(i // 2) % 3] for i in range(n)]
+    pairs = pd.DataFrame({"pair_id": [f"q{i}" for i in range(n)], "prompt_id": [f"p{i // 2}" for i in range(n)],
+                          "domain": dom, "subset": dom, "prompt": [f"question {i // 2}" for i in range(n)],
+                          "response_a": ["yes " * (1 + i % 5) for i in range(n)], "response_b": ["no"] * n,
+                          "label": [i % 2 for i in range(n)], "source_a": "a", "source_b": "b"})
+    model = PairSelector(SelectorConfig(encoding=PairEncodingConfig(prompt_tokens=4, response_tokens=6)), seed=0)
+    store = build_segment_store(model, list(pairs.prompt), list(pairs.response_a), list(pairs.response_b),
+                                list(pairs.label))
+    emb = np.random.default_rng(0).normal(size=(n + 6, 384)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    train, test = pairs.iloc[:36].reset_index(drop=True), pairs.iloc[36:].reset_index(drop=True)
+    splits = {"train": sorted(train.prompt_id.unique()), "public": [], "val": [], "test": sorted(test.prompt_id.unique())}
+    prep = PreparedData(train, pairs.iloc[:0], test, [f"public {i}" for i in range(6)], splits, store, emb[:n], emb[n:])
+    preset = DataPreset(n_train=36, n_val=0, n_test=12, n_public=6, n_clients=3)
+    base = FedPrismConfig(n_experts=2, rounds=1, warmup_rounds=0, router_every=1, clients_per_round=2,
+                          local_pairs=4, batch_size=4, init_epochs=1, router_epochs=1, eval_every=1)
+    run_experiment(prep, model, preset, base, [0], out, methods=("fedprism",), progress=False)
+    assert sorted(p.name for p in (out / "fedprism_seed0").glob("expert_*")) == ["expert_0", "expert_1"]
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+    assert (out / "fedprism_seed0" / "router.safetensors").is_file()
+    assert json.loads((out / "results.json").read_text())["command"] == "prism train"  # trainer.results_owner

@@ -409,6 +409,36 @@ def test_mixture_saves_and_loads_to_the_same_rewards(mixture, clients, encoder, 
         load_mixture(tmp_path)
 
 
+def test_a_save_killed_midway_leaves_the_earlier_mixture_whole(mixture, encoder, tmp_path, monkeypatch):
+    """`mor train --out DIR` killed while saving into DIR's earlier mixture: router/ was already overwritten in
+    place beside the old mixture.json, a mix that loaded without complaint. The parts are staged and swapped."""
+    import copy
+
+    import safetensors.torch
+
+    router, rms = mixture
+    save_mixture(RoutedReward(router, rms, encoder, "soft"), tmp_path / "mix")
+    files = sorted(p for p in (tmp_path / "mix").rglob("*") if p.is_file())
+    before = {p: p.read_bytes() for p in files}
+    other = copy.deepcopy(router)  # the new run's router: different weights
+    other.set_parameters({k: v + 1.0 for k, v in router.get_parameters().items()})
+
+    def killed(*args, **kwargs):  # the third-party writer of the reward models' weights
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(safetensors.torch, "save_file", killed)
+        with pytest.raises(KeyboardInterrupt):
+            save_mixture(RoutedReward(other, rms, encoder, "sparse"), tmp_path / "mix")
+    assert {p: p.read_bytes() for p in files} == before
+    assert sorted(p for p in (tmp_path / "mix").rglob("*") if p.is_file() and ".mixture.partial" not in str(p)) == files
+    save_mixture(RoutedReward(other, rms, encoder, "sparse"), tmp_path / "mix")  # the rerun completes
+    again = load_mixture(tmp_path / "mix", cache_dir=encoder.cache_dir)
+    assert again.mode == "sparse" and not (tmp_path / "mix" / ".mixture.partial").exists()
+    for name, value in other.get_parameters().items():
+        np.testing.assert_array_equal(again.router.get_parameters()[name], value)
+
+
 # ------------------------------------------------------------------ membership attack
 
 

@@ -21,6 +21,7 @@ def test_mor_eval_quick_writes_the_table_and_learns(shared_data, tmp_path):
     r = CliRunner().invoke(app, ["mor", "eval", "--quick", "--out", str(out), "--data", str(shared_data)])
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
+    assert res["command"] == "mor eval"  # trainer.results_owner
     assert (out / "results.md").read_text().startswith("Pairwise ranking accuracy")
     assert (out / "results.png").stat().st_size > 10_000
     m = res["methods"]

@@ -180,6 +180,10 @@ def test_export_refuses_unknown_clients_and_non_mlp_models(mor_mixture, exported
         export_reward_bundle(mixture, "helpful", tmp_path / "b", signing_keys[0], [], [],
                              exported=exported_embedder[0], progress=lambda _: None)
     assert not (tmp_path / "b").exists()
+    said = []  # `mor export --client nobody` exported the embedder to ONNX (a minute) before refusing the name
+    with pytest.raises(ExportError, match="unknown client 'nobody'; the mixture has"):
+        export_reward_bundle(mixture, "nobody", tmp_path / "b", signing_keys[0], prompts, responses, progress=said.append)
+    assert said == [] and not (tmp_path / "b").exists()
 
 
 # -- a LoRA-tuned encoder reward model (kind mor_lora): adapter merged into the exported encoder ----------------

@@ -18,6 +18,7 @@ from sdk.errors import InvalidInputError
 from sdk.finite_option import finite_option
 from export.selector_export import export_selector_bundle, parity_pairs_for
 from export.errors import ParityError
+from trainer.results_owner import claim_results
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
 
@@ -55,6 +56,8 @@ def _load_tables(data: Optional[Path], train: Optional[Path], test: Optional[Pat
     if train is not None or test is not None:
         if train is None or test is None:
             raise typer.BadParameter("--train and --test go together")
+        if train.resolve() == test.resolve():  # every test query would be a training query: inflated scores
+            raise typer.BadParameter(f"--train and --test are the same file ({train}); give a held-out test file")
         return load_eval_file(train), load_eval_file(test)
     if data is None:
         raise typer.BadParameter("give --data DIR (with train.parquet and test.parquet) or --train FILE --test FILE")
@@ -118,6 +121,7 @@ def simulate(
     from trainer.experiments import run_simulation  # trainer extra: `fedroute --help` works without it
 
     config = _config(n_clients, alpha, routers, device)
+    claim_results(out, "simulate")
     train_t, test_t = _load_tables(data, train, test)
     summary = run_simulation(
         train_t, test_t, out, config, range(seeds),

@@ -17,6 +17,7 @@ from trainer import metrics, report
 from trainer.data.routerbench import EvalTable
 from trainer.embeddings import EmbedderConfig, embed_texts
 from trainer.kinds import display_name
+from trainer.results_owner import OWNER_KEY
 from trainer.simulation import SimulationConfig, reference_reports, run_seed, summarise
 
 ABLATION_N = (5, 10, 20, 40)
@@ -131,6 +132,7 @@ def run_simulation(
         "models": list(train.models),
     }
     summary["seconds"] = round(time.time() - started, 1)
+    summary[OWNER_KEY] = "simulate"  # trainer.results_owner
     report.write_json(out / "results.json", summary)
     report.write_text(out / "results.md", report.markdown_table(summary))
     first = results[0]

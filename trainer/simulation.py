@@ -65,6 +65,8 @@ class SimulationConfig:
             raise InvalidInputError(f"no router kind given; valid: {list(valid)}")
         if unknown:
             raise InvalidInputError(f"unknown router kind(s) {sorted(unknown)}; valid: {list(valid)}")
+        if len(set(self.routers)) != len(self.routers):  # the second copy retrained on another RNG state, silently
+            raise InvalidInputError(f"routers={tuple(self.routers)}: give each kind once")
         self.mlp.participation = self.participation
         self.kmeans.participation = self.participation
 

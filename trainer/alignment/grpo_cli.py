@@ -11,6 +11,7 @@ import typer
 import numpy as np
 from sdk.errors import InvalidInputError
 from sdk.finite_option import finite_option
+from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
@@ -59,7 +60,7 @@ def grpo(
     ts_nu: Annotated[float, typer.Option("--ts-nu", callback=finite_option, help="Thompson sampling exploration scale nu")] = 1.0,
     device: Annotated[str, typer.Option(help="cpu (float32, 1 thread) or cuda (bfloat16)")] = "cpu",
     quick: Annotated[bool, typer.Option("--quick", help="20 steps, 64 prompts, 16 tokens (a few minutes on CPU)")] = False,
-    seed: int = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
     cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
 ) -> None:
     """GRPO (TRL) on the routed reward of a MoR mixture, with online routing by neural Thompson sampling."""
@@ -80,6 +81,13 @@ def grpo(
         raise typer.BadParameter(f"--ts-lambda / --ts-nu: {exc}") from exc
     if quick:
         steps, n_prompts, max_completion_length = 20, 64, 16
+    try:  # every setting checked before the mixture and the data are read and OUT/tiny_policy is written
+        config = RoutedGRPOConfig(model=str(out / "tiny_policy") if model is None else model, output_dir=out, beta=beta,
+                                  learning_rate=learning_rate, num_generations=num_generations,
+                                  prompts_per_step=prompts_per_step, max_completion_length=max_completion_length,
+                                  max_steps=steps, thompson=thompson, device=device, seed=seed)
+    except AlignmentConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     mix = load_mixture(mixture, cache_dir=cache_dir)
     if mix.mode == "soft":
         typer.echo("note: the mixture is saved with soft routing active; GRPO with online routing uses its sparse variant")
@@ -88,14 +96,8 @@ def grpo(
     prompts = public_prompts(data, n_prompts, seed)
     out.mkdir(parents=True, exist_ok=True)
     if model is None:
-
-        model = str(build_tiny_causal_lm(out / "tiny_policy", train_texts=prompts, vocab_size=512, seed=seed,
-                                         overwrite=True))
-        typer.echo(f"policy: a tiny random 2-layer Llama with a BPE tokenizer trained on the prompts -> {model}")
-    config = RoutedGRPOConfig(model=model, output_dir=out, beta=beta, learning_rate=learning_rate,
-                              num_generations=num_generations, prompts_per_step=prompts_per_step,
-                              max_completion_length=max_completion_length, max_steps=steps, thompson=thompson,
-                              device=device, seed=seed)
+        build_tiny_causal_lm(out / "tiny_policy", train_texts=prompts, vocab_size=512, seed=seed, overwrite=True)
+        typer.echo(f"policy: a tiny random 2-layer Llama with a BPE tokenizer trained on the prompts -> {config.model}")
     config.save(out / "grpo_config.json")
     if online == "compare":
         summary = compare_online(config, lambda t: from_mixture(mix, t), prompts, progress=None)

@@ -14,9 +14,10 @@ import typer
 from sdk.errors import InvalidInputError
 from sdk.finite_option import finite_option
 import numpy as np
-from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig
+from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig, validate_preference_rows
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
+from trainer.results_owner import claim_results
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="FedPrism: federated preference experts with instance-wise routing (paper 000).")
@@ -48,6 +49,7 @@ def train(
     from trainer.experts.selector import PairSelector  # trainer.experts.selector imports torch: on use only
 
     _check_out(out)
+    claim_results(out, "prism train")
     name = "quick" if quick else preset
     if name not in PRESETS:
         raise typer.BadParameter(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -59,11 +61,16 @@ def train(
         except InvalidInputError as exc:
             raise typer.BadParameter(str(exc)) from exc
     if n_experts is not None:
+        if n_experts > data_preset.n_public:  # else refused by the router's K-means start after the data preparation
+            raise typer.BadParameter(f"--n-experts {n_experts}: the {name} preset holds {data_preset.n_public} public prompts "
+                                     "and the router's K-means start needs at least one per expert")
         base = replace(base, n_experts=n_experts)
     chosen = ALL_METHODS if methods == "all" else tuple(m.strip() for m in methods.split(",") if m.strip())
     unknown = [m for m in chosen if m not in ALL_METHODS]
     if unknown:
         raise typer.BadParameter(f"--methods: unknown {unknown}; valid: {', '.join(ALL_METHODS)}")
+    if not chosen or len(set(chosen)) != len(chosen):
+        raise typer.BadParameter(f"--methods {methods!r}: give each method once, at least one; valid: {', '.join(ALL_METHODS)}")
     model = PairSelector(base.selector)
     prep = prepare_data(data, data_preset, model, cache_dir=cache_dir)
     result = run_experiment(prep, model, data_preset, base, range(seeds), out, methods=chosen)
@@ -92,6 +99,24 @@ def label(
     typer.echo(f"synthetic preference set: {result['synthetic_set']['jsonl']} ({result['synthetic_set']['n_rows']} rows)")
 
 
+def _dpo_config(policy: str, *, gpu: bool, tiny: bool, steps: Optional[int], beta: float, lr: Optional[float],
+                batch_size: Optional[int], max_length: Optional[int], seed: int) -> DPORunConfig:
+    """The run's :class:`DPORunConfig`: the CPU defaults or ``DPORunConfig.gpu_preset``, with every option the
+    user gave taking precedence (``--lr 0`` is refused by the config, not replaced by a default).
+
+    Raises
+    ------
+    AlignmentConfigError
+        A setting out of range (e.g. ``learning_rate <= 0``).
+    """
+    given = {k: v for k, v in (("max_steps", steps), ("learning_rate", lr), ("batch_size", batch_size),
+                               ("max_length", max_length)) if v is not None}
+    if gpu:
+        return DPORunConfig.gpu_preset(policy, beta=beta, seed=seed, **given)
+    defaults = {"max_steps": 120, "learning_rate": 1e-3 if tiny else 1e-5, "batch_size": 8, "max_length": 256}
+    return DPORunConfig(model=policy, beta=beta, seed=seed, **{**defaults, **given})
+
+
 @app.command()
 def dpo(
     prefs: Annotated[Path, typer.Option(help="synthetic_preferences.jsonl or .parquet written by `prism label`")],
@@ -99,14 +124,14 @@ def dpo(
     policy: Annotated[Optional[str], typer.Option(help="causal LM path or hub id (e.g. Qwen/Qwen2-0.5B-Instruct)")] = None,
     tiny: Annotated[bool, typer.Option("--tiny", help="build a tiny random-weight policy (2 layers, BPE trained on the set) instead of --policy: a CPU smoke run")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="--tiny with 40 steps")] = False,
-    steps: Annotated[int, typer.Option(min=1, help="optimiser steps")] = 120,
+    steps: Annotated[Optional[int], typer.Option(min=1, help="optimiser steps (default 120; 300 with --gpu; at most 40 with --quick)")] = None,
     beta: Annotated[float, typer.Option(callback=finite_option, help="DPO beta")] = 0.1,
     lr: Annotated[Optional[float], typer.Option(callback=finite_option, help="learning rate (default 1e-5; 5e-7 with --gpu; 1e-3 with --tiny)")] = None,
-    batch_size: Annotated[int, typer.Option(min=1)] = 8,
-    max_length: Annotated[int, typer.Option(min=16, help="tokens per prompt + response")] = 256,
+    batch_size: Annotated[Optional[int], typer.Option(min=1, help="pairs per batch (default 8; 8 x 4 accumulation with --gpu)")] = None,
+    max_length: Annotated[Optional[int], typer.Option(min=16, help="tokens per prompt + response (default 256; 1024 with --gpu)")] = None,
     heldout_fraction: Annotated[float, typer.Option(callback=finite_option, help="share of prompts held out for the implicit-reward accuracy")] = 0.2,
     gpu: Annotated[bool, typer.Option("--gpu", help="the GPU preset: cuda, bf16, gradient checkpointing (DPORunConfig.gpu_preset)")] = False,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
 ) -> None:
     """Phase III step 2: DPO (TRL) of a policy on the synthetic set; held-out accuracy against the judge."""
     import pandas as pd  # pandas: optional heavy dependency, imported on use
@@ -114,7 +139,7 @@ def dpo(
 
     tiny = tiny or quick
     if quick:
-        steps = min(steps, 40)
+        steps = min(steps or 40, 40)
     if (policy is None) == (not tiny):
         raise typer.BadParameter("give exactly one of --policy PATH_OR_ID and --tiny/--quick")
     if not 0.0 <= heldout_fraction < 1.0:  # NaN and inf: refused by finite_option while parsing
@@ -131,24 +156,30 @@ def dpo(
     prompts = np.array(sorted(rows.prompt_id.unique()))
     held = set(np.random.default_rng(seed).permutation(prompts)[: max(1, int(round(heldout_fraction * len(prompts))))])
     train_df, held_df = rows[~rows.prompt_id.isin(held)], rows[rows.prompt_id.isin(held)]
+    if train_df.empty:
+        raise typer.BadParameter(f"--prefs {prefs} holds {len(prompts)} prompt(s) and all are held out "
+                                 f"(--heldout-fraction {heldout_fraction}): no pair is left to train on")
     train_rows = train_df[["prompt", "chosen", "rejected"]].to_dict("records")
     # held-out pairs are oriented by the judge: the accuracy says whether the policy learned the judge's
     # preference through the experts' labels
     agrees = held_df["judge_agrees"].to_numpy(bool) if "judge_agrees" in held_df else np.ones(len(held_df), bool)
     held_rows = [{"prompt": r.prompt, "chosen": r.chosen if a else r.rejected, "rejected": r.rejected if a else r.chosen}
                  for r, a in zip(held_df.itertuples(), agrees)]
+    if tiny:
+        policy = str(out / "tiny_policy")
+    try:  # every row and setting is checked before anything is written to --out
+        train_rows = validate_preference_rows(train_rows, what="train rows")
+        held_rows = validate_preference_rows(held_rows, what="held-out rows")
+        args = _dpo_config(policy, gpu=gpu, tiny=tiny, steps=steps, beta=beta, lr=lr, batch_size=batch_size,
+                           max_length=max_length, seed=seed)
+    except AlignmentConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     out.mkdir(parents=True, exist_ok=True)
     if tiny:
         texts = [t for r in train_rows for t in (r["prompt"], r["chosen"], r["rejected"])]
-        policy = str(build_tiny_causal_lm(out / "tiny_policy", train_texts=texts, vocab_size=2000, overwrite=True,
-                                          seed=seed, max_positions=max(512, max_length)))
+        build_tiny_causal_lm(out / "tiny_policy", train_texts=texts, vocab_size=2000, overwrite=True,
+                             seed=seed, max_positions=max(512, args.max_length))
     try:
-        if gpu:
-            args = DPORunConfig.gpu_preset(policy, max_steps=steps, beta=beta, seed=seed,
-                                           **({"learning_rate": lr} if lr else {}))
-        else:
-            args = DPORunConfig(model=policy, max_steps=steps, beta=beta, batch_size=batch_size, max_length=max_length,
-                                learning_rate=lr or (1e-3 if tiny else 1e-5), seed=seed)
         result = DPOAlignmentTrainer(args).train(train_rows, held_rows, out)
     except AlignmentConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc

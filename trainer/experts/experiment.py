@@ -38,6 +38,8 @@ Output folder (``fedroute prism train --out DIR``)
                                     length_skip.weight (float32)
         splits.json                 prompt_ids of the train / public / val / test parts
 - ``fedbis_seed0/``: the same layout for FedBis (one expert, ``expert_0``; its router file is unused).
+- Both are written to ``.<method>_seed0.partial/`` during the run and replace the old folders after
+  ``results.json``: an interrupted run leaves the earlier run's folder and results as they were.
 
   Load with ``PairSelector(load_selector_config(...))`` then ``load_expert(folder / "expert_<k>")``.
 """
@@ -45,6 +47,7 @@ Output folder (``fedroute prism train --out DIR``)
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -59,6 +62,7 @@ from trainer.length_baseline import LengthBaseline
 from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
 from trainer.embeddings import EmbedderConfig, default_cache_dir, embed_texts
 from trainer.report import save_figure, write_json, write_text
+from trainer.results_owner import OWNER_KEY
 
 # the length-only baselines of issue 10 (logistic regression on length features): per domain (the domain label
 # is read at prediction time) and one global model
@@ -217,10 +221,12 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                     dense.append(float(cfg.clients_per_round * (cfg.n_experts * one + router)))
                     length_up.append(float(trainer.length_init_upload_bytes_))
                 if m in ("fedprism", "fedbis") and seed == seeds[0] and out is not None:
-                    # Phase III (trainer.experts.phase3) compares FedPrism's routed experts with FedBis's selector
-                    trainer.save(out / f"{m}_seed0")
-
-                    write_text(out / f"{m}_seed0" / "splits.json", json.dumps(prep.splits))
+                    # Phase III (trainer.experts.phase3) compares FedPrism's routed experts with FedBis's selector;
+                    # staged beside the folder and swapped in with the results (_publish_saved)
+                    staged = _staging(out, m)
+                    shutil.rmtree(staged, ignore_errors=True)
+                    trainer.save(staged)
+                    write_text(staged / "splits.json", json.dumps(prep.splits))
             for k, v in res.items():
                 acc[m].setdefault(k, []).append(float(v))
     result = {
@@ -235,6 +241,7 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                  "train_domains": prep.train.domain.value_counts().to_dict(),
                  "test_domains": prep.test.domain.value_counts().to_dict()},
         "seconds": round(time.time() - start, 1),
+        OWNER_KEY: "prism train",  # trainer.results_owner
     }
     if "fedprism" in methods:
         result["utilisation"] = {"max_share": float(np.mean(util["max_share"])), "max_share_per_seed": util["max_share"],
@@ -245,7 +252,24 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                            "per_method": {m: float(np.mean(v)) for m, v in bytes_per_round.items() if v}}
     if out is not None:
         write_results(out, result, history)
+        for m in ("fedprism", "fedbis"):
+            if m in methods:
+                _publish_saved(out, m)
     return result
+
+
+def _staging(out: Path, method: str) -> Path:
+    """Where ``<method>_seed0/`` is written during the run (hidden; a run killed midway leaves it, not a
+    half-written ``<method>_seed0/`` beside an earlier run's results)."""
+    return out / f".{method}_seed0.partial"
+
+
+def _publish_saved(out: Path, method: str) -> None:
+    """Replace ``<method>_seed0/`` by the complete staged folder: no file of an earlier run (e.g. its
+    ``expert_5/`` when this run has fewer experts) survives next to these results."""
+    final = out / f"{method}_seed0"
+    shutil.rmtree(final, ignore_errors=True)
+    _staging(out, method).rename(final)
 
 
 def markdown(result: dict) -> str:

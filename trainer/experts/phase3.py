@@ -229,7 +229,7 @@ def load_saved_method(folder: str | os.PathLike[str]):
     Raises
     ------
     InvalidInputError
-        A missing file of the layout (the message names it).
+        A missing, unreadable or corrupt file of the layout (the message names it).
     """
     from safetensors.numpy import load_file  # safetensors: optional heavy dependency, imported on use
 
@@ -241,16 +241,38 @@ def load_saved_method(folder: str | os.PathLike[str]):
         if not (folder / name).exists():
             raise InvalidInputError(f"{folder} lacks {name}: give a fedprism_seed0/ or fedbis_seed0/ folder "
                                     "written by `fedroute prism train`")
-    config = json.loads((folder / "fedprism_config.json").read_text())
-    splits = json.loads((folder / "splits.json").read_text())
+    config = _layout_json(folder / "fedprism_config.json")
+    splits = _layout_json(folder / "splits.json")
+    n_experts = config.get("n_experts")
+    if type(n_experts) is not int or n_experts < 1:
+        raise InvalidInputError(f"{folder / 'fedprism_config.json'}: n_experts should be an int >= 1, got {n_experts!r}; "
+                                "rerun `fedroute prism train`")
+    lacking = [k for k in ("train", "test") if not isinstance(splits.get(k), list)]
+    if lacking:
+        raise InvalidInputError(f"{folder / 'splits.json'}: no list of prompt ids under {lacking}; rerun `fedroute prism train`")
     model = PairSelector(load_selector_config(folder / "selector_config.json"))
-    experts = [model.load_expert(folder / f"expert_{k}") for k in range(int(config["n_experts"]))]
-    router = None
-    if len(experts) > 1:
-        state = load_file(str(folder / "router.safetensors"))
-        router = PromptRouter(state["net.0.weight"].shape[1], len(experts), hidden=state["net.0.weight"].shape[0])
-        router.load_state(state)
+    try:
+        experts = [model.load_expert(folder / f"expert_{k}") for k in range(n_experts)]
+        router = None
+        if len(experts) > 1:
+            state = load_file(str(folder / "router.safetensors"))
+            router = PromptRouter(state["net.0.weight"].shape[1], len(experts), hidden=state["net.0.weight"].shape[0])
+            router.load_state(state)
+    except Exception as exc:  # noqa: BLE001 - missing files, safetensors/peft/shape errors: one clear message
+        raise InvalidInputError(f"{folder}: cannot load its {n_experts} experts and router ({type(exc).__name__}: {exc}); "
+                                "an interrupted `fedroute prism train`? rerun it") from exc
     return model, experts, router, config, splits
+
+
+def _layout_json(path: Path) -> dict:
+    """A JSON object file of a saved run; InvalidInputError naming the file when unreadable or not an object."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidInputError(f"{path}: unreadable ({type(exc).__name__}: {exc}); rerun `fedroute prism train`") from exc
+    if not isinstance(obj, dict):
+        raise InvalidInputError(f"{path}: expected a JSON object, got {type(obj).__name__}; rerun `fedroute prism train`")
+    return obj
 
 
 def routed_proba(model, experts, router, store, prompt_emb: np.ndarray | None,

@@ -448,7 +448,20 @@ def save_selector_config(config: SelectorConfig, path: Path) -> None:
 
 
 def load_selector_config(path: Path) -> SelectorConfig:
-    """Inverse of :func:`save_selector_config`."""
-    d = json.loads(Path(path).read_text())
-    d["encoding"] = PairEncodingConfig(**d["encoding"])
-    return SelectorConfig(**d)
+    """Inverse of :func:`save_selector_config`.
+
+    Raises
+    ------
+    InvalidInputError
+        The file is unreadable, not JSON or not a selector config (the message names the file).
+    """
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+        d["encoding"] = PairEncodingConfig(**d["encoding"])
+        return SelectorConfig(**d)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{path}: {exc}") from exc
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON/Unicode errors are ValueErrors; a wrong layout KeyError/TypeError
+        raise InvalidInputError(f"{path}: not a selector config written by `fedroute prism train` "
+                                f"({type(exc).__name__}: {exc})") from exc

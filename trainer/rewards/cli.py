@@ -17,6 +17,7 @@ import typer
 from dataclasses import replace
 from sdk.finite_option import finite_option
 from trainer.report import write_json
+from trainer.results_owner import OWNER_KEY, claim_results
 from trainer.rewards.mor_report import write_eval
 from trainer.rewards.mor_report import write_audit
 
@@ -90,6 +91,7 @@ def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     _check_out(out)
+    claim_results(out, "mor eval")
     _setup(threads)
     cfg = _config(quick, data, seeds, cache)
     trainer = MoRTrainer(cfg)
@@ -101,6 +103,7 @@ def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     res = run_evaluation(trainer, progress)
     res["config"] = cfg.to_json()
     res["quick"] = quick
+    res[OWNER_KEY] = "mor eval"
     write_eval(res, out)
     typer.echo((out / "results.md").read_text())
 

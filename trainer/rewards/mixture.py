@@ -28,6 +28,9 @@ Saved layout (:func:`save_mixture` / :func:`load_mixture`)::
     DIR/router/        ClientRouter.save layout (router.json, router.safetensors)
     DIR/clients/<name>/ reward model layout of trainer.rewards.reward_models (reward_model.json + weights)
 
+``router/`` and ``clients/`` are written to ``DIR/.mixture.partial/`` first and swapped in, ``mixture.json``
+last: a save killed midway leaves the earlier mixture whole, or (within the swap) no ``mixture.json``.
+
 Files without ``variants`` (older saves) load with ``temperature`` / ``route_by`` for both modes. Variants without
 ``fallback`` (saved before it existed) load with ``fallback = 0``; without ``fallback_top`` / ``probabilities`` with 0 /
 ``"softmax"``.
@@ -40,6 +43,7 @@ The router reads ``PairEncoder(EmbedderConfig(**embedder)).encode(prompts, respo
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -156,16 +160,23 @@ class RoutedReward:
 
 
 def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | None = None) -> Path:
-    """Write the module docstring's layout into ``directory`` (created; files replaced atomically).
+    """Write the module docstring's layout into ``directory`` (created; parts staged and swapped in, module docstring).
     ``selection`` (JSON-serialisable) records how the variants were chosen (``mixture.json["selection"]``)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     names = mixture.client_names
     if len(set(names)) != len(names) or any("/" in n or n in ("", ".", "..") for n in names):
         raise InvalidInputError(f"client names must be distinct folder names, got {names}")
-    mixture.router.save(directory / "router")
+    staged = directory / ".mixture.partial"  # the module docstring's swap
+    shutil.rmtree(staged, ignore_errors=True)
+    mixture.router.save(staged / "router")
     for name, rm in zip(names, mixture.reward_models):
-        rm.save(directory / "clients" / name)
+        rm.save(staged / "clients" / name)
+    (directory / "mixture.json").unlink(missing_ok=True)
+    for part in ("router", "clients"):
+        shutil.rmtree(directory / part, ignore_errors=True)
+        (staged / part).rename(directory / part)
+    staged.rmdir()
     meta = {"format_version": FORMAT_VERSION, "mode": mixture.mode, "normalise": mixture.normalise,
             "temperature": mixture.temperature, "route_by": mixture.route_by,
             "variants": {m: r.to_dict() for m, r in mixture.variants.items()},
@@ -182,21 +193,31 @@ def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | No
 
 def load_mixture(directory: Path, cache_dir: Path | None = None, mode: str | None = None) -> RoutedReward:
     """Load a saved mixture. ``mode`` overrides the saved active mode and takes that mode's saved variant
-    (e.g. the soft temperature chosen on validation). Raises InvalidInputError on a missing ``mixture.json``,
-    a format version other than 1 or a bad variant."""
+    (e.g. the soft temperature chosen on validation). Raises InvalidInputError on a missing, unreadable or
+    incomplete ``mixture.json``, a format version other than 1 or a bad variant."""
     directory = Path(directory)
     path = directory / "mixture.json"
     if not path.is_file():
         raise InvalidInputError(f"no mixture.json in {str(directory)!r}")
-    meta = json.loads(path.read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise InvalidInputError(f"{path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-    encoder = PairEncoder(EmbedderConfig(**meta["embedder"]), cache_dir, length_features=meta["length_features"])
-    router = ClientRouter.load(directory / meta["router"])
-    rms = [load_reward_model(directory / meta["clients"][n], cache_dir) for n in meta["client_names"]]
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidInputError(f"{path}: unreadable ({type(exc).__name__}: {exc}); rerun `fedroute mor train`") from exc
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise InvalidInputError(f"{path}: format_version {version!r}, expected {FORMAT_VERSION}")
+    try:
+        encoder = PairEncoder(EmbedderConfig(**meta["embedder"]), cache_dir, length_features=meta["length_features"])
+        router_dir = directory / meta["router"]
+        client_dirs = [directory / meta["clients"][n] for n in meta["client_names"]]
+        variants = {m: RoutingRule(**v) for m, v in meta.get("variants", {}).items()}
+        rule = (mode or meta["mode"], meta["normalise"], meta.get("temperature", 1.0), meta.get("route_by", "response"))
+    except (KeyError, TypeError, AttributeError) as exc:  # a missing key or a value of the wrong type
+        raise InvalidInputError(f"{path}: not a mixture written by `fedroute mor train` "
+                                f"({type(exc).__name__}: {exc}); rerun it") from exc
+    router = ClientRouter.load(router_dir)
+    rms = [load_reward_model(d, cache_dir) for d in client_dirs]
     for rm in rms:
         if isinstance(rm, MLPRewardModel):
             rm.encoder = PairEncoder(rm.encoder.embedder, cache_dir, length_features=rm.encoder.length_features)
-    variants = {m: RoutingRule(**v) for m, v in meta.get("variants", {}).items()}
-    return RoutedReward(router, rms, encoder, mode or meta["mode"], meta["normalise"], meta.get("temperature", 1.0),
-                        meta.get("route_by", "response"), variants)
+    return RoutedReward(router, rms, encoder, *rule, variants)

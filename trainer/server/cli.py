@@ -26,9 +26,23 @@ clients_app = typer.Typer(no_args_is_help=True, help="create, list and revoke de
 rounds_app = typer.Typer(no_args_is_help=True, help="open, close and inspect federated rounds")
 
 
-def _store(db: str):
+def _store(db: str, *, existing: bool = False):
+    """The :class:`~trainer.server.store.Store` at ``db``. ``existing`` (commands that read or change what is
+    there) refuses a SQLite file that does not exist: a typo in --db created an empty database and
+    ``rounds status`` answered ``{"round_id": null}``."""
+    from sqlalchemy.engine import make_url  # server extra (sqlalchemy): `fedroute --help` works without it
+
     from trainer.server.store import Store  # server extra (sqlalchemy): `fedroute --help` works without it
 
+    if existing:
+        try:
+            url = make_url(db)
+        except Exception:  # noqa: BLE001 - Store(db) below names the bad URL
+            url = None
+        if (url is not None and url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:")
+                and not Path(url.database).exists()):
+            raise typer.BadParameter(f"--db {db}: no database at {url.database}; `fedroute clients add` or "
+                                     "`fedroute rounds open` creates one")
     try:
         return Store(db)
     except Exception as exc:
@@ -60,7 +74,8 @@ def serve(
     publisher: Publisher | None = None,
 ) -> None:
     """Run the aggregation server over HTTPS (uvicorn with httptools, one process: SQLite has one writer).
-    HTTP limits: :mod:`trainer.server.http_limits`."""
+
+    HTTP limits (the options below): docs/sync-protocol-and-operations.md, trainer/server/http_limits.py."""
     import uvicorn  # server extra, imported on use
 
     from trainer.server.app import create_app  # server extra (fastapi)
@@ -103,7 +118,7 @@ def clients_add(client_id: Annotated[str, typer.Argument(help="client id, 1-64 o
 @clients_app.command("list")
 def clients_list(db: DbOpt = "sqlite:///fed.db") -> None:
     """List clients as JSON lines (id, created time, revoked)."""
-    for c in _store(db).list_clients():
+    for c in _store(db, existing=True).list_clients():
         typer.echo(json.dumps(c))
 
 
@@ -111,7 +126,7 @@ def clients_list(db: DbOpt = "sqlite:///fed.db") -> None:
 def clients_rotate(client_id: str, db: DbOpt = "sqlite:///fed.db") -> None:
     """Give a client a new token (printed once on stdout); the old one stops working, and a revoked
     client becomes active again with the new one."""
-    token = _store(db).rotate_token(client_id)
+    token = _store(db, existing=True).rotate_token(client_id)
     if token is None:
         raise typer.BadParameter(f"no client {client_id!r}")
     typer.echo(f"client {client_id}: new token (shown once):", err=True)
@@ -121,7 +136,7 @@ def clients_rotate(client_id: str, db: DbOpt = "sqlite:///fed.db") -> None:
 @clients_app.command("revoke")
 def clients_revoke(client_id: str, db: DbOpt = "sqlite:///fed.db") -> None:
     """Revoke a client's token (its accepted updates stay)."""
-    if not _store(db).revoke_client(client_id):
+    if not _store(db, existing=True).revoke_client(client_id):
         raise typer.BadParameter(f"no client {client_id!r}")
     typer.echo(f"client {client_id} revoked")
 
@@ -191,7 +206,7 @@ def rounds_close(db: DbOpt = "sqlite:///fed.db",
     """Close a round now: aggregate and publish (as at its deadline)."""
     from trainer.server.rounds import close_round  # server extra (sqlalchemy)
 
-    store = _store(db)
+    store = _store(db, existing=True)
     if round_id is None:
         current = store.current_round() or store.latest_round()
         if current is None or current.status == "closed":
@@ -206,7 +221,7 @@ def rounds_close(db: DbOpt = "sqlite:///fed.db",
 @rounds_app.command("status")
 def rounds_status(db: DbOpt = "sqlite:///fed.db") -> None:
     """The latest round as JSON (id, status, deadline, quorum, updates in it, outcome)."""
-    store = _store(db)
+    store = _store(db, existing=True)
     r = store.latest_round()
     if r is None:
         typer.echo(json.dumps({"round_id": None}))
@@ -230,7 +245,7 @@ def publish(
 
     if publisher is None:
         raise typer.BadParameter("this command was started without a publisher (use `fedroute`)")
-    store = _store(db)
+    store = _store(db, existing=True)
     r = store.get_round(round_id)
     agg = store.aggregate_of(round_id)
     if r is None or agg is None:
