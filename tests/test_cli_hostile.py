@@ -334,6 +334,21 @@ def test_clients_add_still_creates_the_database(tmp_path):
     assert listed.exit_code == 0 and "phone-1" in listed.output
 
 
+def test_rounds_open_checks_its_paths_before_creating_the_database(tmp_path):
+    """A mistyped --bundle-dir or key path was refused only after `rounds open` had created an empty
+    database at --db (then `rounds status` found "no round" there instead of "no database")."""
+    db, key = tmp_path / "fed.db", tmp_path / "signing.pub"
+    key.write_bytes(b"x")
+    cases = [(["--bundle-dir", str(tmp_path / "absent"), "--public-key", str(key)], "--bundle-dir"),
+             (["--bundle-dir", str(tmp_path), "--public-key", str(tmp_path / "absent.pub")], "--public-key")]
+    for args, named in cases:
+        result = CliRunner().invoke(app, ["rounds", "open", *args, "--db", f"sqlite:///{db}"], env={"COLUMNS": "500"})
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+        assert named in flat(result.output) and ("no bundle folder there" in flat(result.output)
+                                                 or "no key file there" in flat(result.output))
+        assert not db.exists()
+
+
 @pytest.mark.parametrize("option", ["--n-parity", "--bundle-version"])
 def test_mor_export_refuses_counts_below_one_while_parsing(tmp_path, option):
     """--n-parity -3 ended in pandas' 'A negative number of rows requested' traceback after the mixture and the

@@ -183,6 +183,12 @@ def rounds_open(
         raise typer.BadParameter("give exactly one of --signing-key (publish at close) or --public-key (no publishing)")
     if signing_key is not None and publisher is None:
         raise typer.BadParameter("--signing-key: this command was started without a publisher (use `fedroute`)")
+    # Checked before the database is opened: a mistyped path would otherwise leave a new, empty database.
+    if not bundle_dir.is_dir():
+        raise typer.BadParameter(f"--bundle-dir {bundle_dir}: no bundle folder there")
+    for option, path in (("--signing-key", signing_key), ("--public-key", public_key)):
+        if path is not None and not path.is_file():
+            raise typer.BadParameter(f"{option} {path}: no key file there")
     key = publisher.public_key(signing_key) if signing_key is not None else public_key
     request = OpenRequest(
         bundle_dir=bundle_dir, public_key=key, deadline_s=deadline_s, quorum=quorum, min_count=min_count,
