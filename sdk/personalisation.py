@@ -53,10 +53,11 @@ def interpolation_weights(global_error: np.ndarray, local_error: np.ndarray) -> 
         raise ShapeError(f"errors must be 1-D of one shape, got {eg.shape} and {el.shape}")
     if np.isinf(eg).any() or np.isinf(el).any() or (eg < 0).any() or (el < 0).any():
         raise ShapeError("errors must be finite (or NaN) and >= 0")
-    total = eg + el
+    scale = np.maximum(eg, el)  # both divided by the larger first: eg + el cannot overflow (1e308 + 1e308)
     with np.errstate(invalid="ignore", divide="ignore"):
-        w = np.where(total > 0, eg / total, 0.5)
-    return np.where(np.isnan(total), 0.0, w)
+        g, loc = eg / scale, el / scale
+        w = np.where(scale > 0, g / (g + loc), 0.5)
+    return np.where(np.isnan(eg) | np.isnan(el), 0.0, w)
 
 
 def personalise(global_pred: np.ndarray, local_pred: np.ndarray, weights: np.ndarray) -> np.ndarray:

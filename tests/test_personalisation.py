@@ -13,6 +13,12 @@ def test_weights_hand_computed():
     np.testing.assert_allclose(w, [0.75, 0.25, 0.5, 0.5, 0.0])
 
 
+def test_weights_of_errors_whose_sum_overflows():
+    # 1e308 + 1e308 is inf in float64: the weight was 1e308 / inf = 0 instead of 0.5
+    w = interpolation_weights(np.array([1e308, 1.5e308, 5e-324]), np.array([1e308, 0.5e308, 5e-324]))
+    np.testing.assert_allclose(w, [0.5, 0.75, 0.5])
+
+
 def test_personalised_prediction_hand_computed():
     g = np.array([[0.8, 0.2, 0.5]])
     loc = np.array([[0.4, 0.6, np.nan]])
