@@ -5,7 +5,8 @@
 permissions from the start), fsyncs it, renames it over the target with ``os.replace`` (atomic on
 POSIX and Windows) and fsyncs the folder, so the rename survives a power loss. Files that a library
 writes itself (a quantised ONNX graph) are written to :func:`temporary_path` and committed with
-:func:`commit_file`. Used by the SDK (sync state, bundles), the trainer (routers, reports, figures)
+:func:`commit_file`; folders that a library writes (a saved model) are written beside their target and
+swapped in whole with :func:`replace_dir`. Used by the SDK (sync state, bundles), the trainer (routers, reports, figures)
 and the exporter (keys, bundles).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 from pathlib import Path
 
 
@@ -87,3 +89,37 @@ def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
             os.unlink(tmp)
         raise
     commit_file(tmp, path)
+
+
+def replace_dir(staged: Path, final: Path) -> None:
+    """Replace the folder ``final`` with the complete folder ``staged`` (same parent folder): readers see
+    the old folder, no folder (between two renames), or the new one, never old and new files mixed, and
+    no file of the old folder survives. The old folder is renamed away, ``staged`` renamed to ``final``,
+    the parent fsynced, then the old folder deleted.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``staged`` does not exist (``final`` is left as it was).
+    OSError
+        A rename failed (``final`` is restored when it can be).
+    """
+    staged, final = Path(staged), Path(final)
+    if not staged.is_dir():
+        raise FileNotFoundError(f"no staged folder at {staged}")
+    old = None
+    if final.exists() or final.is_symlink():
+        old = temporary_path(final)
+        os.replace(final, old)
+    try:
+        os.replace(staged, final)
+    except BaseException:
+        if old is not None:
+            os.replace(old, final)
+        raise
+    fsync_dir(final.parent)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from sdk.atomic_write import commit_file, temporary_path, write_atomic
+from sdk.atomic_write import commit_file, replace_dir, temporary_path, write_atomic
 
 
 def test_write_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):
@@ -38,3 +38,23 @@ def test_commit_file_moves_a_library_written_file_into_place(tmp_path):
     tmp.write_bytes(b"graph")
     commit_file(tmp, target)
     assert target.read_bytes() == b"graph" and not tmp.exists()
+
+
+def test_replace_dir_swaps_a_folder_in_whole(tmp_path):
+    final, staged = tmp_path / "model", tmp_path / ".model.partial"
+    final.mkdir()
+    (final / "weights.bin").write_bytes(b"old")
+    (final / "shard-2.bin").write_bytes(b"old shard")  # the new model has no second shard
+    staged.mkdir()
+    (staged / "weights.bin").write_bytes(b"new")
+    (staged / "config.json").write_text("{}")
+    replace_dir(staged, final)
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "weights.bin"]
+    assert (final / "weights.bin").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staged or renamed-away folder left
+    # no folder there yet: the staged one is renamed; no staged folder: an error, the target untouched
+    replace_dir(final, tmp_path / "fresh")
+    assert (tmp_path / "fresh" / "weights.bin").read_bytes() == b"new"
+    with pytest.raises(FileNotFoundError, match="no staged folder"):
+        replace_dir(tmp_path / "absent", tmp_path / "fresh")
+    assert (tmp_path / "fresh" / "weights.bin").read_bytes() == b"new"

@@ -21,8 +21,9 @@ defaults it on), one torch thread (much faster for small models on a busy machin
 learning rate 5e-7 with batch 8 x 4 accumulation; multi-GPU through ``accelerate launch`` of
 ``fedroute prism dpo`` (TRL's trainer is accelerate-native).
 
-Outputs in ``out_dir``: ``model/`` (``save_pretrained`` of policy + tokenizer), ``dpo_results.json``
-(settings, loss per step, held-out accuracies before/after), ``dpo_loss.png``.
+Outputs in ``out_dir``: ``model/`` (``save_pretrained`` of policy + tokenizer; written to ``.model.partial/``
+and swapped in whole, :func:`sdk.atomic_write.replace_dir`), ``dpo_results.json`` (settings, loss per step,
+held-out accuracies before/after; written after ``model/``), ``dpo_loss.png``.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from sdk.atomic_write import replace_dir
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import load_policy
 from trainer.config_fields import check_bool, check_int, check_real
@@ -376,9 +379,14 @@ class DPOAlignmentTrainer:
             losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
             policy = trainer.model
             after = self._score(policy, reference, tokenizer, heldout_rows)
-            model_dir = out / "model"
-            trainer.save_model(str(model_dir))
-            tokenizer.save_pretrained(str(model_dir))
+            # Saved whole beside the target, then swapped in: a run killed while saving over an earlier
+            # run leaves the earlier model/ (and its dpo_results.json) as they were, never a mix.
+            model_dir, staged = out / "model", out / ".model.partial"
+            shutil.rmtree(staged, ignore_errors=True)
+            trainer.save_model(str(staged))
+            tokenizer.save_pretrained(str(staged))
+            (out / "dpo_results.json").unlink(missing_ok=True)
+            replace_dir(staged, model_dir)
         finally:
             torch.set_num_threads(previous_threads)
 

@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sdk.atomic_write import replace_dir
 from sdk.errors import InvalidInputError
 from trainer.data.preferences import DOMAINS, dirichlet_clients, load_preference_pairs, split_by_prompt
 from trainer.experts.fedprism import METHODS, FederatedPairs, FedPrismConfig, FedPrismTrainer, method_config, state_bytes
@@ -267,9 +268,7 @@ def _staging(out: Path, method: str) -> Path:
 def _publish_saved(out: Path, method: str) -> None:
     """Replace ``<method>_seed0/`` by the complete staged folder: no file of an earlier run (e.g. its
     ``expert_5/`` when this run has fewer experts) survives next to these results."""
-    final = out / f"{method}_seed0"
-    shutil.rmtree(final, ignore_errors=True)
-    _staging(out, method).rename(final)
+    replace_dir(_staging(out, method), out / f"{method}_seed0")
 
 
 def markdown(result: dict) -> str:

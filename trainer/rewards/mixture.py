@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sdk.atomic_write import replace_dir
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.embeddings import EmbedderConfig
 from trainer.rewards.client_router import ClientRouter
@@ -174,8 +175,7 @@ def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | No
         rm.save(staged / "clients" / name)
     (directory / "mixture.json").unlink(missing_ok=True)
     for part in ("router", "clients"):
-        shutil.rmtree(directory / part, ignore_errors=True)
-        (staged / part).rename(directory / part)
+        replace_dir(staged / part, directory / part)
     staged.rmdir()
     meta = {"format_version": FORMAT_VERSION, "mode": mixture.mode, "normalise": mixture.normalise,
             "temperature": mixture.temperature, "route_by": mixture.route_by,
