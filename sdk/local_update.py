@@ -81,6 +81,8 @@ def kmeans_update(evaluations: Evaluations, spec: RoundSpec) -> KMeansUpdate:
     not counted in ``log_size``). A log with no usable row (empty, or only ``cell=`` rows) gives an
     update with every count zero and no cell mean (:meth:`KMeansUpdate.is_empty`).
 
+    Each cost is clipped to ``spec.max_cost_usd`` when the round sets that bound (the server refuses
+    an entry whose mean cost is above it; clipping each record is what its DP sensitivity assumes).
     Entries of fewer than ``spec.min_count`` samples are zeroed; a cell's mean embedding is
     reported only if the cell holds at least ``max(spec.min_count, 2)`` distinct embeddings (its
     weight counts every query, duplicates included).
@@ -111,9 +113,10 @@ def kmeans_update(evaluations: Evaluations, spec: RoundSpec) -> KMeansUpdate:
     x = x32.astype(np.float64)
     n_cells, n_models = spec.centroids.shape[0], len(spec.models)
     cells = nearest_cell(x, spec.centroids) if x.shape[0] else np.zeros(0, dtype=np.int64)
-    stats = CellStatistics.from_samples(
-        cells, model_idx[keep], evaluations.score[keep], evaluations.cost_usd[keep], n_cells, n_models
-    )
+    cost = evaluations.cost_usd[keep]
+    if spec.max_cost_usd is not None:  # the round's bound on one query's cost: each cost clipped to it
+        cost = np.minimum(cost, spec.max_cost_usd)
+    stats = CellStatistics.from_samples(cells, model_idx[keep], evaluations.score[keep], cost, n_cells, n_models)
     if spec.min_count > 1:
         stats = stats.suppress_below(spec.min_count)
     weights = np.bincount(cells, minlength=n_cells).astype(np.float64)

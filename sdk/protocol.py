@@ -44,6 +44,7 @@ import numpy as np
 from sdk.arrays import is_npz
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import PayloadError, ShapeError, SyncError
+from sdk.real_numbers import finite_float
 
 #: Version of the sync protocol (``/v1``) and of each JSON message below.
 PROTOCOL_VERSION = 1
@@ -83,6 +84,10 @@ class RoundSpec:
     embedder_name : str; d_emb : int, the embedder the centroids live in.
     min_count : int >= 1, the privacy threshold of this round.
     deadline_utc : str, ISO-8601 UTC time at which the round closes.
+    max_cost_usd : float > 0 or None, USD: the round's bound on one query's cost (``fedroute rounds
+        open --max-cost-usd``, for clipping and DP). The device clips each logged cost to it
+        (:func:`sdk.local_update.kmeans_update`), since the server refuses any entry whose mean cost
+        is above it; None (key absent or null) when the round sets no bound.
     """
 
     round_id: int
@@ -94,6 +99,7 @@ class RoundSpec:
     d_emb: int
     min_count: int
     deadline_utc: str
+    max_cost_usd: float | None = None
 
     @classmethod
     def from_json(cls, data: object) -> RoundSpec:
@@ -125,6 +131,7 @@ class RoundSpec:
                 d_emb=_int(data["d_emb"], 1),
                 min_count=_int(data["min_count"], 1),
                 deadline_utc=str(data["deadline_utc"]),
+                max_cost_usd=_positive_or_none(data.get("max_cost_usd"), "max_cost_usd"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SyncError(f"malformed round description from the server: {exc!r}") from exc
@@ -136,6 +143,15 @@ class RoundSpec:
         if not spec.models or len(set(spec.models)) != len(spec.models):
             raise SyncError(f"round {spec.round_id}: models must be distinct and non-empty, got {spec.models}")
         return spec
+
+
+def _positive_or_none(value: object, name: str) -> float | None:
+    if value is None:
+        return None
+    out = finite_float(value)
+    if out is None or out <= 0:
+        raise ValueError(f"{name} must be a finite number > 0 or null, got {value!r}")
+    return out
 
 
 def _int(value: object, minimum: int) -> int:
@@ -334,14 +350,18 @@ def decode_kmeans_update_json(raw: bytes) -> tuple[dict, KMeansUpdate]:
 
 
 def encode_kmeans_round(round_id: int, status: str, models, embedder_name: str, d_emb: int, min_count: int,
-                        quorum: int, deadline_utc: str, centroids: np.ndarray) -> dict:
+                        quorum: int, deadline_utc: str, centroids: np.ndarray, max_cost_usd: float | None = None) -> dict:
     """The JSON object of ``GET /v1/rounds/current`` for a K-means round (decoded by
     :meth:`RoundSpec.from_json`); ``centroids`` of shape (n_cells, d_emb) are sent as float64
-    lists of their float32 values, with their :func:`centroids_hash`."""
+    lists of their float32 values, with their :func:`centroids_hash`; ``max_cost_usd`` (USD per
+    query) is sent, last, only when the round sets it."""
     c = np.ascontiguousarray(centroids, dtype=np.float32)
-    return {"round_id": int(round_id), "kind": KMEANS_KIND, "status": status, "models": list(models),
-            "embedder_name": embedder_name, "d_emb": int(d_emb), "min_count": int(min_count), "quorum": int(quorum),
-            "deadline_utc": deadline_utc, "centroids": c.astype(np.float64).tolist(), "centroids_hash": centroids_hash(c)}
+    out = {"round_id": int(round_id), "kind": KMEANS_KIND, "status": status, "models": list(models),
+           "embedder_name": embedder_name, "d_emb": int(d_emb), "min_count": int(min_count), "quorum": int(quorum),
+           "deadline_utc": deadline_utc, "centroids": c.astype(np.float64).tolist(), "centroids_hash": centroids_hash(c)}
+    if max_cost_usd is not None:
+        out["max_cost_usd"] = float(max_cost_usd)
+    return out
 
 
 #: Names of the arrays of a :class:`KMeansUpdate`, in order (store ``.npz`` and Flower ArrayRecord).

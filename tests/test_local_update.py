@@ -24,11 +24,11 @@ MODELS = ("cheap", "mid", "strong")
 CENTROIDS = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=np.float32)
 
 
-def spec(min_count: int = 1, centroids=CENTROIDS, models=MODELS) -> RoundSpec:
+def spec(min_count: int = 1, centroids=CENTROIDS, models=MODELS, **extra) -> RoundSpec:
     return RoundSpec.from_json({
         "round_id": 7, "kind": "kmeans", "centroids": np.asarray(centroids).tolist(),
         "centroids_hash": centroids_hash(centroids), "models": list(models), "embedder_name": "toy",
-        "d_emb": 3, "min_count": min_count, "deadline_utc": "2026-12-01T00:00:00Z",
+        "d_emb": 3, "min_count": min_count, "deadline_utc": "2026-12-01T00:00:00Z", **extra,
     })
 
 
@@ -65,6 +65,18 @@ def test_statistics_and_cell_means_match_hand_computation(log):
     np.testing.assert_array_equal(u.local_weights, [3, 3])
     emb = np.stack([r[3] for r in rows]).astype(np.float64)
     np.testing.assert_allclose(u.local_centroids, [emb[:3].mean(0), emb[3:].mean(0)], rtol=1e-6)
+
+
+def test_each_cost_is_clipped_to_the_rounds_max_cost(log):
+    # costs 0.001, 0.002 | 0.03 | 0.01, 0.01, 0.02 clipped at 0.015 USD: cell 1's "mid" sum is
+    # 0.01 + 0.01 + 0.015 = 0.035, the "strong" entry 0.015; scores and counts unchanged
+    eval_log, _ = log
+    u = kmeans_update(eval_log.rows(), spec(max_cost_usd=0.015))
+    assert spec(max_cost_usd=0.015).max_cost_usd == 0.015 and spec().max_cost_usd is None
+    np.testing.assert_allclose(u.statistics.sum_cost, [[0.003, 0, 0.015], [0, 0.035, 0]])
+    np.testing.assert_array_equal(u.statistics.count, [[2, 0, 1], [0, 3, 0]])
+    np.testing.assert_allclose(u.statistics.sum_accuracy, [[1.0, 0, 1.0], [0, 1.5, 0]])
+    assert kmeans_update(eval_log.rows(), spec(max_cost_usd=None)).statistics.sum_cost[0, 2] == pytest.approx(0.03)
 
 
 def test_min_count_suppresses_entries_and_cell_means(log):
@@ -118,6 +130,10 @@ def test_round_spec_refuses_tampered_or_malformed_answers():
         RoundSpec.from_json({**good, "d_emb": 4})
     with pytest.raises(SyncError, match="distinct"):
         RoundSpec.from_json({**good, "models": ["a", "a", "b"]})
+    for bad in (0, -1.0, "0.1", True, [0.1], 1e400):  # 1e400 is what json reads as inf
+        with pytest.raises(SyncError, match="max_cost_usd must be a finite number > 0 or null"):
+            RoundSpec.from_json({**good, "max_cost_usd": bad})
+    assert RoundSpec.from_json({**good, "max_cost_usd": None}).max_cost_usd is None
 
 
 # --- one upload: duplicates, empty logs --------------------------------------------------------

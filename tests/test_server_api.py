@@ -57,9 +57,9 @@ def server(request, tmp_path, kmeans_bundle, signing_keys, postgres):
     store = Store(url)
     tokens = {c: store.add_client(c) for c in ("alice", "bob", "carol")}
 
-    def open_round(centroids=None, min_count=2):
+    def open_round(centroids=None, min_count=2, aggregation=None):
         return open_round_from_bundle(store, kmeans_bundle, signing_keys[1], deadline_s=3600, quorum=100,
-                                      min_count=min_count, settings=round_settings(aggregation=AggregationConfig()),
+                                      min_count=min_count, settings=round_settings(aggregation=aggregation or AggregationConfig()),
                                       centroids=centroids)
 
     r = open_round()
@@ -100,6 +100,28 @@ def test_accepts_a_valid_update_and_describes_the_round(server):
     answer = post(server, payload(server["round"]))
     assert answer.status_code == 201, answer.text
     assert answer.json()["late"] is False and answer.json()["counted_in_round"] == server["round"].id
+
+
+def test_a_round_with_a_cost_bound_sends_it_and_the_devices_clipped_update_is_accepted(server, tmp_path):
+    """A round opened with max_cost_usd below a device's logged costs: the description did not carry
+    the bound, so the device sent its raw sums and every upload was refused (422 on sum_cost)."""
+    from sdk import EvalLog
+    from sdk.local_update import kmeans_update
+    from sdk.protocol import RoundSpec
+
+    close_round(server["store"], server["round"].id)
+    r = server["open_round"](aggregation=AggregationConfig(max_cost_usd=0.01))
+    auth = {"Authorization": f"Bearer {server['tokens']['alice']}"}
+    desc = server["http"].get("/v1/rounds/current", headers=auth).json()
+    assert desc["round_id"] == r.id and desc["max_cost_usd"] == 0.01
+    spec = RoundSpec.from_json(desc)
+    with EvalLog(tmp_path / "log.sqlite", list(r.models)) as log:
+        for i in range(3):  # three queries of 0.05 USD each in the cell of centroid 0
+            log.record(r.models[0], 1.0, 0.05, embedding=r.centroids[0] + 1e-3 * i)
+        u = kmeans_update(log.rows(), spec)
+    assert u.statistics.sum_cost[u.statistics.count > 0].tolist() == [pytest.approx(0.03)]  # 3 x 0.01
+    answer = post(server, u.to_payload("alice", spec), key="cap", round_id=r.id)
+    assert answer.status_code == 201, answer.text
 
 
 @pytest.mark.parametrize("auth", [None, "Bearer nope", "Basic abc"])

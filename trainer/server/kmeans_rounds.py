@@ -228,7 +228,8 @@ class KMeansRoundKind(ServerRoundKind):
     def describe(self, round_: Round) -> dict:
         d = common_description(round_)
         return encode_kmeans_round(d["round_id"], d["status"], d["models"], d["embedder_name"], d["d_emb"],
-                                   d["min_count"], d["quorum"], d["deadline_utc"], round_.centroids)
+                                   d["min_count"], d["quorum"], d["deadline_utc"], round_.centroids,
+                                   max_cost_usd=round_.settings.aggregation.get("max_cost_usd"))
 
     def summary(self, round_: Round) -> dict:
         return {"n_cells": int(round_.centroids.shape[0])}
