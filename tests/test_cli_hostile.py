@@ -102,7 +102,12 @@ def test_prism_dpo_rejects_a_heldout_fraction_of_one_and_a_file_as_out(tmp_path,
     """--heldout-fraction 1 would hold every prompt out; --out FILE ended in FileExistsError."""
     result = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(prefs), "--out", str(tmp_path / "dpo"), "--tiny",
                                       "--heldout-fraction", "1"], env={"COLUMNS": "500"})
-    assert result.exit_code == 2 and "--heldout-fraction must lie in [0, 1), got 1.0" in flat(result.output)
+    assert result.exit_code == 2 and "--heldout-fraction must lie in (0, 1)" in flat(result.output)
+    assert "got 1.0" in flat(result.output)
+    # 0 held out one prompt anyway (max(1, ...)): refused rather than silently not what was asked
+    result = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(prefs), "--tiny", "--out", str(tmp_path / "z"),
+                                      "--heldout-fraction", "0"], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and "got 0.0" in flat(result.output) and not (tmp_path / "z").exists()
     assert not (tmp_path / "dpo").exists()
     (tmp_path / "notes.txt").write_text("keep me")
     result = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(prefs), "--out", str(tmp_path / "notes.txt"),

@@ -142,8 +142,9 @@ def dpo(
         steps = min(steps or 40, 40)
     if (policy is None) == (not tiny):
         raise typer.BadParameter("give exactly one of --policy PATH_OR_ID and --tiny/--quick")
-    if not 0.0 <= heldout_fraction < 1.0:  # NaN and inf: refused by finite_option while parsing
-        raise typer.BadParameter(f"--heldout-fraction must lie in [0, 1), got {heldout_fraction}")
+    if not 0.0 < heldout_fraction < 1.0:  # NaN and inf: refused by finite_option while parsing
+        raise typer.BadParameter(f"--heldout-fraction must lie in (0, 1) (at least one prompt is held out for "
+                                 f"the accuracy), got {heldout_fraction}")
     _check_out(out)
     try:
         rows = pd.read_parquet(prefs) if prefs.suffix == ".parquet" else pd.read_json(prefs, lines=True)

@@ -382,6 +382,7 @@ def run_phase3(run_dir: str | os.PathLike[str], data_dir: str | os.PathLike[str]
         table[name]["bootstrap_std"] = _bootstrap_std(np.asarray(proba), label, groups, n_boot, seed)
     share = np.bincount(expert, minlength=len(experts)) / len(expert)
     rows = synthetic_preferences(test, p_prism, expert)
+    (out / "phase3.json").unlink(missing_ok=True)  # a kill before the new one is written leaves no stale table
     jsonl, parquet = write_preference_set(rows, out)
     result = {
         "n_pairs": int(len(test)), "n_prompts": int(len(set(groups))),
