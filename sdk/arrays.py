@@ -43,8 +43,8 @@ def real_array(x: object, name: str) -> np.ndarray:
             raise TypeError("complex numbers")
         return np.asarray(x, dtype=np.float64)
     except (TypeError, ValueError) as exc:
-        raise ShapeError(f"{name} must be an array of real numbers, got {type(x).__name__} that does not convert "
-                         f"to float64 ({exc})") from exc
+        raise ShapeError(f"{name} must be an array of real numbers, got {type(x).__name__} values that do not "
+                         f"convert to float64 ({exc})") from exc
 
 
 #: First bytes of a zip archive, non-empty or empty: the test ``np.load`` applies to tell an ``.npz``

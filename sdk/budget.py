@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sdk.arrays import real_array
 from sdk.errors import InvalidInputError, ShapeError, UnknownModelError
 from sdk.real_numbers import finite_float, is_real_number
 from sdk.spend_curve import Mix, SpendCurve, row_steps
@@ -285,19 +286,14 @@ class BudgetController:
         Raises
         ------
         ShapeError
-            Values that do not convert to float64, wrong shape, inf, or a negative cost.
+            Values that do not convert to float64 (or complex), wrong shape, inf, or a negative cost.
         InvalidInputError
             Every prediction NaN.
         """
         return self._route(*self._checked(accuracy, cost))
 
     def _checked(self, accuracy: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        try:
-            a = np.asarray(accuracy, dtype=np.float64)
-            c = np.asarray(cost, dtype=np.float64)
-        except (TypeError, ValueError) as exc:  # ragged lists, strings, objects
-            raise ShapeError(f"accuracy and cost must be arrays of real numbers of shape ({len(self._model_ids)},), "
-                             f"got values that do not convert to float64 ({exc})") from exc
+        a, c = real_array(accuracy, "accuracy"), real_array(cost, "cost")  # ragged lists, strings, complex: ShapeError
         if a.shape != (len(self._model_ids),) or c.shape != a.shape:
             raise ShapeError(f"accuracy and cost must have shape ({len(self._model_ids)},), got {a.shape} and {c.shape}")
         valid = ~(np.isnan(a) | np.isnan(c))

@@ -276,6 +276,7 @@ class RoutedChat:
             raise InvalidInputError("log must be an sdk.EvalLog opened with router.model_ids")
         self._router = router
         self._pool = tuple(m for m in router.model_ids if m in upstreams)  # router order
+        self._pool_ids = frozenset(self._pool)
         callable_ids = (*self._pool, *passthrough)
         self._prices = price_table(callable_ids, prices, router.models)
         self._clients = {m: _clients_for(m, spec) for m, spec in (*upstreams.items(), *passthrough.items())}
@@ -359,7 +360,7 @@ class RoutedChat:
             # curve is then that of the models this client can call, and its pick is one of them.
             controller = self._controller(budget)
             choice = self._router.choose(text, float(controller.lam))
-            pool = set(self._pool)
+            pool = self._pool_ids
             first = controller.choose_from_predictions(
                 np.array([s.accuracy if s.model in pool else math.nan for s in choice.scores]),
                 np.array([s.cost_usd if s.model in pool else math.nan for s in choice.scores]))
@@ -379,9 +380,8 @@ class RoutedChat:
     def _ranked(self, choice: Choice) -> list[str]:
         u = np.array([[s.utility for s in choice.scores]], dtype=np.float64)
         cost = np.array([[s.cost_usd for s in choice.scores]], dtype=np.float64)
-        pool = set(self._pool)
         return [choice.scores[j].model for j in _rank_unchecked(u, cost)[0]
-                if choice.scores[j].model in pool and not (math.isnan(u[0, j]) or math.isnan(cost[0, j]))]
+                if choice.scores[j].model in self._pool_ids and not (math.isnan(u[0, j]) or math.isnan(cost[0, j]))]
 
     def _controller(self, budget: float) -> BudgetController:
         with self._lock:
