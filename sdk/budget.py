@@ -121,6 +121,20 @@ def _positive_real(name: str, value: object) -> float:
     return out
 
 
+def check_budget_floor(value: float, given: object) -> None:
+    """Refuse a budget (``value``, USD per 1,000 queries, already a finite float > 0; ``given`` as the
+    caller passed it, for the message) below :data:`MIN_BUDGET_USD_PER_1K`: ``b / TARGET_RANGE`` and
+    ``1e-12 * b`` would underflow to 0, and the controller takes their log.
+
+    Raises
+    ------
+    InvalidInputError
+    """
+    if value < MIN_BUDGET_USD_PER_1K:
+        raise InvalidInputError(f"budget_usd_per_1k must be at least {MIN_BUDGET_USD_PER_1K:.3g} USD per "
+                                f"1,000 queries (a smaller budget underflows), got {given!r}")
+
+
 def _mean(values: deque[float]) -> float:
     """The exact mean of finite floats >= 0 (``math.fsum``), also where their sum exceeds the float range
     (``fsum`` raises OverflowError there: each value is then divided by ``n`` first)."""
@@ -184,9 +198,7 @@ class BudgetController:
         self._model_ids = tuple(router.model_ids)
         self._index = {m: i for i, m in enumerate(self._model_ids)}
         self._budget = self.budget_usd_per_1k / 1000.0
-        if self.budget_usd_per_1k < MIN_BUDGET_USD_PER_1K:  # b / TARGET_RANGE, 1e-12 * b would underflow: log(0)
-            raise InvalidInputError(f"budget_usd_per_1k must be at least {MIN_BUDGET_USD_PER_1K:.3g} USD per "
-                                    f"1,000 queries (a smaller budget underflows), got {budget_usd_per_1k!r}")
+        check_budget_floor(self.budget_usd_per_1k, budget_usd_per_1k)
         self._log_target = math.log(self._budget)
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()

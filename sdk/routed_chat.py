@@ -63,7 +63,7 @@ import numpy as np
 import openai
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from sdk.budget import MIN_BUDGET_USD_PER_1K, BudgetController
+from sdk.budget import BudgetController, check_budget_floor
 from sdk.chat_text import DEFAULT_CONTEXT_CHARS, routing_text
 from sdk.errors import InvalidInputError, UnknownModelError, UnknownResponseError, UpstreamError
 from sdk.eval_log import EvalLog
@@ -720,9 +720,7 @@ def check_budget(budget: object) -> float:
     if value is None or value <= 0:
         raise InvalidInputError(f"budget_usd_per_1k must be a finite number > 0 (USD per 1,000 queries), "
                                 f"got {str(budget)[:40]}")
-    if value < MIN_BUDGET_USD_PER_1K:  # refused here, not by the controller at the first call
-        raise InvalidInputError(f"budget_usd_per_1k must be at least {MIN_BUDGET_USD_PER_1K:.3g} USD per 1,000 "
-                                f"queries (a smaller budget underflows), got {budget!r}")
+    check_budget_floor(value, budget)  # refused here, not by the controller at the first call
     return value
 
 
