@@ -289,6 +289,10 @@ class StaticEmbedder:
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self._tokenizer = tokenizer
+        # The same ids without the character offsets the table lookup never reads: 0.61 against 0.74 ms
+        # for a median 2,000-character RouterBench prompt (tokenizers 0.22; the method is newer than
+        # the oldest tokenizers the SDK accepts, hence the fallback).
+        self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
         vectors, self._scales = decode_table(table, int(dim))
         # float16 arithmetic is slow in numpy (no hardware half floats): the float16 table is widened
         # to float32 once (2x its file size in memory; 0.3 -> 0.06 ms per 500-token query); int8 stays
@@ -303,7 +307,7 @@ class StaticEmbedder:
         self.max_tokens = MAX_QUERY_CHARS
 
     def _ids(self, texts: Sequence[str], first_position: int = 0) -> list[np.ndarray]:
-        encodings = self._tokenizer.encode_batch([t[-MAX_QUERY_CHARS:] for t in texts], add_special_tokens=False)
+        encodings = self._encode_batch([t[-MAX_QUERY_CHARS:] for t in texts], add_special_tokens=False)
         out = []
         for i, enc in enumerate(encodings):
             ids = np.asarray(enc.ids, dtype=np.int64)
