@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sdk.embedder import DISABLED_OPTIMIZERS
+
 OUTPUT = "sentence_embedding"  # the encoder output the SDK reads (sdk.embedder.OUTPUT)
 
 
@@ -59,7 +61,9 @@ def session(path: Path, profile_prefix: str | None = None):
     if profile_prefix:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix
-    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    # the SDK's sessions (sdk.embedder.inference_session) leave these optimisers out too
+    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=list(DISABLED_OPTIMIZERS))
 
 
 def variants(fp32: Path, scratch: Path, calib: list[dict]) -> dict[str, Path]:
@@ -177,7 +181,8 @@ def markdown(r: dict) -> str:
     base = r["recipes"]["bundle int8-all"]["median_ms"]
     lines = [f"ONNX encoder recipes, {r['n_prompts']} RouterBench test prompts, last {r['max_tokens']} tokens, one query "
              f"per run, 1 intra-op thread, recipes taking turns; load average {r['load_avg_1min']['before']:.1f} before / "
-             f"{r['load_avg_1min']['after']:.1f} after. CPU flags: {', '.join(r['cpu_flags'])} (no VNNI).", "",
+             f"{r['load_avg_1min']['after']:.1f} after. CPU flags: {', '.join(r['cpu_flags'])} "
+             f"({'VNNI' if any('vnni' in f for f in r['cpu_flags']) else 'no VNNI'}).", "",
              "| recipe | median ms | p95 ms | vs shipped int8-all | cosine to fp32 mean / min | file MB |",
              "|---|---|---|---|---|---|"]
     for name, row in r["recipes"].items():

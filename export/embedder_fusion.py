@@ -3,15 +3,20 @@ optimizer (``onnxruntime.transformers.optimizer.optimize_model``, ``model_type="
 
 Per encoder layer, the optimizer replaces the ~100 primitive nodes optimum's export traces (Q/K/V
 MatMuls, Reshape/Transpose/Softmax, erf GELU, Add + LayerNormalization) with onnxruntime contrib
-ops: one ``Attention`` (Q, K and V projections in one packed weight), two
-``SkipLayerNormalization`` (residual Add + bias + LayerNorm) and one ``BiasGelu``. For
-all-MiniLM-L6-v2 the graph goes from ~700 nodes to ~170 (82 after onnxruntime's own session-time
-optimisations, against 286 unfused). ``quantize_dynamic`` then turns each ``Attention`` into a
+ops: one ``Attention`` (Q, K and V projections in one packed weight) and one ``BiasGelu``; the two
+residual ``Add`` + ``LayerNormalization`` pairs per layer stay standard ops (below). For
+all-MiniLM-L6-v2 the graph goes from ~700 nodes to ~200 (about 110 after onnxruntime's own
+session-time optimisations, against 286 unfused). ``quantize_dynamic`` then turns each ``Attention`` into a
 ``QAttention`` (int8 packed Q/K/V weight, :func:`export.embedder_onnx.quantize_embedder`). All of
 these ops are in the standard ``onnxruntime`` wheel's CPU execution provider: the SDK needs
 nothing more.
 
-Settings: the embedding LayerNorm is *not* fused (``EmbedLayerNormalization`` takes the
+Settings: the residual ``Add`` + ``LayerNormalization`` pairs are *not* fused into
+``SkipLayerNormalization`` (``enable_skip_layer_norm=False``; the SDK also leaves out onnxruntime's
+session-time ``SkipLayerNormFusion``, :data:`sdk.embedder.DISABLED_OPTIMIZERS`): in onnxruntime 1.32
+that op's CPU kernel took 84 us per call against 19-26 us for the pair on a (1, 32, 384) input, and the
+int8-all encoder ran 18% faster (4.49 -> 3.64 ms median, 300 test prompts at 32 tokens, one thread,
+Xeon with AVX-512 VNNI, load ~0.5; fp32 -8%). The embedding LayerNorm is *not* fused (``EmbedLayerNormalization`` takes the
 word-embedding table out of the ``Gather`` that ``quantize_dynamic`` stores in int8, a 58 MB
 int8-all file instead of 23 MB unless it is quantised too as ``QEmbedLayerNormalization``, which
 measured within 1% of this recipe's speed), GELU stays exact (no tanh approximation), and attention reads the
@@ -19,7 +24,7 @@ raw 2-D ``attention_mask`` (``use_raw_attention_mask``), not a per-row length, s
 gives the unfused graph's result. :func:`fuse_embedder` checks that on a padded probe batch.
 
 Measured (issue 13, 2-core AVX2 EPYC without VNNI, 1 intra-op thread, 32-token queries, same
-process as sentence-transformers+torch): int8-all ``choose()`` 3.67x torch fused vs 3.58x unfused
+process as sentence-transformers+torch; the recipe then also fused ``SkipLayerNormalization``): int8-all ``choose()`` 3.67x torch fused vs 3.58x unfused
 (``benchmarks/choose_latency.py --unfused-bundle``, 500 prompts, load 11-15); CPU time per query
 9.68 vs 10.24 ms (300 prompts, load 8-10); the encoder's fixed cost on 3 tokens 2.73 vs 3.35 ms.
 Parity (decisions, AUC, cosine) moves by at most 0.04 points for fp32, int8 and int8-all. The
@@ -39,7 +44,9 @@ from sdk.atomic_write import commit_file, temporary_path
 #: transformers ``model_type`` values whose graphs the optimizer's BERT fusions recognise.
 FUSABLE_MODEL_TYPES = ("bert",)
 #: contrib ops of a fused encoder, and how many each layer has.
-FUSED_OPS_PER_LAYER = {"Attention": 1, "SkipLayerNormalization": 2, "BiasGelu": 1}
+FUSED_OPS_PER_LAYER = {"Attention": 1, "BiasGelu": 1}
+#: ops a fused encoder must not hold (see the module docstring for why).
+UNFUSED_OPS = ("SkipLayerNormalization",)
 #: largest |difference| between the fused and the unfused fp32 sentence embeddings on the probe
 #: batch (unit vectors; fusion reorders float sums, measured ~1e-7).
 MAX_FUSION_DIFF = 1e-4
@@ -59,11 +66,12 @@ def encoder_shape(config_json: Path) -> dict | None:
 
 
 def fused_op_counts(model: Path) -> dict[str, int]:
-    """How many of each :data:`FUSED_OPS_PER_LAYER` op (and ``QAttention``) the ONNX file holds."""
+    """How many of each :data:`FUSED_OPS_PER_LAYER` and :data:`UNFUSED_OPS` op (and ``QAttention``) the
+    ONNX file holds."""
     import onnx  # export needs onnx (trainer extra), imported on use
 
     graph = onnx.load(str(model), load_external_data=False).graph
-    names = (*FUSED_OPS_PER_LAYER, "QAttention")
+    names = (*FUSED_OPS_PER_LAYER, *UNFUSED_OPS, "QAttention")
     return {name: sum(n.op_type == name for n in graph.node) for name in names}
 
 
@@ -88,7 +96,8 @@ def fuse_embedder(model: Path, out: Path, config_json: Path, tokenizer_json: Pat
     Raises
     ------
     ExportError
-        The fused graph lacks the expected ops (``FUSED_OPS_PER_LAYER`` x layers), or its
+        The fused graph lacks the expected ops (``FUSED_OPS_PER_LAYER`` x layers) or holds one of
+        :data:`UNFUSED_OPS`, or its
         embeddings of a padded probe batch differ from the unfused graph's by more than
         :data:`MAX_FUSION_DIFF`.
     """
@@ -100,6 +109,8 @@ def fuse_embedder(model: Path, out: Path, config_json: Path, tokenizer_json: Pat
         return None
     options = FusionOptions("bert")
     options.enable_embed_layer_norm = False
+    options.enable_skip_layer_norm = False
+    options.enable_bias_skip_layer_norm = False
     options.use_raw_attention_mask(True)
     out = Path(out)
     tmp = temporary_path(out)
@@ -108,6 +119,7 @@ def fuse_embedder(model: Path, out: Path, config_json: Path, tokenizer_json: Pat
     optimized.save_model_to_file(str(tmp), use_external_data_format=False)
     counts = fused_op_counts(tmp)
     expected = {op: n * shape["num_layers"] for op, n in FUSED_OPS_PER_LAYER.items()}
+    expected.update({op: 0 for op in UNFUSED_OPS})
     missing = {op: (counts[op], n) for op, n in expected.items() if counts[op] != n}
     if missing:
         tmp.unlink(missing_ok=True)

@@ -14,7 +14,7 @@ rather than embedding cosine (:mod:`export.parity`).
 
 With ``fuse=True`` (the ``onnx`` embedder kind's recipe, :class:`export.embedder_export.OnnxEmbedderExportKind`)
 the exported graph is fused first (:mod:`export.embedder_fusion`: onnxruntime's transformer optimizer,
-``Attention`` / ``SkipLayerNormalization`` / ``BiasGelu``), and every precision, fp32 included, ships
+``Attention`` / ``BiasGelu``; residual ``Add`` + ``LayerNormalization`` left unfused), and every precision, fp32 included, ships
 the fused graph; quantisation then makes each ``Attention`` a ``QAttention``.
 
 The tokenizer is saved as ``tokenizer.json`` with padding off and truncation to ``max_tokens``

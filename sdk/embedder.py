@@ -122,6 +122,16 @@ class SessionThreads:
         check_threads(self.intra_op_threads, self.inter_op_threads)
 
 
+#: onnxruntime graph optimisers the SDK's sessions leave out. ``SkipLayerNormFusion`` would fuse each
+#: residual ``Add`` + ``LayerNormalization`` into one ``SkipLayerNormalization``, whose CPU kernel in
+#: onnxruntime 1.32 is the slower of the two: 84 us against 19-26 us for ``Add`` + ``LayerNormalization``
+#: on a (1, 32, 384) float32 input, one thread (Xeon with AVX-512, 2026-12-02; a fused int8-all
+#: MiniLM encoder ran 18% faster with its 12 ``SkipLayerNormalization`` nodes split back, see
+#: docs/benchmarks.md). The exporter no longer writes that op either (:mod:`export.embedder_fusion`);
+#: older bundles that hold it still run.
+DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
+
+
 def inference_session(model: bytes | VerifiedFile, options, what: str):
     """An onnxruntime CPU session from model bytes or a verified open file.
 
@@ -130,7 +140,8 @@ def inference_session(model: bytes | VerifiedFile, options, what: str):
 
     A :class:`~sdk.verified_file.VerifiedFile` is loaded from its ``library_path`` (the open
     descriptor's path: no copy of the model in Python memory), then ``check_unchanged()`` confirms
-    the file is the one that was verified.
+    the file is the one that was verified. The graph optimisers in :data:`DISABLED_OPTIMIZERS` are
+    left out.
 
     Raises
     ------
@@ -143,7 +154,8 @@ def inference_session(model: bytes | VerifiedFile, options, what: str):
         options = session_options(options.intra_op_threads, options.inter_op_threads)
     source = model.library_path if isinstance(model, VerifiedFile) else model
     try:
-        session = ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"],
+                                       disabled_optimizers=list(DISABLED_OPTIMIZERS))
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... classes
         raise BundleError(f"{what}: onnxruntime cannot load it ({exc})") from exc
     if isinstance(model, VerifiedFile):
