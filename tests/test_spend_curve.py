@@ -109,8 +109,8 @@ def test_row_steps_equals_decision_steps():
     assert base == 0.010 and lams == pytest.approx([100 / 3, 200 / 3]) and deltas == pytest.approx([-0.006, -0.003])
 
 
-@pytest.mark.parametrize("lam", ["1", True, np.bool_(True), None, float("nan"), float("inf"), -1.0, -1e-300, pytest.param(10**400, id="10**400"),
-                                 1 + 0j])
+@pytest.mark.parametrize("lam", ["1", True, np.bool_(True), None, float("nan"), float("inf"), -1.0, -1e-300,
+                                 pytest.param(10**400, id="10**400"), 1 + 0j])
 def test_spend_at_refuses_what_check_lambda_refuses(lam):
     """spend_at("1") and spend_at(-5.0) answered S(0), spend_at(nan) the last level, spend_at(True) S(1):
     a caller's bug became a spend figure. The trade-off is checked as everywhere in the SDK
