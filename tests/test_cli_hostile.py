@@ -4,6 +4,7 @@ data is read or training starts (no traceback, nothing written)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 import pytest
@@ -11,6 +12,7 @@ import typer
 from typer.main import get_command
 from typer.testing import CliRunner
 
+from sdk.errors import InvalidInputError
 from sdk.sync_cli import sync
 from trainer.cli import app
 
@@ -446,11 +448,78 @@ def test_a_command_refuses_the_results_folder_of_another(tmp_path, monkeypatch, 
     assert json.loads((out / "results.json").read_text()) == {"command": owner, "methods": {}}
 
 
-def test_a_rerun_of_the_same_command_and_an_unmarked_results_file_are_allowed(tmp_path):
+def test_a_rerun_of_the_same_command_and_an_absent_results_file_are_allowed(tmp_path):
     from trainer.results_owner import claim_results
 
     (tmp_path / "results.json").write_text('{"command": "simulate"}')
     claim_results(tmp_path, "simulate")
-    (tmp_path / "results.json").write_text('{"routers": {}}')  # written before the key existed
-    claim_results(tmp_path, "prism train")
     claim_results(tmp_path / "absent", "prism train")
+    claim_results(tmp_path / "absent" / "deeper", "mor eval")
+
+
+#: Top-level keys of each command's results.json as written before the owner key existed (the
+#: prism one is docs/results/prism_quick/results.json's).
+OLD_RESULTS = {
+    "simulate": {"references": {}, "routers": {}, "client_distribution": {}, "config": {}, "seconds": 1.0},
+    "prism train": json.loads((Path(__file__).resolve().parents[1] / "docs" / "results" / "prism_quick" /
+                               "results.json").read_text()),
+    "mor eval": {"methods": {}, "single_rms": {}, "router_weighting": {}, "routing_errors": {}, "seeds": [],
+                 "seconds": 1.0},
+}
+
+
+@pytest.mark.parametrize("owner", sorted(OLD_RESULTS))
+def test_an_older_results_file_without_the_owner_key_belongs_to_the_command_its_keys_name(tmp_path, owner):
+    """A results.json written before the owner key existed was left to any command: `fedroute mor eval
+    --out` on an old `prism train` folder replaced its results without a word. Its keys tell its command."""
+    from trainer.results_owner import OWNER_KEY, claim_results
+
+    assert OWNER_KEY not in OLD_RESULTS[owner]
+    (tmp_path / "results.json").write_text(json.dumps(OLD_RESULTS[owner]))
+    claim_results(tmp_path, owner)  # a rerun of the same command
+    for command in sorted(set(OLD_RESULTS) - {owner}):
+        with pytest.raises(InvalidInputError) as info:
+            claim_results(tmp_path, command)
+        assert str(info.value) == (f"--out {tmp_path} holds the results of `fedroute {owner}`; `fedroute {command}` "
+                                   "would replace them: give another folder")
+
+
+@pytest.mark.parametrize("content", ['{"routers": {}}', '{"notes": "mine"}', '{"eval_split": "test", "methods": {}, '
+                                     '"single_rms": {}}', "[1, 2]", "null", "not json", b"\xff\xfe"])
+def test_a_results_file_that_names_no_command_is_refused_by_every_command(tmp_path, content):
+    """Such a file (hand-written, another tool's, keys of two commands, or not JSON) was treated as
+    "nothing to protect" and replaced; now every command refuses it and says what to do."""
+    from trainer.results_owner import claim_results
+
+    path = tmp_path / "results.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    for command in OLD_RESULTS:
+        with pytest.raises(InvalidInputError) as info:
+            claim_results(tmp_path, command)
+        message = str(info.value)
+        assert message.startswith(f"--out {tmp_path} holds a results.json that ")
+        assert message.endswith(f"`fedroute {command}` would replace it: give another folder or remove {path}")
+    assert path.read_bytes() == (content if isinstance(content, bytes) else content.encode())
+
+
+def test_a_folder_named_results_json_is_refused(tmp_path):
+    from trainer.results_owner import claim_results
+
+    (tmp_path / "results.json").mkdir()
+    with pytest.raises(InvalidInputError, match="holds a results.json that cannot be read as JSON"):
+        claim_results(tmp_path, "simulate")
+
+
+def test_mor_eval_refuses_an_old_prism_results_folder_before_the_data(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps(OLD_RESULTS["prism train"]))
+    code, err = console(monkeypatch, capsys, ["mor", "eval", "--quick", "--out", str(out),
+                                              "--data", str(tmp_path / "absent")])
+    assert code == 2 and err == (f"error: --out {out} holds the results of `fedroute prism train`; `fedroute mor eval` "
+                                 "would replace them: give another folder\n")
+    assert json.loads((out / "results.json").read_text()) == OLD_RESULTS["prism train"]
+
