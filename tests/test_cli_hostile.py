@@ -523,3 +523,65 @@ def test_mor_eval_refuses_an_old_prism_results_folder_before_the_data(tmp_path, 
                                  "would replace them: give another folder\n")
     assert json.loads((out / "results.json").read_text()) == OLD_RESULTS["prism train"]
 
+
+# ------------------------------------------------------------------ an unwritable --out, refused before any work
+
+#: Each command that works for minutes before it writes its --out, with the options it needs to reach
+#: its --out check (paths under tmp_path given as "TMP/...", the signing key as "KEY").
+OUT_COMMANDS = {
+    "simulate": ["simulate", "--data", "TMP/absent"],
+    "ablate": ["ablate", "--data", "TMP/absent"],
+    "prism train": ["prism", "train", "--quick", "--data", "TMP/absent"],
+    "prism label": ["prism", "label", "--run", "TMP"],
+    "prism dpo": ["prism", "dpo", "--prefs", "TMP/prefs.jsonl", "--tiny"],
+    "mor train": ["mor", "train", "--quick", "--data", "TMP/absent"],
+    "mor eval": ["mor", "eval", "--quick", "--data", "TMP/absent"],
+    "mor audit": ["mor", "audit", "--quick", "--data", "TMP/absent"],
+    "mor grpo": ["mor", "grpo", "--quick", "--mixture", "TMP/absent"],
+    "mor export": ["mor", "export", "--mixture", "TMP/absent", "--client", "c", "--signing-key", "KEY"],
+    "export": ["export", "--router", "TMP/router", "--signing-key", "KEY"],
+    "add-model": ["add-model", "--router", "TMP/router", "--model", "new", "--calibration", "TMP/absent.csv"],
+}
+
+
+def unwritable_out(tmp_path, where: str):
+    """An --out that cannot be written even by root (chmod does not stop root): a path under a regular
+    file, or under /proc (no file can be created there). Returns (out, the message's tail)."""
+    if where == "under a file":
+        out = tmp_path / "notes.txt" / "out"
+        return out, f"--out {out}: {tmp_path / 'notes.txt'} is a file, not a folder, so {out} cannot be written"
+    out = Path("/proc") / "fedroute-no-such-folder" / "out"
+    return out, f"--out {out}: cannot write in /proc ("
+
+
+@pytest.mark.parametrize("where", ["under a file", "under /proc"])
+@pytest.mark.parametrize("name", sorted(OUT_COMMANDS))
+def test_an_unwritable_out_is_refused_before_any_work(tmp_path, monkeypatch, capsys, signing_keys, name, where):
+    """An --out that could not be written (read-only, under a file) failed only when the results were
+    saved, after minutes of training (simulate, prism, mor) or of export. One shared check
+    (trainer.out_folder.check_out_folder) refuses it first: exit 2, one message naming --out."""
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / "prefs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "prompt_id": 1}\n')
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "router.json").write_text("{}")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    out, message = unwritable_out(tmp_path, where)
+    args = [str(signing_keys[0]) if a == "KEY" else a.replace("TMP", str(tmp_path)) for a in OUT_COMMANDS[name]]
+    code, err = console(monkeypatch, capsys, [*args, "--out", str(out)])
+    assert code == 2 and message in flat(err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no test file left
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_check_out_folder_accepts_what_can_be_written_and_leaves_nothing(tmp_path):
+    from trainer.out_folder import check_out_folder
+
+    check_out_folder(tmp_path)  # an existing folder
+    check_out_folder(tmp_path / "new" / "deeper")  # created later by the command
+    check_out_folder(tmp_path / "bundle", beside=True)
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")  # a bundle's link may point anywhere: the writer checks
+    check_out_folder(tmp_path / "link", beside=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
+    with pytest.raises(InvalidInputError, match=r"^--bundle-dir .*link exists and is not a folder$"):
+        check_out_folder(tmp_path / "link", "--bundle-dir")
+

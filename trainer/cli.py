@@ -18,6 +18,7 @@ from sdk.errors import InvalidInputError
 from sdk.finite_option import finite_option
 from export.selector_export import export_selector_bundle, parity_pairs_for
 from export.errors import ParityError
+from trainer.out_folder import check_out_folder
 from trainer.results_owner import claim_results
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
@@ -116,12 +117,13 @@ def simulate(
     device: DeviceOpt = "cpu",
 ) -> None:
     """Run the federated simulation protocol (METRICS.md) and write results.json, results.md, curves.png."""
+    check_out_folder(out)  # before the heavy imports and any work
+    claim_results(out, "simulate")
     _need_trainer()
     from trainer.embeddings import EmbedderConfig  # trainer extra: `fedroute --help` works without it
     from trainer.experiments import run_simulation  # trainer extra: `fedroute --help` works without it
 
     config = _config(n_clients, alpha, routers, device)
-    claim_results(out, "simulate")
     train_t, test_t = _load_tables(data, train, test)
     summary = run_simulation(
         train_t, test_t, out, config, range(seeds),
@@ -145,6 +147,7 @@ def ablate(
     device: DeviceOpt = "cpu",
 ) -> None:
     """N in {5, 10, 20, 40} and alpha in {0.03, 0.1, 0.6, 5.0} ablations into ablation.{json,md,png}."""
+    check_out_folder(out)  # before the heavy imports and the hours of ablations
     _need_trainer()
     from trainer.embeddings import EmbedderConfig  # trainer extra: `fedroute --help` works without it
     from trainer.experiments import run_ablation  # trainer extra: `fedroute --help` works without it
@@ -202,6 +205,7 @@ def export_cmd(
 ) -> None:
     """Compile a trained router (or a preference selector) into a signed, parity-checked bundle for the SDK."""
     _need_trainer()
+    check_out_folder(out, beside=True)  # its parent holds the bundle's versions
     if (router is None) == (selector is None):
         raise typer.BadParameter("give exactly one of --router DIR and --selector DIR")
     if selector is not None:
