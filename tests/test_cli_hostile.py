@@ -260,14 +260,15 @@ def test_prism_label_names_a_corrupt_file_of_the_run(tmp_path, monkeypatch, caps
 
 
 @pytest.mark.parametrize("content", ['{"train": [1]', '{"train": [1]}'])
-def test_export_selector_names_a_corrupt_splits_file(tmp_path, monkeypatch, capsys, content):
+def test_export_selector_names_a_corrupt_splits_file(tmp_path, monkeypatch, capsys, content, signing_keys):
     """RUN/fedprism_seed0/splits.json truncated or without 'test': JSONDecodeError / KeyError tracebacks (after
     loading the preference data); now one line before the data is read."""
     expert = tmp_path / "fedprism_seed0" / "expert_0"
     (expert / "adapter").mkdir(parents=True)
     (expert.parent / "splits.json").write_text(content)
+    (tmp_path / "no_data").mkdir()  # exists (a missing --data is refused first), holds no data
     code, err = console(monkeypatch, capsys, ["export", "--selector", str(expert), "--out", str(tmp_path / "bundle"),
-                                              "--signing-key", str(tmp_path / "signing.key"),
+                                              "--signing-key", str(signing_keys[0]),
                                               "--data", str(tmp_path / "no_data")])
     assert code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: {expert.parent / 'splits.json'}: not the splits.json of `fedroute prism train` "
@@ -418,14 +419,15 @@ def test_simulate_refuses_a_repeated_router_kind_before_the_data(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_export_selector_refuses_a_run_whose_test_prompts_are_not_in_the_data(tmp_path, monkeypatch, capsys, shared_data):
+def test_export_selector_refuses_a_run_whose_test_prompts_are_not_in_the_data(tmp_path, monkeypatch, capsys, shared_data,
+                                                                             signing_keys):
     """splits.json naming no prompt of --data (a run trained on other data) ended in pandas' 'No objects to
     concatenate' traceback."""
     expert = tmp_path / "fedprism_seed0" / "expert_0"
     (expert / "adapter").mkdir(parents=True)
     (expert.parent / "splits.json").write_text('{"train": [], "test": ["not-a-prompt-id"]}')
     code, err = console(monkeypatch, capsys, ["export", "--selector", str(expert), "--out", str(tmp_path / "bundle"),
-                                              "--signing-key", str(tmp_path / "signing.key"), "--data", str(shared_data)])
+                                              "--signing-key", str(signing_keys[0]), "--data", str(shared_data)])
     assert code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: no preference pair of {shared_data} is a held-out prompt of "
                           f"{expert.parent / 'splits.json'} for the parity check")
@@ -585,3 +587,76 @@ def test_check_out_folder_accepts_what_can_be_written_and_leaves_nothing(tmp_pat
     with pytest.raises(InvalidInputError, match=r"^--bundle-dir .*link exists and is not a folder$"):
         check_out_folder(tmp_path / "link", "--bundle-dir")
 
+
+# ------------------------------------------------------------------ fedroute export: argument errors before torch
+
+EXPORT_CASES = [  # (arguments, message); TMP is a fresh folder, KEY a valid signing key
+    (["--router", "TMP/nope", "--signing-key", "KEY", "--out", "TMP/b"],
+     "--router TMP/nope is not a folder; give the folder of a trained router"),
+    (["--router", "TMP", "--signing-key", "KEY", "--out", "TMP/b"],
+     "--router TMP holds no router.json; give the folder of a trained router"),
+    (["--router", "TMP/router", "--signing-key", "TMP/no.key", "--out", "TMP/b"],
+     "error: cannot read signing key TMP/no.key"),
+    (["--router", "TMP/router", "--signing-key", "TMP/router/router.json", "--out", "TMP/b"],
+     "error: TMP/router/router.json is not an unencrypted PEM private key"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/notes.txt/b"],
+     "error: --out TMP/notes.txt/b: TMP/notes.txt is a file, not a folder, so TMP/notes.txt/b cannot be written"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/router"],
+     "error: TMP/router exists and is not a fedroute bundle; refusing to replace it"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--precision", "int4"],
+     "--precision int4: unknown; known: ['int8', 'int8-all']"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--data", "TMP/absent"],
+     "--data TMP/absent does not exist"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--prices", "TMP/notes.txt"],
+     "--prices TMP/notes.txt: expected JSON {model: {"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--prior-domain", "alpacaeval"],
+     "--prior-domain is for --selector bundles"),
+    (["--router", "TMP/router", "--selector", "TMP", "--signing-key", "KEY", "--out", "TMP/b"],
+     "give exactly one of --router DIR and --selector DIR"),
+    (["--selector", "TMP/nope", "--signing-key", "KEY", "--out", "TMP/b"],
+     "--selector TMP/nope is not a folder; give a trained expert folder"),
+]
+
+_EXPORT_SCRIPT = """
+import json, sys
+from trainer.cli import main
+heavy = ("torch", "sentence_transformers", "transformers", "optimum")
+report = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["fedroute", "export", *argv]
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    print("@@", file=sys.stderr, flush=True)
+    report.append({"code": code, "heavy": [m for m in heavy if m in sys.modules]})
+print(json.dumps(report))
+"""
+
+
+def test_export_refuses_bad_arguments_before_importing_torch(tmp_path, signing_keys):
+    """`fedroute export` imported sentence-transformers and torch (10-15 s) before it looked at its
+    arguments: a missing router folder or key, a bad --out or --precision failed only then. Now each is
+    refused first: exit 2, its message, and neither torch nor sentence-transformers imported
+    (checked in a fresh interpreter, where nothing imported them before)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "router.json").write_text("{}")
+    cases = [([str(signing_keys[0]) if a == "KEY" else a.replace("TMP", str(tmp_path)) for a in args],
+              message.replace("TMP", str(tmp_path))) for args, message in EXPORT_CASES]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "500", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", _EXPORT_SCRIPT, json.dumps([a for a, _ in cases])], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    errors = run.stderr.split("@@\n")
+    assert len(report) == len(cases)
+    for (args, message), got, err in zip(cases, report, errors):
+        assert got == {"code": 2, "heavy": []}, (args, got, err)
+        assert message in flat(err), (args, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "router"]  # nothing written
