@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 from export.reward_export import export_reward_bundle
 from trainer import kinds
+from trainer.out_folder import check_out_option
 from trainer.rewards.reward_scorer_kind import FAMILY, NAME
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
@@ -30,6 +31,7 @@ def export_reward(
     """Export CLIENT's reward model and the client router as a signed reward-scorer bundle (sdk.RewardScorer)."""
     from trainer.data.preferences import load_preference_pairs  # trainer.data.preferences imports pandas: on use only
 
+    check_out_option(out, beside=True)  # before the mixture is loaded: the bundle's versions go beside OUT
     mix = kinds.get(NAME, FAMILY).load(mixture)
     if cache_dir is not None:
         mix.encoder.cache_dir = cache_dir

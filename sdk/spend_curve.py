@@ -31,12 +31,15 @@ Pure functions, no I/O.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from sdk.arrays import real_array
 from sdk.errors import InvalidInputError, ShapeError
+from sdk.real_numbers import finite_float
+from sdk.utility import check_lambda
 
 #: Breakpoints closer than this relative distance are one breakpoint (float rounding of equal ratios).
 MERGE_RTOL = 1e-9
@@ -243,12 +246,41 @@ class SpendCurve:
         return cls(breaks, base + np.concatenate([[0.0], np.cumsum(jump)]))
 
     def spend_at(self, lam: float) -> float:
-        """``S(lam)``, USD per query (``lam`` >= 0, not validated)."""
+        """``S(lam)``, USD per query.
+
+        Parameters
+        ----------
+        lam : real number, USD^-1, finite and >= 0 (:func:`sdk.utility.check_lambda`).
+
+        Raises
+        ------
+        InvalidLambdaError
+            ``lam`` is not a real number (bools and strings included), is NaN or inf, or is negative.
+        """
+        lam = check_lambda(lam)
         return float(self.levels[np.searchsorted(self.breakpoints, lam, side="right")])
 
     def step_lam(self, i: int) -> float:
-        """An interior ``lam`` of step ``i`` (level ``levels[i]``): 0 for step 0, the geometric mean of
-        its two breakpoints, or twice the last breakpoint for the last step."""
+        """An interior ``lam`` (USD^-1) of step ``i`` (level ``levels[i]``): 0 for step 0, the geometric
+        mean of its two breakpoints, or twice the last breakpoint for the last step.
+
+        Parameters
+        ----------
+        i : int, ``0 <= i <= breakpoints.size`` (``len(levels) - 1``); numpy integers too, not bools.
+
+        Raises
+        ------
+        InvalidInputError
+            ``i`` is not an integer or is out of that range (a negative ``i`` is not counted from the end).
+        """
+        last = self.breakpoints.size
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral) or not 0 <= i <= last:
+            raise InvalidInputError(f"i must be a step index, an int in [0, {last}] (len(levels) - 1), "
+                                    f"got {type(i).__name__} {i!r}")
+        return self._step_lam(int(i))
+
+    def _step_lam(self, i: int) -> float:
+        """:meth:`step_lam` without the check of ``i``."""
         if i == 0:
             return 0.0
         lo = float(self.breakpoints[i - 1])
@@ -266,22 +298,25 @@ class SpendCurve:
 
         Parameters
         ----------
-        target : float, USD per query, finite and >= 0.
+        target : real number, USD per query, finite and >= 0.
 
         Raises
         ------
         InvalidInputError
-            ``target`` is not finite or is negative.
+            ``target`` is not a real number (bools and strings included), is NaN or inf, or is negative.
         """
-        if not math.isfinite(target) or target < 0:
-            raise InvalidInputError(f"target must be a finite spend >= 0 USD per query, got {target!r}")
+        value = finite_float(target)
+        if value is None or value < 0:
+            raise InvalidInputError(f"target must be a finite spend >= 0 USD per query (a real number), got "
+                                    f"{type(target).__name__} {target!r}")
+        target = value
         levels = self.levels
         if target >= levels[0]:
             return Mix(0.0, 0.0, 0.0, float(levels[0]), True)
         if target < levels[-1]:
-            lam = self.step_lam(levels.size - 1)
+            lam = self._step_lam(levels.size - 1)
             return Mix(lam, lam, 0.0, float(levels[-1]), False)
         k = int(np.argmax(levels <= target))  # first step at or under the target; k >= 1
         high, low = float(levels[k - 1]), float(levels[k])
         p_low = (target - low) / (high - low) if high > low else 0.0
-        return Mix(self.step_lam(k - 1), self.step_lam(k), float(min(max(p_low, 0.0), 1.0)), float(target), True)
+        return Mix(self._step_lam(k - 1), self._step_lam(k), float(min(max(p_low, 0.0), 1.0)), float(target), True)

@@ -4,6 +4,7 @@ data is read or training starts (no traceback, nothing written)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 import pytest
@@ -11,6 +12,7 @@ import typer
 from typer.main import get_command
 from typer.testing import CliRunner
 
+from sdk.errors import InvalidInputError
 from sdk.sync_cli import sync
 from trainer.cli import app
 
@@ -258,14 +260,15 @@ def test_prism_label_names_a_corrupt_file_of_the_run(tmp_path, monkeypatch, caps
 
 
 @pytest.mark.parametrize("content", ['{"train": [1]', '{"train": [1]}'])
-def test_export_selector_names_a_corrupt_splits_file(tmp_path, monkeypatch, capsys, content):
+def test_export_selector_names_a_corrupt_splits_file(tmp_path, monkeypatch, capsys, content, signing_keys):
     """RUN/fedprism_seed0/splits.json truncated or without 'test': JSONDecodeError / KeyError tracebacks (after
     loading the preference data); now one line before the data is read."""
     expert = tmp_path / "fedprism_seed0" / "expert_0"
     (expert / "adapter").mkdir(parents=True)
     (expert.parent / "splits.json").write_text(content)
+    (tmp_path / "no_data").mkdir()  # exists (a missing --data is refused first), holds no data
     code, err = console(monkeypatch, capsys, ["export", "--selector", str(expert), "--out", str(tmp_path / "bundle"),
-                                              "--signing-key", str(tmp_path / "signing.key"),
+                                              "--signing-key", str(signing_keys[0]),
                                               "--data", str(tmp_path / "no_data")])
     assert code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: {expert.parent / 'splits.json'}: not the splits.json of `fedroute prism train` "
@@ -416,14 +419,15 @@ def test_simulate_refuses_a_repeated_router_kind_before_the_data(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_export_selector_refuses_a_run_whose_test_prompts_are_not_in_the_data(tmp_path, monkeypatch, capsys, shared_data):
+def test_export_selector_refuses_a_run_whose_test_prompts_are_not_in_the_data(tmp_path, monkeypatch, capsys, shared_data,
+                                                                             signing_keys):
     """splits.json naming no prompt of --data (a run trained on other data) ended in pandas' 'No objects to
     concatenate' traceback."""
     expert = tmp_path / "fedprism_seed0" / "expert_0"
     (expert / "adapter").mkdir(parents=True)
     (expert.parent / "splits.json").write_text('{"train": [], "test": ["not-a-prompt-id"]}')
     code, err = console(monkeypatch, capsys, ["export", "--selector", str(expert), "--out", str(tmp_path / "bundle"),
-                                              "--signing-key", str(tmp_path / "signing.key"), "--data", str(shared_data)])
+                                              "--signing-key", str(signing_keys[0]), "--data", str(shared_data)])
     assert code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: no preference pair of {shared_data} is a held-out prompt of "
                           f"{expert.parent / 'splits.json'} for the parity check")
@@ -446,11 +450,213 @@ def test_a_command_refuses_the_results_folder_of_another(tmp_path, monkeypatch, 
     assert json.loads((out / "results.json").read_text()) == {"command": owner, "methods": {}}
 
 
-def test_a_rerun_of_the_same_command_and_an_unmarked_results_file_are_allowed(tmp_path):
+def test_a_rerun_of_the_same_command_and_an_absent_results_file_are_allowed(tmp_path):
     from trainer.results_owner import claim_results
 
     (tmp_path / "results.json").write_text('{"command": "simulate"}')
     claim_results(tmp_path, "simulate")
-    (tmp_path / "results.json").write_text('{"routers": {}}')  # written before the key existed
-    claim_results(tmp_path, "prism train")
     claim_results(tmp_path / "absent", "prism train")
+    claim_results(tmp_path / "absent" / "deeper", "mor eval")
+
+
+#: Top-level keys of each command's results.json as written before the owner key existed (the
+#: prism one is docs/results/prism_quick/results.json's).
+OLD_RESULTS = {
+    "simulate": {"references": {}, "routers": {}, "client_distribution": {}, "config": {}, "seconds": 1.0},
+    "prism train": json.loads((Path(__file__).resolve().parents[1] / "docs" / "results" / "prism_quick" /
+                               "results.json").read_text()),
+    "mor eval": {"methods": {}, "single_rms": {}, "router_weighting": {}, "routing_errors": {}, "seeds": [],
+                 "seconds": 1.0},
+}
+
+
+@pytest.mark.parametrize("owner", sorted(OLD_RESULTS))
+def test_an_older_results_file_without_the_owner_key_belongs_to_the_command_its_keys_name(tmp_path, owner):
+    """A results.json written before the owner key existed was left to any command: `fedroute mor eval
+    --out` on an old `prism train` folder replaced its results without a word. Its keys tell its command."""
+    from trainer.results_owner import OWNER_KEY, claim_results
+
+    assert OWNER_KEY not in OLD_RESULTS[owner]
+    (tmp_path / "results.json").write_text(json.dumps(OLD_RESULTS[owner]))
+    claim_results(tmp_path, owner)  # a rerun of the same command
+    for command in sorted(set(OLD_RESULTS) - {owner}):
+        with pytest.raises(InvalidInputError) as info:
+            claim_results(tmp_path, command)
+        assert str(info.value) == (f"--out {tmp_path} holds the results of `fedroute {owner}`; `fedroute {command}` "
+                                   "would replace them: give another folder")
+
+
+@pytest.mark.parametrize("content", ['{"routers": {}}', '{"notes": "mine"}', '{"eval_split": "test", "methods": {}, '
+                                     '"single_rms": {}}', "[1, 2]", "null", "not json", b"\xff\xfe"])
+def test_a_results_file_that_names_no_command_is_refused_by_every_command(tmp_path, content):
+    """Such a file (hand-written, another tool's, keys of two commands, or not JSON) was treated as
+    "nothing to protect" and replaced; now every command refuses it and says what to do."""
+    from trainer.results_owner import claim_results
+
+    path = tmp_path / "results.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    for command in OLD_RESULTS:
+        with pytest.raises(InvalidInputError) as info:
+            claim_results(tmp_path, command)
+        message = str(info.value)
+        assert message.startswith(f"--out {tmp_path} holds a results.json that ")
+        assert message.endswith(f"`fedroute {command}` would replace it: give another folder or remove {path}")
+    assert path.read_bytes() == (content if isinstance(content, bytes) else content.encode())
+
+
+def test_a_folder_named_results_json_is_refused(tmp_path):
+    from trainer.results_owner import claim_results
+
+    (tmp_path / "results.json").mkdir()
+    with pytest.raises(InvalidInputError, match="holds a results.json that cannot be read as JSON"):
+        claim_results(tmp_path, "simulate")
+
+
+def test_mor_eval_refuses_an_old_prism_results_folder_before_the_data(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps(OLD_RESULTS["prism train"]))
+    code, err = console(monkeypatch, capsys, ["mor", "eval", "--quick", "--out", str(out),
+                                              "--data", str(tmp_path / "absent")])
+    assert code == 2 and err == (f"error: --out {out} holds the results of `fedroute prism train`; `fedroute mor eval` "
+                                 "would replace them: give another folder\n")
+    assert json.loads((out / "results.json").read_text()) == OLD_RESULTS["prism train"]
+
+
+# ------------------------------------------------------------------ an unwritable --out, refused before any work
+
+#: Each command that works for minutes before it writes its --out, with the options it needs to reach
+#: its --out check (paths under tmp_path given as "TMP/...", the signing key as "KEY").
+OUT_COMMANDS = {
+    "simulate": ["simulate", "--data", "TMP/absent"],
+    "ablate": ["ablate", "--data", "TMP/absent"],
+    "prism train": ["prism", "train", "--quick", "--data", "TMP/absent"],
+    "prism label": ["prism", "label", "--run", "TMP"],
+    "prism dpo": ["prism", "dpo", "--prefs", "TMP/prefs.jsonl", "--tiny"],
+    "mor train": ["mor", "train", "--quick", "--data", "TMP/absent"],
+    "mor eval": ["mor", "eval", "--quick", "--data", "TMP/absent"],
+    "mor audit": ["mor", "audit", "--quick", "--data", "TMP/absent"],
+    "mor grpo": ["mor", "grpo", "--quick", "--mixture", "TMP/absent"],
+    "mor export": ["mor", "export", "--mixture", "TMP/absent", "--client", "c", "--signing-key", "KEY"],
+    "export": ["export", "--router", "TMP/router", "--signing-key", "KEY"],
+    "add-model": ["add-model", "--router", "TMP/router", "--model", "new", "--calibration", "TMP/absent.csv"],
+}
+
+
+def unwritable_out(tmp_path, where: str):
+    """An --out that cannot be written even by root (chmod does not stop root): a path under a regular
+    file, or under /proc (no file can be created there). Returns (out, the message's tail)."""
+    if where == "under a file":
+        out = tmp_path / "notes.txt" / "out"
+        return out, f"--out {out}: {tmp_path / 'notes.txt'} is a file, not a folder, so {out} cannot be written"
+    out = Path("/proc") / "fedroute-no-such-folder" / "out"
+    return out, f"--out {out}: cannot write in /proc ("
+
+
+@pytest.mark.parametrize("where", ["under a file", "under /proc"])
+@pytest.mark.parametrize("name", sorted(OUT_COMMANDS))
+def test_an_unwritable_out_is_refused_before_any_work(tmp_path, monkeypatch, capsys, signing_keys, name, where):
+    """An --out that could not be written (read-only, under a file) failed only when the results were
+    saved, after minutes of training (simulate, prism, mor) or of export. One shared check
+    (trainer.out_folder.check_out_folder) refuses it first: exit 2, one message naming --out."""
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / "prefs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "prompt_id": 1}\n')
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "router.json").write_text("{}")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    out, message = unwritable_out(tmp_path, where)
+    args = [str(signing_keys[0]) if a == "KEY" else a.replace("TMP", str(tmp_path)) for a in OUT_COMMANDS[name]]
+    code, err = console(monkeypatch, capsys, [*args, "--out", str(out)])
+    assert code == 2 and message in flat(err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no test file left
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_check_out_folder_accepts_what_can_be_written_and_leaves_nothing(tmp_path):
+    from trainer.out_folder import check_out_folder
+
+    check_out_folder(tmp_path)  # an existing folder
+    check_out_folder(tmp_path / "new" / "deeper")  # created later by the command
+    check_out_folder(tmp_path / "bundle", beside=True)
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")  # a bundle's link may point anywhere: the writer checks
+    check_out_folder(tmp_path / "link", beside=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
+    with pytest.raises(InvalidInputError, match=r"^--bundle-dir .*link exists and is not a folder$"):
+        check_out_folder(tmp_path / "link", "--bundle-dir")
+
+
+# ------------------------------------------------------------------ fedroute export: argument errors before torch
+
+EXPORT_CASES = [  # (arguments, message); TMP is a fresh folder, KEY a valid signing key
+    (["--router", "TMP/nope", "--signing-key", "KEY", "--out", "TMP/b"],
+     "--router TMP/nope is not a folder; give the folder of a trained router"),
+    (["--router", "TMP", "--signing-key", "KEY", "--out", "TMP/b"],
+     "--router TMP holds no router.json; give the folder of a trained router"),
+    (["--router", "TMP/router", "--signing-key", "TMP/no.key", "--out", "TMP/b"],
+     "error: cannot read signing key TMP/no.key"),
+    (["--router", "TMP/router", "--signing-key", "TMP/router/router.json", "--out", "TMP/b"],
+     "error: TMP/router/router.json is not an unencrypted PEM private key"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/notes.txt/b"],
+     "error: --out TMP/notes.txt/b: TMP/notes.txt is a file, not a folder, so TMP/notes.txt/b cannot be written"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/router"],
+     "error: TMP/router exists and is not a fedroute bundle; refusing to replace it"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--precision", "int4"],
+     "--precision int4: unknown; known: ['int8', 'int8-all']"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--data", "TMP/absent"],
+     "--data TMP/absent does not exist"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--prices", "TMP/notes.txt"],
+     "--prices TMP/notes.txt: expected JSON {model: {"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--prior-domain", "alpacaeval"],
+     "--prior-domain is for --selector bundles"),
+    (["--router", "TMP/router", "--selector", "TMP", "--signing-key", "KEY", "--out", "TMP/b"],
+     "give exactly one of --router DIR and --selector DIR"),
+    (["--selector", "TMP/nope", "--signing-key", "KEY", "--out", "TMP/b"],
+     "--selector TMP/nope is not a folder; give a trained expert folder"),
+]
+
+_EXPORT_SCRIPT = """
+import json, sys
+from trainer.cli import main
+heavy = ("torch", "sentence_transformers", "transformers", "optimum")
+report = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["fedroute", "export", *argv]
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    print("@@", file=sys.stderr, flush=True)
+    report.append({"code": code, "heavy": [m for m in heavy if m in sys.modules]})
+print(json.dumps(report))
+"""
+
+
+def test_export_refuses_bad_arguments_before_importing_torch(tmp_path, signing_keys):
+    """`fedroute export` imported sentence-transformers and torch (10-15 s) before it looked at its
+    arguments: a missing router folder or key, a bad --out or --precision failed only then. Now each is
+    refused first: exit 2, its message, and neither torch nor sentence-transformers imported
+    (checked in a fresh interpreter, where nothing imported them before)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "router.json").write_text("{}")
+    cases = [([str(signing_keys[0]) if a == "KEY" else a.replace("TMP", str(tmp_path)) for a in args],
+              message.replace("TMP", str(tmp_path))) for args, message in EXPORT_CASES]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "500", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", _EXPORT_SCRIPT, json.dumps([a for a, _ in cases])], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    errors = run.stderr.split("@@\n")
+    assert len(report) == len(cases)
+    for (args, message), got, err in zip(cases, report, errors):
+        assert got == {"code": 2, "heavy": []}, (args, got, err)
+        assert message in flat(err), (args, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "router"]  # nothing written

@@ -15,7 +15,7 @@ from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricR
 from flwr.serverapp import Grid  # noqa: E402
 
 from sdk.cell_statistics import CellStatistics  # noqa: E402
-from sdk.errors import PrivacyError, ShapeError  # noqa: E402
+from sdk.errors import InvalidInputError, PrivacyError, ShapeError  # noqa: E402
 from sdk.eval_log import EvalLog  # noqa: E402
 from sdk.local_update import KMeansUpdate, RoundSpec, centroid_threshold, centroids_hash  # noqa: E402
 from sdk.voronoi import nearest_cell  # noqa: E402
@@ -26,6 +26,7 @@ from trainer.federated.flower_app import (  # noqa: E402
     client_update,
     make_client_app,
     make_server_app,
+    round_spec_from_message,
     update_from_ndarrays,
     update_from_record,
     update_to_ndarrays,
@@ -253,13 +254,59 @@ def test_the_strategy_applies_the_aggregation_options_as_the_pure_function(logs)
     strategy.start(grid=InProcessGrid(make_client_app(logs["paths"]), N_CLIENTS),
                    initial_arrays=centroids_record(c0), num_rounds=1)
 
-    spec = RoundSpec(1, "kmeans", c0, centroids_hash(c0), tuple(logs["models"]), EMBEDDER, c0.shape[1], 1, "")
+    spec = RoundSpec(1, "kmeans", c0, centroids_hash(c0), tuple(logs["models"]), EMBEDDER, c0.shape[1], 1, "",
+                     max_cost_usd=config.max_cost_usd)  # the nodes clip each cost to the round's bound
     updates = {str(100 + c): client_update(path, spec) for c, path in logs["paths"].items()}
     assert min(u.log_size for u in updates.values()) > config.clip_count  # clipping is at work
     expected = aggregate_kmeans(c0, updates, config, np.random.default_rng(0))
     for name in ("count", "sum_accuracy", "sum_cost"):
         np.testing.assert_array_equal(getattr(strategy.statistics_, name), getattr(expected.statistics, name))
     np.testing.assert_array_equal(strategy.next_centroids_, expected.next_centroids)
+
+
+def toy_log(path) -> np.ndarray:
+    """An EvalLog of 4 rows on 2 unit embeddings, costs 0.02, 0.30 (cell 0, model a) and 0.50, 0.05
+    (cell 1, model b) USD; returns the centroids (the two embeddings)."""
+    with EvalLog(path, ("a", "b")) as log:
+        for emb, model, score, cost in (((1, 0), "a", 1.0, 0.02), ((1, 0), "a", 0.0, 0.30),
+                                        ((0, 1), "b", 1.0, 0.50), ((0, 1), "b", 0.5, 0.05)):
+            log.record(model, score, cost, embedding=np.array(emb, dtype=np.float32))
+    return np.eye(2, dtype=np.float32)
+
+
+@pytest.mark.parametrize("max_cost_usd, sum_cost", [
+    (0.1, [[0.02 + 0.1, 0.0], [0.0, 0.1 + 0.05]]),  # 0.30 and 0.50 clipped to the bound
+    (None, [[0.02 + 0.30, 0.0], [0.0, 0.50 + 0.05]]),  # no bound: the logged costs
+])
+def test_the_nodes_clip_each_cost_to_the_rounds_max_cost_usd(tmp_path, max_cost_usd, sum_cost):
+    """The strategy's max_cost_usd bounded only its aggregation: the train message did not carry it,
+    so a Flower node summed its logged costs unclipped, unlike a device of the HTTPS server
+    (sdk.local_update.kmeans_update, docs/protocol.md section 2). Now the round config carries
+    ``max-cost-usd`` and the node clips each cost to it. Hand-computed sums."""
+    c0 = toy_log(tmp_path / "node.sqlite")
+    config = AggregationConfig(max_cost_usd=max_cost_usd)  # no clip_count: the merge itself changes nothing
+    strategy = FederatedKMeansStrategy(("a", "b"), "toy", aggregation=config, centroid_rounds=0,
+                                       rng=np.random.default_rng(0))
+    grid = InProcessGrid(make_client_app({0: tmp_path / "node.sqlite"}), 1)
+    [message] = strategy.configure_train(1, centroids_record(c0), ConfigRecord(), grid)
+    assert round_spec_from_message(message).max_cost_usd == max_cost_usd
+    assert ("max-cost-usd" in message.content.config_records["config"]) == (max_cost_usd is not None)
+
+    strategy.start(grid=grid, initial_arrays=centroids_record(c0), num_rounds=1)
+    assert strategy.rejected_ == []
+    node_update = strategy.latest_updates_["100"][1]  # as the node sent it
+    np.testing.assert_allclose(node_update.statistics.sum_cost, sum_cost, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(strategy.statistics_.sum_cost, sum_cost, rtol=1e-12, atol=0)
+    np.testing.assert_array_equal(strategy.statistics_.count, [[2, 0], [0, 2]])
+    np.testing.assert_allclose(strategy.statistics_.sum_accuracy, [[1.0, 0.0], [0.0, 1.5]])
+
+
+def test_the_round_config_may_not_set_max_cost_usd_itself(tmp_path):
+    c0 = toy_log(tmp_path / "node.sqlite")
+    strategy = FederatedKMeansStrategy(("a", "b"), "toy", rng=np.random.default_rng(0))
+    with pytest.raises(InvalidInputError, match=r"train config keys \['max-cost-usd'\] are set by the strategy"):
+        strategy.configure_train(1, centroids_record(c0), ConfigRecord({"max-cost-usd": 5.0}),
+                                 InProcessGrid(make_client_app({0: tmp_path / "node.sqlite"}), 1))
 
 
 def test_noise_is_accounted_over_the_published_aggregates(logs):

@@ -185,6 +185,24 @@ def test_bad_model_strings_get_openai_style_4xx(deployment, model, status, param
     assert len(deployment["stub"].requests) == before  # nothing reached the upstream
 
 
+@pytest.mark.parametrize("body, status", [
+    ({"model": "fedroute:budget=abc"}, 400), ({"model": "fedroute:lam="}, 400), ({"model": "fedroute:nonsense"}, 400),
+    ({"model": "fedroutex"}, 400), ({"model": 7}, 400), ({"model": "no-such-model"}, 404),
+    ({"model": "fedroute", "messages": []}, 400), ({"model": EXT[0], "messages": [{"role": "user", "content": " "}]}, 400),
+], ids=["budget=abc", "lam=", "nonsense", "fedroutex", "model 7", "no upstream", "no messages", "blank passthrough"])
+def test_requests_the_proxy_refuses_are_counted_as_invalid_not_routed(deployment, body, status):
+    """A malformed ``fedroute:...`` model string was counted as route="routed" (the label came from the
+    string's prefix), though the proxy refused it and nothing was routed; bad messages likewise."""
+    http = deployment["http"]
+    labels = ("routed", "passthrough", "invalid")
+    count = (lambda: {r: metric(http, "fedroute_proxy_requests_total", route=r, status=str(status)) for r in labels})
+    before = count()
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUERY}], **body})
+    assert r.status_code == status
+    after = count()
+    assert {k: after[k] - before[k] for k in labels} == {"routed": 0, "passthrough": 0, "invalid": 1}
+
+
 @pytest.mark.parametrize("payload, param", [
     (b"not json", None), (b"[1, 2]", None), (b'{"model": "fedroute"}', "messages"),
     (b'{"model": "fedroute", "messages": []}', "messages"),

@@ -1,9 +1,12 @@
 """The exact spend step function of a router's decisions and its randomised inversion (sdk.spend_curve)."""
 
+from decimal import Decimal
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
-from sdk.errors import InvalidInputError, ShapeError
+from sdk.errors import InvalidInputError, InvalidLambdaError, ShapeError
 from sdk.spend_curve import SpendCurve, decision_steps, row_steps
 from sdk.utility import decide
 
@@ -104,3 +107,47 @@ def test_row_steps_equals_decision_steps():
         np.testing.assert_array_equal(deltas, steps.delta_cost)
     base, lams, deltas = row_steps(A[0], C[0])
     assert base == 0.010 and lams == pytest.approx([100 / 3, 200 / 3]) and deltas == pytest.approx([-0.006, -0.003])
+
+
+@pytest.mark.parametrize("lam", ["1", True, np.bool_(True), None, float("nan"), float("inf"), -1.0, -1e-300,
+                                 pytest.param(10**400, id="10**400"), 1 + 0j])
+def test_spend_at_refuses_what_check_lambda_refuses(lam):
+    """spend_at("1") and spend_at(-5.0) answered S(0), spend_at(nan) the last level, spend_at(True) S(1):
+    a caller's bug became a spend figure. The trade-off is checked as everywhere in the SDK
+    (sdk.utility.check_lambda): InvalidLambdaError naming lam."""
+    curve = SpendCurve.from_steps(decision_steps(A, C))
+    with pytest.raises(InvalidLambdaError, match=r"^lam must be"):
+        curve.spend_at(lam)
+
+
+def test_spend_at_takes_every_real_lam():
+    curve = SpendCurve.from_steps(decision_steps(A, C))
+    assert curve.spend_at(50) == curve.spend_at(np.float32(50.0)) == curve.spend_at(Fraction(50)) == pytest.approx(0.0025)
+    assert curve.spend_at(np.int64(0)) == curve.spend_at(-0.0) == pytest.approx(0.0055)
+
+
+@pytest.mark.parametrize("i", [4, 100, -1, "1", 1.0, True, None, np.float64(1.0)])
+def test_step_lam_refuses_what_is_not_a_step_index(i):
+    """step_lam(100) raised numpy's IndexError, step_lam("1") a TypeError about str and int, and
+    step_lam(-1) silently answered a lam of the second-to-last step (numpy's negative index)."""
+    curve = SpendCurve.from_steps(decision_steps(A, C))  # 3 breakpoints: steps 0..3
+    with pytest.raises(InvalidInputError, match=r"^i must be a step index, an int in \[0, 3\]"):
+        curve.step_lam(i)
+
+
+def test_step_lam_of_each_step():
+    curve = SpendCurve.from_steps(decision_steps(A, C))
+    assert [curve.step_lam(i) for i in range(4)] == pytest.approx(
+        [0.0, np.sqrt(100 / 3 * 200 / 3), np.sqrt(200 / 3 * 1200), 2400.0])
+    assert curve.step_lam(np.int64(3)) == pytest.approx(2400.0)
+
+
+@pytest.mark.parametrize("target", ["0.004", True, None, Decimal("0.004"), float("inf"), -0.001])
+def test_mix_for_refuses_a_target_that_is_not_a_finite_real(target):
+    """mix_for("0.004") raised math's TypeError ("must be real number, not str"), and mix_for(True)
+    answered a policy for a spend of 1 USD per query."""
+    curve = SpendCurve.from_steps(decision_steps(A, C))
+    with pytest.raises(InvalidInputError, match=r"^target must be a finite spend >= 0 USD per query"):
+        curve.mix_for(target)
+    assert curve.mix_for(np.float32(0.004)).p_low == pytest.approx(0.5, rel=1e-6)
+    assert curve.mix_for(Fraction(1, 250)).p_low == pytest.approx(0.5)

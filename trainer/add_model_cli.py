@@ -16,6 +16,7 @@ import typer
 
 from sdk.errors import InvalidInputError
 from sdk.finite_option import finite_option
+from trainer.out_folder import check_out_folder
 
 __all__ = ["add_model_to_router", "add_model_command"]
 
@@ -35,15 +36,12 @@ def add_model_to_router(router_dir: Path, model: str, calibration: Path, out: Pa
     Raises
     ------
     InvalidInputError
-        ``out`` is the router's own folder or an existing file or non-empty folder, the router has no embedder identity, or anything the
+        ``out`` is the router's own folder or an existing file or non-empty folder or cannot be written
+        (:func:`trainer.out_folder.check_out_folder`), the router has no embedder identity, or anything the
         calibration checks raise (:func:`trainer.routers.add_model.load_calibration`, ``resolve_price``).
     UnknownModelError
         The calibration file has rows for other models.
     """
-    from trainer import kinds  # trainer extra (torch via the router kinds), imported on use
-    from trainer.embeddings import EmbedderConfig, embed_texts  # trainer extra, imported on use
-    from trainer.routers.add_model import load_calibration, resolve_price  # trainer extra, imported on use
-
     router_dir, out = Path(router_dir), Path(out)
     if out.resolve() == router_dir.resolve():
         raise InvalidInputError(f"--out {out} is the router's own folder: write the wider router to a new folder "
@@ -51,6 +49,12 @@ def add_model_to_router(router_dir: Path, model: str, calibration: Path, out: Pa
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InvalidInputError(f"--out {out} already exists and is not an empty folder: write the wider router to a "
                                 "new folder (remove this one first to redo an add-model); nothing was written")
+    check_out_folder(out)  # before the router is loaded and the calibration prompts embedded
+
+    from trainer import kinds  # trainer extra (torch via the router kinds), imported on use
+    from trainer.embeddings import EmbedderConfig, embed_texts  # trainer extra, imported on use
+    from trainer.routers.add_model import load_calibration, resolve_price  # trainer extra, imported on use
+
     router = kinds.load_router(router_dir)
     cal = load_calibration(calibration, model, router.models)
     price = resolve_price(cal, price_usd)

@@ -16,8 +16,12 @@ import typer
 from sdk.console import run_app
 from sdk.errors import InvalidInputError
 from sdk.finite_option import finite_option
+from export.bundle_writer import check_replaceable, check_version
+from export.embedder_onnx import QUANTISED_PRECISIONS
 from export.selector_export import export_selector_bundle, parity_pairs_for
 from export.errors import ParityError
+from export.signing import load_signing_key
+from trainer.out_folder import check_out_folder
 from trainer.results_owner import claim_results
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
@@ -116,12 +120,13 @@ def simulate(
     device: DeviceOpt = "cpu",
 ) -> None:
     """Run the federated simulation protocol (METRICS.md) and write results.json, results.md, curves.png."""
+    check_out_folder(out)  # before the heavy imports and any work
+    claim_results(out, "simulate")
     _need_trainer()
     from trainer.embeddings import EmbedderConfig  # trainer extra: `fedroute --help` works without it
     from trainer.experiments import run_simulation  # trainer extra: `fedroute --help` works without it
 
     config = _config(n_clients, alpha, routers, device)
-    claim_results(out, "simulate")
     train_t, test_t = _load_tables(data, train, test)
     summary = run_simulation(
         train_t, test_t, out, config, range(seeds),
@@ -145,6 +150,7 @@ def ablate(
     device: DeviceOpt = "cpu",
 ) -> None:
     """N in {5, 10, 20, 40} and alpha in {0.03, 0.1, 0.6, 5.0} ablations into ablation.{json,md,png}."""
+    check_out_folder(out)  # before the heavy imports and the hours of ablations
     _need_trainer()
     from trainer.embeddings import EmbedderConfig  # trainer extra: `fedroute --help` works without it
     from trainer.experiments import run_ablation  # trainer extra: `fedroute --help` works without it
@@ -185,6 +191,57 @@ def _parse_prices(spec: Optional[Path]) -> dict:
     return {str(m): (v.get("input"), v.get("output")) for m, v in raw.items()}
 
 
+def _check_export_options(out: Path, signing_key: Path, router: Optional[Path], selector: Optional[Path],
+                          precision: Optional[list[str]], data: Optional[Path], prices: Optional[Path],
+                          bundle_version: Optional[int], prior_domain: Optional[str]) -> dict:
+    """The checks of ``fedroute export``'s options that need no trainer library: run before torch and
+    sentence-transformers are imported (10-15 s), so that a typo fails at once. Returns the parsed
+    ``--prices`` table ({} without it).
+
+    Raises
+    ------
+    typer.BadParameter
+        Not exactly one of --router and --selector, options of the other kind of bundle, an unknown
+        --precision, a --router / --selector / --data that does not exist (a --router without
+        router.json), an unreadable --prices file.
+    InvalidInputError
+        --out cannot be written (:func:`trainer.out_folder.check_out_folder`; its parent holds the
+        bundle's versions).
+    ExportError
+        --out exists and is not a fedroute bundle, --bundle-version is not above the one there, or
+        --signing-key cannot be read as an Ed25519 private key.
+    """
+    if (router is None) == (selector is None):
+        raise typer.BadParameter("give exactly one of --router DIR and --selector DIR")
+    if selector is not None:
+        if prices is not None:
+            raise typer.BadParameter("--prices is for router bundles (a selector has no model table)")
+        if precision:
+            raise typer.BadParameter("--precision is for router bundles (a selector takes --int8)")
+        if not selector.is_dir():
+            raise typer.BadParameter(f"--selector {selector} is not a folder; give a trained expert folder, e.g. "
+                                     "RUN/fedprism_seed0/expert_2")
+    else:
+        if prior_domain is not None:
+            raise typer.BadParameter("--prior-domain is for --selector bundles (a router has no length prior)")
+        unknown = sorted(set(precision or ()) - set(QUANTISED_PRECISIONS))
+        if unknown:
+            raise typer.BadParameter(f"--precision {', '.join(unknown)}: unknown; known: {sorted(QUANTISED_PRECISIONS)}")
+        if not (router / "router.json").is_file():
+            what = "holds no router.json" if router.is_dir() else "is not a folder"
+            raise typer.BadParameter(f"--router {router} {what}; give the folder of a trained router, e.g. "
+                                     "results/routers/kmeans")
+    if data is not None and not data.exists():
+        raise typer.BadParameter(f"--data {data} does not exist")
+    table = _parse_prices(prices)
+    load_signing_key(signing_key)
+    check_out_folder(out, beside=True)
+    check_replaceable(out)
+    if bundle_version is not None:
+        check_version(out, bundle_version)
+    return table
+
+
 @app.command("export")
 def export_cmd(
     out: Annotated[Path, typer.Option(help="bundle folder to write (replaced atomically)")],
@@ -201,16 +258,10 @@ def export_cmd(
     cache_dir: CacheOpt = None,
 ) -> None:
     """Compile a trained router (or a preference selector) into a signed, parity-checked bundle for the SDK."""
+    price_table = _check_export_options(out, signing_key, router, selector, precision, data, prices, bundle_version,
+                                        prior_domain)
     _need_trainer()
-    if (router is None) == (selector is None):
-        raise typer.BadParameter("give exactly one of --router DIR and --selector DIR")
     if selector is not None:
-        if prices is not None:
-            raise typer.BadParameter("--prices is for router bundles (a selector has no model table)")
-        if precision:
-            raise typer.BadParameter("--precision is for router bundles (a selector takes --int8)")
-
-
         pairs = parity_pairs_for(selector, data or Path("../shared/data"), parity_pairs)
         try:
             result = export_selector_bundle(selector, out, signing_key, pairs, int8=int8,
@@ -228,7 +279,7 @@ def export_cmd(
 
     result = export_bundle(router, out, signing_key, int8=int8, precisions=tuple(precision or ()), data=data,
                            bundle_version=bundle_version,
-                           prices=_parse_prices(prices), cache_dir=cache_dir, progress=typer.echo)
+                           prices=price_table, cache_dir=cache_dir, progress=typer.echo)
     typer.echo(f"bundle v{result.manifest['bundle_version']} ({result.manifest['router_kind']}, "
                f"{len(result.manifest['models'])} models, embedder {sorted(result.manifest['embedder']['files'])}) "
                f"at {result.out}; parity passed")

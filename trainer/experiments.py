@@ -17,6 +17,7 @@ from trainer import metrics, report
 from trainer.data.routerbench import EvalTable
 from trainer.embeddings import EmbedderConfig, embed_texts
 from trainer.kinds import display_name
+from trainer.out_folder import check_out_folder
 from trainer.results_owner import OWNER_KEY
 from trainer.simulation import SimulationConfig, reference_reports, run_seed, summarise
 
@@ -65,8 +66,7 @@ def check_tables(train: EvalTable, test: EvalTable) -> None:
 
 
 def _prepare_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise InvalidInputError(f"--out {out} exists and is not a folder")
+    check_out_folder(out)
     out.mkdir(parents=True, exist_ok=True)
 
 
@@ -108,7 +108,8 @@ def run_simulation(
     Raises
     ------
     InvalidInputError
-        See :func:`check_tables`; also when ``out`` exists and is not a folder.
+        See :func:`check_tables`; also when ``out`` cannot be written (:func:`trainer.out_folder.check_out_folder`:
+        an existing file, a path under a file, an unwritable folder).
     """
     check_tables(train, test)
     _prepare_out(out)

@@ -143,7 +143,10 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
             result = await chat.acreate_routed(messages=messages, model=model, **kwargs)
         except FedrouteError as exc:
             response = _error_for(exc)
-            metrics.requests.labels(route_label, str(response.status_code)).inc()
+            # A request the proxy refuses itself (malformed body, messages or model= string, a model id
+            # with no upstream) took no route, whatever its model= began with.
+            refused = isinstance(exc, (InvalidInputError, UnknownModelError))
+            metrics.requests.labels("invalid" if refused else route_label, str(response.status_code)).inc()
             return response
         metrics.requests.labels(route_label, "200").inc()
         if isinstance(result, AsyncRoutedStream):

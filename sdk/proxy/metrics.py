@@ -4,7 +4,9 @@
 metric                                                 meaning
 =====================================================  ===========================================================
 ``fedroute_proxy_requests_total{route,status}``        chat requests by ``route`` (``routed``, ``passthrough``,
-                                                       ``invalid``) and HTTP status
+                                                       ``invalid``: refused by the proxy before any upstream
+                                                       call, e.g. a malformed ``fedroute:...`` model string)
+                                                       and HTTP status
 ``fedroute_proxy_choices_total{model}``                routed requests per model ranked first (the router's choice)
 ``fedroute_proxy_answers_total{model,route}``          answered calls per model that answered (after fallbacks)
 ``fedroute_proxy_fallbacks_total{model,reason}``       failed tries per model and reason (``timeout``,

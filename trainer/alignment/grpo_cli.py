@@ -13,6 +13,7 @@ from sdk.errors import InvalidInputError
 from sdk.finite_option import finite_option
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
+from trainer.out_folder import check_out_option
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
 DataOpt = Annotated[Path, typer.Option("--data", help="the shared data folder (alpacaeval/, hh_harmless/, routerbench/)")]
@@ -73,8 +74,7 @@ def grpo(
     for option, value in (("--learning-rate", learning_rate), ("--beta", beta)):
         if value <= 0:  # NaN and inf: refused by finite_option while parsing
             raise typer.BadParameter(f"{option} must be a finite number > 0, got {value}")
-    if out.exists() and not out.is_dir():
-        raise typer.BadParameter(f"--out {out} exists and is not a folder")
+    check_out_option(out)
     try:  # checked before OUT/tiny_policy is written
         thompson = ThompsonConfig(enabled=online != "off", lam=ts_lambda, nu=ts_nu, seed=seed)
     except InvalidInputError as exc:

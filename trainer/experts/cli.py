@@ -17,16 +17,11 @@ import numpy as np
 from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig, validate_preference_rows
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
+from trainer.out_folder import check_out_option
 from trainer.results_owner import claim_results
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="FedPrism: federated preference experts with instance-wise routing (paper 000).")
-
-
-def _check_out(out: Path) -> None:
-    """Refuse an --out that is an existing file before any work (it used to fail after data preparation)."""
-    if out.exists() and not out.is_dir():
-        raise typer.BadParameter(f"--out {out} exists and is not a folder")
 
 
 @app.command()
@@ -48,7 +43,7 @@ def train(
     from trainer.experts.experiment import ALL_METHODS, PRESETS, prepare_data, run_experiment  # trainer.experts.experiment imports pandas, torch: on use only
     from trainer.experts.selector import PairSelector  # trainer.experts.selector imports torch: on use only
 
-    _check_out(out)
+    check_out_option(out)  # before any work: an unusable --out used to fail after it
     claim_results(out, "prism train")
     name = "quick" if quick else preset
     if name not in PRESETS:
@@ -92,7 +87,7 @@ def label(
 
     from trainer.experts.phase3 import agreement_markdown, run_phase3  # trainer.experts.phase3 imports pandas: on use only
 
-    _check_out(out)
+    check_out_option(out)  # before any work: an unusable --out used to fail after it
     torch.set_num_threads(device_threads)
     result = run_phase3(run, data, out, max_pairs=max_pairs, cache_dir=cache_dir)
     typer.echo(agreement_markdown(result["agreement"]))
@@ -145,7 +140,7 @@ def dpo(
     if not 0.0 < heldout_fraction < 1.0:  # NaN and inf: refused by finite_option while parsing
         raise typer.BadParameter(f"--heldout-fraction must lie in (0, 1) (at least one prompt is held out for "
                                  f"the accuracy), got {heldout_fraction}")
-    _check_out(out)
+    check_out_option(out)  # before any work: an unusable --out used to fail after it
     try:
         rows = pd.read_parquet(prefs) if prefs.suffix == ".parquet" else pd.read_json(prefs, lines=True)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid and pandas' JSON errors are ValueErrors

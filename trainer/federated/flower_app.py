@@ -11,7 +11,10 @@ One Flower round ``r``
 
    - ``arrays["centroids"]``: ndarray of shape (n_cells, d_emb), float32, the global centroids ``C_r``;
    - ``config``: ``round-id`` (int), ``centroids-hash`` (:func:`sdk.local_update.centroids_hash`),
-     ``models`` (list of str, the column order), ``embedder-name`` (str), ``min-count`` (int).
+     ``models`` (list of str, the column order), ``embedder-name`` (str), ``min-count`` (int) and,
+     when the strategy's ``aggregation`` sets one, ``max-cost-usd`` (float > 0, USD per query: the
+     round's bound on one query's cost, ``RoundSpec.max_cost_usd``; the node clips each logged cost
+     to it, as a device does for the HTTPS server, docs/protocol.md §2).
 
 2. Node -> server, the reply (:func:`update_to_record`): the node's
    :class:`sdk.local_update.KMeansUpdate` for ``C_r`` as named arrays (:data:`UPDATE_ARRAYS`), the
@@ -95,7 +98,7 @@ METRICS_KEY = "metrics"
 #: Node-config key holding the EvalLog path of a deployed SuperNode.
 EVAL_LOG_NODE_CONFIG = "eval-log"
 
-_ROUND_CONFIG_KEYS = ("round-id", "centroids-hash", "models", "embedder-name", "min-count")
+_ROUND_CONFIG_KEYS = ("round-id", "centroids-hash", "models", "embedder-name", "min-count", "max-cost-usd")
 
 
 # --------------------------------------------------------------------------- wire format
@@ -184,7 +187,8 @@ class FederatedKMeansStrategy(Strategy):
     embedder_name : str, the embedder the centroids live in (sent to the nodes; a node whose log
         has another dimension refuses the round).
     min_count : int >= 1, privacy threshold: (cell, model) entries with fewer samples are not reported.
-    aggregation : :class:`AggregationConfig` or None (plain merge): clipping, trimmed merge, noise.
+    aggregation : :class:`AggregationConfig` or None (plain merge): clipping, trimmed merge, noise. Its
+        ``max_cost_usd`` is also sent to the nodes (``max-cost-usd``), which clip each logged cost to it.
     centroid_rounds : int >= 0 or None, rounds that end with a Lloyd step moving the centroids;
         later rounds keep them and only refresh the statistics. None: every round moves them.
     fraction_train : float in (0, 1], share of the connected nodes sampled each round.
@@ -280,7 +284,7 @@ class FederatedKMeansStrategy(Strategy):
             ``arrays`` holds no ``"centroids"`` of shape (n_cells, d_emb), finite.
         InvalidInputError
             ``config`` sets one of the keys this strategy writes (``round-id``, ``centroids-hash``,
-            ``models``, ``embedder-name``, ``min-count``).
+            ``models``, ``embedder-name``, ``min-count``, ``max-cost-usd``).
         """
         if CENTROIDS_KEY not in arrays:
             raise ShapeError(f"the broadcast ArrayRecord must hold {CENTROIDS_KEY!r} (see centroids_record), "
@@ -306,6 +310,8 @@ class FederatedKMeansStrategy(Strategy):
             "embedder-name": self.embedder_name,
             "min-count": int(self.min_count),
         })
+        if self._config.max_cost_usd is not None:  # the nodes clip each cost to it (sdk.local_update.kmeans_update)
+            round_config["max-cost-usd"] = float(self._config.max_cost_usd)
         content = RecordDict({ARRAYS_KEY: ArrayRecord({CENTROIDS_KEY: Array(centroids)}), CONFIG_KEY: round_config})
         return [Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN) for node_id in node_ids]
 
@@ -446,7 +452,8 @@ def make_server_app(
 
 def round_spec_from_message(msg: Message) -> RoundSpec:
     """The :class:`sdk.local_update.RoundSpec` a train message announces (validated by
-    :meth:`RoundSpec.from_json`: shapes, distinct models, and centroids matching their hash).
+    :meth:`RoundSpec.from_json`: shapes, distinct models, centroids matching their hash, and a
+    ``max-cost-usd``, when present, finite and > 0: it becomes ``spec.max_cost_usd``).
 
     Raises
     ------

@@ -17,6 +17,7 @@ import typer
 from dataclasses import replace
 from sdk.finite_option import finite_option
 from trainer.report import write_json
+from trainer.out_folder import check_out_option
 from trainer.results_owner import OWNER_KEY, claim_results
 from trainer.rewards.mor_report import write_eval
 from trainer.rewards.mor_report import write_audit
@@ -40,12 +41,6 @@ def _config(quick: bool, data: Path, seeds: Optional[int], cache: Optional[Path]
     return MoRConfig.quick(**over) if quick else MoRConfig(**over)
 
 
-def _check_out(out: Path) -> None:
-    """Refuse an --out that is an existing file before training (the save at the end used to fail, losing the run)."""
-    if out.exists() and not out.is_dir():
-        raise typer.BadParameter(f"--out {out} exists and is not a folder")
-
-
 def _setup(threads: int) -> None:
     import torch  # torch: optional heavy dependency, imported on use
 
@@ -64,7 +59,7 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.evaluation import evaluate_seed  # trainer.rewards.evaluation imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
-    _check_out(out)
+    check_out_option(out)  # before training: the save at the end used to fail, losing the run
     _setup(threads)
     if mode not in ("sparse", "soft") or weighting not in (None, "equal", "samples"):
         raise typer.BadParameter(f"--mode must be sparse|soft and --weighting equal|samples, got {mode!r}, {weighting!r}")
@@ -90,7 +85,7 @@ def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.evaluation import run_evaluation  # trainer.rewards.evaluation imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
-    _check_out(out)
+    check_out_option(out)  # before training: the save at the end used to fail, losing the run
     claim_results(out, "mor eval")
     _setup(threads)
     cfg = _config(quick, data, seeds, cache)
@@ -116,7 +111,7 @@ def audit(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.audit import run_audit  # trainer.rewards.audit imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
-    _check_out(out)
+    check_out_option(out)  # before training: the save at the end used to fail, losing the run
     _setup(threads)
     cfg = _config(quick, data, seeds, cache)
     t0 = time.perf_counter()
