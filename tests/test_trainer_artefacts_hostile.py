@@ -1,0 +1,93 @@
+"""Saved trainer artefacts and bundles a user mixes up, cuts short or hand-edits: FedPrism experts, MoR
+mixtures, selector / reward-scorer / router bundles at one path, and the export's parity inputs. Each is
+refused with one error naming the file, argument or folder, before any heavy work (no ONNX export here)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from export.bundle_writer import write_bundle  # noqa: E402
+from export.errors import ExportError  # noqa: E402
+from export.signing import load_signing_key  # noqa: E402
+from sdk.errors import BundleError, InvalidInputError, ShapeError  # noqa: E402
+from sdk.pair_encoding import PairEncodingConfig  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+# --- FedPrism experts -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_experts(tmp_path_factory):
+    """A PairSelector (real MiniLM backbone, top-layer LoRA) and two saved experts with different tensors."""
+    from trainer.experts.selector import PairSelector, SelectorConfig
+
+    model = PairSelector(SelectorConfig(), seed=0)
+    base = model.expert_state()
+    shifted = {k: (v + 0.5).astype(np.float32) for k, v in base.items()}
+    root = tmp_path_factory.mktemp("experts")
+    model.save_expert(shifted, root / "expert_0")
+    model.save_expert(base, root / "expert_1")
+    return model, root, shifted, base
+
+
+def _copy_expert(root: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "expert_1"
+    shutil.copytree(root / "expert_1", dst)
+    return dst
+
+
+def test_an_expert_whose_head_file_lacks_a_tensor_is_refused(saved_experts, tmp_path):
+    """head.safetensors without length_skip.weight loaded, keeping the previously loaded expert's
+    length weights (expert_0's) as if they were this expert's."""
+    from safetensors.numpy import load_file, save_file
+
+    model, root, _, _ = saved_experts
+    cut = _copy_expert(root, tmp_path)
+    head = load_file(str(cut / "head.safetensors"))
+    del head["length_skip.weight"]
+    save_file(head, str(cut / "head.safetensors"))
+    model.load_expert(root / "expert_0")
+    with pytest.raises(InvalidInputError, match=r"head\.safetensors: not this selector's expert file \(1 tensor\(s\) "
+                                                r"missing, e\.g\. \['length_skip\.weight'\]"):
+        model.load_expert(cut)
+
+
+def test_an_expert_whose_adapter_file_is_empty_or_foreign_is_refused(saved_experts, tmp_path):
+    """An adapter file without the LoRA tensors loaded leniently (peft): the LoRA of the expert loaded
+    before stayed in place, so expert_1 scored as expert_0."""
+    from safetensors.torch import load_file, save_file
+
+    model, root, shifted, base = saved_experts
+    cut = _copy_expert(root, tmp_path)
+    adapter_file = cut / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(str(adapter_file))
+    save_file({}, str(adapter_file))
+    model.load_expert(root / "expert_0")
+    with pytest.raises(InvalidInputError, match=f"adapter_model.safetensors: not this selector's expert file "
+                                                f"\\({len(tensors)} tensor\\(s\\) missing"):
+        model.load_expert(cut)
+    renamed = {k.replace("lora_A", "lora_Z"): v for k, v in tensors.items()}
+    save_file(renamed, str(adapter_file))
+    with pytest.raises(InvalidInputError, match="unexpected, e.g."):
+        model.load_expert(cut)
+    wrong = dict(tensors)
+    name = next(iter(wrong))
+    wrong[name] = torch.zeros(1, 1)
+    save_file(wrong, str(adapter_file))
+    with pytest.raises(ShapeError, match=f"tensor '{name}' has shape \\(1, 1\\)"):
+        model.load_expert(cut)
+    # the complete files still load, each as itself
+    state = model.load_expert(root / "expert_1")
+    assert all(np.array_equal(state[k], base[k]) for k in base)
+    state = model.load_expert(root / "expert_0")
+    assert all(np.array_equal(state[k], shifted[k]) for k in shifted)
