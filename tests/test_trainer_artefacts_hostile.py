@@ -91,3 +91,60 @@ def test_an_expert_whose_adapter_file_is_empty_or_foreign_is_refused(saved_exper
     assert all(np.array_equal(state[k], base[k]) for k in base)
     state = model.load_expert(root / "expert_0")
     assert all(np.array_equal(state[k], shifted[k]) for k in shifted)
+
+
+# --- MoR mixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_mixture(tmp_path_factory):
+    """An untrained two-client MLP mixture saved with save_mixture (nothing is embedded)."""
+    from trainer.rewards.client_router import ClientRouter
+    from trainer.rewards.mixture import RoutedReward, save_mixture
+    from trainer.rewards.pair_features import PairEncoder
+    from trainer.rewards.reward_models import MLPRewardModel, ScoreNormaliser
+
+    encoder = PairEncoder()
+    router = ClientRouter(771, 2, 8, client_names=["helpful", "harmless"])
+    models = []
+    for _ in range(2):
+        rm = MLPRewardModel(encoder, 771, 8)
+        rm.normaliser_ = ScoreNormaliser(0.0, 1.0)
+        models.append(rm)
+    mixture = RoutedReward(router, models, encoder)
+    return mixture, save_mixture(mixture, tmp_path_factory.mktemp("mix") / "mixture")
+
+
+@pytest.mark.parametrize("part, content, error", [
+    ("router/router.json", "{", "JSONDecodeError"),
+    ("router/router.safetensors", "not safetensors", "SafetensorError"),
+    ("clients/harmless/reward_model.json", '{"format_version": 1, "arch": "mlp"}', "KeyError"),
+    ("clients/helpful/weights.safetensors", None, "FileNotFoundError"),
+])
+def test_a_mixture_part_cut_short_is_named(saved_mixture, tmp_path, part, content, error):
+    """mixture.json was checked, its parts not: `mor grpo` / `mor export` ended in a JSONDecodeError,
+    SafetensorError, KeyError or FileNotFoundError traceback."""
+    from trainer.rewards.mixture import load_mixture
+
+    _, saved = saved_mixture
+    copy = tmp_path / "mixture"
+    shutil.copytree(saved, copy)
+    if content is None:
+        (copy / part).unlink()
+    else:
+        (copy / part).write_text(content)
+    folder = copy / Path(part).parent
+    with pytest.raises(InvalidInputError) as info:
+        load_mixture(copy)
+    assert str(info.value).startswith(f"{folder}: cannot load this part of the mixture ({error}: ")
+    assert str(info.value).endswith("rerun `fedroute mor train`")
+
+
+def test_the_saved_mixture_itself_still_loads(saved_mixture):
+    from trainer.rewards.mixture import load_mixture
+
+    mixture, saved = saved_mixture
+    loaded = load_mixture(saved)
+    assert loaded.client_names == ["helpful", "harmless"]
+    for name, value in mixture.router.get_parameters().items():
+        np.testing.assert_array_equal(loaded.router.get_parameters()[name], value)
