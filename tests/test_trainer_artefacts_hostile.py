@@ -148,3 +148,15 @@ def test_the_saved_mixture_itself_still_loads(saved_mixture):
     assert loaded.client_names == ["helpful", "harmless"]
     for name, value in mixture.router.get_parameters().items():
         np.testing.assert_array_equal(loaded.router.get_parameters()[name], value)
+
+
+def test_reward_export_refuses_parity_texts_that_are_not_str_before_any_export(saved_mixture, signing_keys, tmp_path):
+    """A None among the parity responses was refused by the trainer's encoder after the embedder's ONNX
+    export (a minute or more)."""
+    from export.reward_export import export_reward_bundle
+
+    mixture, _ = saved_mixture
+    with pytest.raises(ExportError, match=r"parity pairs: responses\[1\] must be a str, got None"):
+        export_reward_bundle(mixture, "harmless", tmp_path / "bundle", signing_keys[0], ["p", "q"], ["r", None],
+                             progress=lambda _: None)
+    assert not (tmp_path / "bundle").exists()
