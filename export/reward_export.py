@@ -453,7 +453,7 @@ def export_reward_bundle(mixture, client: str, out: Path, signing_key: Path, pro
         raise ExportError(f"unknown client {client!r}; the mixture has {list(mixture.client_names)}")
     key = load_signing_key(signing_key)
     out = Path(out)
-    check_replaceable(out)
+    check_replaceable(out, FAMILY)  # a router bundle at out is not replaced by this one
     version = bundle_version if bundle_version is not None else next_bundle_version(out)
     check_version(out, version)
     emb = mixture.encoder.embedder

@@ -322,7 +322,7 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
     """
     key = load_signing_key(signing_key)
     out = Path(out)
-    check_replaceable(out)
+    check_replaceable(out, FAMILY)  # a router bundle at out is not replaced by this one
     version = bundle_version if bundle_version is not None else next_bundle_version(out)
     check_version(out, version)
     if parity_pairs is None or len(parity_pairs) == 0:

@@ -160,3 +160,44 @@ def test_reward_export_refuses_parity_texts_that_are_not_str_before_any_export(s
         export_reward_bundle(mixture, "harmless", tmp_path / "bundle", signing_keys[0], ["p", "q"], ["r", None],
                              progress=lambda _: None)
     assert not (tmp_path / "bundle").exists()
+
+
+# --- bundles of one family at another's path ---------------------------------------------------------
+
+
+def _selector_fields(version: int = 1) -> dict:
+    return {"bundle_version": version, "selector_kind": "onnx_pair",
+            "selector": {"name": "fedprism-expert-0", "backbone": "b", "method": "fedprism", "expert": 0,
+                         "files": {"fp32": "selector.onnx"}, "pair_encoding": PairEncodingConfig().to_dict(),
+                         "n_length_features": 3, "pooling": "mean", "lora": {}}}
+
+
+@pytest.fixture()
+def selector_bundle(signing_keys, tmp_path) -> Path:
+    """A signed bundle with a selector manifest (its graph is never loaded by these tests)."""
+    out = tmp_path / "bundles" / "selector"
+    write_bundle(out, {"tokenizer.json": b"{}", "selector.onnx": b"x"}, _selector_fields(),
+                 load_signing_key(signing_keys[0]))
+    return out
+
+
+def test_a_bundle_of_another_family_is_not_replaced(selector_bundle, signing_keys, tmp_path):
+    """Exporting a router (or a reward scorer) to the folder of a selector bundle replaced it, and the other
+    way round: the app or `fedroute serve --bundle-dir` reading that path then got a bundle it cannot load."""
+    from export.selector_export import export_selector_bundle
+
+    key = load_signing_key(signing_keys[0])
+    router_fields = {"bundle_version": 2, "router_kind": "kmeans"}
+    with pytest.raises(ExportError, match=f"{selector_bundle} holds a selector bundle; refusing to replace it with a "
+                                          "router bundle"):
+        write_bundle(selector_bundle, {"kmeans.npz": b"x"}, router_fields, key)
+    assert json.loads((selector_bundle / "manifest.json").read_text())["selector_kind"] == "onnx_pair"
+    router_bundle = tmp_path / "bundles" / "kmeans"
+    write_bundle(router_bundle, {"kmeans.npz": b"x"}, {"bundle_version": 1, "router_kind": "kmeans"}, key)
+    pairs = pd.DataFrame({"prompt": ["p"], "response_a": ["a"], "response_b": ["b"], "label": [1]})
+    with pytest.raises(ExportError, match=f"{router_bundle} holds a router bundle; refusing to replace it with a "
+                                          "selector bundle"):
+        export_selector_bundle(tmp_path / "no_expert", router_bundle, signing_keys[0], pairs, progress=lambda _: None)
+    # a bundle of the same family is replaced by a newer version, as before
+    write_bundle(selector_bundle, {"tokenizer.json": b"{}", "selector.onnx": b"y"}, _selector_fields(2), key)
+    assert json.loads((selector_bundle / "manifest.json").read_text())["bundle_version"] == 2
