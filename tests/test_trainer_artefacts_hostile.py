@@ -181,6 +181,16 @@ def selector_bundle(signing_keys, tmp_path) -> Path:
     return out
 
 
+def test_a_reward_scorer_given_a_selector_bundle_names_sdk_selector(selector_bundle, signing_keys):
+    """The message sent the user to sdk.Router for a selector bundle."""
+    from sdk.reward_scorer import RewardScorer
+
+    with pytest.raises(BundleError) as info:
+        RewardScorer.load(selector_bundle, public_key=signing_keys[1])
+    assert str(info.value) == ("bundle carries no reward_scorer (it carries {'selector': 'onnx_pair'}); "
+                               "load it with sdk.Selector")
+
+
 def test_a_bundle_of_another_family_is_not_replaced(selector_bundle, signing_keys, tmp_path):
     """Exporting a router (or a reward scorer) to the folder of a selector bundle replaced it, and the other
     way round: the app or `fedroute serve --bundle-dir` reading that path then got a bundle it cannot load."""
