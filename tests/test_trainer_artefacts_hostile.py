@@ -211,3 +211,20 @@ def test_a_bundle_of_another_family_is_not_replaced(selector_bundle, signing_key
     # a bundle of the same family is replaced by a newer version, as before
     write_bundle(selector_bundle, {"tokenizer.json": b"{}", "selector.onnx": b"y"}, _selector_fields(2), key)
     assert json.loads((selector_bundle / "manifest.json").read_text())["bundle_version"] == 2
+
+
+def test_the_selector_export_checks_its_parity_pairs_and_prior_domain_first(signing_keys, tmp_path):
+    """Pairs without a 'label' column failed with a KeyError in the parity check, after the ONNX export;
+    --prior-domain for an expert of a label-free run was ignored (the bundle served every domain)."""
+    from export.selector_export import export_selector_bundle
+
+    no_label = pd.DataFrame({"prompt": ["p"], "response_a": ["a"], "response_b": ["b"]})
+    with pytest.raises(ExportError, match=r"parity_pairs lacks columns \['label'\]"):
+        export_selector_bundle(tmp_path / "run" / "expert_0", tmp_path / "out", signing_keys[0], no_label,
+                               progress=lambda _: None)
+    pairs = no_label.assign(label=1)
+    with pytest.raises(ExportError, match=r"prior_domain='alpacaeval' \(--prior-domain\): .* is not of a "
+                                          r"length_prior='domain' run"):
+        export_selector_bundle(tmp_path / "run" / "expert_0", tmp_path / "out", signing_keys[0], pairs,
+                               prior_domain="alpacaeval", progress=lambda _: None)
+    assert not (tmp_path / "out").exists()
