@@ -274,12 +274,16 @@ def _fold_length_prior(selector, expert_dir: Path, prior_domain: str | None) -> 
     import torch  # torch: optional heavy dependency (trainer extra), imported on use
 
     from sdk.errors import InvalidInputError  # kept beside its one use, like load_trained_selector's
-    from trainer.experts.length_init import saved_length_prior  # trainer side of the run layout: on use only
+    from trainer.experts.length_init import read_length_prior, saved_length_prior  # trainer side of the run layout: on use only
 
-    if not (expert_dir.parent / "length_prior.json").exists():
+    try:
+        priors = read_length_prior(expert_dir.parent)
+    except InvalidInputError as exc:
+        raise ExportError(str(exc)) from exc
+    if priors is None:
         return
     if prior_domain is None:
-        saved = json.loads((expert_dir.parent / "length_prior.json").read_text())["domains"]
+        saved = list(priors)
         raise ExportError(f"{expert_dir} is a residual over a per-domain length prior (length_prior='domain'); "
                           f"give the domain the bundle serves (prior_domain / --prior-domain), one of {saved}")
     try:

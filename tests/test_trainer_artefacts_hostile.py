@@ -228,3 +228,25 @@ def test_the_selector_export_checks_its_parity_pairs_and_prior_domain_first(sign
         export_selector_bundle(tmp_path / "run" / "expert_0", tmp_path / "out", signing_keys[0], pairs,
                                prior_domain="alpacaeval", progress=lambda _: None)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"domains": ["alpacaeval"]', "not the length_prior.json of `fedroute prism train` (JSONDecodeError"),
+    ('{"coefs": [[1, 2, 3]]}', "not the length_prior.json of `fedroute prism train` (KeyError: 'domains')"),
+    ('{"domains": ["alpacaeval"], "coefs": [[1, 2]]}', "got domains ['alpacaeval'] and weights of shape (1, 2)"),
+    ('{"domains": ["alpacaeval"], "coefs": [[1, NaN, 3]]}', "one row of 3 finite weights per domain"),
+])
+def test_a_hand_edited_length_prior_is_named(tmp_path, content, message):
+    """RUN/fedprism_seed0/length_prior.json truncated or edited: `prism label` and `export --selector
+    --prior-domain` ended in a JSONDecodeError / KeyError traceback, or folded a (2,) or NaN prior in."""
+    from trainer.experts.length_init import read_length_prior, saved_length_prior
+
+    (tmp_path / "length_prior.json").write_text(content)
+    for read in (lambda: read_length_prior(tmp_path), lambda: saved_length_prior(tmp_path, "alpacaeval")):
+        with pytest.raises(InvalidInputError) as info:
+            read()
+        assert str(info.value).startswith(f"{tmp_path / 'length_prior.json'}: ") and message in str(info.value)
+    (tmp_path / "length_prior.json").write_text('{"domains": ["alpacaeval", "hh_harmless"], '
+                                                '"coefs": [[1.5, 0.25, -0.5], [-1, 0, 0]]}')
+    np.testing.assert_array_equal(saved_length_prior(tmp_path, "hh_harmless"), np.array([-1, 0, 0], np.float32))
+    assert read_length_prior(tmp_path / "absent") is None
