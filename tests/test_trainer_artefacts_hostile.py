@@ -230,6 +230,20 @@ def test_the_selector_export_checks_its_parity_pairs_and_prior_domain_first(sign
     assert not (tmp_path / "out").exists()
 
 
+# --- arrays the device is given ------------------------------------------------------------------------
+
+
+def test_feature_rows_refuse_complex_numbers():
+    """finite_rows (RewardScorer.scores_from_features, Router.choose_batch's embeddings) dropped the imaginary
+    part with a ComplexWarning only, as its docstring says it refuses."""
+    from sdk.arrays import finite_rows
+
+    with pytest.raises(ShapeError, match="features must be a \\(n, 2\\) array of real numbers, got ndarray that "
+                                         "does not convert to float32 \\(complex numbers\\)"):
+        finite_rows(np.array([[1.0 + 2.0j, 0.5]]), 2, "features")
+    np.testing.assert_array_equal(finite_rows([[1.0, 0.5]], 2, "features"), np.array([[1.0, 0.5]], np.float32))
+
+
 @pytest.mark.parametrize("content, message", [
     ('{"domains": ["alpacaeval"]', "not the length_prior.json of `fedroute prism train` (JSONDecodeError"),
     ('{"coefs": [[1, 2, 3]]}', "not the length_prior.json of `fedroute prism train` (KeyError: 'domains')"),
