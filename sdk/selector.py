@@ -332,13 +332,17 @@ class Selector:
         Raises
         ------
         InvalidInputError
-            The three sequences differ in length, or any text is invalid.
+            The three sequences differ in length, or any text is invalid (named as ``y_a[i]``; every text
+            is checked before the first pair is scored).
         """
         for name, seq in (("x", x), ("y_a", y_a), ("y_b", y_b)):
             if isinstance(seq, str) or not isinstance(seq, Sequence):
                 raise InvalidInputError(f"{name} must be a list of str, got {type(seq).__name__}")
         if not (len(x) == len(y_a) == len(y_b)):
             raise InvalidInputError(f"x, y_a, y_b must have one length, got {len(x)}, {len(y_a)}, {len(y_b)}")
+        for i, texts in enumerate(zip(x, y_a, y_b)):
+            for name, text in zip(("x", "y_a", "y_b"), texts):
+                check_text(text, f"{name}[{i}]")
         return np.array([self.prefer(p, a, b) for p, a, b in zip(x, y_a, y_b)], dtype=np.float64)
 
 
