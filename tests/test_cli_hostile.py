@@ -454,3 +454,15 @@ def test_a_rerun_of_the_same_command_and_an_unmarked_results_file_are_allowed(tm
     (tmp_path / "results.json").write_text('{"routers": {}}')  # written before the key existed
     claim_results(tmp_path, "prism train")
     claim_results(tmp_path / "absent", "prism train")
+
+
+def test_mor_grpo_quick_keeps_the_lengths_given_on_the_line():
+    """--quick replaced --steps, --n-prompts and --max-completion-length given on the line (--quick --steps 5
+    ran 20 steps, silently); it now fills in only the ones left out."""
+    from trainer.alignment.grpo_cli import run_lengths
+
+    assert run_lengths(True, None, None, None) == (20, 64, 16)
+    assert run_lengths(True, 5, None, 8) == (5, 64, 8)
+    assert run_lengths(False, None, 100, None) == (60, 100, 32)
+    help_text = flat(CliRunner().invoke(app, ["mor", "grpo", "--help"], env={"COLUMNS": "500"}).output)
+    assert "GRPO optimiser steps (default 60; 20 with --quick)" in help_text

@@ -41,17 +41,30 @@ def public_prompts(data: Path, n: int, seed: int = 0) -> list[str]:
     return mixed[:n]
 
 
+#: (steps, prompts, tokens per completion) of a run, and of a --quick run
+DEFAULT_LENGTHS, QUICK_LENGTHS = (60, 256, 32), (20, 64, 16)
+
+
+def run_lengths(quick: bool, steps: Optional[int], n_prompts: Optional[int],
+                max_completion_length: Optional[int]) -> tuple[int, int, int]:
+    """(steps, n_prompts, max_completion_length): the values given on the line, else the preset's
+    (``--quick`` used to replace given values: ``--quick --steps 5`` ran 20 steps)."""
+    preset = QUICK_LENGTHS if quick else DEFAULT_LENGTHS
+    given = (steps, n_prompts, max_completion_length)
+    return tuple(p if g is None else g for g, p in zip(given, preset))  # type: ignore[return-value]
+
+
 def grpo(
     mixture: MixtureOpt,
     out: Annotated[Path, typer.Option(help="output folder (history, figures, comparison)")] = Path("results/mor_grpo"),
     model: Annotated[Optional[str], typer.Option(help="policy causal LM: local path or hub id; default: a tiny random "
                                                       "2-layer Llama built offline into OUT/tiny_policy")] = None,
     data: DataOpt = Path("../shared/data"),
-    steps: Annotated[int, typer.Option(min=1, help="GRPO optimiser steps")] = 60,
-    n_prompts: Annotated[int, typer.Option(min=1, help="public prompts to train on")] = 256,
+    steps: Annotated[Optional[int], typer.Option(min=1, help="GRPO optimiser steps (default 60; 20 with --quick)")] = None,
+    n_prompts: Annotated[Optional[int], typer.Option(min=1, help="public prompts to train on (default 256; 64 with --quick)")] = None,
     num_generations: Annotated[int, typer.Option(min=1, help="completions per prompt (group size M)")] = 4,
     prompts_per_step: Annotated[int, typer.Option(min=1, help="prompts per optimiser step")] = 4,
-    max_completion_length: Annotated[int, typer.Option(min=1, help="tokens generated per completion")] = 32,
+    max_completion_length: Annotated[Optional[int], typer.Option(min=1, help="tokens generated per completion (default 32; 16 with --quick)")] = None,
     learning_rate: Annotated[float, typer.Option(callback=finite_option, help="policy learning rate (1e-2 suits the tiny random policy; "
                                                       "use ~1e-6 for a real instruct model)")] = 1e-2,
     beta: Annotated[float, typer.Option(callback=finite_option, help="KL coefficient to the reference policy (> 0)")] = 0.04,
@@ -59,7 +72,8 @@ def grpo(
     ts_lambda: Annotated[float, typer.Option("--ts-lambda", callback=finite_option, help="Thompson sampling lambda (prior, pull-back)")] = 1.0,
     ts_nu: Annotated[float, typer.Option("--ts-nu", callback=finite_option, help="Thompson sampling exploration scale nu")] = 1.0,
     device: Annotated[str, typer.Option(help="cpu (float32, 1 thread) or cuda (bfloat16)")] = "cpu",
-    quick: Annotated[bool, typer.Option("--quick", help="20 steps, 64 prompts, 16 tokens (a few minutes on CPU)")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="20 steps, 64 prompts, 16 tokens (a few minutes on CPU); "
+                                                         "--steps, --n-prompts and --max-completion-length given on the line win")] = False,
     seed: Annotated[int, typer.Option(min=0)] = 0,
     cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
 ) -> None:
@@ -79,8 +93,7 @@ def grpo(
         thompson = ThompsonConfig(enabled=online != "off", lam=ts_lambda, nu=ts_nu, seed=seed)
     except InvalidInputError as exc:
         raise typer.BadParameter(f"--ts-lambda / --ts-nu: {exc}") from exc
-    if quick:
-        steps, n_prompts, max_completion_length = 20, 64, 16
+    steps, n_prompts, max_completion_length = run_lengths(quick, steps, n_prompts, max_completion_length)
     try:  # every setting checked before the mixture and the data are read and OUT/tiny_policy is written
         config = RoutedGRPOConfig(model=str(out / "tiny_policy") if model is None else model, output_dir=out, beta=beta,
                                   learning_rate=learning_rate, num_generations=num_generations,
