@@ -466,3 +466,15 @@ def test_mor_grpo_quick_keeps_the_lengths_given_on_the_line():
     assert run_lengths(False, None, 100, None) == (60, 100, 32)
     help_text = flat(CliRunner().invoke(app, ["mor", "grpo", "--help"], env={"COLUMNS": "500"}).output)
     assert "GRPO optimiser steps (default 60; 20 with --quick)" in help_text
+
+
+def test_mor_grpo_refuses_more_prompts_than_the_public_pool(shared_data):
+    """--n-prompts above what the alternating AlpacaEval / HH pool holds trained on fewer prompts, silently."""
+    from sdk.errors import InvalidInputError
+    from trainer.alignment.grpo_cli import public_prompts
+
+    four = public_prompts(shared_data, 4)
+    assert len(four) == len(set(four)) == 4
+    with pytest.raises(InvalidInputError, match=r"^n=1000000 prompts \(--n-prompts\) but .* holds \d+ public prompts "
+                                                r"\(AlpacaEval and HH-RLHF alternating\): give at most \d+$"):
+        public_prompts(shared_data, 10**6)

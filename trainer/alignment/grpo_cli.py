@@ -25,7 +25,7 @@ def public_prompts(data: Path, n: int, seed: int = 0) -> list[str]:
     Raises
     ------
     InvalidInputError
-        ``n`` < 1.
+        ``n`` < 1, or more prompts than the alternating pool holds (it used to return fewer, silently).
     """
 
     from trainer.data.preferences import load_alpacaeval_pairs, load_hh_harmless_pairs  # trainer.data.preferences imports pandas: on use only
@@ -38,6 +38,9 @@ def public_prompts(data: Path, n: int, seed: int = 0) -> list[str]:
         unique = list(dict.fromkeys(frame["prompt"].tolist()))
         pools.append([unique[i] for i in rng.permutation(len(unique))])
     mixed = [p for pair in zip(*pools) for p in pair]
+    if n > len(mixed):
+        raise InvalidInputError(f"n={n} prompts (--n-prompts) but {data} holds {len(mixed)} public prompts "
+                                f"(AlpacaEval and HH-RLHF alternating): give at most {len(mixed)}")
     return mixed[:n]
 
 
