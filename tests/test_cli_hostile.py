@@ -478,3 +478,30 @@ def test_mor_grpo_refuses_more_prompts_than_the_public_pool(shared_data):
     with pytest.raises(InvalidInputError, match=r"^n=1000000 prompts \(--n-prompts\) but .* holds \d+ public prompts "
                                                 r"\(AlpacaEval and HH-RLHF alternating\): give at most \d+$"):
         public_prompts(shared_data, 10**6)
+
+
+@pytest.mark.parametrize("command, option", [
+    (["mor", "grpo", "--mixture", "MIX", "--device", "cuda"], "--device"),
+    (["prism", "dpo", "--prefs", "PREFS", "--tiny", "--gpu"], "--gpu"),
+])
+def test_a_cuda_run_on_a_machine_without_cuda_is_refused_before_any_work(tmp_path, command, option):
+    """`mor grpo --device cuda` and `prism dpo --gpu` on a CPU-only machine failed to move the policy only after
+    the mixture and the data were read and OUT/tiny_policy was built."""
+    if torch_cuda_available():
+        pytest.skip("this machine has CUDA")
+    (tmp_path / "mixture.json").write_text("{}")
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "prompt_id": 1}\n'
+                     '{"prompt": "d", "chosen": "e", "rejected": "f", "prompt_id": 2}\n')
+    args = [str(tmp_path) if a == "MIX" else str(prefs) if a == "PREFS" else a for a in command]
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [*args, "--out", str(out)], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert f"{option} 'cuda': torch sees no CUDA device (CPU-only build or no GPU)" in flat(result.output)
+    assert not out.exists()
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

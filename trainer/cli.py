@@ -78,14 +78,12 @@ DeviceOpt = Annotated[str, typer.Option(help="torch device for embedding and MLP
 
 
 def _check_device(device: str) -> None:
-    import torch  # trainer extra (torch), imported on use
+    from trainer.torch_device import check_torch_device  # imports torch (trainer extra) when it runs
 
     try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as exc:
-        raise typer.BadParameter(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, mps)") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise typer.BadParameter(f"--device {device!r}: torch sees no CUDA device (CPU-only build or no GPU)")
+        check_torch_device("--device", device)
+    except InvalidInputError as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 
 def _config(n_clients: int, alpha: float, routers: str, device: str):

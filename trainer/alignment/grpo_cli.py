@@ -13,6 +13,7 @@ from sdk.errors import InvalidInputError
 from sdk.finite_option import finite_option
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
+from trainer.torch_device import check_torch_device
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
 DataOpt = Annotated[Path, typer.Option("--data", help="the shared data folder (alpacaeval/, hh_harmless/, routerbench/)")]
@@ -81,7 +82,7 @@ def grpo(
     cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
 ) -> None:
     """GRPO (TRL) on the routed reward of a MoR mixture, with online routing by neural Thompson sampling."""
-    from trainer.alignment.grpo import RoutedGRPOConfig, RoutedGRPOTrainer, compare_online, from_mixture  # trainer.alignment.grpo imports torch: on use only
+    from trainer.alignment.grpo import DEVICES, RoutedGRPOConfig, RoutedGRPOTrainer, compare_online, from_mixture  # trainer.alignment.grpo imports torch: on use only
     from trainer.alignment.thompson_routing import ThompsonConfig  # trainer.alignment.thompson_routing imports torch: on use only
     from trainer.rewards.mixture import load_mixture  # trainer.rewards.mixture imports torch, tqdm: on use only
 
@@ -92,6 +93,11 @@ def grpo(
             raise typer.BadParameter(f"{option} must be a finite number > 0, got {value}")
     if out.exists() and not out.is_dir():
         raise typer.BadParameter(f"--out {out} exists and is not a folder")
+    if device in DEVICES:  # another value is refused by RoutedGRPOConfig below
+        try:  # a CPU-only machine used to fail to move the policy after the mixture, data and OUT/tiny_policy
+            check_torch_device("--device", device)
+        except InvalidInputError as exc:
+            raise typer.BadParameter(str(exc)) from exc
     try:  # checked before OUT/tiny_policy is written
         thompson = ThompsonConfig(enabled=online != "off", lam=ts_lambda, nu=ts_nu, seed=seed)
     except InvalidInputError as exc:

@@ -18,6 +18,7 @@ from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig, validate_pr
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
 from trainer.results_owner import claim_results
+from trainer.torch_device import check_torch_device
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="FedPrism: federated preference experts with instance-wise routing (paper 000).")
@@ -146,6 +147,11 @@ def dpo(
         raise typer.BadParameter(f"--heldout-fraction must lie in (0, 1) (at least one prompt is held out for "
                                  f"the accuracy), got {heldout_fraction}")
     _check_out(out)
+    if gpu:  # a CPU-only machine used to fail to move the policy only after OUT/tiny_policy was built
+        try:
+            check_torch_device("--gpu", "cuda")
+        except InvalidInputError as exc:
+            raise typer.BadParameter(str(exc)) from exc
     try:
         rows = pd.read_parquet(prefs) if prefs.suffix == ".parquet" else pd.read_json(prefs, lines=True)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid and pandas' JSON errors are ValueErrors
