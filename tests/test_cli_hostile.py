@@ -505,3 +505,11 @@ def torch_cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_mor_train_refuses_a_negative_seed_while_parsing(tmp_path):
+    """--seed -1 was refused by the split only after the preference data was read."""
+    result = CliRunner().invoke(app, ["mor", "train", "--quick", "--seed", "-1", "--out", str(tmp_path / "mix"),
+                                      "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and "Invalid value for '--seed': -1 is not in the range x>=0" in flat(result.output)
+    assert not (tmp_path / "mix").exists()
