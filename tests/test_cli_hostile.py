@@ -513,3 +513,20 @@ def test_mor_train_refuses_a_negative_seed_while_parsing(tmp_path):
                                       "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
     assert result.exit_code == 2 and "Invalid value for '--seed': -1 is not in the range x>=0" in flat(result.output)
     assert not (tmp_path / "mix").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--router", "R", "--prior-domain", "alpacaeval"],
+     "--prior-domain is for --selector bundles; a router export checks parity on --data"),
+    (["--router", "R", "--parity-pairs", "50"], "--parity-pairs is for --selector bundles"),
+    (["--selector", "R", "--cache-dir", "C"], "--cache-dir is for router bundles (a selector export embeds nothing)"),
+])
+def test_export_refuses_the_options_of_the_other_bundle_kind(tmp_path, args, message):
+    """--prior-domain and --parity-pairs with --router, and --cache-dir with --selector, were ignored without a
+    word (as --prices and --precision with --selector are not)."""
+    args = [str(tmp_path / a) if a in ("R", "C") else a for a in args]
+    result = CliRunner().invoke(app, ["export", *args, "--out", str(tmp_path / "bundle"), "--signing-key",
+                                      str(tmp_path / "signing.key")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert message in flat(result.output)
+    assert not (tmp_path / "bundle").exists()

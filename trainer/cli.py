@@ -194,7 +194,7 @@ def export_cmd(
     data: Annotated[Optional[Path], typer.Option(help="RouterBench folder or test file for parity checks (default: the one recorded at training); with --selector the shared data folder (default ../shared/data)")] = None,
     prices: Annotated[Optional[Path], typer.Option(help="JSON {model: {input: USD per 1k tokens, output: ...}} for the price table")] = None,
     bundle_version: Annotated[Optional[int], typer.Option(min=1, help="default: previous version at --out + 1")] = None,
-    parity_pairs: Annotated[int, typer.Option(min=1, help="--selector: real held-out pairs for the parity check")] = 200,
+    parity_pairs: Annotated[Optional[int], typer.Option(min=1, help="--selector: real held-out pairs for the parity check (default 200)")] = None,
     prior_domain: Annotated[Optional[str], typer.Option(help="--selector of a length_prior='domain' run: the domain whose length prior is folded in")] = None,
     cache_dir: CacheOpt = None,
 ) -> None:
@@ -207,9 +207,9 @@ def export_cmd(
             raise typer.BadParameter("--prices is for router bundles (a selector has no model table)")
         if precision:
             raise typer.BadParameter("--precision is for router bundles (a selector takes --int8)")
-
-
-        pairs = parity_pairs_for(selector, data or Path("../shared/data"), parity_pairs)
+        if cache_dir is not None:
+            raise typer.BadParameter("--cache-dir is for router bundles (a selector export embeds nothing)")
+        pairs = parity_pairs_for(selector, data or Path("../shared/data"), parity_pairs or 200)
         try:
             result = export_selector_bundle(selector, out, signing_key, pairs, int8=int8,
                                             bundle_version=bundle_version, prior_domain=prior_domain,
@@ -222,6 +222,9 @@ def export_cmd(
                    f"at {result.out}; parity passed: " + json.dumps({k: v for k, v in result.parity.items()
                                                                      if k in ("fp32", "int8", "n_pairs")}))
         return
+    for option, value in (("--parity-pairs", parity_pairs), ("--prior-domain", prior_domain)):
+        if value is not None:  # they used to be ignored without a word
+            raise typer.BadParameter(f"{option} is for --selector bundles; a router export checks parity on --data")
     from export.pipeline import export_bundle  # export: trainer extra (torch, onnx)
 
     result = export_bundle(router, out, signing_key, int8=int8, precisions=tuple(precision or ()), data=data,
