@@ -530,3 +530,15 @@ def test_export_refuses_the_options_of_the_other_bundle_kind(tmp_path, args, mes
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert message in flat(result.output)
     assert not (tmp_path / "bundle").exists()
+
+
+def test_prism_label_given_the_method_folder_names_the_run(tmp_path, monkeypatch, capsys):
+    """--run RUN/fedprism_seed0 (the folder the selector export's path goes through) was answered with 'run
+    `fedroute prism train --out RUN/fedprism_seed0` first', i.e. train again into the method folder."""
+    saved = tmp_path / "run" / "fedprism_seed0"
+    saved.mkdir(parents=True)
+    (saved / "fedprism_config.json").write_text('{"n_experts": 1}')
+    code, err = console(monkeypatch, capsys, ["prism", "label", "--run", str(saved), "--out", str(tmp_path / "phase3")])
+    assert code == 2 and err == (f"error: {saved} is a method folder of a run (fedprism_seed0/), not the run: give "
+                                 f"--run {tmp_path / 'run'} (the --out of `fedroute prism train`)\n")
+    assert not (tmp_path / "phase3").exists()
