@@ -468,18 +468,6 @@ def test_mor_grpo_quick_keeps_the_lengths_given_on_the_line():
     assert "GRPO optimiser steps (default 60; 20 with --quick)" in help_text
 
 
-def test_mor_grpo_refuses_more_prompts_than_the_public_pool(shared_data):
-    """--n-prompts above what the alternating AlpacaEval / HH pool holds trained on fewer prompts, silently."""
-    from sdk.errors import InvalidInputError
-    from trainer.alignment.grpo_cli import public_prompts
-
-    four = public_prompts(shared_data, 4)
-    assert len(four) == len(set(four)) == 4
-    with pytest.raises(InvalidInputError, match=r"^n=1000000 prompts \(--n-prompts\) but .* holds \d+ public prompts "
-                                                r"\(AlpacaEval and HH-RLHF alternating\): give at most \d+$"):
-        public_prompts(shared_data, 10**6)
-
-
 @pytest.mark.parametrize("command, option", [
     (["mor", "grpo", "--mixture", "MIX", "--device", "cuda"], "--device"),
     (["prism", "dpo", "--prefs", "PREFS", "--tiny", "--gpu"], "--gpu"),
@@ -542,3 +530,24 @@ def test_prism_label_given_the_method_folder_names_the_run(tmp_path, monkeypatch
     assert code == 2 and err == (f"error: {saved} is a method folder of a run (fedprism_seed0/), not the run: give "
                                  f"--run {tmp_path / 'run'} (the --out of `fedroute prism train`)\n")
     assert not (tmp_path / "phase3").exists()
+
+
+def test_mor_grpo_refuses_more_prompts_than_the_public_pool(shared_data):
+    """--n-prompts above what the alternating AlpacaEval / HH pool holds trained on fewer prompts, silently."""
+    from sdk.errors import InvalidInputError
+    from trainer.alignment.grpo_cli import public_prompts
+
+    four = public_prompts(shared_data, 4)
+    assert len(four) == len(set(four)) == 4
+    with pytest.raises(InvalidInputError, match=r"^n=1000000 prompts \(--n-prompts\) but .* holds \d+ public prompts "
+                                                r"\(AlpacaEval and HH-RLHF alternating\): give at most \d+$"):
+        public_prompts(shared_data, 10**6)
+
+
+def test_prism_train_refuses_quick_with_another_preset(tmp_path):
+    """--quick --preset gpu trained the quick preset and said nothing about the preset asked for."""
+    result = CliRunner().invoke(app, ["prism", "train", "--quick", "--preset", "gpu", "--out", str(tmp_path / "run"),
+                                      "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert "--quick is the small preset; give --quick or --preset gpu, not both" in flat(result.output)
+    assert not (tmp_path / "run").exists()

@@ -50,6 +50,8 @@ def train(
     from trainer.experts.selector import PairSelector  # trainer.experts.selector imports torch: on use only
 
     _check_out(out)
+    if quick and preset != "cpu":  # --quick --preset gpu ran the quick preset without a word
+        raise typer.BadParameter(f"--quick is the small preset; give --quick or --preset {preset}, not both")
     claim_results(out, "prism train")
     name = "quick" if quick else preset
     if name not in PRESETS:
