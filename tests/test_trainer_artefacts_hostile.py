@@ -264,3 +264,20 @@ def test_a_hand_edited_length_prior_is_named(tmp_path, content, message):
                                                 '"coefs": [[1.5, 0.25, -0.5], [-1, 0, 0]]}')
     np.testing.assert_array_equal(saved_length_prior(tmp_path, "hh_harmless"), np.array([-1, 0, 0], np.float32))
     assert read_length_prior(tmp_path / "absent") is None
+
+
+def test_a_rerun_without_fedbis_removes_the_earlier_runs_fedbis_folder(tmp_path):
+    """`prism train --methods fedprism --out RUN` over a full run kept RUN/fedbis_seed0/ (and the old
+    utilisation plot when FedPrism was left out), so `prism label` compared the new experts with another
+    run's FedBis. The staged folder of a method that ran replaces the old one whole, as before."""
+    from trainer.experts.experiment import publish_saved_methods
+
+    for name in ("fedprism_seed0/expert_5", "fedbis_seed0/expert_0", ".fedprism_seed0.partial/expert_0"):
+        (tmp_path / name).mkdir(parents=True)
+    (tmp_path / "utilisation_per_round.png").write_bytes(b"old")
+    publish_saved_methods(tmp_path, ("fedprism", "length_only"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fedprism_seed0", "utilisation_per_round.png"]
+    assert [p.name for p in (tmp_path / "fedprism_seed0").iterdir()] == ["expert_0"]
+    (tmp_path / ".fedbis_seed0.partial" / "expert_0").mkdir(parents=True)
+    publish_saved_methods(tmp_path, ("fedbis",))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fedbis_seed0"]
