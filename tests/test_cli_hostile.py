@@ -159,11 +159,14 @@ def test_serve_refuses_a_file_as_bundle_dir(tmp_path):
     (["--device", "bogus"], "device='bogus' should be one of ('cpu', 'cuda')"),
     (["--num-generations", "1"], "num_generations=1 should be an integer >= 2"),
     (["--seed", "-1"], "Invalid value for '--seed': -1 is not in the range x>=0"),
+    (["--n-prompts", "3"], "--n-prompts 3 is below --prompts-per-step 4: one optimiser step needs that many prompts, "
+                           "so no step would run"),
 ])
 def test_mor_grpo_checks_its_numbers_before_writing_out(tmp_path, args, message):
     """--ts-lambda -1 used to fail only after OUT/tiny_policy was written; --steps 0 was passed to TRL;
     --device bogus and --num-generations 1 were refused after the mixture and the data were read and
-    OUT/tiny_policy was written; --seed -1 was blamed on --ts-lambda / --ts-nu."""
+    OUT/tiny_policy was written; --seed -1 was blamed on --ts-lambda / --ts-nu; --n-prompts 3 with 4 prompts
+    per step ran no step and ended in 'empty GRPO history' after the policy was built."""
     (tmp_path / "mixture.json").write_text("{}")
     out = tmp_path / "grpo"
     result = CliRunner().invoke(app, ["mor", "grpo", "--mixture", str(tmp_path), "--out", str(out), *args],
@@ -551,3 +554,14 @@ def test_prism_train_refuses_quick_with_another_preset(tmp_path):
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert "--quick is the small preset; give --quick or --preset gpu, not both" in flat(result.output)
     assert not (tmp_path / "run").exists()
+
+
+def test_routed_grpo_trainer_refuses_fewer_prompts_than_one_step_takes():
+    """RoutedGRPOTrainer with 3 prompts and prompts_per_step=4: TRL ran no step and train() ended in
+    'empty GRPO history: no step was logged'."""
+    from trainer.alignment.errors import AlignmentConfigError
+    from trainer.alignment.grpo import RoutedGRPOConfig, RoutedGRPOTrainer
+
+    config = RoutedGRPOConfig(model="unused", prompts_per_step=4)
+    with pytest.raises(AlignmentConfigError, match=r"^GRPO needs at least prompts_per_step=4 prompts for one step, got 3$"):
+        RoutedGRPOTrainer(config, None, ["a", "b", "c"])

@@ -103,6 +103,9 @@ def grpo(
     except InvalidInputError as exc:
         raise typer.BadParameter(f"--ts-lambda / --ts-nu: {exc}") from exc
     steps, n_prompts, max_completion_length = run_lengths(quick, steps, n_prompts, max_completion_length)
+    if n_prompts < prompts_per_step:  # TRL then ran no step and the run ended in "empty GRPO history"
+        raise typer.BadParameter(f"--n-prompts {n_prompts} is below --prompts-per-step {prompts_per_step}: one optimiser "
+                                 "step needs that many prompts, so no step would run")
     try:  # every setting checked before the mixture and the data are read and OUT/tiny_policy is written
         config = RoutedGRPOConfig(model=str(out / "tiny_policy") if model is None else model, output_dir=out, beta=beta,
                                   learning_rate=learning_rate, num_generations=num_generations,
