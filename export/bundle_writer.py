@@ -18,6 +18,8 @@ from pathlib import Path
 from export.errors import ExportError, ParityError
 from export.signing import sign_manifest
 from sdk import bundle_manifest as fmt
+from sdk import kinds as sdk_kinds
+from sdk.errors import BundleError
 from sdk.bundle_install import (
     locked,
     new_version_dir,
@@ -47,12 +49,31 @@ def is_bundle(directory: Path) -> bool:
         return False
 
 
-def check_replaceable(out: Path) -> None:
-    """Raise ExportError unless ``out`` is absent, an empty folder, or a fedroute bundle."""
+def bundle_families(directory: Path) -> tuple[str, ...]:
+    """The artefact families (other than the embedder) the bundle at ``directory`` carries, e.g.
+    ``("router",)``, read from its manifest without verifying it; ``()`` when there is none to read."""
+    try:
+        manifest = json.loads((Path(directory) / fmt.MANIFEST_FILE).read_text())
+        found = sdk_kinds.manifest_kinds(manifest) if isinstance(manifest, dict) else {}
+    except (OSError, ValueError, BundleError):
+        return ()
+    return tuple(sorted(f for f in found if f != sdk_kinds.EMBEDDER_FAMILY))
+
+
+def check_replaceable(out: Path, family: str | None = None) -> None:
+    """Raise ExportError unless ``out`` is absent, an empty folder, or a fedroute bundle (of ``family``
+    when given: a selector or reward-scorer bundle written over a router bundle left apps and
+    ``fedroute serve --bundle-dir`` with a bundle they cannot load, and the other way round)."""
     out = Path(out)
     if not out.exists() and not out.is_symlink():
         return
-    if out.is_dir() and (not any(out.iterdir()) or is_bundle(out)):
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    if out.is_dir() and is_bundle(out):
+        held = bundle_families(out)
+        if family is not None and held and family not in held:
+            raise ExportError(f"{out} holds a {'/'.join(held)} bundle; refusing to replace it with a {family} "
+                              "bundle (what loads it expects a " + "/".join(held) + " bundle): give another --out")
         return
     raise ExportError(f"{out} exists and is not a fedroute bundle; refusing to replace it")
 
@@ -113,8 +134,9 @@ def write_bundle(out: Path, files: Mapping[str, bytes], fields: Mapping, key) ->
         bundle; a bundle_version not above the current one; a bad file name.
     """
     out = Path(out)
+    families = [f for f in sdk_kinds.manifest_kinds(fields) if f != sdk_kinds.EMBEDDER_FAMILY]
     with locked(out):
-        check_replaceable(out)
+        check_replaceable(out, families[0] if len(families) == 1 else None)
         check_version(out, int(fields["bundle_version"]))
         manifest = build_manifest(files, fields, key)
         target = new_version_dir(out, manifest["bundle_version"])

@@ -22,6 +22,7 @@ from export.embedder_export import BundleEmbedder, check_quantised, onnx_embedde
 from export.embedder_onnx import ExportedEmbedder
 from export.errors import ExportError
 from export.signing import load_signing_key
+from sdk import kinds as sdk_kinds
 from sdk.real_numbers import finite_float
 from trainer.embeddings import EmbedderConfig, embed_texts
 from trainer.kinds import load_router
@@ -175,7 +176,7 @@ def export_bundle(
     quantised = list(dict.fromkeys([*(["int8"] if int8 else []), *precisions]))
     key = load_signing_key(signing_key)
     out = Path(out)
-    check_replaceable(out)
+    check_replaceable(out, sdk_kinds.ROUTER_FAMILY)  # a selector bundle at --out is not replaced by a router
     version = bundle_version if bundle_version is not None else next_bundle_version(out)
     check_version(out, version)
     try:

@@ -51,7 +51,8 @@ from sdk import bundle_manifest as fmt
 from sdk import kinds as sdk_kinds
 from sdk.builtin_kinds import TOKENIZER_FILE
 from sdk.reward_scorer import CLIENT_ROUTER_FILE, FAMILY, KIND, LORA_KIND, REWARD_FILE, REWARD_TOKENIZER_FILE
-from trainer.rewards.pair_features import LENGTH_SCALE
+from sdk.errors import InvalidInputError
+from trainer.rewards.pair_features import LENGTH_SCALE, check_pair_texts
 from sdk.pair_encoding import N_LENGTH_FEATURES as N_LENGTH_COLUMNS
 from sdk.reward_scorer import RewardScorer
 from trainer.embeddings import resolve_model_path
@@ -436,18 +437,23 @@ def export_reward_bundle(mixture, client: str, out: Path, signing_key: Path, pro
     Raises
     ------
     ExportError
-        Bad key, unknown client, a reward model that does not export, no parity pairs.
+        Bad key, unknown client, a reward model that does not export, no parity pairs or a parity text
+        that is not a str (checked before any export work).
     ParityError
         A parity gate failed; nothing is written at ``out``.
     """
 
     if len(prompts) == 0 or len(prompts) != len(responses):
         raise ExportError(f"parity needs n >= 1 real pairs, got {len(prompts)} prompts and {len(responses)} responses")
+    try:  # a None or NaN (a missing cell) was refused by the trainer's encoder after the embedder's ONNX export
+        check_pair_texts(list(prompts), list(responses))
+    except InvalidInputError as exc:
+        raise ExportError(f"parity pairs: {exc}") from exc
     if client not in list(mixture.client_names):  # before the embedder's ONNX export (a minute on a busy CPU)
         raise ExportError(f"unknown client {client!r}; the mixture has {list(mixture.client_names)}")
     key = load_signing_key(signing_key)
     out = Path(out)
-    check_replaceable(out)
+    check_replaceable(out, FAMILY)  # a router bundle at out is not replaced by this one
     version = bundle_version if bundle_version is not None else next_bundle_version(out)
     check_version(out, version)
     emb = mixture.encoder.embedder

@@ -46,6 +46,8 @@ from sdk.selector import Selector
 from trainer.preference_metrics import pairwise_accuracy
 
 OPSET = 17
+#: Columns of the real pairs the parity check reads (``trainer.data.preferences`` schema).
+PARITY_COLUMNS = ("prompt", "response_a", "response_b", "label")
 FP32_MAX_LOGIT_DIFF = 1e-3
 INT8_MIN_DECISION_AGREEMENT = 0.99
 
@@ -272,12 +274,16 @@ def _fold_length_prior(selector, expert_dir: Path, prior_domain: str | None) -> 
     import torch  # torch: optional heavy dependency (trainer extra), imported on use
 
     from sdk.errors import InvalidInputError  # kept beside its one use, like load_trained_selector's
-    from trainer.experts.length_init import saved_length_prior  # trainer side of the run layout: on use only
+    from trainer.experts.length_init import read_length_prior, saved_length_prior  # trainer side of the run layout: on use only
 
-    if not (expert_dir.parent / "length_prior.json").exists():
+    try:
+        priors = read_length_prior(expert_dir.parent)
+    except InvalidInputError as exc:
+        raise ExportError(str(exc)) from exc
+    if priors is None:
         return
     if prior_domain is None:
-        saved = json.loads((expert_dir.parent / "length_prior.json").read_text())["domains"]
+        saved = list(priors)
         raise ExportError(f"{expert_dir} is a residual over a per-domain length prior (length_prior='domain'); "
                           f"give the domain the bundle serves (prior_domain / --prior-domain), one of {saved}")
     try:
@@ -309,24 +315,34 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
     prior_domain : for an expert of a ``length_prior='domain'`` run (``length_prior.json`` beside the
         expert folders): the domain whose fixed length prior ``w_d`` is folded into the exported length
         path (``v + w_d``: exact for pairs of that domain, since the prior is the linear offset
-        ``w_d . f``), e.g. ``'alpacaeval'``; the bundle then serves that domain. Ignored otherwise.
+        ``w_d . f``), e.g. ``'alpacaeval'``; the bundle then serves that domain. Refused for an expert of
+        another run (it has no domain prior).
 
     Raises
     ------
     ExportError
-        Unreadable expert, config or key; no parity pairs; ``out`` not replaceable; an expert of a
+        Unreadable expert, config or key; no parity pairs or pairs without a column of
+        :data:`PARITY_COLUMNS`; ``out`` not replaceable (e.g. a router bundle); an expert of a
         ``length_prior='domain'`` run without ``prior_domain`` (it is a residual, not a selector on its
-        own), or a domain the prior lacks.
+        own), a domain the prior lacks, or a ``prior_domain`` for an expert of another run.
     ParityError
         A parity threshold is missed; nothing is written at ``out``.
     """
     key = load_signing_key(signing_key)
     out = Path(out)
-    check_replaceable(out)
+    check_replaceable(out, FAMILY)  # a router bundle at out is not replaced by this one
     version = bundle_version if bundle_version is not None else next_bundle_version(out)
     check_version(out, version)
     if parity_pairs is None or len(parity_pairs) == 0:
         raise ExportError("no parity pairs: give real preference pairs to check the export against")
+    missing = [c for c in PARITY_COLUMNS if c not in getattr(parity_pairs, "columns", ())]
+    if missing:  # a KeyError in the parity check, after the ONNX export, used to tell
+        raise ExportError(f"parity_pairs lacks columns {missing}: give a DataFrame with {list(PARITY_COLUMNS)}")
+    if prior_domain is not None and not (Path(expert_dir).parent / "length_prior.json").exists():
+        # it was ignored: the bundle then served every domain although the user asked for one
+        raise ExportError(f"prior_domain={prior_domain!r} (--prior-domain): {expert_dir} is not of a "
+                          "length_prior='domain' run (no length_prior.json beside it); its selector serves every "
+                          "domain and has no domain prior to fold in: leave --prior-domain out")
     selector = load_trained_selector(Path(expert_dir))
     _fold_length_prior(selector, Path(expert_dir), prior_domain)
     found_method, found_expert = _provenance(Path(expert_dir))

@@ -17,6 +17,8 @@ def finite_rows(x: object, width: int, name: str, rows: str = "n") -> np.ndarray
         shape, no rows, or a non-finite value (the message names ``name``).
     """
     try:
+        if np.iscomplexobj(x):  # numpy would drop the imaginary part with a warning only (as real_array)
+            raise TypeError("complex numbers")
         with np.errstate(over="ignore"):  # a float64 beyond float32 becomes inf: refused below as not finite
             out = np.ascontiguousarray(x, dtype=np.float32)
     except (TypeError, ValueError) as exc:  # ragged lists, non-numeric strings, dicts, complex numbers

@@ -337,6 +337,10 @@ if LORA_KIND not in kinds.names(FAMILY):
     kinds.register(MoRLoRARewardScorerKind())
 
 
+#: The SDK class that loads a bundle of each other family (named when such a bundle is given here).
+_LOADERS = {kinds.ROUTER_FAMILY: "sdk.Router", "selector": "sdk.Selector"}
+
+
 class RewardScorer:
     """A client's reward model and the client router, loaded from a verified bundle. Use :meth:`load`.
 
@@ -399,7 +403,8 @@ class RewardScorer:
             found = kinds.manifest_kinds(manifest)
             if FAMILY not in found:
                 held = {f: k for f, k in found.items() if f != kinds.EMBEDDER_FAMILY}
-                raise BundleError(f"bundle carries no {FAMILY} (it carries {held}); load it with sdk.Router")
+                loaders = sorted({_LOADERS.get(f, "the loader of its family") for f in held})
+                raise BundleError(f"bundle carries no {FAMILY} (it carries {held}); load it with {' or '.join(loaders)}")
             return tuple(name for family, kind in found.items()
                          for name in kinds.get(family, kind).files(manifest, "fp32"))
 

@@ -214,6 +214,10 @@ if KIND not in kinds.names(FAMILY):
     kinds.register(OnnxPairSelectorKind())
 
 
+#: The SDK class that loads a bundle of each other family (named when such a bundle is given here).
+_LOADERS = {kinds.ROUTER_FAMILY: "sdk.Router", "reward_scorer": "sdk.RewardScorer"}
+
+
 class Selector:
     """A verified selector bundle, ready to compare two responses. Use :meth:`load`.
 
@@ -271,7 +275,9 @@ class Selector:
             # Called once the signature and the schema verified.
             found = kinds.manifest_kinds(manifest)
             if FAMILY not in found:
-                raise BundleError(f"bundle carries no selector (it carries {found}); a router bundle loads with sdk.Router")
+                held = sorted(f for f in found if f != kinds.EMBEDDER_FAMILY)
+                loaders = sorted({_LOADERS.get(f, "the loader of its family") for f in held})
+                raise BundleError(f"bundle carries no selector (it carries {found}); load it with {' or '.join(loaders)}")
             if manifest["bundle_version"] < min_bundle_version:
                 raise BundleError(f"bundle version {manifest['bundle_version']} is older than "
                                   f"min_bundle_version {min_bundle_version} (a superseded bundle)")
@@ -326,13 +332,17 @@ class Selector:
         Raises
         ------
         InvalidInputError
-            The three sequences differ in length, or any text is invalid.
+            The three sequences differ in length, or any text is invalid (named as ``y_a[i]``; every text
+            is checked before the first pair is scored).
         """
         for name, seq in (("x", x), ("y_a", y_a), ("y_b", y_b)):
             if isinstance(seq, str) or not isinstance(seq, Sequence):
                 raise InvalidInputError(f"{name} must be a list of str, got {type(seq).__name__}")
         if not (len(x) == len(y_a) == len(y_b)):
             raise InvalidInputError(f"x, y_a, y_b must have one length, got {len(x)}, {len(y_a)}, {len(y_b)}")
+        for i, texts in enumerate(zip(x, y_a, y_b)):
+            for name, text in zip(("x", "y_a", "y_b"), texts):
+                check_text(text, f"{name}[{i}]")
         return np.array([self.prefer(p, a, b) for p, a, b in zip(x, y_a, y_b)], dtype=np.float64)
 
 

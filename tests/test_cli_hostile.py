@@ -161,11 +161,14 @@ def test_serve_refuses_a_file_as_bundle_dir(tmp_path):
     (["--device", "bogus"], "device='bogus' should be one of ('cpu', 'cuda')"),
     (["--num-generations", "1"], "num_generations=1 should be an integer >= 2"),
     (["--seed", "-1"], "Invalid value for '--seed': -1 is not in the range x>=0"),
+    (["--n-prompts", "3"], "--n-prompts 3 is below --prompts-per-step 4: one optimiser step needs that many prompts, "
+                           "so no step would run"),
 ])
 def test_mor_grpo_checks_its_numbers_before_writing_out(tmp_path, args, message):
     """--ts-lambda -1 used to fail only after OUT/tiny_policy was written; --steps 0 was passed to TRL;
     --device bogus and --num-generations 1 were refused after the mixture and the data were read and
-    OUT/tiny_policy was written; --seed -1 was blamed on --ts-lambda / --ts-nu."""
+    OUT/tiny_policy was written; --seed -1 was blamed on --ts-lambda / --ts-nu; --n-prompts 3 with 4 prompts
+    per step ran no step and ended in 'empty GRPO history' after the policy was built."""
     (tmp_path / "mixture.json").write_text("{}")
     out = tmp_path / "grpo"
     result = CliRunner().invoke(app, ["mor", "grpo", "--mixture", str(tmp_path), "--out", str(out), *args],
@@ -660,3 +663,111 @@ def test_export_refuses_bad_arguments_before_importing_torch(tmp_path, signing_k
         assert got == {"code": 2, "heavy": []}, (args, got, err)
         assert message in flat(err), (args, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "router"]  # nothing written
+
+
+def test_mor_grpo_quick_keeps_the_lengths_given_on_the_line():
+    """--quick replaced --steps, --n-prompts and --max-completion-length given on the line (--quick --steps 5
+    ran 20 steps, silently); it now fills in only the ones left out."""
+    from trainer.alignment.grpo_cli import run_lengths
+
+    assert run_lengths(True, None, None, None) == (20, 64, 16)
+    assert run_lengths(True, 5, None, 8) == (5, 64, 8)
+    assert run_lengths(False, None, 100, None) == (60, 100, 32)
+    help_text = flat(CliRunner().invoke(app, ["mor", "grpo", "--help"], env={"COLUMNS": "500"}).output)
+    assert "GRPO optimiser steps (default 60; 20 with --quick)" in help_text
+
+
+@pytest.mark.parametrize("command, option", [
+    (["mor", "grpo", "--mixture", "MIX", "--device", "cuda"], "--device"),
+    (["prism", "dpo", "--prefs", "PREFS", "--tiny", "--gpu"], "--gpu"),
+])
+def test_a_cuda_run_on_a_machine_without_cuda_is_refused_before_any_work(tmp_path, command, option):
+    """`mor grpo --device cuda` and `prism dpo --gpu` on a CPU-only machine failed to move the policy only after
+    the mixture and the data were read and OUT/tiny_policy was built."""
+    if torch_cuda_available():
+        pytest.skip("this machine has CUDA")
+    (tmp_path / "mixture.json").write_text("{}")
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "prompt_id": 1}\n'
+                     '{"prompt": "d", "chosen": "e", "rejected": "f", "prompt_id": 2}\n')
+    args = [str(tmp_path) if a == "MIX" else str(prefs) if a == "PREFS" else a for a in command]
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [*args, "--out", str(out)], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert f"{option} 'cuda': torch sees no CUDA device (CPU-only build or no GPU)" in flat(result.output)
+    assert not out.exists()
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_mor_train_refuses_a_negative_seed_while_parsing(tmp_path):
+    """--seed -1 was refused by the split only after the preference data was read."""
+    result = CliRunner().invoke(app, ["mor", "train", "--quick", "--seed", "-1", "--out", str(tmp_path / "mix"),
+                                      "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and "Invalid value for '--seed': -1 is not in the range x>=0" in flat(result.output)
+    assert not (tmp_path / "mix").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--router", "R", "--prior-domain", "alpacaeval"],
+     "--prior-domain is for --selector bundles; a router export checks parity on --data"),
+    (["--router", "R", "--parity-pairs", "50"], "--parity-pairs is for --selector bundles"),
+    (["--selector", "R", "--cache-dir", "C"], "--cache-dir is for router bundles (a selector export embeds nothing)"),
+])
+def test_export_refuses_the_options_of_the_other_bundle_kind(tmp_path, args, message):
+    """--prior-domain and --parity-pairs with --router, and --cache-dir with --selector, were ignored without a
+    word (as --prices and --precision with --selector are not)."""
+    args = [str(tmp_path / a) if a in ("R", "C") else a for a in args]
+    result = CliRunner().invoke(app, ["export", *args, "--out", str(tmp_path / "bundle"), "--signing-key",
+                                      str(tmp_path / "signing.key")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert message in flat(result.output)
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_prism_label_given_the_method_folder_names_the_run(tmp_path, monkeypatch, capsys):
+    """--run RUN/fedprism_seed0 (the folder the selector export's path goes through) was answered with 'run
+    `fedroute prism train --out RUN/fedprism_seed0` first', i.e. train again into the method folder."""
+    saved = tmp_path / "run" / "fedprism_seed0"
+    saved.mkdir(parents=True)
+    (saved / "fedprism_config.json").write_text('{"n_experts": 1}')
+    code, err = console(monkeypatch, capsys, ["prism", "label", "--run", str(saved), "--out", str(tmp_path / "phase3")])
+    assert code == 2 and err == (f"error: {saved} is a method folder of a run (fedprism_seed0/), not the run: give "
+                                 f"--run {tmp_path / 'run'} (the --out of `fedroute prism train`)\n")
+    assert not (tmp_path / "phase3").exists()
+
+
+def test_mor_grpo_refuses_more_prompts_than_the_public_pool(shared_data):
+    """--n-prompts above what the alternating AlpacaEval / HH pool holds trained on fewer prompts, silently."""
+    from sdk.errors import InvalidInputError
+    from trainer.alignment.grpo_cli import public_prompts
+
+    four = public_prompts(shared_data, 4)
+    assert len(four) == len(set(four)) == 4
+    with pytest.raises(InvalidInputError, match=r"^n=1000000 prompts \(--n-prompts\) but .* holds \d+ public prompts "
+                                                r"\(AlpacaEval and HH-RLHF alternating\): give at most \d+$"):
+        public_prompts(shared_data, 10**6)
+
+
+def test_prism_train_refuses_quick_with_another_preset(tmp_path):
+    """--quick --preset gpu trained the quick preset and said nothing about the preset asked for."""
+    result = CliRunner().invoke(app, ["prism", "train", "--quick", "--preset", "gpu", "--out", str(tmp_path / "run"),
+                                      "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert "--quick is the small preset; give --quick or --preset gpu, not both" in flat(result.output)
+    assert not (tmp_path / "run").exists()
+
+
+def test_routed_grpo_trainer_refuses_fewer_prompts_than_one_step_takes():
+    """RoutedGRPOTrainer with 3 prompts and prompts_per_step=4: TRL ran no step and train() ended in
+    'empty GRPO history: no step was logged'."""
+    from trainer.alignment.errors import AlignmentConfigError
+    from trainer.alignment.grpo import RoutedGRPOConfig, RoutedGRPOTrainer
+
+    config = RoutedGRPOConfig(model="unused", prompts_per_step=4)
+    with pytest.raises(AlignmentConfigError, match=r"^GRPO needs at least prompts_per_step=4 prompts for one step, got 3$"):
+        RoutedGRPOTrainer(config, None, ["a", "b", "c"])

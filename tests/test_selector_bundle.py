@@ -168,6 +168,16 @@ def test_prefer_many_and_load_argument_errors(bundle, signing_keys):
         Selector.load(bundle[0], signing_keys[1], min_bundle_version=2)
 
 
+def test_prefer_many_names_a_bad_text_by_index_before_scoring(bundle, signing_keys):
+    """A blank third response was reported as 'y_b is empty' (which pair?), after the first pairs were scored."""
+    sel = Selector.load(bundle[0], signing_keys[1], precision="fp32")
+    with pytest.raises(InvalidInputError, match=r"^y_b\[1\] is empty or whitespace only$"):
+        sel.prefer_many(["q", "r"], ["a", "b"], ["c", "  "])
+    with pytest.raises(InvalidInputError, match=r"^x\[0\] must be a str, got NoneType$"):
+        sel.prefer_many([None], ["a"], ["b"])
+    np.testing.assert_allclose(sel.prefer_many(["q"], ["a"], ["c"]), [sel.prefer("q", "a", "c")])
+
+
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src.resolve(), dst)
     return dst

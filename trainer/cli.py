@@ -82,14 +82,12 @@ DeviceOpt = Annotated[str, typer.Option(help="torch device for embedding and MLP
 
 
 def _check_device(device: str) -> None:
-    import torch  # trainer extra (torch), imported on use
+    from trainer.torch_device import check_torch_device  # imports torch (trainer extra) when it runs
 
     try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as exc:
-        raise typer.BadParameter(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, mps)") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise typer.BadParameter(f"--device {device!r}: torch sees no CUDA device (CPU-only build or no GPU)")
+        check_torch_device("--device", device)
+    except InvalidInputError as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 
 def _config(n_clients: int, alpha: float, routers: str, device: str):
@@ -193,7 +191,8 @@ def _parse_prices(spec: Optional[Path]) -> dict:
 
 def _check_export_options(out: Path, signing_key: Path, router: Optional[Path], selector: Optional[Path],
                           precision: Optional[list[str]], data: Optional[Path], prices: Optional[Path],
-                          bundle_version: Optional[int], prior_domain: Optional[str]) -> dict:
+                          bundle_version: Optional[int], prior_domain: Optional[str], parity_pairs: Optional[int] = None,
+                          cache_dir: Optional[Path] = None) -> dict:
     """The checks of ``fedroute export``'s options that need no trainer library: run before torch and
     sentence-transformers are imported (10-15 s), so that a typo fails at once. Returns the parsed
     ``--prices`` table ({} without it).
@@ -218,12 +217,15 @@ def _check_export_options(out: Path, signing_key: Path, router: Optional[Path], 
             raise typer.BadParameter("--prices is for router bundles (a selector has no model table)")
         if precision:
             raise typer.BadParameter("--precision is for router bundles (a selector takes --int8)")
+        if cache_dir is not None:
+            raise typer.BadParameter("--cache-dir is for router bundles (a selector export embeds nothing)")
         if not selector.is_dir():
             raise typer.BadParameter(f"--selector {selector} is not a folder; give a trained expert folder, e.g. "
                                      "RUN/fedprism_seed0/expert_2")
     else:
-        if prior_domain is not None:
-            raise typer.BadParameter("--prior-domain is for --selector bundles (a router has no length prior)")
+        for option, value in (("--parity-pairs", parity_pairs), ("--prior-domain", prior_domain)):
+            if value is not None:  # they used to be ignored without a word
+                raise typer.BadParameter(f"{option} is for --selector bundles; a router export checks parity on --data")
         unknown = sorted(set(precision or ()) - set(QUANTISED_PRECISIONS))
         if unknown:
             raise typer.BadParameter(f"--precision {', '.join(unknown)}: unknown; known: {sorted(QUANTISED_PRECISIONS)}")
@@ -253,16 +255,16 @@ def export_cmd(
     data: Annotated[Optional[Path], typer.Option(help="RouterBench folder or test file for parity checks (default: the one recorded at training); with --selector the shared data folder (default ../shared/data)")] = None,
     prices: Annotated[Optional[Path], typer.Option(help="JSON {model: {input: USD per 1k tokens, output: ...}} for the price table")] = None,
     bundle_version: Annotated[Optional[int], typer.Option(min=1, help="default: previous version at --out + 1")] = None,
-    parity_pairs: Annotated[int, typer.Option(min=1, help="--selector: real held-out pairs for the parity check")] = 200,
+    parity_pairs: Annotated[Optional[int], typer.Option(min=1, help="--selector: real held-out pairs for the parity check (default 200)")] = None,
     prior_domain: Annotated[Optional[str], typer.Option(help="--selector of a length_prior='domain' run: the domain whose length prior is folded in")] = None,
     cache_dir: CacheOpt = None,
 ) -> None:
     """Compile a trained router (or a preference selector) into a signed, parity-checked bundle for the SDK."""
     price_table = _check_export_options(out, signing_key, router, selector, precision, data, prices, bundle_version,
-                                        prior_domain)
+                                        prior_domain, parity_pairs, cache_dir)
     _need_trainer()
     if selector is not None:
-        pairs = parity_pairs_for(selector, data or Path("../shared/data"), parity_pairs)
+        pairs = parity_pairs_for(selector, data or Path("../shared/data"), parity_pairs or 200)
         try:
             result = export_selector_bundle(selector, out, signing_key, pairs, int8=int8,
                                             bundle_version=bundle_version, prior_domain=prior_domain,

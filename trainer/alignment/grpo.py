@@ -388,15 +388,17 @@ class RoutedGRPOTrainer:
     Raises
     ------
     AlignmentConfigError
-        No prompts, an empty prompt, or a reward whose online switch disagrees with the config.
+        Fewer prompts than ``config.prompts_per_step`` (no step would run), an empty prompt, or a reward whose
+        online switch disagrees with the config.
     PolicyUnavailableError
         The policy cannot be loaded.
     """
 
     def __init__(self, config: RoutedGRPOConfig, reward: RoutedGRPOReward, prompts: Sequence[str],
                  model=None, tokenizer=None) -> None:
-        if len(prompts) == 0:
-            raise AlignmentConfigError("GRPO needs at least one prompt, got 0")
+        if len(prompts) < config.prompts_per_step:  # TRL would run no step (its batches are whole)
+            raise AlignmentConfigError(f"GRPO needs at least prompts_per_step={config.prompts_per_step} prompts for one "
+                                       f"step, got {len(prompts)}")
         bad = [i for i, p in enumerate(prompts) if not isinstance(p, str) or not p.strip()]
         if bad:
             raise AlignmentConfigError(f"prompts {bad[:5]} are empty or not str")

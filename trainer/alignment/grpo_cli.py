@@ -14,6 +14,7 @@ from sdk.finite_option import finite_option
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
 from trainer.out_folder import check_out_option
+from trainer.torch_device import check_torch_device
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
 DataOpt = Annotated[Path, typer.Option("--data", help="the shared data folder (alpacaeval/, hh_harmless/, routerbench/)")]
@@ -26,7 +27,7 @@ def public_prompts(data: Path, n: int, seed: int = 0) -> list[str]:
     Raises
     ------
     InvalidInputError
-        ``n`` < 1.
+        ``n`` < 1, or more prompts than the alternating pool holds (it used to return fewer, silently).
     """
 
     from trainer.data.preferences import load_alpacaeval_pairs, load_hh_harmless_pairs  # trainer.data.preferences imports pandas: on use only
@@ -39,7 +40,23 @@ def public_prompts(data: Path, n: int, seed: int = 0) -> list[str]:
         unique = list(dict.fromkeys(frame["prompt"].tolist()))
         pools.append([unique[i] for i in rng.permutation(len(unique))])
     mixed = [p for pair in zip(*pools) for p in pair]
+    if n > len(mixed):
+        raise InvalidInputError(f"n={n} prompts (--n-prompts) but {data} holds {len(mixed)} public prompts "
+                                f"(AlpacaEval and HH-RLHF alternating): give at most {len(mixed)}")
     return mixed[:n]
+
+
+#: (steps, prompts, tokens per completion) of a run, and of a --quick run
+DEFAULT_LENGTHS, QUICK_LENGTHS = (60, 256, 32), (20, 64, 16)
+
+
+def run_lengths(quick: bool, steps: Optional[int], n_prompts: Optional[int],
+                max_completion_length: Optional[int]) -> tuple[int, int, int]:
+    """(steps, n_prompts, max_completion_length): the values given on the line, else the preset's
+    (``--quick`` used to replace given values: ``--quick --steps 5`` ran 20 steps)."""
+    preset = QUICK_LENGTHS if quick else DEFAULT_LENGTHS
+    given = (steps, n_prompts, max_completion_length)
+    return tuple(p if g is None else g for g, p in zip(given, preset))  # type: ignore[return-value]
 
 
 def grpo(
@@ -48,11 +65,11 @@ def grpo(
     model: Annotated[Optional[str], typer.Option(help="policy causal LM: local path or hub id; default: a tiny random "
                                                       "2-layer Llama built offline into OUT/tiny_policy")] = None,
     data: DataOpt = Path("../shared/data"),
-    steps: Annotated[int, typer.Option(min=1, help="GRPO optimiser steps")] = 60,
-    n_prompts: Annotated[int, typer.Option(min=1, help="public prompts to train on")] = 256,
+    steps: Annotated[Optional[int], typer.Option(min=1, help="GRPO optimiser steps (default 60; 20 with --quick)")] = None,
+    n_prompts: Annotated[Optional[int], typer.Option(min=1, help="public prompts to train on (default 256; 64 with --quick)")] = None,
     num_generations: Annotated[int, typer.Option(min=1, help="completions per prompt (group size M)")] = 4,
     prompts_per_step: Annotated[int, typer.Option(min=1, help="prompts per optimiser step")] = 4,
-    max_completion_length: Annotated[int, typer.Option(min=1, help="tokens generated per completion")] = 32,
+    max_completion_length: Annotated[Optional[int], typer.Option(min=1, help="tokens generated per completion (default 32; 16 with --quick)")] = None,
     learning_rate: Annotated[float, typer.Option(callback=finite_option, help="policy learning rate (1e-2 suits the tiny random policy; "
                                                       "use ~1e-6 for a real instruct model)")] = 1e-2,
     beta: Annotated[float, typer.Option(callback=finite_option, help="KL coefficient to the reference policy (> 0)")] = 0.04,
@@ -60,12 +77,13 @@ def grpo(
     ts_lambda: Annotated[float, typer.Option("--ts-lambda", callback=finite_option, help="Thompson sampling lambda (prior, pull-back)")] = 1.0,
     ts_nu: Annotated[float, typer.Option("--ts-nu", callback=finite_option, help="Thompson sampling exploration scale nu")] = 1.0,
     device: Annotated[str, typer.Option(help="cpu (float32, 1 thread) or cuda (bfloat16)")] = "cpu",
-    quick: Annotated[bool, typer.Option("--quick", help="20 steps, 64 prompts, 16 tokens (a few minutes on CPU)")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="20 steps, 64 prompts, 16 tokens (a few minutes on CPU); "
+                                                         "--steps, --n-prompts and --max-completion-length given on the line win")] = False,
     seed: Annotated[int, typer.Option(min=0)] = 0,
     cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
 ) -> None:
     """GRPO (TRL) on the routed reward of a MoR mixture, with online routing by neural Thompson sampling."""
-    from trainer.alignment.grpo import RoutedGRPOConfig, RoutedGRPOTrainer, compare_online, from_mixture  # trainer.alignment.grpo imports torch: on use only
+    from trainer.alignment.grpo import DEVICES, RoutedGRPOConfig, RoutedGRPOTrainer, compare_online, from_mixture  # trainer.alignment.grpo imports torch: on use only
     from trainer.alignment.thompson_routing import ThompsonConfig  # trainer.alignment.thompson_routing imports torch: on use only
     from trainer.rewards.mixture import load_mixture  # trainer.rewards.mixture imports torch, tqdm: on use only
 
@@ -75,12 +93,19 @@ def grpo(
         if value <= 0:  # NaN and inf: refused by finite_option while parsing
             raise typer.BadParameter(f"{option} must be a finite number > 0, got {value}")
     check_out_option(out)
+    if device in DEVICES:  # another value is refused by RoutedGRPOConfig below
+        try:  # a CPU-only machine used to fail to move the policy after the mixture, data and OUT/tiny_policy
+            check_torch_device("--device", device)
+        except InvalidInputError as exc:
+            raise typer.BadParameter(str(exc)) from exc
     try:  # checked before OUT/tiny_policy is written
         thompson = ThompsonConfig(enabled=online != "off", lam=ts_lambda, nu=ts_nu, seed=seed)
     except InvalidInputError as exc:
         raise typer.BadParameter(f"--ts-lambda / --ts-nu: {exc}") from exc
-    if quick:
-        steps, n_prompts, max_completion_length = 20, 64, 16
+    steps, n_prompts, max_completion_length = run_lengths(quick, steps, n_prompts, max_completion_length)
+    if n_prompts < prompts_per_step:  # TRL then ran no step and the run ended in "empty GRPO history"
+        raise typer.BadParameter(f"--n-prompts {n_prompts} is below --prompts-per-step {prompts_per_step}: one optimiser "
+                                 "step needs that many prompts, so no step would run")
     try:  # every setting checked before the mixture and the data are read and OUT/tiny_policy is written
         config = RoutedGRPOConfig(model=str(out / "tiny_policy") if model is None else model, output_dir=out, beta=beta,
                                   learning_rate=learning_rate, num_generations=num_generations,

@@ -19,6 +19,7 @@ from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
 from trainer.out_folder import check_out_option
 from trainer.results_owner import claim_results
+from trainer.torch_device import check_torch_device
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="FedPrism: federated preference experts with instance-wise routing (paper 000).")
@@ -44,6 +45,8 @@ def train(
     from trainer.experts.selector import PairSelector  # trainer.experts.selector imports torch: on use only
 
     check_out_option(out)  # before any work: an unusable --out used to fail after it
+    if quick and preset != "cpu":  # --quick --preset gpu ran the quick preset without a word
+        raise typer.BadParameter(f"--quick is the small preset; give --quick or --preset {preset}, not both")
     claim_results(out, "prism train")
     name = "quick" if quick else preset
     if name not in PRESETS:
@@ -141,6 +144,11 @@ def dpo(
         raise typer.BadParameter(f"--heldout-fraction must lie in (0, 1) (at least one prompt is held out for "
                                  f"the accuracy), got {heldout_fraction}")
     check_out_option(out)  # before any work: an unusable --out used to fail after it
+    if gpu:  # a CPU-only machine used to fail to move the policy only after OUT/tiny_policy was built
+        try:
+            check_torch_device("--gpu", "cuda")
+        except InvalidInputError as exc:
+            raise typer.BadParameter(str(exc)) from exc
     try:
         rows = pd.read_parquet(prefs) if prefs.suffix == ".parquet" else pd.read_json(prefs, lines=True)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid and pandas' JSON errors are ValueErrors

@@ -39,7 +39,9 @@ Output folder (``fedroute prism train --out DIR``)
         splits.json                 prompt_ids of the train / public / val / test parts
 - ``fedbis_seed0/``: the same layout for FedBis (one expert, ``expert_0``; its router file is unused).
 - Both are written to ``.<method>_seed0.partial/`` during the run and replace the old folders after
-  ``results.json``: an interrupted run leaves the earlier run's folder and results as they were.
+  ``results.json``: an interrupted run leaves the earlier run's folder and results as they were. A run
+  without FedPrism or FedBis removes the earlier run's folder of that method (and, without FedPrism, its
+  ``utilisation_per_round.png``) once its own results are written.
 
   Load with ``PairSelector(load_selector_config(...))`` then ``load_expert(folder / "expert_<k>")``.
 """
@@ -253,9 +255,7 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                            "per_method": {m: float(np.mean(v)) for m, v in bytes_per_round.items() if v}}
     if out is not None:
         write_results(out, result, history)
-        for m in ("fedprism", "fedbis"):
-            if m in methods:
-                _publish_saved(out, m)
+        publish_saved_methods(out, methods)
     return result
 
 
@@ -263,6 +263,20 @@ def _staging(out: Path, method: str) -> Path:
     """Where ``<method>_seed0/`` is written during the run (hidden; a run killed midway leaves it, not a
     half-written ``<method>_seed0/`` beside an earlier run's results)."""
     return out / f".{method}_seed0.partial"
+
+
+def publish_saved_methods(out: Path, methods) -> None:
+    """After ``results.json``: swap in ``<method>_seed0/`` of FedPrism and FedBis when they ran, and remove
+    those an earlier run left in ``out`` when they did not (with ``utilisation_per_round.png`` when FedPrism
+    did not run): ``prism train --methods fedprism`` over a full run kept the old ``fedbis_seed0/``, which
+    ``prism label`` then compared with the new experts as if one run had trained both."""
+    for m in ("fedprism", "fedbis"):
+        if m in methods:
+            _publish_saved(out, m)
+        else:
+            shutil.rmtree(out / f"{m}_seed0", ignore_errors=True)
+    if "fedprism" not in methods:
+        (out / "utilisation_per_round.png").unlink(missing_ok=True)
 
 
 def _publish_saved(out: Path, method: str) -> None:

@@ -117,6 +117,34 @@ def upload_bytes(client_coefs: Sequence[dict[int, tuple[np.ndarray, float]]]) ->
     return int(sum(4 * (np.asarray(w).size + 1) for coefs in client_coefs for w, _ in coefs.values()))
 
 
+def read_length_prior(folder: str | Path) -> dict[str, np.ndarray] | None:
+    """The per-domain length priors saved with a ``length_prior='domain'`` run (``length_prior.json``:
+    ``{"domains": [str], "coefs": [[3 floats] per domain]}``): {domain: ndarray (3,) float32}; None for a
+    run without the file.
+
+    Raises
+    ------
+    InvalidInputError
+        The file is unreadable or not that layout (names the file): a truncated or hand-edited copy used
+        to end in a JSONDecodeError / KeyError traceback, and a non-finite or short weight vector went
+        into every prediction.
+    """
+    path = Path(folder) / "length_prior.json"
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        domains, coefs = saved["domains"], np.asarray(saved["coefs"], dtype=np.float64)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON / Unicode errors are ValueErrors
+        raise InvalidInputError(f"{path}: not the length_prior.json of `fedroute prism train` "
+                                f"({type(exc).__name__}: {exc}); rerun it") from exc
+    if (not isinstance(domains, list) or not all(isinstance(d, str) for d in domains) or len(set(domains)) != len(domains)
+            or coefs.shape != (len(domains), 3) or not np.isfinite(coefs).all()):
+        raise InvalidInputError(f"{path}: expected distinct domain names and one row of 3 finite weights per domain, "
+                                f"got domains {domains!r:.80} and weights of shape {coefs.shape}; rerun `fedroute prism train`")
+    return {d: coefs[i].astype(np.float32) for i, d in enumerate(domains)}
+
+
 def saved_length_prior(folder: str | Path, domain: str) -> np.ndarray | None:
     """The fixed per-domain length prior of a run saved with ``length_prior='domain'``
     (``length_prior.json``): the weights of ``domain``, ndarray (3,) float32; None for a run without it.
@@ -124,12 +152,12 @@ def saved_length_prior(folder: str | Path, domain: str) -> np.ndarray | None:
     Raises
     ------
     InvalidInputError
-        ``domain`` is not in the saved prior.
+        ``domain`` is not in the saved prior, or the file is not readable (:func:`read_length_prior`).
     """
-    path = Path(folder) / "length_prior.json"
-    if not path.exists():
+    priors = read_length_prior(folder)
+    if priors is None:
         return None
-    saved = json.loads(path.read_text())
-    if domain not in saved["domains"]:
-        raise InvalidInputError(f"{path}: no length prior for domain {domain!r} (has {saved['domains']})")
-    return np.asarray(saved["coefs"][saved["domains"].index(domain)], dtype=np.float32)
+    if domain not in priors:
+        raise InvalidInputError(f"{Path(folder) / 'length_prior.json'}: no length prior for domain {domain!r} "
+                                f"(has {list(priors)})")
+    return priors[domain]

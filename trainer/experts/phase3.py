@@ -344,7 +344,7 @@ def run_phase3(run_dir: str | os.PathLike[str], data_dir: str | os.PathLike[str]
     Raises
     ------
     InvalidInputError
-        A run folder without ``fedprism_seed0/``.
+        A run folder without ``fedprism_seed0/`` (or a method folder such as ``fedprism_seed0/`` itself).
     """
     from trainer.data.preferences import load_preference_pairs  # trainer.data.preferences imports pandas: on use only
     from trainer.experts.selector import build_segment_store  # trainer.experts.selector imports torch: on use only
@@ -353,6 +353,9 @@ def run_phase3(run_dir: str | os.PathLike[str], data_dir: str | os.PathLike[str]
     run_dir, out = Path(run_dir), Path(out)
     prism_dir = run_dir / "fedprism_seed0"
     if not prism_dir.is_dir():
+        if (run_dir / "fedprism_config.json").is_file():  # the advice was to train again into the method folder
+            raise InvalidInputError(f"{run_dir} is a method folder of a run ({run_dir.name}/), not the run: give "
+                                    f"--run {run_dir.parent} (the --out of `fedroute prism train`)")
         raise InvalidInputError(f"{run_dir} has no fedprism_seed0/: run `fedroute prism train --out {run_dir}` first")
     model, experts, router, config, splits = load_saved_method(prism_dir)
     pairs = load_preference_pairs(data_dir, seed=int(config.get("data_seed", 0)))

@@ -321,17 +321,49 @@ class PairSelector(nn.Module):
         save_file(head, str(out / "head.safetensors"))
 
     def load_expert(self, folder: Path) -> dict[str, np.ndarray]:
-        """Read an expert written by :meth:`save_expert` and load it; returns its state."""
-        from peft import set_peft_model_state_dict  # peft: optional heavy dependency, imported on use
+        """Read an expert written by :meth:`save_expert` and load it; returns its state.
+
+        Both files must hold exactly this selector's tensors: peft loads an adapter leniently (tensors
+        it lacks keep their current values) and the head file was merged into the current state, so a
+        truncated or foreign file used to load as the previously loaded expert's tensors, silently.
+
+        Raises
+        ------
+        InvalidInputError
+            ``adapter/adapter_model.safetensors`` or ``head.safetensors`` lacks a tensor of this
+            selector or holds one it does not have (the message names the file and the tensors).
+        ShapeError
+            A tensor of another shape.
+        """
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict  # peft: optional heavy dependency, imported on use
         from safetensors.numpy import load_file  # safetensors: optional heavy dependency, imported on use
         from safetensors.torch import load_file as load_torch  # safetensors: optional heavy dependency, imported on use
 
-        set_peft_model_state_dict(self.backbone, load_torch(str(folder / "adapter" / "adapter_model.safetensors")))
-        head = load_file(str(folder / "head.safetensors"))
+        folder = Path(folder)
+        adapter_file, head_file = folder / "adapter" / "adapter_model.safetensors", folder / "head.safetensors"
+        adapter, current = load_torch(str(adapter_file)), get_peft_model_state_dict(self.backbone)
+        _check_tensor_names(adapter_file, set(adapter), set(current))
+        head = load_file(str(head_file))
+        _check_tensor_names(head_file, set(head),
+                            {n for n in self.trainable_names() if n.startswith(("head.", "length_skip."))})
+        for name, value in adapter.items():  # peft's load would raise a RuntimeError on another shape
+            want = tuple(current[name].shape)
+            if tuple(value.shape) != want:
+                raise ShapeError(f"{adapter_file}: tensor {name!r} has shape {tuple(value.shape)}, expected {want}")
+        set_peft_model_state_dict(self.backbone, adapter)
         state = self.expert_state()
         state.update(head)
         self.load_expert_state(state)
         return self.expert_state()
+
+
+def _check_tensor_names(path: Path, found: set[str], expected: set[str]) -> None:
+    """InvalidInputError naming ``path`` unless it holds exactly the ``expected`` tensor names."""
+    if found != expected:
+        missing, extra = sorted(expected - found), sorted(found - expected)
+        raise InvalidInputError(f"{path}: not this selector's expert file ({len(missing)} tensor(s) missing, e.g. "
+                                f"{missing[:2]}; {len(extra)} unexpected, e.g. {extra[:2]}); a truncated copy or an "
+                                "expert of another selector config?")
 
 
 # ---------------------------------------------------------------------- segment store

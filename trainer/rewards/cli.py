@@ -48,7 +48,8 @@ def _setup(threads: int) -> None:
 
 
 @app.command()
-def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"), seed: int = 0,
+def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"),
+          seed: Annotated[int, typer.Option(min=0, help="seed of the split by prompt and of the training")] = 0,
           mode: Annotated[str, typer.Option(help="active routed reward: sparse | soft (both variants are saved)")] = "sparse",
           weighting: Annotated[Optional[str], typer.Option(help="router FedAvg weighting: equal | samples "
                                                                   "(default: chosen on validation)")] = None,

@@ -191,10 +191,27 @@ def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | No
     return directory
 
 
+def _load_part(folder: Path, load):
+    """``load()`` of the router or a client reward model saved in ``folder``; a file of it that is missing,
+    truncated or foreign (JSON, safetensors or state-dict errors) becomes one InvalidInputError naming the
+    folder instead of the library's traceback."""
+    from safetensors import SafetensorError  # safetensors: optional heavy dependency, imported on use
+
+    try:
+        return load()
+    except InvalidInputError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise InvalidInputError(f"{folder}: cannot load this part of the mixture ({type(exc).__name__}: {first}); "
+                                "a copy cut short? rerun `fedroute mor train`") from exc
+
+
 def load_mixture(directory: Path, cache_dir: Path | None = None, mode: str | None = None) -> RoutedReward:
     """Load a saved mixture. ``mode`` overrides the saved active mode and takes that mode's saved variant
     (e.g. the soft temperature chosen on validation). Raises InvalidInputError on a missing, unreadable or
-    incomplete ``mixture.json``, a format version other than 1 or a bad variant."""
+    incomplete ``mixture.json``, a format version other than 1 or a bad variant, or a router or client
+    folder whose files are missing, truncated or not of this mixture (the message names the folder)."""
     directory = Path(directory)
     path = directory / "mixture.json"
     if not path.is_file():
@@ -215,8 +232,8 @@ def load_mixture(directory: Path, cache_dir: Path | None = None, mode: str | Non
     except (KeyError, TypeError, AttributeError) as exc:  # a missing key or a value of the wrong type
         raise InvalidInputError(f"{path}: not a mixture written by `fedroute mor train` "
                                 f"({type(exc).__name__}: {exc}); rerun it") from exc
-    router = ClientRouter.load(router_dir)
-    rms = [load_reward_model(d, cache_dir) for d in client_dirs]
+    router = _load_part(router_dir, lambda: ClientRouter.load(router_dir))
+    rms = [_load_part(d, lambda d=d: load_reward_model(d, cache_dir)) for d in client_dirs]
     for rm in rms:
         if isinstance(rm, MLPRewardModel):
             rm.encoder = PairEncoder(rm.encoder.embedder, cache_dir, length_features=rm.encoder.length_features)

@@ -1,0 +1,283 @@
+"""Saved trainer artefacts and bundles a user mixes up, cuts short or hand-edits: FedPrism experts, MoR
+mixtures, selector / reward-scorer / router bundles at one path, and the export's parity inputs. Each is
+refused with one error naming the file, argument or folder, before any heavy work (no ONNX export here)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from export.bundle_writer import write_bundle  # noqa: E402
+from export.errors import ExportError  # noqa: E402
+from export.signing import load_signing_key  # noqa: E402
+from sdk.errors import BundleError, InvalidInputError, ShapeError  # noqa: E402
+from sdk.pair_encoding import PairEncodingConfig  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+# --- FedPrism experts -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_experts(tmp_path_factory):
+    """A PairSelector (real MiniLM backbone, top-layer LoRA) and two saved experts with different tensors."""
+    from trainer.experts.selector import PairSelector, SelectorConfig
+
+    model = PairSelector(SelectorConfig(), seed=0)
+    base = model.expert_state()
+    shifted = {k: (v + 0.5).astype(np.float32) for k, v in base.items()}
+    root = tmp_path_factory.mktemp("experts")
+    model.save_expert(shifted, root / "expert_0")
+    model.save_expert(base, root / "expert_1")
+    return model, root, shifted, base
+
+
+def _copy_expert(root: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "expert_1"
+    shutil.copytree(root / "expert_1", dst)
+    return dst
+
+
+def test_an_expert_whose_head_file_lacks_a_tensor_is_refused(saved_experts, tmp_path):
+    """head.safetensors without length_skip.weight loaded, keeping the previously loaded expert's
+    length weights (expert_0's) as if they were this expert's."""
+    from safetensors.numpy import load_file, save_file
+
+    model, root, _, _ = saved_experts
+    cut = _copy_expert(root, tmp_path)
+    head = load_file(str(cut / "head.safetensors"))
+    del head["length_skip.weight"]
+    save_file(head, str(cut / "head.safetensors"))
+    model.load_expert(root / "expert_0")
+    with pytest.raises(InvalidInputError, match=r"head\.safetensors: not this selector's expert file \(1 tensor\(s\) "
+                                                r"missing, e\.g\. \['length_skip\.weight'\]"):
+        model.load_expert(cut)
+
+
+def test_an_expert_whose_adapter_file_is_empty_or_foreign_is_refused(saved_experts, tmp_path):
+    """An adapter file without the LoRA tensors loaded leniently (peft): the LoRA of the expert loaded
+    before stayed in place, so expert_1 scored as expert_0."""
+    from safetensors.torch import load_file, save_file
+
+    model, root, shifted, base = saved_experts
+    cut = _copy_expert(root, tmp_path)
+    adapter_file = cut / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(str(adapter_file))
+    save_file({}, str(adapter_file))
+    model.load_expert(root / "expert_0")
+    with pytest.raises(InvalidInputError, match=f"adapter_model.safetensors: not this selector's expert file "
+                                                f"\\({len(tensors)} tensor\\(s\\) missing"):
+        model.load_expert(cut)
+    renamed = {k.replace("lora_A", "lora_Z"): v for k, v in tensors.items()}
+    save_file(renamed, str(adapter_file))
+    with pytest.raises(InvalidInputError, match="unexpected, e.g."):
+        model.load_expert(cut)
+    wrong = dict(tensors)
+    name = next(iter(wrong))
+    wrong[name] = torch.zeros(1, 1)
+    save_file(wrong, str(adapter_file))
+    with pytest.raises(ShapeError, match=f"tensor '{name}' has shape \\(1, 1\\)"):
+        model.load_expert(cut)
+    # the complete files still load, each as itself
+    state = model.load_expert(root / "expert_1")
+    assert all(np.array_equal(state[k], base[k]) for k in base)
+    state = model.load_expert(root / "expert_0")
+    assert all(np.array_equal(state[k], shifted[k]) for k in shifted)
+
+
+# --- MoR mixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_mixture(tmp_path_factory):
+    """An untrained two-client MLP mixture saved with save_mixture (nothing is embedded)."""
+    from trainer.rewards.client_router import ClientRouter
+    from trainer.rewards.mixture import RoutedReward, save_mixture
+    from trainer.rewards.pair_features import PairEncoder
+    from trainer.rewards.reward_models import MLPRewardModel, ScoreNormaliser
+
+    encoder = PairEncoder()
+    router = ClientRouter(771, 2, 8, client_names=["helpful", "harmless"])
+    models = []
+    for _ in range(2):
+        rm = MLPRewardModel(encoder, 771, 8)
+        rm.normaliser_ = ScoreNormaliser(0.0, 1.0)
+        models.append(rm)
+    mixture = RoutedReward(router, models, encoder)
+    return mixture, save_mixture(mixture, tmp_path_factory.mktemp("mix") / "mixture")
+
+
+@pytest.mark.parametrize("part, content, error", [
+    ("router/router.json", "{", "JSONDecodeError"),
+    ("router/router.safetensors", "not safetensors", "SafetensorError"),
+    ("clients/harmless/reward_model.json", '{"format_version": 1, "arch": "mlp"}', "KeyError"),
+    ("clients/helpful/weights.safetensors", None, "FileNotFoundError"),
+])
+def test_a_mixture_part_cut_short_is_named(saved_mixture, tmp_path, part, content, error):
+    """mixture.json was checked, its parts not: `mor grpo` / `mor export` ended in a JSONDecodeError,
+    SafetensorError, KeyError or FileNotFoundError traceback."""
+    from trainer.rewards.mixture import load_mixture
+
+    _, saved = saved_mixture
+    copy = tmp_path / "mixture"
+    shutil.copytree(saved, copy)
+    if content is None:
+        (copy / part).unlink()
+    else:
+        (copy / part).write_text(content)
+    folder = copy / Path(part).parent
+    with pytest.raises(InvalidInputError) as info:
+        load_mixture(copy)
+    assert str(info.value).startswith(f"{folder}: cannot load this part of the mixture ({error}: ")
+    assert str(info.value).endswith("rerun `fedroute mor train`")
+
+
+def test_the_saved_mixture_itself_still_loads(saved_mixture):
+    from trainer.rewards.mixture import load_mixture
+
+    mixture, saved = saved_mixture
+    loaded = load_mixture(saved)
+    assert loaded.client_names == ["helpful", "harmless"]
+    for name, value in mixture.router.get_parameters().items():
+        np.testing.assert_array_equal(loaded.router.get_parameters()[name], value)
+
+
+def test_reward_export_refuses_parity_texts_that_are_not_str_before_any_export(saved_mixture, signing_keys, tmp_path):
+    """A None among the parity responses was refused by the trainer's encoder after the embedder's ONNX
+    export (a minute or more)."""
+    from export.reward_export import export_reward_bundle
+
+    mixture, _ = saved_mixture
+    with pytest.raises(ExportError, match=r"parity pairs: responses\[1\] must be a str, got None"):
+        export_reward_bundle(mixture, "harmless", tmp_path / "bundle", signing_keys[0], ["p", "q"], ["r", None],
+                             progress=lambda _: None)
+    assert not (tmp_path / "bundle").exists()
+
+
+# --- bundles of one family at another's path ---------------------------------------------------------
+
+
+def _selector_fields(version: int = 1) -> dict:
+    return {"bundle_version": version, "selector_kind": "onnx_pair",
+            "selector": {"name": "fedprism-expert-0", "backbone": "b", "method": "fedprism", "expert": 0,
+                         "files": {"fp32": "selector.onnx"}, "pair_encoding": PairEncodingConfig().to_dict(),
+                         "n_length_features": 3, "pooling": "mean", "lora": {}}}
+
+
+@pytest.fixture()
+def selector_bundle(signing_keys, tmp_path) -> Path:
+    """A signed bundle with a selector manifest (its graph is never loaded by these tests)."""
+    out = tmp_path / "bundles" / "selector"
+    write_bundle(out, {"tokenizer.json": b"{}", "selector.onnx": b"x"}, _selector_fields(),
+                 load_signing_key(signing_keys[0]))
+    return out
+
+
+def test_a_reward_scorer_given_a_selector_bundle_names_sdk_selector(selector_bundle, signing_keys):
+    """The message sent the user to sdk.Router for a selector bundle."""
+    from sdk.reward_scorer import RewardScorer
+
+    with pytest.raises(BundleError) as info:
+        RewardScorer.load(selector_bundle, public_key=signing_keys[1])
+    assert str(info.value) == ("bundle carries no reward_scorer (it carries {'selector': 'onnx_pair'}); "
+                               "load it with sdk.Selector")
+
+
+def test_a_bundle_of_another_family_is_not_replaced(selector_bundle, signing_keys, tmp_path):
+    """Exporting a router (or a reward scorer) to the folder of a selector bundle replaced it, and the other
+    way round: the app or `fedroute serve --bundle-dir` reading that path then got a bundle it cannot load."""
+    from export.selector_export import export_selector_bundle
+
+    key = load_signing_key(signing_keys[0])
+    router_fields = {"bundle_version": 2, "router_kind": "kmeans"}
+    with pytest.raises(ExportError, match=f"{selector_bundle} holds a selector bundle; refusing to replace it with a "
+                                          "router bundle"):
+        write_bundle(selector_bundle, {"kmeans.npz": b"x"}, router_fields, key)
+    assert json.loads((selector_bundle / "manifest.json").read_text())["selector_kind"] == "onnx_pair"
+    router_bundle = tmp_path / "bundles" / "kmeans"
+    write_bundle(router_bundle, {"kmeans.npz": b"x"}, {"bundle_version": 1, "router_kind": "kmeans"}, key)
+    pairs = pd.DataFrame({"prompt": ["p"], "response_a": ["a"], "response_b": ["b"], "label": [1]})
+    with pytest.raises(ExportError, match=f"{router_bundle} holds a router bundle; refusing to replace it with a "
+                                          "selector bundle"):
+        export_selector_bundle(tmp_path / "no_expert", router_bundle, signing_keys[0], pairs, progress=lambda _: None)
+    # a bundle of the same family is replaced by a newer version, as before
+    write_bundle(selector_bundle, {"tokenizer.json": b"{}", "selector.onnx": b"y"}, _selector_fields(2), key)
+    assert json.loads((selector_bundle / "manifest.json").read_text())["bundle_version"] == 2
+
+
+def test_the_selector_export_checks_its_parity_pairs_and_prior_domain_first(signing_keys, tmp_path):
+    """Pairs without a 'label' column failed with a KeyError in the parity check, after the ONNX export;
+    --prior-domain for an expert of a label-free run was ignored (the bundle served every domain)."""
+    from export.selector_export import export_selector_bundle
+
+    no_label = pd.DataFrame({"prompt": ["p"], "response_a": ["a"], "response_b": ["b"]})
+    with pytest.raises(ExportError, match=r"parity_pairs lacks columns \['label'\]"):
+        export_selector_bundle(tmp_path / "run" / "expert_0", tmp_path / "out", signing_keys[0], no_label,
+                               progress=lambda _: None)
+    pairs = no_label.assign(label=1)
+    with pytest.raises(ExportError, match=r"prior_domain='alpacaeval' \(--prior-domain\): .* is not of a "
+                                          r"length_prior='domain' run"):
+        export_selector_bundle(tmp_path / "run" / "expert_0", tmp_path / "out", signing_keys[0], pairs,
+                               prior_domain="alpacaeval", progress=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
+# --- arrays the device is given ------------------------------------------------------------------------
+
+
+def test_feature_rows_refuse_complex_numbers():
+    """finite_rows (RewardScorer.scores_from_features, Router.choose_batch's embeddings) dropped the imaginary
+    part with a ComplexWarning only, as its docstring says it refuses."""
+    from sdk.arrays import finite_rows
+
+    with pytest.raises(ShapeError, match="features must be a \\(n, 2\\) array of real numbers, got ndarray that "
+                                         "does not convert to float32 \\(complex numbers\\)"):
+        finite_rows(np.array([[1.0 + 2.0j, 0.5]]), 2, "features")
+    np.testing.assert_array_equal(finite_rows([[1.0, 0.5]], 2, "features"), np.array([[1.0, 0.5]], np.float32))
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"domains": ["alpacaeval"]', "not the length_prior.json of `fedroute prism train` (JSONDecodeError"),
+    ('{"coefs": [[1, 2, 3]]}', "not the length_prior.json of `fedroute prism train` (KeyError: 'domains')"),
+    ('{"domains": ["alpacaeval"], "coefs": [[1, 2]]}', "got domains ['alpacaeval'] and weights of shape (1, 2)"),
+    ('{"domains": ["alpacaeval"], "coefs": [[1, NaN, 3]]}', "one row of 3 finite weights per domain"),
+])
+def test_a_hand_edited_length_prior_is_named(tmp_path, content, message):
+    """RUN/fedprism_seed0/length_prior.json truncated or edited: `prism label` and `export --selector
+    --prior-domain` ended in a JSONDecodeError / KeyError traceback, or folded a (2,) or NaN prior in."""
+    from trainer.experts.length_init import read_length_prior, saved_length_prior
+
+    (tmp_path / "length_prior.json").write_text(content)
+    for read in (lambda: read_length_prior(tmp_path), lambda: saved_length_prior(tmp_path, "alpacaeval")):
+        with pytest.raises(InvalidInputError) as info:
+            read()
+        assert str(info.value).startswith(f"{tmp_path / 'length_prior.json'}: ") and message in str(info.value)
+    (tmp_path / "length_prior.json").write_text('{"domains": ["alpacaeval", "hh_harmless"], '
+                                                '"coefs": [[1.5, 0.25, -0.5], [-1, 0, 0]]}')
+    np.testing.assert_array_equal(saved_length_prior(tmp_path, "hh_harmless"), np.array([-1, 0, 0], np.float32))
+    assert read_length_prior(tmp_path / "absent") is None
+
+
+def test_a_rerun_without_fedbis_removes_the_earlier_runs_fedbis_folder(tmp_path):
+    """`prism train --methods fedprism --out RUN` over a full run kept RUN/fedbis_seed0/ (and the old
+    utilisation plot when FedPrism was left out), so `prism label` compared the new experts with another
+    run's FedBis. The staged folder of a method that ran replaces the old one whole, as before."""
+    from trainer.experts.experiment import publish_saved_methods
+
+    for name in ("fedprism_seed0/expert_5", "fedbis_seed0/expert_0", ".fedprism_seed0.partial/expert_0"):
+        (tmp_path / name).mkdir(parents=True)
+    (tmp_path / "utilisation_per_round.png").write_bytes(b"old")
+    publish_saved_methods(tmp_path, ("fedprism", "length_only"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fedprism_seed0", "utilisation_per_round.png"]
+    assert [p.name for p in (tmp_path / "fedprism_seed0").iterdir()] == ["expert_0"]
+    (tmp_path / ".fedbis_seed0.partial" / "expert_0").mkdir(parents=True)
+    publish_saved_methods(tmp_path, ("fedbis",))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fedbis_seed0"]
