@@ -680,6 +680,9 @@ def test_mor_grpo_quick_keeps_the_lengths_given_on_the_line():
 @pytest.mark.parametrize("command, option", [
     (["mor", "grpo", "--mixture", "MIX", "--device", "cuda"], "--device"),
     (["prism", "dpo", "--prefs", "PREFS", "--tiny", "--gpu"], "--gpu"),
+    # prism train --preset gpu used to train at the paper's scale on the CPU: nothing moved to CUDA
+    (["prism", "train", "--preset", "gpu"], "--preset gpu (its device)"),
+    (["prism", "train", "--quick", "--device", "cuda"], "--device"),
 ])
 def test_a_cuda_run_on_a_machine_without_cuda_is_refused_before_any_work(tmp_path, command, option):
     """`mor grpo --device cuda` and `prism dpo --gpu` on a CPU-only machine failed to move the policy only after

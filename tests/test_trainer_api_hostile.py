@@ -82,6 +82,8 @@ CONFIG_CASES = [
     ("fedprism-rounds-bool", lambda: FedPrismConfig(rounds=True), InvalidInputError, r"rounds=True"),
     ("fedprism-init-epochs-neg", lambda: FedPrismConfig(init_epochs=-1), InvalidInputError, r"init_epochs=-1 should be an integer >= 0"),
     ("fedprism-lr-str", lambda: FedPrismConfig(expert_lr="1e-3"), InvalidInputError, r"expert_lr='1e-3'"),
+    ("fedprism-device-bogus", lambda: FedPrismConfig(device="gpu0"), InvalidInputError, r"device 'gpu0' is not a torch device"),
+    ("fedprism-device-int", lambda: FedPrismConfig(device=0), InvalidInputError, r"device must be a torch device string"),
     ("fedprism-fraction-none", lambda: FedPrismConfig(client_val_fraction=None), InvalidInputError, r"client_val_fraction=None"),
     ("fedprism-pgpd-str", lambda: FedPrismConfig(pgpd="yes"), InvalidInputError, r"pgpd='yes'"),
     ("selector-head-0", lambda: SelectorConfig(head_hidden=0), InvalidInputError, r"head_hidden=0"),
@@ -172,6 +174,8 @@ def test_valid_settings_still_accepted():
     rm = RewardModelConfig(lr=np.float32(1e-3), epochs=np.int64(3), weight_decay=0, dropout=0.0, eps=0.0, clip=None)
     assert (rm.epochs, rm.weight_decay) == (3, 0)  # stored verbatim
     assert FedPrismConfig(warmup_rounds=0, init_epochs=0, residual_scale=0, length_lr_scale=0.0).init_epochs == 0
+    assert (FedPrismConfig().device, FedPrismConfig(device="cuda:1").device, FedPrismConfig.gpu_preset().device) == \
+        ("cpu", "cuda:1", "cuda")  # parsed, not checked against this machine (the CLI does that)
     assert MoRConfig(split_fractions=[0.5, 0.25, 0.25], lora_train_pairs=None, pool_pairs=(np.int64(50), 40, 30)).seeds == 3
     assert RouterConfig(local_steps=None, input_columns=np.int64(4), label_smoothing=0).local_steps is None
     assert KMeansRouterConfig(prior="model", prior_strength=0).prior == "model"

@@ -37,6 +37,7 @@ def train(
     methods: Annotated[str, typer.Option(help="comma-separated methods of the table (default: all)")] = "all",
     device_threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
     cache_dir: Annotated[Optional[Path], typer.Option(help="cache folder (embeddings, segment states)")] = None,
+    device: Annotated[Optional[str], typer.Option(help="torch device of the experts (default: the preset's, cpu; cuda for --preset gpu)")] = None,
 ) -> None:
     """Train FedPrism and its baselines on the same clients; write results.json, results.md, PNGs."""
     import torch  # torch: optional heavy dependency, imported on use
@@ -53,6 +54,11 @@ def train(
         raise typer.BadParameter(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
     torch.set_num_threads(device_threads)
     data_preset, base = PRESETS[name]
+    try:  # --preset gpu on a machine without CUDA used to train on the CPU, at the paper's scale
+        base = base if device is None else replace(base, device=device)
+        check_torch_device("--device" if device is not None else f"--preset {name} (its device)", base.device)
+    except InvalidInputError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     if backbone is not None:
         try:
             base = replace(base, selector=replace(base.selector, backbone=backbone))

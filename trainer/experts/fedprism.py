@@ -119,6 +119,8 @@ class FedPrismConfig:
     eval_every : rounds between test evaluations (the last round is always evaluated).
     seed : int, client sampling, expert initialisation, routing draws.
     selector : SelectorConfig of the experts.
+    device : torch device string of the experts' training and scoring (``'cpu'``; ``'cuda'`` in
+        :meth:`gpu_preset`); the prompt router, the length fits and the segment cache stay on the CPU.
     """
 
     n_experts: int = 3
@@ -145,6 +147,7 @@ class FedPrismConfig:
     eval_every: int = 2
     seed: int = 0
     selector: SelectorConfig = field(default_factory=SelectorConfig)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if isinstance(self.selector, dict):
@@ -175,6 +178,12 @@ class FedPrismConfig:
         check_int(self, "init_epochs", 0)
         check_int(self, "seed", 0)
         check_int(self, "warmup_rounds", 0)
+        if not isinstance(self.device, str):
+            raise InvalidInputError(f"device must be a torch device string ('cpu', 'cuda', 'cuda:1'), got {self.device!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, ValueError) as exc:
+            raise InvalidInputError(f"device {self.device!r} is not a torch device ('cpu', 'cuda', 'cuda:1')") from exc
         if not self.warmup_rounds <= self.rounds:
             raise InvalidInputError(f"warmup_rounds={self.warmup_rounds!r} must be in [0, rounds={self.rounds}]")
         if self.routing == "single" and self.n_experts != 1:
@@ -186,7 +195,8 @@ class FedPrismConfig:
     def gpu_preset(cls, backbone: str = "Qwen/Qwen2-0.5B") -> FedPrismConfig:
         """The paper's settings (M = 5, 400 rounds, warm-up 150, F_freq 20, lr 1e-3 / 1e-5)."""
         return cls(n_experts=5, rounds=400, warmup_rounds=150, router_every=20, expert_lr=1e-5, router_lr=1e-3,
-                   local_pairs=64, batch_size=8, eval_every=20, selector=SelectorConfig.gpu_preset(backbone))
+                   local_pairs=64, batch_size=8, eval_every=20, selector=SelectorConfig.gpu_preset(backbone),
+                   device="cuda")
 
     def pgpd_round(self, t: int) -> bool:
         """True when round ``t`` (1-based) updates the router by PGPD."""
@@ -273,9 +283,9 @@ class FedPrismTrainer:
 
     def __init__(self, model: PairSelector, data: FederatedPairs, args: FedPrismConfig | None = None,
                  progress: bool = False) -> None:
-        self.model = model
-        self.data = data
         self.args = args or FedPrismConfig()
+        self.model = model.to(torch.device(self.args.device))  # the experts train there; the router stays on the CPU
+        self.data = data
         self.progress = progress
         if not data.clients or any(len(c) == 0 for c in data.clients):
             raise InvalidInputError("every client needs at least one train pair")
@@ -340,7 +350,7 @@ class FedPrismTrainer:
         """The per-pair length-prior weights (len(pairs), 3) of ``length_prior='domain'``, else None."""
         if getattr(self, "_prior_w", None) is None:
             return None
-        return self._prior_w[torch.from_numpy(np.asarray(pairs, dtype=np.int64))]
+        return self._prior_w[torch.from_numpy(np.asarray(pairs, dtype=np.int64))].to(self.model.device)
 
     @torch.no_grad()
     def _per_sample(self, state: dict[str, np.ndarray], pairs: np.ndarray, what: str) -> np.ndarray:
@@ -353,7 +363,7 @@ class FedPrismTrainer:
             prior = self._prior(batch)
             v = (self.model.pair_loss(ha, hb, f, y, reduction="none", prior=prior) if what == "ce"
                  else self.model.pair_proba(ha, hb, f, prior))
-            out.append(v.numpy())
+            out.append(v.detach().cpu().numpy())
         return np.concatenate(out) if out else np.zeros(0)
 
     def predict_proba(self, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

@@ -197,6 +197,12 @@ class PairSelector(nn.Module):
         return self
 
     @property
+    def device(self) -> torch.device:
+        """Where the selector's tensors live (``PairSelector.to(device)`` moves them; a
+        :class:`SegmentStore` keeps its tensors on the CPU and moves each batch here)."""
+        return self.head[0].weight.device
+
+    @property
     def _base(self):
         return self.backbone.get_base_model()
 
@@ -240,7 +246,7 @@ class PairSelector(nn.Module):
         if self.config.pooling == "mean":
             return (hidden * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0)
         last = mask.sum(1).long() - 1
-        return hidden[torch.arange(hidden.shape[0]), last]
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
 
     @torch.no_grad()
     def lower_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -373,6 +379,9 @@ def _check_tensor_names(path: Path, found: set[str], expected: set[str]) -> None
 class SegmentStore:
     """The segments of a set of pairs, ready for the selector.
 
+    All tensors stay on the CPU; :meth:`pooled` and :meth:`batch` move what a batch needs to the
+    model's device (:attr:`PairSelector.device`).
+
     Attributes
     ----------
     input_ids, attention_mask, token_type_ids : LongTensor of shape (n_segments, seq_len).
@@ -398,18 +407,20 @@ class SegmentStore:
     def pooled(self, model: PairSelector, segments: np.ndarray) -> torch.Tensor:
         """Segment vectors (len(segments), d) through the model (top layers on the cache, or all layers)."""
         idx = torch.from_numpy(np.asarray(segments, dtype=np.int64))
-        mask = self.attention_mask[idx]
+        dev = model.device
+        mask = self.attention_mask[idx].to(dev)
         if self.lower is not None:
-            return model.top_pooled(self.lower[idx], mask)
-        return model.full_pooled(self.input_ids[idx], mask, self.token_type_ids[idx])
+            return model.top_pooled(self.lower[idx].to(dev), mask)
+        return model.full_pooled(self.input_ids[idx].to(dev), mask, self.token_type_ids[idx].to(dev))
 
     def batch(self, model: PairSelector, pairs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(h_a, h_b, features, label) of the pairs; each distinct segment is run once."""
+        """(h_a, h_b, features, label) of the pairs, on the model's device; each distinct segment is run once."""
         pairs = np.asarray(pairs, dtype=np.int64)
         segs, inv = np.unique(np.concatenate([self.seg_a[pairs], self.seg_b[pairs]]), return_inverse=True)
         h = self.pooled(model, segs)
         n = len(pairs)
-        return h[inv[:n]], h[inv[n:]], self.features[pairs], self.label[pairs]
+        dev = model.device
+        return h[inv[:n]], h[inv[n:]], self.features[pairs].to(dev), self.label[pairs].to(dev)
 
 
 def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a: Sequence[str],
@@ -460,7 +471,9 @@ def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a
 
             starts = tqdm(starts, desc="frozen lower layers", unit="batch")
         for s in starts:
-            chunks.append(model.lower_hidden(ids[s:s + batch_size], mask[s:s + batch_size], types[s:s + batch_size]))
+            dev = model.device  # the cache itself stays on the CPU (SegmentStore moves each batch)
+            chunks.append(model.lower_hidden(ids[s:s + batch_size].to(dev), mask[s:s + batch_size].to(dev),
+                                             types[s:s + batch_size].to(dev)).cpu())
         lower = torch.cat(chunks) if chunks else torch.zeros((0, ids.shape[1], model.hidden_size))
         if disk is not None:
 
