@@ -9,7 +9,9 @@ import functools
 import inspect
 import json
 import logging
+import math
 import ssl
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -220,8 +222,21 @@ def rounds_close(db: DbOpt = "sqlite:///fed.db",
         round_id = current.id
     outcome = close_round(store, round_id, progress=lambda m: typer.echo(m, err=True), publisher=publisher)
     if outcome is None:
-        raise typer.BadParameter(f"round {round_id} is already closed (or does not exist)")
+        raise typer.BadParameter(_why_not_closed(store, round_id))
     typer.echo(json.dumps({"round_id": round_id, **outcome.to_json()}))
+
+
+def _why_not_closed(store, round_id: int) -> str:
+    """Why ``close_round`` closed nothing: no such round, closed already, or another closer holds it."""
+    holder = store.close_holder(round_id)
+    if holder is None:
+        return f"round {round_id} does not exist"
+    status, owner, lease_unix = holder
+    if status == "closing":
+        left = max(0, math.ceil(lease_unix - time.time()))
+        return (f"round {round_id} is being closed by {owner}; if that process died, its claim runs out in {left} s "
+                "(then rerun this)")
+    return f"round {round_id} is already closed"
 
 
 @rounds_app.command("status")

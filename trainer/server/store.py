@@ -399,7 +399,11 @@ class Store:
             base_hash = hashlib.sha256(parameters).hexdigest()
         try:
             with self.transaction() as conn:
-                busy = conn.execute(sa.select(rounds.c.id).where(rounds.c.status != "closed")).first()
+                busy = conn.execute(sa.select(rounds.c.id, rounds.c.status, rounds.c.close_owner)
+                                    .where(rounds.c.status != "closed")).first()
+                if busy and busy.status == "closing":
+                    raise ValueError(f"round {busy.id} is still closing (by {busy.close_owner}); a new round opens "
+                                     "once it is closed (`fedroute rounds status`)")
                 if busy:
                     raise ValueError(f"round {busy.id} is still open; close it first")
                 rid = conn.execute(rounds.insert().values(
@@ -478,6 +482,22 @@ class Store:
             conn.execute(rounds.update().where(rounds.c.id == round_id)
                          .values(status="closing", close_snapshot=int(snapshot), **lease))
             return int(snapshot)
+
+    def release_close(self, round_id: int, owner: str) -> None:
+        """End ``owner``'s lease on the closing of ``round_id`` now (its close failed): the round stays
+        ``closing`` with its snapshot, and the next closer (a rerun of ``fedroute rounds close``, the
+        server) takes it over at once instead of after the lease."""
+        with self.transaction() as conn:
+            conn.execute(rounds.update().where((rounds.c.id == round_id) & (rounds.c.status == "closing")
+                                               & (rounds.c.close_owner == owner)).values(close_lease_unix=0.0))
+
+    def close_holder(self, round_id: int) -> tuple[str, str | None, float] | None:
+        """(status, closer, unix time its lease runs out) of ``round_id``, None if there is no such
+        round; the closer and the lease are those of the last claim (:meth:`claim_close`)."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(rounds.c.status, rounds.c.close_owner, rounds.c.close_lease_unix)
+                               .where(rounds.c.id == round_id)).first()
+        return None if row is None else (row.status, row.close_owner, float(row.close_lease_unix or 0.0))
 
     def closing_rounds(self) -> list[tuple[int, str | None]]:
         """(id, owner) of rounds left ``closing`` (by a crash, or by a closer still at work)."""

@@ -1,0 +1,140 @@
+"""A new operator's ``fedroute rounds`` / ``publish`` / ``serve`` runs and a device's ``fedroute-sync``,
+through the real commands, on the tiny K-means bundle of ``tiny_kmeans.py`` (no encoder export).
+
+Each test is a run that went wrong before its fix: a ``rounds close`` that failed once and then
+answered "already closed" for ten minutes, ``fedroute publish`` skipping the rules the close
+applies before publishing, a negative ``--seed`` that failed every close, a ``--prior-router``
+without statistics ending in a traceback, ``fedroute-sync`` tracebacks on a state path it cannot
+write, ``serve`` creating an empty database at a mistyped ``--db``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from sdk.cell_statistics import CellStatistics
+from sdk.local_update import KMeansUpdate
+from sdk.protocol import Receipt, encode_kmeans_update_record
+from tiny_kmeans import MODELS, write_tiny_kmeans
+from trainer.cli import app
+from trainer.federated.kmeans_aggregation import AggregationConfig
+from trainer.server.kmeans_rounds import open_round_from_bundle
+from trainer.server.round_kind import round_settings
+from trainer.server.rounds import close_round
+from trainer.server.store import Store
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def flat(output: str) -> str:
+    """The message without rich's box and line breaks."""
+    return " ".join(output.replace("│", " ").split())
+
+
+@pytest.fixture(scope="module")
+def tiny(signing_keys, tmp_path_factory) -> tuple[Path, Path]:
+    return write_tiny_kmeans(tmp_path_factory.mktemp("tiny"), signing_keys[0])
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    from postgres_server import start
+
+    server, why = start()
+    yield server, why
+    if server is not None:
+        server.stop()
+
+
+@pytest.fixture
+def fed(request, tmp_path, tiny, signing_keys):
+    """A database with clients alice and bob and a copy of the tiny bundle to publish into: a SQLite
+    file, or with ``indirect`` parameter "postgresql" a database on a throwaway PostgreSQL server."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny[0], bundle)
+    url = f"sqlite:///{tmp_path / 'fed.db'}"
+    if getattr(request, "param", "sqlite") == "postgresql":
+        from postgres_server import fresh_database
+
+        server, why = request.getfixturevalue("postgres")
+        if server is None:
+            pytest.skip(why)
+        url = fresh_database(server)
+    store = Store(url)
+    tokens = {c: store.add_client(c) for c in ("alice", "bob")}
+    yield {"store": store, "url": url, "bundle": bundle, "router": tiny[1], "tokens": tokens,
+           "key": signing_keys[0], "pub": signing_keys[1], "tmp": tmp_path}
+    store.close()
+
+
+def open_round(fed, *, publish_key: Path | None = None, min_total_count: int = 1, **aggregation):
+    settings = round_settings(aggregation=AggregationConfig(**aggregation), seed=0, min_total_count=min_total_count,
+                              bundle_dir=fed["bundle"] if publish_key else None, signing_key=publish_key)
+    return open_round_from_bundle(fed["store"], fed["bundle"], fed["pub"], deadline_s=3600, quorum=10, min_count=2,
+                                  settings=settings)
+
+
+def upload(fed, r, client: str, n: int = 5, key: str = "") -> None:
+    """``client``'s statistics: ``n`` evaluations of model-x in cell 0 and of model-y in cell 1, stored
+    as the server stores an accepted upload (``key``: its Idempotency-Key, default one per client and round)."""
+    count = np.array([[n, 0], [0, n]], dtype=np.float64)
+    update = KMeansUpdate(CellStatistics(count, 0.5 * count, 0.001 * count), np.zeros(0, np.int64),
+                          np.zeros((0, 3)), np.zeros(0), int(count.sum()))
+    fed["store"].add_update(client_id=client, round_=r, key=key or f"{client}-{r.id}", body_sha256=f"{client}{r.id}-{n}",
+                            payload=encode_kmeans_update_record(update), log_size=update.log_size,
+                            receipt_for=lambda uid, late, counted: Receipt(uid, client, r.id, late, counted,
+                                                                           update.log_size).to_json())
+
+
+def fedroute(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "500"})
+
+
+def bundle_version(bundle: Path) -> int:
+    return json.loads((bundle / "manifest.json").read_text())["bundle_version"]
+
+
+@pytest.mark.parametrize("fed", ["sqlite", "postgresql"], indirect=True)
+def test_a_rounds_close_that_failed_can_be_rerun_at_once(fed):
+    """`rounds close` of a round opened to publish whose signing key had gone (moved, unreadable) failed,
+    and kept the round "closing" under its ten-minute lease: each rerun, even after the key was put
+    back, answered "round 1 is already closed (or does not exist)" while `rounds status` said closing."""
+    from export.errors import ExportError
+
+    gone = fed["tmp"] / "signing.key"
+    r = open_round(fed, publish_key=gone)
+    upload(fed, r, "alice")
+    upload(fed, r, "bob")
+    for _ in range(2):
+        result = fedroute("rounds", "close", "--db", fed["url"])
+        assert isinstance(result.exception, ExportError), result.output
+        assert f"cannot read signing key {gone}" in str(result.exception)
+    shutil.copy(fed["key"], gone)
+    result = fedroute("rounds", "close", "--db", fed["url"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.splitlines()[-1])["bundle_version"] == 2 == bundle_version(fed["bundle"])
+
+
+@pytest.mark.parametrize("fed", ["sqlite", "postgresql"], indirect=True)
+def test_rounds_close_and_open_name_the_closer_that_holds_a_round(fed):
+    """A round another closer holds (the server, or a `rounds close` in another shell) was reported as
+    "already closed (or does not exist)" by `rounds close` and as "still open" by `rounds open`."""
+    r = open_round(fed)
+    upload(fed, r, "alice")
+    assert fed["store"].claim_close(r.id, "server-4242-beef", lease_s=600) is not None
+    result = fedroute("rounds", "close", "--db", fed["url"])
+    assert result.exit_code == 2
+    assert (f"round {r.id} is being closed by server-4242-beef; if that process died, its claim runs out in "
+            "600 s (then rerun this)") in flat(result.output)
+    result = fedroute("rounds", "open", "--bundle-dir", fed["bundle"], "--public-key", fed["pub"], "--db", fed["url"])
+    assert result.exit_code == 2
+    assert f"round {r.id} is still closing (by server-4242-beef); a new round opens once it is closed" in flat(result.output)
