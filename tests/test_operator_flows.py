@@ -138,3 +138,20 @@ def test_rounds_close_and_open_name_the_closer_that_holds_a_round(fed):
     result = fedroute("rounds", "open", "--bundle-dir", fed["bundle"], "--public-key", fed["pub"], "--db", fed["url"])
     assert result.exit_code == 2
     assert f"round {r.id} is still closing (by server-4242-beef); a new round opens once it is closed" in flat(result.output)
+
+
+@pytest.mark.parametrize("fed", ["sqlite", "postgresql"], indirect=True)
+def test_rounds_status_counts_the_clients_the_quorum_counts(fed):
+    """docs/privacy-and-dp.md: under DP noise the outcome leaves the clients out and "the operator's
+    `rounds status` does" say how many took part; it printed only `updates_counted`, the stored rows
+    (a client's replaced uploads and revoked clients included), not what the quorum counts."""
+    r = open_round(fed)
+    upload(fed, r, "alice")
+    fed["store"].add_client("carol")
+    for client in ("bob", "carol"):
+        upload(fed, r, client)
+    upload(fed, r, "alice", n=9, key="again")  # replaces its first upload
+    fed["store"].revoke_client("carol")
+    result = fedroute("rounds", "status", "--db", fed["url"])
+    status = json.loads(result.stdout)
+    assert (status["updates_counted"], status["clients_counted"], status["quorum"]) == (4, 2, 10)

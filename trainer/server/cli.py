@@ -241,7 +241,9 @@ def _why_not_closed(store, round_id: int) -> str:
 
 @rounds_app.command("status")
 def rounds_status(db: DbOpt = "sqlite:///fed.db") -> None:
-    """The latest round as JSON (id, status, deadline, quorum, updates in it, outcome)."""
+    """The latest round as JSON: id, status, deadline, quorum, min_count, kind, the updates counted in it
+    (updates_counted: stored uploads, a client's replaced ones included), the clients its quorum
+    counts (clients_counted: active clients with an upload in it, also under DP noise) and the outcome."""
     store = _store(db, existing=True)
     r = store.latest_round()
     if r is None:
@@ -250,6 +252,7 @@ def rounds_status(db: DbOpt = "sqlite:///fed.db") -> None:
     typer.echo(json.dumps({"round_id": r.id, "status": r.status, "deadline_unix": r.deadline_unix,
                            "quorum": r.quorum, "min_count": r.min_count, "kind": r.kind,
                            "updates_counted": len(store.round_updates(r.id)),
+                           "clients_counted": store.clients_counted(r.id),
                            "outcome": None if r.outcome is None else r.outcome.to_json()}))
 
 

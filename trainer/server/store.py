@@ -279,6 +279,13 @@ def receipt_of(row) -> dict:
                    int(log_size)).to_json()
 
 
+def _clients_counted(round_id: int):
+    """``SELECT`` of the number of active clients with an update counted in ``round_id`` (its quorum)."""
+    return (sa.select(sa.func.count(sa.distinct(updates.c.client_id)))
+            .join(clients, clients.c.id == updates.c.client_id)
+            .where((updates.c.counted_round == round_id) & (clients.c.revoked == sa.false())))
+
+
 def _round(row) -> Round:
     return Round(
         id=row.id, kind=row.kind, status=row.status, opened_unix=row.opened_unix, deadline_unix=row.deadline_unix,
@@ -444,11 +451,7 @@ class Store:
                 if r.status == "closing" or r.deadline_unix <= now:
                     due.append(r.id)
                     continue
-                n = conn.execute(sa.select(sa.func.count(sa.distinct(updates.c.client_id)))
-                                 .join(clients, clients.c.id == updates.c.client_id)
-                                 .where((updates.c.counted_round == r.id) & (clients.c.revoked == sa.false()))
-                                 ).scalar_one()
-                if n >= r.quorum:
+                if conn.execute(_clients_counted(r.id)).scalar_one() >= r.quorum:
                     due.append(r.id)
         return due
 
@@ -694,6 +697,11 @@ class Store:
                 if self.find_update(client_id, key) is None:
                     raise  # not the (client_id, idempotency_key) race
                 continue  # a concurrent request with the same key won the insert: answer as a retry
+
+    def clients_counted(self, round_id: int) -> int:
+        """Active (not revoked) clients with an update counted in ``round_id``: what its quorum counts."""
+        with self.engine.connect() as conn:
+            return int(conn.execute(_clients_counted(round_id)).scalar_one())
 
     def round_updates(self, round_id: int) -> list[int]:
         """Ids of the updates counted in ``round_id`` (sent on time)."""
