@@ -155,3 +155,89 @@ def test_rounds_status_counts_the_clients_the_quorum_counts(fed):
     result = fedroute("rounds", "status", "--db", fed["url"])
     status = json.loads(result.stdout)
     assert (status["updates_counted"], status["clients_counted"], status["quorum"]) == (4, 2, 10)
+
+
+@pytest.mark.parametrize("clients, min_total_count, why", [
+    (["alice"], 1, "20 federated evaluations from 1 client(s): need min_total_count=1 and, without noise, at least "
+                   "2 clients"),
+    (["alice", "bob"], 100, "20 federated evaluations from 2 client(s): need min_total_count=100"),
+])
+def test_publish_refuses_what_the_close_would_not_publish(fed, clients, min_total_count, why):
+    """A round opened without --signing-key is published with `fedroute publish` (its close says so):
+    that published one client's statistics alone, or a handful of evaluations, which a round opened
+    to publish refuses (docs/sync-protocol-and-operations.md, Rounds)."""
+    from trainer.server.errors import PublishRefused
+
+    r = open_round(fed, min_total_count=min_total_count)
+    for client in clients:
+        upload(fed, r, client, n=10 // len(clients))  # 20 evaluations in all
+    outcome = close_round(fed["store"], r.id)
+    assert outcome.result == "aggregated" and outcome.bundle_version is None
+    result = fedroute("publish", "--round", r.id, "--bundle-dir", fed["bundle"], "--signing-key", fed["key"],
+                      "--db", fed["url"])
+    assert isinstance(result.exception, PublishRefused), result.output
+    assert why in str(result.exception)
+    assert bundle_version(fed["bundle"]) == 1
+
+
+@pytest.mark.parametrize("fed", ["sqlite", "postgresql"], indirect=True)
+def test_publish_checks_the_embedder_and_publishes_a_round_once(fed, signing_keys, tmp_path):
+    """`fedroute publish` put the round's cells into a bundle whose embedder had changed since the round
+    opened (the close refuses that: its centroids live in the old embedder's space), and a rerun
+    published the same aggregate again as a new version."""
+    from trainer.server.errors import PublishRefused
+
+    r = open_round(fed)
+    upload(fed, r, "alice")
+    upload(fed, r, "bob")
+    close_round(fed["store"], r.id)
+    args = ("publish", "--round", r.id, "--bundle-dir", fed["bundle"], "--signing-key", fed["key"], "--db", fed["url"])
+    for _ in range(2):  # a rerun (did it publish?) publishes nothing new
+        result = fedroute(*args)
+        assert result.exit_code == 0, result.output
+        assert "bundle v2 published" in result.output and bundle_version(fed["bundle"]) == 2
+    manifest = json.loads((fed["bundle"] / "manifest.json").read_text())
+    assert manifest["provenance"] == {"federated_round": r.id, "round_uid": r.settings.round_uid, "clients": 2}
+
+    other, _ = write_tiny_kmeans(tmp_path / "other", signing_keys[0], embedder_name="other-static")
+    fed["bundle"].unlink()  # publishing left a symlink to the new version's folder
+    shutil.copytree(other, fed["bundle"])
+    result = fedroute(*args)
+    assert isinstance(result.exception, PublishRefused), result.output
+    assert "now holds embedder 'other-static'; the round was opened on 'tiny-static'" in str(result.exception)
+    assert bundle_version(fed["bundle"]) == 1
+
+
+def test_publish_refuses_an_mlp_aggregate_whose_predictions_are_not_finite(fed):
+    """The close of an MLP round stores but does not publish an aggregate that predicts NaN (a poisoned
+    upload); `fedroute publish` of that round published it."""
+    import dataclasses
+    import time
+
+    import torch
+
+    from trainer.federated.mlp_aggregation import MLPAggregationConfig
+    from trainer.federated.mlp_local import parameters_bytes
+    from trainer.routers.mlp_router import build_network
+    from trainer.server.errors import PublishRefused
+    from trainer.server.round_kind import RoundOutcome
+    from trainer.server.store import array_bytes
+
+    torch.set_num_threads(1)
+    params = {k: v.numpy().copy() for k, v in build_network(3, len(MODELS), 8, 0.0).state_dict().items()}
+    network = {"hidden": 8, "dropout": 0.0, "local_epochs": 1, "cost_scale_usd": [0.001, 0.001],
+               "available": [True, True]}
+    store = fed["store"]
+    r = store.open_round(kind="mlp", parameters=parameters_bytes(params), models=list(MODELS),
+                         embedder={"name": "tiny-static", "dim": 3, "bundle_version": 1},
+                         deadline_unix=time.time() + 3600, quorum=2, min_count=2,
+                         settings=dataclasses.replace(round_settings(aggregation=MLPAggregationConfig(), seed=0),
+                                                      network=network))
+    poisoned = {**params, "accuracy_head.bias": np.full(len(MODELS), np.nan, dtype=np.float32)}
+    assert store.claim_close(r.id, "test") is not None
+    assert store.finish_close(r.id, RoundOutcome("aggregated", 2, 0, 0, 40.0, None, None, ["alice", "bob"]),
+                              array_bytes(**poisoned), [], [], "test")
+    result = fedroute("publish", "--round", r.id, "--bundle-dir", fed["bundle"], "--signing-key", fed["key"],
+                      "--db", fed["url"])
+    assert isinstance(result.exception, PublishRefused), result.output
+    assert "the aggregate predicts non-finite or absurd values" in str(result.exception)

@@ -264,7 +264,9 @@ def publish(
     *,
     publisher: Publisher | None = None,
 ) -> None:
-    """Publish a closed round's aggregate as a new signed bundle (for rounds opened without --signing-key)."""
+    """Publish a closed round's aggregate as a new signed bundle (for rounds opened without --signing-key),
+    under the rules of a round that publishes at close (enough evaluations, at least 2 clients without
+    DP noise, the bundle's embedder still the round's); a rerun for the same round publishes nothing new."""
     from trainer.server import round_kinds  # server extra (sqlalchemy, pydantic)
 
     if publisher is None:
@@ -274,7 +276,9 @@ def publish(
     agg = store.aggregate_of(round_id)
     if r is None or agg is None:
         raise typer.BadParameter(f"round {round_id} has no aggregate (not closed, or a no-op)")
-    provenance = {"federated_round": round_id, "clients": len(r.outcome.clients or [])}
+    # As the close records it: the round's uid (a rerun publishes nothing new), no client count under DP noise.
+    provenance = {"federated_round": round_id, "round_uid": r.settings.round_uid,
+                  **({} if r.outcome.epsilon is not None else {"clients": len(r.outcome.clients or [])})}
     manifest = round_kinds.get(r.kind).publish(r, agg, bundle_dir, signing_key, provenance, publisher)
     typer.echo(f"bundle v{manifest['bundle_version']} published at {bundle_dir}")
 
