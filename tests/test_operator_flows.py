@@ -241,3 +241,16 @@ def test_publish_refuses_an_mlp_aggregate_whose_predictions_are_not_finite(fed):
                       "--db", fed["url"])
     assert isinstance(result.exception, PublishRefused), result.output
     assert "the aggregate predicts non-finite or absurd values" in str(result.exception)
+
+
+def test_rounds_open_refuses_a_negative_seed(fed):
+    """--seed -1 opened the round; every close then failed (numpy's seed sequence takes no negative
+    number) and after three tries the round ended "failed", its uploads never aggregated."""
+    from sdk.errors import InvalidInputError
+
+    result = fedroute("rounds", "open", "--bundle-dir", fed["bundle"], "--public-key", fed["pub"], "--seed", "-1",
+                      "--db", fed["url"])
+    assert result.exit_code == 2 and "--seed" in flat(result.output)
+    assert fed["store"].latest_round() is None
+    with pytest.raises(InvalidInputError, match=r"seed must be an integer >= 0, got -1"):
+        round_settings(aggregation=AggregationConfig(), seed=-1)

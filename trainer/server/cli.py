@@ -164,8 +164,8 @@ def rounds_open(
     trim_fraction: Annotated[float, typer.Option(callback=finite_option, min=0.0, max=0.49, help="share of clients trimmed at each end")] = 0.0,
     noise_multiplier: Annotated[float, typer.Option(callback=finite_option, min=0.0, help="Gaussian DP noise, std / sensitivity")] = 0.0,
     delta: Annotated[float, typer.Option(callback=finite_option, help="delta of the (epsilon, delta) guarantee")] = 1e-5,
-    seed: Annotated[int | None, typer.Option(help="seed of the DP noise (tests only: whoever knows it can remove "
-                                                 "the noise; default: secret, random)")] = None,
+    seed: Annotated[int | None, typer.Option(min=0, help="seed of the DP noise (tests only: whoever knows it can "
+                                                        "remove the noise; default: secret, random)")] = None,
     prior_router: Annotated[Path | None, typer.Option(help="kmeans: trained router whose statistics (same "
                                                            "centroids) are merged into every aggregate")] = None,
     min_total_count: Annotated[int | None, typer.Option(min=1, help="kmeans: publish only aggregates of at least this many "
