@@ -254,3 +254,20 @@ def test_rounds_open_refuses_a_negative_seed(fed):
     assert fed["store"].latest_round() is None
     with pytest.raises(InvalidInputError, match=r"seed must be an integer >= 0, got -1"):
         round_settings(aggregation=AggregationConfig(), seed=-1)
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage"])
+def test_rounds_open_names_a_prior_router_without_readable_statistics(fed, tmp_path, damage):
+    """A --prior-router folder whose kmeans.npz is missing (e.g. an MLP router's folder) or damaged
+    ended in a FileNotFoundError / BadZipFile traceback."""
+    prior = tmp_path / "prior"
+    shutil.copytree(fed["router"], prior)
+    if damage == "missing":
+        (prior / "kmeans.npz").unlink()
+    else:
+        (prior / "kmeans.npz").write_bytes(b"PK\x03\x04 not a zip")
+    result = fedroute("rounds", "open", "--bundle-dir", fed["bundle"], "--public-key", fed["pub"],
+                      "--prior-router", prior, "--db", fed["url"])
+    assert result.exit_code == 2, result.output
+    assert f"--prior-router {prior}: not a saved K-means router" in flat(result.output)
+    assert fed["store"].latest_round() is None

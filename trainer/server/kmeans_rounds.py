@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import math
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -214,7 +215,11 @@ class KMeansRoundKind(ServerRoundKind):
         if opts.get("prior_router") is not None:
             if centroids is not None:
                 raise InvalidInputError("--prior-router and --recluster do not go together (other cells)")
-            prior_router = KMeansRouter.load(Path(opts["prior_router"]))
+            try:
+                prior_router = KMeansRouter.load(Path(opts["prior_router"]))
+            except (OSError, KeyError, ValueError, zipfile.BadZipFile) as exc:  # e.g. an MLP router's folder
+                raise InvalidInputError(f"--prior-router {opts['prior_router']}: not a saved K-means router "
+                                        f"({type(exc).__name__}: {exc})") from exc
             if centroids_hash(prior_router.centroids_) != centroids_hash(
                     bundle_centroids(read_base_bundle(request.bundle_dir, request.public_key))):
                 raise InvalidInputError("--prior-router has other centroids than the bundle: give the router the "
