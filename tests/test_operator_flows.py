@@ -271,3 +271,20 @@ def test_rounds_open_names_a_prior_router_without_readable_statistics(fed, tmp_p
     assert result.exit_code == 2, result.output
     assert f"--prior-router {prior}: not a saved K-means router" in flat(result.output)
     assert fed["store"].latest_round() is None
+
+
+def test_a_new_sqlite_database_is_readable_by_its_owner_only(tmp_path):
+    """fed.db holds every client's exact uploads and the secret seed of the DP noise (docs/privacy-and-dp.md:
+    whoever knows it can subtract the noise from the published router); `clients add` created it, and
+    its -wal file, readable by every local user (0644 under the usual umask 022)."""
+    old = os.umask(0o022)
+    try:
+        result = fedroute("clients", "add", "phone-1", "--db", f"sqlite:///{tmp_path / 'fed.db'}")
+        store = Store(f"sqlite:///{tmp_path / 'fed.db'}")
+        store.add_client("phone-2")  # the WAL and shared-memory files exist while it is open
+        modes = {p.name: oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()}
+        store.close()
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    assert modes == {"fed.db": "0o600", "fed.db-wal": "0o600", "fed.db-shm": "0o600"}

@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import re
 import secrets
 import threading
@@ -34,6 +35,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import sqlalchemy as sa
@@ -105,6 +107,15 @@ sa.Index("one_unclosed_round", sa.func.nullif(sa.case((rounds.c.status == "close
 #: about 0.06 ms less CPU per stored row in batches of 10 (docs/benchmarks.md). Existing databases
 #: keep the page size they were created with.
 SQLITE_PAGE_BYTES = 16384
+
+
+def _create_private(path: Path) -> None:
+    """Create an empty SQLite file at ``path`` readable and writable by its owner only (0600), unless
+    it exists: the database holds each client's exact uploads and the secret seed of the DP noise
+    (whoever reads it can subtract the noise from a published router). SQLite gives the ``-wal``
+    and ``-shm`` files the database file's permissions."""
+    if not path.exists():
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
 
 
 def create_engine(url: str) -> Engine:
@@ -305,6 +316,8 @@ class Store:
         parsed = sa.engine.make_url(url)
         if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
             raise ValueError(f"{url!r} is an in-memory database: nothing would be kept (use sqlite:///fed.db)")
+        if parsed.get_backend_name() == "sqlite" and not parsed.query.get("uri"):
+            _create_private(Path(parsed.database))
         self.engine = create_engine(url)
         self._writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
         # SQLite has one writer: this process's writers queue on a lock rather than in SQLite's busy
