@@ -327,13 +327,26 @@ class Store:
                               for flag, statement in _CHECK_INSERT.items()}
         self._insert_row = _DriverStatement(_INSERT_ROW, self.engine.dialect)
         self._batch_connection = None  # SQLite: the DBAPI connection of insert_updates (under _write_lock)
-        metadata.create_all(self.engine)
+        self._create_tables()
         inspector = sa.inspect(self.engine)
         for table in (clients, rounds, updates):
             missing = {c.name for c in table.columns} - {c["name"] for c in inspector.get_columns(table.name)}
             if missing:  # no migrations yet: refuse rather than fail on the first query
                 raise ValueError(f"database {url!r} was created by another fedroute version (table {table.name} "
                                  f"lacks {sorted(missing)}); use a new database")
+
+    def _create_tables(self) -> None:
+        """Create the tables a new database lacks, one creator at a time: under SQLite's write lock
+        (``BEGIN IMMEDIATE``, waiting on the busy timeout) or a PostgreSQL advisory lock. Without it,
+        processes creating a new database together (``fedroute clients add`` run in parallel to
+        provision a fleet) failed with "database is locked" (SQLite refuses at once a read
+        transaction's upgrade to a write) or "already exists"."""
+        if set(metadata.tables) <= set(sa.inspect(self.engine).get_table_names()):
+            return  # the usual case: no write lock taken
+        with self._write_lock, self._writer.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7346261)")  # any fixed key: fedroute's schema
+            metadata.create_all(conn)
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
