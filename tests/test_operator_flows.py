@@ -326,3 +326,18 @@ def test_clients_added_in_parallel_to_a_new_database_all_get_a_token(request, tm
     store = Store(url)
     assert [c["id"] for c in store.list_clients()] == [f"dev{i}" for i in range(8)]
     store.close()
+
+
+def test_serve_refuses_a_sqlite_database_that_does_not_exist(tmp_path):
+    """A typo in `serve --db` created an empty database and served it: every device got 401 (no such
+    token) and `GET /v1/rounds/current` 204, as if nothing was wrong on the server."""
+    from sync_fleet import write_tls_files
+
+    server_pem, _ = write_tls_files(tmp_path)
+    typo = tmp_path / "fd.db"
+    result = fedroute("serve", "--db", f"sqlite:///{typo}", "--tls-cert", server_pem, "--tls-key", server_pem,
+                      "--port", "0")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert (f"--db sqlite:///{typo}: no database at {typo}; `fedroute clients add` or `fedroute rounds open` "
+            "creates one") in flat(result.output)
+    assert not typo.exists()

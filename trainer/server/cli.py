@@ -98,8 +98,8 @@ def serve(
         raise typer.BadParameter(f"--http-parser must be h11 or httptools, got {http_parser!r}")
     limits = HttpLimits(max_header_bytes=max_header_bytes, header_timeout_s=header_timeout_s,
                         body_timeout_s=body_timeout_s, parser=http_parser or HttpLimits.parser)
-    app = create_app(_store(db), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s, publisher=publisher,
-                     quota=UploadQuota(upload_quota, quota_window_s), limits=limits,
+    app = create_app(_store(db, existing=True), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s,
+                     publisher=publisher, quota=UploadQuota(upload_quota, quota_window_s), limits=limits,
                      commit_delay_s=commit_delay_ms / 1e3, freeze_gc=True)
     uvicorn.run(app, host=host, port=port, ssl_certfile=str(tls_cert), ssl_keyfile=str(tls_key),
                 log_level="info", timeout_graceful_shutdown=5, access_log=access_log, **limits.uvicorn_options())
