@@ -103,6 +103,19 @@ def bundle_version(bundle: Path) -> int:
     return json.loads((bundle / "manifest.json").read_text())["bundle_version"]
 
 
+def write_eval_csv(path: Path, x_correct: float) -> Path:
+    """Eight prompts in the local wide schema (trainer.data.routerbench): "a ..." ones in model-x's
+    cell, "b ..." ones in model-y's; model-x's correctness ``x_correct`` (NaN: unlabelled), model-y
+    unlabelled."""
+    import pandas as pd
+
+    prompts = ["a", "a a", "a a a", "a c", "b", "b b", "b b b", "b c"]
+    pd.DataFrame({"sample_id": [f"s{i}" for i in range(8)], "task": ["t"] * 8, "prompt": prompts,
+                  "model-x|correctness": [x_correct] * 8, "model-x|cost_usd": [0.001] * 8,
+                  "model-y|correctness": [np.nan] * 8, "model-y|cost_usd": [0.001] * 8}).to_csv(path, index=False)
+    return path
+
+
 @pytest.mark.parametrize("fed", ["sqlite", "postgresql"], indirect=True)
 def test_a_rounds_close_that_failed_can_be_rerun_at_once(fed):
     """`rounds close` of a round opened to publish whose signing key had gone (moved, unreadable) failed,
@@ -326,6 +339,16 @@ def test_clients_added_in_parallel_to_a_new_database_all_get_a_token(request, tm
     store = Store(url)
     assert [c["id"] for c in store.list_clients()] == [f"dev{i}" for i in range(8)]
     store.close()
+
+
+def test_demo_log_refuses_a_negative_seed_before_reading_anything(fed, tmp_path):
+    """--seed -1 loaded the table and the bundle, then ended in numpy's "expected non-negative integer"
+    traceback."""
+    data = write_eval_csv(tmp_path / "evals.csv", 1.0)
+    result = fedroute("demo-log", "--bundle", fed["bundle"], "--public-key", fed["pub"], "--data", data,
+                      "--out", tmp_path / "log.sqlite", "--seed", "-1")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "--seed" in flat(result.output) and not (tmp_path / "log.sqlite").exists()
 
 
 def test_serve_refuses_a_sqlite_database_that_does_not_exist(tmp_path):

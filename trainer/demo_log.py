@@ -131,7 +131,7 @@ def demo_log(
     rows: Annotated[int, typer.Option(min=1, help="prompts to route and log")] = 200,
     lam: Annotated[float, typer.Option(callback=finite_option, min=0.0, help="accuracy-cost trade-off, 1/USD")] = 100.0,
     explore: Annotated[float, typer.Option(callback=finite_option, min=0.0, max=1.0, help="share of queries sent to a random labelled model")] = 0.2,
-    seed: Annotated[int, typer.Option(help="seeds the row sample and exploration")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="seeds the row sample and exploration")] = 0,
 ) -> None:
     """Make a device's evaluation log from RouterBench rows: route each prompt with the bundle and
     record the chosen model's labelled outcome (no LLM is called, no text is stored)."""
