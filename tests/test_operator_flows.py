@@ -351,6 +351,21 @@ def test_demo_log_refuses_a_negative_seed_before_reading_anything(fed, tmp_path)
     assert "--seed" in flat(result.output) and not (tmp_path / "log.sqlite").exists()
 
 
+def test_demo_log_prints_json_when_nothing_was_recorded(fed, tmp_path):
+    """Rows whose picked model is unlabelled are skipped; with none left, `mean_score` was NaN and the
+    "one JSON line" held a bare NaN, which JSON parsers (jq, JSON.parse) refuse."""
+    data = write_eval_csv(tmp_path / "evals.csv", np.nan)  # no model labelled: every row is skipped
+    result = fedroute("demo-log", "--bundle", fed["bundle"], "--public-key", fed["pub"], "--data", data,
+                      "--out", tmp_path / "log.sqlite", "--rows", "4", "--explore", "0", "--lam", "0", "--seed", "3")
+    assert result.exit_code == 0, result.output
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    out = json.loads(result.stdout.strip().splitlines()[-1], parse_constant=refuse)
+    assert (out["n_recorded"], out["skipped"], out["mean_score"], out["total_cost_usd"]) == (0, 4, None, 0.0)
+
+
 def test_serve_refuses_a_sqlite_database_that_does_not_exist(tmp_path):
     """A typo in `serve --db` created an empty database and served it: every device got 401 (no such
     token) and `GET /v1/rounds/current` 204, as if nothing was wrong on the server."""

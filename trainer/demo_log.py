@@ -50,7 +50,8 @@ class DemoLogResult:
     skipped : int, sampled rows not recorded (the picked model has no label in the table).
     explored : int, recorded rows sent to a randomly drawn model other than the router's choice.
     per_model : dict of model id -> rows recorded for it.
-    mean_score : float, mean recorded score in [0, 1] (NaN when nothing was recorded).
+    mean_score : float or None, mean recorded score in [0, 1] (None when nothing was recorded: the
+        command's JSON line then holds null, not a bare NaN).
     total_cost_usd : float, sum of the recorded costs, USD.
     """
 
@@ -58,7 +59,7 @@ class DemoLogResult:
     skipped: int
     explored: int
     per_model: dict[str, int]
-    mean_score: float
+    mean_score: float | None
     total_cost_usd: float
 
 
@@ -120,7 +121,7 @@ def write_demo_log(router: Router, table: EvalTable, log: EvalLog, *, n_rows: in
         scores.append(score)
         cost_total += cost
     return DemoLogResult(n_recorded=len(scores), skipped=skipped, explored=explored, per_model=dict(per_model),
-                         mean_score=float(np.mean(scores)) if scores else math.nan, total_cost_usd=cost_total)
+                         mean_score=float(np.mean(scores)) if scores else None, total_cost_usd=cost_total)
 
 
 def demo_log(
