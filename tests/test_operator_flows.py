@@ -366,6 +366,27 @@ def test_demo_log_prints_json_when_nothing_was_recorded(fed, tmp_path):
     assert (out["n_recorded"], out["skipped"], out["mean_score"], out["total_cost_usd"]) == (0, 4, None, 0.0)
 
 
+def test_fedroute_sync_names_a_state_path_it_cannot_use(fed, tmp_path):
+    """An OSError of the state file or its lock (a file in the way, a full disk, a read-only folder)
+    ended `fedroute-sync` in a traceback with exit status 1: the timer unit's "exit 2 and one line
+    on an error of ours" (sdk/sync_cli.py) did not hold."""
+    from sdk import EvalLog
+
+    with EvalLog(tmp_path / "log.sqlite", MODELS):
+        pass
+    (tmp_path / "token").write_text(fed["tokens"]["alice"])
+    (tmp_path / "in-the-way").write_text("")
+    state = tmp_path / "in-the-way" / "state.json"
+    out = subprocess.run(
+        [sys.executable, "-c", "from sdk.sync_cli import main; main()", "--server", "https://127.0.0.1:9",
+         "--token-file", str(tmp_path / "token"), "--log", str(tmp_path / "log.sqlite"), "--bundle",
+         str(fed["bundle"]), "--public-key", str(fed["pub"]), "--state", str(state), "--retries", "0"],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip() == f"error: {tmp_path / 'in-the-way'}: File exists"
+
+
 def test_serve_refuses_a_sqlite_database_that_does_not_exist(tmp_path):
     """A typo in `serve --db` created an empty database and served it: every device got 401 (no such
     token) and `GET /v1/rounds/current` 204, as if nothing was wrong on the server."""
