@@ -564,12 +564,28 @@ def _copy_verified(source: Path, target: Path, digest: str) -> bool:
     return True
 
 
+#: OpenSSL's verify codes (``X509_V_ERR_*``) of a certificate outside its validity dates, and of one
+#: issued for other host names or addresses.
+_CERT_DATES = {9: "not yet valid", 10: "expired"}
+_CERT_NAME = (62, 64)
+
+
 def _raise_if_certificate_error(exc: BaseException) -> None:
-    """A server certificate that does not verify is not a transient error: raise SyncError at once."""
+    """A server certificate that does not verify is not a transient error: raise SyncError at once,
+    with the fix for its reason (the device's clock for a certificate outside its dates, the server
+    name for one issued to other names, else the CA)."""
     seen = exc
     while seen is not None:
         if isinstance(seen, ssl.SSLCertVerificationError):
             reason = getattr(seen, "verify_message", None) or seen
-            raise SyncError(f"the server's TLS certificate does not verify ({reason}); pass the CA that "
-                            "signed it as ca_cert / --ca-cert") from exc
+            code = getattr(seen, "verify_code", None)
+            if code in _CERT_DATES:  # often a device clock that is wrong (no RTC, no NTP yet), not the server
+                now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                fix = (f"check this device's clock (it reads {now} UTC) against the certificate's validity dates; "
+                       "a certificate is valid only between them")
+            elif code in _CERT_NAME:
+                fix = "use a server name or address the certificate was issued for in the server URL (--server)"
+            else:
+                fix = "pass the CA that signed it as ca_cert / --ca-cert"
+            raise SyncError(f"the server's TLS certificate does not verify ({reason}); {fix}") from exc
         seen = seen.__cause__ or seen.__context__

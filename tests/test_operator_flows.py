@@ -400,3 +400,53 @@ def test_serve_refuses_a_sqlite_database_that_does_not_exist(tmp_path):
     assert (f"--db sqlite:///{typo}: no database at {typo}; `fedroute clients add` or `fedroute rounds open` "
             "creates one") in flat(result.output)
     assert not typo.exists()
+
+
+@pytest.mark.parametrize("case, reason, fix", [
+    ("not yet valid", "certificate is not yet valid", "check this device's clock (it reads "),
+    ("expired", "certificate has expired", "check this device's clock (it reads "),
+    ("other name", "mismatch", "use a server name or address the certificate was issued for in the server URL"),
+])
+def test_a_certificate_that_does_not_verify_is_explained_by_its_reason(tmp_path, signing_keys, case, reason, fix):
+    """A device whose clock is wrong (an edge box without a clock battery before NTP) or a server URL
+    with another name than the certificate's was told "pass the CA that signed it as --ca-cert",
+    which it already did. A real TLS handshake against a certificate of each kind."""
+    import datetime as dt
+    import socket
+    import ssl
+    import threading
+
+    import trustme
+
+    from sdk import EvalLog
+    from sdk.errors import SyncError
+    from sdk.sync import SyncClient
+
+    ca = trustme.CA()
+    now = dt.datetime.now(dt.timezone.utc)
+    dates = {"not yet valid": (now + dt.timedelta(days=2), now + dt.timedelta(days=30)),
+             "expired": (now - dt.timedelta(days=30), now - dt.timedelta(days=2))}.get(case, (None, None))
+    names = ("fed.example",) if case == "other name" else ("127.0.0.1", "localhost")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(*names, not_before=dates[0], not_after=dates[1]).configure_cert(context)
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def handshake_once() -> None:
+        conn, _ = listener.accept()
+        try:
+            context.wrap_socket(conn, server_side=True).close()
+        except (ssl.SSLError, OSError):
+            pass  # the client refused the certificate
+        finally:
+            conn.close()
+
+    threading.Thread(target=handshake_once, daemon=True).start()
+    url = f"https://127.0.0.1:{listener.getsockname()[1]}"
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log, SyncClient(
+            url, "fr_token", log, tmp_path / "bundle", signing_keys[1], ca_cert=tmp_path / "ca.pem", timeout_s=10,
+            retries=2, sleep=lambda s: None) as client:
+        with pytest.raises(SyncError) as info:
+            client.run_once()
+    listener.close()
+    assert reason in str(info.value) and fix in str(info.value), str(info.value)
