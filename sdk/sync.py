@@ -51,6 +51,7 @@ from sdk.errors import (
     BundleError,
     FedrouteError,
     InvalidInputError,
+    InvalidQueryError,
     ShapeError,
     SyncError,
     SyncRejectedError,
@@ -68,7 +69,9 @@ MAX_RECEIPT_BYTES = 1 << 20
 #: Bytes of an error answer read for its detail.
 MAX_ERROR_BYTES = 64 << 10
 _T = TypeVar("_T")
-#: Query a downloaded bundle must give an estimate for (some model with a finite accuracy).
+#: Query a downloaded bundle must give an estimate for (some model with a finite accuracy); a bundle
+#: whose embedder knows no token of it (a static vocabulary of another language) is probed with a
+#: unit embedding instead.
 PROBE_QUERY = "hello"
 
 
@@ -361,7 +364,10 @@ class SyncClient:
                 # Every file was hashed above (download or verified copy); Router.load verifies the
                 # signature and the files it uses again, and refuses router / embedder / price mismatches.
                 router = Router.load(target, self.public_key)
-                accuracy, _ = router.predict([PROBE_QUERY])
+                try:
+                    accuracy, _ = router.predict([PROBE_QUERY])
+                except InvalidQueryError:  # a static vocabulary without the probe's word (another language)
+                    accuracy, _ = router.predict_from_embeddings(np.eye(1, router.d_emb, dtype=np.float32))
                 if not np.isfinite(accuracy).any():
                     raise BundleError(f"bundle version {version}: no model has an accuracy estimate for the probe "
                                       f"query {PROBE_QUERY!r}, so every choose() would fail; not installed")

@@ -116,6 +116,28 @@ def write_eval_csv(path: Path, x_correct: float) -> Path:
     return path
 
 
+def newer_bundle_server(tmp_path: Path, signing_key: Path, round_: dict | None = None):
+    """An ``httpx.MockTransport`` handler playing a server that publishes the tiny bundle as version 2
+    and describes ``round_`` (None: no round open, 204)."""
+    import httpx
+
+    newer, _ = write_tiny_kmeans(tmp_path / "v2", signing_key, version=2)
+    manifest = (newer / "manifest.json").read_bytes()
+    files = {digest: (newer / name).read_bytes() for name, digest in json.loads(manifest)["files"].items()}
+
+    def server(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/rounds/current":
+            return httpx.Response(204) if round_ is None else httpx.Response(200, json=round_)
+        if path == "/v1/bundles/latest":
+            return httpx.Response(200, content=manifest, headers={"etag": '"v2"'})
+        if path.startswith("/v1/bundles/files/"):
+            return httpx.Response(200, content=files[path.rsplit("/", 1)[-1]])
+        return httpx.Response(404, json={"detail": f"no route {path}"})
+
+    return httpx.MockTransport(server)
+
+
 @pytest.mark.parametrize("fed", ["sqlite", "postgresql"], indirect=True)
 def test_a_rounds_close_that_failed_can_be_rerun_at_once(fed):
     """`rounds close` of a round opened to publish whose signing key had gone (moved, unreadable) failed,
@@ -450,3 +472,20 @@ def test_a_certificate_that_does_not_verify_is_explained_by_its_reason(tmp_path,
             client.run_once()
     listener.close()
     assert reason in str(info.value) and fix in str(info.value), str(info.value)
+
+
+def test_a_bundle_whose_vocabulary_lacks_the_probe_word_is_installed(fed, tmp_path, signing_keys):
+    """The device checks that a new bundle gives some estimate for a probe query, "hello"; a static
+    embedder whose vocabulary has no token of it (another language's, here a 4-word one) raised
+    InvalidQueryError there, so no bundle of that embedder was ever installed by a sync."""
+    from sdk import EvalLog
+    from sdk.sync import SyncClient
+
+    device_bundle = tmp_path / "device" / "bundle"
+    shutil.copytree(fed["bundle"], device_bundle)
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log, SyncClient(
+            "https://fed.test", "fr_token", log, device_bundle, signing_keys[1],
+            transport=newer_bundle_server(tmp_path, signing_keys[0]), sleep=lambda s: None) as client:
+        result = client.run_once()
+    assert (result.round_id, result.bundle_version, result.bundle_updated) == (None, 2, True)
+    assert bundle_version(device_bundle) == 2
