@@ -17,7 +17,8 @@
    local file is downloaded instead), verify every hash, check that it loads and that some model
    has an estimate for a probe query, and swap it in atomically (:mod:`sdk.bundle_install`). A
    failure leaves the old bundle in place. This step also runs when the upload step was refused
-   (4xx) or the log does not fit the round (another embedder): the newer bundle may be the fix.
+   (4xx), the log does not fit the round (another embedder) or its rows cannot be read (damaged):
+   the newer bundle may be the fix, and a device is not held on an old bundle by its log.
 
 Connection errors and 5xx answers are retried with exponential backoff and jitter; 4xx answers are
 not (they raise :class:`sdk.errors.SyncRejectedError`), nor are other unexpected statuses (3xx, an
@@ -49,6 +50,7 @@ from sdk import bundle_manifest as fmt
 from sdk.atomic_write import write_atomic
 from sdk.errors import (
     BundleError,
+    EvalLogError,
     FedrouteError,
     InvalidInputError,
     InvalidQueryError,
@@ -214,9 +216,9 @@ class SyncClient:
     def run_once(self) -> SyncResult:
         """Upload this round's update (if a round is open), then install a newer bundle (if any).
 
-        The bundle step runs even when the upload step raised :class:`SyncRejectedError` or
-        :class:`ShapeError`; that error is raised afterwards (with a note saying what happened to
-        the bundle). Any other error stops the run where it happened.
+        The bundle step runs even when the upload step raised :class:`SyncRejectedError`,
+        :class:`ShapeError` or :class:`EvalLogError` (a damaged log); that error is raised afterwards
+        (with a note saying what happened to the bundle). Any other error stops the run where it happened.
 
         Raises
         ------
@@ -248,7 +250,7 @@ class SyncClient:
         state = self._read_state()
         try:
             round_id, uploaded, late, update_id, log_size, skipped, warnings = self._sync_round(state)
-        except (SyncRejectedError, ShapeError) as upload_error:
+        except (SyncRejectedError, ShapeError, EvalLogError) as upload_error:  # the bundle may be the fix
             try:
                 version, updated = self._update_bundle(state)
             except (FedrouteError, OSError) as bundle_error:

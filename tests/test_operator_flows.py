@@ -103,39 +103,7 @@ def bundle_version(bundle: Path) -> int:
     return json.loads((bundle / "manifest.json").read_text())["bundle_version"]
 
 
-def write_eval_csv(path: Path, x_correct: float) -> Path:
-    """Eight prompts in the local wide schema (trainer.data.routerbench): "a ..." ones in model-x's
-    cell, "b ..." ones in model-y's; model-x's correctness ``x_correct`` (NaN: unlabelled), model-y
-    unlabelled."""
-    import pandas as pd
-
-    prompts = ["a", "a a", "a a a", "a c", "b", "b b", "b b b", "b c"]
-    pd.DataFrame({"sample_id": [f"s{i}" for i in range(8)], "task": ["t"] * 8, "prompt": prompts,
-                  "model-x|correctness": [x_correct] * 8, "model-x|cost_usd": [0.001] * 8,
-                  "model-y|correctness": [np.nan] * 8, "model-y|cost_usd": [0.001] * 8}).to_csv(path, index=False)
-    return path
-
-
-def newer_bundle_server(tmp_path: Path, signing_key: Path, round_: dict | None = None):
-    """An ``httpx.MockTransport`` handler playing a server that publishes the tiny bundle as version 2
-    and describes ``round_`` (None: no round open, 204)."""
-    import httpx
-
-    newer, _ = write_tiny_kmeans(tmp_path / "v2", signing_key, version=2)
-    manifest = (newer / "manifest.json").read_bytes()
-    files = {digest: (newer / name).read_bytes() for name, digest in json.loads(manifest)["files"].items()}
-
-    def server(request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if path == "/v1/rounds/current":
-            return httpx.Response(204) if round_ is None else httpx.Response(200, json=round_)
-        if path == "/v1/bundles/latest":
-            return httpx.Response(200, content=manifest, headers={"etag": '"v2"'})
-        if path.startswith("/v1/bundles/files/"):
-            return httpx.Response(200, content=files[path.rsplit("/", 1)[-1]])
-        return httpx.Response(404, json={"detail": f"no route {path}"})
-
-    return httpx.MockTransport(server)
+# --- rounds close ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fed", ["sqlite", "postgresql"], indirect=True)
@@ -190,6 +158,9 @@ def test_rounds_status_counts_the_clients_the_quorum_counts(fed):
     result = fedroute("rounds", "status", "--db", fed["url"])
     status = json.loads(result.stdout)
     assert (status["updates_counted"], status["clients_counted"], status["quorum"]) == (4, 2, 10)
+
+
+# --- publish -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("clients, min_total_count, why", [
@@ -278,6 +249,9 @@ def test_publish_refuses_an_mlp_aggregate_whose_predictions_are_not_finite(fed):
     assert "the aggregate predicts non-finite or absurd values" in str(result.exception)
 
 
+# --- rounds open -------------------------------------------------------------------------------
+
+
 def test_rounds_open_refuses_a_negative_seed(fed):
     """--seed -1 opened the round; every close then failed (numpy's seed sequence takes no negative
     number) and after three tries the round ended "failed", its uploads never aggregated."""
@@ -306,6 +280,9 @@ def test_rounds_open_names_a_prior_router_without_readable_statistics(fed, tmp_p
     assert result.exit_code == 2, result.output
     assert f"--prior-router {prior}: not a saved K-means router" in flat(result.output)
     assert fed["store"].latest_round() is None
+
+
+# --- the database ------------------------------------------------------------------------------
 
 
 def test_a_new_sqlite_database_is_readable_by_its_owner_only(tmp_path):
@@ -363,6 +340,22 @@ def test_clients_added_in_parallel_to_a_new_database_all_get_a_token(request, tm
     store.close()
 
 
+# --- demo-log --------------------------------------------------------------------------------
+
+
+def write_eval_csv(path: Path, x_correct: float) -> Path:
+    """Eight prompts in the local wide schema (trainer.data.routerbench): "a ..." ones in model-x's
+    cell, "b ..." ones in model-y's; model-x's correctness ``x_correct`` (NaN: unlabelled), model-y
+    unlabelled."""
+    import pandas as pd
+
+    prompts = ["a", "a a", "a a a", "a c", "b", "b b", "b b b", "b c"]
+    pd.DataFrame({"sample_id": [f"s{i}" for i in range(8)], "task": ["t"] * 8, "prompt": prompts,
+                  "model-x|correctness": [x_correct] * 8, "model-x|cost_usd": [0.001] * 8,
+                  "model-y|correctness": [np.nan] * 8, "model-y|cost_usd": [0.001] * 8}).to_csv(path, index=False)
+    return path
+
+
 def test_demo_log_refuses_a_negative_seed_before_reading_anything(fed, tmp_path):
     """--seed -1 loaded the table and the bundle, then ended in numpy's "expected non-negative integer"
     traceback."""
@@ -386,6 +379,9 @@ def test_demo_log_prints_json_when_nothing_was_recorded(fed, tmp_path):
 
     out = json.loads(result.stdout.strip().splitlines()[-1], parse_constant=refuse)
     assert (out["n_recorded"], out["skipped"], out["mean_score"], out["total_cost_usd"]) == (0, 4, None, 0.0)
+
+
+# --- fedroute-sync and serve -------------------------------------------------------------------
 
 
 def test_fedroute_sync_names_a_state_path_it_cannot_use(fed, tmp_path):
@@ -474,6 +470,28 @@ def test_a_certificate_that_does_not_verify_is_explained_by_its_reason(tmp_path,
     assert reason in str(info.value) and fix in str(info.value), str(info.value)
 
 
+def newer_bundle_server(tmp_path: Path, signing_key: Path, round_: dict | None = None):
+    """An ``httpx.MockTransport`` handler playing a server that publishes the tiny bundle as version 2
+    and describes ``round_`` (None: no round open, 204)."""
+    import httpx
+
+    newer, _ = write_tiny_kmeans(tmp_path / "v2", signing_key, version=2)
+    manifest = (newer / "manifest.json").read_bytes()
+    files = {digest: (newer / name).read_bytes() for name, digest in json.loads(manifest)["files"].items()}
+
+    def server(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/rounds/current":
+            return httpx.Response(204) if round_ is None else httpx.Response(200, json=round_)
+        if path == "/v1/bundles/latest":
+            return httpx.Response(200, content=manifest, headers={"etag": '"v2"'})
+        if path.startswith("/v1/bundles/files/"):
+            return httpx.Response(200, content=files[path.rsplit("/", 1)[-1]])
+        return httpx.Response(404, json={"detail": f"no route {path}"})
+
+    return httpx.MockTransport(server)
+
+
 def test_a_bundle_whose_vocabulary_lacks_the_probe_word_is_installed(fed, tmp_path, signing_keys):
     """The device checks that a new bundle gives some estimate for a probe query, "hello"; a static
     embedder whose vocabulary has no token of it (another language's, here a 4-word one) raised
@@ -488,4 +506,36 @@ def test_a_bundle_whose_vocabulary_lacks_the_probe_word_is_installed(fed, tmp_pa
             transport=newer_bundle_server(tmp_path, signing_keys[0]), sleep=lambda s: None) as client:
         result = client.run_once()
     assert (result.round_id, result.bundle_version, result.bundle_updated) == (None, 2, True)
+    assert bundle_version(device_bundle) == 2
+
+
+def test_a_log_that_cannot_be_read_still_lets_the_device_install_a_newer_bundle(fed, tmp_path, signing_keys):
+    """A damaged log row (here an embedding of 2 bytes in a 3-d log) raised EvalLogError in the upload
+    step, before the bundle step: every sync stopped there and the device stayed on its old bundle for
+    good, while the docs promise "a device is never stuck on an old bundle"."""
+    import sqlite3
+
+    from sdk import EvalLog
+    from sdk.errors import EvalLogError
+    from sdk.local_update import centroids_hash
+    from sdk.sync import SyncClient
+
+    centroids = np.eye(3, dtype=np.float32)[:2]
+    round_ = {"round_id": 1, "kind": "kmeans", "client_id": "alice", "centroids": centroids.tolist(),
+              "centroids_hash": centroids_hash(centroids), "models": list(MODELS), "embedder_name": "tiny-static",
+              "d_emb": 3, "min_count": 2, "deadline_utc": "2026-12-01T00:00:00.000000Z"}
+    device_bundle = tmp_path / "device" / "bundle"
+    shutil.copytree(fed["bundle"], device_bundle)
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
+        log.record("model-x", 1.0, 0.001, embedding=[1.0, 0.0, 0.0])
+    db = sqlite3.connect(tmp_path / "log.sqlite")
+    with db:
+        db.execute("UPDATE evaluations SET embedding = x'0000' WHERE id = 1")
+    db.close()
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log, SyncClient(
+            "https://fed.test", "fr_token", log, device_bundle, signing_keys[1],
+            transport=newer_bundle_server(tmp_path, signing_keys[0], round_), sleep=lambda s: None) as client:
+        with pytest.raises(EvalLogError, match="is damaged: row 1 has an embedding of 2 bytes") as info:
+            client.run_once()
+    assert info.value.__notes__ == ["the bundle step still ran: version 2 in use (newly installed)"]
     assert bundle_version(device_bundle) == 2
