@@ -17,7 +17,8 @@
    local file is downloaded instead), verify every hash, check that it loads and that some model
    has an estimate for a probe query, and swap it in atomically (:mod:`sdk.bundle_install`). A
    failure leaves the old bundle in place. This step also runs when the upload step was refused
-   (4xx) or the log does not fit the round (another embedder): the newer bundle may be the fix.
+   (4xx), the log does not fit the round (another embedder) or its rows cannot be read (damaged):
+   the newer bundle may be the fix, and a device is not held on an old bundle by its log.
 
 Connection errors and 5xx answers are retried with exponential backoff and jitter; 4xx answers are
 not (they raise :class:`sdk.errors.SyncRejectedError`), nor are other unexpected statuses (3xx, an
@@ -49,8 +50,10 @@ from sdk import bundle_manifest as fmt
 from sdk.atomic_write import write_atomic
 from sdk.errors import (
     BundleError,
+    EvalLogError,
     FedrouteError,
     InvalidInputError,
+    InvalidQueryError,
     ShapeError,
     SyncError,
     SyncRejectedError,
@@ -68,7 +71,9 @@ MAX_RECEIPT_BYTES = 1 << 20
 #: Bytes of an error answer read for its detail.
 MAX_ERROR_BYTES = 64 << 10
 _T = TypeVar("_T")
-#: Query a downloaded bundle must give an estimate for (some model with a finite accuracy).
+#: Query a downloaded bundle must give an estimate for (some model with a finite accuracy); a bundle
+#: whose embedder knows no token of it (a static vocabulary of another language) is probed with a
+#: unit embedding instead.
 PROBE_QUERY = "hello"
 
 
@@ -211,9 +216,9 @@ class SyncClient:
     def run_once(self) -> SyncResult:
         """Upload this round's update (if a round is open), then install a newer bundle (if any).
 
-        The bundle step runs even when the upload step raised :class:`SyncRejectedError` or
-        :class:`ShapeError`; that error is raised afterwards (with a note saying what happened to
-        the bundle). Any other error stops the run where it happened.
+        The bundle step runs even when the upload step raised :class:`SyncRejectedError`,
+        :class:`ShapeError` or :class:`EvalLogError` (a damaged log); that error is raised afterwards
+        (with a note saying what happened to the bundle). Any other error stops the run where it happened.
 
         Raises
         ------
@@ -245,7 +250,7 @@ class SyncClient:
         state = self._read_state()
         try:
             round_id, uploaded, late, update_id, log_size, skipped, warnings = self._sync_round(state)
-        except (SyncRejectedError, ShapeError) as upload_error:
+        except (SyncRejectedError, ShapeError, EvalLogError) as upload_error:  # the bundle may be the fix
             try:
                 version, updated = self._update_bundle(state)
             except (FedrouteError, OSError) as bundle_error:
@@ -361,7 +366,10 @@ class SyncClient:
                 # Every file was hashed above (download or verified copy); Router.load verifies the
                 # signature and the files it uses again, and refuses router / embedder / price mismatches.
                 router = Router.load(target, self.public_key)
-                accuracy, _ = router.predict([PROBE_QUERY])
+                try:
+                    accuracy, _ = router.predict([PROBE_QUERY])
+                except InvalidQueryError:  # a static vocabulary without the probe's word (another language)
+                    accuracy, _ = router.predict_from_embeddings(np.eye(1, router.d_emb, dtype=np.float32))
                 if not np.isfinite(accuracy).any():
                     raise BundleError(f"bundle version {version}: no model has an accuracy estimate for the probe "
                                       f"query {PROBE_QUERY!r}, so every choose() would fail; not installed")
@@ -564,12 +572,28 @@ def _copy_verified(source: Path, target: Path, digest: str) -> bool:
     return True
 
 
+#: OpenSSL's verify codes (``X509_V_ERR_*``) of a certificate outside its validity dates, and of one
+#: issued for other host names or addresses.
+_CERT_DATES = {9: "not yet valid", 10: "expired"}
+_CERT_NAME = (62, 64)
+
+
 def _raise_if_certificate_error(exc: BaseException) -> None:
-    """A server certificate that does not verify is not a transient error: raise SyncError at once."""
+    """A server certificate that does not verify is not a transient error: raise SyncError at once,
+    with the fix for its reason (the device's clock for a certificate outside its dates, the server
+    name for one issued to other names, else the CA)."""
     seen = exc
     while seen is not None:
         if isinstance(seen, ssl.SSLCertVerificationError):
             reason = getattr(seen, "verify_message", None) or seen
-            raise SyncError(f"the server's TLS certificate does not verify ({reason}); pass the CA that "
-                            "signed it as ca_cert / --ca-cert") from exc
+            code = getattr(seen, "verify_code", None)
+            if code in _CERT_DATES:  # often a device clock that is wrong (no RTC, no NTP yet), not the server
+                now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                fix = (f"check this device's clock (it reads {now} UTC) against the certificate's validity dates; "
+                       "a certificate is valid only between them")
+            elif code in _CERT_NAME:
+                fix = "use a server name or address the certificate was issued for in the server URL (--server)"
+            else:
+                fix = "pass the CA that signed it as ca_cert / --ca-cert"
+            raise SyncError(f"the server's TLS certificate does not verify ({reason}); {fix}") from exc
         seen = seen.__cause__ or seen.__context__

@@ -65,11 +65,16 @@ def make_sync_command(mlp_trainer=None):
             what = "is not a file" if log.exists() else "does not exist"  # e.g. the app's data folder
             raise typer.BadParameter(f"--log {log} {what} (the app's EvalLog file)")
         models = [m["id"] for m in fmt.read_verified(bundle, public_key, wanted=()).manifest["models"]]
-        with EvalLog(log, models) as eval_log, SyncClient(
-                server, token, eval_log, bundle, public_key, ca_cert=ca_cert, state_path=state, retries=retries,
-                mlp_trainer=mlp_trainer, min_count_floor=min_count_floor,
-                allow_repartition=allow_repartition) as client:
-            result = client.run_once()
+        try:
+            with EvalLog(log, models) as eval_log, SyncClient(
+                    server, token, eval_log, bundle, public_key, ca_cert=ca_cert, state_path=state, retries=retries,
+                    mlp_trainer=mlp_trainer, min_count_floor=min_count_floor,
+                    allow_repartition=allow_repartition) as client:
+                result = client.run_once()
+        except OSError as exc:  # the state file, its lock or the new bundle's files: a file in the way, a full disk
+            typer.echo(f"error: {exc.filename if exc.filename is not None else 'fedroute-sync'}: {exc.strerror or exc}",
+                       err=True)
+            raise typer.Exit(2) from exc
         typer.echo(json.dumps(result.to_json()))
 
     return sync

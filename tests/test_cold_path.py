@@ -20,12 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = {"[UNK]": 0, "a": 1, "b": 2, "c": 3}
-TABLE = np.array([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.6, 0.8, 0.0]], dtype=np.float32)
 #: Imported by neither ``import sdk`` nor a static K-means load + choose.
 NOT_ON_THE_STATIC_PATH = ("onnxruntime", "httpx", "sqlite3", "msgpack", "sdk.sync", "sdk.selector",
                           "sdk.reward_scorer", "sdk.eval_log", "sdk.device_rounds", "sdk.budget", "torch",
@@ -44,32 +41,9 @@ def run_child(code: str) -> dict:
 def static_kmeans_bundle(signing_keys, tmp_path_factory) -> Path:
     """A signed bundle: a 2-cell K-means router on 3-d static embeddings of a 4-token vocabulary
     (float16 and int8 tables), assembled and signed by the exporter's own code (no parity step)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tiny_kmeans import write_tiny_kmeans
 
-    from export.bundle_writer import write_bundle
-    from export.embedder_export import BundleEmbedder
-    from export.pipeline import assemble_bundle
-    from export.signing import load_signing_key
-    from sdk.static_embedder import STATIC_TABLE_FILES, encode_table
-    from trainer.data.client_data import ClientData
-    from trainer.routers.kmeans_router import KMeansRouterConfig, fit_kmeans_router
-
-    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    files = {"tokenizer.json": tok.to_str().encode()}
-    files.update({STATIC_TABLE_FILES[p]: encode_table(TABLE, p) for p in ("fp32", "int8")})
-    entry = {"name": "tiny-static", "dim": 3, "max_tokens": 65_536, "truncation_side": "left", "pooling": "mean",
-             "normalised": True, "files": {p: STATIC_TABLE_FILES[p] for p in ("fp32", "int8")}}
-    # queries near "a" ([1, 0, 0]): model-x right; near "b" ([0, 1, 0]): model-y right; same costs
-    emb = np.array([[1, 0, 0]] * 4 + [[0, 1, 0]] * 4, dtype=np.float32)
-    data = ClientData(np.repeat(emb, 2, axis=0), np.tile([0, 1], 8).astype(np.int64),
-                      np.array([1, 0] * 4 + [0, 1] * 4, dtype=np.float64), np.full(16, 0.001))
-    router = fit_kmeans_router(data, ["model-x", "model-y"], KMeansRouterConfig(n_clusters=2), seed=0)
-    router.embedder = {k: v for k, v in entry.items() if k != "files"}
-    bundle_files, fields = assemble_bundle(router, BundleEmbedder(files, entry, "static"), {}, 1)
-    out = tmp_path_factory.mktemp("static-bundle") / "bundle"
-    write_bundle(out, bundle_files, fields, load_signing_key(signing_keys[0]))
-    return out
+    return write_tiny_kmeans(tmp_path_factory.mktemp("static-bundle"), signing_keys[0])[0]
 
 
 def test_import_sdk_imports_only_the_errors_and_every_public_name_resolves():

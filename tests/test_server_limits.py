@@ -170,6 +170,44 @@ def test_header_flood_is_cut_at_the_header_limit_while_others_are_served(live):
 
 
 @BOTH_PARSERS
+def test_a_complete_request_head_over_the_limit_is_431(live):
+    """The cap counted only heads still incomplete after max_header_bytes: a complete 24 KiB head that
+    arrived in one piece (or, over TLS, in two 16 KiB records) was parsed and served (200)."""
+    def get_with_header(n_bytes: int) -> bytes:
+        sock = raw_connection(live)
+        try:
+            sock.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Pad: " + b"a" * n_bytes
+                         + b"\r\n\r\n")
+            return read_answer(sock)
+        finally:
+            sock.close()
+
+    assert get_with_header(24 * 1024).startswith(b"HTTP/1.1 431")
+    assert get_with_header(15 * 1024).startswith(b"HTTP/1.1 200")
+
+
+@BOTH_PARSERS
+def test_a_head_under_the_limit_is_served_whatever_body_follows_it(live):
+    """A head just under the limit whose end straddles two chunks, followed in the second chunk by a
+    body (JSON may hold line breaks) that takes the bytes received past the limit: only the head counts."""
+    body = b"\r\n\r\n" * 2048 + json_body(live, client="bob")
+    head = (f"POST /v1/rounds/{live['round'].id}/updates HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {live['tokens']['bob']}\r\nIdempotency-Key: padded\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+            f"X-Pad: {'a' * 15000}\r\n\r\n").encode()
+    assert len(head) < LIMITS.max_header_bytes < len(head) + len(body)
+    sock = raw_connection(live)
+    try:
+        sock.sendall(head[:-1])
+        time.sleep(0.2)  # the head's last byte arrives with the body
+        sock.sendall(head[-1:] + body)
+        answer = read_answer(sock)
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 201"), answer[:300]
+
+
+@BOTH_PARSERS
 def test_slow_and_idle_headers_get_408_and_the_connection_closed(live):
     slow, idle = raw_connection(live), raw_connection(live)
     try:

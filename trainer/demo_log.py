@@ -50,7 +50,8 @@ class DemoLogResult:
     skipped : int, sampled rows not recorded (the picked model has no label in the table).
     explored : int, recorded rows sent to a randomly drawn model other than the router's choice.
     per_model : dict of model id -> rows recorded for it.
-    mean_score : float, mean recorded score in [0, 1] (NaN when nothing was recorded).
+    mean_score : float or None, mean recorded score in [0, 1] (None when nothing was recorded: the
+        command's JSON line then holds null, not a bare NaN).
     total_cost_usd : float, sum of the recorded costs, USD.
     """
 
@@ -58,7 +59,7 @@ class DemoLogResult:
     skipped: int
     explored: int
     per_model: dict[str, int]
-    mean_score: float
+    mean_score: float | None
     total_cost_usd: float
 
 
@@ -120,7 +121,7 @@ def write_demo_log(router: Router, table: EvalTable, log: EvalLog, *, n_rows: in
         scores.append(score)
         cost_total += cost
     return DemoLogResult(n_recorded=len(scores), skipped=skipped, explored=explored, per_model=dict(per_model),
-                         mean_score=float(np.mean(scores)) if scores else math.nan, total_cost_usd=cost_total)
+                         mean_score=float(np.mean(scores)) if scores else None, total_cost_usd=cost_total)
 
 
 def demo_log(
@@ -131,7 +132,7 @@ def demo_log(
     rows: Annotated[int, typer.Option(min=1, help="prompts to route and log")] = 200,
     lam: Annotated[float, typer.Option(callback=finite_option, min=0.0, help="accuracy-cost trade-off, 1/USD")] = 100.0,
     explore: Annotated[float, typer.Option(callback=finite_option, min=0.0, max=1.0, help="share of queries sent to a random labelled model")] = 0.2,
-    seed: Annotated[int, typer.Option(help="seeds the row sample and exploration")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="seeds the row sample and exploration")] = 0,
 ) -> None:
     """Make a device's evaluation log from RouterBench rows: route each prompt with the bundle and
     record the chosen model's labelled outcome (no LLM is called, no text is stored)."""

@@ -9,7 +9,9 @@ import functools
 import inspect
 import json
 import logging
+import math
 import ssl
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -96,8 +98,8 @@ def serve(
         raise typer.BadParameter(f"--http-parser must be h11 or httptools, got {http_parser!r}")
     limits = HttpLimits(max_header_bytes=max_header_bytes, header_timeout_s=header_timeout_s,
                         body_timeout_s=body_timeout_s, parser=http_parser or HttpLimits.parser)
-    app = create_app(_store(db), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s, publisher=publisher,
-                     quota=UploadQuota(upload_quota, quota_window_s), limits=limits,
+    app = create_app(_store(db, existing=True), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s,
+                     publisher=publisher, quota=UploadQuota(upload_quota, quota_window_s), limits=limits,
                      commit_delay_s=commit_delay_ms / 1e3, freeze_gc=True)
     uvicorn.run(app, host=host, port=port, ssl_certfile=str(tls_cert), ssl_keyfile=str(tls_key),
                 log_level="info", timeout_graceful_shutdown=5, access_log=access_log, **limits.uvicorn_options())
@@ -162,8 +164,8 @@ def rounds_open(
     trim_fraction: Annotated[float, typer.Option(callback=finite_option, min=0.0, max=0.49, help="share of clients trimmed at each end")] = 0.0,
     noise_multiplier: Annotated[float, typer.Option(callback=finite_option, min=0.0, help="Gaussian DP noise, std / sensitivity")] = 0.0,
     delta: Annotated[float, typer.Option(callback=finite_option, help="delta of the (epsilon, delta) guarantee")] = 1e-5,
-    seed: Annotated[int | None, typer.Option(help="seed of the DP noise (tests only: whoever knows it can remove "
-                                                 "the noise; default: secret, random)")] = None,
+    seed: Annotated[int | None, typer.Option(min=0, help="seed of the DP noise (tests only: whoever knows it can "
+                                                        "remove the noise; default: secret, random)")] = None,
     prior_router: Annotated[Path | None, typer.Option(help="kmeans: trained router whose statistics (same "
                                                            "centroids) are merged into every aggregate")] = None,
     min_total_count: Annotated[int | None, typer.Option(min=1, help="kmeans: publish only aggregates of at least this many "
@@ -220,13 +222,28 @@ def rounds_close(db: DbOpt = "sqlite:///fed.db",
         round_id = current.id
     outcome = close_round(store, round_id, progress=lambda m: typer.echo(m, err=True), publisher=publisher)
     if outcome is None:
-        raise typer.BadParameter(f"round {round_id} is already closed (or does not exist)")
+        raise typer.BadParameter(_why_not_closed(store, round_id))
     typer.echo(json.dumps({"round_id": round_id, **outcome.to_json()}))
+
+
+def _why_not_closed(store, round_id: int) -> str:
+    """Why ``close_round`` closed nothing: no such round, closed already, or another closer holds it."""
+    holder = store.close_holder(round_id)
+    if holder is None:
+        return f"round {round_id} does not exist"
+    status, owner, lease_unix = holder
+    if status == "closing":
+        left = max(0, math.ceil(lease_unix - time.time()))
+        return (f"round {round_id} is being closed by {owner}; if that process died, its claim runs out in {left} s "
+                "(then rerun this)")
+    return f"round {round_id} is already closed"
 
 
 @rounds_app.command("status")
 def rounds_status(db: DbOpt = "sqlite:///fed.db") -> None:
-    """The latest round as JSON (id, status, deadline, quorum, updates in it, outcome)."""
+    """The latest round as JSON: id, status, deadline, quorum, min_count, kind, the updates counted in it
+    (updates_counted: stored uploads, a client's replaced ones included), the clients its quorum
+    counts (clients_counted: active clients with an upload in it, also under DP noise) and the outcome."""
     store = _store(db, existing=True)
     r = store.latest_round()
     if r is None:
@@ -235,6 +252,7 @@ def rounds_status(db: DbOpt = "sqlite:///fed.db") -> None:
     typer.echo(json.dumps({"round_id": r.id, "status": r.status, "deadline_unix": r.deadline_unix,
                            "quorum": r.quorum, "min_count": r.min_count, "kind": r.kind,
                            "updates_counted": len(store.round_updates(r.id)),
+                           "clients_counted": store.clients_counted(r.id),
                            "outcome": None if r.outcome is None else r.outcome.to_json()}))
 
 
@@ -246,7 +264,9 @@ def publish(
     *,
     publisher: Publisher | None = None,
 ) -> None:
-    """Publish a closed round's aggregate as a new signed bundle (for rounds opened without --signing-key)."""
+    """Publish a closed round's aggregate as a new signed bundle (for rounds opened without --signing-key),
+    under the rules of a round that publishes at close (enough evaluations, at least 2 clients without
+    DP noise, the bundle's embedder still the round's); a rerun for the same round publishes nothing new."""
     from trainer.server import round_kinds  # server extra (sqlalchemy, pydantic)
 
     if publisher is None:
@@ -256,7 +276,9 @@ def publish(
     agg = store.aggregate_of(round_id)
     if r is None or agg is None:
         raise typer.BadParameter(f"round {round_id} has no aggregate (not closed, or a no-op)")
-    provenance = {"federated_round": round_id, "clients": len(r.outcome.clients or [])}
+    # As the close records it: the round's uid (a rerun publishes nothing new), no client count under DP noise.
+    provenance = {"federated_round": round_id, "round_uid": r.settings.round_uid,
+                  **({} if r.outcome.epsilon is not None else {"clients": len(r.outcome.clients or [])})}
     manifest = round_kinds.get(r.kind).publish(r, agg, bundle_dir, signing_key, provenance, publisher)
     typer.echo(f"bundle v{manifest['bundle_version']} published at {bundle_dir}")
 

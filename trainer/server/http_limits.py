@@ -4,8 +4,8 @@ The server runs uvicorn with its **httptools** parser by default (the C parser; 
 for the pure-Python one, the default when httptools is not installed). uvicorn's header-size
 setting (``h11_max_incomplete_event_size``) only applies to h11, and httptools alone would buffer a
 request head of any size, so :class:`_Deadlines` caps the request head itself, for both parsers, at
-the same ``max_header_bytes`` (431 and close); h11 additionally answers 400 at its own setting,
-which is set to the same value. The header count is checked by :class:`RequestLimits` for both.
+the same ``max_header_bytes`` (431 and close), counted before the parser sees the bytes (h11's own
+setting, set to the same value, is then not reached). The header count is checked by :class:`RequestLimits` for both.
 With TLS, 64 devices and MessagePack bodies, a bare ASGI app answering 201
 (``benchmarks/http_floor_app.py``) cost 0.2-0.4 ms less server CPU per request under httptools than
 under h11 in two runs on a loaded 2-core machine (docs/benchmarks.md). The limits (:class:`HttpLimits`, ``fedroute serve``
@@ -14,9 +14,9 @@ options; docs/sync-protocol-and-operations.md lists them):
 ========================  ========  ==========================================================================
 limit                     default   where
 ========================  ========  ==========================================================================
-header bytes              16 KiB    both parsers: :class:`_Deadlines` (a head still incomplete after
-                                    that many bytes: 431 and close); h11 also: uvicorn's
-                                    ``h11_max_incomplete_event_size`` (400 and close)
+header bytes              16 KiB    both parsers: :class:`_Deadlines` (a head over that many bytes,
+                                    complete or not, counted before parsing: 431 and close); h11 also:
+                                    uvicorn's ``h11_max_incomplete_event_size`` (400 and close)
 header count              64        :class:`RequestLimits` (ASGI middleware): 431
 header read time          10 s      :class:`_Deadlines`: from the connection (or the first byte
                                     of the next request) to the end of the headers; then 408 and close
@@ -86,9 +86,11 @@ class _Deadlines:
     re-arms itself at the deadline of a phase still running, and lapses when none is (the next phase
     then arms it again). So a connection busy with requests re-arms its timer about once per
     deadline period instead of creating and cancelling two timers per request (a ``call_later`` and
-    its ``cancel``: about 3 us of CPU on uvloop in a loop; docs/benchmarks.md, round 5). A request head (request line + headers) still incomplete
-    after ``max_header_bytes`` bytes gets a 431 and the connection is closed (httptools would buffer
-    any size; h11 answers 400 itself at ``h11_max_incomplete_event_size``)."""
+    its ``cancel``: about 3 us of CPU on uvloop in a loop; docs/benchmarks.md, round 5). A request head
+    (request line + headers) over ``max_header_bytes`` bytes gets a 431 and the connection is closed,
+    checked on the bytes before the parser sees them: a head that ends within a chunk would be
+    dispatched at once (httptools would buffer any size). The check looks for the head's end only
+    in a chunk that takes the bytes past the limit (a body may follow in it)."""
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
@@ -97,6 +99,7 @@ class _Deadlines:
     _phase: str = ""  # "headers", "body" or "" (none running)
     _due: float = 0.0  # the running phase's deadline (loop time, s)
     _head_bytes: int = 0
+    _tail: bytes = b""  # the last 3 bytes of the head read so far (its end may straddle two chunks)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -107,8 +110,14 @@ class _Deadlines:
         if reading_head:
             if not self._phase:
                 self._arm("headers", self.header_timeout_s)
-                self._head_bytes = 0
+                self._head_bytes, self._tail = 0, b""
+            before = self._head_bytes
             self._head_bytes += len(data)
+            # Checked before the parser sees the bytes: a head that is complete in this chunk would be
+            # dispatched at once (a 20 KB head arriving in one or two TLS records was served).
+            if self._head_bytes > self.max_header_bytes and self._head_over_limit(data, before):
+                return
+            self._tail = data[-3:]
         super().data_received(data)
         cycle = self.cycle
         if cycle is None or cycle.response_complete:  # still between requests: the head is incomplete
@@ -123,6 +132,25 @@ class _Deadlines:
                 self._arm("body", self.body_timeout_s)
         else:
             self._phase = ""  # the request is complete: its timer lapses (or serves the next phase)
+
+    def _head_over_limit(self, data: bytes, before: int) -> bool:
+        """True (after answering 431 and closing) if the request head that ``data`` continues, after
+        ``before`` head bytes, is over ``max_header_bytes``: it ends in ``data`` past the limit, or does
+        not end in it. Only called once the bytes received exceed the limit (a body may follow the
+        head in the same chunk: only the head counts)."""
+        joint = (self._tail + data[:3]).find(b"\r\n\r\n")  # the end straddling the two chunks comes first
+        if joint >= 0:
+            head = before - len(self._tail) + joint + 4
+        else:
+            end = data.find(b"\r\n\r\n")  # no copy of the chunk (a body may follow in it)
+            head = self._head_bytes if end < 0 else before + end + 4
+        if head <= self.max_header_bytes or self.transport.is_closing():
+            return False
+        self._stop()
+        self.logger.info("closing a connection whose request head is over %d bytes", self.max_header_bytes)
+        self.transport.write(_TOO_LARGE)
+        self.transport.close()
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import math
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +125,17 @@ def open_round_from_bundle(
     )
 
 
+def publish_refusal(federated: float, n_clients: int | None, min_total_count: float) -> str | None:
+    """Why an aggregate of ``federated`` evaluations (the clients' part: the prior router's statistics
+    are public) from ``n_clients`` clients (None under DP noise, which allows one) is not published,
+    else None: one client's statistics are never published alone, nor a handful of evaluations."""
+    if federated >= min_total_count and (n_clients is None or n_clients >= 2):
+        return None
+    source = "" if n_clients is None else f" from {n_clients} client(s)"
+    return (f"{federated:.0f} federated evaluations{source}: need min_total_count={min_total_count:g} and, without "
+            "noise, at least 2 clients")
+
+
 def publish_kmeans(
     publisher: Publisher,
     bundle_dir: Path,
@@ -203,7 +215,11 @@ class KMeansRoundKind(ServerRoundKind):
         if opts.get("prior_router") is not None:
             if centroids is not None:
                 raise InvalidInputError("--prior-router and --recluster do not go together (other cells)")
-            prior_router = KMeansRouter.load(Path(opts["prior_router"]))
+            try:
+                prior_router = KMeansRouter.load(Path(opts["prior_router"]))
+            except (OSError, KeyError, ValueError, zipfile.BadZipFile) as exc:  # e.g. an MLP router's folder
+                raise InvalidInputError(f"--prior-router {opts['prior_router']}: not a saved K-means router "
+                                        f"({type(exc).__name__}: {exc})") from exc
             if centroids_hash(prior_router.centroids_) != centroids_hash(
                     bundle_centroids(read_base_bundle(request.bundle_dir, request.public_key))):
                 raise InvalidInputError("--prior-router has other centroids than the bundle: give the router the "
@@ -285,12 +301,9 @@ class KMeansRoundKind(ServerRoundKind):
         if not noisy:  # under DP the exact number of participants would leak membership
             outcome.clients = list(agg.clients)
         federated = float(agg.statistics.count.sum())
-        if settings.publish and (federated < settings.min_total_count or (not noisy and len(agg.clients) < 2)):
-            # Checked on the federated part (the prior is public): one client's statistics are never
-            # published alone, nor a handful of evaluations.
-            outcome.publish_skipped = (f"{federated:.0f} federated evaluations from {len(agg.clients)} client(s): "
-                                       f"need min_total_count={settings.min_total_count} and, without "
-                                       "noise, at least 2 clients")
+        too_few = publish_refusal(federated, None if noisy else len(agg.clients), settings.min_total_count)
+        if settings.publish and too_few:
+            outcome.publish_skipped = too_few
         elif settings.publish and publisher is None:
             outcome.publish_skipped = "the server was started without a publisher; run `fedroute publish`"
         elif settings.publish:
@@ -317,8 +330,16 @@ class KMeansRoundKind(ServerRoundKind):
 
     def publish(self, round_: Round, aggregate: dict, bundle_dir: Path, signing_key: Path, provenance: dict,
                 publisher: Publisher) -> dict:
+        """The close's rules first (:func:`publish_refusal` on the clients' part of the aggregate; the
+        bundle's embedder still the round's), then :func:`publish_kmeans`."""
         s = round_.settings
+        prior = float(np.sum(s.prior_statistics["count"])) if s.prior_statistics else 0.0
+        noisy = round_.outcome.epsilon is not None
+        why = publish_refusal(float(aggregate["count"].sum()) - prior,
+                              None if noisy else len(round_.outcome.clients or []), s.min_total_count)
+        if why:
+            raise PublishRefused(why)
         return publish_kmeans(publisher, bundle_dir, signing_key, aggregate["centroids"],
                               CellStatistics(aggregate["count"], aggregate["sum_accuracy"], aggregate["sum_cost"]),
                               prior_strength=s.prior_strength, model_prior_strength=s.model_prior_strength,
-                              prior=s.prior, provenance=provenance)
+                              prior=s.prior, provenance=provenance, embedder=round_.embedder)

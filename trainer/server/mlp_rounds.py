@@ -234,4 +234,8 @@ class MlpRoundKind(ServerRoundKind):
 
     def publish(self, round_: Round, aggregate: dict, bundle_dir: Path, signing_key: Path, provenance: dict,
                 publisher: Publisher) -> dict:
-        return publisher.publish(bundle_dir, signing_key, router_of(aggregate, round_), provenance)
+        """As the close publishes: refused for non-finite or absurd predictions (:func:`check_predictions`)
+        or a bundle whose embedder is no longer the round's."""
+        router = router_of(aggregate, round_)
+        check_predictions(router)
+        return publisher.publish(bundle_dir, signing_key, router, provenance, embedder=round_.embedder)

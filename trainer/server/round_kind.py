@@ -17,6 +17,7 @@ import abc
 import datetime as dt
 import dataclasses
 import math
+import numbers
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,10 +123,13 @@ def round_settings(
     Raises
     ------
     InvalidInputError
-        Only one of ``bundle_dir`` and ``signing_key`` is given.
+        Only one of ``bundle_dir`` and ``signing_key`` is given, or a ``seed`` that is not an int >= 0.
     """
     if (bundle_dir is None) != (signing_key is None):
         raise InvalidInputError("publishing needs both a bundle dir and a signing key")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
+        # numpy's seed sequence (the DP noise, seeded with (seed, round id) at close) takes no negative number
+        raise InvalidInputError(f"seed must be an integer >= 0, got {seed!r}")
     return RoundSettings(
         aggregation=dataclasses.asdict(aggregation),
         seed=secrets.randbits(63) if seed is None else int(seed),

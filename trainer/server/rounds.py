@@ -35,7 +35,8 @@ def close_round(store: Store, round_id: int, progress=lambda msg: None, owner: s
     """Close ``round_id``: aggregate, store the aggregate, publish (through ``publisher``, when the
     round was opened to publish; without one the outcome says publishing was skipped). Returns the
     outcome, or None if the round is closed already or another closer holds it (see
-    :meth:`Store.claim_close`).
+    :meth:`Store.claim_close`). A close that raises gives its claim up first
+    (:meth:`Store.release_close`), so the next closer takes the round over at once.
 
     The outcome is a :class:`~trainer.server.round_kind.RoundOutcome` (stored with the round as JSON).
     """
@@ -43,8 +44,18 @@ def close_round(store: Store, round_id: int, progress=lambda msg: None, owner: s
     snapshot = store.claim_close(round_id, owner, force=force)
     if snapshot is None:
         return None
-    r = store.get_round(round_id)
-    return round_kinds.get(r.kind).close(store, r, snapshot, owner, progress, publisher)
+    try:
+        r = store.get_round(round_id)
+        return round_kinds.get(r.kind).close(store, r, snapshot, owner, progress, publisher)
+    except BaseException:
+        # A closer that failed (or was interrupted) holds nothing: the next one, e.g. a rerun of
+        # `fedroute rounds close` once the cause is fixed, takes the round over at once with the
+        # same snapshot, rather than after the lease (10 minutes).
+        try:
+            store.release_close(round_id, owner)
+        except Exception:  # noqa: BLE001 - the close's own error is the one to report
+            logging.getLogger("fedroute.server").exception("releasing the close of round %s failed", round_id)
+        raise
 
 
 def close_due_rounds(store: Store, now: float | None = None, progress=lambda msg: None,

@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import re
 import secrets
 import threading
@@ -34,6 +35,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import sqlalchemy as sa
@@ -105,6 +107,15 @@ sa.Index("one_unclosed_round", sa.func.nullif(sa.case((rounds.c.status == "close
 #: about 0.06 ms less CPU per stored row in batches of 10 (docs/benchmarks.md). Existing databases
 #: keep the page size they were created with.
 SQLITE_PAGE_BYTES = 16384
+
+
+def _create_private(path: Path) -> None:
+    """Create an empty SQLite file at ``path`` readable and writable by its owner only (0600), unless
+    it exists: the database holds each client's exact uploads and the secret seed of the DP noise
+    (whoever reads it can subtract the noise from a published router). SQLite gives the ``-wal``
+    and ``-shm`` files the database file's permissions."""
+    if not path.exists():
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
 
 
 def create_engine(url: str) -> Engine:
@@ -279,6 +290,13 @@ def receipt_of(row) -> dict:
                    int(log_size)).to_json()
 
 
+def _clients_counted(round_id: int):
+    """``SELECT`` of the number of active clients with an update counted in ``round_id`` (its quorum)."""
+    return (sa.select(sa.func.count(sa.distinct(updates.c.client_id)))
+            .join(clients, clients.c.id == updates.c.client_id)
+            .where((updates.c.counted_round == round_id) & (clients.c.revoked == sa.false())))
+
+
 def _round(row) -> Round:
     return Round(
         id=row.id, kind=row.kind, status=row.status, opened_unix=row.opened_unix, deadline_unix=row.deadline_unix,
@@ -298,6 +316,8 @@ class Store:
         parsed = sa.engine.make_url(url)
         if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
             raise ValueError(f"{url!r} is an in-memory database: nothing would be kept (use sqlite:///fed.db)")
+        if parsed.get_backend_name() == "sqlite" and not parsed.query.get("uri"):
+            _create_private(Path(parsed.database))
         self.engine = create_engine(url)
         self._writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
         # SQLite has one writer: this process's writers queue on a lock rather than in SQLite's busy
@@ -307,13 +327,26 @@ class Store:
                               for flag, statement in _CHECK_INSERT.items()}
         self._insert_row = _DriverStatement(_INSERT_ROW, self.engine.dialect)
         self._batch_connection = None  # SQLite: the DBAPI connection of insert_updates (under _write_lock)
-        metadata.create_all(self.engine)
+        self._create_tables()
         inspector = sa.inspect(self.engine)
         for table in (clients, rounds, updates):
             missing = {c.name for c in table.columns} - {c["name"] for c in inspector.get_columns(table.name)}
             if missing:  # no migrations yet: refuse rather than fail on the first query
                 raise ValueError(f"database {url!r} was created by another fedroute version (table {table.name} "
                                  f"lacks {sorted(missing)}); use a new database")
+
+    def _create_tables(self) -> None:
+        """Create the tables a new database lacks, one creator at a time: under SQLite's write lock
+        (``BEGIN IMMEDIATE``, waiting on the busy timeout) or a PostgreSQL advisory lock. Without it,
+        processes creating a new database together (``fedroute clients add`` run in parallel to
+        provision a fleet) failed with "database is locked" (SQLite refuses at once a read
+        transaction's upgrade to a write) or "already exists"."""
+        if set(metadata.tables) <= set(sa.inspect(self.engine).get_table_names()):
+            return  # the usual case: no write lock taken
+        with self._write_lock, self._writer.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7346261)")  # any fixed key: fedroute's schema
+            metadata.create_all(conn)
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
@@ -399,7 +432,11 @@ class Store:
             base_hash = hashlib.sha256(parameters).hexdigest()
         try:
             with self.transaction() as conn:
-                busy = conn.execute(sa.select(rounds.c.id).where(rounds.c.status != "closed")).first()
+                busy = conn.execute(sa.select(rounds.c.id, rounds.c.status, rounds.c.close_owner)
+                                    .where(rounds.c.status != "closed")).first()
+                if busy and busy.status == "closing":
+                    raise ValueError(f"round {busy.id} is still closing (by {busy.close_owner}); a new round opens "
+                                     "once it is closed (`fedroute rounds status`)")
                 if busy:
                     raise ValueError(f"round {busy.id} is still open; close it first")
                 rid = conn.execute(rounds.insert().values(
@@ -440,11 +477,7 @@ class Store:
                 if r.status == "closing" or r.deadline_unix <= now:
                     due.append(r.id)
                     continue
-                n = conn.execute(sa.select(sa.func.count(sa.distinct(updates.c.client_id)))
-                                 .join(clients, clients.c.id == updates.c.client_id)
-                                 .where((updates.c.counted_round == r.id) & (clients.c.revoked == sa.false()))
-                                 ).scalar_one()
-                if n >= r.quorum:
+                if conn.execute(_clients_counted(r.id)).scalar_one() >= r.quorum:
                     due.append(r.id)
         return due
 
@@ -478,6 +511,22 @@ class Store:
             conn.execute(rounds.update().where(rounds.c.id == round_id)
                          .values(status="closing", close_snapshot=int(snapshot), **lease))
             return int(snapshot)
+
+    def release_close(self, round_id: int, owner: str) -> None:
+        """End ``owner``'s lease on the closing of ``round_id`` now (its close failed): the round stays
+        ``closing`` with its snapshot, and the next closer (a rerun of ``fedroute rounds close``, the
+        server) takes it over at once instead of after the lease."""
+        with self.transaction() as conn:
+            conn.execute(rounds.update().where((rounds.c.id == round_id) & (rounds.c.status == "closing")
+                                               & (rounds.c.close_owner == owner)).values(close_lease_unix=0.0))
+
+    def close_holder(self, round_id: int) -> tuple[str, str | None, float] | None:
+        """(status, closer, unix time its lease runs out) of ``round_id``, None if there is no such
+        round; the closer and the lease are those of the last claim (:meth:`claim_close`)."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(rounds.c.status, rounds.c.close_owner, rounds.c.close_lease_unix)
+                               .where(rounds.c.id == round_id)).first()
+        return None if row is None else (row.status, row.close_owner, float(row.close_lease_unix or 0.0))
 
     def closing_rounds(self) -> list[tuple[int, str | None]]:
         """(id, owner) of rounds left ``closing`` (by a crash, or by a closer still at work)."""
@@ -674,6 +723,11 @@ class Store:
                 if self.find_update(client_id, key) is None:
                     raise  # not the (client_id, idempotency_key) race
                 continue  # a concurrent request with the same key won the insert: answer as a retry
+
+    def clients_counted(self, round_id: int) -> int:
+        """Active (not revoked) clients with an update counted in ``round_id``: what its quorum counts."""
+        with self.engine.connect() as conn:
+            return int(conn.execute(_clients_counted(round_id)).scalar_one())
 
     def round_updates(self, round_id: int) -> list[int]:
         """Ids of the updates counted in ``round_id`` (sent on time)."""

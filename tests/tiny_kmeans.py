@@ -1,0 +1,55 @@
+"""A tiny signed K-means bundle for operator and device tests: no sentence-transformers, no ONNX.
+
+A 2-cell K-means router on 3-d static embeddings of a 4-token vocabulary (float16 and int8
+tables), fitted on 16 points and assembled and signed by the exporter's own code (no parity step).
+About a second to build, so CLI tests of ``fedroute rounds`` / ``publish`` / ``fedroute-sync`` need
+neither the exported MiniLM encoder nor RouterBench embeddings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = {"[UNK]": 0, "a": 1, "b": 2, "c": 3}
+#: Static embedding of each token of VOCAB, (4, 3) float32.
+TABLE = np.array([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.6, 0.8, 0.0]], dtype=np.float32)
+MODELS = ("model-x", "model-y")
+
+
+def write_tiny_kmeans(out: Path, signing_key: Path, embedder_name: str = "tiny-static",
+                      version: int = 1) -> tuple[Path, Path]:
+    """Write ``out/bundle`` (signed with ``signing_key``) and ``out/router`` (the trainer router it
+    was exported from, for ``--prior-router``); returns (bundle, router) paths. ``embedder_name``
+    names the static embedder in the manifest (another name: a bundle of "another" embedder);
+    ``version`` is its ``bundle_version``.
+
+    Queries near "a" ([1, 0, 0]) were answered right by model-x, near "b" ([0, 1, 0]) by model-y,
+    at the same cost (0.001 USD)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from export.bundle_writer import write_bundle
+    from export.embedder_export import BundleEmbedder
+    from export.pipeline import assemble_bundle
+    from export.signing import load_signing_key
+    from sdk.static_embedder import STATIC_TABLE_FILES, encode_table
+    from trainer.data.client_data import ClientData
+    from trainer.routers.kmeans_router import KMeansRouterConfig, fit_kmeans_router
+
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    files = {"tokenizer.json": tok.to_str().encode()}
+    files.update({STATIC_TABLE_FILES[p]: encode_table(TABLE, p) for p in ("fp32", "int8")})
+    entry = {"name": embedder_name, "dim": 3, "max_tokens": 65_536, "truncation_side": "left", "pooling": "mean",
+             "normalised": True, "files": {p: STATIC_TABLE_FILES[p] for p in ("fp32", "int8")}}
+    emb = np.array([[1, 0, 0]] * 4 + [[0, 1, 0]] * 4, dtype=np.float32)
+    data = ClientData(np.repeat(emb, 2, axis=0), np.tile([0, 1], 8).astype(np.int64),
+                      np.array([1, 0] * 4 + [0, 1] * 4, dtype=np.float64), np.full(16, 0.001))
+    router = fit_kmeans_router(data, list(MODELS), KMeansRouterConfig(n_clusters=2), seed=0)
+    router.embedder = {k: v for k, v in entry.items() if k != "files"}
+    out = Path(out)
+    router.save(out / "router")
+    bundle_files, fields = assemble_bundle(router, BundleEmbedder(files, entry, "static"), {}, version)
+    write_bundle(out / "bundle", bundle_files, fields, load_signing_key(signing_key))
+    return out / "bundle", out / "router"
