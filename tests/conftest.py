@@ -142,3 +142,15 @@ def make_bundle(exported_embedder, fitted_routers, signing_keys):
         return out
 
     return build
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """(a throwaway PostgreSQL server, None) or (None, why none could start) (tests/postgres_server.py),
+    one per test module that asks for it."""
+    from postgres_server import start
+
+    server, why = start()
+    yield server, why
+    if server is not None:
+        server.stop()

@@ -45,16 +45,6 @@ def tiny(signing_keys, tmp_path_factory) -> tuple[Path, Path]:
     return write_tiny_kmeans(tmp_path_factory.mktemp("tiny"), signing_keys[0])
 
 
-@pytest.fixture(scope="module")
-def postgres():
-    from postgres_server import start
-
-    server, why = start()
-    yield server, why
-    if server is not None:
-        server.stop()
-
-
 @pytest.fixture
 def fed(request, tmp_path, tiny, signing_keys):
     """A database with clients alice and bob and a copy of the tiny bundle to publish into: a SQLite

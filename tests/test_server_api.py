@@ -33,16 +33,6 @@ def kmeans_bundle(make_bundle, tmp_path_factory):
     return make_bundle(tmp_path_factory.mktemp("srv") / "bundle", "kmeans")
 
 
-@pytest.fixture(scope="module")
-def postgres():
-    from postgres_server import start
-
-    server, why = start()
-    yield server, why
-    if server is not None:
-        server.stop()
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def server(request, tmp_path, kmeans_bundle, signing_keys, postgres):
     """The app over a fresh store: a SQLite file, or a database on a throwaway PostgreSQL server."""
