@@ -110,6 +110,18 @@ class SyncResult:
         return asdict(self)
 
 
+def upload_key(round_id: int, deadline_utc, payload: bytes) -> str:
+    """The ``Idempotency-Key`` of an upload: ``r{round_id}-{sha256 hex of deadline + NUL + body}``.
+
+    The same body sent again in the same round gets the same key (a retry after a lost answer or a
+    lost state is stored once). The round's deadline (``deadline_utc`` of its description; "" if
+    absent) is in the hash so that round 1 of a new server database, whose id repeats an old round's,
+    is not taken for that round ("acknowledged before") by a device whose log has not changed.
+    """
+    prefix = ("" if deadline_utc is None else str(deadline_utc)).encode() + b"\0"
+    return f"r{int(round_id)}-{hashlib.sha256(prefix + payload).hexdigest()}"
+
+
 class SyncClient:
     """Periodic sync of one device with the aggregation server.
 
@@ -273,10 +285,11 @@ class SyncClient:
             return round_id, uploaded, late, update_id, log_size, skipped, warnings
         if answer.status_code != 200:
             raise SyncError(f"GET /v1/rounds/current answered {answer.status_code}")
-        round_id, payload, content_type, skipped, sent, warnings = self._prepare_upload(_json(answer), state)
+        description = _json(answer)
+        round_id, payload, content_type, skipped, sent, warnings = self._prepare_upload(description, state)
         if payload is None:
             return round_id, uploaded, late, update_id, log_size, skipped, warnings
-        key = f"r{round_id}-{hashlib.sha256(payload).hexdigest()}"
+        key = upload_key(round_id, description.get("deadline_utc"), payload)
         last = state.last_upload or {}
         if last.get("key") == key:  # acknowledged before: same round, same body
             return (round_id, False, bool(last.get("late")), last.get("update_id"), last.get("log_size"), None,

@@ -287,6 +287,23 @@ def test_a_rerun_after_a_lost_state_sends_the_same_idempotency_key(device, tmp_p
     assert a.headers["idempotency-key"].startswith("r3-")
 
 
+def test_round_1_of_a_new_server_database_is_not_taken_for_the_old_round_1(device, tmp_path):
+    """An operator who starts a new database (the advice of the schema-version error) opens round 1
+    again. The key was r{round_id}-sha256(body): a device whose log had not changed took the new round 1
+    for the old one ("acknowledged before") and sent nothing in it. The key now also covers the round's
+    deadline, which a new round 1 does not share."""
+    log = filled_log(tmp_path / "log.sqlite")
+    old = FakeServer(kmeans_round(min_count=5, round_id=1))
+    client, _ = device(old, log=log)
+    assert client.run_once().uploaded
+    new = FakeServer(dict(kmeans_round(min_count=5, round_id=1), deadline_utc="2026-12-02T09:00:00Z"))
+    client, _ = device(new, log=log)
+    result = client.run_once()
+    assert result.uploaded and result.round_id == 1 and len(new.posts()) == 1
+    assert new.posts()[0].content == old.posts()[0].content  # the same update, in a round it was not sent to
+    assert new.posts()[0].headers["idempotency-key"] != old.posts()[0].headers["idempotency-key"]
+
+
 def test_a_damaged_record_of_the_last_sent_update_is_a_sync_error(device, tmp_path):
     sent = {"centroids_hash": centroids_hash(CENTROIDS), "models": list(MODELS), "count": [[1.0]]}
     (tmp_path / "state.json").write_text(json.dumps({"version": 1, "sent": sent}))
