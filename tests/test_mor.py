@@ -523,6 +523,8 @@ def test_train_saves_the_validation_chosen_router_and_variants_and_load_uses_the
     choice = {"weighting": "samples", "sparse": "sparse|prompt", "soft": "soft|prompt|T=2", "val": {"samples/sparse|prompt": 0.7}}
     trainer.save(models, tmp_path / "mix", routing=choice, mode="sparse")
     meta = __import__("json").loads((tmp_path / "mix" / "mixture.json").read_text())
+    # the run's config is written with the mixture, before mixture.json (no older run's config beside it)
+    assert __import__("json").loads((tmp_path / "mix" / "mor_config.json").read_text()) == trainer.args.to_json()
     plain = {"fallback": 0.0, "fallback_top": 0, "probabilities": "softmax"}
     assert meta["variants"] == {"sparse": {"mode": "sparse", "temperature": 1.0, "route_by": "prompt", **plain},
                                 "soft": {"mode": "soft", "temperature": 2.0, "route_by": "prompt", **plain}}

@@ -53,6 +53,7 @@ import numpy as np
 from sdk.atomic_write import replace_dir
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.embeddings import EmbedderConfig
+from trainer.report import write_text
 from trainer.rewards.client_router import ClientRouter
 from trainer.rewards.pair_features import PairEncoder
 from trainer.rewards.reward_models import ClientRewardModel, MLPRewardModel, load_reward_model
@@ -160,9 +161,12 @@ class RoutedReward:
         return rm.score(prompts, responses, normalise=self.normalise).astype(np.float64)
 
 
-def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | None = None) -> Path:
+def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | None = None,
+                 records: Mapping[str, Mapping] | None = None) -> Path:
     """Write the module docstring's layout into ``directory`` (created; parts staged and swapped in, module docstring).
-    ``selection`` (JSON-serialisable) records how the variants were chosen (``mixture.json["selection"]``)."""
+    ``selection`` (JSON-serialisable) records how the variants were chosen (``mixture.json["selection"]``);
+    ``records`` ({file name: JSON object}, e.g. ``mor_config.json``) are written beside it before
+    ``mixture.json``, so a kill leaves no record of an older run beside a newer mixture."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     names = mixture.client_names
@@ -177,6 +181,8 @@ def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | No
     for part in ("router", "clients"):
         replace_dir(staged / part, directory / part)
     staged.rmdir()
+    for name, record in (records or {}).items():
+        write_text(directory / name, json.dumps(record, indent=2))
     meta = {"format_version": FORMAT_VERSION, "mode": mixture.mode, "normalise": mixture.normalise,
             "temperature": mixture.temperature, "route_by": mixture.route_by,
             "variants": {m: r.to_dict() for m, r in mixture.variants.items()},

@@ -443,8 +443,4 @@ class MoRTrainer:
         if routing is not None:
             selection = {"chosen_on": "validation", "weighting": weighting or routing["weighting"],
                          "sparse": routing["sparse"], "soft": routing["soft"], "val": routing.get("val", {})}
-        out = save_mixture(mix, Path(directory), selection)
-        tmp = out / "mor_config.json.tmp"
-        tmp.write_text(json.dumps(self.args.to_json(), indent=2))
-        tmp.replace(out / "mor_config.json")
-        return out
+        return save_mixture(mix, Path(directory), selection, records={"mor_config.json": self.args.to_json()})
