@@ -118,6 +118,24 @@ def test_prism_dpo_rejects_a_heldout_fraction_of_one_and_a_file_as_out(tmp_path,
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
+def test_prism_dpo_splits_hand_edited_prompt_ids_of_mixed_types(tmp_path):
+    """prompt_id 1 in one row and "7" in another (a hand-edited file) ended in a TypeError traceback from
+    sorting the ids; they are now split like any ids (here all held out, which is refused before any
+    training), and a row without a prompt_id is named."""
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "prompt_id": 1}\n'
+                     '{"prompt": "d", "chosen": "e", "rejected": "f", "prompt_id": "7"}\n')
+    args = ["prism", "dpo", "--prefs", str(prefs), "--out", str(tmp_path / "dpo"), "--tiny", "--heldout-fraction", "0.9"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "holds 2 prompt(s) and all are held out (--heldout-fraction 0.9)" in flat(result.output)
+    prefs.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "prompt_id": 1}\n'
+                     '{"prompt": "d", "chosen": "e", "rejected": "f"}\n')
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and "row 1 has no prompt_id (the held-out split is by prompt)" in flat(result.output)
+    assert not (tmp_path / "dpo").exists()
+
+
 @pytest.mark.parametrize("command", [["prism", "train", "--quick"], ["prism", "label", "--run", "RUN"]])
 def test_prism_train_and_label_refuse_a_file_as_out_before_any_work(tmp_path, command):
     """`prism train --out FILE` used to end in a NotADirectoryError traceback after the data preparation."""

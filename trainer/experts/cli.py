@@ -163,7 +163,12 @@ def dpo(
     for col in ("prompt", "chosen", "rejected", "prompt_id"):
         if col not in rows.columns:
             raise typer.BadParameter(f"--prefs {prefs} has no column {col!r}; write it with `fedroute prism label`")
-    prompts = np.array(sorted(rows.prompt_id.unique()))
+    missing = np.flatnonzero(rows.prompt_id.isna().to_numpy())
+    if missing.size:
+        raise typer.BadParameter(f"--prefs {prefs}: row {int(missing[0])} has no prompt_id (the held-out split is by prompt)")
+    # ids of mixed types (1 and "1", hand-edited files) are sorted by type, then text: sorting them as
+    # they are raised a TypeError traceback
+    prompts = np.array(sorted(rows.prompt_id.unique(), key=lambda v: (type(v).__name__, str(v))), dtype=object)
     held = set(np.random.default_rng(seed).permutation(prompts)[: max(1, int(round(heldout_fraction * len(prompts))))])
     train_df, held_df = rows[~rows.prompt_id.isin(held)], rows[rows.prompt_id.isin(held)]
     if train_df.empty:
