@@ -226,12 +226,25 @@ class SpendCurve:
         ------
         InvalidInputError
             No query (``n = 0``).
+        ShapeError
+            An argument that is not an array of real numbers, ``base_cost`` not 1-D, ``lam`` and
+            ``delta_cost`` of different shapes, a NaN ``lam``, or a NaN/inf cost (padding aside).
         """
+        base_cost = real_array(base_cost, "base_cost")
+        lam, delta = real_array(lam, "lam"), real_array(delta_cost, "delta_cost")
+        if base_cost.ndim != 1:
+            raise ShapeError(f"base_cost must be 1-D (one cost per query), got shape {base_cost.shape}")
+        if lam.shape != delta.shape:
+            raise ShapeError(f"lam and delta_cost must have one shape, got {lam.shape} and {delta.shape}")
         n = base_cost.shape[0]
         if n == 0:
             raise InvalidInputError("a spend curve needs at least one query")
-        lam, delta = np.ravel(lam), np.ravel(delta_cost)
+        lam, delta = np.ravel(lam), np.ravel(delta)
+        if np.isnan(lam).any():
+            raise ShapeError("lam holds NaN (padding is lam = inf)")
         keep = np.isfinite(lam)
+        if not (np.isfinite(base_cost).all() and np.isfinite(delta[keep]).all()):
+            raise ShapeError("base_cost and delta_cost must be finite (USD), padding aside")
         lam, delta = lam[keep], delta[keep]
         order = np.argsort(lam, kind="stable")
         lam, delta = lam[order], delta[order]

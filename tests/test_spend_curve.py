@@ -151,3 +151,27 @@ def test_mix_for_refuses_a_target_that_is_not_a_finite_real(target):
         curve.mix_for(target)
     assert curve.mix_for(np.float32(0.004)).p_low == pytest.approx(0.5, rel=1e-6)
     assert curve.mix_for(Fraction(1, 250)).p_low == pytest.approx(0.5)
+
+
+def test_from_arrays_checks_its_arrays_and_takes_lists():
+    """A list argument raised AttributeError ('list' object has no attribute 'shape'); a NaN lam was
+    dropped as if it were inf padding; ragged rows and mismatched shapes gave numpy's errors."""
+    inf = float("inf")
+    curve = SpendCurve.from_arrays([0.5, 0.7], [[2.0, inf], [4.0, inf]], [[-0.2, 0.0], [-0.6, 0.0]])
+    same = SpendCurve.from_arrays(np.array([0.5, 0.7]), np.array([[2.0, inf], [4.0, inf]]),
+                                  np.array([[-0.2, 0.0], [-0.6, 0.0]]))
+    # S(lam) = mean base 0.6, - 0.2 / 2 from lam 2, - 0.6 / 2 from lam 4
+    np.testing.assert_allclose(curve.levels, [0.6, 0.5, 0.2])
+    np.testing.assert_array_equal(curve.breakpoints, [2.0, 4.0])
+    np.testing.assert_array_equal(curve.breakpoints, same.breakpoints)
+    cases = [
+        (([0.1], [[1.0, 2.0], [3.0]], [[0.1, 0.1], [0.1]]), r"^lam must be an array of real numbers"),
+        (([[0.1]], [1.0], [0.1]), r"^base_cost must be 1-D .* got shape \(1, 1\)$"),
+        (([0.1], [1.0, 2.0], [0.1]), r"^lam and delta_cost must have one shape, got \(2,\) and \(1,\)$"),
+        (([0.1], [float("nan")], [0.1]), r"^lam holds NaN \(padding is lam = inf\)$"),
+        (([float("inf")], [1.0], [0.1]), r"^base_cost and delta_cost must be finite"),
+        (([0.1], [1.0], [float("nan")]), r"^base_cost and delta_cost must be finite"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ShapeError, match=match):
+            SpendCurve.from_arrays(*args)
