@@ -792,3 +792,21 @@ def test_routed_grpo_trainer_refuses_fewer_prompts_than_one_step_takes():
     config = RoutedGRPOConfig(model="unused", prompts_per_step=4)
     with pytest.raises(AlignmentConfigError, match=r"^GRPO needs at least prompts_per_step=4 prompts for one step, got 3$"):
         RoutedGRPOTrainer(config, None, ["a", "b", "c"])
+
+
+def test_a_grpo_rerun_in_the_other_mode_removes_the_earlier_modes_results(tmp_path):
+    """`mor grpo --online compare` then `--online on` into one --out left comparison.* and online/, offline/
+    beside the new history.json (and the other way round): results of two runs in one folder."""
+    from trainer.alignment.grpo_cli import clear_other_mode_outputs
+
+    out = tmp_path / "grpo"
+    (out / "online").mkdir(parents=True)
+    (out / "online" / "history.json").write_text("{}")
+    (out / "offline").mkdir()
+    for name in ("comparison.json", "comparison.md", "comparison.png", "history.json", "grpo.png", "notes.txt"):
+        (out / name).write_text("old")
+    assert clear_other_mode_outputs(out, "on") == ["comparison.json", "comparison.md", "comparison.png", "online", "offline"]
+    assert sorted(p.name for p in out.iterdir()) == ["grpo.png", "history.json", "notes.txt"]
+    assert clear_other_mode_outputs(out, "compare") == ["history.json", "grpo.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert clear_other_mode_outputs(out, "off") == []

@@ -4,6 +4,7 @@ sub-app by :func:`register` (from ``trainer.cli``); heavy imports happen inside 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,6 +16,29 @@ from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
 from trainer.out_folder import check_out_option
 from trainer.torch_device import check_torch_device
+
+#: What each kind of run writes into --out: one run (``--online on|off``) or the comparison (``--online compare``).
+MODE_OUTPUTS = {"single": ("history.json", "grpo.png"),
+                "compare": ("comparison.json", "comparison.md", "comparison.png", "online", "offline")}
+
+
+def clear_other_mode_outputs(out: Path, online: str) -> list[str]:
+    """Remove from ``out`` what the *other* kind of run wrote there (:data:`MODE_OUTPUTS`), so that a
+    rerun with another ``--online`` does not leave an older run's results beside the new ones; returns
+    the names removed. Only those names are touched (files, or the comparison's run folders)."""
+    other = MODE_OUTPUTS["single" if online == "compare" else "compare"]
+    removed = []
+    for name in other:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
+
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
 DataOpt = Annotated[Path, typer.Option("--data", help="the shared data folder (alpacaeval/, hh_harmless/, routerbench/)")]
@@ -120,6 +144,7 @@ def grpo(
     typer.echo(f"routing rule (saved with the mixture): {mix.rule.variant}")
     prompts = public_prompts(data, n_prompts, seed)
     out.mkdir(parents=True, exist_ok=True)
+    clear_other_mode_outputs(out, online)
     if model is None:
         build_tiny_causal_lm(out / "tiny_policy", train_texts=prompts, vocab_size=512, seed=seed, overwrite=True)
         typer.echo(f"policy: a tiny random 2-layer Llama with a BPE tokenizer trained on the prompts -> {config.model}")
