@@ -68,7 +68,7 @@ import numpy as np
 from sdk.errors import EvalLogError, InvalidInputError, ShapeError, UnknownModelError
 from sdk.real_numbers import finite_float, is_real_number
 
-__all__ = ["MAX_COST_PER_QUERY_USD", "SCHEMA_VERSION", "EvalLog", "Evaluations"]
+__all__ = ["MAX_COST_PER_QUERY_USD", "SCHEMA_VERSION", "UNIT_NORM_TOLERANCE", "EvalLog", "Evaluations"]
 
 #: Value of ``PRAGMA user_version`` written by this version; files with another non-zero value are
 #: refused with :class:`EvalLogError`.
@@ -82,6 +82,10 @@ MAX_COST_PER_QUERY_USD = 1000.0
 #: Largest embedding dimension a log file may declare (far above any encoder's); a bigger one is a damaged file.
 _MAX_EMBEDDING_DIM = 1 << 16
 _EMBEDDING_DTYPE = np.dtype("<f4")  # little-endian float32, whatever the host byte order
+#: How far an embedding's L2 norm may be from 1 (float32 rounding of a normalised vector is ~1e-7). The
+#: sync server refuses a cell mean of norm above ``1 + 1e-4`` (``trainer/server/validation.py``): a log
+#: of longer vectors could never sync, so :meth:`EvalLog.record` refuses them.
+UNIT_NORM_TOLERANCE = 5e-5
 _SECONDS_PER_DAY = 86_400.0
 _BUSY_TIMEOUT_S = 10.0
 
@@ -341,8 +345,9 @@ class EvalLog:
         score : real number in [0, 1] (bools rejected), the observed quality of the answer.
         cost_usd : real number, USD, in [0, :data:`MAX_COST_PER_QUERY_USD`] (1000).
         latency_ms : real number, milliseconds, finite and >= 0, or None (stored as NULL).
-        embedding : array-like of shape (d,), real, finite, or None; stored as float32. ``d`` must
-            equal the log's embedding dimension, which the first stored embedding fixes.
+        embedding : array-like of shape (d,), real, finite, unit L2 norm (within
+            :data:`UNIT_NORM_TOLERANCE`, like ``Choice.embedding``), or None; stored as float32. ``d``
+            must equal the log's embedding dimension, which the first stored embedding fixes.
         cell : int >= 0 or None, the Voronoi cell of the query. At least one of ``embedding`` and
             ``cell`` must be given.
         bundle_version : int >= 0 or None, the routing bundle that made the decision.
@@ -366,7 +371,8 @@ class EvalLog:
             Unicode (lone surrogates), or neither ``embedding`` nor ``cell``.
         ShapeError
             ``embedding`` not 1-D, empty, not real-valued, non-finite (also after the cast to
-            float32), or of another dimension than the log's.
+            float32), not of unit norm (the message gives the norm found), or of another dimension
+            than the log's.
         EvalLogError
             The log is closed, or SQLite failed to write (disk full, file locked too long, ...);
             nothing is written then.
@@ -617,6 +623,11 @@ def _check_embedding(embedding: object) -> np.ndarray:
         vector = arr.astype(_EMBEDDING_DTYPE)
     if not np.isfinite(vector).all():
         raise ShapeError("embedding must be finite (no NaN/inf, and within float32 range)")
+    norm = float(np.sqrt(np.dot(vector.astype(np.float64), vector.astype(np.float64))))
+    if not abs(norm - 1.0) <= UNIT_NORM_TOLERANCE:
+        raise ShapeError(f"embedding must have unit L2 norm (1 +- {UNIT_NORM_TOLERANCE:g}, as the bundle's embedder "
+                         f"and Choice.embedding give it; the sync server refuses means of longer vectors), got norm "
+                         f"{norm:.6g}: pass the router's embedding, or divide by its norm")
     return vector
 
 

@@ -24,7 +24,8 @@ DIM = 8
 
 
 def _emb(seed: int, dim: int = DIM) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(dim).astype(np.float32)
+    v = np.random.default_rng(seed).standard_normal(dim)
+    return (v / np.linalg.norm(v)).astype(np.float32)  # unit norm, like Choice.embedding
 
 
 # --------------------------------------------------------------------------- round trip
@@ -138,6 +139,11 @@ BAD_RECORDS = [
     pytest.param(dict(embedding=np.full(DIM, 1e300)), ShapeError, r"embedding.*float32",
                  id="emb-overflows-float32"),
     pytest.param(dict(embedding=np.array(["a"] * DIM)), ShapeError, r"embedding.*dtype", id="emb-str"),
+    # every upload of a log holding such rows was refused (422: cell means must have norm <= 1)
+    pytest.param(dict(embedding=np.full(DIM, 0.5)), ShapeError, r"embedding must have unit L2 norm .* got norm 1\.41421",
+                 id="emb-not-unit-norm"),
+    pytest.param(dict(embedding=np.zeros(DIM)), ShapeError, r"embedding must have unit L2 norm .* got norm 0:",
+                 id="emb-zero"),
     pytest.param(dict(embedding=None, cell=-1), InvalidInputError, r"cell.*-1", id="cell<0"),
     pytest.param(dict(embedding=None, cell=2.0), InvalidInputError, r"cell.*float", id="cell-float"),
     pytest.param(dict(embedding=None, cell=True), InvalidInputError, r"cell.*bool", id="cell-bool"),
@@ -351,7 +357,8 @@ log = EvalLog(sys.argv[1], ["m"], store_text=False, durable=True, max_rows=1_000
 rng = np.random.default_rng(0)
 i = 0
 while True:
-    row_id = log.record("m", 0.5, 0.001, embedding=rng.standard_normal(384), cell=i % 7,
+    v = rng.standard_normal(384)
+    row_id = log.record("m", 0.5, 0.001, embedding=v / np.linalg.norm(v), cell=i % 7,
                         latency_ms=1.0, bundle_version=1)
     print(row_id, flush=True)
     i += 1
