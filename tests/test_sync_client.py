@@ -632,6 +632,28 @@ def test_a_round_over_other_centroids_is_skipped_after_an_upload(device, tmp_pat
     assert opted_in.run_once().uploaded
 
 
+def test_rows_logged_with_longer_embeddings_are_left_out_of_the_upload_and_kept(device, tmp_path):
+    """A log an older SDK filled with non-unit embeddings got 422 on every upload (the server refuses
+    cell means of norm above 1). EvalLog.record now refuses them; rows already logged stay in the log,
+    and the K-means upload leaves them out with a warning."""
+    import sqlite3
+
+    log = filled_log(tmp_path / "log.sqlite", n=12)
+    log.close()
+    with sqlite3.connect(tmp_path / "log.sqlite") as db:  # as the old SDK stored them: twice the unit vector
+        for row_id, blob in db.execute("SELECT id, embedding FROM evaluations WHERE id <= 2").fetchall():
+            db.execute("UPDATE evaluations SET embedding = ? WHERE id = ?",
+                       ((2 * np.frombuffer(blob, "<f4")).astype("<f4").tobytes(), row_id))
+    log = EvalLog(tmp_path / "log.sqlite", MODELS)
+    server = FakeServer(kmeans_round(min_count=1))
+    client, _ = device(server, log=log)
+    result = client.run_once()
+    assert result.uploaded and result.log_size == 10 and len(log) == 12
+    assert result.warnings[-1:] == ("2 rows of the log have an embedding whose norm is not 1 (e.g. row 1: 2; logged "
+                               "before EvalLog.record refused them): left out of this upload (the server refuses "
+                               "means of them); they stay in the log",)
+
+
 def test_a_refused_upload_is_not_kept_as_the_sent_record(device, tmp_path):
     server = FakeServer(kmeans_round(min_count=1))
     log = filled_log(tmp_path / "log.sqlite", n=30)
