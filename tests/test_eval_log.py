@@ -140,8 +140,8 @@ BAD_RECORDS = [
                  id="emb-overflows-float32"),
     pytest.param(dict(embedding=np.array(["a"] * DIM)), ShapeError, r"embedding.*dtype", id="emb-str"),
     # every upload of a log holding such rows was refused (422: cell means must have norm <= 1)
-    pytest.param(dict(embedding=np.full(DIM, 0.5)), ShapeError, r"embedding must have unit L2 norm .* got norm 1\.41421",
-                 id="emb-not-unit-norm"),
+    pytest.param(dict(embedding=np.full(DIM, 0.5)), ShapeError,
+                 r"embedding must have unit L2 norm .* got norm 1\.41421", id="emb-not-unit-norm"),
     pytest.param(dict(embedding=np.zeros(DIM)), ShapeError, r"embedding must have unit L2 norm .* got norm 0:",
                  id="emb-zero"),
     pytest.param(dict(embedding=None, cell=-1), InvalidInputError, r"cell.*-1", id="cell<0"),
