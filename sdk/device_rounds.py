@@ -11,6 +11,8 @@ idempotency key and state file. Handlers do no HTTP themselves except through ``
   (:func:`sdk.local_update.hold_small_changes`).
 Both first screen the log (:func:`screen_log`, :mod:`sdk.log_checks`): the rows of a model whose
 scores are degenerate are not uploaded, and the warnings travel in ``PreparedUpload.warnings``.
+K-means uploads also leave out rows whose embedding is not of unit norm (logged by an SDK before
+``EvalLog.record`` refused them; the server refuses means of them), with a warning.
 
 - :class:`MlpRoundHandler` (paper 002, federated MLP): fetches the round's parameters, checks their
   hash and hands them to the device's local trainer (torch lives in ``trainer``, injected by the app).
@@ -27,7 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from sdk.errors import SyncError
-from sdk.eval_log import Evaluations
+from sdk.eval_log import UNIT_NORM_TOLERANCE, Evaluations
 from sdk.log_checks import LogCheck, check_log, warn
 from sdk.local_update import centroid_threshold, hold_small_changes, kmeans_update
 from sdk.protocol import (
@@ -106,6 +108,28 @@ def screen_log(evaluations: Evaluations) -> tuple[Evaluations, LogCheck]:
     return kept, check
 
 
+def _without_off_norm_embeddings(evaluations: Evaluations) -> tuple[Evaluations, tuple[str, ...]]:
+    """The rows whose embedding is absent or of unit norm (within ``UNIT_NORM_TOLERANCE``), and a
+    warning for the others: rows an older SDK logged before ``EvalLog.record`` refused other norms. The
+    server refuses cell means of norm above 1 (422), so one such row in a reported cell blocked every
+    upload; they stay in the log, out of K-means uploads."""
+    emb = evaluations.embedding.astype(np.float64)
+    norm = np.sqrt(np.einsum("ij,ij->i", emb, emb)) if emb.shape[1] else np.zeros(len(evaluations))
+    bad = np.isfinite(norm) & (np.abs(norm - 1.0) > UNIT_NORM_TOLERANCE)
+    if not bad.any():
+        return evaluations, ()
+    message = (f"{int(bad.sum())} rows of the log have an embedding whose norm is not 1 (e.g. row "
+               f"{int(evaluations.id[bad][0])}: {float(norm[bad][0]):.6g}; logged before EvalLog.record refused "
+               "them): left out of this upload (the server refuses means of them); they stay in the log")
+    warn((message,), "upload")
+    rows = np.flatnonzero(~bad)
+    kept = Evaluations(
+        evaluations.id[rows], evaluations.timestamp[rows], tuple(evaluations.model[i] for i in rows),
+        evaluations.score[rows], evaluations.cost_usd[rows], evaluations.latency_ms[rows], evaluations.cell[rows],
+        evaluations.embedding[rows], evaluations.bundle_version[rows], tuple(evaluations.query[i] for i in rows))
+    return kept, (message,)
+
+
 class DeviceRoundHandler(Protocol):
     """The device side of a federated round kind."""
 
@@ -144,16 +168,17 @@ class KMeansRoundHandler:
                 "round over other centroids than this device's last upload: uploads for two partitions can be "
                 "combined to recover single queries; skipped (allow_repartition=True sends it)"))
         rows, check = screen_log(context.rows())
+        rows, off_norm = _without_off_norm_embeddings(rows)
+        warnings = (*check.upload_warnings, *off_norm)
         update = kmeans_update(rows, spec)
         update = hold_small_changes(update, decode_sent_record(record, spec, context.state_path), spec.min_count)
         if update.is_empty():
             why = (f"nothing to report: no (cell, model) entry reaches min_count={spec.min_count} and no cell "
                    f"holds {centroid_threshold(spec.min_count)} distinct queries (log size {update.log_size})")
-            return PreparedUpload(spec.round_id, None, JSON_TYPE, why, warnings=check.upload_warnings)
+            return PreparedUpload(spec.round_id, None, JSON_TYPE, why, warnings=warnings)
         encode, media_type = KMEANS_ENCODINGS[context.upload_format]
         payload = encode(update, context.client_id, spec)
-        return PreparedUpload(spec.round_id, payload, media_type, None, encode_sent_record(update, spec),
-                              check.upload_warnings)
+        return PreparedUpload(spec.round_id, payload, media_type, None, encode_sent_record(update, spec), warnings)
 
 
 class MlpRoundHandler:

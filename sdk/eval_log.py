@@ -27,10 +27,27 @@ Retention
 ---------
 Applied after each insert, in the same transaction as the insert:
 
-1. rows whose ``timestamp`` is older than ``max_age_days`` before the current wall-clock time
-   (``time.time()``) are deleted (``max_age_days=None`` keeps rows forever); a row recorded with a
-   timestamp already older than that is deleted at once (``record`` still returns its id);
+1. rows older than ``max_age_days`` are deleted (``max_age_days=None`` keeps rows forever), as a
+   prefix in the order of recording: the rows (by id) before the first one whose ``timestamp`` is
+   within ``max_age_days`` of the retention time, so a row goes no sooner than the rows recorded
+   before it. A row recorded with a timestamp already older than that is deleted at once (``record``
+   still returns its id) unless rows recorded before it are younger;
 2. then only the newest ``max_rows`` rows (by id) are kept.
+
+The retention time is the wall clock (``clock``, default ``time.time()``), with two guards against
+a clock that jumps (before 2026-12-02 a clock jumping ahead wiped the log at the next ``record``,
+and rows logged while the clock was behind were deleted once it was corrected):
+
+- a clock more than :data:`CLOCK_STEP_S` (a day) ahead of the newest row's timestamp is not trusted
+  until it has held for a day: until then the retention time is that newest timestamp plus the time
+  since the step (a clock set back before the step ends the wait). A device idle for longer than a
+  day therefore deletes its aged rows up to a day late; a clock that stays wrong for a day is taken
+  as right;
+- rows stamped while the clock was behind sit (by id) after rows with later timestamps, which the
+  prefix rule keeps them behind. Not covered: a log whose *first* rows were stamped while the clock
+  was behind (they are deleted once the corrected clock has held a day), and rows stamped while the
+  clock was ahead, which stay (with the rows after them) until the clock passes their timestamps
+  or ``max_rows`` pushes them out.
 
 Lowering ``max_rows`` or ``max_age_days`` on reopen takes effect at the next ``record``.
 
@@ -58,7 +75,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -68,7 +85,7 @@ import numpy as np
 from sdk.errors import EvalLogError, InvalidInputError, ShapeError, UnknownModelError
 from sdk.real_numbers import finite_float, is_real_number
 
-__all__ = ["MAX_COST_PER_QUERY_USD", "SCHEMA_VERSION", "EvalLog", "Evaluations"]
+__all__ = ["CLOCK_STEP_S", "MAX_COST_PER_QUERY_USD", "SCHEMA_VERSION", "UNIT_NORM_TOLERANCE", "EvalLog", "Evaluations"]
 
 #: Value of ``PRAGMA user_version`` written by this version; files with another non-zero value are
 #: refused with :class:`EvalLogError`.
@@ -82,7 +99,14 @@ MAX_COST_PER_QUERY_USD = 1000.0
 #: Largest embedding dimension a log file may declare (far above any encoder's); a bigger one is a damaged file.
 _MAX_EMBEDDING_DIM = 1 << 16
 _EMBEDDING_DTYPE = np.dtype("<f4")  # little-endian float32, whatever the host byte order
+#: How far an embedding's L2 norm may be from 1 (float32 rounding of a normalised vector is ~1e-7). The
+#: sync server refuses a cell mean of norm above ``1 + 1e-4`` (``trainer/server/validation.py``): a log
+#: of longer vectors could never sync, so :meth:`EvalLog.record` refuses them.
+UNIT_NORM_TOLERANCE = 5e-5
 _SECONDS_PER_DAY = 86_400.0
+#: A wall clock more than this many seconds ahead of the log's newest row is not trusted by the
+#: retention until it has held that long (module docstring, Retention).
+CLOCK_STEP_S = _SECONDS_PER_DAY
 _BUSY_TIMEOUT_S = 10.0
 
 _SCHEMA = """
@@ -187,15 +211,20 @@ class EvalLog:
         :meth:`record` is dropped and never written.
     max_rows : int, keyword-only, >= 1, default 20,000; the newest ``max_rows`` rows (by id) are kept.
     max_age_days : float or None, keyword-only, > 0, default 90; rows older than this (by timestamp,
-        against the wall clock) are deleted at each insert. None keeps rows forever.
+        against the wall clock, guarded against clock jumps: module docstring) are deleted at each
+        insert. None keeps rows forever.
     durable : bool, keyword-only, default True. ``synchronous=FULL`` (each commit fsynced) if True,
         ``synchronous=NORMAL`` otherwise (consistent, but a power loss may drop the last commits).
+    clock : function returning the wall-clock time in unix seconds, keyword-only, default
+        ``time.time`` (the default timestamp of a row and the retention's time; see the module
+        docstring for how a clock that jumps is handled).
 
     Raises
     ------
     InvalidInputError
         ``models`` empty, not a sequence of non-empty str (valid Unicode), or with duplicates; ``max_rows`` not an
-        int >= 1; ``max_age_days`` not None nor a finite real > 0; ``store_text``/``durable`` not bool.
+        int >= 1; ``max_age_days`` not None nor a finite real > 0; ``store_text``/``durable`` not bool;
+        ``clock`` not callable.
     EvalLogError
         The file cannot be opened or created, is not SQLite, is another SQLite database, or has a
         schema version this code does not understand. The message names the path.
@@ -210,6 +239,7 @@ class EvalLog:
         max_rows: int = 20_000,
         max_age_days: float | None = 90.0,
         durable: bool = True,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._models = _check_models(models)
         self._model_set = frozenset(self._models)
@@ -231,6 +261,9 @@ class EvalLog:
         self._max_rows = int(max_rows)
         self._max_age_days = max_age_days
         self._durable = durable
+        if not callable(clock):
+            raise InvalidInputError(f"clock must be a function returning unix seconds, got {type(clock).__name__}")
+        self._clock = clock
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = self._open()
 
@@ -341,15 +374,16 @@ class EvalLog:
         score : real number in [0, 1] (bools rejected), the observed quality of the answer.
         cost_usd : real number, USD, in [0, :data:`MAX_COST_PER_QUERY_USD`] (1000).
         latency_ms : real number, milliseconds, finite and >= 0, or None (stored as NULL).
-        embedding : array-like of shape (d,), real, finite, or None; stored as float32. ``d`` must
-            equal the log's embedding dimension, which the first stored embedding fixes.
+        embedding : array-like of shape (d,), real, finite, unit L2 norm (within
+            :data:`UNIT_NORM_TOLERANCE`, like ``Choice.embedding``), or None; stored as float32. ``d``
+            must equal the log's embedding dimension, which the first stored embedding fixes.
         cell : int >= 0 or None, the Voronoi cell of the query. At least one of ``embedding`` and
             ``cell`` must be given.
         bundle_version : int >= 0 or None, the routing bundle that made the decision.
         query : str or None, the query text. Stored only if the log was opened with
             ``store_text=True``; otherwise dropped without being written anywhere.
         timestamp : real number, unix seconds, at most one day ahead of the clock, or None for
-            ``time.time()``.
+            ``clock()`` (default ``time.time()``).
 
         Returns
         -------
@@ -366,7 +400,8 @@ class EvalLog:
             Unicode (lone surrogates), or neither ``embedding`` nor ``cell``.
         ShapeError
             ``embedding`` not 1-D, empty, not real-valued, non-finite (also after the cast to
-            float32), or of another dimension than the log's.
+            float32), not of unit norm (the message gives the norm found), or of another dimension
+            than the log's.
         EvalLogError
             The log is closed, or SQLite failed to write (disk full, file locked too long, ...);
             nothing is written then.
@@ -389,7 +424,7 @@ class EvalLog:
                 raise InvalidInputError(f"latency_ms must be >= 0 (milliseconds), got {latency_f!r}")
         cell_i = None if cell is None else _check_index("cell", cell)
         bundle_i = None if bundle_version is None else _check_index("bundle_version", bundle_version)
-        now = time.time()
+        now = _check_real("clock()", self._clock())
         ts = now if timestamp is None else _check_real("timestamp", timestamp)
         if ts > now + _SECONDS_PER_DAY:
             # A row from the future would never age out of the retention window.
@@ -417,13 +452,14 @@ class EvalLog:
                 try:
                     if dim is not None:
                         self._claim_embedding_dim(conn, dim)
+                    reference = self._retention_time(conn, now)  # before the insert: the rows' newest time
                     cursor = conn.execute(
                         "INSERT INTO evaluations (timestamp, model, score, cost_usd, latency_ms, "
                         "cell, embedding, bundle_version, query) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (ts, model, score_f, cost_f, latency_f, cell_i, blob, bundle_i, text),
                     )
                     row_id = int(cursor.lastrowid)
-                    self._apply_retention(conn)
+                    self._apply_retention(conn, reference)
                     conn.execute("COMMIT")
                 except BaseException:
                     if conn.in_transaction:
@@ -544,10 +580,40 @@ class EvalLog:
                 f"embedding must have shape ({stored},) like the log's earlier embeddings, got ({dim},)"
             )
 
-    def _apply_retention(self, conn: sqlite3.Connection) -> None:
-        if self._max_age_days is not None:
-            cutoff = time.time() - self._max_age_days * _SECONDS_PER_DAY
-            conn.execute("DELETE FROM evaluations WHERE timestamp < ?", (cutoff,))
+    def _retention_time(self, conn: sqlite3.Connection, now: float) -> float | None:
+        """The time the age limit is measured from (module docstring, Retention), inside the write
+        transaction and before the insert; None without an age limit. A clock more than
+        :data:`CLOCK_STEP_S` ahead of the newest row is not trusted until it has held for
+        :data:`CLOCK_STEP_S` (the step and its start are kept in the meta table meanwhile)."""
+        if self._max_age_days is None:
+            return None
+        row = conn.execute("SELECT value FROM meta WHERE key = 'clock_step'").fetchone()
+        if row is not None:
+            try:
+                before, seen = (float(v) for v in row[0].split())
+            except ValueError:  # damaged: forget the step
+                before = seen = now
+            if seen <= now < seen + CLOCK_STEP_S:  # not confirmed yet: the time since the step counts
+                return before + (now - seen)
+            conn.execute("DELETE FROM meta WHERE key = 'clock_step'")  # held a day, or the clock went back
+            return now
+        newest = conn.execute("SELECT MAX(timestamp) FROM evaluations").fetchone()[0]
+        if newest is not None and now > newest + CLOCK_STEP_S:
+            conn.execute("INSERT INTO meta (key, value) VALUES ('clock_step', ?)", (f"{newest!r} {now!r}",))
+            return float(newest)
+        return now
+
+    def _apply_retention(self, conn: sqlite3.Connection, reference: float | None) -> None:
+        if reference is not None:
+            cutoff = reference - self._max_age_days * _SECONDS_PER_DAY
+            # Only a prefix (by id, the order of recording) goes: rows up to the first one within the
+            # limit. NOT INDEXED: scan ids from the oldest, stopping there (usually the first row).
+            kept = conn.execute("SELECT id FROM evaluations NOT INDEXED WHERE timestamp >= ? ORDER BY id LIMIT 1",
+                                (cutoff,)).fetchone()
+            if kept is None:
+                conn.execute("DELETE FROM evaluations")
+            else:
+                conn.execute("DELETE FROM evaluations WHERE id < ?", (kept[0],))
         # The id of the max_rows-th newest row; NULL (nothing deleted) when there are fewer rows.
         conn.execute(
             "DELETE FROM evaluations WHERE id < "
@@ -617,6 +683,11 @@ def _check_embedding(embedding: object) -> np.ndarray:
         vector = arr.astype(_EMBEDDING_DTYPE)
     if not np.isfinite(vector).all():
         raise ShapeError("embedding must be finite (no NaN/inf, and within float32 range)")
+    norm = float(np.sqrt(np.dot(vector.astype(np.float64), vector.astype(np.float64))))
+    if not abs(norm - 1.0) <= UNIT_NORM_TOLERANCE:
+        raise ShapeError(f"embedding must have unit L2 norm (1 +- {UNIT_NORM_TOLERANCE:g}, as the bundle's embedder "
+                         f"and Choice.embedding give it; the sync server refuses means of longer vectors), got norm "
+                         f"{norm:.6g}: pass the router's embedding, or divide by its norm")
     return vector
 
 

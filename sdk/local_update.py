@@ -47,8 +47,10 @@ What it does not guarantee:
 - a change of ``min_count`` (the server's or the device's floor) between uploads: held values are
   suppressed again under the new threshold, and the bound is the smaller of the two thresholds;
 - uploads for different centroids (another partition) are not compared;
-- a lost or deleted sync state: the next upload is compared with nothing (only the server, which
-  keeps every upload, could enforce the rule across such a reset).
+- a lost or deleted sync state: the next upload is compared with nothing on the device; the server,
+  which keeps every upload, enforces the rule across such a reset (``check_difference``, 422) and
+  refuses the device's uploads until every changed entry has moved by at least the threshold
+  (``sdk.protocol.STATE_LOSS_ADVICE``).
 
 Pure functions: no I/O, no clock.
 """

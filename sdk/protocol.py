@@ -569,7 +569,7 @@ def decode_sent_record(record: dict | None, spec: RoundSpec, state_path: str = "
             np.asarray(record["local_distinct"], dtype=np.int64).reshape(cells.size))
     except (KeyError, TypeError, ValueError) as exc:  # ShapeError is a ValueError
         raise SyncError(f"sync state {state_path}: the record of the last sent update is damaged "
-                        f"({exc!r}); delete the file to start over") from exc
+                        f"({exc!r}); {STATE_LOSS_ADVICE}") from exc
 
 
 @dataclass(frozen=True)
@@ -619,6 +619,17 @@ class Receipt:
         return receipt
 
 
+#: What a damaged or unreadable sync state's error advises. Not "delete it": the state holds the record
+#: of the last update sent, and the server compares each upload with the client's previous one for the
+#: same centroids (``trainer.federated.update_checks.check_difference``), so a device without it sends
+#: changes the server refuses.
+STATE_LOSS_ADVICE = (
+    "restore it from a backup if there is one. Only if not, move it aside: without its record of the last "
+    "update sent, the server refuses (422) each upload that differs from that update by fewer than min_count "
+    "samples in some entry, until every changed entry has moved by at least min_count (new evaluations "
+    "logged meanwhile) or a round over other centroids opens")
+
+
 @dataclass
 class SyncState:
     """The device's sync state file (JSON, written atomically by :class:`sdk.SyncClient`).
@@ -663,8 +674,8 @@ def decode_sync_state(raw: bytes, path: str = "") -> SyncState:
     try:
         obj = json.loads(raw)
     except ValueError as exc:
-        raise SyncError(f"sync state {path} is unreadable ({exc}); delete it to start over") from exc
+        raise SyncError(f"sync state {path} is unreadable ({exc}); {STATE_LOSS_ADVICE}") from exc
     if (not isinstance(obj, dict) or obj.get("version") != SYNC_STATE_VERSION
             or not isinstance(obj.get("last_upload") or {}, dict) or not isinstance(obj.get("sent") or {}, dict)):
-        raise SyncError(f"sync state {path} has an unknown format; delete it to start over")
+        raise SyncError(f"sync state {path} has an unknown format; {STATE_LOSS_ADVICE}")
     return SyncState(obj.get("last_upload"), obj.get("sent"), obj.get("bundle_etag"), obj.get("bundle_version"))

@@ -60,7 +60,7 @@ from sdk.errors import (
 )
 from sdk.device_rounds import DeviceRoundContext
 from sdk.eval_log import EvalLog, Evaluations
-from sdk.protocol import Receipt, SyncState, decode_sync_state, encode_sync_state
+from sdk.protocol import STATE_LOSS_ADVICE, Receipt, SyncState, decode_sync_state, encode_sync_state
 from sdk.real_numbers import finite_float
 from sdk.router import Router
 
@@ -302,10 +302,12 @@ class SyncClient:
             answer = _json(self._request(
                 "POST", f"/v1/rounds/{round_id}/updates", content=payload, limit=MAX_RECEIPT_BYTES,
                 headers={"Idempotency-Key": key, "Content-Type": content_type}))
-        except SyncRejectedError:  # refused (4xx): not stored, so hold against what the server has
+        except SyncRejectedError as exc:  # refused (4xx): not stored, so hold against what the server has
             if sent is not None:
                 state.sent = previous_sent
                 self._write_state(state)
+            if exc.status == 422 and previous_sent is None and "since your last upload" in exc.detail:
+                exc.add_note(_NO_SENT_RECORD_NOTE)
             raise
         receipt = Receipt.from_json(answer)
         update_id, late, uploaded, log_size = receipt.update_id, receipt.late, True, receipt.log_size
@@ -483,12 +485,22 @@ class SyncClient:
         except FileNotFoundError:
             return SyncState()
         except OSError as exc:
-            raise SyncError(f"sync state {self.state_path} is unreadable ({exc}); delete it to start over") from exc
+            raise SyncError(f"sync state {self.state_path} cannot be read ({exc.strerror or exc}): check its "
+                            f"permissions and the disk; {STATE_LOSS_ADVICE}") from exc
         return decode_sync_state(raw, str(self.state_path))
 
     def _write_state(self, state: SyncState) -> None:
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.state_path, encode_sync_state(state))
+
+
+#: Added to the server's 422 for an upload too close to its previous one when this device has no record
+#: of what it sent (a new or lost sync state): the device could not hold the small changes back.
+_NO_SENT_RECORD_NOTE = (
+    "this device has no record of its last upload for these centroids (its sync state is new or was lost), "
+    "so it could not hold back the changes the server refuses; the server keeps its previous upload and "
+    "accepts one once every changed entry has moved by at least min_count since it (later syncs, as the log "
+    "grows; nothing to repair meanwhile, and deleting the sync state again does not help)")
 
 
 class _Transient(Exception):

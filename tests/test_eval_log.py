@@ -24,7 +24,8 @@ DIM = 8
 
 
 def _emb(seed: int, dim: int = DIM) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(dim).astype(np.float32)
+    v = np.random.default_rng(seed).standard_normal(dim)
+    return (v / np.linalg.norm(v)).astype(np.float32)  # unit norm, like Choice.embedding
 
 
 # --------------------------------------------------------------------------- round trip
@@ -138,6 +139,11 @@ BAD_RECORDS = [
     pytest.param(dict(embedding=np.full(DIM, 1e300)), ShapeError, r"embedding.*float32",
                  id="emb-overflows-float32"),
     pytest.param(dict(embedding=np.array(["a"] * DIM)), ShapeError, r"embedding.*dtype", id="emb-str"),
+    # every upload of a log holding such rows was refused (422: cell means must have norm <= 1)
+    pytest.param(dict(embedding=np.full(DIM, 0.5)), ShapeError,
+                 r"embedding must have unit L2 norm .* got norm 1\.41421", id="emb-not-unit-norm"),
+    pytest.param(dict(embedding=np.zeros(DIM)), ShapeError, r"embedding must have unit L2 norm .* got norm 0:",
+                 id="emb-zero"),
     pytest.param(dict(embedding=None, cell=-1), InvalidInputError, r"cell.*-1", id="cell<0"),
     pytest.param(dict(embedding=None, cell=2.0), InvalidInputError, r"cell.*float", id="cell-float"),
     pytest.param(dict(embedding=None, cell=True), InvalidInputError, r"cell.*bool", id="cell-bool"),
@@ -282,6 +288,84 @@ def test_max_age_days_drops_old_rows(tmp_path):
         np.testing.assert_array_equal(log.rows().id, [mid, new])
 
 
+class _Clock:
+    """A wall clock the test sets (an injected function, as EvalLog's ``clock`` takes)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_clock_jumping_ahead_does_not_wipe_the_log(tmp_path):
+    """A clock jumping ten years ahead (a bad RTC or NTP answer) deleted every row at the next record,
+    since each was 'older than 90 days'. Now the jump is not trusted until it has held for a day."""
+    day, t0 = 86_400.0, 1_800_000_000.0
+    clock = _Clock(t0)
+    with EvalLog(tmp_path / "log.sqlite", MODELS, max_age_days=90, clock=clock) as log:
+        first = [log.record("gpt-4o", 0.5, 0.01, cell=i) for i in range(3)]
+        clock.now = t0 + 3650 * day
+        during = [log.record("gpt-4o", 0.5, 0.01, cell=3 + i) for i in range(2)]
+        assert log.rows().id.tolist() == first + during
+        clock.now = t0 + 60.0  # corrected within the day: nothing was lost
+        after = log.record("gpt-4o", 0.5, 0.01, cell=9)
+        assert log.rows().id.tolist() == first + during + [after]
+        assert log.rows().timestamp.tolist()[:3] == [t0] * 3
+
+
+def test_a_clock_step_that_holds_a_day_is_taken_as_right(tmp_path):
+    """A device idle for 100 days: its old rows go once the new time has held for a day."""
+    day, t0 = 86_400.0, 1_800_000_000.0
+    clock = _Clock(t0)
+    with EvalLog(tmp_path / "log.sqlite", MODELS, max_age_days=90, clock=clock) as log:
+        old = log.record("gpt-4o", 0.5, 0.01, cell=0)
+        clock.now = t0 + 100 * day
+        new = log.record("gpt-4o", 0.5, 0.01, cell=1)
+        assert log.rows().id.tolist() == [old, new]  # not trusted yet
+        clock.now = t0 + 100.5 * day
+        mid = log.record("gpt-4o", 0.5, 0.01, cell=2)
+        assert log.rows().id.tolist() == [old, new, mid]
+        clock.now = t0 + 101 * day + 1
+        last = log.record("gpt-4o", 0.5, 0.01, cell=3)
+        assert log.rows().id.tolist() == [new, mid, last]  # held a day: the 101-day-old row goes
+
+
+def test_rows_logged_while_the_clock_was_behind_survive_its_correction(tmp_path):
+    """An edge box whose clock fell back 200 days (no RTC battery, before NTP) stamped its rows with
+    old times; once the clock was corrected they were deleted as older than 90 days."""
+    day, t0 = 86_400.0, 1_800_000_000.0
+    clock = _Clock(t0)
+    with EvalLog(tmp_path / "log.sqlite", MODELS, max_age_days=90, clock=clock) as log:
+        good = log.record("gpt-4o", 0.5, 0.01, cell=0)
+        clock.now = t0 - 200 * day
+        behind = [log.record("gpt-4o", 0.5, 0.01, cell=1 + i) for i in range(2)]
+        clock.now = t0 + 3600.0  # NTP corrects it
+        fixed = log.record("gpt-4o", 0.5, 0.01, cell=5)
+        assert log.rows().id.tolist() == [good, *behind, fixed]
+        assert log.rows().timestamp.tolist() == [t0, t0 - 200 * day, t0 - 200 * day, t0 + 3600.0]
+        clock.now = t0 + 91 * day  # a step of over a day: trusted once it held a day
+        log.record("gpt-4o", 0.5, 0.01, cell=6)
+        clock.now = t0 + 92 * day
+        kept = log.record("gpt-4o", 0.5, 0.01, cell=7)
+        assert log.rows().id.tolist()[-1] == kept and good not in log.rows().id.tolist()
+        assert behind[0] not in log.rows().id.tolist()  # they go with the rows recorded before them
+
+
+def test_a_row_stamped_older_than_a_row_recorded_before_it_waits_for_that_row(tmp_path):
+    """The same with the real clock: a row stamped 200 days back after a fresh row was deleted at once."""
+    now = time.time()
+    with EvalLog(tmp_path / "log.sqlite", MODELS, max_age_days=90) as log:
+        fresh = log.record("gpt-4o", 0.5, 0.01, cell=0)
+        behind = log.record("gpt-4o", 0.5, 0.01, cell=1, timestamp=now - 200 * 86_400.0)
+        assert log.rows().id.tolist() == [fresh, behind]
+
+
+def test_the_clock_must_be_callable(tmp_path):
+    with pytest.raises(InvalidInputError, match="clock must be a function returning unix seconds, got float"):
+        EvalLog(tmp_path / "log.sqlite", MODELS, clock=1.0)
+
+
 # --------------------------------------------------------------------------- file format
 
 
@@ -351,7 +435,8 @@ log = EvalLog(sys.argv[1], ["m"], store_text=False, durable=True, max_rows=1_000
 rng = np.random.default_rng(0)
 i = 0
 while True:
-    row_id = log.record("m", 0.5, 0.001, embedding=rng.standard_normal(384), cell=i % 7,
+    v = rng.standard_normal(384)
+    row_id = log.record("m", 0.5, 0.001, embedding=v / np.linalg.norm(v), cell=i % 7,
                         latency_ms=1.0, bundle_version=1)
     print(row_id, flush=True)
     i += 1

@@ -379,7 +379,7 @@ def test_text_sqlite_cannot_store_is_refused_before_anything_is_written(tmp_path
 def test_a_log_declaring_an_absurd_embedding_dimension_is_damaged(tmp_path):
     path = tmp_path / "log.sqlite"
     with EvalLog(path, MODELS) as log:
-        log.record("cheap", 1.0, 0.001, embedding=np.ones(3))
+        log.record("cheap", 1.0, 0.001, embedding=np.ones(3) / np.sqrt(3))
         with pytest.raises(ShapeError, match="embedding must have shape \\(d,\\) with 1 <= d <= 65536"):
             log.record("cheap", 1.0, 0.001, embedding=np.ones(70_000))
     conn = sqlite3.connect(path)
@@ -397,7 +397,7 @@ def test_a_row_whose_embedding_is_not_the_logs_float32_vector_is_damaged(tmp_pat
     path = tmp_path / "log.sqlite"
     with EvalLog(path, MODELS) as log:
         for _ in range(2):
-            log.record("cheap", 1.0, 0.001, embedding=np.ones(3))
+            log.record("cheap", 1.0, 0.001, embedding=np.ones(3) / np.sqrt(3))
     conn = sqlite3.connect(path)
     conn.execute("UPDATE evaluations SET embedding = ? WHERE id = 2", (blob,))
     conn.commit()
@@ -582,7 +582,7 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 acked = 0
 try:
     for i in range(1000):
-        log.record("cheap", 0.5, 0.001, embedding=np.full(384, float(i)))
+        log.record("cheap", 0.5, 0.001, embedding=np.roll(np.eye(1, 384)[0], i))
         acked += 1
 except EvalLogError as exc:
     print(acked, "cannot write to evaluation log" in str(exc))
@@ -603,7 +603,7 @@ def test_a_full_disk_is_an_eval_log_error_and_every_acknowledged_row_survives(tm
     with EvalLog(path, MODELS) as log:  # reopened without the limit: exactly the acknowledged rows
         rows = log.rows()
         assert rows.id.tolist() == list(range(1, int(acked) + 1))
-        assert rows.embedding[:, 0].tolist() == [float(i) for i in range(int(acked))]
+        assert np.argmax(rows.embedding, axis=1).tolist() == list(range(int(acked)))  # row i: unit vector e_i
 
 
 # -- 2b. an upstream reporting absurd usage --------------------------------------------------------------

@@ -529,3 +529,31 @@ def test_a_log_that_cannot_be_read_still_lets_the_device_install_a_newer_bundle(
             client.run_once()
     assert info.value.__notes__ == ["the bundle step still ran: version 2 in use (newly installed)"]
     assert bundle_version(device_bundle) == 2
+
+
+@pytest.mark.parametrize("command", [
+    ("serve", "--tls-cert", "{pem}", "--tls-key", "{pem}", "--port", "0"),
+    ("clients", "add", "dev"),
+    ("rounds", "status"),
+])
+def test_operator_commands_refuse_a_database_holding_other_tables(tmp_path, command):
+    """`fedroute serve --db sqlite:///eval_log.sqlite` (a device's log given by mistake) added the
+    server's tables to it; every command taking --db shares the store opener that now refuses it."""
+    from sync_fleet import write_tls_files
+
+    from sdk.eval_log import EvalLog
+
+    server_pem, _ = write_tls_files(tmp_path)
+    log_path = tmp_path / "eval_log.sqlite"
+    EvalLog(log_path, ["m"]).close()
+    before = log_path.read_bytes()
+    args = [a.format(pem=server_pem) for a in command]
+    result = fedroute(*args, "--db", f"sqlite:///{log_path}")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert ("holds tables that are not the aggregation server's: ['evaluations', 'meta']"
+            in flat(result.output)), flat(result.output)
+    import sqlite3
+
+    with sqlite3.connect(log_path) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert tables == {"evaluations", "meta", "sqlite_sequence"} and log_path.read_bytes() == before

@@ -107,7 +107,8 @@ def test_a_round_with_a_cost_bound_sends_it_and_the_devices_clipped_update_is_ac
     spec = RoundSpec.from_json(desc)
     with EvalLog(tmp_path / "log.sqlite", list(r.models)) as log:
         for i in range(3):  # three queries of 0.05 USD each in the cell of centroid 0
-            log.record(r.models[0], 1.0, 0.05, embedding=r.centroids[0] + 1e-3 * i)
+            near = r.centroids[0] + 1e-3 * i
+            log.record(r.models[0], 1.0, 0.05, embedding=near / np.linalg.norm(near))
         u = kmeans_update(log.rows(), spec)
     assert u.statistics.sum_cost[u.statistics.count > 0].tolist() == [pytest.approx(0.03)]  # 3 x 0.01
     answer = post(server, u.to_payload("alice", spec), key="cap", round_id=r.id)

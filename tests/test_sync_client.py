@@ -29,7 +29,7 @@ from sdk.errors import (
     SyncRejectedError,
 )
 from sdk.local_update import centroids_hash
-from sdk.protocol import MSGPACK_ARRAYS, MSGPACK_MEDIA_TYPE, Receipt, unpack_msgpack_array
+from sdk.protocol import MSGPACK_ARRAYS, MSGPACK_MEDIA_TYPE, STATE_LOSS_ADVICE, Receipt, unpack_msgpack_array
 from sdk.sync import SyncClient
 
 MODELS = ("cheap", "mid", "strong")
@@ -270,6 +270,31 @@ def test_an_unreadable_state_file_is_a_sync_error(device, tmp_path):
     with pytest.raises(SyncError, match="unreadable") as info:
         client.run_once()
     assert type(info.value) is SyncError and server.requests == []
+    # It advised "delete it to start over": the server then refused (422) every upload that moved an entry
+    # by fewer than min_count since the one the deleted state recorded, for as long as one such entry remained.
+    assert "delete" not in str(info.value)
+    assert str(info.value).endswith("; " + STATE_LOSS_ADVICE)
+    assert STATE_LOSS_ADVICE.startswith("restore it from a backup if there is one. Only if not, move it aside: ")
+
+
+def test_a_422_for_a_small_change_after_a_lost_state_says_why_and_that_it_clears(device, tmp_path):
+    """A device without a record of its last upload (state lost) cannot hold small changes back; the
+    server's refusal now says so, and that later syncs succeed without repair."""
+    server = FakeServer(kmeans_round(min_count=1))
+    detail = "invalid update: count[0, 0] moved by 1 since your last upload for these centroids, fewer than ..."
+    server.routes[("POST", "/v1/rounds/3/updates")] = lambda r: httpx.Response(422, json={"detail": detail})
+    client, _ = device(server, log=filled_log(tmp_path / "log.sqlite"))
+    with pytest.raises(SyncRejectedError) as info:
+        client.run_once()
+    assert info.value.status == 422 and info.value.detail == detail
+    assert info.value.__notes__[0].startswith("this device has no record of its last upload for these centroids "
+                                              "(its sync state is new or was lost)")
+    other = FakeServer(kmeans_round(min_count=1))  # any other refusal: no such note
+    other.routes[("POST", "/v1/rounds/3/updates")] = lambda r: httpx.Response(422, json={"detail": "count: bad"})
+    client, _ = device(other, log=filled_log(tmp_path / "log2.sqlite"))
+    with pytest.raises(SyncRejectedError) as info:
+        client.run_once()
+    assert not any("no record of its last upload" in n for n in getattr(info.value, "__notes__", []))
 
 
 def test_a_rerun_after_a_lost_state_sends_the_same_idempotency_key(device, tmp_path):
@@ -312,6 +337,7 @@ def test_a_damaged_record_of_the_last_sent_update_is_a_sync_error(device, tmp_pa
     with pytest.raises(SyncError, match="last sent update is damaged") as info:
         client.run_once()
     assert type(info.value) is SyncError and server.posts() == []  # rather than dropping the guarantee
+    assert "delete" not in str(info.value) and str(info.value).endswith("; " + STATE_LOSS_ADVICE)
 
 
 # --- privacy: the device's floor, and two uploads of a growing log -----------------------------
@@ -604,6 +630,28 @@ def test_a_round_over_other_centroids_is_skipped_after_an_upload(device, tmp_pat
     assert not result.uploaded and "other centroids" in result.skipped and len(server.posts()) == 1
     opted_in, _ = device(server, log=log, allow_repartition=True)
     assert opted_in.run_once().uploaded
+
+
+def test_rows_logged_with_longer_embeddings_are_left_out_of_the_upload_and_kept(device, tmp_path):
+    """A log an older SDK filled with non-unit embeddings got 422 on every upload (the server refuses
+    cell means of norm above 1). EvalLog.record now refuses them; rows already logged stay in the log,
+    and the K-means upload leaves them out with a warning."""
+    import sqlite3
+
+    log = filled_log(tmp_path / "log.sqlite", n=12)
+    log.close()
+    with sqlite3.connect(tmp_path / "log.sqlite") as db:  # as the old SDK stored them: twice the unit vector
+        for row_id, blob in db.execute("SELECT id, embedding FROM evaluations WHERE id <= 2").fetchall():
+            db.execute("UPDATE evaluations SET embedding = ? WHERE id = ?",
+                       ((2 * np.frombuffer(blob, "<f4")).astype("<f4").tobytes(), row_id))
+    log = EvalLog(tmp_path / "log.sqlite", MODELS)
+    server = FakeServer(kmeans_round(min_count=1))
+    client, _ = device(server, log=log)
+    result = client.run_once()
+    assert result.uploaded and result.log_size == 10 and len(log) == 12
+    assert result.warnings[-1:] == ("2 rows of the log have an embedding whose norm is not 1 (e.g. row 1: 2; logged "
+                               "before EvalLog.record refused them): left out of this upload (the server refuses "
+                               "means of them); they stay in the log",)
 
 
 def test_a_refused_upload_is_not_kept_as_the_sent_record(device, tmp_path):

@@ -30,8 +30,10 @@ import json
 import os
 import re
 import secrets
+import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -107,6 +109,9 @@ sa.Index("one_unclosed_round", sa.func.nullif(sa.case((rounds.c.status == "close
 #: about 0.06 ms less CPU per stored row in batches of 10 (docs/benchmarks.md). Existing databases
 #: keep the page size they were created with.
 SQLITE_PAGE_BYTES = 16384
+#: Tables SQLite itself creates (AUTOINCREMENT's counters, ANALYZE's statistics): not foreign.
+_SQLITE_INTERNAL_TABLES = frozenset({"sqlite_sequence", "sqlite_stat1", "sqlite_stat2", "sqlite_stat3",
+                                     "sqlite_stat4"})
 
 
 def _create_private(path: Path) -> None:
@@ -116,6 +121,28 @@ def _create_private(path: Path) -> None:
     and ``-shm`` files the database file's permissions."""
     if not path.exists():
         os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+
+
+def _sqlite_table_names(path: Path) -> list[str]:
+    """Tables of the SQLite file at ``path`` (none if it does not exist), read without changing it."""
+    if not path.is_file():
+        return []
+    with contextlib.closing(sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True)) as conn:
+        try:
+            return [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        except sqlite3.DatabaseError:  # not SQLite: the engine's first statement says so
+            return []
+
+
+def _refuse_foreign_tables(url: str, names) -> None:
+    """Refuse (ValueError naming them) a database holding tables other than the server's, before
+    anything is created in it: ``--db sqlite:///eval_log.sqlite`` (a device's log) or another
+    program's database got the server's tables added to it."""
+    foreign = sorted(set(names) - set(metadata.tables) - _SQLITE_INTERNAL_TABLES)
+    if foreign:
+        raise ValueError(f"database {url!r} holds tables that are not the aggregation server's: "
+                         f"{foreign[:10]}{' ...' if len(foreign) > 10 else ''} (a device's eval log or another "
+                         "program's database?); give --db a database of its own (a new SQLite file is created)")
 
 
 def create_engine(url: str) -> Engine:
@@ -316,7 +343,10 @@ class Store:
         parsed = sa.engine.make_url(url)
         if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
             raise ValueError(f"{url!r} is an in-memory database: nothing would be kept (use sqlite:///fed.db)")
-        if parsed.get_backend_name() == "sqlite" and not parsed.query.get("uri"):
+        plain_sqlite = parsed.get_backend_name() == "sqlite" and not parsed.query.get("uri")
+        if plain_sqlite:
+            # Read with a plain read-only connection first: the engine's connections set WAL mode.
+            _refuse_foreign_tables(url, _sqlite_table_names(Path(parsed.database)))
             _create_private(Path(parsed.database))
         self.engine = create_engine(url)
         self._writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
@@ -327,6 +357,8 @@ class Store:
                               for flag, statement in _CHECK_INSERT.items()}
         self._insert_row = _DriverStatement(_INSERT_ROW, self.engine.dialect)
         self._batch_connection = None  # SQLite: the DBAPI connection of insert_updates (under _write_lock)
+        if not plain_sqlite:
+            _refuse_foreign_tables(url, sa.inspect(self.engine).get_table_names())
         self._create_tables()
         inspector = sa.inspect(self.engine)
         for table in (clients, rounds, updates):
