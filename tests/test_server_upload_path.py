@@ -157,6 +157,7 @@ def test_a_new_sqlite_store_gets_16_kib_pages_and_an_old_one_keeps_its_own(tmp_p
     Store(f"sqlite:///{tmp_path / 'new.db'}").close()
     old = sqlite3.connect(tmp_path / "old.db")
     old.execute("CREATE TABLE t (x)")  # created with SQLite's default 4096-byte pages
+    old.execute("DROP TABLE t")  # the page size stays; a table that is not the server's would be refused
     old.commit()
     old.close()
     Store(f"sqlite:///{tmp_path / 'old.db'}").close()
