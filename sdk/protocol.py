@@ -623,6 +623,11 @@ class Receipt:
 #: of the last update sent, and the server compares each upload with the client's previous one for the
 #: same centroids (``trainer.federated.update_checks.check_difference``), so a device without it sends
 #: changes the server refuses.
+#: Words of the server's 422 for an upload that moved an entry by fewer than min_count since the client's
+#: previous one (``trainer.federated.update_checks.check_difference`` puts them in its message); the device
+#: reads them to explain that refusal when it has lost its record of what it sent.
+DIFFERENCE_REFUSAL_PHRASE = "since your last upload"
+
 STATE_LOSS_ADVICE = (
     "restore it from a backup if there is one. Only if not, move it aside: without its record of the last "
     "update sent, the server refuses (422) each upload that differs from that update by fewer than min_count "

@@ -60,7 +60,8 @@ from sdk.errors import (
 )
 from sdk.device_rounds import DeviceRoundContext
 from sdk.eval_log import EvalLog, Evaluations
-from sdk.protocol import STATE_LOSS_ADVICE, Receipt, SyncState, decode_sync_state, encode_sync_state
+from sdk.protocol import (DIFFERENCE_REFUSAL_PHRASE, STATE_LOSS_ADVICE, Receipt, SyncState, decode_sync_state,
+                          encode_sync_state)
 from sdk.real_numbers import finite_float
 from sdk.router import Router
 
@@ -306,7 +307,7 @@ class SyncClient:
             if sent is not None:
                 state.sent = previous_sent
                 self._write_state(state)
-            if exc.status == 422 and previous_sent is None and "since your last upload" in exc.detail:
+            if exc.status == 422 and previous_sent is None and DIFFERENCE_REFUSAL_PHRASE in exc.detail:
                 exc.add_note(_NO_SENT_RECORD_NOTE)
             raise
         receipt = Receipt.from_json(answer)

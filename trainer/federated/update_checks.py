@@ -11,6 +11,7 @@ import numpy as np
 
 from sdk.errors import PrivacyError, ShapeError
 from sdk.local_update import KMeansUpdate, centroid_threshold
+from sdk.protocol import DIFFERENCE_REFUSAL_PHRASE
 
 
 def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: int, min_count: int) -> None:
@@ -125,7 +126,7 @@ def check_difference(update: KMeansUpdate, previous: KMeansUpdate | None, min_co
     small = (d > 0) & (d < min_count) & (update.statistics.count > 0)
     if small.any():
         k, m = np.argwhere(small)[0]
-        raise PrivacyError(f"count[{k}, {m}] moved by {d[k, m]:g} since your last upload for these centroids, fewer "
+        raise PrivacyError(f"count[{k}, {m}] moved by {d[k, m]:g} {DIFFERENCE_REFUSAL_PHRASE} for these centroids, fewer "
                            f"than min_count={min_count}: hold it back until it moves by at least that")
     n_cells = update.statistics.n_cells
 
@@ -140,7 +141,7 @@ def check_difference(update: KMeansUpdate, previous: KMeansUpdate | None, min_co
     small = (dw > 0) & (dw < threshold) & (now > 0)
     if small.any():
         k = int(np.flatnonzero(small)[0])
-        raise PrivacyError(f"the mean of cell {k} moved by {dw[k]:g} queries since your last upload, fewer than "
+        raise PrivacyError(f"the mean of cell {k} moved by {dw[k]:g} queries {DIFFERENCE_REFUSAL_PHRASE}, fewer than "
                            f"{threshold}: hold it back")
 
 
