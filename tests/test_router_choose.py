@@ -165,6 +165,8 @@ def test_tail_tokenisation_equals_full_tokenisation(router, fitted_routers, expo
         "x" * 3000 + " what now?",                     # one giant word
         "word " * 1000 + "supercalifragilisticexpialidocious " * 40,
         "é" * 800 + " 日本語のテキスト " * 50,
+        "intro words " * 60 + "y" * 180 + " what is it?",  # the first tail is too short, the second exact
+        "short words: " + "a b " * 100,                    # one-character words: the first tail is exact
     ]
     texts = list(fitted_routers["test"].prompts) + hostile
     for text in texts:
