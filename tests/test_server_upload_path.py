@@ -86,7 +86,7 @@ def test_a_valid_msgpack_body_keeps_its_float32_means_exactly(store_round):
     ("sum_accuracy", "<f8", [[1, 0], [0, 3.1], [0, 0], [0, 0]],
      "sum_accuracy: entries must lie in [0, count] (scores in [0, 1])"),
     ("sum_cost", "<f8", [[-0.001, 0], [0, 0], [0, 0], [0, 0]], "sum_cost: entries must be >= 0 (USD)"),
-    ("sum_cost", "<f8", [[2001.0, 0], [0, 0], [0, 0], [0, 0]], "sum_cost: is above 1000 USD per query"),
+    ("sum_cost", "<f8", [[2001.0, 0], [0, 0], [0, 0], [0, 0]], "sum_cost: is above 1000 USD per query (entry [0, 0]: 2001 USD for 2 queries)"),
     ("local_centroids", "<f4", [[0.0, 0.9, 0.9]], "local_centroids: must be means of unit-norm embeddings (norm <= 1)"),
     ("local_weights", "<f8", [-np.inf], "local_weights: holds NaN or infinity"),
     ("local_weights", "<f8", [2.5], "local_weights: must be whole numbers in [0, 2147483647]"),
