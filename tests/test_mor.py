@@ -224,11 +224,11 @@ def _foreign(tensors: dict, case: str) -> dict:
 
 
 @pytest.mark.parametrize("case, message", [
-    ("a LoRA tensor missing", r"\(1 tensor\(s\) missing, e\.g\. \['base_model\.model\.encoder\.layer\.0\.attention\.self\."
-                              r"query\.lora_B\.weight'\]; 0 unexpected"),
+    ("a LoRA tensor missing", r"\(1 tensor\(s\) missing, e\.g\. \['base_model\.model\.encoder\.layer\.0\."
+                              r"attention\.self\.query\.lora_B\.weight'\]; 0 unexpected"),
     ("no tensor", r"\(24 tensor\(s\) missing"),
-    ("an extra tensor", r"\(0 tensor\(s\) missing, e\.g\. \[\]; 1 unexpected, e\.g\. \['base_model\.model\.encoder\.layer\.0\."
-                        r"attention\.self\.key\.lora_B\.weight'\]\)"),
+    ("an extra tensor", r"\(0 tensor\(s\) missing, e\.g\. \[\]; 1 unexpected, e\.g\. "
+                        r"\['base_model\.model\.encoder\.layer\.0\.attention\.self\.key\.lora_B\.weight'\]\)"),
     ("another backbone (12 layers)", r"\(0 tensor\(s\) missing, e\.g\. \[\]; 24 unexpected"),
     ("another width", r"\(Error\(s\) in loading state_dict for PeftModel: size mismatch for "),
 ])

@@ -167,18 +167,21 @@ def test_all_layer_path_on_a_tiny_causal_lm(pairs, tmp_path):
 
 
 def tiny_backbone(folder: Path, kind: str, n_layers: int = 2) -> Path:
-    """A GPT-2, Llama or T5 of ``n_layers`` layers built from a config with random weights, with the MiniLM tokenizer."""
+    """A GPT-2, Llama or T5 of ``n_layers`` layers built from a config with random weights, with the MiniLM
+    tokenizer."""
     import shutil
 
     from transformers import GPT2Config, GPT2Model, LlamaConfig, LlamaModel, T5Config, T5Model
 
     from trainer.embeddings import resolve_model_path
 
-    model = {"gpt2": lambda: GPT2Model(GPT2Config(vocab_size=30522, n_embd=32, n_layer=n_layers, n_head=4, n_positions=128)),
+    model = {"gpt2": lambda: GPT2Model(GPT2Config(vocab_size=30522, n_embd=32, n_layer=n_layers, n_head=4,
+                                                  n_positions=128)),
              "llama": lambda: LlamaModel(LlamaConfig(vocab_size=30522, hidden_size=32, intermediate_size=64,
-                                                     num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
-                                                     max_position_embeddings=128)),
-             "t5": lambda: T5Model(T5Config(vocab_size=30522, d_model=32, d_kv=8, d_ff=64, num_layers=n_layers, num_heads=4)),
+                                                     num_hidden_layers=n_layers, num_attention_heads=4,
+                                                     num_key_value_heads=2, max_position_embeddings=128)),
+             "t5": lambda: T5Model(T5Config(vocab_size=30522, d_model=32, d_kv=8, d_ff=64, num_layers=n_layers,
+                                            num_heads=4)),
              }[kind]()
     model.save_pretrained(folder)
     shutil.copy(Path(resolve_model_path("all-MiniLM-L6-v2")) / "tokenizer.json", folder / "tokenizer.json")
