@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 from export.reward_export import export_reward_bundle
+from export.signing import load_signing_key
 from trainer import kinds
 from trainer.out_folder import check_out_option
 from trainer.rewards.reward_scorer_kind import FAMILY, NAME
@@ -31,6 +32,9 @@ def export_reward(
     """Export CLIENT's reward model and the client router as a signed reward-scorer bundle (sdk.RewardScorer)."""
     from trainer.data.preferences import load_preference_pairs  # trainer.data.preferences imports pandas: on use only
 
+    # before the mixture is loaded (torch, the reward models: seconds to minutes): a missing, unreadable or
+    # non-Ed25519 key was refused only by export_reward_bundle, after that loading (ExportError: exit 2, one line)
+    load_signing_key(signing_key)
     check_out_option(out, beside=True)  # before the mixture is loaded: the bundle's versions go beside OUT
     mix = kinds.get(NAME, FAMILY).load(mixture)
     if cache_dir is not None:

@@ -320,11 +320,13 @@ def test_prism_label_names_a_run_whose_experts_were_not_all_written(tmp_path, mo
     ('{"format_version": 1}', "mixture.json: not a mixture written by `fedroute mor train` (KeyError: 'embedder')"),
     ("[1]", "mixture.json: format_version None, expected 1"),
 ])
-def test_mor_commands_name_a_corrupt_mixture_json(tmp_path, monkeypatch, capsys, command, content, message):
-    """A truncated or foreign mixture.json ended in a JSONDecodeError / KeyError / AttributeError traceback."""
+def test_mor_commands_name_a_corrupt_mixture_json(tmp_path, monkeypatch, capsys, signing_keys, command, content,
+                                                 message):
+    """A truncated or foreign mixture.json ended in a JSONDecodeError / KeyError / AttributeError traceback.
+    (`mor export` is given a valid signing key: a missing one is now refused before the mixture is read.)"""
     (tmp_path / "mix").mkdir()
     (tmp_path / "mix" / "mixture.json").write_text(content)
-    args = [str(tmp_path / "signing.key") if a == "KEY" else a for a in command]
+    args = [str(signing_keys[0]) if a == "KEY" else a for a in command]
     code, err = console(monkeypatch, capsys, [*args, "--mixture", str(tmp_path / "mix"), "--out", str(tmp_path / "out")])
     assert code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: {tmp_path / 'mix' / 'mixture.json'}") and message in err
@@ -643,8 +645,9 @@ import json, sys
 from trainer.cli import main
 heavy = ("torch", "sentence_transformers", "transformers", "optimum")
 report = []
-for argv in json.loads(sys.argv[1]):
-    sys.argv = ["fedroute", "export", *argv]
+argvs, command = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for argv in argvs:
+    sys.argv = ["fedroute", *command, *argv]
     try:
         main()
         code = 0
@@ -661,26 +664,51 @@ def test_export_refuses_bad_arguments_before_importing_torch(tmp_path, signing_k
     arguments: a missing router folder or key, a bad --out or --precision failed only then. Now each is
     refused first: exit 2, its message, and neither torch nor sentence-transformers imported
     (checked in a fresh interpreter, where nothing imported them before)."""
-    import os
-    import subprocess
-    import sys
-
     (tmp_path / "notes.txt").write_text("keep me")
     (tmp_path / "router").mkdir()
     (tmp_path / "router" / "router.json").write_text("{}")
     cases = [([str(signing_keys[0]) if a == "KEY" else a.replace("TMP", str(tmp_path)) for a in args],
               message.replace("TMP", str(tmp_path))) for args, message in EXPORT_CASES]
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "500", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-c", _EXPORT_SCRIPT, json.dumps([a for a, _ in cases])], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=120)
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    errors = run.stderr.split("@@\n")
+    report, errors = run_export_script(tmp_path, ["export"], [a for a, _ in cases])
     assert len(report) == len(cases)
     for (args, message), got, err in zip(cases, report, errors):
         assert got == {"code": 2, "heavy": []}, (args, got, err)
         assert message in flat(err), (args, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "router"]  # nothing written
+
+
+def run_export_script(cwd: Path, command: list[str], argvs: list[list[str]]) -> tuple[list[dict], list[str]]:
+    """Run ``fedroute COMMAND ARGV`` for each ARGV in one fresh interpreter (_EXPORT_SCRIPT): ([{code, heavy
+    modules imported}], [stderr of each])."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "500", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", _EXPORT_SCRIPT, json.dumps(argvs), json.dumps(command)], cwd=cwd,
+                         env=env, capture_output=True, text=True, timeout=120)
+    return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr.split("@@\n")
+
+
+def test_mor_export_refuses_a_bad_signing_key_before_loading_the_mixture(tmp_path, signing_keys):
+    """`fedroute mor export` loaded the mixture (torch, the reward models) before it read --signing-key: a
+    missing or wrong key was refused only after that, and a corrupt mixture was reported instead of it. Now
+    the key is checked first: exit 2, one line naming the key, torch not imported, nothing written."""
+    (tmp_path / "mix").mkdir()
+    (tmp_path / "mix" / "mixture.json").write_text("[1]")  # would be refused too, but after the key
+    (tmp_path / "notes.txt").write_text("keep me")
+    cases = [("absent.key", f"error: cannot read signing key {tmp_path / 'absent.key'}: "),
+             ("notes.txt", f"error: {tmp_path / 'notes.txt'} is not an unencrypted PEM private key: "),
+             (str(signing_keys[1]), f"error: {signing_keys[1]} is not an unencrypted PEM private key: ")]  # the .pub
+    argvs = [["--mixture", str(tmp_path / "mix"), "--client", "c", "--out", str(tmp_path / "b"),
+              "--signing-key", str(tmp_path / key)] for key, _ in cases]
+    report, errors = run_export_script(tmp_path, ["mor", "export"], argvs)
+    assert len(report) == len(cases)
+    for (key, message), got, err in zip(cases, report, errors):
+        assert got == {"code": 2, "heavy": []}, (key, got, err)
+        assert err.startswith(message) and len(err.splitlines()) == 1, (key, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mix", "notes.txt"]  # nothing written
 
 
 def test_mor_grpo_quick_keeps_the_lengths_given_on_the_line():

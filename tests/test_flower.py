@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("flwr")
 
 from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 
 from sdk.cell_statistics import CellStatistics  # noqa: E402
@@ -301,6 +302,65 @@ def test_the_nodes_clip_each_cost_to_the_rounds_max_cost_usd(tmp_path, max_cost_
     np.testing.assert_allclose(strategy.statistics_.sum_accuracy, [[1.0, 0.0], [0.0, 1.5]])
 
 
+def unclipping_client_app(log_paths) -> ClientApp:
+    """A buggy or hostile node: answers with the update of its log computed without the round's
+    max-cost-usd (costs summed unclipped), through Flower's own Message path."""
+    from dataclasses import replace
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        spec = round_spec_from_message(msg)
+        update = client_update(log_paths[int(context.node_config["partition-id"])], replace(spec, max_cost_usd=None))
+        return Message(update_to_record(update, spec.centroids_hash), reply_to=msg)
+
+    return app
+
+
+def test_a_reply_above_the_rounds_max_cost_usd_is_refused_and_the_round_goes_on(tmp_path):
+    """The strategy checked shapes and the privacy threshold but not costs: a node that did not clip
+    (costs of 0.30 and 0.50 USD in a round bounded at 0.1 USD per query) was merged as it came, while
+    the HTTPS server answers 422 to the same update. The strategy now applies the server's rule
+    (trainer.federated.update_checks.check_kmeans_costs): the reply is dropped and listed with its
+    reason, and the honest node's update alone is aggregated."""
+    c0 = toy_log(tmp_path / "honest.sqlite")
+    toy_log(tmp_path / "hostile.sqlite")
+    paths = {0: tmp_path / "honest.sqlite", 1: tmp_path / "hostile.sqlite"}
+    honest, hostile = make_client_app(paths), unclipping_client_app(paths)
+
+    class MixedGrid(InProcessGrid):  # node 100 honest, node 101 sends unclipped costs
+        def send_and_receive(self, messages, *, timeout=None):
+            return [(honest if m.metadata.dst_node_id == 100 else hostile)(m, self.contexts[m.metadata.dst_node_id])
+                    for m in messages]
+
+    strategy = FederatedKMeansStrategy(("a", "b"), "toy", aggregation=AggregationConfig(max_cost_usd=0.1),
+                                       centroid_rounds=0, rng=np.random.default_rng(0))
+    strategy.start(grid=MixedGrid(honest, 2), initial_arrays=centroids_record(c0), num_rounds=1)
+    assert [(r.server_round, r.client_id, r.reason) for r in strategy.rejected_] == [
+        (1, "101", "sum_cost: is above 0.1 USD per query (entry [0, 0]: 0.32 USD for 2 queries)")]
+    assert strategy.clients_ == ("100",) and set(strategy.latest_updates_) == {"100"}
+    np.testing.assert_allclose(strategy.statistics_.sum_cost, [[0.02 + 0.1, 0.0], [0.0, 0.1 + 0.05]], rtol=1e-12)
+    np.testing.assert_array_equal(strategy.statistics_.count, [[2, 0], [0, 2]])
+
+
+def test_an_honest_node_whose_clipped_costs_sum_above_the_bound_by_rounding_is_kept(tmp_path):
+    """Ten queries clipped to 0.03 USD sum to 0.03 * 10 + 5.6e-17 in float64: the exact comparison of the
+    HTTPS server refused such an honest device, and the shared check would have refused it here too.
+    The bound has a relative slack of 1e-9 (update_checks.COST_BOUND_RTOL)."""
+    with EvalLog(tmp_path / "node.sqlite", ("a", "b")) as log:
+        for _ in range(10):
+            log.record("a", 1.0, 0.05, embedding=np.array([1.0, 0.0], dtype=np.float32))
+    c0 = np.eye(2, dtype=np.float32)
+    strategy = FederatedKMeansStrategy(("a", "b"), "toy", aggregation=AggregationConfig(max_cost_usd=0.03),
+                                       centroid_rounds=0, rng=np.random.default_rng(0))
+    strategy.start(grid=InProcessGrid(make_client_app({0: tmp_path / "node.sqlite"}), 1),
+                   initial_arrays=centroids_record(c0), num_rounds=1)
+    assert strategy.rejected_ == []
+    sent = strategy.statistics_.sum_cost[0, 0]
+    assert sent > 10 * 0.03 and sent == pytest.approx(0.3, rel=1e-15)  # above n * bound, by rounding only
+
+
 def test_the_round_config_may_not_set_max_cost_usd_itself(tmp_path):
     c0 = toy_log(tmp_path / "node.sqlite")
     strategy = FederatedKMeansStrategy(("a", "b"), "toy", rng=np.random.default_rng(0))
@@ -376,11 +436,20 @@ def test_malformed_arrays_are_refused(arrays, message):
     (_with("local_centroids", np.zeros((2, 3))), 1, ShapeError, r"must have shapes \(2, 2\)"),
     (_with("local_weights", np.array([1.0, 3.0])), 1, PrivacyError, "local_weights must be >= 2"),
     (_with("local_centroids", np.array([[np.nan, 0.0], [1.0, 0.0]])), 1, ShapeError, "must be finite"),
+    (_with("sum_cost", np.array([[2000.5, 0.0], [0.0, 0.3]])), 1, ShapeError,  # the server's default bound
+     r"^sum_cost: is above 1000 USD per query \(entry \[0, 0\]: 2000.5 USD for 2 queries\)$"),
 ])
 def test_an_update_that_breaks_the_round_is_refused(arrays, min_count, error, message):
     with pytest.raises(error, match=message) as info:
         validate_update(update_from_ndarrays(arrays), np.zeros((2, 2), dtype=np.float32), 2, min_count)
     assert type(info.value) is error
+
+
+def test_the_cost_bound_is_the_rounds_max_cost_usd():
+    update = small_update()  # 0.3 USD over 3 queries in entry [1, 1]
+    validate_update(update, np.zeros((2, 2), dtype=np.float32), 2, 1, max_cost_usd=0.1)
+    with pytest.raises(ShapeError, match=r"^sum_cost: is above 0.09 USD per query \(entry \[1, 1\]: 0.3 USD for 3"):
+        validate_update(update, np.zeros((2, 2), dtype=np.float32), 2, 1, max_cost_usd=0.09)
 
 
 def test_a_valid_update_passes_and_a_wrong_shape_of_statistics_does_not():

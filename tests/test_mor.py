@@ -190,6 +190,71 @@ def test_lora_length_prior_starts_at_the_length_fit_and_survives_save_load(tmp_p
     np.testing.assert_allclose(back.raw_scores(prompts, chosen), rm.raw_scores(prompts, chosen), atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def saved_lora(tmp_path_factory):
+    """A LoRA reward model whose adapter matters (lora_B moved off its zero start), saved; its adapter's tensors."""
+    from safetensors.torch import load_file
+
+    rm = LoRARewardModel(max_tokens=32)
+    with torch.no_grad():
+        for name, p in rm.module.encoder.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(0)))
+    rm.fit_normaliser(_pairs(["q one", "q two"], ["a b c", "yes"], ["a", "no, not at all"]))
+    folder = tmp_path_factory.mktemp("lora_rm") / "rm"
+    rm.save(folder)
+    return rm, folder, load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+
+
+def _foreign(tensors: dict, case: str) -> dict:
+    out = dict(tensors)
+    first_b = next(k for k in out if "lora_B" in k)
+    if case == "a LoRA tensor missing":
+        out.pop(first_b)
+    elif case == "no tensor":
+        out = {}
+    elif case == "an extra tensor":
+        out[first_b.replace(".query.", ".key.")] = torch.zeros_like(out[first_b])
+    elif case == "another backbone (12 layers)":  # layers 6-11 MiniLM-L6 does not have
+        out.update({k.replace("layer.0.", f"layer.{i}."): v.clone() for k, v in tensors.items() if "layer.0." in k
+                    for i in range(6, 12)})
+    elif case == "another width":  # a 768-wide backbone's adapter
+        out[first_b] = torch.zeros(768, out[first_b].shape[1])
+    return out
+
+
+@pytest.mark.parametrize("case, message", [
+    ("a LoRA tensor missing", r"\(1 tensor\(s\) missing, e\.g\. \['base_model\.model\.encoder\.layer\.0\."
+                              r"attention\.self\.query\.lora_B\.weight'\]; 0 unexpected"),
+    ("no tensor", r"\(24 tensor\(s\) missing"),
+    ("an extra tensor", r"\(0 tensor\(s\) missing, e\.g\. \[\]; 1 unexpected, e\.g\. "
+                        r"\['base_model\.model\.encoder\.layer\.0\.attention\.self\.key\.lora_B\.weight'\]\)"),
+    ("another backbone (12 layers)", r"\(0 tensor\(s\) missing, e\.g\. \[\]; 24 unexpected"),
+    ("another width", r"\(Error\(s\) in loading state_dict for PeftModel: size mismatch for "),
+])
+def test_a_lora_adapter_of_another_model_or_cut_short_is_refused(saved_lora, tmp_path, case, message):
+    """peft loaded an adapter leniently: a LoRA tensor the file lacked kept its random start and one in excess
+    was ignored (a warning at most), so a truncated adapter or one saved over another backbone scored as an
+    untrained model; another width ended in torch's RuntimeError. Each is now one InvalidInputError naming the
+    file (load_mixture passes it on as it is)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from trainer.rewards.reward_models import load_reward_model
+
+    rm, folder, tensors = saved_lora
+    cut = tmp_path / "rm"
+    shutil.copytree(folder, cut)
+    adapter_file = cut / "adapter" / "adapter_model.safetensors"
+    save_file(_foreign(tensors, case), str(adapter_file))
+    with pytest.raises(InvalidInputError, match=f"^{adapter_file}: not the adapter of this reward model {message}"):
+        load_reward_model(cut)
+    back = load_reward_model(folder)  # the complete adapter loads, as itself
+    prompts, responses = ["q one", "q two"], ["a b c", "no, not at all"]
+    np.testing.assert_allclose(back.raw_scores(prompts, responses), rm.raw_scores(prompts, responses), atol=1e-5)
+
+
 # ------------------------------------------------------------------ router: BCE targets and FedAvg
 
 

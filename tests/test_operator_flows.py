@@ -557,3 +557,84 @@ def test_operator_commands_refuse_a_database_holding_other_tables(tmp_path, comm
     with sqlite3.connect(log_path) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert tables == {"evaluations", "meta", "sqlite_sequence"} and log_path.read_bytes() == before
+
+
+def encrypted_tls_files(work: Path, passphrase: bytes) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (``trustme``) and its key encrypted with ``passphrase`` (``cryptography``,
+    PKCS#8): ``(cert.pem, key.pem)``."""
+    import trustme
+    from cryptography.hazmat.primitives import serialization
+
+    issued = trustme.CA().issue_cert("127.0.0.1")
+    key = serialization.load_pem_private_key(issued.private_key_pem.bytes(), None)
+    cert_pem, key_pem = work / "cert.pem", work / "key.pem"
+    cert_pem.write_bytes(b"".join(blob.bytes() for blob in issued.cert_chain_pems))
+    key_pem.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.BestAvailableEncryption(passphrase)))
+    return cert_pem, key_pem
+
+
+def serve_until_started(args: list[str], stdin: bytes, timeout_s: float = 60.0) -> tuple[bool, str]:
+    """Run ``fedroute serve ARGS --port 0`` without a terminal (a new session: no /dev/tty), ``stdin`` as its
+    input; stop it once uvicorn reports its startup. Returns (started, what it wrote on stdout and stderr)."""
+    import selectors
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "trainer.cli", "serve", *args, "--port", "0"], cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    process.stdin.write(stdin)
+    process.stdin.close()
+    out, started, deadline = b"", False, time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(process.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline and not started:
+            if not sel.select(timeout=0.5):
+                continue
+            chunk = os.read(process.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            out += chunk
+            started = b"Application startup complete" in out
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    process.stdout.close()
+    return started, out.decode(errors="replace")
+
+
+@pytest.mark.parametrize("how", ["asked", "--tls-key-password-file"])
+def test_serve_asks_an_encrypted_keys_passphrase_once(tmp_path, how):
+    """`serve` with an encrypted --tls-key had OpenSSL ask its passphrase twice (our check of the key, then
+    uvicorn's load), and without a terminal the second read found nothing: uvicorn's SSLError. It is now
+    asked once (or read from --tls-key-password-file, not asked at all) and handed to uvicorn."""
+    cert_pem, key_pem = encrypted_tls_files(tmp_path, b"s3cret")
+    db = tmp_path / "fed.db"
+    Store(f"sqlite:///{db}").close()
+    args = ["--db", f"sqlite:///{db}", "--tls-cert", str(cert_pem), "--tls-key", str(key_pem)]
+    if how == "asked":
+        started, out = serve_until_started(args, b"s3cret\n")
+    else:
+        (tmp_path / "passphrase").write_text("s3cret\n")
+        started, out = serve_until_started([*args, "--tls-key-password-file", str(tmp_path / "passphrase")], b"")
+    assert started, out
+    assert out.count(f"passphrase of --tls-key {key_pem}") == (how == "asked") and "PEM pass phrase" not in out, out
+
+
+def test_serve_refuses_a_wrong_passphrase_in_one_line(tmp_path):
+    cert_pem, key_pem = encrypted_tls_files(tmp_path, b"s3cret")
+    (tmp_path / "passphrase").write_text("wrong\n")
+    (tmp_path / "empty").write_text("\n")
+    db = tmp_path / "fed.db"
+    Store(f"sqlite:///{db}").close()
+    args = ["serve", "--db", f"sqlite:///{db}", "--tls-cert", cert_pem, "--tls-key", key_pem, "--port", "0"]
+    result = fedroute(*args, "--tls-key-password-file", tmp_path / "passphrase")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert f"--tls-cert {cert_pem} / --tls-key {key_pem}: [SSL]" in flat(result.output)
+    assert "(a wrong passphrase?)" in flat(result.output)
+    result = fedroute(*args, "--tls-key-password-file", tmp_path / "empty")
+    assert result.exit_code == 2
+    assert f"--tls-key-password-file {tmp_path / 'empty'}: its first line is empty" in flat(result.output)

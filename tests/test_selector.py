@@ -164,3 +164,86 @@ def test_all_layer_path_on_a_tiny_causal_lm(pairs, tmp_path):
     after = model.expert_state()
     assert all(np.abs(after[n] - before[n]).max() > 0 for n in names if "lora_B" in n)
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def tiny_backbone(folder: Path, kind: str, n_layers: int = 2) -> Path:
+    """A GPT-2, Llama or T5 of ``n_layers`` layers built from a config with random weights, with the MiniLM
+    tokenizer."""
+    import shutil
+
+    from transformers import GPT2Config, GPT2Model, LlamaConfig, LlamaModel, T5Config, T5Model
+
+    from trainer.embeddings import resolve_model_path
+
+    model = {"gpt2": lambda: GPT2Model(GPT2Config(vocab_size=30522, n_embd=32, n_layer=n_layers, n_head=4,
+                                                  n_positions=128)),
+             "llama": lambda: LlamaModel(LlamaConfig(vocab_size=30522, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=n_layers, num_attention_heads=4,
+                                                     num_key_value_heads=2, max_position_embeddings=128)),
+             "t5": lambda: T5Model(T5Config(vocab_size=30522, d_model=32, d_kv=8, d_ff=64, num_layers=n_layers,
+                                            num_heads=4)),
+             }[kind]()
+    model.save_pretrained(folder)
+    shutil.copy(Path(resolve_model_path("all-MiniLM-L6-v2")) / "tokenizer.json", folder / "tokenizer.json")
+    return folder
+
+
+@pytest.mark.parametrize("kind, targets", [("gpt2", ("c_attn",)), ("llama", ("q_proj", "v_proj"))])
+def test_the_cpu_preset_fits_lora_to_a_causal_lm_backbone(pairs, tmp_path, kind, targets):
+    """`prism train --backbone <GPT-2 or Llama> --preset cpu` ended in peft's NoMatchingPeftModuleError: the
+    preset's LoRA targets are BERT's query/value (and peft found no layer 5 in a bare model's "h.5." /
+    "layers.5."). selector_for_backbone takes peft's targets for the model type, last-token pooling, no
+    prefix token and no cached lower layers, LoRA in the top layer; the selector then trains."""
+    from trainer.experts.experiment import PRESETS
+    from trainer.experts.selector import selector_for_backbone
+
+    cpu = PRESETS["cpu"][1].selector
+    cfg = selector_for_backbone(cpu, str(tiny_backbone(tmp_path / kind, kind)))
+    assert (cfg.target_modules, cfg.lora_layers, cfg.pooling, cfg.cache_lower_layers) == (targets, (1,), "last", False)
+    assert cfg.encoding == PairEncodingConfig(cpu.encoding.prompt_tokens, cpu.encoding.response_tokens, None)
+    model = PairSelector(cfg, seed=0)
+    lora = [n for n in model.trainable_names() if "lora_" in n]
+    assert len(lora) == 2 * len(targets) and all((".h.1." if kind == "gpt2" else ".layers.1.") in n for n in lora)
+    sub = pairs.iloc[:6]
+    st = build_segment_store(model, list(sub.prompt), list(sub.response_a), list(sub.response_b), list(sub.label))
+    assert st.lower is None
+    before = model.expert_state()
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        loss = model.pair_loss(*st.batch(model, np.arange(st.n_pairs)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = model.expert_state()
+    assert all(np.abs(after[n] - before[n]).max() > 0 for n in lora if "lora_B" in n)
+
+
+def test_selector_for_backbone_keeps_bert_and_refuses_other_architectures(tmp_path):
+    from trainer.experts.experiment import PRESETS
+    from trainer.experts.selector import selector_for_backbone
+
+    cpu, gpu = PRESETS["cpu"][1].selector, PRESETS["gpu"][1].selector
+    assert selector_for_backbone(cpu, "all-MiniLM-L6-v2") == cpu  # a BERT: the preset as it is
+    llama = str(tiny_backbone(tmp_path / "llama", "llama"))
+    assert selector_for_backbone(gpu, llama) == SelectorConfig(**{**gpu.__dict__, "backbone": llama})  # q/v already
+    t5 = tiny_backbone(tmp_path / "t5", "t5")
+    with pytest.raises(InvalidInputError, match=rf"^--backbone {t5}: a 't5' model is not supported as a selector "
+                                                r"backbone; supported: BERT-family encoders \(.*bert.*roberta.*\) and "
+                                                r"causal LMs \(.*gpt2.*llama.*qwen2.*\)$"):
+        selector_for_backbone(cpu, str(t5))
+
+
+def test_prism_train_with_a_gpt2_backbone_gets_past_the_selector(tmp_path):
+    """The command ended in peft's traceback when it built the selector; now it goes on to the data (absent
+    here: one error line naming it). Six layers, as the preset's MiniLM: its LoRA layer 5 exists."""
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+    from trainer.data.errors import DataUnavailableError
+
+    gpt2 = tiny_backbone(tmp_path / "gpt2", "gpt2", n_layers=6)
+    result = CliRunner().invoke(app, ["prism", "train", "--preset", "cpu", "--backbone", str(gpt2), "--out",
+                                      str(tmp_path / "run"), "--data", str(tmp_path / "absent")])
+    assert isinstance(result.exception, DataUnavailableError), result.exception  # the console script: exit 2, one line
+    assert str(result.exception).startswith(f"{tmp_path / 'absent' / 'alpacaeval'}")

@@ -241,3 +241,33 @@ def test_the_difference_check_refuses_exactly_the_small_moves():
         assert got == expected
         refused += got
     assert 50 < refused < 250  # both outcomes were exercised
+
+
+def test_an_honest_device_whose_clipped_costs_sum_above_the_bound_by_rounding_is_accepted(tmp_path):
+    """A device clips each cost to the round's max_cost_usd and sums them in float64 (sdk.local_update.kmeans_update):
+    ten queries clipped to 0.03 USD sum to 0.03 * 10 + 5.6e-17, which both checks of the server compared exactly
+    with count * 0.03 and answered 422 'sum_cost: is above 0.03 USD per query' to an honest device."""
+    from sdk.eval_log import EvalLog
+    from sdk.local_update import RoundSpec, centroids_hash, kmeans_update
+
+    centroids = np.eye(N_CELLS, D_EMB, dtype=np.float32)
+    store = Store(f"sqlite:///{tmp_path / 'fed.db'}")
+    r = store.open_round(kind="kmeans", models=list(MODELS), embedder={"name": "e", "dim": D_EMB},
+                         deadline_unix=time.time() + 3600, quorum=10, min_count=MIN_COUNT,
+                         settings=round_settings(aggregation=AggregationConfig(max_cost_usd=0.03)), centroids=centroids)
+    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
+        for i in range(10):
+            log.record("a", 1.0, 0.05, embedding=centroids[i % 2])  # 5 queries in each of cells 0 and 1
+            log.record("b", 1.0, 0.05, embedding=centroids[0])
+        update = kmeans_update(log.rows(), RoundSpec(r.id, "kmeans", centroids, centroids_hash(centroids), MODELS,
+                                                     "e", D_EMB, MIN_COUNT, "", max_cost_usd=0.03))
+    store.close()
+    s = update.statistics
+    assert s.count[0, 1] == 10 and s.sum_cost[0, 1] > 10 * 0.03  # above count * bound, by rounding only
+    fields = {"count": s.count, "sum_accuracy": s.sum_accuracy, "sum_cost": s.sum_cost,
+              "centroid_cells": update.centroid_cells, "local_centroids": update.local_centroids,
+              "local_weights": update.local_weights, "log_size": update.log_size}
+    for media in ("application/msgpack", "application/json"):
+        body = body_of(r, fields, media)
+        assert _accept_valid(body, r) is not None  # the fast path
+        np.testing.assert_array_equal(_check_fields(body, r).statistics.sum_cost, s.sum_cost)  # the field checks

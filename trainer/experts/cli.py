@@ -32,7 +32,7 @@ def train(
     quick: Annotated[bool, typer.Option("--quick", help="the small preset (<= 5 min on one CPU core)")] = False,
     preset: Annotated[str, typer.Option(help="cpu (default, scaled down) or gpu (paper settings, Qwen2-0.5B class)")] = "cpu",
     seeds: Annotated[int, typer.Option(min=1, help="number of seeds (0..K-1); >= 3 for the results table")] = 3,
-    backbone: Annotated[Optional[str], typer.Option(help="selector backbone path or hub id (default: the preset's)")] = None,
+    backbone: Annotated[Optional[str], typer.Option(help="selector backbone path or hub id (default: the preset's); a BERT-family encoder or a causal LM (LoRA targets by architecture)")] = None,
     n_experts: Annotated[Optional[int], typer.Option(min=1, help="M, number of experts (default: the preset's)")] = None,
     methods: Annotated[str, typer.Option(help="comma-separated methods of the table (default: all)")] = "all",
     device_threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
@@ -43,7 +43,7 @@ def train(
     import torch  # torch: optional heavy dependency, imported on use
 
     from trainer.experts.experiment import ALL_METHODS, PRESETS, prepare_data, run_experiment  # trainer.experts.experiment imports pandas, torch: on use only
-    from trainer.experts.selector import PairSelector  # trainer.experts.selector imports torch: on use only
+    from trainer.experts.selector import PairSelector, selector_for_backbone  # trainer.experts.selector imports torch: on use only
 
     check_out_option(out)  # before any work: an unusable --out used to fail after it
     if quick and preset != "cpu":  # --quick --preset gpu ran the quick preset without a word
@@ -61,7 +61,9 @@ def train(
         raise typer.BadParameter(str(exc)) from exc
     if backbone is not None:
         try:
-            base = replace(base, selector=replace(base.selector, backbone=backbone))
+            # LoRA targets, pooling and the cache fitted to the backbone's architecture: the preset's BERT
+            # targets (query/value) ended a GPT-2 or Llama backbone in peft's NoMatchingPeftModuleError
+            base = replace(base, selector=selector_for_backbone(base.selector, backbone))
         except InvalidInputError as exc:
             raise typer.BadParameter(str(exc)) from exc
     if n_experts is not None:

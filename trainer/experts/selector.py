@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +60,7 @@ import hashlib
 import os
 from trainer.report import write_text
 
-__all__ = ["PairSelector", "SegmentStore", "SelectorConfig", "build_segment_store"]
+__all__ = ["PairSelector", "SegmentStore", "SelectorConfig", "build_segment_store", "selector_for_backbone"]
 
 
 @dataclass
@@ -122,6 +122,83 @@ class SelectorConfig:
         return d
 
 
+#: LoRA targets of the BERT layout (``embeddings`` + ``encoder.layer``, attention ``query``/``value``): the
+#: families whose lower layers :meth:`PairSelector.lower_hidden` can cache.
+BERT_TARGETS = ("query", "value")
+
+
+def selector_for_backbone(config: SelectorConfig, backbone: str) -> SelectorConfig:
+    """``config`` with ``backbone``, its LoRA targets fitted to the backbone's architecture (``fedroute prism
+    train --backbone``; reads the backbone's ``config.json`` only, no weights).
+
+    - A BERT-family encoder (peft's default LoRA targets for its ``model_type`` are ``query``/``value``:
+      bert, roberta, electra, ...), or a model whose peft defaults are ``config.target_modules`` already
+      (a Qwen2 on the GPU preset): ``config`` as it is, with the backbone.
+    - Another causal LM peft knows (gpt2, llama, mistral, qwen2, ... on the CPU preset): peft's default
+      targets for its type (gpt2 ``c_attn``, llama ``q_proj``/``v_proj``), last-token pooling, no prefix
+      token, no cache of lower layers (BERT layout only); LoRA stays in the top layer when ``config`` puts
+      it in some layers only. When the encoding's separator or pad token is not in the backbone's
+      ``tokenizer.json``, its end-of-sequence token is used.
+
+    Raises
+    ------
+    DataUnavailableError
+        The backbone's configuration cannot be read.
+    InvalidInputError
+        Any other architecture (an encoder-decoder such as t5, a model type peft has no LoRA default
+        for): the message names the model type and the supported families.
+    """
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TARGETS  # peft: optional heavy dependency, imported on use
+    from transformers import AutoConfig  # transformers: optional heavy dependency, imported on use
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # transformers: as above
+
+    path = resolve_model_path(backbone)
+    try:
+        model_config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise DataUnavailableError(f"cannot load the selector backbone {backbone!r} ({path!r}): {exc}") from exc
+    kind = model_config.model_type
+    targets = tuple(TARGETS.get(kind, ()))
+    out = replace(config, backbone=backbone)
+    if targets and targets in (BERT_TARGETS, config.target_modules):
+        return out
+    bert = sorted(k for k, v in TARGETS.items() if tuple(v) == BERT_TARGETS)
+    causal = sorted(k for k in TARGETS if k in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and k not in bert)
+    if not targets or kind not in causal or getattr(model_config, "is_encoder_decoder", False):
+        raise InvalidInputError(f"--backbone {backbone}: a {kind!r} model is not supported as a selector backbone; "
+                                f"supported: BERT-family encoders ({', '.join(bert)}) and causal LMs "
+                                f"({', '.join(causal)})")
+    encoding = replace(config.encoding, prefix_token=None)
+    tok_file = Path(path) / "tokenizer.json"
+    eos = getattr(model_config, "eos_token_id", None)
+    if tok_file.exists() and isinstance(eos, int):
+        tokenizer = Tokenizer.from_file(str(tok_file))
+        end = tokenizer.id_to_token(eos)
+        if end is not None:
+            for name in ("sep_token", "pad_token"):
+                if tokenizer.token_to_id(getattr(encoding, name)) is None:
+                    encoding = replace(encoding, **{name: end})
+    top = None if config.lora_layers is None else (model_config.num_hidden_layers - 1,)
+    return replace(out, target_modules=targets, pooling="last", cache_lower_layers=False, lora_layers=top,
+                   encoding=encoding)
+
+
+def _layers_pattern(base: nn.Module, n_layers: int) -> str | None:
+    """The last name of the backbone's list of ``n_layers`` transformer layers (BERT ``layer``, GPT-2
+    ``h``, Llama ``layers``), for peft's ``layers_pattern``; None if there is no such list."""
+    for name, module in base.named_modules():
+        if name and isinstance(module, nn.ModuleList) and len(module) == n_layers:
+            return name.rsplit(".", 1)[-1]
+    return None
+
+
+def _targets_conv1d(base: nn.Module, targets: Sequence[str]) -> bool:
+    """True if the LoRA targets are transformers' ``Conv1D`` (GPT-2: weights stored (in, out))."""
+    from transformers.pytorch_utils import Conv1D  # transformers: optional heavy dependency, imported on use
+
+    return any(isinstance(m, Conv1D) for n, m in base.named_modules() if n.rsplit(".", 1)[-1] in targets)
+
+
 def _mask_for_layers(base, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The attention mask the backbone's own forward gives its layers (BERT: sdpa 4-D or extended)."""
     if getattr(base, "attn_implementation", None) == "sdpa" and getattr(base, "position_embedding_type", "absolute") == "absolute":
@@ -173,7 +250,11 @@ class PairSelector(nn.Module):
             raise InvalidInputError(f"lora_layers {config.lora_layers} out of range for {self.n_layers} layers")
         lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                           target_modules=list(config.target_modules),
-                          layers_to_transform=None if config.lora_layers is None else list(config.lora_layers))
+                          layers_to_transform=None if config.lora_layers is None else list(config.lora_layers),
+                          # peft finds the layer index after a "<prefix>.<pattern>." only without it: a bare
+                          # GPT-2 / Llama model's "h.5." / "layers.5." matched nothing (BERT's "encoder.layer.5." did)
+                          layers_pattern=None if config.lora_layers is None else _layers_pattern(base, self.n_layers),
+                          fan_in_fan_out=_targets_conv1d(base, config.target_modules))  # GPT-2's c_attn: peft warned and set it
         self.backbone = get_peft_model(base, lora)
         d = base.config.hidden_size
         self.hidden_size = d

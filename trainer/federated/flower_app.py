@@ -22,8 +22,11 @@ One Flower round ``r``
    aggregates travel: counts and sums per (cell, model) and mean embeddings of cells with at least
    ``max(min_count, 2)`` queries; never a query text nor a per-query embedding.
 
-3. Server: each reply is validated (:func:`validate_update`; an invalid one is dropped and listed
-   in :attr:`FederatedKMeansStrategy.rejected_`, never fatal), kept as the node's *latest* update,
+3. Server: each reply is validated (:func:`validate_update`, the function of
+   :mod:`trainer.federated.update_checks` that the HTTPS server's checks share: shapes, whole counts,
+   the privacy threshold, cost sums within ``count * max_cost_usd`` (1000 USD per query when the
+   aggregation sets no bound), ...; an invalid one is dropped, logged and listed in
+   :attr:`FederatedKMeansStrategy.rejected_`, never fatal), kept as the node's *latest* update,
    and the latest updates computed for ``C_r`` are aggregated. A node that misses a round is not
    lost (paper 002): its latest update stays in every later aggregate over the same centroids.
    While ``r <= centroid_rounds`` the aggregate's Lloyd step gives the next broadcast ``C_{r+1}``;
@@ -188,7 +191,8 @@ class FederatedKMeansStrategy(Strategy):
         has another dimension refuses the round).
     min_count : int >= 1, privacy threshold: (cell, model) entries with fewer samples are not reported.
     aggregation : :class:`AggregationConfig` or None (plain merge): clipping, trimmed merge, noise. Its
-        ``max_cost_usd`` is also sent to the nodes (``max-cost-usd``), which clip each logged cost to it.
+        ``max_cost_usd`` is also sent to the nodes (``max-cost-usd``), which clip each logged cost to it, and
+        a reply whose cost sums exceed it is refused (listed in ``rejected_``).
     centroid_rounds : int >= 0 or None, rounds that end with a Lloyd step moving the centroids;
         later rounds keep them and only refresh the statistics. None: every round moves them.
     fraction_train : float in (0, 1], share of the connected nodes sampled each round.
@@ -408,7 +412,9 @@ class FederatedKMeansStrategy(Strategy):
             if partition_hash != self._round_hash:
                 raise ShapeError(f"update is for centroids {partition_hash[:12]}..., "
                                  f"the round broadcast {self._round_hash[:12]}...")
-            validate_update(update, self._round_centroids, len(self.models), self.min_count)
+            # the HTTPS server's rules, costs within the round's max_cost_usd included (our nodes clip to it)
+            validate_update(update, self._round_centroids, len(self.models), self.min_count,
+                            max_cost_usd=self._config.max_cost_usd)
         except InvalidInputError as exc:  # ShapeError included
             self._reject(server_round, cid, str(exc))
             return

@@ -10,14 +10,57 @@ from __future__ import annotations
 import numpy as np
 
 from sdk.errors import PrivacyError, ShapeError
+from sdk.eval_log import MAX_COST_PER_QUERY_USD
 from sdk.local_update import KMeansUpdate, centroid_threshold
 from sdk.protocol import DIFFERENCE_REFUSAL_PHRASE
 
+#: Relative slack of the cost bound (:func:`cost_limit`): a device sums its clipped costs in float64,
+#: and n costs each equal to the bound can sum above ``n * bound`` by rounding (10 queries clipped to
+#: 0.03 USD sum to 0.03 * 10 + 5.6e-17), which an exact comparison refused.
+COST_BOUND_RTOL = 1e-9
 
-def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: int, min_count: int) -> None:
+
+def max_cost_per_query(max_cost_usd: float | None) -> float:
+    """The bound (USD) on one query's cost that a round enforces: its ``max_cost_usd``, or
+    :data:`sdk.eval_log.MAX_COST_PER_QUERY_USD` (1000) when it sets none."""
+    return float(max_cost_usd) if max_cost_usd else MAX_COST_PER_QUERY_USD
+
+
+def cost_limit(count: np.ndarray, max_cost_usd: float | None) -> np.ndarray:
+    """The largest ``sum_cost`` (USD) accepted per entry, same shape as ``count`` (float64): ``count``
+    queries at :func:`max_cost_per_query` each, with the relative slack :data:`COST_BOUND_RTOL`."""
+    return np.asarray(count, dtype=np.float64) * (max_cost_per_query(max_cost_usd) * (1.0 + COST_BOUND_RTOL))
+
+
+def check_kmeans_costs(count: np.ndarray, sum_cost: np.ndarray, max_cost_usd: float | None) -> None:
+    """Refuse cost sums above the round's bound on one query's cost (:func:`cost_limit`): a node that
+    clips each cost (:func:`sdk.local_update.kmeans_update`) never sends one. Used by the HTTPS server
+    (:mod:`trainer.server.validation`) and the Flower strategy. Pure.
+
+    Parameters
+    ----------
+    count, sum_cost : ndarrays of shape (n_cells, n_models), float64 (queries; USD).
+    max_cost_usd : the round's bound (USD per query), or None (then 1000 USD).
+
+    Raises
+    ------
+    ShapeError
+        ``sum_cost: is above {bound} USD per query (entry [k, m]: {sum} USD for {count} queries)``,
+        naming the first such entry (a NaN sum counts as above).
+    """
+    above = ~(np.asarray(sum_cost) <= cost_limit(count, max_cost_usd))
+    if above.any():
+        k, m = np.argwhere(above)[0]
+        raise ShapeError(f"sum_cost: is above {max_cost_per_query(max_cost_usd):g} USD per query (entry [{k}, {m}]: "
+                         f"{sum_cost[k, m]:g} USD for {count[k, m]:g} queries)")
+
+
+def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: int, min_count: int,
+                        max_cost_usd: float | None = None) -> None:
     """Check a decoded update against the round it answers (ARCHITECTURE.md §6). Pure.
 
-    Each field on its own first (shapes, whole numbers, ranges), then the rules across fields
+    Each field on its own first (shapes, whole numbers, ranges, costs within the round's bound:
+    :func:`check_kmeans_costs`, as the HTTPS server), then the rules across fields
     (:func:`check_kmeans_totals`).
 
     Parameters
@@ -26,6 +69,8 @@ def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: i
     centroids : ndarray of shape (n_cells, d_emb), the round's centroids.
     n_models : int, columns of the statistics.
     min_count : int, the round's privacy threshold.
+    max_cost_usd : the round's bound on one query's cost (USD), or None (then 1000 USD, the bound of
+        :data:`sdk.eval_log.MAX_COST_PER_QUERY_USD`).
 
     Raises
     ------
@@ -36,8 +81,8 @@ def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: i
         Statistics of another shape than (n_cells, n_models); non-integral counts; counts summing
         above ``log_size``; reported cells out of range or repeated; local centroids of the wrong
         shape or non-finite; local weights non-integral or summing above ``log_size``; a negative
-        ``log_size``; mean embeddings of norm above 1 (means of unit vectors); sums where the count
-        is 0. The message quotes the offending values. (Negative counts, sums of scores outside
+        ``log_size``; mean embeddings of norm above 1 (means of unit vectors); cost sums above
+        ``count * max_cost_usd``; sums where the count is 0. The message quotes the offending values. (Negative counts, sums of scores outside
         ``[0, count]``, negative costs and NaN/inf are refused earlier, by :class:`sdk.CellStatistics`.)
     """
     n_cells, d_emb = np.shape(centroids)
@@ -48,6 +93,7 @@ def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: i
         raise ShapeError(f"log_size={update.log_size} must be >= 0")
     if not np.array_equal(s.count, np.round(s.count)):
         raise ShapeError("counts must be whole numbers (a device reports raw counts)")
+    check_kmeans_costs(s.count, s.sum_cost, max_cost_usd)
     cells, means, weights = update.centroid_cells, update.local_centroids, update.local_weights
     n_rep = cells.shape[0]
     if cells.size and (cells.min() < 0 or cells.max() >= n_cells):
@@ -167,4 +213,5 @@ def _may_move_too_little(update: KMeansUpdate, previous: KMeansUpdate, min_count
     return any(w > 0 and 0 < abs(w - before.get(k, 0.0)) < threshold for k, w in now.items())
 
 
-__all__ = ["check_difference", "check_kmeans_totals", "check_kmeans_update"]
+__all__ = ["COST_BOUND_RTOL", "check_difference", "check_kmeans_costs", "check_kmeans_totals", "check_kmeans_update",
+           "cost_limit", "max_cost_per_query"]

@@ -427,7 +427,7 @@ class LoRARewardModel(ClientRewardModel):
                              target_modules=["query", "value"], bias="none")
             encoder = get_peft_model(base, cfg)
         else:
-            encoder = PeftModel.from_pretrained(base, str(adapter_dir))
+            encoder = _load_adapter(PeftModel, base, Path(adapter_dir))
         self.length_term = bool(length_term)
         self.module = _LoRAScorer(encoder, base.config.hidden_size, self.length_term)
         self.normaliser_ = None
@@ -496,6 +496,38 @@ class LoRARewardModel(ClientRewardModel):
             model.module.length.load_state_dict(load_file(str(directory / "length.safetensors")))
         model.normaliser_ = ScoreNormaliser(meta["mean"], meta["std"], meta["eps"], meta["clip"])
         return model
+
+
+def _load_adapter(peft_model, base, adapter_dir: Path):
+    """``PeftModel.from_pretrained(base, adapter_dir)``, strict: peft loads an adapter leniently (a LoRA tensor
+    the file lacks keeps its random initialisation, one it has in excess is ignored, both silently but for
+    a warning), so an adapter saved over another base model or cut short scored as an untrained one.
+
+    Raises
+    ------
+    InvalidInputError
+        ``adapter_model.safetensors`` lacks a LoRA tensor of this model, holds one it does not have, or
+        one of another shape (the message names the file and the tensors).
+    """
+    from peft import get_peft_model_state_dict  # peft: optional heavy dependency, imported on use
+    from safetensors import safe_open  # safetensors: optional heavy dependency, imported on use
+
+    file = adapter_dir / "adapter_model.safetensors"
+    hint = "an adapter saved over another base model, or a copy cut short?"
+    try:
+        encoder = peft_model.from_pretrained(base, str(adapter_dir))
+    except RuntimeError as exc:  # torch's load_state_dict: "size mismatch for ..."
+        detail = " ".join(str(exc).split())[:300]
+        raise InvalidInputError(f"{file}: not the adapter of this reward model ({detail}); {hint}") from exc
+    if file.is_file():  # (peft refused a folder without it above)
+        with safe_open(str(file), "pt") as f:
+            found = set(f.keys())
+        expected = set(get_peft_model_state_dict(encoder))
+        if found != expected:
+            missing, extra = sorted(expected - found), sorted(found - expected)
+            raise InvalidInputError(f"{file}: not the adapter of this reward model ({len(missing)} tensor(s) missing, "
+                                    f"e.g. {missing[:2]}; {len(extra)} unexpected, e.g. {extra[:2]}); {hint}")
+    return encoder
 
 
 def load_reward_model(directory: Path, cache_dir: Path | None = None) -> ClientRewardModel:

@@ -54,7 +54,12 @@ def _store(db: str, *, existing: bool = False):
 def serve(
     db: DbOpt = "sqlite:///fed.db",
     tls_cert: Annotated[Path, typer.Option(help="PEM certificate chain of the server", exists=True, dir_okay=False)] = ...,
-    tls_key: Annotated[Path, typer.Option(help="PEM private key of the certificate", exists=True, dir_okay=False)] = ...,
+    tls_key: Annotated[Path, typer.Option(help="PEM private key of the certificate (if encrypted, its passphrase is "
+                                                "asked once, or read from --tls-key-password-file)", exists=True,
+                                           dir_okay=False)] = ...,
+    tls_key_password_file: Annotated[Path | None, typer.Option(help="file whose first line is the passphrase of an "
+                                                                    "encrypted --tls-key (no prompt)", exists=True,
+                                                               dir_okay=False)] = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port")] = 8443,
     bundle_dir: Annotated[Path | None, typer.Option(help="published bundle served at /v1/bundles")] = None,
@@ -86,10 +91,20 @@ def serve(
 
     if bundle_dir is not None and bundle_dir.exists() and not bundle_dir.is_dir():
         raise typer.BadParameter(f"--bundle-dir {bundle_dir} is a file, not a bundle folder")
+    passphrase: list[str] = []  # an encrypted key's, asked once: OpenSSL's own prompt asked here and again in uvicorn
+
+    def key_passphrase() -> str:  # called by OpenSSL only for an encrypted key
+        if not passphrase:
+            passphrase.append(_read_passphrase(tls_key_password_file) if tls_key_password_file is not None else
+                              typer.prompt(f"passphrase of --tls-key {tls_key}", hide_input=True, err=True))
+        return passphrase[0]
+
     try:  # a clear error now rather than a traceback from inside uvicorn
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(tls_cert), str(tls_key))
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(tls_cert), str(tls_key),
+                                                                            password=key_passphrase)
     except (ssl.SSLError, OSError) as exc:
-        raise typer.BadParameter(f"--tls-cert {tls_cert} / --tls-key {tls_key}: {exc}") from exc
+        wrong = " (a wrong passphrase?)" if passphrase else ""
+        raise typer.BadParameter(f"--tls-cert {tls_cert} / --tls-key {tls_key}: {exc}{wrong}") from exc
     if bundle_dir is not None and not bundle_dir.exists():
         typer.echo(f"warning: --bundle-dir {bundle_dir} does not exist yet; /v1/bundles answers 404 until a round "
                    "publishes there", err=True)
@@ -102,7 +117,19 @@ def serve(
                      publisher=publisher, quota=UploadQuota(upload_quota, quota_window_s), limits=limits,
                      commit_delay_s=commit_delay_ms / 1e3, freeze_gc=True)
     uvicorn.run(app, host=host, port=port, ssl_certfile=str(tls_cert), ssl_keyfile=str(tls_key),
+                ssl_keyfile_password=passphrase[0] if passphrase else None,
                 log_level="info", timeout_graceful_shutdown=5, access_log=access_log, **limits.uvicorn_options())
+
+
+def _read_passphrase(path: Path) -> str:
+    """The first line of ``path`` (its line end dropped). Raises typer.BadParameter: unreadable or empty."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise typer.BadParameter(f"--tls-key-password-file {path}: {exc}") from exc
+    if not lines or not lines[0]:
+        raise typer.BadParameter(f"--tls-key-password-file {path}: its first line is empty; write the passphrase there")
+    return lines[0]
 
 
 @clients_app.command("add")

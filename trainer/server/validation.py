@@ -37,13 +37,13 @@ import orjson
 
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import PayloadError, PrivacyError, ShapeError
-# Cost bound of one query (USD) when the round sets no max_cost_usd: rejects absurd sums that would overflow
-# the merge. The device's EvalLog refuses rows above it, so a device never logs what it could not upload.
-from sdk.eval_log import MAX_COST_PER_QUERY_USD
 from sdk.local_update import KMeansUpdate, centroid_threshold
 from sdk.protocol import MSGPACK_ARRAYS, UPDATE_FIELDS, unpack_msgpack_array
 from trainer.federated.mlp_local import UPLOAD_FIELDS, read_parameters
-from trainer.federated.update_checks import check_kmeans_totals
+# The cost bound of one query (USD; sdk.eval_log.MAX_COST_PER_QUERY_USD when the round sets no max_cost_usd:
+# rejects absurd sums that would overflow the merge; the device's EvalLog refuses rows above it, so a device
+# never logs what it could not upload) is update_checks' cost_limit, shared with the Flower strategy.
+from trainer.federated.update_checks import check_kmeans_costs, check_kmeans_totals, cost_limit
 from trainer.server.errors import UploadRejected
 from trainer.server.round_kind import ParsedUpload
 from trainer.server.store import Round
@@ -350,9 +350,9 @@ def _accept_valid(body: KMeansBody, round_: Round) -> KMeansUpdate | None:
     if count.shape != shape or s_acc.shape != shape or s_cost.shape != shape:
         return None
     min_count = round_.min_count
-    c_max = round_.settings.aggregation.get("max_cost_usd") or MAX_COST_PER_QUERY_USD
+    c_limit = cost_limit(count, round_.settings.aggregation.get("max_cost_usd"))
     # Every comparison is False for NaN: `ok` is all True only for whole counts in {0} and
-    # [min_count, inf], scores in [0, count], costs in [0, count * c_max] (so both sums are 0 where
+    # [min_count, inf], scores in [0, count], costs in [0, c_limit] (so both sums are 0 where
     # the count is 0); the total, at most log_size <= MAX_COUNT, bounds each count (and is infinite
     # for an infinite one).
     ok = count == np.floor(count)
@@ -360,7 +360,7 @@ def _accept_valid(body: KMeansBody, round_: Round) -> KMeansUpdate | None:
     ok &= s_acc >= 0
     ok &= s_acc <= count
     ok &= s_cost >= 0
-    ok &= s_cost <= count * c_max
+    ok &= s_cost <= c_limit
     if np.count_nonzero(ok) != ok.size:
         return None
     total = float(np.add.reduce(count, axis=None))  # whole numbers below 2**53: exact in any order
@@ -414,11 +414,13 @@ def _check_fields(body: KMeansBody, round_: Round) -> KMeansUpdate:
         raise _field_error("sum_accuracy", "entries must lie in [0, count] (scores in [0, 1])")
     s_cost = a["sum_cost"]
     low, high = _bounds("sum_cost", s_cost, shape)
-    c_max = round_.settings.aggregation.get("max_cost_usd") or MAX_COST_PER_QUERY_USD
     if low < 0:
         raise _field_error("sum_cost", "entries must be >= 0 (USD)")
-    if high > 0 and (s_cost > count * c_max).any():
-        raise _field_error("sum_cost", f"is above {c_max:g} USD per query")
+    if high > 0:
+        try:  # the rule the Flower strategy applies too (trainer.federated.update_checks)
+            check_kmeans_costs(count, s_cost, round_.settings.aggregation.get("max_cost_usd"))
+        except ShapeError as exc:
+            raise UploadRejected(422, str(exc)) from exc
     cells = a["centroid_cells"]
     n_rep = cells.shape[0]
     if n_rep:  # at most n_cells of them: a few Python ints
