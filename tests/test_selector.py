@@ -234,6 +234,23 @@ def test_selector_for_backbone_keeps_bert_and_refuses_other_architectures(tmp_pa
         selector_for_backbone(cpu, str(t5))
 
 
+def test_the_gpu_preset_fits_lora_to_a_bert_backbone():
+    """`prism train --preset gpu --backbone all-MiniLM-L6-v2` ended in peft's error: the preset's targets are
+    Qwen's q_proj/v_proj. A BERT under that preset gets BERT's query/value, mean pooling and the [CLS] layout
+    with the preset's token budget; LoRA stays on every layer as the preset says."""
+    from trainer.experts.experiment import PRESETS
+    from trainer.experts.selector import selector_for_backbone
+
+    gpu = PRESETS["gpu"][1].selector
+    cfg = selector_for_backbone(gpu, "all-MiniLM-L6-v2")
+    assert (cfg.target_modules, cfg.pooling, cfg.lora_layers, cfg.cache_lower_layers) == (("query", "value"), "mean",
+                                                                                          None, False)
+    assert cfg.encoding == PairEncodingConfig(gpu.encoding.prompt_tokens, gpu.encoding.response_tokens)
+    assert cfg.encoding.prefix_token == "[CLS]"
+    lora = [n for n in PairSelector(cfg, seed=0).trainable_names() if "lora_A" in n]
+    assert len(lora) == 2 * 6 and {n.split(".attention.self.")[-1].split(".")[0] for n in lora} == {"query", "value"}
+
+
 def test_prism_train_with_a_gpt2_backbone_gets_past_the_selector(tmp_path):
     """The command ended in peft's traceback when it built the selector; now it goes on to the data (absent
     here: one error line naming it). Six layers, as the preset's MiniLM: its LoRA layer 5 exists."""

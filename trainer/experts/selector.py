@@ -131,9 +131,12 @@ def selector_for_backbone(config: SelectorConfig, backbone: str) -> SelectorConf
     """``config`` with ``backbone``, its LoRA targets fitted to the backbone's architecture (``fedroute prism
     train --backbone``; reads the backbone's ``config.json`` only, no weights).
 
+    - A model whose peft defaults are ``config.target_modules`` already (a BERT on the CPU preset, a Qwen2
+      on the GPU preset): ``config`` as it is, with the backbone.
     - A BERT-family encoder (peft's default LoRA targets for its ``model_type`` are ``query``/``value``:
-      bert, roberta, electra, ...), or a model whose peft defaults are ``config.target_modules`` already
-      (a Qwen2 on the GPU preset): ``config`` as it is, with the backbone.
+      bert, roberta, electra, ...) under a preset made for a causal LM (``--preset gpu``): those targets,
+      mean pooling and the ``[CLS] prompt [SEP] response [SEP]`` encoding with the preset's token
+      budget; the preset's LoRA layers and cache setting are kept.
     - Another causal LM peft knows (gpt2, llama, mistral, qwen2, ... on the CPU preset): peft's default
       targets for its type (gpt2 ``c_attn``, llama ``q_proj``/``v_proj``), last-token pooling, no prefix
       token, no cache of lower layers (BERT layout only); LoRA stays in the top layer when ``config`` puts
@@ -160,8 +163,12 @@ def selector_for_backbone(config: SelectorConfig, backbone: str) -> SelectorConf
     kind = model_config.model_type
     targets = tuple(TARGETS.get(kind, ()))
     out = replace(config, backbone=backbone)
-    if targets and targets in (BERT_TARGETS, config.target_modules):
+    if targets and targets == config.target_modules:
         return out
+    if targets == BERT_TARGETS:  # a BERT under a causal-LM preset (gpu): BERT's targets, [CLS] layout, mean pooling
+        bert_encoding = replace(PairEncodingConfig(), prompt_tokens=config.encoding.prompt_tokens,
+                                response_tokens=config.encoding.response_tokens)
+        return replace(out, target_modules=BERT_TARGETS, pooling="mean", encoding=bert_encoding)
     bert = sorted(k for k, v in TARGETS.items() if tuple(v) == BERT_TARGETS)
     causal = sorted(k for k in TARGETS if k in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and k not in bert)
     if not targets or kind not in causal or getattr(model_config, "is_encoder_decoder", False):
