@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from export.bundle_writer import check_replaceable, check_version, next_bundle_version
 from export.reward_export import export_reward_bundle
 from export.signing import load_signing_key
 from trainer import kinds
@@ -36,6 +37,8 @@ def export_reward(
     # non-Ed25519 key was refused only by export_reward_bundle, after that loading (ExportError: exit 2, one line)
     load_signing_key(signing_key)
     check_out_option(out, beside=True)  # before the mixture is loaded: the bundle's versions go beside OUT
+    check_replaceable(out, FAMILY)  # a router or selector bundle at OUT is refused before the loading, too
+    check_version(out, bundle_version if bundle_version is not None else next_bundle_version(out))
     mix = kinds.get(NAME, FAMILY).load(mixture)
     if cache_dir is not None:
         mix.encoder.cache_dir = cache_dir

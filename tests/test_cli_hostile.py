@@ -711,6 +711,23 @@ def test_mor_export_refuses_a_bad_signing_key_before_loading_the_mixture(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mix", "notes.txt"]  # nothing written
 
 
+def test_mor_export_refuses_a_bundle_it_must_not_replace_before_loading_the_mixture(tmp_path, make_bundle, signing_keys):
+    """A router bundle at --out was refused only after the mixture was loaded (torch, the reward models): now
+    first, as the signing key is (exit 2, one line, torch not imported, the bundle untouched). The version
+    check (--bundle-version above the one at --out) runs at the same point."""
+    (tmp_path / "mix").mkdir()
+    (tmp_path / "mix" / "mixture.json").write_text("[1]")  # would be refused too, but after --out
+    make_bundle(tmp_path / "router")
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "router").iterdir())
+    argv = ["--mixture", str(tmp_path / "mix"), "--client", "c", "--signing-key", str(signing_keys[0]),
+            "--out", str(tmp_path / "router")]
+    report, errors = run_export_script(tmp_path, ["mor", "export"], [argv])
+    assert report == [{"code": 2, "heavy": []}], errors
+    assert errors[0].startswith(f"error: {tmp_path / 'router'} holds a router bundle; refusing to replace it")
+    assert len(errors[0].splitlines()) == 1
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "router").iterdir()) == before
+
+
 def test_mor_grpo_quick_keeps_the_lengths_given_on_the_line():
     """--quick replaced --steps, --n-prompts and --max-completion-length given on the line (--quick --steps 5
     ran 20 steps, silently); it now fills in only the ones left out."""
