@@ -381,3 +381,36 @@ def test_a_rerun_into_the_same_out_replaces_the_saved_experts_whole(tmp_path: Pa
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
     assert (out / "fedprism_seed0" / "router.safetensors").is_file()
     assert json.loads((out / "results.json").read_text())["command"] == "prism train"  # trainer.results_owner
+
+
+def test_the_gpu_preset_trains_on_the_cpu_with_a_tiny_causal_lm(shared_data: Path, tmp_path):
+    """The paper-scale preset (`prism train --preset gpu`: a causal LM, LoRA on every layer's q/v, last-token
+    pooling, no cached lower layers, 128 + 256 tokens, the selector on `device`) has not run on CUDA here: this
+    runs its code path on the CPU with a 2-layer Llama from a config, shrunk to three rounds. The warm-up round
+    leaves the router alone, the next two update it (PGPD every round after the warm-up), and the experts'
+    LoRA weights move."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_selector import tiny_backbone
+
+    from trainer.experts.selector import selector_for_backbone
+
+    llama = str(tiny_backbone(tmp_path / "llama", "llama"))
+    gpu = FedPrismConfig.gpu_preset(llama)
+    cfg = replace(gpu, device="cpu", rounds=3, warmup_rounds=1, router_every=1, n_experts=2, clients_per_round=2,
+                  local_pairs=4, batch_size=4, eval_every=3, selector=selector_for_backbone(gpu.selector, llama))
+    assert (cfg.selector.lora_layers, cfg.selector.pooling, cfg.selector.cache_lower_layers) == (None, "last", False)
+    df = load_preference_pairs(shared_data).groupby("domain").sample(6, random_state=5).reset_index(drop=True)
+    model = PairSelector(cfg.selector, seed=0)
+    store = build_segment_store(model, list(df.prompt), list(df.response_a), list(df.response_b), list(df.label))
+    assert store.lower is None and store.input_ids.shape[1] == 128 + 256 + 2
+    emb = embed_texts(list(df.prompt), cache_dir=tmp_path / "emb", show_progress=False)
+    order = np.random.default_rng(0).permutation(len(df))
+    clients = [np.sort(order[i::3][:5]) for i in range(3)]
+    trainer = FedPrismTrainer(model, FederatedPairs(store, emb, df.domain.to_numpy().astype(str), clients,
+                                                    emb[order[:6]], order[:9]), cfg).setup()
+    before = [dict(e) for e in trainer.experts_]
+    updated = [trainer.run_round(t)["router_updated"] for t in (1, 2, 3)]
+    assert updated == [False, True, True]
+    lora = [n for n in before[0] if "lora_B" in n]
+    assert len(lora) == 2 * 2  # q_proj and v_proj of both layers
+    assert any(np.abs(trainer.experts_[k][n] - before[k][n]).max() > 0 for k in range(2) for n in lora)

@@ -3,11 +3,13 @@ position-swap loss, LoRA-only training, expert state round trips; sdk.pair_encod
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from sdk.errors import InvalidInputError, ShapeError
 from sdk.pair_encoding import PairEncoder, PairEncodingConfig
@@ -226,7 +228,12 @@ def test_selector_for_backbone_keeps_bert_and_refuses_other_architectures(tmp_pa
     cpu, gpu = PRESETS["cpu"][1].selector, PRESETS["gpu"][1].selector
     assert selector_for_backbone(cpu, "all-MiniLM-L6-v2") == cpu  # a BERT: the preset as it is
     llama = str(tiny_backbone(tmp_path / "llama", "llama"))
-    assert selector_for_backbone(gpu, llama) == SelectorConfig(**{**gpu.__dict__, "backbone": llama})  # q/v already
+    # the GPU preset's q/v targets fit a Llama; its separator <|endoftext|> (Qwen's) is not in this Llama's
+    # tokenizer, so sep and pad become the model's end-of-sequence token (the PairEncoder refused the preset's)
+    eos = Tokenizer.from_file(str(Path(llama) / "tokenizer.json")).id_to_token(2)
+    encoding = replace(gpu.encoding, sep_token=eos, pad_token=eos)
+    assert selector_for_backbone(gpu, llama) == SelectorConfig(**{**gpu.__dict__, "backbone": llama, "encoding": encoding})
+    PairEncoder(Tokenizer.from_file(str(Path(llama) / "tokenizer.json")), encoding)
     t5 = tiny_backbone(tmp_path / "t5", "t5")
     with pytest.raises(InvalidInputError, match=rf"^--backbone {t5}: a 't5' model is not supported as a selector "
                                                 r"backbone; supported: BERT-family encoders \(.*bert.*roberta.*\) and "

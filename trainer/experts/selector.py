@@ -131,17 +131,16 @@ def selector_for_backbone(config: SelectorConfig, backbone: str) -> SelectorConf
     """``config`` with ``backbone``, its LoRA targets fitted to the backbone's architecture (``fedroute prism
     train --backbone``; reads the backbone's ``config.json`` only, no weights).
 
-    - A model whose peft defaults are ``config.target_modules`` already (a BERT on the CPU preset, a Qwen2
-      on the GPU preset): ``config`` as it is, with the backbone.
     - A BERT-family encoder (peft's default LoRA targets for its ``model_type`` are ``query``/``value``:
-      bert, roberta, electra, ...) under a preset made for a causal LM (``--preset gpu``): those targets,
-      mean pooling and the ``[CLS] prompt [SEP] response [SEP]`` encoding with the preset's token
-      budget; the preset's LoRA layers and cache setting are kept.
-    - Another causal LM peft knows (gpt2, llama, mistral, qwen2, ... on the CPU preset): peft's default
-      targets for its type (gpt2 ``c_attn``, llama ``q_proj``/``v_proj``), last-token pooling, no prefix
-      token, no cache of lower layers (BERT layout only); LoRA stays in the top layer when ``config`` puts
-      it in some layers only. When the encoding's separator or pad token is not in the backbone's
-      ``tokenizer.json``, its end-of-sequence token is used.
+      bert, roberta, electra, ...): on the CPU preset ``config`` as it is, with the backbone; under a
+      preset made for a causal LM (``--preset gpu``) those targets, mean pooling and the ``[CLS] prompt
+      [SEP] response [SEP]`` encoding with the preset's token budget (its LoRA layers and cache setting kept).
+    - A causal LM peft knows (gpt2, llama, mistral, qwen2, ...), on either preset: peft's default
+      targets for its type (gpt2 ``c_attn``, llama and qwen2 ``q_proj``/``v_proj``), last-token pooling,
+      no prefix token, no cache of lower layers (BERT layout only); LoRA stays in the top layer when
+      ``config`` puts it in some layers only. When the encoding's separator or pad token is not in the
+      backbone's ``tokenizer.json`` (the GPU preset's ``<|endoftext|>`` is Qwen's), its end-of-sequence
+      token is used. A Qwen2 on the GPU preset keeps the preset unchanged.
 
     Raises
     ------
@@ -163,9 +162,10 @@ def selector_for_backbone(config: SelectorConfig, backbone: str) -> SelectorConf
     kind = model_config.model_type
     targets = tuple(TARGETS.get(kind, ()))
     out = replace(config, backbone=backbone)
-    if targets and targets == config.target_modules:
-        return out
-    if targets == BERT_TARGETS:  # a BERT under a causal-LM preset (gpu): BERT's targets, [CLS] layout, mean pooling
+    if targets == BERT_TARGETS:
+        if config.target_modules == BERT_TARGETS:
+            return out
+        # a BERT under a causal-LM preset (gpu): BERT's targets, [CLS] layout, mean pooling
         bert_encoding = replace(PairEncodingConfig(), prompt_tokens=config.encoding.prompt_tokens,
                                 response_tokens=config.encoding.response_tokens)
         return replace(out, target_modules=BERT_TARGETS, pooling="mean", encoding=bert_encoding)
