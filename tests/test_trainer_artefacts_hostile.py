@@ -93,6 +93,29 @@ def test_an_expert_whose_adapter_file_is_empty_or_foreign_is_refused(saved_exper
     assert all(np.array_equal(state[k], shifted[k]) for k in shifted)
 
 
+@pytest.mark.parametrize("where", ["head", "adapter"])
+def test_an_expert_with_a_nan_tensor_is_refused_naming_the_file_and_tensor(saved_experts, tmp_path, where):
+    """A NaN weight loaded, and `fedroute export --selector` then failed in its parity step with
+    "ShapeError: proba_a holds NaN or inf", naming neither the expert nor the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    model, root, _, _ = saved_experts
+    cut = _copy_expert(root, tmp_path)
+    path = cut / "head.safetensors" if where == "head" else cut / "adapter" / "adapter_model.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(str(path)).items()}
+    name = sorted(tensors)[-1]
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, str(path))
+    with pytest.raises(InvalidInputError, match=f"{path.name}: tensor '{name}' holds NaN or inf"):
+        model.load_expert(cut)
+    from export.selector_export import load_trained_selector
+    from trainer.experts.selector import save_selector_config
+
+    save_selector_config(model.config, tmp_path / "selector_config.json")  # as `prism train` writes it
+    with pytest.raises(ExportError, match=f"cannot load the selector expert at {cut}: .*tensor '{name}' holds NaN"):
+        load_trained_selector(cut)
+
+
 # --- MoR mixtures -----------------------------------------------------------------------------------
 
 
