@@ -61,3 +61,21 @@ def test_an_embedder_that_cannot_be_loaded_is_an_export_error_naming_it(tmp_path
     with pytest.raises(ExportError, match=re.escape(f"cannot export the embedder {name!r} named in {router_dir}")):
         _export(router_dir, tmp_path / "out", signing_keys, routerbench_dir)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.__setitem__((1, 3), np.nan), r"centroids: cell 1 holds NaN or inf"),
+    (lambda c: c.__setitem__((0, 0), np.inf), r"centroids: cell 0 holds NaN or inf"),
+])
+def test_a_kmeans_npz_with_a_nan_centroid_is_refused_when_the_router_loads(tmp_path, signing_keys, routerbench_dir,
+                                                                           edit, message):
+    """It loaded, and the export failed in its parity step with 'ShapeError: embeddings and centroids
+    must be finite', naming neither the router folder nor the array."""
+    router_dir = _router_dir(tmp_path, {"name": "all-MiniLM-L6-v2", "dim": 8})
+    with np.load(router_dir / "kmeans.npz") as z:
+        arrays = {k: z[k].copy() for k in z.files}
+    edit(arrays["centroids"])
+    np.savez(router_dir / "kmeans.npz", **arrays)
+    with pytest.raises(ExportError, match=f"cannot load the router at {re.escape(str(router_dir))}: {message}"):
+        _export(router_dir, tmp_path / "out", signing_keys, routerbench_dir)
+    assert not (tmp_path / "out").exists()
