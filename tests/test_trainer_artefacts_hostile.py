@@ -5,6 +5,7 @@ refused with one error naming the file, argument or folder, before any heavy wor
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -161,6 +162,25 @@ def test_a_mixture_part_cut_short_is_named(saved_mixture, tmp_path, part, conten
         load_mixture(copy)
     assert str(info.value).startswith(f"{folder}: cannot load this part of the mixture ({error}: ")
     assert str(info.value).endswith("rerun `fedroute mor train`")
+
+
+@pytest.mark.parametrize("part", ["router/router.safetensors", "clients/harmless/weights.safetensors"])
+def test_a_mixture_part_with_a_nan_weight_is_named(saved_mixture, tmp_path, part):
+    """It loaded, and `fedroute mor export` failed after its ONNX export with 'parity check failed:
+    graphs: reward_max_abs_diff nan > 0.001', naming neither the folder nor the tensor."""
+    from safetensors.numpy import load_file, save_file
+    from trainer.rewards.mixture import load_mixture
+
+    _, saved = saved_mixture
+    copy = tmp_path / "mixture"
+    shutil.copytree(saved, copy)
+    tensors = {k: v.copy() for k, v in load_file(str(copy / part)).items()}
+    name = sorted(tensors)[0]
+    tensors[name].flat[0] = np.nan
+    save_file(tensors, str(copy / part))
+    with pytest.raises(InvalidInputError, match=f"^{re.escape(str(copy / Path(part).parent))}: tensor {name!r} holds "
+                                                "NaN or inf; a corrupt copy or a diverged training run"):
+        load_mixture(copy)
 
 
 def test_the_saved_mixture_itself_still_loads(saved_mixture):
