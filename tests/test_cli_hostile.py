@@ -652,6 +652,8 @@ EXPORT_CASES = [  # (arguments, message); TMP is a fresh folder, KEY a valid sig
      "--prices TMP/notes.txt: expected JSON {model: {"),
     (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--prior-domain", "alpacaeval"],
      "--prior-domain is for --selector bundles"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--bundle-version", str(2**63)],
+     "error: bundle_version must be at most 2**63 - 1 (what the SDK loads), got 9223372036854775808"),
     (["--router", "TMP/router", "--selector", "TMP", "--signing-key", "KEY", "--out", "TMP/b"],
      "give exactly one of --router DIR and --selector DIR"),
     (["--selector", "TMP/nope", "--signing-key", "KEY", "--out", "TMP/b"],
