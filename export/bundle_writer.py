@@ -79,10 +79,13 @@ def check_replaceable(out: Path, family: str | None = None) -> None:
 
 
 def check_version(out: Path, bundle_version: int) -> None:
-    """Raise ExportError unless ``bundle_version`` is >= 1 and above every version published at
-    ``out`` (versions are monotonic: a device never takes an older bundle for a newer one)."""
+    """Raise ExportError unless ``bundle_version`` is in [1, 2**63 - 1] (:data:`sdk.bundle_manifest.MAX_BUNDLE_VERSION`)
+    and above every version published at ``out`` (versions are monotonic: a device never takes an older
+    bundle for a newer one)."""
     if bundle_version < 1:
         raise ExportError(f"bundle_version must be >= 1, got {bundle_version}")
+    if bundle_version > fmt.MAX_BUNDLE_VERSION:  # the SDK refuses such a manifest: the staged bundle failed to load
+        raise ExportError(f"bundle_version must be at most 2**63 - 1 (what the SDK loads), got {bundle_version}")
     current = next_bundle_version(out) - 1
     if bundle_version <= current:
         raise ExportError(f"bundle_version {bundle_version} is not above the version {current} already at {out}")

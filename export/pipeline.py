@@ -23,6 +23,7 @@ from export.embedder_onnx import ExportedEmbedder
 from export.errors import ExportError
 from export.signing import load_signing_key
 from sdk import kinds as sdk_kinds
+from sdk.errors import FedrouteError
 from sdk.real_numbers import finite_float
 from trainer.embeddings import EmbedderConfig, embed_texts
 from trainer.kinds import load_router
@@ -62,6 +63,26 @@ def check_prices(prices: dict, models) -> dict[str, tuple[float | None, float | 
                 raise ExportError(f"prices[{model!r}].{side} must be a number >= 0 (USD per 1k tokens) or null, got {value!r}")
         out[model] = (None if pair[0] is None else float(pair[0]), None if pair[1] is None else float(pair[1]))
     return out
+
+
+def _embedder_config(emb: dict, router_dir: Path) -> EmbedderConfig:
+    """The trainer's embedder settings from ``router.json``'s ``embedder`` entry.
+
+    Raises
+    ------
+    ExportError
+        ``name`` is not a non-blank str, ``max_tokens`` not an int >= 8, ``truncation_side`` not
+        ``"left"``/``"right"`` (a hand-edited or corrupt ``router.json``); the message names the value.
+    """
+    where = f"{router_dir}/router.json"
+    name, max_tokens, side = emb["name"], emb.get("max_tokens", 256), emb.get("truncation_side", "left")
+    if not isinstance(name, str) or not name.strip():
+        raise ExportError(f"{where}: embedder.name must name the embedder the router was trained on, got {name!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 8:
+        raise ExportError(f"{where}: embedder.max_tokens must be an integer >= 8, got {max_tokens!r}")
+    if side not in ("left", "right"):
+        raise ExportError(f"{where}: embedder.truncation_side must be 'left' or 'right', got {side!r}")
+    return EmbedderConfig(model=name, max_tokens=max_tokens, truncation_side=side)
 
 
 def _load_test_table(router, data: Path | None):
@@ -184,10 +205,9 @@ def export_bundle(
     except Exception as exc:  # noqa: BLE001 - any unreadable router is one clear error
         raise ExportError(f"cannot load the router at {router_dir}: {exc}") from exc
     emb = router.embedder or {}
-    if "name" not in emb:
+    if not isinstance(emb, dict) or "name" not in emb:
         raise ExportError(f"{router_dir}/router.json has no embedder entry; retrain with this fedroute version")
-    config = EmbedderConfig(model=emb["name"], max_tokens=int(emb.get("max_tokens", 256)),
-                            truncation_side=emb.get("truncation_side", "left"))
+    config = _embedder_config(emb, router_dir)
     embedder_kind = export_kinds.get(config.kind.name, family="embedder")
     check_quantised(embedder_kind, quantised)  # before any work
     prices = check_prices(prices or {}, router.models)
@@ -203,7 +223,15 @@ def export_bundle(
 
     with tempfile.TemporaryDirectory(prefix="fedroute-export-") as tmp:
         tmp = Path(tmp)
-        embedder = embedder_kind.build(emb, config, tmp, quantised, cache_dir, progress=progress)
+        try:
+            embedder = embedder_kind.build(emb, config, tmp, quantised, cache_dir, progress=progress)
+        except FedrouteError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - optimum / transformers / huggingface_hub: one clear line
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise ExportError(f"cannot export the embedder {config.model!r} named in {router_dir}/router.json "
+                              f"(not a sentence-transformer folder, or a hub id not cached here): "
+                              f"{type(exc).__name__}: {first}") from exc
         progress(f"exporting the {router.kind} router")
         files, fields = assemble_bundle(router, embedder, prices, version)
         staged = tmp / "staged"

@@ -31,12 +31,12 @@ def generate_keypair(out_dir: Path, overwrite: bool = False) -> tuple[Path, Path
     ExportError
         ``out_dir`` is a file, or it already holds ``signing.key`` or ``signing.pub`` and
         ``overwrite`` is False (a lost key cannot sign updates
-        that deployed apps accept, so it is never replaced silently).
+        that deployed apps accept, so it is never replaced silently), or it cannot be created or
+        written (e.g. a read-only folder, a file on its path).
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"{out_dir} is a file; give a folder for signing.key and signing.pub")
-    out_dir.mkdir(parents=True, exist_ok=True)
     private_path, public_path = out_dir / PRIVATE_FILE, out_dir / PUBLIC_FILE
     if (private_path.exists() or public_path.exists()) and not overwrite:
         raise ExportError(f"{out_dir} already holds a signing key pair; refusing to replace it (pass overwrite=True / --force)")
@@ -45,8 +45,12 @@ def generate_keypair(out_dir: Path, overwrite: bool = False) -> tuple[Path, Path
                                     serialization.NoEncryption())
     public_pem = key.public_key().public_bytes(serialization.Encoding.PEM,
                                                serialization.PublicFormat.SubjectPublicKeyInfo)
-    write_atomic(private_path, private_pem, mode=0o600)  # O_EXCL + O_NOFOLLOW: never through a planted file
-    write_atomic(public_path, public_pem)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(private_path, private_pem, mode=0o600)  # O_EXCL + O_NOFOLLOW: never through a planted file
+        write_atomic(public_path, public_pem)
+    except OSError as exc:  # a read-only or missing parent, a file on the way: one line, not mkdir's traceback
+        raise ExportError(f"cannot write the key pair into {out_dir}: {exc.strerror or exc}; give a writable folder") from exc
     return private_path, public_path
 
 

@@ -128,6 +128,23 @@ def unregister(family: str, name: str) -> None:
     REGISTRY.unregister(family, name)
 
 
+def unregister_family(name: str) -> None:
+    """Remove a family declared by :func:`register_family` and its kinds (tests: a toy family
+    would otherwise stay declared for the rest of the process, and be listed in every message that
+    lists the families); unknown names are ignored.
+
+    Raises
+    ------
+    InvalidInputError
+        ``name`` is one of the SDK's own families (router, embedder, selector, reward_scorer).
+    """
+    if name in (ROUTER_FAMILY, EMBEDDER_FAMILY, *BUILTIN_FAMILY_MODULES):
+        raise InvalidInputError(f"family {name!r} is built in; it cannot be unregistered")
+    for kind in REGISTRY.names(name):
+        REGISTRY.unregister(name, kind)
+    _FAMILIES.pop(name, None)
+
+
 def get(family: str, name: str) -> ArtefactKind:
     """The registered SDK kind ``name`` of ``family``; :class:`UnknownKindError` lists the valid ones."""
     _import_family(family)
@@ -228,4 +245,4 @@ register(StaticEmbedderKind())  # embedder/static (model2vec table), sdk/static_
 
 __all__ = ["ArtefactKind", "Embedder", "Family", "LoadContext", "RouterScorer", "UnknownKindError", "check_manifest_kinds",
            "REGISTRY", "families", "get", "import_named_families", "load_artefact", "manifest_key", "manifest_kinds", "names", "needs_embedder", "register",
-           "register_family", "unregister"]
+           "register_family", "unregister", "unregister_family"]

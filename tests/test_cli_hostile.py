@@ -380,6 +380,26 @@ def test_rounds_open_checks_its_paths_before_creating_the_database(tmp_path):
         assert not db.exists()
 
 
+@pytest.mark.parametrize("option", ["--signing-key", "--public-key"])
+def test_rounds_open_refuses_a_key_the_bundle_is_not_signed_with_before_creating_the_database(tmp_path, option):
+    """`rounds open --signing-key` of another key pair than the bundle's created the database, then failed with
+    'manifest signature does not verify with public key 197f...', naming neither the bundle nor the key file."""
+    from export.bundle_writer import write_bundle
+    from export.signing import generate_keypair, load_signing_key
+
+    signed_with, _ = generate_keypair(tmp_path / "keys")
+    other_private, other_public = generate_keypair(tmp_path / "other")
+    write_bundle(tmp_path / "bundle", {"kmeans.npz": b"x"}, {"bundle_version": 1, "router_kind": "kmeans"},
+                 load_signing_key(signed_with))
+    db, key = tmp_path / "fed.db", other_private if option == "--signing-key" else other_public
+    result = CliRunner().invoke(app, ["rounds", "open", "--bundle-dir", str(tmp_path / "bundle"), option, str(key),
+                                      "--db", f"sqlite:///{db}"], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert (f"--bundle-dir {tmp_path / 'bundle'} (checked with {option} {key}): manifest signature does not verify"
+            in flat(result.output))
+    assert not db.exists()
+
+
 @pytest.mark.parametrize("option", ["--n-parity", "--bundle-version"])
 def test_mor_export_refuses_counts_below_one_while_parsing(tmp_path, option):
     """--n-parity -3 ended in pandas' 'A negative number of rows requested' traceback after the mixture and the
@@ -634,6 +654,8 @@ EXPORT_CASES = [  # (arguments, message); TMP is a fresh folder, KEY a valid sig
      "--prices TMP/notes.txt: expected JSON {model: {"),
     (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--prior-domain", "alpacaeval"],
      "--prior-domain is for --selector bundles"),
+    (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--bundle-version", str(2**63)],
+     "error: bundle_version must be at most 2**63 - 1 (what the SDK loads), got 9223372036854775808"),
     (["--router", "TMP/router", "--selector", "TMP", "--signing-key", "KEY", "--out", "TMP/b"],
      "give exactly one of --router DIR and --selector DIR"),
     (["--selector", "TMP/nope", "--signing-key", "KEY", "--out", "TMP/b"],

@@ -277,6 +277,15 @@ def test_keygen_into_a_file_is_a_clear_error(tmp_path):
         generate_keypair(target)
 
 
+def test_keygen_into_a_folder_it_cannot_create_is_a_clear_error(tmp_path):
+    """`fedroute keygen --out /sys/keys` (or under a file, or a read-only folder) ended in a PermissionError /
+    NotADirectoryError traceback from mkdir."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ExportError, match=r"cannot write the key pair into .*afile/keys: .*Not a directory"):
+        generate_keypair(tmp_path / "afile" / "keys")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
 def test_example_dry_run_never_writes_the_real_log(make_bundle, signing_keys, tmp_path, monkeypatch, capsys):
     import runpy
 

@@ -225,3 +225,92 @@ def test_a_bundle_of_an_unregistered_kind_is_refused_naming_the_registered_ones(
     sdk_kinds.unregister("router", "mean")  # a device whose SDK lacks the plugin
     with pytest.raises(BundleError, match=r"router_kind unknown router kind 'mean'; valid: \['kmeans', 'mlp'\]"):
         Router.load(tmp_path / "bundle", signing_keys[1])
+
+
+# --- a new family (docs/plugins.md: "A new family", "Non-router families") ---------------------
+
+TOY_FAMILY, TOY_FILE = "lengthscore", "linear.json"
+
+
+def _toy_family():
+    from typing import Protocol, runtime_checkable
+
+    from export import kinds as export_kinds
+
+    @runtime_checkable
+    class LengthScoreInterface(Protocol):
+        def score(self, text: str) -> float: ...
+
+    class LinearScorer:
+        def __init__(self, a: float, b: float) -> None:
+            self.a, self.b = a, b
+
+        def score(self, text: str) -> float:
+            return self.a * len(text) + self.b
+
+    class LinearSdkKind(sdk_kinds.ArtefactKind):
+        family, name = TOY_FAMILY, "linear"
+
+        def files(self, manifest, precision):
+            return (TOY_FILE,)
+
+        def load(self, context):
+            table = json.loads(context.files[TOY_FILE])
+            return LinearScorer(float(table["a"]), float(table["b"]))
+
+    class LinearExportKind(export_kinds.ExportKind):
+        family, name = TOY_FAMILY, "linear"
+
+        def files(self, artefact):
+            return {TOY_FILE: json.dumps(artefact).encode()}
+
+        def parity(self, bundle_dir, public_key, artefact, reference, test, precisions, progress=print):
+            from sdk import bundle_manifest
+
+            bundle = bundle_manifest.read_verified(bundle_dir, public_key)
+            runtime = sdk_kinds.load_artefact(TOY_FAMILY, bundle.manifest, bundle.files)
+            diff = max(abs(runtime.score(t) - (artefact["a"] * len(t) + artefact["b"])) for t in test)
+            return {"passed": diff <= 1e-12, "failures": [] if diff <= 1e-12 else [f"max diff {diff}"]}
+
+    sdk_kinds.register_family(TOY_FAMILY, LengthScoreInterface, needs_embedder=False)
+    sdk_kinds.register(LinearSdkKind())
+    export_kinds.register(LinearExportKind())
+    return export_kinds
+
+
+def test_a_new_family_is_exported_loaded_and_removed_as_the_plugin_doc_says(signing_keys, tmp_path):
+    from export.bundle_writer import write_bundle, write_checked_bundle
+    from export.errors import ExportError
+    from export.signing import load_signing_key
+    from sdk import Router, bundle_manifest
+
+    export_kinds = _toy_family()
+    try:
+        kind, artefact = export_kinds.get("linear", family=TOY_FAMILY), {"a": 0.5, "b": 1.0}
+        key = load_signing_key(signing_keys[0])
+        files, fields = kind.files(artefact), {"bundle_version": 1, **kind.manifest_fields(artefact)}
+        assert fields == {"bundle_version": 1, "lengthscore_kind": "linear"}
+        write_bundle(tmp_path / "staged", files, fields, key)
+        report = kind.parity(tmp_path / "staged", key.public_key(), artefact, None, ["a", "abcd"], ["fp32"])
+        manifest = write_checked_bundle(tmp_path / "bundle", dict(files), fields, key, report)
+        assert "embedder" not in manifest and "models" not in manifest and "parity.json" in manifest["files"]
+        bundle = bundle_manifest.read_verified(tmp_path / "bundle", signing_keys[1])
+        assert sdk_kinds.load_artefact(TOY_FAMILY, bundle.manifest, bundle.files).score("hello") == 3.5
+        with pytest.raises(BundleError, match=r"bundle carries no router \(it carries \{'lengthscore': 'linear'\}\)"):
+            Router.load(tmp_path / "bundle", signing_keys[1])
+        with pytest.raises(ExportError, match="holds a lengthscore bundle; refusing to replace it with a router"):
+            write_bundle(tmp_path / "bundle", files, {"bundle_version": 2, "router_kind": "kmeans"}, key)
+    finally:
+        export_kinds.unregister("linear", family=TOY_FAMILY)
+        sdk_kinds.unregister_family(TOY_FAMILY)  # its kinds go with it
+    assert TOY_FAMILY not in sdk_kinds.families() and sdk_kinds.REGISTRY.names(TOY_FAMILY) == ()
+    with pytest.raises(BundleError, match=r"names no artefact; expected one of \['reward_scorer_kind', 'router_kind', "
+                                          r"'selector_kind'\]"):
+        sdk_kinds.check_manifest_kinds({"lengthscore_kind": "linear"})
+
+
+def test_the_built_in_families_cannot_be_unregistered():
+    for family in ("router", "embedder", "selector", "reward_scorer"):
+        with pytest.raises(InvalidInputError, match=f"family {family!r} is built in"):
+            sdk_kinds.unregister_family(family)
+    sdk_kinds.unregister_family("never_declared")  # unknown names are ignored, as for kinds

@@ -5,6 +5,7 @@ refused with one error naming the file, argument or folder, before any heavy wor
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -93,6 +94,29 @@ def test_an_expert_whose_adapter_file_is_empty_or_foreign_is_refused(saved_exper
     assert all(np.array_equal(state[k], shifted[k]) for k in shifted)
 
 
+@pytest.mark.parametrize("where", ["head", "adapter"])
+def test_an_expert_with_a_nan_tensor_is_refused_naming_the_file_and_tensor(saved_experts, tmp_path, where):
+    """A NaN weight loaded, and `fedroute export --selector` then failed in its parity step with
+    "ShapeError: proba_a holds NaN or inf", naming neither the expert nor the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    model, root, _, _ = saved_experts
+    cut = _copy_expert(root, tmp_path)
+    path = cut / "head.safetensors" if where == "head" else cut / "adapter" / "adapter_model.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(str(path)).items()}
+    name = sorted(tensors)[-1]
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, str(path))
+    with pytest.raises(InvalidInputError, match=f"{path.name}: tensor '{name}' holds NaN or inf"):
+        model.load_expert(cut)
+    from export.selector_export import load_trained_selector
+    from trainer.experts.selector import save_selector_config
+
+    save_selector_config(model.config, tmp_path / "selector_config.json")  # as `prism train` writes it
+    with pytest.raises(ExportError, match=f"cannot load the selector expert at {cut}: .*tensor '{name}' holds NaN"):
+        load_trained_selector(cut)
+
+
 # --- MoR mixtures -----------------------------------------------------------------------------------
 
 
@@ -138,6 +162,25 @@ def test_a_mixture_part_cut_short_is_named(saved_mixture, tmp_path, part, conten
         load_mixture(copy)
     assert str(info.value).startswith(f"{folder}: cannot load this part of the mixture ({error}: ")
     assert str(info.value).endswith("rerun `fedroute mor train`")
+
+
+@pytest.mark.parametrize("part", ["router/router.safetensors", "clients/harmless/weights.safetensors"])
+def test_a_mixture_part_with_a_nan_weight_is_named(saved_mixture, tmp_path, part):
+    """It loaded, and `fedroute mor export` failed after its ONNX export with 'parity check failed:
+    graphs: reward_max_abs_diff nan > 0.001', naming neither the folder nor the tensor."""
+    from safetensors.numpy import load_file, save_file
+    from trainer.rewards.mixture import load_mixture
+
+    _, saved = saved_mixture
+    copy = tmp_path / "mixture"
+    shutil.copytree(saved, copy)
+    tensors = {k: v.copy() for k, v in load_file(str(copy / part)).items()}
+    name = sorted(tensors)[0]
+    tensors[name].flat[0] = np.nan
+    save_file(tensors, str(copy / part))
+    with pytest.raises(InvalidInputError, match=f"^{re.escape(str(copy / Path(part).parent))}: tensor {name!r} holds "
+                                                "NaN or inf; a corrupt copy or a diverged training run"):
+        load_mixture(copy)
 
 
 def test_the_saved_mixture_itself_still_loads(saved_mixture):

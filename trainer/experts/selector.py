@@ -425,7 +425,8 @@ class PairSelector(nn.Module):
         ------
         InvalidInputError
             ``adapter/adapter_model.safetensors`` or ``head.safetensors`` lacks a tensor of this
-            selector or holds one it does not have (the message names the file and the tensors).
+            selector or holds one it does not have, or a tensor holding NaN or inf (the message
+            names the file and the tensors).
         ShapeError
             A tensor of another shape.
         """
@@ -444,6 +445,12 @@ class PairSelector(nn.Module):
             want = tuple(current[name].shape)
             if tuple(value.shape) != want:
                 raise ShapeError(f"{adapter_file}: tensor {name!r} has shape {tuple(value.shape)}, expected {want}")
+        for path, finite in ((adapter_file, {k: bool(torch.isfinite(v).all()) for k, v in adapter.items()}),
+                             (head_file, {k: bool(np.isfinite(v).all()) for k, v in head.items()})):
+            bad = next((name for name, ok in sorted(finite.items()) if not ok), None)
+            if bad is not None:  # it loaded, and the export's parity step failed on "proba_a holds NaN or inf"
+                raise InvalidInputError(f"{path}: tensor {bad!r} holds NaN or inf; a corrupt copy or a diverged "
+                                        "training run? retrain the expert")
         set_peft_model_state_dict(self.backbone, adapter)
         state = self.expert_state()
         state.update(head)

@@ -199,25 +199,35 @@ def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | No
 
 def _load_part(folder: Path, load):
     """``load()`` of the router or a client reward model saved in ``folder``; a file of it that is missing,
-    truncated or foreign (JSON, safetensors or state-dict errors) becomes one InvalidInputError naming the
-    folder instead of the library's traceback."""
+    truncated or foreign (JSON, safetensors or state-dict errors), or a weight holding NaN or inf, becomes one
+    InvalidInputError naming the folder (and the tensor) instead of the library's traceback or a late NaN."""
     from safetensors import SafetensorError  # safetensors: optional heavy dependency, imported on use
 
+    import torch  # torch: optional heavy dependency, imported on use (the parts are torch modules)
+
     try:
-        return load()
+        part = load()
     except InvalidInputError:
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise InvalidInputError(f"{folder}: cannot load this part of the mixture ({type(exc).__name__}: {first}); "
                                 "a copy cut short? rerun `fedroute mor train`") from exc
+    module = part if isinstance(part, torch.nn.Module) else getattr(part, "module", None)
+    if isinstance(module, torch.nn.Module):  # a NaN weight loaded, and `mor export` failed late on a NaN parity diff
+        bad = next((k for k, v in module.state_dict().items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+        if bad is not None:
+            raise InvalidInputError(f"{folder}: tensor {bad!r} holds NaN or inf; a corrupt copy or a diverged training "
+                                    "run? rerun `fedroute mor train`")
+    return part
 
 
 def load_mixture(directory: Path, cache_dir: Path | None = None, mode: str | None = None) -> RoutedReward:
     """Load a saved mixture. ``mode`` overrides the saved active mode and takes that mode's saved variant
     (e.g. the soft temperature chosen on validation). Raises InvalidInputError on a missing, unreadable or
     incomplete ``mixture.json``, a format version other than 1 or a bad variant, or a router or client
-    folder whose files are missing, truncated or not of this mixture (the message names the folder)."""
+    folder whose files are missing, truncated, not of this mixture or hold a NaN or inf weight (the message
+    names the folder)."""
     directory = Path(directory)
     path = directory / "mixture.json"
     if not path.is_file():

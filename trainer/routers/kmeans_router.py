@@ -83,6 +83,12 @@ class KMeansRouter(Router):
     price_prior_ : ndarray of shape (n_models,), float64, USD per query: the price of a model added
         with ``fedroute add-model`` (its prior, see :func:`trainer.routers.shrinkage.shrunk_means`),
         NaN for the others.
+
+    Raises
+    ------
+    InvalidInputError
+        Centroids that are not a (n_cells >= 1, d_emb) array or hold NaN or inf (the message names
+        the first such cell), or statistics of another shape than centroids x models.
     """
 
     kind = "kmeans"
@@ -98,6 +104,11 @@ class KMeansRouter(Router):
         price_prior: np.ndarray | None = None,
     ) -> None:
         centroids = np.asarray(centroids, dtype=np.float32)
+        if centroids.ndim != 2 or centroids.shape[0] < 1:
+            raise InvalidInputError(f"centroids must have shape (n_cells >= 1, d_emb), got {centroids.shape}")
+        bad = np.flatnonzero(~np.isfinite(centroids).all(axis=1))
+        if bad.size:  # a corrupt kmeans.npz: every query would fail later, far from the file
+            raise InvalidInputError(f"centroids: cell {int(bad[0])} holds NaN or inf ({bad.size} of {centroids.shape[0]} cells)")
         if statistics.n_cells != centroids.shape[0] or statistics.n_models != len(models):
             raise InvalidInputError(
                 f"statistics shape {statistics.count.shape} does not match "

@@ -17,6 +17,8 @@ from typing import Annotated
 
 import typer
 
+from sdk import bundle_manifest
+from sdk.errors import BundleError
 from sdk.finite_option import finite_option
 from sdk.kind_registry import UnknownKindError
 from trainer.federated.gaussian_privacy import gaussian_epsilon
@@ -219,6 +221,11 @@ def rounds_open(
         if path is not None and not path.is_file():
             raise typer.BadParameter(f"{option} {path}: no key file there")
     key = publisher.public_key(signing_key) if signing_key is not None else public_key
+    try:  # signature and schema only (the files are hashed by the round kind): a wrong key pair left a new database
+        bundle_manifest.read_verified(bundle_dir, key, wanted=(), verify_unused=False)
+    except BundleError as exc:
+        which = f"--signing-key {signing_key}" if signing_key is not None else f"--public-key {public_key}"
+        raise typer.BadParameter(f"--bundle-dir {bundle_dir} (checked with {which}): {exc}") from exc
     request = OpenRequest(
         bundle_dir=bundle_dir, public_key=key, deadline_s=deadline_s, quorum=quorum, min_count=min_count,
         signing_key=signing_key, seed=seed, clip_count=clip_count, trim_fraction=trim_fraction,
