@@ -65,7 +65,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from sdk.budget import BudgetController, check_budget_floor
 from sdk.chat_text import DEFAULT_CONTEXT_CHARS, routing_text
-from sdk.errors import InvalidInputError, UnknownModelError, UnknownResponseError, UpstreamError
+from sdk.errors import (EvalLogError, InvalidInputError, ShapeError, UnknownModelError, UnknownResponseError,
+                        UpstreamError)
 from sdk.eval_log import EvalLog
 from sdk.model_spec import ROUTED_MODEL, ModelSpec, parse_model_spec
 from sdk.pending_outcomes import PendingOutcome, PendingOutcomes, storable_id
@@ -552,7 +553,9 @@ class RoutedChat:
             No routed call awaits a score under ``response_id`` (unknown, already scored, expired,
             a pass-through, or an answer without usage).
         EvalLogError
-            The log or the pending store cannot be written or read, or was closed (:meth:`close`).
+            The log or the pending store cannot be written or read, or was closed (:meth:`close`), or
+            the waiting answer cannot go in the log (a model or embedding of another bundle's log, a
+            cost above :data:`sdk.eval_log.MAX_COST_PER_QUERY_USD`); the entry stays pending.
         """
         if self._log is None or self._pending is None:
             raise InvalidInputError("this RoutedChat has no EvalLog (log=None): there is nowhere to record a score")
@@ -566,9 +569,14 @@ class RoutedChat:
             if pending is None:
                 raise UnknownResponseError(f"no routed call awaits a score under id {response_id!r} (unknown, "
                                            "already scored, expired, a pass-through or an answer without usage)")
-            row = self._log.record(pending.model, float(score), pending.cost_usd, latency_ms=pending.latency_ms,
-                                   embedding=pending.embedding, cell=pending.cell,
-                                   bundle_version=pending.bundle_version, timestamp=pending.timestamp)
+            try:  # a clock set back since the answer: the row takes the time of the feedback (not a future one)
+                row = self._log.record(pending.model, value, pending.cost_usd, latency_ms=pending.latency_ms,
+                                       embedding=pending.embedding, cell=pending.cell,
+                                       bundle_version=pending.bundle_version,
+                                       timestamp=min(pending.timestamp, time.time()))
+            except (InvalidInputError, UnknownModelError, ShapeError) as exc:  # the stored outcome, not the score
+                raise EvalLogError(f"the answer awaiting a score under id {response_id!r} cannot be recorded in "
+                                   f"{str(self._log.path)!r} (it stays pending): {exc}") from exc
             self._pending.remove(response_id)  # after the row is committed: a crash in between re-scores, never loses
         return row
 
