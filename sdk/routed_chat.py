@@ -37,7 +37,9 @@ Per call (:meth:`create`, :meth:`acreate`; ``model=`` as in :mod:`sdk.model_spec
    its score in [0, 1]; then one :class:`sdk.eval_log.EvalLog` row (model that answered, score,
    observed cost, latency, embedding, cell, bundle version) is written for the sync job. No score is
    ever invented, and the router's predicted cost is never recorded as observed. A response without
-   ``usage`` has no observed cost: it is returned, warned about, and not recorded.
+   ``usage`` has no observed cost: it is returned, warned about, and not recorded; one whose observed
+   cost is above :data:`sdk.eval_log.MAX_COST_PER_QUERY_USD` (1000 USD, more than a log row holds) is
+   returned, counted and fed to a budget controller, warned about, and not kept for :meth:`feedback`.
 
 Pass-through (``model=`` a model id): that model's upstream, no routing, no fallback; its cost goes to
 the ``observer`` (spend metrics) but nothing to the log (it has no routed embedding).
@@ -67,7 +69,7 @@ from sdk.budget import BudgetController, check_budget_floor
 from sdk.chat_text import DEFAULT_CONTEXT_CHARS, routing_text
 from sdk.errors import (EvalLogError, InvalidInputError, ShapeError, UnknownModelError, UnknownResponseError,
                         UpstreamError)
-from sdk.eval_log import EvalLog
+from sdk.eval_log import MAX_COST_PER_QUERY_USD, EvalLog
 from sdk.model_spec import ROUTED_MODEL, ModelSpec, parse_model_spec
 from sdk.pending_outcomes import PendingOutcome, PendingOutcomes, storable_id
 from sdk.real_numbers import finite_float
@@ -520,11 +522,15 @@ class RoutedChat:
         if plan is not None and plan.budget_usd_per_1k is not None and cost is not None:
             self._controller(plan.budget_usd_per_1k).record(route.model, cost)
         awaiting = False
-        if plan is not None and self._pending is not None and cost is not None and response_id \
-                and not storable_id(response_id):  # e.g. lone surrogates from the upstream: the answer still stands
+        to_store = plan is not None and self._pending is not None and cost is not None and bool(response_id)
+        if to_store and not storable_id(response_id):  # e.g. lone surrogates from the upstream: the answer still stands
             log.warning("the answer of %s has an id that cannot be stored (%r): it cannot be scored later",
                         route.model, str(response_id)[:80])
-        elif plan is not None and self._pending is not None and cost is not None and response_id:
+        elif to_store and cost > MAX_COST_PER_QUERY_USD:  # no log row may hold it: feedback could never record it
+            log.warning("the answer of %s (id %s) cost %.6g USD by its usage, above the %g USD per query a log row "
+                        "holds (absurd token counts or prices?): it cannot be scored later", route.model,
+                        response_id, cost, MAX_COST_PER_QUERY_USD)
+        elif to_store:
             c = plan.choice
             self._pending.add(PendingOutcome(response_id, time.time(), route.model, cost, latency_ms, c.embedding,
                                              c.cell, c.bundle_version))
@@ -551,7 +557,7 @@ class RoutedChat:
             This client has no log, or ``score`` is not a real in [0, 1].
         UnknownResponseError
             No routed call awaits a score under ``response_id`` (unknown, already scored, expired,
-            a pass-through, or an answer without usage).
+            a pass-through, an answer without usage or one costing over 1000 USD).
         EvalLogError
             The log or the pending store cannot be written or read, or was closed (:meth:`close`), or
             the waiting answer cannot go in the log (a model or embedding of another bundle's log, a

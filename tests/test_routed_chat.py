@@ -350,3 +350,23 @@ def test_pending_store_keeps_the_newest_rows_and_drops_expired_ones(tmp_path):
     for bad in ({"max_rows": 0}, {"max_age_s": 0}, {"max_age_s": float("nan")}):
         with pytest.raises(InvalidInputError):
             PendingOutcomes(":memory:", **bad)
+
+
+def test_an_answer_costing_more_than_a_log_row_holds_is_not_kept_for_feedback(router, stub, tmp_path, caplog):
+    """Observed cost = usage x price above 1000 USD (sdk.eval_log.MAX_COST_PER_QUERY_USD; here a price typed
+    in the wrong unit): it used to wait for a score that the log then refused at feedback, as an error about
+    a ``cost_usd`` the app never sent. Now the answer is returned and counted, and not kept."""
+    absurd = {**PRICES, **{m: TokenPrice(1e8, 1e8) for m in POOL}}  # 42 tokens -> 4,200 USD
+    chat = make_chat(router, stub, tmp_path, prices=absurd)
+    with caplog.at_level("WARNING", logger="fedroute.routed_chat"):
+        result = chat.create_routed(messages=QUERY)
+    assert result.outcome.cost_usd == pytest.approx(4200.0) and result.outcome.awaiting_score is False
+    assert "above the 1000 USD per query a log row holds" in caplog.text
+    assert len(chat.pending) == 0
+    with pytest.raises(UnknownResponseError):
+        chat.feedback(result.completion.id, 1.0)
+    budget_chat = make_chat(router, stub, tmp_path / "b", prices=absurd, lam=None, budget_usd_per_1k=0.5)
+    budget_chat.create(messages=QUERY)  # still observed spend for the budget controller
+    assert budget_chat.budget_controllers()[0.5].realised_usd_per_1k == pytest.approx(4200.0 * 1000)
+    chat.close()
+    budget_chat.close()
