@@ -72,7 +72,7 @@ from sdk.errors import (EvalLogError, InvalidInputError, ShapeError, UnknownMode
 from sdk.eval_log import MAX_COST_PER_QUERY_USD, EvalLog
 from sdk.model_spec import ROUTED_MODEL, ModelSpec, parse_model_spec
 from sdk.pending_outcomes import PendingOutcome, PendingOutcomes, storable_id
-from sdk.real_numbers import finite_float
+from sdk.real_numbers import finite_float, shown
 from sdk.router import Choice, Router
 from sdk.token_prices import TokenPrice, price_table
 from sdk.utility import _rank_unchecked, check_lambda
@@ -567,7 +567,7 @@ class RoutedChat:
             raise InvalidInputError("this RoutedChat has no EvalLog (log=None): there is nowhere to record a score")
         value = finite_float(score)
         if value is None or not 0.0 <= value <= 1.0:
-            raise InvalidInputError(f"score must be a real number in [0, 1], got {str(score)[:40]}")
+            raise InvalidInputError(f"score must be a real number in [0, 1], got {shown(score)}")
         if not isinstance(response_id, str):
             raise InvalidInputError(f"response_id must be a str, got {type(response_id).__name__}")
         with self._feedback_lock:
@@ -733,7 +733,7 @@ def check_budget(budget: object) -> float:
     value = finite_float(budget)
     if value is None or value <= 0:
         raise InvalidInputError(f"budget_usd_per_1k must be a finite number > 0 (USD per 1,000 queries), "
-                                f"got {str(budget)[:40]}")
+                                f"got {shown(budget)}")
     check_budget_floor(value, budget)  # refused here, not by the controller at the first call
     return value
 
