@@ -54,6 +54,7 @@ import json
 import logging
 import math
 import numbers
+import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -295,6 +296,8 @@ class RoutedChat:
         self._lock = threading.Lock()
         self._closed = False
         self._feedback_lock = threading.Lock()
+        self._id_lock = threading.Lock()
+        self._reserved_ids: set[str] = set()  # routed answers between their id's check and their pending entry
         # Drop-in shape of openai.OpenAI: chat.chat.completions.create(model=..., messages=...).
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
 
@@ -438,7 +441,7 @@ class RoutedChat:
             route = Route(requested, plan, m, tuple(failed))
             if stream:
                 return RoutedStream(response, route, self, strip, t0)
-            return RoutedResponse(response, self._finish(route, response.id, response.usage, _ms(t0)))
+            return RoutedResponse(response, self._finish_response(route, response, _ms(t0)))
         raise _exhausted(failed)
 
     # -- calling (async) ---------------------------------------------------------------------
@@ -471,7 +474,7 @@ class RoutedChat:
             route = Route(requested, plan, m, tuple(failed))
             if stream:
                 return AsyncRoutedStream(response, route, self, strip, t0)
-            outcome = await asyncio.to_thread(self._finish, route, response.id, response.usage, _ms(t0))
+            outcome = await asyncio.to_thread(self._finish_response, route, response, _ms(t0))
             return RoutedResponse(response, outcome)
         raise _exhausted(failed)
 
@@ -504,8 +507,38 @@ class RoutedChat:
             log.warning("%s failed (%s%s); falling back to %s", model, kind, f" {status}" if status else "", remaining[0])
         return attempt
 
+    def _reserve_id(self, response_id: str | None, route: Route) -> str | None:
+        """The id a routed answer waits under: the upstream's, or ``<id>-fedroute-<12 hex>`` when that one
+        already awaits a score or is reserved by a call still being answered (an upstream that repeats
+        ids: keyed by it, a second answer replaced the first in the pending store, and the first one's score
+        went to the second). Reserved until :meth:`_finish` has stored it. Other calls: ``response_id``."""
+        if route.plan is None or self._pending is None or not storable_id(response_id):
+            return response_id
+        with self._id_lock:
+            key = response_id
+            while key in self._reserved_ids or self._pending.get(key) is not None:
+                key = f"{response_id}-fedroute-{secrets.token_hex(6)}"
+            self._reserved_ids.add(key)
+        return key
+
+    def _finish_response(self, route: Route, response, latency_ms: float) -> CallOutcome:
+        """:meth:`_finish` for a whole completion, whose ``id`` becomes the reserved one."""
+        key = self._reserve_id(response.id, route)
+        if key != response.id:
+            response.id = key
+        return self._finish(route, key, response.usage, latency_ms)
+
     def _finish(self, route: Route, response_id: str | None, usage, latency_ms: float) -> CallOutcome:
-        """Record an answered call: cost from usage, the budget controller, the pending store, the hook."""
+        """Record an answered call: cost from usage, the budget controller, the pending store, the hook.
+        ``response_id`` is released from the reserved ids (:meth:`_reserve_id`) once done."""
+        try:
+            return self._record(route, response_id, usage, latency_ms)
+        finally:
+            if response_id is not None:
+                with self._id_lock:
+                    self._reserved_ids.discard(response_id)
+
+    def _record(self, route: Route, response_id: str | None, usage, latency_ms: float) -> CallOutcome:
         prompt_tokens = getattr(usage, "prompt_tokens", None)
         completion_tokens = getattr(usage, "completion_tokens", None)
         cost = None
@@ -658,10 +691,14 @@ class RoutedStream:
         self._chunks = self._run()
 
     def _run(self):
-        usage = response_id = None
+        usage = response_id = upstream_id = None
         try:
             for chunk in _checked_chunks(self._stream, self.route.model):
-                response_id = response_id or chunk.id
+                if response_id is None and chunk.id:
+                    upstream_id = chunk.id
+                    response_id = self._chat._reserve_id(upstream_id, self.route)
+                if response_id != upstream_id and chunk.id == upstream_id:
+                    chunk.id = response_id
                 if chunk.usage is not None:
                     usage = chunk.usage
                     if self._strip and not chunk.choices:
@@ -696,10 +733,14 @@ class AsyncRoutedStream:
         self._chunks = self._run()
 
     async def _run(self):
-        usage = response_id = None
+        usage = response_id = upstream_id = None
         try:
             async for chunk in _achecked_chunks(self._stream, self.route.model):
-                response_id = response_id or chunk.id
+                if response_id is None and chunk.id:
+                    upstream_id = chunk.id
+                    response_id = await asyncio.to_thread(self._chat._reserve_id, upstream_id, self.route)
+                if response_id != upstream_id and chunk.id == upstream_id:
+                    chunk.id = response_id
                 if chunk.usage is not None:
                     usage = chunk.usage
                     if self._strip and not chunk.choices:

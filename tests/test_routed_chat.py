@@ -54,6 +54,7 @@ def served_stub():
 @pytest.fixture()
 def stub(served_stub):
     served_stub.modes.clear()
+    served_stub.repeat_id = None
     served_stub.requests.clear()
     return served_stub
 
@@ -370,3 +371,30 @@ def test_an_answer_costing_more_than_a_log_row_holds_is_not_kept_for_feedback(ro
     assert budget_chat.budget_controllers()[0.5].realised_usd_per_1k == pytest.approx(4200.0 * 1000)
     chat.close()
     budget_chat.close()
+
+
+def test_an_upstream_that_repeats_response_ids_gets_each_routed_answer_scored_once(router, stub, tmp_path):
+    """Some OpenAI-compatible servers repeat completion ids (drawn from a small range, or fixed). The pending
+    store is keyed by id: the second answer replaced the first, whose outcome was lost, and the app's score
+    of the first answer was recorded against the second one. A routed answer whose id already awaits a
+    score now gets a fresh one, in the completion (and in every chunk of a stream)."""
+    stub.repeat_id = "chatcmpl-same"
+    chat = make_chat(router, stub, tmp_path)
+    first = chat.create_routed(messages=QUERY)
+    second = chat.create_routed(messages="Is a whale a fish? Answer yes or no.")
+    with chat.create(messages="Name three prime numbers.", stream=True) as stream:
+        chunks = list(stream)
+    ids = [first.completion.id, second.completion.id, chunks[0].id]
+    assert ids[0] == "chatcmpl-same" and len(set(ids)) == 3 and all(i.startswith("chatcmpl-same") for i in ids)
+    assert {c.id for c in chunks} == {ids[2]} and stream.outcome.response_id == ids[2]
+    assert second.outcome.response_id == ids[1] and second.outcome.awaiting_score and len(chat.pending) == 3
+    rows = [chat.feedback(i, score) for i, score in zip(ids, (1.0, 0.0, 0.5))]
+    log = EvalLog(tmp_path / "evals.sqlite", router.model_ids)
+    got = log.rows()
+    assert list(got.id) == rows and list(got.score) == [1.0, 0.0, 0.5]
+    for i, text in enumerate((QUERY, "Is a whale a fish? Answer yes or no.", "Name three prime numbers.")):
+        np.testing.assert_allclose(got.embedding[i], router.choose(text, 100.0).embedding, atol=1e-6)
+    # scored, the id is free again: the next answer keeps the upstream's id
+    assert chat.create(messages=QUERY).id == "chatcmpl-same"
+    log.close()
+    chat.close()
