@@ -363,6 +363,26 @@ def test_the_proxy_command_reports_a_bad_config_in_one_line(tmp_path):
     assert "unknown keys ['lamb']" in result.stderr and "Traceback" not in result.stderr
 
 
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe caller-token\n", "error: --token-file"),  # was a UnicodeDecodeError traceback
+    (b"\n  \n", "error: the proxy needs at least one caller token"),
+])
+def test_the_proxy_command_reports_a_bad_token_file_in_one_line_before_loading_anything(tmp_path, content, message):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    (tmp_path / "proxy.json").write_text(json.dumps({"bundle": "b", "public_key": "k", "upstreams": {}}))
+    (tmp_path / "tokens").write_bytes(content)
+    result = subprocess.run([sys.executable, "-m", "trainer.cli", "proxy", "--config", str(tmp_path / "proxy.json"),
+                             "--token-file", str(tmp_path / "tokens")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2 and result.stderr.strip().startswith(message), result.stderr
+    assert "Traceback" not in result.stderr and "UnicodeDecodeError" not in result.stderr
+
+
 def test_streaming_falls_back_before_the_first_chunk_and_a_timeout_falls_back(deployment):
     stub, client, router = deployment["stub"], deployment["client"], deployment["router"]
     order = expected_order(router, QUERY, 100.0)
