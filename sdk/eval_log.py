@@ -222,7 +222,8 @@ class EvalLog:
     Raises
     ------
     InvalidInputError
-        ``models`` empty, not a sequence of non-empty str (valid Unicode), or with duplicates; ``max_rows`` not an
+        ``path`` ``":memory:"`` or a ``file:`` URI (nothing is created), ``models`` empty, not a sequence
+        of non-empty str (valid Unicode), or with duplicates; ``max_rows`` not an
         int in [1, 2**63 - 1]; ``max_age_days`` not None nor a finite real > 0; ``store_text``/``durable`` not bool;
         ``clock`` not callable.
     EvalLogError
@@ -256,6 +257,10 @@ class EvalLog:
                 )
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidInputError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        if isinstance(path, str) and (path == ":memory:" or path.startswith("file:")):
+            # SQLite would open an in-memory database (no WAL, nothing kept), after a file of that name was created
+            raise InvalidInputError(f"path {path!r} names an in-memory SQLite database; an EvalLog is a file that "
+                                    "keeps its rows across restarts and that fedroute-sync reads: give a file path")
         self._path = Path(path)
         self._store_text = store_text
         self._max_rows = int(max_rows)
