@@ -398,3 +398,31 @@ def test_an_upstream_that_repeats_response_ids_gets_each_routed_answer_scored_on
     assert chat.create(messages=QUERY).id == "chatcmpl-same"
     log.close()
     chat.close()
+
+
+def test_a_pending_store_file_that_is_not_one_is_refused_at_open(router, tmp_path):
+    """The EvalLog's own file given as the pending store got a 'pending' table added to it; a database with
+    a foreign 'pending' table opened, then every lookup raised sqlite3.OperationalError (in the proxy: a 500
+    with a traceback)."""
+    import sqlite3
+
+    from sdk.errors import EvalLogError
+    from sdk.pending_outcomes import PendingOutcomes
+
+    log = EvalLog(tmp_path / "evals.sqlite", router.model_ids)
+    with pytest.raises(EvalLogError, match="not a pending-outcome store .*'evaluations'"):
+        PendingOutcomes(tmp_path / "evals.sqlite")
+    log.close()
+    with sqlite3.connect(tmp_path / "evals.sqlite") as conn:
+        assert "pending" not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    conn.close()
+    foreign = sqlite3.connect(tmp_path / "other.sqlite")
+    foreign.execute("CREATE TABLE pending (x)")
+    foreign.commit()
+    foreign.close()
+    with pytest.raises(EvalLogError, match="not a pending-outcome store .*pending columns \\['x'\\]"):
+        PendingOutcomes(tmp_path / "other.sqlite")
+    with pytest.raises(EvalLogError, match="not a pending-outcome store"):
+        RoutedChat(router, lam=1.0, upstreams={m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in POOL},
+                   prices=PRICES,
+                   log=EvalLog(tmp_path / "e2.sqlite", router.model_ids), pending=tmp_path / "e2.sqlite")
