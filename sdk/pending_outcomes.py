@@ -17,7 +17,9 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +39,10 @@ CREATE TABLE IF NOT EXISTS pending (
     bundle_version INTEGER NOT NULL
 )
 """
+
+_SELECT = ("SELECT response_id, timestamp, model, cost_usd, latency_ms, embedding, cell, bundle_version "
+           "FROM pending WHERE response_id = ?")
+T = TypeVar("T")
 
 _COLUMNS = ("response_id", "seq", "timestamp", "model", "cost_usd", "latency_ms", "embedding", "cell", "bundle_version")
 
@@ -168,13 +174,40 @@ class PendingOutcomes:
             return None
         with self._lock:
             self._check_open()
-            row = self._read(lambda: self._conn.execute(
-                "SELECT response_id, timestamp, model, cost_usd, latency_ms, embedding, cell, bundle_version "
-                "FROM pending WHERE response_id = ?", (response_id,)).fetchone())
-        if row is None:
+            row = self._read(lambda: self._conn.execute(_SELECT, (response_id,)).fetchone())
+        return None if row is None else _outcome(row)
+
+    def take(self, response_id: str, record: Callable[[PendingOutcome], T]) -> T | None:
+        """``record(entry)`` for the entry of ``response_id``, then the entry deleted, under the store's write
+        lock throughout: another thread, client or process taking the same id waits, then finds no entry
+        (each answer is recorded once). None when no entry has that id. When ``record`` raises, the entry
+        stays; a process killed after ``record`` returned but before the delete committed keeps it too (it
+        may be recorded again, never lost).
+
+        Raises
+        ------
+        EvalLogError
+            SQLite failed (another writer held the lock for over 10 s, a damaged file); or what
+            ``record`` raises.
+        """
+        if not storable_id(response_id):
             return None
-        return PendingOutcome(row[0], row[1], row[2], row[3], row[4], np.frombuffer(row[5], dtype="<f4").copy(),
-                              row[6], row[7])
+        with self._lock:
+            self._check_open()
+            self._read(lambda: self._conn.execute("BEGIN IMMEDIATE"))
+            try:
+                row = self._conn.execute(_SELECT, (response_id,)).fetchone()
+                result = None if row is None else record(_outcome(row))
+                if row is not None:
+                    self._conn.execute("DELETE FROM pending WHERE response_id = ?", (response_id,))
+                self._conn.execute("COMMIT")
+                return result
+            except BaseException as exc:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise EvalLogError(f"cannot use the pending-outcome store {self._path!r}: {exc}") from exc
+                raise
 
     def remove(self, response_id: str) -> bool:
         """Delete the entry; True if there was one."""
@@ -207,3 +240,8 @@ class PendingOutcomes:
         """Raise :class:`EvalLogError` after :meth:`close` (sqlite3's own error would be a raw ProgrammingError)."""
         if self._closed:
             raise EvalLogError(f"the pending-outcome store {self._path!r} is closed")
+
+
+def _outcome(row: tuple) -> PendingOutcome:
+    return PendingOutcome(row[0], row[1], row[2], row[3], row[4], np.frombuffer(row[5], dtype="<f4").copy(), row[6],
+                          row[7])

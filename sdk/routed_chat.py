@@ -603,20 +603,23 @@ class RoutedChat:
             raise InvalidInputError(f"score must be a real number in [0, 1], got {shown(score)}")
         if not isinstance(response_id, str):
             raise InvalidInputError(f"response_id must be a str, got {type(response_id).__name__}")
-        with self._feedback_lock:
-            pending = self._pending.get(response_id)
-            if pending is None:
-                raise UnknownResponseError(f"no routed call awaits a score under id {response_id!r} (unknown, "
-                                           "already scored, expired, a pass-through or an answer without usage)")
+        def record(pending: PendingOutcome) -> int:
             try:  # a clock set back since the answer: the row takes the time of the feedback (not a future one)
-                row = self._log.record(pending.model, value, pending.cost_usd, latency_ms=pending.latency_ms,
-                                       embedding=pending.embedding, cell=pending.cell,
-                                       bundle_version=pending.bundle_version,
-                                       timestamp=min(pending.timestamp, time.time()))
+                return self._log.record(pending.model, value, pending.cost_usd, latency_ms=pending.latency_ms,
+                                        embedding=pending.embedding, cell=pending.cell,
+                                        bundle_version=pending.bundle_version,
+                                        timestamp=min(pending.timestamp, time.time()))
             except (InvalidInputError, UnknownModelError, ShapeError) as exc:  # the stored outcome, not the score
                 raise EvalLogError(f"the answer awaiting a score under id {response_id!r} cannot be recorded in "
                                    f"{str(self._log.path)!r} (it stays pending): {exc}") from exc
-            self._pending.remove(response_id)  # after the row is committed: a crash in between re-scores, never loses
+
+        # The entry is removed once its row is committed, under the pending store's write lock (another client
+        # or process scoring the same id waits, then finds none); a crash in between re-scores, never loses.
+        with self._feedback_lock:
+            row = self._pending.take(response_id, record)
+        if row is None:
+            raise UnknownResponseError(f"no routed call awaits a score under id {response_id!r} (unknown, "
+                                       "already scored, expired, a pass-through or an answer without usage)")
         return row
 
     async def afeedback(self, response_id: str, score: float) -> int:

@@ -426,3 +426,34 @@ def test_a_pending_store_file_that_is_not_one_is_refused_at_open(router, tmp_pat
         RoutedChat(router, lam=1.0, upstreams={m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in POOL},
                    prices=PRICES,
                    log=EvalLog(tmp_path / "e2.sqlite", router.model_ids), pending=tmp_path / "e2.sqlite")
+
+
+def test_two_clients_on_one_pending_store_record_a_score_once(router, stub, tmp_path):
+    """Two RoutedChat (two proxy processes, or a sync and an async client of one app) over one log and one
+    pending store, scoring the same answer at once: each read the entry, both wrote a row, then both
+    removed it. Now the store holds the entry under its write lock until the row is written: one row,
+    the other call is told the answer awaits no score."""
+    import threading
+
+    first = make_chat(router, stub, tmp_path)
+    second = make_chat(router, stub, tmp_path)  # same evals.sqlite and evals.pending.sqlite
+    answer = first.create(messages=QUERY)
+    barrier, results = threading.Barrier(2), []
+
+    def score(chat):
+        barrier.wait()
+        try:
+            results.append(chat.feedback(answer.id, 1.0))
+        except UnknownResponseError:
+            results.append("unknown")
+
+    threads = [threading.Thread(target=score, args=(c,)) for c in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log = EvalLog(tmp_path / "evals.sqlite", router.model_ids)
+    assert len(log) == 1 and sorted(results, key=str) == sorted([int(log.rows().id[0]), "unknown"], key=str)
+    log.close()
+    first.close()
+    second.close()
