@@ -62,7 +62,7 @@ import numpy as np
 
 from sdk.arrays import real_array
 from sdk.errors import InvalidInputError, ShapeError, UnknownModelError
-from sdk.real_numbers import finite_float, is_real_number
+from sdk.real_numbers import finite_float, is_real_number, shown
 from sdk.spend_curve import Mix, SpendCurve, row_steps
 from sdk.utility import _decide_unchecked
 
@@ -112,12 +112,12 @@ class BudgetEvent:
 
 def _positive_real(name: str, value: object) -> float:
     if not is_real_number(value):
-        raise InvalidInputError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+        raise InvalidInputError(f"{name} must be a real number, got {shown(value)}")
     out = finite_float(value)
     if out is None and isinstance(value, numbers.Rational):  # a rational is never NaN or inf: beyond the float range
         raise InvalidInputError(f"{name} must be finite, got an integer too large for a float")
     if out is None or out <= 0:
-        raise InvalidInputError(f"{name} must be a finite number > 0, got {value!r}")
+        raise InvalidInputError(f"{name} must be a finite number > 0, got {shown(value)}")
     return out
 
 
@@ -132,7 +132,7 @@ def check_budget_floor(value: float, given: object) -> None:
     """
     if value < MIN_BUDGET_USD_PER_1K:
         raise InvalidInputError(f"budget_usd_per_1k must be at least {MIN_BUDGET_USD_PER_1K:.3g} USD per "
-                                f"1,000 queries (a smaller budget underflows), got {given!r}")
+                                f"1,000 queries (a smaller budget underflows), got {shown(given)}")
 
 
 def _mean(values: deque[float]) -> float:
@@ -183,13 +183,13 @@ class BudgetController:
             raise InvalidInputError(f"router must be an sdk.Router (model_ids and predict), got {type(router).__name__}")
         self.budget_usd_per_1k = _positive_real("budget_usd_per_1k", budget_usd_per_1k)
         if isinstance(window, bool) or not isinstance(window, numbers.Integral) or not 1 <= window <= MAX_WINDOW:
-            raise InvalidInputError(f"window must be an int in [1, {MAX_WINDOW}] (queries), got {str(window)[:40]}")
+            raise InvalidInputError(f"window must be an int in [1, {MAX_WINDOW}] (queries), got {shown(window)}")
         self.window = int(window)
         self.tolerance = _positive_real("tolerance", tolerance)
         self.gain = _positive_real("gain", gain)
         self.max_step = _positive_real("max_step", max_step)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
-            raise InvalidInputError(f"seed must be None or an int >= 0, got {seed!r}")
+            raise InvalidInputError(f"seed must be None or an int >= 0, got {shown(seed)}")
         if on_event is not None and not callable(on_event):
             raise InvalidInputError(f"on_event must be callable or None, got {type(on_event).__name__}")
         self.router = router
@@ -366,10 +366,10 @@ class BudgetController:
         if not isinstance(model, str) or model not in self._index:
             raise UnknownModelError(f"unknown model {model!r}; the router's models are {list(self._model_ids)}")
         if not is_real_number(cost_usd):
-            raise InvalidInputError(f"cost_usd must be a real number (USD), got {type(cost_usd).__name__} {cost_usd!r}")
+            raise InvalidInputError(f"cost_usd must be a real number (USD), got {shown(cost_usd)}")
         cost = finite_float(cost_usd)
         if cost is None or cost < 0:
-            raise InvalidInputError(f"cost_usd must be a finite number >= 0 (USD), got {str(cost_usd)[:40]}")
+            raise InvalidInputError(f"cost_usd must be a finite number >= 0 (USD), got {shown(cost_usd)}")
         events = []
         with self._lock:
             self._realised.append(cost)

@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
+from sdk.real_numbers import shown
 from sdk.verified_file import VerifiedFile
 
 
@@ -83,7 +84,7 @@ def check_threads(intra_op_threads: int = 1, inter_op_threads: int = 1) -> tuple
     """
     for name, value in (("intra_op_threads", intra_op_threads), ("inter_op_threads", inter_op_threads)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
-            raise InvalidInputError(f"{name} must be an integer in [1, {MAX_THREADS}], got {str(value)[:40]}")
+            raise InvalidInputError(f"{name} must be an integer in [1, {MAX_THREADS}], got {shown(value)}")
     return intra_op_threads, inter_op_threads
 
 

@@ -83,7 +83,7 @@ from types import TracebackType
 import numpy as np
 
 from sdk.errors import EvalLogError, InvalidInputError, ShapeError, UnknownModelError
-from sdk.real_numbers import finite_float, is_real_number
+from sdk.real_numbers import finite_float, is_real_number, shown
 
 __all__ = ["CLOCK_STEP_S", "MAX_COST_PER_QUERY_USD", "SCHEMA_VERSION", "UNIT_NORM_TOLERANCE", "EvalLog", "Evaluations"]
 
@@ -222,8 +222,9 @@ class EvalLog:
     Raises
     ------
     InvalidInputError
-        ``models`` empty, not a sequence of non-empty str (valid Unicode), or with duplicates; ``max_rows`` not an
-        int >= 1; ``max_age_days`` not None nor a finite real > 0; ``store_text``/``durable`` not bool;
+        ``path`` ``":memory:"`` or a ``file:`` URI (nothing is created), ``models`` empty, not a sequence
+        of non-empty str (valid Unicode), or with duplicates; ``max_rows`` not an
+        int in [1, 2**63 - 1]; ``max_age_days`` not None nor a finite real > 0; ``store_text``/``durable`` not bool;
         ``clock`` not callable.
     EvalLogError
         The file cannot be opened or created, is not SQLite, is another SQLite database, or has a
@@ -246,8 +247,8 @@ class EvalLog:
         for name, flag in (("store_text", store_text), ("durable", durable)):
             if not isinstance(flag, bool):
                 raise InvalidInputError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
-        if isinstance(max_rows, bool) or not isinstance(max_rows, numbers.Integral) or max_rows < 1:
-            raise InvalidInputError(f"max_rows must be an int >= 1, got {max_rows!r}")
+        if isinstance(max_rows, bool) or not isinstance(max_rows, numbers.Integral) or not 1 <= max_rows <= _INT64_MAX:
+            raise InvalidInputError(f"max_rows must be an int in [1, 2**63 - 1], got {shown(max_rows)}")
         if max_age_days is not None:
             max_age_days = _check_real("max_age_days", max_age_days)
             if max_age_days <= 0:
@@ -256,6 +257,10 @@ class EvalLog:
                 )
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidInputError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        if isinstance(path, str) and (path == ":memory:" or path.startswith("file:")):
+            # SQLite would open an in-memory database (no WAL, nothing kept), after a file of that name was created
+            raise InvalidInputError(f"path {path!r} names an in-memory SQLite database; an EvalLog is a file that "
+                                    "keeps its rows across restarts and that fedroute-sync reads: give a file path")
         self._path = Path(path)
         self._store_text = store_text
         self._max_rows = int(max_rows)
@@ -654,19 +659,20 @@ def _check_utf8(name: str, text: str) -> None:
 
 def _check_real(name: str, value: object) -> float:
     if not is_real_number(value):
-        raise InvalidInputError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+        raise InvalidInputError(f"{name} must be a real number, got {shown(value)}")
     result = finite_float(value)
     if result is None:
-        raise InvalidInputError(f"{name} must be finite, got {str(value)[:40]}")
+        raise InvalidInputError(f"{name} must be finite, got {shown(value)}")
     return result
 
 
 def _check_index(name: str, value: object) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise InvalidInputError(f"{name} must be an int >= 0, got {type(value).__name__} {value!r}")
+        raise InvalidInputError(f"{name} must be an int >= 0, got "
+                                f"{type(value).__name__ + ' ' if is_real_number(value) else ''}{shown(value)}")
     result = int(value)
     if not 0 <= result <= _INT64_MAX:
-        raise InvalidInputError(f"{name} must be an int in [0, 2**63 - 1], got {result!r}")
+        raise InvalidInputError(f"{name} must be an int in [0, 2**63 - 1], got {shown(result)}")
     return result
 
 

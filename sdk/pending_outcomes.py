@@ -17,7 +17,9 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +39,12 @@ CREATE TABLE IF NOT EXISTS pending (
     bundle_version INTEGER NOT NULL
 )
 """
+
+_SELECT = ("SELECT response_id, timestamp, model, cost_usd, latency_ms, embedding, cell, bundle_version "
+           "FROM pending WHERE response_id = ?")
+T = TypeVar("T")
+
+_COLUMNS = ("response_id", "seq", "timestamp", "model", "cost_usd", "latency_ms", "embedding", "cell", "bundle_version")
 
 
 def storable_id(response_id: object) -> bool:
@@ -91,7 +99,9 @@ class PendingOutcomes:
     InvalidInputError
         Bad ``max_rows`` / ``max_age_s``.
     EvalLogError
-        The file cannot be opened as this store.
+        The file cannot be opened as this store (not SQLite, or an SQLite database with other tables or
+        columns, e.g. the :class:`sdk.EvalLog`'s own file). :meth:`get`, :meth:`remove` and ``len`` raise it
+        too when SQLite fails (a file locked for over 10 s, damaged).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, max_rows: int = 50_000, max_age_s: float = 7 * 86_400.0) -> None:
@@ -113,9 +123,16 @@ class PendingOutcomes:
             # WAL + NORMAL: a committed entry survives a killed process; a power loss may drop the last
             # few (no fsync per call, which would dominate the proxy's bookkeeping time).
             self._conn.execute("PRAGMA synchronous=NORMAL")
-            self._conn.execute(_SCHEMA)
+            tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if not tables - {"pending"}:  # a new file, or a store: never add the table to another database
+                self._conn.execute(_SCHEMA)
+            columns = tuple(r[1] for r in self._conn.execute("PRAGMA table_info(pending)"))
         except (OSError, sqlite3.Error, ValueError) as exc:  # ValueError: a NUL byte in the path
             raise EvalLogError(f"cannot open the pending-outcome store {self._path!r}: {exc}") from exc
+        if tables - {"pending"} or columns != _COLUMNS:  # e.g. the EvalLog's own file given as the store
+            self._conn.close()
+            raise EvalLogError(f"{self._path!r} is an SQLite database but not a pending-outcome store (tables "
+                               f"{sorted(tables)}, pending columns {list(columns)}); give a file of its own")
 
     def add(self, outcome: PendingOutcome) -> None:
         """Store ``outcome`` (replacing an entry with the same id) and apply retention, in one transaction.
@@ -157,13 +174,40 @@ class PendingOutcomes:
             return None
         with self._lock:
             self._check_open()
-            row = self._conn.execute(
-                "SELECT response_id, timestamp, model, cost_usd, latency_ms, embedding, cell, bundle_version "
-                "FROM pending WHERE response_id = ?", (response_id,)).fetchone()
-        if row is None:
+            row = self._read(lambda: self._conn.execute(_SELECT, (response_id,)).fetchone())
+        return None if row is None else _outcome(row)
+
+    def take(self, response_id: str, record: Callable[[PendingOutcome], T]) -> T | None:
+        """``record(entry)`` for the entry of ``response_id``, then the entry deleted, under the store's write
+        lock throughout: another thread, client or process taking the same id waits, then finds no entry
+        (each answer is recorded once). None when no entry has that id. When ``record`` raises, the entry
+        stays; a process killed after ``record`` returned but before the delete committed keeps it too (it
+        may be recorded again, never lost).
+
+        Raises
+        ------
+        EvalLogError
+            SQLite failed (another writer held the lock for over 10 s, a damaged file); or what
+            ``record`` raises.
+        """
+        if not storable_id(response_id):
             return None
-        return PendingOutcome(row[0], row[1], row[2], row[3], row[4], np.frombuffer(row[5], dtype="<f4").copy(),
-                              row[6], row[7])
+        with self._lock:
+            self._check_open()
+            self._read(lambda: self._conn.execute("BEGIN IMMEDIATE"))
+            try:
+                row = self._conn.execute(_SELECT, (response_id,)).fetchone()
+                result = None if row is None else record(_outcome(row))
+                if row is not None:
+                    self._conn.execute("DELETE FROM pending WHERE response_id = ?", (response_id,))
+                self._conn.execute("COMMIT")
+                return result
+            except BaseException as exc:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise EvalLogError(f"cannot use the pending-outcome store {self._path!r}: {exc}") from exc
+                raise
 
     def remove(self, response_id: str) -> bool:
         """Delete the entry; True if there was one."""
@@ -171,12 +215,13 @@ class PendingOutcomes:
             return False
         with self._lock:
             self._check_open()
-            return self._conn.execute("DELETE FROM pending WHERE response_id = ?", (response_id,)).rowcount > 0
+            return self._read(lambda: self._conn.execute("DELETE FROM pending WHERE response_id = ?",
+                                                          (response_id,)).rowcount > 0)
 
     def __len__(self) -> int:
         with self._lock:
             self._check_open()
-            return int(self._conn.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
+            return self._read(lambda: int(self._conn.execute("SELECT COUNT(*) FROM pending").fetchone()[0]))
 
     def close(self) -> None:
         """Close the file. Idempotent."""
@@ -184,7 +229,19 @@ class PendingOutcomes:
             self._conn.close()
             self._closed = True
 
+    def _read(self, query):
+        """``query()``, with SQLite's errors (a locked or damaged file) as :class:`EvalLogError`."""
+        try:
+            return query()
+        except sqlite3.Error as exc:
+            raise EvalLogError(f"cannot use the pending-outcome store {self._path!r}: {exc}") from exc
+
     def _check_open(self) -> None:
         """Raise :class:`EvalLogError` after :meth:`close` (sqlite3's own error would be a raw ProgrammingError)."""
         if self._closed:
             raise EvalLogError(f"the pending-outcome store {self._path!r} is closed")
+
+
+def _outcome(row: tuple) -> PendingOutcome:
+    return PendingOutcome(row[0], row[1], row[2], row[3], row[4], np.frombuffer(row[5], dtype="<f4").copy(), row[6],
+                          row[7])

@@ -65,3 +65,33 @@ def finite_float(value: object) -> float | None:
     except OverflowError:  # an int or Fraction beyond the float range
         return None
     return result if math.isfinite(result) else None
+
+
+#: Integers of more bits than this are named by their size in error messages (|n| >= ~5.4e39; Python's
+#: ``str()`` of an int of over 4,300 digits raises ValueError, so the message itself would fail).
+_SHOWN_BITS = 132
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """``value`` as an error message names it: a number as itself, anything else with its type.
+
+    A str ``"0.5"`` is shown as ``str '0.5'``, never as ``0.5`` (which reads as a valid number); a bool
+    as ``bool True``; an int beyond about 5.4e39 by its size (``an integer of about 5001 digits``: ``str``
+    of an int of over 4,300 digits raises ValueError, so a message built with it failed with a
+    traceback instead of naming the value). At most ``limit`` characters of the value. Never raises.
+    """
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        n = int(value)
+        if n.bit_length() > _SHOWN_BITS:
+            return f"an integer of about {int(math.log10(abs(n))) + 1} digits"  # log10 takes ints of any size
+        return str(n)
+    if is_real_number(value):  # float, numpy floating, Fraction
+        try:
+            return str(value)[:limit]
+        except ValueError:  # a Fraction of huge integers
+            return f"a {type(value).__name__} beyond the float range"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a repr that fails (an object's own, or a container of huge ints)
+        text = "<no repr>"
+    return f"{type(value).__name__} {text[:limit]}"

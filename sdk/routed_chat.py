@@ -37,7 +37,9 @@ Per call (:meth:`create`, :meth:`acreate`; ``model=`` as in :mod:`sdk.model_spec
    its score in [0, 1]; then one :class:`sdk.eval_log.EvalLog` row (model that answered, score,
    observed cost, latency, embedding, cell, bundle version) is written for the sync job. No score is
    ever invented, and the router's predicted cost is never recorded as observed. A response without
-   ``usage`` has no observed cost: it is returned, warned about, and not recorded.
+   ``usage`` has no observed cost: it is returned, warned about, and not recorded; one whose observed
+   cost is above :data:`sdk.eval_log.MAX_COST_PER_QUERY_USD` (1000 USD, more than a log row holds) is
+   returned, counted and fed to a budget controller, warned about, and not kept for :meth:`feedback`.
 
 Pass-through (``model=`` a model id): that model's upstream, no routing, no fallback; its cost goes to
 the ``observer`` (spend metrics) but nothing to the log (it has no routed embedding).
@@ -52,6 +54,7 @@ import json
 import logging
 import math
 import numbers
+import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -65,11 +68,12 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from sdk.budget import BudgetController, check_budget_floor
 from sdk.chat_text import DEFAULT_CONTEXT_CHARS, routing_text
-from sdk.errors import InvalidInputError, UnknownModelError, UnknownResponseError, UpstreamError
-from sdk.eval_log import EvalLog
+from sdk.errors import (EvalLogError, InvalidInputError, ShapeError, UnknownModelError, UnknownResponseError,
+                        UpstreamError)
+from sdk.eval_log import MAX_COST_PER_QUERY_USD, EvalLog
 from sdk.model_spec import ROUTED_MODEL, ModelSpec, parse_model_spec
 from sdk.pending_outcomes import PendingOutcome, PendingOutcomes, storable_id
-from sdk.real_numbers import finite_float
+from sdk.real_numbers import finite_float, shown
 from sdk.router import Choice, Router
 from sdk.token_prices import TokenPrice, price_table
 from sdk.utility import _rank_unchecked, check_lambda
@@ -292,6 +296,8 @@ class RoutedChat:
         self._lock = threading.Lock()
         self._closed = False
         self._feedback_lock = threading.Lock()
+        self._id_lock = threading.Lock()
+        self._reserved_ids: set[str] = set()  # routed answers between their id's check and their pending entry
         # Drop-in shape of openai.OpenAI: chat.chat.completions.create(model=..., messages=...).
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
 
@@ -435,7 +441,7 @@ class RoutedChat:
             route = Route(requested, plan, m, tuple(failed))
             if stream:
                 return RoutedStream(response, route, self, strip, t0)
-            return RoutedResponse(response, self._finish(route, response.id, response.usage, _ms(t0)))
+            return RoutedResponse(response, self._finish_response(route, response, _ms(t0)))
         raise _exhausted(failed)
 
     # -- calling (async) ---------------------------------------------------------------------
@@ -468,7 +474,7 @@ class RoutedChat:
             route = Route(requested, plan, m, tuple(failed))
             if stream:
                 return AsyncRoutedStream(response, route, self, strip, t0)
-            outcome = await asyncio.to_thread(self._finish, route, response.id, response.usage, _ms(t0))
+            outcome = await asyncio.to_thread(self._finish_response, route, response, _ms(t0))
             return RoutedResponse(response, outcome)
         raise _exhausted(failed)
 
@@ -501,8 +507,38 @@ class RoutedChat:
             log.warning("%s failed (%s%s); falling back to %s", model, kind, f" {status}" if status else "", remaining[0])
         return attempt
 
+    def _reserve_id(self, response_id: str | None, route: Route) -> str | None:
+        """The id a routed answer waits under: the upstream's, or ``<id>-fedroute-<12 hex>`` when that one
+        already awaits a score or is reserved by a call still being answered (an upstream that repeats
+        ids: keyed by it, a second answer replaced the first in the pending store, and the first one's score
+        went to the second). Reserved until :meth:`_finish` has stored it. Other calls: ``response_id``."""
+        if route.plan is None or self._pending is None or not storable_id(response_id):
+            return response_id
+        with self._id_lock:
+            key = response_id
+            while key in self._reserved_ids or self._pending.get(key) is not None:
+                key = f"{response_id}-fedroute-{secrets.token_hex(6)}"
+            self._reserved_ids.add(key)
+        return key
+
+    def _finish_response(self, route: Route, response, latency_ms: float) -> CallOutcome:
+        """:meth:`_finish` for a whole completion, whose ``id`` becomes the reserved one."""
+        key = self._reserve_id(response.id, route)
+        if key != response.id:
+            response.id = key
+        return self._finish(route, key, response.usage, latency_ms)
+
     def _finish(self, route: Route, response_id: str | None, usage, latency_ms: float) -> CallOutcome:
-        """Record an answered call: cost from usage, the budget controller, the pending store, the hook."""
+        """Record an answered call: cost from usage, the budget controller, the pending store, the hook.
+        ``response_id`` is released from the reserved ids (:meth:`_reserve_id`) once done."""
+        try:
+            return self._record(route, response_id, usage, latency_ms)
+        finally:
+            if response_id is not None:
+                with self._id_lock:
+                    self._reserved_ids.discard(response_id)
+
+    def _record(self, route: Route, response_id: str | None, usage, latency_ms: float) -> CallOutcome:
         prompt_tokens = getattr(usage, "prompt_tokens", None)
         completion_tokens = getattr(usage, "completion_tokens", None)
         cost = None
@@ -519,11 +555,15 @@ class RoutedChat:
         if plan is not None and plan.budget_usd_per_1k is not None and cost is not None:
             self._controller(plan.budget_usd_per_1k).record(route.model, cost)
         awaiting = False
-        if plan is not None and self._pending is not None and cost is not None and response_id \
-                and not storable_id(response_id):  # e.g. lone surrogates from the upstream: the answer still stands
+        to_store = plan is not None and self._pending is not None and cost is not None and bool(response_id)
+        if to_store and not storable_id(response_id):  # e.g. lone surrogates from the upstream: the answer still stands
             log.warning("the answer of %s has an id that cannot be stored (%r): it cannot be scored later",
                         route.model, str(response_id)[:80])
-        elif plan is not None and self._pending is not None and cost is not None and response_id:
+        elif to_store and cost > MAX_COST_PER_QUERY_USD:  # no log row may hold it: feedback could never record it
+            log.warning("the answer of %s (id %s) cost %.6g USD by its usage, above the %g USD per query a log row "
+                        "holds (absurd token counts or prices?): it cannot be scored later", route.model,
+                        response_id, cost, MAX_COST_PER_QUERY_USD)
+        elif to_store:
             c = plan.choice
             self._pending.add(PendingOutcome(response_id, time.time(), route.model, cost, latency_ms, c.embedding,
                                              c.cell, c.bundle_version))
@@ -550,26 +590,36 @@ class RoutedChat:
             This client has no log, or ``score`` is not a real in [0, 1].
         UnknownResponseError
             No routed call awaits a score under ``response_id`` (unknown, already scored, expired,
-            a pass-through, or an answer without usage).
+            a pass-through, an answer without usage or one costing over 1000 USD).
         EvalLogError
-            The log or the pending store cannot be written or read, or was closed (:meth:`close`).
+            The log or the pending store cannot be written or read, or was closed (:meth:`close`), or
+            the waiting answer cannot go in the log (a model or embedding of another bundle's log, a
+            cost above :data:`sdk.eval_log.MAX_COST_PER_QUERY_USD`); the entry stays pending.
         """
         if self._log is None or self._pending is None:
             raise InvalidInputError("this RoutedChat has no EvalLog (log=None): there is nowhere to record a score")
         value = finite_float(score)
         if value is None or not 0.0 <= value <= 1.0:
-            raise InvalidInputError(f"score must be a real number in [0, 1], got {str(score)[:40]}")
+            raise InvalidInputError(f"score must be a real number in [0, 1], got {shown(score)}")
         if not isinstance(response_id, str):
             raise InvalidInputError(f"response_id must be a str, got {type(response_id).__name__}")
+        def record(pending: PendingOutcome) -> int:
+            try:  # a clock set back since the answer: the row takes the time of the feedback (not a future one)
+                return self._log.record(pending.model, value, pending.cost_usd, latency_ms=pending.latency_ms,
+                                        embedding=pending.embedding, cell=pending.cell,
+                                        bundle_version=pending.bundle_version,
+                                        timestamp=min(pending.timestamp, time.time()))
+            except (InvalidInputError, UnknownModelError, ShapeError) as exc:  # the stored outcome, not the score
+                raise EvalLogError(f"the answer awaiting a score under id {response_id!r} cannot be recorded in "
+                                   f"{str(self._log.path)!r} (it stays pending): {exc}") from exc
+
+        # The entry is removed once its row is committed, under the pending store's write lock (another client
+        # or process scoring the same id waits, then finds none); a crash in between re-scores, never loses.
         with self._feedback_lock:
-            pending = self._pending.get(response_id)
-            if pending is None:
-                raise UnknownResponseError(f"no routed call awaits a score under id {response_id!r} (unknown, "
-                                           "already scored, expired, a pass-through or an answer without usage)")
-            row = self._log.record(pending.model, float(score), pending.cost_usd, latency_ms=pending.latency_ms,
-                                   embedding=pending.embedding, cell=pending.cell,
-                                   bundle_version=pending.bundle_version, timestamp=pending.timestamp)
-            self._pending.remove(response_id)  # after the row is committed: a crash in between re-scores, never loses
+            row = self._pending.take(response_id, record)
+        if row is None:
+            raise UnknownResponseError(f"no routed call awaits a score under id {response_id!r} (unknown, "
+                                       "already scored, expired, a pass-through or an answer without usage)")
         return row
 
     async def afeedback(self, response_id: str, score: float) -> int:
@@ -644,10 +694,14 @@ class RoutedStream:
         self._chunks = self._run()
 
     def _run(self):
-        usage = response_id = None
+        usage = response_id = upstream_id = None
         try:
             for chunk in _checked_chunks(self._stream, self.route.model):
-                response_id = response_id or chunk.id
+                if response_id is None and chunk.id:
+                    upstream_id = chunk.id
+                    response_id = self._chat._reserve_id(upstream_id, self.route)
+                if response_id != upstream_id and chunk.id == upstream_id:
+                    chunk.id = response_id
                 if chunk.usage is not None:
                     usage = chunk.usage
                     if self._strip and not chunk.choices:
@@ -682,10 +736,14 @@ class AsyncRoutedStream:
         self._chunks = self._run()
 
     async def _run(self):
-        usage = response_id = None
+        usage = response_id = upstream_id = None
         try:
             async for chunk in _achecked_chunks(self._stream, self.route.model):
-                response_id = response_id or chunk.id
+                if response_id is None and chunk.id:
+                    upstream_id = chunk.id
+                    response_id = await asyncio.to_thread(self._chat._reserve_id, upstream_id, self.route)
+                if response_id != upstream_id and chunk.id == upstream_id:
+                    chunk.id = response_id
                 if chunk.usage is not None:
                     usage = chunk.usage
                     if self._strip and not chunk.choices:
@@ -719,7 +777,7 @@ def check_budget(budget: object) -> float:
     value = finite_float(budget)
     if value is None or value <= 0:
         raise InvalidInputError(f"budget_usd_per_1k must be a finite number > 0 (USD per 1,000 queries), "
-                                f"got {str(budget)[:40]}")
+                                f"got {shown(budget)}")
     check_budget_floor(value, budget)  # refused here, not by the controller at the first call
     return value
 

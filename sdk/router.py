@@ -25,7 +25,7 @@ from sdk.embedder import SessionThreads
 from sdk.arrays import finite_rows
 from sdk.background_read import PendingFiles
 from sdk.errors import BudgetError, BundleError, InvalidInputError, InvalidQueryError
-from sdk.real_numbers import finite_float
+from sdk.real_numbers import finite_float, shown
 from sdk.utility import _decide_unchecked, check_lambda
 
 #: Upper end of the lambda search in :meth:`Router.lam_for_budget`, USD^-1.
@@ -214,13 +214,13 @@ class Router:
         chosen: dict[str, str] = {}
 
         if isinstance(min_bundle_version, bool) or not isinstance(min_bundle_version, int):
-            raise InvalidInputError(f"min_bundle_version must be an int, got {min_bundle_version!r}")
+            raise InvalidInputError(f"min_bundle_version must be an int, got {shown(min_bundle_version)}")
 
         def files_needed(manifest: dict) -> tuple[str, ...]:
             # Called once the signature has verified: pick the files to keep in memory.
             if manifest["bundle_version"] < min_bundle_version:
                 raise BundleError(f"bundle version {manifest['bundle_version']} is older than "
-                                  f"min_bundle_version {min_bundle_version} (a superseded bundle)")
+                                  f"min_bundle_version {shown(min_bundle_version)} (a superseded bundle)")
             found = kinds.manifest_kinds(manifest)
             if kinds.ROUTER_FAMILY not in found:
                 raise BundleError(f"bundle carries no router (it carries {found})")
@@ -374,7 +374,7 @@ class Router:
         """
         budget = finite_float(usd_per_1k_queries)
         if budget is None or budget <= 0:
-            raise InvalidInputError(f"usd_per_1k_queries must be a finite number > 0, got {str(usd_per_1k_queries)[:40]}")
+            raise InvalidInputError(f"usd_per_1k_queries must be a finite number > 0, got {shown(usd_per_1k_queries)}")
         target = budget / 1000.0
         acc, cost, _, _ = self._predict(_check_queries(sample_queries))
 

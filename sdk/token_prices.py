@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sdk.errors import InvalidInputError, PriceError
-from sdk.real_numbers import finite_float
+from sdk.real_numbers import finite_float, shown
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class TokenPrice:
             value = getattr(self, name)
             price = finite_float(value)
             if price is None or price < 0:
-                raise InvalidInputError(f"{name} must be a finite number >= 0 (USD per 1M tokens), got {str(value)[:40]}")
+                raise InvalidInputError(f"{name} must be a finite number >= 0 (USD per 1M tokens), got {shown(value)}")
             object.__setattr__(self, name, price)
 
     def cost_usd(self, prompt_tokens: int, completion_tokens: int) -> float:
@@ -62,12 +62,12 @@ class TokenPrice:
         """
         for name, n in (("prompt_tokens", prompt_tokens), ("completion_tokens", completion_tokens)):
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-                raise InvalidInputError(f"{name} must be an int >= 0, got {str(n)[:40]}")
+                raise InvalidInputError(f"{name} must be an int >= 0, got {shown(n)}")
         n_in, n_out = finite_float(prompt_tokens), finite_float(completion_tokens)  # None: beyond the float range
         cost = None if n_in is None or n_out is None else finite_float(
             (n_in * self.input_usd_per_1m + n_out * self.output_usd_per_1m) / 1e6)
         if cost is None:
-            raise InvalidInputError(f"token counts {str(prompt_tokens)[:40]} in, {str(completion_tokens)[:40]} out "
+            raise InvalidInputError(f"token counts {shown(prompt_tokens)} in, {shown(completion_tokens)} out "
                                     "give a cost beyond the float range")
         return cost
 

@@ -7,7 +7,8 @@ server-sent events: a role chunk, the words of :func:`answer_text` one chunk eac
 chunk, a usage-only chunk when ``stream_options.include_usage`` is set, then ``data: [DONE]``.
 ``modes[model]`` switches one model's behaviour: ``"ok"`` (default), ``"503"``, ``"429"``, ``"400"``
 (OpenAI-style error JSON) or ``"hang"`` (sleeps ``hang_s`` before answering, for client timeouts).
-Every request body is appended to ``requests``. Response ids are ``chatcmpl-stub-<n>``, unique.
+Every request body is appended to ``requests``. Response ids are ``chatcmpl-stub-<n>``, unique, or
+``repeat_id`` on every answer when it is set (an upstream that repeats ids).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class StubUpstream:
     modes: dict[str, str] = field(default_factory=dict)
     requests: list[dict] = field(default_factory=list)
     hang_s: float = 5.0
+    repeat_id: str | None = None
     port: int = 0
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -57,7 +59,7 @@ class StubUpstream:
             elif mode in ("503", "429", "400"):
                 return JSONResponse({"error": {"message": f"stub {mode} for {model}", "type": "stub", "code": mode}},
                                     status_code=int(mode))
-            rid = f"chatcmpl-stub-{next(self._ids)}"
+            rid = self.repeat_id or f"chatcmpl-stub-{next(self._ids)}"
             usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS,
                      "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS}
             text = answer_text(model)

@@ -8,6 +8,7 @@ that ``sdk.Router`` loads and routes to the new model.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -52,6 +53,8 @@ def frame(**overrides):
     ({"score": [1.0, "yes"]}, InvalidInputError, "row 1: score must be a number in [0, 1], got 'yes'"),
     ({"cost_usd": [-0.001, 0.002]}, InvalidInputError, "row 0: cost_usd must be a finite number of USD per query"),
     ({"cost_usd": [0.001, float("inf")]}, InvalidInputError, "row 1: cost_usd must be a finite number"),
+    ({"cost_usd": [0.001, 1000.5]}, InvalidInputError, "row 1: cost_usd must be a finite number of USD per query, "
+                                                       ">= 0 and <= 1000, got 1000.5"),
     ({"prompt": ["What is 2+2?", "   "]}, InvalidInputError, "row 1: prompt must be non-empty text"),
     ({"prompt": [None, "x"]}, InvalidInputError, "row 0: prompt must be non-empty text"),
 ])
@@ -84,6 +87,19 @@ def test_price_comes_from_the_option_or_the_calibration_mean_and_a_model_without
     for bad in (-1.0, float("nan"), float("inf"), 10**400, True):  # 10**400 was an OverflowError traceback
         with pytest.raises(InvalidInputError, match="--price must be a finite number >= 0"):
             resolve_price(cal, bad)
+    assert resolve_price(cal, 1000.0) == 1000.0
+
+
+@pytest.mark.parametrize("price", [1000.5, 1e300, 1e308])
+def test_a_price_above_what_a_log_records_is_refused_before_it_overflows_the_cost_table(price):
+    """``--price 1e308`` wrote a K-means router whose new cost column was inf (the shrinkage's
+    ``kappa0 * price`` overflowed; a RuntimeWarning only); a device log and the sync server refuse
+    costs above 1000 USD per query, so such a price is refused, naming it."""
+    cal = calibration_from_frame(frame(), "new", POOL)
+    with pytest.raises(InvalidInputError, match=f"--price must be at most 1000 USD per query.*got {re.escape(repr(price))}"):
+        resolve_price(cal, price)
+    with pytest.raises(InvalidInputError, match="price_usd must be at most 1000 USD per query"):
+        add_model_kmeans(small_kmeans(), "new", np.zeros((0, 3), np.float32), np.zeros(0), np.zeros(0), price)
 
 
 def test_calibration_files_of_each_format_load_and_bad_files_are_refused(tmp_path):

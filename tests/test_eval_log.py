@@ -191,6 +191,17 @@ def test_constructor_rejects_bad_arguments(tmp_path, override, match):
     assert not path.exists()  # validated before the file is created
 
 
+@pytest.mark.parametrize("path", [":memory:", "file::memory:?cache=shared", "file:evals.sqlite"])
+def test_an_in_memory_path_is_refused_and_creates_nothing(tmp_path, monkeypatch, path):
+    """SQLite opens ':memory:' (and these URIs) as an in-memory database: the log could keep nothing and the
+    refusal read "cannot put ... in WAL mode (got 'memory')", after an empty file of that name was created
+    in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidInputError, match="in-memory SQLite database.*give a file path"):
+        EvalLog(path, MODELS)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_embedding_dimension_is_fixed_by_first_embedding(tmp_path):
     path = tmp_path / "log.sqlite"
     with EvalLog(path, MODELS) as log:

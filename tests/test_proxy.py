@@ -363,6 +363,26 @@ def test_the_proxy_command_reports_a_bad_config_in_one_line(tmp_path):
     assert "unknown keys ['lamb']" in result.stderr and "Traceback" not in result.stderr
 
 
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe caller-token\n", "error: --token-file"),  # was a UnicodeDecodeError traceback
+    (b"\n  \n", "error: the proxy needs at least one caller token"),
+])
+def test_the_proxy_command_reports_a_bad_token_file_in_one_line_before_loading_anything(tmp_path, content, message):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    (tmp_path / "proxy.json").write_text(json.dumps({"bundle": "b", "public_key": "k", "upstreams": {}}))
+    (tmp_path / "tokens").write_bytes(content)
+    result = subprocess.run([sys.executable, "-m", "trainer.cli", "proxy", "--config", str(tmp_path / "proxy.json"),
+                             "--token-file", str(tmp_path / "tokens")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2 and result.stderr.strip().startswith(message), result.stderr
+    assert "Traceback" not in result.stderr and "UnicodeDecodeError" not in result.stderr
+
+
 def test_streaming_falls_back_before_the_first_chunk_and_a_timeout_falls_back(deployment):
     stub, client, router = deployment["stub"], deployment["client"], deployment["router"]
     order = expected_order(router, QUERY, 100.0)
@@ -380,3 +400,70 @@ def test_streaming_falls_back_before_the_first_chunk_and_a_timeout_falls_back(de
     finally:
         stub.modes.clear()
     assert metric(deployment["http"], "fedroute_proxy_fallbacks_total", model=order[0], reason="timeout") == 1
+
+
+def test_feedback_the_log_cannot_record_is_an_openai_style_500_and_the_answer_keeps_waiting(deployment, tmp_path):
+    """A log that cannot take the row (closed here; locked, full disk, read-only alike) or a waiting answer of
+    another bundle's models is the proxy's failure: 500 in the OpenAI error shape, not a bare "Internal
+    Server Error" with a traceback. Bad ids and bodies name the right ``param``."""
+    from sdk.pending_outcomes import PendingOutcome
+    from sdk.routed_chat import RoutedChat, Upstream
+    from sdk.token_prices import TokenPrice
+
+    d = deployment
+    router, stub = d["router"], d["stub"]
+    log = EvalLog(tmp_path / "log.sqlite", router.model_ids)
+    chat = RoutedChat(router, lam=100.0, log=log,
+                      upstreams={m: Upstream(stub.base_url, api_key="k", model=name) for m, (name, _, _) in POOL.items()},
+                      prices={m: TokenPrice(i, o) for m, (_, i, o) in POOL.items()})
+    metrics = ProxyMetrics()
+    with ServedApp(create_app(chat, [TOKEN], metrics)) as served:
+        http = httpx.Client(base_url=f"http://127.0.0.1:{served.port}", headers={"Authorization": f"Bearer {TOKEN}"})
+        answered = http.post("/v1/chat/completions", json={"model": "fedroute", "messages": [
+            {"role": "user", "content": QUERY}]}).json()["id"]
+        # an answer waiting from a bundle with another pool (e.g. before fedroute-sync installed a new one)
+        stale = chat.pending.get(answered)
+        chat.pending.add(PendingOutcome("chatcmpl-stale", stale.timestamp, "model-of-an-older-bundle", stale.cost_usd,
+                                        stale.latency_ms, stale.embedding, stale.cell, stale.bundle_version))
+        r = http.post("/v1/fedroute/feedback", json={"id": "chatcmpl-stale", "score": 1.0})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "model-of-an-older-bundle" in r.json()["error"]["message"]
+        # a bad id or body is not blamed on the score
+        assert http.post("/v1/fedroute/feedback", json={"score": 1.0}).json()["error"]["param"] == "id"
+        r = http.post("/v1/fedroute/feedback", content=b"[1]")
+        assert r.status_code == 400 and r.json()["error"]["param"] is None
+        log.close()
+        r = http.post("/v1/fedroute/feedback", json={"id": answered, "score": 1.0})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "is closed" in r.json()["error"]["message"]
+        assert chat.pending.get(answered) is not None  # still waiting: nothing lost
+        assert metric(http, "fedroute_proxy_feedback_total", result="error") == 2
+    chat.close()
+
+
+def test_feedback_after_the_clock_went_back_records_the_answer(deployment, tmp_path):
+    """An answer stamped before the wall clock was set back by more than a day: the row takes the time of the
+    feedback instead of a timestamp the log refuses as 'in the future' (it was a 400 blaming the score)."""
+    import time
+
+    from sdk.pending_outcomes import PendingOutcome
+    from sdk.routed_chat import RoutedChat, Upstream
+    from sdk.token_prices import TokenPrice
+
+    router = deployment["router"]
+    log = EvalLog(tmp_path / "log.sqlite", router.model_ids)
+    chat = RoutedChat(router, lam=100.0, log=log, upstreams={m: Upstream("http://127.0.0.1:9/v1", api_key="k")
+                                                            for m in POOL},
+                      prices={m: TokenPrice(i, o) for m, (_, i, o) in POOL.items()})
+    choice = router.choose(QUERY, 100.0)
+    ahead = time.time() + 3 * 86_400.0  # stamped three days ahead of today's clock
+    chat.pending.add(PendingOutcome("chatcmpl-1", ahead, choice.model, 0.001, 120.0, choice.embedding, choice.cell,
+                                    choice.bundle_version))
+    before = time.time()
+    row = chat.feedback("chatcmpl-1", 0.75)
+    rows = log.rows()
+    assert list(rows.id) == [row] and rows.score[0] == 0.75 and rows.model == (choice.model,)
+    assert before <= rows.timestamp[0] <= time.time()
+    assert chat.pending.get("chatcmpl-1") is None
+    chat.close()
+    log.close()

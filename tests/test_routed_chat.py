@@ -54,6 +54,7 @@ def served_stub():
 @pytest.fixture()
 def stub(served_stub):
     served_stub.modes.clear()
+    served_stub.repeat_id = None
     served_stub.requests.clear()
     return served_stub
 
@@ -350,3 +351,109 @@ def test_pending_store_keeps_the_newest_rows_and_drops_expired_ones(tmp_path):
     for bad in ({"max_rows": 0}, {"max_age_s": 0}, {"max_age_s": float("nan")}):
         with pytest.raises(InvalidInputError):
             PendingOutcomes(":memory:", **bad)
+
+
+def test_an_answer_costing_more_than_a_log_row_holds_is_not_kept_for_feedback(router, stub, tmp_path, caplog):
+    """Observed cost = usage x price above 1000 USD (sdk.eval_log.MAX_COST_PER_QUERY_USD; here a price typed
+    in the wrong unit): it used to wait for a score that the log then refused at feedback, as an error about
+    a ``cost_usd`` the app never sent. Now the answer is returned and counted, and not kept."""
+    absurd = {**PRICES, **{m: TokenPrice(1e8, 1e8) for m in POOL}}  # 42 tokens -> 4,200 USD
+    chat = make_chat(router, stub, tmp_path, prices=absurd)
+    with caplog.at_level("WARNING", logger="fedroute.routed_chat"):
+        result = chat.create_routed(messages=QUERY)
+    assert result.outcome.cost_usd == pytest.approx(4200.0) and result.outcome.awaiting_score is False
+    assert "above the 1000 USD per query a log row holds" in caplog.text
+    assert len(chat.pending) == 0
+    with pytest.raises(UnknownResponseError):
+        chat.feedback(result.completion.id, 1.0)
+    budget_chat = make_chat(router, stub, tmp_path / "b", prices=absurd, lam=None, budget_usd_per_1k=0.5)
+    budget_chat.create(messages=QUERY)  # still observed spend for the budget controller
+    assert budget_chat.budget_controllers()[0.5].realised_usd_per_1k == pytest.approx(4200.0 * 1000)
+    chat.close()
+    budget_chat.close()
+
+
+def test_an_upstream_that_repeats_response_ids_gets_each_routed_answer_scored_once(router, stub, tmp_path):
+    """Some OpenAI-compatible servers repeat completion ids (drawn from a small range, or fixed). The pending
+    store is keyed by id: the second answer replaced the first, whose outcome was lost, and the app's score
+    of the first answer was recorded against the second one. A routed answer whose id already awaits a
+    score now gets a fresh one, in the completion (and in every chunk of a stream)."""
+    stub.repeat_id = "chatcmpl-same"
+    chat = make_chat(router, stub, tmp_path)
+    first = chat.create_routed(messages=QUERY)
+    second = chat.create_routed(messages="Is a whale a fish? Answer yes or no.")
+    with chat.create(messages="Name three prime numbers.", stream=True) as stream:
+        chunks = list(stream)
+    ids = [first.completion.id, second.completion.id, chunks[0].id]
+    assert ids[0] == "chatcmpl-same" and len(set(ids)) == 3 and all(i.startswith("chatcmpl-same") for i in ids)
+    assert {c.id for c in chunks} == {ids[2]} and stream.outcome.response_id == ids[2]
+    assert second.outcome.response_id == ids[1] and second.outcome.awaiting_score and len(chat.pending) == 3
+    rows = [chat.feedback(i, score) for i, score in zip(ids, (1.0, 0.0, 0.5))]
+    log = EvalLog(tmp_path / "evals.sqlite", router.model_ids)
+    got = log.rows()
+    assert list(got.id) == rows and list(got.score) == [1.0, 0.0, 0.5]
+    for i, text in enumerate((QUERY, "Is a whale a fish? Answer yes or no.", "Name three prime numbers.")):
+        np.testing.assert_allclose(got.embedding[i], router.choose(text, 100.0).embedding, atol=1e-6)
+    # scored, the id is free again: the next answer keeps the upstream's id
+    assert chat.create(messages=QUERY).id == "chatcmpl-same"
+    log.close()
+    chat.close()
+
+
+def test_a_pending_store_file_that_is_not_one_is_refused_at_open(router, tmp_path):
+    """The EvalLog's own file given as the pending store got a 'pending' table added to it; a database with
+    a foreign 'pending' table opened, then every lookup raised sqlite3.OperationalError (in the proxy: a 500
+    with a traceback)."""
+    import sqlite3
+
+    from sdk.errors import EvalLogError
+    from sdk.pending_outcomes import PendingOutcomes
+
+    log = EvalLog(tmp_path / "evals.sqlite", router.model_ids)
+    with pytest.raises(EvalLogError, match="not a pending-outcome store .*'evaluations'"):
+        PendingOutcomes(tmp_path / "evals.sqlite")
+    log.close()
+    with sqlite3.connect(tmp_path / "evals.sqlite") as conn:
+        assert "pending" not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    conn.close()
+    foreign = sqlite3.connect(tmp_path / "other.sqlite")
+    foreign.execute("CREATE TABLE pending (x)")
+    foreign.commit()
+    foreign.close()
+    with pytest.raises(EvalLogError, match="not a pending-outcome store .*pending columns \\['x'\\]"):
+        PendingOutcomes(tmp_path / "other.sqlite")
+    with pytest.raises(EvalLogError, match="not a pending-outcome store"):
+        RoutedChat(router, lam=1.0, upstreams={m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in POOL},
+                   prices=PRICES,
+                   log=EvalLog(tmp_path / "e2.sqlite", router.model_ids), pending=tmp_path / "e2.sqlite")
+
+
+def test_two_clients_on_one_pending_store_record_a_score_once(router, stub, tmp_path):
+    """Two RoutedChat (two proxy processes, or a sync and an async client of one app) over one log and one
+    pending store, scoring the same answer at once: each read the entry, both wrote a row, then both
+    removed it. Now the store holds the entry under its write lock until the row is written: one row,
+    the other call is told the answer awaits no score."""
+    import threading
+
+    first = make_chat(router, stub, tmp_path)
+    second = make_chat(router, stub, tmp_path)  # same evals.sqlite and evals.pending.sqlite
+    answer = first.create(messages=QUERY)
+    barrier, results = threading.Barrier(2), []
+
+    def score(chat):
+        barrier.wait()
+        try:
+            results.append(chat.feedback(answer.id, 1.0))
+        except UnknownResponseError:
+            results.append("unknown")
+
+    threads = [threading.Thread(target=score, args=(c,)) for c in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log = EvalLog(tmp_path / "evals.sqlite", router.model_ids)
+    assert len(log) == 1 and sorted(results, key=str) == sorted([int(log.rows().id[0]), "unknown"], key=str)
+    log.close()
+    first.close()
+    second.close()

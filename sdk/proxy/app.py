@@ -21,7 +21,9 @@ Every route but ``/health`` needs ``Authorization: Bearer <token>`` with one of 
 ``POST /v1/fedroute/feedback``
     ``{"id": "<completion id>", "score": 0.8}``: the app's score in [0, 1] of a routed answer; the
     outcome row is appended to the device's ``EvalLog`` (200 ``{"recorded": <row id>}``). 404 for an
-    id that awaits no score, 400 for a bad score, 409 when the proxy runs without a log.
+    id that awaits no score, 400 for a bad body, ``id`` or score (``param`` names which), 409 when the
+    proxy runs without a log, 500 (``server_error``, JSON) when the log or the pending store cannot
+    record it (the entry keeps waiting).
 ``GET /metrics``
     Prometheus text format (:mod:`sdk.proxy.metrics`).
 ``GET /health``
@@ -161,18 +163,25 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
                               "recorded", "invalid_request_error", code="no_eval_log")
         try:
             body = await _json_object(request, max_body_bytes)
-            response_id, score = body.get("id"), body.get("score")
-            if not isinstance(response_id, str) or not response_id:
-                raise InvalidInputError("'id' (the completion id) must be a non-empty string")
+        except InvalidInputError as exc:  # not a JSON object (400), or too large (413)
+            metrics.feedback.labels("invalid").inc()
+            return _error_for(exc)
+        response_id, score = body.get("id"), body.get("score")
+        if not isinstance(response_id, str) or not response_id:
+            metrics.feedback.labels("invalid").inc()
+            return error_json(400, f"'id' (the completion id) must be a non-empty string, got {response_id!r:.80}",
+                              "invalid_request_error", param="id")
+        try:
             row = await chat.afeedback(response_id, score)
         except UnknownResponseError as exc:
             metrics.feedback.labels("unknown").inc()
             return error_json(404, str(exc), "invalid_request_error", param="id", code="unknown_response")
         except InvalidInputError as exc:
             metrics.feedback.labels("invalid").inc()
-            if isinstance(exc, _BodyTooLarge):
-                return _error_for(exc)
             return error_json(400, str(exc), "invalid_request_error", param="score")
+        except FedrouteError as exc:  # the log or the pending store failed: the proxy's fault, not the caller's
+            metrics.feedback.labels("error").inc()
+            return _error_for(exc)
         metrics.feedback.labels("recorded").inc()
         return {"recorded": row}
 

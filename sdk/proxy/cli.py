@@ -25,15 +25,22 @@ def proxy(
     """Serve an OpenAI-compatible API that routes model="fedroute" (or "fedroute:lam=X", "fedroute:budget=Y")."""
     import uvicorn  # proxy extra, imported on use
 
-    from sdk.proxy.app import create_app  # proxy extra (fastapi, openai, prometheus-client)
+    from sdk.errors import InvalidInputError
+    from sdk.proxy.app import create_app, token_digests  # proxy extra (fastapi, openai, prometheus-client)
     from sdk.proxy.config import ProxyConfig  # proxy extra (openai)
     from sdk.proxy.metrics import ProxyMetrics  # proxy extra (prometheus-client)
 
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("--tls-cert and --tls-key go together")
+    try:  # read first: a bad token file is refused before the bundle loads
+        tokens = token_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"--token-file {token_file}: cannot read it as UTF-8 text, one token per line "
+                                f"({exc})") from exc
+    token_digests(tokens)  # no token at all: refused now too
     metrics = ProxyMetrics()
     chat = ProxyConfig.load(config).build_chat(observer=metrics)
-    app = create_app(chat, token_file.read_text().splitlines(), metrics)
+    app = create_app(chat, tokens, metrics)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     typer.echo(f"routing over {list(chat.pool)} (pass-through: {[m for m in chat.models if m not in chat.pool]})",
                err=True)

@@ -16,7 +16,7 @@ metric                                                 meaning
 ``fedroute_proxy_unpriced_answers_total{model}``       answers without ``usage`` (cost not observed)
 ``fedroute_proxy_routing_seconds``                     routing latency (embed + score + rank), histogram
 ``fedroute_proxy_upstream_seconds{model}``             latency of the answering call, histogram
-``fedroute_proxy_feedback_total{result}``              scores received (``recorded``, ``unknown``, ``invalid``)
+``fedroute_proxy_feedback_total{result}``              scores received (``recorded``, ``unknown``, ``invalid``, ``error``)
 =====================================================  ===========================================================
 """
 

@@ -28,12 +28,15 @@ test data.
 
 The calibration file (:func:`load_calibration`): ``.csv``, ``.parquet`` or ``.jsonl`` with one row
 per query and the columns ``prompt`` (non-empty text), ``model`` (the new model's id on every row),
-``score`` (in [0, 1]) and ``cost_usd`` (USD per query, >= 0).
+``score`` (in [0, 1]) and ``cost_usd`` (USD per query, in [0, 1000]).
+
+Costs and prices above :data:`sdk.eval_log.MAX_COST_PER_QUERY_USD` (1000 USD per query) are refused:
+no device log may record such a cost and the sync server refuses it, and a price near the float range
+overflowed the shrinkage (``--price 1e308`` wrote a router whose cost table held inf).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +44,7 @@ import numpy as np
 
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import InvalidInputError, ShapeError, UnknownModelError
+from sdk.eval_log import MAX_COST_PER_QUERY_USD
 from sdk.real_numbers import finite_float
 from sdk.voronoi import nearest_cell
 from trainer.routers.kmeans_router import KMeansRouter
@@ -129,12 +133,13 @@ def calibration_from_frame(frame, model: str, pool, source: str = "<frame>") -> 
                 f"pool models {in_pool} (their heads are frozen; calibrate the new model only)" if in_pool else "",
                 f"unknown models {unknown}" if unknown else "") if part))
     values = {}
-    for column, low, high in (("score", 0.0, 1.0), ("cost_usd", 0.0, math.inf)):
+    for column, low, high in (("score", 0.0, 1.0), ("cost_usd", 0.0, MAX_COST_PER_QUERY_USD)):
         v = pd.to_numeric(frame[column], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
         bad = ~np.isfinite(v) | (v < low) | (v > high)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            rule = "a number in [0, 1]" if column == "score" else "a finite number of USD per query, >= 0"
+            rule = "a number in [0, 1]" if column == "score" else \
+                f"a finite number of USD per query, >= 0 and <= {MAX_COST_PER_QUERY_USD:g}"
             shown = frame[column].iloc[i]
             shown = shown.item() if isinstance(shown, np.generic) else shown
             raise InvalidInputError(f"{source}: row {i}: {column} must be {rule}, got {shown!r}")
@@ -174,7 +179,8 @@ def resolve_price(calibration: Calibration, price_usd: float | None) -> float:
     Raises
     ------
     InvalidInputError
-        ``price_usd`` is not a finite number >= 0, or it is None and the calibration set is empty
+        ``price_usd`` is not a finite number in [0, :data:`sdk.eval_log.MAX_COST_PER_QUERY_USD`] (1000),
+        or it is None and the calibration set is empty
         (a model without a price: its cost prior would be unknown).
     """
     if price_usd is not None:
@@ -203,6 +209,9 @@ def _price(price_usd: object, name: str = "price_usd") -> float:
     price = finite_float(price_usd)
     if price is None or price < 0:
         raise InvalidInputError(f"{name} must be a finite number >= 0 (USD per query), got {price_usd!r}")
+    if price > MAX_COST_PER_QUERY_USD:
+        raise InvalidInputError(f"{name} must be at most {MAX_COST_PER_QUERY_USD:g} USD per query (no device log records "
+                                f"a costlier query and the sync server refuses one), got {price_usd!r}")
     return price
 
 
