@@ -309,7 +309,7 @@ def test_the_proxy_examples_run_against_the_proxy(deployment, tmp_path, capsys):
 
     from conftest import ROOT
 
-    stub, router = deployment["stub"], deployment["router"]
+    router = deployment["router"]
     order = expected_order(router, "Prove that the square root of 2 is irrational.", 100.0)
     module = runpy.run_path(str(ROOT / "examples" / "proxy_client.py"))
     assert module["main"](["--base-url", deployment["base"] + "/v1", "--token", TOKEN, "--passthrough", EXT[0],
