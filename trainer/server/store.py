@@ -145,6 +145,30 @@ def _refuse_foreign_tables(url: str, names) -> None:
                          "program's database?); give --db a database of its own (a new SQLite file is created)")
 
 
+#: How long a SQLite connection waits for another's lock (ms): the busy timeout, and the bound on retrying
+#: the switch of a new database to WAL.
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def _set_wal(cur) -> None:
+    """``PRAGMA journal_mode=WAL``, retried while another connection holds the lock. Switching a new
+    database to WAL can answer "database is locked" at once, without waiting on the busy timeout,
+    while other processes open the same new file (``fedroute clients add`` run in parallel to provision
+    a fleet: 2 of 60 trials of 8 at once failed so); once in WAL mode (it persists) the pragma takes no
+    lock."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    delay = 0.005
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(2 * delay, 0.1)
+
+
 def create_engine(url: str) -> Engine:
     """Engine for ``url``; SQLite gets WAL, ``synchronous=FULL``, a busy timeout, BEGIN IMMEDIATE
     and, for a new database, :data:`SQLITE_PAGE_BYTES` pages.
@@ -162,10 +186,10 @@ def create_engine(url: str) -> Engine:
             cur = dbapi_conn.cursor()
             # Only takes effect in a new database (before its first table): uploads are rows of tens of
             # KB, and larger pages write them in fewer WAL frames (SQLITE_PAGE_BYTES, docs/benchmarks.md).
+            cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
             cur.execute(f"PRAGMA page_size={SQLITE_PAGE_BYTES}")
-            cur.execute("PRAGMA journal_mode=WAL")
+            _set_wal(cur)
             cur.execute("PRAGMA synchronous=FULL")
-            cur.execute("PRAGMA busy_timeout=30000")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
 
