@@ -84,6 +84,7 @@ import numpy as np
 
 from sdk.errors import EvalLogError, InvalidInputError, ShapeError, UnknownModelError
 from sdk.real_numbers import finite_float, is_real_number, shown
+from sdk.sqlite_journal import set_wal
 
 __all__ = ["CLOCK_STEP_S", "MAX_COST_PER_QUERY_USD", "SCHEMA_VERSION", "UNIT_NORM_TOLERANCE", "EvalLog", "Evaluations"]
 
@@ -302,18 +303,24 @@ class EvalLog:
         path = str(self._path)
         # Reading the header first: a non-SQLite file fails here ("file is not a database"), and a
         # foreign or newer file is refused before any pragma changes it.
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        # One read transaction: another process creating the log commits its tables and user_version
+        # together, and two autocommit reads could see the version before and the tables after.
+        conn.execute("BEGIN")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            tables = _table_names(conn)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
         if version not in (0, SCHEMA_VERSION):
             raise EvalLogError(
                 f"evaluation log {path!r} has schema version {version}; this fedroute understands "
                 f"version {SCHEMA_VERSION} only (written by a newer or unknown program)"
             )
-        if version == 0 and _table_names(conn):
-            raise EvalLogError(
-                f"{path!r} is an SQLite database but not a fedroute evaluation log "
-                "(user_version 0 with tables in it)"
-            )
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if version == 0 and tables:
+            raise EvalLogError(_NOT_A_LOG.format(path=path))
+        mode = set_wal(conn, _BUSY_TIMEOUT_S)  # retried: a new file's switch to WAL can fail at once
         if str(mode).lower() != "wal":
             raise EvalLogError(f"cannot put evaluation log {path!r} in WAL mode (got {mode!r})")
         conn.execute(f"PRAGMA synchronous={'FULL' if self._durable else 'NORMAL'}")
@@ -326,6 +333,8 @@ class EvalLog:
             # Re-read under the write lock: another process may have created the schema meanwhile.
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version == 0:
+                if _table_names(conn):  # under the write lock: a fedroute creator sets both at once
+                    raise EvalLogError(_NOT_A_LOG.format(path=path))
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         conn.execute(statement)
@@ -695,6 +704,9 @@ def _check_embedding(embedding: object) -> np.ndarray:
                          f"and Choice.embedding give it; the sync server refuses means of longer vectors), got norm "
                          f"{norm:.6g}: pass the router's embedding, or divide by its norm")
     return vector
+
+
+_NOT_A_LOG = "{path!r} is an SQLite database but not a fedroute evaluation log (user_version 0 with tables in it)"
 
 
 def _table_names(conn: sqlite3.Connection) -> set[str]:

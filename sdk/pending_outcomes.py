@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from sdk.errors import EvalLogError, InvalidInputError
+from sdk.sqlite_journal import set_wal
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS pending (
@@ -119,7 +120,7 @@ class PendingOutcomes:
                 if not Path(self._path).exists():
                     os.close(os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600))
             self._conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=10.0)
-            self._conn.execute("PRAGMA journal_mode=WAL")
+            set_wal(self._conn, 10.0)  # retried: a new file's switch to WAL can fail at once
             # WAL + NORMAL: a committed entry survives a killed process; a power loss may drop the last
             # few (no fsync per call, which would dominate the proxy's bookkeeping time).
             self._conn.execute("PRAGMA synchronous=NORMAL")

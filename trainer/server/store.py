@@ -43,6 +43,7 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from sdk.sqlite_journal import set_wal
 from sdk.protocol import KMeansUpdate, Receipt, centroids_hash, decode_kmeans_update_record
 from trainer.server.errors import IdempotencyKeyReused
 from trainer.server.round_kind import RoundOutcome, RoundSettings
@@ -146,27 +147,8 @@ def _refuse_foreign_tables(url: str, names) -> None:
 
 
 #: How long a SQLite connection waits for another's lock (ms): the busy timeout, and the bound on retrying
-#: the switch of a new database to WAL.
+#: the switch of a new database to WAL (:func:`sdk.sqlite_journal.set_wal`).
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-
-
-def _set_wal(cur) -> None:
-    """``PRAGMA journal_mode=WAL``, retried while another connection holds the lock. Switching a new
-    database to WAL can answer "database is locked" at once, without waiting on the busy timeout,
-    while other processes open the same new file (``fedroute clients add`` run in parallel to provision
-    a fleet: 2 of 60 trials of 8 at once failed so); once in WAL mode (it persists) the pragma takes no
-    lock."""
-    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
-    delay = 0.005
-    while True:
-        try:
-            cur.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() + delay > deadline:
-                raise
-            time.sleep(delay)
-            delay = min(2 * delay, 0.1)
 
 
 def create_engine(url: str) -> Engine:
@@ -188,7 +170,7 @@ def create_engine(url: str) -> Engine:
             # KB, and larger pages write them in fewer WAL frames (SQLITE_PAGE_BYTES, docs/benchmarks.md).
             cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
             cur.execute(f"PRAGMA page_size={SQLITE_PAGE_BYTES}")
-            _set_wal(cur)
+            set_wal(cur, SQLITE_BUSY_TIMEOUT_MS / 1000)  # retried: a new file's switch can fail at once
             cur.execute("PRAGMA synchronous=FULL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
