@@ -84,7 +84,7 @@ import numpy as np
 
 from sdk.errors import EvalLogError, InvalidInputError, ShapeError, UnknownModelError
 from sdk.real_numbers import finite_float, is_real_number, shown
-from sdk.sqlite_journal import set_wal
+from sdk.sqlite_files import set_wal, table_names
 
 __all__ = ["CLOCK_STEP_S", "MAX_COST_PER_QUERY_USD", "SCHEMA_VERSION", "UNIT_NORM_TOLERANCE", "EvalLog", "Evaluations"]
 
@@ -308,7 +308,7 @@ class EvalLog:
         conn.execute("BEGIN")
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
-            tables = _table_names(conn)
+            tables = table_names(conn)
         except BaseException:
             conn.execute("ROLLBACK")
             raise
@@ -333,7 +333,7 @@ class EvalLog:
             # Re-read under the write lock: another process may have created the schema meanwhile.
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version == 0:
-                if _table_names(conn):  # under the write lock: a fedroute creator sets both at once
+                if table_names(conn):  # under the write lock: a fedroute creator sets both at once
                     raise EvalLogError(_NOT_A_LOG.format(path=path))
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
@@ -344,7 +344,7 @@ class EvalLog:
                     f"evaluation log {path!r} has schema version {version}; this fedroute "
                     f"understands version {SCHEMA_VERSION} only"
                 )
-            missing = {"meta", "evaluations"} - _table_names(conn)
+            missing = {"meta", "evaluations"} - table_names(conn)
             if missing:
                 raise EvalLogError(
                     f"evaluation log {path!r} is damaged: table(s) {sorted(missing)} missing"
@@ -707,10 +707,6 @@ def _check_embedding(embedding: object) -> np.ndarray:
 
 
 _NOT_A_LOG = "{path!r} is an SQLite database but not a fedroute evaluation log (user_version 0 with tables in it)"
-
-
-def _table_names(conn: sqlite3.Connection) -> set[str]:
-    return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
 
 def _read_embedding_dim(conn: sqlite3.Connection, path: str) -> int | None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from sdk.errors import EvalLogError, InvalidInputError
-from sdk.sqlite_journal import set_wal
+from sdk.sqlite_files import set_wal, table_names
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS pending (
@@ -124,7 +124,7 @@ class PendingOutcomes:
             # WAL + NORMAL: a committed entry survives a killed process; a power loss may drop the last
             # few (no fsync per call, which would dominate the proxy's bookkeeping time).
             self._conn.execute("PRAGMA synchronous=NORMAL")
-            tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            tables = table_names(self._conn)
             if not tables - {"pending"}:  # a new file, or a store: never add the table to another database
                 self._conn.execute(_SCHEMA)
             columns = tuple(r[1] for r in self._conn.execute("PRAGMA table_info(pending)"))

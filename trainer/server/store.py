@@ -43,8 +43,8 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from sdk.sqlite_journal import set_wal
 from sdk.protocol import KMeansUpdate, Receipt, centroids_hash, decode_kmeans_update_record
+from sdk.sqlite_files import set_wal, table_names
 from trainer.server.errors import IdempotencyKeyReused
 from trainer.server.round_kind import RoundOutcome, RoundSettings
 
@@ -130,7 +130,7 @@ def _sqlite_table_names(path: Path) -> list[str]:
         return []
     with contextlib.closing(sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True)) as conn:
         try:
-            return [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+            return sorted(table_names(conn))
         except sqlite3.DatabaseError:  # not SQLite: the engine's first statement says so
             return []
 
@@ -147,7 +147,7 @@ def _refuse_foreign_tables(url: str, names) -> None:
 
 
 #: How long a SQLite connection waits for another's lock (ms): the busy timeout, and the bound on retrying
-#: the switch of a new database to WAL (:func:`sdk.sqlite_journal.set_wal`).
+#: the switch of a new database to WAL (:func:`sdk.sqlite_files.set_wal`).
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 

@@ -1,4 +1,5 @@
-"""Switching an SQLite database to WAL when other connections may be opening it at the same moment.
+"""SQLite files opened by several processes at once (the server store, the EvalLog, the pending-outcome
+store): switching a database to WAL, and listing its tables.
 
 ``PRAGMA journal_mode=WAL`` on a new file needs the database's exclusive lock, and SQLite can answer
 "database is locked" at once, without waiting on the connection's busy timeout, while another
@@ -37,3 +38,8 @@ def set_wal(conn, timeout_s: float) -> str:
                 raise
             time.sleep(delay)
             delay = min(2 * delay, 0.1)
+
+
+def table_names(conn) -> set[str]:
+    """Names of the tables in the database of ``conn`` (an ``sqlite3`` connection)."""
+    return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
