@@ -213,6 +213,25 @@ def test_bad_bodies_get_400(deployment, payload, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("stream", ["yes", 1, "false", {}], ids=["'yes'", "1", "'false'", "object"])
+@pytest.mark.parametrize("model", ["fedroute", EXT[0]])
+def test_a_stream_that_is_not_a_boolean_is_refused_before_routing(deployment, stream, model):
+    """``"stream": "yes"`` was taken as true (and ``"false"`` too): OpenAI's API takes a boolean only."""
+    http, stub = deployment["http"], deployment["stub"]
+    routed = (lambda: sum(metric(http, "fedroute_proxy_choices_total", model=m) for m in POOL))
+    before = (len(stub.requests), routed(),
+              metric(http, "fedroute_proxy_requests_total", route="invalid", status="400"))
+    r = http.post("/v1/chat/completions",
+                  json={"model": model, "messages": [{"role": "user", "content": QUERY}], "stream": stream})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == f"stream must be a boolean (true or false), got {type(stream).__name__} {stream!r}"
+    after = (len(stub.requests), routed(),
+             metric(http, "fedroute_proxy_requests_total", route="invalid", status="400"))
+    assert after == (before[0], before[1], before[2] + 1)  # nothing sent, nothing routed, counted as refused
+
+
 def test_upstream_failures_after_fallback_map_to_gateway_statuses(deployment):
     stub, client, router = deployment["stub"], deployment["client"], deployment["router"]
     order = expected_order(router, QUERY, 100.0)
