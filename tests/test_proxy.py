@@ -298,6 +298,9 @@ def test_config_errors(tmp_path, make_bundle, signing_keys, monkeypatch):
     ({"bundle": 5}, "'bundle' must be a path string, got int 5"),
     ({"public_key": None}, "'public_key' must be a path string, got NoneType None"),
     ({"log": ["a"]}, "'log' must be a path string, got list \\['a'\\]"),
+    ({"log": ""}, "'log' is an empty path; expected the EvalLog file the proxy appends scored calls to \\(omit "
+                  "\"log\" or give null to keep no log\\)$"),  # it silently kept no log
+    ({"public_key": " "}, "'public_key' is an empty path; expected the signing.pub file written by `fedroute keygen`$"),
     ({"passthrough": {"x": {"base_url": "http://127.0.0.1:9/v1", "api_key_env": 5}}},
      "passthrough\\['x'\\]\\['api_key_env'\\] must be a string, got int 5"),
     ({"upstreams": {"m": {"base_url": "http://127.0.0.1:9/v1", "model": {"a": 1}}}},
