@@ -220,7 +220,7 @@ class MoRRewardScorerKind(ArtefactKind):
         return _MoRGraphs(reward, router)
 
 
-kinds.register_family(FAMILY, RewardGraphs)
+kinds.register_family(FAMILY, RewardGraphs, loader="sdk.RewardScorer.load")
 if KIND not in kinds.names(FAMILY):
     kinds.register(MoRRewardScorerKind())
 
@@ -337,10 +337,6 @@ if LORA_KIND not in kinds.names(FAMILY):
     kinds.register(MoRLoRARewardScorerKind())
 
 
-#: The SDK class that loads a bundle of each other family (named when such a bundle is given here).
-_LOADERS = {kinds.ROUTER_FAMILY: "sdk.Router", "selector": "sdk.Selector"}
-
-
 class RewardScorer:
     """A client's reward model and the client router, loaded from a verified bundle. Use :meth:`load`.
 
@@ -402,9 +398,7 @@ class RewardScorer:
                                   f"min_bundle_version {min_bundle_version} (a superseded bundle)")
             found = kinds.manifest_kinds(manifest)
             if FAMILY not in found:
-                held = {f: k for f, k in found.items() if f != kinds.EMBEDDER_FAMILY}
-                loaders = sorted({_LOADERS.get(f, "the loader of its family") for f in held})
-                raise BundleError(f"bundle carries no {FAMILY} (it carries {held}); load it with {' or '.join(loaders)}")
+                raise kinds.carries_no(FAMILY, found)
             return tuple(name for family, kind in found.items()
                          for name in kinds.get(family, kind).files(manifest, "fp32"))
 

@@ -231,7 +231,35 @@ def test_a_reward_scorer_given_a_selector_bundle_names_sdk_selector(selector_bun
     with pytest.raises(BundleError) as info:
         RewardScorer.load(selector_bundle, public_key=signing_keys[1])
     assert str(info.value) == ("bundle carries no reward_scorer (it carries {'selector': 'onnx_pair'}); "
-                               "load it with sdk.Selector")
+                               "load it with sdk.Selector.load")
+
+
+@pytest.fixture()
+def reward_bundle(signing_keys, tmp_path) -> Path:
+    """A signed bundle with a reward-scorer manifest (its graphs are never loaded by these tests)."""
+    fields = {"bundle_version": 1, "reward_scorer_kind": "mor", "clients": ["helpful", "harmless"],
+              "client": {"name": "helpful", "index": 0}, "features": {"length_features": False, "d_in": 8},
+              "reward": {"arch": "mlp"},
+              "embedder": {"name": "e", "dim": 4, "max_tokens": 16, "truncation_side": "left",
+                           "files": {"fp32": "embedder.onnx"}}}
+    out = tmp_path / "bundles" / "reward"
+    write_bundle(out, {name: b"x" for name in ("tokenizer.json", "embedder.onnx", "reward.onnx", "client_router.onnx")},
+                 fields, load_signing_key(signing_keys[0]))
+    return out
+
+
+@pytest.mark.parametrize("family, held, loader", [("selector", "{'selector': 'onnx_pair'}", "sdk.Selector.load"),
+                                                  ("reward", "{'reward_scorer': 'mor'}", "sdk.RewardScorer.load")])
+def test_router_load_given_another_familys_bundle_names_the_loader_of_that_family(
+        selector_bundle, reward_bundle, signing_keys, family, held, loader):
+    """It said 'bundle carries no router (it carries {...})' and left the user to find the class that loads it;
+    the loader comes from the family's registration (sdk.kinds.register_family(..., loader=...))."""
+    from sdk.router import Router
+
+    bundle = {"selector": selector_bundle, "reward": reward_bundle}[family]
+    with pytest.raises(BundleError) as info:
+        Router.load(bundle, signing_keys[1])
+    assert str(info.value) == f"bundle carries no router (it carries {held}); load it with {loader}"
 
 
 def test_a_bundle_of_another_family_is_not_replaced(selector_bundle, signing_keys, tmp_path):
