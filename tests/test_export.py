@@ -277,6 +277,19 @@ def test_keygen_into_a_file_is_a_clear_error(tmp_path):
         generate_keypair(target)
 
 
+@pytest.mark.parametrize("out", ["", "  "])
+def test_keygen_into_an_empty_path_is_refused(tmp_path, monkeypatch, out):
+    """`fedroute keygen --out ""` wrote signing.key and signing.pub into the current folder (typer made it Path('.'))."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["keygen", "--out", out])
+    assert isinstance(result.exception, ExportError)
+    assert str(result.exception) == (f"the key folder is an empty path ({out!r}); give a folder for signing.key and "
+                                     "signing.pub, e.g. keys/")
+    with pytest.raises(ExportError, match="empty path"):
+        generate_keypair(out)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_keygen_into_a_folder_it_cannot_create_is_a_clear_error(tmp_path):
     """`fedroute keygen --out /sys/keys` (or under a file, or a read-only folder) ended in a PermissionError /
     NotADirectoryError traceback from mkdir."""
