@@ -459,7 +459,12 @@ class RewardScorer:
         Raises
         ------
         InvalidQueryError
+        InvalidInputError
+            ``normalised`` is not a bool (None or 0 was taken as False).
         """
+        if not isinstance(normalised, (bool, np.bool_)):
+            raise InvalidInputError(f"normalised must be True or False, got {type(normalised).__name__} "
+                                    f"{normalised!r:.80}")
         prompts, responses = _check_texts(prompts, responses)
         out = self._graphs.reward(self._features(prompts, responses), prompts, responses)
         return out["reward" if normalised else "raw"]
@@ -469,7 +474,7 @@ class RewardScorer:
 
         Raises
         ------
-        InvalidQueryError
+        InvalidQueryError, InvalidInputError
         """
         return float(self.score_batch([prompt], [response], normalised=normalised)[0])
 
