@@ -411,7 +411,8 @@ class RoutedChat:
         ------
         ModelSpecError, UnknownModelError, InvalidQueryError, InvalidInputError
             Bad ``model=`` (malformed, or an id with no upstream) or ``messages``, a ``stream`` that is
-            not a bool (nor None), a ``stream_options`` that is not a mapping, or text the request cannot carry (lone surrogates; nothing is sent).
+            not a bool (nor None), a ``stream_options`` that is not a mapping, or text the request
+            cannot carry (lone surrogates; nothing is sent).
         UpstreamError
             A non-retryable upstream error, or every try failed (``.attempts``).
         """

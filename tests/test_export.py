@@ -88,7 +88,8 @@ def _killed_exports_scratch_folder(out: Path) -> Path:
 
     code = ("import os, signal, sys\nfrom export.scratch_folder import scratch_folder\n"
             "with scratch_folder(sys.argv[1]) as tmp:\n"
-            "    (tmp / 'embedder.onnx').write_bytes(b'x'); print(tmp, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+            "    (tmp / 'embedder.onnx').write_bytes(b'x'); print(tmp, flush=True)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)")
     run = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == -signal.SIGKILL, run.stderr
@@ -328,7 +329,7 @@ def test_keygen_into_a_file_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("out", ["", "  "])
 def test_keygen_into_an_empty_path_is_refused(tmp_path, monkeypatch, out):
-    """`fedroute keygen --out ""` wrote signing.key and signing.pub into the current folder (typer made it Path('.'))."""
+    """`fedroute keygen --out ""` wrote signing.key and signing.pub into the current folder (typer: Path('.'))."""
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, ["keygen", "--out", out])
     assert isinstance(result.exception, ExportError)

@@ -275,7 +275,8 @@ def test_valid_model_strings():
     assert parse_model_spec("fedroute:lam=100") == ModelSpec(lam=100.0)
     assert parse_model_spec("fedroute:lam=0") == ModelSpec(lam=0.0)
     assert parse_model_spec("fedroute:budget=0.5") == ModelSpec(budget_usd_per_1k=0.5)
-    assert [parse_model_spec(f"fedroute:lam={x}").lam for x in ("+2", "2.", ".5", "1E2", "2.5e-1")] == [2, 2, 0.5, 100, 0.25]
+    lams = [parse_model_spec(f"fedroute:lam={x}").lam for x in ("+2", "2.", ".5", "1E2", "2.5e-1")]
+    assert lams == [2, 2, 0.5, 100, 0.25]
     assert parse_model_spec("gpt-4o") == ModelSpec(passthrough="gpt-4o")
 
 
