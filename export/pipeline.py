@@ -11,7 +11,6 @@ final bundle, with the parity figures in its signed ``parity.json``. A failed ch
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -21,6 +20,7 @@ from export.bundle_writer import check_replaceable, check_version, next_bundle_v
 from export.embedder_export import BundleEmbedder, check_quantised, onnx_embedder
 from export.embedder_onnx import ExportedEmbedder
 from export.errors import ExportError
+from export.scratch_folder import scratch_folder
 from export.signing import load_signing_key
 from sdk import kinds as sdk_kinds
 from sdk.errors import FedrouteError
@@ -164,6 +164,11 @@ def export_bundle(
 ) -> ExportResult:
     """Export the router saved at ``router_dir`` as a signed bundle at ``out``.
 
+    The work (embedder export, staged bundle for the parity check) happens in a scratch folder beside
+    ``out``, ``.<name>.export-<host>-<pid>-<random>``, removed when the export ends or fails; one left by
+    a killed export (its process gone) is removed by the next export to ``out``
+    (:mod:`export.scratch_folder`). It was a ``/tmp/fedroute-export-*`` folder that a kill left forever.
+
     Parameters
     ----------
     router_dir : folder written by ``fedroute simulate`` (``results/routers/{mlp,kmeans}``).
@@ -190,7 +195,7 @@ def export_bundle(
     ------
     ExportError
         Unreadable router or key, router without embedder identity, no test data, a precision the
-        router's embedder kind does not have.
+        router's embedder kind does not have, a scratch folder that cannot be created beside ``out``.
     ParityError
         An exported part misses a parity threshold (:mod:`export.parity`); nothing is written.
     """
@@ -221,8 +226,7 @@ def export_bundle(
     test = table.with_models(labelled)
     progress(f"parity set: {test.n_queries} fully labelled test prompts from {test.source}")
 
-    with tempfile.TemporaryDirectory(prefix="fedroute-export-") as tmp:
-        tmp = Path(tmp)
+    with scratch_folder(out) as tmp:  # beside out; a killed export's is removed by the next (export.scratch_folder)
         try:
             embedder = embedder_kind.build(emb, config, tmp, quantised, cache_dir, progress=progress)
         except FedrouteError:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import json
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -45,6 +44,7 @@ from export import kinds
 from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle, write_checked_bundle
 from export.embedder_onnx import ExportedEmbedder, export_embedder
 from export.errors import ExportError
+from export.scratch_folder import scratch_folder
 from export.torch_onnx import merged_lora_copy, module_to_onnx
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
@@ -457,8 +457,7 @@ def export_reward_bundle(mixture, client: str, out: Path, signing_key: Path, pro
     version = bundle_version if bundle_version is not None else next_bundle_version(out)
     check_version(out, version)
     emb = mixture.encoder.embedder
-    with tempfile.TemporaryDirectory(prefix="fedroute-reward-export-") as tmp:
-        tmp = Path(tmp)
+    with scratch_folder(out) as tmp:  # beside out; a killed export's is removed by the next (export.scratch_folder)
         if exported is None:
             progress(f"exporting embedder {emb.model} to ONNX with optimum (opset {OPSET})")
             exported = export_embedder(resolve_model_path(emb.model), tmp / "embedder", emb.max_tokens, emb.truncation_side)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import json
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from export import kinds as export_kinds
 from export.bundle_writer import check_replaceable, check_version, next_bundle_version, write_bundle, write_checked_bundle
 from export.embedder_onnx import quantize_embedder
 from export.errors import ExportError
+from export.scratch_folder import scratch_folder
 from export.torch_onnx import merged_lora_copy, module_to_onnx
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
@@ -354,8 +354,7 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
     kind = export_kinds.get(KIND, family=FAMILY)
     files = kind.files(selector)
     precisions = {"fp32": SELECTOR_FILES["fp32"]}
-    with tempfile.TemporaryDirectory(prefix="fedroute-selector-") as tmp:
-        tmp = Path(tmp)
+    with scratch_folder(out) as tmp:  # beside out; a killed export's is removed by the next (export.scratch_folder)
         if int8:
             progress("quantising the selector to int8 (onnxruntime dynamic, per-channel weights)")
             fp32_path = tmp / SELECTOR_FILES["fp32"]

@@ -23,17 +23,21 @@ PRIVATE_FILE = "signing.key"
 PUBLIC_FILE = "signing.pub"
 
 
-def generate_keypair(out_dir: Path, overwrite: bool = False) -> tuple[Path, Path]:
+def generate_keypair(out_dir: str | Path, overwrite: bool = False) -> tuple[Path, Path]:
     """Write a new Ed25519 key pair into ``out_dir``; returns (private path, public path).
 
     Raises
     ------
     ExportError
-        ``out_dir`` is a file, or it already holds ``signing.key`` or ``signing.pub`` and
+        ``out_dir`` is an empty or blank str (``Path("")`` would be the current folder), a file, or it
+        already holds ``signing.key`` or ``signing.pub`` and
         ``overwrite`` is False (a lost key cannot sign updates
         that deployed apps accept, so it is never replaced silently), or it cannot be created or
         written (e.g. a read-only folder, a file on its path).
     """
+    if isinstance(out_dir, str) and not out_dir.strip():
+        raise ExportError(f"the key folder is an empty path ({out_dir!r}); give a folder for signing.key and "
+                          "signing.pub, e.g. keys/")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"{out_dir} is a file; give a folder for signing.key and signing.pub")

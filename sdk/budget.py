@@ -63,6 +63,7 @@ import numpy as np
 from sdk.arrays import real_array
 from sdk.errors import InvalidInputError, ShapeError, UnknownModelError
 from sdk.real_numbers import finite_float, is_real_number, shown
+from sdk.router import check_query
 from sdk.spend_curve import Mix, SpendCurve, row_steps
 from sdk.utility import _decide_unchecked
 
@@ -284,7 +285,7 @@ class BudgetController:
         InvalidQueryError
             ``query`` is not a non-blank str.
         """
-        accuracy, cost = self.router.predict([query])
+        accuracy, cost = self.router.predict([check_query(query)])  # checked here: the message names ``query``
         return self._route(*self._checked(np.asarray(accuracy)[0], np.asarray(cost)[0]))
 
     def choose_from_predictions(self, accuracy: np.ndarray, cost: np.ndarray) -> str:

@@ -125,15 +125,18 @@ def load_public_key(public_key):
     Raises
     ------
     BundleError
-        The file is missing, not a regular file (a FIFO, a device), over :data:`MAX_KEY_BYTES`, or
-        not an Ed25519 public key.
+        The file is missing, not a regular file (a FIFO, a device), over :data:`MAX_KEY_BYTES`, empty,
+        or not an Ed25519 public key (the message names the file).
     """
     if isinstance(public_key, Ed25519PublicKey):
         return public_key
+    name = "public key"  # the messages name the file when the key comes from one
     if isinstance(public_key, str) and public_key.lstrip().startswith("-----BEGIN"):
         data = public_key.encode("ascii", "replace")
     elif isinstance(public_key, (str, Path)):
-        data = _read_key_file(Path(public_key))
+        data, name = _read_key_file(Path(public_key)), f"public key {public_key}"
+        if not data.strip():
+            raise BundleError(f"{name} is an empty file; expected the PEM signing.pub written by `fedroute keygen`")
     elif isinstance(public_key, bytes):
         data = public_key
     else:
@@ -141,9 +144,9 @@ def load_public_key(public_key):
     try:
         key = _load_pem_public_key(data)
     except (ValueError, TypeError) as exc:
-        raise BundleError(f"public key is not a PEM public key: {exc}") from exc
+        raise BundleError(f"{name} is not a PEM public key: {exc}") from exc
     if not isinstance(key, Ed25519PublicKey):
-        raise BundleError(f"public key is {type(key).__name__}, expected Ed25519")
+        raise BundleError(f"{name} is {type(key).__name__}, expected Ed25519")
     return key
 
 

@@ -62,6 +62,9 @@ class Family:
     #: Whether a bundle carrying this family also carries the query embedder and the model table
     #: (``embedder``, ``models``): routers do; a selector has its own backbone and no model table.
     needs_embedder: bool = True
+    #: The public method that loads a bundle of this family (``"sdk.Router.load"``), named when a
+    #: loader of another family is given such a bundle; None: :func:`load_artefact` is the way.
+    loader: str | None = None
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -72,11 +75,12 @@ BUILTIN_FAMILY_MODULES: dict[str, str] = {"selector": "sdk.selector", "reward_sc
 REGISTRY: KindRegistry[ArtefactKind] = KindRegistry("sdk", ArtefactKind)
 
 
-def register_family(name: str, interface: type, *, needs_embedder: bool = True) -> Family:
+def register_family(name: str, interface: type, *, needs_embedder: bool = True, loader: str | None = None) -> Family:
     """Declare an artefact family (idempotent for the same interface).
 
     ``needs_embedder``: bundles carrying this family also carry ``embedder`` and ``models``
-    (see :attr:`Family.needs_embedder`).
+    (see :attr:`Family.needs_embedder`). ``loader``: the public method that loads its bundles, e.g.
+    ``"sdk.Selector.load"`` (see :attr:`Family.loader`).
 
     Raises
     ------
@@ -88,7 +92,7 @@ def register_family(name: str, interface: type, *, needs_embedder: bool = True) 
     if name in _FAMILIES and _FAMILIES[name].interface is not interface:
         raise InvalidInputError(f"family {name!r} is already registered with interface "
                                 f"{_FAMILIES[name].interface.__name__}")
-    _FAMILIES.setdefault(name, Family(name, interface, needs_embedder))
+    _FAMILIES.setdefault(name, Family(name, interface, needs_embedder, loader))
     return _FAMILIES[name]
 
 
@@ -209,6 +213,15 @@ def check_manifest_kinds(manifest: Mapping) -> dict[str, ArtefactKind]:
     return out
 
 
+def carries_no(family: str, found: Mapping[str, str]) -> BundleError:
+    """The error for a bundle that carries no ``family`` artefact: it names the families it carries
+    (``found``, from :func:`manifest_kinds`) and the loader each declared (:attr:`Family.loader`)."""
+    held = {f: k for f, k in found.items() if f != EMBEDDER_FAMILY}
+    loaders = sorted({getattr(_FAMILIES.get(f), "loader", None) or "sdk.kinds.load_artefact" for f in held})
+    hint = f"; load it with {' or '.join(loaders)}" if loaders else ""
+    return BundleError(f"bundle carries no {family} (it carries {held}){hint}")
+
+
 def load_artefact(family: str, manifest: dict, files: Mapping[str, bytes], *, options=None,
                   precision: str = "fp32", paths: Mapping[str, Any] | None = None) -> Any:
     """Load the ``family`` artefact of a verified bundle through its kind (``paths``: the verified
@@ -221,8 +234,7 @@ def load_artefact(family: str, manifest: dict, files: Mapping[str, bytes], *, op
     """
     kinds = manifest_kinds(manifest)
     if family not in kinds:
-        held = {f: k for f, k in kinds.items() if f != EMBEDDER_FAMILY}
-        raise BundleError(f"bundle carries no {family} (it carries {held})")
+        raise carries_no(family, kinds)
     kind = get(family, kinds[family])
     runtime = kind.load(LoadContext(manifest, files, tuple(m["id"] for m in manifest.get("models", ())),
                                     manifest.get("embedder", {}), options, precision, dict(paths or {})))
@@ -235,7 +247,7 @@ def load_artefact(family: str, manifest: dict, files: Mapping[str, bytes], *, op
 
 # -- the built-in kinds ------------------------------------------------------------------------
 
-register_family(ROUTER_FAMILY, RouterScorer)
+register_family(ROUTER_FAMILY, RouterScorer, loader="sdk.Router.load")
 register_family(EMBEDDER_FAMILY, Embedder)
 
 for _kind in BUILTIN_KINDS:
@@ -243,6 +255,7 @@ for _kind in BUILTIN_KINDS:
 register(StaticEmbedderKind())  # embedder/static (model2vec table), sdk/static_embedder.py
 
 
-__all__ = ["ArtefactKind", "Embedder", "Family", "LoadContext", "RouterScorer", "UnknownKindError", "check_manifest_kinds",
+__all__ = ["ArtefactKind", "Embedder", "Family", "LoadContext", "RouterScorer", "UnknownKindError", "carries_no",
+           "check_manifest_kinds",
            "REGISTRY", "families", "get", "import_named_families", "load_artefact", "manifest_key", "manifest_kinds", "names", "needs_embedder", "register",
            "register_family", "unregister", "unregister_family"]

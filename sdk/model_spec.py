@@ -12,12 +12,15 @@ any other string                that model, straight through (no routing, no fal
 
 Anything else that starts with ``fedroute`` (``"fedroute:"``, ``"fedroute:lam=abc"``,
 ``"fedroute:lam=1,budget=2"``, ``"fedroute:speed=9"``, ``"fedroute:lam=-1"``,
-``"fedroute:budget=0"``, ``"fedroute:budget=nan"``) is a :class:`sdk.errors.ModelSpecError`.
+``"fedroute:budget=0"``, ``"fedroute:budget=nan"``) is a :class:`sdk.errors.ModelSpecError`. Numbers are
+written in ASCII digits with an optional sign, decimal point and exponent (``100``, ``0.5``, ``1e-3``):
+no other script's digits, ``_`` separators, spaces, ``inf`` or ``nan``.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from sdk.errors import ModelSpecError
@@ -25,6 +28,8 @@ from sdk.errors import ModelSpecError
 #: The model id that asks for routing.
 ROUTED_MODEL = "fedroute"
 _KEYS = ("lam", "budget")
+#: The number syntax of an option: ASCII digits, an optional sign, point and exponent (no '_', spaces, inf or nan).
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -72,10 +77,9 @@ def parse_model_spec(model: object) -> ModelSpec:
     key, eq, raw = option.partition("=")
     if not eq or key not in _KEYS or "," in raw or ":" in raw:
         raise ModelSpecError(_bad(model, "expected exactly one option, lam=X or budget=Y"))
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ModelSpecError(_bad(model, f"{raw!r} is not a number")) from None
+    if _NUMBER.fullmatch(raw) is None:  # float() alone also took '٣', '1_0', ' 3 ' and 'inf'
+        raise ModelSpecError(_bad(model, f"{raw!r} is not a decimal number in ASCII digits (e.g. 100, 0.5, 1e-3)"))
+    value = float(raw)
     if key == "lam":
         if not math.isfinite(value) or value < 0:
             raise ModelSpecError(_bad(model, f"lam must be a finite number >= 0 (USD^-1), got {raw}"))

@@ -220,7 +220,7 @@ class MoRRewardScorerKind(ArtefactKind):
         return _MoRGraphs(reward, router)
 
 
-kinds.register_family(FAMILY, RewardGraphs)
+kinds.register_family(FAMILY, RewardGraphs, loader="sdk.RewardScorer.load")
 if KIND not in kinds.names(FAMILY):
     kinds.register(MoRRewardScorerKind())
 
@@ -337,10 +337,6 @@ if LORA_KIND not in kinds.names(FAMILY):
     kinds.register(MoRLoRARewardScorerKind())
 
 
-#: The SDK class that loads a bundle of each other family (named when such a bundle is given here).
-_LOADERS = {kinds.ROUTER_FAMILY: "sdk.Router", "selector": "sdk.Selector"}
-
-
 class RewardScorer:
     """A client's reward model and the client router, loaded from a verified bundle. Use :meth:`load`.
 
@@ -402,9 +398,7 @@ class RewardScorer:
                                   f"min_bundle_version {min_bundle_version} (a superseded bundle)")
             found = kinds.manifest_kinds(manifest)
             if FAMILY not in found:
-                held = {f: k for f, k in found.items() if f != kinds.EMBEDDER_FAMILY}
-                loaders = sorted({_LOADERS.get(f, "the loader of its family") for f in held})
-                raise BundleError(f"bundle carries no {FAMILY} (it carries {held}); load it with {' or '.join(loaders)}")
+                raise kinds.carries_no(FAMILY, found)
             return tuple(name for family, kind in found.items()
                          for name in kinds.get(family, kind).files(manifest, "fp32"))
 
@@ -465,7 +459,12 @@ class RewardScorer:
         Raises
         ------
         InvalidQueryError
+        InvalidInputError
+            ``normalised`` is not a bool (None or 0 was taken as False).
         """
+        if not isinstance(normalised, (bool, np.bool_)):
+            raise InvalidInputError(f"normalised must be True or False, got {type(normalised).__name__} "
+                                    f"{normalised!r:.80}")
         prompts, responses = _check_texts(prompts, responses)
         out = self._graphs.reward(self._features(prompts, responses), prompts, responses)
         return out["reward" if normalised else "raw"]
@@ -475,7 +474,7 @@ class RewardScorer:
 
         Raises
         ------
-        InvalidQueryError
+        InvalidQueryError, InvalidInputError
         """
         return float(self.score_batch([prompt], [response], normalised=normalised)[0])
 

@@ -410,8 +410,9 @@ class RoutedChat:
         Raises
         ------
         ModelSpecError, UnknownModelError, InvalidQueryError, InvalidInputError
-            Bad ``model=`` (malformed, or an id with no upstream) or ``messages``, a ``stream_options``
-            that is not a mapping, or text the request cannot carry (lone surrogates; nothing is sent).
+            Bad ``model=`` (malformed, or an id with no upstream) or ``messages``, a ``stream`` that is
+            not a bool (nor None), a ``stream_options`` that is not a mapping, or text the request
+            cannot carry (lone surrogates; nothing is sent).
         UpstreamError
             A non-retryable upstream error, or every try failed (``.attempts``).
         """
@@ -421,6 +422,7 @@ class RoutedChat:
     def create_routed(self, *, messages: object, model: str | None = None, **kwargs):
         """:meth:`create`, returning a :class:`RoutedResponse` (completion + :class:`CallOutcome`) or a
         :class:`RoutedStream` (whose ``route`` is known at once and ``outcome`` after the last chunk)."""
+        _check_stream_kwargs(kwargs)
         requested, plan, order = self._prepare(messages, model)
         kwargs, stream, strip = _call_kwargs(messages, kwargs)
         failed: list[FailedAttempt] = []
@@ -454,6 +456,7 @@ class RoutedChat:
 
     async def acreate_routed(self, *, messages: object, model: str | None = None, **kwargs):
         """Async :meth:`create_routed`."""
+        _check_stream_kwargs(kwargs)
         requested, plan, order = await asyncio.to_thread(self._prepare, messages, model)
         kwargs, stream, strip = _call_kwargs(messages, kwargs)
         failed: list[FailedAttempt] = []
@@ -789,13 +792,21 @@ def _as_messages(messages: object) -> Sequence:
     return messages
 
 
+def _check_stream_kwargs(kwargs: dict) -> None:
+    """Refuse a ``stream`` that is not a bool (OpenAI's API takes a boolean only: ``"yes"`` was read as
+    true) or a ``stream_options`` that is not a mapping, before anything is routed or sent."""
+    if kwargs.get("stream") is not None and not isinstance(kwargs["stream"], (bool, openai.NotGiven, openai.Omit)):
+        raise InvalidInputError(f"stream must be a boolean (true or false), got {type(kwargs['stream']).__name__} "
+                                f"{kwargs['stream']!r:.80}")
+    if kwargs.get("stream_options") is not None and not isinstance(kwargs["stream_options"], Mapping):
+        raise InvalidInputError(f"stream_options must be a mapping (a JSON object), got "
+                                f"{type(kwargs['stream_options']).__name__}")
+
+
 def _call_kwargs(messages: object, kwargs: dict) -> tuple[dict, bool, bool]:
     kwargs = dict(kwargs, messages=list(_as_messages(messages)))
     stream = bool(kwargs.get("stream"))
     strip = False
-    if kwargs.get("stream_options") is not None and not isinstance(kwargs["stream_options"], Mapping):
-        raise InvalidInputError(f"stream_options must be a mapping (a JSON object), got "
-                                f"{type(kwargs['stream_options']).__name__}")
     if stream:
         options = dict(kwargs.get("stream_options") or {})
         strip = not options.get("include_usage")

@@ -223,7 +223,7 @@ class Router:
                                   f"min_bundle_version {shown(min_bundle_version)} (a superseded bundle)")
             found = kinds.manifest_kinds(manifest)
             if kinds.ROUTER_FAMILY not in found:
-                raise BundleError(f"bundle carries no router (it carries {found})")
+                raise kinds.carries_no(kinds.ROUTER_FAMILY, found)
             available = manifest["embedder"]["files"]
             want = precision
             if precision == "auto":

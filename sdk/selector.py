@@ -209,13 +209,9 @@ class OnnxPairSelectorKind(kinds.ArtefactKind):
                               f"selector ({context.precision})")
 
 
-kinds.register_family(FAMILY, SelectorScorer, needs_embedder=False)
+kinds.register_family(FAMILY, SelectorScorer, needs_embedder=False, loader="sdk.Selector.load")
 if KIND not in kinds.names(FAMILY):
     kinds.register(OnnxPairSelectorKind())
-
-
-#: The SDK class that loads a bundle of each other family (named when such a bundle is given here).
-_LOADERS = {kinds.ROUTER_FAMILY: "sdk.Router", "reward_scorer": "sdk.RewardScorer"}
 
 
 class Selector:
@@ -275,9 +271,7 @@ class Selector:
             # Called once the signature and the schema verified.
             found = kinds.manifest_kinds(manifest)
             if FAMILY not in found:
-                held = sorted(f for f in found if f != kinds.EMBEDDER_FAMILY)
-                loaders = sorted({_LOADERS.get(f, "the loader of its family") for f in held})
-                raise BundleError(f"bundle carries no selector (it carries {found}); load it with {' or '.join(loaders)}")
+                raise kinds.carries_no(FAMILY, found)
             if manifest["bundle_version"] < min_bundle_version:
                 raise BundleError(f"bundle version {manifest['bundle_version']} is older than "
                                   f"min_bundle_version {min_bundle_version} (a superseded bundle)")

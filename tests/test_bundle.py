@@ -158,6 +158,22 @@ def test_broken_bundles_raise_bundle_error(bundle_copy, signing_keys, tmp_path, 
         Router.load(bundle_copy, key)
 
 
+@pytest.mark.parametrize("content", [b"", b"\n  \n", b"not a key"], ids=["empty", "blank", "garbage"])
+def test_a_public_key_file_that_holds_no_key_is_named(tmp_path, content):
+    """An empty key file gave 'public key is not a PEM public key: ...' without saying which file."""
+    from sdk.bundle_manifest import load_public_key
+
+    key = tmp_path / "signing.pub"
+    key.write_bytes(content)
+    with pytest.raises(BundleError) as info:
+        load_public_key(key)
+    if content.strip():
+        assert str(info.value).startswith(f"public key {key} is not a PEM public key: ")
+    else:
+        assert str(info.value) == (f"public key {key} is an empty file; expected the PEM signing.pub written by "
+                                   "`fedroute keygen`")
+
+
 def test_signed_but_hostile_file_name_is_rejected(make_bundle, tmp_path, signing_keys):
     """A manifest signed by the right key still may not point outside the bundle."""
     from export.bundle_writer import build_manifest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,6 +77,52 @@ def test_keygen_refuses_to_overwrite_and_bad_keys_are_export_errors(tmp_path):
         load_signing_key(tmp_path / "missing.key")
 
 
+def _killed_exports_scratch_folder(out: Path) -> Path:
+    """The scratch folder of an export to ``out`` killed with SIGKILL (it cleans nothing up)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import os, signal, sys\nfrom export.scratch_folder import scratch_folder\n"
+            "with scratch_folder(sys.argv[1]) as tmp:\n"
+            "    (tmp / 'embedder.onnx').write_bytes(b'x'); print(tmp, flush=True)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)")
+    run = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    folder = Path(run.stdout.strip())
+    assert folder.parent == out.parent and (folder / "embedder.onnx").is_file()
+    return folder
+
+
+def test_a_killed_exports_scratch_folder_is_removed_by_the_next_export(tmp_path):
+    """A killed `fedroute export` left its /tmp/fedroute-export-* folder forever. The scratch folder is now beside
+    --out, and the next export to it removes those whose process is gone (not a live one's, another host's or
+    another bundle's)."""
+    import os
+
+    from export.scratch_folder import scratch_folder
+
+    out = tmp_path / "bundles" / "kmeans"
+    killed = _killed_exports_scratch_folder(out)
+    host, dead_pid, _ = killed.name[len(".kmeans.export-"):].rsplit("-", 2)
+    kept = [out.parent / f".kmeans.export-{host}-{os.getpid()}-0123abcd",  # a live process: this one
+            out.parent / f".kmeans.export-{host}x-{dead_pid}-0123abcd",  # another host
+            out.parent / f".other.export-{host}-{dead_pid}-0123abcd"]  # another bundle's
+    for folder in kept:
+        folder.mkdir()
+    with scratch_folder(out) as scratch:
+        assert scratch.parent == out.parent and scratch.is_dir() and list(scratch.iterdir()) == []
+        assert not killed.exists() and all(folder.is_dir() for folder in kept)
+    assert not scratch.exists()
+    with pytest.raises(RuntimeError), scratch_folder(out) as scratch:  # removed however the export ends
+        raise RuntimeError("parity failed")
+    assert not scratch.exists() and sorted(out.parent.iterdir()) == sorted(kept)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kmeans", "mlp"])
 def test_fedroute_export_end_to_end_with_parity(kind, fitted_routers, tmp_path):
@@ -83,11 +130,14 @@ def test_fedroute_export_end_to_end_with_parity(kind, fitted_routers, tmp_path):
     keys = tmp_path / "keys"
     assert runner.invoke(app, ["keygen", "--out", str(keys)]).exit_code == 0
     out = tmp_path / "bundle"
+    killed = _killed_exports_scratch_folder(out)
     result = runner.invoke(app, [
         "export", "--router", str(fitted_routers["dir"] / kind), "--out", str(out), "--int8",
         "--signing-key", str(keys / "signing.key"), "--cache-dir", str(fitted_routers["cache"]),
     ])
     assert result.exit_code == 0, result.output
+    # the killed export's scratch folder is gone, and this one's too: nothing is left beside the bundle
+    assert not killed.exists() and not list(tmp_path.glob(".bundle.export-*"))
     assert "parity passed" in result.output
     parity = json.loads((out / "parity.json").read_text())
     assert parity["passed"] and parity["n_queries"] == len(fitted_routers["test"].prompts)
@@ -275,6 +325,19 @@ def test_keygen_into_a_file_is_a_clear_error(tmp_path):
     target.write_text("x")
     with pytest.raises(ExportError, match="is a file"):
         generate_keypair(target)
+
+
+@pytest.mark.parametrize("out", ["", "  "])
+def test_keygen_into_an_empty_path_is_refused(tmp_path, monkeypatch, out):
+    """`fedroute keygen --out ""` wrote signing.key and signing.pub into the current folder (typer: Path('.'))."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["keygen", "--out", out])
+    assert isinstance(result.exception, ExportError)
+    assert str(result.exception) == (f"the key folder is an empty path ({out!r}); give a folder for signing.key and "
+                                     "signing.pub, e.g. keys/")
+    with pytest.raises(ExportError, match="empty path"):
+        generate_keypair(out)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_keygen_into_a_folder_it_cannot_create_is_a_clear_error(tmp_path):

@@ -213,6 +213,25 @@ def test_bad_bodies_get_400(deployment, payload, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("stream", ["yes", 1, "false", {}], ids=["'yes'", "1", "'false'", "object"])
+@pytest.mark.parametrize("model", ["fedroute", EXT[0]])
+def test_a_stream_that_is_not_a_boolean_is_refused_before_routing(deployment, stream, model):
+    """``"stream": "yes"`` was taken as true (and ``"false"`` too): OpenAI's API takes a boolean only."""
+    http, stub = deployment["http"], deployment["stub"]
+    routed = (lambda: sum(metric(http, "fedroute_proxy_choices_total", model=m) for m in POOL))
+    before = (len(stub.requests), routed(),
+              metric(http, "fedroute_proxy_requests_total", route="invalid", status="400"))
+    r = http.post("/v1/chat/completions",
+                  json={"model": model, "messages": [{"role": "user", "content": QUERY}], "stream": stream})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == f"stream must be a boolean (true or false), got {type(stream).__name__} {stream!r}"
+    after = (len(stub.requests), routed(),
+             metric(http, "fedroute_proxy_requests_total", route="invalid", status="400"))
+    assert after == (before[0], before[1], before[2] + 1)  # nothing sent, nothing routed, counted as refused
+
+
 def test_upstream_failures_after_fallback_map_to_gateway_statuses(deployment):
     stub, client, router = deployment["stub"], deployment["client"], deployment["router"]
     order = expected_order(router, QUERY, 100.0)
@@ -279,6 +298,9 @@ def test_config_errors(tmp_path, make_bundle, signing_keys, monkeypatch):
     ({"bundle": 5}, "'bundle' must be a path string, got int 5"),
     ({"public_key": None}, "'public_key' must be a path string, got NoneType None"),
     ({"log": ["a"]}, "'log' must be a path string, got list \\['a'\\]"),
+    ({"log": ""}, "'log' is an empty path; expected the EvalLog file the proxy appends scored calls to \\(omit "
+                  "\"log\" or give null to keep no log\\)$"),  # it silently kept no log
+    ({"public_key": " "}, "'public_key' is an empty path; expected the signing.pub file written by `fedroute keygen`$"),
     ({"passthrough": {"x": {"base_url": "http://127.0.0.1:9/v1", "api_key_env": 5}}},
      "passthrough\\['x'\\]\\['api_key_env'\\] must be a string, got int 5"),
     ({"upstreams": {"m": {"base_url": "http://127.0.0.1:9/v1", "model": {"a": 1}}}},

@@ -17,7 +17,7 @@ import torch
 
 from export.errors import ExportError
 from export.reward_export import MAX_ABS_DIFF, export_reward_bundle
-from sdk.errors import BundleError, InvalidQueryError
+from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 from sdk.reward_scorer import RewardScorer
 
 torch.set_num_threads(1)
@@ -116,6 +116,13 @@ def test_bad_inputs_raise_sdk_errors(reward_bundle, signing_keys):
         scorer.score_batch("a question", "an answer")
     with pytest.raises(InvalidQueryError):
         scorer.score("a question \ud800", "an answer")
+    for flag in (None, 0, "no", 1.0):  # None and 0 were taken as False: the raw reward, silently
+        with pytest.raises(InvalidInputError, match=rf"^normalised must be True or False, got {type(flag).__name__} "):
+            scorer.score("a question", "an answer", normalised=flag)
+        with pytest.raises(InvalidInputError, match="^normalised must be True or False"):
+            scorer.score_batch(["a question"], ["an answer"], normalised=flag)
+    assert scorer.score("a question", "an answer", normalised=np.bool_(False)) == pytest.approx(
+        scorer.score("a question", "an answer", normalised=False), abs=0)
     # a blank response is scored as the trainer reads it ("(empty)"), not refused
     assert scorer.score("a question", "   ") == pytest.approx(scorer.score("a question", "(empty)"), abs=1e-6)
 

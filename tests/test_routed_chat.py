@@ -262,11 +262,21 @@ def test_malformed_model_strings_are_model_spec_errors(router, stub, tmp_path, m
     assert stub.requests == []
 
 
+@pytest.mark.parametrize("raw", ["\u0663", "1\u0660\u0660", "\uff11", "1_000", " 3", "3 ", "0x10", "infinity", "1e"])
+def test_option_numbers_must_be_ascii_decimals(raw):
+    """float() read Arabic-Indic '\u0663' as 3 (and '1_000', ' 3'): only ASCII decimal syntax is a number here."""
+    with pytest.raises(ModelSpecError) as info:
+        parse_model_spec(f"fedroute:lam={raw}")
+    assert f"{raw!r} is not a decimal number in ASCII digits (e.g. 100, 0.5, 1e-3)" in str(info.value)
+
+
 def test_valid_model_strings():
     assert parse_model_spec(None) == parse_model_spec("fedroute") == ModelSpec()
     assert parse_model_spec("fedroute:lam=100") == ModelSpec(lam=100.0)
     assert parse_model_spec("fedroute:lam=0") == ModelSpec(lam=0.0)
     assert parse_model_spec("fedroute:budget=0.5") == ModelSpec(budget_usd_per_1k=0.5)
+    lams = [parse_model_spec(f"fedroute:lam={x}").lam for x in ("+2", "2.", ".5", "1E2", "2.5e-1")]
+    assert lams == [2, 2, 0.5, 100, 0.25]
     assert parse_model_spec("gpt-4o") == ModelSpec(passthrough="gpt-4o")
 
 

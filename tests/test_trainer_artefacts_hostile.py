@@ -183,6 +183,27 @@ def test_a_mixture_part_with_a_nan_weight_is_named(saved_mixture, tmp_path, part
         load_mixture(copy)
 
 
+def test_a_router_tensor_of_another_shape_is_named_with_its_folder(saved_mixture, tmp_path):
+    """The router's ShapeError ('router parameter 'trunk.0.weight' has shape (9, 771), expected (8, 771)') passed
+    through without the folder: which of the mixture's parts was wrong was left to guess."""
+    from safetensors.numpy import load_file, save_file
+    from trainer.rewards.mixture import load_mixture
+
+    _, saved = saved_mixture
+    part = "router/router.safetensors"
+    copy = tmp_path / "mixture"
+    shutil.copytree(saved, copy)
+    tensors = {k: v.copy() for k, v in load_file(str(copy / part)).items()}
+    name = sorted(tensors)[-1]
+    tensors[name] = np.zeros((tensors[name].shape[0] + 1, *tensors[name].shape[1:]), dtype=tensors[name].dtype)
+    save_file(tensors, str(copy / part))
+    with pytest.raises(InvalidInputError) as info:
+        load_mixture(copy)
+    message = str(info.value)
+    assert message.startswith(f"{copy / Path(part).parent}: ") and repr(name) in message, message
+    assert message.endswith("rerun `fedroute mor train`"), message
+
+
 def test_the_saved_mixture_itself_still_loads(saved_mixture):
     from trainer.rewards.mixture import load_mixture
 
@@ -231,7 +252,35 @@ def test_a_reward_scorer_given_a_selector_bundle_names_sdk_selector(selector_bun
     with pytest.raises(BundleError) as info:
         RewardScorer.load(selector_bundle, public_key=signing_keys[1])
     assert str(info.value) == ("bundle carries no reward_scorer (it carries {'selector': 'onnx_pair'}); "
-                               "load it with sdk.Selector")
+                               "load it with sdk.Selector.load")
+
+
+@pytest.fixture()
+def reward_bundle(signing_keys, tmp_path) -> Path:
+    """A signed bundle with a reward-scorer manifest (its graphs are never loaded by these tests)."""
+    fields = {"bundle_version": 1, "reward_scorer_kind": "mor", "clients": ["helpful", "harmless"],
+              "client": {"name": "helpful", "index": 0}, "features": {"length_features": False, "d_in": 8},
+              "reward": {"arch": "mlp"},
+              "embedder": {"name": "e", "dim": 4, "max_tokens": 16, "truncation_side": "left",
+                           "files": {"fp32": "embedder.onnx"}}}
+    out = tmp_path / "bundles" / "reward"
+    write_bundle(out, {name: b"x" for name in ("tokenizer.json", "embedder.onnx", "reward.onnx", "client_router.onnx")},
+                 fields, load_signing_key(signing_keys[0]))
+    return out
+
+
+@pytest.mark.parametrize("family, held, loader", [("selector", "{'selector': 'onnx_pair'}", "sdk.Selector.load"),
+                                                  ("reward", "{'reward_scorer': 'mor'}", "sdk.RewardScorer.load")])
+def test_router_load_given_another_familys_bundle_names_the_loader_of_that_family(
+        selector_bundle, reward_bundle, signing_keys, family, held, loader):
+    """It said 'bundle carries no router (it carries {...})' and left the user to find the class that loads it;
+    the loader comes from the family's registration (sdk.kinds.register_family(..., loader=...))."""
+    from sdk.router import Router
+
+    bundle = {"selector": selector_bundle, "reward": reward_bundle}[family]
+    with pytest.raises(BundleError) as info:
+        Router.load(bundle, signing_keys[1])
+    assert str(info.value) == f"bundle carries no router (it carries {held}); load it with {loader}"
 
 
 def test_a_bundle_of_another_family_is_not_replaced(selector_bundle, signing_keys, tmp_path):

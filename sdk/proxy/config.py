@@ -23,7 +23,8 @@ neither is a :class:`sdk.errors.PriceError`. ``api_key_env`` names the environme
 the key (the key itself never sits in the file); without it the ``openai`` package reads
 ``OPENAI_API_KEY``. Exactly one of ``lam`` (USD^-1) and ``budget_usd_per_1k`` is the default for
 ``model="fedroute"``. ``log`` is the device's :class:`sdk.EvalLog` (the file ``fedroute-sync`` reads);
-scored calls are appended to it. Unknown keys are errors (a typo is not silently ignored).
+scored calls are appended to it; without ``log`` (or with ``null``) the proxy keeps no log, and an empty
+path is an error. Unknown keys are errors (a typo is not silently ignored).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ from sdk.token_prices import TokenPrice
 
 _TOP = {"bundle", "public_key", "log", "lam", "budget_usd_per_1k", "max_fallbacks", "context_chars", "upstreams",
         "passthrough", "precision"}
+#: What each path key names (relative to the config's folder), for the message refusing an empty one.
+_PATHS = {"bundle": "the bundle folder written by `fedroute export`",
+          "public_key": "the signing.pub file written by `fedroute keygen`",
+          "log": "the EvalLog file the proxy appends scored calls to (omit \"log\" or give null to keep no log)"}
 _UPSTREAM = {"base_url", "api_key_env", "model", "timeout_s", "input_usd_per_1m", "output_usd_per_1m"}
 
 
@@ -60,7 +65,7 @@ class ProxyConfig:
         ------
         InvalidInputError
             Unreadable or not JSON, unknown keys, missing ``bundle`` / ``public_key`` / ``upstreams``,
-            a ``bundle`` / ``public_key`` / ``log`` that is not a path string, an upstream that is not
+            a ``bundle`` / ``public_key`` / ``log`` that is not a path string or is empty, an upstream that is not
             an object with ``base_url``, an ``api_key_env`` or ``model`` that is not a string.
         """
         path = Path(path)
@@ -80,6 +85,9 @@ class ProxyConfig:
             if key in raw and not (isinstance(raw[key], str) or (key == "log" and raw[key] is None)):
                 raise InvalidInputError(f"proxy config {path}: {key!r} must be a path string, got "
                                         f"{type(raw[key]).__name__} {raw[key]!r:.80}")
+            if isinstance(raw.get(key), str) and not raw[key].strip():  # "" named the config's own folder
+                raise InvalidInputError(f"proxy config {path}: {key!r} is an empty path; expected "
+                                        + _PATHS[key])
         for section in ("upstreams", "passthrough"):
             entries = raw.get(section, {})
             if not isinstance(entries, dict):

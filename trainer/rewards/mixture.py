@@ -199,15 +199,18 @@ def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | No
 
 def _load_part(folder: Path, load):
     """``load()`` of the router or a client reward model saved in ``folder``; a file of it that is missing,
-    truncated or foreign (JSON, safetensors or state-dict errors), or a weight holding NaN or inf, becomes one
-    InvalidInputError naming the folder (and the tensor) instead of the library's traceback or a late NaN."""
+    truncated or foreign (JSON, safetensors or state-dict errors), a tensor of another shape (ShapeError), or a
+    weight holding NaN or inf, becomes one InvalidInputError naming the folder (and the tensor) instead of the
+    library's traceback or a late NaN."""
     from safetensors import SafetensorError  # safetensors: optional heavy dependency, imported on use
 
     import torch  # torch: optional heavy dependency, imported on use (the parts are torch modules)
 
     try:
         part = load()
-    except InvalidInputError:
+    except ShapeError as exc:  # a tensor of another shape: its message names the tensor, not the folder
+        raise ShapeError(f"{folder}: {exc}; not a part of this mixture? rerun `fedroute mor train`") from exc
+    except InvalidInputError:  # these name their file already
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""

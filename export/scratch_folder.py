@@ -1,0 +1,88 @@
+"""The scratch folder of an export, beside the bundle it writes, and the removal of those a killed export left.
+
+An export works for minutes in a scratch folder (the embedder's ONNX files, the staged bundle that the
+parity check loads). It was a ``/tmp/fedroute-export-*`` folder, removed when the export ended but left
+there for good when the process was killed (``kill -9``, the OOM killer, a closed terminal): nothing
+ever looked at it again. Now it is ``.<name>.export-<host>-<pid>-<random>`` beside the destination
+``out`` (created with its parents if missing):
+
+- every export first removes the scratch folders beside ``out`` whose process is gone (same host, no
+  process with that id), so a killed export's folder lives until the next export to the same place;
+  those of a live process, or of another host sharing the folder, are kept;
+- it is on the bundle's filesystem, where the user looks, and a large embedder never fills a small
+  ``/tmp`` (often RAM).
+
+The bundle itself is still published by :mod:`export.bundle_writer` (a fresh version folder, then an
+atomic link swap): the scratch folder holds nothing the published bundle needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+from export.errors import ExportError
+
+#: ``.<name>.export-<host>-<pid>-<8 hex>``; the host may hold '-' and '.', the pid and the suffix do not.
+_SCRATCH = re.compile(r"\.(?P<name>.+)\.export-(?P<host>.+)-(?P<pid>[0-9]+)-[0-9a-f]{8}")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):  # another user's process, or not a pid: keep it
+        return True
+    return True
+
+
+def stale_scratch_folders(out: Path) -> list[Path]:
+    """The scratch folders beside ``out`` left by exports of this host whose process is gone."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return []
+    host, found = _host(), []
+    for p in out.parent.iterdir():
+        m = _SCRATCH.fullmatch(p.name)
+        if m and m["name"] == out.name and m["host"] == host and p.is_dir() and not p.is_symlink() \
+                and not _alive(int(m["pid"])):
+            found.append(p)
+    return found
+
+
+@contextlib.contextmanager
+def scratch_folder(out: Path) -> Iterator[Path]:
+    """A new empty scratch folder beside ``out`` for the duration of the block, removed after it
+    (whether it ends or raises); the stale ones of ``out`` (:func:`stale_scratch_folders`) are
+    removed first.
+
+    Raises
+    ------
+    ExportError
+        The folder beside ``out`` cannot be created (a read-only folder, a file on the path).
+    """
+    out = Path(out)
+    for stale in stale_scratch_folders(out):
+        shutil.rmtree(stale, ignore_errors=True)
+    folder = out.parent / f".{out.name}.export-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir()
+    except OSError as exc:
+        raise ExportError(f"cannot create the export's scratch folder beside {out}: {exc.strerror or exc}; "
+                          "give an --out in a writable folder") from exc
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
