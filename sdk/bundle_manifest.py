@@ -160,7 +160,7 @@ def _read_key_file(path: Path) -> bytes:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise BundleError(f"public key {path} is not a regular file")
-        return read_descriptor(os.dup(fd), "public key", MAX_KEY_BYTES)
+        return read_descriptor(os.dup(fd), f"public key {path}", MAX_KEY_BYTES)
     finally:
         os.close(fd)
 

@@ -213,8 +213,9 @@ def _load_part(folder: Path, load):
     except InvalidInputError:  # these name their file already
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        raise InvalidInputError(f"{folder}: cannot load this part of the mixture ({type(exc).__name__}: {first}); "
+        # torch's state-dict error puts the tensor in its second line ('size mismatch for net.3.weight: ...')
+        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())[:500]
+        raise InvalidInputError(f"{folder}: cannot load this part of the mixture ({type(exc).__name__}: {detail}); "
                                 "a copy cut short? rerun `fedroute mor train`") from exc
     module = part if isinstance(part, torch.nn.Module) else getattr(part, "module", None)
     if isinstance(module, torch.nn.Module):  # a NaN weight loaded, and `mor export` failed late on a NaN parity diff
