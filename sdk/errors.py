@@ -33,7 +33,14 @@ class FedrouteError(Exception):
 
 
 class InvalidInputError(FedrouteError, ValueError):
-    """An argument has a value the function cannot accept; the message names it and the fix."""
+    """An argument has a value the function cannot accept; the message names it and the fix.
+
+    ``param`` (keyword, optional): the request parameter at fault where there is one (``"stream"``),
+    which the OpenAI-compatible proxy reports as the error's ``param``."""
+
+    def __init__(self, *args, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class InvalidLambdaError(InvalidInputError):

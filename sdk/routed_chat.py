@@ -797,10 +797,10 @@ def _check_stream_kwargs(kwargs: dict) -> None:
     true) or a ``stream_options`` that is not a mapping, before anything is routed or sent."""
     if kwargs.get("stream") is not None and not isinstance(kwargs["stream"], (bool, openai.NotGiven, openai.Omit)):
         raise InvalidInputError(f"stream must be a boolean (true or false), got {type(kwargs['stream']).__name__} "
-                                f"{kwargs['stream']!r:.80}")
+                                f"{kwargs['stream']!r:.80}", param="stream")
     if kwargs.get("stream_options") is not None and not isinstance(kwargs["stream_options"], Mapping):
         raise InvalidInputError(f"stream_options must be a mapping (a JSON object), got "
-                                f"{type(kwargs['stream_options']).__name__}")
+                                f"{type(kwargs['stream_options']).__name__}", param="stream_options")
 
 
 def _call_kwargs(messages: object, kwargs: dict) -> tuple[dict, bool, bool]:

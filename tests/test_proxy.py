@@ -225,7 +225,7 @@ def test_a_stream_that_is_not_a_boolean_is_refused_before_routing(deployment, st
                   json={"model": model, "messages": [{"role": "user", "content": QUERY}], "stream": stream})
     assert r.status_code == 400
     error = r.json()["error"]
-    assert error["type"] == "invalid_request_error"
+    assert (error["type"], error["param"]) == ("invalid_request_error", "stream")  # param: as OpenAI's API says
     assert error["message"] == f"stream must be a boolean (true or false), got {type(stream).__name__} {stream!r}"
     after = (len(stub.requests), routed(),
              metric(http, "fedroute_proxy_requests_total", route="invalid", status="400"))

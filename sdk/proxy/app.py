@@ -234,7 +234,7 @@ def _error_for(exc: FedrouteError) -> JSONResponse:
     if isinstance(exc, InvalidQueryError):
         return error_json(400, str(exc), "invalid_request_error", param="messages")
     if isinstance(exc, InvalidInputError):
-        return error_json(400, str(exc), "invalid_request_error")
+        return error_json(400, str(exc), "invalid_request_error", param=exc.param)
     if isinstance(exc, UpstreamError):
         status = exc.status if exc.kind == "client_error" and exc.status else _EXHAUSTED_STATUS.get(exc.kind, 502)
         return error_json(status, str(exc), "upstream_error", code=exc.kind)
