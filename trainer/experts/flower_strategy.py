@@ -151,8 +151,8 @@ class FedPrismStrategy(Strategy):
             try:
                 update, router, needs = self._read_reply(msg)
             except (InvalidInputError, KeyError, TypeError, ValueError) as exc:  # ShapeError included
-                reason = str(exc) if isinstance(exc, InvalidInputError) else f"malformed reply: {type(exc).__name__} {exc}"
-                self._reject(server_round, msg, reason)
+                malformed = not isinstance(exc, InvalidInputError)
+                self._reject(server_round, msg, f"malformed reply: {type(exc).__name__} {exc}" if malformed else str(exc))
                 continue
             self.needs_[msg.metadata.src_node_id] = needs
             if router is None and not any(n > 0 for _, n in update.values()):
@@ -174,7 +174,8 @@ class FedPrismStrategy(Strategy):
             reason)
         self.rejected_.append(RejectedReply(server_round, str(msg.metadata.src_node_id), reason))
 
-    def _read_reply(self, msg: Message) -> tuple[dict[int, tuple[Params, float]], tuple[Params, float] | None, list[int]]:
+    def _read_reply(self, msg: Message) -> tuple[dict[int, tuple[Params, float]], tuple[Params, float] | None,
+                                                 list[int]]:
         """``(expert updates, (router, n_router) or None, needs)`` of a reply, checked against the
         current experts and router (:func:`validate_component_update`, :func:`validate_updates`).
 

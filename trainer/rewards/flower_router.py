@@ -89,8 +89,10 @@ class RouterFedAvg(FedAvg):
                 update = (arrays_to_numpy(m.content[ARRAYS_KEY]), float(m.content["metrics"][NUM_EXAMPLES]))
                 validate_updates([(self._broadcast, 1.0), update])
             except (InvalidInputError, KeyError, TypeError, ValueError) as exc:  # ShapeError included
-                reason = str(exc).removeprefix("update 1: ").replace("update 0", "the round's parameters") if isinstance(exc, InvalidInputError) else (
-                    f"malformed reply: {type(exc).__name__} {exc}")
+                if isinstance(exc, InvalidInputError):  # its "update 1" is this reply, "update 0" the broadcast
+                    reason = str(exc).removeprefix("update 1: ").replace("update 0", "the round's parameters")
+                else:
+                    reason = f"malformed reply: {type(exc).__name__} {exc}"
                 log(WARNING, "aggregate_train: round %d, reply of node %s dropped: %s", server_round,
                     m.metadata.src_node_id, reason)
                 self.rejected_.append(RejectedReply(server_round, str(m.metadata.src_node_id), reason))
