@@ -4,11 +4,18 @@
 on the build server) and ``signing.pub`` (SubjectPublicKeyInfo PEM: ship it with the app, pass it
 to ``sdk.Router.load``). The signature covers the canonical manifest
 (:func:`sdk.bundle_manifest.canonical_bytes`), which holds the sha256 of every file.
+
+Like OpenSSH (``sshkey_perm_ok``), :func:`load_signing_key`, which every command that signs goes
+through (``export``, ``mor export``, ``rounds open`` / ``serve`` / ``rounds close`` when they
+publish), refuses a key file owned by the current user that group or others may access (any bit
+of ``0o077``: mode 0644 from a plain ``cp`` or an editor), naming the file and the ``chmod 600`` to
+run; set ``FEDROUTE_ALLOW_OPEN_SIGNING_KEY=1`` (:data:`ALLOW_OPEN_KEY_ENV`) to accept it anyway.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
@@ -21,6 +28,8 @@ from sdk.bundle_manifest import canonical_bytes, public_key_id
 
 PRIVATE_FILE = "signing.key"
 PUBLIC_FILE = "signing.pub"
+#: Environment variable: ``1`` accepts a signing key that group or others may access (module docstring).
+ALLOW_OPEN_KEY_ENV = "FEDROUTE_ALLOW_OPEN_SIGNING_KEY"
 
 
 def generate_keypair(out_dir: str | Path, overwrite: bool = False) -> tuple[Path, Path]:
@@ -64,10 +73,15 @@ def load_signing_key(path: Path):
     Raises
     ------
     ExportError
-        Missing file, not a PEM private key, encrypted, or not Ed25519.
+        Missing file, not a PEM private key, encrypted, or not Ed25519; or a key file owned by the
+        current user that group or others may access (mode & 0o077, e.g. 0644: ``chmod 600 PATH``,
+        or ``FEDROUTE_ALLOW_OPEN_SIGNING_KEY=1`` to accept it; not checked where the OS has no
+        POSIX owner, i.e. Windows).
     """
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            data = f.read()
+            st = os.fstat(f.fileno())  # the mode of the file read, not of whatever the path names later
     except OSError as exc:
         raise ExportError(f"cannot read signing key {path}: {exc}") from exc
     try:
@@ -76,6 +90,12 @@ def load_signing_key(path: Path):
         raise ExportError(f"{path} is not an unencrypted PEM private key: {exc}") from exc
     if not isinstance(key, Ed25519PrivateKey):
         raise ExportError(f"{path} holds a {type(key).__name__}, expected an Ed25519 key")
+    open_bits = st.st_mode & 0o077
+    if (open_bits and hasattr(os, "getuid") and st.st_uid == os.getuid()
+            and os.environ.get(ALLOW_OPEN_KEY_ENV) != "1"):
+        raise ExportError(f"signing key {path} has mode {st.st_mode & 0o777:04o}: group or others may access it, and a "
+                          f"private key must be accessible by its owner only; run `chmod 600 {path}` (or set "
+                          f"{ALLOW_OPEN_KEY_ENV}=1 to accept it)")
     return key
 
 

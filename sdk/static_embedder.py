@@ -8,7 +8,11 @@ vectors). A text's embedding is the **mean of its tokens' vectors, L2-normalised
 computes it exactly as ``model2vec.StaticModel.encode`` does (model2vec 0.9, ``_encode_batch``):
 
 1. tokenise with the model's ``tokenizer.json``, **no special tokens**, no padding, no truncation;
-2. drop the unknown token (``[UNK]``) ids;
+2. drop the unknown token (``[UNK]``) ids; a text made **only** of unknown tokens (e.g. only emoji,
+   which the MiniLM vocabulary lacks: ``"🙂🙂"``) keeps one, so its embedding is the ``[UNK]`` row,
+   normalised (model2vec returns the zero vector, which has no direction to route by; the ONNX
+   embedder embeds such a text as ``[UNK]`` tokens, and the trainer,
+   ``trainer.static_embedder.encode_static``, does the same as here);
 3. mean of the table rows of the remaining ids (float32 arithmetic on the float16 values here and in
    the trainer, which widens model2vec's table the same way, ``trainer.static_embedder``);
 4. divide by ``norm + 1e-32``.
@@ -312,11 +316,14 @@ class StaticEmbedder:
         for i, enc in enumerate(encodings):
             ids = np.asarray(enc.ids, dtype=np.int64)
             if self._unk_id is not None:
-                ids = ids[ids != self._unk_id]
+                known = ids[ids != self._unk_id]
+                # Only unknown tokens (e.g. "🙂🙂"): the unknown token's own row, as the ONNX embedder
+                # embeds [UNK] (module docstring, step 2).
+                ids = known if known.size or not ids.size else ids[:1]
             if ids.size == 0:
-                raise InvalidQueryError(
-                    f"query at position {first_position + i} has no token the static embedder knows in its last "
-                    f"{MAX_QUERY_CHARS} characters (only whitespace, control or unknown characters?)")
+                raise InvalidQueryError(  # the ONNX embedder's message (sdk.embedder)
+                    f"query at position {first_position + i} has no token the embedder can read in its last "
+                    f"{MAX_QUERY_CHARS} characters (only whitespace, control or zero-width characters?)")
             # The row count was checked against the tokenizer's vocabulary size at load, but a
             # vocabulary whose ids skip numbers can still name a row beyond the table.
             if ids.max() >= self._vectors.shape[0]:
@@ -326,7 +333,8 @@ class StaticEmbedder:
         return out
 
     def n_tokens(self, texts: Sequence[str]) -> list[int]:
-        """Tokens read per text (unknown tokens dropped, no special tokens).
+        """Tokens read per text (unknown tokens dropped, no special tokens; 1 for a text of unknown
+        tokens only, embedded as ``[UNK]``).
 
         Raises
         ------
@@ -341,7 +349,8 @@ class StaticEmbedder:
         Raises
         ------
         InvalidQueryError
-            A text with no known token (see :meth:`_ids`).
+            A text that gives no token at all (only whitespace or control characters). A text of
+            unknown tokens only (e.g. emoji) is not refused: it is embedded as the ``[UNK]`` row.
         BundleError
             The tokenizer gave a token id beyond the table's rows (a tokenizer whose ids skip
             numbers, shipped with a table of another vocabulary).

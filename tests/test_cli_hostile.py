@@ -380,6 +380,55 @@ def test_rounds_open_checks_its_paths_before_creating_the_database(tmp_path):
         assert not db.exists()
 
 
+@pytest.mark.parametrize("mode, refused", [(0o600, False), (0o400, False), (0o644, True), (0o640, True),
+                                           (0o604, True), (0o620, True)],
+                         ids=["0600", "0400", "0644", "0640", "0604", "0620"])
+def test_a_signing_key_that_group_or_others_may_access_is_refused_as_openssh_does(tmp_path, monkeypatch, mode, refused):
+    """A world-readable signing.key (0644, e.g. after a plain copy or an editor's save) was accepted silently by
+    every command that signs. Like OpenSSH, load_signing_key now refuses a key file of ours with any bit of
+    0o077, naming the file and the chmod to run; FEDROUTE_ALLOW_OPEN_SIGNING_KEY=1 accepts it."""
+    import os
+
+    from export.errors import ExportError
+    from export.signing import ALLOW_OPEN_KEY_ENV, generate_keypair, load_signing_key
+
+    key, _ = generate_keypair(tmp_path / "keys")
+    assert key.stat().st_mode & 0o777 == 0o600  # keygen writes owner-only
+    os.chmod(key, mode)
+    monkeypatch.delenv(ALLOW_OPEN_KEY_ENV, raising=False)
+    if not refused:
+        load_signing_key(key)
+        return
+    message = (f"signing key {key} has mode {mode:04o}: group or others may access it, and a private key must be "
+               f"accessible by its owner only; run `chmod 600 {key}` (or set FEDROUTE_ALLOW_OPEN_SIGNING_KEY=1 to accept it)")
+    with pytest.raises(ExportError) as info:
+        load_signing_key(key)
+    assert str(info.value) == message
+    monkeypatch.setenv(ALLOW_OPEN_KEY_ENV, "1")
+    load_signing_key(key)
+
+
+def test_rounds_open_refuses_a_world_readable_signing_key_before_creating_the_database(tmp_path, monkeypatch,
+                                                                                       capsys):
+    import os
+
+    from export.bundle_writer import write_bundle
+    from export.signing import generate_keypair, load_signing_key
+
+    key, _ = generate_keypair(tmp_path / "keys")
+    write_bundle(tmp_path / "bundle", {"kmeans.npz": b"x"}, {"bundle_version": 1, "router_kind": "kmeans"},
+                 load_signing_key(key))
+    os.chmod(key, 0o644)
+    monkeypatch.delenv("FEDROUTE_ALLOW_OPEN_SIGNING_KEY", raising=False)
+    db = tmp_path / "fed.db"
+    code, err = console(monkeypatch, capsys, ["rounds", "open", "--bundle-dir", str(tmp_path / "bundle"),
+                                              "--signing-key", str(key), "--db", f"sqlite:///{db}"])
+    assert code == 2 and "Traceback" not in err
+    assert f"error: signing key {key} has mode 0644: group or others may access it" in flat(err)
+    assert f"run `chmod 600 {key}`" in flat(err)
+    assert not db.exists()
+
+
 @pytest.mark.parametrize("option", ["--signing-key", "--public-key"])
 def test_rounds_open_refuses_a_key_the_bundle_is_not_signed_with_before_creating_the_database(tmp_path, option):
     """`rounds open --signing-key` of another key pair than the bundle's created the database, then failed with

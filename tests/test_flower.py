@@ -361,6 +361,127 @@ def test_an_honest_node_whose_clipped_costs_sum_above_the_bound_by_rounding_is_k
     assert sent > 10 * 0.03 and sent == pytest.approx(0.3, rel=1e-15)  # above n * bound, by rounding only
 
 
+def test_an_update_that_reports_nothing_is_refused_and_keeps_the_nodes_latest_update(tmp_path):
+    """The HTTPS server answers 422 to an update with every count 0 and no cell mean ("reports nothing"),
+    but the strategy kept it: a node with an empty log counted as a client of the aggregate and, in a
+    later round, replaced its own earlier statistics with nothing. The refusal now lives in the shared
+    check (update_checks.check_kmeans_totals): the reply is dropped, listed, and the earlier update stays."""
+    c0 = toy_log(tmp_path / "a.sqlite")
+    toy_log(tmp_path / "b.sqlite")
+    paths = {0: tmp_path / "a.sqlite", 1: tmp_path / "b.sqlite"}
+    strategy = FederatedKMeansStrategy(("a", "b"), "toy", centroid_rounds=0, rng=np.random.default_rng(0))
+    strategy.start(grid=InProcessGrid(make_client_app(paths), 2), initial_arrays=centroids_record(c0), num_rounds=1)
+    assert strategy.clients_ == ("100", "101") and strategy.rejected_ == []
+    with EvalLog(tmp_path / "empty.sqlite", ("a", "b")):
+        pass
+    paths[1] = tmp_path / "empty.sqlite"  # node 101's log is now empty
+    strategy.start(grid=InProcessGrid(make_client_app(paths), 2), initial_arrays=centroids_record(c0), num_rounds=1)
+    assert [(r.server_round, r.client_id, r.reason) for r in strategy.rejected_] == [
+        (1, "101", "count: the update reports nothing (no evaluation above min_count): do not upload it")]
+    assert strategy.latest_updates_["101"][1].log_size == 4  # its round-1 statistics, not the empty reply
+    np.testing.assert_array_equal(strategy.statistics_.count, [[4, 0], [0, 4]])
+
+
+def _reply(node: int, content: RecordDict) -> Message:
+    return Message(content, reply_to=Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN))
+
+
+def _w(*values) -> dict:
+    return {"w": np.array(values, dtype=np.float32)}
+
+
+def _prism_reply(node, experts, n, router=None, n_router=0.0, needs=(0,)):
+    from trainer.experts.flower_strategy import pack
+
+    metrics = {f"n-expert-{k}": float(n) for k in experts}
+    metrics["n-router"] = float(n_router)
+    return _reply(node, RecordDict({"arrays": pack(experts, router), "metrics": MetricRecord(metrics),
+                                    "config": ConfigRecord({"needs": list(needs)})}))
+
+
+# Node 1 sends expert 0 = (1, 1) from 3 samples; node 2's reply is bad. Expected: node 2 dropped with the reason.
+PRISM_BAD_REPLIES = {
+    "zero samples": (_prism_reply(2, {0: _w(9, 9)}, 0), "the reply used no sample"),
+    "no expert, no router": (_prism_reply(2, {}, 0), "the reply used no sample"),
+    "negative samples": (_prism_reply(2, {0: _w(9, 9)}, -1), "reply, expert 0: sample count must be finite and >= 0"),
+    "NaN samples": (_prism_reply(2, {0: _w(9, 9)}, float("nan")), "sample count must be finite"),
+    "empty expert array": (_prism_reply(2, {0: _w()}, 4), "reply, expert 0: 'w' has shape (0,), expected (2,)"),
+    "unknown expert": (_prism_reply(2, {5: _w(9, 9)}, 4), "expert index 5 outside [0, 1)"),
+    "empty router array": (_prism_reply(2, {0: _w(9, 9)}, 4, {"r": np.zeros(0, np.float32)}, 4),
+                           "router: 'r' has shape (0,), expected (1,)"),
+    "negative router samples": (_prism_reply(2, {0: _w(9, 9)}, 4, {"r": np.ones(1, np.float32)}, -2),
+                                "router: n_examples must be finite and > 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PRISM_BAD_REPLIES))
+def test_fedprism_strategy_drops_a_reply_without_samples_or_with_bad_arrays(case):
+    """FedPrismStrategy counted a reply that used no sample as a node, and a negative count or an
+    empty array raised out of aggregate_train (one node ended the run). Each reply is now checked
+    (aggregation.validate_component_update, fedavg.validate_updates) and a bad one dropped, as the HTTPS
+    server refuses one upload and keeps the round."""
+    from trainer.experts.flower_strategy import FedPrismStrategy
+
+    bad, reason = PRISM_BAD_REPLIES[case]
+    strategy = FedPrismStrategy([_w(0, 0)], {"r": np.zeros(1, np.float32)})
+    arrays, metrics = strategy.aggregate_train(1, [_prism_reply(1, {0: _w(1, 1)}, 3), bad])
+    assert metrics == MetricRecord({"nodes": 1})
+    np.testing.assert_array_equal(strategy.experts_[0]["w"], [1, 1])  # node 1's expert alone
+    np.testing.assert_array_equal(strategy.router_["r"], [0])
+    [rejected] = strategy.rejected_
+    assert (rejected.server_round, rejected.client_id) == (1, "2") and reason in rejected.reason
+    # A reply that used no sample still says what it needs next round; a malformed one says nothing.
+    assert set(strategy.needs_) == ({1, 2} if "no sample" in reason else {1})
+
+
+def _mor_reply(node, params, n):
+    from flwr.app import Array, ArrayRecord
+
+    return _reply(node, RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in params.items()}),
+                                    "metrics": MetricRecord({"num-examples": n})}))
+
+
+MOR_BAD_REPLIES = {
+    "zero samples": ([_mor_reply(100, _w(1, 1, 1), 5), _mor_reply(101, _w(9, 9, 9), 0)],
+                     ["n_examples must be finite and > 0, got 0.0"]),
+    "empty array": ([_mor_reply(100, _w(1, 1, 1), 5), _mor_reply(101, _w(), 4)],
+                    ["'w' has shape (0,), expected (3,)"]),
+    "no arrays": ([_mor_reply(100, _w(1, 1, 1), 5), _mor_reply(101, {}, 4)],
+                  ["parameter names ['w'] differ from the round's parameters"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOR_BAD_REPLIES))
+def test_mor_router_fedavg_drops_a_reply_without_samples_or_with_bad_arrays(case):
+    """RouterFedAvg raised out of aggregate_train on a reply with 0 samples or an empty array (one node
+    ended the run), and when every reply had no arrays it published an empty router. Such a reply is
+    now dropped with its reason and the others are averaged."""
+    from trainer.rewards.flower_router import RouterFedAvg
+
+    replies, reasons = MOR_BAD_REPLIES[case]
+    strategy = RouterFedAvg("samples", min_train_nodes=2, min_available_nodes=2, fraction_evaluate=0.0)
+    from flwr.app import Array, ArrayRecord
+
+    strategy.configure_train(1, ArrayRecord({"w": Array(np.zeros(3, np.float32))}), ConfigRecord(),
+                             InProcessGrid(None, 2))
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    np.testing.assert_array_equal(arrays["w"].numpy(), [1, 1, 1])
+    assert metrics == MetricRecord({"num-examples": 5.0})
+    assert [(r.client_id, r.reason) for r in strategy.rejected_] == [("101", reasons[0])]
+
+
+def test_mor_router_fedavg_publishes_nothing_when_every_reply_is_empty():
+    from flwr.app import Array, ArrayRecord
+
+    from trainer.rewards.flower_router import RouterFedAvg
+
+    strategy = RouterFedAvg("equal", min_train_nodes=2, min_available_nodes=2, fraction_evaluate=0.0)
+    strategy.configure_train(1, ArrayRecord({"w": Array(np.zeros(3, np.float32))}), ConfigRecord(),
+                             InProcessGrid(None, 2))
+    assert strategy.aggregate_train(1, [_mor_reply(100, {}, 5), _mor_reply(101, {}, 4)]) == (None, None)
+    assert [r.client_id for r in strategy.rejected_] == ["100", "101"]
+
+
 def test_the_round_config_may_not_set_max_cost_usd_itself(tmp_path):
     c0 = toy_log(tmp_path / "node.sqlite")
     strategy = FederatedKMeansStrategy(("a", "b"), "toy", rng=np.random.default_rng(0))

@@ -58,10 +58,32 @@ def test_tiny_table_matches_model2vec_encode():
     assert float(((got * expected).sum(1) / np.linalg.norm(expected, axis=1)).min()) > 0.99999
 
 
-def test_query_without_known_tokens_is_refused():
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_query_of_unknown_tokens_only_is_embedded_as_the_unk_row(precision):
+    """A text with no known token ("zzz qqq" here, "🙂🙂" for MiniLM) was refused (InvalidQueryError: a 400
+    from the proxy), while the ONNX embedder embeds it as [UNK] tokens. It now gets the [UNK] row
+    [9, 9, 9], normalised; a known token next to an unknown one is still read alone."""
+    enc = StaticEmbedder(tiny_tokenizer().to_str(), encode_table(VECTORS, precision), dim=3)
+    out = enc.embed(["a", "zzz qqq", "a zzz"])
+    np.testing.assert_allclose(out, [[1, 0, 0], [1 / math.sqrt(3)] * 3, [1, 0, 0]], rtol=1e-6)
+    assert enc.n_tokens(["zzz qqq", "a zzz"]) == [1, 1]
+
+
+def test_query_of_unknown_tokens_only_gets_the_same_row_from_the_trainer():
+    from model2vec import StaticModel
+
+    from trainer.static_embedder import encode_static
+
+    model = StaticModel(VECTORS.astype(np.float16), tiny_tokenizer(), normalize=True)
+    texts = ["zzz qqq", "a b", "a zzz"]
+    device = StaticEmbedder(tiny_tokenizer().to_str(), encode_table(VECTORS, "fp32"), dim=3).embed(texts)
+    np.testing.assert_allclose(encode_static(model, texts), device, rtol=1e-6)
+
+
+def test_query_that_gives_no_token_at_all_is_refused():
     enc = StaticEmbedder(tiny_tokenizer().to_str(), encode_table(VECTORS, "fp32"), dim=3)
-    with pytest.raises(InvalidQueryError, match="position 1"):
-        enc.embed(["a", "zzz qqq"])
+    with pytest.raises(InvalidQueryError, match="position 1 has no token the embedder can read in its last 65536 characters"):
+        enc.embed(["a", " \t "])
 
 
 def test_int8_rows_round_trip_within_half_a_step():
@@ -248,7 +270,7 @@ def test_device_encoder_matches_model2vec_on_real_prompts(static_cache, routerbe
     from trainer.static_embedder import encode_static
 
     model = kinds.get("static", family="embedder").model("all-MiniLM-L6-v2", static_cache)
-    prompts = list(load_routerbench_dir(routerbench_dir)[1].prompts[:60]) + ["Is a whale a fish?"]
+    prompts = list(load_routerbench_dir(routerbench_dir)[1].prompts[:60]) + ["Is a whale a fish?", "🙂🙂"]
     reference = encode_static(model, prompts)  # model2vec StaticModel.encode
     assert model.stored_table.shape == (model.tokenizer.get_vocab_size(True), 256)
     assert vocab_size(model.tokenizer) == model.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -261,6 +283,15 @@ def test_device_encoder_matches_model2vec_on_real_prompts(static_cache, routerbe
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     # the whole prompt is read: a RouterBench prompt has hundreds of tokens, more than MiniLM's 256
     assert max(enc.n_tokens(prompts)) > 256
+
+
+def router_model_unk_row(cache: Path) -> np.ndarray:
+    """The [UNK] row of the distilled MiniLM table, L2-normalised (float32)."""
+    from trainer import kinds
+
+    model = kinds.get("static", family="embedder").model("all-MiniLM-L6-v2", cache)
+    row = model.embedding[model.unk_token_id].astype(np.float32)
+    return row / np.linalg.norm(row)
 
 
 def test_static_bundle_round_trip(static_cache, routerbench_dir, signing_keys, tmp_path):
@@ -316,7 +347,10 @@ def test_static_bundle_round_trip(static_cache, routerbench_dir, signing_keys, t
         with pytest.raises(InvalidQueryError):
             bundle.choose(17, lam=1.0)
         with pytest.raises(InvalidQueryError):
-            bundle.choose("\u200b\u200b", lam=1.0)  # no token the table knows
+            bundle.choose("\u200b\u200b", lam=1.0)  # no token at all (the normaliser drops zero-width characters)
+        # only emoji (no token MiniLM knows): routed by the [UNK] row, as the ONNX embedder reads [UNK]
+        unk = router_model_unk_row(static_cache)
+        assert bundle.choose("🙂🙂", lam=100.0).model == router.models[router.decide(unk[None, :], 100.0)[0]]
 
     # the embedder kind's own gate: passes against the trainer's embeddings, fails against other rows
     from export import kinds as export_kinds

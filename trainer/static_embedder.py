@@ -123,10 +123,19 @@ def model_digest(model) -> str:
 
 def encode_static(model, texts: list[str], show_progress: bool = False) -> np.ndarray:
     """``StaticModel.encode`` of each text's last MAX_QUERY_CHARS characters, no token cap:
-    (n, dim) float32, rows L2-normalised."""
-    out = model.encode([t[-MAX_QUERY_CHARS:] for t in texts], max_length=None, use_multiprocessing=False,
-                       show_progress_bar=show_progress)
+    (n, dim) float32, rows L2-normalised.
+
+    A text made only of unknown tokens (e.g. only emoji), which model2vec encodes as the zero
+    vector, gets the ``[UNK]`` row, normalised, as on the device (:mod:`sdk.static_embedder`, step 2).
+    A text that gives no token at all stays the zero vector (the device refuses it)."""
+    clipped = [t[-MAX_QUERY_CHARS:] for t in texts]
+    out = model.encode(clipped, max_length=None, use_multiprocessing=False, show_progress_bar=show_progress)
     out = np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
+    unk = model.unk_token_id
+    empty = np.flatnonzero(~out.any(axis=1)) if unk is not None else ()
+    for i in empty:  # rare: only these few texts are tokenised again
+        if model.tokenizer.encode(clipped[i], add_special_tokens=False).ids:  # tokens, every one unknown
+            out[i] = model.embedding[unk]
     return out / (np.linalg.norm(out, axis=1, keepdims=True) + np.float32(1e-32))
 
 

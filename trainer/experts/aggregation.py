@@ -20,11 +20,47 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from sdk.errors import InvalidInputError
+from sdk.errors import InvalidInputError, ShapeError
 from trainer.routers.fedavg import Parameters, fedavg, validate_updates
 
 #: One client's reply: expert index -> (parameters, n_samples used for that expert).
 ComponentUpdate = Mapping[int, tuple[Parameters, float]]
+
+
+def validate_component_update(current: Sequence[Parameters], update: ComponentUpdate, who: str = "client") -> None:
+    """Check one client's reply against the current experts, as :func:`aggregate_components` does
+    for every reply (the Flower strategy runs it per reply, to drop a bad one instead of the round).
+    Pure.
+
+    Parameters
+    ----------
+    current : sequence of n_experts parameter dicts, the global experts before the round.
+    update : {expert index: (parameters, n_samples)}, one client's reply.
+    who : how the messages name the client.
+
+    Raises
+    ------
+    InvalidInputError
+        ``update`` is not a mapping, an expert index outside ``[0, n_experts)``, or a count that is
+        negative or not finite.
+    ShapeError
+        An expert's names or shapes differ from the current expert's (an empty array included), or
+        it holds NaN/inf (zero-count experts too).
+    """
+    n = len(current)
+    if not isinstance(update, Mapping):
+        raise InvalidInputError(f"{who}: update must be a mapping expert index -> (parameters, n_samples), "
+                                f"got {type(update).__name__}")
+    for k, (params, count) in update.items():
+        if isinstance(k, bool) or not (isinstance(k, (int, np.integer)) and 0 <= k < n):
+            raise InvalidInputError(f"{who}: expert index {k!r} outside [0, {n})")
+        if not (np.isfinite(count) and count >= 0):
+            raise InvalidInputError(f"{who}, expert {k}: sample count must be finite and >= 0, got {count!r}")
+        try:
+            validate_updates([(current[k], 1.0), (params, 1.0)])
+        except ShapeError as exc:  # its message names "update 1" (this one) and "update 0" (the current expert)
+            detail = str(exc).removeprefix("update 1: ").replace("update 0", "the current expert")
+            raise ShapeError(f"{who}, expert {k}: {detail}") from exc
 
 
 def aggregate_components(
@@ -51,19 +87,11 @@ def aggregate_components(
     n = len(current)
     per: list[list[tuple[Parameters, float]]] = [[] for _ in range(n)]
     for c, upd in enumerate(updates):
-        if not isinstance(upd, Mapping):
-            raise InvalidInputError(f"client {c}: update must be a mapping expert index -> (parameters, n_samples), "
-                                    f"got {type(upd).__name__}")
+        validate_component_update(current, upd, f"client {c}")
         for k, (params, count) in upd.items():
-            if isinstance(k, bool) or not (isinstance(k, (int, np.integer)) and 0 <= k < n):
-                raise InvalidInputError(f"client {c}: expert index {k!r} outside [0, {n})")
-            if not (np.isfinite(count) and count >= 0):
-                raise InvalidInputError(f"client {c}, expert {k}: sample count must be finite and >= 0, got {count!r}")
             per[k].append((params, float(count)))
     out = []
     for k in range(n):
-        if per[k]:  # same names and shapes as the current expert, finite values (zero-count updates too)
-            validate_updates([(current[k], 1.0)] + [(p, 1.0) for p, _ in per[k]])
         used = [(p, w) for p, w in per[k] if w > 0]  # weight 0 in the paper's mean: left out, so no 0/0
         if not used:
             out.append({name: np.array(v, dtype=np.float32, copy=True) for name, v in current[k].items()})

@@ -30,7 +30,7 @@ None, n_router, needs)`` with ``experts``/``updates`` as ``{k: params}`` / ``{k:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from logging import INFO
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -41,8 +41,9 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from sdk.errors import InvalidInputError, ShapeError
-from trainer.experts.aggregation import aggregate_components
-from trainer.routers.fedavg import fedavg
+from trainer.experts.aggregation import aggregate_components, validate_component_update
+from trainer.federated.flower_app import RejectedReply
+from trainer.routers.fedavg import fedavg, validate_updates
 
 ARRAYS_KEY = "arrays"
 CONFIG_KEY = "config"
@@ -96,7 +97,9 @@ class FedPrismStrategy(Strategy):
     Attributes
     ----------
     experts_ : list of parameter dicts; router_ : parameter dict; needs_ : dict node -> list of int;
-    sent_ : list of (round, node, experts sent) -- the sparse retrieval log.
+    sent_ : list of (round, node, experts sent) -- the sparse retrieval log;
+    rejected_ : list of :class:`trainer.federated.flower_app.RejectedReply`, the replies dropped
+    (:meth:`aggregate_train`).
     """
 
     def __init__(self, experts: Sequence[Params], router: Params, pgpd_rounds: Iterable[int] = (),
@@ -110,6 +113,7 @@ class FedPrismStrategy(Strategy):
         self._rng = rng or np.random.default_rng()
         self.needs_: dict[int, list[int]] = {}
         self.sent_: list[tuple[int, int, list[int]]] = []
+        self.rejected_: list[RejectedReply] = []
 
     def summary(self) -> None:
         log(INFO, "\t└──> FedPrism: %d experts, PGPD rounds %s", len(self.experts_), sorted(self.pgpd_rounds))
@@ -131,23 +135,74 @@ class FedPrismStrategy(Strategy):
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Per-component aggregation of the experts, FedAvg of the PGPD routers; records each node's needs."""
+        """Per-component aggregation of the experts, FedAvg of the PGPD routers; records each node's needs.
+
+        Each reply is checked first (:meth:`_read_reply`); an invalid one, or one that used no sample
+        (every count 0: it would count as a node and change nothing), is dropped, logged and listed
+        in :attr:`rejected_`, and the round goes on with the others, as the HTTPS server answers 422
+        to one upload (``n_samples`` below ``min_count``) and keeps the round. The ``needs`` of a
+        reply that used no sample are still recorded (its samples may route to experts it was not
+        sent: it asks for them next round).
+        """
         updates, routers = [], []
         for msg in replies:
             if msg.has_error():
                 continue
-            experts, router = unpack(msg.content[ARRAYS_KEY])
-            metrics = msg.content[METRICS_KEY]
-            updates.append({k: (p, float(metrics[f"n-expert-{k}"])) for k, p in experts.items()})
-            if router is not None and float(metrics["n-router"]) > 0:
-                routers.append((router, float(metrics["n-router"])))
-            self.needs_[msg.metadata.src_node_id] = [int(k) for k in msg.content[CONFIG_KEY]["needs"]]
+            try:
+                update, router, needs = self._read_reply(msg)
+            except (InvalidInputError, KeyError, TypeError, ValueError) as exc:  # ShapeError included
+                malformed = not isinstance(exc, InvalidInputError)
+                self._reject(server_round, msg, f"malformed reply: {type(exc).__name__} {exc}" if malformed else str(exc))
+                continue
+            self.needs_[msg.metadata.src_node_id] = needs
+            if router is None and not any(n > 0 for _, n in update.values()):
+                self._reject(server_round, msg, "the reply used no sample (every n-expert-<k> and n-router is 0): "
+                                                "nothing to aggregate")
+                continue
+            updates.append(update)
+            if router is not None:
+                routers.append(router)
         if not updates:
             return None, None
         self.experts_ = aggregate_components(self.experts_, updates)
         if routers:
             self.router_ = {k: v.astype(np.float32) for k, v in fedavg(routers).items()}
         return pack(dict(enumerate(self.experts_)), self.router_), MetricRecord({"nodes": len(updates)})
+
+    def _reject(self, server_round: int, msg: Message, reason: str) -> None:
+        log(WARNING, "aggregate_train: round %d, reply of node %s dropped: %s", server_round, msg.metadata.src_node_id,
+            reason)
+        self.rejected_.append(RejectedReply(server_round, str(msg.metadata.src_node_id), reason))
+
+    def _read_reply(self, msg: Message) -> tuple[dict[int, tuple[Params, float]], tuple[Params, float] | None,
+                                                 list[int]]:
+        """``(expert updates, (router, n_router) or None, needs)`` of a reply, checked against the
+        current experts and router (:func:`validate_component_update`, :func:`validate_updates`).
+
+        Raises
+        ------
+        InvalidInputError
+            A bad expert index or count (negative, NaN), or a router sent with ``n-router`` < 0.
+        ShapeError
+            Names or shapes that differ from the current ones (empty arrays included), NaN/inf.
+        KeyError, TypeError, ValueError
+            A missing or non-numeric metric or ``needs``.
+        """
+        experts, router = unpack(msg.content[ARRAYS_KEY])
+        metrics = msg.content[METRICS_KEY]
+        update = {k: (p, float(metrics[f"n-expert-{k}"])) for k, p in experts.items()}
+        validate_component_update(self.experts_, update, "reply")
+        n_router = float(metrics["n-router"]) if router is not None else 0.0
+        routed = None
+        if router is not None and n_router != 0:
+            try:  # n_router finite and > 0 too
+                validate_updates([(self.router_, 1.0), (router, n_router)])
+            except InvalidInputError as exc:
+                detail = str(exc).removeprefix("update 1: ").replace("update 0", "the current router")
+                raise type(exc)(f"router: {detail}") from exc
+            routed = (router, n_router)
+        needs = [int(k) for k in msg.content[CONFIG_KEY]["needs"]]
+        return update, routed, needs
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """No federated evaluation (FedPrism is scored offline on held-out pairs)."""

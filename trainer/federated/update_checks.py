@@ -120,15 +120,21 @@ def check_kmeans_totals(update: KMeansUpdate, min_count: int) -> None:
     :func:`check_kmeans_update` here and field by field by the server's
     :func:`trainer.server.validation.validate_update`), in this order: no entry with ``0 < count <
     min_count``, counts summing to at most ``log_size``, local weights at least ``max(min_count,
-    2)`` and summing to at most ``log_size``, sums 0 where the count is 0. Pure.
+    2)`` and summing to at most ``log_size``, sums 0 where the count is 0. An update that reports
+    nothing (every count 0 and no cell mean, :meth:`sdk.protocol.KMeansUpdate.is_empty`: a device
+    does not send it) is refused first: merged, it would count as a client and, on Flower, replace
+    the node's latest real update. Pure.
 
     Raises
     ------
     PrivacyError
         An entry below ``min_count`` or a cell mean of too few queries.
     ShapeError
-        Counts or weights summing above ``log_size``, or sums where the count is 0.
+        The update reports nothing, counts or weights summing above ``log_size``, or sums where the
+        count is 0.
     """
+    if update.is_empty():
+        raise ShapeError("count: the update reports nothing (no evaluation above min_count): do not upload it")
     s = update.statistics
     small = (s.count > 0) & (s.count < min_count)
     if small.any():

@@ -17,14 +17,17 @@ a Flower run with full participation gives the parameters of
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from logging import WARNING
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from sdk.errors import InvalidInputError
+from trainer.federated.flower_app import RejectedReply
 from trainer.rewards.client_router import (
     ClientRouter,
     ClientRouterData,
@@ -33,6 +36,7 @@ from trainer.rewards.client_router import (
     local_rng,
     local_router_update,
 )
+from trainer.routers.fedavg import validate_updates
 
 ARRAYS_KEY = "arrays"
 NUM_EXAMPLES = "num-examples"
@@ -49,7 +53,15 @@ def arrays_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
 
 class RouterFedAvg(FedAvg):
     """Flower FedAvg whose aggregation is :func:`aggregate_routers` with ``weighting`` (``"samples"``
-    or ``"equal"``). ``last_updates_`` holds the (parameters, n) of the last aggregated round."""
+    or ``"equal"``). ``last_updates_`` holds the (parameters, n) of the last aggregated round;
+    ``rejected_`` the replies dropped (:class:`trainer.federated.flower_app.RejectedReply`).
+
+    Each reply is checked against the round's broadcast parameters with
+    :func:`trainer.routers.fedavg.validate_updates` (the check FedAvg runs: ``num-examples`` finite
+    and > 0, the same names and shapes, finite values); one that fails (zero samples, empty or
+    missing arrays, ...) is dropped, logged and listed, and the others are averaged, as the HTTPS
+    server answers 422 to one upload below ``min_count`` samples and keeps the round.
+    """
 
     def __init__(self, weighting: str = "equal", **kwargs) -> None:
         if weighting not in ("samples", "equal"):
@@ -57,13 +69,37 @@ class RouterFedAvg(FedAvg):
         super().__init__(**kwargs)
         self.weighting = weighting
         self.last_updates_: list[tuple[dict[str, np.ndarray], float]] = []
+        self.rejected_: list[RejectedReply] = []
+        self._broadcast: dict[str, np.ndarray] | None = None
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        """FedAvg's messages; keeps ``arrays`` (the parameters the replies must match)."""
+        self._broadcast = arrays_to_numpy(arrays)
+        return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        valid, _ = self._check_and_log_replies(replies, is_train=True)
-        if not valid:
+        """:func:`aggregate_routers` of the replies that pass the check (class docstring); ``(None,
+        None)`` when none does."""
+        if self._broadcast is None:
+            raise InvalidInputError("aggregate_train called before configure_train")
+        valid, _ = self._check_and_log_replies(replies, is_train=True, validate=False)  # checked one by one below
+        updates = []
+        for m in sorted(valid, key=lambda m: int(m.metadata.src_node_id)):
+            try:
+                update = (arrays_to_numpy(m.content[ARRAYS_KEY]), float(m.content["metrics"][NUM_EXAMPLES]))
+                validate_updates([(self._broadcast, 1.0), update])
+            except (InvalidInputError, KeyError, TypeError, ValueError) as exc:  # ShapeError included
+                if isinstance(exc, InvalidInputError):  # its "update 1" is this reply, "update 0" the broadcast
+                    reason = str(exc).removeprefix("update 1: ").replace("update 0", "the round's parameters")
+                else:
+                    reason = f"malformed reply: {type(exc).__name__} {exc}"
+                log(WARNING, "aggregate_train: round %d, reply of node %s dropped: %s", server_round,
+                    m.metadata.src_node_id, reason)
+                self.rejected_.append(RejectedReply(server_round, str(m.metadata.src_node_id), reason))
+                continue
+            updates.append(update)
+        if not updates:
             return None, None
-        valid = sorted(valid, key=lambda m: int(m.metadata.src_node_id))
-        updates = [(arrays_to_numpy(m.content[ARRAYS_KEY]), float(m.content["metrics"][NUM_EXAMPLES])) for m in valid]
         self.last_updates_ = updates
         agg = aggregate_routers(updates, self.weighting)
         n = sum(u[1] for u in updates)

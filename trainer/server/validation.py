@@ -20,8 +20,9 @@ and the first failure is answered (the detail starts with the field's name):
    (n_reported, d_emb), norm <= 1 (kept at float32 precision whatever the encoding, so both store
    the same row); ``local_weights`` (n_reported,), whole, <= 2**31 - 1;
 4. across fields (:func:`trainer.federated.update_checks.check_kmeans_totals`, shared with Flower):
-   counts summing to at most ``log_size``, the privacy threshold ``min_count`` for entries and
-   reported cell means, sums 0 where the count is 0; and an update that reports nothing is refused.
+   an update that reports nothing (every count 0, no cell mean) is refused, then counts summing to
+   at most ``log_size``, the privacy threshold ``min_count`` for entries and reported cell means,
+   sums 0 where the count is 0.
 """
 
 from __future__ import annotations
@@ -448,9 +449,6 @@ def _check_fields(body: KMeansBody, round_: Round) -> KMeansUpdate:
     low, high = _bounds("local_weights", weights, (n_rep,))
     if low < 0 or high > MAX_COUNT or not _whole(weights):
         raise _field_error("local_weights", f"must be whole numbers in [0, {MAX_COUNT}]")
-    if count_max == 0 and n_rep == 0:
-        raise UploadRejected(422, "count: the update reports nothing (no evaluation above min_count): do not "
-                                  "upload it")
     try:
         # Every rule of CellStatistics' constructor was checked above, field by field.
         update = KMeansUpdate(CellStatistics.of_checked(count, s_acc, s_cost), cells, means, weights,
