@@ -180,7 +180,7 @@ class StaticEmbedderTrainerKind(EmbedderTrainerKind):
         return load_static_model(Path(directory))
 
     def cache_namespace(self, config: EmbedderConfig, spec: str, cache_dir: Path) -> str:
-        return f"static:{model_digest(self.model(spec, cache_dir))[:32]}|last{MAX_QUERY_CHARS}chars|mean|l2"
+        return f"static:{model_digest(self.model(spec, cache_dir))[:32]}|last{MAX_QUERY_CHARS}chars|mean|unk|l2"
 
     def encode(self, config, spec, texts, cache_dir, show_progress):
         return encode_static(self.model(spec, cache_dir), texts, show_progress)
