@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 import numpy as np
 from sdk.errors import InvalidInputError
-from sdk.finite_option import finite_option
+from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
 from trainer.out_folder import check_out_option
@@ -89,11 +89,11 @@ def grpo(
     model: Annotated[Optional[str], typer.Option(help="policy causal LM: local path or hub id; default: a tiny random "
                                                       "2-layer Llama built offline into OUT/tiny_policy")] = None,
     data: DataOpt = Path("../shared/data"),
-    steps: Annotated[Optional[int], typer.Option(min=1, help="GRPO optimiser steps (default 60; 20 with --quick)")] = None,
-    n_prompts: Annotated[Optional[int], typer.Option(min=1, help="public prompts to train on (default 256; 64 with --quick)")] = None,
-    num_generations: Annotated[int, typer.Option(min=1, help="completions per prompt (group size M)")] = 4,
-    prompts_per_step: Annotated[int, typer.Option(min=1, help="prompts per optimiser step")] = 4,
-    max_completion_length: Annotated[Optional[int], typer.Option(min=1, help="tokens generated per completion (default 32; 16 with --quick)")] = None,
+    steps: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="GRPO optimiser steps (default 60; 20 with --quick)")] = None,
+    n_prompts: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="public prompts to train on (default 256; 64 with --quick)")] = None,
+    num_generations: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="completions per prompt (group size M)")] = 4,
+    prompts_per_step: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="prompts per optimiser step")] = 4,
+    max_completion_length: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="tokens generated per completion (default 32; 16 with --quick)")] = None,
     learning_rate: Annotated[float, typer.Option(callback=finite_option, help="policy learning rate (1e-2 suits the tiny random policy; "
                                                       "use ~1e-6 for a real instruct model)")] = 1e-2,
     beta: Annotated[float, typer.Option(callback=finite_option, help="KL coefficient to the reference policy (> 0)")] = 0.04,
@@ -103,7 +103,7 @@ def grpo(
     device: Annotated[str, typer.Option(help="cpu (float32, 1 thread) or cuda (bfloat16)")] = "cpu",
     quick: Annotated[bool, typer.Option("--quick", help="20 steps, 64 prompts, 16 tokens (a few minutes on CPU); "
                                                          "--steps, --n-prompts and --max-completion-length given on the line win")] = False,
-    seed: Annotated[int, typer.Option(min=0)] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=SEED_MAX)] = 0,
     cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
 ) -> None:
     """GRPO (TRL) on the routed reward of a MoR mixture, with online routing by neural Thompson sampling."""
