@@ -863,8 +863,9 @@ def test_routed_grpo_trainer_refuses_fewer_prompts_than_one_step_takes():
 
 def test_a_grpo_rerun_in_the_other_mode_removes_the_earlier_modes_results(tmp_path):
     """`mor grpo --online compare` then `--online on` into one --out left comparison.* and online/, offline/
-    beside the new history.json (and the other way round): results of two runs in one folder."""
-    from trainer.alignment.grpo_cli import clear_other_mode_outputs
+    beside the new history.json (and the other way round): results of two runs in one folder. The results
+    of either kind go (tests/test_trainer_artefacts_hostile.py: a rerun in the same mode), nothing else."""
+    from trainer.alignment.grpo_cli import clear_earlier_results
 
     out = tmp_path / "grpo"
     (out / "online").mkdir(parents=True)
@@ -872,11 +873,10 @@ def test_a_grpo_rerun_in_the_other_mode_removes_the_earlier_modes_results(tmp_pa
     (out / "offline").mkdir()
     for name in ("comparison.json", "comparison.md", "comparison.png", "history.json", "grpo.png", "notes.txt"):
         (out / name).write_text("old")
-    assert clear_other_mode_outputs(out, "on") == ["comparison.json", "comparison.md", "comparison.png", "online", "offline"]
-    assert sorted(p.name for p in out.iterdir()) == ["grpo.png", "history.json", "notes.txt"]
-    assert clear_other_mode_outputs(out, "compare") == ["history.json", "grpo.png"]
+    assert clear_earlier_results(out) == ["history.json", "grpo.png", "comparison.json", "comparison.md",
+                                          "comparison.png", "online", "offline"]
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
-    assert clear_other_mode_outputs(out, "off") == []
+    assert clear_earlier_results(out) == []
 
 
 #: The trainer's commands whose integer options are bounded (the operator and device commands are not

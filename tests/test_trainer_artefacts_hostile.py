@@ -205,6 +205,34 @@ def test_reward_export_refuses_parity_texts_that_are_not_str_before_any_export(s
     assert not (tmp_path / "bundle").exists()
 
 
+def test_a_grpo_rerun_leaves_no_earlier_results_beside_its_own_settings(saved_mixture, shared_data, tmp_path,
+                                                                       monkeypatch, capsys):
+    """`mor grpo` into the --out of an earlier run removed only the *other* mode's results: a rerun in the same
+    mode wrote the new grpo_config.json (and rebuilt tiny_policy/), and when it stopped before its results
+    (Ctrl-C, or here a policy that does not load) the earlier run's history.json, grpo.png and online/history.json
+    stayed beside them, read as this run's. The earlier results go before the new run writes anything."""
+    from trainer.cli import main
+
+    _, saved = saved_mixture
+    out = tmp_path / "grpo"
+    (out / "online").mkdir(parents=True)
+    (out / "online" / "history.json").write_text('{"earlier": true}')
+    for name in ("history.json", "grpo.png", "comparison.json", "grpo_config.json"):
+        (out / name).write_text('{"earlier": true}')
+    policy = tmp_path / "not_a_model"
+    policy.mkdir()
+    (policy / "weights.bin").write_bytes(b"x")
+    monkeypatch.setattr("sys.argv", ["fedroute", "mor", "grpo", "--mixture", str(saved), "--out", str(out),
+                                     "--online", "on", "--model", str(policy), "--n-prompts", "4", "--steps", "1",
+                                     "--data", str(shared_data)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(f"error: cannot load a causal LM from '{policy}'")
+    assert json.loads((out / "grpo_config.json").read_text())["model"] == str(policy)  # this run's settings
+    assert sorted(p.name for p in out.iterdir()) == ["grpo_config.json"]  # and no earlier run's results
+
+
 # --- bundles of one family at another's path ---------------------------------------------------------
 
 

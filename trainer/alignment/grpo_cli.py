@@ -22,13 +22,15 @@ MODE_OUTPUTS = {"single": ("history.json", "grpo.png"),
                 "compare": ("comparison.json", "comparison.md", "comparison.png", "online", "offline")}
 
 
-def clear_other_mode_outputs(out: Path, online: str) -> list[str]:
-    """Remove from ``out`` what the *other* kind of run wrote there (:data:`MODE_OUTPUTS`), so that a
-    rerun with another ``--online`` does not leave an older run's results beside the new ones; returns
-    the names removed. Only those names are touched (files, or the comparison's run folders)."""
-    other = MODE_OUTPUTS["single" if online == "compare" else "compare"]
+def clear_earlier_results(out: Path) -> list[str]:
+    """Remove from ``out`` the results an earlier run wrote there, of either kind (:data:`MODE_OUTPUTS`);
+    returns the names removed. Called before the run writes anything (its ``grpo_config.json``,
+    ``tiny_policy/``): a rerun that stops before its own results (Ctrl-C, a policy that does not load) then
+    leaves no earlier ``history.json`` or ``comparison.*`` that reads as this run's, and a rerun with another
+    ``--online`` leaves no results of the other kind beside its own. Only those names are touched (files, or
+    the comparison's run folders)."""
     removed = []
-    for name in other:
+    for name in (*MODE_OUTPUTS["single"], *MODE_OUTPUTS["compare"]):
         path = out / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -144,7 +146,7 @@ def grpo(
     typer.echo(f"routing rule (saved with the mixture): {mix.rule.variant}")
     prompts = public_prompts(data, n_prompts, seed)
     out.mkdir(parents=True, exist_ok=True)
-    clear_other_mode_outputs(out, online)
+    clear_earlier_results(out)  # before this run writes anything
     if model is None:
         build_tiny_causal_lm(out / "tiny_policy", train_texts=prompts, vocab_size=512, seed=seed, overwrite=True)
         typer.echo(f"policy: a tiny random 2-layer Llama with a BPE tokenizer trained on the prompts -> {config.model}")
