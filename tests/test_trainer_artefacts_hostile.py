@@ -117,6 +117,28 @@ def test_an_expert_with_a_nan_tensor_is_refused_naming_the_file_and_tensor(saved
         load_trained_selector(cut)
 
 
+@pytest.mark.parametrize("kind", ["folder without config.json", "file"])
+def test_a_backbone_that_is_a_file_or_a_folder_without_config_json_is_named_in_one_short_line(tmp_path, kind):
+    """`prism train --backbone` given a folder of weights without config.json answered with transformers'
+    'Unrecognized model ... or contain one of the following strings in its name:' and ~400 model names
+    (4.8 kB on one line); given a file, with 'the config file ... is not a valid JSON file'."""
+    from trainer.data.errors import DataUnavailableError
+    from trainer.experts.selector import SelectorConfig, selector_for_backbone
+
+    path = tmp_path / "backbone"
+    if kind == "file":
+        path.write_text("{}")
+        expected = "a file, not a model folder"
+    else:
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"x")
+        expected = "a folder without config.json, not a model saved with save_pretrained"
+    with pytest.raises(DataUnavailableError) as info:
+        selector_for_backbone(SelectorConfig(), str(path))
+    assert str(info.value) == (f"cannot load the selector backbone '{path}' ('{path}'): {expected}; give such a "
+                               "folder or a hub id")
+
+
 # --- MoR mixtures -----------------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from sdk.errors import InvalidInputError
 from trainer.alignment.errors import PolicyUnavailableError
 from trainer.embeddings import resolve_model_path
+from trainer.embedder_paths import local_model_problem
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 #: Rendered as ``<role>: <content><eos>`` per message, then ``assistant:`` when a generation prompt is
@@ -116,6 +117,9 @@ def load_policy(path_or_id: str | os.PathLike[str], *, device: str = "cpu", dtyp
 
     torch_dtype = _resolve_dtype(dtype, device)
     name = os.fspath(path_or_id)
+    problem = local_model_problem(name)
+    if problem is not None:
+        raise PolicyUnavailableError(f"cannot load a causal LM from {name!r}: {problem}; give such a folder or a hub id")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)

@@ -55,6 +55,7 @@ from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig
 from trainer.config_fields import check_bool, check_int, check_real, check_sequence
 from trainer.data.errors import DataUnavailableError
 from trainer.embeddings import resolve_model_path
+from trainer.embedder_paths import local_model_problem
 from tokenizers import Tokenizer
 import hashlib
 import os
@@ -155,6 +156,10 @@ def selector_for_backbone(config: SelectorConfig, backbone: str) -> SelectorConf
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # transformers: as above
 
     path = resolve_model_path(backbone)
+    problem = local_model_problem(path)
+    if problem is not None:
+        raise DataUnavailableError(f"cannot load the selector backbone {backbone!r} ({path!r}): {problem}; give such "
+                                   "a folder or a hub id")
     try:
         model_config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
