@@ -168,3 +168,29 @@ def test_prism_dpo_command_on_a_synthetic_set(tmp_path):
     assert (out / "tiny_policy" / "config.json").exists() and (out / "model" / "config.json").exists()
     bad = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(prefs), "--out", str(out)])
     assert bad.exit_code != 0 and "exactly one of --policy" in bad.output
+
+
+def test_prism_dpo_names_a_diverged_run_and_keeps_no_results_of_the_replaced_tiny_policy(tmp_path, monkeypatch, capsys):
+    """`prism dpo --tiny --lr 1e308` ended in 'Invalid value: scores hold NaN or inf', naming neither the
+    policy's divergence nor the learning rate; and a --tiny rerun into an earlier run's --out rebuilt
+    tiny_policy/ (the reference the earlier dpo_results.json was measured against) before it failed or was
+    stopped, leaving that dpo_results.json beside another reference policy."""
+    from trainer.cli import main
+
+    rows = make_rows(NOUNS[:8], 12, seed=4)
+    prefs = tmp_path / "synthetic_preferences.jsonl"
+    prefs.write_text("".join(json.dumps({**r, "prompt_id": f"p{i}"}) + "\n" for i, r in enumerate(rows)))
+    out = tmp_path / "dpo"
+    out.mkdir()
+    for name in ("dpo_results.json", "dpo_loss.png"):
+        (out / name).write_text('{"earlier": true}')
+    monkeypatch.setattr("sys.argv", ["fedroute", "prism", "dpo", "--prefs", str(prefs), "--tiny", "--steps", "1",
+                                     "--lr", "1e308", "--out", str(out)])
+    monkeypatch.setenv("COLUMNS", "500")
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert exit_info.value.code == 2
+    assert ("the policy's log-probabilities are NaN or inf after training: the run diverged (learning_rate=1e+308, "
+            "beta=0.1); lower --lr") in err
+    assert not (out / "dpo_results.json").exists() and not (out / "dpo_loss.png").exists()

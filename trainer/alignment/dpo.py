@@ -309,12 +309,18 @@ class DPOAlignmentTrainer:
     def __init__(self, args: DPORunConfig) -> None:
         self.args = args
 
-    def _score(self, policy, reference, tokenizer, rows):
+    def _score(self, policy, reference, tokenizer, rows, stage: str):
+        """Held-out accuracies of ``policy`` against ``reference``; ``stage`` ("before training" / "after
+        training") names when, should the policy's log-probabilities be NaN or inf (AlignmentConfigError)."""
         a = self.args
         prompts = [r["prompt"] for r in rows]
         kw = dict(chat=a.chat, max_length=a.max_length, batch_size=a.eval_batch_size)
         pw = sequence_logps(policy, tokenizer, prompts, [r["chosen"] for r in rows], **kw)
         pl = sequence_logps(policy, tokenizer, prompts, [r["rejected"] for r in rows], **kw)
+        if not (np.isfinite(pw).all() and np.isfinite(pl).all()):  # else pairwise_accuracy's bare "scores hold NaN"
+            cause = (f"the run diverged (learning_rate={a.learning_rate:g}, beta={a.beta:g}); lower --lr"
+                     if stage == "after training" else f"the policy {a.model!r} is broken")
+            raise AlignmentConfigError(f"the policy's log-probabilities are NaN or inf {stage}: {cause}")
         rw = sequence_logps(reference, tokenizer, prompts, [r["chosen"] for r in rows], **kw)
         rl = sequence_logps(reference, tokenizer, prompts, [r["rejected"] for r in rows], **kw)
         reward_w, reward_l = a.beta * (pw - rw), a.beta * (pl - rl)
@@ -335,7 +341,9 @@ class DPOAlignmentTrainer:
         Raises
         ------
         AlignmentConfigError
-            Bad rows, or held-out prompts that also occur in training.
+            Bad rows, held-out prompts that also occur in training, or the policy's log-probabilities NaN or
+            inf on the held-out pairs (before training: a broken policy; after: a diverged run, e.g. too high a
+            learning rate; nothing is written then).
         PolicyUnavailableError
             The policy cannot be loaded.
         """
@@ -361,7 +369,7 @@ class DPOAlignmentTrainer:
             policy, tokenizer = load_policy(a.model, device=a.device, dtype="float32")
             reference, _ = load_policy(a.model, device=a.device, dtype="float32")
             reference.requires_grad_(False)
-            before = self._score(policy, reference, tokenizer, heldout_rows)
+            before = self._score(policy, reference, tokenizer, heldout_rows, "before training")
 
             config = DPOConfig(
                 output_dir=str(out / "checkpoints"), beta=a.beta, learning_rate=a.learning_rate,
@@ -378,7 +386,7 @@ class DPOAlignmentTrainer:
             trainer.train()
             losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
             policy = trainer.model
-            after = self._score(policy, reference, tokenizer, heldout_rows)
+            after = self._score(policy, reference, tokenizer, heldout_rows, "after training")
             # Saved whole beside the target, then swapped in: a run killed while saving over an earlier
             # run leaves the earlier model/ (and its dpo_results.json) as they were, never a mix.
             model_dir, staged = out / "model", out / ".model.partial"

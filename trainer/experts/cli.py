@@ -193,6 +193,10 @@ def dpo(
         raise typer.BadParameter(str(exc)) from exc
     out.mkdir(parents=True, exist_ok=True)
     if tiny:
+        # an earlier run's results were measured against the tiny_policy/ rebuilt here: they go first, so a
+        # rerun that fails or is stopped leaves none beside another reference policy
+        for name in ("dpo_results.json", "dpo_loss.png"):
+            (out / name).unlink(missing_ok=True)
         texts = [t for r in train_rows for t in (r["prompt"], r["chosen"], r["rejected"])]
         build_tiny_causal_lm(out / "tiny_policy", train_texts=texts, vocab_size=2000, overwrite=True,
                              seed=seed, max_positions=max(512, args.max_length))
