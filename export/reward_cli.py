@@ -14,7 +14,7 @@ from export.bundle_writer import check_replaceable, check_version, next_bundle_v
 from export.reward_export import export_reward_bundle
 from export.signing import load_signing_key
 from trainer import kinds
-from trainer.out_folder import check_out_option
+from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.rewards.reward_scorer_kind import FAMILY, NAME
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
@@ -29,7 +29,7 @@ def export_reward(
     data: DataOpt = Path("../shared/data"),
     n_parity: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="real pairs for the parity check")] = 200,
     bundle_version: Annotated[Optional[int], typer.Option(min=1, help="default: 1 + the version at OUT")] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder")] = None,
 ) -> None:
     """Export CLIENT's reward model and the client router as a signed reward-scorer bundle (sdk.RewardScorer)."""
     from trainer.data.preferences import load_preference_pairs  # trainer.data.preferences imports pandas: on use only

@@ -925,3 +925,47 @@ def test_every_int_option_of_the_trainer_refuses_a_value_out_of_range_while_pars
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     assert f"Invalid value for '{option}': {2**63} is not in the range" in flat(result.output)
     assert list(tmp_path.iterdir()) == []
+
+
+def cache_options() -> list:
+    """A test case per embedding-cache folder option of every ``fedroute`` command."""
+    cases = []
+
+    def walk(command: click.Command, path: list[str]) -> None:
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+            return
+        for param in command.params:
+            if param.opts[0] in ("--cache-dir", "--cache"):
+                cases.append(pytest.param(path, param.opts[0], id=" ".join([*path, param.opts[0]])))
+
+    walk(get_command(app), [])
+    return cases
+
+
+CACHE_OPTIONS = cache_options()
+
+
+def test_the_cache_option_walk_finds_the_commands_options():
+    ids = {c.id for c in CACHE_OPTIONS}
+    assert {"simulate --cache-dir", "export --cache-dir", "mor train --cache", "mor eval --cache", "mor grpo --cache-dir",
+            "mor export --cache-dir", "prism train --cache-dir", "prism label --cache-dir"} <= ids
+
+
+@pytest.mark.parametrize("path, option", CACHE_OPTIONS)
+@pytest.mark.parametrize("where", ["file", "under a file"])
+def test_every_cache_option_refuses_a_folder_it_cannot_write_while_parsing(tmp_path, monkeypatch, path, option, where):
+    """--cache-dir naming a file (or a path under one) ended in a FileExistsError traceback when the
+    embeddings were first cached: after the data were prepared (`prism train`, `mor eval`), after the run's
+    pairs were read and segment-encoded (`prism label`, 25 s) or after the mixture was loaded (`mor grpo`).
+    The option is checked while the line is parsed: exit 2, one line naming it, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a folder")
+    cache = tmp_path / "notes.txt" if where == "file" else tmp_path / "notes.txt" / "cache"
+    result = CliRunner().invoke(app, [*path, option, str(cache)], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    message = (f"cache folder {cache} exists and is not a folder" if where == "file" else
+               f"cache folder {cache}: {tmp_path / 'notes.txt'} is a file, not a folder, so {cache} cannot be written")
+    assert f"Invalid value for '{option}': {message}" in flat(result.output)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]

@@ -21,7 +21,7 @@ from export.embedder_onnx import QUANTISED_PRECISIONS
 from export.selector_export import export_selector_bundle, parity_pairs_for
 from export.errors import ParityError
 from export.signing import load_signing_key
-from trainer.out_folder import check_out_folder
+from trainer.out_folder import cache_folder_option, check_out_folder
 from trainer.results_owner import claim_results
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
@@ -76,7 +76,7 @@ SeedsOpt = Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="number of see
 RoutersOpt = Annotated[str, typer.Option(help="comma-separated router kinds: mlp,kmeans")]
 EmbedderOpt = Annotated[str, typer.Option(help="embedder: local path, 'all-MiniLM-L6-v2' or a hub id; "
                                          "'static:<model2vec folder or sentence-transformer>' for a static table (docs/static_embedder.md)")]
-CacheOpt = Annotated[Optional[Path], typer.Option(help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
+CacheOpt = Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
 MaxTokensOpt = Annotated[int, typer.Option(min=8, max=COUNT_MAX, help="tokens the embedder reads (from the end of the prompt)")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device for embedding and MLP training: cpu, cuda, cuda:1")]
 

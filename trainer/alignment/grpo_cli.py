@@ -14,7 +14,7 @@ from sdk.errors import InvalidInputError
 from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
-from trainer.out_folder import check_out_option
+from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.torch_device import check_torch_device
 
 #: What each kind of run writes into --out: one run (``--online on|off``) or the comparison (``--online compare``).
@@ -106,7 +106,7 @@ def grpo(
     quick: Annotated[bool, typer.Option("--quick", help="20 steps, 64 prompts, 16 tokens (a few minutes on CPU); "
                                                          "--steps, --n-prompts and --max-completion-length given on the line win")] = False,
     seed: Annotated[int, typer.Option(min=0, max=SEED_MAX)] = 0,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder")] = None,
 ) -> None:
     """GRPO (TRL) on the routed reward of a MoR mixture, with online routing by neural Thompson sampling."""
     from trainer.alignment.grpo import DEVICES, RoutedGRPOConfig, RoutedGRPOTrainer, compare_online, from_mixture  # trainer.alignment.grpo imports torch: on use only

@@ -17,7 +17,7 @@ import numpy as np
 from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig, validate_preference_rows
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
-from trainer.out_folder import check_out_option
+from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.results_owner import claim_results
 from trainer.torch_device import check_torch_device
 
@@ -36,7 +36,7 @@ def train(
     n_experts: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="M, number of experts (default: the preset's)")] = None,
     methods: Annotated[str, typer.Option(help="comma-separated methods of the table (default: all)")] = "all",
     device_threads: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")] = 1,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="cache folder (embeddings, segment states)")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="cache folder (embeddings, segment states)")] = None,
     device: Annotated[Optional[str], typer.Option(help="torch device of the experts (default: the preset's, cpu; cuda for --preset gpu)")] = None,
 ) -> None:
     """Train FedPrism and its baselines on the same clients; write results.json, results.md, PNGs."""
@@ -91,7 +91,7 @@ def label(
     data: Annotated[Path, typer.Option(help="shared data folder with alpacaeval/")] = Path("../shared/data"),
     max_pairs: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="held-out AlpacaEval pairs to label (seeded sample)")] = 600,
     device_threads: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")] = 1,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder")] = None,
 ) -> None:
     """Phase III: routed experts label held-out AlpacaEval pairs; agreement with the judge; synthetic set."""
     import torch  # torch: optional heavy dependency, imported on use

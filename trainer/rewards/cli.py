@@ -17,7 +17,7 @@ import typer
 from dataclasses import replace
 from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 from trainer.report import write_json
-from trainer.out_folder import check_out_option
+from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.results_owner import OWNER_KEY, claim_results
 from trainer.rewards.mor_report import write_eval
 from trainer.rewards.mor_report import write_audit
@@ -28,7 +28,7 @@ OutOpt = Annotated[Path, typer.Option(help="output folder")]
 QuickOpt = Annotated[bool, typer.Option("--quick", help="small preset (<= 5 min on a 2-core CPU)")]
 DataOpt = Annotated[Path, typer.Option(help="shared data folder (alpacaeval/, hh_rlhf_harmless/, routerbench/)")]
 SeedsOpt = Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="number of seeds (default 3)")]
-CacheOpt = Annotated[Optional[Path], typer.Option(help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
+CacheOpt = Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
 ThreadsOpt = Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")]
 
 
