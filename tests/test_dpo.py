@@ -194,3 +194,15 @@ def test_prism_dpo_names_a_diverged_run_and_keeps_no_results_of_the_replaced_tin
     assert ("the policy's log-probabilities are NaN or inf after training: the run diverged (learning_rate=1e+308, "
             "beta=0.1); lower --lr") in err
     assert not (out / "dpo_results.json").exists() and not (out / "dpo_loss.png").exists()
+
+
+def test_a_max_length_that_every_prompt_fills_is_named(task, tmp_path):
+    """TRL drops the pairs whose prompt alone fills max_length; when that was every pair (`prism dpo --tiny
+    --max-length 16` on chat-templated prompts), training ended in torch's 'num_samples should be a positive
+    integer value, but got num_samples=0' traceback."""
+    policy_dir, train, held = task
+    args = DPORunConfig(model=str(policy_dir), max_steps=1, learning_rate=1e-3, batch_size=8, max_length=4)
+    with pytest.raises(AlignmentConfigError, match=r"^every training prompt fills max_length=4 tokens on its own \(TRL "
+                                                   r"drops such pairs\): no pair is left to train on; raise --max-length$"):
+        DPOAlignmentTrainer(args).train(train, held, tmp_path / "run")
+    assert not (tmp_path / "run" / "dpo_results.json").exists()

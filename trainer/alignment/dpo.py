@@ -343,7 +343,8 @@ class DPOAlignmentTrainer:
         AlignmentConfigError
             Bad rows, held-out prompts that also occur in training, or the policy's log-probabilities NaN or
             inf on the held-out pairs (before training: a broken policy; after: a diverged run, e.g. too high a
-            learning rate; nothing is written then).
+            learning rate; nothing is written then), or every training prompt filling ``max_length`` tokens
+            on its own (TRL drops such pairs).
         PolicyUnavailableError
             The policy cannot be loaded.
         """
@@ -383,6 +384,9 @@ class DPOAlignmentTrainer:
             trainer = DPOTrainer(model=policy, ref_model=reference, args=config,
                                  train_dataset=Dataset.from_list(_as_trl_rows(train_rows, a.chat)),
                                  processing_class=tokenizer)
+            if len(trainer.train_dataset) == 0:  # else torch's "num_samples=0" traceback from the sampler
+                raise AlignmentConfigError(f"every training prompt fills max_length={a.max_length} tokens on its own "
+                                           "(TRL drops such pairs): no pair is left to train on; raise --max-length")
             trainer.train()
             losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
             policy = trainer.model
