@@ -192,7 +192,7 @@ def test_prism_dpo_names_a_diverged_run_and_keeps_no_results_of_the_replaced_tin
     err = " ".join(capsys.readouterr().err.replace("│", " ").split())
     assert exit_info.value.code == 2
     assert ("the policy's log-probabilities are NaN or inf after training: the run diverged (learning_rate=1e+308, "
-            "beta=0.1); lower --lr") in err
+            "beta=0.1); lower --lr or --beta") in err
     assert not (out / "dpo_results.json").exists() and not (out / "dpo_loss.png").exists()
 
 

@@ -318,7 +318,7 @@ class DPOAlignmentTrainer:
         pw = sequence_logps(policy, tokenizer, prompts, [r["chosen"] for r in rows], **kw)
         pl = sequence_logps(policy, tokenizer, prompts, [r["rejected"] for r in rows], **kw)
         if not (np.isfinite(pw).all() and np.isfinite(pl).all()):  # else pairwise_accuracy's bare "scores hold NaN"
-            cause = (f"the run diverged (learning_rate={a.learning_rate:g}, beta={a.beta:g}); lower --lr"
+            cause = (f"the run diverged (learning_rate={a.learning_rate:g}, beta={a.beta:g}); lower --lr or --beta"
                      if stage == "after training" else f"the policy {a.model!r} is broken")
             raise AlignmentConfigError(f"the policy's log-probabilities are NaN or inf {stage}: {cause}")
         rw = sequence_logps(reference, tokenizer, prompts, [r["chosen"] for r in rows], **kw)
