@@ -139,6 +139,26 @@ def test_a_backbone_that_is_a_file_or_a_folder_without_config_json_is_named_in_o
                                "folder or a hub id")
 
 
+def test_a_corrupt_segment_cache_file_is_recomputed_and_replaced(tmp_path):
+    """`prism train --cache-dir DIR` with a cut-short or foreign DIR/prism/segments-*.pt ended in torch.load's
+    'UnpicklingError: Weights only load failed' traceback after the data preparation: a cache file that
+    does not load, or holds another shape, is now a cache miss, and the recomputed states replace it."""
+    from trainer.experts.selector import PairSelector, SelectorConfig, build_segment_store
+
+    model = PairSelector(SelectorConfig(), seed=0)
+    args = (["Is water wet?", "Name a colour."], ["Yes, it is.", "Blue."], ["No.", "A colour."])
+    first = build_segment_store(model, *args, cache_dir=tmp_path)
+    (cached,) = tmp_path.glob("segments-*.pt")
+    for content in (b"garbage, not a torch file", None):
+        if content is None:
+            torch.save(torch.zeros(3), cached)  # a tensor of another shape
+        else:
+            cached.write_bytes(content)
+        again = build_segment_store(model, *args, cache_dir=tmp_path)
+        assert torch.equal(again.lower, first.lower)
+        assert torch.equal(torch.load(cached), first.lower)  # replaced by the recomputed states
+
+
 # --- MoR mixtures -----------------------------------------------------------------------------------
 
 

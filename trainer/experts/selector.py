@@ -531,7 +531,8 @@ def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a
 
     With ``cache_dir`` the lower-layer states are also kept on disk (``segments-<sha256>.pt``, keyed by
     the backbone, the pair encoding, the cached depth and every segment's text; atomic write), so a
-    rerun on the same pairs skips the frozen forward.
+    rerun on the same pairs skips the frozen forward. A file there that does not load as a tensor of the
+    expected shape (cut short, foreign) is a cache miss: the states are recomputed and replace it.
 
     Parameters
     ----------
@@ -562,7 +563,13 @@ def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a
             h.update(p.encode() + b"\0" + r.encode() + b"\1")
         disk = Path(cache_dir) / f"segments-{h.hexdigest()[:32]}.pt"
         if disk.exists():
-            lower = torch.load(disk)
+            try:
+                lower = torch.load(disk)
+            except Exception:  # noqa: BLE001 - cut short or foreign (pickle/zip/runtime errors): a cache miss
+                lower = None
+            expected = (len(seg_texts), ids.shape[1], model.hidden_size)
+            if not (isinstance(lower, torch.Tensor) and tuple(lower.shape) == expected):
+                lower = None  # recomputed below and written over the file
     if model.config.cache_lower_layers and lower is None:
         chunks = []
         starts = range(0, len(seg_texts), batch_size)
