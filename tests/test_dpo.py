@@ -206,3 +206,15 @@ def test_a_max_length_that_every_prompt_fills_is_named(task, tmp_path):
                                                    r"drops such pairs\): no pair is left to train on; raise --max-length$"):
         DPOAlignmentTrainer(args).train(train, held, tmp_path / "run")
     assert not (tmp_path / "run" / "dpo_results.json").exists()
+
+
+def test_pairs_dropped_for_their_prompt_length_are_counted(task, tmp_path):
+    """TRL drops the pairs whose prompt alone fills max_length; dpo_results.json still gave n_train as the
+    number of rows passed in, so a run that trained on a few of them read as one on all."""
+    policy_dir, train, held = task
+    long_prompt = "tell me about " + " and ".join(f"the {noun}" for noun in NOUNS) + " in detail"
+    rows = train[:8] + [{**r, "prompt": f"{long_prompt} {i}"} for i, r in enumerate(train[8:12])]
+    args = DPORunConfig(model=str(policy_dir), max_steps=1, learning_rate=1e-3, batch_size=4, max_length=48)
+    result = DPOAlignmentTrainer(args).train(rows, held[:4], tmp_path / "run")
+    saved = json.loads((tmp_path / "run" / "dpo_results.json").read_text())
+    assert (result.n_train, result.n_train_dropped) == (saved["n_train"], saved["n_train_dropped"]) == (8, 4)

@@ -272,7 +272,8 @@ def pairwise_accuracy(score_chosen: np.ndarray, score_rejected: np.ndarray) -> f
 
 @dataclass
 class DPOResult:
-    """What :meth:`DPOAlignmentTrainer.train` measured (also written as ``dpo_results.json``)."""
+    """What :meth:`DPOAlignmentTrainer.train` measured (also written as ``dpo_results.json``). ``n_train`` counts
+    the pairs trained on; ``n_train_dropped`` those TRL dropped because their prompt alone fills ``max_length``."""
 
     loss_per_step: list[float]
     heldout_implicit_reward_accuracy_before: float
@@ -283,6 +284,7 @@ class DPOResult:
     n_train: int
     n_heldout: int
     model_dir: str
+    n_train_dropped: int = 0
 
     @property
     def loss_first(self) -> float:
@@ -384,7 +386,8 @@ class DPOAlignmentTrainer:
             trainer = DPOTrainer(model=policy, ref_model=reference, args=config,
                                  train_dataset=Dataset.from_list(_as_trl_rows(train_rows, a.chat)),
                                  processing_class=tokenizer)
-            if len(trainer.train_dataset) == 0:  # else torch's "num_samples=0" traceback from the sampler
+            n_used = len(trainer.train_dataset)  # TRL drops the pairs whose prompt alone fills max_length
+            if n_used == 0:  # else torch's "num_samples=0" traceback from the sampler
                 raise AlignmentConfigError(f"every training prompt fills max_length={a.max_length} tokens on its own "
                                            "(TRL drops such pairs): no pair is left to train on; raise --max-length")
             trainer.train()
@@ -407,8 +410,8 @@ class DPOAlignmentTrainer:
             heldout_implicit_reward_accuracy_before=before["implicit"],
             heldout_implicit_reward_accuracy_after=after["implicit"],
             heldout_loglik_accuracy_before=before["loglik"], heldout_loglik_accuracy_after=after["loglik"],
-            heldout_mean_margin_after=after["margin"], n_train=len(train_rows), n_heldout=len(heldout_rows),
-            model_dir=str(model_dir),
+            heldout_mean_margin_after=after["margin"], n_train=n_used, n_heldout=len(heldout_rows),
+            model_dir=str(model_dir), n_train_dropped=len(train_rows) - n_used,
         )
         self._write(out, result)
         return result

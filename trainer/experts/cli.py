@@ -207,3 +207,6 @@ def dpo(
     typer.echo(f"DPO loss {result.loss_first:.4f} -> {result.loss_last:.4f} over {len(result.loss_per_step)} steps; "
                f"held-out implicit-reward accuracy vs the judge {result.heldout_implicit_reward_accuracy_before:.3f} -> "
                f"{result.heldout_implicit_reward_accuracy_after:.3f} ({result.n_heldout} pairs); {out / 'dpo_results.json'}")
+    if result.n_train_dropped:
+        typer.echo(f"note: {result.n_train_dropped} of {result.n_train + result.n_train_dropped} training pairs were left "
+                   f"out (their prompt alone fills --max-length {args.max_length} tokens)")
