@@ -225,6 +225,24 @@ def test_a_mixture_part_with_a_nan_weight_is_named(saved_mixture, tmp_path, part
         load_mixture(copy)
 
 
+def test_a_mixture_whose_length_features_do_not_fit_its_router_is_named(saved_mixture, tmp_path):
+    """mixture.json with length_features false beside a router of 2 * 384 + 3 inputs (hand-edited, or parts
+    of two saves) loaded, and `mor grpo` ended in torch's 'mat1 and mat2 shapes cannot be multiplied (16x768
+    and 771x128)' traceback at its first reward, after the tiny policy was built."""
+    from trainer.rewards.mixture import load_mixture
+
+    _, saved = saved_mixture
+    copy = tmp_path / "mixture"
+    shutil.copytree(saved, copy)
+    meta = json.loads((copy / "mixture.json").read_text())
+    meta["length_features"] = False
+    (copy / "mixture.json").write_text(json.dumps(meta))
+    with pytest.raises(InvalidInputError, match=f"^{re.escape(str(copy / 'mixture.json'))}: length_features false "
+                                                r"gives the router 2 \* d_emb inputs \(an even number\), but "
+                                                r"router/router.json has d_in 771; rerun `fedroute mor train`$"):
+        load_mixture(copy)
+
+
 def test_the_saved_mixture_itself_still_loads(saved_mixture):
     from trainer.rewards.mixture import load_mixture
 
