@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from sdk.finite_option import COUNT_MAX
 from export.bundle_writer import check_replaceable, check_version, next_bundle_version
 from export.reward_export import export_reward_bundle
 from export.signing import load_signing_key
 from trainer import kinds
-from trainer.out_folder import check_out_option
+from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.rewards.reward_scorer_kind import FAMILY, NAME
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
@@ -26,9 +27,9 @@ def export_reward(
     out: Annotated[Path, typer.Option(help="bundle directory (created or replaced atomically)")],
     signing_key: Annotated[Path, typer.Option(help="signing.key from `fedroute keygen`")],
     data: DataOpt = Path("../shared/data"),
-    n_parity: Annotated[int, typer.Option(min=1, help="real pairs for the parity check")] = 200,
+    n_parity: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="real pairs for the parity check")] = 200,
     bundle_version: Annotated[Optional[int], typer.Option(min=1, help="default: 1 + the version at OUT")] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder")] = None,
 ) -> None:
     """Export CLIENT's reward model and the client router as a signed reward-scorer bundle (sdk.RewardScorer)."""
     from trainer.data.preferences import load_preference_pairs  # trainer.data.preferences imports pandas: on use only

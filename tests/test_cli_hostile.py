@@ -175,10 +175,10 @@ def test_serve_refuses_a_file_as_bundle_dir(tmp_path):
     (["--ts-lambda", "-1"], "--ts-lambda / --ts-nu: lam must be a finite number > 0, got -1.0"),
     (["--beta", "0"], "--beta must be a finite number > 0, got 0.0"),
     (["--learning-rate", "-1"], "--learning-rate must be a finite number > 0, got -1.0"),
-    (["--steps", "0"], "Invalid value for '--steps': 0 is not in the range x>=1"),
+    (["--steps", "0"], "Invalid value for '--steps': 0 is not in the range 1<=x<=2147483647"),
     (["--device", "bogus"], "device='bogus' should be one of ('cpu', 'cuda')"),
     (["--num-generations", "1"], "num_generations=1 should be an integer >= 2"),
-    (["--seed", "-1"], "Invalid value for '--seed': -1 is not in the range x>=0"),
+    (["--seed", "-1"], "Invalid value for '--seed': -1 is not in the range 0<=x<=4294967295"),
     (["--n-prompts", "3"], "--n-prompts 3 is below --prompts-per-step 4: one optimiser step needs that many prompts, "
                            "so no step would run"),
 ])
@@ -197,7 +197,7 @@ def test_mor_grpo_checks_its_numbers_before_writing_out(tmp_path, args, message)
 
 
 @pytest.mark.parametrize("args, second_prompt, message", [
-    (["--seed", "-1"], '"d"', "Invalid value for '--seed': -1 is not in the range x>=0"),
+    (["--seed", "-1"], '"d"', "Invalid value for '--seed': -1 is not in the range 0<=x<=4294967295"),
     (["--lr", "-1"], '"d"', "DPORunConfig.learning_rate=-1.0 should be a finite number > 0"),
     (["--lr", "0"], '"d"', "DPORunConfig.learning_rate=0.0 should be a finite number > 0"),
     (["--seed", "1"], "null", "train rows: row 0 'prompt' should be a non-empty string, got nan"),
@@ -456,7 +456,7 @@ def test_mor_export_refuses_counts_below_one_while_parsing(tmp_path, option):
     result = CliRunner().invoke(app, ["mor", "export", "--mixture", str(tmp_path), "--client", "c", "--out",
                                       str(tmp_path / "b"), "--signing-key", str(tmp_path / "k"), option, "-3"],
                                 env={"COLUMNS": "500"})
-    assert result.exit_code == 2 and f"Invalid value for '{option}': -3 is not in the range x>=1" in flat(result.output)
+    assert result.exit_code == 2 and f"Invalid value for '{option}': -3 is not in the range" in flat(result.output)
     assert not (tmp_path / "b").exists()
 
 
@@ -845,7 +845,7 @@ def test_mor_train_refuses_a_negative_seed_while_parsing(tmp_path):
     """--seed -1 was refused by the split only after the preference data was read."""
     result = CliRunner().invoke(app, ["mor", "train", "--quick", "--seed", "-1", "--out", str(tmp_path / "mix"),
                                       "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
-    assert result.exit_code == 2 and "Invalid value for '--seed': -1 is not in the range x>=0" in flat(result.output)
+    assert result.exit_code == 2 and "Invalid value for '--seed': -1 is not in the range 0<=x<=4294967295" in flat(result.output)
     assert not (tmp_path / "mix").exists()
 
 
@@ -912,8 +912,9 @@ def test_routed_grpo_trainer_refuses_fewer_prompts_than_one_step_takes():
 
 def test_a_grpo_rerun_in_the_other_mode_removes_the_earlier_modes_results(tmp_path):
     """`mor grpo --online compare` then `--online on` into one --out left comparison.* and online/, offline/
-    beside the new history.json (and the other way round): results of two runs in one folder."""
-    from trainer.alignment.grpo_cli import clear_other_mode_outputs
+    beside the new history.json (and the other way round): results of two runs in one folder. The results
+    of either kind go (tests/test_trainer_artefacts_hostile.py: a rerun in the same mode), nothing else."""
+    from trainer.alignment.grpo_cli import clear_earlier_results
 
     out = tmp_path / "grpo"
     (out / "online").mkdir(parents=True)
@@ -921,8 +922,99 @@ def test_a_grpo_rerun_in_the_other_mode_removes_the_earlier_modes_results(tmp_pa
     (out / "offline").mkdir()
     for name in ("comparison.json", "comparison.md", "comparison.png", "history.json", "grpo.png", "notes.txt"):
         (out / name).write_text("old")
-    assert clear_other_mode_outputs(out, "on") == ["comparison.json", "comparison.md", "comparison.png", "online", "offline"]
-    assert sorted(p.name for p in out.iterdir()) == ["grpo.png", "history.json", "notes.txt"]
-    assert clear_other_mode_outputs(out, "compare") == ["history.json", "grpo.png"]
+    assert clear_earlier_results(out) == ["history.json", "grpo.png", "comparison.json", "comparison.md",
+                                          "comparison.png", "online", "offline"]
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
-    assert clear_other_mode_outputs(out, "off") == []
+    assert clear_earlier_results(out) == []
+
+
+#: The trainer's commands whose integer options are bounded (the operator and device commands are not
+#: covered here). --bundle-version has its own bound (2**63 - 1, what the SDK loads) in export.bundle_writer.
+TRAINER_COMMANDS = ("simulate", "ablate", "export", "mor", "prism")
+
+
+def int_options() -> list:
+    """A test case per integer option of the trainer's commands (:data:`TRAINER_COMMANDS`)."""
+    cases = []
+
+    def walk(command: click.Command, path: list[str]) -> None:
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                if path or name in TRAINER_COMMANDS:
+                    walk(sub, [*path, name])
+            return
+        for param in command.params:
+            if isinstance(param.type, click.types.IntParamType) and param.opts[0] != "--bundle-version":
+                cases.append(pytest.param(path, param.opts[0], id=" ".join([*path, param.opts[0]])))
+
+    walk(get_command(app), [])
+    return cases
+
+
+INT_OPTIONS = int_options()
+
+
+def test_the_int_option_walk_finds_the_trainer_commands_options():
+    ids = {c.id for c in INT_OPTIONS}
+    assert {"simulate --seeds", "prism train --seeds", "prism train --device-threads", "prism dpo --batch-size",
+            "prism dpo --seed", "mor train --seed", "mor train --threads", "mor eval --seeds", "mor grpo --seed",
+            "mor grpo --num-generations", "mor export --n-parity", "export --parity-pairs"} <= ids
+    assert not any(i.startswith(("serve", "rounds", "sync")) for i in ids)
+
+
+@pytest.mark.parametrize("path, option", INT_OPTIONS)
+def test_every_int_option_of_the_trainer_refuses_a_value_out_of_range_while_parsing(tmp_path, monkeypatch, path, option):
+    """Integer options had a lower bound only: --seeds 99999999999999999999 ended `prism train` in an
+    OverflowError traceback after the data were prepared, --device-threads / --threads and `mor train
+    --seed` in 'Overflow when unpacking long long' (torch), `prism dpo --batch-size` in islice's
+    ValueError after the tiny policy was built, and a --seed above 2**32 - 1 reached TRL's set_seed
+    (numpy refuses it). Each is now bounded while the line is parsed: exit 2, one line naming it."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, [*path, option, str(2**63)], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert f"Invalid value for '{option}': {2**63} is not in the range" in flat(result.output)
+    assert list(tmp_path.iterdir()) == []
+
+
+def cache_options() -> list:
+    """A test case per embedding-cache folder option of every ``fedroute`` command."""
+    cases = []
+
+    def walk(command: click.Command, path: list[str]) -> None:
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+            return
+        for param in command.params:
+            if param.opts[0] in ("--cache-dir", "--cache"):
+                cases.append(pytest.param(path, param.opts[0], id=" ".join([*path, param.opts[0]])))
+
+    walk(get_command(app), [])
+    return cases
+
+
+CACHE_OPTIONS = cache_options()
+
+
+def test_the_cache_option_walk_finds_the_commands_options():
+    ids = {c.id for c in CACHE_OPTIONS}
+    assert {"simulate --cache-dir", "export --cache-dir", "mor train --cache", "mor eval --cache", "mor grpo --cache-dir",
+            "mor export --cache-dir", "prism train --cache-dir", "prism label --cache-dir"} <= ids
+
+
+@pytest.mark.parametrize("path, option", CACHE_OPTIONS)
+@pytest.mark.parametrize("where", ["file", "under a file"])
+def test_every_cache_option_refuses_a_folder_it_cannot_write_while_parsing(tmp_path, monkeypatch, path, option, where):
+    """--cache-dir naming a file (or a path under one) ended in a FileExistsError traceback when the
+    embeddings were first cached: after the data were prepared (`prism train`, `mor eval`), after the run's
+    pairs were read and segment-encoded (`prism label`, 25 s) or after the mixture was loaded (`mor grpo`).
+    The option is checked while the line is parsed: exit 2, one line naming it, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a folder")
+    cache = tmp_path / "notes.txt" if where == "file" else tmp_path / "notes.txt" / "cache"
+    result = CliRunner().invoke(app, [*path, option, str(cache)], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    message = (f"cache folder {cache} exists and is not a folder" if where == "file" else
+               f"cache folder {cache}: {tmp_path / 'notes.txt'} is a file, not a folder, so {cache} cannot be written")
+    assert f"Invalid value for '{option}': {message}" in flat(result.output)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]

@@ -168,3 +168,53 @@ def test_prism_dpo_command_on_a_synthetic_set(tmp_path):
     assert (out / "tiny_policy" / "config.json").exists() and (out / "model" / "config.json").exists()
     bad = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(prefs), "--out", str(out)])
     assert bad.exit_code != 0 and "exactly one of --policy" in bad.output
+
+
+def test_prism_dpo_names_a_diverged_run_and_keeps_no_results_of_the_replaced_tiny_policy(tmp_path, monkeypatch, capsys):
+    """`prism dpo --tiny --lr 1e308` ended in 'Invalid value: scores hold NaN or inf', naming neither the
+    policy's divergence nor the learning rate; and a --tiny rerun into an earlier run's --out rebuilt
+    tiny_policy/ (the reference the earlier dpo_results.json was measured against) before it failed or was
+    stopped, leaving that dpo_results.json beside another reference policy."""
+    from trainer.cli import main
+
+    rows = make_rows(NOUNS[:8], 12, seed=4)
+    prefs = tmp_path / "synthetic_preferences.jsonl"
+    prefs.write_text("".join(json.dumps({**r, "prompt_id": f"p{i}"}) + "\n" for i, r in enumerate(rows)))
+    out = tmp_path / "dpo"
+    out.mkdir()
+    for name in ("dpo_results.json", "dpo_loss.png"):
+        (out / name).write_text('{"earlier": true}')
+    monkeypatch.setattr("sys.argv", ["fedroute", "prism", "dpo", "--prefs", str(prefs), "--tiny", "--steps", "1",
+                                     "--lr", "1e308", "--out", str(out)])
+    monkeypatch.setenv("COLUMNS", "500")
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert exit_info.value.code == 2
+    assert ("the policy's log-probabilities are NaN or inf after training: the run diverged (learning_rate=1e+308, "
+            "beta=0.1); lower --lr or --beta") in err
+    assert not (out / "dpo_results.json").exists() and not (out / "dpo_loss.png").exists()
+
+
+def test_a_max_length_that_every_prompt_fills_is_named(task, tmp_path):
+    """TRL drops the pairs whose prompt alone fills max_length; when that was every pair (`prism dpo --tiny
+    --max-length 16` on chat-templated prompts), training ended in torch's 'num_samples should be a positive
+    integer value, but got num_samples=0' traceback."""
+    policy_dir, train, held = task
+    args = DPORunConfig(model=str(policy_dir), max_steps=1, learning_rate=1e-3, batch_size=8, max_length=4)
+    with pytest.raises(AlignmentConfigError, match=r"^every training prompt fills max_length=4 tokens on its own \(TRL "
+                                                   r"drops such pairs\): no pair is left to train on; raise --max-length$"):
+        DPOAlignmentTrainer(args).train(train, held, tmp_path / "run")
+    assert not (tmp_path / "run" / "dpo_results.json").exists()
+
+
+def test_pairs_dropped_for_their_prompt_length_are_counted(task, tmp_path):
+    """TRL drops the pairs whose prompt alone fills max_length; dpo_results.json still gave n_train as the
+    number of rows passed in, so a run that trained on a few of them read as one on all."""
+    policy_dir, train, held = task
+    long_prompt = "tell me about " + " and ".join(f"the {noun}" for noun in NOUNS) + " in detail"
+    rows = train[:8] + [{**r, "prompt": f"{long_prompt} {i}"} for i, r in enumerate(train[8:12])]
+    args = DPORunConfig(model=str(policy_dir), max_steps=1, learning_rate=1e-3, batch_size=4, max_length=48)
+    result = DPOAlignmentTrainer(args).train(rows, held[:4], tmp_path / "run")
+    saved = json.loads((tmp_path / "run" / "dpo_results.json").read_text())
+    assert (result.n_train, result.n_train_dropped) == (saved["n_train"], saved["n_train_dropped"]) == (8, 4)

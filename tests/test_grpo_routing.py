@@ -126,3 +126,20 @@ def test_rolling_mean_is_the_trailing_window_mean():
 
     np.testing.assert_allclose(rolling_mean(np.array([1.0, 2.0, 3.0, 4.0]), 2), [1.0, 1.5, 2.5, 3.5])
     np.testing.assert_allclose(rolling_mean(np.array([4.0, 0.0, 2.0]), 10), [4.0, 2.0, 2.0])
+
+
+def test_a_policy_that_diverges_is_named_not_a_torch_traceback(tiny_policy, encoder, tmp_path):
+    """`mor grpo --learning-rate 1e308` (3 steps) ended in torch's 'RuntimeError: probability tensor contains
+    either `inf`, `nan` or element < 0' traceback from generate(): the policy's weights were NaN after a step."""
+    torch.manual_seed(0)
+    router = nn.Sequential(nn.Linear(768, 32), nn.Tanh(), nn.Linear(32, 2))
+    thompson = ThompsonConfig(enabled=True, seed=0)
+    reward = RoutedGRPOReward(encoder, CLIENTS, NeuralThompsonRouting(router, thompson))
+    config = RoutedGRPOConfig(model=str(tiny_policy), output_dir=tmp_path / "run", learning_rate=1e308, beta=0.04,
+                              max_steps=3, max_completion_length=8, num_generations=4, prompts_per_step=4,
+                              thompson=thompson, seed=0)
+    with pytest.raises(AlignmentConfigError, match=r"^the policy diverged during GRPO \(its next-token probabilities "
+                                                   r"are NaN or inf\); learning_rate=1e\+308, beta=0\.04: lower "
+                                                   r"--learning-rate$"):
+        RoutedGRPOTrainer(config, reward, PROMPTS).train()
+    assert not (tmp_path / "run" / "history.json").exists()

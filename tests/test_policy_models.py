@@ -86,3 +86,36 @@ def test_bad_inputs(tmp_path, tiny_minilm):
     with pytest.raises(InvalidInputError, match="no non-empty"):
         build_offline_tokenizer(["  "])
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("kind", ["folder without config.json", "file"])
+def test_a_file_or_a_folder_without_config_json_is_named_in_one_short_line(tmp_path, kind):
+    """`prism dpo --policy` / `mor grpo --model` given a folder of weights without config.json answered with
+    transformers' 'Unrecognized model ... Should have a `model_type` key in its config.json, or contain one of
+    the following strings in its name:' and ~400 model names (4.8 kB on one line); given a file, with 'Repo id
+    must be in the form 'repo_name' or 'namespace/repo_name''."""
+    path = tmp_path / "policy"
+    if kind == "file":
+        path.write_bytes(b"not a model")
+        expected = "a file, not a model folder"
+    else:
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"x")
+        expected = "a folder without config.json, not a model saved with save_pretrained"
+    with pytest.raises(PolicyUnavailableError) as info:
+        load_policy(path)
+    assert str(info.value) == f"cannot load a causal LM from '{path}': {expected}; give such a folder or a hub id"
+
+
+def test_an_encoder_such_as_minilm_is_refused_as_a_policy_naming_its_type():
+    """`prism dpo --policy` / `mor grpo --model` given the MiniLM sentence encoder loaded it as a
+    BertLMHeadModel (randomly initialised head, a warning) and refused it only for its tokenizer ('has no
+    eos_token; set one before training a causal LM'): an encoder with an EOS token (RoBERTa) went on to
+    train as if it were a causal LM."""
+    from trainer.embedder_paths import resolve_model_path
+
+    path = resolve_model_path("all-MiniLM-L6-v2")
+    with pytest.raises(PolicyUnavailableError) as info:
+        load_policy(path)
+    assert str(info.value) == (f"cannot load a causal LM from {path!r}: a bert encoder (config.json: is_decoder "
+                               "false), not a causal LM; give a decoder-only model such as Llama, Qwen2 or GPT-2")

@@ -117,6 +117,48 @@ def test_an_expert_with_a_nan_tensor_is_refused_naming_the_file_and_tensor(saved
         load_trained_selector(cut)
 
 
+@pytest.mark.parametrize("kind", ["folder without config.json", "file"])
+def test_a_backbone_that_is_a_file_or_a_folder_without_config_json_is_named_in_one_short_line(tmp_path, kind):
+    """`prism train --backbone` given a folder of weights without config.json answered with transformers'
+    'Unrecognized model ... or contain one of the following strings in its name:' and ~400 model names
+    (4.8 kB on one line); given a file, with 'the config file ... is not a valid JSON file'."""
+    from trainer.data.errors import DataUnavailableError
+    from trainer.experts.selector import SelectorConfig, selector_for_backbone
+
+    path = tmp_path / "backbone"
+    if kind == "file":
+        path.write_text("{}")
+        expected = "a file, not a model folder"
+    else:
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"x")
+        expected = "a folder without config.json, not a model saved with save_pretrained"
+    with pytest.raises(DataUnavailableError) as info:
+        selector_for_backbone(SelectorConfig(), str(path))
+    assert str(info.value) == (f"cannot load the selector backbone '{path}' ('{path}'): {expected}; give such a "
+                               "folder or a hub id")
+
+
+def test_a_corrupt_segment_cache_file_is_recomputed_and_replaced(tmp_path):
+    """`prism train --cache-dir DIR` with a cut-short or foreign DIR/prism/segments-*.pt ended in torch.load's
+    'UnpicklingError: Weights only load failed' traceback after the data preparation: a cache file that
+    does not load, or holds another shape, is now a cache miss, and the recomputed states replace it."""
+    from trainer.experts.selector import PairSelector, SelectorConfig, build_segment_store
+
+    model = PairSelector(SelectorConfig(), seed=0)
+    args = (["Is water wet?", "Name a colour."], ["Yes, it is.", "Blue."], ["No.", "A colour."])
+    first = build_segment_store(model, *args, cache_dir=tmp_path)
+    (cached,) = tmp_path.glob("segments-*.pt")
+    for content in (b"garbage, not a torch file", None):
+        if content is None:
+            torch.save(torch.zeros(3), cached)  # a tensor of another shape
+        else:
+            cached.write_bytes(content)
+        again = build_segment_store(model, *args, cache_dir=tmp_path)
+        assert torch.equal(again.lower, first.lower)
+        assert torch.equal(torch.load(cached), first.lower)  # replaced by the recomputed states
+
+
 # --- MoR mixtures -----------------------------------------------------------------------------------
 
 
@@ -205,6 +247,24 @@ def test_a_tensor_of_another_shape_is_named_with_its_folder(saved_mixture, tmp_p
     assert message.endswith("rerun `fedroute mor train`"), message
 
 
+def test_a_mixture_whose_length_features_do_not_fit_its_router_is_named(saved_mixture, tmp_path):
+    """mixture.json with length_features false beside a router of 2 * 384 + 3 inputs (hand-edited, or parts
+    of two saves) loaded, and `mor grpo` ended in torch's 'mat1 and mat2 shapes cannot be multiplied (16x768
+    and 771x128)' traceback at its first reward, after the tiny policy was built."""
+    from trainer.rewards.mixture import load_mixture
+
+    _, saved = saved_mixture
+    copy = tmp_path / "mixture"
+    shutil.copytree(saved, copy)
+    meta = json.loads((copy / "mixture.json").read_text())
+    meta["length_features"] = False
+    (copy / "mixture.json").write_text(json.dumps(meta))
+    with pytest.raises(InvalidInputError, match=f"^{re.escape(str(copy / 'mixture.json'))}: length_features false "
+                                                r"gives the router 2 \* d_emb inputs \(an even number\), but "
+                                                r"router/router.json has d_in 771; rerun `fedroute mor train`$"):
+        load_mixture(copy)
+
+
 def test_the_saved_mixture_itself_still_loads(saved_mixture):
     from trainer.rewards.mixture import load_mixture
 
@@ -225,6 +285,34 @@ def test_reward_export_refuses_parity_texts_that_are_not_str_before_any_export(s
         export_reward_bundle(mixture, "harmless", tmp_path / "bundle", signing_keys[0], ["p", "q"], ["r", None],
                              progress=lambda _: None)
     assert not (tmp_path / "bundle").exists()
+
+
+def test_a_grpo_rerun_leaves_no_earlier_results_beside_its_own_settings(saved_mixture, shared_data, tmp_path,
+                                                                       monkeypatch, capsys):
+    """`mor grpo` into the --out of an earlier run removed only the *other* mode's results: a rerun in the same
+    mode wrote the new grpo_config.json (and rebuilt tiny_policy/), and when it stopped before its results
+    (Ctrl-C, or here a policy that does not load) the earlier run's history.json, grpo.png and online/history.json
+    stayed beside them, read as this run's. The earlier results go before the new run writes anything."""
+    from trainer.cli import main
+
+    _, saved = saved_mixture
+    out = tmp_path / "grpo"
+    (out / "online").mkdir(parents=True)
+    (out / "online" / "history.json").write_text('{"earlier": true}')
+    for name in ("history.json", "grpo.png", "comparison.json", "grpo_config.json"):
+        (out / name).write_text('{"earlier": true}')
+    policy = tmp_path / "not_a_model"
+    policy.mkdir()
+    (policy / "weights.bin").write_bytes(b"x")
+    monkeypatch.setattr("sys.argv", ["fedroute", "mor", "grpo", "--mixture", str(saved), "--out", str(out),
+                                     "--online", "on", "--model", str(policy), "--n-prompts", "4", "--steps", "1",
+                                     "--data", str(shared_data)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(f"error: cannot load a causal LM from '{policy}'")
+    assert json.loads((out / "grpo_config.json").read_text())["model"] == str(policy)  # this run's settings
+    assert sorted(p.name for p in out.iterdir()) == ["grpo_config.json"]  # and no earlier run's results
 
 
 # --- bundles of one family at another's path ---------------------------------------------------------

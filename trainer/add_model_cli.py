@@ -16,7 +16,7 @@ import typer
 
 from sdk.errors import InvalidInputError
 from sdk.finite_option import finite_option
-from trainer.out_folder import check_out_folder
+from trainer.out_folder import cache_folder_option, check_out_folder
 
 __all__ = ["add_model_to_router", "add_model_command"]
 
@@ -87,7 +87,7 @@ def add_model_command(
     out: Annotated[Path, typer.Option(help="folder for the wider router (not the --router folder)")],
     price: Annotated[Optional[float], typer.Option(callback=finite_option, help="the new model's price, USD per query (default: the mean "
                                                         "cost_usd of the calibration rows)")] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder (default $FEDROUTE_CACHE or "
+    cache_dir: Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder (default $FEDROUTE_CACHE or "
                                                            "~/.cache/fedroute)")] = None,
 ) -> None:
     """Add a new model to a trained router without retraining (MLP: a new head, trunk and old heads frozen;

@@ -15,13 +15,13 @@ import typer
 
 from sdk.console import run_app
 from sdk.errors import InvalidInputError
-from sdk.finite_option import finite_option
+from sdk.finite_option import COUNT_MAX, finite_option
 from export.bundle_writer import check_replaceable, check_version
 from export.embedder_onnx import QUANTISED_PRECISIONS
 from export.selector_export import export_selector_bundle, parity_pairs_for
 from export.errors import ParityError
 from export.signing import load_signing_key
-from trainer.out_folder import check_out_folder
+from trainer.out_folder import cache_folder_option, check_out_folder
 from trainer.results_owner import claim_results
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
@@ -72,12 +72,12 @@ DataOpt = Annotated[Optional[Path], typer.Option(help="folder with train.parquet
 TrainOpt = Annotated[Optional[Path], typer.Option(help="train log file (.parquet/.csv, same schema); overrides --data")]
 TestOpt = Annotated[Optional[Path], typer.Option(help="test file scored by the run (.parquet/.csv, same schema)")]
 OutOpt = Annotated[Path, typer.Option(help="output folder")]
-SeedsOpt = Annotated[int, typer.Option(min=1, help="number of seeds (0..K-1)")]
+SeedsOpt = Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="number of seeds (0..K-1)")]
 RoutersOpt = Annotated[str, typer.Option(help="comma-separated router kinds: mlp,kmeans")]
 EmbedderOpt = Annotated[str, typer.Option(help="embedder: local path, 'all-MiniLM-L6-v2' or a hub id; "
                                          "'static:<model2vec folder or sentence-transformer>' for a static table (docs/static_embedder.md)")]
-CacheOpt = Annotated[Optional[Path], typer.Option(help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
-MaxTokensOpt = Annotated[int, typer.Option(min=8, help="tokens the embedder reads (from the end of the prompt)")]
+CacheOpt = Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
+MaxTokensOpt = Annotated[int, typer.Option(min=8, max=COUNT_MAX, help="tokens the embedder reads (from the end of the prompt)")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device for embedding and MLP training: cpu, cuda, cuda:1")]
 
 
@@ -109,7 +109,7 @@ def simulate(
     test: TestOpt = None,
     out: OutOpt = Path("results"),
     seeds: SeedsOpt = 5,
-    n_clients: Annotated[int, typer.Option(min=1, help="N, number of clients")] = 10,
+    n_clients: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="N, number of clients")] = 10,
     alpha: Annotated[float, typer.Option(callback=finite_option, min=1e-6, help="Dirichlet concentration of the task split")] = 0.6,
     routers: RoutersOpt = "mlp,kmeans",
     embedder: EmbedderOpt = "all-MiniLM-L6-v2",
@@ -257,7 +257,7 @@ def export_cmd(
     data: Annotated[Optional[Path], typer.Option(help="RouterBench folder or test file for parity checks (default: the one recorded at training); with --selector the shared data folder (default ../shared/data)")] = None,
     prices: Annotated[Optional[Path], typer.Option(help="JSON {model: {input: USD per 1k tokens, output: ...}} for the price table")] = None,
     bundle_version: Annotated[Optional[int], typer.Option(min=1, help="default: previous version at --out + 1")] = None,
-    parity_pairs: Annotated[Optional[int], typer.Option(min=1, help="--selector: real held-out pairs for the parity check (default 200)")] = None,
+    parity_pairs: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="--selector: real held-out pairs for the parity check (default 200)")] = None,
     prior_domain: Annotated[Optional[str], typer.Option(help="--selector of a length_prior='domain' run: the domain whose length prior is folded in")] = None,
     cache_dir: CacheOpt = None,
 ) -> None:

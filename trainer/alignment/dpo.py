@@ -272,7 +272,8 @@ def pairwise_accuracy(score_chosen: np.ndarray, score_rejected: np.ndarray) -> f
 
 @dataclass
 class DPOResult:
-    """What :meth:`DPOAlignmentTrainer.train` measured (also written as ``dpo_results.json``)."""
+    """What :meth:`DPOAlignmentTrainer.train` measured (also written as ``dpo_results.json``). ``n_train`` counts
+    the pairs trained on; ``n_train_dropped`` those TRL dropped because their prompt alone fills ``max_length``."""
 
     loss_per_step: list[float]
     heldout_implicit_reward_accuracy_before: float
@@ -283,6 +284,7 @@ class DPOResult:
     n_train: int
     n_heldout: int
     model_dir: str
+    n_train_dropped: int = 0
 
     @property
     def loss_first(self) -> float:
@@ -309,12 +311,18 @@ class DPOAlignmentTrainer:
     def __init__(self, args: DPORunConfig) -> None:
         self.args = args
 
-    def _score(self, policy, reference, tokenizer, rows):
+    def _score(self, policy, reference, tokenizer, rows, stage: str):
+        """Held-out accuracies of ``policy`` against ``reference``; ``stage`` ("before training" / "after
+        training") names when, should the policy's log-probabilities be NaN or inf (AlignmentConfigError)."""
         a = self.args
         prompts = [r["prompt"] for r in rows]
         kw = dict(chat=a.chat, max_length=a.max_length, batch_size=a.eval_batch_size)
         pw = sequence_logps(policy, tokenizer, prompts, [r["chosen"] for r in rows], **kw)
         pl = sequence_logps(policy, tokenizer, prompts, [r["rejected"] for r in rows], **kw)
+        if not (np.isfinite(pw).all() and np.isfinite(pl).all()):  # else pairwise_accuracy's bare "scores hold NaN"
+            cause = (f"the run diverged (learning_rate={a.learning_rate:g}, beta={a.beta:g}); lower --lr or --beta"
+                     if stage == "after training" else f"the policy {a.model!r} is broken")
+            raise AlignmentConfigError(f"the policy's log-probabilities are NaN or inf {stage}: {cause}")
         rw = sequence_logps(reference, tokenizer, prompts, [r["chosen"] for r in rows], **kw)
         rl = sequence_logps(reference, tokenizer, prompts, [r["rejected"] for r in rows], **kw)
         reward_w, reward_l = a.beta * (pw - rw), a.beta * (pl - rl)
@@ -335,7 +343,10 @@ class DPOAlignmentTrainer:
         Raises
         ------
         AlignmentConfigError
-            Bad rows, or held-out prompts that also occur in training.
+            Bad rows, held-out prompts that also occur in training, or the policy's log-probabilities NaN or
+            inf on the held-out pairs (before training: a broken policy; after: a diverged run, e.g. too high a
+            learning rate; nothing is written then), or every training prompt filling ``max_length`` tokens
+            on its own (TRL drops such pairs).
         PolicyUnavailableError
             The policy cannot be loaded.
         """
@@ -361,7 +372,7 @@ class DPOAlignmentTrainer:
             policy, tokenizer = load_policy(a.model, device=a.device, dtype="float32")
             reference, _ = load_policy(a.model, device=a.device, dtype="float32")
             reference.requires_grad_(False)
-            before = self._score(policy, reference, tokenizer, heldout_rows)
+            before = self._score(policy, reference, tokenizer, heldout_rows, "before training")
 
             config = DPOConfig(
                 output_dir=str(out / "checkpoints"), beta=a.beta, learning_rate=a.learning_rate,
@@ -375,10 +386,14 @@ class DPOAlignmentTrainer:
             trainer = DPOTrainer(model=policy, ref_model=reference, args=config,
                                  train_dataset=Dataset.from_list(_as_trl_rows(train_rows, a.chat)),
                                  processing_class=tokenizer)
+            n_used = len(trainer.train_dataset)  # TRL drops the pairs whose prompt alone fills max_length
+            if n_used == 0:  # else torch's "num_samples=0" traceback from the sampler
+                raise AlignmentConfigError(f"every training prompt fills max_length={a.max_length} tokens on its own "
+                                           "(TRL drops such pairs): no pair is left to train on; raise --max-length")
             trainer.train()
             losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
             policy = trainer.model
-            after = self._score(policy, reference, tokenizer, heldout_rows)
+            after = self._score(policy, reference, tokenizer, heldout_rows, "after training")
             # Saved whole beside the target, then swapped in: a run killed while saving over an earlier
             # run leaves the earlier model/ (and its dpo_results.json) as they were, never a mix.
             model_dir, staged = out / "model", out / ".model.partial"
@@ -395,8 +410,8 @@ class DPOAlignmentTrainer:
             heldout_implicit_reward_accuracy_before=before["implicit"],
             heldout_implicit_reward_accuracy_after=after["implicit"],
             heldout_loglik_accuracy_before=before["loglik"], heldout_loglik_accuracy_after=after["loglik"],
-            heldout_mean_margin_after=after["margin"], n_train=len(train_rows), n_heldout=len(heldout_rows),
-            model_dir=str(model_dir),
+            heldout_mean_margin_after=after["margin"], n_train=n_used, n_heldout=len(heldout_rows),
+            model_dir=str(model_dir), n_train_dropped=len(train_rows) - n_used,
         )
         self._write(out, result)
         return result

@@ -418,6 +418,14 @@ class RoutedGRPOTrainer:
         Returns
         -------
         GRPOResult
+
+        Raises
+        ------
+        AlignmentConfigError
+            The policy diverged (NaN or inf next-token probabilities in generation, e.g. too high a learning
+            rate); nothing is written then.
+        PolicyUnavailableError
+            ``config.model`` cannot be loaded.
         """
         import torch  # torch: optional heavy dependency, imported on use
         from datasets import Dataset  # datasets: optional heavy dependency, imported on use
@@ -439,7 +447,14 @@ class RoutedGRPOTrainer:
                               train_dataset=Dataset.from_dict({"prompt": self.prompts}),
                               processing_class=tokenizer, callbacks=[callback])
         trainer.remove_callback(PrinterCallback)  # one progress display: the callback's bar and lines
-        trainer.train()
+        try:
+            trainer.train()
+        except RuntimeError as exc:  # torch.multinomial in generate(), once a step left NaN weights
+            if "probability tensor contains" not in str(exc):
+                raise
+            raise AlignmentConfigError(f"the policy diverged during GRPO (its next-token probabilities are NaN or inf); "
+                                       f"learning_rate={cfg.learning_rate:g}, beta={cfg.beta:g}: lower --learning-rate"
+                                       ) from exc
         summary = summarise(callback.history, self.reward.n_queries_, cfg.thompson.enabled)
         if self.reward.calls_:
             probe = np.concatenate([c for c in self.reward.probe_contexts_])

@@ -11,10 +11,10 @@ from typing import Annotated, Optional
 import typer
 import numpy as np
 from sdk.errors import InvalidInputError
-from sdk.finite_option import finite_option
+from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
-from trainer.out_folder import check_out_option
+from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.torch_device import check_torch_device
 
 #: What each kind of run writes into --out: one run (``--online on|off``) or the comparison (``--online compare``).
@@ -22,13 +22,15 @@ MODE_OUTPUTS = {"single": ("history.json", "grpo.png"),
                 "compare": ("comparison.json", "comparison.md", "comparison.png", "online", "offline")}
 
 
-def clear_other_mode_outputs(out: Path, online: str) -> list[str]:
-    """Remove from ``out`` what the *other* kind of run wrote there (:data:`MODE_OUTPUTS`), so that a
-    rerun with another ``--online`` does not leave an older run's results beside the new ones; returns
-    the names removed. Only those names are touched (files, or the comparison's run folders)."""
-    other = MODE_OUTPUTS["single" if online == "compare" else "compare"]
+def clear_earlier_results(out: Path) -> list[str]:
+    """Remove from ``out`` the results an earlier run wrote there, of either kind (:data:`MODE_OUTPUTS`);
+    returns the names removed. Called before the run writes anything (its ``grpo_config.json``,
+    ``tiny_policy/``): a rerun that stops before its own results (Ctrl-C, a policy that does not load) then
+    leaves no earlier ``history.json`` or ``comparison.*`` that reads as this run's, and a rerun with another
+    ``--online`` leaves no results of the other kind beside its own. Only those names are touched (files, or
+    the comparison's run folders)."""
     removed = []
-    for name in other:
+    for name in (*MODE_OUTPUTS["single"], *MODE_OUTPUTS["compare"]):
         path = out / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -89,11 +91,11 @@ def grpo(
     model: Annotated[Optional[str], typer.Option(help="policy causal LM: local path or hub id; default: a tiny random "
                                                       "2-layer Llama built offline into OUT/tiny_policy")] = None,
     data: DataOpt = Path("../shared/data"),
-    steps: Annotated[Optional[int], typer.Option(min=1, help="GRPO optimiser steps (default 60; 20 with --quick)")] = None,
-    n_prompts: Annotated[Optional[int], typer.Option(min=1, help="public prompts to train on (default 256; 64 with --quick)")] = None,
-    num_generations: Annotated[int, typer.Option(min=1, help="completions per prompt (group size M)")] = 4,
-    prompts_per_step: Annotated[int, typer.Option(min=1, help="prompts per optimiser step")] = 4,
-    max_completion_length: Annotated[Optional[int], typer.Option(min=1, help="tokens generated per completion (default 32; 16 with --quick)")] = None,
+    steps: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="GRPO optimiser steps (default 60; 20 with --quick)")] = None,
+    n_prompts: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="public prompts to train on (default 256; 64 with --quick)")] = None,
+    num_generations: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="completions per prompt (group size M)")] = 4,
+    prompts_per_step: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="prompts per optimiser step")] = 4,
+    max_completion_length: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="tokens generated per completion (default 32; 16 with --quick)")] = None,
     learning_rate: Annotated[float, typer.Option(callback=finite_option, help="policy learning rate (1e-2 suits the tiny random policy; "
                                                       "use ~1e-6 for a real instruct model)")] = 1e-2,
     beta: Annotated[float, typer.Option(callback=finite_option, help="KL coefficient to the reference policy (> 0)")] = 0.04,
@@ -103,8 +105,8 @@ def grpo(
     device: Annotated[str, typer.Option(help="cpu (float32, 1 thread) or cuda (bfloat16)")] = "cpu",
     quick: Annotated[bool, typer.Option("--quick", help="20 steps, 64 prompts, 16 tokens (a few minutes on CPU); "
                                                          "--steps, --n-prompts and --max-completion-length given on the line win")] = False,
-    seed: Annotated[int, typer.Option(min=0)] = 0,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
+    seed: Annotated[int, typer.Option(min=0, max=SEED_MAX)] = 0,
+    cache_dir: Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder")] = None,
 ) -> None:
     """GRPO (TRL) on the routed reward of a MoR mixture, with online routing by neural Thompson sampling."""
     from trainer.alignment.grpo import DEVICES, RoutedGRPOConfig, RoutedGRPOTrainer, compare_online, from_mixture  # trainer.alignment.grpo imports torch: on use only
@@ -144,7 +146,7 @@ def grpo(
     typer.echo(f"routing rule (saved with the mixture): {mix.rule.variant}")
     prompts = public_prompts(data, n_prompts, seed)
     out.mkdir(parents=True, exist_ok=True)
-    clear_other_mode_outputs(out, online)
+    clear_earlier_results(out)  # before this run writes anything
     if model is None:
         build_tiny_causal_lm(out / "tiny_policy", train_texts=prompts, vocab_size=512, seed=seed, overwrite=True)
         typer.echo(f"policy: a tiny random 2-layer Llama with a BPE tokenizer trained on the prompts -> {config.model}")

@@ -30,6 +30,7 @@ from pathlib import Path
 from sdk.errors import InvalidInputError
 from trainer.alignment.errors import PolicyUnavailableError
 from trainer.embeddings import resolve_model_path
+from trainer.embedder_paths import local_model_problem
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 #: Rendered as ``<role>: <content><eos>`` per message, then ``assistant:`` when a generation prompt is
@@ -107,7 +108,9 @@ def load_policy(path_or_id: str | os.PathLike[str], *, device: str = "cpu", dtyp
     Raises
     ------
     PolicyUnavailableError
-        The path does not exist and the hub id cannot be resolved, or the files are not a causal LM.
+        The path does not exist and the hub id cannot be resolved, the path is a file or a folder without
+        ``config.json``, the model is an encoder (BERT, RoBERTa, ...: ``is_decoder`` false), or the files are
+        not a causal LM.
     InvalidInputError
         An unknown dtype.
     """
@@ -116,7 +119,15 @@ def load_policy(path_or_id: str | os.PathLike[str], *, device: str = "cpu", dtyp
 
     torch_dtype = _resolve_dtype(dtype, device)
     name = os.fspath(path_or_id)
+    problem = local_model_problem(name)
+    if problem is not None:
+        raise PolicyUnavailableError(f"cannot load a causal LM from {name!r}: {problem}; give such a folder or a hub id")
     try:
+        encoder = _encoder_type(name)
+        if encoder is not None:  # loaded as e.g. BertLMHeadModel with a random head, it trained as a "causal LM"
+            raise PolicyUnavailableError(f"cannot load a causal LM from {name!r}: a {encoder} encoder (config.json: "
+                                         "is_decoder false), not a causal LM; give a decoder-only model such as Llama, "
+                                         "Qwen2 or GPT-2")
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
     except (OSError, ValueError, KeyError) as exc:
@@ -130,6 +141,28 @@ def load_policy(path_or_id: str | os.PathLike[str], *, device: str = "cpu", dtyp
         raise PolicyUnavailableError(f"cannot move the policy to device={device!r}: {exc}") from exc
     model.eval()
     return model, tokenizer
+
+
+#: Model types of encoders that transformers also maps to a causal-LM class (BertLMHeadModel, RobertaForCausalLM,
+#: ...): the masked-LM and causal-LM mappings' common types, less the encoder-decoder and decoder families
+#: whose causal-LM class is a decoder of its own (bart, mbart, mvp, reformer, xlm).
+_NOT_ENCODERS = frozenset({"bart", "mbart", "mvp", "reformer", "xlm"})
+
+
+def _encoder_type(name: str) -> str | None:
+    """The model type of ``name`` when it is an encoder saved as one (``is_decoder`` false), else None.
+
+    Raises OSError / ValueError as ``AutoConfig.from_pretrained`` does (no config, offline hub id)."""
+    from transformers import AutoConfig  # transformers: optional heavy dependency, imported on use
+    from transformers.models.auto.modeling_auto import (  # transformers: as above
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    config = AutoConfig.from_pretrained(name)
+    kind = getattr(config, "model_type", None)
+    encoders = (set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) & set(MODEL_FOR_MASKED_LM_MAPPING_NAMES)) - _NOT_ENCODERS
+    return kind if kind in encoders and not getattr(config, "is_decoder", False) else None
 
 
 def _minilm_tokenizer_file() -> Path:

@@ -12,12 +12,12 @@ from typing import Annotated, Optional
 
 import typer
 from sdk.errors import InvalidInputError
-from sdk.finite_option import finite_option
+from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 import numpy as np
 from trainer.alignment.dpo import DPOAlignmentTrainer, DPORunConfig, validate_preference_rows
 from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
-from trainer.out_folder import check_out_option
+from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.results_owner import claim_results
 from trainer.torch_device import check_torch_device
 
@@ -31,12 +31,12 @@ def train(
     data: Annotated[Path, typer.Option(help="shared data folder with alpacaeval/, hh_rlhf_harmless/, routerbench/")] = Path("../shared/data"),
     quick: Annotated[bool, typer.Option("--quick", help="the small preset (<= 5 min on one CPU core)")] = False,
     preset: Annotated[str, typer.Option(help="cpu (default, scaled down) or gpu (paper settings, Qwen2-0.5B class)")] = "cpu",
-    seeds: Annotated[int, typer.Option(min=1, help="number of seeds (0..K-1); >= 3 for the results table")] = 3,
+    seeds: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="number of seeds (0..K-1); >= 3 for the results table")] = 3,
     backbone: Annotated[Optional[str], typer.Option(help="selector backbone path or hub id (default: the preset's); a BERT-family encoder or a causal LM (LoRA targets by architecture)")] = None,
-    n_experts: Annotated[Optional[int], typer.Option(min=1, help="M, number of experts (default: the preset's)")] = None,
+    n_experts: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="M, number of experts (default: the preset's)")] = None,
     methods: Annotated[str, typer.Option(help="comma-separated methods of the table (default: all)")] = "all",
-    device_threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="cache folder (embeddings, segment states)")] = None,
+    device_threads: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")] = 1,
+    cache_dir: Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="cache folder (embeddings, segment states)")] = None,
     device: Annotated[Optional[str], typer.Option(help="torch device of the experts (default: the preset's, cpu; cuda for --preset gpu)")] = None,
 ) -> None:
     """Train FedPrism and its baselines on the same clients; write results.json, results.md, PNGs."""
@@ -89,9 +89,9 @@ def label(
     run: Annotated[Path, typer.Option(help="the --out folder of `fedroute prism train` (fedprism_seed0/, fedbis_seed0/)")],
     out: Annotated[Path, typer.Option(help="output folder: phase3.json/.md/.png, synthetic_preferences.jsonl/.parquet")],
     data: Annotated[Path, typer.Option(help="shared data folder with alpacaeval/")] = Path("../shared/data"),
-    max_pairs: Annotated[int, typer.Option(min=1, help="held-out AlpacaEval pairs to label (seeded sample)")] = 600,
-    device_threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="embedding cache folder")] = None,
+    max_pairs: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="held-out AlpacaEval pairs to label (seeded sample)")] = 600,
+    device_threads: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")] = 1,
+    cache_dir: Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder")] = None,
 ) -> None:
     """Phase III: routed experts label held-out AlpacaEval pairs; agreement with the judge; synthetic set."""
     import torch  # torch: optional heavy dependency, imported on use
@@ -130,14 +130,14 @@ def dpo(
     policy: Annotated[Optional[str], typer.Option(help="causal LM path or hub id (e.g. Qwen/Qwen2-0.5B-Instruct)")] = None,
     tiny: Annotated[bool, typer.Option("--tiny", help="build a tiny random-weight policy (2 layers, BPE trained on the set) instead of --policy: a CPU smoke run")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="--tiny with 40 steps")] = False,
-    steps: Annotated[Optional[int], typer.Option(min=1, help="optimiser steps (default 120; 300 with --gpu; at most 40 with --quick)")] = None,
+    steps: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="optimiser steps (default 120; 300 with --gpu; at most 40 with --quick)")] = None,
     beta: Annotated[float, typer.Option(callback=finite_option, help="DPO beta")] = 0.1,
     lr: Annotated[Optional[float], typer.Option(callback=finite_option, help="learning rate (default 1e-5; 5e-7 with --gpu; 1e-3 with --tiny)")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(min=1, help="pairs per batch (default 8; 8 x 4 accumulation with --gpu)")] = None,
-    max_length: Annotated[Optional[int], typer.Option(min=16, help="tokens per prompt + response (default 256; 1024 with --gpu)")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="pairs per batch (default 8; 8 x 4 accumulation with --gpu)")] = None,
+    max_length: Annotated[Optional[int], typer.Option(min=16, max=COUNT_MAX, help="tokens per prompt + response (default 256; 1024 with --gpu)")] = None,
     heldout_fraction: Annotated[float, typer.Option(callback=finite_option, help="share of prompts held out for the implicit-reward accuracy")] = 0.2,
     gpu: Annotated[bool, typer.Option("--gpu", help="the GPU preset: cuda, bf16, gradient checkpointing (DPORunConfig.gpu_preset)")] = False,
-    seed: Annotated[int, typer.Option(min=0)] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=SEED_MAX)] = 0,
 ) -> None:
     """Phase III step 2: DPO (TRL) of a policy on the synthetic set; held-out accuracy against the judge."""
     import pandas as pd  # pandas: optional heavy dependency, imported on use
@@ -193,6 +193,10 @@ def dpo(
         raise typer.BadParameter(str(exc)) from exc
     out.mkdir(parents=True, exist_ok=True)
     if tiny:
+        # an earlier run's results were measured against the tiny_policy/ rebuilt here: they go first, so a
+        # rerun that fails or is stopped leaves none beside another reference policy
+        for name in ("dpo_results.json", "dpo_loss.png"):
+            (out / name).unlink(missing_ok=True)
         texts = [t for r in train_rows for t in (r["prompt"], r["chosen"], r["rejected"])]
         build_tiny_causal_lm(out / "tiny_policy", train_texts=texts, vocab_size=2000, overwrite=True,
                              seed=seed, max_positions=max(512, args.max_length))
@@ -203,3 +207,6 @@ def dpo(
     typer.echo(f"DPO loss {result.loss_first:.4f} -> {result.loss_last:.4f} over {len(result.loss_per_step)} steps; "
                f"held-out implicit-reward accuracy vs the judge {result.heldout_implicit_reward_accuracy_before:.3f} -> "
                f"{result.heldout_implicit_reward_accuracy_after:.3f} ({result.n_heldout} pairs); {out / 'dpo_results.json'}")
+    if result.n_train_dropped:
+        typer.echo(f"note: {result.n_train_dropped} of {result.n_train + result.n_train_dropped} training pairs were left "
+                   f"out (their prompt alone fills --max-length {args.max_length} tokens)")

@@ -55,6 +55,7 @@ from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig
 from trainer.config_fields import check_bool, check_int, check_real, check_sequence
 from trainer.data.errors import DataUnavailableError
 from trainer.embeddings import resolve_model_path
+from trainer.embedder_paths import local_model_problem
 from tokenizers import Tokenizer
 import hashlib
 import os
@@ -155,6 +156,10 @@ def selector_for_backbone(config: SelectorConfig, backbone: str) -> SelectorConf
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # transformers: as above
 
     path = resolve_model_path(backbone)
+    problem = local_model_problem(path)
+    if problem is not None:
+        raise DataUnavailableError(f"cannot load the selector backbone {backbone!r} ({path!r}): {problem}; give such "
+                                   "a folder or a hub id")
     try:
         model_config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -526,7 +531,8 @@ def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a
 
     With ``cache_dir`` the lower-layer states are also kept on disk (``segments-<sha256>.pt``, keyed by
     the backbone, the pair encoding, the cached depth and every segment's text; atomic write), so a
-    rerun on the same pairs skips the frozen forward.
+    rerun on the same pairs skips the frozen forward. A file there that does not load as a tensor of the
+    expected shape (cut short, foreign) is a cache miss: the states are recomputed and replace it.
 
     Parameters
     ----------
@@ -557,7 +563,13 @@ def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a
             h.update(p.encode() + b"\0" + r.encode() + b"\1")
         disk = Path(cache_dir) / f"segments-{h.hexdigest()[:32]}.pt"
         if disk.exists():
-            lower = torch.load(disk)
+            try:
+                lower = torch.load(disk)
+            except Exception:  # noqa: BLE001 - cut short or foreign (pickle/zip/runtime errors): a cache miss
+                lower = None
+            expected = (len(seg_texts), ids.shape[1], model.hidden_size)
+            if not (isinstance(lower, torch.Tensor) and tuple(lower.shape) == expected):
+                lower = None  # recomputed below and written over the file
     if model.config.cache_lower_layers and lower is None:
         chunks = []
         starts = range(0, len(seg_texts), batch_size)

@@ -15,9 +15,9 @@ from typing import Annotated, Optional
 
 import typer
 from dataclasses import replace
-from sdk.finite_option import finite_option
+from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 from trainer.report import write_json
-from trainer.out_folder import check_out_option
+from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.results_owner import OWNER_KEY, claim_results
 from trainer.rewards.mor_report import write_eval
 from trainer.rewards.mor_report import write_audit
@@ -27,9 +27,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="MoR: client 
 OutOpt = Annotated[Path, typer.Option(help="output folder")]
 QuickOpt = Annotated[bool, typer.Option("--quick", help="small preset (<= 5 min on a 2-core CPU)")]
 DataOpt = Annotated[Path, typer.Option(help="shared data folder (alpacaeval/, hh_rlhf_harmless/, routerbench/)")]
-SeedsOpt = Annotated[Optional[int], typer.Option(min=1, help="number of seeds (default 3)")]
-CacheOpt = Annotated[Optional[Path], typer.Option(help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
-ThreadsOpt = Annotated[int, typer.Option(min=1, help="torch CPU threads")]
+SeedsOpt = Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="number of seeds (default 3)")]
+CacheOpt = Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
+ThreadsOpt = Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")]
 
 
 def _config(quick: bool, data: Path, seeds: Optional[int], cache: Optional[Path]):
@@ -49,7 +49,7 @@ def _setup(threads: int) -> None:
 
 @app.command()
 def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"),
-          seed: Annotated[int, typer.Option(min=0, help="seed of the split by prompt and of the training")] = 0,
+          seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="seed of the split by prompt and of the training")] = 0,
           mode: Annotated[str, typer.Option(help="active routed reward: sparse | soft (both variants are saved)")] = "sparse",
           weighting: Annotated[Optional[str], typer.Option(help="router FedAvg weighting: equal | samples "
                                                                   "(default: chosen on validation)")] = None,

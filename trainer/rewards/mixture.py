@@ -231,7 +231,7 @@ def load_mixture(directory: Path, cache_dir: Path | None = None, mode: str | Non
     (e.g. the soft temperature chosen on validation). Raises InvalidInputError on a missing, unreadable or
     incomplete ``mixture.json``, a format version other than 1 or a bad variant, or a router or client
     folder whose files are missing, truncated, not of this mixture or hold a NaN or inf weight (the message
-    names the folder)."""
+    names the folder), or a ``length_features`` that does not fit the router's input width."""
     directory = Path(directory)
     path = directory / "mixture.json"
     if not path.is_file():
@@ -253,6 +253,11 @@ def load_mixture(directory: Path, cache_dir: Path | None = None, mode: str | Non
         raise InvalidInputError(f"{path}: not a mixture written by `fedroute mor train` "
                                 f"({type(exc).__name__}: {exc}); rerun it") from exc
     router = _load_part(router_dir, lambda: ClientRouter.load(router_dir))
+    extra = 3 if encoder.length_features else 0  # the router reads 2 * d_emb (+ 3 length columns) inputs
+    if (router.d_in - extra) % 2:  # else torch's shape error at the first reward (after GRPO's policy is built)
+        raise InvalidInputError(f"{path}: length_features {str(encoder.length_features).lower()} gives the router "
+                                f"2 * d_emb{' + 3' if extra else ''} inputs (an {'odd' if extra else 'even'} number), but "
+                                f"{meta['router']}/router.json has d_in {router.d_in}; rerun `fedroute mor train`")
     rms = [_load_part(d, lambda d=d: load_reward_model(d, cache_dir)) for d in client_dirs]
     for rm in rms:
         if isinstance(rm, MLPRewardModel):
