@@ -19,6 +19,7 @@ from typing import Annotated
 import typer
 
 from sdk import bundle_manifest as fmt
+from sdk.cli_paths import PathCheckedCommand
 from sdk.console import run_app
 from sdk.eval_log import EvalLog
 from sdk.sync import SyncClient
@@ -83,11 +84,17 @@ def make_sync_command(mlp_trainer=None):
 sync = make_sync_command()
 
 
+def make_app() -> typer.Typer:
+    """The ``fedroute-sync`` app: the one ``sync`` command, whose path options refuse an empty value
+    (``--log "$LOG"`` with ``$LOG`` unset; :mod:`sdk.cli_paths`)."""
+    app = typer.Typer(add_completion=False)
+    app.command(cls=PathCheckedCommand)(sync)
+    return app
+
+
 def main() -> None:
     """Console-script entry point of ``fedroute-sync``."""
-    app = typer.Typer(add_completion=False)
-    app.command()(sync)
-    run_app(app)
+    run_app(make_app())
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typer.main import get_command
 from typer.testing import CliRunner
 
 from sdk.errors import InvalidInputError
-from sdk.sync_cli import sync
+from sdk.sync_cli import make_app as make_sync_app
 from trainer.cli import app
 
 
@@ -24,9 +24,7 @@ def flat(output: str) -> str:
 
 def sync_app() -> typer.Typer:
     """``fedroute-sync`` as its console script builds it (sdk.sync_cli.main)."""
-    sync_only = typer.Typer(add_completion=False)
-    sync_only.command()(sync)
-    return sync_only
+    return make_sync_app()
 
 
 def float_options() -> list:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import typer
 from typer.testing import CliRunner
 
-from sdk.sync_cli import sync
+from sdk.sync_cli import make_app
 
 
 def run_sync(tmp_path, *args, env=None):
-    app = typer.Typer()
-    app.command()(sync)
+    app = make_app()  # fedroute-sync as its console script builds it
     base = ["--server", "https://127.0.0.1:9", "--log", str(tmp_path / "log.sqlite"), "--bundle", str(tmp_path / "b"),
             "--public-key", str(tmp_path / "k.pub")]
     return CliRunner().invoke(app, [*base, *args], env={"FEDROUTE_TOKEN": "", "COLUMNS": "500", **(env or {})})

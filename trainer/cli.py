@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from sdk.cli_paths import PathCheckedGroup
 from sdk.console import run_app
 from sdk.errors import InvalidInputError
 from sdk.finite_option import COUNT_MAX, finite_option
@@ -24,7 +25,7 @@ from export.signing import load_signing_key
 from trainer.out_folder import cache_folder_option, check_out_folder
 from trainer.results_owner import claim_results
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
+app = typer.Typer(cls=PathCheckedGroup, add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
 
 
 def _version(value: bool) -> None:
