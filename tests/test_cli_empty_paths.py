@@ -105,13 +105,20 @@ def path_params():
 
     walk(get_command(app), ["fedroute"])
     walk(get_command(make_sync_app()), ["fedroute-sync"])
+    from trainer.experts.cli import app as prism_app
+    from trainer.rewards.cli import app as mor_app
+    from trainer.server.cli import clients_app, rounds_app
+
+    for name, sub_app in (("prism", prism_app), ("mor", mor_app), ("clients", clients_app), ("rounds", rounds_app)):
+        walk(get_command(sub_app), [f"{name} (its own app)"])  # the sub-apps invoked on their own too
     return found, commands
 
 
 def test_every_path_option_of_both_scripts_is_wrapped():
     """A new Path option (or a new command or sub-app) gets the check without a line of its own."""
     found, commands = path_params()
-    assert commands > 30 and len(found) > 70  # guards the walk: 79 path options today
+    assert commands > 30 and len(found) > 70  # guards the walk: 79 path options of the two scripts today
+    assert ("mor (its own app) eval", "--out") in {(c, o) for c, o, _ in found}
     assert {("fedroute prism train", "--out"), ("fedroute mor grpo", "--mixture"), ("fedroute rounds open", "--prior-router"),
             ("fedroute serve", "--tls-key-password-file"), ("fedroute proxy", "--config"), ("fedroute sync", "--state"),
             ("fedroute-sync", "--log")} <= {(c, o) for c, o, _ in found}

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from sdk.cli_paths import PathCheckedGroup
 from sdk.errors import InvalidInputError
 from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 import numpy as np
@@ -21,7 +23,7 @@ from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.results_owner import claim_results
 from trainer.torch_device import check_torch_device
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(cls=PathCheckedGroup, add_completion=False, no_args_is_help=True,
                   help="FedPrism: federated preference experts with instance-wise routing (paper 000).")
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
 from dataclasses import replace
+from sdk.cli_paths import PathCheckedGroup
 from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 from trainer.report import write_json
 from trainer.out_folder import cache_folder_option, check_out_option
@@ -22,7 +24,7 @@ from trainer.results_owner import OWNER_KEY, claim_results
 from trainer.rewards.mor_report import write_eval
 from trainer.rewards.mor_report import write_audit
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="MoR: client reward models, federated router, audit.")
+app = typer.Typer(cls=PathCheckedGroup, add_completion=False, no_args_is_help=True, help="MoR: client reward models, federated router, audit.")
 
 OutOpt = Annotated[Path, typer.Option(help="output folder")]
 QuickOpt = Annotated[bool, typer.Option("--quick", help="small preset (<= 5 min on a 2-core CPU)")]

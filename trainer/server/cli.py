@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from sdk import bundle_manifest
+from sdk.cli_paths import PathCheckedGroup
 from sdk.errors import BundleError
 from sdk.finite_option import finite_option
 from sdk.kind_registry import UnknownKindError
@@ -26,8 +27,8 @@ from trainer.server.round_kind import OpenRequest, Publisher
 
 DbOpt = Annotated[str, typer.Option("--db", help="SQLAlchemy database URL, e.g. sqlite:///fed.db")]
 
-clients_app = typer.Typer(no_args_is_help=True, help="create, list and revoke device clients")
-rounds_app = typer.Typer(no_args_is_help=True, help="open, close and inspect federated rounds")
+clients_app = typer.Typer(cls=PathCheckedGroup, no_args_is_help=True, help="create, list and revoke device clients")
+rounds_app = typer.Typer(cls=PathCheckedGroup, no_args_is_help=True, help="open, close and inspect federated rounds")
 
 
 def _store(db: str, *, existing: bool = False):
