@@ -22,6 +22,7 @@ from sdk import bundle_manifest as fmt
 from sdk.cli_paths import PathCheckedCommand
 from sdk.console import run_app
 from sdk.eval_log import EvalLog
+from sdk.finite_option import COUNT_MAX
 from sdk.sync import SyncClient
 
 
@@ -38,9 +39,9 @@ def make_sync_command(mlp_trainer=None):
         ca_cert: Annotated[Path | None, typer.Option(help="PEM of the CA of the server certificate", exists=True,
                                                      dir_okay=False)] = None,
         state: Annotated[Path | None, typer.Option(help="sync state file (default beside the bundle)")] = None,
-        retries: Annotated[int, typer.Option(min=0, help="retries on connection errors and 5xx")] = 5,
+        retries: Annotated[int, typer.Option(min=0, max=COUNT_MAX, help="retries on connection errors and 5xx")] = 5,
         min_count_floor: Annotated[int, typer.Option(
-            min=1, help="smallest privacy threshold accepted: K-means rounds use max(the round's min_count, this); "
+            min=1, max=COUNT_MAX, help="smallest privacy threshold accepted: K-means rounds use max(the round's min_count, this); "
                         "MLP rounds with a lower min_count are skipped")] = 5,
         allow_repartition: Annotated[bool, typer.Option(
             help="also upload for rounds over other centroids than the last upload (weakens privacy: "

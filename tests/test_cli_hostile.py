@@ -926,49 +926,51 @@ def test_a_grpo_rerun_in_the_other_mode_removes_the_earlier_modes_results(tmp_pa
     assert clear_earlier_results(out) == []
 
 
-#: The trainer's commands whose integer options are bounded (the operator and device commands are not
-#: covered here). --bundle-version has its own bound (2**63 - 1, what the SDK loads) in export.bundle_writer.
-TRAINER_COMMANDS = ("simulate", "ablate", "export", "mor", "prism")
-
-
 def int_options() -> list:
-    """A test case per integer option of the trainer's commands (:data:`TRAINER_COMMANDS`)."""
+    """A test case per integer option of every ``fedroute`` and ``fedroute-sync`` command but
+    --bundle-version, which has its own bound (2**63 - 1, what the SDK loads) in export.bundle_writer."""
     cases = []
 
-    def walk(command: click.Command, path: list[str]) -> None:
+    def walk(command: click.Command, root: typer.Typer, path: list[str]) -> None:
         if isinstance(command, click.Group):
             for name, sub in command.commands.items():
-                if path or name in TRAINER_COMMANDS:
-                    walk(sub, [*path, name])
+                walk(sub, root, [*path, name])
             return
         for param in command.params:
             if isinstance(param.type, click.types.IntParamType) and param.opts[0] != "--bundle-version":
-                cases.append(pytest.param(path, param.opts[0], id=" ".join([*path, param.opts[0]])))
+                cases.append(pytest.param(root, path, param.opts[0], id=" ".join([*path, param.opts[0]])))
 
-    walk(get_command(app), [])
+    walk(get_command(app), app, [])
+    single = sync_app()
+    walk(get_command(single), single, [])  # one command: no sub-command name on its line
     return cases
 
 
 INT_OPTIONS = int_options()
 
 
-def test_the_int_option_walk_finds_the_trainer_commands_options():
+def test_the_int_option_walk_finds_the_commands_options():
     ids = {c.id for c in INT_OPTIONS}
     assert {"simulate --seeds", "prism train --seeds", "prism train --device-threads", "prism dpo --batch-size",
             "prism dpo --seed", "mor train --seed", "mor train --threads", "mor eval --seeds", "mor grpo --seed",
-            "mor grpo --num-generations", "mor export --n-parity", "export --parity-pairs"} <= ids
-    assert not any(i.startswith(("serve", "rounds", "sync")) for i in ids)
+            "mor grpo --num-generations", "mor export --n-parity", "export --parity-pairs",
+            "serve --port", "serve --max-body-bytes", "serve --upload-quota", "serve --max-header-bytes",
+            "rounds open --quorum", "rounds open --min-count", "rounds open --seed", "rounds open --min-total-count",
+            "rounds close --round", "publish --round", "demo-log --rows", "demo-log --seed", "sync --retries",
+            "sync --min-count-floor", "--retries", "--min-count-floor", "proxy --port"} <= ids
 
 
-@pytest.mark.parametrize("path, option", INT_OPTIONS)
-def test_every_int_option_of_the_trainer_refuses_a_value_out_of_range_while_parsing(tmp_path, monkeypatch, path, option):
+@pytest.mark.parametrize("root, path, option", INT_OPTIONS)
+def test_every_int_option_refuses_a_value_out_of_range_while_parsing(tmp_path, monkeypatch, root, path, option):
     """Integer options had a lower bound only: --seeds 99999999999999999999 ended `prism train` in an
     OverflowError traceback after the data were prepared, --device-threads / --threads and `mor train
     --seed` in 'Overflow when unpacking long long' (torch), `prism dpo --batch-size` in islice's
     ValueError after the tiny policy was built, and a --seed above 2**32 - 1 reached TRL's set_seed
-    (numpy refuses it). Each is now bounded while the line is parsed: exit 2, one line naming it."""
+    (numpy refuses it); `rounds close --round`, `publish --round` and `rounds open --quorum / --min-count
+    / --seed` in SQLite's OverflowError, and serve / demo-log / sync took any count. Each is now bounded
+    (COUNT_MAX, SEED_MAX, 65535 for a port) while the line is parsed: exit 2, one line naming it."""
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(app, [*path, option, str(2**63)], env={"COLUMNS": "500"})
+    result = CliRunner().invoke(root, [*path, option, str(2**63)], env={"COLUMNS": "500"})
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     assert f"Invalid value for '{option}': {2**63} is not in the range" in flat(result.output)
     assert list(tmp_path.iterdir()) == []

@@ -30,7 +30,7 @@ import typer
 
 from sdk.errors import InvalidInputError
 from sdk.eval_log import EvalLog
-from sdk.finite_option import finite_option
+from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 from sdk.router import Router
 from sdk.utility import check_lambda
 
@@ -129,10 +129,10 @@ def demo_log(
     public_key: Annotated[Path, typer.Option(help="signing.pub that signed the bundle")],
     data: Annotated[Path, typer.Option(help="RouterBench folder (its train.parquet is used) or a .parquet/.csv file")],
     out: Annotated[Path, typer.Option(help="the EvalLog SQLite file to append to (created with its folder)")],
-    rows: Annotated[int, typer.Option(min=1, help="prompts to route and log")] = 200,
+    rows: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="prompts to route and log")] = 200,
     lam: Annotated[float, typer.Option(callback=finite_option, min=0.0, help="accuracy-cost trade-off, 1/USD")] = 100.0,
     explore: Annotated[float, typer.Option(callback=finite_option, min=0.0, max=1.0, help="share of queries sent to a random labelled model")] = 0.2,
-    seed: Annotated[int, typer.Option(min=0, help="seeds the row sample and exploration")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="seeds the row sample and exploration")] = 0,
 ) -> None:
     """Make a device's evaluation log from RouterBench rows: route each prompt with the bundle and
     record the chosen model's labelled outcome (no LLM is called, no text is stored)."""

@@ -20,7 +20,7 @@ import typer
 from sdk import bundle_manifest
 from sdk.cli_paths import PathCheckedGroup
 from sdk.errors import BundleError
-from sdk.finite_option import finite_option
+from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 from sdk.kind_registry import UnknownKindError
 from trainer.federated.gaussian_privacy import gaussian_epsilon
 from trainer.server.round_kind import OpenRequest, Publisher
@@ -66,15 +66,15 @@ def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port")] = 8443,
     bundle_dir: Annotated[Path | None, typer.Option(help="published bundle served at /v1/bundles")] = None,
-    max_body_bytes: Annotated[int, typer.Option(min=1024, help="largest accepted upload (bytes)")] = 4 << 20,
+    max_body_bytes: Annotated[int, typer.Option(min=1024, max=COUNT_MAX, help="largest accepted upload (bytes)")] = 4 << 20,
     tick_s: Annotated[float, typer.Option(callback=finite_option, min=0.05, help="seconds between checks for rounds to close")] = 1.0,
-    upload_quota: Annotated[int, typer.Option(min=0, help="uploads per client per --quota-window-s (429 with "
+    upload_quota: Annotated[int, typer.Option(min=0, max=COUNT_MAX, help="uploads per client per --quota-window-s (429 with "
                                                          "Retry-After above it; 0: no quota)")] = 30,
     quota_window_s: Annotated[float, typer.Option(callback=finite_option, min=0.001, help="window of the upload quota (seconds)")] = 60.0,
     header_timeout_s: Annotated[float, typer.Option(callback=finite_option, min=0.01, help="seconds to send a request's headers (408)")] = 10.0,
     body_timeout_s: Annotated[float, typer.Option(callback=finite_option, min=0.01, help="seconds to send a request's body after its "
                                                              "headers (408)")] = 30.0,
-    max_header_bytes: Annotated[int, typer.Option(min=1024, help="largest request line + headers (bytes)")] = 16384,
+    max_header_bytes: Annotated[int, typer.Option(min=1024, max=COUNT_MAX, help="largest request line + headers (bytes)")] = 16384,
     access_log: Annotated[bool, typer.Option(help="log one line per request (costs CPU per upload)")] = False,
     http_parser: Annotated[str | None, typer.Option(help="httptools (default when installed) or h11 (uvicorn's "
                                                          "HTTP parsers; both with the header cap and deadlines)")] = None,
@@ -181,8 +181,8 @@ def rounds_open(
     signing_key: Annotated[Path | None, typer.Option(help="signing.key: publish a new bundle at close")] = None,
     public_key: Annotated[Path | None, typer.Option(help="signing.pub, when the round does not publish")] = None,
     deadline_s: Annotated[float, typer.Option(callback=finite_option, min=0.001, help="seconds until the round closes")] = 3600.0,
-    quorum: Annotated[int, typer.Option(min=1, help="the round closes early once this many clients uploaded")] = 1,
-    min_count: Annotated[int, typer.Option(min=1, help="privacy threshold: smallest reported (cell, model) count, "
+    quorum: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="the round closes early once this many clients uploaded")] = 1,
+    min_count: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="privacy threshold: smallest reported (cell, model) count, "
                                                       "or smallest MLP training set")] = 5,
     recluster: Annotated[bool, typer.Option(help="kmeans: use the Lloyd step of the last aggregated round")] = False,
     router: Annotated[Path | None, typer.Option(help="mlp: trained router folder with the starting parameters")] = None,
@@ -194,11 +194,11 @@ def rounds_open(
     trim_fraction: Annotated[float, typer.Option(callback=finite_option, min=0.0, max=0.49, help="share of clients trimmed at each end")] = 0.0,
     noise_multiplier: Annotated[float, typer.Option(callback=finite_option, min=0.0, help="Gaussian DP noise, std / sensitivity")] = 0.0,
     delta: Annotated[float, typer.Option(callback=finite_option, help="delta of the (epsilon, delta) guarantee")] = 1e-5,
-    seed: Annotated[int | None, typer.Option(min=0, help="seed of the DP noise (tests only: whoever knows it can "
+    seed: Annotated[int | None, typer.Option(min=0, max=SEED_MAX, help="seed of the DP noise (tests only: whoever knows it can "
                                                         "remove the noise; default: secret, random)")] = None,
     prior_router: Annotated[Path | None, typer.Option(help="kmeans: trained router whose statistics (same "
                                                            "centroids) are merged into every aggregate")] = None,
-    min_total_count: Annotated[int | None, typer.Option(min=1, help="kmeans: publish only aggregates of at least this many "
+    min_total_count: Annotated[int | None, typer.Option(min=1, max=COUNT_MAX, help="kmeans: publish only aggregates of at least this many "
                                                                    "evaluations (default 100)")] = None,
     *,
     publisher: Publisher | None = None,
@@ -244,7 +244,7 @@ def rounds_open(
 
 
 def rounds_close(db: DbOpt = "sqlite:///fed.db",
-                 round_id: Annotated[int | None, typer.Option("--round", help="default: the open round")] = None,
+                 round_id: Annotated[int | None, typer.Option("--round", min=1, max=COUNT_MAX, help="default: the open round")] = None,
                  *, publisher: Publisher | None = None) -> None:
     """Close a round now: aggregate and publish (as at its deadline)."""
     from trainer.server.rounds import close_round  # server extra (sqlalchemy)
@@ -292,7 +292,7 @@ def rounds_status(db: DbOpt = "sqlite:///fed.db") -> None:
 
 
 def publish(
-    round_id: Annotated[int, typer.Option("--round", help="an aggregated round")],
+    round_id: Annotated[int, typer.Option("--round", min=1, max=COUNT_MAX, help="an aggregated round")],
     bundle_dir: Annotated[Path, typer.Option(help="bundle to publish a new version of")],
     signing_key: Annotated[Path, typer.Option(help="signing.key")],
     db: DbOpt = "sqlite:///fed.db",
