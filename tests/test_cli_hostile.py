@@ -171,6 +171,8 @@ def test_serve_refuses_a_file_as_bundle_dir(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--ts-lambda", "-1"], "--ts-lambda / --ts-nu: lam must be a finite number > 0, got -1.0"),
+    (["--ts-lambda", "1e308"], "--ts-lambda / --ts-nu: lam must be below 2 / lr = 4 (lr 0.5, the online SGD step), "
+                               "got 1e+308: a larger lam * lr makes the pull-back to the offline router diverge"),
     (["--beta", "0"], "--beta must be a finite number > 0, got 0.0"),
     (["--learning-rate", "-1"], "--learning-rate must be a finite number > 0, got -1.0"),
     (["--steps", "0"], "Invalid value for '--steps': 0 is not in the range 1<=x<=2147483647"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -162,6 +164,29 @@ def test_bandit_feedback_is_one_when_the_grpo_loss_does_not_increase():
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(InvalidInputError):
         ThompsonConfig(**kwargs)
+
+
+@pytest.mark.parametrize("lam, lr", [(4.0, 0.5), (10.0, 0.5), (1e308, 0.5), (20.0, 0.1)])
+def test_config_refuses_a_lambda_whose_pull_back_step_diverges(lam, lr):
+    """--ts-lambda 10 (lr 0.5) turned the last layer, then every posterior sample, NaN within a few
+    feedbacks: the SGD step on lam/2 ||phi - phi_0||^2 scales phi - phi_0 by 1 - lr lam, which grows
+    once lr lam >= 2. (10.0 with lr 0.05, used above, stays accepted.)"""
+    message = f"lam must be below 2 / lr = {2 / lr:g} (lr {lr:g}, the online SGD step), got {lam:g}"
+    with pytest.raises(InvalidInputError, match=re.escape(message)):
+        ThompsonConfig(lam=lam, lr=lr)
+
+
+def test_the_largest_accepted_lambda_keeps_the_router_finite():
+    torch.manual_seed(0)
+    router = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ts = NeuralThompsonRouting(router, ThompsonConfig(lam=3.5, seed=0))  # lr 0.5: lr lam = 1.75
+    rng = np.random.default_rng(0)
+    for t in range(20):
+        contexts = rng.normal(size=(4, 8)).astype(np.float32)
+        decision = ts.select(contexts)
+        assert np.isfinite(decision.sampled).all()
+        ts.update(contexts, decision.arms, float(t % 2))
+    assert np.isfinite(ts.drift()) and ts.drift() < 1.0
 
 
 def test_bad_inputs_raise_sdk_errors():

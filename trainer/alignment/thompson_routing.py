@@ -55,9 +55,12 @@ class ThompsonConfig:
     """Settings of the online router update (module docstring has the equations).
 
     enabled : False = the ablation: argmax of the offline router, never updated.
-    lam : lambda > 0, the prior precision (``U_0 = lambda I``), the variance scale and the weight of
-        the pull back to the offline router.
-    nu : nu >= 0, exploration scale of the posterior sample.
+    lam : lambda > 0 and below ``2 / lr``, the prior precision (``U_0 = lambda I``), the variance scale and
+        the weight of the pull back to the offline router. The SGD step multiplies ``phi - phi_0`` by
+        ``1 - lr lambda`` (plus the loss's own gradient), so ``lr lambda >= 2`` diverges: the last layer,
+        then every posterior sample, turned NaN within a few feedbacks (``--ts-lambda 10`` at the default lr).
+    nu : nu >= 0, exploration scale of the posterior sample (a huge nu is well defined: the samples'
+        argmax becomes a uniform random arm, pure exploration).
     width : m >= 1 in ``g g^T / m``; None = the input width ``h`` of the router's last layer (NeuralTS).
         1 reproduces the formula as printed in MoR.
     lr : learning rate of the SGD steps on the last layer.
@@ -85,6 +88,10 @@ class ThompsonConfig:
             raise InvalidInputError(f"width must be an integer >= 1 or None, got {self.width!r}")
         if lr is None or lr <= 0:
             raise InvalidInputError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if lam * lr >= 2:  # gradient descent on lam/2 ||phi - phi_0||^2 scales phi - phi_0 by (1 - lr lam) per step
+            raise InvalidInputError(f"lam must be below 2 / lr = {2 / lr:g} (lr {lr:g}, the online SGD step), got {lam:g}: "
+                                    "a larger lam * lr makes the pull-back to the offline router diverge (its weights, "
+                                    "then every posterior sample, become NaN)")
         if isinstance(self.n_update_steps, bool) or not isinstance(self.n_update_steps, int) or self.n_update_steps < 1:
             raise InvalidInputError(f"n_update_steps must be an integer >= 1, got {self.n_update_steps!r}")
 
