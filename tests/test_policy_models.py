@@ -72,6 +72,19 @@ def test_trained_bpe_tokenizer(tmp_path):
     assert (tok.pad_token, tok.eos_token) == ("<|pad|>", "<|eos|>")
 
 
+def test_a_hub_id_while_offline_is_named_in_one_line(monkeypatch):
+    """`prism dpo --policy Qwen/Qwen2-0.5B-Instruct` with HF_HUB_OFFLINE=1 and nothing cached answered with
+    transformers' two-line "We couldn't connect to 'https://huggingface.co' ... Check your internet
+    connection or see how to run the library in offline mode at ..."."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PolicyUnavailableError) as info:
+        load_policy("fedroute-tests/no-such-policy")
+    assert str(info.value) == ("cannot load a causal LM from 'fedroute-tests/no-such-policy': "
+                               "'fedroute-tests/no-such-policy' is not a local folder and HF_HUB_OFFLINE is set (no "
+                               "download); give a local model folder (saved with save_pretrained) or unset "
+                               "HF_HUB_OFFLINE with network access")
+
+
 def test_bad_inputs(tmp_path, tiny_minilm):
     with pytest.raises(PolicyUnavailableError, match="cannot load a causal LM"):
         load_policy(tmp_path / "absent")

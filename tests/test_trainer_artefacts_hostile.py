@@ -117,6 +117,21 @@ def test_an_expert_with_a_nan_tensor_is_refused_naming_the_file_and_tensor(saved
         load_trained_selector(cut)
 
 
+def test_a_backbone_hub_id_while_offline_is_named_in_one_line(monkeypatch):
+    """`prism train --backbone ORG/NAME` with HF_HUB_OFFLINE=1 and nothing cached answered with
+    transformers' two-line "We couldn't connect to 'https://huggingface.co' ..." message."""
+    from trainer.data.errors import DataUnavailableError
+    from trainer.experts.selector import SelectorConfig, selector_for_backbone
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    name = "fedroute-tests/no-such-backbone"
+    with pytest.raises(DataUnavailableError) as info:
+        selector_for_backbone(SelectorConfig(), name)
+    assert str(info.value) == (f"cannot load the selector backbone {name!r} ({name!r}): {name!r} is not a local folder "
+                               "and HF_HUB_OFFLINE is set (no download); give a local model folder (saved with "
+                               "save_pretrained) or unset HF_HUB_OFFLINE with network access")
+
+
 @pytest.mark.parametrize("kind", ["folder without config.json", "file"])
 def test_a_backbone_that_is_a_file_or_a_folder_without_config_json_is_named_in_one_short_line(tmp_path, kind):
     """`prism train --backbone` given a folder of weights without config.json answered with transformers'

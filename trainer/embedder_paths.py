@@ -43,3 +43,23 @@ def local_model_problem(name: str) -> str | None:
     if path.is_dir() and not (path / "config.json").is_file():
         return "a folder without config.json, not a model saved with save_pretrained"
     return None
+
+
+def hub_offline() -> bool:
+    """Whether Hugging Face downloads are off: ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) set to
+    1 / ON / YES / TRUE, as huggingface_hub reads it."""
+    return any(os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def model_load_problem(name: str, exc: BaseException) -> str:
+    """One line saying why transformers could not load the model ``name`` (a local folder or a hub id).
+
+    A hub id with downloads off (:func:`hub_offline`) and not in the cache is named with what to do: a
+    local folder, or ``HF_HUB_OFFLINE`` unset with network access (transformers' own message spans two
+    lines and points at its offline-mode docs). Any other error is ``exc``'s text on one line.
+    """
+    if hub_offline() and not Path(name).exists():
+        return (f"{name!r} is not a local folder and HF_HUB_OFFLINE is set (no download); give a local model folder "
+                "(saved with save_pretrained) or unset HF_HUB_OFFLINE with network access")
+    return " ".join(str(exc).split())

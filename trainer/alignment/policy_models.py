@@ -30,7 +30,7 @@ from pathlib import Path
 from sdk.errors import InvalidInputError
 from trainer.alignment.errors import PolicyUnavailableError
 from trainer.embeddings import resolve_model_path
-from trainer.embedder_paths import local_model_problem
+from trainer.embedder_paths import local_model_problem, model_load_problem
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 #: Rendered as ``<role>: <content><eos>`` per message, then ``assistant:`` when a generation prompt is
@@ -131,7 +131,7 @@ def load_policy(path_or_id: str | os.PathLike[str], *, device: str = "cpu", dtyp
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
     except (OSError, ValueError, KeyError) as exc:
-        raise PolicyUnavailableError(f"cannot load a causal LM from {name!r}: {exc}") from exc
+        raise PolicyUnavailableError(f"cannot load a causal LM from {name!r}: {model_load_problem(name, exc)}") from exc
     prepare_tokenizer(tokenizer)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id

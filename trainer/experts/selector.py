@@ -55,7 +55,7 @@ from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig
 from trainer.config_fields import check_bool, check_int, check_real, check_sequence
 from trainer.data.errors import DataUnavailableError
 from trainer.embeddings import resolve_model_path
-from trainer.embedder_paths import local_model_problem
+from trainer.embedder_paths import local_model_problem, model_load_problem
 from tokenizers import Tokenizer
 import hashlib
 import os
@@ -163,7 +163,8 @@ def selector_for_backbone(config: SelectorConfig, backbone: str) -> SelectorConf
     try:
         model_config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise DataUnavailableError(f"cannot load the selector backbone {backbone!r} ({path!r}): {exc}") from exc
+        raise DataUnavailableError(f"cannot load the selector backbone {backbone!r} ({path!r}): "
+                                   f"{model_load_problem(path, exc)}") from exc
     kind = model_config.model_type
     targets = tuple(TARGETS.get(kind, ()))
     out = replace(config, backbone=backbone)
