@@ -196,6 +196,35 @@ def saved_mixture(tmp_path_factory):
     return mixture, save_mixture(mixture, tmp_path_factory.mktemp("mix") / "mixture")
 
 
+def test_a_rerun_whose_save_fails_leaves_no_earlier_metrics_beside_the_folder(saved_mixture, tmp_path, monkeypatch):
+    """`mor train` wrote train_metrics.json after save_mixture: a kill (or a failed save) in between left the
+    earlier run's metrics beside the new mixture. The metrics are now a record of the save: removed with
+    the old mixture.json before the parts are swapped in, written before the new mixture.json."""
+    import os
+
+    from trainer.rewards.mixture import save_mixture
+
+    mixture, _ = saved_mixture
+    out = tmp_path / "mix"
+    save_mixture(mixture, out, records={"train_metrics.json": {"run": 1}})
+    assert json.loads((out / "train_metrics.json").read_text()) == {"run": 1}
+    real_replace = os.replace
+
+    def replace(src, dst):  # the swap of clients/ fails, after router/ was swapped in
+        if Path(dst) == out / "clients":
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="No space left"):
+        save_mixture(mixture, out, records={"train_metrics.json": {"run": 2}})
+    assert not (out / "mixture.json").exists() and not (out / "train_metrics.json").exists()
+    monkeypatch.setattr(os, "replace", real_replace)
+    save_mixture(mixture, out, records={"train_metrics.json": {"run": 3, "loss": float("nan")}})  # as write_json
+    assert json.loads((out / "train_metrics.json").read_text()) == {"run": 3, "loss": "nan"}
+    assert (out / "mixture.json").is_file()
+
+
 @pytest.mark.parametrize("part, content, error", [
     ("router/router.json", "{", "JSONDecodeError"),
     ("router/router.safetensors", "not safetensors", "SafetensorError"),

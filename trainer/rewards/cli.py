@@ -18,7 +18,6 @@ import typer
 from dataclasses import replace
 from sdk.cli_paths import PathCheckedGroup
 from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
-from trainer.report import write_json
 from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.results_owner import OWNER_KEY, claim_results
 from trainer.rewards.mor_report import write_eval
@@ -72,10 +71,11 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     split = trainer.prepare(seed)
     models = trainer.train(split)
     ev = evaluate_seed(trainer, split, models)
-    trainer.save(models, out, weighting=weighting, routing=ev["routing"], mode=mode)
+    metrics = {"seed": seed, "seconds": time.perf_counter() - t0, "evaluation": ev, "history": models.history}
+    # written by the save, before mixture.json: a kill between the two left an earlier run's metrics beside this mixture
+    trainer.save(models, out, weighting=weighting, routing=ev["routing"], mode=mode,
+                 records={"train_metrics.json": metrics})
     w = weighting or ev["routing"]["weighting"]
-    write_json(out / "train_metrics.json", {"seed": seed, "seconds": time.perf_counter() - t0, "evaluation": ev,
-                                            "history": models.history})
     typer.echo(f"saved the mixture to {out}: {w} router, sparse {ev['routing']['sparse']}, soft {ev['routing']['soft']} "
                f"(chosen on validation), active {mode}; test ID accuracy sparse {ev['id']['router_rm_sparse']:.3f}, "
                f"soft {ev['id']['router_rm_soft']:.3f}, oracle {ev['id']['oracle_client']:.3f}")

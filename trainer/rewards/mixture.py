@@ -53,7 +53,7 @@ import numpy as np
 from sdk.atomic_write import replace_dir
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.embeddings import EmbedderConfig
-from trainer.report import write_text
+from trainer.report import write_json
 from trainer.rewards.client_router import ClientRouter
 from trainer.rewards.pair_features import PairEncoder
 from trainer.rewards.reward_models import ClientRewardModel, MLPRewardModel, load_reward_model
@@ -165,8 +165,10 @@ def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | No
                  records: Mapping[str, Mapping] | None = None) -> Path:
     """Write the module docstring's layout into ``directory`` (created; parts staged and swapped in, module docstring).
     ``selection`` (JSON-serialisable) records how the variants were chosen (``mixture.json["selection"]``);
-    ``records`` ({file name: JSON object}, e.g. ``mor_config.json``) are written beside it before
-    ``mixture.json``, so a kill leaves no record of an older run beside a newer mixture."""
+    ``records`` ({file name: JSON object}, e.g. ``mor_config.json``, ``train_metrics.json``; NaN and inf
+    written as strings) are removed with the old ``mixture.json`` before the parts are swapped in and
+    written before the new ``mixture.json``, so a kill or a failed save leaves no record of an older run
+    beside a newer mixture (nor beside a folder without ``mixture.json``)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     names = mixture.client_names
@@ -177,12 +179,13 @@ def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | No
     mixture.router.save(staged / "router")
     for name, rm in zip(names, mixture.reward_models):
         rm.save(staged / "clients" / name)
-    (directory / "mixture.json").unlink(missing_ok=True)
+    for name in ("mixture.json", *(records or {})):
+        (directory / name).unlink(missing_ok=True)
     for part in ("router", "clients"):
         replace_dir(staged / part, directory / part)
     staged.rmdir()
     for name, record in (records or {}).items():
-        write_text(directory / name, json.dumps(record, indent=2))
+        write_json(directory / name, record)
     meta = {"format_version": FORMAT_VERSION, "mode": mixture.mode, "normalise": mixture.normalise,
             "temperature": mixture.temperature, "route_by": mixture.route_by,
             "variants": {m: r.to_dict() for m, r in mixture.variants.items()},

@@ -435,12 +435,13 @@ class MoRTrainer:
                             variants=variants)
 
     def save(self, models: MoRModels, directory: Path, weighting: str | None = None, routing: dict | None = None,
-             mode: str | None = None) -> Path:
+             mode: str | None = None, records: dict | None = None) -> Path:
         """:func:`trainer.rewards.mixture.save_mixture` of :meth:`mixture` (``routing``: the validation choice,
-        recorded in ``mixture.json["selection"]``), plus ``mor_config.json``."""
+        recorded in ``mixture.json["selection"]``), plus ``mor_config.json`` and ``records`` ({file name:
+        JSON object}, e.g. ``train_metrics.json``), written before ``mixture.json``."""
         mix = self.mixture(models, mode=mode, weighting=weighting, routing=routing)
         selection = None
         if routing is not None:
             selection = {"chosen_on": "validation", "weighting": weighting or routing["weighting"],
                          "sparse": routing["sparse"], "soft": routing["soft"], "val": routing.get("val", {})}
-        return save_mixture(mix, Path(directory), selection, records={"mor_config.json": self.args.to_json()})
+        return save_mixture(mix, Path(directory), selection, records={"mor_config.json": self.args.to_json(), **(records or {})})
