@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -30,6 +31,31 @@ def _pairs(n=4):
                      "response_a": f"answer a{i}", "response_b": f"answer b{i}", "label": i % 2,
                      "source_a": "g1", "source_b": "g2"})
     return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("interrupted", ["os.replace", "to_parquet"])
+def test_an_interrupted_preference_set_write_leaves_no_temporary_file(tmp_path, monkeypatch, interrupted):
+    """A Ctrl-C in `prism label` while the set was written left synthetic_preferences.jsonl.tmp or
+    .parquet.tmp in its output: the temporary file is now removed on any exception, the old files stay."""
+    import os
+
+    rows = synthetic_preferences(_pairs(4), np.array([0.9, 0.2, 0.6, 0.7]))
+    write_preference_set(rows, tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    if interrupted == "os.replace":
+        def interrupt(*args, **kwargs):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(os, "replace", interrupt)
+    else:
+        def interrupt(self, path, *args, **kwargs):  # half a file written, then Ctrl-C
+            Path(path).write_bytes(b"PAR1 half")
+            raise KeyboardInterrupt
+        monkeypatch.setattr(pd.DataFrame, "to_parquet", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        write_preference_set(rows.iloc[:2], tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)  # no *.tmp, nothing hidden either
+    parquet = "synthetic_preferences.parquet"
+    assert (tmp_path / parquet).read_bytes() == before[parquet]  # each file is replaced whole or not at all
 
 
 def test_symmetric_proba_hand_computed():

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sdk.atomic_write import commit_file, temporary_path, write_atomic
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.data.preferences import ALPACA_REFERENCE, PAIR_COLUMNS
 from trainer.preference_metrics import pairwise_accuracy
@@ -184,7 +185,8 @@ def agreement_markdown(table: Mapping[str, Mapping]) -> str:
 
 def write_preference_set(rows: pd.DataFrame, out_dir: str | os.PathLike[str], stem: str = "synthetic_preferences"
                          ) -> tuple[Path, Path]:
-    """Write ``rows`` as ``<stem>.jsonl`` and ``<stem>.parquet`` in ``out_dir`` (each atomically).
+    """Write ``rows`` as ``<stem>.jsonl`` and ``<stem>.parquet`` in ``out_dir`` (each atomically, with
+    :mod:`sdk.atomic_write`: an interrupted write leaves the old file and no temporary file).
 
     Returns
     -------
@@ -204,12 +206,14 @@ def write_preference_set(rows: pd.DataFrame, out_dir: str | os.PathLike[str], st
     records = rows[list(SYNTHETIC_COLUMNS)].to_dict("records")
     text = "".join(json.dumps({k: (v.item() if isinstance(v, np.generic) else v) for k, v in r.items()}) + "\n"
                    for r in records)
-    tmp = jsonl.with_name(jsonl.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, jsonl)
-    tmp = parquet.with_name(parquet.name + ".tmp")
-    rows[list(SYNTHETIC_COLUMNS)].to_parquet(tmp, index=False)
-    os.replace(tmp, parquet)
+    write_atomic(jsonl, text.encode("utf-8"))
+    tmp = temporary_path(parquet)  # pandas writes the file itself: committed (or removed) by commit_file
+    try:
+        rows[list(SYNTHETIC_COLUMNS)].to_parquet(tmp, index=False)
+    except BaseException:  # a Ctrl-C or a full disk mid-write left <stem>.parquet.tmp in the output
+        tmp.unlink(missing_ok=True)
+        raise
+    commit_file(tmp, parquet)
     return jsonl, parquet
 
 
