@@ -225,6 +225,27 @@ def test_a_rerun_whose_save_fails_leaves_no_earlier_metrics_beside_the_folder(sa
     assert (out / "mixture.json").is_file()
 
 
+def test_a_failed_write_of_mixture_json_leaves_no_temporary_file(saved_mixture, tmp_path, monkeypatch):
+    """mixture.json went through a fixed mixture.json.tmp, neither synced nor removed when the rename failed."""
+    import os
+
+    from trainer.rewards.mixture import save_mixture
+
+    mixture, _ = saved_mixture
+    out = tmp_path / "mix"
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(dst) == out / "mixture.json":
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="No space left"):
+        save_mixture(mixture, out)
+    assert sorted(p.name for p in out.iterdir()) == ["clients", "router"]
+
+
 @pytest.mark.parametrize("part, content, error", [
     ("router/router.json", "{", "JSONDecodeError"),
     ("router/router.safetensors", "not safetensors", "SafetensorError"),

@@ -53,7 +53,7 @@ import numpy as np
 from sdk.atomic_write import replace_dir
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.embeddings import EmbedderConfig
-from trainer.report import write_json
+from trainer.report import write_json, write_text
 from trainer.rewards.client_router import ClientRouter
 from trainer.rewards.pair_features import PairEncoder
 from trainer.rewards.reward_models import ClientRewardModel, MLPRewardModel, load_reward_model
@@ -194,9 +194,7 @@ def save_mixture(mixture: RoutedReward, directory: Path, selection: Mapping | No
             "clients": {n: f"clients/{n}" for n in names}}
     if selection is not None:
         meta["selection"] = dict(selection)
-    tmp = directory / "mixture.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2))
-    tmp.replace(directory / "mixture.json")
+    write_text(directory / "mixture.json", json.dumps(meta, indent=2))  # atomic, synced; no temporary file left
     return directory
 
 
