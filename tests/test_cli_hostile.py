@@ -116,6 +116,18 @@ def test_prism_dpo_rejects_a_heldout_fraction_of_one_and_a_file_as_out(tmp_path,
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
+def test_prism_dpo_with_a_policy_that_does_not_load_leaves_no_out_folder(tmp_path, monkeypatch):
+    """The command created --out before the policy loaded: a bad --policy left an empty folder."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("\n".join(json.dumps({"prompt_id": i, "prompt": f"question {i}?", "chosen": f"a good answer {i}",
+                                            "rejected": f"bad {i}"}) for i in range(20)))
+    result = CliRunner().invoke(app, ["prism", "dpo", "--prefs", str(prefs), "--out", str(tmp_path / "dpo"),
+                                      "--policy", str(tmp_path / "no-such-policy")], env={"COLUMNS": "500"})
+    assert result.exit_code != 0 and "cannot load a causal LM" in flat(str(result.exception) + result.output)
+    assert not (tmp_path / "dpo").exists()
+
+
 def test_prism_dpo_splits_hand_edited_prompt_ids_of_mixed_types(tmp_path):
     """prompt_id 1 in one row and "7" in another (a hand-edited file) ended in a TypeError traceback from
     sorting the ids; they are now split like any ids (here all held out, which is refused before any

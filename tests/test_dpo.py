@@ -127,6 +127,17 @@ def test_gpu_preset():
     assert (cfg.device, cfg.dtype, cfg.gradient_checkpointing, cfg.learning_rate) == ("cuda", "bfloat16", True, 5e-7)
 
 
+def test_a_policy_that_does_not_load_leaves_no_output_folder(task, tmp_path):
+    """The output folder was created before the policy loaded: a bad --policy left an empty folder."""
+    from trainer.alignment.errors import PolicyUnavailableError
+
+    _, train, held = task
+    trainer = DPOAlignmentTrainer(DPORunConfig(model=str(tmp_path / "no-such-policy")))
+    with pytest.raises(PolicyUnavailableError):
+        trainer.train(train, held, tmp_path / "dpo")
+    assert not (tmp_path / "dpo").exists()
+
+
 def test_bad_rows(task, tmp_path):
     policy_dir, train, held = task
     trainer = DPOAlignmentTrainer(DPORunConfig(model=str(policy_dir)))

@@ -363,7 +363,6 @@ class DPOAlignmentTrainer:
             raise AlignmentConfigError(f"{len(shared)} held-out prompts also occur in training, e.g. "
                                        f"{next(iter(shared))!r:.80}; split by prompt")
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         previous_threads = torch.get_num_threads()
         if a.device == "cpu" and a.num_threads is not None:
             torch.set_num_threads(int(a.num_threads))
@@ -372,6 +371,7 @@ class DPOAlignmentTrainer:
             policy, tokenizer = load_policy(a.model, device=a.device, dtype="float32")
             reference, _ = load_policy(a.model, device=a.device, dtype="float32")
             reference.requires_grad_(False)
+            out.mkdir(parents=True, exist_ok=True)  # once the policy loaded: a bad --policy leaves no empty folder
             before = self._score(policy, reference, tokenizer, heldout_rows, "before training")
 
             config = DPOConfig(

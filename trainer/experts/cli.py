@@ -193,8 +193,8 @@ def dpo(
                            max_length=max_length, seed=seed)
     except AlignmentConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    out.mkdir(parents=True, exist_ok=True)
-    if tiny:
+    if tiny:  # otherwise DPOAlignmentTrainer.train creates --out once the policy has loaded
+        out.mkdir(parents=True, exist_ok=True)
         # an earlier run's results were measured against the tiny_policy/ rebuilt here: they go first, so a
         # rerun that fails or is stopped leaves none beside another reference policy
         for name in ("dpo_results.json", "dpo_loss.png"):
