@@ -42,7 +42,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.experts.aggregation import aggregate_components, validate_component_update
-from trainer.federated.flower_app import RejectedReply
+from trainer.federated.rejected_reply import RejectedReply
 from trainer.routers.fedavg import fedavg, validate_updates
 
 ARRAYS_KEY = "arrays"
@@ -98,7 +98,7 @@ class FedPrismStrategy(Strategy):
     ----------
     experts_ : list of parameter dicts; router_ : parameter dict; needs_ : dict node -> list of int;
     sent_ : list of (round, node, experts sent) -- the sparse retrieval log;
-    rejected_ : list of :class:`trainer.federated.flower_app.RejectedReply`, the replies dropped
+    rejected_ : list of :class:`trainer.federated.rejected_reply.RejectedReply`, the replies dropped
     (:meth:`aggregate_train`).
     """
 

@@ -53,7 +53,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from logging import INFO, WARNING
 from pathlib import Path
 
@@ -88,6 +87,7 @@ from sdk.protocol import (
 )
 from trainer.federated.gaussian_privacy import gaussian_epsilon
 from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans
+from trainer.federated.rejected_reply import RejectedReply  # re-exported: its home before rejected_reply.py
 from trainer.federated.update_checks import check_kmeans_update as validate_update
 from trainer.routers.kmeans_router import KMeansRouter
 
@@ -172,15 +172,6 @@ def _check_centroids(centroids: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- server
 
 
-@dataclass(frozen=True)
-class RejectedReply:
-    """A reply the strategy did not use: ``server_round``, ``client_id`` (Flower node id) and ``reason``."""
-
-    server_round: int
-    client_id: str
-    reason: str
-
-
 class FederatedKMeansStrategy(Strategy):
     """Flower strategy for the federated K-means router (paper 002; protocol in the module docstring).
 
@@ -210,7 +201,7 @@ class FederatedKMeansStrategy(Strategy):
     epsilon_ : float, epsilon of the last aggregate at ``aggregation.delta`` (inf without noise).
     n_aggregates_ : int, aggregates published so far.
     latest_updates_ : dict str -> (centroids hash, KMeansUpdate), each node's latest valid update.
-    rejected_ : list of :class:`RejectedReply`.
+    rejected_ : list of :class:`RejectedReply` (:mod:`trainer.federated.rejected_reply`), the replies dropped.
 
     Raises
     ------

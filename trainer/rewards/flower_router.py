@@ -27,7 +27,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from sdk.errors import InvalidInputError
-from trainer.federated.flower_app import RejectedReply
+from trainer.federated.rejected_reply import RejectedReply
 from trainer.rewards.client_router import (
     ClientRouter,
     ClientRouterData,
@@ -54,7 +54,7 @@ def arrays_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
 class RouterFedAvg(FedAvg):
     """Flower FedAvg whose aggregation is :func:`aggregate_routers` with ``weighting`` (``"samples"``
     or ``"equal"``). ``last_updates_`` holds the (parameters, n) of the last aggregated round;
-    ``rejected_`` the replies dropped (:class:`trainer.federated.flower_app.RejectedReply`).
+    ``rejected_`` the replies dropped (:class:`trainer.federated.rejected_reply.RejectedReply`).
 
     Each reply is checked against the round's broadcast parameters with
     :func:`trainer.routers.fedavg.validate_updates` (the check FedAvg runs: ``num-examples`` finite
