@@ -482,6 +482,52 @@ def test_mor_router_fedavg_publishes_nothing_when_every_reply_is_empty():
     assert [r.client_id for r in strategy.rejected_] == ["100", "101"]
 
 
+def test_mor_router_fedavg_drops_a_reply_trained_on_fewer_than_min_count_samples():
+    """RouterFedAvg had no min_count: over Flower a router update trained on 2 pairs was averaged in,
+    where the HTTPS server answers 422 to an MLP upload whose n_samples is below the round's min_count.
+    The strategy now applies the server's check (update_checks.check_sample_count) and drops such a
+    reply with the server's reason; its default threshold is the server's default round min_count (5)."""
+    from flwr.app import Array, ArrayRecord
+
+    from trainer.federated.update_checks import DEFAULT_MIN_COUNT
+    from trainer.rewards.flower_router import RouterFedAvg
+
+    assert DEFAULT_MIN_COUNT == 5
+    for kwargs, small in (({}, 2), ({"min_count": 8}, 7)):
+        strategy = RouterFedAvg("samples", min_train_nodes=2, min_available_nodes=2, fraction_evaluate=0.0, **kwargs)
+        assert strategy.min_count == kwargs.get("min_count", 5)
+        strategy.configure_train(1, ArrayRecord({"w": Array(np.zeros(3, np.float32))}), ConfigRecord(),
+                                 InProcessGrid(None, 2))
+        arrays, metrics = strategy.aggregate_train(1, [_mor_reply(100, _w(1, 1, 1), strategy.min_count),
+                                                       _mor_reply(101, _w(9, 9, 9), small)])
+        np.testing.assert_array_equal(arrays["w"].numpy(), [1, 1, 1])  # node 100's parameters alone
+        assert metrics == MetricRecord({"num-examples": float(strategy.min_count)})
+        assert [(r.server_round, r.client_id, r.reason) for r in strategy.rejected_] == [
+            (1, "101", f"need min_count={strategy.min_count} <= n_samples={small}")]
+    # Every reply below the threshold: nothing is published.
+    strategy = RouterFedAvg("equal", min_train_nodes=2, min_available_nodes=2, fraction_evaluate=0.0)
+    strategy.configure_train(1, ArrayRecord({"w": Array(np.zeros(3, np.float32))}), ConfigRecord(),
+                             InProcessGrid(None, 2))
+    assert strategy.aggregate_train(1, [_mor_reply(100, _w(1, 1, 1), 1), _mor_reply(101, _w(2, 2, 2), 4)]) == (None, None)
+    assert [r.client_id for r in strategy.rejected_] == ["100", "101"]
+
+
+@pytest.mark.parametrize("min_count", [0, -1, 2.5, True, "5"])
+def test_mor_router_fedavg_refuses_a_bad_min_count(min_count):
+    from trainer.rewards.flower_router import RouterFedAvg
+
+    with pytest.raises(InvalidInputError, match=f"min_count must be an int >= 1, got {min_count!r}"):
+        RouterFedAvg("samples", min_count=min_count)
+
+
+def test_rejected_reply_lives_in_a_neutral_module_and_flower_app_reexports_it():
+    from trainer.federated import flower_app
+    from trainer.federated.rejected_reply import RejectedReply
+
+    assert flower_app.RejectedReply is RejectedReply
+    assert RejectedReply(1, "7", "why") == RejectedReply(server_round=1, client_id="7", reason="why")
+
+
 def test_the_round_config_may_not_set_max_cost_usd_itself(tmp_path):
     c0 = toy_log(tmp_path / "node.sqlite")
     strategy = FederatedKMeansStrategy(("a", "b"), "toy", rng=np.random.default_rng(0))

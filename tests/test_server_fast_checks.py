@@ -12,6 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from sdk.errors import InvalidInputError
 from trainer.federated.kmeans_aggregation import AggregationConfig
 from trainer.server import round_kinds
 from trainer.server.errors import UploadRejected
@@ -271,3 +272,23 @@ def test_an_honest_device_whose_clipped_costs_sum_above_the_bound_by_rounding_is
         body = body_of(r, fields, media)
         assert _accept_valid(body, r) is not None  # the fast path
         np.testing.assert_array_equal(_check_fields(body, r).statistics.sum_cost, s.sum_cost)  # the field checks
+
+
+@pytest.mark.parametrize("n_samples, log_size, error, message", [
+    (3, 3, "PrivacyError", "need min_count=5 <= n_samples=3 <= log_size=3"),
+    (20, 10, "ShapeError", "need min_count=5 <= n_samples=20 <= log_size=10"),
+    (float("nan"), 10, "PrivacyError", "need min_count=5 <= n_samples=nan <= log_size=10"),
+    (2.0, None, "PrivacyError", "need min_count=5 <= n_samples=2"),  # Flower's num-examples is a float
+    (5, 5, None, None), (5.0, None, None, None), (10, 10, None, None),
+])
+def test_the_sample_count_check_shared_by_the_server_and_flower(n_samples, log_size, error, message):
+    """check_sample_count is the HTTPS server's check of an MLP upload's n_samples (validate_mlp_update
+    answers 422 with this message) and the Flower MoR router strategy's check of num-examples."""
+    from trainer.federated.update_checks import check_sample_count
+
+    if error is None:
+        check_sample_count(n_samples, 5, log_size)
+        return
+    with pytest.raises(InvalidInputError) as exc:
+        check_sample_count(n_samples, 5, log_size)
+    assert (type(exc.value).__name__, str(exc.value)) == (error, message)

@@ -1,8 +1,11 @@
-"""Checks of one device's K-means update against the round it answers (ARCHITECTURE.md §6).
+"""Checks of one device's update against the round it answers (ARCHITECTURE.md §6).
 
-One function, used by both transports: the built-in HTTPS server (:mod:`trainer.server.validation`,
-which answers 422 with the message) and the Flower strategy (:mod:`trainer.federated.flower_app`,
-which drops the reply). Pure.
+Each check is one function, used by both transports: the built-in HTTPS server
+(:mod:`trainer.server.validation`, which answers 422 with the message) and the Flower strategies
+(which drop the reply and list it in ``rejected_``): K-means updates (:func:`check_kmeans_update`,
+:mod:`trainer.federated.flower_app`) and the privacy threshold on the samples behind a parameter
+update (:func:`check_sample_count`: MLP uploads on the server, :mod:`trainer.rewards.flower_router`
+on Flower). Pure.
 """
 
 from __future__ import annotations
@@ -18,6 +21,45 @@ from sdk.protocol import DIFFERENCE_REFUSAL_PHRASE
 #: and n costs each equal to the bound can sum above ``n * bound`` by rounding (10 queries clipped to
 #: 0.03 USD sum to 0.03 * 10 + 5.6e-17), which an exact comparison refused.
 COST_BOUND_RTOL = 1e-9
+
+#: The privacy threshold of a round when its operator sets none (samples): ``fedroute server rounds open
+#: --min-count`` (trainer/server/cli.py), the Flower MoR router strategy's ``min_count``
+#: (:class:`trainer.rewards.flower_router.RouterFedAvg`), and the devices' ``min_count_floor``
+#: (sdk/sync.py, also 5).
+DEFAULT_MIN_COUNT = 5
+
+
+def check_sample_count(n_samples: float, min_count: int, log_size: float | None = None) -> None:
+    """Refuse a parameter update trained on fewer than ``min_count`` samples (the privacy threshold:
+    an update over a handful of evaluations reveals them; docs/protocol.md, ARCHITECTURE.md §6), or on
+    more than ``log_size`` (the evaluations the device holds) when given. The HTTPS server's check of
+    an MLP upload's ``n_samples`` (:func:`trainer.server.validation.validate_mlp_update`, 422) and the
+    Flower router strategy's check of a reply's ``num-examples`` (dropped). Pure.
+
+    Parameters
+    ----------
+    n_samples : int or float, samples (evaluations, or preference pairs) the update was trained on.
+    min_count : int >= 1, the round's privacy threshold (samples).
+    log_size : int or None, the device's log size (samples); None: no upper bound.
+
+    Raises
+    ------
+    PrivacyError
+        ``n_samples < min_count`` (NaN included): ``need min_count={m} <= n_samples={n}`` (with
+        ``<= log_size={l}`` when ``log_size`` is given).
+    ShapeError
+        ``n_samples > log_size``, same message.
+    """
+    def show(x: float | None) -> str:
+        return str(int(x)) if isinstance(x, float) and x.is_integer() else str(x)
+
+    need = f"need min_count={min_count} <= n_samples={show(n_samples)}"
+    if log_size is not None:
+        need += f" <= log_size={show(log_size)}"
+    if not n_samples >= min_count:
+        raise PrivacyError(need)
+    if log_size is not None and n_samples > log_size:
+        raise ShapeError(need)
 
 
 def max_cost_per_query(max_cost_usd: float | None) -> float:
@@ -219,5 +261,5 @@ def _may_move_too_little(update: KMeansUpdate, previous: KMeansUpdate, min_count
     return any(w > 0 and 0 < abs(w - before.get(k, 0.0)) < threshold for k, w in now.items())
 
 
-__all__ = ["COST_BOUND_RTOL", "check_difference", "check_kmeans_costs", "check_kmeans_totals", "check_kmeans_update",
-           "cost_limit", "max_cost_per_query"]
+__all__ = ["COST_BOUND_RTOL", "DEFAULT_MIN_COUNT", "check_difference", "check_kmeans_costs", "check_kmeans_totals",
+           "check_kmeans_update", "check_sample_count", "cost_limit", "max_cost_per_query"]

@@ -28,6 +28,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from sdk.errors import InvalidInputError
 from trainer.federated.rejected_reply import RejectedReply
+from trainer.federated.update_checks import DEFAULT_MIN_COUNT, check_sample_count
 from trainer.rewards.client_router import (
     ClientRouter,
     ClientRouterData,
@@ -58,16 +59,37 @@ class RouterFedAvg(FedAvg):
 
     Each reply is checked against the round's broadcast parameters with
     :func:`trainer.routers.fedavg.validate_updates` (the check FedAvg runs: ``num-examples`` finite
-    and > 0, the same names and shapes, finite values); one that fails (zero samples, empty or
-    missing arrays, ...) is dropped, logged and listed, and the others are averaged, as the HTTPS
-    server answers 422 to one upload below ``min_count`` samples and keeps the round.
+    and > 0, the same names and shapes, finite values), then against the privacy threshold with
+    :func:`trainer.federated.update_checks.check_sample_count`, the HTTPS server's check of an MLP
+    upload's ``n_samples`` (docs/protocol.md; ARCHITECTURE.md §6): a router trained on fewer than
+    ``min_count`` preference pairs reveals them. A reply that fails (zero samples, empty or missing
+    arrays, ``num-examples`` below ``min_count``, ...) is dropped, logged and listed in ``rejected_``
+    with the check's message (``need min_count=5 <= n_samples=2``), and the others are averaged, as
+    the HTTPS server answers 422 to such an upload and keeps the round. The nodes
+    (:func:`make_router_client_app`) are not told the threshold: one below it trains and is dropped.
+
+    Parameters
+    ----------
+    weighting : ``"samples"`` or ``"equal"``.
+    min_count : int >= 1, the privacy threshold: smallest ``num-examples`` (preference pairs) of a
+        reply that is averaged; default :data:`trainer.federated.update_checks.DEFAULT_MIN_COUNT` (5,
+        the HTTPS server's default round ``min_count``).
+    **kwargs : passed to :class:`flwr.serverapp.strategy.FedAvg`.
+
+    Raises
+    ------
+    InvalidInputError
+        An unknown ``weighting``, or a ``min_count`` that is not an int >= 1 (the message names it).
     """
 
-    def __init__(self, weighting: str = "equal", **kwargs) -> None:
+    def __init__(self, weighting: str = "equal", min_count: int = DEFAULT_MIN_COUNT, **kwargs) -> None:
         if weighting not in ("samples", "equal"):
             raise InvalidInputError(f"weighting must be 'samples' or 'equal', got {weighting!r}")
+        if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
+            raise InvalidInputError(f"min_count must be an int >= 1, got {min_count!r}")
         super().__init__(**kwargs)
         self.weighting = weighting
+        self.min_count = min_count
         self.last_updates_: list[tuple[dict[str, np.ndarray], float]] = []
         self.rejected_: list[RejectedReply] = []
         self._broadcast: dict[str, np.ndarray] | None = None
@@ -78,8 +100,8 @@ class RouterFedAvg(FedAvg):
         return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """:func:`aggregate_routers` of the replies that pass the check (class docstring); ``(None,
-        None)`` when none does."""
+        """:func:`aggregate_routers` of the replies that pass the checks (class docstring: names,
+        shapes, finite values, ``min_count <= num-examples``); ``(None, None)`` when none does."""
         if self._broadcast is None:
             raise InvalidInputError("aggregate_train called before configure_train")
         valid, _ = self._check_and_log_replies(replies, is_train=True, validate=False)  # checked one by one below
@@ -88,7 +110,8 @@ class RouterFedAvg(FedAvg):
             try:
                 update = (arrays_to_numpy(m.content[ARRAYS_KEY]), float(m.content["metrics"][NUM_EXAMPLES]))
                 validate_updates([(self._broadcast, 1.0), update])
-            except (InvalidInputError, KeyError, TypeError, ValueError) as exc:  # ShapeError included
+                check_sample_count(update[1], self.min_count)  # the HTTPS server's check (PrivacyError)
+            except (InvalidInputError, KeyError, TypeError, ValueError) as exc:  # ShapeError, PrivacyError included
                 if isinstance(exc, InvalidInputError):  # its "update 1" is this reply, "update 0" the broadcast
                     reason = str(exc).removeprefix("update 1: ").replace("update 0", "the round's parameters")
                 else:

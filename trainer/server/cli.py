@@ -23,6 +23,7 @@ from sdk.errors import BundleError
 from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 from sdk.kind_registry import UnknownKindError
 from trainer.federated.gaussian_privacy import gaussian_epsilon
+from trainer.federated.update_checks import DEFAULT_MIN_COUNT
 from trainer.server.round_kind import OpenRequest, Publisher
 
 DbOpt = Annotated[str, typer.Option("--db", help="SQLAlchemy database URL, e.g. sqlite:///fed.db")]
@@ -183,7 +184,7 @@ def rounds_open(
     deadline_s: Annotated[float, typer.Option(callback=finite_option, min=0.001, help="seconds until the round closes")] = 3600.0,
     quorum: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="the round closes early once this many clients uploaded")] = 1,
     min_count: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="privacy threshold: smallest reported (cell, model) count, "
-                                                      "or smallest MLP training set")] = 5,
+                                                      "or smallest MLP training set")] = DEFAULT_MIN_COUNT,
     recluster: Annotated[bool, typer.Option(help="kmeans: use the Lloyd step of the last aggregated round")] = False,
     router: Annotated[Path | None, typer.Option(help="mlp: trained router folder with the starting parameters")] = None,
     resume: Annotated[bool, typer.Option("--continue", help="mlp: start from the last aggregated MLP round")] = False,

@@ -44,7 +44,7 @@ from trainer.federated.mlp_local import UPLOAD_FIELDS, read_parameters
 # The cost bound of one query (USD; sdk.eval_log.MAX_COST_PER_QUERY_USD when the round sets no max_cost_usd:
 # rejects absurd sums that would overflow the merge; the device's EvalLog refuses rows above it, so a device
 # never logs what it could not upload) is update_checks' cost_limit, shared with the Flower strategy.
-from trainer.federated.update_checks import check_kmeans_costs, check_kmeans_totals, cost_limit
+from trainer.federated.update_checks import check_kmeans_costs, check_kmeans_totals, check_sample_count, cost_limit
 from trainer.server.errors import UploadRejected
 from trainer.server.round_kind import ParsedUpload
 from trainer.server.store import Round
@@ -132,8 +132,10 @@ def validate_mlp_update(parameters: dict, metadata: dict, round_: Round) -> int:
             raise ValueError("not integers")
     except ValueError as exc:
         raise UploadRejected(422, f"n_samples and log_size must be integers in [0, {MAX_COUNT}]") from exc
-    if not round_.min_count <= n_samples <= log_size:
-        raise UploadRejected(422, f"need min_count={round_.min_count} <= n_samples={n_samples} <= log_size={log_size}")
+    try:  # the check the Flower router strategy applies too (update_checks.check_sample_count)
+        check_sample_count(n_samples, round_.min_count, log_size)
+    except (PrivacyError, ShapeError) as exc:
+        raise UploadRejected(422, str(exc)) from exc
     base, _ = read_parameters(round_.parameters)
     if set(parameters) != set(base):
         raise UploadRejected(422, f"parameter names differ from the round's: {sorted(set(parameters) ^ set(base))[:5]}")
