@@ -508,7 +508,8 @@ def test_mor_router_fedavg_drops_a_reply_trained_on_fewer_than_min_count_samples
     strategy = RouterFedAvg("equal", min_train_nodes=2, min_available_nodes=2, fraction_evaluate=0.0)
     strategy.configure_train(1, ArrayRecord({"w": Array(np.zeros(3, np.float32))}), ConfigRecord(),
                              InProcessGrid(None, 2))
-    assert strategy.aggregate_train(1, [_mor_reply(100, _w(1, 1, 1), 1), _mor_reply(101, _w(2, 2, 2), 4)]) == (None, None)
+    replies = [_mor_reply(100, _w(1, 1, 1), 1), _mor_reply(101, _w(2, 2, 2), 4)]
+    assert strategy.aggregate_train(1, replies) == (None, None)
     assert [r.client_id for r in strategy.rejected_] == ["100", "101"]
 
 
