@@ -197,7 +197,8 @@ def test_a_node_that_misses_a_round_keeps_its_latest_update(logs, tmp_path):
     paths = {c: tmp_path / f"c{c}.sqlite" for c in range(N_CLIENTS)}
     for c, src in logs["paths"].items():
         paths[c].write_bytes(src.read_bytes())
-    strategy = FederatedKMeansStrategy(logs["models"], EMBEDDER, centroid_rounds=0, rng=np.random.default_rng(0))
+    strategy = FederatedKMeansStrategy(logs["models"], EMBEDDER, min_count=1, centroid_rounds=0,
+                                       rng=np.random.default_rng(0))
     app = make_client_app(paths)
     strategy.start(grid=InProcessGrid(app, N_CLIENTS), initial_arrays=centroids_record(c0), num_rounds=1)
     first = strategy.statistics_
@@ -250,7 +251,7 @@ def test_a_failing_or_stale_reply_is_dropped_and_listed(logs, tmp_path):
 def test_the_strategy_applies_the_aggregation_options_as_the_pure_function(logs):
     c0 = seed_centroids(logs)
     config = AggregationConfig(clip_count=20.0, max_cost_usd=0.05, trim_fraction=0.34)
-    strategy = FederatedKMeansStrategy(logs["models"], EMBEDDER, aggregation=config, centroid_rounds=0,
+    strategy = FederatedKMeansStrategy(logs["models"], EMBEDDER, min_count=1, aggregation=config, centroid_rounds=0,
                                        rng=np.random.default_rng(0))
     strategy.start(grid=InProcessGrid(make_client_app(logs["paths"]), N_CLIENTS),
                    initial_arrays=centroids_record(c0), num_rounds=1)
@@ -286,7 +287,7 @@ def test_the_nodes_clip_each_cost_to_the_rounds_max_cost_usd(tmp_path, max_cost_
     ``max-cost-usd`` and the node clips each cost to it. Hand-computed sums."""
     c0 = toy_log(tmp_path / "node.sqlite")
     config = AggregationConfig(max_cost_usd=max_cost_usd)  # no clip_count: the merge itself changes nothing
-    strategy = FederatedKMeansStrategy(("a", "b"), "toy", aggregation=config, centroid_rounds=0,
+    strategy = FederatedKMeansStrategy(("a", "b"), "toy", min_count=1, aggregation=config, centroid_rounds=0,
                                        rng=np.random.default_rng(0))
     grid = InProcessGrid(make_client_app({0: tmp_path / "node.sqlite"}), 1)
     [message] = strategy.configure_train(1, centroids_record(c0), ConfigRecord(), grid)
@@ -334,7 +335,7 @@ def test_a_reply_above_the_rounds_max_cost_usd_is_refused_and_the_round_goes_on(
             return [(honest if m.metadata.dst_node_id == 100 else hostile)(m, self.contexts[m.metadata.dst_node_id])
                     for m in messages]
 
-    strategy = FederatedKMeansStrategy(("a", "b"), "toy", aggregation=AggregationConfig(max_cost_usd=0.1),
+    strategy = FederatedKMeansStrategy(("a", "b"), "toy", min_count=1, aggregation=AggregationConfig(max_cost_usd=0.1),
                                        centroid_rounds=0, rng=np.random.default_rng(0))
     strategy.start(grid=MixedGrid(honest, 2), initial_arrays=centroids_record(c0), num_rounds=1)
     assert [(r.server_round, r.client_id, r.reason) for r in strategy.rejected_] == [
@@ -369,7 +370,7 @@ def test_an_update_that_reports_nothing_is_refused_and_keeps_the_nodes_latest_up
     c0 = toy_log(tmp_path / "a.sqlite")
     toy_log(tmp_path / "b.sqlite")
     paths = {0: tmp_path / "a.sqlite", 1: tmp_path / "b.sqlite"}
-    strategy = FederatedKMeansStrategy(("a", "b"), "toy", centroid_rounds=0, rng=np.random.default_rng(0))
+    strategy = FederatedKMeansStrategy(("a", "b"), "toy", min_count=1, centroid_rounds=0, rng=np.random.default_rng(0))
     strategy.start(grid=InProcessGrid(make_client_app(paths), 2), initial_arrays=centroids_record(c0), num_rounds=1)
     assert strategy.clients_ == ("100", "101") and strategy.rejected_ == []
     with EvalLog(tmp_path / "empty.sqlite", ("a", "b")):
@@ -556,6 +557,25 @@ def small_update() -> KMeansUpdate:
                            np.array([[0.002, 0.0], [0.0, 0.3]]))
     return KMeansUpdate(stats, np.array([0, 1], dtype=np.int64), np.array([[0.6, 0.8], [1.0, 0.0]]),
                         np.array([2.0, 3.0]), log_size=6)
+
+
+def test_the_kmeans_strategy_applies_the_servers_default_min_count_when_none_is_given(tmp_path):
+    """FederatedKMeansStrategy defaulted to min_count=1 where the HTTPS server's round defaults to
+    DEFAULT_MIN_COUNT (5): without an explicit threshold an entry of 2 queries was accepted. The
+    default is now the server's: the round config tells the nodes 5, and a reply with an entry of 2
+    queries is dropped with the shared check's reason."""
+    from trainer.federated.update_checks import DEFAULT_MIN_COUNT
+
+    c0 = toy_log(tmp_path / "node.sqlite")
+    strategy = FederatedKMeansStrategy(("a", "b"), "toy", centroid_rounds=0, rng=np.random.default_rng(0))
+    assert strategy.min_count == DEFAULT_MIN_COUNT == 5
+    [message] = strategy.configure_train(1, centroids_record(c0), ConfigRecord(),
+                                         InProcessGrid(make_client_app({0: tmp_path / "node.sqlite"}), 1))
+    assert message.content["config"]["min-count"] == 5
+    reply = _reply(100, update_to_record(small_update(), centroids_hash(c0)))
+    assert strategy.aggregate_train(1, [reply]) == (None, None)
+    assert [(r.server_round, r.client_id, r.reason) for r in strategy.rejected_] == [
+        (1, "100", "count[0, 0]=2 is below min_count=5: such entries are not reported")]
 
 
 def test_update_round_trips_exactly_through_numpy_and_flower_records():

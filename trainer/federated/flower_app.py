@@ -88,6 +88,7 @@ from sdk.protocol import (
 from trainer.federated.gaussian_privacy import gaussian_epsilon
 from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans
 from trainer.federated.rejected_reply import RejectedReply  # re-exported: its home before rejected_reply.py
+from trainer.federated.update_checks import DEFAULT_MIN_COUNT
 from trainer.federated.update_checks import check_kmeans_update as validate_update
 from trainer.routers.kmeans_router import KMeansRouter
 
@@ -180,7 +181,10 @@ class FederatedKMeansStrategy(Strategy):
     models : sequence of str, the model ids, column order of the statistics.
     embedder_name : str, the embedder the centroids live in (sent to the nodes; a node whose log
         has another dimension refuses the round).
-    min_count : int >= 1, privacy threshold: (cell, model) entries with fewer samples are not reported.
+    min_count : int >= 1, privacy threshold: (cell, model) entries with fewer samples are not reported
+        (sent to the nodes as ``min-count``; a reply that breaks it is refused). Default
+        :data:`trainer.federated.update_checks.DEFAULT_MIN_COUNT` (5), the HTTPS server's default round
+        ``min_count``: privacy by default (it was 1, which let single-query entries through).
     aggregation : :class:`AggregationConfig` or None (plain merge): clipping, trimmed merge, noise. Its
         ``max_cost_usd`` is also sent to the nodes (``max-cost-usd``), which clip each logged cost to it, and
         a reply whose cost sums exceed it is refused (listed in ``rejected_``).
@@ -213,7 +217,7 @@ class FederatedKMeansStrategy(Strategy):
         self,
         models: Sequence[str],
         embedder_name: str,
-        min_count: int = 1,
+        min_count: int = DEFAULT_MIN_COUNT,
         aggregation: AggregationConfig | None = None,
         centroid_rounds: int | None = None,
         fraction_train: float = 1.0,
