@@ -329,7 +329,9 @@ def test_flower_simulation_aggregates_per_component_with_sparse_retrieval(monkey
     monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     experts = [{"w": np.full((2,), float(k), np.float32)} for k in range(3)]
     router = {"b": np.zeros((3,), np.float32)}
-    strategy = FedPrismStrategy(experts, router, pgpd_rounds={2}, min_nodes=2, rng=np.random.default_rng(0))
+    # min_count=2: the nodes train each expert on 2 and 3 samples (the default, 5, would drop them all).
+    strategy = FedPrismStrategy(experts, router, pgpd_rounds={2}, min_nodes=2, rng=np.random.default_rng(0),
+                                min_count=2)
     run_simulation(make_server_app(strategy, num_rounds=2, timeout=900.0), make_client_app(_local_step),
                    num_supernodes=2, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                                      "init_args": {"num_cpus": 2, "include_dashboard": False}})

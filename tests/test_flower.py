@@ -424,7 +424,7 @@ def test_fedprism_strategy_drops_a_reply_without_samples_or_with_bad_arrays(case
     from trainer.experts.flower_strategy import FedPrismStrategy
 
     bad, reason = PRISM_BAD_REPLIES[case]
-    strategy = FedPrismStrategy([_w(0, 0)], {"r": np.zeros(1, np.float32)})
+    strategy = FedPrismStrategy([_w(0, 0)], {"r": np.zeros(1, np.float32)}, min_count=1)  # 3-4 samples pass
     arrays, metrics = strategy.aggregate_train(1, [_prism_reply(1, {0: _w(1, 1)}, 3), bad])
     assert metrics == MetricRecord({"nodes": 1})
     np.testing.assert_array_equal(strategy.experts_[0]["w"], [1, 1])  # node 1's expert alone
@@ -433,6 +433,51 @@ def test_fedprism_strategy_drops_a_reply_without_samples_or_with_bad_arrays(case
     assert (rejected.server_round, rejected.client_id) == (1, "2") and reason in rejected.reason
     # A reply that used no sample still says what it needs next round; a malformed one says nothing.
     assert set(strategy.needs_) == ({1, 2} if "no sample" in reason else {1})
+
+
+def test_fedprism_strategy_drops_each_component_trained_on_fewer_than_min_count_samples():
+    """FedPrismStrategy had no min_count: an expert trained on 1 sample was averaged in, where the HTTPS
+    server answers 422 to a parameter upload whose n_samples is below the round's min_count. Each
+    component (expert, PGPD router) is now checked on its own with the server's check and only those
+    below the threshold are dropped, with the check's message; the default is the server's (5)."""
+    from trainer.experts.flower_strategy import FedPrismStrategy, pack
+
+    def reply(node, experts, router=None):  # experts: {k: (params, n)}; router: (params, n)
+        metrics = {f"n-expert-{k}": float(n) for k, (_, n) in experts.items()}
+        metrics["n-router"] = float(router[1]) if router else 0.0
+        return _reply(node, RecordDict({"arrays": pack({k: p for k, (p, _) in experts.items()},
+                                                        router[0] if router else None),
+                                        "metrics": MetricRecord(metrics), "config": ConfigRecord({"needs": [0]})}))
+
+    r0 = {"r": np.zeros(1, np.float32)}
+    strategy = FedPrismStrategy([_w(0, 0), _w(0, 0)], r0)
+    assert strategy.min_count == 5
+    arrays, metrics = strategy.aggregate_train(1, [
+        reply(1, {0: (_w(1, 1), 5), 1: (_w(9, 9), 1)}),  # expert 1 from 1 sample: dropped, expert 0 kept
+        reply(2, {1: (_w(3, 3), 6)}, ({"r": np.ones(1, np.float32)}, 2)),  # router from 2 samples: dropped
+        reply(3, {0: (_w(7, 7), 4), 1: (_w(7, 7), 0)}),  # nothing left above the threshold: not a node
+    ])
+    assert metrics == MetricRecord({"nodes": 2})
+    np.testing.assert_array_equal(strategy.experts_[0]["w"], [1, 1])  # node 1 alone (was (1*5 + 7*4) / 9)
+    np.testing.assert_array_equal(strategy.experts_[1]["w"], [3, 3])  # node 2 alone (was (9 + 3*6) / 7)
+    np.testing.assert_array_equal(strategy.router_["r"], [0])
+    assert [(r.server_round, r.client_id, r.reason) for r in strategy.rejected_] == [
+        (1, "1", "expert 1: need min_count=5 <= n_samples=1"), (1, "2", "router: need min_count=5 <= n_samples=2"),
+        (1, "3", "expert 0: need min_count=5 <= n_samples=4")]
+    assert set(strategy.needs_) == {1, 2, 3}
+    # An explicit threshold: 4 samples pass with min_count=4.
+    strategy = FedPrismStrategy([_w(0, 0)], r0, min_count=4)
+    strategy.aggregate_train(1, [reply(1, {0: (_w(2, 2), 4)}), reply(2, {0: (_w(8, 8), 3)})])
+    np.testing.assert_array_equal(strategy.experts_[0]["w"], [2, 2])
+    assert [r.reason for r in strategy.rejected_] == ["expert 0: need min_count=4 <= n_samples=3"]
+
+
+@pytest.mark.parametrize("min_count", [0, -1, 2.5, True, "5"])
+def test_fedprism_strategy_refuses_a_bad_min_count(min_count):
+    from trainer.experts.flower_strategy import FedPrismStrategy
+
+    with pytest.raises(InvalidInputError, match=f"min_count must be an int >= 1, got {min_count!r}"):
+        FedPrismStrategy([_w(0, 0)], {"r": np.zeros(1, np.float32)}, min_count=min_count)
 
 
 def _mor_reply(node, params, n):

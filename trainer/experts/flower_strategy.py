@@ -15,6 +15,8 @@ Wire format
   ran PGPD, the router (``router/<name>``); ``metrics["metrics"]``: ``n-expert-<k>`` (samples used
   for expert k), ``n-router`` (samples behind the router update, 0 if none); ``config["config"]``:
   ``needs`` (list of int, the experts its samples route to, for the next round).
+- Server: each expert (and router) of a reply trained on ``0 < n < min_count`` samples is left out
+  and listed in ``rejected_`` (the privacy threshold, per component: :meth:`FedPrismStrategy.aggregate_train`).
 
 Deviation from paper 000 (Step 1 routes with the *current* round's router before retrieving): to save
 a round trip, a node's request is the ``needs`` it reported at the end of its previous round, routed
@@ -40,9 +42,10 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
-from sdk.errors import InvalidInputError, ShapeError
+from sdk.errors import InvalidInputError, PrivacyError, ShapeError
 from trainer.experts.aggregation import aggregate_components, validate_component_update
 from trainer.federated.rejected_reply import RejectedReply
+from trainer.federated.update_checks import DEFAULT_MIN_COUNT, check_sample_count
 from trainer.routers.fedavg import fedavg, validate_updates
 
 ARRAYS_KEY = "arrays"
@@ -93,19 +96,33 @@ class FedPrismStrategy(Strategy):
     pgpd_rounds : set of round numbers in which nodes distil the router (PGPD).
     min_nodes : int >= 1, nodes sampled each round (all connected nodes when fewer).
     rng : numpy Generator for node sampling.
+    min_count : int >= 1, the privacy threshold (samples): a component (one expert, or the PGPD
+        router) trained on ``0 < n < min_count`` samples is dropped (:meth:`aggregate_train`);
+        default :data:`trainer.federated.update_checks.DEFAULT_MIN_COUNT` (5, the HTTPS server's
+        default round ``min_count``). The nodes are not told it: a node below it trains and the
+        component is dropped here.
 
     Attributes
     ----------
     experts_ : list of parameter dicts; router_ : parameter dict; needs_ : dict node -> list of int;
     sent_ : list of (round, node, experts sent) -- the sparse retrieval log;
     rejected_ : list of :class:`trainer.federated.rejected_reply.RejectedReply`, the replies dropped
-    (:meth:`aggregate_train`).
+    (:meth:`aggregate_train`), one entry per dropped component.
+
+    Raises
+    ------
+    InvalidInputError
+        No expert, or a ``min_count`` that is not an int >= 1 (the message names it).
     """
 
     def __init__(self, experts: Sequence[Params], router: Params, pgpd_rounds: Iterable[int] = (),
-                 min_nodes: int = 1, rng: np.random.Generator | None = None) -> None:
+                 min_nodes: int = 1, rng: np.random.Generator | None = None,
+                 min_count: int = DEFAULT_MIN_COUNT) -> None:
         if not experts:
             raise InvalidInputError("FedPrismStrategy needs at least one expert")
+        if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
+            raise InvalidInputError(f"min_count must be an int >= 1, got {min_count!r}")
+        self.min_count = min_count
         self.experts_ = [dict(e) for e in experts]
         self.router_ = dict(router)
         self.pgpd_rounds = frozenset(int(t) for t in pgpd_rounds)
@@ -140,9 +157,21 @@ class FedPrismStrategy(Strategy):
         Each reply is checked first (:meth:`_read_reply`); an invalid one, or one that used no sample
         (every count 0: it would count as a node and change nothing), is dropped, logged and listed
         in :attr:`rejected_`, and the round goes on with the others, as the HTTPS server answers 422
-        to one upload (``n_samples`` below ``min_count``) and keeps the round. The ``needs`` of a
-        reply that used no sample are still recorded (its samples may route to experts it was not
-        sent: it asks for them next round).
+        to one upload and keeps the round. The ``needs`` of a reply that used no sample are still
+        recorded (its samples may route to experts it was not sent: it asks for them next round).
+
+        Then the privacy threshold, per component: each expert of a valid reply (``n-expert-<k>``)
+        and its PGPD router (``n-router``) is checked on its own with
+        :func:`trainer.federated.update_checks.check_sample_count`, the HTTPS server's check of an
+        MLP upload's ``n_samples`` (docs/protocol.md): one trained on ``0 < n < min_count`` samples
+        is left out of the aggregate and listed in :attr:`rejected_` as ``expert <k>: need
+        min_count=5 <= n_samples=1`` (or ``router: ...``); the reply's other components are kept. Per
+        component rather than per reply because the server's check is per parameter set (one upload
+        = one set with its own ``n_samples``) and here each expert is a set of its own, trained only
+        on the samples routed to it: an expert of 1 sample reveals that sample whatever its
+        siblings used, and a sibling of 50 samples reveals no more for it. A component of 0 samples
+        already has weight 0 (:func:`aggregate_components`) and is not listed. A reply left with
+        nothing to aggregate does not count as a node.
         """
         updates, routers = [], []
         for msg in replies:
@@ -159,6 +188,9 @@ class FedPrismStrategy(Strategy):
                 self._reject(server_round, msg, "the reply used no sample (every n-expert-<k> and n-router is 0): "
                                                 "nothing to aggregate")
                 continue
+            update, router = self._apply_min_count(server_round, msg, update, router)
+            if router is None and not any(n > 0 for _, n in update.values()):
+                continue  # every component it used was below min_count (each listed): not a node
             updates.append(update)
             if router is not None:
                 routers.append(router)
@@ -169,9 +201,31 @@ class FedPrismStrategy(Strategy):
             self.router_ = {k: v.astype(np.float32) for k, v in fedavg(routers).items()}
         return pack(dict(enumerate(self.experts_)), self.router_), MetricRecord({"nodes": len(updates)})
 
-    def _reject(self, server_round: int, msg: Message, reason: str) -> None:
-        log(WARNING, "aggregate_train: round %d, reply of node %s dropped: %s", server_round, msg.metadata.src_node_id,
-            reason)
+    def _apply_min_count(self, server_round: int, msg: Message, update: dict[int, tuple[Params, float]],
+                         router: tuple[Params, float] | None
+                         ) -> tuple[dict[int, tuple[Params, float]], tuple[Params, float] | None]:
+        """``(update, router)`` without the components trained on ``0 < n < min_count`` samples,
+        each listed in :attr:`rejected_` (:meth:`aggregate_train`)."""
+        kept = {}
+        for k, (params, n) in update.items():
+            try:
+                if n > 0:
+                    check_sample_count(n, self.min_count)
+            except PrivacyError as exc:
+                self._reject(server_round, msg, f"expert {k}: {exc}", "expert")
+                continue
+            kept[k] = (params, n)
+        if router is not None:
+            try:
+                check_sample_count(router[1], self.min_count)  # n_router > 0 here (_read_reply)
+            except PrivacyError as exc:
+                self._reject(server_round, msg, f"router: {exc}", "router")
+                router = None
+        return kept, router
+
+    def _reject(self, server_round: int, msg: Message, reason: str, part: str = "reply") -> None:
+        log(WARNING, "aggregate_train: round %d, %s of node %s dropped: %s", server_round, part,
+            msg.metadata.src_node_id, reason)
         self.rejected_.append(RejectedReply(server_round, str(msg.metadata.src_node_id), reason))
 
     def _read_reply(self, msg: Message) -> tuple[dict[int, tuple[Params, float]], tuple[Params, float] | None,
