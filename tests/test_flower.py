@@ -559,6 +559,44 @@ def test_mor_router_fedavg_drops_a_reply_trained_on_fewer_than_min_count_samples
     assert [r.client_id for r in strategy.rejected_] == ["100", "101"]
 
 
+def test_a_mor_router_node_below_min_count_sends_no_update():
+    """make_router_client_app trained and sent its router with 2 pairs (the strategy then dropped it:
+    the parameters had left the node). The round config now carries min-count, as the K-means strategy
+    sends it, and a node holding fewer pairs replies with no array and num-examples 0; the strategy
+    lists that reply and averages the others."""
+    from flwr.app import Array, ArrayRecord
+
+    from trainer.rewards.client_router import ClientRouterData, RouterConfig, initial_router
+    from trainer.rewards.flower_router import RouterFedAvg, arrays_to_numpy, make_router_client_app
+
+    rng = np.random.default_rng(0)
+    data = {k: ClientRouterData(rng.normal(size=(n, 5)).astype(np.float32), rng.normal(size=(n, 5)).astype(np.float32),
+                                k) for k, n in enumerate((2, 6))}
+    config = RouterConfig(hidden=4, dropout=0.0, rounds=1, batch_size=4)
+    app = make_router_client_app(data, config, 5, 2)
+    grid = InProcessGrid(app, 2)
+    strategy = RouterFedAvg("samples", min_train_nodes=2, min_available_nodes=2, fraction_evaluate=0.0)
+    initial = ArrayRecord({k: Array(v) for k, v in initial_router(5, 2, config).get_parameters().items()})
+    messages = list(strategy.configure_train(1, initial, ConfigRecord(), grid))
+    assert [m.content["config"]["min-count"] for m in messages] == [5, 5]
+    replies = grid.send_and_receive(messages)
+    small, large = sorted(replies, key=lambda m: m.metadata.src_node_id)
+    assert dict(small.content["arrays"]) == {} and small.content["metrics"]["num-examples"] == 0  # nothing left
+    assert set(arrays_to_numpy(large.content["arrays"])) == set(arrays_to_numpy(initial))
+    assert large.content["metrics"]["num-examples"] == 6
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert metrics == MetricRecord({"num-examples": 6.0}) and [n for _, n in strategy.last_updates_] == [6.0]
+    assert [(r.server_round, r.client_id, r.reason) for r in strategy.rejected_] == [
+        (1, "100", "no update: the node holds fewer than min_count=5 pairs")]
+    # With min_count=2 both nodes train and send.
+    strategy = RouterFedAvg("samples", min_count=2, min_train_nodes=2, min_available_nodes=2, fraction_evaluate=0.0)
+    replies = grid.send_and_receive(list(strategy.configure_train(1, initial, ConfigRecord(), grid)))
+    strategy.aggregate_train(1, replies)
+    assert sorted(n for _, n in strategy.last_updates_) == [2.0, 6.0] and strategy.rejected_ == []
+    with pytest.raises(InvalidInputError, match="train config key 'min-count' is set by the strategy"):
+        strategy.configure_train(1, initial, ConfigRecord({"min-count": 1}), grid)
+
+
 @pytest.mark.parametrize("min_count", [0, -1, 2.5, True, "5"])
 def test_mor_router_fedavg_refuses_a_bad_min_count(min_count):
     from trainer.rewards.flower_router import RouterFedAvg

@@ -5,7 +5,7 @@ Each check is one function, used by both transports: the built-in HTTPS server
 (which drop the reply and list it in ``rejected_``): K-means updates (:func:`check_kmeans_update`,
 :mod:`trainer.federated.flower_app`) and the privacy threshold on the samples behind a parameter
 update (:func:`check_sample_count`: MLP uploads on the server, :mod:`trainer.rewards.flower_router`
-on Flower). Pure.
+and, per expert, :mod:`trainer.experts.flower_strategy` on Flower). Pure.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from sdk.protocol import DIFFERENCE_REFUSAL_PHRASE
 COST_BOUND_RTOL = 1e-9
 
 #: The privacy threshold of a round when its operator sets none (samples): ``fedroute server rounds open
-#: --min-count`` (trainer/server/cli.py), the Flower MoR router strategy's ``min_count``
-#: (:class:`trainer.rewards.flower_router.RouterFedAvg`), and the devices' ``min_count_floor``
+#: --min-count`` (trainer/server/cli.py), the Flower strategies' ``min_count``
+#: (:class:`trainer.rewards.flower_router.RouterFedAvg`, :class:`trainer.experts.flower_strategy.FedPrismStrategy`,
+#: :class:`trainer.federated.flower_app.FederatedKMeansStrategy`), and the devices' ``min_count_floor``
 #: (sdk/sync.py, also 5).
 DEFAULT_MIN_COUNT = 5
 

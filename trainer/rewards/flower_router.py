@@ -4,9 +4,13 @@
 :func:`trainer.rewards.client_router.aggregate_routers`.
 
 One round ``r``: server -> node, ``arrays`` = the global router parameters (names of
-:meth:`ClientRouter.state_dict`, float32) and ``config["server-round"] = r``; node -> server, its
-updated parameters as ``arrays`` and ``metrics["num-examples"]`` = its number of local pairs. Only
-router parameters travel; preference pairs and reward models stay on the node.
+:meth:`ClientRouter.state_dict`, float32) and ``config``: ``server-round`` = r and ``min-count`` (int,
+the strategy's privacy threshold, as the K-means strategy sends it); node -> server, its updated
+parameters as ``arrays`` and ``metrics["num-examples"]`` = its number of local pairs. A node holding
+fewer than ``min-count`` pairs does not train and replies with no array and ``num-examples`` 0 (the
+router it would have sent never leaves it; the strategy lists the reply in ``rejected_``), as a
+device of the HTTPS server skips such a round. Only router parameters travel; preference pairs and
+reward models stay on the node.
 
 With the same :class:`RouterConfig` (and dropout 0, whose masks come from torch's global generator)
 a Flower run with full participation gives the parameters of
@@ -41,6 +45,7 @@ from trainer.routers.fedavg import validate_updates
 
 ARRAYS_KEY = "arrays"
 NUM_EXAMPLES = "num-examples"
+MIN_COUNT_KEY = "min-count"
 
 
 def _record(params: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -65,8 +70,10 @@ class RouterFedAvg(FedAvg):
     ``min_count`` preference pairs reveals them. A reply that fails (zero samples, empty or missing
     arrays, ``num-examples`` below ``min_count``, ...) is dropped, logged and listed in ``rejected_``
     with the check's message (``need min_count=5 <= n_samples=2``), and the others are averaged, as
-    the HTTPS server answers 422 to such an upload and keeps the round. The nodes
-    (:func:`make_router_client_app`) are not told the threshold: one below it trains and is dropped.
+    the HTTPS server answers 422 to such an upload and keeps the round. The round config tells the
+    nodes the threshold (``min-count``): one of :func:`make_router_client_app` below it sends no
+    parameters (``num-examples`` 0), listed as ``no update: the node holds fewer than min_count=5
+    pairs``.
 
     Parameters
     ----------
@@ -79,7 +86,8 @@ class RouterFedAvg(FedAvg):
     Raises
     ------
     InvalidInputError
-        An unknown ``weighting``, or a ``min_count`` that is not an int >= 1 (the message names it).
+        An unknown ``weighting``, or a ``min_count`` that is not an int >= 1 (the message names it);
+        from :meth:`configure_train`, a round config that sets ``min-count`` itself.
     """
 
     def __init__(self, weighting: str = "equal", min_count: int = DEFAULT_MIN_COUNT, **kwargs) -> None:
@@ -95,7 +103,19 @@ class RouterFedAvg(FedAvg):
         self._broadcast: dict[str, np.ndarray] | None = None
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        """FedAvg's messages; keeps ``arrays`` (the parameters the replies must match)."""
+        """FedAvg's messages, their config with ``min-count`` (the privacy threshold the nodes apply);
+        keeps ``arrays`` (the parameters the replies must match).
+
+        Raises
+        ------
+        InvalidInputError
+            ``config`` sets ``min-count`` (the strategy's ``min_count`` is the round's threshold).
+        """
+        if MIN_COUNT_KEY in config:
+            raise InvalidInputError(f"train config key {MIN_COUNT_KEY!r} is set by the strategy (min_count="
+                                    f"{self.min_count}), got {config[MIN_COUNT_KEY]!r}")
+        config = ConfigRecord(dict(config))
+        config[MIN_COUNT_KEY] = int(self.min_count)
         self._broadcast = arrays_to_numpy(arrays)
         return super().configure_train(server_round, arrays, config, grid)
 
@@ -109,6 +129,8 @@ class RouterFedAvg(FedAvg):
         for m in sorted(valid, key=lambda m: int(m.metadata.src_node_id)):
             try:
                 update = (arrays_to_numpy(m.content[ARRAYS_KEY]), float(m.content["metrics"][NUM_EXAMPLES]))
+                if not update[0] and update[1] == 0:  # a node below the threshold (make_router_client_app)
+                    raise InvalidInputError(f"no update: the node holds fewer than min_count={self.min_count} pairs")
                 validate_updates([(self._broadcast, 1.0), update])
                 check_sample_count(update[1], self.min_count)  # the HTTPS server's check (PrivacyError)
             except (InvalidInputError, KeyError, TypeError, ValueError) as exc:  # ShapeError, PrivacyError included
@@ -144,7 +166,17 @@ def make_router_server_app(strategy: RouterFedAvg, initial: ClientRouter, num_ro
 
 
 def make_router_client_app(clients: Mapping[int, ClientRouterData], config: RouterConfig, d_in: int, n_clients: int) -> ClientApp:
-    """A ClientApp: partition ``p`` (``context.node_config["partition-id"]``) trains on ``clients[p]``."""
+    """A ClientApp: partition ``p`` (``context.node_config["partition-id"]``) trains on ``clients[p]``
+    and replies with its router parameters and ``num-examples`` = its pairs; when it holds fewer pairs
+    than the round's ``min-count`` (:data:`trainer.federated.update_checks.DEFAULT_MIN_COUNT` when the
+    round config has none) it does not train and replies with no array and ``num-examples`` 0, so no
+    parameter trained on them leaves the node (module docstring).
+
+    Raises (as Flower's error reply)
+    ------
+    InvalidInputError
+        No data for the partition, or a ``min-count`` that is not an int >= 1.
+    """
     app = ClientApp()
 
     @app.train()
@@ -153,9 +185,18 @@ def make_router_client_app(clients: Mapping[int, ClientRouterData], config: Rout
         if pid not in clients:
             raise InvalidInputError(f"no router data for partition {pid}; known {sorted(clients)}")
         data = clients[pid]
+        cfg = msg.content["config"]
+        min_count = cfg[MIN_COUNT_KEY] if MIN_COUNT_KEY in cfg else DEFAULT_MIN_COUNT
+        if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
+            raise InvalidInputError(f"round config {MIN_COUNT_KEY} must be an int >= 1, got {min_count!r}")
+        if data.n_pairs < min_count:  # nothing to send: the privacy threshold is not met
+            log(WARNING, "round %s: partition %d holds %d pairs, fewer than min_count=%d: no update sent",
+                cfg["server-round"], pid, data.n_pairs, min_count)
+            return Message(RecordDict({ARRAYS_KEY: ArrayRecord(), "metrics": MetricRecord({NUM_EXAMPLES: 0})}),
+                           reply_to=msg)
         router = ClientRouter(d_in, n_clients, config.hidden, config.dropout)
         router.set_parameters(arrays_to_numpy(msg.content[ARRAYS_KEY]))
-        r = int(msg.content["config"]["server-round"])
+        r = int(cfg["server-round"])
         params, n = local_router_update(router, data, config, local_rng(config.seed, r, data.client_index))
         content = RecordDict({ARRAYS_KEY: _record(params),
                               "metrics": MetricRecord({NUM_EXAMPLES: n})})
