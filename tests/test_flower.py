@@ -472,6 +472,32 @@ def test_fedprism_strategy_drops_each_component_trained_on_fewer_than_min_count_
     assert [r.reason for r in strategy.rejected_] == ["expert 0: need min_count=4 <= n_samples=3"]
 
 
+def test_a_fedprism_node_keeps_components_trained_on_fewer_than_min_count_samples():
+    """The FedPrism node was not told the threshold: an expert trained on 1-2 samples left the node and was
+    only dropped by the strategy. The round config now carries min-count and the node's ClientApp sends
+    only the components trained on at least that many samples (none of 0 < n < min-count)."""
+    from flwr.app import ArrayRecord
+    from trainer.experts.flower_strategy import FedPrismStrategy, make_client_app
+
+    r0 = {"r": np.zeros(1, np.float32)}
+
+    def local_step(experts, router, pgpd, pid):  # expert 0 from 6 samples, expert 1 from 2, router from 3
+        return ({0: (_w(1, 1), 6.0), 1: (_w(9, 9), 2.0)}, {"r": np.ones(1, np.float32)}, 3.0, [0, 1])
+
+    strategy = FedPrismStrategy([_w(0, 0), _w(0, 0)], r0, pgpd_rounds=[1], min_nodes=1)
+    grid = InProcessGrid(make_client_app(local_step), 1)
+    (message,) = strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid)
+    assert message.content["config"]["min-count"] == 5
+    (reply,) = grid.send_and_receive([message])
+    sent = sorted(reply.content["arrays"].keys())
+    assert sent == ["expert-0/w"]  # expert 1 (2 samples) and the router (3 samples) stayed on the node
+    assert dict(reply.content["metrics"]) == {"n-expert-0": 6.0, "n-router": 0.0}
+    strategy.aggregate_train(1, [reply])
+    np.testing.assert_array_equal(strategy.experts_[0]["w"], [1, 1])
+    np.testing.assert_array_equal(strategy.experts_[1]["w"], [0, 0])
+    assert strategy.rejected_ == []
+
+
 @pytest.mark.parametrize("min_count", [0, -1, 2.5, True, "5"])
 def test_fedprism_strategy_refuses_a_bad_min_count(min_count):
     from trainer.experts.flower_strategy import FedPrismStrategy

@@ -10,9 +10,12 @@ Wire format
 - Server -> node (``"train"``): ``arrays["arrays"]`` holds the router (``router/<name>``) and only the
   experts the node asked for (``expert-<k>/<name>``): **sparse retrieval**. In round 1, or for a node
   not heard from yet, every expert is sent. ``config["config"]``: ``round-id`` (int), ``experts``
-  (list of int, the experts sent), ``pgpd`` (bool, whether the node should distil the router).
+  (list of int, the experts sent), ``pgpd`` (bool, whether the node should distil the router),
+  ``min-count`` (int, the strategy's privacy threshold).
 - Node -> server: ``arrays["arrays"]`` with the updated experts (``expert-<k>/<name>``) and, when it
-  ran PGPD, the router (``router/<name>``); ``metrics["metrics"]``: ``n-expert-<k>`` (samples used
+  ran PGPD, the router (``router/<name>``), leaving out any trained on ``0 < n < min-count`` samples
+  (they never leave the node; without ``min-count`` in the config the node applies
+  :data:`~trainer.federated.update_checks.DEFAULT_MIN_COUNT`); ``metrics["metrics"]``: ``n-expert-<k>`` (samples used
   for expert k), ``n-router`` (samples behind the router update, 0 if none); ``config["config"]``:
   ``needs`` (list of int, the experts its samples route to, for the next round).
 - Server: each expert (and router) of a reply trained on ``0 < n < min_count`` samples is left out
@@ -51,6 +54,7 @@ from trainer.routers.fedavg import fedavg, validate_updates
 ARRAYS_KEY = "arrays"
 CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
+MIN_COUNT_KEY = "min-count"
 
 Params = dict[str, np.ndarray]
 LocalStep = Callable[[dict[int, Params], Params, bool, int], tuple[dict[int, tuple[Params, float]], "Params | None", float, list[int]]]
@@ -146,7 +150,7 @@ class FedPrismStrategy(Strategy):
             want = self.needs_.get(node, list(range(len(self.experts_))))
             self.sent_.append((server_round, node, list(want)))
             cfg = ConfigRecord({"round-id": int(server_round), "experts": [int(k) for k in want],
-                                "pgpd": server_round in self.pgpd_rounds})
+                                "pgpd": server_round in self.pgpd_rounds, MIN_COUNT_KEY: int(self.min_count)})
             content = RecordDict({ARRAYS_KEY: pack({k: self.experts_[k] for k in want}, self.router_), CONFIG_KEY: cfg})
             messages.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN))
         return messages
@@ -293,6 +297,11 @@ def make_client_app(local_step: LocalStep) -> ClientApp:
         unknown = sorted(set(updates) - set(experts))
         if unknown:
             raise InvalidInputError(f"local_step updated experts {unknown} it was not sent")
+        # the round's privacy threshold: a component trained on 0 < n < min-count samples stays on the node
+        min_count = int(cfg[MIN_COUNT_KEY]) if MIN_COUNT_KEY in cfg else DEFAULT_MIN_COUNT
+        updates = {k: (p, n) for k, (p, n) in updates.items() if not 0 < n < min_count}
+        if new_router is not None and 0 < n_router < min_count:
+            new_router = None
         metrics = {f"n-expert-{k}": float(n) for k, (_, n) in updates.items()}
         metrics["n-router"] = float(n_router if new_router is not None else 0.0)
         content = RecordDict({ARRAYS_KEY: pack({k: p for k, (p, _) in updates.items()}, new_router),
