@@ -27,26 +27,33 @@ def sync_app() -> typer.Typer:
     return make_sync_app()
 
 
-def float_options() -> list:
-    """A test case per float option of every ``fedroute`` and ``fedroute-sync`` command: NaN, and the
-    infinity that the option's range (typer's min=/max=) does not refuse itself."""
-    cases = []
+def command_params() -> list[tuple[typer.Typer, list[str], click.Parameter]]:
+    """(app, sub-command path, parameter) for every parameter of every ``fedroute`` and ``fedroute-sync``
+    command (``fedroute-sync`` is one command: no sub-command name on its line)."""
+    found = []
 
     def walk(command: click.Command, root: typer.Typer, path: list[str]) -> None:
         if isinstance(command, click.Group):
             for name, sub in command.commands.items():
                 walk(sub, root, [*path, name])
             return
-        for param in command.params:
-            if isinstance(param.type, click.types.FloatParamType):  # FloatRange included
-                bounds = (getattr(param.type, "min", None), getattr(param.type, "max", None))
-                infinities = ["inf"] if bounds[1] is None else ["-inf"] if bounds[0] is None else []
-                for value in ["nan", *infinities]:
-                    cases.append(pytest.param(root, path, param.opts[0], value, id=" ".join([*path, param.opts[0], value])))
+        found.extend((root, path, param) for param in command.params)
 
-    walk(get_command(app), app, [])
-    single = sync_app()
-    walk(get_command(single), single, [])  # one command: no sub-command name on its line
+    for root in (app, sync_app()):
+        walk(get_command(root), root, [])
+    return found
+
+
+def float_options() -> list:
+    """A test case per float option of every ``fedroute`` and ``fedroute-sync`` command: NaN, and the
+    infinity that the option's range (typer's min=/max=) does not refuse itself."""
+    cases = []
+    for root, path, param in command_params():
+        if isinstance(param.type, click.types.FloatParamType):  # FloatRange included
+            bounds = (getattr(param.type, "min", None), getattr(param.type, "max", None))
+            infinities = ["inf"] if bounds[1] is None else ["-inf"] if bounds[0] is None else []
+            for value in ["nan", *infinities]:
+                cases.append(pytest.param(root, path, param.opts[0], value, id=" ".join([*path, param.opts[0], value])))
     return cases
 
 
@@ -943,21 +950,9 @@ def test_a_grpo_rerun_in_the_other_mode_removes_the_earlier_modes_results(tmp_pa
 def int_options() -> list:
     """A test case per integer option of every ``fedroute`` and ``fedroute-sync`` command but
     --bundle-version, which has its own bound (2**63 - 1, what the SDK loads) in export.bundle_writer."""
-    cases = []
-
-    def walk(command: click.Command, root: typer.Typer, path: list[str]) -> None:
-        if isinstance(command, click.Group):
-            for name, sub in command.commands.items():
-                walk(sub, root, [*path, name])
-            return
-        for param in command.params:
-            if isinstance(param.type, click.types.IntParamType) and param.opts[0] != "--bundle-version":
-                cases.append(pytest.param(root, path, param.opts[0], id=" ".join([*path, param.opts[0]])))
-
-    walk(get_command(app), app, [])
-    single = sync_app()
-    walk(get_command(single), single, [])  # one command: no sub-command name on its line
-    return cases
+    return [pytest.param(root, path, param.opts[0], id=" ".join([*path, param.opts[0]]))
+            for root, path, param in command_params()
+            if isinstance(param.type, click.types.IntParamType) and param.opts[0] != "--bundle-version"]
 
 
 INT_OPTIONS = int_options()

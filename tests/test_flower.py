@@ -373,8 +373,7 @@ def test_an_update_that_reports_nothing_is_refused_and_keeps_the_nodes_latest_up
     strategy = FederatedKMeansStrategy(("a", "b"), "toy", min_count=1, centroid_rounds=0, rng=np.random.default_rng(0))
     strategy.start(grid=InProcessGrid(make_client_app(paths), 2), initial_arrays=centroids_record(c0), num_rounds=1)
     assert strategy.clients_ == ("100", "101") and strategy.rejected_ == []
-    with EvalLog(tmp_path / "empty.sqlite", ("a", "b")):
-        pass
+    EvalLog(tmp_path / "empty.sqlite", ("a", "b")).close()  # an empty log
     paths[1] = tmp_path / "empty.sqlite"  # node 101's log is now empty
     strategy.start(grid=InProcessGrid(make_client_app(paths), 2), initial_arrays=centroids_record(c0), num_rounds=1)
     assert [(r.server_round, r.client_id, r.reason) for r in strategy.rejected_] == [
