@@ -48,13 +48,12 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from sdk.errors import InvalidInputError, PrivacyError, ShapeError
 from trainer.experts.aggregation import aggregate_components, validate_component_update
 from trainer.federated.rejected_reply import RejectedReply
-from trainer.federated.update_checks import DEFAULT_MIN_COUNT, check_sample_count
+from trainer.federated.update_checks import DEFAULT_MIN_COUNT, MIN_COUNT_KEY, check_sample_count, round_min_count
 from trainer.routers.fedavg import fedavg, validate_updates
 
 ARRAYS_KEY = "arrays"
 CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
-MIN_COUNT_KEY = "min-count"
 
 Params = dict[str, np.ndarray]
 LocalStep = Callable[[dict[int, Params], Params, bool, int], tuple[dict[int, tuple[Params, float]], "Params | None", float, list[int]]]
@@ -298,7 +297,7 @@ def make_client_app(local_step: LocalStep) -> ClientApp:
         if unknown:
             raise InvalidInputError(f"local_step updated experts {unknown} it was not sent")
         # the round's privacy threshold: a component trained on 0 < n < min-count samples stays on the node
-        min_count = int(cfg[MIN_COUNT_KEY]) if MIN_COUNT_KEY in cfg else DEFAULT_MIN_COUNT
+        min_count = round_min_count(cfg)
         updates = {k: (p, n) for k, (p, n) in updates.items() if not 0 < n < min_count}
         if new_router is not None and 0 < n_router < min_count:
             new_router = None

@@ -88,7 +88,7 @@ from sdk.protocol import (
 from trainer.federated.gaussian_privacy import gaussian_epsilon
 from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans
 from trainer.federated.rejected_reply import RejectedReply  # re-exported: its home before rejected_reply.py
-from trainer.federated.update_checks import DEFAULT_MIN_COUNT
+from trainer.federated.update_checks import DEFAULT_MIN_COUNT, MIN_COUNT_KEY
 from trainer.federated.update_checks import check_kmeans_update as validate_update
 from trainer.routers.kmeans_router import KMeansRouter
 
@@ -102,7 +102,7 @@ METRICS_KEY = "metrics"
 #: Node-config key holding the EvalLog path of a deployed SuperNode.
 EVAL_LOG_NODE_CONFIG = "eval-log"
 
-_ROUND_CONFIG_KEYS = ("round-id", "centroids-hash", "models", "embedder-name", "min-count", "max-cost-usd")
+_ROUND_CONFIG_KEYS = ("round-id", "centroids-hash", "models", "embedder-name", MIN_COUNT_KEY, "max-cost-usd")
 
 
 # --------------------------------------------------------------------------- wire format
@@ -307,7 +307,7 @@ class FederatedKMeansStrategy(Strategy):
             "centroids-hash": self._round_hash,
             "models": list(self.models),
             "embedder-name": self.embedder_name,
-            "min-count": int(self.min_count),
+            MIN_COUNT_KEY: int(self.min_count),
         })
         if self._config.max_cost_usd is not None:  # the nodes clip each cost to it (sdk.local_update.kmeans_update)
             round_config["max-cost-usd"] = float(self._config.max_cost_usd)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sdk.errors import PrivacyError, ShapeError
+from sdk.errors import InvalidInputError, PrivacyError, ShapeError
 from sdk.eval_log import MAX_COST_PER_QUERY_USD
 from sdk.local_update import KMeansUpdate, centroid_threshold
 from sdk.protocol import DIFFERENCE_REFUSAL_PHRASE
@@ -28,6 +28,24 @@ COST_BOUND_RTOL = 1e-9
 #: :class:`trainer.federated.flower_app.FederatedKMeansStrategy`), and the devices' ``min_count_floor``
 #: (sdk/sync.py, also 5).
 DEFAULT_MIN_COUNT = 5
+
+#: The key of the privacy threshold in a Flower round's train config, sent by every Flower strategy.
+MIN_COUNT_KEY = "min-count"
+
+
+def round_min_count(config) -> int:
+    """The privacy threshold a Flower node applies: the round config's ``min-count`` (int >= 1), or
+    :data:`DEFAULT_MIN_COUNT` when the strategy sent none (e.g. a plain Flower FedAvg server).
+
+    Raises
+    ------
+    InvalidInputError
+        ``min-count`` is not an int >= 1.
+    """
+    min_count = config[MIN_COUNT_KEY] if MIN_COUNT_KEY in config else DEFAULT_MIN_COUNT
+    if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
+        raise InvalidInputError(f"round config {MIN_COUNT_KEY} must be an int >= 1, got {min_count!r}")
+    return min_count
 
 
 def check_sample_count(n_samples: float, min_count: int, log_size: float | None = None) -> None:
@@ -262,5 +280,5 @@ def _may_move_too_little(update: KMeansUpdate, previous: KMeansUpdate, min_count
     return any(w > 0 and 0 < abs(w - before.get(k, 0.0)) < threshold for k, w in now.items())
 
 
-__all__ = ["COST_BOUND_RTOL", "DEFAULT_MIN_COUNT", "check_difference", "check_kmeans_costs", "check_kmeans_totals",
+__all__ = ["COST_BOUND_RTOL", "DEFAULT_MIN_COUNT", "MIN_COUNT_KEY", "round_min_count", "check_difference", "check_kmeans_costs", "check_kmeans_totals",
            "check_kmeans_update", "check_sample_count", "cost_limit", "max_cost_per_query"]

@@ -32,7 +32,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from sdk.errors import InvalidInputError
 from trainer.federated.rejected_reply import RejectedReply
-from trainer.federated.update_checks import DEFAULT_MIN_COUNT, check_sample_count
+from trainer.federated.update_checks import DEFAULT_MIN_COUNT, MIN_COUNT_KEY, check_sample_count, round_min_count
 from trainer.rewards.client_router import (
     ClientRouter,
     ClientRouterData,
@@ -45,7 +45,6 @@ from trainer.routers.fedavg import validate_updates
 
 ARRAYS_KEY = "arrays"
 NUM_EXAMPLES = "num-examples"
-MIN_COUNT_KEY = "min-count"
 
 
 def _record(params: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -186,9 +185,7 @@ def make_router_client_app(clients: Mapping[int, ClientRouterData], config: Rout
             raise InvalidInputError(f"no router data for partition {pid}; known {sorted(clients)}")
         data = clients[pid]
         cfg = msg.content["config"]
-        min_count = cfg[MIN_COUNT_KEY] if MIN_COUNT_KEY in cfg else DEFAULT_MIN_COUNT
-        if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
-            raise InvalidInputError(f"round config {MIN_COUNT_KEY} must be an int >= 1, got {min_count!r}")
+        min_count = round_min_count(cfg)
         if data.n_pairs < min_count:  # nothing to send: the privacy threshold is not met
             log(WARNING, "round %s: partition %d holds %d pairs, fewer than min_count=%d: no update sent",
                 cfg["server-round"], pid, data.n_pairs, min_count)
