@@ -192,6 +192,9 @@ def test_serve_refuses_a_file_as_bundle_dir(tmp_path):
     (["--ts-lambda", "-1"], "--ts-lambda / --ts-nu: lam must be a finite number > 0, got -1.0"),
     (["--ts-lambda", "1e308"], "--ts-lambda / --ts-nu: lam must be below 2 / lr = 4 (lr 0.5, the online SGD step), "
                                "got 1e+308: a larger lam * lr makes the pull-back to the offline router diverge"),
+    (["--ts-nu", "1e300"], "--ts-lambda / --ts-nu: nu must be at most 1e+100, got 1e+300: a larger nu can overflow "
+                           "the posterior sample mean + nu sigma z to +-inf"),
+    (["--ts-lambda", "1e-320"], "--ts-lambda / --ts-nu: lam must be at least 1e-100, got 9.99989e-321"),
     (["--beta", "0"], "--beta must be a finite number > 0, got 0.0"),
     (["--learning-rate", "-1"], "--learning-rate must be a finite number > 0, got -1.0"),
     (["--steps", "0"], "Invalid value for '--steps': 0 is not in the range 1<=x<=2147483647"),
@@ -205,7 +208,8 @@ def test_mor_grpo_checks_its_numbers_before_writing_out(tmp_path, args, message)
     """--ts-lambda -1 used to fail only after OUT/tiny_policy was written; --steps 0 was passed to TRL;
     --device bogus and --num-generations 1 were refused after the mixture and the data were read and
     OUT/tiny_policy was written; --seed -1 was blamed on --ts-lambda / --ts-nu; --n-prompts 3 with 4 prompts
-    per step ran no step and ended in 'empty GRPO history' after the policy was built."""
+    per step ran no step and ended in 'empty GRPO history' after the policy was built. --ts-nu 1e300 (or
+    --ts-lambda 1e-320) gave +-inf (NaN) posterior samples whose argmax silently went to the lowest arm."""
     (tmp_path / "mixture.json").write_text("{}")
     out = tmp_path / "grpo"
     result = CliRunner().invoke(app, ["mor", "grpo", "--mixture", str(tmp_path), "--out", str(out), *args],
