@@ -164,9 +164,9 @@ def ablate(
 
 @app.command()
 def keygen(
-    # a str, not a Path: typer turns --out "" into Path("."), and the keys went into the current folder
-    out: Annotated[str, typer.Option(metavar="PATH",
-                                     help="folder for signing.key (private, mode 0600) and signing.pub")],
+    # a Path option, wrapped in NonEmptyPath by PathCheckedGroup (sdk.cli_paths): --out "" (typer's Path(".")) is
+    # refused while the line is parsed; it used to write the keys into the current folder
+    out: Annotated[Path, typer.Option(help="folder for signing.key (private, mode 0600) and signing.pub")],
     force: Annotated[bool, typer.Option(help="replace an existing signing.key")] = False,
 ) -> None:
     """Create an Ed25519 key pair for signing bundles."""
