@@ -11,7 +11,6 @@ central selector beats length-only) from "the data leave nothing beyond length" 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np

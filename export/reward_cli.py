@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from sdk.bundle_manifest import MAX_BUNDLE_VERSION
 from sdk.finite_option import COUNT_MAX
 from export.bundle_writer import check_replaceable, check_version, next_bundle_version
 from export.reward_export import export_reward_bundle
@@ -28,7 +29,7 @@ def export_reward(
     signing_key: Annotated[Path, typer.Option(help="signing.key from `fedroute keygen`")],
     data: DataOpt = Path("../shared/data"),
     n_parity: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="real pairs for the parity check")] = 200,
-    bundle_version: Annotated[Optional[int], typer.Option(min=1, help="default: 1 + the version at OUT")] = None,
+    bundle_version: Annotated[Optional[int], typer.Option(min=1, max=MAX_BUNDLE_VERSION, help="default: 1 + the version at OUT")] = None,
     cache_dir: Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder")] = None,
 ) -> None:
     """Export CLIENT's reward model and the client router as a signed reward-scorer bundle (sdk.RewardScorer)."""

@@ -4,7 +4,8 @@ An export works for minutes in a scratch folder (the embedder's ONNX files, the 
 parity check loads). It was a ``/tmp/fedroute-export-*`` folder, removed when the export ended but left
 there for good when the process was killed (``kill -9``, the OOM killer, a closed terminal): nothing
 ever looked at it again. Now it is ``.<name>.export-<host>-<pid>-<random>`` beside the destination
-``out`` (created with its parents if missing):
+``out`` (created with its parents if missing; the parents it created are removed again, when empty, if
+the export fails, so a failed export to ``a/new/b`` leaves no ``a/new`` behind):
 
 - every export first removes the scratch folders beside ``out`` whose process is gone (same host, no
   process with that id), so a killed export's folder lives until the next export to the same place;
@@ -61,11 +62,32 @@ def stale_scratch_folders(out: Path) -> list[Path]:
     return found
 
 
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and those of its ancestors that do not exist, deepest first (what ``mkdir(parents=True)``
+    creates)."""
+    missing = []
+    while not os.path.lexists(folder) and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    """``rmdir`` each of ``folders`` (deepest first), stopping at the first that is not empty or is gone."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
 @contextlib.contextmanager
 def scratch_folder(out: Path) -> Iterator[Path]:
     """A new empty scratch folder beside ``out`` for the duration of the block, removed after it
     (whether it ends or raises); the stale ones of ``out`` (:func:`stale_scratch_folders`) are
-    removed first.
+    removed first. ``out``'s parent is created with its own parents if missing; when the block raises
+    (or the scratch folder cannot be made), the folders so created are removed again if empty: a failed
+    export leaves no folder that was not there before.
 
     Raises
     ------
@@ -76,13 +98,18 @@ def scratch_folder(out: Path) -> Iterator[Path]:
     for stale in stale_scratch_folders(out):
         shutil.rmtree(stale, ignore_errors=True)
     folder = out.parent / f".{out.name}.export-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    created = _missing_folders(out.parent)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         folder.mkdir()
     except OSError as exc:
+        _remove_if_empty(created)
         raise ExportError(f"cannot create the export's scratch folder beside {out}: {exc.strerror or exc}; "
                           "give an --out in a writable folder") from exc
     try:
         yield folder
-    finally:
+    except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
+        _remove_if_empty(created)  # the bundle was not written: the parents this export made go too
+        raise
+    shutil.rmtree(folder, ignore_errors=True)

@@ -14,7 +14,8 @@ while the command line is parsed, before the command's body reads a file or writ
 Integer options get an upper bound, :data:`COUNT_MAX` (counts: seeds, steps, threads, pairs) or
 :data:`SEED_MAX` (random seeds), through typer's ``max=``: without one, ``--seeds 99999999999999999999``
 or ``--threads 2**31`` passed the parse and ended in an OverflowError traceback inside torch or numpy,
-some only after minutes of data preparation.
+some only after minutes of data preparation. ``--bundle-version`` is bounded by
+:data:`sdk.bundle_manifest.MAX_BUNDLE_VERSION` (2**63 - 1, what the SDK loads) the same way.
 """
 
 from __future__ import annotations

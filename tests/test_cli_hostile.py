@@ -192,6 +192,9 @@ def test_serve_refuses_a_file_as_bundle_dir(tmp_path):
     (["--ts-lambda", "-1"], "--ts-lambda / --ts-nu: lam must be a finite number > 0, got -1.0"),
     (["--ts-lambda", "1e308"], "--ts-lambda / --ts-nu: lam must be below 2 / lr = 4 (lr 0.5, the online SGD step), "
                                "got 1e+308: a larger lam * lr makes the pull-back to the offline router diverge"),
+    (["--ts-nu", "1e300"], "--ts-lambda / --ts-nu: nu must be at most 1e+100, got 1e+300: a larger nu can overflow "
+                           "the posterior sample mean + nu sigma z to +-inf"),
+    (["--ts-lambda", "1e-320"], "--ts-lambda / --ts-nu: lam must be at least 1e-100, got 9.99989e-321"),
     (["--beta", "0"], "--beta must be a finite number > 0, got 0.0"),
     (["--learning-rate", "-1"], "--learning-rate must be a finite number > 0, got -1.0"),
     (["--steps", "0"], "Invalid value for '--steps': 0 is not in the range 1<=x<=2147483647"),
@@ -205,7 +208,8 @@ def test_mor_grpo_checks_its_numbers_before_writing_out(tmp_path, args, message)
     """--ts-lambda -1 used to fail only after OUT/tiny_policy was written; --steps 0 was passed to TRL;
     --device bogus and --num-generations 1 were refused after the mixture and the data were read and
     OUT/tiny_policy was written; --seed -1 was blamed on --ts-lambda / --ts-nu; --n-prompts 3 with 4 prompts
-    per step ran no step and ended in 'empty GRPO history' after the policy was built."""
+    per step ran no step and ended in 'empty GRPO history' after the policy was built. --ts-nu 1e300 (or
+    --ts-lambda 1e-320) gave +-inf (NaN) posterior samples whose argmax silently went to the lowest arm."""
     (tmp_path / "mixture.json").write_text("{}")
     out = tmp_path / "grpo"
     result = CliRunner().invoke(app, ["mor", "grpo", "--mixture", str(tmp_path), "--out", str(out), *args],
@@ -723,7 +727,7 @@ EXPORT_CASES = [  # (arguments, message); TMP is a fresh folder, KEY a valid sig
     (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--prior-domain", "alpacaeval"],
      "--prior-domain is for --selector bundles"),
     (["--router", "TMP/router", "--signing-key", "KEY", "--out", "TMP/b", "--bundle-version", str(2**63)],
-     "error: bundle_version must be at most 2**63 - 1 (what the SDK loads), got 9223372036854775808"),
+     "Invalid value for '--bundle-version': 9223372036854775808 is not in the range 1<=x<=9223372036854775807"),
     (["--router", "TMP/router", "--selector", "TMP", "--signing-key", "KEY", "--out", "TMP/b"],
      "give exactly one of --router DIR and --selector DIR"),
     (["--selector", "TMP/nope", "--signing-key", "KEY", "--out", "TMP/b"],
@@ -948,11 +952,9 @@ def test_a_grpo_rerun_in_the_other_mode_removes_the_earlier_modes_results(tmp_pa
 
 
 def int_options() -> list:
-    """A test case per integer option of every ``fedroute`` and ``fedroute-sync`` command but
-    --bundle-version, which has its own bound (2**63 - 1, what the SDK loads) in export.bundle_writer."""
+    """A test case per integer option of every ``fedroute`` and ``fedroute-sync`` command."""
     return [pytest.param(root, path, param.opts[0], id=" ".join([*path, param.opts[0]]))
-            for root, path, param in command_params()
-            if isinstance(param.type, click.types.IntParamType) and param.opts[0] != "--bundle-version"]
+            for root, path, param in command_params() if isinstance(param.type, click.types.IntParamType)]
 
 
 INT_OPTIONS = int_options()
@@ -966,7 +968,8 @@ def test_the_int_option_walk_finds_the_commands_options():
             "serve --port", "serve --max-body-bytes", "serve --upload-quota", "serve --max-header-bytes",
             "rounds open --quorum", "rounds open --min-count", "rounds open --seed", "rounds open --min-total-count",
             "rounds close --round", "publish --round", "demo-log --rows", "demo-log --seed", "sync --retries",
-            "sync --min-count-floor", "--retries", "--min-count-floor", "proxy --port"} <= ids
+            "sync --min-count-floor", "--retries", "--min-count-floor", "proxy --port", "export --bundle-version",
+            "mor export --bundle-version"} <= ids
 
 
 @pytest.mark.parametrize("root, path, option", INT_OPTIONS)
@@ -976,8 +979,10 @@ def test_every_int_option_refuses_a_value_out_of_range_while_parsing(tmp_path, m
     --seed` in 'Overflow when unpacking long long' (torch), `prism dpo --batch-size` in islice's
     ValueError after the tiny policy was built, and a --seed above 2**32 - 1 reached TRL's set_seed
     (numpy refuses it); `rounds close --round`, `publish --round` and `rounds open --quorum / --min-count
-    / --seed` in SQLite's OverflowError, and serve / demo-log / sync took any count. Each is now bounded
-    (COUNT_MAX, SEED_MAX, 65535 for a port) while the line is parsed: exit 2, one line naming it."""
+    / --seed` in SQLite's OverflowError, and serve / demo-log / sync took any count; `export --bundle-version
+    2**63` was refused only by the bundle writer, after the other options' checks. Each is now bounded
+    (COUNT_MAX, SEED_MAX, 65535 for a port, MAX_BUNDLE_VERSION) while the line is parsed: exit 2, one line
+    naming it."""
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(root, [*path, option, str(2**63)], env={"COLUMNS": "500"})
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output

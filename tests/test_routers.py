@@ -23,7 +23,7 @@ def two_topic_clients(rng, n_clients=4, n_per_client=150, d=8):
     Costs: cheap 1e-4 USD, strong 1e-3 USD. One random model logged per query."""
     centres = np.zeros((2, d), dtype=np.float32)
     centres[0, 0], centres[1, 1] = 1.0, 1.0
-    clients, tests = [], []
+    clients = []
     for _ in range(n_clients):
         topic = rng.integers(0, 2, n_per_client)
         x = centres[topic] + 0.05 * rng.normal(size=(n_per_client, d)).astype(np.float32)

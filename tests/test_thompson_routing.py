@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from sdk.errors import InvalidInputError, ShapeError
+from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.thompson_routing import (
     NeuralThompsonRouting,
     ThompsonConfig,
@@ -201,3 +202,70 @@ def test_bad_inputs_raise_sdk_errors():
         ts.update(np.ones((1, 1), np.float32), np.array([0]), 0.5)
     with pytest.raises(InvalidInputError):
         NeuralThompsonRouting(nn.Sequential(nn.Tanh()))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"nu": 1e300}, "nu must be at most 1e+100, got 1e+300: a larger nu can overflow the posterior sample"),
+    ({"nu": 1.0000001e100}, "nu must be at most 1e+100"),
+    ({"lam": 1e-320}, "lam must be at least 1e-100, got 9.99989e-321: a smaller lam overflows the posterior variance"),
+])
+def test_config_refuses_a_nu_or_lambda_that_overflows_the_sample(kwargs, message):
+    """--ts-nu 1e308 gave +-inf samples (1e300 too, with features of ~1e9), lam 1e-320 NaN ones (U^-1 g ~ g / lam
+    overflowed); np.argmax then picked the lowest arm of the ties, silently."""
+    with pytest.raises(InvalidInputError, match=re.escape(message)):
+        ThompsonConfig(**kwargs)
+
+
+def test_the_extreme_accepted_nu_and_lambda_keep_samples_finite_for_the_largest_float32_features():
+    from trainer.alignment.thompson_routing import LAM_MIN, NU_MAX
+
+    ts = NeuralThompsonRouting(identity_router(3), ThompsonConfig(nu=NU_MAX, lam=LAM_MIN, seed=1))
+    contexts = np.array([[3.4e38], [-3.4e38], [1.0], [0.0]], dtype=np.float32)  # a(c) = c
+    for _ in range(3):
+        decision = ts.select(contexts)
+        assert np.isfinite(decision.sampled).all() and np.isfinite(decision.std).all()
+        assert decision.std[0, 0] > 1e130  # nu sigma = 1e100 * 0.25 * |[a, 1]|, not clipped
+    ts.update(contexts[2:], decision.arms[2:], 1.0)
+    assert np.isfinite(ts.select(contexts).sampled).all()
+
+
+def test_a_nan_last_layer_is_an_error_not_arm_zero():
+    """A router whose last layer turned NaN gave NaN for every sample, and argmax chose arm 0 for every pair."""
+    router = identity_router(3)
+    with torch.no_grad():
+        last_linear(router).bias.fill_(float("nan"))
+    ts = NeuralThompsonRouting(router, ThompsonConfig())
+    with pytest.raises(AlignmentConfigError, match=r"posterior mean or variance is not finite for 2 of 2 contexts.*"
+                                                   r"lower ThompsonConfig\.lr \(now 0\.5\) or raise ThompsonConfig\.lam"):
+        ts.select(np.ones((2, 1), np.float32))
+
+
+def test_a_sample_overflowing_at_run_time_names_nu():
+    """A config changed after its checks (nu 1e308): the samples were +-inf and argmax went to the lowest tied arm."""
+    ts = NeuralThompsonRouting(identity_router(3), ThompsonConfig(seed=0))
+    ts.config.nu = 1e308
+    with pytest.raises(AlignmentConfigError, match=r"sample mean \+ nu sigma z is not finite for \d of 4 contexts.*"
+                                                   r"lower ThompsonConfig\.nu \(--ts-nu, now 1e\+308\)"):
+        ts.select(np.full((4, 1), 1e3, np.float32))
+
+
+def test_an_sgd_step_that_overflows_the_router_is_an_error_and_is_undone():
+    """lr 1e30 (lam 1e-31, lr lam < 2) with features of 1e10 turned the last layer NaN; every later pick was arm 0."""
+    ts = NeuralThompsonRouting(identity_router(3), ThompsonConfig(lr=1e30, lam=1e-31))
+    contexts = np.full((4, 1), 1e10, np.float32)
+    before = [p.detach().clone() for p in last_linear(ts.router).parameters()]
+    U_before = ts.U_.clone()
+    with pytest.raises(AlignmentConfigError, match=r"made the router's last layer non-finite \(restored.*"
+                                                   r"lower ThompsonConfig\.lr \(now 1e\+30\)"):
+        ts.update(contexts, ts.select(contexts).arms, 1.0)
+    for param, old in zip(last_linear(ts.router).parameters(), before):
+        torch.testing.assert_close(param.detach(), old, rtol=0, atol=0)
+    assert torch.equal(ts.U_, U_before) and ts.n_updates_ == 0
+    assert np.isfinite(ts.select(contexts).sampled).all()
+
+
+def test_a_covariance_that_would_overflow_is_an_error_and_left_unchanged():
+    ts = NeuralThompsonRouting(identity_router(), ThompsonConfig(lam=2.0, width=1))
+    with pytest.raises(AlignmentConfigError, match=r"covariance U = lam I \+ sum g g\^T / m would not be finite"):
+        ts.update_covariance(torch.full((1, 4), 1e200, dtype=torch.float64))
+    np.testing.assert_array_equal(ts.U_.numpy(), 2.0 * np.eye(4))

@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from sdk.bundle_manifest import MAX_BUNDLE_VERSION
 from sdk.cli_paths import PathCheckedGroup
 from sdk.console import run_app
 from sdk.errors import InvalidInputError
@@ -163,9 +164,9 @@ def ablate(
 
 @app.command()
 def keygen(
-    # a str, not a Path: typer turns --out "" into Path("."), and the keys went into the current folder
-    out: Annotated[str, typer.Option(metavar="PATH",
-                                     help="folder for signing.key (private, mode 0600) and signing.pub")],
+    # a Path option, wrapped in NonEmptyPath by PathCheckedGroup (sdk.cli_paths): --out "" (typer's Path(".")) is
+    # refused while the line is parsed; it used to write the keys into the current folder
+    out: Annotated[Path, typer.Option(help="folder for signing.key (private, mode 0600) and signing.pub")],
     force: Annotated[bool, typer.Option(help="replace an existing signing.key")] = False,
 ) -> None:
     """Create an Ed25519 key pair for signing bundles."""
@@ -257,7 +258,7 @@ def export_cmd(
     precision: Annotated[Optional[list[str]], typer.Option("--precision", help="router bundles: quantised encoder to ship besides fp32, 'int8' or 'int8-all' (every MatMul int8; gated on decisions and AUC); repeatable")] = None,
     data: Annotated[Optional[Path], typer.Option(help="RouterBench folder or test file for parity checks (default: the one recorded at training); with --selector the shared data folder (default ../shared/data)")] = None,
     prices: Annotated[Optional[Path], typer.Option(help="JSON {model: {input: USD per 1k tokens, output: ...}} for the price table")] = None,
-    bundle_version: Annotated[Optional[int], typer.Option(min=1, help="default: previous version at --out + 1")] = None,
+    bundle_version: Annotated[Optional[int], typer.Option(min=1, max=MAX_BUNDLE_VERSION, help="default: previous version at --out + 1")] = None,
     parity_pairs: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="--selector: real held-out pairs for the parity check (default 200)")] = None,
     prior_domain: Annotated[Optional[str], typer.Option(help="--selector of a length_prior='domain' run: the domain whose length prior is folded in")] = None,
     cache_dir: CacheOpt = None,

@@ -46,8 +46,16 @@ def local_model_problem(name: str) -> str | None:
 
 
 def hub_offline() -> bool:
-    """Whether Hugging Face downloads are off: ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) set to
-    1 / ON / YES / TRUE, as huggingface_hub reads it."""
+    """Whether Hugging Face downloads are off: ``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE`` set to
+    1 / ON / YES / TRUE (any case, blanks around ignored), read at each call.
+
+    Not huggingface_hub's own answer, ``huggingface_hub.constants.HF_HUB_OFFLINE`` (transformers'
+    ``is_offline_mode()`` returns the same): huggingface_hub < 1.0, which the trainer extra pins, reads the
+    variables once, when it is imported, so a variable set later in the process (``monkeypatch.setenv`` in
+    tests/test_policy_models.py and tests/test_trainer_artefacts_hostile.py) is not seen there. It also takes
+    only the first non-empty of the two (``HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=1`` is online there, offline
+    here) and does not strip blanks.
+    """
     return any(os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE")
                for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 

@@ -101,7 +101,7 @@ def grpo(
     beta: Annotated[float, typer.Option(callback=finite_option, help="KL coefficient to the reference policy (> 0)")] = 0.04,
     online: Annotated[str, typer.Option(help="'compare' (run on and off), 'on' or 'off'")] = "compare",
     ts_lambda: Annotated[float, typer.Option("--ts-lambda", callback=finite_option, help="Thompson sampling lambda (prior, pull-back), > 0 and below 4 (2 / the online SGD step 0.5)")] = 1.0,
-    ts_nu: Annotated[float, typer.Option("--ts-nu", callback=finite_option, help="Thompson sampling exploration scale nu")] = 1.0,
+    ts_nu: Annotated[float, typer.Option("--ts-nu", callback=finite_option, help="Thompson sampling exploration scale nu, 0 to 1e100 (larger can overflow the posterior sample)")] = 1.0,
     device: Annotated[str, typer.Option(help="cpu (float32, 1 thread) or cuda (bfloat16)")] = "cpu",
     quick: Annotated[bool, typer.Option("--quick", help="20 steps, 64 prompts, 16 tokens (a few minutes on CPU); "
                                                          "--steps, --n-prompts and --max-completion-length given on the line win")] = False,

@@ -114,7 +114,6 @@ def load_policy(path_or_id: str | os.PathLike[str], *, device: str = "cpu", dtyp
     InvalidInputError
         An unknown dtype.
     """
-    import torch  # torch: optional heavy dependency, imported on use
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers: optional heavy dependency, imported on use
 
     torch_dtype = _resolve_dtype(dtype, device)

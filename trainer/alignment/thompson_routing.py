@@ -43,11 +43,21 @@ from torch import nn
 
 from sdk.errors import InvalidInputError, ShapeError
 from sdk.real_numbers import finite_float
+from trainer.alignment.errors import AlignmentConfigError
 from trainer.config_fields import check_bool, check_int
 
 
 #: Posterior samples are clipped to [SAMPLE_CLIP, 1 - SAMPLE_CLIP] before the logit (RoutingDecision.logits).
 SAMPLE_CLIP = 1e-9
+
+#: Largest accepted ``nu`` and smallest accepted ``lam``: the range in which every posterior sample is a finite
+#: float64. The sample is ``mean + nu sigma z`` with ``mean`` in [0, 1], ``|z| < 9`` (float64 Box-Muller) and
+#: ``sigma^2 = lam g^T U^{-1} g / m <= |g|^2`` (``U >= lam I``), where ``|g| <= 0.25 sqrt(h + 1) max|a|`` and
+#: the features ``a`` are finite float32 (``|a_i| < 3.5e38``): ``|nu sigma z| < 1e100 * 1e38 * 9 sqrt(h + 1)``.
+#: Computing ``sigma^2`` goes through ``U^{-1} g`` and ``g^T U^{-1} g <= |g|^2 / lam < 1e76 (h + 1) * 1e100``,
+#: also finite. ``--ts-nu 1e308`` (or ``lam=1e-320``) gave +-inf (NaN) samples, and their argmax went to arm 0.
+NU_MAX = 1e100
+LAM_MIN = 1e-100
 
 
 @dataclass
@@ -55,12 +65,13 @@ class ThompsonConfig:
     """Settings of the online router update (module docstring has the equations).
 
     enabled : False = the ablation: argmax of the offline router, never updated.
-    lam : lambda > 0 and below ``2 / lr``, the prior precision (``U_0 = lambda I``), the variance scale and
+    lam : lambda in [LAM_MIN, 2 / lr), the prior precision (``U_0 = lambda I``), the variance scale and
         the weight of the pull back to the offline router. The SGD step multiplies ``phi - phi_0`` by
         ``1 - lr lambda`` (plus the loss's own gradient), so ``lr lambda >= 2`` diverges: the last layer,
         then every posterior sample, turned NaN within a few feedbacks (``--ts-lambda 10`` at the default lr).
-    nu : nu >= 0, exploration scale of the posterior sample (a huge nu is well defined: the samples'
-        argmax becomes a uniform random arm, pure exploration).
+    nu : nu in [0, NU_MAX], exploration scale of the posterior sample (a huge nu is well defined: the samples'
+        argmax becomes a uniform random arm, pure exploration). :data:`NU_MAX` and :data:`LAM_MIN` keep every
+        posterior sample finite.
     width : m >= 1 in ``g g^T / m``; None = the input width ``h`` of the router's last layer (NeuralTS).
         1 reproduces the formula as printed in MoR.
     lr : learning rate of the SGD steps on the last layer.
@@ -82,8 +93,14 @@ class ThompsonConfig:
         lam, nu, lr = finite_float(self.lam), finite_float(self.nu), finite_float(self.lr)
         if lam is None or lam <= 0:
             raise InvalidInputError(f"lam must be a finite number > 0, got {self.lam!r}")
+        if lam < LAM_MIN:  # U^{-1} g ~ g / lam overflowed: NaN posterior samples
+            raise InvalidInputError(f"lam must be at least {LAM_MIN:g}, got {lam:g}: a smaller lam overflows the "
+                                    "posterior variance lam g^T U^-1 g (its U^-1 g ~ g / lam), so the samples are NaN")
         if nu is None or nu < 0:
             raise InvalidInputError(f"nu must be a finite number >= 0, got {self.nu!r}")
+        if nu > NU_MAX:  # nu sigma z overflowed: +-inf posterior samples
+            raise InvalidInputError(f"nu must be at most {NU_MAX:g}, got {nu:g}: a larger nu can overflow the posterior "
+                                    "sample mean + nu sigma z to +-inf")
         if self.width is not None and (isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1):
             raise InvalidInputError(f"width must be an integer >= 1 or None, got {self.width!r}")
         if lr is None or lr <= 0:
@@ -311,6 +328,9 @@ class NeuralThompsonRouting:
         Raises
         ------
         ShapeError
+        AlignmentConfigError
+            A posterior mean, variance or sample that is not finite (the argmax of NaN or of ties at +-inf would
+            silently be the lowest arm); the message names the ThompsonConfig fields to change.
         """
         a = self.features(contexts)
         offline_logits = self._logits_of(a, self.phi0_)
@@ -320,12 +340,30 @@ class NeuralThompsonRouting:
             zeros = np.zeros_like(mean)
             return RoutingDecision(mean.argmax(1), mean, zeros, mean, offline, self._logits_of(a), offline_logits)
         mean, var = self.posterior(contexts)
-        std = self.config.nu * np.sqrt(var)
+        if not (np.isfinite(mean).all() and np.isfinite(var).all()):
+            raise AlignmentConfigError(
+                f"Thompson sampling: the posterior mean or variance is not finite for {self._bad_rows(mean, var)} of "
+                f"{len(mean)} contexts, so their samples are NaN and the argmax would silently be the lowest arm. The "
+                "router's last layer, its features or the covariance U overflowed: lower ThompsonConfig.lr "
+                f"(now {self.config.lr:g}) or raise ThompsonConfig.lam (--ts-lambda, now {self.config.lam:g})")
         z = torch.randn(mean.shape, generator=self._generator, dtype=torch.float64).numpy()
-        sampled = mean + std * z
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below, by name
+            std = self.config.nu * np.sqrt(var)
+            sampled = mean + std * z
+        if not np.isfinite(sampled).all():
+            raise AlignmentConfigError(
+                f"Thompson sampling: the posterior sample mean + nu sigma z is not finite for "
+                f"{self._bad_rows(sampled)} of {len(sampled)} contexts (largest nu sigma "
+                f"{float(np.max(std)):g}), and ties at +-inf would go to the lowest arm: lower ThompsonConfig.nu "
+                f"(--ts-nu, now {self.config.nu:g}) or raise ThompsonConfig.lam (--ts-lambda, now {self.config.lam:g})")
         clipped = np.clip(sampled, SAMPLE_CLIP, 1 - SAMPLE_CLIP)
         return RoutingDecision(sampled.argmax(1), mean, std, sampled, offline, np.log(clipped) - np.log1p(-clipped),
                                offline_logits)
+
+    @staticmethod
+    def _bad_rows(*arrays: np.ndarray) -> int:
+        """Number of rows (contexts) with a non-finite entry in any of ``arrays`` (each (n, K))."""
+        return int(np.any([~np.isfinite(x).all(1) for x in arrays], axis=0).sum())
 
     def _logits_of(self, a: torch.Tensor, phi: torch.Tensor | None = None) -> np.ndarray:
         """``W a + b`` at ``phi`` (default the current one): (n, K) float64."""
@@ -355,6 +393,9 @@ class NeuralThompsonRouting:
         Raises
         ------
         ShapeError, InvalidInputError
+        AlignmentConfigError
+            The step made the last layer or ``U`` non-finite (the message names the ThompsonConfig fields to
+            change); the router and ``U`` are left as they were before the call.
         """
         if not self.config.enabled:
             return {}
@@ -377,6 +418,7 @@ class NeuralThompsonRouting:
             r_hat = torch.sigmoid(z[torch.arange(len(idx)), idx])
             return 0.5 * ((r_hat - target) ** 2).mean() + 0.5 * self.config.lam * ((self._phi() - phi0) ** 2).sum()
 
+        saved = [p.detach().clone() for p in params]
         before = float(online_loss().detach())
         for _ in range(self.config.n_update_steps):
             optimiser.zero_grad()
@@ -384,15 +426,44 @@ class NeuralThompsonRouting:
             loss.backward()
             optimiser.step()
         optimiser.zero_grad()
+
+        def restore() -> None:  # the router stays as it was before this feedback
+            with torch.no_grad():
+                for param, old in zip(params, saved):
+                    param.copy_(old)
+
+        if not torch.isfinite(self._phi().detach()).all():
+            restore()
+            raise AlignmentConfigError(
+                "Thompson sampling: the online SGD step made the router's last layer non-finite (restored to its "
+                f"values before this feedback): lower ThompsonConfig.lr (now {self.config.lr:g}) or "
+                f"ThompsonConfig.n_update_steps (now {self.config.n_update_steps}), or raise ThompsonConfig.lam "
+                f"(--ts-lambda, now {self.config.lam:g}) to pull it back harder to the offline router")
         after = float(online_loss().detach())
-        self.update_covariance(self.gradients(a, arms))
+        try:
+            self.update_covariance(self.gradients(a, arms))
+        except AlignmentConfigError:
+            restore()
+            raise
         self.n_updates_ += 1
         return {"loss_before": before, "loss_after": after, "n_pairs": int(len(arms))}
 
     def update_covariance(self, grads: torch.Tensor) -> None:
-        """``U += sum_i g_i g_i^T / m`` for gradients of shape (n, p) (float64); private kernel."""
+        """``U += sum_i g_i g_i^T / m`` for gradients of shape (n, p) (float64); private kernel.
+
+        Raises
+        ------
+        AlignmentConfigError
+            The new ``U`` would not be finite; ``U`` is left as it was.
+        """
         g = grads.to(torch.float64)
-        self.U_ = self.U_ + g.T @ g / self.width_
+        updated = self.U_ + g.T @ g / self.width_
+        if not torch.isfinite(updated).all():
+            raise AlignmentConfigError(
+                "Thompson sampling: the covariance U = lam I + sum g g^T / m would not be finite (the router's "
+                "features a(c) of its last layer are too large); U is left as it was: raise ThompsonConfig.width "
+                f"(m, now {self.width_}) or scale the router's features down")
+        self.U_ = updated
 
     def argmax_changed(self, contexts) -> float:
         """Share of ``contexts`` (n, d) whose argmax client under the current router differs from the
