@@ -279,3 +279,34 @@ def test_the_scripts_docstring_commands_and_options_exist():
     assert any(line.words[:2] == ("fedroute", "simulate") for line in SCRIPT_LINES)
     wrong = [f"{line}\n    -> {p}" for line in SCRIPT_LINES for p in problems(line, ROOTS)]
     assert not wrong, "\n".join(wrong)
+
+
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def data_folder_helps() -> list[tuple[str, str]]:
+    """(command, help) of every option whose help lists the shared data folder's sub-folders."""
+    found = []
+
+    def walk(command: click.Command, path: list[str]) -> None:
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+            return
+        found.extend((" ".join([*path, p.opts[0]]), p.help) for p in command.params
+                     if isinstance(p, click.Option) and "shared data folder" in (p.help or ""))
+
+    walk(ROOTS["fedroute"], ["fedroute"])
+    return found
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="no ../shared/data beside the repository")
+def test_the_data_folders_an_option_help_names_exist():
+    """``--help`` says which folders of ../shared/data a command reads: they exist (``mor grpo`` and ``mor
+    export`` named hh_harmless/, the domain's name, for the folder hh_rlhf_harmless/)."""
+    helps = data_folder_helps()
+    assert {"fedroute mor train --data", "fedroute mor grpo --data", "fedroute mor export --data",
+            "fedroute prism train --data"} <= {where for where, _ in helps}
+    missing = [f"{where}: {name}/ ({help_})" for where, help_ in helps
+               for name in re.findall(r"(?<![\w./])([a-z][a-z0-9_]*)/(?!\w)", help_) if not (SHARED_DATA / name).is_dir()]
+    assert not missing, "\n".join(missing)
