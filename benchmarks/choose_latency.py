@@ -52,7 +52,7 @@ From a clean clone, one command (builds the keys, two K-means routers and their 
 or with bundles of your own (``--static-bundle`` optional: without it the static row is listed as
 not measured):
 
-    python benchmarks/choose_latency.py --bundle bundles/kmeans --public-key keys/signing.pub \
+    python benchmarks/choose_latency.py --bundle bundles/latency --public-key keys/signing.pub \
         --data ../shared/data/routerbench --out results/benchmarks [--static-bundle bundles/static] \
         [--unfused-bundle bundles/latency-unfused]
 

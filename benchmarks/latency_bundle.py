@@ -9,7 +9,11 @@ quantisation, assembly and parity check (:mod:`export.pipeline`, :mod:`export.pa
 report as ``parity.json`` with its ``passed`` flag as measured, and signs the bundle anyway. Never
 ship such a bundle; use ``fedroute export``.
 
-    python benchmarks/latency_bundle.py --router results/device/routers/kmeans --out bundles/latency \
+``--router``: a router trained on the ONNX (sentence-transformer) embedder, e.g. the MiniLM 32-token one
+(the README's ``results/device`` is on the static embedder, whose bundle has no encoder recipes)::
+
+    HF_HUB_OFFLINE=1 fedroute simulate --data ../shared/data/routerbench --out results/minilm32 --max-tokens 32
+    python benchmarks/latency_bundle.py --router results/minilm32/routers/kmeans --out bundles/latency \
         --signing-key keys/signing.key --data ../shared/data/routerbench
 """
 

@@ -6,8 +6,12 @@ sentence-transformers + torch, and the int8 encoder's cosine (mean, min) against
 sentence-transformers at that length. The routing quality per length comes from the main job run
 with ``--max-tokens`` (see README).
 
-    python benchmarks/max_tokens.py --bundle bundles/kmeans --data ../shared/data/routerbench \
+    python benchmarks/max_tokens.py --bundle bundles/latency --data ../shared/data/routerbench \
         --out results/benchmarks
+
+``--bundle``: a router bundle with ONNX encoders (``benchmarks/latency_bundle.py``'s, or
+``results/latency-bundles/bundles/latency`` from ``benchmarks/choose_latency_bundles.py``); the README's
+``bundles/kmeans`` is a static-embedder bundle.
 
 Writes ``max_tokens.json``, ``max_tokens.md``, ``max_tokens.png`` under ``--out``.
 """
