@@ -263,7 +263,7 @@ def test_problems_on_hand_written_lines(words, expected):
 def test_the_docs_have_many_command_lines():
     """Guards the extraction: a change of the pages' format that hid the commands would leave the next test empty."""
     programs = {line.words[0] for line in LINES}
-    assert len(LINES) >= 100 and programs == {"fedroute", "fedroute-sync", "python -m trainer.cli"}
+    assert len(LINES) >= 100 and {"fedroute", "fedroute-sync", "python -m trainer.cli"} <= programs
     assert any(line.words[:3] == ("fedroute", "rounds", "open") for line in LINES)
 
 
