@@ -310,3 +310,19 @@ def test_the_data_folders_an_option_help_names_exist():
     missing = [f"{where}: {name}/ ({help_})" for where, help_ in helps
                for name in re.findall(r"(?<![\w./])([a-z][a-z0-9_]*)/(?!\w)", help_) if not (SHARED_DATA / name).is_dir()]
     assert not missing, "\n".join(missing)
+
+
+def test_the_readme_install_and_test_commands_are_the_ci_ones():
+    """README's set-up block and .ci/run install the same extras (all defined in pyproject.toml) and the same
+    torch pin, and run the same test command; its -n needs pytest-xdist, in the dev extra."""
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    extras_of = lambda text: re.findall(r'pip install (?:--quiet )?-e "\.\[([\w,-]+)\]"', text)  # noqa: E731
+    assert extras_of(readme) == extras_of(ci) and len(extras_of(ci)) == 1, (extras_of(readme), extras_of(ci))
+    defined = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(extras_of(ci)[0].split(",")) <= set(defined)
+    pin = lambda text: re.findall(r"torch==[\w.+]+", text)  # noqa: E731
+    assert pin(readme) == pin(ci) and pin(ci), (pin(readme), pin(ci))
+    tests_line = re.search(r"^HF_HUB_OFFLINE=1 (python -m pytest[^\n#]*?)\s*$", readme, re.M)
+    assert tests_line and re.search(rf"^{re.escape(tests_line[1])}\s*$", ci, re.M), tests_line
+    if " -n " in tests_line[1] + " ":
+        assert any(d.startswith("pytest-xdist") for d in defined["dev"])
