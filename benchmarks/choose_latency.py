@@ -52,7 +52,7 @@ From a clean clone, one command (builds the keys, two K-means routers and their 
 or with bundles of your own (``--static-bundle`` optional: without it the static row is listed as
 not measured):
 
-    python benchmarks/choose_latency.py --bundle bundles/kmeans --public-key keys/signing.pub \
+    python benchmarks/choose_latency.py --bundle bundles/latency --public-key keys/signing.pub \
         --data ../shared/data/routerbench --out results/benchmarks [--static-bundle bundles/static] \
         [--unfused-bundle bundles/latency-unfused]
 
@@ -77,6 +77,8 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from sdk.kinds import DEFAULT_EMBEDDER_KIND
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -351,6 +353,22 @@ def _uptime() -> str:
         return "n/a"
 
 
+def require_onnx_bundle(parser: argparse.ArgumentParser, option: str, bundle: Path) -> dict:
+    """The manifest of ``bundle``, a router bundle with the ONNX encoders these benchmarks time; else the
+    parser's error (exit 2) naming ``option``: no readable ``manifest.json``, or a bundle of another embedder
+    kind (the README's ``bundles/kmeans`` is on the static embedder: no encoder, no ``tokenizer.json``)."""
+    try:
+        manifest = json.loads((bundle / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"{option} {bundle}: no readable manifest.json ({exc})")
+    kind = manifest.get("embedder_kind", DEFAULT_EMBEDDER_KIND)
+    if kind != DEFAULT_EMBEDDER_KIND:
+        parser.error(f"{option} {bundle} is a bundle of the {kind!r} embedder, with no ONNX encoder to time; give one "
+                     "written by benchmarks/latency_bundle.py (or results/latency-bundles/bundles/latency, built by "
+                     "benchmarks/choose_latency_bundles.py)")
+    return manifest
+
+
 def main(argv: list[str] | None = None) -> dict:
     global PYCACHE_PREFIX
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -389,6 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.bundle, args.static_bundle, args.public_key = built.bundle, built.static_bundle, built.public_key
     elif args.public_key is None:
         parser.error("--bundle needs --public-key")
+    manifest = require_onnx_bundle(parser, "--bundle", args.bundle)
     pycache = tempfile.TemporaryDirectory(prefix="fedroute-pycache-")
     PYCACHE_PREFIX = pycache.name
 
@@ -400,7 +419,6 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = list(test.prompts[: args.n_prompts])
     if len(prompts) < args.n_prompts:
         parser.error(f"{args.data} has only {len(prompts)} test prompts")
-    manifest = json.loads((args.bundle / "manifest.json").read_text())
     emb = manifest["embedder"]
     load_before = _uptime()
     profiles = []

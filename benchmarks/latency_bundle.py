@@ -9,7 +9,11 @@ quantisation, assembly and parity check (:mod:`export.pipeline`, :mod:`export.pa
 report as ``parity.json`` with its ``passed`` flag as measured, and signs the bundle anyway. Never
 ship such a bundle; use ``fedroute export``.
 
-    python benchmarks/latency_bundle.py --router results/device/routers/kmeans --out bundles/latency \
+``--router``: a router trained on the ONNX (sentence-transformer) embedder, e.g. the MiniLM 32-token one
+(the README's ``results/device`` is on the static embedder, whose bundle has no encoder recipes)::
+
+    HF_HUB_OFFLINE=1 fedroute simulate --data ../shared/data/routerbench --out results/minilm32 --max-tokens 32
+    python benchmarks/latency_bundle.py --router results/minilm32/routers/kmeans --out bundles/latency \
         --signing-key keys/signing.key --data ../shared/data/routerbench
 """
 
@@ -40,12 +44,19 @@ def main(argv: list[str] | None = None) -> dict:
     from export.pipeline import _load_test_table, assemble
     from export.signing import load_signing_key
     from sdk import bundle_manifest as fmt
+    from sdk.kinds import DEFAULT_EMBEDDER_KIND
+    from trainer.embedder_kind import kind_of
     from trainer.embeddings import EmbedderConfig, embed_texts, resolve_model_path
     from trainer.kinds import load_router
 
     key = load_signing_key(args.signing_key)
     router = load_router(args.router)
     emb = router.embedder
+    kind = emb.get("kind") or kind_of(emb["name"])[0].name  # router.json names a non-default kind (static); else the name
+    if kind != DEFAULT_EMBEDDER_KIND:
+        parser.error(f"--router {args.router} was trained on the {kind!r} embedder ({emb['name']}), which has no ONNX "
+                     "encoder recipes to export; give a sentence-transformer router, e.g. results/minilm32/routers/kmeans "
+                     "of `fedroute simulate --max-tokens 32 --out results/minilm32`")
     config = EmbedderConfig(model=emb["name"], max_tokens=int(emb["max_tokens"]), truncation_side=emb["truncation_side"])
     test = _load_test_table(router, args.data).with_models(router.models)
     with tempfile.TemporaryDirectory(prefix="fedroute-latency-") as tmp:

@@ -6,8 +6,12 @@ sentence-transformers + torch, and the int8 encoder's cosine (mean, min) against
 sentence-transformers at that length. The routing quality per length comes from the main job run
 with ``--max-tokens`` (see README).
 
-    python benchmarks/max_tokens.py --bundle bundles/kmeans --data ../shared/data/routerbench \
+    python benchmarks/max_tokens.py --bundle bundles/latency --data ../shared/data/routerbench \
         --out results/benchmarks
+
+``--bundle``: a router bundle with ONNX encoders (``benchmarks/latency_bundle.py``'s, or
+``results/latency-bundles/bundles/latency`` from ``benchmarks/choose_latency_bundles.py``); the README's
+``bundles/kmeans`` is a static-embedder bundle.
 
 Writes ``max_tokens.json``, ``max_tokens.md``, ``max_tokens.png`` under ``--out``.
 """
@@ -18,7 +22,7 @@ import argparse
 import json
 from pathlib import Path
 
-from choose_latency import time_calls
+from choose_latency import require_onnx_bundle, time_calls
 
 LENGTHS = (32, 64, 128, 256)
 
@@ -30,6 +34,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("results/benchmarks"))
     parser.add_argument("--n-prompts", type=int, default=300)
     args = parser.parse_args(argv)
+    manifest = require_onnx_bundle(parser, "--bundle", args.bundle)
 
     import torch
     from tqdm.auto import tqdm
@@ -40,7 +45,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)
     prompts = list(load_routerbench_dir(args.data)[1].prompts[: args.n_prompts])
-    manifest = json.loads((args.bundle / "manifest.json").read_text())
     emb = manifest["embedder"]
     tokenizer = (args.bundle / "tokenizer.json").read_text()
     models = {p: (args.bundle / f).read_bytes() for p, f in emb["files"].items()}

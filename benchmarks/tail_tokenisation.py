@@ -14,8 +14,11 @@ The rule (applied to the *choosing* sets, RouterBench train prompts and AlpacaEv
 the smallest ``c`` exact for >= 99% of the longer texts in each set. HH-RLHF prompts (a test split)
 are reported as a check and not used to choose.
 
-    python benchmarks/tail_tokenisation.py --tokenizer bundles/kmeans/tokenizer.json \\
+    python benchmarks/tail_tokenisation.py --tokenizer bundles/latency/tokenizer.json \\
         --shared-data ../shared/data --out results/benchmarks
+
+(``tokenizer.json`` of a bundle with the ONNX embedder, e.g. ``benchmarks/latency_bundle.py``'s; the README's
+static-embedder ``bundles/kmeans`` has ``static_tokenizer.json`` + ``static_vocab.txt`` instead.)
 
 Writes ``tail_tokenisation.{json,md,png}`` under ``--out``.
 """

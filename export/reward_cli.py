@@ -19,7 +19,7 @@ from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.rewards.reward_scorer_kind import FAMILY, NAME
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
-DataOpt = Annotated[Path, typer.Option("--data", help="the shared data folder (alpacaeval/, hh_harmless/, routerbench/)")]
+DataOpt = Annotated[Path, typer.Option("--data", help="the shared data folder (alpacaeval/, hh_rlhf_harmless/, routerbench/)")]
 
 
 def export_reward(

@@ -43,7 +43,7 @@ def clear_earlier_results(out: Path) -> list[str]:
 
 
 MixtureOpt = Annotated[Path, typer.Option("--mixture", help="a saved MoR mixture (mixture.json + router + clients)")]
-DataOpt = Annotated[Path, typer.Option("--data", help="the shared data folder (alpacaeval/, hh_harmless/, routerbench/)")]
+DataOpt = Annotated[Path, typer.Option("--data", help="the shared data folder (alpacaeval/, hh_rlhf_harmless/, routerbench/)")]
 
 
 def public_prompts(data: Path, n: int, seed: int = 0) -> list[str]:

@@ -89,7 +89,7 @@ def train(
 @app.command()
 def label(
     run: Annotated[Path, typer.Option(help="the --out folder of `fedroute prism train` (fedprism_seed0/, fedbis_seed0/)")],
-    out: Annotated[Path, typer.Option(help="output folder: phase3.json/.md/.png, synthetic_preferences.jsonl/.parquet")],
+    out: Annotated[Path, typer.Option(help="output folder: phase3.json, phase3.md, phase3_agreement.png, synthetic_preferences.jsonl/.parquet")],
     data: Annotated[Path, typer.Option(help="shared data folder with alpacaeval/")] = Path("../shared/data"),
     max_pairs: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="held-out AlpacaEval pairs to label (seeded sample)")] = 600,
     device_threads: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")] = 1,
