@@ -9,14 +9,13 @@ Run: ``PYTHONPATH=. HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/mor_defence_se
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from benchmarks.mor_settings_setup import write_json
 from trainer.rewards.audit import NAIVE
 from trainer.rewards.mor_trainer import MoRConfig, MoRTrainer
 from trainer.rewards.privacy import membership_attack
@@ -59,8 +58,7 @@ def main(argv: list[str]) -> None:
         out.append({"setting": name, "config": vars(CANDIDATES[name]),
                     "val_auc_per_client": dict(zip(clients, auc.mean(0).tolist())), "val_auc_max": float(auc.mean(0).max()),
                     "val_acc_per_client": dict(zip(clients, acc.mean(0).tolist())), "val_acc_mean": float(acc.mean())})
-    Path("docs").mkdir(exist_ok=True)
-    Path("docs/mor_defence_settings" + ("_quick" if "--quick" in argv else "") + ".json").write_text(json.dumps({"quick": "--quick" in argv, "rows": out}, indent=2))
+    write_json("mor_defence_settings", "--quick" in argv, {"quick": "--quick" in argv, "rows": out})
     for o in out:
         print(o["setting"], round(o["val_auc_max"], 3), {k: round(v, 3) for k, v in o["val_auc_per_client"].items()},
               round(o["val_acc_mean"], 3))

@@ -4,20 +4,19 @@ For each candidate (rounds, local lr, local steps, weighting) the router is trai
 train pairs of seeds 0..2 (the default pool of MoRConfig) and scored by the share of validation
 responses routed to their own client (the router's BCE target), mean over clients and seeds.
 Run: ``PYTHONPATH=. HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/mor_router_settings.py [--quick]``;
-writes ``docs/mor_router_settings.json``.
+writes ``docs/mor_router_settings[_quick].json`` (atomically; ``--quick`` never overwrites the default pool's file).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from benchmarks.mor_settings_setup import write_json
 from trainer.rewards.client_router import ClientRouterData, FederatedRouterTrainer
 from trainer.rewards.mor_trainer import MoRConfig, MoRTrainer
 
@@ -42,8 +41,7 @@ def main(argv: list[str]) -> None:
              "val_own_share_min_client": float(np.mean(s, axis=0).min()),
              "val_own_share_per_client": np.mean(s, axis=0).tolist()} for (r, lr, st, w), s in scores.items()]
     rows.sort(key=lambda d: (-round(d["val_own_share_mean"], 3), -d["val_own_share_min_client"]))
-    out = Path("docs/mor_router_settings.json")
-    out.write_text(json.dumps({"clients": list(cfg.client_names), "rows": rows}, indent=2))
+    write_json("mor_router_settings", "--quick" in argv, {"clients": list(cfg.client_names), "quick": "--quick" in argv, "rows": rows})
     for d in rows:
         print(d)
 
