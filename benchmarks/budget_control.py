@@ -51,6 +51,8 @@ def _plot(path: Path, traces: dict, budgets: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # trainer extra (matplotlib)
 
+    from trainer.report import save_figure
+
     fig, axes = plt.subplots(len(KINDS), len(PLOT_STREAMS), figsize=(4.2 * len(PLOT_STREAMS), 3.3 * len(KINDS)),
                              sharex=True, squeeze=False)
     kernel = np.ones(bs.WINDOW) / bs.WINDOW
@@ -72,9 +74,7 @@ def _plot(path: Path, traces: dict, budgets: dict) -> None:
                 ax.set_xlabel("query")
     axes[0][0].legend(fontsize=7, loc="upper right")
     fig.suptitle("Realised spend vs budget on RouterBench test streams (middle budget, seed 0)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)  # lays out, writes atomically, closes
 
 
 def _markdown(rows: list[dict], meta: dict) -> str:
@@ -192,9 +192,11 @@ def main(argv: list[str] | None = None) -> dict:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} at the end",
             "seconds": round(time.time() - started, 1)}
     out = {"meta": meta, "rows": rows}
+    from trainer.report import write_text  # atomic: a killed run leaves the old file
+
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "budget_control.json").write_text(json.dumps(out, indent=2) + "\n")
-    (args.out / "budget_control.md").write_text(_markdown(rows, meta))
+    write_text(args.out / "budget_control.json", json.dumps(out, indent=2) + "\n")
+    write_text(args.out / "budget_control.md", _markdown(rows, meta))
     _plot(args.out / "budget_control.png", traces, plot_budgets)
     print(_markdown(rows, meta))
     return out

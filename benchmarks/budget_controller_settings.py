@@ -100,8 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
                      "streams": sorted({c[3] for c in cases}), "routers": list(KINDS)},
         "seconds": round(time.time() - started, 1),
     }
+    from trainer.report import write_text  # atomic: a killed run leaves the old file
+
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "budget_controller_settings.json").write_text(json.dumps(out, indent=2) + "\n")
+    write_text(args.out / "budget_controller_settings.json", json.dumps(out, indent=2) + "\n")
     print(json.dumps(out["chosen"]), f"({out['seconds']} s)")
     return out
 

@@ -475,9 +475,11 @@ def main(argv: list[str] | None = None) -> dict:
     results["targets_met"] = targets_met(results)
     results["load_avg_1min"] = {"before": load_before, "after": _uptime()}
     results["cold_start_bytecode"] = "compiled (private PYTHONPYCACHEPREFIX, one warm-up child per profile)"
+    from trainer.report import write_text  # atomic: a killed run leaves the old file
+
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "choose_latency.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "choose_latency.md").write_text(markdown(results))
+    write_text(args.out / "choose_latency.json", json.dumps(results, indent=2) + "\n")
+    write_text(args.out / "choose_latency.md", markdown(results))
     plot(results, args.out / "choose_latency.png")
     print(markdown(results))
     return results

@@ -230,10 +230,12 @@ def main(argv: list[str] | None = None) -> dict:
             "load_steps_ms": {k: {m: statistics.median(r[k][m] for r in steps[name]) for m in ("wall_ms", "cpu_ms")}
                               for k in steps[name][0]},
         }
+    from trainer.report import write_text  # atomic: a killed run leaves the old file
+
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cold_start_breakdown.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_text(args.out / "cold_start_breakdown.json", json.dumps(results, indent=2) + "\n")
     text = markdown(results)
-    (args.out / "cold_start_breakdown.md").write_text(text)
+    write_text(args.out / "cold_start_breakdown.md", text)
     print(text)
     return results
 

@@ -169,10 +169,12 @@ def main(argv: list[str] | None = None) -> dict:
                "cpu_flags": sorted(f for f in open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
                                    if "avx" in f or "vnni" in f or f in ("fma", "f16c", "amx_int8")),
                "recipes": rows, "op_profile_us_per_query": profiles, "fastest_variant": fastest}
+    from trainer.report import write_text  # atomic: a killed run leaves the old file
+
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "int8_all_profile.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_text(args.out / "int8_all_profile.json", json.dumps(results, indent=2) + "\n")
     text = markdown(results)
-    (args.out / "int8_all_profile.md").write_text(text)
+    write_text(args.out / "int8_all_profile.md", text)
     print(text)
     return results
 

@@ -62,15 +62,17 @@ def main(argv: list[str] | None = None) -> dict:
             cos = (encoder.embed(prompts) * reference).sum(1)
             row[f"{precision}_cosine_mean"], row[f"{precision}_cosine_min"] = float(cos.mean()), float(cos.min())
         rows.append(row)
+    from trainer.report import write_text  # atomic: a killed run leaves the old file
+
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "max_tokens.json").write_text(json.dumps(rows, indent=2) + "\n")
+    write_text(args.out / "max_tokens.json", json.dumps(rows, indent=2) + "\n")
     lines = ["| max_tokens | torch ms | fp32 ms | int8 ms | int8 speed-up | int8 cosine mean / min |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['max_tokens']} | {r['torch_ms']:.2f} | {r['fp32_ms']:.2f} | {r.get('int8_ms', float('nan')):.2f} | "
                      f"{r['torch_ms'] / r.get('int8_ms', float('nan')):.2f}x | "
                      f"{r.get('int8_cosine_mean', float('nan')):.4f} / {r.get('int8_cosine_min', float('nan')):.4f} |")
     text = "\n".join(lines) + "\n"
-    (args.out / "max_tokens.md").write_text(text)
+    write_text(args.out / "max_tokens.md", text)
     _plot(rows, args.out / "max_tokens.png")
     print(text)
     return {"rows": rows}

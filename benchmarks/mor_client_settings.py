@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from trainer.report import write_text
 from trainer.rewards.client_router import ClientRouterData, FederatedRouterTrainer
 from trainer.rewards.mixture import softmax
 from trainer.rewards.mor_trainer import MoRConfig, MoRTrainer
@@ -98,10 +99,8 @@ def main(argv: list[str]) -> None:
                           "val_acc_std_over_seeds": float(per_seed.std(ddof=1)),
                           "per_client": {n: float(np.mean(per[n])) for n in names}})
     out = Path(f"docs/mor_client_settings{'_quick' if quick else ''}{'_mlp' if '--mlp-only' in argv else ''}.json")
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps({"pool": "quick" if quick else "default", "archs": list(cfg.client_archs), "seeds": [0, 1, 2],
-                               "seconds": time.perf_counter() - t0, "rows": table}, indent=2))
-    tmp.replace(out)
+    write_text(out, json.dumps({"pool": "quick" if quick else "default", "archs": list(cfg.client_archs),
+                                "seeds": [0, 1, 2], "seconds": time.perf_counter() - t0, "rows": table}, indent=2))
     for d in table:
         print(f"{d['setting']:12s} {d['metric']:12s} {d['val_acc_mean']:.3f} ± {d['val_acc_std_over_seeds']:.3f} "
               + " ".join(f"{v:.3f}" for v in d["per_client"].values()))

@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.mor_settings_setup import loco_categories, loco_folds, setup, write_json  # noqa: E402
 from trainer.data.preferences import load_preference_pairs  # noqa: E402
+from trainer.report import save_figure  # noqa: E402
 from trainer.rewards.client_router import ClientRouterData, FederatedRouterTrainer  # noqa: E402
 from trainer.rewards.evaluation import routed_reward  # noqa: E402
 from trainer.rewards.reward_models import pairwise_accuracy  # noqa: E402
@@ -135,9 +136,7 @@ def plot(out: dict, path) -> None:
     for a in ax:
         a.set_xticks(f, [f"{v:g}" for v in f])
         a.minorticks_off()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)  # lays out, writes atomically, closes
 
 
 def report(out: dict) -> None:

@@ -121,6 +121,8 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from trainer.report import save_figure
+
     names = list(result["rows"])
     vals = [result["rows"][n]["val_acc"] for n in names]
     fig, ax = plt.subplots(figsize=(8, 3.2))
@@ -131,9 +133,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlim(0.7, 0.85)
     ax.set_xlabel("validation pairwise accuracy (450 pairs; bar: +- one binomial std)")
     ax.set_title("Frozen MiniLM content over the per-domain length model (centralised)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)  # lays out, writes atomically, closes
 
 
 if __name__ == "__main__":

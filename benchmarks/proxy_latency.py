@@ -175,9 +175,11 @@ def main(argv: list[str] | None = None) -> dict:
     }
     results["routed_overhead_over_choose"] = (results["added_ms"]["routed_minus_direct"]["median_ms"]
                                               / results["paths"]["choose"]["median_ms"])
+    from trainer.report import write_text  # atomic: a killed run leaves the old file
+
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "proxy_latency.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "proxy_latency.md").write_text(markdown(results))
+    write_text(args.out / "proxy_latency.json", json.dumps(results, indent=2) + "\n")
+    write_text(args.out / "proxy_latency.md", markdown(results))
     plot(samples, results, args.out / "proxy_latency.png")
     print(markdown(results))
     return results

@@ -108,9 +108,11 @@ def main(argv: list[str] | None = None) -> dict:
     c = compare(json.loads(args.minilm.read_text()), json.loads(args.static.read_text()))
     c["runs"] = {"minilm32": {"embedder": json.loads(args.minilm.read_text())["config"]["embedder"]},
                  "static": {"embedder": json.loads(args.static.read_text())["config"]["embedder"]}}
+    from trainer.report import write_text  # atomic: a killed run leaves the old file
+
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "static_embedder.json").write_text(json.dumps(c, indent=2) + "\n")
-    (args.out / "static_embedder.md").write_text(markdown(c))
+    write_text(args.out / "static_embedder.json", json.dumps(c, indent=2) + "\n")
+    write_text(args.out / "static_embedder.md", markdown(c))
     plot(c, args.out / "static_embedder.png")
     print(markdown(c))
     return c

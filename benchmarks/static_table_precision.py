@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"validation": {"split": "train", "n_prompts": len(prompts), "seed": 0}, "embedder": args.embedder,
               "routers": sorted(routers), "precisions": rows, "default": default,
               "rule": "int8 when it passes every gate and is smaller, else float16"}
+    from trainer.report import write_text  # atomic: a killed run leaves the old file
+
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "static_table_precision.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_text(args.out / "static_table_precision.json", json.dumps(result, indent=2) + "\n")
     lines = [f"Static table precision on {len(prompts)} validation prompts (train split, seed 0), device encoder vs "
              "model2vec:", "",
              "| table | file MB | cosine mean | cosine min | decisions agree (" + ", ".join(sorted(routers)) +
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{r['encode_ms']['median_ms']:.3f} | {'pass' if r['passed'] else 'fail'} |")
     lines += ["", f"Default: **{'float16' if default == 'fp32' else default}** ({result['rule']})."]
     text = "\n".join(lines) + "\n"
-    (args.out / "static_table_precision.md").write_text(text)
+    write_text(args.out / "static_table_precision.md", text)
     print(text)
     return result
 

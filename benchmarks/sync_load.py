@@ -204,9 +204,11 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="sync_load_") as tmp:
         work = args.work if args.work is not None else Path(tmp)
         results = run(args, work)
+    from trainer.report import write_text  # atomic: a killed run leaves the old file
+
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sync_load.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "sync_load.md").write_text(markdown(results))
+    write_text(args.out / "sync_load.json", json.dumps(results, indent=2) + "\n")
+    write_text(args.out / "sync_load.md", markdown(results))
     plot(results, args.out / "sync_load.png")
     print(markdown(results))
     if results["crash"]["failed_checks"]:

@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"max_tokens": args.max_tokens, "rule": f"smallest c with exact share >= {RULE_MIN_EXACT} on {choosing}",
               "chosen": chosen, "rows": {n: {str(c): v for c, v in r.items()} for n, r in rows.items()},
               "load_average": Path("/proc/loadavg").read_text().split()[:3]}
+    from trainer.report import write_text  # atomic: a killed run leaves the old file
+
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tail_tokenisation.json").write_text(json.dumps(result, indent=2))
+    write_text(args.out / "tail_tokenisation.json", json.dumps(result, indent=2))
     lines = [f"Left truncation to {args.max_tokens} tokens: a tail of c x {args.max_tokens} characters, exact share "
              f"(of the texts longer than it) / median ms to tokenise it; load {' '.join(result['load_average'])}.", "",
              "| set | " + " | ".join(f"c = {c}" for c in PER_TOKEN) + " |", "|---|" + "---|" * len(PER_TOKEN)]
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
                  for v in r.values()]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"Rule: {result['rule']}: **c = {chosen}**."]
-    (args.out / "tail_tokenisation.md").write_text("\n".join(lines) + "\n")
+    write_text(args.out / "tail_tokenisation.md", "\n".join(lines) + "\n")
     plot(rows, args.out / "tail_tokenisation.png")
     print("\n".join(lines))
     return result
@@ -107,6 +109,8 @@ def plot(rows: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from trainer.report import save_figure
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name, r in rows.items():
         ax.plot(PER_TOKEN, [v["exact_share"] or 1.0 for v in r.values()], marker="o", label=name)
@@ -114,9 +118,7 @@ def plot(rows: dict, path: Path) -> None:
     ax.set_xlabel("tail length, characters per kept token")
     ax.set_ylabel("exact share of longer texts")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)  # lays out, writes atomically, closes
 
 
 if __name__ == "__main__":
