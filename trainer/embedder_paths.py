@@ -45,29 +45,43 @@ def local_model_problem(name: str) -> str | None:
     return None
 
 
-def hub_offline() -> bool:
-    """Whether Hugging Face downloads are off: ``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE`` set to
-    1 / ON / YES / TRUE (any case, blanks around ignored), read at each call.
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
-    Not huggingface_hub's own answer, ``huggingface_hub.constants.HF_HUB_OFFLINE`` (transformers'
-    ``is_offline_mode()`` returns the same): huggingface_hub < 1.0, which the trainer extra pins, reads the
-    variables once, when it is imported, so a variable set later in the process (``monkeypatch.setenv`` in
-    tests/test_policy_models.py and tests/test_trainer_artefacts_hostile.py) is not seen there. It also takes
-    only the first non-empty of the two (``HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=1`` is online there, offline
-    here) and does not strip blanks.
+
+def _offline_variable() -> str | None:
+    """The variable huggingface_hub takes its offline mode from: the first of :data:`OFFLINE_VARIABLES` that is
+    set and not empty, or None."""
+    return next((var for var in OFFLINE_VARIABLES if os.environ.get(var)), None)
+
+
+def hub_offline() -> bool:
+    """Whether Hugging Face downloads are off, by huggingface_hub's own rule applied at each call: the first
+    non-empty of ``HF_HUB_OFFLINE`` and ``TRANSFORMERS_OFFLINE``, upper-cased, is one of
+    ``huggingface_hub.constants.ENV_VARS_TRUE_VALUES`` (1 / ON / YES / TRUE). Blanks are not stripped
+    (``" 1"`` is online) and a set first variable decides alone (``HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=1``
+    is online), as in the library.
+
+    Not huggingface_hub's answer itself, ``huggingface_hub.constants.HF_HUB_OFFLINE`` (transformers'
+    ``is_offline_mode()`` returns the same): huggingface_hub < 1.0, which the trainer extra pins, computes it
+    once, when it is imported, so a variable set later in the process (``monkeypatch.setenv`` in
+    tests/test_policy_models.py and tests/test_trainer_artefacts_hostile.py) is not seen there.
     """
-    return any(os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE")
-               for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    from huggingface_hub.constants import ENV_VARS_TRUE_VALUES  # trainer extra; on use only
+
+    var = _offline_variable()
+    return var is not None and os.environ.get(var, "").upper() in ENV_VARS_TRUE_VALUES
 
 
 def model_load_problem(name: str, exc: BaseException) -> str:
     """One line saying why transformers could not load the model ``name`` (a local folder or a hub id).
 
     A hub id with downloads off (:func:`hub_offline`) and not in the cache is named with what to do: a
-    local folder, or ``HF_HUB_OFFLINE`` unset with network access (transformers' own message spans two
-    lines and points at its offline-mode docs). Any other error is ``exc``'s text on one line.
+    local folder, or the variable that turned downloads off (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``)
+    unset with network access (transformers' own message spans two lines and points at its offline-mode docs).
+    Any other error is ``exc``'s text on one line.
     """
     if hub_offline() and not Path(name).exists():
-        return (f"{name!r} is not a local folder and HF_HUB_OFFLINE is set (no download); give a local model folder "
-                "(saved with save_pretrained) or unset HF_HUB_OFFLINE with network access")
+        var = _offline_variable()
+        return (f"{name!r} is not a local folder and {var} is set (no download); give a local model folder "
+                f"(saved with save_pretrained) or unset {var} with network access")
     return " ".join(str(exc).split())
