@@ -5,7 +5,8 @@ parity check loads). It was a ``/tmp/fedroute-export-*`` folder, removed when th
 there for good when the process was killed (``kill -9``, the OOM killer, a closed terminal): nothing
 ever looked at it again. Now it is ``.<name>.export-<host>-<pid>-<random>`` beside the destination
 ``out`` (created with its parents if missing; the parents it created are removed again, when empty, if
-the export fails, so a failed export to ``a/new/b`` leaves no ``a/new`` behind):
+the export fails, so a failed export to ``a/new/b`` leaves no ``a/new`` behind, nor the bundle's lock file
+``a/new/.b.lock`` that a bundle write failing under its lock leaves there):
 
 - every export first removes the scratch folders beside ``out`` whose process is gone (same host, no
   process with that id), so a killed export's folder lives until the next export to the same place;
@@ -28,7 +29,10 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from export.errors import ExportError
+from sdk.bundle_install import lock_path
 
 #: ``.<name>.export-<host>-<pid>-<8 hex>``; the host may hold '-' and '.', the pid and the suffix do not.
 _SCRATCH = re.compile(r"\.(?P<name>.+)\.export-(?P<host>.+)-(?P<pid>[0-9]+)-[0-9a-f]{8}")
@@ -81,13 +85,32 @@ def _remove_if_empty(folders: list[Path]) -> None:
             return
 
 
+def _remove_created(created: list[Path], out: Path) -> None:
+    """Remove the folders a failed export created (``created``, deepest first, :func:`_missing_folders`) when
+    empty. ``out``'s lock file (:func:`sdk.bundle_install.locked`, which filelock keeps after release on
+    purpose) would keep ``out``'s folder: when that folder is one this export created and holds nothing else,
+    the lock is taken without waiting and the file unlinked and the folders removed while it is held. A lock
+    another writer holds (or is being given) is left alone, and so is its folder. A writer already waiting on
+    the unlinked file retries on the path once it gets the lock (filelock >= 3.20.4 checks ``st_nlink``), so
+    no two writers ever hold the lock at once."""
+    lock = lock_path(out)
+    if not created or created[0] != lock.parent or not os.path.lexists(lock):
+        _remove_if_empty(created)
+        return
+    with contextlib.suppress(Timeout, OSError), FileLock(lock, timeout=0):
+        if [p.name for p in lock.parent.iterdir()] == [lock.name]:
+            lock.unlink()
+        _remove_if_empty(created)
+
+
 @contextlib.contextmanager
 def scratch_folder(out: Path) -> Iterator[Path]:
     """A new empty scratch folder beside ``out`` for the duration of the block, removed after it
     (whether it ends or raises); the stale ones of ``out`` (:func:`stale_scratch_folders`) are
     removed first. ``out``'s parent is created with its own parents if missing; when the block raises
-    (or the scratch folder cannot be made), the folders so created are removed again if empty: a failed
-    export leaves no folder that was not there before.
+    (or the scratch folder cannot be made), the folders so created are removed again if empty, or holding
+    only ``out``'s unused lock file (:func:`_remove_created`): a failed export leaves no folder that was not
+    there before.
 
     Raises
     ------
@@ -110,6 +133,6 @@ def scratch_folder(out: Path) -> Iterator[Path]:
         yield folder
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
-        _remove_if_empty(created)  # the bundle was not written: the parents this export made go too
+        _remove_created(created, out)  # the bundle was not written: the parents this export made go too
         raise
     shutil.rmtree(folder, ignore_errors=True)

@@ -10,7 +10,9 @@ sees the old bundle or the new one, never a mix and never nothing (``sdk.Router.
 link once). The previous version's directory is kept for readers still loading it; older ones are
 removed. A crash before the link is replaced leaves the old bundle in place and an unused directory
 that the next install removes. Writers of one ``out`` are serialised by a lock file
-``.<name>.lock`` (the ``filelock`` package: POSIX and Windows; not reliable on NFS).
+``.<name>.lock`` (the ``filelock`` package: POSIX and Windows; not reliable on NFS). On POSIX the file
+stays after release, on purpose (filelock's design: waiters must lock the same inode); only a folder that
+an export created and failed in has it removed, under the lock (:mod:`export.scratch_folder`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from filelock import FileLock
 from sdk.atomic_write import fsync_dir, write_synced
 from sdk.bundle_manifest import MANIFEST_FILE
 
-__all__ = ["fsync_dir", "locked", "new_version_dir", "publish", "read_version", "version_dirs", "write_synced"]
+__all__ = ["fsync_dir", "lock_path", "locked", "new_version_dir", "publish", "read_version", "version_dirs",
+           "write_synced"]
 
 VERSION_DIR = re.compile(r"\.(?P<name>.+)\.v(?P<version>\d+)-[0-9a-f]{12}")
 
@@ -56,13 +59,19 @@ def version_dirs(out: Path) -> list[Path]:
     return found
 
 
+def lock_path(out: Path) -> Path:
+    """The lock file ``.<name>.lock`` beside ``out`` that :func:`locked` takes."""
+    out = Path(out)
+    return out.parent / f".{out.name}.lock"
+
+
 @contextlib.contextmanager
 def locked(out: Path) -> Iterator[None]:
-    """Exclusive lock on ``.<name>.lock`` beside ``out`` for the duration of the block
-    (``filelock``: ``flock`` on POSIX, ``msvcrt.locking`` on Windows)."""
+    """Exclusive lock on :func:`lock_path` of ``out`` for the duration of the block (``filelock``: ``flock``
+    on POSIX, ``msvcrt.locking`` on Windows); ``out``'s folder is created with its parents if missing."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(out.parent / f".{out.name}.lock"):
+    with FileLock(lock_path(out)):
         yield
 
 

@@ -141,6 +141,52 @@ def test_a_failed_export_removes_the_parent_folders_it_created(tmp_path):
     assert not scratch.exists() and [p.name for p in out.parent.iterdir()] == [".bundle.v1-0123"]
 
 
+def test_a_bundle_write_failing_under_its_lock_in_a_new_folder_leaves_no_folder(tmp_path, signing_keys, monkeypatch):
+    """write_bundle takes the lock file .<name>.lock beside --out (kept on release, as filelock keeps it on
+    purpose), so when publishing then failed (a full disk), the parent folder the export had created was not
+    empty and stayed: a failed export to a/new/bundle left a/new/.bundle.lock. The scratch folder's cleanup now
+    removes that lock file when the lock is free and nothing else is in the folder; a held lock, or a folder with
+    anything else in it, stays."""
+    import errno
+    import os
+
+    from filelock import FileLock
+
+    from export.bundle_writer import write_bundle
+    from export.scratch_folder import scratch_folder
+    from sdk.bundle_install import read_version
+
+    key = load_signing_key(signing_keys[0])
+    (tmp_path / "a").mkdir()
+    out = tmp_path / "a" / "new" / "bundle"
+    real_replace = os.replace
+
+    def disk_full(src, dst, *args, **kwargs):
+        if Path(dst) == out:  # publish's link swap, after the lock is taken and the version written
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(OSError, match="No space left"), scratch_folder(out):
+        write_bundle(out, {"kmeans.npz": b"x"}, {"bundle_version": 1, "router_kind": "kmeans"}, key)
+    assert list((tmp_path / "a").iterdir()) == []
+
+    # The lock held by another writer: its file and so the folder stay (no unlink under a holder's feet).
+    lock = out.parent / ".bundle.lock"
+    held = FileLock(lock)
+    with pytest.raises(OSError, match="No space left"), scratch_folder(out):
+        try:
+            write_bundle(out, {"kmeans.npz": b"x"}, {"bundle_version": 1, "router_kind": "kmeans"}, key)
+        finally:
+            held.acquire(timeout=5)  # write_bundle has released it; another writer takes it before the cleanup
+    assert held.is_locked
+    held.release()
+    assert [p.name for p in out.parent.iterdir()] == [".bundle.lock"]
+    monkeypatch.setattr(os, "replace", real_replace)
+    write_bundle(out, {"kmeans.npz": b"x"}, {"bundle_version": 1, "router_kind": "kmeans"}, key)
+    assert out.is_symlink() and read_version(out) == 1 and lock.is_file()  # published; the lock file is kept
+
+
 def test_an_export_that_fails_in_its_scratch_folder_leaves_no_new_folder(fitted_routers, tmp_path, signing_keys):
     """`fedroute export --out new/nested/bundle` with a router whose embedder cannot be exported failed (ExportError)
     but left new/nested behind, created for the scratch folder."""
