@@ -76,9 +76,20 @@ def test_saved_federated_routers_reload_with_identical_predictions(run, small_ta
         assert np.isfinite(acc).all() and (cost > 0).all()
 
 
-def test_cli_simulate_on_train_and_test_files(small_tables, cache_dir, tmp_path):
+@pytest.fixture
+def torch_threads():
+    """torch's CPU threads before the test, restored after it (a command sets them for its process)."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def test_cli_simulate_on_train_and_test_files(small_tables, cache_dir, tmp_path, torch_threads):
     train, test = small_tables
     import pandas as pd
+    import torch
 
     src = pd.read_parquet(train.source)
     # --train/--test accept any file of the schema: write CSV subsets.
@@ -92,6 +103,20 @@ def test_cli_simulate_on_train_and_test_files(small_tables, cache_dir, tmp_path)
     assert result.exit_code == 0, result.output
     assert "K-means | federated" in result.output
     assert (out / "routers" / "kmeans" / "kmeans.npz").exists()
+    assert torch.get_num_threads() == 1  # the small-model default (trainer.torch_device.DEFAULT_CPU_THREADS)
+
+
+@pytest.mark.parametrize("command", ["simulate", "ablate"])
+def test_cli_threads_sets_torch_threads_before_any_work(tmp_path, torch_threads, command):
+    import torch
+
+    torch.set_num_threads(2)
+    # an absent --data fails after the threads are set and before anything is read or trained
+    result = CliRunner().invoke(app, [command, "--data", str(tmp_path / "absent"), "--out", str(tmp_path / "out"), "--threads", "1"])
+    assert result.exit_code != 0
+    assert torch.get_num_threads() == 1
+    result = CliRunner().invoke(app, [command, "--data", str(tmp_path / "absent"), "--out", str(tmp_path / "out2"), "--threads", "0"])
+    assert result.exit_code == 2 and "--threads" in result.output
 
 
 def test_cli_rejects_an_unknown_router_kind(tmp_path, routerbench_dir):

@@ -25,6 +25,7 @@ from export.errors import ParityError
 from export.signing import load_signing_key
 from trainer.out_folder import cache_folder_option, check_out_folder
 from trainer.results_owner import claim_results
+from trainer.torch_device import DEFAULT_CPU_THREADS
 
 app = typer.Typer(cls=PathCheckedGroup, add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
 
@@ -81,6 +82,14 @@ EmbedderOpt = Annotated[str, typer.Option(help="embedder: local path, 'all-MiniL
 CacheOpt = Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
 MaxTokensOpt = Annotated[int, typer.Option(min=8, max=COUNT_MAX, help="tokens the embedder reads (from the end of the prompt)")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device for embedding and MLP training: cpu, cuda, cuda:1")]
+ThreadsOpt = Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads (one is fastest for these small "
+                                                                   "models on a shared machine: docs/benchmarks.md)")]
+
+
+def _set_threads(threads: int) -> None:
+    from trainer.torch_device import set_cpu_threads  # imports torch (trainer extra) when it runs
+
+    set_cpu_threads(threads)
 
 
 def _check_device(device: str) -> None:
@@ -118,11 +127,13 @@ def simulate(
     max_tokens: MaxTokensOpt = 256,
     cache_dir: CacheOpt = None,
     device: DeviceOpt = "cpu",
+    threads: ThreadsOpt = DEFAULT_CPU_THREADS,
 ) -> None:
     """Run the federated simulation protocol (METRICS.md) and write results.json, results.md, curves.png."""
     check_out_folder(out)  # before the heavy imports and any work
     claim_results(out, "simulate")
     _need_trainer()
+    _set_threads(threads)
     from trainer.embeddings import EmbedderConfig  # trainer extra: `fedroute --help` works without it
     from trainer.experiments import run_simulation  # trainer extra: `fedroute --help` works without it
 
@@ -148,10 +159,12 @@ def ablate(
     max_tokens: MaxTokensOpt = 256,
     cache_dir: CacheOpt = None,
     device: DeviceOpt = "cpu",
+    threads: ThreadsOpt = DEFAULT_CPU_THREADS,
 ) -> None:
     """N in {5, 10, 20, 40} and alpha in {0.03, 0.1, 0.6, 5.0} ablations into ablation.{json,md,png}."""
     check_out_folder(out)  # before the heavy imports and the hours of ablations
     _need_trainer()
+    _set_threads(threads)
     from trainer.embeddings import EmbedderConfig  # trainer extra: `fedroute --help` works without it
     from trainer.experiments import run_ablation  # trainer extra: `fedroute --help` works without it
 

@@ -28,3 +28,24 @@ def check_torch_device(option: str, device: str) -> None:
         raise InvalidInputError(f"{option} {device!r} is not a torch device (cpu, cuda, cuda:1, mps)") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError(f"{option} {device!r}: torch sees no CUDA device (CPU-only build or no GPU)")
+
+
+#: torch CPU threads of ``fedroute simulate`` / ``ablate`` and ``fedroute mor ...`` unless ``--threads`` says
+#: otherwise: their models are small (the MLP router is 384 -> 128 -> 2 x 11), and on a busy 2-core machine
+#: two threads trained it 11-14x slower than one (``benchmarks/torch_threads.py``, docs/benchmarks.md).
+DEFAULT_CPU_THREADS = 1
+
+
+def set_cpu_threads(threads: int) -> None:
+    """Set torch's intra-op CPU threads for this process (``torch.set_num_threads``).
+
+    Raises
+    ------
+    InvalidInputError
+        ``threads`` is not an int >= 1.
+    """
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InvalidInputError(f"threads must be an int >= 1, got {threads!r}")
+    import torch  # torch: optional heavy dependency (trainer extra), imported on use
+
+    torch.set_num_threads(threads)

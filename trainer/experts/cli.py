@@ -21,7 +21,7 @@ from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.policy_models import build_tiny_causal_lm
 from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.results_owner import claim_results
-from trainer.torch_device import check_torch_device
+from trainer.torch_device import DEFAULT_CPU_THREADS, check_torch_device, set_cpu_threads
 
 app = typer.Typer(cls=PathCheckedGroup, add_completion=False, no_args_is_help=True,
                   help="FedPrism: federated preference experts with instance-wise routing (paper 000).")
@@ -37,13 +37,11 @@ def train(
     backbone: Annotated[Optional[str], typer.Option(help="selector backbone path or hub id (default: the preset's); a BERT-family encoder or a causal LM (LoRA targets by architecture)")] = None,
     n_experts: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="M, number of experts (default: the preset's)")] = None,
     methods: Annotated[str, typer.Option(help="comma-separated methods of the table (default: all)")] = "all",
-    device_threads: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")] = 1,
+    device_threads: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")] = DEFAULT_CPU_THREADS,
     cache_dir: Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="cache folder (embeddings, segment states)")] = None,
     device: Annotated[Optional[str], typer.Option(help="torch device of the experts (default: the preset's, cpu; cuda for --preset gpu)")] = None,
 ) -> None:
     """Train FedPrism and its baselines on the same clients; write results.json, results.md, PNGs."""
-    import torch  # torch: optional heavy dependency, imported on use
-
     from trainer.experts.experiment import ALL_METHODS, PRESETS, prepare_data, run_experiment  # trainer.experts.experiment imports pandas, torch: on use only
     from trainer.experts.selector import PairSelector, selector_for_backbone  # trainer.experts.selector imports torch: on use only
 
@@ -54,7 +52,7 @@ def train(
     name = "quick" if quick else preset
     if name not in PRESETS:
         raise typer.BadParameter(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    torch.set_num_threads(device_threads)
+    set_cpu_threads(device_threads)
     data_preset, base = PRESETS[name]
     try:  # --preset gpu on a machine without CUDA used to train on the CPU, at the paper's scale
         base = base if device is None else replace(base, device=device)
@@ -92,16 +90,14 @@ def label(
     out: Annotated[Path, typer.Option(help="output folder: phase3.json, phase3.md, phase3_agreement.png, synthetic_preferences.jsonl/.parquet")],
     data: Annotated[Path, typer.Option(help="shared data folder with alpacaeval/")] = Path("../shared/data"),
     max_pairs: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="held-out AlpacaEval pairs to label (seeded sample)")] = 600,
-    device_threads: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")] = 1,
+    device_threads: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")] = DEFAULT_CPU_THREADS,
     cache_dir: Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder")] = None,
 ) -> None:
     """Phase III: routed experts label held-out AlpacaEval pairs; agreement with the judge; synthetic set."""
-    import torch  # torch: optional heavy dependency, imported on use
-
     from trainer.experts.phase3 import agreement_markdown, run_phase3  # trainer.experts.phase3 imports pandas: on use only
 
     check_out_option(out)  # before any work: an unusable --out used to fail after it
-    torch.set_num_threads(device_threads)
+    set_cpu_threads(device_threads)
     result = run_phase3(run, data, out, max_pairs=max_pairs, cache_dir=cache_dir)
     typer.echo(agreement_markdown(result["agreement"]))
     typer.echo(f"synthetic preference set: {result['synthetic_set']['jsonl']} ({result['synthetic_set']['n_rows']} rows)")

@@ -20,6 +20,7 @@ from sdk.cli_paths import PathCheckedGroup
 from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 from trainer.out_folder import cache_folder_option, check_out_option
 from trainer.results_owner import OWNER_KEY, claim_results
+from trainer.torch_device import DEFAULT_CPU_THREADS, set_cpu_threads
 from trainer.rewards.mor_report import write_eval
 from trainer.rewards.mor_report import write_audit
 
@@ -43,9 +44,7 @@ def _config(quick: bool, data: Path, seeds: Optional[int], cache: Optional[Path]
 
 
 def _setup(threads: int) -> None:
-    import torch  # torch: optional heavy dependency, imported on use
-
-    torch.set_num_threads(threads)
+    set_cpu_threads(threads)  # imports torch (trainer extra) when it runs
 
 
 @app.command()
@@ -54,7 +53,7 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
           mode: Annotated[str, typer.Option(help="active routed reward: sparse | soft (both variants are saved)")] = "sparse",
           weighting: Annotated[Optional[str], typer.Option(help="router FedAvg weighting: equal | samples "
                                                                   "(default: chosen on validation)")] = None,
-          cache: CacheOpt = None, threads: ThreadsOpt = 1) -> None:
+          cache: CacheOpt = None, threads: ThreadsOpt = DEFAULT_CPU_THREADS) -> None:
     """Train the clients' reward models and the federated router on one seed's split, choose the router's
     weighting and the sparse / soft routing variants on VALIDATION pairs, and save that mixture."""
 
@@ -83,7 +82,7 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
 
 @app.command("eval")
 def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"), seeds: SeedsOpt = None,
-          cache: CacheOpt = None, threads: ThreadsOpt = 1) -> None:
+          cache: CacheOpt = None, threads: ThreadsOpt = DEFAULT_CPU_THREADS) -> None:
     """MoR Table 4 analogue over seeds: results.json, results.md, results.png in OUT."""
     from trainer.rewards.evaluation import run_evaluation  # trainer.rewards.evaluation imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
@@ -109,7 +108,7 @@ def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
 @app.command()
 def audit(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"), seeds: SeedsOpt = None,
           clip: Annotated[float, typer.Option(callback=finite_option, min=0.01, help="clip of normalised scores in the clipped variant")] = 1.0,
-          cache: CacheOpt = None, threads: ThreadsOpt = 1) -> None:
+          cache: CacheOpt = None, threads: ThreadsOpt = DEFAULT_CPU_THREADS) -> None:
     """Membership inference on reward margins (naive vs defended reward MLPs) and communication."""
     from trainer.rewards.audit import run_audit  # trainer.rewards.audit imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
