@@ -642,3 +642,73 @@ def test_serve_refuses_a_wrong_passphrase_in_one_line(tmp_path):
     result = fedroute(*args, "--tls-key-password-file", tmp_path / "empty")
     assert result.exit_code == 2
     assert f"--tls-key-password-file {tmp_path / 'empty'}: its first line is empty" in flat(result.output)
+
+
+def test_a_full_disk_answers_503_and_loses_no_acknowledged_upload(fed, tmp_path):
+    """A server whose disk filled up answered every upload "500 Internal Server Error" and logged a
+    traceback per upload. Now 503 naming the storage failure, with Retry-After, one log line; after a
+    restart with room again every acknowledged upload is there and the refused one is taken once.
+    The full disk is a real ``fedroute serve`` under a file-size limit (RLIMIT_FSIZE: its writes beyond
+    it fail with EFBIG, as on a full disk)."""
+    import resource
+    import ssl
+
+    import httpx
+
+    from sdk.protocol import RoundSpec, encode_kmeans_update
+    from sync_fleet import CLI, ServerProcess, write_tls_files
+
+    r = open_round(fed)
+    server_pem, ca_pem = write_tls_files(tmp_path)
+    server = ServerProcess(tmp_path, fed["url"], server_pem, ca_pem)
+    db_file = tmp_path / "fed.db"
+    limit = max(db_file.stat().st_size, 64 << 10) + (64 << 10)  # the WAL and the database can grow a little
+
+    def no_room() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    with server.log_path.open("ab") as log:
+        server.process = subprocess.Popen(
+            [*CLI, "serve", "--db", fed["url"], "--tls-cert", str(server_pem), "--tls-key", str(server_pem),
+             "--port", str(server.port), "--upload-quota", "0", "--tick-s", "60"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=no_room)
+    verify = ssl.create_default_context(cafile=str(ca_pem))
+    headers = {"Authorization": f"Bearer {fed['tokens']['alice']}", "Content-Type": "application/json"}
+    try:
+        server.wait_healthy(verify, 120)
+        spec = RoundSpec.from_json(httpx.get(f"{server.url}/v1/rounds/current", headers=headers, verify=verify,
+                                             timeout=30).json())
+        count = np.array([[4.0, 0.0], [0.0, 4.0]])
+        update = KMeansUpdate(CellStatistics(count, 0.5 * count, 0.001 * count), np.zeros(0, np.int64),
+                              np.zeros((0, 3)), np.zeros(0), 8)
+        body = encode_kmeans_update(update, "alice", spec)
+        acked, refused = [], None
+        with httpx.Client(verify=verify, timeout=30) as client:
+            for i in range(2000):  # each commit grows the WAL by a few pages: the limit comes within ~40
+                answer = client.post(f"{server.url}/v1/rounds/{r.id}/updates", content=body,
+                                     headers={**headers, "Idempotency-Key": f"k{i}"})
+                if answer.status_code != 201:
+                    refused = (f"k{i}", answer)
+                    break
+                acked.append(answer.json()["update_id"])
+        assert refused is not None, "the file-size limit was never reached"
+        key, answer = refused
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["Retry-After"] == "30"
+        detail = answer.json()["detail"]
+        assert detail.startswith("the server could not store the upload (disk I/O error)"), detail
+        assert detail.endswith("nothing was acknowledged: retry later with the same Idempotency-Key")
+        server.stop()
+        assert "Traceback" not in server.log_tail(100_000)
+        assert "upload not stored, the database refused the write: disk I/O error" in server.log_tail(100_000)
+        server.start(120)  # room again
+        with httpx.Client(verify=verify, timeout=30) as client:
+            retry = client.post(f"{server.url}/v1/rounds/{r.id}/updates", content=body,
+                                headers={**headers, "Idempotency-Key": key})
+            again = client.post(f"{server.url}/v1/rounds/{r.id}/updates", content=body,
+                                headers={**headers, "Idempotency-Key": key})
+        assert (retry.status_code, again.status_code) == (201, 200)
+        stored = fed["store"].round_updates(r.id)
+        assert sorted(stored) == sorted([*acked, retry.json()["update_id"]])
+    finally:
+        server.stop()

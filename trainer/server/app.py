@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Annotated
 
 import orjson
+import sqlalchemy as sa
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi import Path as FastApiPath
 from fastapi.concurrency import run_in_threadpool
@@ -76,6 +77,8 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 INLINE_CHECK_BYTES = 128 << 10
 #: Shortest gap (seconds) between two checks for rounds to close when uploads keep waking the closer.
 MIN_CLOSE_CHECK_GAP_S = 0.25
+#: Retry-After (seconds) of a 503 answered when the store cannot commit an upload (e.g. a full disk).
+STORE_RETRY_AFTER_S = 30
 RoundId = Annotated[int, FastApiPath(ge=1, le=MAX_COUNT)]
 _KEY = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -220,6 +223,8 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         writer.active += 1  # the group writer waits briefly for uploads on their way (commit delay)
         try:
             return await _upload(round_text, headers, receive)
+        except sa.exc.OperationalError as exc:  # a full disk, an I/O error, a lost database connection
+            raise store_unavailable(exc) from exc
         finally:
             writer.active -= 1
 
@@ -260,6 +265,16 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
     endpoint = UploadEndpoint(upload)
     app.router.add_route("/v1/rounds/{round_id}/updates", endpoint, methods=["POST"])
     app.upload_app = RequestLimits(endpoint, max_headers=limits.max_headers)
+
+    def store_unavailable(exc: sa.exc.OperationalError) -> UploadRejected:
+        """503 for an upload the store could not commit (one ERROR line in the log, no traceback: a
+        full disk would log one per upload). Nothing was acknowledged; the device retries 5xx with the
+        same Idempotency-Key, which is counted once whether or not the commit reached the disk."""
+        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        log.error("upload not stored, the database refused the write: %s (a full disk? answered 503)", reason)
+        return UploadRejected(503, f"the server could not store the upload ({reason}); nothing was "
+                                   f"acknowledged: retry later with the same Idempotency-Key",
+                              {"Retry-After": str(STORE_RETRY_AFTER_S)})
 
     def check_upload(round_id: int, client: str, raw: bytes, content_type: str):
         """Decode and check an upload against the cached round: ``(upload, digest, round,
