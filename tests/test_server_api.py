@@ -168,7 +168,12 @@ def test_body_over_the_size_limit_is_413(server):
 def test_undecodable_body_missing_key_and_content_type(server):
     assert post(server, None, raw=b"{not json").status_code == 400
     assert post(server, payload(server["round"]), key="bad key with spaces").status_code == 400
-    assert post(server, payload(server["round"]), headers={"Content-Type": "text/plain"}).status_code == 415
+    answer = post(server, payload(server["round"]), headers={"Content-Type": "text/plain"})
+    assert answer.status_code == 415
+    # It named only the first two MessagePack types of a K-means round, not JSON, which the server takes.
+    assert answer.json()["detail"] == (
+        "content type must be application/msgpack or application/x-msgpack or application/vnd.msgpack or "
+        "application/json (kmeans), application/x-safetensors or application/vnd.safetensors (mlp), got 'text/plain'")
 
 
 def _mutate(body, field, fn):
