@@ -563,6 +563,23 @@ def test_operator_commands_refuse_a_database_holding_other_tables(tmp_path, comm
     assert tables == {"evaluations", "meta", "sqlite_sequence"} and log_path.read_bytes() == before
 
 
+@pytest.mark.parametrize("command", [
+    ("serve", "--tls-cert", "{pem}", "--tls-key", "{pem}", "--port", "0"),
+    ("clients", "add", "dev"),
+    ("rounds", "status"),
+])
+def test_a_db_given_as_a_file_name_is_answered_with_the_url_to_use(tmp_path, command):
+    """`--db fed.db` (a file name, not a URL) answered "Could not parse SQLAlchemy URL from given URL
+    string", which does not say what to write instead."""
+    from sync_fleet import write_tls_files
+
+    server_pem, _ = write_tls_files(tmp_path)
+    result = fedroute(*[a.format(pem=server_pem) for a in command], "--db", "fed.db")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert ("cannot open database 'fed.db': Could not parse SQLAlchemy URL from given URL string; a SQLite file "
+            "is given as a URL: --db sqlite:///fed.db") in flat(result.output), flat(result.output)
+
+
 def encrypted_tls_files(work: Path, passphrase: bytes) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1 (``trustme``) and its key encrypted with ``passphrase`` (``cryptography``,
     PKCS#8): ``(cert.pem, key.pem)``."""

@@ -52,7 +52,9 @@ def _store(db: str, *, existing: bool = False):
     try:
         return Store(db)
     except Exception as exc:
-        raise typer.BadParameter(f"cannot open database {db!r}: {exc}") from exc
+        # A plain file name (`--db fed.db`) was "Could not parse SQLAlchemy URL from given URL string".
+        hint = f"; a SQLite file is given as a URL: --db sqlite:///{db}" if "://" not in db else ""
+        raise typer.BadParameter(f"cannot open database {db!r}: {exc}{hint}") from exc
 
 
 def serve(
