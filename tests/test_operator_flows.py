@@ -204,6 +204,31 @@ def test_publish_checks_the_embedder_and_publishes_a_round_once(fed, signing_key
     assert bundle_version(fed["bundle"]) == 1
 
 
+def test_publish_refuses_a_round_older_than_the_published_one(fed):
+    """`fedroute publish --round 1` (a command from the shell's history) after round 2 was published
+    wrote round 1's aggregate as a new, higher bundle version: every device rolled back to older
+    statistics, and nothing said so."""
+    from trainer.server.errors import PublishRefused
+
+    for n in (5, 7):
+        r = open_round(fed)
+        upload(fed, r, "alice", n=n)
+        upload(fed, r, "bob", n=n)
+        close_round(fed["store"], r.id)
+        result = fedroute("publish", "--round", r.id, "--bundle-dir", fed["bundle"], "--signing-key", fed["key"],
+                          "--db", fed["url"])
+        assert result.exit_code == 0, result.output
+    assert bundle_version(fed["bundle"]) == 3
+    result = fedroute("publish", "--round", r.id - 1, "--bundle-dir", fed["bundle"], "--signing-key", fed["key"],
+                      "--db", fed["url"])
+    assert isinstance(result.exception, PublishRefused), result.output
+    assert str(result.exception) == (f"--round {r.id - 1}: {fed['bundle']} already holds the aggregate of the newer "
+                                     f"round {r.id}; publishing round {r.id - 1}'s would roll the devices back to "
+                                     "older statistics")
+    manifest = json.loads((fed["bundle"] / "manifest.json").read_text())
+    assert (manifest["bundle_version"], manifest["provenance"]["federated_round"]) == (3, r.id)
+
+
 def test_publish_refuses_an_mlp_aggregate_whose_predictions_are_not_finite(fed):
     """The close of an MLP round stores but does not publish an aggregate that predicts NaN (a poisoned
     upload); `fedroute publish` of that round published it."""

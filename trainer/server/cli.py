@@ -314,11 +314,28 @@ def publish(
     agg = store.aggregate_of(round_id)
     if r is None or agg is None:
         raise typer.BadParameter(f"round {round_id} has no aggregate (not closed, or a no-op)")
+    newer = _published_round(bundle_dir)
+    if newer is not None and newer > round_id:  # a stale command from the shell's history, a typo in --round
+        from trainer.server.errors import PublishRefused
+
+        raise PublishRefused(f"--round {round_id}: {bundle_dir} already holds the aggregate of the newer round {newer}; "
+                             f"publishing round {round_id}'s would roll the devices back to older statistics")
     # As the close records it: the round's uid (a rerun publishes nothing new), no client count under DP noise.
     provenance = {"federated_round": round_id, "round_uid": r.settings.round_uid,
                   **({} if r.outcome.epsilon is not None else {"clients": len(r.outcome.clients or [])})}
     manifest = round_kinds.get(r.kind).publish(r, agg, bundle_dir, signing_key, provenance, publisher)
     typer.echo(f"bundle v{manifest['bundle_version']} published at {bundle_dir}")
+
+
+def _published_round(bundle_dir: Path) -> int | None:
+    """The round whose aggregate the bundle at ``bundle_dir`` holds (its manifest's
+    ``provenance.federated_round``), or None: not published by a round, or unreadable (the publisher
+    reports that)."""
+    try:
+        round_id = json.loads((bundle_dir / "manifest.json").read_bytes())["provenance"]["federated_round"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return round_id if isinstance(round_id, int) and not isinstance(round_id, bool) else None
 
 
 def _bind(command, **bound):
