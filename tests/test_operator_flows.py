@@ -754,3 +754,58 @@ def test_a_full_disk_answers_503_and_loses_no_acknowledged_upload(fed, tmp_path)
         assert sorted(stored) == sorted([*acked, retry.json()["update_id"]])
     finally:
         server.stop()
+
+
+def test_a_database_that_went_away_is_503_and_one_log_line(tiny, signing_keys, caplog):
+    """A PostgreSQL server stopped under `fedroute serve`: every request was a 500 "Internal Server
+    Error" with a traceback, and the closer logged a traceback every tick (3,600 an hour). Now 503
+    with Retry-After naming the database, and one ERROR line each; it serves again once PostgreSQL is
+    back. A real throwaway PostgreSQL server (tests/postgres_server.py), stopped with pg_ctl."""
+    import logging
+    import subprocess as sp
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from postgres_server import start
+    from sdk.protocol import RoundSpec, encode_kmeans_update
+    from trainer.server.app import create_app
+
+    server, why = start()
+    if server is None:
+        pytest.skip(why)
+    pg_ctl = [*server.run_as, "pg_ctl", "-D", str(server.directory / "data")]
+    store = Store(server.url)
+    try:
+        token = store.add_client("alice")
+        r = open_round_from_bundle(store, tiny[0], signing_keys[1], deadline_s=3600, quorum=10, min_count=2,
+                                   settings=round_settings(aggregation=AggregationConfig()))
+        headers = {"Authorization": f"Bearer {token}"}
+        app = create_app(store, tiny[0], tick_s=0.05)
+        with TestClient(app, base_url="https://testserver") as http, caplog.at_level(logging.INFO):
+            spec = RoundSpec.from_json(http.get("/v1/rounds/current", headers=headers).json())
+            count = np.array([[4.0, 0.0], [0.0, 4.0]])
+            body = encode_kmeans_update(KMeansUpdate(CellStatistics(count, 0.5 * count, 0.001 * count),
+                                                     np.zeros(0, np.int64), np.zeros((0, 3)), np.zeros(0), 8),
+                                        "alice", spec)
+            sp.run([*pg_ctl, "-m", "immediate", "stop"], capture_output=True, check=True, timeout=60)
+            caplog.clear()
+            got = http.get("/v1/rounds/current", headers=headers)
+            sent = http.post(f"/v1/rounds/{r.id}/updates", content=body,
+                             headers={**headers, "Idempotency-Key": "k1", "Content-Type": "application/json"})
+            time.sleep(0.5)  # the closer's ticks meet the stopped database too
+            assert (got.status_code, sent.status_code) == (503, 503), (got.text, sent.text)
+            assert got.headers["Retry-After"] == sent.headers["Retry-After"] == "30"
+            assert got.json()["detail"].startswith("the server's database is unavailable (")
+            assert sent.json()["detail"].startswith("the server could not store the upload (")
+            errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+            assert any("closing rounds failed, the database is unavailable" in rec.getMessage() for rec in errors)
+            assert [rec.getMessage() for rec in errors if rec.exc_info] == []  # no traceback
+            sp.run([*pg_ctl, "-o", f"-c listen_addresses='' -k {server.directory}", "-l",
+                    str(server.directory / "log"), "-w", "start"], capture_output=True, check=True, timeout=120)
+            again = http.post(f"/v1/rounds/{r.id}/updates", content=body,
+                              headers={**headers, "Idempotency-Key": "k1", "Content-Type": "application/json"})
+            assert again.status_code == 201, again.text
+    finally:
+        store.close()
+        server.stop()

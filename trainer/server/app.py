@@ -137,6 +137,8 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         while not stopping.is_set():
             try:
                 await run_in_threadpool(close_due)
+            except sa.exc.OperationalError as exc:  # a database down: one line per tick, not a traceback
+                log.error("closing rounds failed, the database is unavailable: %s; retrying", _first_line(exc))
             except Exception:
                 log.exception("closing rounds failed; retrying")
             # A client's first upload in a round (quorum may be reached) or a late upload wakes it, at
@@ -183,6 +185,14 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
     @app.exception_handler(UploadRejected)
     async def _rejected(_request: Request, exc: UploadRejected) -> JSONResponse:
         return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(sa.exc.OperationalError)
+    async def _store_down(request: Request, exc: sa.exc.OperationalError) -> JSONResponse:
+        # A database that went away (PostgreSQL stopped, an I/O error) was a 500 with a traceback.
+        log.error("%s %s: the database is unavailable: %s (answered 503)", request.method, request.url.path,
+                  _first_line(exc))
+        return JSONResponse({"detail": f"the server's database is unavailable ({_first_line(exc)}); retry later"},
+                            status_code=503, headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, _exc: ClientDisconnect) -> Response:
@@ -270,7 +280,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         """503 for an upload the store could not commit (one ERROR line in the log, no traceback: a
         full disk would log one per upload). Nothing was acknowledged; the device retries 5xx with the
         same Idempotency-Key, which is counted once whether or not the commit reached the disk."""
-        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        reason = _first_line(exc)
         log.error("upload not stored, the database refused the write: %s (a full disk? answered 503)", reason)
         return UploadRejected(503, f"the server could not store the upload ({reason}); nothing was "
                                    f"acknowledged: retry later with the same Idempotency-Key",
@@ -463,6 +473,11 @@ class SyncServerApp(FastAPI):
                 await self.upload_app(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+
+def _first_line(exc: sa.exc.OperationalError) -> str:
+    """The driver's message of a database error, its first line (no SQL, no SQLAlchemy footer)."""
+    return (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _path_round_id(text: str) -> int:
