@@ -809,3 +809,30 @@ def test_a_database_that_went_away_is_503_and_one_log_line(tiny, signing_keys, c
     finally:
         store.close()
         server.stop()
+
+
+def test_serve_refuses_a_bundle_dir_without_a_bundle_and_warns_of_a_round_publishing_elsewhere(fed, tmp_path):
+    """`serve --bundle-dir bundles` (the folder above bundles/kmeans) started and answered every device
+    404 on /v1/bundles/latest, which devices take as "nothing published": no device ever got the
+    bundles the rounds published to bundles/kmeans, and nothing said so."""
+    from sync_fleet import write_tls_files
+
+    server_pem, _ = write_tls_files(tmp_path)
+    parent = tmp_path / "bundles"
+    parent.mkdir()
+    shutil.copytree(fed["bundle"], parent / "kmeans")
+    started, out = serve_until_started(["--db", fed["url"], "--tls-cert", str(server_pem), "--tls-key",
+                                        str(server_pem), "--bundle-dir", str(parent)], b"")
+    assert not started, out
+    assert (f"--bundle-dir {parent} holds no manifest.json, so no bundle to serve; the bundles in it: "
+            f"{parent / 'kmeans'}") in flat(out), flat(out)
+
+    r = open_round(fed, publish_key=fed["key"])  # publishes to fed["bundle"] at close
+    started, out = serve_until_started(["--db", fed["url"], "--tls-cert", str(server_pem), "--tls-key",
+                                        str(server_pem), "--bundle-dir", str(parent / "kmeans")], b"")
+    assert started, out
+    assert (f"warning: round {r.id} publishes its bundle to {fed['bundle']}, but this server serves --bundle-dir "
+            f"{parent / 'kmeans'}: the devices will not get it; serve --bundle-dir {fed['bundle']}") in " ".join(out.split())
+    started, out = serve_until_started(["--db", fed["url"], "--tls-cert", str(server_pem), "--tls-key",
+                                        str(server_pem), "--bundle-dir", str(fed["bundle"])], b"")
+    assert started and "warning" not in out, out

@@ -97,6 +97,11 @@ def serve(
 
     if bundle_dir is not None and bundle_dir.exists() and not bundle_dir.is_dir():
         raise typer.BadParameter(f"--bundle-dir {bundle_dir} is a file, not a bundle folder")
+    if bundle_dir is not None and bundle_dir.is_dir() and not (bundle_dir / "manifest.json").exists():
+        # e.g. `--bundle-dir bundles` for bundles/kmeans: it served 404 and devices never got a new bundle
+        inside = sorted(str(m.parent) for m in bundle_dir.glob("*/manifest.json") if not m.parent.name.startswith("."))
+        raise typer.BadParameter(f"--bundle-dir {bundle_dir} holds no manifest.json, so no bundle to serve"
+                                 + (f"; the bundles in it: {', '.join(inside)}" if inside else ""))
     passphrase: list[str] = []  # an encrypted key's, asked once: OpenSSL's own prompt asked here and again in uvicorn
 
     def key_passphrase() -> str:  # called by OpenSSL only for an encrypted key
@@ -119,12 +124,26 @@ def serve(
         raise typer.BadParameter(f"--http-parser must be h11 or httptools, got {http_parser!r}")
     limits = HttpLimits(max_header_bytes=max_header_bytes, header_timeout_s=header_timeout_s,
                         body_timeout_s=body_timeout_s, parser=http_parser or HttpLimits.parser)
-    app = create_app(_store(db, existing=True), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s,
+    store = _store(db, existing=True)
+    _warn_if_the_round_publishes_elsewhere(store, bundle_dir)
+    app = create_app(store, bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s,
                      publisher=publisher, quota=UploadQuota(upload_quota, quota_window_s), limits=limits,
                      commit_delay_s=commit_delay_ms / 1e3, freeze_gc=True)
     uvicorn.run(app, host=host, port=port, ssl_certfile=str(tls_cert), ssl_keyfile=str(tls_key),
                 ssl_keyfile_password=passphrase[0] if passphrase else None,
                 log_level="info", timeout_graceful_shutdown=5, access_log=access_log, **limits.uvicorn_options())
+
+
+def _warn_if_the_round_publishes_elsewhere(store, bundle_dir: Path | None) -> None:
+    """A warning on stderr when the latest round publishes its bundle to another folder than the one
+    served (--bundle-dir): the devices would never get what it publishes."""
+    r = store.latest_round()
+    target = None if r is None or r.settings is None or r.settings.publish is None else Path(r.settings.publish.bundle_dir)
+    if target is None or (bundle_dir is not None and target.absolute() == bundle_dir.absolute()):
+        return
+    served = "no bundle (no --bundle-dir)" if bundle_dir is None else f"--bundle-dir {bundle_dir.absolute()}"
+    typer.echo(f"warning: round {r.id} publishes its bundle to {target}, but this server serves {served}: the "
+               f"devices will not get it; serve --bundle-dir {target}", err=True)
 
 
 def _read_passphrase(path: Path) -> str:
