@@ -229,6 +229,25 @@ def test_publish_refuses_a_round_older_than_the_published_one(fed):
     assert (manifest["bundle_version"], manifest["provenance"]["federated_round"]) == (3, r.id)
 
 
+def test_publish_with_another_key_names_the_options(fed, tmp_path):
+    """`fedroute publish --signing-key` with a key that did not sign the bundle said only "manifest
+    signature does not verify ...: the bundle was modified or signed by another key", as if the
+    bundle had been tampered with; `rounds open` names --bundle-dir and --signing-key."""
+    from export.signing import generate_keypair
+
+    r = open_round(fed)
+    upload(fed, r, "alice")
+    upload(fed, r, "bob")
+    close_round(fed["store"], r.id)
+    other, _ = generate_keypair(tmp_path / "other")
+    result = fedroute("publish", "--round", r.id, "--bundle-dir", fed["bundle"], "--signing-key", other,
+                      "--db", fed["url"])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert (f"--bundle-dir {fed['bundle']} (checked with --signing-key {other}): manifest signature does not verify "
+            "with public key") in flat(result.output), flat(result.output)
+    assert bundle_version(fed["bundle"]) == 1
+
+
 def test_publish_refuses_an_mlp_aggregate_whose_predictions_are_not_finite(fed):
     """The close of an MLP round stores but does not publish an aggregate that predicts NaN (a poisoned
     upload); `fedroute publish` of that round published it."""

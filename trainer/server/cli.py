@@ -342,7 +342,10 @@ def publish(
     # As the close records it: the round's uid (a rerun publishes nothing new), no client count under DP noise.
     provenance = {"federated_round": round_id, "round_uid": r.settings.round_uid,
                   **({} if r.outcome.epsilon is not None else {"clients": len(r.outcome.clients or [])})}
-    manifest = round_kinds.get(r.kind).publish(r, agg, bundle_dir, signing_key, provenance, publisher)
+    try:
+        manifest = round_kinds.get(r.kind).publish(r, agg, bundle_dir, signing_key, provenance, publisher)
+    except BundleError as exc:  # as `rounds open` names them: a wrong key read "the bundle was modified"
+        raise typer.BadParameter(f"--bundle-dir {bundle_dir} (checked with --signing-key {signing_key}): {exc}") from exc
     typer.echo(f"bundle v{manifest['bundle_version']} published at {bundle_dir}")
 
 
