@@ -204,6 +204,50 @@ def test_publish_checks_the_embedder_and_publishes_a_round_once(fed, signing_key
     assert bundle_version(fed["bundle"]) == 1
 
 
+def test_publish_refuses_a_round_older_than_the_published_one(fed):
+    """`fedroute publish --round 1` (a command from the shell's history) after round 2 was published
+    wrote round 1's aggregate as a new, higher bundle version: every device rolled back to older
+    statistics, and nothing said so."""
+    from trainer.server.errors import PublishRefused
+
+    for n in (5, 7):
+        r = open_round(fed)
+        upload(fed, r, "alice", n=n)
+        upload(fed, r, "bob", n=n)
+        close_round(fed["store"], r.id)
+        result = fedroute("publish", "--round", r.id, "--bundle-dir", fed["bundle"], "--signing-key", fed["key"],
+                          "--db", fed["url"])
+        assert result.exit_code == 0, result.output
+    assert bundle_version(fed["bundle"]) == 3
+    result = fedroute("publish", "--round", r.id - 1, "--bundle-dir", fed["bundle"], "--signing-key", fed["key"],
+                      "--db", fed["url"])
+    assert isinstance(result.exception, PublishRefused), result.output
+    assert str(result.exception) == (f"--round {r.id - 1}: {fed['bundle']} already holds the aggregate of the newer "
+                                     f"round {r.id}; publishing round {r.id - 1}'s would roll the devices back to "
+                                     "older statistics")
+    manifest = json.loads((fed["bundle"] / "manifest.json").read_text())
+    assert (manifest["bundle_version"], manifest["provenance"]["federated_round"]) == (3, r.id)
+
+
+def test_publish_with_another_key_names_the_options(fed, tmp_path):
+    """`fedroute publish --signing-key` with a key that did not sign the bundle said only "manifest
+    signature does not verify ...: the bundle was modified or signed by another key", as if the
+    bundle had been tampered with; `rounds open` names --bundle-dir and --signing-key."""
+    from export.signing import generate_keypair
+
+    r = open_round(fed)
+    upload(fed, r, "alice")
+    upload(fed, r, "bob")
+    close_round(fed["store"], r.id)
+    other, _ = generate_keypair(tmp_path / "other")
+    result = fedroute("publish", "--round", r.id, "--bundle-dir", fed["bundle"], "--signing-key", other,
+                      "--db", fed["url"])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert (f"--bundle-dir {fed['bundle']} (checked with --signing-key {other}): manifest signature does not verify "
+            "with public key") in flat(result.output), flat(result.output)
+    assert bundle_version(fed["bundle"]) == 1
+
+
 def test_publish_refuses_an_mlp_aggregate_whose_predictions_are_not_finite(fed):
     """The close of an MLP round stores but does not publish an aggregate that predicts NaN (a poisoned
     upload); `fedroute publish` of that round published it."""
@@ -563,6 +607,23 @@ def test_operator_commands_refuse_a_database_holding_other_tables(tmp_path, comm
     assert tables == {"evaluations", "meta", "sqlite_sequence"} and log_path.read_bytes() == before
 
 
+@pytest.mark.parametrize("command", [
+    ("serve", "--tls-cert", "{pem}", "--tls-key", "{pem}", "--port", "0"),
+    ("clients", "add", "dev"),
+    ("rounds", "status"),
+])
+def test_a_db_given_as_a_file_name_is_answered_with_the_url_to_use(tmp_path, command):
+    """`--db fed.db` (a file name, not a URL) answered "Could not parse SQLAlchemy URL from given URL
+    string", which does not say what to write instead."""
+    from sync_fleet import write_tls_files
+
+    server_pem, _ = write_tls_files(tmp_path)
+    result = fedroute(*[a.format(pem=server_pem) for a in command], "--db", "fed.db")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert ("cannot open database 'fed.db': Could not parse SQLAlchemy URL from given URL string; a SQLite file "
+            "is given as a URL: --db sqlite:///fed.db") in flat(result.output), flat(result.output)
+
+
 def encrypted_tls_files(work: Path, passphrase: bytes) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1 (``trustme``) and its key encrypted with ``passphrase`` (``cryptography``,
     PKCS#8): ``(cert.pem, key.pem)``."""
@@ -642,3 +703,155 @@ def test_serve_refuses_a_wrong_passphrase_in_one_line(tmp_path):
     result = fedroute(*args, "--tls-key-password-file", tmp_path / "empty")
     assert result.exit_code == 2
     assert f"--tls-key-password-file {tmp_path / 'empty'}: its first line is empty" in flat(result.output)
+
+
+def test_a_full_disk_answers_503_and_loses_no_acknowledged_upload(fed, tmp_path):
+    """A server whose disk filled up answered every upload "500 Internal Server Error" and logged a
+    traceback per upload. Now 503 naming the storage failure, with Retry-After, one log line; after a
+    restart with room again every acknowledged upload is there and the refused one is taken once.
+    The full disk is a real ``fedroute serve`` under a file-size limit (RLIMIT_FSIZE: its writes beyond
+    it fail with EFBIG, as on a full disk)."""
+    import resource
+    import ssl
+
+    import httpx
+
+    from sdk.protocol import RoundSpec, encode_kmeans_update
+    from sync_fleet import CLI, ServerProcess, write_tls_files
+
+    r = open_round(fed)
+    server_pem, ca_pem = write_tls_files(tmp_path)
+    server = ServerProcess(tmp_path, fed["url"], server_pem, ca_pem)
+    db_file = tmp_path / "fed.db"
+    limit = max(db_file.stat().st_size, 64 << 10) + (64 << 10)  # the WAL and the database can grow a little
+
+    def no_room() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    with server.log_path.open("ab") as log:
+        server.process = subprocess.Popen(
+            [*CLI, "serve", "--db", fed["url"], "--tls-cert", str(server_pem), "--tls-key", str(server_pem),
+             "--port", str(server.port), "--upload-quota", "0", "--tick-s", "60"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=no_room)
+    verify = ssl.create_default_context(cafile=str(ca_pem))
+    headers = {"Authorization": f"Bearer {fed['tokens']['alice']}", "Content-Type": "application/json"}
+    try:
+        server.wait_healthy(verify, 120)
+        spec = RoundSpec.from_json(httpx.get(f"{server.url}/v1/rounds/current", headers=headers, verify=verify,
+                                             timeout=30).json())
+        count = np.array([[4.0, 0.0], [0.0, 4.0]])
+        update = KMeansUpdate(CellStatistics(count, 0.5 * count, 0.001 * count), np.zeros(0, np.int64),
+                              np.zeros((0, 3)), np.zeros(0), 8)
+        body = encode_kmeans_update(update, "alice", spec)
+        acked, refused = [], None
+        with httpx.Client(verify=verify, timeout=30) as client:
+            for i in range(2000):  # each commit grows the WAL by a few pages: the limit comes within ~40
+                answer = client.post(f"{server.url}/v1/rounds/{r.id}/updates", content=body,
+                                     headers={**headers, "Idempotency-Key": f"k{i}"})
+                if answer.status_code != 201:
+                    refused = (f"k{i}", answer)
+                    break
+                acked.append(answer.json()["update_id"])
+        assert refused is not None, "the file-size limit was never reached"
+        key, answer = refused
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["Retry-After"] == "30"
+        detail = answer.json()["detail"]
+        assert detail.startswith("the server could not store the upload (disk I/O error)"), detail
+        assert detail.endswith("nothing was acknowledged: retry later with the same Idempotency-Key")
+        server.stop()
+        assert "Traceback" not in server.log_tail(100_000)
+        assert "upload not stored, the database refused the write: disk I/O error" in server.log_tail(100_000)
+        server.start(120)  # room again
+        with httpx.Client(verify=verify, timeout=30) as client:
+            retry = client.post(f"{server.url}/v1/rounds/{r.id}/updates", content=body,
+                                headers={**headers, "Idempotency-Key": key})
+            again = client.post(f"{server.url}/v1/rounds/{r.id}/updates", content=body,
+                                headers={**headers, "Idempotency-Key": key})
+        assert (retry.status_code, again.status_code) == (201, 200)
+        stored = fed["store"].round_updates(r.id)
+        assert sorted(stored) == sorted([*acked, retry.json()["update_id"]])
+    finally:
+        server.stop()
+
+
+def test_a_database_that_went_away_is_503_and_one_log_line(tiny, signing_keys, caplog):
+    """A PostgreSQL server stopped under `fedroute serve`: every request was a 500 "Internal Server
+    Error" with a traceback, and the closer logged a traceback every tick (3,600 an hour). Now 503
+    with Retry-After naming the database, and one ERROR line each; it serves again once PostgreSQL is
+    back. A real throwaway PostgreSQL server (tests/postgres_server.py), stopped with pg_ctl."""
+    import logging
+    import subprocess as sp
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from postgres_server import start
+    from sdk.protocol import RoundSpec, encode_kmeans_update
+    from trainer.server.app import create_app
+
+    server, why = start()
+    if server is None:
+        pytest.skip(why)
+    pg_ctl = [*server.run_as, "pg_ctl", "-D", str(server.directory / "data")]
+    store = Store(server.url)
+    try:
+        token = store.add_client("alice")
+        r = open_round_from_bundle(store, tiny[0], signing_keys[1], deadline_s=3600, quorum=10, min_count=2,
+                                   settings=round_settings(aggregation=AggregationConfig()))
+        headers = {"Authorization": f"Bearer {token}"}
+        app = create_app(store, tiny[0], tick_s=0.05)
+        with TestClient(app, base_url="https://testserver") as http, caplog.at_level(logging.INFO):
+            spec = RoundSpec.from_json(http.get("/v1/rounds/current", headers=headers).json())
+            count = np.array([[4.0, 0.0], [0.0, 4.0]])
+            body = encode_kmeans_update(KMeansUpdate(CellStatistics(count, 0.5 * count, 0.001 * count),
+                                                     np.zeros(0, np.int64), np.zeros((0, 3)), np.zeros(0), 8),
+                                        "alice", spec)
+            sp.run([*pg_ctl, "-m", "immediate", "stop"], capture_output=True, check=True, timeout=60)
+            caplog.clear()
+            got = http.get("/v1/rounds/current", headers=headers)
+            sent = http.post(f"/v1/rounds/{r.id}/updates", content=body,
+                             headers={**headers, "Idempotency-Key": "k1", "Content-Type": "application/json"})
+            time.sleep(0.5)  # the closer's ticks meet the stopped database too
+            assert (got.status_code, sent.status_code) == (503, 503), (got.text, sent.text)
+            assert got.headers["Retry-After"] == sent.headers["Retry-After"] == "30"
+            assert got.json()["detail"].startswith("the server's database is unavailable (")
+            assert sent.json()["detail"].startswith("the server could not store the upload (")
+            errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+            assert any("closing rounds failed, the database is unavailable" in rec.getMessage() for rec in errors)
+            assert [rec.getMessage() for rec in errors if rec.exc_info] == []  # no traceback
+            sp.run([*pg_ctl, "-o", f"-c listen_addresses='' -k {server.directory}", "-l",
+                    str(server.directory / "log"), "-w", "start"], capture_output=True, check=True, timeout=120)
+            again = http.post(f"/v1/rounds/{r.id}/updates", content=body,
+                              headers={**headers, "Idempotency-Key": "k1", "Content-Type": "application/json"})
+            assert again.status_code == 201, again.text
+    finally:
+        store.close()
+        server.stop()
+
+
+def test_serve_refuses_a_bundle_dir_without_a_bundle_and_warns_of_a_round_publishing_elsewhere(fed, tmp_path):
+    """`serve --bundle-dir bundles` (the folder above bundles/kmeans) started and answered every device
+    404 on /v1/bundles/latest, which devices take as "nothing published": no device ever got the
+    bundles the rounds published to bundles/kmeans, and nothing said so."""
+    from sync_fleet import write_tls_files
+
+    server_pem, _ = write_tls_files(tmp_path)
+    parent = tmp_path / "bundles"
+    parent.mkdir()
+    shutil.copytree(fed["bundle"], parent / "kmeans")
+    started, out = serve_until_started(["--db", fed["url"], "--tls-cert", str(server_pem), "--tls-key",
+                                        str(server_pem), "--bundle-dir", str(parent)], b"")
+    assert not started, out
+    assert (f"--bundle-dir {parent} holds no manifest.json, so no bundle to serve; the bundles in it: "
+            f"{parent / 'kmeans'}") in flat(out), flat(out)
+
+    r = open_round(fed, publish_key=fed["key"])  # publishes to fed["bundle"] at close
+    started, out = serve_until_started(["--db", fed["url"], "--tls-cert", str(server_pem), "--tls-key",
+                                        str(server_pem), "--bundle-dir", str(parent / "kmeans")], b"")
+    assert started, out
+    assert (f"warning: round {r.id} publishes its bundle to {fed['bundle']}, but this server serves --bundle-dir "
+            f"{parent / 'kmeans'}: the devices will not get it; serve --bundle-dir {fed['bundle']}") in " ".join(out.split())
+    started, out = serve_until_started(["--db", fed["url"], "--tls-cert", str(server_pem), "--tls-key",
+                                        str(server_pem), "--bundle-dir", str(fed["bundle"])], b"")
+    assert started and "warning" not in out, out

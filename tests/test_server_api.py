@@ -168,7 +168,26 @@ def test_body_over_the_size_limit_is_413(server):
 def test_undecodable_body_missing_key_and_content_type(server):
     assert post(server, None, raw=b"{not json").status_code == 400
     assert post(server, payload(server["round"]), key="bad key with spaces").status_code == 400
-    assert post(server, payload(server["round"]), headers={"Content-Type": "text/plain"}).status_code == 415
+    answer = post(server, payload(server["round"]), headers={"Content-Type": "text/plain"})
+    assert answer.status_code == 415
+    # It named only the first two MessagePack types of a K-means round, not JSON, which the server takes.
+    assert answer.json()["detail"] == (
+        "content type must be application/msgpack or application/x-msgpack or application/vnd.msgpack or "
+        "application/json (kmeans), application/x-safetensors or application/vnd.safetensors (mlp), got 'text/plain'")
+
+
+@pytest.mark.parametrize("body, reason", [
+    (b"\x81\xa1a", "Unpack failed: incomplete input"),
+    (b"\x81\x01\x02", "int is not allowed for map key when strict_map_key=True"),
+    (b"\xc1", "a byte that starts no MessagePack value (0xc1?)"),
+    (b"\x91" * 100_000 + b"\xc0", "nested deeper than MessagePack's decoder allows"),
+])
+def test_an_undecodable_msgpack_body_is_told_why(server, body, reason):
+    """A MessagePack body that does not decode was answered with msgpack's exception class only
+    ("body is not valid MessagePack: ValueError"), not what is wrong with it."""
+    answer = post(server, None, raw=body, headers={"Content-Type": "application/msgpack"})
+    assert answer.status_code == 400
+    assert answer.json()["detail"] == f"body is not valid MessagePack: {reason}"
 
 
 def _mutate(body, field, fn):

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Annotated
 
 import orjson
+import sqlalchemy as sa
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi import Path as FastApiPath
 from fastapi.concurrency import run_in_threadpool
@@ -76,6 +77,8 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 INLINE_CHECK_BYTES = 128 << 10
 #: Shortest gap (seconds) between two checks for rounds to close when uploads keep waking the closer.
 MIN_CLOSE_CHECK_GAP_S = 0.25
+#: Retry-After (seconds) of a 503 answered when the store cannot commit an upload (e.g. a full disk).
+STORE_RETRY_AFTER_S = 30
 RoundId = Annotated[int, FastApiPath(ge=1, le=MAX_COUNT)]
 _KEY = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -134,6 +137,8 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         while not stopping.is_set():
             try:
                 await run_in_threadpool(close_due)
+            except sa.exc.OperationalError as exc:  # a database down: one line per tick, not a traceback
+                log.error("closing rounds failed, the database is unavailable: %s; retrying", _first_line(exc))
             except Exception:
                 log.exception("closing rounds failed; retrying")
             # A client's first upload in a round (quorum may be reached) or a late upload wakes it, at
@@ -181,6 +186,14 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
     async def _rejected(_request: Request, exc: UploadRejected) -> JSONResponse:
         return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(sa.exc.OperationalError)
+    async def _store_down(request: Request, exc: sa.exc.OperationalError) -> JSONResponse:
+        # A database that went away (PostgreSQL stopped, an I/O error) was a 500 with a traceback.
+        log.error("%s %s: the database is unavailable: %s (answered 503)", request.method, request.url.path,
+                  _first_line(exc))
+        return JSONResponse({"detail": f"the server's database is unavailable ({_first_line(exc)}); retry later"},
+                            status_code=503, headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, _exc: ClientDisconnect) -> Response:
         log.info("client disconnected during %s %s; nothing stored", request.method, request.url.path)
@@ -220,6 +233,8 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
         writer.active += 1  # the group writer waits briefly for uploads on their way (commit delay)
         try:
             return await _upload(round_text, headers, receive)
+        except sa.exc.OperationalError as exc:  # a full disk, an I/O error, a lost database connection
+            raise store_unavailable(exc) from exc
         finally:
             writer.active -= 1
 
@@ -260,6 +275,16 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
     endpoint = UploadEndpoint(upload)
     app.router.add_route("/v1/rounds/{round_id}/updates", endpoint, methods=["POST"])
     app.upload_app = RequestLimits(endpoint, max_headers=limits.max_headers)
+
+    def store_unavailable(exc: sa.exc.OperationalError) -> UploadRejected:
+        """503 for an upload the store could not commit (one ERROR line in the log, no traceback: a
+        full disk would log one per upload). Nothing was acknowledged; the device retries 5xx with the
+        same Idempotency-Key, which is counted once whether or not the commit reached the disk."""
+        reason = _first_line(exc)
+        log.error("upload not stored, the database refused the write: %s (a full disk? answered 503)", reason)
+        return UploadRejected(503, f"the server could not store the upload ({reason}); nothing was "
+                                   f"acknowledged: retry later with the same Idempotency-Key",
+                              {"Retry-After": str(STORE_RETRY_AFTER_S)})
 
     def check_upload(round_id: int, client: str, raw: bytes, content_type: str):
         """Decode and check an upload against the cached round: ``(upload, digest, round,
@@ -448,6 +473,11 @@ class SyncServerApp(FastAPI):
                 await self.upload_app(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+
+def _first_line(exc: sa.exc.OperationalError) -> str:
+    """The driver's message of a database error, its first line (no SQL, no SQLAlchemy footer)."""
+    return (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _path_round_id(text: str) -> int:

@@ -52,7 +52,9 @@ def _store(db: str, *, existing: bool = False):
     try:
         return Store(db)
     except Exception as exc:
-        raise typer.BadParameter(f"cannot open database {db!r}: {exc}") from exc
+        # A plain file name (`--db fed.db`) was "Could not parse SQLAlchemy URL from given URL string".
+        hint = f"; a SQLite file is given as a URL: --db sqlite:///{db}" if "://" not in db else ""
+        raise typer.BadParameter(f"cannot open database {db!r}: {exc}{hint}") from exc
 
 
 def serve(
@@ -95,6 +97,11 @@ def serve(
 
     if bundle_dir is not None and bundle_dir.exists() and not bundle_dir.is_dir():
         raise typer.BadParameter(f"--bundle-dir {bundle_dir} is a file, not a bundle folder")
+    if bundle_dir is not None and bundle_dir.is_dir() and not (bundle_dir / "manifest.json").exists():
+        # e.g. `--bundle-dir bundles` for bundles/kmeans: it served 404 and devices never got a new bundle
+        inside = sorted(str(m.parent) for m in bundle_dir.glob("*/manifest.json") if not m.parent.name.startswith("."))
+        raise typer.BadParameter(f"--bundle-dir {bundle_dir} holds no manifest.json, so no bundle to serve"
+                                 + (f"; the bundles in it: {', '.join(inside)}" if inside else ""))
     passphrase: list[str] = []  # an encrypted key's, asked once: OpenSSL's own prompt asked here and again in uvicorn
 
     def key_passphrase() -> str:  # called by OpenSSL only for an encrypted key
@@ -117,12 +124,26 @@ def serve(
         raise typer.BadParameter(f"--http-parser must be h11 or httptools, got {http_parser!r}")
     limits = HttpLimits(max_header_bytes=max_header_bytes, header_timeout_s=header_timeout_s,
                         body_timeout_s=body_timeout_s, parser=http_parser or HttpLimits.parser)
-    app = create_app(_store(db, existing=True), bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s,
+    store = _store(db, existing=True)
+    _warn_if_the_round_publishes_elsewhere(store, bundle_dir)
+    app = create_app(store, bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s,
                      publisher=publisher, quota=UploadQuota(upload_quota, quota_window_s), limits=limits,
                      commit_delay_s=commit_delay_ms / 1e3, freeze_gc=True)
     uvicorn.run(app, host=host, port=port, ssl_certfile=str(tls_cert), ssl_keyfile=str(tls_key),
                 ssl_keyfile_password=passphrase[0] if passphrase else None,
                 log_level="info", timeout_graceful_shutdown=5, access_log=access_log, **limits.uvicorn_options())
+
+
+def _warn_if_the_round_publishes_elsewhere(store, bundle_dir: Path | None) -> None:
+    """A warning on stderr when the latest round publishes its bundle to another folder than the one
+    served (--bundle-dir): the devices would never get what it publishes."""
+    r = store.latest_round()
+    target = None if r is None or r.settings is None or r.settings.publish is None else Path(r.settings.publish.bundle_dir)
+    if target is None or (bundle_dir is not None and target.absolute() == bundle_dir.absolute()):
+        return
+    served = "no bundle (no --bundle-dir)" if bundle_dir is None else f"--bundle-dir {bundle_dir.absolute()}"
+    typer.echo(f"warning: round {r.id} publishes its bundle to {target}, but this server serves {served}: the "
+               f"devices will not get it; serve --bundle-dir {target}", err=True)
 
 
 def _read_passphrase(path: Path) -> str:
@@ -312,11 +333,31 @@ def publish(
     agg = store.aggregate_of(round_id)
     if r is None or agg is None:
         raise typer.BadParameter(f"round {round_id} has no aggregate (not closed, or a no-op)")
+    newer = _published_round(bundle_dir)
+    if newer is not None and newer > round_id:  # a stale command from the shell's history, a typo in --round
+        from trainer.server.errors import PublishRefused
+
+        raise PublishRefused(f"--round {round_id}: {bundle_dir} already holds the aggregate of the newer round {newer}; "
+                             f"publishing round {round_id}'s would roll the devices back to older statistics")
     # As the close records it: the round's uid (a rerun publishes nothing new), no client count under DP noise.
     provenance = {"federated_round": round_id, "round_uid": r.settings.round_uid,
                   **({} if r.outcome.epsilon is not None else {"clients": len(r.outcome.clients or [])})}
-    manifest = round_kinds.get(r.kind).publish(r, agg, bundle_dir, signing_key, provenance, publisher)
+    try:
+        manifest = round_kinds.get(r.kind).publish(r, agg, bundle_dir, signing_key, provenance, publisher)
+    except BundleError as exc:  # as `rounds open` names them: a wrong key read "the bundle was modified"
+        raise typer.BadParameter(f"--bundle-dir {bundle_dir} (checked with --signing-key {signing_key}): {exc}") from exc
     typer.echo(f"bundle v{manifest['bundle_version']} published at {bundle_dir}")
+
+
+def _published_round(bundle_dir: Path) -> int | None:
+    """The round whose aggregate the bundle at ``bundle_dir`` holds (its manifest's
+    ``provenance.federated_round``), or None: not published by a round, or unreadable (the publisher
+    reports that)."""
+    try:
+        round_id = json.loads((bundle_dir / "manifest.json").read_bytes())["provenance"]["federated_round"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return round_id if isinstance(round_id, int) and not isinstance(round_id, bool) else None
 
 
 def _bind(command, **bound):

@@ -2,7 +2,7 @@
 
     FedrouteError
     └── ServerError
-        ├── UploadRejected              an upload the server refuses (``status``: the HTTP 4xx, ``detail``)
+        ├── UploadRejected              an upload the server refuses (``status``: the HTTP 4xx or 503, ``detail``)
         ├── IdempotencyKeyReused        an Idempotency-Key already stored with another body (HTTP 422)
         └── PublishRefused              an aggregate that is not published (stored all the same)
 """
@@ -17,8 +17,8 @@ class ServerError(FedrouteError):
 
 
 class UploadRejected(ServerError):
-    """An upload the server refuses; ``status`` is the HTTP status (4xx), ``detail`` the reason,
-    ``headers`` extra answer headers (e.g. ``Retry-After``) or None."""
+    """An upload the server refuses; ``status`` is the HTTP status (4xx; 503 when the store cannot
+    take it), ``detail`` the reason, ``headers`` extra answer headers (e.g. ``Retry-After``) or None."""
 
     def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(detail)

@@ -127,10 +127,14 @@ class GroupWriter:
             batch, loop = job
             try:
                 outcomes = [(True, r) for r in self.store.insert_updates([row for row, _ in batch])]
-            except Exception:  # noqa: BLE001 - one bad batch must not fail the others' uploads: retry alone
-                log.warning("a batch of %d uploads failed; storing them one by one", len(batch), exc_info=True)
-                outcomes = []
-                for row, _ in batch:
+            except Exception as exc:  # noqa: BLE001 - one bad batch must not fail the others' uploads: retry alone
+                # No traceback here: each upload's error reaches its request, which answers it (a full
+                # disk logged one traceback per upload here besides the request's own).
+                if len(batch) > 1:
+                    log.warning("a batch of %d uploads failed (%s: %s); storing them one by one", len(batch),
+                                type(exc).__name__, (str(exc).splitlines() or [""])[0])
+                outcomes = [] if len(batch) > 1 else [(False, exc)]
+                for row, _ in batch if len(batch) > 1 else ():
                     try:
                         outcomes.append((True, self.store.insert_update(**row)))
                     except Exception as exc:  # noqa: BLE001 - handed to the request that sent it

@@ -69,7 +69,7 @@ def for_media_type(content_type: str) -> ServerRoundKind:
         for kind in REGISTRY.kinds(family):
             if media in kind.media_types:
                 return kind
-            accepted.append(f"{' or '.join(kind.media_types[:2])} ({kind.name})")
+            accepted.append(f"{' or '.join(kind.media_types)} ({kind.name})")
     raise UploadRejected(415, f"content type must be {', '.join(accepted)}, got {content_type!r}")
 
 
@@ -100,7 +100,7 @@ def validate_upload(upload: ParsedUpload, round_) -> AcceptedUpload:
     kind = get(round_.kind)
     if upload.parsed_by != kind.name:
         raise UploadRejected(415, f"round {round_.id} is a {round_.kind!r} round: its uploads are "
-                                  f"{' or '.join(kind.media_types[:2])}")
+                                  f"{' or '.join(kind.media_types)}")
     return kind.validate(upload, round_)
 
 

@@ -89,6 +89,9 @@ class KMeansBody:
     wire: dict[str, list] | None = None
 
 
+#: What msgpack's exceptions that carry no message mean (FormatError, StackError).
+_MSGPACK_REASONS = {"FormatError": "a byte that starts no MessagePack value (0xc1?)",
+                    "StackError": "nested deeper than MessagePack's decoder allows"}
 SAFETENSORS_TYPES = ("application/x-safetensors", "application/vnd.safetensors")
 
 
@@ -174,7 +177,9 @@ def decode_body(raw: bytes, content_type: str) -> object:
         try:
             return msgpack.unpackb(raw, raw=False, strict_map_key=True)
         except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated classes on bad input
-            raise UploadRejected(400, f"body is not valid MessagePack: {type(exc).__name__}") from exc
+            # Its message (a truncated body, a map key that is not a string); it said only "ValueError".
+            reason = str(exc) or _MSGPACK_REASONS.get(type(exc).__name__, type(exc).__name__)
+            raise UploadRejected(400, f"body is not valid MessagePack: {reason[:200]}") from exc
     raise UploadRejected(415, "content type must be application/json or application/msgpack (K-means) or "
                               f"application/x-safetensors (MLP), got {content_type!r}")
 
