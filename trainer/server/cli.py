@@ -24,6 +24,7 @@ from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
 from sdk.kind_registry import UnknownKindError
 from trainer.federated.gaussian_privacy import gaussian_epsilon
 from trainer.federated.update_checks import DEFAULT_MIN_COUNT
+from trainer.server.errors import PublishRefused
 from trainer.server.round_kind import OpenRequest, Publisher
 
 DbOpt = Annotated[str, typer.Option("--db", help="SQLAlchemy database URL, e.g. sqlite:///fed.db")]
@@ -335,8 +336,6 @@ def publish(
         raise typer.BadParameter(f"round {round_id} has no aggregate (not closed, or a no-op)")
     newer = _published_round(bundle_dir)
     if newer is not None and newer > round_id:  # a stale command from the shell's history, a typo in --round
-        from trainer.server.errors import PublishRefused
-
         raise PublishRefused(f"--round {round_id}: {bundle_dir} already holds the aggregate of the newer round {newer}; "
                              f"publishing round {round_id}'s would roll the devices back to older statistics")
     # As the close records it: the round's uid (a rerun publishes nothing new), no client count under DP noise.
