@@ -178,6 +178,24 @@ def test_prefer_many_names_a_bad_text_by_index_before_scoring(bundle, signing_ke
     np.testing.assert_allclose(sel.prefer_many(["q"], ["a"], ["c"]), [sel.prefer("q", "a", "c")])
 
 
+@pytest.mark.parametrize("args, name", [
+    (("q", "\x00\x00", "b"), "y_a"),
+    (("q", "a", "\u200b"), "y_b"),
+    (("\u200b\x00", "a", "b"), "x"),
+])
+def test_a_text_with_no_readable_token_is_refused_by_name(bundle, signing_keys, args, name):
+    """A text of control or zero-width characters only passed the blank check, the tokenizer dropped every
+    character, and the pair was scored as if that text were empty (prefer(x, "\\x00\\x00", "No.") gave 0.018),
+    while "" is refused; sdk.RewardScorer refuses such texts too."""
+    sel = Selector.load(bundle[0], signing_keys[1], precision="fp32")
+    with pytest.raises(InvalidInputError, match=rf"^{name} has no token the selector's tokenizer can read"):
+        sel.prefer(*args)
+    with pytest.raises(InvalidInputError, match=rf"^pair 1: {name} has no token"):
+        sel.prefer_many(["q", args[0]], ["a", args[1]], ["b", args[2]])
+    # one readable token is enough; emoji read as the unknown token
+    assert 0.0 < sel.prefer("q\x00", "ok\u200b", "\U0001f642") < 1.0
+
+
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src.resolve(), dst)
     return dst
