@@ -272,3 +272,17 @@ def test_export_folds_a_runs_per_domain_length_prior_or_refuses(trained_expert, 
         selector_export._fold_length_prior(base, run / "expert_0", None)
     with pytest.raises(ExportError, match="routerbench"):
         selector_export._fold_length_prior(base, run / "expert_0", "routerbench")
+
+
+def test_a_selector_shared_by_8_threads_gives_the_serial_answers(bundle, hh_pairs, signing_keys):
+    """docs/prism_device_and_dpo.md: a Selector may be shared between threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, parity = hh_pairs
+    sel = Selector.load(bundle[0], signing_keys[1])
+    pairs = list(zip(parity.prompt[:16], parity.response_a[:16], parity.response_b[:16]))
+    serial = [sel.prefer(*p) for p in pairs]
+    with ThreadPoolExecutor(8) as pool:
+        threaded = list(pool.map(lambda p: sel.prefer(*p), pairs * 4))
+    assert threaded == serial * 4
+    assert Selector.load(bundle[0], signing_keys[1]).prefer(*pairs[0]) == serial[0]  # and across loads
