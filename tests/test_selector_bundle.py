@@ -286,3 +286,36 @@ def test_a_selector_shared_by_8_threads_gives_the_serial_answers(bundle, hh_pair
         threaded = list(pool.map(lambda p: sel.prefer(*p), pairs * 4))
     assert threaded == serial * 4
     assert Selector.load(bundle[0], signing_keys[1]).prefer(*pairs[0]) == serial[0]  # and across loads
+
+
+def test_a_bundle_replaced_twice_while_it_loads_says_so_and_a_loaded_selector_keeps_working(bundle, signing_keys,
+                                                                                            tmp_path):
+    """sdk.bundle_install keeps the previous version only: a load spanning two installs found its version folder
+    gone and said "selector.onnx: missing from bundle .../.selector.v1-..." (which reads as a broken bundle)."""
+    from sdk import bundle_install
+    from sdk import bundle_manifest as fmt
+
+    def install(out: Path) -> None:
+        with bundle_install.locked(out):
+            target = bundle_install.new_version_dir(out, 1)
+            for f in bundle[0].resolve().iterdir():
+                shutil.copy(f, target / f.name)
+            bundle_install.publish(out, target)
+
+    out = tmp_path / "selector"
+    install(out)
+    sel = Selector.load(out, signing_keys[1])
+    before = sel.prefer("Is a whale a fish?", "No, a whale is a mammal.", "Yes.")
+
+    def two_installs_then_all(manifest: dict) -> list[str]:  # runs once the manifest verified, before any file
+        install(out)
+        install(out)
+        return list(manifest["files"])
+
+    with pytest.raises(BundleError, match=r"^bundle .*selector was replaced while it was being loaded \(its version "
+                                          r"folder \.selector\.v1-[0-9a-f]{12} was removed by a newer install\): "
+                                          r"load it again$"):
+        fmt.read_verified(out, signing_keys[1], wanted=two_installs_then_all)
+    # the loaded selector holds its graph: it keeps working with its folder gone, and a new load agrees
+    assert sel.prefer("Is a whale a fish?", "No, a whale is a mammal.", "Yes.") == before
+    assert Selector.load(out, signing_keys[1]).prefer("Is a whale a fish?", "No, a whale is a mammal.", "Yes.") == before
