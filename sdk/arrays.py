@@ -13,19 +13,24 @@ def finite_rows(x: object, width: int, name: str, rows: str = "n") -> np.ndarray
     Raises
     ------
     ShapeError
-        Not convertible to float32 (ragged rows, strings, objects, complex numbers), another
+        Not convertible to float32 (ragged rows, strings (numeric ones too), None, objects, complex
+        numbers), another
         shape, no rows, or a non-finite value (the message names ``name``).
     """
     try:
         if np.iscomplexobj(x):  # numpy would drop the imaginary part with a warning only (as real_array)
             raise TypeError("complex numbers")
+        given = np.asarray(x)
+        # numpy reads None as NaN and "1.5" as 1.5: neither is a feature value (strings: a CSV read as text?)
+        if x is None or given.dtype.kind in "USV":
+            raise TypeError("None" if x is None else f"text, dtype {given.dtype}")
         with np.errstate(over="ignore"):  # a float64 beyond float32 becomes inf: refused below as not finite
-            out = np.ascontiguousarray(x, dtype=np.float32)
-    except (TypeError, ValueError) as exc:  # ragged lists, non-numeric strings, dicts, complex numbers
+            out = np.ascontiguousarray(given, dtype=np.float32)
+    except (TypeError, ValueError) as exc:  # ragged lists, strings, dicts, complex numbers, None
         raise ShapeError(f"{name} must be a ({rows}, {width}) array of real numbers, got {type(x).__name__} "
                          f"that does not convert to float32 ({exc})") from exc
-    if out.ndim != 2 or out.shape[1] != width or len(out) == 0:
-        raise ShapeError(f"{name} must have shape ({rows} >= 1, {width}), got {out.shape}")
+    if given.ndim != 2 or out.shape[1] != width or len(out) == 0:  # given: ascontiguousarray makes a scalar (1,)
+        raise ShapeError(f"{name} must have shape ({rows} >= 1, {width}), got {given.shape}")
     if not np.isfinite(out).all():
         raise ShapeError(f"{name} must be finite")
     return out

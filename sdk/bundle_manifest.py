@@ -343,8 +343,9 @@ def read_verified(directory, public_key, wanted: Names | None = None, *, by_path
         A ``directory`` that is not a path (str or os.PathLike) or not a folder, a trained
         router's folder given for its bundle, a missing/oversized/unparsable manifest, missing or
         invalid signature, a signature by another
-        key, unsupported format, a checked file missing or whose sha256 differs, or a wanted file
-        that the manifest does not list.
+        key, unsupported format, a checked file missing or whose sha256 differs, a wanted file
+        that the manifest does not list, or a published bundle whose version folder was removed by
+        newer installs while it was read (the message says to load it again).
     """
     if not isinstance(directory, (str, os.PathLike)):
         raise BundleError(f"bundle path must be a str or os.PathLike, got {type(directory).__name__}")
@@ -391,10 +392,14 @@ def read_verified(directory, public_key, wanted: Names | None = None, *, by_path
                 if actual != digest:
                     raise BundleError(f"{name}: sha256 {actual[:16]}… does not match the manifest's {digest[:16]}… "
                                       "(file corrupt or tampered)")
-    except BaseException:
+    except BaseException as exc:
         for fd in small.values():
             os.close(fd)
         verified.close()
+        if isinstance(exc, BundleError) and not directory.is_dir():
+            # sdk.bundle_install keeps only the previous version: two installs during this read removed it
+            raise BundleError(f"bundle {given} was replaced while it was being loaded (its version folder "
+                              f"{directory.name} was removed by a newer install): load it again") from exc
         raise
     return verified
 

@@ -72,6 +72,11 @@ MAX_QUERY_CHARS = 65_536
 #: prompts; 5 per token: 88-99.9%) at 32 tokens, and tokenising it takes about half the time of the
 #: 12 per token tried before (``benchmarks/tail_tokenisation.py``, docs/benchmarks.md).
 TAIL_CHARS_PER_TOKEN = (6, 24)
+#: Token budget of one batched encoder call: ``embed`` runs at most ``max(1, RUN_TOKENS // max_tokens)``
+#: texts at once (32 at 64 tokens). The encoder's activations grow with the texts of a call (attention:
+#: texts x heads x tokens^2): one call for 1,000 (prompt, response) pairs of ``RewardScorer.score_batch``
+#: peaked at 3.8 GB, so a list of 10,000 would exhaust a device's memory.
+RUN_TOKENS = 2048
 
 
 def check_threads(intra_op_threads: int = 1, inter_op_threads: int = 1) -> tuple[int, int]:
@@ -231,7 +236,8 @@ class OnnxEmbedder:
     max_tokens : int, tokens kept per query, special tokens included.
     truncation_side : ``"left"`` (keep the end) or ``"right"`` (keep the start).
     options : onnxruntime ``SessionOptions`` (see :func:`session_options`).
-    batched : run several texts in one padded call. Off for dynamically quantised (int8) graphs:
+    batched : run several texts in one padded call (at most ``RUN_TOKENS // max_tokens`` per call, so
+        memory stays bounded however many texts ``embed`` is given). Off for dynamically quantised (int8) graphs:
         their activation scales are computed over the whole input tensor, padding included, so a
         text's embedding would depend on the other texts of its batch; each text then runs alone
         and ``embed(texts)`` equals ``[embed([t]) for t in texts]`` exactly.
@@ -344,9 +350,10 @@ class OnnxEmbedder:
             or NaN/inf.
         """
         texts = list(texts)
-        if not self.batched and len(texts) > 1:
-            return np.concatenate([self._run(self._encode([t], j)) for j, t in enumerate(texts)])
-        return self._run(self._encode(texts))
+        step = max(1, RUN_TOKENS // self.max_tokens) if self.batched else 1
+        if len(texts) <= step:
+            return self._run(self._encode(texts))
+        return np.concatenate([self._run(self._encode(texts[j : j + step], j)) for j in range(0, len(texts), step)])
 
     def _run(self, encodings) -> np.ndarray:
         feeds = {

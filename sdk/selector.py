@@ -55,7 +55,7 @@ import numpy as np
 
 from sdk import bundle_manifest as fmt
 from sdk import kinds
-from sdk.embedder import FLOAT, INT64, check_graph_inputs, inference_session, load_tokenizer, run_session, session_options
+from sdk.embedder import FLOAT, INT64, MAX_QUERY_CHARS, check_graph_inputs, inference_session, load_tokenizer, run_session, session_options
 from sdk.errors import BundleError, InvalidInputError
 from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig, length_features
 
@@ -72,7 +72,8 @@ OUTPUT_NAME = "logit"
 @runtime_checkable
 class SelectorScorer(Protocol):
     """Runtime of a selector kind: ``logits(x, y_a, y_b) -> (l(a, b), l(b, a))``, each the logit of
-    "the first response is better" (floats). Texts are already validated non-blank ``str``."""
+    "the first response is better" (floats). Texts are already validated non-blank ``str``; a text the
+    kind cannot read (no token) raises :class:`~sdk.errors.InvalidInputError` naming ``x``, ``y_a`` or ``y_b``."""
 
     def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]: ...
 
@@ -134,6 +135,7 @@ class OnnxPairScorer:
         n = len(first)
         seg_first = self._encoder.encode_segments([prompt] * n, list(first))
         seg_second = self._encoder.encode_segments([prompt] * n, list(second))
+        self._check_readable(seg_first)
         feeds = {f"{k}_a": v for k, v in seg_first.items()}
         feeds.update({f"{k}_b": v for k, v in seg_second.items()})
         # Cut the padding columns that no segment uses: exact (attention and pooling are masked), faster,
@@ -143,11 +145,31 @@ class OnnxPairScorer:
         feeds["length_features"] = np.stack([length_features(a, b) for a, b in zip(first, second)])
         return {k: v for k, v in feeds.items() if k in self._inputs}
 
+    def _check_readable(self, seg: dict[str, np.ndarray]) -> None:
+        """Refuse a pair whose prompt or a response gave no token (rows of ``seg``: (x, y_a), (x, y_b)).
+
+        A text of control or zero-width characters only (``"\\x00"``, ``"\\u200b"``) passes
+        :func:`check_text` but the tokenizer drops every character: the graph would then score an
+        empty prompt or response, which :func:`check_text` refuses when it is written ``""``.
+        """
+        mask, types = seg["attention_mask"].sum(1), seg["token_type_ids"].sum(1)
+        response_tokens = types - 1  # the response part ends with one separator
+        prompt_tokens = mask - types - 1 - (self._encoder.config.prefix_token is not None)
+        unreadable = [name for name, n in (("x", prompt_tokens[0]), ("y_a", response_tokens[0]),
+                                           ("y_b", response_tokens[1])) if n <= 0]
+        if unreadable:
+            raise InvalidInputError(
+                f"{unreadable[0]} has no token the selector's tokenizer can read (only control or zero-width "
+                f"characters in the {MAX_QUERY_CHARS:,} characters read?); there is nothing to compare")
+
     def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]:
         """(l(a, b), l(b, a)) in one call of batch 2 (module docstring: each pair runs alone).
 
         Raises
         ------
+        InvalidInputError
+            ``x``, ``y_a`` or ``y_b`` has no token the tokenizer can read (e.g. only control or
+            zero-width characters), named in the message.
         BundleError
             onnxruntime fails to run the graph, or it returns other than two finite logits.
         """
@@ -296,7 +318,8 @@ class Selector:
         Raises
         ------
         InvalidInputError
-            A text that is not a non-blank str.
+            A text that is not a non-blank str, is not valid Unicode, or has no token the tokenizer can
+            read (only control or zero-width characters).
         """
         return self._scorer.logits(check_text(x, "x"), check_text(y_a, "y_a"), check_text(y_b, "y_b"))
 
@@ -315,7 +338,8 @@ class Selector:
         Raises
         ------
         InvalidInputError
-            ``x``, ``y_a`` or ``y_b`` is not a str, or is empty / whitespace only.
+            ``x``, ``y_a`` or ``y_b`` is not a str, is empty / whitespace only, is not valid Unicode, or
+            has no token the tokenizer can read (only control or zero-width characters, e.g. ``"\\x00"``).
         """
         l_ab, l_ba = self.logits(x, y_a, y_b)
         return _sigmoid(0.5 * (l_ab - l_ba))
@@ -327,7 +351,8 @@ class Selector:
         ------
         InvalidInputError
             The three sequences differ in length, or any text is invalid (named as ``y_a[i]``; every text
-            is checked before the first pair is scored).
+            is checked before the first pair is scored, except for a text with no readable token, which
+            is found when its pair is tokenised and named as ``pair i: y_a ...``).
         """
         for name, seq in (("x", x), ("y_a", y_a), ("y_b", y_b)):
             if isinstance(seq, str) or not isinstance(seq, Sequence):
@@ -337,7 +362,13 @@ class Selector:
         for i, texts in enumerate(zip(x, y_a, y_b)):
             for name, text in zip(("x", "y_a", "y_b"), texts):
                 check_text(text, f"{name}[{i}]")
-        return np.array([self.prefer(p, a, b) for p, a, b in zip(x, y_a, y_b)], dtype=np.float64)
+        out = np.empty(len(x), dtype=np.float64)
+        for i, (p, a, b) in enumerate(zip(x, y_a, y_b)):
+            try:
+                out[i] = self.prefer(p, a, b)
+            except InvalidInputError as exc:  # a text with no readable token: say which pair
+                raise InvalidInputError(f"pair {i}: {exc}") from exc
+        return out
 
 
 def _sigmoid(z: float) -> float:

@@ -56,6 +56,10 @@ def open_regular(path: Path) -> int:
     except FileNotFoundError as exc:
         raise BundleError(f"{path.name}: missing from bundle {path.parent}") from exc
     except OSError as exc:  # ELOOP for a symlink, EISDIR, EACCES, ...
+        if path.is_symlink():  # O_NOFOLLOW's ELOOP reads "Too many levels of symbolic links" for one link
+            raise BundleError(f"{path.name}: cannot be opened as a regular file: it is a symbolic link (to "
+                              f"{os.readlink(path)!s:.200}); a bundle's files must be regular files in its folder "
+                              "(copy a bundle with its files, e.g. `cp -rL`, not links to them)") from exc
         raise BundleError(f"{path.name}: cannot be opened as a regular file ({exc.strerror})") from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

@@ -14,7 +14,7 @@ import pytest
 from sdk import Router
 from sdk import bundle_manifest as fmt
 from sdk.errors import BundleError
-from sdk.verified_file import VerifiedFile
+from sdk.verified_file import VerifiedFile, open_regular
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +165,22 @@ def test_background_reads_only_with_a_second_cpu():
     finally:
         os.sched_setaffinity(0, cpus)
     assert router_module._background_bytes() == (router_module.BACKGROUND_BYTES if len(cpus) > 1 else None)
+
+
+def test_a_bundle_file_that_is_a_symbolic_link_is_named_as_one(tmp_path):
+    """A manifest.json linked to a copy outside the bundle was refused as "cannot be opened as a regular file
+    (Too many levels of symbolic links)": O_NOFOLLOW's ELOOP, which reads as a link loop for one plain link."""
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("{}")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "manifest.json").symlink_to(outside)
+    with pytest.raises(BundleError, match=r"^manifest.json: cannot be opened as a regular file: it is a symbolic link "
+                                          r"\(to .*elsewhere.json\); a bundle's files must be regular files"):
+        fmt.read_verified(bundle, b"unused: the manifest is read first")
+    with pytest.raises(BundleError, match=r"^manifest.json: .*symbolic link"):
+        open_regular(bundle / "manifest.json")
+    (bundle / "manifest.json").unlink()
+    (bundle / "manifest.json").symlink_to(tmp_path / "missing")  # a dangling link: still a link, not "missing"
+    with pytest.raises(BundleError, match=r"^manifest.json: .*symbolic link"):
+        open_regular(bundle / "manifest.json")

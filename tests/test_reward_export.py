@@ -128,6 +128,39 @@ def test_bad_inputs_raise_sdk_errors(reward_bundle, signing_keys):
 
 
 
+class _RowsPerRun:
+    """onnxruntime's session (not ours) with a record of the rows of each ``run``."""
+
+    def __init__(self, session) -> None:
+        self._session, self.rows = session, []
+
+    def run(self, outputs, feeds):
+        self.rows.append(len(feeds["input_ids"]))
+        return self._session.run(outputs, feeds)
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+
+def test_a_long_batch_runs_the_encoder_in_bounded_chunks(reward_bundle, signing_keys):
+    """score_batch gave the encoder every text of the call in one run: 1,000 pairs peaked at 3.8 GB (250 pairs:
+    1.1 GB), so an app scoring 10,000 pairs at once ran out of memory. The encoder now sees at most
+    RUN_TOKENS // max_tokens texts per run, and the scores are those of smaller calls."""
+    from sdk.embedder import RUN_TOKENS
+
+    scorer = RewardScorer.load(reward_bundle[0], signing_keys[1])
+    n = 150
+    prompts = [f"Question {i}: how many legs does a spider have?" for i in range(n)]
+    responses = [f"Answer {i}: " + "eight " * (i % 7 + 1) for i in range(n)]
+    recorder = _RowsPerRun(scorer._embedder._session)
+    scorer._embedder._session = recorder
+    scores = scorer.score_batch(prompts, responses)
+    per_run = RUN_TOKENS // scorer.manifest["embedder"]["max_tokens"]
+    assert sum(recorder.rows) == 2 * n and max(recorder.rows) <= per_run, recorder.rows
+    assert scores.shape == (n,) and scores.dtype == np.float32
+    np.testing.assert_allclose(scores[-3:], scorer.score_batch(prompts[-3:], responses[-3:]), atol=1e-5)
+
+
 def test_a_text_the_embedder_cannot_read_is_named_by_argument_and_index(reward_bundle, signing_keys):
     # The embedder's message counted the de-duplicated prompts + responses ("query at position 3" for the
     # second response of two pairs, "position 1" for the response of one pair).

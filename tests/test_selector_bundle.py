@@ -178,6 +178,24 @@ def test_prefer_many_names_a_bad_text_by_index_before_scoring(bundle, signing_ke
     np.testing.assert_allclose(sel.prefer_many(["q"], ["a"], ["c"]), [sel.prefer("q", "a", "c")])
 
 
+@pytest.mark.parametrize("args, name", [
+    (("q", "\x00\x00", "b"), "y_a"),
+    (("q", "a", "\u200b"), "y_b"),
+    (("\u200b\x00", "a", "b"), "x"),
+])
+def test_a_text_with_no_readable_token_is_refused_by_name(bundle, signing_keys, args, name):
+    """A text of control or zero-width characters only passed the blank check, the tokenizer dropped every
+    character, and the pair was scored as if that text were empty (prefer(x, "\\x00\\x00", "No.") gave 0.018),
+    while "" is refused; sdk.RewardScorer refuses such texts too."""
+    sel = Selector.load(bundle[0], signing_keys[1], precision="fp32")
+    with pytest.raises(InvalidInputError, match=rf"^{name} has no token the selector's tokenizer can read"):
+        sel.prefer(*args)
+    with pytest.raises(InvalidInputError, match=rf"^pair 1: {name} has no token"):
+        sel.prefer_many(["q", args[0]], ["a", args[1]], ["b", args[2]])
+    # one readable token is enough; emoji read as the unknown token
+    assert 0.0 < sel.prefer("q\x00", "ok\u200b", "\U0001f642") < 1.0
+
+
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src.resolve(), dst)
     return dst
@@ -254,3 +272,50 @@ def test_export_folds_a_runs_per_domain_length_prior_or_refuses(trained_expert, 
         selector_export._fold_length_prior(base, run / "expert_0", None)
     with pytest.raises(ExportError, match="routerbench"):
         selector_export._fold_length_prior(base, run / "expert_0", "routerbench")
+
+
+def test_a_selector_shared_by_8_threads_gives_the_serial_answers(bundle, hh_pairs, signing_keys):
+    """docs/prism_device_and_dpo.md: a Selector may be shared between threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, parity = hh_pairs
+    sel = Selector.load(bundle[0], signing_keys[1])
+    pairs = list(zip(parity.prompt[:16], parity.response_a[:16], parity.response_b[:16]))
+    serial = [sel.prefer(*p) for p in pairs]
+    with ThreadPoolExecutor(8) as pool:
+        threaded = list(pool.map(lambda p: sel.prefer(*p), pairs * 4))
+    assert threaded == serial * 4
+    assert Selector.load(bundle[0], signing_keys[1]).prefer(*pairs[0]) == serial[0]  # and across loads
+
+
+def test_a_bundle_replaced_twice_while_it_loads_says_so_and_a_loaded_selector_keeps_working(bundle, signing_keys,
+                                                                                            tmp_path):
+    """sdk.bundle_install keeps the previous version only: a load spanning two installs found its version folder
+    gone and said "selector.onnx: missing from bundle .../.selector.v1-..." (which reads as a broken bundle)."""
+    from sdk import bundle_install
+    from sdk import bundle_manifest as fmt
+
+    def install(out: Path) -> None:
+        with bundle_install.locked(out):
+            target = bundle_install.new_version_dir(out, 1)
+            for f in bundle[0].resolve().iterdir():
+                shutil.copy(f, target / f.name)
+            bundle_install.publish(out, target)
+
+    out = tmp_path / "selector"
+    install(out)
+    sel = Selector.load(out, signing_keys[1])
+    before = sel.prefer("Is a whale a fish?", "No, a whale is a mammal.", "Yes.")
+
+    def two_installs_then_all(manifest: dict) -> list[str]:  # runs once the manifest verified, before any file
+        install(out)
+        install(out)
+        return list(manifest["files"])
+
+    with pytest.raises(BundleError, match=r"^bundle .*selector was replaced while it was being loaded \(its version "
+                                          r"folder \.selector\.v1-[0-9a-f]{12} was removed by a newer install\): "
+                                          r"load it again$"):
+        fmt.read_verified(out, signing_keys[1], wanted=two_installs_then_all)
+    # the loaded selector holds its graph: it keeps working with its folder gone, and a new load agrees
+    assert sel.prefer("Is a whale a fish?", "No, a whale is a mammal.", "Yes.") == before
+    assert Selector.load(out, signing_keys[1]).prefer("Is a whale a fish?", "No, a whale is a mammal.", "Yes.") == before

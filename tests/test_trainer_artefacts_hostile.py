@@ -490,6 +490,21 @@ def test_feature_rows_refuse_complex_numbers():
     np.testing.assert_array_equal(finite_rows([[1.0, 0.5]], 2, "features"), np.array([[1.0, 0.5]], np.float32))
 
 
+@pytest.mark.parametrize("value, message", [
+    (None, r"got NoneType that does not convert to float32 \(None\)"),  # was "must have shape (n >= 1, 2), got (1,)"
+    (np.array([["1", "2"]]), r"got ndarray that does not convert to float32 \(text, dtype <U1\)"),  # was scored
+    ([["0.5", "2"]], r"got list that does not convert to float32 \(text"),
+    (3.0, r"must have shape \(n >= 1, 2\), got \(\)$"),  # was "got (1,)"
+])
+def test_feature_rows_name_none_text_and_scalars_as_given(value, message):
+    """RewardScorer.scores_from_features(None) said "features must have shape (n >= 1, 771), got (1,)" (numpy read
+    None as a NaN and made it 1-d), and an array of numeric strings was scored as numbers."""
+    from sdk.arrays import finite_rows
+
+    with pytest.raises(ShapeError, match=message):
+        finite_rows(value, 2, "features")
+
+
 @pytest.mark.parametrize("content, message", [
     ('{"domains": ["alpacaeval"]', "not the length_prior.json of `fedroute prism train` (JSONDecodeError"),
     ('{"coefs": [[1, 2, 3]]}', "not the length_prior.json of `fedroute prism train` (KeyError: 'domains')"),
