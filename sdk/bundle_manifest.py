@@ -246,11 +246,11 @@ def _check_embedder_and_models(manifest: dict, need: Callable[[bool, str], None]
     need(all(_is_utf8(i) for i in ids), f"model ids must be valid Unicode (no lone surrogates), got {ids!r:.200}")
     need(len(set(ids)) == len(ids), f"duplicate model ids in {ids}")
     for m in models:
-        for field in ("price_per_1k_input_usd", "price_per_1k_output_usd", "mean_cost_usd"):
-            value = m.get(field)
+        for price in ("price_per_1k_input_usd", "price_per_1k_output_usd", "mean_cost_usd"):
+            value = m.get(price)
             usd = finite_float(value)
             need(value is None or (usd is not None and usd >= 0),
-                 f"model {m['id']!r}: {field} must be a number >= 0 (USD) or null, got {value!r}")
+                 f"model {m['id']!r}: {price} must be a number >= 0 (USD) or null, got {value!r}")
     emb = manifest.get("embedder")
     need(isinstance(emb, dict), "embedder must be an object")
     need(isinstance(emb.get("name"), str) and emb["name"], "embedder.name must be a non-empty string")
