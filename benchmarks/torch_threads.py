@@ -6,10 +6,12 @@ router (``trainer.routers.mlp_router.train_mlp_router``, the default :class:`MLP
 on 10 clients x 200 sparse evaluations of the main job's shape (384-d unit embeddings, 11 models; random values,
 as training time does not depend on them), alternating the thread counts ``--reps`` times so that both see the
 same machine load, and reports the median seconds of each and their ratio, with the load average (``os.getloadavg``)
-before and after.
+before and after. With ``--embed N`` it also times the main job's other torch step, embedding the first N
+RouterBench training prompts with all-MiniLM-L6-v2 at 256 tokens (``trainer.embeddings.embed_texts``, an empty
+cache folder per run), the same way.
 
-``PYTHONPATH=. python benchmarks/torch_threads.py [--rounds 20] [--reps 3] [--out docs/results]`` writes
-``torch_threads.{json,md}``.
+``PYTHONPATH=. HF_HUB_OFFLINE=1 python benchmarks/torch_threads.py [--rounds 20] [--reps 3] [--embed 256]
+[--data ../shared/data/routerbench] [--out docs/results]`` writes ``torch_threads.{json,md}``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -48,9 +51,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20, help="FedAvg rounds per training (default 20)")
     ap.add_argument("--reps", type=int, default=3, help="alternating repetitions of each thread count (default 3)")
     ap.add_argument("--out", type=Path, default=Path("docs/results"), help="output folder (default docs/results)")
+    ap.add_argument("--embed", type=int, default=0, help="also time embedding this many prompts (default 0: no)")
+    ap.add_argument("--data", type=Path, default=Path("../shared/data/routerbench"), help="RouterBench folder (--embed)")
     args = ap.parse_args()
-    if args.rounds < 1 or args.reps < 1:
-        ap.error("--rounds and --reps must be >= 1")
+    if args.rounds < 1 or args.reps < 1 or args.embed < 0:
+        ap.error("--rounds and --reps must be >= 1, --embed >= 0")
     default_threads = torch.get_num_threads()
     counts = sorted({1, default_threads})
     data, models = clients(), [f"m{i}" for i in range(N_MODELS)]
@@ -63,6 +68,19 @@ def main() -> None:
             t0 = time.perf_counter()
             train_mlp_router(data, models, cfg, np.random.default_rng(1))
             seconds[t].append(time.perf_counter() - t0)
+    embed: dict[int, list[float]] = {t: [] for t in counts}
+    if args.embed:
+        from trainer.data.routerbench import load_routerbench_dir
+        from trainer.embeddings import EmbedderConfig, embed_texts
+
+        prompts = list(load_routerbench_dir(args.data)[0].prompts)[: args.embed]
+        for _ in range(args.reps):
+            for t in reversed(counts):
+                torch.set_num_threads(t)
+                with tempfile.TemporaryDirectory() as cache:
+                    t0 = time.perf_counter()
+                    embed_texts(prompts, EmbedderConfig(max_tokens=256), Path(cache), show_progress=False)
+                    embed[t].append(time.perf_counter() - t0)
     torch.set_num_threads(default_threads)
     med = {t: float(np.median(v)) for t, v in seconds.items()}
     result = {"what": "train_mlp_router, 10 clients x 200 evaluations, 384-d, 11 models", "rounds": args.rounds,
@@ -70,10 +88,20 @@ def main() -> None:
               "seconds": {str(t): v for t, v in seconds.items()}, "median_seconds": {str(t): v for t, v in med.items()},
               "default_over_one_thread": med[default_threads] / med[1],
               "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg())}
+    if args.embed:
+        emed = {t: float(np.median(v)) for t, v in embed.items()}
+        result |= {"embed_prompts": len(prompts), "embed_seconds": {str(t): v for t, v in embed.items()},
+                   "embed_median_seconds": {str(t): v for t, v in emed.items()},
+                   "embed_default_over_one_thread": emed[default_threads] / emed[1]}
     args.out.mkdir(parents=True, exist_ok=True)
     write_text(args.out / "torch_threads.json", json.dumps(result, indent=2) + "\n")
     lines = ["| torch threads | median s (MLP router, %d rounds) | runs (s) |" % args.rounds, "|---|---|---|"]
     lines += [f"| {t} | {med[t]:.2f} | {', '.join(f'{x:.2f}' for x in seconds[t])} |" for t in counts]
+    if args.embed:
+        lines += ["", f"| torch threads | median s (embed {len(prompts)} prompts, MiniLM, 256 tokens, model load included) | runs (s) |",
+                  "|---|---|---|"]
+        lines += [f"| {t} | {np.median(embed[t]):.2f} | {', '.join(f'{x:.2f}' for x in embed[t])} |" for t in counts]
+        lines += ["", f"embedding, torch's default / one thread: **{result['embed_default_over_one_thread']:.2f}x**"]
     lines += ["", f"torch's default ({default_threads}) / one thread: **{result['default_over_one_thread']:.1f}x**; "
               f"load average before {load_before[0]:.2f}, after {result['loadavg_after'][0]:.2f} ({os.cpu_count()} CPUs)."]
     write_text(args.out / "torch_threads.md", "\n".join(lines) + "\n")
