@@ -25,7 +25,7 @@ from export.errors import ParityError
 from export.signing import load_signing_key
 from trainer.out_folder import cache_folder_option, check_out_folder
 from trainer.results_owner import claim_results
-from trainer.torch_device import DEFAULT_CPU_THREADS
+from trainer.torch_device import DEFAULT_CPU_THREADS, set_cpu_threads
 
 app = typer.Typer(cls=PathCheckedGroup, add_completion=False, no_args_is_help=True, help="fedroute: federated cost-aware LLM routing.")
 
@@ -86,12 +86,6 @@ ThreadsOpt = Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU t
                                                                    "models on a shared machine: docs/benchmarks.md)")]
 
 
-def _set_threads(threads: int) -> None:
-    from trainer.torch_device import set_cpu_threads  # imports torch (trainer extra) when it runs
-
-    set_cpu_threads(threads)
-
-
 def _check_device(device: str) -> None:
     from trainer.torch_device import check_torch_device  # imports torch (trainer extra) when it runs
 
@@ -133,7 +127,7 @@ def simulate(
     check_out_folder(out)  # before the heavy imports and any work
     claim_results(out, "simulate")
     _need_trainer()
-    _set_threads(threads)
+    set_cpu_threads(threads)  # imports torch (trainer extra) when it runs
     from trainer.embeddings import EmbedderConfig  # trainer extra: `fedroute --help` works without it
     from trainer.experiments import run_simulation  # trainer extra: `fedroute --help` works without it
 
@@ -164,7 +158,7 @@ def ablate(
     """N in {5, 10, 20, 40} and alpha in {0.03, 0.1, 0.6, 5.0} ablations into ablation.{json,md,png}."""
     check_out_folder(out)  # before the heavy imports and the hours of ablations
     _need_trainer()
-    _set_threads(threads)
+    set_cpu_threads(threads)  # imports torch (trainer extra) when it runs
     from trainer.embeddings import EmbedderConfig  # trainer extra: `fedroute --help` works without it
     from trainer.experiments import run_ablation  # trainer extra: `fedroute --help` works without it
 

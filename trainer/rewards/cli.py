@@ -43,10 +43,6 @@ def _config(quick: bool, data: Path, seeds: Optional[int], cache: Optional[Path]
     return MoRConfig.quick(**over) if quick else MoRConfig(**over)
 
 
-def _setup(threads: int) -> None:
-    set_cpu_threads(threads)  # imports torch (trainer extra) when it runs
-
-
 @app.command()
 def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"),
           seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="seed of the split by prompt and of the training")] = 0,
@@ -61,7 +57,7 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     check_out_option(out)  # before training: the save at the end used to fail, losing the run
-    _setup(threads)
+    set_cpu_threads(threads)
     if mode not in ("sparse", "soft") or weighting not in (None, "equal", "samples"):
         raise typer.BadParameter(f"--mode must be sparse|soft and --weighting equal|samples, got {mode!r}, {weighting!r}")
     cfg = replace(_config(quick, data, None, cache), mode=mode)
@@ -89,7 +85,7 @@ def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
 
     check_out_option(out)  # before training: the save at the end used to fail, losing the run
     claim_results(out, "mor eval")
-    _setup(threads)
+    set_cpu_threads(threads)
     cfg = _config(quick, data, seeds, cache)
     trainer = MoRTrainer(cfg)
 
@@ -114,7 +110,7 @@ def audit(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     check_out_option(out)  # before training: the save at the end used to fail, losing the run
-    _setup(threads)
+    set_cpu_threads(threads)
     cfg = _config(quick, data, seeds, cache)
     t0 = time.perf_counter()
     res = run_audit(MoRTrainer(cfg), clip=clip)
