@@ -100,3 +100,30 @@ def test_per_cell_scorer_equals_the_per_query_curve(data):
 def test_config_refuses_bad_values(field, value):
     with pytest.raises(InvalidInputError, match=field):
         OnlineConfig(**{field: value})
+
+
+def test_cli_online_on_a_users_own_log_writes_the_online_table(routerbench_dir, tmp_path):
+    import json
+
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    train = pd.read_parquet(routerbench_dir / "train.parquet").groupby("task").head(60)
+    test = pd.read_parquet(routerbench_dir / "test.parquet").groupby("task").head(30)
+    train.to_parquet(tmp_path / "my_log.parquet")
+    test.to_parquet(tmp_path / "my_test.parquet")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["simulate", "--online", "--train", str(tmp_path / "my_log.parquet"), "--test",
+                                      str(tmp_path / "my_test.parquet"), "--out", str(out), "--seeds", "2",
+                                      "--round-labels", "60", "--passes", "2"])
+    assert result.exit_code == 0, result.output
+    online = json.loads((out / "results.json").read_text())["online"]
+    for policy in ("fixed", "uniform", "thompson", "top_two"):
+        r = online[policy]
+        assert len(r["gain_per_seed"]) == 2 and list(r["curve"])[-1] == "360"
+        for key in ("gain_mean", "gain_se", "apgr_mean", "cost_saved_at_best_acc_median", "never_reaches_best_share",
+                    "served_acc", "served_cost_usd"):
+            assert key in r
+    assert (out / "online.png").stat().st_size > 0 and "| thompson" in (out / "results.md").read_text()

@@ -153,11 +153,11 @@ class _Scorer:
 
     def points(self, acc_table: np.ndarray, cost_table: np.ndarray) -> np.ndarray:
         a, c = acc_table[self.occupied], cost_table[self.occupied]
-        out = np.empty((self.lambdas.shape[0], 2))
-        for j, lam in enumerate(self.lambdas):
-            d = _decide_unchecked(a - lam * c, c)
-            out[j] = (self.cost_sum[self.occupied, d].sum() / self.n, self.acc_sum[self.occupied, d].sum() / self.n)
-        return out
+        n_lam, (k, m) = self.lambdas.shape[0], a.shape
+        u = (a[None] - self.lambdas[:, None, None] * c[None]).reshape(n_lam * k, m)
+        d = _decide_unchecked(u, np.broadcast_to(c[None], (n_lam, k, m)).reshape(n_lam * k, m)).reshape(n_lam, k)
+        cells = self.occupied[None, :]
+        return np.stack([self.cost_sum[cells, d].sum(axis=1), self.acc_sum[cells, d].sum(axis=1)], axis=1) / self.n
 
     def report(self, acc_table: np.ndarray, cost_table: np.ndarray) -> metrics.CurveReport:
         return metrics.report_points(self.points(acc_table, cost_table), self.true_acc, self.true_cost)
