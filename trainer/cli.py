@@ -143,7 +143,7 @@ def simulate(
 
     if online:
         _simulate_online(data, train, test, out, seeds or 20, n_clients, alpha, policies, passes, round_labels,
-                         EmbedderConfig(model=embedder, max_tokens=max_tokens, device=device), cache_dir)
+                         EmbedderConfig(model=embedder, max_tokens=max_tokens, device=device), cache_dir, threads)
         return
     seeds = seeds or 5
     config = _config(n_clients, alpha, routers, device)
@@ -157,7 +157,9 @@ def simulate(
 
 
 def _simulate_online(data, train, test, out, seeds, n_clients, alpha, policies, passes, round_labels, embedder,
-                     cache_dir) -> None:
+                     cache_dir, threads) -> None:
+    from threadpoolctl import threadpool_limits  # scikit-learn's dependency (trainer extra)
+
     from trainer.online import OnlineConfig  # trainer extra: `fedroute --help` works without it
     from trainer.online_experiment import run_online_simulation  # trainer extra, as above
 
@@ -167,7 +169,8 @@ def _simulate_online(data, train, test, out, seeds, n_clients, alpha, policies, 
     except InvalidInputError as exc:
         raise typer.BadParameter(str(exc)) from exc
     train_t, test_t = _load_tables(data, train, test)
-    summary = run_online_simulation(train_t, test_t, out, config, range(seeds), embedder, cache_dir)
+    with threadpool_limits(limits=threads):  # scikit-learn's K-means threads: 1 is fastest on a shared machine
+        summary = run_online_simulation(train_t, test_t, out, config, range(seeds), embedder, cache_dir)
     typer.echo((out / "results.md").read_text())
     typer.echo(f"results: {out / 'results.json'}  ({summary['seconds']} s)")
 
