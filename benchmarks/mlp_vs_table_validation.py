@@ -31,11 +31,12 @@ from trainer.torch_device import set_cpu_threads
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--clusters", type=int, default=3)
     ap.add_argument("--prior-strength", type=float, default=16.0)
     args = ap.parse_args()
     set_cpu_threads(1)
-    train, test = load_routerbench_dir(DATA)
+    train, test = load_routerbench_dir(args.data)
     emb, _ = embed_tables(train, test, EmbedderConfig(), None)
     full = train.labelled().all(axis=1)
     val = validation_split(train.tasks) & full

@@ -4,7 +4,7 @@ split carved from train (never test): ``fedroute simulate --online``'s defaults.
 The train split's fully labelled rows are split once (seeded, stratified by task) into 75% stream and
 25% validation; every candidate streams the 75% (one label per query) over 20+ seeds and is scored
 on the validation rows by the METRICS.md gain.
-Run: ``PYTHONPATH=. HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/online_settings.py [--seeds 20] [--stage kmeans|policy]``;
+Run: ``PYTHONPATH=. HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/online_settings.py [--data ../shared/data/routerbench] [--seeds 20] [--stage kmeans|policy]``;
 writes ``docs/results/online_settings_<stage>.json``.
 """
 
@@ -27,7 +27,7 @@ from trainer.online import OnlineConfig, Stream, ScoringSet, run_online
 from trainer.routers.kmeans_router import KMeansRouterConfig
 from trainer import metrics
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "routerbench"
+DATA = Path("../shared/data/routerbench")  # beside the checkout, as the docs' commands
 
 
 def validation_split(tasks: np.ndarray, share: float = 0.25, seed: int = 20261207) -> np.ndarray:
@@ -59,12 +59,13 @@ def carve(data: Path):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--stage", choices=("kmeans", "policy"), default="kmeans")
     ap.add_argument("--clusters", type=int, default=3)
     ap.add_argument("--prior-strength", type=float, default=16.0)
     ap.add_argument("--passes", type=float, default=1.0)
     args = ap.parse_args()
-    stream, vset, ws = carve(DATA)
+    stream, vset, ws = carve(args.data)
     print(f"stream {stream.accuracy.shape[0]} rows, validation {vset.accuracy.shape[0]} rows", flush=True)
     rows = []
     if args.stage == "kmeans":
@@ -73,7 +74,7 @@ def main() -> None:
     else:
         km = KMeansRouterConfig(n_clusters=args.clusters, prior_strength=args.prior_strength)
         grid = [dict(kmeans=km, policies=("thompson", "top_two"), u_power=p, beta_tt=b)
-                for p, b in itertools.product((1.0, 1.5, 2.0, 3.0), (0.5, 0.75))]
+                for p, b in itertools.product((1.0, 2.0, 3.0, 4.0), (0.5, 0.75))]
     for cand in grid:
         t0 = time.time()
         cfg = OnlineConfig(passes=args.passes, **cand)

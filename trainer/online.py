@@ -54,7 +54,7 @@ _POLICY_KEY = {"fixed": 1, "uniform": 2, "thompson": 3, "top_two": 4}
 
 def _default_kmeans() -> KMeansRouterConfig:
     # Chosen on a validation split carved from train (benchmarks/online_settings.py, docs/routers-and-results.md).
-    return KMeansRouterConfig(n_clusters=3, prior_strength=16.0)
+    return KMeansRouterConfig(n_clusters=3, prior_strength=32.0)
 
 
 @dataclass
