@@ -60,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--data", type=Path, default=DATA)
-    ap.add_argument("--stage", choices=("kmeans", "policy"), default="kmeans")
+    ap.add_argument("--stage", choices=("kmeans", "policy", "posterior", "confirm"), default="kmeans")
     ap.add_argument("--clusters", type=int, default=3)
     ap.add_argument("--prior-strength", type=float, default=16.0)
     ap.add_argument("--passes", type=float, default=1.0)
@@ -71,10 +71,18 @@ def main() -> None:
     if args.stage == "kmeans":
         grid = [dict(kmeans=KMeansRouterConfig(n_clusters=k, prior_strength=kap), policies=("fixed", "thompson"))
                 for k, kap in itertools.product((2, 3, 4, 6), (4.0, 8.0, 16.0, 32.0))]
-    else:
+    elif args.stage == "policy":
         km = KMeansRouterConfig(n_clusters=args.clusters, prior_strength=args.prior_strength)
-        grid = [dict(kmeans=km, policies=("thompson", "top_two"), u_power=p, beta_tt=b)
+        grid = [dict(kmeans=km, policies=("thompson", "top_two"), thompson_u_power=p, top_two_u_power=p, beta_tt=b)
                 for p, b in itertools.product((1.0, 2.0, 3.0, 4.0), (0.5, 0.75))]
+    elif args.stage == "confirm":  # the front-runners again, on more seeds (run with --seeds 60)
+        km = KMeansRouterConfig(n_clusters=args.clusters, prior_strength=args.prior_strength)
+        grid = [dict(kmeans=km, policies=("fixed", "uniform", "thompson", "top_two"), top_two_u_power=1.0, beta_tt=0.75),
+                dict(kmeans=km, policies=("top_two",), top_two_u_power=2.0, beta_tt=0.5)]
+    else:  # the exploring posterior's prior strength, and positions favouring the expensive end
+        km = KMeansRouterConfig(n_clusters=args.clusters, prior_strength=args.prior_strength)
+        grid = ([dict(kmeans=km, policies=("thompson",), thompson_u_power=p) for p in (0.5, 0.75)]
+                + [dict(kmeans=km, policies=("thompson",), explore_prior_strength=k) for k in (8.0, 16.0, 64.0)])
     for cand in grid:
         t0 = time.time()
         cfg = OnlineConfig(passes=args.passes, **cand)

@@ -31,6 +31,7 @@ compared on the same streams and a seeded run reproduces bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -67,6 +68,10 @@ class OnlineConfig:
     n_clients, alpha, preference_concentration, participation : as :class:`trainer.simulation.SimulationConfig`.
     kmeans : the K-means router (K, shrinkage) scored and used as the posterior.
     beta_tt : leader probability of ``top_two``.
+    thompson_u_power, top_two_u_power : each exploring policy draws its cost-axis position as
+        ``u = v ** power``, ``v ~ U[0, 1]`` (1: uniform, the AUC's measure and METRICS.md's ``thompson``;
+        > 1 favours cheap models, < 1 expensive ones).
+    explore_prior_strength : prior strength of the exploring policies' posterior; None = ``kmeans.prior_strength``.
     Raises InvalidInputError for an unknown policy or a value out of range.
     """
 
@@ -79,7 +84,9 @@ class OnlineConfig:
     participation: float = 0.6
     kmeans: KMeansRouterConfig = field(default_factory=_default_kmeans)
     beta_tt: float = 0.5
-    u_power: float = 1.0
+    thompson_u_power: float = 1.0
+    top_two_u_power: float = 2.0
+    explore_prior_strength: float | None = None
 
     def __post_init__(self) -> None:
         check_sequence(self, "policies")
@@ -93,6 +100,10 @@ class OnlineConfig:
         check_real(self, "preference_concentration", 0, low_open=True)
         check_real(self, "participation", 0, 1, low_open=True)
         check_real(self, "beta_tt", 0, 1)
+        check_real(self, "thompson_u_power", 0, low_open=True)
+        check_real(self, "top_two_u_power", 0, low_open=True)
+        if self.explore_prior_strength is not None:
+            check_real(self, "explore_prior_strength", 0)
         check_config(self, "kmeans", KMeansRouterConfig)
         self.kmeans.participation = self.participation
 
@@ -198,8 +209,9 @@ def _choose(policy: str, queries: np.ndarray, client: np.ndarray, cells: np.ndar
     uniform = np.argmax(np.where(avail, rng.random(avail.shape), -1.0), axis=1)
     if policy == "uniform" or merged is None:
         return uniform
-    acc, cost = _tables(merged, config.kmeans)
-    alpha, beta = beta_posterior(acc, merged.count, config.kmeans.prior_strength)
+    kappa = config.kmeans.prior_strength if config.explore_prior_strength is None else config.explore_prior_strength
+    acc, cost = _tables(merged, dataclasses.replace(config.kmeans, prior_strength=kappa))
+    alpha, beta = beta_posterior(acc, merged.count, kappa)
     k = cells[queries]
     a, b, c = alpha[k], beta[k], cost[k]
     unknown = avail & ~(np.isfinite(a) & np.isfinite(c))
@@ -211,8 +223,11 @@ def _choose(policy: str, queries: np.ndarray, client: np.ndarray, cells: np.ndar
     out = untried.copy()
     if explore.any():
         q = rows[explore]
-        args = (a[q], b[q], c[q], u[q] ** config.u_power, np.arange(q.shape[0]), rng)
-        out[q] = frontier_choice(*args) if policy == "thompson" else top_two_choice(*args, beta_tt=config.beta_tt)
+        if policy == "thompson":
+            out[q] = frontier_choice(a[q], b[q], c[q], u[q] ** config.thompson_u_power, np.arange(q.shape[0]), rng)
+        else:
+            out[q] = top_two_choice(a[q], b[q], c[q], u[q] ** config.top_two_u_power, np.arange(q.shape[0]), rng,
+                                    beta_tt=config.beta_tt)
     return out.astype(np.int64)
 
 
