@@ -305,7 +305,8 @@ def _se(x: np.ndarray) -> float:
 def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tuple[np.ndarray, np.ndarray],
                      ceilings: Sequence[float]) -> dict:
     """Per policy: gain mean, SE, median and per seed; APGR; CPT(50%) and CPT(80%) medians;
-    cost saved at the best single model's accuracy (median) and the never-reaches share; served
+    cost saved at the best single model's accuracy (median, its bootstrap SE over seeds, per seed:
+    -inf = never) and the never-reaches share; served
     accuracy and USD cost; the curve (labels -> gain mean and SE over seeds); and the paired
     difference against ``fixed`` (mean and SE over seeds) where it ran."""
     weak, strong = weak_strong
@@ -315,7 +316,10 @@ def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tupl
         runs = [s[policy] for s in per_seed]
         g = np.array([r.gains[-1] for r in runs])
         pts = [r.final.points for r in runs]
-        saved, never = metrics.cost_saved_at_best_acc(np.array([r.final.cost_at_best_acc for r in runs]))
+        cost_at_best = np.array([r.final.cost_at_best_acc for r in runs])
+        saved, never = metrics.cost_saved_at_best_acc(cost_at_best)
+        boot = np.random.default_rng(0).integers(0, cost_at_best.shape[0], size=(2000, cost_at_best.shape[0]))
+        saved_boot = np.array([metrics.cost_saved_at_best_acc(cost_at_best[b])[0] for b in boot])
         curve = np.array([r.gains for r in runs])
         entry = {
             "gain_mean": float(g.mean()), "gain_se": _se(g), "gain_median": float(np.median(g)),
@@ -324,6 +328,8 @@ def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tupl
             "cpt50_median": float(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
             "cpt80_median": float(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
             "cost_saved_at_best_acc_median": saved,
+            "cost_saved_at_best_acc_median_se": float(saved_boot.std(ddof=1)) if np.isfinite(saved_boot).all() else float("inf"),
+            "cost_saved_at_best_acc_per_seed": (1.0 - cost_at_best).tolist(),
             "never_reaches_best_share": never,
             "served_acc": float(np.mean([r.served_accuracy for r in runs])),
             "served_cost_usd": float(np.mean([r.served_cost for r in runs])),

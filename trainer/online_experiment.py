@@ -49,7 +49,7 @@ def markdown(summary: dict) -> str:
         f"{len(cfg['seeds'])} seeds, scored on {cfg['test']['n_queries_scored']} test rows. "
         f"Weak/strong pair (RouteLLM): {cfg['weak_strong'][0]} / {cfg['weak_strong'][1]}.",
         "",
-        "| logging policy | gain (mean ± SE) | gain − fixed (paired) | APGR | CPT(50%) | CPT(80%) | cost saved at best acc (median) | never reaches best | served acc | served cost (USD/query) |",
+        "| logging policy | gain (mean ± SE) | gain − fixed (paired) | APGR | CPT(50%) | CPT(80%) | cost saved at best acc (median ± bootstrap SE) | never reaches best | served acc | served cost (USD/query) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for policy, r in on.items():
@@ -60,7 +60,7 @@ def markdown(summary: dict) -> str:
         lines.append(
             f"| {policy} ({POLICY_NOTES[policy]}) | {r['gain_mean']:.3f} ± {r['gain_se']:.3f} | {diff} | "
             f"{r['apgr_mean']:.3f} | {r['cpt50_median']:.2f} | {r['cpt80_median']:.2f} | "
-            f"{r['cost_saved_at_best_acc_median']:.1%} | {r['never_reaches_best_share']:.0%} | {r['served_acc']:.3f} | "
+            f"{r['cost_saved_at_best_acc_median']:.1%} ± {r['cost_saved_at_best_acc_median_se']:.1%} | {r['never_reaches_best_share']:.0%} | {r['served_acc']:.3f} | "
             f"{r['served_cost_usd']:.2e} |")
     c = on["dense_ceiling"]
     lines += ["", f"Dense ceiling (every train query labelled by every model, same router): gain {c['gain_mean']:.3f} ± "
