@@ -127,3 +127,26 @@ def test_cli_online_on_a_users_own_log_writes_the_online_table(routerbench_dir, 
                     "served_acc", "served_cost_usd"):
             assert key in r
     assert (out / "online.png").stat().st_size > 0 and "| thompson" in (out / "results.md").read_text()
+
+
+def test_equal_costs_score_quality_against_the_best_single_model_and_the_oracle(data):
+    stream, test, _ = data
+    rng = np.random.default_rng(5)
+
+    def quality(emb):  # model m is good (0.8) on task m only, else 0.3; models 3 is never best
+        task = np.argmax(emb[:, :3], axis=1)
+        p = np.where(np.arange(4)[None, :] == task[:, None], 0.8, 0.3)
+        return (rng.random(p.shape) < p).astype(np.float64), task
+
+    acc, _ = quality(stream.embeddings)
+    eq = dataclasses.replace(stream, accuracy=acc, cost=np.ones_like(stream.cost))
+    tacc, task = quality(test.embeddings)
+    eq_test = ScoringSet(test.embeddings, tacc, np.ones_like(tacc))
+    out = run_online(eq, eq_test, _config(policies=("fixed", "thompson")), range(3), None)
+    assert "apgr_mean" not in out["thompson"] and out["thompson"]["served_cost_usd"] == 1.0
+    # The dense table has one cell per task and picks model m on task m: its accuracy is the mean of
+    # each row's own-task outcome; gain = (that - best single model) / (oracle - best single model).
+    best, oracle = tacc.mean(axis=0).max(), tacc.max(axis=1).mean()
+    task_level = tacc[np.arange(task.shape[0]), task].mean()
+    assert out["dense_ceiling"]["gain_mean"] == pytest.approx((task_level - best) / (oracle - best), abs=1e-9)
+    assert out["thompson"]["gain_mean"] > 0.5

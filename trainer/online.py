@@ -139,7 +139,7 @@ class PolicyRun:
 
     labels: list[int]
     gains: list[float]
-    final: metrics.CurveReport
+    final: metrics.CurveReport | None  # None for a quality-only pool (equal costs)
     served_accuracy: float
     served_cost: float
     chosen: np.ndarray  # (n_labels, 2) int: (query, model) of each label, in stream order
@@ -161,6 +161,8 @@ class _Scorer:
         self.occupied = np.flatnonzero(np.bincount(cells, minlength=k) > 0)
         self.true_acc, self.true_cost = test.accuracy, test.cost
         self.lambdas = metrics.lambda_grid()
+        mean_cost = test.cost.mean(axis=0)
+        self.quality_only = not mean_cost.max() > mean_cost.min()
 
     def points(self, acc_table: np.ndarray, cost_table: np.ndarray) -> np.ndarray:
         a, c = acc_table[self.occupied], cost_table[self.occupied]
@@ -170,8 +172,16 @@ class _Scorer:
         cells = self.occupied[None, :]
         return np.stack([self.cost_sum[cells, d].sum(axis=1), self.acc_sum[cells, d].sum(axis=1)], axis=1) / self.n
 
-    def report(self, acc_table: np.ndarray, cost_table: np.ndarray) -> metrics.CurveReport:
-        return metrics.report_points(self.points(acc_table, cost_table), self.true_acc, self.true_cost)
+    def score(self, acc_table: np.ndarray, cost_table: np.ndarray,
+              references: tuple[float, float]) -> tuple[float, metrics.CurveReport | None]:
+        """(gain, curve report) of a cell table. With equal costs (a quality-only pool) there is no
+        cost axis: the gain is that of the accuracy of the ``lam = 0`` decisions against the
+        references (best single model, oracle) and there is no curve report."""
+        points = self.points(acc_table, cost_table)
+        if self.quality_only:
+            return metrics.gain(float(points[0, 1]), *references), None
+        report = metrics.report_points(points, self.true_acc, self.true_cost)
+        return metrics.gain(report.auc, *references), report
 
 
 def _seed_cells(stream: Stream, config: OnlineConfig, rng: np.random.Generator):
@@ -235,7 +245,8 @@ def run_online_seed(stream: Stream, test: ScoringSet, config: OnlineConfig, seed
                     references: tuple[float, float]) -> dict[str, PolicyRun]:
     """One seed of the online protocol for every policy of ``config`` (module docstring).
 
-    ``references`` : (AUC of the zero router, AUC of the oracle) on ``test``, for the gain.
+    ``references`` : (AUC of the zero router, AUC of the oracle) on ``test``, for the gain; for a
+    quality-only pool (equal costs), (accuracy of the best single model, accuracy of the oracle).
     Returns {policy: PolicyRun}.
     """
     rng = np.random.default_rng(seed)
@@ -250,7 +261,6 @@ def run_online_seed(stream: Stream, test: ScoringSet, config: OnlineConfig, seed
     participants = [rng.choice(config.n_clients, size=n_part, replace=False) for _ in bounds[1:]]
     participants[-1] = np.arange(config.n_clients)  # the final round after the stream: every client
     scorer = _Scorer(test, centroids)
-    auc_zero, auc_oracle = references
 
     runs: dict[str, PolicyRun] = {}
     for policy in config.policies:
@@ -274,9 +284,9 @@ def run_online_seed(stream: Stream, test: ScoringSet, config: OnlineConfig, seed
             if total[0].sum() == 0:
                 continue
             merged = CellStatistics(total[0], np.minimum(total[1], total[0]), total[2])
-            report = scorer.report(*_tables(merged, config.kmeans))
+            gain, report = scorer.score(*_tables(merged, config.kmeans), references)
             labels.append(stop)
-            gains.append(metrics.gain(report.auc, auc_zero, auc_oracle))
+            gains.append(gain)
         runs[policy] = PolicyRun(labels, gains, report, served_acc / order.shape[0], served_cost / order.shape[0],
                                  np.concatenate(chosen))
     return runs
@@ -294,48 +304,54 @@ def dense_ceiling(stream: Stream, test: ScoringSet, config: OnlineConfig, seed: 
         rows = np.flatnonzero(avail[:, j])
         for arr, val in ((stats[0], 1.0), (stats[1], stream.accuracy[rows, j]), (stats[2], stream.cost[rows, j])):
             np.add.at(arr[:, j], cells[rows], val)
-    report = _Scorer(test, centroids).report(*_tables(CellStatistics(*stats), config.kmeans))
-    return metrics.gain(report.auc, *references)
+    return _Scorer(test, centroids).score(*_tables(CellStatistics(*stats), config.kmeans), references)[0]
 
 
 def _se(x: np.ndarray) -> float:
     return float(np.std(x, ddof=1) / np.sqrt(x.shape[0])) if x.shape[0] > 1 else float("nan")
 
 
-def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tuple[np.ndarray, np.ndarray],
+def _savings(finals: Sequence[metrics.CurveReport], weak: np.ndarray, strong: np.ndarray) -> dict:
+    pts = [r.points for r in finals]
+    cost_at_best = np.array([r.cost_at_best_acc for r in finals])
+    saved, never = metrics.cost_saved_at_best_acc(cost_at_best)
+    boot = np.random.default_rng(0).integers(0, cost_at_best.shape[0], size=(2000, cost_at_best.shape[0]))
+    saved_boot = np.array([metrics.cost_saved_at_best_acc(cost_at_best[b])[0] for b in boot])
+    return {
+        "apgr_mean": float(np.mean([metrics.apgr(p, weak, strong) for p in pts])),
+        "cpt50_median": float(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
+        "cpt80_median": float(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
+        "cost_saved_at_best_acc_median": saved,
+        "cost_saved_at_best_acc_median_se": float(saved_boot.std(ddof=1)) if np.isfinite(saved_boot).all() else float("inf"),
+        "cost_saved_at_best_acc_per_seed": (1.0 - cost_at_best).tolist(),
+        "never_reaches_best_share": never,
+    }
+
+
+def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tuple[np.ndarray, np.ndarray] | None,
                      ceilings: Sequence[float]) -> dict:
     """Per policy: gain mean, SE, median and per seed; APGR; CPT(50%) and CPT(80%) medians;
     cost saved at the best single model's accuracy (median, its bootstrap SE over seeds, per seed:
     -inf = never) and the never-reaches share; served
     accuracy and USD cost; the curve (labels -> gain mean and SE over seeds); and the paired
     difference against ``fixed`` (mean and SE over seeds) where it ran."""
-    weak, strong = weak_strong
+    weak, strong = weak_strong if weak_strong is not None else (None, None)
     out: dict = {}
     policies = list(per_seed[0])
     for policy in policies:
         runs = [s[policy] for s in per_seed]
         g = np.array([r.gains[-1] for r in runs])
-        pts = [r.final.points for r in runs]
-        cost_at_best = np.array([r.final.cost_at_best_acc for r in runs])
-        saved, never = metrics.cost_saved_at_best_acc(cost_at_best)
-        boot = np.random.default_rng(0).integers(0, cost_at_best.shape[0], size=(2000, cost_at_best.shape[0]))
-        saved_boot = np.array([metrics.cost_saved_at_best_acc(cost_at_best[b])[0] for b in boot])
         curve = np.array([r.gains for r in runs])
         entry = {
             "gain_mean": float(g.mean()), "gain_se": _se(g), "gain_median": float(np.median(g)),
             "gain_per_seed": g.tolist(),
-            "apgr_mean": float(np.mean([metrics.apgr(p, weak, strong) for p in pts])),
-            "cpt50_median": float(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
-            "cpt80_median": float(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
-            "cost_saved_at_best_acc_median": saved,
-            "cost_saved_at_best_acc_median_se": float(saved_boot.std(ddof=1)) if np.isfinite(saved_boot).all() else float("inf"),
-            "cost_saved_at_best_acc_per_seed": (1.0 - cost_at_best).tolist(),
-            "never_reaches_best_share": never,
             "served_acc": float(np.mean([r.served_accuracy for r in runs])),
             "served_cost_usd": float(np.mean([r.served_cost for r in runs])),
             "curve": {str(lab): float(v) for lab, v in zip(runs[0].labels, curve.mean(axis=0))},
             "curve_se": {str(lab): _se(col) for lab, col in zip(runs[0].labels, curve.T)},
         }
+        if runs[0].final is not None:  # a cost axis: the savings an app developer reads
+            entry.update(_savings([r.final for r in runs], weak, strong))
         if "fixed" in policies and policy != "fixed":
             d = g - np.array([s["fixed"].gains[-1] for s in per_seed])
             entry["gain_minus_fixed_mean"], entry["gain_minus_fixed_se"] = float(d.mean()), _se(d)
@@ -346,11 +362,17 @@ def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tupl
 
 
 def run_online(stream: Stream, test: ScoringSet, config: OnlineConfig, seeds: Sequence[int],
-               weak_strong: tuple[np.ndarray, np.ndarray],
+               weak_strong: tuple[np.ndarray, np.ndarray] | None,
                progress: Callable[[Sequence[int]], Sequence[int]] = lambda s: s) -> dict:
-    """All seeds; returns :func:`summarise_online`'s summary. ``progress`` wraps the seed list (tqdm)."""
-    references = (metrics.zero_router_report(test.accuracy, test.cost).auc,
-                  metrics.oracle_report(test.accuracy, test.cost).auc)
+    """All seeds; returns :func:`summarise_online`'s summary. ``progress`` wraps the seed list (tqdm).
+    ``weak_strong`` : RouteLLM's pair as (cost, accuracy) points on ``test``; None for a quality-only
+    pool (equal costs: gain against the best single model and the oracle, no savings)."""
+    mean_cost = test.cost.mean(axis=0)
+    if mean_cost.max() > mean_cost.min():
+        references = (metrics.zero_router_report(test.accuracy, test.cost).auc,
+                      metrics.oracle_report(test.accuracy, test.cost).auc)
+    else:  # quality only (equal costs): best single model and per-query oracle accuracy
+        references = (float(test.accuracy.mean(axis=0).max()), float(test.accuracy.max(axis=1).mean()))
     per_seed, ceilings = [], []
     for seed in progress(list(seeds)):
         per_seed.append(run_online_seed(stream, test, config, seed, references))

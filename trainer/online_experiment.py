@@ -47,7 +47,8 @@ def markdown(summary: dict) -> str:
         f"{cfg['train']['n_queries']} train queries), a statistics round every {cfg['online']['round_labels']} labels, "
         f"K = {cfg['online']['kmeans']['n_clusters']}, prior strength {cfg['online']['kmeans']['prior_strength']:g}; "
         f"{len(cfg['seeds'])} seeds, scored on {cfg['test']['n_queries_scored']} test rows. "
-        f"Weak/strong pair (RouteLLM): {cfg['weak_strong'][0]} / {cfg['weak_strong'][1]}.",
+        (f"Weak/strong pair (RouteLLM): {cfg['weak_strong'][0]} / {cfg['weak_strong'][1]}." if cfg["weak_strong"] else
+         "Equal costs: quality only, gain = (accuracy - best single model's) / (oracle's - best single model's)."),
         "",
         "| logging policy | gain (mean ± SE) | gain − fixed (paired) | APGR | CPT(50%) | CPT(80%) | cost saved at best acc (median ± bootstrap SE) | never reaches best | served acc | served cost (USD/query) |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -57,11 +58,12 @@ def markdown(summary: dict) -> str:
             continue
         diff = (f"{r['gain_minus_fixed_mean']:+.3f} ± {r['gain_minus_fixed_se']:.3f}"
                 if "gain_minus_fixed_mean" in r else "")
+        savings = (f"{r['apgr_mean']:.3f} | {r['cpt50_median']:.2f} | {r['cpt80_median']:.2f} | "
+                   f"{r['cost_saved_at_best_acc_median']:.1%} ± {r['cost_saved_at_best_acc_median_se']:.1%} | "
+                   f"{r['never_reaches_best_share']:.0%}") if "apgr_mean" in r else "— | — | — | — | —"
         lines.append(
-            f"| {policy} ({POLICY_NOTES[policy]}) | {r['gain_mean']:.3f} ± {r['gain_se']:.3f} | {diff} | "
-            f"{r['apgr_mean']:.3f} | {r['cpt50_median']:.2f} | {r['cpt80_median']:.2f} | "
-            f"{r['cost_saved_at_best_acc_median']:.1%} ± {r['cost_saved_at_best_acc_median_se']:.1%} | {r['never_reaches_best_share']:.0%} | {r['served_acc']:.3f} | "
-            f"{r['served_cost_usd']:.2e} |")
+            f"| {policy} ({POLICY_NOTES[policy]}) | {r['gain_mean']:.3f} ± {r['gain_se']:.3f} | {diff} | {savings} | "
+            f"{r['served_acc']:.3f} | {r['served_cost_usd']:.2e} |")
     c = on["dense_ceiling"]
     lines += ["", f"Dense ceiling (every train query labelled by every model, same router): gain {c['gain_mean']:.3f} ± "
               f"{c['gain_se']:.3f}. Gain = share of the oracle's AUC headroom over the zero router (METRICS.md); "
@@ -113,12 +115,13 @@ def run_online_simulation(train: EvalTable, test: EvalTable, out: Path, config: 
     stream = Stream(train_emb[keep], train.tasks[keep], np.where(train.labelled(), train.accuracy, np.nan)[keep],
                     np.asarray(train.cost)[keep], train.labelled()[keep])
     scoring = ScoringSet(test_emb, test.accuracy, test.cost)
-    ws = weak_strong_points(train, test)
+    mean_cost = test.cost.mean(axis=0)
+    ws = weak_strong_points(train, test) if mean_cost.max() > mean_cost.min() else None  # None: quality only
     from tqdm.auto import tqdm  # trainer extra (tqdm), imported on use
 
     summary: dict = {"online": run_online(stream, scoring, config, seeds, ws, progress=lambda s: tqdm(s, desc="seeds"))}
     single = metrics.single_model_points(test.accuracy, test.cost)
-    ws_idx = [int(np.flatnonzero((single == p).all(axis=1))[0]) for p in ws]
+    ws_idx = [] if ws is None else [int(np.flatnonzero((single == p).all(axis=1))[0]) for p in ws]
     summary["config"] = {
         "online": dataclasses.asdict(config),
         "seeds": list(seeds),
