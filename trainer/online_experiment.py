@@ -47,8 +47,8 @@ def markdown(summary: dict) -> str:
         f"{cfg['train']['n_queries']} train queries), a statistics round every {cfg['online']['round_labels']} labels, "
         f"K = {cfg['online']['kmeans']['n_clusters']}, prior strength {cfg['online']['kmeans']['prior_strength']:g}; "
         f"{len(cfg['seeds'])} seeds, scored on {cfg['test']['n_queries_scored']} test rows. "
-        (f"Weak/strong pair (RouteLLM): {cfg['weak_strong'][0]} / {cfg['weak_strong'][1]}." if cfg["weak_strong"] else
-         "Equal costs: quality only, gain = (accuracy - best single model's) / (oracle's - best single model's)."),
+        + (f"Weak/strong pair (RouteLLM): {cfg['weak_strong'][0]} / {cfg['weak_strong'][1]}." if cfg["weak_strong"] else
+           "Equal costs: quality only, gain = (accuracy - best single model's) / (oracle's - best single model's)."),
         "",
         "| logging policy | gain (mean ± SE) | gain − fixed (paired) | APGR | CPT(50%) | CPT(80%) | cost saved at best acc (median ± bootstrap SE) | never reaches best | served acc | served cost (USD/query) |",
         "|---|---|---|---|---|---|---|---|---|---|",
