@@ -56,7 +56,7 @@ def main() -> None:
     seen = np.isin(test.tasks, np.unique(train.tasks))
     config = OnlineConfig(kmeans=KMeansRouterConfig(n_clusters=args.clusters, prior_strength=32.0))
     out = {"seeds": args.seeds, "n_clusters": args.clusters, "models": list(train.models),
-           "test_only_tasks": sorted(set(test.tasks[~seen].tolist()))}
+           "test_only_task_names": sorted(set(test.tasks[~seen].tolist()))}
     for name, rows in (("tasks_in_train", seen), ("test_only_tasks", ~seen)):
         t0 = time.time()
         scoring = ScoringSet(te_emb[rows], test.accuracy[rows], test.cost[rows])
