@@ -93,6 +93,10 @@ class Choice:
         :class:`~sdk.eval_log.EvalLog` stores it so the sync job can compute cell statistics).
     cell : Voronoi cell id for a K-means router, else None.
     bundle_version : version of the bundle that made the choice.
+    policy : the policy that chose ``model``: ``"greedy"`` (:meth:`Router.choose`, the argmax) or an
+        :class:`sdk.Explorer`'s (``"thompson"``).
+    propensity : float in (0, 1], the probability that ``policy`` chose ``model`` for this query
+        (1.0 for greedy); an :class:`~sdk.eval_log.EvalLog` row keeps it for offline evaluation.
     """
 
     model: str
@@ -105,6 +109,8 @@ class Choice:
     embedding: np.ndarray
     cell: int | None
     bundle_version: int
+    policy: str = "greedy"
+    propensity: float = 1.0
 
 
 def check_query(query: object, position: int | None = None) -> str:
@@ -334,8 +340,14 @@ class Router:
 
     def _choices(self, queries: list[str], lam: float) -> list[Choice]:
         acc, cost, cells, emb = self._predict(queries)
+        return self._choices_of(acc, cost, cells, emb, lam, _decide_unchecked(acc - lam * cost, cost))
+
+    def _choices_of(self, acc, cost, cells, emb, lam: float, picked, policy: str = "greedy",
+                    propensity=None) -> list[Choice]:
+        """:class:`Choice` per query of :meth:`_predict`'s outputs and the picked model indices
+        ``picked`` (n,); ``propensity`` (n,) float in (0, 1] for an exploring policy
+        (:class:`sdk.explorer.Explorer`), None for greedy (1.0). Does not validate."""
         u = acc - lam * cost
-        picked = _decide_unchecked(u, cost)
         out = []
         for i, j in enumerate(picked):
             scores = tuple(ModelScore(m, float(acc[i, k]), float(cost[i, k]), float(u[i, k]))
@@ -344,6 +356,7 @@ class Router:
                 model=self.model_ids[j], index=int(j), accuracy=float(acc[i, j]), cost_usd=float(cost[i, j]),
                 utility=float(u[i, j]), lam=lam, scores=scores, embedding=emb[i],
                 cell=None if cells is None else int(cells[i]), bundle_version=self.bundle_version,
+                policy=policy, propensity=1.0 if propensity is None else float(propensity[i]),
             ))
         return out
 
