@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from sdk.errors import InvalidLambdaError, ShapeError
+from sdk.errors import InvalidInputError, InvalidLambdaError, ShapeError
 from sdk.utility import decide, utility
 from trainer import metrics
 
@@ -120,3 +120,37 @@ def test_labels_with_nan_are_refused():
     acc[0, 0] = np.nan
     with pytest.raises(ShapeError):
         metrics.oracle_report(acc, cost)
+
+
+# RouteLLM APGR / CPT on a hand-computed frontier: weak (1 USD, 0.5), strong (3 USD, 0.9); the router's
+# points (1, .5), (2, .8), (3, .9) are at normalised cost 0, 0.5, 1, so PGR = 0, 0.75, 1 there.
+WEAK, STRONG = np.array([1.0, 0.5]), np.array([3.0, 0.9])
+ROUTER = np.array([[1.0, 0.5], [2.0, 0.8], [3.0, 0.9], [0.5, 0.2]])
+
+
+def test_apgr_hand_computed():
+    # integral of PGR: 0.5 * (0 + 0.75) * 0.5 + 0.5 * (0.75 + 1) * 0.5 = 0.625 (the point cheaper than
+    # the weak model is clipped to c = 0 and lies below it).
+    assert metrics.apgr(ROUTER, WEAK, STRONG) == pytest.approx(0.625)
+
+
+@pytest.mark.parametrize("share, c", [(0.5, 1 / 3), (0.8, 0.6), (1.0, 1.0), (0.0, 0.0), (1.01, math.inf)])
+def test_cpt_hand_computed(share, c):
+    # CPT(50%): accuracy 0.7 on the segment (0, .5)-(.5, .8) at c = 0.5 * 0.2 / 0.3 = 1/3;
+    # CPT(80%): accuracy 0.82 on (.5, .8)-(1, .9) at c = 0.5 + 0.5 * 0.02 / 0.1 = 0.6.
+    assert metrics.cpt(ROUTER, WEAK, STRONG, share) == pytest.approx(c)
+
+
+def test_weak_strong_pair_follows_routellm():
+    single = np.array([[0.1, 0.6], [0.5, 0.7], [2.0, 0.8], [1.0, 0.8], [0.05, 0.55]])
+    # strong: the most accurate, the cheaper of the two 0.8 models (index 3, 1 USD); weak: the most
+    # accurate of the models costing <= 0.1 USD (indices 0 and 4) -> index 0.
+    assert metrics.weak_strong_pair(single) == (0, 3)
+    with pytest.raises(InvalidInputError, match="at most"):
+        metrics.weak_strong_pair(single, weak_cost_share=0.01)
+
+
+def test_cost_saved_at_best_acc_median_and_never_share():
+    saved, never = metrics.cost_saved_at_best_acc(np.array([0.7, 0.8, math.inf, 0.6, 0.9]))
+    # savings 0.3, 0.2, -inf, 0.4, 0.1 -> median 0.2; one of five seeds never reaches it.
+    assert saved == pytest.approx(0.2) and never == pytest.approx(0.2)

@@ -198,6 +198,90 @@ def gain(auc: float, auc_zero: float, auc_oracle: float) -> float:
     return float((auc - auc_zero) / (auc_oracle - auc_zero))
 
 
+def weak_strong_pair(single: np.ndarray, weak_cost_share: float = 0.1) -> tuple[int, int]:
+    """RouteLLM's (Ong et al. 2024) weak/strong pair (METRICS.md "Savings an app developer reads").
+
+    Parameters
+    ----------
+    single : ndarray of shape (n_models, 2), (mean cost USD, mean accuracy) of each single model on
+        the train split (:func:`single_model_points`).
+    weak_cost_share : the weak model's mean cost is at most this share of the strong one's.
+
+    Returns
+    -------
+    (weak, strong) : model indices; strong = the most accurate model (ties: the cheaper), weak = the
+    most accurate model costing at most ``weak_cost_share`` x the strong one (ties: the cheaper).
+    Every other model maps onto the same normalised cost axis through its mean cost.
+
+    Raises
+    ------
+    InvalidInputError
+        No model costs that little.
+    """
+    strong = _most_accurate(single)
+    cheap = np.flatnonzero(single[:, 0] <= weak_cost_share * single[strong, 0])
+    if cheap.size == 0:
+        raise InvalidInputError(f"no model costs at most {weak_cost_share} x the strong model's "
+                                f"{single[strong, 0]:.3g} USD (cheapest {single[:, 0].min():.3g} USD)")
+    return int(cheap[_most_accurate(single[cheap])]), strong
+
+
+def apgr(points: np.ndarray, weak: np.ndarray, strong: np.ndarray) -> float:
+    """Average performance gap recovered (RouteLLM, Ong et al. 2024, Sec. 5.1).
+
+    ``PGR(c) = (H(c) - acc_weak) / (acc_strong - acc_weak)`` on the router's frontier H (METRICS.md
+    steps 3 and 5: 0 left of its cheapest point, flat right of its last), with cost normalised so
+    the weak model's mean cost is 0 and the strong one's is 1 (points cheaper than the weak model
+    clipped to 0); ``APGR = integral_0^1 PGR(c) dc``, exact for the piecewise-linear frontier.
+
+    Parameters
+    ----------
+    points : ndarray of shape (n_points, 2), (mean cost USD, mean accuracy) of the router on test.
+    weak, strong : ndarray of shape (2,), (mean cost USD, mean accuracy) of the pair on the same test set.
+
+    Returns
+    -------
+    float (1 = the strong model's accuracy from the weak model's cost on; 0 = no gain over weak).
+    """
+    (c_w, a_w), (c_s, a_s) = weak, strong
+    return (normalised_auc(points, c_w, c_s) - a_w) / (a_s - a_w)
+
+
+def cpt(points: np.ndarray, weak: np.ndarray, strong: np.ndarray, share: float) -> float:
+    """Call-performance threshold CPT(x%) (RouteLLM, Ong et al. 2024, Sec. 5.1): the smallest
+    normalised cost c (weak model = 0, strong = 1, as :func:`apgr`) with ``PGR(c) >= share``;
+    ``inf`` if the frontier never reaches it. ``share`` = 0.5 for CPT(50%), 0.8 for CPT(80%)."""
+    (c_w, a_w), (c_s, a_s) = weak, strong
+    pts = np.asarray(points, dtype=np.float64).copy()
+    pts[:, 0] = np.maximum(normalise_cost(pts[:, 0], c_w, c_s), 0.0)
+    h = frontier(pts)
+    target = a_w + share * (a_s - a_w)
+    if h[-1, 1] < target:
+        return float("inf")
+    i = int(np.argmax(h[:, 1] >= target))
+    if i == 0:
+        return float(h[0, 0])
+    (c0, y0), (c1, y1) = h[i - 1], h[i]
+    return float(c0 + (target - y0) * (c1 - c0) / (y1 - y0))
+
+
+def cost_saved_at_best_acc(cost_at_best_acc: np.ndarray) -> tuple[float, float]:
+    """``cost_saved_at_best_acc = 1 - cost@best_acc`` over seeds (METRICS.md "Savings").
+
+    Parameters
+    ----------
+    cost_at_best_acc : ndarray of shape (n_seeds,), :func:`cost_at_best_accuracy` per seed (inf = never).
+
+    Returns
+    -------
+    (median saving, never_reaches_best_share) : the median over seeds of ``1 - cost@best_acc``
+    (a seed that never reaches it counts as -inf, so the median is -inf when most never do), and
+    the share of seeds whose frontier never reaches the best single model's accuracy.
+    """
+    c = np.asarray(cost_at_best_acc, dtype=np.float64)
+    return float(np.median(1.0 - c)), float(np.isinf(c).mean())
+
+
 @dataclass(frozen=True)
 class CurveReport:
     """Metrics of one accuracy-cost curve on one test set."""
