@@ -1,6 +1,6 @@
 """``choose()`` with exploration against greedy ``choose()`` (issue 26): one process, one bundle, one query set.
 
-:class:`sdk.Explorer` (Thompson sampling, ``seed=0``, default ``n_draws``) against :meth:`sdk.Router.choose` on the
+:class:`sdk.Explorer` (Thompson sampling, ``seed=0``, ``--n-draws``, default 1000 as the Explorer's) against :meth:`sdk.Router.choose` on the
 same loaded router. The two take turns query by query (round-robin), so a change in the machine's load hits them
 alike; ``--passes`` passes over ``--n-prompts`` RouterBench test prompts, one intra-op thread. Rows:
 
@@ -19,6 +19,9 @@ by the recipe of ``benchmarks/choose_latency_bundles.py`` (default K-means confi
 labelled pairs, exported with ``--int8`` tables and parity), or given with ``--bundle`` and ``--public-key``:
 
     python benchmarks/choose_explore.py --data ../shared/data/routerbench --out docs/results
+
+Beside the timings, the table of what exploring costs on the same prompts under the bundle's posterior (expected regret
+per query and the share of queries sent to a model other than the greedy one, by ``lam`` and ``max_regret``).
 
 Writes ``choose_explore.json``, ``choose_explore.md`` and ``choose_explore.png`` under ``--out``.
 """
@@ -40,6 +43,9 @@ import numpy as np
 TARGET = 1.2
 SHORT_WORDS = 8
 WARM_UP_LAM = 0.123456789
+#: lam (USD^-1) and max_regret of the exploration-cost table.
+REGRET_LAMS = (0.0, 10.0, 100.0, 1000.0)
+REGRET_CAPS = (None, 0.05, 0.02)
 
 
 def static_bundle(data: Path, build_dir: Path) -> tuple[Path, Path]:
@@ -82,6 +88,28 @@ def measure(router, explorer, prompts: list[str], lams: np.ndarray) -> dict:
             "ratio_of_means": float(np.mean(explore) / np.mean(greedy)), "n_timings": len(greedy)}
 
 
+def exploration_costs(router, prompts: list[str]) -> list[dict]:
+    """What exploring costs on these prompts under the bundle's posterior (no timing): per ``lam`` of
+    :data:`REGRET_LAMS` and ``max_regret`` of :data:`REGRET_CAPS`, the mean over the prompts of the
+    expected regret of the prompt's cell (utility given up against greedy, accuracy points at ``lam``,
+    :meth:`sdk.Explorer.expected_regret`) and of the probability of a model other than the greedy one."""
+    from sdk.explorer import Explorer
+    from sdk.utility import decide
+
+    cells = np.array([c.cell for c in router.choose_batch(prompts, 0.0)])
+    table_acc, table_cost = router._scorer.accuracy, router._scorer.cost  # the bundle's cell table
+    out = []
+    for cap in REGRET_CAPS:
+        explorer = Explorer(router, seed=0, max_regret=cap)
+        for lam in REGRET_LAMS:
+            greedy = decide(table_acc, table_cost, lam)  # per cell
+            off_greedy = 1.0 - explorer.probabilities(lam)[np.arange(len(greedy)), greedy]
+            out.append({"lam": lam, "max_regret": cap,
+                        "expected_regret_per_query": float(explorer.expected_regret(lam)[cells].mean()),
+                        "explored_share": float(off_greedy[cells].mean())})
+    return out
+
+
 def _markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# choose() with exploration vs greedy ({meta['machine']})", "",
              f"Bundle `{meta['bundle']}` ({meta['router']}); Explorer policy {meta['policy']}, n_draws "
@@ -92,6 +120,12 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     for r in rows:
         lines.append(f"| {r['queries']} | {r['lam']} | {r['greedy_ms']:.3f} | {r['explore_ms']:.3f} | "
                      f"{r['ratio']:.3f} | {r['ratio_of_means']:.3f} | {'met' if r['ratio'] <= TARGET else 'NOT met'} |")
+    lines += ["", "What exploring costs on these prompts under the bundle's posterior (Explorer.expected_regret: utility "
+              "given up against greedy per query, accuracy points at lam; explored: probability of a model other than "
+              "the greedy one):", "", "| lam | max_regret | expected regret per query | explored share |", "|---|---|---|---|"]
+    for c in meta["exploration_costs"]:
+        lines.append(f"| {c['lam']:g} | {'none' if c['max_regret'] is None else c['max_regret']} | "
+                     f"{c['expected_regret_per_query']:.4f} | {c['explored_share']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -125,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n-prompts", type=int, default=300)
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--lam", type=float, default=100.0, help="lam of the fixed-lam rows, USD^-1")
+    parser.add_argument("--n-draws", type=int, default=1000, help="Explorer n_draws (Monte Carlo runs per propensity)")
     args = parser.parse_args(argv)
     if (args.bundle is None) != (args.public_key is None):
         parser.error("--bundle and --public-key go together")
@@ -138,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     bundle, pub = (args.bundle, args.public_key) if args.bundle else static_bundle(args.data, args.build_dir)
     router = Router.load(bundle, pub, intra_op_threads=1)
-    explorer = Explorer(router, seed=0)
+    explorer = Explorer(router, seed=0, n_draws=args.n_draws)
     prompts = [str(p) for p in pd.read_parquet(args.data / "test.parquet")["prompt"][: args.n_prompts]]
     short = [" ".join(p.split()[:SHORT_WORDS]) for p in prompts]
     fixed = np.full((args.passes, len(prompts)), args.lam)
@@ -155,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
             "n_draws": explorer.policy.n_draws, "n_prompts": len(prompts), "passes": args.passes,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {load_before:.1f} at the start, "
                        f"{os.getloadavg()[0]:.1f} at the end",
-            "target": TARGET, "met": all(r["ratio"] <= TARGET for r in rows)}
+            "target": TARGET, "met": all(r["ratio"] <= TARGET for r in rows),
+            "exploration_costs": exploration_costs(router, prompts)}
     out = {"meta": meta, "rows": rows}
     from trainer.report import write_text  # atomic: a killed run leaves the old file
 

@@ -19,11 +19,12 @@ MODELS = ("model-x", "model-y")
 
 
 def write_tiny_kmeans(out: Path, signing_key: Path, embedder_name: str = "tiny-static",
-                      version: int = 1) -> tuple[Path, Path]:
+                      version: int = 1, config=None, n_copies: int = 1) -> tuple[Path, Path]:
     """Write ``out/bundle`` (signed with ``signing_key``) and ``out/router`` (the trainer router it
     was exported from, for ``--prior-router``); returns (bundle, router) paths. ``embedder_name``
     names the static embedder in the manifest (another name: a bundle of "another" embedder);
-    ``version`` is its ``bundle_version``.
+    ``version`` is its ``bundle_version``; ``config`` a ``KMeansRouterConfig`` (default: 2 cells,
+    the trainer's shrinkage); ``n_copies`` how many times the 16 evaluations are logged.
 
     Queries near "a" ([1, 0, 0]) were answered right by model-x, near "b" ([0, 1, 0]) by model-y,
     at the same cost (0.001 USD)."""
@@ -44,9 +45,9 @@ def write_tiny_kmeans(out: Path, signing_key: Path, embedder_name: str = "tiny-s
     entry = {"name": embedder_name, "dim": 3, "max_tokens": 65_536, "truncation_side": "left", "pooling": "mean",
              "normalised": True, "files": {p: STATIC_TABLE_FILES[p] for p in ("fp32", "int8")}}
     emb = np.array([[1, 0, 0]] * 4 + [[0, 1, 0]] * 4, dtype=np.float32)
-    data = ClientData(np.repeat(emb, 2, axis=0), np.tile([0, 1], 8).astype(np.int64),
-                      np.array([1, 0] * 4 + [0, 1] * 4, dtype=np.float64), np.full(16, 0.001))
-    router = fit_kmeans_router(data, list(MODELS), KMeansRouterConfig(n_clusters=2), seed=0)
+    data = ClientData(np.tile(np.repeat(emb, 2, axis=0), (n_copies, 1)), np.tile([0, 1], 8 * n_copies).astype(np.int64),
+                      np.tile(np.array([1, 0] * 4 + [0, 1] * 4, dtype=np.float64), n_copies), np.full(16 * n_copies, 0.001))
+    router = fit_kmeans_router(data, list(MODELS), config or KMeansRouterConfig(n_clusters=2), seed=0)
     router.embedder = {k: v for k, v in entry.items() if k != "files"}
     out = Path(out)
     router.save(out / "router")
