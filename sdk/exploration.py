@@ -171,41 +171,45 @@ def thompson_choice(alpha, beta, cost, lam, cells, rng: np.random.Generator) -> 
     return _rank_unchecked(theta - lam * c, np.where(known, c, np.nan))[:, 0]
 
 
-def _upper_hull(cost: np.ndarray, acc: np.ndarray) -> np.ndarray:
+def _upper_hull(cost: list[float], acc: list[float]) -> list[int]:
     """Model indices of the upper concave hull of (cost, acc), made non-decreasing (METRICS.md
-    step 3), by increasing cost; only finite entries count. Prior validation is assumed."""
-    idx = np.flatnonzero(np.isfinite(acc) & np.isfinite(cost))
-    idx = idx[np.lexsort((idx, -acc[idx], cost[idx]))]
+    step 3), by increasing cost; entries that are NaN do not count. Prior validation is assumed
+    (plain Python floats: this runs once per query)."""
+    idx = sorted((j for j in range(len(acc)) if acc[j] == acc[j] and cost[j] == cost[j]),
+                 key=lambda j: (cost[j], -acc[j], j))
     hull: list[int] = []
     for j in idx:
         if hull and cost[j] == cost[hull[-1]]:
             continue
         while len(hull) >= 2:
             o, m = hull[-2], hull[-1]
-            cross = (cost[m] - cost[o]) * (acc[j] - acc[o]) - (acc[m] - acc[o]) * (cost[j] - cost[o])
-            if cross >= 0:
+            if (cost[m] - cost[o]) * (acc[j] - acc[o]) - (acc[m] - acc[o]) * (cost[j] - cost[o]) >= 0:
                 hull.pop()
             else:
                 break
-        hull.append(int(j))
-    h = np.array(hull, dtype=np.int64)
-    return h[: int(np.argmax(acc[h])) + 1]
+        hull.append(j)
+    best = max(range(len(hull)), key=lambda i: (acc[hull[i]], -i))
+    return hull[: best + 1]
 
 
-def _frontier_end(cost: np.ndarray, theta: np.ndarray, u: float, v: float) -> int:
+def _frontier_end(cost: list[float], theta: list[float], u: float, v: float) -> int:
     """The hull end logged for position ``u`` in [0, 1] of the normalised cost axis, with ``v`` a
     U[0, 1] draw choosing between the segment's two ends (weights by proximity to ``u``)."""
     h = _upper_hull(cost, theta)
-    finite = cost[np.isfinite(cost) & np.isfinite(theta)]
-    x = finite.min() + u * (finite.max() - finite.min())
-    hc = cost[h]
-    if x <= hc[0]:
-        return int(h[0])
-    if x >= hc[-1]:
-        return int(h[-1])
-    i = int(np.searchsorted(hc, x, side="right")) - 1
-    share = (x - hc[i]) / (hc[i + 1] - hc[i])
-    return int(h[i + 1] if v < share else h[i])
+    finite = [c for c, t in zip(cost, theta) if c == c and t == t]
+    x = min(finite) + u * (max(finite) - min(finite))
+    if x <= cost[h[0]]:
+        return h[0]
+    if x >= cost[h[-1]]:
+        return h[-1]
+    i = next(i for i in range(len(h) - 1) if cost[h[i + 1]] > x)
+    share = (x - cost[h[i]]) / (cost[h[i + 1]] - cost[h[i]])
+    return h[i + 1] if v < share else h[i]
+
+
+def _frontier_rows(c: np.ndarray, theta: np.ndarray, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    cl, tl, ul, vl = c.tolist(), theta.tolist(), u.tolist(), v.tolist()
+    return np.array([_frontier_end(cl[i], tl[i], ul[i], vl[i]) for i in range(len(tl))], dtype=np.int64)
 
 
 def frontier_choice(alpha, beta, cost, u, cells, rng: np.random.Generator) -> np.ndarray:
@@ -225,7 +229,7 @@ def frontier_choice(alpha, beta, cost, u, cells, rng: np.random.Generator) -> np
     theta = _sample(a, b, known, rng)
     v = rng.random(theta.shape[0])
     u = np.broadcast_to(np.asarray(u, dtype=np.float64), v.shape)
-    return np.array([_frontier_end(c[i], theta[i], u[i], v[i]) for i in range(theta.shape[0])], dtype=np.int64)
+    return _frontier_rows(np.where(known, c, np.nan), theta, u, v)
 
 
 def top_two_choice(alpha, beta, cost, u, cells, rng: np.random.Generator, beta_tt: float = 0.5,
@@ -240,18 +244,19 @@ def top_two_choice(alpha, beta, cost, u, cells, rng: np.random.Generator, beta_t
     ndarray of shape (n_queries,), int64.
     """
     a, b, c, known = _rows(alpha, beta, cost, cells)
+    c = np.where(known, c, np.nan)
     u = np.broadcast_to(np.asarray(u, dtype=np.float64), (a.shape[0],))
-    out = np.empty(a.shape[0], dtype=np.int64)
-    for i in range(a.shape[0]):
-        leader = _frontier_end(c[i], _sample(a[i:i + 1], b[i:i + 1], known[i:i + 1], rng)[0], u[i], rng.random())
-        out[i] = leader
-        if rng.random() < beta_tt:
-            continue
-        for _ in range(max_resamples):
-            other = _frontier_end(c[i], _sample(a[i:i + 1], b[i:i + 1], known[i:i + 1], rng)[0], u[i], rng.random())
-            if other != leader:
-                out[i] = other
-                break
+    leader = _frontier_rows(c, _sample(a, b, known, rng), u, rng.random(a.shape[0]))
+    out = leader.copy()
+    pending = np.flatnonzero(rng.random(a.shape[0]) >= beta_tt)  # these log a challenger
+    for _ in range(max_resamples):
+        if pending.size == 0:
+            break
+        p = pending
+        other = _frontier_rows(c[p], _sample(a[p], b[p], known[p], rng), u[p], rng.random(p.shape[0]))
+        found = other != leader[p]
+        out[p[found]] = other[found]
+        pending = p[~found]
     return out
 
 

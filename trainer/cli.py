@@ -113,7 +113,8 @@ def simulate(
     train: TrainOpt = None,
     test: TestOpt = None,
     out: OutOpt = Path("results"),
-    seeds: SeedsOpt = 5,
+    seeds: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="number of seeds (0..K-1); "
+                                                 "default 5, or 20 with --online")] = None,
     n_clients: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="N, number of clients")] = 10,
     alpha: Annotated[float, typer.Option(callback=finite_option, min=1e-6, help="Dirichlet concentration of the task split")] = 0.6,
     routers: RoutersOpt = "mlp,kmeans",
@@ -122,8 +123,17 @@ def simulate(
     cache_dir: CacheOpt = None,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = DEFAULT_CPU_THREADS,
+    online: Annotated[bool, typer.Option("--online", help="online replay: stream the train queries through logging "
+                                         "policies (METRICS.md online protocol; --routers is not used)")] = False,
+    policies: Annotated[str, typer.Option(help="--online: comma-separated logging policies: fixed,uniform,thompson,top_two")]
+    = "fixed,uniform,thompson,top_two",
+    passes: Annotated[float, typer.Option(callback=finite_option, min=1.0, help="--online: stream length in passes over "
+                                          "the train queries (extra queries drawn with replacement)")] = 1.0,
+    round_labels: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="--online: labels between federated "
+                                              "statistics rounds (R)")] = 250,
 ) -> None:
-    """Run the federated simulation protocol (METRICS.md) and write results.json, results.md, curves.png."""
+    """Run the federated simulation protocol (METRICS.md) and write results.json, results.md, curves.png
+    (with --online: the online replay, results.json / results.md / online.png)."""
     check_out_folder(out)  # before the heavy imports and any work
     claim_results(out, "simulate")
     _need_trainer()
@@ -131,12 +141,36 @@ def simulate(
     from trainer.embeddings import EmbedderConfig  # trainer extra: `fedroute --help` works without it
     from trainer.experiments import run_simulation  # trainer extra: `fedroute --help` works without it
 
+    if online:
+        _simulate_online(data, train, test, out, seeds or 20, n_clients, alpha, policies, passes, round_labels,
+                         EmbedderConfig(model=embedder, max_tokens=max_tokens, device=device), cache_dir, threads)
+        return
+    seeds = seeds or 5
     config = _config(n_clients, alpha, routers, device)
     train_t, test_t = _load_tables(data, train, test)
     summary = run_simulation(
         train_t, test_t, out, config, range(seeds),
         EmbedderConfig(model=embedder, max_tokens=max_tokens, device=device), cache_dir,
     )
+    typer.echo((out / "results.md").read_text())
+    typer.echo(f"results: {out / 'results.json'}  ({summary['seconds']} s)")
+
+
+def _simulate_online(data, train, test, out, seeds, n_clients, alpha, policies, passes, round_labels, embedder,
+                     cache_dir, threads) -> None:
+    from threadpoolctl import threadpool_limits  # scikit-learn's dependency (trainer extra)
+
+    from trainer.online import OnlineConfig  # trainer extra: `fedroute --help` works without it
+    from trainer.online_experiment import run_online_simulation  # trainer extra, as above
+
+    try:
+        config = OnlineConfig(policies=tuple(p.strip() for p in policies.split(",") if p.strip()), passes=passes,
+                              round_labels=round_labels, n_clients=n_clients, alpha=alpha)
+    except InvalidInputError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    train_t, test_t = _load_tables(data, train, test)
+    with threadpool_limits(limits=threads):  # scikit-learn's K-means threads: 1 is fastest on a shared machine
+        summary = run_online_simulation(train_t, test_t, out, config, range(seeds), embedder, cache_dir)
     typer.echo((out / "results.md").read_text())
     typer.echo(f"results: {out / 'results.json'}  ({summary['seconds']} s)")
 

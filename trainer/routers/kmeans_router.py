@@ -214,6 +214,22 @@ def fit_kmeans_router(data: ClientData, models: Sequence[str], config: KMeansRou
                         config.prior)
 
 
+def federated_centroids(embeddings: Sequence[np.ndarray], config: KMeansRouterConfig,
+                        rng: np.random.Generator) -> np.ndarray:
+    """Phase 1 of the protocol (module docstring): ``K_global`` centroids from the clients' local
+    Lloyd centroids, no labels needed. ``embeddings`` : one (n_i, d_emb) array per client (clients
+    with none never upload). Returns ndarray of shape (K_global, d_emb), float32."""
+    active = [i for i, e in enumerate(embeddings) if e.shape[0] > 0]
+    n_part = max(1, int(round(config.participation * len(active))))
+    latest_centroids: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for _ in range(config.centroid_rounds):
+        for i in rng.choice(active, size=n_part, replace=False):
+            latest_centroids[int(i)] = lloyd(embeddings[i], config.n_local_clusters, int(rng.integers(2**31)))
+    local_c = np.concatenate([c for c, _ in latest_centroids.values()])
+    local_w = np.concatenate([w for _, w in latest_centroids.values()])
+    return lloyd(local_c, config.n_clusters, int(rng.integers(2**31)), sample_weight=local_w)[0]
+
+
 def fit_federated_kmeans_router(
     clients: Sequence[ClientData],
     models: Sequence[str],
@@ -228,14 +244,7 @@ def fit_federated_kmeans_router(
     if not active:
         raise InvalidInputError("no client holds any sample")
     n_part = max(1, int(round(config.participation * len(active))))
-
-    latest_centroids: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for _ in range(config.centroid_rounds):
-        for i in rng.choice(active, size=n_part, replace=False):
-            latest_centroids[int(i)] = lloyd(clients[i].embeddings, config.n_local_clusters, int(rng.integers(2**31)))
-    local_c = np.concatenate([c for c, _ in latest_centroids.values()])
-    local_w = np.concatenate([w for _, w in latest_centroids.values()])
-    global_centroids, _ = lloyd(local_c, config.n_clusters, int(rng.integers(2**31)), sample_weight=local_w)
+    global_centroids = federated_centroids([c.embeddings for c in clients], config, rng)
 
     latest_stats: dict[int, CellStatistics] = {}
     for _ in range(config.statistics_rounds):
@@ -252,6 +261,7 @@ __all__ = [
     "KMeansRouter",
     "KMeansRouterConfig",
     "client_statistics",
+    "federated_centroids",
     "fit_federated_kmeans_router",
     "fit_kmeans_router",
     "lloyd",

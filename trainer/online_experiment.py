@@ -1,0 +1,138 @@
+"""``fedroute simulate --online`` end to end: tables -> embeddings (cached) -> the online replay of
+:mod:`trainer.online` over the seeds -> ``results.json`` (``online.<policy>.*``), ``results.md`` and
+``online.png`` (gain vs labels per policy, the dense ceiling drawn)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from trainer import metrics, report
+from trainer.data.routerbench import EvalTable
+from trainer.embeddings import EmbedderConfig
+from trainer.experiments import _evaluation_table, _log, _prepare_out, check_tables, embed_tables
+from trainer.online import OnlineConfig, ScoringSet, Stream, run_online
+from trainer.results_owner import OWNER_KEY
+
+#: What each policy is, for results.md.
+POLICY_NOTES = {
+    "fixed": "paper's logging: client i logs m ~ pi_i, pi_i ~ Dir(0.5)",
+    "uniform": "a model uniformly at random",
+    "thompson": "frontier Thompson sampling (METRICS.md), u ~ U[0, 1]",
+    "top_two": "top-two Thompson sampling on the frontier",
+}
+
+
+def weak_strong_points(train: EvalTable, test: EvalTable) -> tuple[np.ndarray, np.ndarray]:
+    """RouteLLM's weak/strong pair chosen on the train split (mean over each model's labelled rows),
+    returned as their (mean cost USD, mean accuracy) points on the test split."""
+    labelled = train.labelled()
+    n = labelled.sum(axis=0)
+    train_single = np.stack([np.where(labelled, train.cost, 0).sum(axis=0) / n,
+                             np.where(labelled, train.accuracy, 0).sum(axis=0) / n], axis=1)
+    weak, strong = metrics.weak_strong_pair(train_single)
+    test_single = metrics.single_model_points(test.accuracy, test.cost)
+    return test_single[weak], test_single[strong]
+
+
+def markdown(summary: dict) -> str:
+    on = summary["online"]
+    cfg = summary["config"]
+    lines = [
+        f"Online replay: {cfg['n_labels']} labels per seed ({cfg['online']['passes']:g} pass(es) over "
+        f"{cfg['train']['n_queries']} train queries), a statistics round every {cfg['online']['round_labels']} labels, "
+        f"K = {cfg['online']['kmeans']['n_clusters']}, prior strength {cfg['online']['kmeans']['prior_strength']:g}; "
+        f"{len(cfg['seeds'])} seeds, scored on {cfg['test']['n_queries_scored']} test rows. "
+        f"Weak/strong pair (RouteLLM): {cfg['weak_strong'][0]} / {cfg['weak_strong'][1]}.",
+        "",
+        "| logging policy | gain (mean ± SE) | gain − fixed (paired) | APGR | CPT(50%) | CPT(80%) | cost saved at best acc (median) | never reaches best | served acc | served cost (USD/query) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for policy, r in on.items():
+        if policy == "dense_ceiling":
+            continue
+        diff = (f"{r['gain_minus_fixed_mean']:+.3f} ± {r['gain_minus_fixed_se']:.3f}"
+                if "gain_minus_fixed_mean" in r else "")
+        lines.append(
+            f"| {policy} ({POLICY_NOTES[policy]}) | {r['gain_mean']:.3f} ± {r['gain_se']:.3f} | {diff} | "
+            f"{r['apgr_mean']:.3f} | {r['cpt50_median']:.2f} | {r['cpt80_median']:.2f} | "
+            f"{r['cost_saved_at_best_acc_median']:.1%} | {r['never_reaches_best_share']:.0%} | {r['served_acc']:.3f} | "
+            f"{r['served_cost_usd']:.2e} |")
+    c = on["dense_ceiling"]
+    lines += ["", f"Dense ceiling (every train query labelled by every model, same router): gain {c['gain_mean']:.3f} ± "
+              f"{c['gain_se']:.3f}. Gain = share of the oracle's AUC headroom over the zero router (METRICS.md); "
+              "the zero router scores 0.", ""]
+    return "\n".join(lines)
+
+
+def plot(path: Path, summary: dict) -> None:
+    import matplotlib  # trainer extra (matplotlib), only when plotting
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # trainer extra (matplotlib), only when plotting
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for policy, r in summary["online"].items():
+        if policy == "dense_ceiling":
+            continue
+        x = np.array([int(k) for k in r["curve"]])
+        y = np.array(list(r["curve"].values()))
+        se = np.array(list(r["curve_se"].values()))
+        ax.plot(x, y, marker=".", label=f"{policy} ({r['gain_mean']:.3f})")
+        ax.fill_between(x, y - se, y + se, alpha=0.2)
+    ceiling = summary["online"]["dense_ceiling"]["gain_mean"]
+    ax.axhline(ceiling, color="black", linestyle="--", label=f"dense labels ({ceiling:.3f})")
+    ax.axhline(0.0, color="gray", linestyle=":", label="zero router")
+    ax.set_xlabel("labels logged (all clients)")
+    ax.set_ylabel("gain on test (share of oracle headroom)")
+    ax.set_title(f"Online replay: gain vs labels, mean ± SE over {len(summary['config']['seeds'])} seeds", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    report.save_figure(fig, path)
+
+
+def run_online_simulation(train: EvalTable, test: EvalTable, out: Path, config: OnlineConfig, seeds: Sequence[int],
+                          embedder: EmbedderConfig, cache_dir: Path | None = None) -> dict:
+    """The online protocol over ``seeds``; writes ``out/results.json``, ``results.md``, ``online.png``.
+
+    Raises
+    ------
+    InvalidInputError
+        See :func:`trainer.experiments.check_tables`; ``out`` cannot be written.
+    """
+    check_tables(train, test)
+    _prepare_out(out)
+    started = time.time()
+    train_emb, test_emb = embed_tables(train, test, embedder, cache_dir)
+    test, test_emb = _evaluation_table(test, test_emb)
+    keep = train.labelled().any(axis=1)
+    stream = Stream(train_emb[keep], train.tasks[keep], np.where(train.labelled(), train.accuracy, np.nan)[keep],
+                    np.asarray(train.cost)[keep], train.labelled()[keep])
+    scoring = ScoringSet(test_emb, test.accuracy, test.cost)
+    ws = weak_strong_points(train, test)
+    from tqdm.auto import tqdm  # trainer extra (tqdm), imported on use
+
+    summary: dict = {"online": run_online(stream, scoring, config, seeds, ws, progress=lambda s: tqdm(s, desc="seeds"))}
+    single = metrics.single_model_points(test.accuracy, test.cost)
+    ws_idx = [int(np.flatnonzero((single == p).all(axis=1))[0]) for p in ws]
+    summary["config"] = {
+        "online": dataclasses.asdict(config),
+        "seeds": list(seeds),
+        "n_labels": int(round(config.passes * int(keep.sum()))),
+        "embedder": dataclasses.asdict(embedder),
+        "train": {"source": train.source, "n_queries": int(keep.sum())},
+        "test": {"source": test.source, "n_queries_scored": test.n_queries},
+        "models": list(train.models),
+        "weak_strong": [train.models[i] for i in ws_idx],
+    }
+    summary["seconds"] = round(time.time() - started, 1)
+    summary[OWNER_KEY] = "simulate"
+    report.write_json(out / "results.json", summary)
+    report.write_text(out / "results.md", markdown(summary))
+    plot(out / "online.png", summary)
+    _log(f"wrote {out / 'results.json'}, results.md, online.png in {summary['seconds']} s")
+    return summary
