@@ -91,7 +91,7 @@ def measure(router, explorer, prompts: list[str], lams: np.ndarray) -> dict:
 def exploration_costs(router, prompts: list[str]) -> list[dict]:
     """What exploring costs on these prompts under the bundle's posterior (no timing): per ``lam`` of
     :data:`REGRET_LAMS` and ``max_regret`` of :data:`REGRET_CAPS`, the mean over the prompts of the
-    expected regret of the prompt's cell (utility given up against greedy, accuracy points at ``lam``,
+    expected regret of the prompt's cell, for Thompson sampling and uniform exploration (utility given up against greedy, accuracy points at ``lam``,
     :meth:`sdk.Explorer.expected_regret`) and of the probability of a model other than the greedy one."""
     from sdk.explorer import Explorer
     from sdk.utility import decide
@@ -99,14 +99,15 @@ def exploration_costs(router, prompts: list[str]) -> list[dict]:
     cells = np.array([c.cell for c in router.choose_batch(prompts, 0.0)])
     table_acc, table_cost = router._scorer.accuracy, router._scorer.cost  # the bundle's cell table
     out = []
-    for cap in REGRET_CAPS:
-        explorer = Explorer(router, seed=0, max_regret=cap)
-        for lam in REGRET_LAMS:
-            greedy = decide(table_acc, table_cost, lam)  # per cell
-            off_greedy = 1.0 - explorer.probabilities(lam)[np.arange(len(greedy)), greedy]
-            out.append({"lam": lam, "max_regret": cap,
-                        "expected_regret_per_query": float(explorer.expected_regret(lam)[cells].mean()),
-                        "explored_share": float(off_greedy[cells].mean())})
+    for policy in ("thompson", "uniform"):
+        for cap in REGRET_CAPS:
+            explorer = Explorer(router, policy=policy, seed=0, max_regret=cap)
+            for lam in REGRET_LAMS:
+                greedy = decide(table_acc, table_cost, lam)  # per cell
+                off_greedy = 1.0 - explorer.probabilities(lam)[np.arange(len(greedy)), greedy]
+                out.append({"policy": policy, "lam": lam, "max_regret": cap,
+                            "expected_regret_per_query": float(explorer.expected_regret(lam)[cells].mean()),
+                            "explored_share": float(off_greedy[cells].mean())})
     return out
 
 
@@ -122,9 +123,10 @@ def _markdown(rows: list[dict], meta: dict) -> str:
                      f"{r['ratio']:.3f} | {r['ratio_of_means']:.3f} | {'met' if r['ratio'] <= TARGET else 'NOT met'} |")
     lines += ["", "What exploring costs on these prompts under the bundle's posterior (Explorer.expected_regret: utility "
               "given up against greedy per query, accuracy points at lam; explored: probability of a model other than "
-              "the greedy one):", "", "| lam | max_regret | expected regret per query | explored share |", "|---|---|---|---|"]
+              "the greedy one):", "", "| policy | lam | max_regret | expected regret per query | explored share |",
+              "|---|---|---|---|---|"]
     for c in meta["exploration_costs"]:
-        lines.append(f"| {c['lam']:g} | {'none' if c['max_regret'] is None else c['max_regret']} | "
+        lines.append(f"| {c['policy']} | {c['lam']:g} | {'none' if c['max_regret'] is None else c['max_regret']} | "
                      f"{c['expected_regret_per_query']:.4f} | {c['explored_share']:.3f} |")
     return "\n".join(lines) + "\n"
 
@@ -142,9 +144,10 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.bar(labels, [r["ratio"] for r in rows], color="tab:blue")
     ax.axhline(TARGET, color="tab:red", linestyle="--", label=f"target {TARGET}")
     ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_ylim(0, max(1.5, max(r["ratio"] for r in rows) + 0.2))
     ax.set_ylabel("explore / greedy (median)")
     ax.set_title("choose() with Thompson exploration vs greedy, same process")
-    ax.legend(loc="upper right")
+    ax.legend(loc="upper left")
     save_figure(fig, path, dpi=120)  # lays out, writes atomically, closes
 
 
