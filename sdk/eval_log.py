@@ -94,8 +94,8 @@ from sdk.sqlite_files import set_wal, table_names
 
 __all__ = ["CLOCK_STEP_S", "MAX_COST_PER_QUERY_USD", "SCHEMA_VERSION", "UNIT_NORM_TOLERANCE", "EvalLog", "Evaluations"]
 
-#: Value of ``PRAGMA user_version`` written by this version; files with another non-zero value are
-#: refused with :class:`EvalLogError`.
+#: Value of ``PRAGMA user_version`` written by this version; a version-1 file is migrated to it when
+#: opened, a file with another non-zero value is refused with :class:`EvalLogError`.
 SCHEMA_VERSION = 2
 
 _INT64_MAX = 2**63 - 1
