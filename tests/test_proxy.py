@@ -3,6 +3,7 @@ OpenAI-compatible upstream (uvicorn on 127.0.0.1). Real bundle, real EvalLog, co
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -133,7 +134,7 @@ def test_proxy_end_to_end(deployment):
     for headers in ({}, {"Authorization": "Basic " + TOKEN}, {"Authorization": "Bearer other"}):
         r = httpx.get(d["base"] + "/metrics", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(d["base"] + "/health").json() == {"status": "ok"}
+    assert httpx.get(d["base"] + "/health").json() == {"status": "ok", "bundle_version": d["router"].bundle_version}
 
     # 7. metrics.
     assert metric(http, "fedroute_proxy_requests_total", route="routed", status="200") == 4
@@ -252,7 +253,7 @@ def test_budget_mode_through_the_proxy(deployment):
         raw = client.chat.completions.with_raw_response.create(model="fedroute:budget=0.5",
                                                                 messages=[{"role": "user", "content": QUERY}])
         assert raw.headers["x-fedroute-model"] in POOL
-    controller = chat.budget_controllers()[0.5]
+    controller = chat.budget_controllers(hashlib.sha256(TOKEN.encode()).hexdigest())[0.5]
     assert controller.n_recorded == 3 and controller.realised_usd_per_1k > 0
 
 

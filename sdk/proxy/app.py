@@ -11,8 +11,10 @@ Every route but ``/health`` needs ``Authorization: Bearer <token>`` with one of 
     server-sent events passed through, then ``data: [DONE]``). Headers ``x-fedroute-model`` (the
     model that answered), ``x-fedroute-fallbacks`` (failed tries before it) and, when routed,
     ``x-fedroute-routing-ms``. Errors, as ``{"error": {"message", "type", "param", "code"}}``:
-    400 malformed body (not a JSON object, NaN/Infinity, nested too deeply), ``messages`` or ``model=``
-    string (a budget <= 0 or NaN included); 413 a body over ``max_body_bytes`` (32 MiB); 404 a model
+    400 malformed body (not a JSON object, NaN/Infinity, nested too deeply), ``messages`` (more than
+    ``max_messages``, code ``too_many_messages``; no user message with text, e.g. an image-only
+    conversation: nothing to route, name a model to call it directly) or ``model=`` string (a budget
+    <= 0 or NaN included); 413 a body over ``max_body_bytes`` (32 MiB); 404 a model
     id with no upstream (``model_not_found``); the upstream's status for a request it refused (4xx);
     when every try failed: 429 (rate limited), 502 (5xx, unreachable, or an answer that is not a chat
     completion) or 504 (timeout).
@@ -27,24 +29,41 @@ Every route but ``/health`` needs ``Authorization: Bearer <token>`` with one of 
 ``GET /metrics``
     Prometheus text format (:mod:`sdk.proxy.metrics`).
 ``GET /health``
-    ``{"status": "ok"}``, no auth.
+    ``{"status": "ok", "bundle_version": <int>}``, no auth.
+
+Budgets are per caller: ``fedroute:budget=Y`` uses the controllers of the request's token
+(:class:`sdk.caller_budgets.CallerBudgets`), saved every ``budget_save_s`` seconds and at shutdown.
+Every ``reload_s`` seconds the proxy checks for a newer bundle at its config's ``bundle`` and swaps it
+in (:meth:`sdk.routed_chat.RoutedChat.reload`); requests already routed finish on the old one.
+
+Any other path: 404 (``unknown_url``), any other method on a known path: 405 (``method_not_allowed``),
+both as OpenAI-style error JSON. A client that disconnects mid-body ends its request with one INFO
+line (no traceback). The HTTP limits (header size and count, header and body deadlines, idle and
+concurrent connections) are uvicorn's settings of :class:`sdk.http_limits.HttpLimits` (``fedroute proxy``
+options); the header count is checked here (:class:`sdk.http_limits.RequestLimits`).
 """
 # No "from __future__ import annotations": FastAPI resolves the route annotations.
 
 import hashlib
 import hmac
+import asyncio
+import contextlib
 import inspect
 import json
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 
 import openai
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.resources.chat.completions import AsyncCompletions
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from sdk.errors import (EvalLogError, FedrouteError, InvalidInputError, InvalidQueryError, ModelSpecError,
                         UnknownModelError, UnknownResponseError, UpstreamError)
+from sdk.http_limits import HttpLimits, RequestLimits
 from sdk.model_spec import ROUTED_MODEL
 from sdk.proxy.metrics import ProxyMetrics
 from sdk.routed_chat import AsyncRoutedStream, Route, RoutedChat
@@ -52,6 +71,7 @@ from sdk.routed_chat import AsyncRoutedStream, Route, RoutedChat
 #: Request fields passed to ``chat.completions.create`` by name; the others go in ``extra_body``.
 _KNOWN = frozenset(inspect.signature(AsyncCompletions.create).parameters) - {
     "self", "messages", "model", "extra_headers", "extra_query", "extra_body", "timeout"}
+log = logging.getLogger("fedroute.proxy")
 _EXHAUSTED_STATUS = {"rate_limit": 429, "server_error": 502, "invalid_response": 502, "connection": 502, "timeout": 504}
 
 
@@ -78,10 +98,14 @@ def token_digests(tokens: Iterable[str]) -> frozenset[str]:
 
 #: Largest request body the proxy reads by default (bytes): a long conversation fits many times over.
 MAX_BODY_BYTES = 32 << 20
+#: Most messages per chat request by default (config ``max_messages``).
+MAX_MESSAGES = 4096
 
 
 def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, max_messages: int = MAX_MESSAGES,
+               max_headers: int = HttpLimits.max_headers, budget_save_s: float = 5.0,
+               reload_s: float = 30.0) -> FastAPI:
     """The FastAPI application over ``chat`` (built with ``observer=metrics``).
 
     Parameters
@@ -91,17 +115,50 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
     metrics : the :class:`ProxyMetrics` that ``chat`` reports to; a fresh one (then ``chat`` reports
         nothing but requests and feedback are counted) when None.
     max_body_bytes : int >= 1, the largest request body read (bytes); a larger one is answered 413.
+    max_messages : int >= 1, the most ``messages`` in a chat request; more is answered 400.
+    max_headers : int >= 1, the most request headers; more is answered 431.
+    budget_save_s : seconds between saves of the budget state (0: only at shutdown).
+    reload_s : seconds between checks for a newer installed bundle (0: never).
 
     Raises
     ------
     InvalidInputError
-        No token, or ``max_body_bytes`` not an int >= 1.
+        No token, or ``max_body_bytes`` / ``max_messages`` not an int >= 1.
     """
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise InvalidInputError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+    for name, value in (("max_body_bytes", max_body_bytes), ("max_messages", max_messages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
     digests = token_digests(tokens)
     metrics = metrics if metrics is not None else ProxyMetrics()
-    app = FastAPI(title="fedroute proxy", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        tasks = [asyncio.create_task(_every(seconds, job, what)) for seconds, job, what in (
+            (budget_save_s, chat.save_budgets, "saving the budget state"),
+            (reload_s, chat.reload, "reloading the bundle")) if seconds > 0]
+        yield
+        for task in tasks:
+            task.cancel()
+        await _run_logged(chat.save_budgets, "saving the budget state")
+
+    app = FastAPI(title="fedroute proxy", version="1", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.add_middleware(RequestLimits, max_headers=max_headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error_json(404, f"unknown URL: {request.method} {request.url.path}; this proxy serves "
+                              "/v1/chat/completions, /v1/models, /v1/fedroute/feedback, /metrics and /health",
+                              "invalid_request_error", code="unknown_url")
+        if exc.status_code == 405:
+            return error_json(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error",
+                              code="method_not_allowed", headers=exc.headers)
+        return error_json(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _exc: ClientDisconnect) -> Response:
+        log.info("client disconnected during %s %s", request.method, request.url.path)
+        return Response(status_code=400)  # nobody reads it
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
@@ -112,11 +169,12 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
             if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, d) for d in digests):
                 return error_json(401, "missing or invalid bearer token", "invalid_request_error",
                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            request.state.caller = given  # whose budget controllers
         return await call_next(request)
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok"}
+        return {"status": "ok", "bundle_version": chat.router.bundle_version}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -137,12 +195,15 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
             messages = body.pop("messages", None)
             if messages is None:
                 raise InvalidQueryError("'messages' is required")
+            if isinstance(messages, list) and len(messages) > max_messages:
+                raise _TooManyMessages(f"{len(messages)} messages, over the proxy's max_messages = {max_messages} "
+                                       "(its config's \"max_messages\")", param="messages")
             route_label = "routed" if model is None or str(model).startswith(ROUTED_MODEL) else "passthrough"
             kwargs = {k: v for k, v in body.items() if k in _KNOWN}
             extra = {k: v for k, v in body.items() if k not in _KNOWN}
             if extra:
                 kwargs["extra_body"] = extra
-            result = await chat.acreate_routed(messages=messages, model=model, **kwargs)
+            result = await chat.acreate_routed(messages=messages, model=model, caller=request.state.caller, **kwargs)
         except FedrouteError as exc:
             response = _error_for(exc)
             # A request the proxy refuses itself (malformed body, messages or model= string, a model id
@@ -188,8 +249,26 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
     return app
 
 
+async def _run_logged(job: Callable[[], object], what: str) -> None:
+    """``job()`` in a worker thread; a FedrouteError or OSError is logged (the proxy keeps serving)."""
+    try:
+        await asyncio.to_thread(job)
+    except (FedrouteError, OSError) as exc:
+        log.warning("%s failed: %s", what, exc)
+
+
+async def _every(seconds: float, job: Callable[[], object], what: str) -> None:
+    while True:
+        await asyncio.sleep(seconds)
+        await _run_logged(job, what)
+
+
 class _BodyTooLarge(InvalidInputError):
     """A request body over the proxy's ``max_body_bytes`` (answered 413)."""
+
+
+class _TooManyMessages(InvalidInputError):
+    """More ``messages`` than the proxy's ``max_messages`` (answered 400)."""
 
 
 def _refuse_constant(name: str) -> float:
@@ -229,6 +308,8 @@ def _error_for(exc: FedrouteError) -> JSONResponse:
         return error_json(413, str(exc), "invalid_request_error", code="request_too_large")
     if isinstance(exc, UnknownModelError):
         return error_json(404, str(exc), "invalid_request_error", param="model", code="model_not_found")
+    if isinstance(exc, _TooManyMessages):
+        return error_json(400, str(exc), "invalid_request_error", param="messages", code="too_many_messages")
     if isinstance(exc, ModelSpecError):
         return error_json(400, str(exc), "invalid_request_error", param="model", code="invalid_model")
     if isinstance(exc, InvalidQueryError):
