@@ -15,9 +15,10 @@ and for ``--duration-s`` seconds, from this process (asyncio, raw sockets):
   2.1 MB), again as soon as the last one is answered; the config's ``max_messages`` is set above it
   so that it is routed and sent upstream (the costly path), not refused.
 
-Meanwhile the **victim**, another caller (own token), sends a routed chat request and a ``GET /health``
+Meanwhile the **victim**, another caller (own token, own process), sends a routed chat request and a ``GET /health``
 every 0.25 s, each on a new connection; their latencies are the result (median, p99, max per
-probe). Also recorded: how many attack connections the proxy closed and when (seconds after
+probe), next to the same probes for ``--baseline-s`` seconds before the attacks (the baseline: the
+same processes and load, no attack). Also recorded: how many attack connections the proxy closed and when (seconds after
 their start), the flood's answer, and whether the proxy's log holds a traceback.
 
     python benchmarks/proxy_attacks.py --bundle bundles/kmeans --public-key keys/signing.pub --out results/benchmarks
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -50,13 +52,16 @@ ATTACKER, VICTIM = "attacker-token", "victim-token"
 async def _closed_after(reader: asyncio.StreamReader, t0: float, limit_s: float) -> tuple[float | None, bytes]:
     """Seconds from ``t0`` until the server closed the connection (None: still open at ``limit_s``), and
     the first bytes it answered."""
+    data = b""
     try:
         data = await asyncio.wait_for(reader.read(200), limit_s - (time.monotonic() - t0))
         while not reader.at_eof():
             await asyncio.wait_for(reader.read(4096), limit_s - (time.monotonic() - t0))
-        return time.monotonic() - t0, data
-    except (asyncio.TimeoutError, ConnectionError):
-        return (None, b"") if not reader.at_eof() else (time.monotonic() - t0, b"")
+    except asyncio.TimeoutError:
+        return None, data
+    except ConnectionError:  # reset: the proxy closed while our bytes were unread
+        pass
+    return time.monotonic() - t0, data
 
 
 async def hold(port: int, first: bytes, limit_s: float) -> tuple[float | None, bytes]:
@@ -166,14 +171,26 @@ async def victim(base: str, stop: float) -> dict[str, list[tuple[float, float, i
     return out
 
 
+def run_victim(base: str, seconds: float) -> dict:
+    """:func:`victim` for ``seconds``, in its own process (the attacks' sockets do not delay its probes)."""
+    return asyncio.run(victim(base, time.monotonic() + seconds))
+
+
 async def attack(port: int, args) -> dict:
     base = f"http://127.0.0.1:{port}"
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(1) as pool:
+        baseline = await loop.run_in_executor(pool, run_victim, base, args.baseline_s)
+        return {"baseline": baseline, **await _attacks(port, base, args, loop.run_in_executor(
+            pool, run_victim, base, args.duration_s))}
+
+
+async def _attacks(port: int, base: str, args, victim_probes) -> dict:
     limit = args.duration_s
     stop = time.monotonic() + args.duration_s
-    await asyncio.sleep(0)
     half_open = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
     tasks = {
-        "victim": victim(base, stop),
+        "victim": victim_probes,
         "flood": flood(port, args.flood_mb, stop),
         "half_open": asyncio.gather(*(hold(port, half_open, limit) for _ in range(args.half_open))),
         "idle": asyncio.gather(*(hold(port, b"", limit) for _ in range(args.idle))),
@@ -206,9 +223,9 @@ def markdown(r: dict) -> str:
              f"back. Proxy options: {' '.join(a['proxy_options']) or '(defaults)'}. {r['machine']}.", "",
              "| victim probe | n | median (s) | p99 (s) | max (s) | statuses |", "|---|---|---|---|---|---|"]
     for name in ("health", "chat"):
-        s = r[name]
-        lines.append(f"| {name} | {s['n']} | {s['median_s']:.3f} | {s['p99_s']:.3f} | {s['max_s']:.3f} | "
-                     f"{s['statuses']} |")
+        for label, s in ((f"{name}, no attack (baseline)", r["baseline"][name]), (f"{name}, under attack", r[name])):
+            lines.append(f"| {label} | {s['n']} | {s['median_s']:.3f} | {s['p99_s']:.3f} | {s['max_s']:.3f} | "
+                         f"{s['statuses']} |")
     lines += ["", "| attack | connections | closed by the proxy | last closed after (s) | answers |", "|---|---|---|---|---|"]
     for name in ("half_open", "idle", "slow_bodies"):
         s = r["attacks"][name]
@@ -248,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--public-key", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("results/benchmarks"))
     parser.add_argument("--duration-s", type=float, default=40.0)
+    parser.add_argument("--baseline-s", type=float, default=10.0)
     parser.add_argument("--flood-mb", type=int, default=120)
     parser.add_argument("--half-open", type=int, default=300)
     parser.add_argument("--idle", type=int, default=300)
@@ -281,6 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             wait_healthy(f"http://127.0.0.1:{stub_port}/docs", stub)
             wait_healthy(f"http://127.0.0.1:{proxy_port}/health", proxy)
+            load_before = os.getloadavg()[0]
             attacks = asyncio.run(attack(proxy_port, args))
         finally:
             for p in (proxy, stub):
@@ -288,8 +307,10 @@ def main(argv: list[str] | None = None) -> dict:
                 p.wait(30)
     text = log_path.read_text(errors="replace")
     result = {"settings": {k: v for k, v in vars(args).items() if k not in ("bundle", "public_key", "out")},
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end",
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1-minute load average {load_before:.1f} before "
+                         f"and {os.getloadavg()[0]:.1f} after the run",
               "health": summary(attacks["victim"]["health"]), "chat": summary(attacks["victim"]["chat"]),
+              "baseline": {name: summary(attacks["baseline"][name]) for name in ("health", "chat")},
               "tracebacks": text.count("Traceback"), "attacks": attacks, "proxy_log": str(log_path)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "proxy_attacks.json").write_text(json.dumps(result, indent=1))

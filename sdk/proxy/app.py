@@ -44,10 +44,10 @@ options); the header count is checked here (:class:`sdk.http_limits.RequestLimit
 """
 # No "from __future__ import annotations": FastAPI resolves the route annotations.
 
-import hashlib
-import hmac
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import inspect
 import json
 import logging
@@ -130,6 +130,7 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
             raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
     digests = token_digests(tokens)
     metrics = metrics if metrics is not None else ProxyMetrics()
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         tasks = [asyncio.create_task(_every(seconds, job, what)) for seconds, job, what in (
