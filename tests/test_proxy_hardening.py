@@ -275,3 +275,16 @@ def test_fedroute_proxy_under_attack_answers_others_within_a_second(make_bundle,
     assert {f["answer"] for f in r["attacks"]["flood"]} <= {"HTTP/1.1 431 Request Header Fields Too Large", ""}
     assert max(f["sent_bytes"] for f in r["attacks"]["flood"]) < 8 << 20
     assert {m["status"] for m in r["attacks"]["many_messages"]} == {200}
+
+
+@pytest.mark.parametrize("key, value", [("max_messages", 0), ("max_messages", "9"), ("max_budgets_per_caller", True),
+                                        ("reload_s", -1), ("budget_save_s", float("inf")), ("budget_state", ""),
+                                        ("budget_state", 3)])
+def test_bad_limit_and_upkeep_keys_are_refused_naming_the_key(make_bundle, signing_keys, tmp_path, monkeypatch,
+                                                              key, value):
+    from sdk.errors import InvalidInputError
+
+    monkeypatch.setenv("STUB_KEY", "k")
+    bundle = make_bundle(tmp_path / "bundle")
+    with pytest.raises(InvalidInputError, match=repr(key)):
+        write_config(tmp_path, bundle, signing_keys[1], "http://127.0.0.1:9/v1", **{key: value})
