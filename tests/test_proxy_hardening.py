@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from openai_stub import ServedApp, StubUpstream, serve_stub
@@ -72,11 +73,14 @@ def post(base: str, token: str, **body) -> httpx.Response:
 def test_unknown_routes_and_methods_answer_openai_style_errors(proxy):
     base, _, _ = proxy()
     auth = {"Authorization": f"Bearer {A}"}
-    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/embeddings"), ("GET", "/v1/models/gpt-4o"),
-                         ("GET", "/nothing")):
+    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/embeddings"), ("GET", "/nothing")):
         r = httpx.request(method, base + path, headers=auth, json={})
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"
         assert path in r.json()["error"]["message"]
+    r = httpx.get(base + "/v1/models/gpt-4o", headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    model = "mistralai/mixtral-8x7b-chat"  # an id with a slash
+    assert openai.OpenAI(base_url=base + "/v1", api_key=A).models.retrieve(model).id == model
     r = httpx.get(base + "/v1/chat/completions", headers=auth)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     assert httpx.post(base + "/v1/embeddings").status_code == 401  # no token: refused before the route is looked up

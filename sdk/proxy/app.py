@@ -18,8 +18,9 @@ Every route but ``/health`` needs ``Authorization: Bearer <token>`` with one of 
     id with no upstream (``model_not_found``); the upstream's status for a request it refused (4xx);
     when every try failed: 429 (rate limited), 502 (5xx, unreachable, or an answer that is not a chat
     completion) or 504 (timeout).
-``GET /v1/models``
-    ``fedroute`` and every model callable by name, as OpenAI's model list.
+``GET /v1/models``, ``GET /v1/models/{id}``
+    ``fedroute`` and every model callable by name, as OpenAI's model list; one of them (404
+    ``model_not_found`` for another id).
 ``POST /v1/fedroute/feedback``
     ``{"id": "<completion id>", "score": 0.8}``: the app's score in [0, 1] of a routed answer; the
     outcome row is appended to the device's ``EvalLog`` (200 ``{"recorded": <row id>}``). 404 for an
@@ -183,9 +184,14 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        ids = (ROUTED_MODEL, *chat.models)
-        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "fedroute"}
-                                           for m in ids]}
+        return {"object": "list", "data": [_model_object(m) for m in (ROUTED_MODEL, *chat.models)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in (ROUTED_MODEL, *chat.models):
+            return error_json(404, f"model {model_id!r} has no upstream; callable: {[ROUTED_MODEL, *chat.models]}",
+                              "invalid_request_error", param="model", code="model_not_found")
+        return _model_object(model_id)
 
     @app.post("/v1/chat/completions")
     async def completions(request: Request):
@@ -323,6 +329,10 @@ def _error_for(exc: FedrouteError) -> JSONResponse:
     if isinstance(exc, EvalLogError):
         return error_json(500, f"the proxy could not record the call: {exc}", "server_error")
     return error_json(500, str(exc), "server_error")
+
+
+def _model_object(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "fedroute"}
 
 
 def _headers(route: Route) -> dict:
