@@ -15,12 +15,14 @@ Weighting the two by inverse variance (the Bernoulli variance ``A(1-A)`` cancels
 makes its own variance look like 0 cannot inflate its weight)::
 
     c = (1/kappa + 1/N) / (1/kappa + 1/N + 1/n)                    (credibility of the local estimate)
-    A~^{i,m} = A^m + c (A^{i,m} - A^m)                             (Beta posterior mean; = (n A^{i,m} + kappa A^m) / (n + kappa) for N -> inf)
+    A~^{i,m} = A^m + c (A^{i,m} - A^m)                             (Beta posterior mean; for N -> inf
+                                                                   = (n A^{i,m} + kappa A^m) / (n + kappa))
     w' = e(A^m) / (e(A^m) + e(A~^{i,m}))                           (paper 002, errors on held-out rows)
     A_personalised = A^m + w' c (A^{i,m} - A^m),  weight of the local estimator  w = c w'   (the same for cost)
 
-So ``w -> w'`` -> paper 002's rule when both estimates are well supported (``n, N >> kappa``: ``c -> 1``), and
-``w -> 0`` (the global estimate) as ``n -> 0``. A small or near-constant log (29 rows of 1.0, or 119
+So ``w -> w'``, paper 002's rule, when the local estimate is well supported (``n >> kappa``: ``c -> 1``;
+a poorly supported global estimate, small ``N``, raises ``c`` further), and ``w -> 0`` (the global
+estimate) as ``n -> 0``. A small or near-constant log (29 rows of 1.0, or 119
 of 1.0 and one 0.0) moves the prediction by at most ``c`` of the way: what the degenerate-log
 thresholds used to do, now a consequence of how few rows back it. ``kappa`` (:data:`PRIOR_ROWS`) is
 chosen on validation (``benchmarks/personalisation_settings.py``).
@@ -47,7 +49,8 @@ HOLDOUT_FRACTION = 0.2
 PRIOR_ROWS = 3000.0
 
 
-def credibility(n_local: np.ndarray, n_global: np.ndarray | float = np.inf, prior_rows: float = PRIOR_ROWS) -> np.ndarray:
+def credibility(n_local: np.ndarray, n_global: np.ndarray | float = np.inf,
+                prior_rows: float = PRIOR_ROWS) -> np.ndarray:
     """Weight ``c = (1/kappa + 1/N) / (1/kappa + 1/N + 1/n)`` of the local estimate in its posterior mean.
 
     Parameters

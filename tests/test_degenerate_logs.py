@@ -85,9 +85,7 @@ def test_well_supported_estimates_give_paper_002_weights():
     w = personalisation_weights((g, cost), (loc, cost), model, truth, np.full(40, 0.002), np.full(3, 10**9),
                                 np.full(3, 10**9), prior_rows=1.0)
     rows = np.arange(40)
-    per_model = [(np.abs(g[rows, model] - truth)[model == m].mean(), np.abs(loc[rows, model] - truth)[model == m].mean())
-                 for m in range(3)]
-    eg, el = (np.array(x) for x in zip(*per_model))
+    eg, el = (np.array([np.abs(p[rows, model] - truth)[model == m].mean() for m in range(3)]) for p in (g, loc))
     np.testing.assert_allclose(w.accuracy, interpolation_weights(eg, el), rtol=1e-6)
 
 
@@ -161,7 +159,8 @@ def test_issue_case_one_model_all_ones_no_longer_dominates(fitted_routers, caplo
     assert any("all 120 scores are 1" in r.getMessage() for r in caplog.records) and w.warnings == check.warnings
     assert 0 < w.accuracy[m] <= credibility(np.array([96]))[0]  # 96 fitted rows
     assert share <= global_share[m] + MAX_EXCESS
-    print(f"share routed to the all-1.0 model: in-sample {old_share:.3f}, now {share:.3f} (global "
+    print(f"share routed to the all-1.0 model: in-sample {old_share:.3f}, now {share:.3f} at weight "
+          f"{w.accuracy[m]:.4f} (global "
           f"{global_share[m]:.3f}); real accuracy {test.accuracy[:, m].mean():.3f}, predicted mean before "
           f"{old[:, m].mean():.3f}, now {new_acc[:, m].mean():.3f} (global {g_acc[:, m].mean():.3f})")
     assert old_share > share + 0.2  # the old path sent far more queries to the all-1.0 model
