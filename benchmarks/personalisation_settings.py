@@ -204,7 +204,7 @@ def markdown(table: dict, names: list[str], n_seeds: int, chosen: str, worst: di
     lines = [f"Validation AUC (train split cut 75/25 per seed; {n_seeds} seeds; mean ± SE over seeds of the mean over "
              f"clients; diff = personalised - federated, paired by seed); hijack = worst excess share routed at "
              f"lam = {LAM:g} to the model of a one-model log of n in {list(SWEEP_N)} rows all 1.0 but "
-             f"{list(SWEEP_EXCEPTIONS)} (every model, K-means). Chosen: {chosen}.", "",
+             f"{list(SWEEP_EXCEPTIONS)} (every model, K-means, worst of {SWEEP_DRAWS} draws). Chosen: {chosen}.", "",
              "| router | rule | validation AUC | diff | client-view AUC | diff | hijack |",
              "|---|---|---|---|---|---|---|"]
     for kind in KINDS:

@@ -46,7 +46,7 @@ from sdk.log_checks import LogCheck, warn
 HOLDOUT_FRACTION = 0.2
 #: kappa, the prior's strength in rows: the between-client spread of a model's accuracy is that of
 #: a mean over kappa rows. Chosen on validation (benchmarks/personalisation_settings.py).
-PRIOR_ROWS = 3000.0
+PRIOR_ROWS = 10000.0
 
 
 def credibility(n_local: np.ndarray, n_global: np.ndarray | float = np.inf,
