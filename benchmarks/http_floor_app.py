@@ -1,7 +1,7 @@
 """The HTTP floor of the sync server: a bare ASGI app served exactly as ``fedroute serve`` serves.
 
 ``python benchmarks/http_floor_app.py PORT PEM|none`` runs uvicorn on 127.0.0.1:PORT with the
-server's HTTP settings (:meth:`trainer.server.http_limits.HttpLimits.uvicorn_options`: the same
+server's HTTP settings (:meth:`sdk.http_limits.HttpLimits.uvicorn_options`: the same
 parser and protocol class, deadlines, header cap) and TLS from ``PEM`` (key + certificate chain;
 ``none``: plain HTTP). Every request's body is read to its end and answered 201 with a fixed
 receipt-shaped JSON (``update_id`` 1); ``GET /v1/health`` answers 200. No framework, no checks, no
@@ -35,7 +35,7 @@ async def app(scope, receive, send) -> None:
 def main(argv: list[str]) -> None:
     import uvicorn  # server extra, imported on use
 
-    from trainer.server.http_limits import HttpLimits  # server extra (uvicorn), imported on use
+    from sdk.http_limits import HttpLimits  # server extra (uvicorn), imported on use
 
     port, pem = int(argv[0]), argv[1]
     tls = {} if pem == "none" else {"ssl_certfile": pem, "ssl_keyfile": pem}

@@ -53,7 +53,7 @@ import numpy as np
 # The synthetic fleet is test support (tests/sync_fleet.py), shared with tests/test_sync_crash.py:
 # put that folder on the path when run as a script (``python benchmarks/sync_load.py``).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from trainer.server.http_limits import HttpLimits  # noqa: E402
+from sdk.http_limits import HttpLimits  # noqa: E402
 from trainer.server.store import SQLITE_PAGE_BYTES  # noqa: E402
 from sync_fleet import (  # noqa: E402
     Fleet,

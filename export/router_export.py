@@ -14,7 +14,9 @@
   them against the manifest.
 - K-means (paper 002, K-means router): ``kmeans.npz`` with ``centroids (K, d_emb) float32``, the
   shrunk cell means ``accuracy`` and ``cost`` (USD) ``(K, n_models) float64``, ``count``
-  ``(K, n_models) float64``, ``models``, ``embedder_name``, ``embedder_dim``. No pickle.
+  ``(K, n_models) float64``, ``prior_strength`` (the shrinkage kappa of those means, a float64
+  scalar: the device's Beta posteriors for exploration, :mod:`sdk.explorer`), ``models``,
+  ``embedder_name``, ``embedder_dim``. No pickle.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def kmeans_to_npz(router) -> bytes:
         accuracy=np.asarray(router.accuracy_, dtype=np.float64),
         cost=np.asarray(router.cost_, dtype=np.float64),
         count=np.asarray(router.statistics_.count, dtype=np.float64),
+        prior_strength=np.array(router.prior_strength, dtype=np.float64),
         models=np.array(list(router.models), dtype=np.str_),
         embedder_name=np.array(name, dtype=np.str_),
         embedder_dim=np.array(dim, dtype=np.int64),

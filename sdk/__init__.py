@@ -19,6 +19,9 @@ On the device:
 - :class:`sdk.BudgetController` — keeps the realised spend per 1,000 queries on a budget (``choose`` /
   ``record``), adjusting ``lam`` online;
 - :class:`sdk.EvalLog` — the SQLite log of sparse evaluations that the federated sync reads;
+- :class:`sdk.Explorer` — opt-in Thompson-sampling exploration over a K-means bundle's cell table
+  (``Explorer(router, seed=0).choose(query, lam)``), so the logs teach the federated router what it
+  does not know yet; each choice carries its policy and propensity;
 - :class:`sdk.SyncClient` — the periodic federated sync (upload statistics, install new bundles;
   httpx, imported on first use).
 
@@ -56,6 +59,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time `__getattr__` impor
     from sdk.budget import BudgetController, BudgetEvent
     from sdk.cell_statistics import CellStatistics
     from sdk.eval_log import EvalLog, Evaluations
+    from sdk.explorer import Explorer
     from sdk.personalisation import interpolation_weights, personalise
     from sdk.reward_scorer import ClientChoice, RewardScorer
     from sdk.router import Choice, ModelInfo, ModelScore, Router
@@ -71,6 +75,7 @@ _LAZY = {
     "CellStatistics": "sdk.cell_statistics",
     "EvalLog": "sdk.eval_log",
     "Evaluations": "sdk.eval_log",
+    "Explorer": "sdk.explorer",
     "interpolation_weights": "sdk.personalisation",
     "personalise": "sdk.personalisation",
     "ClientChoice": "sdk.reward_scorer",
@@ -98,6 +103,7 @@ __all__ = [
     "EvalLog",
     "EvalLogError",
     "Evaluations",
+    "Explorer",
     "FedrouteError",
     "InvalidInputError",
     "InvalidLambdaError",

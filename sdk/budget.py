@@ -412,6 +412,43 @@ class BudgetController:
             if self.on_event is not None:
                 self.on_event(event)
 
+    # -- persistence --------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """The controller's state (target, windows, counters, drift flags) as JSON values, for :meth:`restore`
+        (``Infinity`` marks the padding of the breakpoint window: Python's ``json`` writes and reads it)."""
+        with self._lock:
+            return {"model_ids": list(self._model_ids), "window": self.window, "log_target": self._log_target,
+                    "n_predicted": self._n_predicted, "base": self._base.tolist(),
+                    "step_lam": self._step_lam.tolist(), "step_delta": self._step_delta.tolist(),
+                    "realised": list(self._realised), "n_chosen": self._n_chosen, "n_recorded": self._n_recorded,
+                    "drifting": self._drifting, "last_toggle": self._last_toggle, "unreachable": self._unreachable}
+
+    def restore(self, state: dict) -> None:
+        """Continue from a :meth:`state` of a controller with the same models and window (the next
+        :meth:`choose` recomputes the mix; events and the random stream start afresh).
+
+        Raises
+        ------
+        InvalidInputError
+            ``state`` is of other models or another window, or its arrays have other shapes.
+        """
+        if state.get("model_ids") != list(self._model_ids) or state.get("window") != self.window:
+            raise InvalidInputError(f"budget state of models {state.get('model_ids')} and window {state.get('window')}, "
+                                    f"not {list(self._model_ids)} and {self.window}")
+        base, lams, deltas = (np.asarray(state[k], dtype=np.float64) for k in ("base", "step_lam", "step_delta"))
+        if base.shape != self._base.shape or lams.shape != self._step_lam.shape or deltas.shape != lams.shape:
+            raise InvalidInputError("budget state arrays of other shapes than this controller's windows")
+        with self._lock:
+            self._log_target = float(state["log_target"])
+            self._n_predicted = int(state["n_predicted"])
+            self._base, self._step_lam, self._step_delta = base, lams, deltas
+            self._realised = deque((float(c) for c in state["realised"]), maxlen=self.window)
+            self._realised_mean = _mean(self._realised) if self._realised else 0.0
+            self._n_chosen, self._n_recorded = int(state["n_chosen"]), int(state["n_recorded"])
+            self._drifting, self._unreachable = bool(state["drifting"]), bool(state["unreachable"])
+            self._last_toggle = int(state["last_toggle"])
+
     def __repr__(self) -> str:
         realised = self.realised_usd_per_1k
         shown = "n/a" if realised is None else f"{realised:.4g}"

@@ -1,79 +1,78 @@
 """Path options of the console commands refuse an empty value.
 
 ``Path("")`` is ``Path(".")``, so ``fedroute export --out "$OUT"`` with ``$OUT`` unset (the shell passes
-``--out ""``) used to write into the current folder, and ``--log "$LOG"`` read from it. Typer builds a
-:class:`click.Path` for every option typed ``Path`` (or ``Path | None``); the command classes here wrap
-each such type in :class:`NonEmptyPath`, which refuses an empty or blank value while the command line is
-parsed (click's ``Invalid value for '--out': ...``, exit status 2) and hands any other value to the
-wrapped type, so its own checks (``exists=``, ``file_okay=``, ``dir_okay=``) and its ``PATH`` metavar stay.
+``--out ""``) used to write into the current folder, and ``--log "$LOG"`` read from it. The command
+classes here refuse an empty or blank value of every option or argument annotated ``Path`` (or
+``Path | None``) while the command line is parsed (``Invalid value for '--out': the path is empty ...``,
+exit status 2); any other value goes on to typer's own conversion and checks (``exists=``,
+``file_okay=``, ``dir_okay=``).
+
+Typer's parameter objects differ across its releases: up to 0.25 they carry a :class:`click.Path`
+type, 0.26-0.28 a vendored click's, and from 0.29 no click type at all (pydantic coercion). The check
+therefore sits on what every release shares: the annotation of the command's function (typing; typer's
+wrapper keeps the function as ``__wrapped__``) says which parameters are paths, and each such parameter's
+``process_value(ctx, value)`` (click's Parameter API, which typer keeps) sees the raw command-line or
+environment string before any conversion. The error is ``typer.BadParameter``, typer's public
+exception. Imports typer and the standard library only (no click: typer >= 0.26 does not install it).
 
 Used as ``typer.Typer(cls=PathCheckedGroup)`` (the group wraps its commands and sub-groups, recursively)
-and ``app.command(cls=PathCheckedCommand)`` for a single-command app. Imports click and typer only.
+and ``app.command(cls=PathCheckedCommand)`` for a single-command app.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any
+import inspect
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable
 
-import click
 import typer.core
 
+EMPTY_PATH = ("the path is empty ({!r}); is the shell variable that should hold it unset? "
+              "Give a path (. for the current folder)")
 
-class NonEmptyPath(click.ParamType):
-    """A :class:`click.Path` (``inner``) that refuses ``""`` and whitespace-only values.
 
-    ``convert`` raises :class:`click.BadParameter` (click prints ``Invalid value for '--opt': the path
-    is empty ...`` and exits 2) for an empty or blank value; otherwise it returns
-    ``inner.convert(value, param, ctx)``. Other attributes (``name``, ``exists``, ``dir_okay``, the
-    metavar, shell completion, the envvar splitter) are the inner type's.
-    """
+def path_parameter_names(callback: Callable[..., Any] | None) -> set[str]:
+    """Names of the parameters of ``callback`` (a command's function, or typer's wrapper of it)
+    annotated ``Path`` or a union holding ``Path`` (``Path | None``); empty for ``None``."""
+    if callback is None:
+        return set()
+    hints = typing.get_type_hints(inspect.unwrap(callback))
+    return {name for name, hint in hints.items()
+            if hint is Path or (typing.get_origin(hint) in (typing.Union, types.UnionType) and Path in typing.get_args(hint))}
 
-    def __init__(self, inner: click.Path) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.envvar_list_splitter = inner.envvar_list_splitter
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, (str, bytes, os.PathLike)):
-            raw = os.fspath(value)
-            text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+def refuses_empty(param: Any) -> bool:
+    """Whether :func:`wrap_path_params` has wrapped ``param`` (a click or typer parameter)."""
+    return getattr(param.process_value, "refuses_empty_path", False)
+
+
+def _refuse_empty(param: Any) -> None:
+    convert = param.process_value
+
+    def process_value(ctx: Any, value: Any) -> Any:
+        if isinstance(value, (str, bytes)):
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
             if not text.strip():
-                self.fail(f"the path is empty ({text!r}); is the shell variable that should hold it unset? "
-                          "Give a path (. for the current folder)", param, ctx)
-        return self.inner.convert(value, param, ctx)
+                raise typer.BadParameter(EMPTY_PATH.format(text), ctx=ctx, param=param)
+        return convert(ctx, value)
 
-    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str | None:
-        return self.inner.get_metavar(param, ctx)
-
-    def get_missing_message(self, param: click.Parameter, ctx: click.Context | None = None) -> str | None:
-        return self.inner.get_missing_message(param, ctx)
-
-    def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str) -> list:
-        return self.inner.shell_complete(ctx, param, incomplete)
-
-    def to_info_dict(self) -> dict[str, Any]:
-        return self.inner.to_info_dict()
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":  # not set yet (copy/pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __repr__(self) -> str:
-        return f"NonEmptyPath({self.inner!r})"
+    process_value.refuses_empty_path = True
+    param.process_value = process_value
 
 
-def wrap_path_params(command: click.Command) -> click.Command:
-    """Wrap the :class:`click.Path` type of every parameter of ``command`` in :class:`NonEmptyPath`,
-    and, for a :class:`click.Group`, those of its sub-commands and sub-groups, recursively. Changes the
-    parameters in place; wrapping twice is a no-op. Returns ``command``."""
+def wrap_path_params(command: Any) -> Any:
+    """Make every ``Path`` parameter of ``command`` (a click or typer command) refuse ``""`` and
+    whitespace-only values (``typer.BadParameter``: exit status 2), and, for a group, those of its
+    sub-commands and sub-groups, recursively. Changes the parameters in place; wrapping twice is a
+    no-op. Returns ``command``."""
+    names = path_parameter_names(command.callback)
     for param in command.params:
-        if isinstance(param.type, click.Path):
-            param.type = NonEmptyPath(param.type)
-    if isinstance(command, click.Group):
-        for sub in command.commands.values():
-            wrap_path_params(sub)
+        if param.name in names and not refuses_empty(param):
+            _refuse_empty(param)
+    for sub in getattr(command, "commands", {}).values():
+        wrap_path_params(sub)
     return command
 
 
@@ -86,10 +85,10 @@ class PathCheckedGroup(typer.core.TyperGroup):
         super().__init__(**attrs)
         wrap_path_params(self)
 
-    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+    def add_command(self, cmd: Any, name: str | None = None) -> None:
         super().add_command(wrap_path_params(cmd), name)
 
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
         command = super().get_command(ctx, cmd_name)
         return wrap_path_params(command) if command is not None else None
 

@@ -96,7 +96,7 @@ def screen_log(evaluations: Evaluations) -> tuple[Evaluations, LogCheck]:
     index = {m: j for j, m in enumerate(models)}
     model_index = np.array([index[m] for m in evaluations.model], dtype=np.int64)
     check = check_log(model_index, evaluations.score, models)
-    warn(check.upload_warnings, "upload")
+    warn(check.warnings, "upload")
     keep = check.uploadable[model_index] if len(evaluations) else np.zeros(0, dtype=bool)
     if keep.all():
         return evaluations, check
@@ -169,7 +169,7 @@ class KMeansRoundHandler:
                 "combined to recover single queries; skipped (allow_repartition=True sends it)"))
         rows, check = screen_log(context.rows())
         rows, off_norm = _without_off_norm_embeddings(rows)
-        warnings = (*check.upload_warnings, *off_norm)
+        warnings = (*check.warnings, *off_norm)
         update = kmeans_update(rows, spec)
         update = hold_small_changes(update, decode_sent_record(record, spec, context.state_path), spec.min_count)
         if update.is_empty():
@@ -210,5 +210,5 @@ class MlpRoundHandler:
         if payload is None:
             return PreparedUpload(round_id, None, SAFETENSORS_TYPE,
                                   f"MLP round: fewer than min_count={min_count} evaluations to train on",
-                                  warnings=check.upload_warnings)
-        return PreparedUpload(round_id, payload, SAFETENSORS_TYPE, warnings=check.upload_warnings)
+                                  warnings=check.warnings)
+        return PreparedUpload(round_id, payload, SAFETENSORS_TYPE, warnings=check.warnings)

@@ -10,7 +10,13 @@ What a row holds
 ``model`` (the id of the model the query was sent to), ``score`` (in [0, 1]), ``cost_usd`` (USD),
 optionally ``latency_ms``, the query embedding (a float32 vector; the log's dimension is fixed by
 the first stored embedding) and/or the Voronoi ``cell`` of the query (at least one of the two is
-required), the ``bundle_version`` that made the decision and, only if allowed, the query text.
+required), the ``bundle_version`` that made the decision, the ``policy`` that chose the model and its
+``propensity`` (the probability that the policy chose it: 1 for the greedy ``Router.choose``, below 1
+for an exploring :class:`sdk.Explorer`; kept for offline evaluation of other policies, never uploaded)
+and, only if allowed, the query text.
+
+Schema versions: 1 (no policy columns) is migrated to 2 when opened, in one transaction (its rows
+read policy None and propensity NaN); a file of a newer version is refused.
 
 Privacy
 -------
@@ -88,9 +94,9 @@ from sdk.sqlite_files import set_wal, table_names
 
 __all__ = ["CLOCK_STEP_S", "MAX_COST_PER_QUERY_USD", "SCHEMA_VERSION", "UNIT_NORM_TOLERANCE", "EvalLog", "Evaluations"]
 
-#: Value of ``PRAGMA user_version`` written by this version; files with another non-zero value are
-#: refused with :class:`EvalLogError`.
-SCHEMA_VERSION = 1
+#: Value of ``PRAGMA user_version`` written by this version; a version-1 file is migrated to it when
+#: opened, a file with another non-zero value is refused with :class:`EvalLogError`.
+SCHEMA_VERSION = 2
 
 _INT64_MAX = 2**63 - 1
 #: Largest cost of one query a row may record, USD. The aggregation server refuses every upload whose
@@ -126,12 +132,20 @@ CREATE TABLE evaluations (
     embedding      BLOB,
     bundle_version INTEGER,
     query          TEXT,
+    policy         TEXT,
+    propensity     REAL             CHECK (propensity IS NULL OR (propensity > 0 AND propensity <= 1)),
     CHECK (embedding IS NOT NULL OR cell IS NOT NULL)
 );
 CREATE INDEX evaluations_timestamp ON evaluations (timestamp);
 """
 
-_COLUMNS = "id, timestamp, model, score, cost_usd, latency_ms, cell, embedding, bundle_version, query"
+#: Schema 1 -> 2: the columns a version-1 file lacks (ALTER TABLE keeps its rows; they read NULL).
+_MIGRATE_1_TO_2 = (
+    "ALTER TABLE evaluations ADD COLUMN policy TEXT",
+    "ALTER TABLE evaluations ADD COLUMN propensity REAL CHECK (propensity IS NULL OR (propensity > 0 AND propensity <= 1))",
+)
+
+_COLUMNS = "id, timestamp, model, score, cost_usd, latency_ms, cell, embedding, bundle_version, query, policy, propensity"
 
 
 @dataclass(frozen=True)
@@ -151,6 +165,10 @@ class Evaluations:
         embedding dimension, 0 if the log never stored an embedding (shape ``(n, 0)``).
     bundle_version : ndarray of shape (n,), int64; -1 where not recorded.
     query : tuple of n (str or None), the query text; None where not stored (``store_text=False``).
+    policy : tuple of n (str or None), the policy that chose the model (``"greedy"``, ``"thompson"``);
+        None where not recorded (default: all None).
+    propensity : ndarray of shape (n,), float64, in (0, 1], the probability that ``policy`` chose
+        ``model``; NaN where not recorded (default: all NaN).
 
     Raises
     ------
@@ -168,8 +186,15 @@ class Evaluations:
     embedding: np.ndarray
     bundle_version: np.ndarray
     query: tuple[str | None, ...]
+    policy: tuple[str | None, ...] | None = None
+    propensity: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        n_rows = len(self.query)
+        if self.policy is None:
+            object.__setattr__(self, "policy", (None,) * n_rows)
+        if self.propensity is None:
+            object.__setattr__(self, "propensity", np.full(n_rows, np.nan))
         dtypes = {
             "id": np.int64,
             "timestamp": np.float64,
@@ -179,6 +204,7 @@ class Evaluations:
             "cell": np.int64,
             "embedding": np.float32,
             "bundle_version": np.int64,
+            "propensity": np.float64,
         }
         for name, dtype in dtypes.items():
             arr = np.array(getattr(self, name), dtype=dtype)  # a private copy, then frozen
@@ -186,10 +212,11 @@ class Evaluations:
             object.__setattr__(self, name, arr)
         object.__setattr__(self, "model", tuple(self.model))
         object.__setattr__(self, "query", tuple(self.query))
+        object.__setattr__(self, "policy", tuple(self.policy))
         n = self.id.shape[0] if self.id.ndim == 1 else -1
         if self.embedding.ndim != 2:
             raise ShapeError(f"embedding must have shape (n, d), got {self.embedding.shape}")
-        lengths = {name: np.shape(getattr(self, name))[:1] for name in (*dtypes, "model", "query")}
+        lengths = {name: np.shape(getattr(self, name))[:1] for name in (*dtypes, "model", "query", "policy")}
         if n < 0 or any(length != (n,) for length in lengths.values()):
             raise ShapeError(f"all columns must have one length n, got {lengths}")
 
@@ -313,10 +340,10 @@ class EvalLog:
             conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
-        if version not in (0, SCHEMA_VERSION):
+        if version not in (0, 1, SCHEMA_VERSION):
             raise EvalLogError(
                 f"evaluation log {path!r} has schema version {version}; this fedroute understands "
-                f"version {SCHEMA_VERSION} only (written by a newer or unknown program)"
+                f"versions 1 to {SCHEMA_VERSION} (written by a newer or unknown program)"
             )
         if version == 0 and tables:
             raise EvalLogError(_NOT_A_LOG.format(path=path))
@@ -339,10 +366,14 @@ class EvalLog:
                     if statement.strip():
                         conn.execute(statement)
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            elif version == 1:  # migrated in this write transaction: all or nothing
+                for statement in _MIGRATE_1_TO_2:
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             elif version != SCHEMA_VERSION:
                 raise EvalLogError(
                     f"evaluation log {path!r} has schema version {version}; this fedroute "
-                    f"understands version {SCHEMA_VERSION} only"
+                    f"understands versions 1 to {SCHEMA_VERSION}"
                 )
             missing = {"meta", "evaluations"} - table_names(conn)
             if missing:
@@ -379,6 +410,8 @@ class EvalLog:
         bundle_version: int | None = None,
         query: str | None = None,
         timestamp: float | None = None,
+        policy: str | None = None,
+        propensity: float | None = None,
     ) -> int:
         """Append one evaluation and apply retention, in one committed transaction.
 
@@ -398,6 +431,9 @@ class EvalLog:
             ``store_text=True``; otherwise dropped without being written anywhere.
         timestamp : real number, unix seconds, at most one day ahead of the clock, or None for
             ``clock()`` (default ``time.time()``).
+        policy, propensity : the policy that chose ``model`` (non-empty str) and the probability that
+            it did (real number in (0, 1]), both or neither (NULL: not recorded). Kept on the device
+            for offline evaluation (inverse propensity weighting); the statistics upload ignores them.
 
         Returns
         -------
@@ -409,8 +445,9 @@ class EvalLog:
         UnknownModelError
             ``model`` is not a str or not in :attr:`models` (the message lists the known ids).
         InvalidInputError
-            ``score``, ``cost_usd``, ``latency_ms``, ``cell``, ``bundle_version``, ``query`` or
-            ``timestamp`` out of range or of the wrong type, a ``query`` to store that is not valid
+            ``score``, ``cost_usd``, ``latency_ms``, ``cell``, ``bundle_version``, ``query``,
+            ``timestamp``, ``policy`` or ``propensity`` out of range or of the wrong type, only one of
+            ``policy`` and ``propensity``, a ``query`` to store that is not valid
             Unicode (lone surrogates), or neither ``embedding`` nor ``cell``.
         ShapeError
             ``embedding`` not 1-D, empty, not real-valued, non-finite (also after the cast to
@@ -457,6 +494,17 @@ class EvalLog:
             raise InvalidInputError(
                 "each row needs at least one of embedding or cell; got embedding=None and cell=None"
             )
+        if (policy is None) != (propensity is None):
+            raise InvalidInputError(f"policy and propensity go together (both or neither), got policy={policy!r} "
+                                    f"and propensity={shown(propensity)}")
+        if policy is not None:
+            if not isinstance(policy, str) or not policy:
+                raise InvalidInputError(f"policy must be a non-empty str, got {shown(policy)}")
+            _check_utf8("policy", policy)
+            propensity = _check_real("propensity", propensity)
+            if not 0.0 < propensity <= 1.0:
+                raise InvalidInputError(f"propensity must lie in (0, 1] (a probability of the logged choice), "
+                                        f"got {propensity!r}")
         text = query if self._store_text else None  # privacy: dropped here, never written
 
         with self._lock:
@@ -469,8 +517,9 @@ class EvalLog:
                     reference = self._retention_time(conn, now)  # before the insert: the rows' newest time
                     cursor = conn.execute(
                         "INSERT INTO evaluations (timestamp, model, score, cost_usd, latency_ms, "
-                        "cell, embedding, bundle_version, query) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (ts, model, score_f, cost_f, latency_f, cell_i, blob, bundle_i, text),
+                        "cell, embedding, bundle_version, query, policy, propensity) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (ts, model, score_f, cost_f, latency_f, cell_i, blob, bundle_i, text, policy, propensity),
                     )
                     row_id = int(cursor.lastrowid)
                     self._apply_retention(conn, reference)
@@ -493,19 +542,24 @@ class EvalLog:
         model: str | None = None,
         query: str | None = None,
     ) -> int:
-        """:meth:`record` the outcome of a :class:`sdk.router.Choice`: its embedding, cell and bundle
-        version are taken from the choice; ``model`` overrides ``choice.model`` when the app sent
-        the query elsewhere. Same errors as :meth:`record`, and :class:`InvalidInputError` for a
-        ``choice`` that is not a ``Choice`` (e.g. its model id)."""
+        """:meth:`record` the outcome of a :class:`sdk.router.Choice`: its embedding, cell, bundle
+        version, policy and propensity are taken from the choice; ``model`` overrides ``choice.model``
+        when the app sent the query elsewhere (the row then records no policy nor propensity: the
+        policy did not choose that model). Same errors as :meth:`record`, and
+        :class:`InvalidInputError` for a ``choice`` that is not a ``Choice`` (e.g. its model id)."""
         try:  # duck-typed: this module does not import sdk.router
             chosen, embedding, cell, version = choice.model, choice.embedding, choice.cell, choice.bundle_version
+            policy, propensity = choice.policy, choice.propensity
         except AttributeError:
             raise InvalidInputError(f"choice must be the sdk.Choice that Router.choose returned, got "
                                     f"{type(choice).__name__} {choice!r:.80} (EvalLog.record takes a model id)"
                                     ) from None
+        if model is not None and model != chosen:
+            policy = propensity = None
         return self.record(
             chosen if model is None else model, score, cost_usd, latency_ms=latency_ms,
             embedding=embedding, cell=cell, bundle_version=version, query=query,
+            policy=policy, propensity=propensity,
         )
 
     def rows(self, since_id: int = 0) -> Evaluations:
@@ -748,4 +802,6 @@ def _to_evaluations(records: list[tuple], dim: int, path: str) -> Evaluations:
         embedding=embedding,
         bundle_version=np.array([-1 if r[8] is None else r[8] for r in records], dtype=np.int64),
         query=tuple(r[9] for r in records),
+        policy=tuple(r[10] for r in records),
+        propensity=np.array([np.nan if r[11] is None else r[11] for r in records], dtype=np.float64),
     )

@@ -1,18 +1,35 @@
-"""Training-free personalisation by error-weighted interpolation (paper 002, "Adaptive personalised mixing").
+"""Training-free personalisation: paper 002's error-weighted interpolation of a Beta-posterior local estimate.
 
-Per model m, client i measures on its own data the mean absolute error of the global estimator,
-``e(A^m)``, and of its local estimator, ``e(A^{i,m})``, and predicts::
+Per model m, client i holds the global estimate ``A^m`` (fitted on the federation's ``N`` rows of m)
+and a local estimate ``A^{i,m}`` fitted on its own ``n`` rows of m. Paper 002 ("Adaptive
+personalised mixing") predicts ``w A^{i,m} + (1 - w) A^m`` with ``w = e(A^m) / (e(A^m) + e(A^{i,m}))``,
+``e`` a mean absolute error on the client's data. That weight ignores how many rows back each
+estimate: a local estimator fitted on 29 rows all scored 1.0 is exact on its held-out rows, gets
+``w ~ 1`` and predicts accuracy 1.0 for every query.
 
-    w = e(A^m) / (e(A^m) + e(A^{i,m}))
-    A_personalised = w * A^{i,m} + (1 - w) * A^m          (the same for cost)
+Here the local estimate is first replaced by its empirical-Bayes posterior mean. The client's true
+accuracy ``theta`` deviates from the federation's with a spread of ``kappa`` pseudo-rows (prior
+``Beta(kappa A^m, kappa (1 - A^m))``, i.e. a between-client variance ``A(1-A) / kappa``); the global
+estimate has, besides, its own sampling variance ``A(1-A) / N`` and the local one ``A(1-A) / n``.
+Weighting the two by inverse variance (the Bernoulli variance ``A(1-A)`` cancels, so a log that
+makes its own variance look like 0 cannot inflate its weight)::
 
-so the estimator with the smaller error gets the larger weight.
+    c = (1/kappa + 1/N) / (1/kappa + 1/N + 1/n)                    (credibility of the local estimate)
+    A~^{i,m} = A^m + c (A^{i,m} - A^m)                             (Beta posterior mean; for N -> inf
+                                                                   = (n A^{i,m} + kappa A^m) / (n + kappa))
+    w' = e(A^m) / (e(A^m) + e(A~^{i,m}))                           (paper 002, errors on held-out rows)
+    A_personalised = A^m + w' c (A^{i,m} - A^m),  weight of the local estimator  w = c w'   (the same for cost)
+
+So ``w -> w'``, paper 002's rule, when the local estimate is well supported (``n >> kappa``: ``c -> 1``;
+a poorly supported global estimate, small ``N``, raises ``c`` further), and ``w -> 0`` (the global
+estimate) as ``n -> 0``. A small or near-constant log (29 rows of 1.0, or 119
+of 1.0 and one 0.0) moves the prediction by at most ``c`` of the way: what the degenerate-log
+thresholds used to do, now a consequence of how few rows back it. ``kappa`` (:data:`PRIOR_ROWS`) is
+chosen on validation (``benchmarks/personalisation_settings.py``).
 
 The errors are measured on **held-out** rows of the client's log (:func:`holdout_split`): the local
 estimator is fitted on the other rows, so its error is not the in-sample error of an estimator on
-its own training data (which is near 0 for any flexible estimator and would give it weight ~1).
-:func:`personalisation_weights` also applies the degenerate-log criteria of :mod:`sdk.log_checks`:
-a model whose rows are degenerate, or too few, gets weight 0 (the global estimate), with a warning.
+its own training data (which is near 0 for any flexible estimator).
 """
 
 from __future__ import annotations
@@ -27,10 +44,32 @@ from sdk.log_checks import LogCheck, warn
 
 #: Share of each model's rows held out to measure the errors (at least one row per model with >= 2 rows).
 HOLDOUT_FRACTION = 0.2
+#: kappa, the prior's strength in rows: the between-client spread of a model's accuracy is that of
+#: a mean over kappa rows. Chosen on validation (benchmarks/personalisation_settings.py).
+PRIOR_ROWS = 10000.0
+
+
+def credibility(n_local: np.ndarray, n_global: np.ndarray | float = np.inf,
+                prior_rows: float = PRIOR_ROWS) -> np.ndarray:
+    """Weight ``c = (1/kappa + 1/N) / (1/kappa + 1/N + 1/n)`` of the local estimate in its posterior mean.
+
+    Parameters
+    ----------
+    n_local : ndarray of shape (n_models,), rows ``n >= 0`` behind each local estimate.
+    n_global : ndarray of shape (n_models,) or float, rows ``N > 0`` behind each global estimate (inf: many).
+    prior_rows : float ``kappa > 0``, the prior's strength in rows (:data:`PRIOR_ROWS`).
+
+    Returns
+    -------
+    ndarray of shape (n_models,), float64 in [0, 1): 0 where ``n = 0``; ``n / (n + kappa)`` for ``N = inf``.
+    """
+    n = np.asarray(n_local, dtype=np.float64)
+    prior_precision = 1.0 / prior_rows + 1.0 / np.asarray(n_global, dtype=np.float64)  # in 1 / rows
+    return n * prior_precision / (n * prior_precision + 1.0)
 
 
 def interpolation_weights(global_error: np.ndarray, local_error: np.ndarray) -> np.ndarray:
-    """Weight of the local estimator per model, ``w = e_global / (e_global + e_local)``.
+    """Paper 002's weight of the local estimator per model, ``w = e_global / (e_global + e_local)``.
 
     Parameters
     ----------
@@ -137,19 +176,20 @@ class PersonalisationWeights:
 
     Attributes
     ----------
-    accuracy, cost : ndarray of shape (n_models,), float64 in [0, 1]: weights for the accuracy and
-        the cost predictions (0 = global estimate only).
+    accuracy, cost : ndarray of shape (n_models,), float64 in [0, 1): weights ``w = c w'`` for the
+        accuracy and the cost predictions (0 = global estimate only).
+    credibility : ndarray of shape (n_models,), float64: ``c`` of :func:`credibility`.
     global_error, local_error : ndarray of shape (n_models, 2), float64: held-out mean absolute
-        errors (column 0 accuracy, column 1 cost USD); NaN where the model has no held-out row.
-    check : the :class:`sdk.log_checks.LogCheck` of the client's log.
-    warnings : tuple of str, the degenerate-log warnings (also logged).
+        errors of the global and of the posterior local estimate (column 0 accuracy, column 1 cost
+        USD); NaN where the model has no held-out row.
+    warnings : tuple of str, the degenerate-log warnings of the ``check`` given (also logged).
     """
 
     accuracy: np.ndarray
     cost: np.ndarray
+    credibility: np.ndarray
     global_error: np.ndarray
     local_error: np.ndarray
-    check: LogCheck
     warnings: tuple[str, ...]
 
 
@@ -167,8 +207,10 @@ def _held_out_mae(pred: np.ndarray, model_index: np.ndarray, truth: np.ndarray, 
 
 def personalisation_weights(global_held: tuple[np.ndarray, np.ndarray], local_held: tuple[np.ndarray, np.ndarray],
                             held_model: np.ndarray, held_accuracy: np.ndarray, held_cost: np.ndarray,
-                            check: LogCheck, where: str = "personalisation") -> PersonalisationWeights:
-    """Paper 002 weights from errors on held-out rows, with the degenerate-log fallback.
+                            n_local: np.ndarray, n_global: np.ndarray | float = np.inf,
+                            prior_rows: float = PRIOR_ROWS, check: LogCheck | None = None,
+                            where: str = "personalisation") -> PersonalisationWeights:
+    """Weights ``w = c w'`` of the module's equations, from errors on held-out rows.
 
     Parameters
     ----------
@@ -177,12 +219,15 @@ def personalisation_weights(global_held: tuple[np.ndarray, np.ndarray], local_he
         each ndarray of shape (n_held, n_models), float (cost USD); NaN = no estimate.
     held_model : ndarray of shape (n_held,), int: the model each held-out row was sent to.
     held_accuracy, held_cost : ndarray of shape (n_held,), float: its observed score and cost (USD).
-    check : :func:`sdk.log_checks.check_log` of the client's whole log.
+    n_local : ndarray of shape (n_models,), int: rows of each model the local estimator was fitted on.
+    n_global, prior_rows : as in :func:`credibility`.
+    check : :func:`sdk.log_checks.check_log` of the client's log, whose warnings are logged and
+        returned (they do not change the weights).
     where : prefix of the logged warnings.
 
     Returns
     -------
-    PersonalisationWeights; a model that ``check`` does not find personalisable gets weight 0.
+    PersonalisationWeights.
 
     Raises
     ------
@@ -192,17 +237,16 @@ def personalisation_weights(global_held: tuple[np.ndarray, np.ndarray], local_he
     ga, gc = (np.asarray(x, dtype=np.float64) for x in global_held)
     la, lc = (np.asarray(x, dtype=np.float64) for x in local_held)
     idx = np.asarray(held_model, dtype=np.int64)
-    held_accuracy = np.asarray(held_accuracy, dtype=np.float64)
-    held_cost = np.asarray(held_cost, dtype=np.float64)
-    n_models = len(check.models)
+    n_models = np.shape(n_local)[0]
     if not (ga.shape == gc.shape == la.shape == lc.shape == (idx.size, n_models)):
         raise ShapeError(f"held-out predictions must have shape ({idx.size}, {n_models}), got "
                          f"{ga.shape}, {gc.shape}, {la.shape}, {lc.shape}")
-    eg = np.stack([_held_out_mae(ga, idx, held_accuracy, n_models), _held_out_mae(gc, idx, held_cost, n_models)], axis=1)
-    el = np.stack([_held_out_mae(la, idx, held_accuracy, n_models), _held_out_mae(lc, idx, held_cost, n_models)], axis=1)
-    usable = check.personalisable
-    w_acc = np.where(usable, interpolation_weights(eg[:, 0], el[:, 0]), 0.0)
-    w_cost = np.where(usable, interpolation_weights(eg[:, 1], el[:, 1]), 0.0)
-    if check.degenerate:
-        warn(check.warnings, where)
-    return PersonalisationWeights(w_acc, w_cost, eg, el, check, check.warnings)
+    c = credibility(n_local, n_global, prior_rows)
+    truth = (np.asarray(held_accuracy, dtype=np.float64), np.asarray(held_cost, dtype=np.float64))
+    eg = np.stack([_held_out_mae(g, idx, t, n_models) for g, t in zip((ga, gc), truth)], axis=1)
+    el = np.stack([_held_out_mae(g + c * (loc - g), idx, t, n_models) for g, loc, t in zip((ga, gc), (la, lc), truth)],
+                  axis=1)
+    w_acc, w_cost = (c * interpolation_weights(eg[:, j], el[:, j]) for j in (0, 1))
+    lines = check.warnings if check is not None else ()
+    warn(lines, where)
+    return PersonalisationWeights(w_acc, w_cost, c, eg, el, lines)

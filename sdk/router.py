@@ -24,6 +24,7 @@ from sdk import kinds
 from sdk.embedder import SessionThreads
 from sdk.arrays import finite_rows
 from sdk.background_read import PendingFiles
+from sdk.bundle_install import read_version
 from sdk.errors import BudgetError, BundleError, InvalidInputError, InvalidQueryError
 from sdk.real_numbers import finite_float, shown
 from sdk.utility import _decide_unchecked, check_lambda
@@ -93,6 +94,10 @@ class Choice:
         :class:`~sdk.eval_log.EvalLog` stores it so the sync job can compute cell statistics).
     cell : Voronoi cell id for a K-means router, else None.
     bundle_version : version of the bundle that made the choice.
+    policy : the policy that chose ``model``: ``"greedy"`` (:meth:`Router.choose`, the argmax) or an
+        :class:`sdk.Explorer`'s (``"thompson"``).
+    propensity : float in (0, 1], the probability that ``policy`` chose ``model`` for this query
+        (1.0 for greedy); an :class:`~sdk.eval_log.EvalLog` row keeps it for offline evaluation.
     """
 
     model: str
@@ -105,6 +110,8 @@ class Choice:
     embedding: np.ndarray
     cell: int | None
     bundle_version: int
+    policy: str = "greedy"
+    propensity: float = 1.0
 
 
 def check_query(query: object, position: int | None = None) -> str:
@@ -144,8 +151,10 @@ class Router:
     may run concurrently from several threads (no state changes after loading).
     """
 
-    def __init__(self, manifest: dict, embedder: kinds.Embedder, scorer: kinds.RouterScorer, precision: str) -> None:
+    def __init__(self, manifest: dict, embedder: kinds.Embedder, scorer: kinds.RouterScorer, precision: str,
+                 source: tuple | None = None) -> None:
         self._manifest = copy.deepcopy(manifest)
+        self._source = source  # (bundle_dir, public_key, load options) of load(), for reloaded()
         self._embedder = embedder
         self._scorer = scorer
         self.precision = precision
@@ -212,6 +221,7 @@ class Router:
         # Checked now; onnxruntime is imported only by a kind that creates a session (not a static embedder).
         options = SessionThreads(intra_op_threads, inter_op_threads)
         chosen: dict[str, str] = {}
+        requested = precision
 
         if isinstance(min_bundle_version, bool) or not isinstance(min_bundle_version, int):
             raise InvalidInputError(f"min_bundle_version must be an int, got {shown(min_bundle_version)}")
@@ -246,7 +256,32 @@ class Router:
                                          precision=precision, paths=verified.opened)
             if isinstance(verified.files, PendingFiles):
                 verified.files.check_all()  # a used file no kind looked up is still refused if corrupt
-        return cls(manifest, embedder, scorer, precision)
+        source = (bundle_dir, public_key, {"precision": requested, "intra_op_threads": intra_op_threads,
+                                           "inter_op_threads": inter_op_threads})
+        return cls(manifest, embedder, scorer, precision, source)
+
+    def reloaded(self) -> Router | None:
+        """The bundle installed now at the folder this router was loaded from, if its ``bundle_version`` is
+        newer than :attr:`bundle_version` (the sync job installs one atomically: :mod:`sdk.bundle_install`);
+        None otherwise. Loaded as :meth:`load` with the same public key, precision and threads and
+        ``min_bundle_version`` = this version + 1. This router is unchanged (immutable): use the one returned.
+        The version is first read from the unverified manifest (a cheap check, every poll); the bundle
+        is verified only when it is newer.
+
+        Raises
+        ------
+        BundleError
+            The newer bundle does not verify or load (as :meth:`load`).
+        InvalidInputError
+            This router was not built by :meth:`load`.
+        """
+        if self._source is None:
+            raise InvalidInputError("this Router was not built by Router.load: there is no folder to reload from")
+        bundle_dir, public_key, options = self._source
+        version = read_version(bundle_dir)
+        if version is None or version <= self.bundle_version:
+            return None
+        return Router.load(bundle_dir, public_key, min_bundle_version=self.bundle_version + 1, **options)
 
     # -- prediction ---------------------------------------------------------------------------
 
@@ -334,8 +369,14 @@ class Router:
 
     def _choices(self, queries: list[str], lam: float) -> list[Choice]:
         acc, cost, cells, emb = self._predict(queries)
+        return self._choices_of(acc, cost, cells, emb, lam, _decide_unchecked(acc - lam * cost, cost))
+
+    def _choices_of(self, acc, cost, cells, emb, lam: float, picked, policy: str = "greedy",
+                    propensity=None) -> list[Choice]:
+        """:class:`Choice` per query of :meth:`_predict`'s outputs and the picked model indices
+        ``picked`` (n,); ``propensity`` (n,) float in (0, 1] for an exploring policy
+        (:class:`sdk.explorer.Explorer`), None for greedy (1.0). Does not validate."""
         u = acc - lam * cost
-        picked = _decide_unchecked(u, cost)
         out = []
         for i, j in enumerate(picked):
             scores = tuple(ModelScore(m, float(acc[i, k]), float(cost[i, k]), float(u[i, k]))
@@ -344,6 +385,7 @@ class Router:
                 model=self.model_ids[j], index=int(j), accuracy=float(acc[i, j]), cost_usd=float(cost[i, j]),
                 utility=float(u[i, j]), lam=lam, scores=scores, embedding=emb[i],
                 cell=None if cells is None else int(cells[i]), bundle_version=self.bundle_version,
+                policy=policy, propensity=1.0 if propensity is None else float(propensity[i]),
             ))
         return out
 

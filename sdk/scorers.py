@@ -115,12 +115,17 @@ _KMEANS_ARRAYS = {
     "embedder_name": ("U", 0, "a string"),
     "embedder_dim": ("iu", 0, "an integer"),
 }
+#: ``prior_strength`` of a ``kmeans.npz`` exported before the file carried it: the trainer's default
+#: shrinkage (``trainer.routers.kmeans_router.KMeansRouterConfig.prior_strength``).
+DEFAULT_PRIOR_STRENGTH = 16.0
 
 
 class KMeansScorer:
     """``kmeans.npz``: ``centroids (K, d_emb) float32``, ``accuracy``, ``cost`` ``(K, n_models)``
     (shrunk cell means, cost in USD; NaN where no estimate), ``count (K, n_models)``, ``models``,
-    ``embedder_name``, ``embedder_dim``.
+    ``embedder_name``, ``embedder_dim``, and ``prior_strength`` (scalar >= 0, the pseudo-observations
+    the means were shrunk with; :data:`DEFAULT_PRIOR_STRENGTH` when absent, a bundle exported before
+    the file carried it).
 
     Raises
     ------
@@ -139,6 +144,7 @@ class KMeansScorer:
         try:
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
                 arrays = {k: z[k] for k in ("centroids", "accuracy", "cost", "count", "models", "embedder_name", "embedder_dim")}
+                strength = z["prior_strength"] if "prior_strength" in z.files else np.array(DEFAULT_PRIOR_STRENGTH)
         except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
             raise BundleError(f"kmeans.npz cannot be read ({exc})") from exc
         for name, (kinds, ndim, what) in _KMEANS_ARRAYS.items():
@@ -161,10 +167,13 @@ class KMeansScorer:
             raise BundleError("kmeans.npz accuracy must lie in [0, 1] (NaN = no estimate)")
         if (cost[~np.isnan(cost)] < 0).any():
             raise BundleError("kmeans.npz cost must be >= 0 USD (NaN = no estimate)")
+        if strength.dtype.kind not in "fiu" or strength.ndim != 0 or not 0 <= float(strength) < np.inf:
+            raise BundleError(f"kmeans.npz prior_strength must be a finite real number >= 0, got {strength!r:.80}")
         self.centroids = centroids
         self._cells = CentroidTable(centroids)
         self.accuracy, self.cost = acc, cost
         self.count = arrays["count"]
+        self.prior_strength = float(strength)
 
     def predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(accuracy, cost USD) of shape (n, n_models) float64, and the cell id per query (n,) int64."""

@@ -74,7 +74,8 @@ def fitted_routers(routerbench_dir: Path, tmp_path_factory):
     with the embedder identity and a test file of real prompts recorded for export's parity check.
 
     Returns dict with ``kmeans``, ``mlp`` (trainer routers), ``test_file`` (parquet, fully labelled
-    rows), ``test`` (EvalTable), ``test_embeddings`` (sentence-transformers, (n, 384) float32).
+    rows), ``test`` (EvalTable), ``test_embeddings`` (sentence-transformers, (n, 384) float32), ``train`` and
+    ``train_embeddings`` (the rows the routers were fitted on).
     """
     from trainer.data.routerbench import load_routerbench_dir
     from trainer.embeddings import EmbedderConfig, embed_texts
@@ -114,7 +115,7 @@ def fitted_routers(routerbench_dir: Path, tmp_path_factory):
         router.provenance = {"test": str(test_file)}
         router.save(tmp / router.kind)
     return {"kmeans": kmeans, "mlp": mlp, "dir": tmp, "test_file": test_file, "test": test,
-            "test_embeddings": test_emb, "cache": cache}
+            "test_embeddings": test_emb, "train": train, "train_embeddings": train_emb, "cache": cache}
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ import pytest
 
 from sdk.atomic_write import commit_file, replace_dir, temporary_path, write_atomic
 
+pytestmark = pytest.mark.sdk  # runs in the base-install venv of .ci/run too
+
 
 def test_write_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):
     target = tmp_path / "state.json"

@@ -8,6 +8,8 @@ from sdk.errors import ShapeError
 from sdk.voronoi import CentroidTable
 from trainer.routers.shrinkage import additive_effects, model_means, shrunk_means
 
+pytestmark = pytest.mark.sdk  # runs in the base-install venv of .ci/run too
+
 
 def _random_log(rng, n, n_cells, n_models):
     return (

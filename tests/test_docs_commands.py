@@ -313,13 +313,22 @@ def test_the_data_folders_an_option_help_names_exist():
 
 
 def test_the_readme_install_and_test_commands_are_the_ci_ones():
-    """README's set-up block and .ci/run install the same extras (all defined in pyproject.toml) and the same
-    torch pin, and run the same test command; its -n needs pytest-xdist, in the dev extra."""
+    """README's set-up commands and .ci/run make the same three installs in the same order (the base SDK,
+    [proxy], everything; CI adds the test runner, the `test` extra, to the two light ones), with extras all
+    defined in pyproject.toml and the same torch pin, and run the same test command; its -n needs
+    pytest-xdist, in the dev extra."""
     readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
-    extras_of = lambda text: re.findall(r'pip install (?:--quiet )?-e "\.\[([\w,-]+)\]"', text)  # noqa: E731
-    assert extras_of(readme) == extras_of(ci) and len(extras_of(ci)) == 1, (extras_of(readme), extras_of(ci))
+    readme_code = "\n".join(re.findall(r"```bash\n(.*?)```", readme, re.S))
+
+    def installs(text: str) -> list[set[str]]:
+        found = re.findall(r'pip install (?:--quiet )?-e (?:"\.\[([\w,-]+)\]"|\.(?=\s|$))', text)
+        return [set(filter(None, extras.split(","))) for extras in found]
+
+    readme_installs, ci_installs = installs(readme_code), installs(ci)
+    assert len(readme_installs) == 3 and set() in readme_installs and {"proxy"} in readme_installs, readme_installs
+    assert ci_installs == [r if "dev" in r else r | {"test"} for r in readme_installs], (readme_installs, ci_installs)
     defined = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert set(extras_of(ci)[0].split(",")) <= set(defined)
+    assert set().union(*ci_installs) <= set(defined)
     pin = lambda text: re.findall(r"torch==[\w.+]+", text)  # noqa: E731
     assert pin(readme) == pin(ci) and pin(ci), (pin(readme), pin(ci))
     tests_line = re.search(r"^HF_HUB_OFFLINE=1 (python -m pytest[^\n#]*?)\s*$", readme, re.M)

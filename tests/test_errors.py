@@ -8,6 +8,8 @@ import pytest
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import FedrouteError, InvalidInputError, PayloadError, PrivacyError, ShapeError
 
+pytestmark = pytest.mark.sdk  # runs in the base-install venv of .ci/run too
+
 
 def test_the_tree():
     for cls in (PrivacyError, PayloadError, ShapeError):

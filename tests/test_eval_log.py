@@ -18,6 +18,9 @@ import pytest
 from sdk.errors import EvalLogError, InvalidInputError, ShapeError, UnknownModelError
 from sdk.eval_log import SCHEMA_VERSION, EvalLog, Evaluations
 
+pytestmark = pytest.mark.sdk  # runs in the base-install venv of .ci/run too
+
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("gpt-4o", "llama-3-8b", "mixtral-8x7b")
 DIM = 8

@@ -4,6 +4,7 @@ statistics and the centralised Lloyd step; the wire format round-trips and bad r
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -154,6 +155,159 @@ def test_flower_simulation_gives_the_pooled_statistics_and_the_centralised_lloyd
     for got, want in zip(router.predict(logs["embedding"]), central.predict(logs["embedding"])):
         np.testing.assert_allclose(got, want, rtol=1e-12)
     assert router.embedder == identity
+
+
+# ------------------------------------------------------------------ Flower's deployment engine
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports of 127.0.0.1 (bound together, then released)."""
+    import socket
+
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_flwr_run_on_a_superlink_and_two_supernodes_gives_the_pooled_statistics(logs, fitted_routers, tmp_path):
+    """The Flower App of pyproject.toml ([tool.flwr.app]: trainer.federated.flower_deploy) under Flower's
+    deployment engine: a SuperLink and two SuperNodes on 127.0.0.1 (insecure: the docs show TLS and node
+    authentication), each node with its EvalLog of real rows in --node-config, and `flwr run` of this
+    repository. The merged router it writes holds exactly the two nodes' pooled statistics, on centroids
+    one centralised Lloyd step from the prior router's (centroid-rounds = 1 of 2 rounds)."""
+    import os
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import time
+    from pathlib import Path
+
+    from trainer.federated.flower_deploy import SUMMARY_FILE
+
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = Path(sys.executable).parent
+    tools = {name: shutil.which(name, path=str(bin_dir)) or shutil.which(name)
+             for name in ("flower-superlink", "flower-supernode", "flwr")}
+    assert all(tools.values()), tools
+    home = tmp_path / "flwr-home"  # Flower's config and installed apps: never the user's ~/.flwr
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    fleet, appio, control, node_a, node_b = free_ports(5)
+    nodes = (0, 1)  # two of the three clients' logs
+    processes: list[subprocess.Popen] = []
+    log_files = []
+
+    def start(name: str, *args: str) -> None:
+        log = open(tmp_path / f"{name}.log", "w")
+        log_files.append(log)
+        processes.append(subprocess.Popen([*args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                          start_new_session=True))
+
+    def tail() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
+
+    out = tmp_path / "merged"
+    try:
+        start("superlink", tools["flower-superlink"], "--insecure", "--disable-runtime-dependency-installation",
+              "--fleet-api-address", f"127.0.0.1:{fleet}", "--serverappio-api-address", f"127.0.0.1:{appio}",
+              "--control-api-address", f"127.0.0.1:{control}")
+        for c, port in zip(nodes, (node_a, node_b)):
+            start(f"supernode-{c}", tools["flower-supernode"], "--insecure", "--superlink", f"127.0.0.1:{fleet}",
+                  "--clientappio-api-address", f"127.0.0.1:{port}",
+                  "--node-config", f'eval-log="{logs["paths"][c]}"')
+        home.mkdir()
+        (home / "config.toml").write_text(f'[superlink]\ndefault = "local"\n\n[superlink.local]\n'
+                                          f'address = "127.0.0.1:{control}"\ninsecure = true\n')
+        run_config = (f'prior-router="{fitted_routers["dir"] / "kmeans"}" out="{out}" num-server-rounds=2 '
+                      f"centroid-rounds=1 min-nodes=2 min-count=1 round-timeout-s=600.0")
+        deadline = time.monotonic() + 300
+        while True:  # flwr run needs the SuperLink's Control API up (the SuperNodes retry on their own)
+            try:
+                socket.create_connection(("127.0.0.1", control), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and processes[0].poll() is None, tail()
+                time.sleep(0.5)
+        # --stream: follows the ServerApp's log and returns when the run ends
+        run = subprocess.run([tools["flwr"], "run", str(root), "local", "--run-config", run_config, "--stream"],
+                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0 and (out / SUMMARY_FILE).exists(), \
+            f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}\n{tail()}"
+    finally:  # each process leads its own group: its flower-superexec children go with it
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        for log in log_files:
+            log.close()
+
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert len(summary["nodes"]) == 2 and summary["aggregates"] == 2 and summary["rejected"] == [], summary
+    mask = np.isin(logs["client"], nodes)
+    two = {k: (v[mask] if k in ("client", "embedding", "model", "score", "cost") else v) for k, v in logs.items()}
+    c0 = fitted_routers["kmeans"].centroids_
+    merged = KMeansRouter.load(out)
+    assert smallest_client_cell(two, c0) >= 2 and smallest_client_cell(two, merged.centroids_) >= 2
+    c1 = centralised_lloyd_step(two, c0)
+    assert np.abs(c1 - c0).max() > 1e-2  # round 1 moved the centroids
+    np.testing.assert_allclose(merged.centroids_, c1, rtol=0, atol=1e-6)
+    expected = pooled_statistics(two, merged.centroids_)
+    for name in ("count", "sum_accuracy", "sum_cost"):
+        np.testing.assert_allclose(getattr(merged.statistics_, name), getattr(expected, name), rtol=1e-12, atol=0)
+    assert merged.statistics_.count.sum() == summary["queries"] == mask.sum()
+    assert json.loads((out / "router.json").read_text())["embedder"] == fitted_routers["kmeans"].embedder
+
+
+GOOD_RUN_CONFIG = {"prior-router": "r", "out": "o", "num-server-rounds": 2, "centroid-rounds": 1, "min-nodes": 2,
+                   "min-count": 5, "round-timeout-s": 60.0}
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("prior-router", "", "'prior-router' must name a folder"), ("out", " ", "'out' must name a folder"),
+    ("num-server-rounds", 0, "'num-server-rounds' must be an int >= 1"),
+    ("centroid-rounds", True, "'centroid-rounds' must be an int >= 0"), ("min-nodes", 1.5, "'min-nodes' must be"),
+    ("min-count", 0, "'min-count' must be an int >= 1"), ("round-timeout-s", 0.0, "'round-timeout-s' must be > 0"),
+])
+def test_the_flower_apps_run_config_is_checked_before_any_round(key, value, message):
+    """pyproject's [tool.flwr.app.config] leaves prior-router and out empty: a run that does not set them
+    stops with the key named, before the strategy starts."""
+    from trainer.federated.flower_deploy import DeployConfig
+
+    config = DeployConfig.from_run_config(GOOD_RUN_CONFIG)
+    assert (config.num_server_rounds, config.min_nodes, config.round_timeout_s) == (2, 2, 60.0)
+    with pytest.raises(InvalidInputError, match=message):
+        DeployConfig.from_run_config({**GOOD_RUN_CONFIG, key: value})
+
+
+def test_pyprojects_flower_app_names_the_deployment_components():
+    """[tool.flwr.app] as `flwr run` reads it: the components resolve to the deployment module's apps,
+    and the run config's defaults pass DeployConfig once the two folders are given."""
+    import tomllib
+    from pathlib import Path
+
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    from trainer.federated import flower_deploy
+
+    app = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    assert app["components"] == {"serverapp": "trainer.federated.flower_deploy:server_app",
+                                 "clientapp": "trainer.federated.flower_deploy:client_app"}
+    assert isinstance(flower_deploy.server_app, ServerApp) and isinstance(flower_deploy.client_app, ClientApp)
+    config = flower_deploy.DeployConfig.from_run_config({**app["config"], "prior-router": "r", "out": "o"})
+    assert (config.num_server_rounds, config.centroid_rounds, config.min_count) == (2, 1, 5)
 
 
 # ------------------------------------------------------------------ in process, without Ray

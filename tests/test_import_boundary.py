@@ -3,6 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.sdk  # runs in the base-install venv of .ci/run too
+
 FORBIDDEN = ("torch", "transformers", "sentence_transformers", "trainer", "export", "sklearn",
              "fastapi", "uvicorn", "sqlalchemy", "flwr", "dp_accounting", "ray")
 

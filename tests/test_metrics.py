@@ -9,6 +9,8 @@ from sdk.errors import InvalidInputError, InvalidLambdaError, ShapeError
 from sdk.utility import decide, utility
 from trainer import metrics
 
+pytestmark = pytest.mark.sdk  # runs in the base-install venv of .ci/run too
+
 
 def test_lambda_grid_is_zero_plus_100_log_spaced_points():
     grid = metrics.lambda_grid()

@@ -44,6 +44,9 @@ from sdk.protocol import (
     kmeans_update_to_arrays,
 )
 
+pytestmark = pytest.mark.sdk  # runs in the base-install venv of .ci/run too
+
+
 GOLDEN = Path(__file__).parent / "golden"
 WRITE = os.environ.get("FEDROUTE_WRITE_GOLDEN") == "1"
 

@@ -1,5 +1,5 @@
 """The aggregation server under hostile or careless clients, through real sockets against a real
-uvicorn server (h11, the limits of ``fedroute serve``: :mod:`trainer.server.http_limits`) running
+uvicorn server (h11, the limits of ``fedroute serve``: :mod:`sdk.http_limits`) running
 in a thread of the test process, over a real SQLite store.
 
 Header flood, slow headers, idle connection, slow body, disconnect mid-body, too many headers,
@@ -30,7 +30,7 @@ from sdk.protocol import KMeansUpdate, RoundSpec, encode_kmeans_update, encode_k
 from sync_fleet import free_port, run_cli
 from trainer.federated.kmeans_aggregation import AggregationConfig
 from trainer.server.app import create_app
-from trainer.server.http_limits import HttpLimits
+from sdk.http_limits import HttpLimits
 from trainer.server.kmeans_rounds import open_round_from_bundle
 from trainer.server.round_kind import round_settings
 from trainer.server.store import Store, updates

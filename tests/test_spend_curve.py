@@ -10,6 +10,8 @@ from sdk.errors import InvalidInputError, InvalidLambdaError, ShapeError
 from sdk.spend_curve import SpendCurve, decision_steps, row_steps
 from sdk.utility import decide
 
+pytestmark = pytest.mark.sdk  # runs in the base-install venv of .ci/run too
+
 # Query 0: A = (0.9, 0.7, 0.5), C = (0.010, 0.004, 0.001) USD: model 0 at lam = 0, model 1 from
 # (0.9 - 0.7) / 0.006 = 33.33..., model 2 from (0.7 - 0.5) / 0.003 = 66.66...
 # Query 1: A = (0.8, 0.8, 0.2), C = (0.002, 0.001, 0.0005): the tie at lam = 0 goes to the cheaper

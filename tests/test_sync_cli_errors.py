@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from sdk.sync_cli import make_app
+
+pytestmark = pytest.mark.sdk  # runs in the base-install venv of .ci/run too
 
 
 def run_sync(tmp_path, *args, env=None):

@@ -4,7 +4,8 @@ One seed: Dirichlet(alpha) task split of the train queries over N clients, one l
 query from each client's skewed preference ``pi_i ~ Dir(0.5)``, then for each router kind the
 settings **local** (each client alone), **federated** and **centralised** (all sparse logs pooled)
 trained on the *same* sparse logs, plus **federated + personalised** (paper 002 interpolation per
-client, errors measured on held-out rows of the client's log), all evaluated on the shared test split with the METRICS.md curve metrics. Local, federated
+client, errors measured on held-out rows of the client's log, shrunk by the rows behind each
+estimate: :mod:`sdk.personalisation`), all evaluated on the shared test split with the METRICS.md curve metrics. Local, federated
 and personalised routers are also scored on each client's own task mix (test rows drawn to match
 the client's tasks), where personalisation is meant to help.
 """
@@ -18,7 +19,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sdk.errors import InvalidInputError
-from sdk.log_checks import check_log
 from sdk.personalisation import holdout_split, personalisation_weights, personalise
 from trainer import kinds, metrics
 from trainer.config_fields import check_config, check_int, check_real, check_sequence
@@ -143,18 +143,18 @@ def _personalised_predictions(
     rng: np.random.Generator,
     global_test: tuple[np.ndarray, np.ndarray],
     test_embeddings: np.ndarray,
+    n_global: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Paper 002 interpolation on the test predictions ``(accuracy, cost)``: per model, weights from
-    the errors of both estimators on held-out rows of the client's own log (the local estimator is
-    fitted on the other rows, :func:`sdk.personalisation.holdout_split`), and the global estimate
-    for models whose rows are degenerate or too few (:mod:`sdk.log_checks`)."""
-    check = check_log(data.model, data.accuracy, models)
+    """Personalised test predictions ``(accuracy, cost)`` (:mod:`sdk.personalisation`): the local
+    estimator fitted on 80% of the client's log (:func:`sdk.personalisation.holdout_split`), both
+    errors measured on the other 20%, weights shrunk by the rows behind each estimate (``n_global``:
+    (n_models,) rows of each model over every client's log)."""
     fit_rows, held_rows = holdout_split(data.model, rng)
     local = trainer_kind.fit_local(data.subset(fit_rows), models, config, rng)
     held = data.embeddings[held_rows]
     weights = personalisation_weights(
         global_router.predict(held), local.predict(held), data.model[held_rows], data.accuracy[held_rows],
-        data.cost[held_rows], check, where="simulated client",
+        data.cost[held_rows], np.bincount(data.model[fit_rows], minlength=len(models)), n_global,
     )
     local_test = local.predict(test_embeddings)
     return (personalise(global_test[0], local_test[0], weights.accuracy),
@@ -180,6 +180,7 @@ def run_seed(
     active_tasks = [t for c, t in zip(clients, client_tasks) if c.n_samples > 0]
     client_sets = [client_test_indices(test.tasks, t, rng) for t in active_tasks]
     models = train.models
+    n_global = np.bincount(np.concatenate([c.model for c in clients]), minlength=len(models))
     true_acc, true_cost = test.accuracy, test.cost
     say = progress or (lambda _msg: None)
 
@@ -208,7 +209,8 @@ def run_seed(
         # Its own generator, so the held-out splits and refits leave every other setting's draws as they were.
         pers_rng = np.random.default_rng([seed, 1 + list(config.routers).index(kind)])
         pers_pred = [
-            _personalised_predictions(fed, trainer_kind, c, models, config, pers_rng, fed_pred, test_embeddings)
+            _personalised_predictions(fed, trainer_kind, c, models, config, pers_rng, fed_pred, test_embeddings,
+                                      n_global)
             for c in active
         ]
         reports[kind] = {

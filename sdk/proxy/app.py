@@ -11,13 +11,16 @@ Every route but ``/health`` needs ``Authorization: Bearer <token>`` with one of 
     server-sent events passed through, then ``data: [DONE]``). Headers ``x-fedroute-model`` (the
     model that answered), ``x-fedroute-fallbacks`` (failed tries before it) and, when routed,
     ``x-fedroute-routing-ms``. Errors, as ``{"error": {"message", "type", "param", "code"}}``:
-    400 malformed body (not a JSON object, NaN/Infinity, nested too deeply), ``messages`` or ``model=``
-    string (a budget <= 0 or NaN included); 413 a body over ``max_body_bytes`` (32 MiB); 404 a model
+    400 malformed body (not a JSON object, NaN/Infinity, nested too deeply), ``messages`` (more than
+    ``max_messages``, code ``too_many_messages``; no user message with text, e.g. an image-only
+    conversation: nothing to route, name a model to call it directly) or ``model=`` string (a budget
+    <= 0 or NaN included); 413 a body over ``max_body_bytes`` (32 MiB); 404 a model
     id with no upstream (``model_not_found``); the upstream's status for a request it refused (4xx);
     when every try failed: 429 (rate limited), 502 (5xx, unreachable, or an answer that is not a chat
     completion) or 504 (timeout).
-``GET /v1/models``
-    ``fedroute`` and every model callable by name, as OpenAI's model list.
+``GET /v1/models``, ``GET /v1/models/{id}``
+    ``fedroute`` and every model callable by name, as OpenAI's model list; one of them (404
+    ``model_not_found`` for another id).
 ``POST /v1/fedroute/feedback``
     ``{"id": "<completion id>", "score": 0.8}``: the app's score in [0, 1] of a routed answer; the
     outcome row is appended to the device's ``EvalLog`` (200 ``{"recorded": <row id>}``). 404 for an
@@ -27,24 +30,41 @@ Every route but ``/health`` needs ``Authorization: Bearer <token>`` with one of 
 ``GET /metrics``
     Prometheus text format (:mod:`sdk.proxy.metrics`).
 ``GET /health``
-    ``{"status": "ok"}``, no auth.
+    ``{"status": "ok", "bundle_version": <int>}``, no auth.
+
+Budgets are per caller: ``fedroute:budget=Y`` uses the controllers of the request's token
+(:class:`sdk.caller_budgets.CallerBudgets`), saved every ``budget_save_s`` seconds and at shutdown.
+Every ``reload_s`` seconds the proxy checks for a newer bundle at its config's ``bundle`` and swaps it
+in (:meth:`sdk.routed_chat.RoutedChat.reload`); requests already routed finish on the old one.
+
+Any other path: 404 (``unknown_url``), any other method on a known path: 405 (``method_not_allowed``),
+both as OpenAI-style error JSON. A client that disconnects mid-body ends its request with one INFO
+line (no traceback). The HTTP limits (header size and count, header and body deadlines, idle and
+concurrent connections) are uvicorn's settings of :class:`sdk.http_limits.HttpLimits` (``fedroute proxy``
+options); the header count is checked here (:class:`sdk.http_limits.RequestLimits`).
 """
 # No "from __future__ import annotations": FastAPI resolves the route annotations.
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import inspect
 import json
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 
 import openai
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.resources.chat.completions import AsyncCompletions
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from sdk.errors import (EvalLogError, FedrouteError, InvalidInputError, InvalidQueryError, ModelSpecError,
                         UnknownModelError, UnknownResponseError, UpstreamError)
+from sdk.http_limits import HttpLimits, RequestLimits
 from sdk.model_spec import ROUTED_MODEL
 from sdk.proxy.metrics import ProxyMetrics
 from sdk.routed_chat import AsyncRoutedStream, Route, RoutedChat
@@ -52,6 +72,7 @@ from sdk.routed_chat import AsyncRoutedStream, Route, RoutedChat
 #: Request fields passed to ``chat.completions.create`` by name; the others go in ``extra_body``.
 _KNOWN = frozenset(inspect.signature(AsyncCompletions.create).parameters) - {
     "self", "messages", "model", "extra_headers", "extra_query", "extra_body", "timeout"}
+log = logging.getLogger("fedroute.proxy")
 _EXHAUSTED_STATUS = {"rate_limit": 429, "server_error": 502, "invalid_response": 502, "connection": 502, "timeout": 504}
 
 
@@ -78,10 +99,14 @@ def token_digests(tokens: Iterable[str]) -> frozenset[str]:
 
 #: Largest request body the proxy reads by default (bytes): a long conversation fits many times over.
 MAX_BODY_BYTES = 32 << 20
+#: Most messages per chat request by default (config ``max_messages``).
+MAX_MESSAGES = 4096
 
 
 def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, max_messages: int = MAX_MESSAGES,
+               max_headers: int = HttpLimits.max_headers, budget_save_s: float = 5.0,
+               reload_s: float = 30.0) -> FastAPI:
     """The FastAPI application over ``chat`` (built with ``observer=metrics``).
 
     Parameters
@@ -91,17 +116,51 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
     metrics : the :class:`ProxyMetrics` that ``chat`` reports to; a fresh one (then ``chat`` reports
         nothing but requests and feedback are counted) when None.
     max_body_bytes : int >= 1, the largest request body read (bytes); a larger one is answered 413.
+    max_messages : int >= 1, the most ``messages`` in a chat request; more is answered 400.
+    max_headers : int >= 1, the most request headers; more is answered 431.
+    budget_save_s : seconds between saves of the budget state (0: only at shutdown).
+    reload_s : seconds between checks for a newer installed bundle (0: never).
 
     Raises
     ------
     InvalidInputError
-        No token, or ``max_body_bytes`` not an int >= 1.
+        No token, or ``max_body_bytes`` / ``max_messages`` not an int >= 1.
     """
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise InvalidInputError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+    for name, value in (("max_body_bytes", max_body_bytes), ("max_messages", max_messages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
     digests = token_digests(tokens)
     metrics = metrics if metrics is not None else ProxyMetrics()
-    app = FastAPI(title="fedroute proxy", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        tasks = [asyncio.create_task(_every(seconds, job, what)) for seconds, job, what in (
+            (budget_save_s, chat.save_budgets, "saving the budget state"),
+            (reload_s, chat.reload, "reloading the bundle")) if seconds > 0]
+        yield
+        for task in tasks:
+            task.cancel()
+        await _run_logged(chat.save_budgets, "saving the budget state")
+
+    app = FastAPI(title="fedroute proxy", version="1", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.add_middleware(RequestLimits, max_headers=max_headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error_json(404, f"unknown URL: {request.method} {request.url.path}; this proxy serves "
+                              "/v1/chat/completions, /v1/models, /v1/fedroute/feedback, /metrics and /health",
+                              "invalid_request_error", code="unknown_url")
+        if exc.status_code == 405:
+            return error_json(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error",
+                              code="method_not_allowed", headers=exc.headers)
+        return error_json(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _exc: ClientDisconnect) -> Response:
+        log.info("client disconnected during %s %s", request.method, request.url.path)
+        return Response(status_code=400)  # nobody reads it
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
@@ -112,11 +171,12 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
             if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, d) for d in digests):
                 return error_json(401, "missing or invalid bearer token", "invalid_request_error",
                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            request.state.caller = given  # whose budget controllers
         return await call_next(request)
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok"}
+        return {"status": "ok", "bundle_version": chat.router.bundle_version}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -124,9 +184,14 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        ids = (ROUTED_MODEL, *chat.models)
-        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "fedroute"}
-                                           for m in ids]}
+        return {"object": "list", "data": [_model_object(m) for m in (ROUTED_MODEL, *chat.models)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in (ROUTED_MODEL, *chat.models):
+            return error_json(404, f"model {model_id!r} has no upstream; callable: {[ROUTED_MODEL, *chat.models]}",
+                              "invalid_request_error", param="model", code="model_not_found")
+        return _model_object(model_id)
 
     @app.post("/v1/chat/completions")
     async def completions(request: Request):
@@ -137,12 +202,15 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
             messages = body.pop("messages", None)
             if messages is None:
                 raise InvalidQueryError("'messages' is required")
+            if isinstance(messages, list) and len(messages) > max_messages:
+                raise _TooManyMessages(f"{len(messages)} messages, over the proxy's max_messages = {max_messages} "
+                                       "(its config's \"max_messages\")", param="messages")
             route_label = "routed" if model is None or str(model).startswith(ROUTED_MODEL) else "passthrough"
             kwargs = {k: v for k, v in body.items() if k in _KNOWN}
             extra = {k: v for k, v in body.items() if k not in _KNOWN}
             if extra:
                 kwargs["extra_body"] = extra
-            result = await chat.acreate_routed(messages=messages, model=model, **kwargs)
+            result = await chat.acreate_routed(messages=messages, model=model, caller=request.state.caller, **kwargs)
         except FedrouteError as exc:
             response = _error_for(exc)
             # A request the proxy refuses itself (malformed body, messages or model= string, a model id
@@ -188,8 +256,26 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
     return app
 
 
+async def _run_logged(job: Callable[[], object], what: str) -> None:
+    """``job()`` in a worker thread; a FedrouteError or OSError is logged (the proxy keeps serving)."""
+    try:
+        await asyncio.to_thread(job)
+    except (FedrouteError, OSError) as exc:
+        log.warning("%s failed: %s", what, exc)
+
+
+async def _every(seconds: float, job: Callable[[], object], what: str) -> None:
+    while True:
+        await asyncio.sleep(seconds)
+        await _run_logged(job, what)
+
+
 class _BodyTooLarge(InvalidInputError):
     """A request body over the proxy's ``max_body_bytes`` (answered 413)."""
+
+
+class _TooManyMessages(InvalidInputError):
+    """More ``messages`` than the proxy's ``max_messages`` (answered 400)."""
 
 
 def _refuse_constant(name: str) -> float:
@@ -229,6 +315,8 @@ def _error_for(exc: FedrouteError) -> JSONResponse:
         return error_json(413, str(exc), "invalid_request_error", code="request_too_large")
     if isinstance(exc, UnknownModelError):
         return error_json(404, str(exc), "invalid_request_error", param="model", code="model_not_found")
+    if isinstance(exc, _TooManyMessages):
+        return error_json(400, str(exc), "invalid_request_error", param="messages", code="too_many_messages")
     if isinstance(exc, ModelSpecError):
         return error_json(400, str(exc), "invalid_request_error", param="model", code="invalid_model")
     if isinstance(exc, InvalidQueryError):
@@ -241,6 +329,10 @@ def _error_for(exc: FedrouteError) -> JSONResponse:
     if isinstance(exc, EvalLogError):
         return error_json(500, f"the proxy could not record the call: {exc}", "server_error")
     return error_json(500, str(exc), "server_error")
+
+
+def _model_object(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "fedroute"}
 
 
 def _headers(route: Route) -> dict:

@@ -25,6 +25,13 @@ the key (the key itself never sits in the file); without it the ``openai`` packa
 ``model="fedroute"``. ``log`` is the device's :class:`sdk.EvalLog` (the file ``fedroute-sync`` reads);
 scored calls are appended to it; without ``log`` (or with ``null``) the proxy keeps no log, and an empty
 path is an error. Unknown keys are errors (a typo is not silently ignored).
+
+Limits and upkeep (optional; defaults in brackets): ``max_messages`` [4096], the most messages in one
+chat request (400 above, naming it); ``max_budgets_per_caller`` [16], ``fedroute:budget=Y`` controllers
+kept per caller token (least recently used dropped); ``budget_state`` [``<log stem>.budgets.sqlite``
+beside the log, none without a log; ``null``: none], the SQLite file the controllers' state is saved to
+every ``budget_save_s`` [5] seconds and at shutdown, and restored from after a restart;
+``reload_s`` [30], seconds between checks for a newer bundle installed at ``bundle`` (0: never).
 """
 
 from __future__ import annotations
@@ -38,15 +45,20 @@ from sdk.errors import InvalidInputError
 from sdk.eval_log import EvalLog
 from sdk.router import Router
 from sdk.routed_chat import DEFAULT_MAX_FALLBACKS, DEFAULT_TIMEOUT_S, RoutedChat, Upstream
+from sdk.caller_budgets import DEFAULT_MAX_PER_CALLER
 from sdk.chat_text import DEFAULT_CONTEXT_CHARS
 from sdk.token_prices import TokenPrice
 
 _TOP = {"bundle", "public_key", "log", "lam", "budget_usd_per_1k", "max_fallbacks", "context_chars", "upstreams",
-        "passthrough", "precision"}
+        "passthrough", "precision", "max_messages", "max_budgets_per_caller", "budget_state", "budget_save_s",
+        "reload_s"}
+#: Options of the app (:func:`sdk.proxy.app.create_app`) and their defaults.
+_APP = {"max_messages": 4096, "budget_save_s": 5.0, "reload_s": 30.0}
 #: What each path key names (relative to the config's folder), for the message refusing an empty one.
 _PATHS = {"bundle": "the bundle folder written by `fedroute export`",
           "public_key": "the signing.pub file written by `fedroute keygen`",
-          "log": "the EvalLog file the proxy appends scored calls to (omit \"log\" or give null to keep no log)"}
+          "log": "the EvalLog file the proxy appends scored calls to (omit \"log\" or give null to keep no log)",
+          "budget_state": "the SQLite file of the budget controllers' state (null: keep it in memory only)"}
 _UPSTREAM = {"base_url", "api_key_env", "model", "timeout_s", "input_usd_per_1m", "output_usd_per_1m"}
 
 
@@ -81,13 +93,21 @@ class ProxyConfig:
         for key in ("bundle", "public_key", "upstreams"):
             if key not in raw:
                 raise InvalidInputError(f"proxy config {path}: {key!r} is required")
-        for key in ("bundle", "public_key", "log"):  # paths, joined to the config's folder
-            if key in raw and not (isinstance(raw[key], str) or (key == "log" and raw[key] is None)):
+        for key in ("bundle", "public_key", "log", "budget_state"):  # paths, joined to the config's folder
+            if key in raw and not (isinstance(raw[key], str) or (key in ("log", "budget_state") and raw[key] is None)):
                 raise InvalidInputError(f"proxy config {path}: {key!r} must be a path string, got "
                                         f"{type(raw[key]).__name__} {raw[key]!r:.80}")
             if isinstance(raw.get(key), str) and not raw[key].strip():  # "" named the config's own folder
                 raise InvalidInputError(f"proxy config {path}: {key!r} is an empty path; expected "
                                         + _PATHS[key])
+        for key in ("max_messages", "max_budgets_per_caller"):
+            if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], int) or raw[key] < 1):
+                raise InvalidInputError(f"proxy config {path}: {key!r} must be an int >= 1, got {raw[key]!r:.80}")
+        for key in ("budget_save_s", "reload_s"):
+            value = raw.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise InvalidInputError(f"proxy config {path}: {key!r} must be a finite number of seconds >= 0, "
+                                        f"got {value!r:.80}")
         for section in ("upstreams", "passthrough"):
             entries = raw.get(section, {})
             if not isinstance(entries, dict):
@@ -107,7 +127,14 @@ class ProxyConfig:
         return cls(path, raw)
 
     def _file(self, key: str) -> Path:
-        return (self.path.parent / self.raw[key]).resolve()
+        path = self.path.parent / self.raw[key]
+        # The bundle path is kept as a link: the sync job installs a new version by replacing it (reload_s).
+        return path.absolute() if key == "bundle" else path.resolve()
+
+    def app_options(self) -> dict:
+        """The keyword arguments of :func:`sdk.proxy.app.create_app` this config sets (``max_messages``,
+        ``budget_save_s``, ``reload_s``), defaults filled in."""
+        return {k: self.raw.get(k, default) for k, default in _APP.items()}
 
     def build_chat(self, *, observer=None) -> RoutedChat:
         """Load the bundle (signature verified), open the log and build the :class:`RoutedChat`.
@@ -123,7 +150,11 @@ class ProxyConfig:
         upstreams, prices = self._upstreams("upstreams")
         passthrough, more = self._upstreams("passthrough")
         log = EvalLog(self._file("log"), router.model_ids) if raw.get("log") else None
+        budget_state = (self._file("budget_state") if raw.get("budget_state") else
+                        log.path.with_suffix(".budgets.sqlite") if log is not None and "budget_state" not in raw else None)
         return RoutedChat(router, upstreams=upstreams, passthrough=passthrough, prices={**prices, **more},
+                          max_budgets_per_caller=raw.get("max_budgets_per_caller", DEFAULT_MAX_PER_CALLER),
+                          budget_state=budget_state,
                           lam=raw.get("lam"), budget_usd_per_1k=raw.get("budget_usd_per_1k"), log=log,
                           max_fallbacks=raw.get("max_fallbacks", DEFAULT_MAX_FALLBACKS),
                           context_chars=raw.get("context_chars", DEFAULT_CONTEXT_CHARS), observer=observer)

@@ -6,5 +6,5 @@ Modules: :mod:`.store` (durable state), :mod:`.validation` (upload checks), :mod
 a round kind supplies), :mod:`.round_kinds` (the registry), :mod:`.kmeans_rounds` and
 :mod:`.mlp_rounds` (the two kinds), :mod:`.rounds` (closing due rounds), :mod:`.errors`,
 :mod:`.app` (HTTP API), :mod:`.upload_state` (the upload path's caches and quota),
-:mod:`.group_commit` (the writer thread), :mod:`.http_limits` (header/body deadlines and sizes), :mod:`.cli` (``fedroute serve``, ``clients``, ``rounds``, ``publish``).
+:mod:`.group_commit` (the writer thread), :mod:`.cli` (``fedroute serve``, ``clients``, ``rounds``, ``publish``).
 """

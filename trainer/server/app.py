@@ -31,7 +31,7 @@ The upload path checks an upload against cached state (token -> client, the roun
 client's previous upload: :mod:`trainer.server.upload_state`) and stores it with a check ``SELECT``
 and an ``INSERT`` that re-check that state in one transaction (:meth:`Store.insert_update`); when the state
 moved (a revoke, a round closed, a retry) it takes the checked path (:meth:`Store.add_update`).
-HTTP limits (header size and time, body time, keep-alive): :mod:`trainer.server.http_limits`.
+HTTP limits (header size and time, body time, keep-alive): :mod:`sdk.http_limits`.
 """
 # No "from __future__ import annotations": FastAPI resolves the route annotations, which name locals.
 
@@ -62,7 +62,7 @@ from sdk.protocol import Receipt
 from trainer.server import round_kinds
 from trainer.server.errors import IdempotencyKeyReused, UploadRejected
 from trainer.server.group_commit import GroupWriter
-from trainer.server.http_limits import HttpLimits, RequestLimits
+from sdk.http_limits import HttpLimits, RequestLimits
 from trainer.server.round_kind import Publisher
 from trainer.server.rounds import close_due_rounds
 from trainer.server.store import Store, hash_token

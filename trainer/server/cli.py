@@ -21,6 +21,8 @@ from sdk import bundle_manifest
 from sdk.cli_paths import PathCheckedGroup
 from sdk.errors import BundleError
 from sdk.finite_option import COUNT_MAX, SEED_MAX, finite_option
+from sdk.http_options import (BodyTimeoutOpt, HeaderTimeoutOpt, HttpParserOpt, KeepAliveOpt, MaxConnectionsOpt,
+                              MaxHeaderBytesOpt, http_limits)
 from sdk.kind_registry import UnknownKindError
 from trainer.federated.gaussian_privacy import gaussian_epsilon
 from trainer.federated.update_checks import DEFAULT_MIN_COUNT
@@ -75,13 +77,13 @@ def serve(
     upload_quota: Annotated[int, typer.Option(min=0, max=COUNT_MAX, help="uploads per client per --quota-window-s (429 with "
                                                          "Retry-After above it; 0: no quota)")] = 30,
     quota_window_s: Annotated[float, typer.Option(callback=finite_option, min=0.001, help="window of the upload quota (seconds)")] = 60.0,
-    header_timeout_s: Annotated[float, typer.Option(callback=finite_option, min=0.01, help="seconds to send a request's headers (408)")] = 10.0,
-    body_timeout_s: Annotated[float, typer.Option(callback=finite_option, min=0.01, help="seconds to send a request's body after its "
-                                                             "headers (408)")] = 30.0,
-    max_header_bytes: Annotated[int, typer.Option(min=1024, max=COUNT_MAX, help="largest request line + headers (bytes)")] = 16384,
+    header_timeout_s: HeaderTimeoutOpt = 10.0,
+    body_timeout_s: BodyTimeoutOpt = 30.0,
+    max_header_bytes: MaxHeaderBytesOpt = 16384,
+    keep_alive_s: KeepAliveOpt = 5.0,
+    max_connections: MaxConnectionsOpt = 1000,
     access_log: Annotated[bool, typer.Option(help="log one line per request (costs CPU per upload)")] = False,
-    http_parser: Annotated[str | None, typer.Option(help="httptools (default when installed) or h11 (uvicorn's "
-                                                         "HTTP parsers; both with the header cap and deadlines)")] = None,
+    http_parser: HttpParserOpt = None,
     commit_delay_ms: Annotated[float, typer.Option(callback=finite_option, min=0.0, max=1000.0, help="longest wait of a group commit for "
                                                    "uploads already on their way (ms; 0: commit at once)")] = 5.0,
     *,
@@ -89,11 +91,10 @@ def serve(
 ) -> None:
     """Run the aggregation server over HTTPS (uvicorn with httptools, one process: SQLite has one writer).
 
-    HTTP limits (the options below): docs/sync-protocol-and-operations.md, trainer/server/http_limits.py."""
+    HTTP limits (the options below): docs/sync-protocol-and-operations.md, sdk/http_limits.py."""
     import uvicorn  # server extra, imported on use
 
     from trainer.server.app import create_app  # server extra (fastapi)
-    from trainer.server.http_limits import HttpLimits  # server extra (uvicorn)
     from trainer.server.upload_state import UploadQuota  # server extra
 
     if bundle_dir is not None and bundle_dir.exists() and not bundle_dir.is_dir():
@@ -121,10 +122,9 @@ def serve(
         typer.echo(f"warning: --bundle-dir {bundle_dir} does not exist yet; /v1/bundles answers 404 until a round "
                    "publishes there", err=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if http_parser not in (None, "h11", "httptools"):
-        raise typer.BadParameter(f"--http-parser must be h11 or httptools, got {http_parser!r}")
-    limits = HttpLimits(max_header_bytes=max_header_bytes, header_timeout_s=header_timeout_s,
-                        body_timeout_s=body_timeout_s, parser=http_parser or HttpLimits.parser)
+    limits = http_limits(max_header_bytes=max_header_bytes, header_timeout_s=header_timeout_s,
+                         body_timeout_s=body_timeout_s, keep_alive_s=keep_alive_s, max_connections=max_connections,
+                         http_parser=http_parser)
     store = _store(db, existing=True)
     _warn_if_the_round_publishes_elsewhere(store, bundle_dir)
     app = create_app(store, bundle_dir, max_body_bytes=max_body_bytes, tick_s=tick_s,

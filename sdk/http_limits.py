@@ -1,6 +1,7 @@
-"""Limits of the aggregation server's HTTP layer: what a slow, idle, flooding or vanishing client can cost.
+"""HTTP limits of ``fedroute serve`` and ``fedroute proxy``: what a slow, idle, flooding or vanishing client can cost.
 
-The server runs uvicorn with its **httptools** parser by default (the C parser; ``--http-parser h11``
+Needs uvicorn (the ``server`` and ``proxy`` extras); ``import sdk`` never imports this module.
+Both servers run uvicorn with its **httptools** parser by default (the C parser; ``--http-parser h11``
 for the pure-Python one, the default when httptools is not installed). uvicorn's header-size
 setting (``h11_max_incomplete_event_size``) only applies to h11, and httptools alone would buffer a
 request head of any size, so :class:`_Deadlines` caps the request head itself, for both parsers, at
@@ -8,8 +9,8 @@ the same ``max_header_bytes`` (431 and close), counted before the parser sees th
 setting, set to the same value, is then not reached). The header count is checked by :class:`RequestLimits` for both.
 With TLS, 64 devices and MessagePack bodies, a bare ASGI app answering 201
 (``benchmarks/http_floor_app.py``) cost 0.2-0.4 ms less server CPU per request under httptools than
-under h11 in two runs on a loaded 2-core machine (docs/benchmarks.md). The limits (:class:`HttpLimits`, ``fedroute serve``
-options; docs/sync-protocol-and-operations.md lists them):
+under h11 in two runs on a loaded 2-core machine (docs/benchmarks.md). The limits (:class:`HttpLimits`, options of
+``fedroute serve`` and ``fedroute proxy``; docs/sync-protocol-and-operations.md and docs/openai_proxy.md list them):
 
 ========================  ========  ==========================================================================
 limit                     default   where
@@ -26,11 +27,11 @@ body read time            30 s      :class:`_Deadlines`: from the end of the hea
 idle keep-alive           5 s       uvicorn ``timeout_keep_alive``: between requests on one connection
 TLS handshake             60 s      asyncio's ``ssl_handshake_timeout`` (its default)
 concurrent connections    1000      uvicorn ``limit_concurrency``: 503 above it
-body size                 4 MiB     the upload route (``max_body_bytes``): 413
+body size                 4 MiB     the server's upload route (``max_body_bytes``; the proxy's: 32 MiB): 413
 ========================  ========  ==========================================================================
 
-A client that disconnects mid-body ends its request quietly (one INFO line, no traceback): the
-route's ``ClientDisconnect`` handler (:mod:`trainer.server.app`).
+A client that disconnects mid-body ends its request quietly (one INFO line, no traceback): each app's
+``ClientDisconnect`` handler.
 """
 
 from __future__ import annotations

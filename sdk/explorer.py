@@ -1,0 +1,309 @@
+"""``Explorer``: opt-in exploration on the device, over a K-means bundle's per-(cell, model) statistics.
+
+Greedy routing (:meth:`sdk.Router.choose`) logs the model the bundle already rates best, so the
+federated statistics keep learning about that model only (ARCHITECTURE.md §11). An :class:`Explorer`
+wraps a loaded K-means :class:`~sdk.Router` and chooses by Thompson sampling at the caller's ``lam``
+(Thompson 1933; Russo et al. 2018, "A tutorial on Thompson sampling", Alg. 1): for a query in cell
+``k``, draw each model's accuracy ``theta_m ~ Beta(alpha_k^m, beta_k^m)`` and pick
+``argmax_m theta_m - lam * C_k^m`` (ties: the cheaper model, then the lower index).
+
+Posterior (:func:`sdk.exploration.beta_posterior`): the bundle's shrunk mean
+``A = (S + kappa P) / (n + kappa)``, its count ``n`` and the shrinkage ``kappa`` (``prior_strength``
+in ``kmeans.npz``) give ``alpha = A (n + kappa)``, ``beta = (1 - A)(n + kappa)``: the Beta posterior
+of prior ``Beta(kappa P, kappa (1 - P))`` after ``n`` observations summing to ``S``. Its mean is the
+bundle's ``A``, so the greedy choice is the argmax of the posterior-mean utility.
+
+Propensity: each :class:`~sdk.router.Choice` carries ``policy`` and ``propensity``, the probability
+that the policy picks the logged model for that query; :meth:`sdk.EvalLog.record_choice` stores them
+for offline evaluation (inverse propensity weighting). For ``"thompson"`` it is a Monte Carlo
+estimate over ``n_draws`` posterior draws per cell (drawn once, by a generator of their own seeded
+from ``seed`` and the cell, so the choices never depend on what was cached), evaluated once per
+(cell, ``lam``), with the query's own draw counted as one more: ``(count_m + 1) / (n_draws + 1)``,
+never 0 for the logged model (standard error about ``sqrt(p (1 - p) / n_draws)``). ``"uniform"`` is
+exact.
+
+Cost of exploring: under the current posterior a query of cell ``k`` loses, in expectation,
+``R_k(lam) = sum_m p_k^m (U_k^* - U_k^m)`` in utility (accuracy points, at ``lam``) against the
+greedy choice, with ``U_k^m = A_k^m - lam C_k^m`` and ``p`` the propensities
+(:meth:`Explorer.expected_regret`); a logged query's own loss is ``max(s.utility for s in
+choice.scores) - choice.utility``. ``max_regret`` bounds it per query: models whose posterior-mean
+utility is more than ``max_regret`` below the greedy one's are never explored (``max_regret=0``:
+greedy).
+
+Federation: nothing new leaves the device. The rows an Explorer logs feed the usual statistics
+upload (:func:`sdk.local_update.kmeans_update`: per-(cell, model) counts and sums, per-cell mean
+embeddings above the privacy floor); policy and propensity stay in the local log. Each round's
+merged table, installed as the next bundle, is every device's next posterior.
+"""
+
+from __future__ import annotations
+
+import numbers
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sdk.errors import InvalidInputError
+from sdk.exploration import ExplorationPolicy, beta_posterior
+from sdk.real_numbers import finite_float, is_real_number, shown
+from sdk.router import Choice, Router, _check_queries, check_query
+from sdk.scorers import KMeansScorer
+from sdk.utility import check_lambda
+
+__all__ = ["DEVICE_POLICIES", "Explorer"]
+
+#: Policies an :class:`Explorer` runs: both choose at the caller's ``lam`` (``frontier`` and
+#: ``top_two`` of :mod:`sdk.exploration` draw their own point on the cost axis: simulation only).
+DEVICE_POLICIES = ("thompson", "uniform")
+#: (cell, lam) entries of the propensity cache before it is emptied (an app whose lam changes per
+#: query would otherwise grow it without bound).
+_CACHE_SIZE = 4096
+
+
+class Explorer:
+    """A K-means :class:`~sdk.Router` that explores: :meth:`choose` samples the model to log.
+
+    Parameters
+    ----------
+    router : a loaded :class:`sdk.Router` of a K-means bundle (``router_kind == "kmeans"``).
+    policy : ``"thompson"`` (default; module docstring) or ``"uniform"`` (every model with an
+        estimate alike, within ``max_regret``).
+    seed : int >= 0 or None (fresh OS entropy); the same seed, bundle and calls give the same choices
+        and propensities, bit for bit.
+    n_draws : int in [1, 10**7], Monte Carlo runs per (cell, ``lam``) for the Thompson propensity.
+    max_regret : float >= 0 or None (no bound): the most posterior-mean utility (accuracy points at
+        the call's ``lam``) a query may give up against the greedy choice.
+
+    Attributes
+    ----------
+    policy : the :class:`sdk.exploration.ExplorationPolicy` value (name, seed, n_draws).
+    alpha_, beta_ : ndarray of shape (n_cells, n_models), float64, the Beta posterior (NaN: no estimate).
+
+    Thread-safe: one lock guards the generator and the cache.
+
+    Raises
+    ------
+    InvalidInputError
+        ``router`` is not a Router or not a K-means one (an MLP bundle has no cell statistics),
+        ``policy`` unknown, ``seed``, ``n_draws`` or ``max_regret`` out of range or of the wrong type.
+    """
+
+    def __init__(self, router: Router, *, policy: str = "thompson", seed: int | None = None, n_draws: int = 1000,
+                 max_regret: float | None = None) -> None:
+        if not isinstance(router, Router):
+            raise InvalidInputError(f"router must be an sdk.Router, got {type(router).__name__}")
+        scorer = router._scorer  # the K-means table this module samples from (sdk-internal)
+        if not isinstance(scorer, KMeansScorer):
+            raise InvalidInputError(f"exploration needs a K-means bundle (per-cell counts and means to sample from); "
+                                    f"this bundle's router is {router.router_kind!r}")
+        if policy not in DEVICE_POLICIES:
+            raise InvalidInputError(f"policy must be one of {list(DEVICE_POLICIES)}, got {shown(policy)}")
+        if seed is not None and not (_is_int(seed) and seed >= 0):
+            raise InvalidInputError(f"seed must be an int >= 0 or None, got {shown(seed)}")
+        if not (_is_int(n_draws) and 1 <= n_draws <= 10**7):
+            raise InvalidInputError(f"n_draws must be an int in [1, 10**7], got {shown(n_draws)}")
+        if max_regret is not None:
+            bound = finite_float(max_regret) if is_real_number(max_regret) else None
+            if bound is None or bound < 0:
+                raise InvalidInputError(f"max_regret must be a finite real number >= 0 or None, got {shown(max_regret)}")
+            max_regret = bound
+        self.router = router
+        self.policy = ExplorationPolicy(policy, None if seed is None else int(seed), int(n_draws))
+        self.max_regret = max_regret
+        self.alpha_, self.beta_ = beta_posterior(scorer.accuracy, scorer.count, scorer.prior_strength)
+        self._accuracy, self._cost = scorer.accuracy, scorer.cost
+        self._seeds = np.random.SeedSequence(self.policy.seed)
+        self._rng = np.random.default_rng(self._seeds)
+        self._lock = threading.Lock()
+        self._plans: dict[tuple[int, float], tuple[_CellPlan, np.ndarray]] = {}
+        self._cell_plans: dict[int, _CellPlan] = {}
+        self._pools: dict[int, np.ndarray] = {}
+
+    # -- decisions ----------------------------------------------------------------------------
+
+    def choose(self, query: str, lam: float) -> Choice:
+        """The model to send ``query`` to, drawn by the policy at ``lam``.
+
+        Parameters
+        ----------
+        query : non-blank str (as :meth:`sdk.Router.choose`).
+        lam : float, USD^-1, finite and >= 0.
+
+        Returns
+        -------
+        :class:`~sdk.router.Choice` with ``policy`` the policy's name and ``propensity`` in (0, 1]
+        (module docstring); its ``scores`` are the bundle's posterior means, as greedy.
+
+        Raises
+        ------
+        InvalidQueryError, InvalidLambdaError
+        """
+        lam = check_lambda(lam)
+        return self._choices([check_query(query)], lam)[0]
+
+    def choose_batch(self, queries: Sequence[str], lam: float) -> list[Choice]:
+        """:meth:`choose` for each query (one embedding call, one draw per query).
+
+        Raises
+        ------
+        InvalidQueryError, InvalidLambdaError
+        """
+        lam = check_lambda(lam)
+        return self._choices(_check_queries(queries), lam)
+
+    def _choices(self, queries: list[str], lam: float) -> list[Choice]:
+        acc, cost, cells, emb = self.router._predict(queries)
+        picked, p = np.empty(len(queries), dtype=np.int64), np.empty(len(queries))
+        with self._lock:
+            for i, k in enumerate(cells):
+                plan, probs = self._plan(int(k), lam)
+                if plan.models_ranked.size == 0:  # as greedy (sdk.utility.decide): nothing to choose from
+                    raise InvalidInputError(f"query {i} (cell {int(k)}) has no model with an estimate")
+                picked[i] = plan.draw(self._rng, lam, self.policy.name)
+                p[i] = probs[picked[i]]
+        if self.policy.name == "thompson":  # the query's own draw is one more run (module docstring)
+            n = self.policy.n_draws
+            p = (np.rint(p * n) + 1.0) / (n + 1.0)
+        return self.router._choices_of(acc, cost, cells, emb, lam, picked, self.policy.name, p)
+
+    # -- what exploring costs -----------------------------------------------------------------
+
+    def probabilities(self, lam: float) -> np.ndarray:
+        """Each model's probability of being chosen, per cell, at ``lam``.
+
+        Returns
+        -------
+        ndarray of shape (n_cells, n_models), float64, rows summing to 1 (0 for a model without an
+        estimate or beyond ``max_regret``); Monte Carlo (``n_draws`` runs) for ``"thompson"``, exact
+        for ``"uniform"``. A row of NaN for a cell with no model to choose.
+
+        Raises
+        ------
+        InvalidLambdaError
+        """
+        return self._all_probabilities(check_lambda(lam))
+
+    def expected_regret(self, lam: float) -> np.ndarray:
+        """Expected utility lost against the greedy choice per query of each cell, under the current
+        posterior: ``R_k = sum_m p_k^m (U_k^* - U_k^m)``, ``U = A - lam * C`` (module docstring).
+
+        Returns
+        -------
+        ndarray of shape (n_cells,), float64, >= 0, accuracy points at ``lam``; at most ``max_regret``
+        when set; NaN for a cell with no model to choose.
+
+        Raises
+        ------
+        InvalidLambdaError
+        """
+        lam = check_lambda(lam)
+        p = self._all_probabilities(lam)
+        u = self._accuracy - lam * self._cost
+        gap = np.fmax.reduce(u, axis=1, keepdims=True) - u  # fmax skips NaN (no estimate)
+        regret = np.nansum(p * gap, axis=1)  # p is 0 exactly where gap is NaN
+        regret[np.isnan(p).all(axis=1)] = np.nan
+        return regret
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _all_probabilities(self, lam: float) -> np.ndarray:
+        out = np.full(self._cost.shape, np.nan)
+        with self._lock:
+            for k in range(out.shape[0]):
+                plan, probs = self._plan(k, lam)
+                if plan.models_ranked.size:
+                    out[k] = probs
+        return out
+
+    def _plan(self, cell: int, lam: float) -> tuple[_CellPlan, np.ndarray]:
+        """The models the policy may choose in ``cell`` at ``lam`` (:class:`_CellPlan`) and each
+        model's probability under the policy, (n_models,); cached. Caller holds the lock.
+
+        Thompson probabilities are the share of ``n_draws`` posterior draws of the cell
+        (:meth:`_pool`, reused for every ``lam``) that each model wins by
+        :func:`sdk.exploration.thompson_choice`'s rule (utility, then lower cost, then lower index);
+        uniform ones are exact."""
+        key = (cell, lam)
+        found = self._plans.get(key)
+        if found is not None:
+            return found
+        if len(self._plans) >= _CACHE_SIZE:
+            self._plans.clear()
+        plan = self._cell_plans.get(cell)  # without max_regret the models do not depend on lam
+        if plan is None:
+            plan = self._cell_plan(cell, lam)
+            if self.max_regret is None:
+                self._cell_plans[cell] = plan
+        probs = np.zeros(self._cost.shape[1])
+        if self.policy.name == "uniform" and plan.models_ranked.size:
+            probs[plan.models_ranked] = 1.0 / plan.models_ranked.size
+        elif plan.models_ranked.size:
+            u = self._pool(cell, plan.known_ranked) - lam * self._cost[cell, plan.known_ranked]
+            if not plan.keep.all():
+                u[:, ~plan.keep] = -np.inf
+            probs[plan.known_ranked] = np.bincount(np.argmax(u, axis=1), minlength=plan.keep.size) / u.shape[0]
+        self._plans[key] = plan, probs
+        return plan, probs
+
+    def _cell_plan(self, cell: int, lam: float) -> _CellPlan:
+        """The :class:`_CellPlan` of ``cell`` at ``lam``: models with a posterior and a cost, within
+        ``max_regret`` of the greedy utility. Does not validate."""
+        a, b, cost = self.alpha_[cell], self.beta_[cell], self._cost[cell]
+        known = np.flatnonzero(np.isfinite(a) & np.isfinite(b) & np.isfinite(cost))
+        ranked = known[np.lexsort((known, cost[known]))]  # by cost, then index: an argmax keeps the first of a tie
+        keep = np.ones(ranked.size, dtype=bool)
+        if self.max_regret is not None and ranked.size:
+            u = self._accuracy[cell, ranked] - lam * cost[ranked]
+            keep = u.max() - u <= self.max_regret
+        models = np.sort(ranked[keep])  # column order: the order thompson_choice draws them in
+        mask = np.zeros(cost.size, dtype=bool)
+        mask[models] = True
+        return _CellPlan(mask, a[models], b[models], np.searchsorted(models, ranked[keep]), cost[ranked[keep]],
+                         ranked[keep], ranked, keep)
+
+    def _pool(self, cell: int, ranked: np.ndarray) -> np.ndarray:
+        """(n_draws, len(ranked)) accuracy draws of the posterior of ``cell``'s models ``ranked`` (the
+        models with an estimate, by cost), drawn on first use by a generator seeded from ``seed`` and
+        the cell (never the choices' generator)."""
+        theta = self._pools.get(cell)
+        if theta is None:
+            rng = np.random.default_rng(np.random.SeedSequence(self._seeds.entropy, spawn_key=(cell,)))
+            theta = rng.beta(self.alpha_[cell, ranked], self.beta_[cell, ranked], size=(self.policy.n_draws, ranked.size))
+            self._pools[cell] = theta
+        return theta
+
+    def __repr__(self) -> str:
+        return (f"Explorer(policy={self.policy.name!r}, seed={self.policy.seed}, n_draws={self.policy.n_draws}, "
+                f"max_regret={self.max_regret}, router={self.router!r})")
+
+
+@dataclass(frozen=True)
+class _CellPlan:
+    """The models the policy may choose in one cell at one ``lam``: ``mask`` (n_models,) bool;
+    ``alpha``, ``beta`` their posteriors in column order; ``rank`` their positions by (cost, index);
+    ``cost_ranked``, ``models_ranked`` their costs and indices in that order. ``known_ranked``: the
+    cell's models with an estimate by (cost, index), ``keep`` (bool, same length) those within
+    ``max_regret``."""
+
+    mask: np.ndarray
+    alpha: np.ndarray
+    beta: np.ndarray
+    rank: np.ndarray
+    cost_ranked: np.ndarray
+    models_ranked: np.ndarray
+    known_ranked: np.ndarray
+    keep: np.ndarray
+
+    def draw(self, rng: np.random.Generator, lam: float, policy: str) -> int:
+        """One query's choice: the draws :func:`sdk.exploration.thompson_choice` (or
+        :func:`~sdk.exploration.uniform_choice`) makes for it from ``rng``, and its pick (tested)."""
+        if policy == "uniform":
+            return int(np.argmax(np.where(self.mask, rng.random(self.mask.size), -1.0)))
+        u = rng.beta(self.alpha, self.beta)[self.rank] - lam * self.cost_ranked
+        return int(self.models_ranked[np.argmax(u)])
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
