@@ -496,12 +496,24 @@ def test_a_fedprism_node_keeps_components_trained_on_fewer_than_min_count_sample
     assert strategy.rejected_ == []
 
 
-@pytest.mark.parametrize("min_count", [0, -1, 2.5, True, "5"])
-def test_fedprism_strategy_refuses_a_bad_min_count(min_count):
+def _with_min_count(owner: str, min_count):
+    """Build what takes a privacy threshold: each Flower strategy, or read a round config."""
     from trainer.experts.flower_strategy import FedPrismStrategy
+    from trainer.federated.update_checks import round_min_count
+    from trainer.rewards.flower_router import RouterFedAvg
 
-    with pytest.raises(InvalidInputError, match=f"min_count must be an int >= 1, got {min_count!r}"):
-        FedPrismStrategy([_w(0, 0)], {"r": np.zeros(1, np.float32)}, min_count=min_count)
+    return {"fedprism": lambda: FedPrismStrategy([_w(0, 0)], {"r": np.zeros(1, np.float32)}, min_count=min_count),
+            "mor router": lambda: RouterFedAvg("samples", min_count=min_count),
+            "kmeans": lambda: FederatedKMeansStrategy(("a", "b"), "toy", min_count=min_count),
+            "round config": lambda: round_min_count({"min-count": min_count})}[owner]()
+
+
+@pytest.mark.parametrize("owner", ["fedprism", "mor router", "kmeans", "round config"])
+@pytest.mark.parametrize("min_count", [0, -1, 2.5, True, "5"])
+def test_every_strategy_refuses_a_bad_min_count_naming_it(owner, min_count):
+    with pytest.raises(InvalidInputError) as info:
+        _with_min_count(owner, min_count)
+    assert str(info.value).split(" must ")[0].endswith(("min_count", "min-count"))
 
 
 def _mor_reply(node, params, n):
@@ -619,14 +631,6 @@ def test_a_mor_router_node_below_min_count_sends_no_update():
     assert sorted(n for _, n in strategy.last_updates_) == [2.0, 6.0] and strategy.rejected_ == []
     with pytest.raises(InvalidInputError, match="train config key 'min-count' is set by the strategy"):
         strategy.configure_train(1, initial, ConfigRecord({"min-count": 1}), grid)
-
-
-@pytest.mark.parametrize("min_count", [0, -1, 2.5, True, "5"])
-def test_mor_router_fedavg_refuses_a_bad_min_count(min_count):
-    from trainer.rewards.flower_router import RouterFedAvg
-
-    with pytest.raises(InvalidInputError, match=f"min_count must be an int >= 1, got {min_count!r}"):
-        RouterFedAvg("samples", min_count=min_count)
 
 
 def test_rejected_reply_lives_in_a_neutral_module_and_flower_app_reexports_it():
