@@ -38,7 +38,8 @@ class CellStatistics:
     ShapeError
         On construction, if values are not real numbers (strings, complex...), shapes differ or are not
         2-D, values are not finite, counts are negative,
-        ``sum_accuracy`` is outside ``[0, count]`` or ``sum_cost`` is negative.
+        ``sum_accuracy`` is outside ``[0, count]`` (relative tolerance 1e-9) or ``sum_cost`` is
+        negative; the message starts with the offending field's name (``count: must be >= 0``).
     """
 
     count: np.ndarray
@@ -46,44 +47,25 @@ class CellStatistics:
     sum_cost: np.ndarray
 
     def __post_init__(self) -> None:
-        # A min and a max per array find NaN (it propagates into both) and infinity, and give the
-        # ranges; the tolerant comparisons run only where a range says they might fail (the checks
-        # run on every upload the server accepts, docs/benchmarks.md).
-        arrays, bounds = {}, {}
+        # Each array in turn; a min and a max find NaN (it propagates into both) and infinity, and
+        # give the range; the tolerant comparison of the scores runs only where the range needs it.
+        count = None
         for name in ("count", "sum_accuracy", "sum_cost"):
             arr = real_array(getattr(self, name), name)
-            if arr.ndim != 2:
-                raise ShapeError(f"{name} must have shape (n_cells, n_models), got {arr.shape}")
+            if arr.ndim != 2 or (count is not None and arr.shape != count.shape):
+                want = "(n_cells, n_models)" if count is None else f"{count.shape}, the shape of count"
+                raise ShapeError(f"{name}: must have shape {want}, got {arr.shape}")
             low, high = (float(arr.min()), float(arr.max())) if arr.size else (0.0, 0.0)
             if not (math.isfinite(low) and math.isfinite(high)):
-                raise ShapeError(f"{name} must be finite")
-            arrays[name], bounds[name] = arr, (low, high)
+                raise ShapeError(f"{name}: must be finite")
+            if name == "sum_accuracy":
+                tol = 1e-9 * np.maximum(1.0, count)
+                if (low < 0 and (arr < -tol).any()) or (high > 0 and (arr > count).any() and (arr > count + tol).any()):
+                    raise ShapeError("sum_accuracy: must lie in [0, count] (accuracy in [0, 1])")
+            elif low < 0:
+                raise ShapeError(f"{name}: must be >= 0" + (" (USD)" if name == "sum_cost" else ""))
             object.__setattr__(self, name, arr)
-        shapes = {name: a.shape for name, a in arrays.items()}
-        if len(set(shapes.values())) != 1:
-            raise ShapeError(f"count, sum_accuracy and sum_cost must have one shape, got {shapes}")
-        count, s_acc = arrays["count"], arrays["sum_accuracy"]
-        if bounds["count"][0] < 0:
-            raise ShapeError("count must be >= 0")
-        low, high = bounds["sum_accuracy"]
-        if (low < 0 and (s_acc < -1e-9 * np.maximum(1.0, count)).any()) or (
-                high > 0 and (s_acc > count).any() and (s_acc > count + 1e-9 * np.maximum(1.0, count)).any()):
-            raise ShapeError("sum_accuracy must lie in [0, count] (accuracy in [0, 1])")
-        if bounds["sum_cost"][0] < 0:
-            raise ShapeError("sum_cost must be >= 0 (USD)")
-
-    @classmethod
-    def of_checked(cls, count: np.ndarray, sum_accuracy: np.ndarray, sum_cost: np.ndarray) -> CellStatistics:
-        """Statistics of float64 arrays of one 2-D shape that the caller has ALREADY checked
-        against every rule of the constructor (finite; ``count >= 0``; ``sum_accuracy`` in ``[0,
-        count]`` with the constructor's tolerance; ``sum_cost >= 0``), taken as they are, without
-        checking them again. For the server's upload validation
-        (:func:`trainer.server.validation.validate_update`), which checks each of these rules
-        itself to name the offending field in its 422 and runs on every upload."""
-        out = object.__new__(cls)
-        for name, arr in (("count", count), ("sum_accuracy", sum_accuracy), ("sum_cost", sum_cost)):
-            object.__setattr__(out, name, arr)
-        return out
+            count = arr if count is None else count
 
     @property
     def n_cells(self) -> int:

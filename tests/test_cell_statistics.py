@@ -74,18 +74,21 @@ def test_min_count_suppresses_small_cells():
 
 
 @pytest.mark.parametrize(
-    "count, sum_acc, sum_cost, message",
+    "count, sum_acc, sum_cost, field",
     [
-        ([[-1.0]], [[0.0]], [[0.0]], "count must be >= 0"),
-        ([[1.0]], [[2.0]], [[0.0]], "sum_accuracy must lie in"),
-        ([[1.0]], [[1.0]], [[-0.5]], "sum_cost must be >= 0"),
-        ([[np.nan]], [[0.0]], [[0.0]], "finite"),
-        ([[1.0, 1.0]], [[1.0]], [[1.0]], "one shape"),
+        ([[-1.0]], [[0.0]], [[0.0]], "count"),
+        ([[1.0]], [[2.0]], [[0.0]], "sum_accuracy"),
+        ([[1.0]], [[1.0]], [[-0.5]], "sum_cost"),
+        ([[np.nan]], [[0.0]], [[0.0]], "count"),
+        ([[1.0]], [[1.0]], [[np.inf]], "sum_cost"),
+        ([[1.0, 1.0]], [[1.0]], [[1.0]], "sum_accuracy"),  # another shape than count's
+        ([1.0], [1.0], [1.0], "count"),  # not 2-D
     ],
 )
-def test_invalid_statistics_are_refused(count, sum_acc, sum_cost, message):
-    with pytest.raises(ShapeError, match=message):
+def test_invalid_statistics_are_refused_naming_the_field(count, sum_acc, sum_cost, field):
+    with pytest.raises(ShapeError) as info:
         CellStatistics(np.array(count), np.array(sum_acc), np.array(sum_cost))
+    assert str(info.value).split(":")[0] == field
 
 
 def test_nearest_cell_hand_computed():

@@ -235,7 +235,7 @@ def test_nan_and_inf_are_422(server, token):
     body = json.dumps(payload(server["round"])).replace("0.004", token, 1)  # a sum_cost entry
     assert token in body
     answer = post(server, None, raw=body.encode())
-    assert answer.status_code == 422 and "NaN or infinity" in answer.json()["detail"]
+    assert answer.status_code == 422 and answer.json()["detail"].split(":")[0] == "sum_cost"
 
 
 def test_msgpack_body_is_accepted(server):

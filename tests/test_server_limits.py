@@ -306,7 +306,7 @@ def test_negative_count_names_count_not_the_cost_bound(live):
     body["count"][0][0] = -5  # before the fix: "sum_cost is above 1000 USD per query"
     answer = post(live, json.dumps(body).encode(), client="bob", key="neg")
     assert answer.status_code == 422
-    assert answer.json()["detail"] == "count: entries must be whole numbers in [0, 2147483647]"
+    assert answer.json()["detail"].split(":")[0] == "count"
 
 
 def test_msgpack_and_json_bodies_of_one_update_store_identical_rows(live):

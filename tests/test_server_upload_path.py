@@ -79,30 +79,28 @@ def test_a_valid_msgpack_body_keeps_its_float32_means_exactly(store_round):
     np.testing.assert_array_equal(stored.statistics.count[:2], [[2, 0], [0, 3]])
 
 
-@pytest.mark.parametrize("field,dtype,values,message", [
-    ("count", "<f8", np.full((N_CELLS, 2), np.nan), "count: holds NaN or infinity"),
-    ("count", "<f8", [[2, 0], [0, 3.5], [0, 0], [0, 0]], "count: entries must be whole numbers in [0, 2147483647]"),
-    ("sum_accuracy", "<f8", [[1, 0], [0, np.inf], [0, 0], [0, 0]], "sum_accuracy: holds NaN or infinity"),
-    ("sum_accuracy", "<f8", [[1, 0], [0, 3.1], [0, 0], [0, 0]],
-     "sum_accuracy: entries must lie in [0, count] (scores in [0, 1])"),
-    ("sum_cost", "<f8", [[-0.001, 0], [0, 0], [0, 0], [0, 0]], "sum_cost: entries must be >= 0 (USD)"),
-    ("sum_cost", "<f8", [[2001.0, 0], [0, 0], [0, 0], [0, 0]],
-     "sum_cost: is above 1000 USD per query (entry [0, 0]: 2001 USD for 2 queries)"),
-    ("local_centroids", "<f4", [[0.0, 0.9, 0.9]], "local_centroids: must be means of unit-norm embeddings (norm <= 1)"),
-    ("local_weights", "<f8", [-np.inf], "local_weights: holds NaN or infinity"),
-    ("local_weights", "<f8", [2.5], "local_weights: must be whole numbers in [0, 2147483647]"),
+@pytest.mark.parametrize("field,dtype,values", [
+    ("count", "<f8", np.full((N_CELLS, 2), np.nan)),
+    ("count", "<f8", [[2, 0], [0, 3.5], [0, 0], [0, 0]]),
+    ("sum_accuracy", "<f8", [[1, 0], [0, np.inf], [0, 0], [0, 0]]),
+    ("sum_accuracy", "<f8", [[1, 0], [0, 3.1], [0, 0], [0, 0]]),
+    ("sum_cost", "<f8", [[-0.001, 0], [0, 0], [0, 0], [0, 0]]),
+    ("sum_cost", "<f8", [[2001.0, 0], [0, 0], [0, 0], [0, 0]]),  # above 1000 USD per query
+    ("centroid_cells", "<i8", [N_CELLS]),
+    ("local_centroids", "<f4", [[0.0, 0.9, 0.9]]),  # norm above 1
+    ("local_weights", "<f8", [-np.inf]),
+    ("local_weights", "<f8", [2.5]),
 ])
-def test_each_array_check_names_its_field(store_round, field, dtype, values, message):
+def test_each_array_check_names_its_field(store_round, field, dtype, values):
     _, r = store_round
-    assert rejected(r, msgpack_body(r, **{field: mp_array(values, dtype)})) == message
+    assert rejected(r, msgpack_body(r, **{field: mp_array(values, dtype)})).split(":")[0] == field
 
 
 def test_repeated_or_out_of_range_cells_are_refused(store_round):
     _, r = store_round
     two = {"local_centroids": mp_array([[0, 0.6, 0], [0, 0.6, 0]], "<f4"), "local_weights": mp_array([2, 2], "<f8")}
     for cells in ([1, 1], [1, N_CELLS]):
-        detail = rejected(r, msgpack_body(r, centroid_cells=mp_array(cells, "<i8"), **two))
-        assert detail == f"centroid_cells: must be distinct cells in [0, {N_CELLS}), got {cells}"
+        assert rejected(r, msgpack_body(r, centroid_cells=mp_array(cells, "<i8"), **two)).split(":")[0] == "centroid_cells"
 
 
 @pytest.mark.parametrize("bad", [True, None, "1"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,54 +23,8 @@ import numpy as np
 from sdk.errors import InvalidInputError
 from trainer import kinds, static_embedder  # noqa: F401  (static_embedder registers embedder/static)
 from trainer.data.errors import DataUnavailableError
-from trainer.embedder_kind import EmbedderTrainerKind, kind_of
+from trainer.embedder_kind import EmbedderConfig, EmbedderTrainerKind, kind_of  # noqa: F401  (EmbedderConfig re-exported)
 from trainer.embedder_paths import DEFAULT_EMBEDDER, HUB_ID, default_cache_dir, resolve_model_path  # noqa: F401  (re-exported)
-
-
-@dataclass(frozen=True)
-class EmbedderConfig:
-    """Which embedder and how it reads text.
-
-    model : local path, short name ``all-MiniLM-L6-v2`` or hub id (a sentence-transformer, kind
-        ``onnx``), or ``"static:<model2vec folder or sentence-transformer>"`` (kind ``static``,
-        :mod:`trainer.static_embedder`); see :func:`trainer.embedder_kind.kind_of`.
-    max_tokens : int, tokens read per text (MiniLM: 256); the static kind reads the whole text.
-    truncation_side : ``"left"`` keeps the end of the text (see module docstring).
-    batch_size : int, texts per forward pass.
-    device : torch device string, e.g. ``"cpu"`` or ``"cuda"``.
-    """
-
-    model: str = DEFAULT_EMBEDDER
-    max_tokens: int = 256
-    truncation_side: str = "left"
-    batch_size: int = 32
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if self.truncation_side not in ("left", "right"):
-            raise InvalidInputError(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}")
-        if self.max_tokens < 8:
-            raise InvalidInputError(f"max_tokens must be >= 8, got {self.max_tokens}")
-
-    @property
-    def cache_namespace(self) -> str:
-        """Cache namespace of a sentence-transformer (kind ``onnx``); other kinds name their own
-        (:meth:`trainer.embedder_kind.EmbedderTrainerKind.cache_namespace`)."""
-        return f"{self.model}|{self.max_tokens}|{self.truncation_side}|mean|l2"
-
-    @property
-    def kind(self) -> EmbedderTrainerKind:
-        """The embedder kind ``model`` names (:func:`trainer.embedder_kind.kind_of`)."""
-        return kind_of(self.model)[0]
-
-    @property
-    def spec(self) -> str:
-        """``model`` without its ``"<kind>:"`` prefix."""
-        return kind_of(self.model)[1]
-
-    def router_entry(self, dim: int, cache_dir: Path | None = None) -> dict:
-        """The ``embedder`` entry of ``router.json`` for routers trained on these embeddings."""
-        return self.kind.router_entry(self, self.spec, dim, cache_dir or default_cache_dir())
 
 
 class EmbeddingCache:

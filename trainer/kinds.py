@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -24,11 +24,21 @@ from sdk.kind_registry import KindRegistry, UnknownKindError
 from trainer.data.client_data import ClientData
 from trainer.routers.add_model import add_model_kmeans, add_model_mlp
 from trainer.routers.base import Router, read_meta
-from trainer.routers.kmeans_router import KMeansRouter, fit_federated_kmeans_router, fit_kmeans_router
-from trainer.routers.mlp_router import MLPRouter, train_mlp_router
+from trainer.routers.kmeans_router import (
+    KMeansRouter,
+    KMeansRouterConfig,
+    fit_federated_kmeans_router,
+    fit_kmeans_router,
+)
+from trainer.routers.mlp_router import MLPRouter, MLPRouterConfig, train_mlp_router
 
-if TYPE_CHECKING:  # the simulation imports this module; its config is only a type here
-    from trainer.simulation import SimulationConfig
+
+class SimulationSettings(Protocol):
+    """What a router kind's fit reads of the simulation's settings: one config per built-in family.
+    :class:`trainer.simulation.SimulationConfig` is one (that module imports this one, not back)."""
+
+    kmeans: KMeansRouterConfig
+    mlp: MLPRouterConfig
 
 ROUTER_FAMILY = "router"
 
@@ -67,13 +77,13 @@ class RouterTrainerKind(TrainerKind):
         return self.router_class.load(Path(directory))
 
     @abc.abstractmethod
-    def fit_local(self, client: ClientData, models: Sequence[str], config: SimulationConfig,
+    def fit_local(self, client: ClientData, models: Sequence[str], config: SimulationSettings,
                   rng: np.random.Generator) -> Router:
         """One party's router on its own log (the *local* setting, or *centralised* on the pooled
         logs). ``config`` is the simulation's; randomness comes from ``rng``."""
 
     @abc.abstractmethod
-    def fit_federated(self, clients: Sequence[ClientData], models: Sequence[str], config: SimulationConfig,
+    def fit_federated(self, clients: Sequence[ClientData], models: Sequence[str], config: SimulationSettings,
                       rng: np.random.Generator, progress: bool = False) -> Router:
         """The *federated* router over the clients' logs (raw data never pooled); ``progress``
         shows a bar over rounds where there are rounds."""

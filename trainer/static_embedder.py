@@ -25,7 +25,6 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,11 +32,8 @@ from sdk.embedder import MAX_QUERY_CHARS
 from sdk.errors import InvalidInputError
 from trainer import kinds
 from trainer.data.errors import DataUnavailableError
-from trainer.embedder_kind import EmbedderTrainerKind
+from trainer.embedder_kind import EmbedderConfig, EmbedderTrainerKind
 from trainer.embedder_paths import resolve_model_path
-
-if TYPE_CHECKING:  # trainer.embeddings imports this module; its config is only a type here
-    from trainer.embeddings import EmbedderConfig
 
 #: PCA dimensions of a table distilled here (model2vec's default; d_emb of the routers).
 PCA_DIMS = 256

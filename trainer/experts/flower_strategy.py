@@ -48,7 +48,13 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from sdk.errors import InvalidInputError, PrivacyError, ShapeError
 from trainer.experts.aggregation import aggregate_components, validate_component_update
 from trainer.federated.rejected_reply import RejectedReply
-from trainer.federated.update_checks import DEFAULT_MIN_COUNT, MIN_COUNT_KEY, check_sample_count, round_min_count
+from trainer.federated.update_checks import (
+    DEFAULT_MIN_COUNT,
+    MIN_COUNT_KEY,
+    check_min_count,
+    check_sample_count,
+    round_min_count,
+)
 from trainer.routers.fedavg import fedavg, validate_updates
 
 ARRAYS_KEY = "arrays"
@@ -123,9 +129,7 @@ class FedPrismStrategy(Strategy):
                  min_count: int = DEFAULT_MIN_COUNT) -> None:
         if not experts:
             raise InvalidInputError("FedPrismStrategy needs at least one expert")
-        if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
-            raise InvalidInputError(f"min_count must be an int >= 1, got {min_count!r}")
-        self.min_count = min_count
+        self.min_count = check_min_count(min_count)
         self.experts_ = [dict(e) for e in experts]
         self.router_ = dict(router)
         self.pgpd_rounds = frozenset(int(t) for t in pgpd_rounds)

@@ -22,8 +22,8 @@ One Flower round ``r``
    aggregates travel: counts and sums per (cell, model) and mean embeddings of cells with at least
    ``max(min_count, 2)`` queries; never a query text nor a per-query embedding.
 
-3. Server: each reply is validated (:func:`validate_update`, the function of
-   :mod:`trainer.federated.update_checks` that the HTTPS server's checks share: shapes, whole counts,
+3. Server: each reply is validated (:func:`trainer.federated.update_checks.check_kmeans_update`, the
+   validator of the HTTPS server too: shapes, whole counts,
    the privacy threshold, cost sums within ``count * max_cost_usd`` (1000 USD per query when the
    aggregation sets no bound), ...; an invalid one is dropped, logged and listed in
    :attr:`FederatedKMeansStrategy.rejected_`, never fatal), kept as the node's *latest* update,
@@ -88,8 +88,7 @@ from sdk.protocol import (
 from trainer.federated.gaussian_privacy import gaussian_epsilon
 from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans
 from trainer.federated.rejected_reply import RejectedReply  # re-exported: its home before rejected_reply.py
-from trainer.federated.update_checks import DEFAULT_MIN_COUNT, MIN_COUNT_KEY
-from trainer.federated.update_checks import check_kmeans_update as validate_update
+from trainer.federated.update_checks import DEFAULT_MIN_COUNT, MIN_COUNT_KEY, check_kmeans_update, check_min_count
 from trainer.routers.kmeans_router import KMeansRouter
 
 #: Record keys of the messages (module docstring).
@@ -184,7 +183,7 @@ class FederatedKMeansStrategy(Strategy):
     min_count : int >= 1, privacy threshold: (cell, model) entries with fewer samples are not reported
         (sent to the nodes as ``min-count``; a reply that breaks it is refused). Default
         :data:`trainer.federated.update_checks.DEFAULT_MIN_COUNT` (5), the HTTPS server's default round
-        ``min_count``: privacy by default (it was 1, which let single-query entries through).
+        ``min_count``.
     aggregation : :class:`AggregationConfig` or None (plain merge): clipping, trimmed merge, noise. Its
         ``max_cost_usd`` is also sent to the nodes (``max-cost-usd``), which clip each logged cost to it, and
         a reply whose cost sums exceed it is refused (listed in ``rejected_``).
@@ -240,9 +239,7 @@ class FederatedKMeansStrategy(Strategy):
         if not isinstance(embedder_name, str) or not embedder_name:
             raise InvalidInputError(f"embedder_name must be a non-empty str, got {embedder_name!r}")
         for name in ("min_count", "min_train_nodes", "min_available_nodes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
+            check_min_count(getattr(self, name), name)
         if centroid_rounds is not None and (isinstance(centroid_rounds, bool) or not isinstance(centroid_rounds, int)
                                             or centroid_rounds < 0):
             raise InvalidInputError(f"centroid_rounds must be an int >= 0 or None, got {centroid_rounds!r}")
@@ -407,9 +404,9 @@ class FederatedKMeansStrategy(Strategy):
             if partition_hash != self._round_hash:
                 raise ShapeError(f"update is for centroids {partition_hash[:12]}..., "
                                  f"the round broadcast {self._round_hash[:12]}...")
-            # the HTTPS server's rules, costs within the round's max_cost_usd included (our nodes clip to it)
-            validate_update(update, self._round_centroids, len(self.models), self.min_count,
-                            max_cost_usd=self._config.max_cost_usd)
+            # the HTTPS server's validator, costs within the round's max_cost_usd included (our nodes clip to it)
+            update = check_kmeans_update(update_to_ndarrays(update), update.log_size, self._round_centroids.shape,
+                                         len(self.models), self.min_count, self._config.max_cost_usd)
         except InvalidInputError as exc:  # ShapeError included
             self._reject(server_round, cid, str(exc))
             return
@@ -538,5 +535,4 @@ __all__ = [
     "update_from_record",
     "update_to_ndarrays",
     "update_to_record",
-    "validate_update",
 ]

@@ -1,36 +1,52 @@
-"""Checks of one device's update against the round it answers (ARCHITECTURE.md §6).
+"""The one validator of a device's update against the round it answers (ARCHITECTURE.md §6).
 
-Each check is one function, used by both transports: the built-in HTTPS server
-(:mod:`trainer.server.validation`, which answers 422 with the message) and the Flower strategies
-(which drop the reply and list it in ``rejected_``): K-means updates (:func:`check_kmeans_update`,
-:mod:`trainer.federated.flower_app`) and the privacy threshold on the samples behind a parameter
-update (:func:`check_sample_count`: MLP uploads on the server, :mod:`trainer.rewards.flower_router`
-and, per expert, :mod:`trainer.experts.flower_strategy` on Flower). Pure.
+Both transports call it: the built-in HTTPS server (:mod:`trainer.server.validation`, which answers
+422 with the message) and the three Flower strategies (which drop the reply and list it in
+``rejected_``): K-means updates (:func:`check_kmeans_update`, :mod:`trainer.federated.flower_app`),
+the privacy threshold on the samples behind a parameter update (:func:`check_sample_count`: MLP
+uploads on the server, :mod:`trainer.rewards.flower_router` and, per expert,
+:mod:`trainer.experts.flower_strategy` on Flower), and the threshold itself (:func:`check_min_count`).
+Every refusal of :func:`check_kmeans_update` starts with the name of the field it concerns
+(``count: ...``). Pure.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
+from sdk.cell_statistics import CellStatistics
 from sdk.errors import InvalidInputError, PrivacyError, ShapeError
 from sdk.eval_log import MAX_COST_PER_QUERY_USD
 from sdk.local_update import KMeansUpdate, centroid_threshold
 from sdk.protocol import DIFFERENCE_REFUSAL_PHRASE
 
-#: Relative slack of the cost bound (:func:`cost_limit`): a device sums its clipped costs in float64,
+#: Largest count, weight, sample number or log size accepted (the SQLite/PostgreSQL INTEGER range,
+#: far beyond any device's log).
+MAX_COUNT = 2**31 - 1
+
+#: Relative slack of the cost bound of :func:`check_kmeans_update`: a device sums its clipped costs in float64,
 #: and n costs each equal to the bound can sum above ``n * bound`` by rounding (10 queries clipped to
-#: 0.03 USD sum to 0.03 * 10 + 5.6e-17), which an exact comparison refused.
+#: 0.03 USD sum to 0.03 * 10 + 5.6e-17).
 COST_BOUND_RTOL = 1e-9
 
+#: Norm bound of a reported cell mean (a mean of unit vectors), with slack for float32 embeddings.
+MAX_MEAN_NORM = 1.0 + 1e-4
+
 #: The privacy threshold of a round when its operator sets none (samples): ``fedroute server rounds open
-#: --min-count`` (trainer/server/cli.py), the Flower strategies' ``min_count``
-#: (:class:`trainer.rewards.flower_router.RouterFedAvg`, :class:`trainer.experts.flower_strategy.FedPrismStrategy`,
-#: :class:`trainer.federated.flower_app.FederatedKMeansStrategy`), and the devices' ``min_count_floor``
-#: (sdk/sync.py, also 5).
+#: --min-count``, the Flower strategies' ``min_count`` and the devices' ``min_count_floor`` (sdk/sync.py).
 DEFAULT_MIN_COUNT = 5
 
 #: The key of the privacy threshold in a Flower round's train config, sent by every Flower strategy.
 MIN_COUNT_KEY = "min-count"
+
+
+def check_min_count(min_count: object, name: str = "min_count") -> int:
+    """``min_count`` if it is an int >= 1 (a privacy threshold), else InvalidInputError naming ``name``."""
+    if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
+        raise InvalidInputError(f"{name} must be an int >= 1, got {min_count!r}")
+    return min_count
 
 
 def round_min_count(config) -> int:
@@ -42,18 +58,13 @@ def round_min_count(config) -> int:
     InvalidInputError
         ``min-count`` is not an int >= 1.
     """
-    min_count = config[MIN_COUNT_KEY] if MIN_COUNT_KEY in config else DEFAULT_MIN_COUNT
-    if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
-        raise InvalidInputError(f"round config {MIN_COUNT_KEY} must be an int >= 1, got {min_count!r}")
-    return min_count
+    return check_min_count(config.get(MIN_COUNT_KEY, DEFAULT_MIN_COUNT), f"round config {MIN_COUNT_KEY}")
 
 
 def check_sample_count(n_samples: float, min_count: int, log_size: float | None = None) -> None:
     """Refuse a parameter update trained on fewer than ``min_count`` samples (the privacy threshold:
-    an update over a handful of evaluations reveals them; docs/protocol.md, ARCHITECTURE.md §6), or on
-    more than ``log_size`` (the evaluations the device holds) when given. The HTTPS server's check of
-    an MLP upload's ``n_samples`` (:func:`trainer.server.validation.validate_mlp_update`, 422) and the
-    Flower router strategy's check of a reply's ``num-examples`` (dropped). Pure.
+    an update over a handful of evaluations reveals them; docs/protocol.md), or on more than
+    ``log_size`` (the evaluations the device holds) when given.
 
     Parameters
     ----------
@@ -87,135 +98,109 @@ def max_cost_per_query(max_cost_usd: float | None) -> float:
     return float(max_cost_usd) if max_cost_usd else MAX_COST_PER_QUERY_USD
 
 
-def cost_limit(count: np.ndarray, max_cost_usd: float | None) -> np.ndarray:
-    """The largest ``sum_cost`` (USD) accepted per entry, same shape as ``count`` (float64): ``count``
-    queries at :func:`max_cost_per_query` each, with the relative slack :data:`COST_BOUND_RTOL`."""
-    return np.asarray(count, dtype=np.float64) * (max_cost_per_query(max_cost_usd) * (1.0 + COST_BOUND_RTOL))
+#: Row-wise dot products of two (n, d) arrays: numpy 2's ``vecdot`` (a third of ``einsum``'s time), ``einsum`` on numpy 1.
+_row_dot = getattr(np, "vecdot", None) or (lambda x, y: np.einsum("ij,ij->i", x, y))
 
 
-def check_kmeans_costs(count: np.ndarray, sum_cost: np.ndarray, max_cost_usd: float | None) -> None:
-    """Refuse cost sums above the round's bound on one query's cost (:func:`cost_limit`): a node that
-    clips each cost (:func:`sdk.local_update.kmeans_update`) never sends one. Used by the HTTPS server
-    (:mod:`trainer.server.validation`) and the Flower strategy. Pure.
+def _check_shape(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> None:
+    if arr.shape != shape:
+        raise ShapeError(f"{name}: must have shape {shape}, got {arr.shape}")
+
+
+def check_kmeans_update(arrays: Mapping[str, np.ndarray], log_size: int, centroids_shape: tuple[int, int],
+                        n_models: int, min_count: int, max_cost_usd: float | None = None) -> KMeansUpdate:
+    """Check one K-means update against its round and return it; the first offending field raises.
+
+    Fields in the wire order (:data:`sdk.protocol.UPDATE_FIELDS`), then the rules across fields:
+
+    1. ``log_size`` an integer in [0, :data:`MAX_COUNT`];
+    2. the statistics (:class:`sdk.CellStatistics`' own rules: finite, ``count >= 0``,
+       ``sum_accuracy`` in [0, count] with a relative tolerance of 1e-9, ``sum_cost >= 0``) of shape
+       (n_cells, n_models); ``count`` whole numbers <= MAX_COUNT; ``sum_accuracy`` 0 where the count
+       is 0; ``sum_cost`` at most ``count`` queries at the round's bound on one query's cost
+       (:func:`max_cost_per_query`, relative slack :data:`COST_BOUND_RTOL`);
+    3. ``centroid_cells`` 1-D, distinct integers in [0, n_cells);
+    4. ``local_centroids`` (n_reported, d_emb) (an empty array of any shape counts as (0, d_emb)),
+       finite, norms <= :data:`MAX_MEAN_NORM` (means of unit-norm embeddings);
+    5. ``local_weights`` (n_reported,), whole numbers in [0, MAX_COUNT];
+    6. across fields: an update reporting nothing (every count 0, no cell mean; a device does not
+       send one, and merged it would count as a client) is refused (``count``); then no entry with
+       ``0 < count < min_count`` (``count``, PrivacyError); counts summing to at most ``log_size``
+       (``count``); cell means of at least ``max(min_count, 2)`` queries (``local_weights``,
+       PrivacyError) whose weights sum to at most ``log_size``.
 
     Parameters
     ----------
-    count, sum_cost : ndarrays of shape (n_cells, n_models), float64 (queries; USD).
-    max_cost_usd : the round's bound (USD per query), or None (then 1000 USD).
+    arrays : name -> ndarray for ``count``, ``sum_accuracy``, ``sum_cost`` (float64),
+        ``centroid_cells`` (int64), ``local_centroids``, ``local_weights`` (float64); other keys ignored.
+    log_size : int, the evaluations the device summarised.
+    centroids_shape : (n_cells, d_emb) of the round's centroids.
+    n_models : int, columns of the statistics.
+    min_count : int >= 1, the round's privacy threshold.
+    max_cost_usd : the round's bound on one query's cost (USD), or None (then 1000 USD).
+
+    Returns
+    -------
+    KMeansUpdate holding the given arrays (``local_centroids`` as float64, (0, d_emb) when empty).
 
     Raises
     ------
+    PrivacyError
+        The privacy threshold is broken (message starts with ``count:`` or ``local_weights:``).
     ShapeError
-        ``sum_cost: is above {bound} USD per query (entry [k, m]: {sum} USD for {count} queries)``,
-        naming the first such entry (a NaN sum counts as above).
+        Any other rule above; the message starts with the field's name.
     """
-    above = ~(np.asarray(sum_cost) <= cost_limit(count, max_cost_usd))
+    n_cells, d_emb = centroids_shape
+    shape = (n_cells, n_models)
+    if isinstance(log_size, bool) or not isinstance(log_size, (int, np.integer)) or not 0 <= log_size <= MAX_COUNT:
+        raise ShapeError(f"log_size: must be an integer in [0, {MAX_COUNT}], got {log_size!r}")
+    count = arrays["count"]
+    _check_shape("count", count, shape)
+    stats = CellStatistics(count, arrays["sum_accuracy"], arrays["sum_cost"])  # finite, ranges, shapes
+    count, s_acc, s_cost = stats.count, stats.sum_accuracy, stats.sum_cost
+    if count.size and not (count.max() <= MAX_COUNT and (count == np.floor(count)).all()):
+        raise ShapeError(f"count: entries must be whole numbers in [0, {MAX_COUNT}]")
+    if ((s_acc != 0) & (count == 0)).any():
+        raise ShapeError("sum_accuracy: must be 0 where count is 0")
+    per_query = max_cost_per_query(max_cost_usd)
+    above = s_cost > count * (per_query * (1.0 + COST_BOUND_RTOL))  # so 0 where the count is 0
     if above.any():
         k, m = np.argwhere(above)[0]
-        raise ShapeError(f"sum_cost: is above {max_cost_per_query(max_cost_usd):g} USD per query (entry [{k}, {m}]: "
-                         f"{sum_cost[k, m]:g} USD for {count[k, m]:g} queries)")
-
-
-def check_kmeans_update(update: KMeansUpdate, centroids: np.ndarray, n_models: int, min_count: int,
-                        max_cost_usd: float | None = None) -> None:
-    """Check a decoded update against the round it answers (ARCHITECTURE.md §6). Pure.
-
-    Each field on its own first (shapes, whole numbers, ranges, costs within the round's bound:
-    :func:`check_kmeans_costs`, as the HTTPS server), then the rules across fields
-    (:func:`check_kmeans_totals`).
-
-    Parameters
-    ----------
-    update : the node's update.
-    centroids : ndarray of shape (n_cells, d_emb), the round's centroids.
-    n_models : int, columns of the statistics.
-    min_count : int, the round's privacy threshold.
-    max_cost_usd : the round's bound on one query's cost (USD), or None (then 1000 USD, the bound of
-        :data:`sdk.eval_log.MAX_COST_PER_QUERY_USD`).
-
-    Raises
-    ------
-    PrivacyError
-        The privacy rule is broken: an entry with ``0 < count < min_count``, or local weights below
-        ``max(min_count, 2)``.
-    ShapeError
-        Statistics of another shape than (n_cells, n_models); non-integral counts; counts summing
-        above ``log_size``; reported cells out of range or repeated; local centroids of the wrong
-        shape or non-finite; local weights non-integral or summing above ``log_size``; a negative
-        ``log_size``; mean embeddings of norm above 1 (means of unit vectors); cost sums above
-        ``count * max_cost_usd``; sums where the count is 0. The message quotes the offending values. (Negative counts, sums of scores outside
-        ``[0, count]``, negative costs and NaN/inf are refused earlier, by :class:`sdk.CellStatistics`.)
-    """
-    n_cells, d_emb = np.shape(centroids)
-    s = update.statistics
-    if s.count.shape != (n_cells, n_models):
-        raise ShapeError(f"statistics have shape {s.count.shape}, the round expects ({n_cells}, {n_models})")
-    if update.log_size < 0:
-        raise ShapeError(f"log_size={update.log_size} must be >= 0")
-    if not np.array_equal(s.count, np.round(s.count)):
-        raise ShapeError("counts must be whole numbers (a device reports raw counts)")
-    check_kmeans_costs(s.count, s.sum_cost, max_cost_usd)
-    cells, means, weights = update.centroid_cells, update.local_centroids, update.local_weights
-    n_rep = cells.shape[0]
-    if cells.size and (cells.min() < 0 or cells.max() >= n_cells):
-        raise ShapeError(f"centroid_cells must lie in [0, {n_cells}), got {cells.tolist()}")
-    if np.unique(cells).size != n_rep:
-        raise ShapeError(f"centroid_cells must not repeat, got {cells.tolist()}")
-    if means.shape != (n_rep, d_emb) or weights.shape != (n_rep,):
-        raise ShapeError(
-            f"local_centroids {means.shape} and local_weights {weights.shape} must have shapes "
-            f"({n_rep}, {d_emb}) and ({n_rep},) for {n_rep} reported cells"
-        )
-    if not (np.isfinite(means).all() and np.isfinite(weights).all()):
-        raise ShapeError("local_centroids and local_weights must be finite")
-    if not np.array_equal(weights, np.round(weights)):
-        raise ShapeError("local_weights must be whole numbers (queries per cell)")
-    if n_rep and (np.linalg.norm(means, axis=1) > 1.0 + 1e-4).any():
-        raise ShapeError("local_centroids must be means of unit-norm embeddings (norm <= 1)")
-    check_kmeans_totals(update, min_count)
-
-
-def check_kmeans_totals(update: KMeansUpdate, min_count: int) -> None:
-    """The rules across the fields of an update whose fields are each valid (shapes that fit one
-    another, whole non-negative counts and weights, finite values; checked by
-    :func:`check_kmeans_update` here and field by field by the server's
-    :func:`trainer.server.validation.validate_update`), in this order: no entry with ``0 < count <
-    min_count``, counts summing to at most ``log_size``, local weights at least ``max(min_count,
-    2)`` and summing to at most ``log_size``, sums 0 where the count is 0. An update that reports
-    nothing (every count 0 and no cell mean, :meth:`sdk.protocol.KMeansUpdate.is_empty`: a device
-    does not send it) is refused first: merged, it would count as a client and, on Flower, replace
-    the node's latest real update. Pure.
-
-    Raises
-    ------
-    PrivacyError
-        An entry below ``min_count`` or a cell mean of too few queries.
-    ShapeError
-        The update reports nothing, counts or weights summing above ``log_size``, or sums where the
-        count is 0.
-    """
-    if update.is_empty():
+        raise ShapeError(f"sum_cost: is above {per_query:g} USD per query (entry [{k}, {m}]: "
+                         f"{s_cost[k, m]:g} USD for {count[k, m]:g} queries)")
+    cells = arrays["centroid_cells"]
+    listed = cells.tolist() if cells.ndim == 1 and cells.dtype.kind in "iu" and cells.size <= n_cells else None
+    if listed is None or (listed and (min(listed) < 0 or max(listed) >= n_cells or len(set(listed)) < len(listed))):
+        raise ShapeError(f"centroid_cells: must be distinct cells in [0, {n_cells}), got {cells[:10].tolist()}")
+    n_rep = len(listed)
+    means = arrays["local_centroids"]
+    means = np.asarray(means.reshape(0, d_emb) if means.size == 0 else means, dtype=np.float64)
+    _check_shape("local_centroids", means, (n_rep, d_emb))
+    if n_rep and not _row_dot(means, means).max() <= MAX_MEAN_NORM**2:  # NaN fails, inf is above
+        raise ShapeError("local_centroids: must be finite means of unit-norm embeddings (norm <= 1)")
+    weights = arrays["local_weights"]
+    _check_shape("local_weights", weights, (n_rep,))
+    if not ((weights >= 0) & (weights <= MAX_COUNT) & (weights == np.floor(weights))).all():  # NaN fails each
+        raise ShapeError(f"local_weights: entries must be whole numbers in [0, {MAX_COUNT}]")
+    w = weights.tolist()  # at most n_cells whole numbers: exact sums
+    total = float(count.sum())  # whole numbers below 2**53: exact
+    if total == 0 and n_rep == 0:
         raise ShapeError("count: the update reports nothing (no evaluation above min_count): do not upload it")
-    s = update.statistics
-    small = (s.count > 0) & (s.count < min_count)
+    small = (count > 0) & (count < min_count)
     if small.any():
         k, m = np.argwhere(small)[0]
-        raise PrivacyError(
-            f"count[{k}, {m}]={s.count[k, m]:g} is below min_count={min_count}: such entries are not reported"
-        )
-    total = float(s.count.sum())
-    if total > update.log_size:
-        raise ShapeError(f"counts sum to {total:g}, more than log_size={update.log_size}")
-    weights = update.local_weights
+        raise PrivacyError(f"count: entry [{k}, {m}]={count[k, m]:g} is below min_count={min_count}: "
+                           "such entries are not reported")
+    if total > log_size:
+        raise ShapeError(f"count: sums to {total:g}, more than log_size={log_size}")
     threshold = centroid_threshold(min_count)
-    if weights.size and weights.min() < threshold:
-        raise PrivacyError(f"local_weights must be >= {threshold} (a mean of fewer queries is not reported), "
-                           f"got {weights.min():g}")
-    if float(weights.sum()) > update.log_size:
-        raise ShapeError(f"local_weights sum to {weights.sum():g}, more than log_size={update.log_size}")
-    # Nonzero sum_accuracy or sum_cost where the count is 0.
-    if (np.logical_or(s.sum_accuracy, s.sum_cost) & (s.count == 0)).any():
-        raise ShapeError("sum_accuracy and sum_cost must be 0 where count is 0")
+    if w and min(w) < threshold:
+        raise PrivacyError(f"local_weights: must be >= {threshold} (a mean of fewer queries is not reported), "
+                           f"got {min(w):g}")
+    if sum(w) > log_size:
+        raise ShapeError(f"local_weights: sum to {sum(w):g}, more than log_size={log_size}")
+    return KMeansUpdate(stats, cells.astype(np.int64, copy=False), means,
+                        np.asarray(weights, dtype=np.float64), int(log_size))
 
 
 def check_difference(update: KMeansUpdate, previous: KMeansUpdate | None, min_count: int) -> None:
@@ -280,5 +265,5 @@ def _may_move_too_little(update: KMeansUpdate, previous: KMeansUpdate, min_count
     return any(w > 0 and 0 < abs(w - before.get(k, 0.0)) < threshold for k, w in now.items())
 
 
-__all__ = ["COST_BOUND_RTOL", "DEFAULT_MIN_COUNT", "MIN_COUNT_KEY", "round_min_count", "check_difference", "check_kmeans_costs", "check_kmeans_totals",
-           "check_kmeans_update", "check_sample_count", "cost_limit", "max_cost_per_query"]
+__all__ = ["COST_BOUND_RTOL", "DEFAULT_MIN_COUNT", "MAX_COUNT", "MAX_MEAN_NORM", "MIN_COUNT_KEY", "check_difference",
+           "check_kmeans_update", "check_min_count", "check_sample_count", "max_cost_per_query", "round_min_count"]

@@ -32,7 +32,13 @@ from flwr.serverapp.strategy import FedAvg
 
 from sdk.errors import InvalidInputError
 from trainer.federated.rejected_reply import RejectedReply
-from trainer.federated.update_checks import DEFAULT_MIN_COUNT, MIN_COUNT_KEY, check_sample_count, round_min_count
+from trainer.federated.update_checks import (
+    DEFAULT_MIN_COUNT,
+    MIN_COUNT_KEY,
+    check_min_count,
+    check_sample_count,
+    round_min_count,
+)
 from trainer.rewards.client_router import (
     ClientRouter,
     ClientRouterData,
@@ -92,11 +98,9 @@ class RouterFedAvg(FedAvg):
     def __init__(self, weighting: str = "equal", min_count: int = DEFAULT_MIN_COUNT, **kwargs) -> None:
         if weighting not in ("samples", "equal"):
             raise InvalidInputError(f"weighting must be 'samples' or 'equal', got {weighting!r}")
-        if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
-            raise InvalidInputError(f"min_count must be an int >= 1, got {min_count!r}")
+        self.min_count = check_min_count(min_count)
         super().__init__(**kwargs)
         self.weighting = weighting
-        self.min_count = min_count
         self.last_updates_: list[tuple[dict[str, np.ndarray], float]] = []
         self.rejected_: list[RejectedReply] = []
         self._broadcast: dict[str, np.ndarray] | None = None

@@ -13,46 +13,34 @@ and the first failure is answered (the detail starts with the field's name):
    of 1-64 chars, ``round_id`` int in [1, 2**31), ``kind`` str, ``centroids_hash`` 64 chars,
    ``models`` list of str, ``log_size`` int in [0, 2**31), the six arrays rectangular and numeric
    (JSON: nested lists of numbers; MessagePack: ``[shape, bin]`` pairs);
-3. against the round, in the same order (:func:`validate_update`): ``centroids_hash`` (409 for
-   another partition), ``models``, then per array its shape, finite values and range: ``count``
-   whole, in [0, 2**31); ``sum_accuracy`` in [0, count] (scores in [0, 1]); ``sum_cost`` in
-   [0, count * max cost] (USD); ``centroid_cells`` in [0, n_cells), distinct; ``local_centroids``
-   (n_reported, d_emb), norm <= 1 (kept at float32 precision whatever the encoding, so both store
-   the same row); ``local_weights`` (n_reported,), whole, <= 2**31 - 1;
-4. across fields (:func:`trainer.federated.update_checks.check_kmeans_totals`, shared with Flower):
-   an update that reports nothing (every count 0, no cell mean) is refused, then counts summing to
-   at most ``log_size``, the privacy threshold ``min_count`` for entries and reported cell means,
-   sums 0 where the count is 0.
+3. against the round (:func:`validate_update`): ``centroids_hash`` (409 for another partition),
+   ``models``, then every rule of :func:`trainer.federated.update_checks.check_kmeans_update`, the
+   validator the Flower strategies share: each array's shape, finite values and range in field
+   order, then the rules across fields (nothing reported, counts and weights within ``log_size``,
+   the privacy threshold ``min_count``). The cell means are kept at float32 precision whatever the
+   encoding, so both store the same row.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import math
 from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 import orjson
 
-from sdk.cell_statistics import CellStatistics
 from sdk.errors import PayloadError, PrivacyError, ShapeError
-from sdk.local_update import KMeansUpdate, centroid_threshold
+from sdk.local_update import KMeansUpdate
 from sdk.protocol import MSGPACK_ARRAYS, UPDATE_FIELDS, unpack_msgpack_array
 from trainer.federated.mlp_local import UPLOAD_FIELDS, read_parameters
-# The cost bound of one query (USD; sdk.eval_log.MAX_COST_PER_QUERY_USD when the round sets no max_cost_usd:
-# rejects absurd sums that would overflow the merge; the device's EvalLog refuses rows above it, so a device
-# never logs what it could not upload) is update_checks' cost_limit, shared with the Flower strategy.
-from trainer.federated.update_checks import check_kmeans_costs, check_kmeans_totals, check_sample_count, cost_limit
+from trainer.federated.update_checks import MAX_COUNT, check_kmeans_update, check_sample_count
 from trainer.server.errors import UploadRejected
 from trainer.server.round_kind import ParsedUpload
 from trainer.server.store import Round
 
 
-#: Largest count, weight or sample number accepted (the SQLite/PostgreSQL INTEGER range, and far
-#: beyond any device's log).
-MAX_COUNT = 2**31 - 1
 JSON_TYPES = ("application/json",)
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 _NUMBER = frozenset((int, float))
@@ -280,187 +268,29 @@ def record_pairs(body: KMeansBody, update: KMeansUpdate) -> dict[str, list]:
     return body.wire
 
 
-def _bounds(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> tuple[float, float]:
-    """Shape check, then ``(min, max)`` of ``arr`` ((0, 0) when empty): one pass each, which also
-    finds NaN (it propagates into both) and infinity (it is the min or the max)."""
-    if arr.shape != shape:
-        raise _field_error(name, f"must have shape {shape}, got {arr.shape}")
-    if arr.size == 0:
-        return 0.0, 0.0
-    low, high = float(arr.min()), float(arr.max())
-    if not (math.isfinite(low) and math.isfinite(high)):
-        raise _field_error(name, "holds NaN or infinity")
-    return low, high
-
-
-def _whole(arr: np.ndarray) -> bool:
-    """True if every entry of the (finite) float array is a whole number."""
-    return not (arr != np.floor(arr)).any()
-
-
-def _above_tolerance(s_acc: np.ndarray, count: np.ndarray) -> bool:
-    """True if a sum of scores exceeds its count by more than the tolerance of
-    :class:`sdk.CellStatistics` (in either of the two roundings of the comparison)."""
-    tol = 1e-9 * np.maximum(1.0, count)
-    return bool((s_acc - count > tol).any() or (s_acc > count + tol).any())
-
-
 def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
-    """Steps 3 and 4 of the module docstring: check ``body`` against ``round_``, field by field in
-    order, and return the update it holds (``local_centroids`` at float32 precision, as float64).
-
-    A valid update (nearly every upload) is accepted by :func:`_accept_valid`: every rule of steps 3
-    and 4 at once, in about a dozen numpy calls (the three statistics in one element-wise test, the
-    reported cells and weights as Python numbers). Anything it does not accept goes through
-    :func:`_check_fields`, field by field in order, each array with a few whole-array numpy
-    operations (min and max for finiteness and range, one pass for whole numbers, one for the norms
-    of the cell means), then the rules across fields
-    (:func:`trainer.federated.update_checks.check_kmeans_totals`); that names the first offending
-    field. In-process, the fast acceptance takes about half the time of the field checks.
+    """Steps 3 and 4 of the module docstring: check ``body`` against ``round_`` and return the update
+    it holds (``local_centroids`` at float32 precision, as float64). The rules after the hash and the
+    models are :func:`trainer.federated.update_checks.check_kmeans_update`, the one validator the
+    Flower strategies call too.
 
     Raises
     ------
     UploadRejected
         409 for an update computed for another partition (centroids); 422 naming the first
-        offending field, or ``invalid update: ...`` for the checks across fields.
+        offending field.
     """
     if body.centroids_hash != round_.centroids_hash:
         raise UploadRejected(409, f"centroids_hash: update was computed for other centroids than round {round_.id}'s; "
                                   "fetch /v1/rounds/current again")
     if body.models != round_.models:
         raise _field_error("models", f"must be the round's {list(round_.models)} in that order")
-    update = _accept_valid(body, round_)
-    return _check_fields(body, round_) if update is None else update
-
-
-#: The norm bound of a cell mean, squared, as :func:`_check_fields` checks it; :func:`_accept_valid`
-#: accepts only norms below it by a relative margin far above the rounding of any order of summation.
-_MAX_NORM2 = (1.0 + 1e-4) ** 2
-_FAST_MAX_NORM2 = _MAX_NORM2 * (1.0 - 1e-12)
-#: Row-wise dot products of two (n, d) arrays: numpy 2's ``vecdot`` ufunc (a third of ``einsum``'s
-#: time on a 32 x 384 float64 array), ``einsum`` on numpy 1.
-_row_dot = getattr(np, "vecdot", None) or (lambda x, y: np.einsum("ij,ij->i", x, y))
-
-
-def _accept_valid(body: KMeansBody, round_: Round) -> KMeansUpdate | None:
-    """The update of ``body`` if it passes every rule of :func:`_check_fields` and
-    :func:`trainer.federated.update_checks.check_kmeans_totals`, checked with the fewest numpy calls
-    (one combined element-wise test of the three statistics, one reduction each for the totals and
-    the norms, the reported cells and weights as Python numbers); None when any test fails or is too
-    close to call, and :func:`_check_fields` then finds and names the first offending field (or
-    accepts what these tests were stricter about: scores above the count within the tolerance of
-    :class:`sdk.CellStatistics`). Accepts nothing :func:`_check_fields` refuses, and returns the same
-    update for what both accept (tested)."""
-    a = body.arrays
-    count, s_acc, s_cost = a["count"], a["sum_accuracy"], a["sum_cost"]
-    n_cells, d_emb = round_.centroids.shape
-    shape = (n_cells, len(round_.models))
-    if count.shape != shape or s_acc.shape != shape or s_cost.shape != shape:
-        return None
-    min_count = round_.min_count
-    c_limit = cost_limit(count, round_.settings.aggregation.get("max_cost_usd"))
-    # Every comparison is False for NaN: `ok` is all True only for whole counts in {0} and
-    # [min_count, inf], scores in [0, count], costs in [0, c_limit] (so both sums are 0 where
-    # the count is 0); the total, at most log_size <= MAX_COUNT, bounds each count (and is infinite
-    # for an infinite one).
-    ok = count == np.floor(count)
-    ok &= (count >= min_count) | (count == 0)
-    ok &= s_acc >= 0
-    ok &= s_acc <= count
-    ok &= s_cost >= 0
-    ok &= s_cost <= c_limit
-    if np.count_nonzero(ok) != ok.size:
-        return None
-    total = float(np.add.reduce(count, axis=None))  # whole numbers below 2**53: exact in any order
-    if total > body.log_size:
-        return None
-    cells, weights, means = a["centroid_cells"], a["local_weights"], a["local_centroids"]
-    n_rep = cells.shape[0]
-    if weights.shape != (n_rep,) or n_rep > n_cells:
-        return None
-    listed, w = cells.tolist(), weights.tolist()
-    threshold = centroid_threshold(min_count)
-    if n_rep and (min(listed) < 0 or max(listed) >= n_cells or len(set(listed)) < n_rep
-                  or not all(threshold <= x <= MAX_COUNT and x.is_integer() for x in w)
-                  or sum(w) > body.log_size):  # whole numbers: exact sums
-        return None
-    if total == 0 and n_rep == 0:
-        return None
-    if means.size == 0:
-        means = means.reshape(0, d_emb)
-    if means.shape != (n_rep, d_emb):
-        return None
-    # The precision kept: float32 values, as float64 (as _check_fields). The squared norms are summed
-    # in float64 from the values the field checks take (the body's float32 values, exactly; a JSON
-    # body's float64 values, before rounding): NaN or infinity makes its row's NaN or infinity,
-    # refused by the comparison like a norm near or above 1.
-    wide = means.astype(np.float64) if body.means_float32 else None
-    normed = means if wide is None else wide
-    if n_rep and not float(np.maximum.reduce(_row_dot(normed, normed))) <= _FAST_MAX_NORM2:
-        return None
-    if wide is None:
-        wide = means.astype(np.float32).astype(np.float64)
-    return KMeansUpdate(CellStatistics.of_checked(count, s_acc, s_cost), cells, wide, weights, int(body.log_size))
-
-
-def _check_fields(body: KMeansBody, round_: Round) -> KMeansUpdate:
-    """:func:`validate_update` field by field in the module docstring's order (after the hash and
-    the models): the first offending field raises; else the update."""
-    a = body.arrays
-    n_cells, d_emb = round_.centroids.shape
-    shape = (n_cells, len(round_.models))
-    count = a["count"]
-    low, count_max = _bounds("count", count, shape)
-    if low < 0 or count_max > MAX_COUNT or not _whole(count):
-        raise _field_error("count", f"entries must be whole numbers in [0, {MAX_COUNT}]")
-    s_acc = a["sum_accuracy"]
-    low, high = _bounds("sum_accuracy", s_acc, shape)
-    # Scores in [0, 1], with sdk.CellStatistics' tolerance: sums of float scores round. The tolerant
-    # comparison runs only where a plain one fails.
-    if (low < 0 and (s_acc < -1e-9 * np.maximum(1.0, count)).any()) or (
-            high > 0 and (s_acc > count).any() and _above_tolerance(s_acc, count)):
-        raise _field_error("sum_accuracy", "entries must lie in [0, count] (scores in [0, 1])")
-    s_cost = a["sum_cost"]
-    low, high = _bounds("sum_cost", s_cost, shape)
-    if low < 0:
-        raise _field_error("sum_cost", "entries must be >= 0 (USD)")
-    if high > 0:
-        try:  # the rule the Flower strategy applies too (trainer.federated.update_checks)
-            check_kmeans_costs(count, s_cost, round_.settings.aggregation.get("max_cost_usd"))
-        except ShapeError as exc:
-            raise UploadRejected(422, str(exc)) from exc
-    cells = a["centroid_cells"]
-    n_rep = cells.shape[0]
-    if n_rep:  # at most n_cells of them: a few Python ints
-        listed = cells.tolist() if n_rep <= n_cells else []
-        if not listed or min(listed) < 0 or max(listed) >= n_cells or len(set(listed)) < n_rep:
-            raise _field_error("centroid_cells", f"must be distinct cells in [0, {n_cells}), got {cells[:10].tolist()}")
-    means = a["local_centroids"]
-    if means.size == 0:
-        means = means.reshape(0, d_emb)
-    if means.shape != (n_rep, d_emb):
-        raise _field_error("local_centroids", f"must have shape {(n_rep, d_emb)}, got {means.shape}")
-    if n_rep:
-        # Squared norms (summed in float64 whatever the wire's dtype): NaN or infinity anywhere makes
-        # its row's NaN or infinity, so one max finds them and the largest norm (a square that
-        # overflows belongs to a norm far above 1).
-        top = float(np.einsum("ij,ij->i", means, means, dtype=np.float64).max())
-        if not math.isfinite(top) and not np.isfinite(means).all():
-            raise _field_error("local_centroids", "holds NaN or infinity")
-        if not top <= _MAX_NORM2:
-            raise _field_error("local_centroids", "must be means of unit-norm embeddings (norm <= 1)")
-    # The precision of the embeddings, for both encodings (MessagePack sends float32 values: widened
-    # once, from the body's bytes).
-    means = means.astype(np.float64) if body.means_float32 else means.astype(np.float32).astype(np.float64)
-    weights = a["local_weights"]
-    low, high = _bounds("local_weights", weights, (n_rep,))
-    if low < 0 or high > MAX_COUNT or not _whole(weights):
-        raise _field_error("local_weights", f"must be whole numbers in [0, {MAX_COUNT}]")
+    arrays = body.arrays
+    if not body.means_float32:  # the precision the store keeps, for both encodings (too large: inf, refused)
+        with np.errstate(over="ignore"):
+            arrays = {**arrays, "local_centroids": arrays["local_centroids"].astype(np.float32)}
     try:
-        # Every rule of CellStatistics' constructor was checked above, field by field.
-        update = KMeansUpdate(CellStatistics.of_checked(count, s_acc, s_cost), cells, means, weights,
-                              int(body.log_size))
-        check_kmeans_totals(update, round_.min_count)
+        return check_kmeans_update(arrays, body.log_size, round_.centroids.shape, len(round_.models),
+                                   round_.min_count, round_.settings.aggregation.get("max_cost_usd"))
     except (ShapeError, PrivacyError) as exc:
-        raise UploadRejected(422, f"invalid update: {exc}") from exc
-    return update
+        raise UploadRejected(422, str(exc)) from exc

@@ -1,7 +1,7 @@
-"""The upload path's one-pass acceptance of a K-means update (:func:`trainer.server.validation._accept_valid`)
-against the field-by-field checks (:func:`trainer.server.validation._check_fields`): on valid and
-broken updates, MessagePack and JSON bodies, it accepts nothing the field checks refuse, returns the
-same update when it accepts, and accepts the plain valid update (so the fast path is the one taken)."""
+"""The one update validator (:func:`trainer.federated.update_checks.check_kmeans_update`) on every class
+of refusal, through the three ways an update reaches it: the HTTPS server with a MessagePack body,
+with a JSON body (:func:`trainer.server.validation.validate_update`, 422 naming the field) and a
+Flower strategy (the arrays as a reply carries them). Also the difference and sample-count checks."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from sdk.errors import InvalidInputError
+from sdk.errors import InvalidInputError, PrivacyError, ShapeError
 from trainer.federated.kmeans_aggregation import AggregationConfig
 from trainer.server import round_kinds
 from trainer.server.errors import UploadRejected
 from trainer.server.round_kind import round_settings
 from trainer.server.store import Store
-from trainer.server.validation import _accept_valid, _check_fields, decode_body, parse_kmeans_body
+from trainer.federated.update_checks import check_kmeans_update
+from trainer.server.validation import decode_body, parse_kmeans_body, validate_update
 
 N_CELLS, D_EMB, MODELS, MIN_COUNT = 4, 3, ("a", "b"), 2
 
@@ -120,41 +121,73 @@ def body_of(r, fields: dict, media: str):
         return None  # refused by the field types already (a negative cell in JSON), before either check
 
 
-@pytest.mark.parametrize("media", ["application/msgpack", "application/json"])
+#: The field each case's refusal names (None: accepted), and whether it is the privacy rule.
+EXPECTED = {
+    "valid": None, "means only": None, "counts only": None, "cost at the bound": None, "cost -0.0": None,
+    "score above count within tolerance": None, "score below 0 within tolerance": None,
+    **{case: "count" for case in ("count NaN", "count +inf", "count -inf", "count negative", "count fraction",
+                                          "count above MAX_COUNT", "counts above log_size", "count below min_count",
+                                          "count of another shape")},
+    "nothing reported": "count",
+    **dict.fromkeys(("score NaN", "score above count", "score negative", "score where count is 0",
+                     "score below 0 where count is 0"), "sum_accuracy"),
+    **dict.fromkeys(("cost negative", "cost above the bound", "cost inf", "cost where count is 0"), "sum_cost"),
+    **dict.fromkeys(("cells repeated", "cell out of range", "cell negative"), "centroid_cells"),
+    **dict.fromkeys(("mean NaN", "mean inf", "mean norm above 1", "mean norm at the bound",
+                     "mean norm just below the bound", "means of another dimension"), "local_centroids"),
+    **dict.fromkeys(("weight fraction", "weight below threshold", "weight NaN", "weight -inf",
+                     "weights above log_size", "fewer weights than cells"), "local_weights"),
+}
+PRIVACY = {"count below min_count", "weight below threshold"}
+
+
+def test_every_case_has_an_expected_verdict():
+    assert set(EXPECTED) == set(CASES)
+
+
+def server_verdict(r, fields: dict, media: str) -> str | None:
+    """The field the server's 422 names for ``fields`` sent as ``media``, or None when accepted."""
+    body = body_of(r, fields, media)
+    if body is None:
+        return "centroid_cells"  # a negative cell in JSON: refused by its type already
+    try:
+        validate_update(body, r)
+    except UploadRejected as exc:
+        assert exc.status == 422
+        return exc.detail.split(":")[0]
+    return None
+
+
+def flower_verdict(fields: dict) -> tuple[str | None, type | None]:
+    """(field named, error type) of the validator on the arrays of a Flower reply, (None, None) if accepted."""
+    arrays = {k: np.asarray(v, dtype=np.int64 if k == "centroid_cells" else np.float64) for k, v in fields.items()}
+    try:
+        check_kmeans_update(arrays, fields["log_size"], (N_CELLS, D_EMB), len(MODELS), MIN_COUNT)
+    except (ShapeError, PrivacyError) as exc:
+        return str(exc).split(":")[0], type(exc)
+    return None, None
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_fast_acceptance_agrees_with_the_field_checks(round_, media, case):
+def test_each_refusal_names_its_field_on_both_encodings_and_on_flower(round_, case):
     fields = base_fields()
     CASES[case](fields)
-    body = body_of(round_, fields, media)
-    if body is None:
-        assert case == "cell negative" and media == "application/json"
-        return
-    fast = _accept_valid(body, round_)
-    try:
-        slow = _check_fields(body, round_)
-    except UploadRejected:
-        assert fast is None, f"{case}: accepted by the fast path, refused by the field checks"
-        return
-    if case in ("valid", "means only", "counts only", "cost at the bound", "mean norm just below the bound"):
-        assert fast is not None, f"{case}: the fast path should accept it"
-    if fast is None:
-        return
-    s, f = slow.statistics, fast.statistics
-    for a, b in ((s.count, f.count), (s.sum_accuracy, f.sum_accuracy), (s.sum_cost, f.sum_cost),
-                 (slow.centroid_cells, fast.centroid_cells), (slow.local_centroids, fast.local_centroids),
-                 (slow.local_weights, fast.local_weights)):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(a, b)
-    assert slow.log_size == fast.log_size
+    field = EXPECTED[case]
+    for media in ("application/msgpack", "application/json"):
+        assert server_verdict(round_, fields, media) == field, media
+    if case == "cell negative":
+        fields["centroid_cells"] = np.asarray(fields["centroid_cells"])
+    expected_type = None if field is None else PrivacyError if case in PRIVACY else ShapeError
+    assert flower_verdict(fields) == (field, expected_type)
 
 
-def test_random_perturbations_never_pass_the_fast_path_alone(round_):
-    """300 updates with 1-3 random entries set to edge values: the fast path accepts only what the
-    field checks accept, with equal arrays."""
+def test_random_perturbations_get_one_verdict_on_every_path(round_):
+    """300 updates with 1-3 random entries set to edge values: MessagePack, JSON and Flower accept the
+    same ones and name the same field for the others; accepted updates keep the values sent."""
     rng = np.random.default_rng(7)
     edges = [np.nan, np.inf, -np.inf, -1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 1e-300, -1e-300, 2.0**31]
     names = ["count", "sum_accuracy", "sum_cost", "local_centroids", "local_weights"]
-    agreed = accepted = 0
+    verdicts = set()
     for _ in range(300):
         fields = base_fields()
         for _ in range(rng.integers(1, 4)):
@@ -162,27 +195,19 @@ def test_random_perturbations_never_pass_the_fast_path_alone(round_):
             a = np.array(fields[name], dtype=np.float64)
             a.flat[rng.integers(a.size)] = edges[rng.integers(len(edges))] * (0.5 if name == "local_centroids" else 1)
             fields[name] = a
-        media = ("application/msgpack", "application/json")[rng.integers(2)]
-        body = body_of(round_, fields, media)
-        fast = _accept_valid(body, round_)
-        try:
-            slow = _check_fields(body, round_)
-        except UploadRejected:
-            assert fast is None
-            agreed += 1
-            continue
-        if fast is not None:
-            accepted += 1
-            np.testing.assert_array_equal(fast.statistics.count, slow.statistics.count)
-            np.testing.assert_array_equal(fast.statistics.sum_accuracy, slow.statistics.sum_accuracy)
-            np.testing.assert_array_equal(fast.statistics.sum_cost, slow.statistics.sum_cost)
-            np.testing.assert_array_equal(fast.local_centroids, slow.local_centroids)
-            np.testing.assert_array_equal(fast.local_weights, slow.local_weights)
-    assert agreed > 100 and accepted > 10  # both branches were exercised
+        field, _ = flower_verdict(fields)
+        for media in ("application/msgpack", "application/json"):
+            assert server_verdict(round_, fields, media) == field
+        if field is None:
+            update = validate_update(body_of(round_, fields, "application/json"), round_)
+            np.testing.assert_array_equal(update.statistics.count, fields["count"])
+            np.testing.assert_array_equal(update.local_weights, fields["local_weights"])
+        verdicts.add(field)
+    assert None in verdicts and len(verdicts) >= 5  # accepted and refused on several fields
 
 
-def test_validate_upload_names_the_same_field_as_before_for_a_json_body(round_):
-    """The public path (fast acceptance, then the field checks) still names the first offending field."""
+def test_the_first_offending_field_in_order_is_named(round_):
+    """Two broken fields: the refusal names the first in field order, not the rule across fields."""
     fields = base_fields()
     fields["count"][2, 1] = 1.0  # below min_count: a rule across fields, checked last
     fields["local_weights"] = np.array([2.5, 4.0])  # an earlier field in the order
@@ -191,7 +216,7 @@ def test_validate_upload_names_the_same_field_as_before_for_a_json_body(round_):
                       **{k: np.asarray(v).tolist() for k, v in fields.items() if k != "log_size"}}).encode()
     with pytest.raises(UploadRejected) as info:
         round_kinds.validate_upload(round_kinds.parse_upload(raw, "application/json"), round_)
-    assert info.value.detail == "local_weights: must be whole numbers in [0, 2147483647]"
+    assert info.value.status == 422 and info.value.detail.split(":")[0] == "local_weights"
 
 
 def _small_move_reference(update, previous, min_count: int) -> bool:
@@ -269,9 +294,7 @@ def test_an_honest_device_whose_clipped_costs_sum_above_the_bound_by_rounding_is
               "centroid_cells": update.centroid_cells, "local_centroids": update.local_centroids,
               "local_weights": update.local_weights, "log_size": update.log_size}
     for media in ("application/msgpack", "application/json"):
-        body = body_of(r, fields, media)
-        assert _accept_valid(body, r) is not None  # the fast path
-        np.testing.assert_array_equal(_check_fields(body, r).statistics.sum_cost, s.sum_cost)  # the field checks
+        np.testing.assert_array_equal(validate_update(body_of(r, fields, media), r).statistics.sum_cost, s.sum_cost)
 
 
 @pytest.mark.parametrize("n_samples, log_size, error, message", [
