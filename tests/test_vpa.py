@@ -1,0 +1,203 @@
+"""FedVPA-GP (issue 28): ELBO terms, Gumbel-softmax assignment, prototype aggregation, orthogonality loss,
+what a client uploads, and a small synthetic federation where the personal latent must beat the monolithic model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from sdk.errors import InvalidInputError, ShapeError
+from trainer.data.conflicting_users import UsersConfig, make_users
+from trainer.vpa import evaluation as ev
+from trainer.vpa.aggregation import ClientUpdate, PrototypeStats, Prototypes, aggregate_prototypes, aggregate_round
+from trainer.vpa.model import (bt_loglik, elbo, expected_log_normal, gumbel_softmax, kl_normal, mixture_kl,
+                               orthogonality_loss)
+from trainer.vpa.trainer import VPAConfig, VPATrainer
+
+torch.set_num_threads(1)
+
+
+def test_elbo_terms_hand_computed():
+    # KL(N([1, 0], diag[1, 4]) || N(0, I)) = 1/2 (1 + 1 - 1 - 0) + 1/2 (4 + 0 - 1 - ln 4)
+    kl = kl_normal(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, math.log(4.0)]]), torch.zeros(1, 2), torch.zeros(1, 2))
+    assert kl.item() == pytest.approx(0.5 + 0.5 * (3 - math.log(4.0)), abs=1e-6)
+    # Bradley-Terry: log sigma(2) for label 1, log sigma(-2) for label 0
+    ll = bt_loglik(torch.tensor([[2.0, 2.0]]), torch.tensor([[1, 0]]))
+    assert ll[0, 0].item() == pytest.approx(-math.log1p(math.exp(-2.0)), abs=1e-6)
+    assert ll[0, 1].item() == pytest.approx(-math.log1p(math.exp(2.0)), abs=1e-6)
+    # ELBO = sum_t log p - beta KL
+    assert elbo(ll, kl, 0.5).item() == pytest.approx(ll.sum().item() - 0.5 * kl.item(), abs=1e-6)
+    # E_q log N(z; 0, 1) for q = N(1, 1): -1/2 (ln 2 pi + 1 + 1)
+    e = expected_log_normal(torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([0.0]))
+    assert e.item() == pytest.approx(-0.5 * (math.log(2 * math.pi) + 2.0), abs=1e-6)
+
+
+def test_mixture_kl_hand_computed():
+    mu, logvar = torch.tensor([[1.0]]), torch.tensor([[0.0]])
+    # one prototype at N(0, 1) with pi = 1: the bound is the Gaussian KL, 1/2
+    kl, gamma = mixture_kl(mu, logvar, torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), None)
+    assert kl.item() == pytest.approx(0.5, abs=1e-6) and gamma.item() == pytest.approx(1.0)
+    # prototypes at 1 and -1 (unit variance), pi = (1/2, 1/2): logits differ by E log N: -(0 + 1)/2 vs -(4 + 1)/2
+    kl, gamma = mixture_kl(mu, logvar, torch.tensor([[1.0], [-1.0]]), torch.zeros(2, 1), torch.log(torch.tensor([0.5, 0.5])), None)
+    g = 1 / (1 + math.exp(-2.0))
+    assert gamma[0, 0].item() == pytest.approx(g, abs=1e-6)
+    expect = g * 0.0 + (1 - g) * 2.0 + g * math.log(g / 0.5) + (1 - g) * math.log((1 - g) / 0.5)
+    assert kl.item() == pytest.approx(expect, abs=1e-6)
+
+
+def test_gumbel_softmax_sums_to_one_and_hardens():
+    logits = torch.tensor([[0.3, -0.2, 0.1]]).repeat(2000, 1)
+    sharpness = []
+    for tau in (5.0, 1.0, 0.2, 0.02):
+        y = gumbel_softmax(logits, tau, torch.Generator().manual_seed(0))
+        assert torch.allclose(y.sum(-1), torch.ones(2000), atol=1e-5)
+        sharpness.append(y.max(-1).values.mean().item())
+    assert sharpness == sorted(sharpness) and sharpness[-1] > 0.99 and sharpness[0] < 0.5
+    # the same noise: at a low temperature the sample is one-hot at argmax(logits + g)
+    gen = torch.Generator().manual_seed(1)
+    u = torch.rand(logits.shape, generator=gen).clamp(1e-10, 1 - 1e-10)
+    y = gumbel_softmax(logits, 1e-3, torch.Generator().manual_seed(1))
+    assert torch.equal(y.argmax(-1), (logits - torch.log(-torch.log(u))).argmax(-1))
+
+
+def test_prototype_aggregation_is_the_mass_weighted_mean():
+    prev = Prototypes(mu=np.full((2, 2), 9.0), logvar=np.full((2, 2), 9.0), pi=np.array([0.5, 0.5]))
+    a = PrototypeStats(mass=np.array([3.0, 0.0]), sum_mu=3.0 * np.array([[1.0, 2.0], [7.0, 7.0]]) * [[1], [0]],
+                       sum_logvar=np.zeros((2, 2)))
+    b = PrototypeStats(mass=np.array([1.0, 0.0]), sum_mu=np.array([[5.0, -2.0], [0.0, 0.0]]), sum_logvar=np.array([[1.0, 1.0], [0.0, 0.0]]))
+    new = aggregate_prototypes([a, b], prev)
+    np.testing.assert_allclose(new.mu[0], [(3 * 1 + 5) / 4, (3 * 2 - 2) / 4])
+    np.testing.assert_allclose(new.logvar[0], [0.25, 0.25])
+    np.testing.assert_allclose(new.mu[1], [9.0, 9.0])  # no mass anywhere: the previous prototype stays
+    assert new.pi.sum() == pytest.approx(1.0) and new.pi[1] == pytest.approx(1e-3 / (1 + 1e-3))
+
+
+@pytest.mark.parametrize("bad, error", [
+    (PrototypeStats(mass=np.array([1.0]), sum_mu=np.zeros((2, 2)), sum_logvar=np.zeros((2, 2))), ShapeError),
+    (PrototypeStats(mass=np.array([1.0, np.nan]), sum_mu=np.zeros((2, 2)), sum_logvar=np.zeros((2, 2))), ShapeError),
+    (PrototypeStats(mass=np.array([1.0, -1.0]), sum_mu=np.zeros((2, 2)), sum_logvar=np.zeros((2, 2))), InvalidInputError),
+    (None, InvalidInputError),
+])
+def test_aggregate_round_refuses_bad_statistics(bad, error):
+    prev = Prototypes(mu=np.zeros((2, 2)), logvar=np.zeros((2, 2)), pi=np.array([0.5, 0.5]))
+    ok = ClientUpdate({"w": np.ones(3)}, 2.0, PrototypeStats(np.ones(2), np.zeros((2, 2)), np.zeros((2, 2))))
+    with pytest.raises(error):
+        aggregate_round([ok, ClientUpdate({"w": np.ones(3)}, 1.0, bad)], prev)
+
+
+def test_aggregate_round_fedavg_by_users():
+    params, protos = aggregate_round([ClientUpdate({"w": np.array([0.0, 1.0])}, 1.0, None),
+                                      ClientUpdate({"w": np.array([4.0, 5.0])}, 3.0, None)], None)
+    np.testing.assert_allclose(params["w"], [3.0, 4.0])
+    assert protos is None
+
+
+def test_orthogonality_loss():
+    assert orthogonality_loss(torch.eye(3, 5) * torch.tensor([[2.0], [0.5], [3.0]])).item() == pytest.approx(0.0, abs=1e-7)
+    assert orthogonality_loss(torch.tensor([[1.0, 1.0], [2.0, 2.0]])).item() == pytest.approx(1.0, abs=1e-6)
+    assert orthogonality_loss(torch.tensor([[1.0, 0.0], [1.0, 1.0]])).item() == pytest.approx(0.5, abs=1e-6)
+
+
+# ------------------------------------------------------------------ a small synthetic federation
+
+
+def _synthetic(n_pairs: int = 240, d: int = 6, seed: int = 0):
+    """Pairs whose HH label is which response has the larger feature 0: harmless users prefer it, helpful users not."""
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal((n_pairs, 2))
+    label = (h[:, 0] > h[:, 1]).astype(np.int8)
+    pairs = pd.DataFrame({"prompt_id": [f"p{i}" for i in range(n_pairs)], "domain": "hh_harmless",
+                          "prompt": [f"prompt {i}" for i in range(n_pairs)],
+                          "response_a": ["a " * int(rng.integers(1, 30)) for _ in range(n_pairs)],
+                          "response_b": ["b " * int(rng.integers(1, 30)) for _ in range(n_pairs)], "label": label})
+    phi = rng.standard_normal((n_pairs, 2, d)).astype(np.float32) * 0.3
+    phi[:, :, 0] = h
+    return pairs, phi
+
+
+def _small_cfg(**over) -> VPAConfig:
+    users = UsersConfig(n_clients=4, mix="pure", n_train_users=4, n_val_users=2, n_test_users=4, n_train_pairs=40,
+                        context_max=8, n_heldout=16)
+    base = dict(users=users, contexts=(2, 8), hidden=16, latent_dim=2, rounds=25, local_steps=5, n_targets=16,
+                pca_components=None, structure=True, lr=1e-2, seeds=1)
+    return VPAConfig(**{**base, **over})
+
+
+def test_client_upload_holds_only_parameters_and_prototype_statistics():
+    pairs, phi = _synthetic()
+    cfg = _small_cfg()
+    users = make_users(pairs, cfg.users, seed=0)
+    tr = VPATrainer(users, phi, cfg)
+    model, protos = tr.new_vpa(0), tr.init_prototypes(0)
+    shapes = None
+    for client in (0, 1):
+        ids = users.users("train", client)
+        up = tr.local_vpa_step(model, protos, ids, 0.1, 1.0, np.random.default_rng(0), torch.Generator().manual_seed(0))
+        assert set(vars(up)) == {"params", "n_examples", "prototypes"} and up.n_examples == len(ids)
+        assert set(up.params) == set(model.state_dict())
+        assert set(vars(up.prototypes)) == {"mass", "sum_mu", "sum_logvar"}
+        assert up.prototypes.mass.shape == (2,) and up.prototypes.sum_mu.shape == (2, 2)
+        now = {k: v.shape for k, v in up.params.items()}
+        assert shapes in (None, now)  # the same shapes whatever the client's data
+        shapes = now
+        # no feature row of the client's pairs appears in the upload
+        own = phi[np.concatenate([users.items[u] for u in ids])].reshape(-1, phi.shape[-1])
+        for arr in [*up.params.values(), up.prototypes.sum_mu, up.prototypes.sum_logvar]:
+            flat = np.asarray(arr, dtype=np.float32).reshape(-1)
+            for row in own[:50]:
+                assert not any(np.allclose(flat[i:i + len(row)], row) for i in range(0, len(flat) - len(row) + 1))
+
+
+def test_synthetic_federation_personalises_and_the_monolithic_model_cannot():
+    pairs, phi = _synthetic()
+    cfg = _small_cfg()
+    users = make_users(pairs, cfg.users, seed=0)
+    tr = VPATrainer(users, phi, cfg)
+    test_ids, t_test = users.users("test"), users.type[users.users("test")]
+    mono = tr.train_bt(per_type=False, seed=0)
+    oracle = tr.train_bt(per_type=True, seed=0)
+    mono_acc = ev.bt_correct(tr, mono, test_ids, np.zeros(len(test_ids), dtype=np.int64)).mean()
+    oracle_acc = ev.bt_correct(tr, oracle, test_ids, t_test).mean()
+    model, protos = tr.train_vpa("mixture", 0.03, seed=0)
+    mu, logvar = ev.posterior(tr, model, test_ids, 8)
+    gp_acc = ev.vpa_correct(tr, model, test_ids, mu).mean()
+    assert oracle_acc > 0.85 and abs(mono_acc - 0.5) < 0.1
+    assert gp_acc > mono_acc + 0.2, (gp_acc, mono_acc)
+    assert protos.pi.sum() == pytest.approx(1.0)
+    switch = ev.switching(ev.vpa_correct(tr, model, test_ids, mu),
+                          ev.vpa_correct(tr, model, test_ids, mu[ev.partners(t_test, np.random.default_rng(0))]))
+    assert switch["flip"] > 0.5 and switch["both_right"] <= switch["flip"]
+
+
+def test_length_per_user_and_summary():
+    pairs, phi = _synthetic()
+    cfg = _small_cfg()
+    users = make_users(pairs, cfg.users, seed=0)
+    tr = VPATrainer(users, phi, cfg)
+    ids = users.users("test")
+    ok = ev.length_correct(tr, ids, 8)
+    assert ok.shape == (len(ids), cfg.users.n_heldout)
+    s = ev.summarise(np.array([[True, False], [True, True]]), np.array([0, 1]))
+    assert s == {"acc": 0.75, "per_type": {"harmless": 0.5, "helpful": 1.0}}
+
+
+def test_users_split_by_prompt_and_labels_mirror():
+    pairs, _ = _synthetic(n_pairs=300)
+    users = make_users(pairs, UsersConfig(n_clients=4, n_train_pairs=20, context_max=8, n_heldout=8), seed=1)
+    for u in range(len(users.items)):
+        parts = set(users.part[users.items[u]])
+        assert parts == {users.user_part[u]}  # a user's pairs all come from its part's prompts
+        assert len(set(pairs["prompt_id"].iloc[users.items[u]])) == len(users.items[u])
+        expect = pairs["label"].to_numpy()[users.items[u]] ^ users.type[u]
+        np.testing.assert_array_equal(users.labels(u, users.items[u]), expect)
+    train_prompts = set(pairs["prompt_id"][users.part == "train"])
+    assert not train_prompts & set(pairs["prompt_id"][users.part == "test"])
+
+
+def test_config_refuses_contexts_beyond_the_users():
+    with pytest.raises(InvalidInputError):
+        VPAConfig(contexts=(2, 64))
