@@ -201,3 +201,32 @@ def test_users_split_by_prompt_and_labels_mirror():
 def test_config_refuses_contexts_beyond_the_users():
     with pytest.raises(InvalidInputError):
         VPAConfig(contexts=(2, 64))
+
+
+def test_flower_strategy_aggregates_as_the_pure_function_and_drops_a_bad_reply():
+    from flwr.app import Message, MessageType, RecordDict
+
+    from trainer.vpa.flower_strategy import FedVPAStrategy, pack_update, unpack_global
+
+    prev = Prototypes(mu=np.zeros((2, 3)), logvar=np.zeros((2, 3)), pi=np.array([0.5, 0.5]))
+    rng = np.random.default_rng(0)
+
+    def update(n: float) -> ClientUpdate:
+        return ClientUpdate({"w": rng.standard_normal((2, 2)), "b": rng.standard_normal(2)}, n,
+                            PrototypeStats(rng.uniform(0, 2, 2), rng.standard_normal((2, 3)), rng.standard_normal((2, 3))))
+
+    ups = [update(1.0), update(3.0)]
+    bad = ClientUpdate({"w": np.ones((3, 3)), "b": np.ones(2)}, 1.0, ups[0].prototypes)
+    strategy = FedVPAStrategy({"w": np.zeros((2, 2)), "b": np.zeros(2)}, prev)
+
+    def reply(node, u):
+        return Message(pack_update(u), reply_to=Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN))
+
+    record, _ = strategy.aggregate_train(1, [reply(1, ups[0]), reply(2, bad), reply(3, ups[1])])
+    params, protos = unpack_global(record)
+    want_params, want_protos = aggregate_round(ups, prev)
+    for k in want_params:
+        np.testing.assert_allclose(params[k], want_params[k], rtol=1e-6)
+    np.testing.assert_allclose(protos.mu, want_protos.mu)
+    np.testing.assert_allclose(protos.pi, want_protos.pi)
+    assert [r.client_id for r in strategy.rejected_] == ["2"]
