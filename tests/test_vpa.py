@@ -66,20 +66,23 @@ def test_gumbel_softmax_sums_to_one_and_hardens():
 
 def test_prototype_aggregation_is_the_mass_weighted_mean():
     prev = Prototypes(mu=np.full((2, 2), 9.0), logvar=np.full((2, 2), 9.0), pi=np.array([0.5, 0.5]))
-    a = PrototypeStats(mass=np.array([3.0, 0.0]), sum_mu=3.0 * np.array([[1.0, 2.0], [7.0, 7.0]]) * [[1], [0]],
-                       sum_logvar=np.zeros((2, 2)))
-    b = PrototypeStats(mass=np.array([1.0, 0.0]), sum_mu=np.array([[5.0, -2.0], [0.0, 0.0]]), sum_logvar=np.array([[1.0, 1.0], [0.0, 0.0]]))
+    # client a: mass 3 of users at mu = (1, 2), sigma^2 = 1; client b: mass 1 at mu = (5, -2), sigma^2 = 1
+    a = PrototypeStats(mass=np.array([3.0, 0.0]), sum_mu=np.array([[3.0, 6.0], [0.0, 0.0]]),
+                       sum_sq=np.array([[6.0, 15.0], [0.0, 0.0]]))
+    b = PrototypeStats(mass=np.array([1.0, 0.0]), sum_mu=np.array([[5.0, -2.0], [0.0, 0.0]]),
+                       sum_sq=np.array([[26.0, 5.0], [0.0, 0.0]]))
     new = aggregate_prototypes([a, b], prev)
-    np.testing.assert_allclose(new.mu[0], [(3 * 1 + 5) / 4, (3 * 2 - 2) / 4])
-    np.testing.assert_allclose(new.logvar[0], [0.25, 0.25])
+    np.testing.assert_allclose(new.mu[0], [(3 * 1 + 5) / 4, (3 * 2 - 2) / 4])  # (2, 1)
+    np.testing.assert_allclose(new.logvar[0], np.log([32 / 4 - 4, 20 / 4 - 1]))  # variance (4, 4)
     np.testing.assert_allclose(new.mu[1], [9.0, 9.0])  # no mass anywhere: the previous prototype stays
+    np.testing.assert_allclose(new.logvar[1], [9.0, 9.0])
     assert new.pi.sum() == pytest.approx(1.0) and new.pi[1] == pytest.approx(1e-3 / (1 + 1e-3))
 
 
 @pytest.mark.parametrize("bad, error", [
-    (PrototypeStats(mass=np.array([1.0]), sum_mu=np.zeros((2, 2)), sum_logvar=np.zeros((2, 2))), ShapeError),
-    (PrototypeStats(mass=np.array([1.0, np.nan]), sum_mu=np.zeros((2, 2)), sum_logvar=np.zeros((2, 2))), ShapeError),
-    (PrototypeStats(mass=np.array([1.0, -1.0]), sum_mu=np.zeros((2, 2)), sum_logvar=np.zeros((2, 2))), InvalidInputError),
+    (PrototypeStats(mass=np.array([1.0]), sum_mu=np.zeros((2, 2)), sum_sq=np.zeros((2, 2))), ShapeError),
+    (PrototypeStats(mass=np.array([1.0, np.nan]), sum_mu=np.zeros((2, 2)), sum_sq=np.zeros((2, 2))), ShapeError),
+    (PrototypeStats(mass=np.array([1.0, -1.0]), sum_mu=np.zeros((2, 2)), sum_sq=np.zeros((2, 2))), InvalidInputError),
     (None, InvalidInputError),
 ])
 def test_aggregate_round_refuses_bad_statistics(bad, error):
@@ -139,14 +142,14 @@ def test_client_upload_holds_only_parameters_and_prototype_statistics():
         up = tr.local_vpa_step(model, protos, ids, 0.1, 1.0, np.random.default_rng(0), torch.Generator().manual_seed(0))
         assert set(vars(up)) == {"params", "n_examples", "prototypes"} and up.n_examples == len(ids)
         assert set(up.params) == set(model.state_dict())
-        assert set(vars(up.prototypes)) == {"mass", "sum_mu", "sum_logvar"}
+        assert set(vars(up.prototypes)) == {"mass", "sum_mu", "sum_sq"}
         assert up.prototypes.mass.shape == (2,) and up.prototypes.sum_mu.shape == (2, 2)
         now = {k: v.shape for k, v in up.params.items()}
         assert shapes in (None, now)  # the same shapes whatever the client's data
         shapes = now
         # no feature row of the client's pairs appears in the upload
         own = phi[np.concatenate([users.items[u] for u in ids])].reshape(-1, phi.shape[-1])
-        for arr in [*up.params.values(), up.prototypes.sum_mu, up.prototypes.sum_logvar]:
+        for arr in [*up.params.values(), up.prototypes.sum_mu, up.prototypes.sum_sq]:
             flat = np.asarray(arr, dtype=np.float32).reshape(-1)
             for row in own[:50]:
                 assert not any(np.allclose(flat[i:i + len(row)], row) for i in range(0, len(flat) - len(row) + 1))

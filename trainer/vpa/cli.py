@@ -34,7 +34,8 @@ def train(out: Annotated[Path, typer.Option(help="output folder")],
           seeds: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="number of seeds (default 3; quick 1)")] = None,
           cache: Annotated[Optional[Path], typer.Option(callback=cache_folder_option,
                                                         help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")] = None,
-          threads: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")] = DEFAULT_CPU_THREADS) -> None:
+          threads: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")] = DEFAULT_CPU_THREADS,
+          jobs: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="seeds run in parallel processes (one thread each)")] = 1) -> None:
     """Train FedVPA-GP, VPL and the baselines on the same simulated clients; settings chosen on validation users."""
     from trainer.vpa.experiment import run_experiment  # torch, pandas: on use only
     from trainer.vpa.report import write_results
@@ -48,7 +49,7 @@ def train(out: Annotated[Path, typer.Option(help="output folder")],
         over["seeds"] = seeds
     cfg = VPAConfig.quick(**over) if quick else VPAConfig(**over)
     t0, c0 = time.perf_counter(), time.process_time()
-    res = run_experiment(cfg, log=typer.echo)
+    res = run_experiment(cfg, log=typer.echo, jobs=jobs)
     c_max = str(max(cfg.contexts))
     gap = res["methods"]["oracle_type"][c_max]["acc_mean"] - res["methods"]["monolithic_bt"][c_max]["acc_mean"]
     res["monolithic_gap"] = {"C": int(c_max), "gap": gap, "min": MIN_MONOLITHIC_GAP, "holds": gap >= MIN_MONOLITHIC_GAP}

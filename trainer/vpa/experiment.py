@@ -163,10 +163,25 @@ def combine(runs: list[dict], contexts: tuple[int, ...]) -> dict:
     return {"methods": methods, "collapse": collapse, "switching_rate": switching, "headroom": headroom}
 
 
-def run_experiment(cfg: VPAConfig, log: Callable[[str], None] = print) -> dict:
-    """Every seed of ``cfg`` and their combination (JSON-ready)."""
+def _seed_job(args: tuple) -> dict:
+    cfg, pairs, phi, seed, threads = args
+    import torch
+
+    torch.set_num_threads(threads)
+    return run_seed(cfg, pairs, phi, seed, lambda line: print(line, flush=True))
+
+
+def run_experiment(cfg: VPAConfig, log: Callable[[str], None] = print, jobs: int = 1) -> dict:
+    """Every seed of ``cfg`` and their combination (JSON-ready); ``jobs`` > 1 runs seeds in that many processes
+    (one torch thread each)."""
     pairs, phi = load_features(cfg)
-    runs = [run_seed(cfg, pairs, phi, seed, log) for seed in range(cfg.seeds)]
+    if jobs > 1 and cfg.seeds > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=min(jobs, cfg.seeds)) as pool:
+            runs = list(pool.map(_seed_job, [(cfg, pairs, phi, seed, 1) for seed in range(cfg.seeds)]))
+    else:
+        runs = [run_seed(cfg, pairs, phi, seed, log) for seed in range(cfg.seeds)]
     res = combine(runs, cfg.contexts)
     res["seeds"] = [{k: v for k, v in r.items() if k != "latent"} for r in runs]
     res["latent_seed0"] = runs[0]["latent"]

@@ -10,7 +10,7 @@ Wire format
   the mixture prior, ``prototypes/mu``, ``prototypes/logvar`` (K, d_z) and ``prototypes/pi`` (K,);
   ``config["config"]``: ``round-id`` (int).
 - Node -> server: ``arrays["arrays"]`` with ``model/<name>`` and, under the mixture prior, ``stats/mass`` (K,),
-  ``stats/sum_mu``, ``stats/sum_logvar`` (K, d_z); ``metrics["metrics"]``: ``n-examples`` (its training users).
+  ``stats/sum_mu``, ``stats/sum_sq`` (K, d_z); ``metrics["metrics"]``: ``n-examples`` (its training users).
   Nothing else: the node's context pairs, labels and latents stay on it.
 - A reply that fails the checks (:func:`trainer.routers.fedavg.validate_updates`,
   :func:`trainer.vpa.aggregation.validate_prototype_stats`, or a missing key) is dropped, logged and listed
@@ -63,7 +63,7 @@ def pack_update(update: ClientUpdate) -> RecordDict:
     arrays = {f"model/{k}": Array(np.asarray(v, dtype=np.float32)) for k, v in update.params.items()}
     if update.prototypes is not None:
         arrays.update({f"stats/{k}": Array(np.asarray(getattr(update.prototypes, k), dtype=np.float64))
-                       for k in ("mass", "sum_mu", "sum_logvar")})
+                       for k in ("mass", "sum_mu", "sum_sq")})
     return RecordDict({ARRAYS_KEY: ArrayRecord(arrays), METRICS_KEY: MetricRecord({"n-examples": float(update.n_examples)})})
 
 
@@ -73,7 +73,7 @@ def unpack_update(content: RecordDict) -> ClientUpdate:
     params = {k[6:]: record[k].numpy() for k in record if k.startswith("model/")}
     stats = None
     if "stats/mass" in record:
-        stats = PrototypeStats(**{k: record[f"stats/{k}"].numpy() for k in ("mass", "sum_mu", "sum_logvar")})
+        stats = PrototypeStats(**{k: record[f"stats/{k}"].numpy() for k in ("mass", "sum_mu", "sum_sq")})
     return ClientUpdate(params=params, n_examples=float(content[METRICS_KEY]["n-examples"]), prototypes=stats)
 
 

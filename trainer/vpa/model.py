@@ -19,12 +19,12 @@ Notation (per user u, latent dimension d_z, K prototypes)
   ``l_k = log pi_k + E_q[log N(z; mu_k, sigma_k^2)]`` (their softmax ``gamma`` is the soft assignment);
   ``KL = sum_k c_k KL(q || N(mu_k, sigma_k^2)) + KL(Cat(gamma) || Cat(pi))``, the usual bound of the
   KL to a mixture through a categorical latent.
-- **Orthogonality loss** (paper 003, "Orthogonal Loss") on the prototype means, normalised to unit length:
-  ``L_orth = sum_{k != l} (mu_k . mu_l / (|mu_k| |mu_l|))^2 / (K (K - 1))``; zero iff the means are
-  pairwise orthogonal.
+- **Orthogonality loss** (paper 003, "Orthogonal Loss") on prototype means ``m_k``, normalised to unit length:
+  ``L_orth = sum_{k != l} (m_k . m_l / (|m_k| |m_l|))^2 / (K (K - 1))``; zero iff the means are pairwise
+  orthogonal. The trainer applies it to each client's soft prototype means (:mod:`trainer.vpa.trainer`).
 
-The paper gives only its abstract; the Gumbel logits, the categorical bound and the normalisation of
-``L_orth`` are our reading of it. Private kernels here do not validate their inputs (the callers build them).
+The paper gives only its abstract; the Gumbel logits, the categorical bound, the moment-matched prototype
+aggregation and where ``L_orth`` applies are our reading of it. Private kernels here do not validate their inputs (the callers build them).
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ returns a :class:`~trainer.vpa.aggregation.ClientUpdate`; the server applies
 :func:`~trainer.vpa.aggregation.aggregate_round` (FedAvg weighted by users, prototypes weighted by mass).
 A step draws, per user, a context size ``C`` log-uniform in ``[context_min, context_max]``, ``C`` context
 pairs and ``n_targets`` other target pairs from the user's pairs, and minimises ``-ELBO / n_targets``
-(:mod:`trainer.vpa.model`) plus ``lambda_orth * L_orth`` under the mixture prior. The Gumbel-softmax
+(:mod:`trainer.vpa.model`) plus, under the mixture prior, ``lambda_orth * L_orth`` of the client's soft
+prototype means ``m_k = sum_u gamma_uk mu_u / sum_u gamma_uk`` in the step's batch (differentiable through the
+encoder: the prototypes themselves are the server's, fixed during the round, and move only by aggregation of the
+clients' statistics, :mod:`trainer.vpa.aggregation`). The Gumbel-softmax
 temperature falls geometrically from ``tau_start`` to ``tau_end`` over the rounds; ``beta`` rises linearly
 from 0 over the first ``warmup`` share of the rounds (KL annealing).
 
@@ -47,7 +50,7 @@ class VPAConfig:
     betas : KL weights tried; the one with the best validation accuracy (mean over ``contexts``) is kept, per prior.
     z_modes : ``'mean'`` (score with the posterior mean) and/or ``'prototype'`` (with the mean of the most
         responsible prototype; mixture prior only), chosen on validation.
-    lambda_orth : weight of the orthogonality loss. tau_start, tau_end : Gumbel-softmax temperatures.
+    lambda_orth : weight of the orthogonality loss. proto_scale : distance of the initial prototype means from 0. tau_start, tau_end : Gumbel-softmax temperatures.
     warmup : share of the rounds over which beta rises from 0.
     rounds, local_steps, lr, weight_decay : federated optimisation (every client takes part in every round).
     n_targets : target pairs per user per step. context_min : smallest training context.
@@ -67,6 +70,7 @@ class VPAConfig:
     betas: tuple[float, ...] = (0.03, 0.3)
     z_modes: tuple[str, ...] = ("mean", "prototype")
     lambda_orth: float = 1.0
+    proto_scale: float = 2.0
     tau_start: float = 1.0
     tau_end: float = 0.2
     warmup: float = 0.3
@@ -169,10 +173,17 @@ class VPATrainer:
         return VPAModel(self.phi.shape[-1], self.cfg.hidden, self.cfg.latent_dim, self.cfg.dropout)
 
     def init_prototypes(self, seed: int) -> Prototypes:
-        """K prototype means drawn from N(0, I), unit variances, uniform weights."""
+        """K prototype means ``proto_scale`` apart from 0 along random orthonormal directions (K <= d_z; else
+        N(0, proto_scale^2 I) draws), unit variances, uniform weights: distinct prototypes from the start, since
+        prototypes that start together get equal soft assignments and the aggregation keeps them together."""
         rng = np.random.default_rng(seed)
         k, d = self.cfg.n_prototypes, self.cfg.latent_dim
-        return Prototypes(mu=rng.standard_normal((k, d)), logvar=np.zeros((k, d)), pi=np.full(k, 1.0 / k))
+        if k <= d:
+            q, _ = np.linalg.qr(rng.standard_normal((d, k)))
+            mu = self.cfg.proto_scale * q.T
+        else:
+            mu = self.cfg.proto_scale * rng.standard_normal((k, d))
+        return Prototypes(mu=mu, logvar=np.zeros((k, d)), pi=np.full(k, 1.0 / k))
 
     def local_vpa_step(self, model: VPAModel, protos: Prototypes | None, user_ids: np.ndarray, beta: float,
                        tau: float, rng: np.random.Generator, gen: torch.Generator) -> ClientUpdate:
@@ -181,10 +192,9 @@ class VPATrainer:
         model.train()
         params = list(model.parameters())
         if protos is not None:
-            p_mu = torch.tensor(protos.mu, dtype=torch.float32, requires_grad=True)
-            p_lv = torch.tensor(protos.logvar, dtype=torch.float32, requires_grad=True)
+            p_mu = torch.tensor(protos.mu, dtype=torch.float32)
+            p_lv = torch.tensor(protos.logvar, dtype=torch.float32)
             log_pi = torch.log(torch.tensor(protos.pi, dtype=torch.float32))
-            params += [p_mu, p_lv]
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         for _ in range(cfg.local_steps):
             ctx, mask, tgt = self._train_batch(user_ids, rng)
@@ -196,8 +206,9 @@ class VPATrainer:
                 kl = kl_normal(mu, logvar, torch.zeros_like(mu), torch.zeros_like(logvar))
                 extra = 0.0
             else:
-                kl, _ = mixture_kl(mu, logvar, p_mu, p_lv, log_pi, tau, gen)
-                extra = cfg.lambda_orth * orthogonality_loss(p_mu)
+                kl, gamma = mixture_kl(mu, logvar, p_mu, p_lv, log_pi, tau, gen)
+                local_means = (gamma.T @ mu) / gamma.sum(0)[:, None].clamp_min(1e-6)
+                extra = cfg.lambda_orth * orthogonality_loss(local_means)
             loss = (-elbo(loglik, kl, beta) / cfg.n_targets).mean() + extra
             opt.zero_grad()
             loss.backward()
@@ -209,9 +220,9 @@ class VPATrainer:
                 ctx, mask, _ = self._train_batch(user_ids, rng)
                 mu, logvar = model.encode(*self.context_tensors(user_ids, ctx, mask), mask)
                 _, gamma = mixture_kl(mu, logvar, p_mu, p_lv, log_pi, None)
-                mass = gamma.sum(0).double().numpy()
-                stats = PrototypeStats(mass=mass, sum_mu=mass[:, None] * p_mu.detach().double().numpy(),
-                                       sum_logvar=mass[:, None] * p_lv.detach().double().numpy())
+                g = gamma.double()
+                stats = PrototypeStats(mass=g.sum(0).numpy(), sum_mu=(g.T @ mu.double()).numpy(),
+                                       sum_sq=(g.T @ (mu.double() ** 2 + logvar.double().exp())).numpy())
         return ClientUpdate(params=_state(model), n_examples=float(len(user_ids)), prototypes=stats)
 
     def train_vpa(self, prior: str, beta: float, seed: int, clients: list[int] | None = None
