@@ -66,14 +66,15 @@ def test_gumbel_softmax_sums_to_one_and_hardens():
 
 def test_prototype_aggregation_is_the_mass_weighted_mean():
     prev = Prototypes(mu=np.full((2, 2), 9.0), logvar=np.full((2, 2), 9.0), pi=np.array([0.5, 0.5]))
-    # client a: mass 3 of users at mu = (1, 2), sigma^2 = 1; client b: mass 1 at mu = (5, -2), sigma^2 = 1
+    # client a: mass 3 of users at mu = (1, 2), sigma^2 = 1; client b: mass 1 at mu = (5, -2)
     a = PrototypeStats(mass=np.array([3.0, 0.0]), sum_mu=np.array([[3.0, 6.0], [0.0, 0.0]]),
                        sum_sq=np.array([[6.0, 15.0], [0.0, 0.0]]))
     b = PrototypeStats(mass=np.array([1.0, 0.0]), sum_mu=np.array([[5.0, -2.0], [0.0, 0.0]]),
-                       sum_sq=np.array([[26.0, 5.0], [0.0, 0.0]]))
+                       sum_sq=np.array([[12.0, 5.0], [0.0, 0.0]]))
     new = aggregate_prototypes([a, b], prev)
     np.testing.assert_allclose(new.mu[0], [(3 * 1 + 5) / 4, (3 * 2 - 2) / 4])  # (2, 1)
-    np.testing.assert_allclose(new.logvar[0], np.log([32 / 4 - 4, 20 / 4 - 1]))  # variance (4, 4)
+    # E[z^2] = (18 / 4, 20 / 4): variance (0.5, 4), the second capped at VAR_CAP = 1
+    np.testing.assert_allclose(new.logvar[0], np.log([18 / 4 - 4, 1.0]))
     np.testing.assert_allclose(new.mu[1], [9.0, 9.0])  # no mass anywhere: the previous prototype stays
     np.testing.assert_allclose(new.logvar[1], [9.0, 9.0])
     assert new.pi.sum() == pytest.approx(1.0) and new.pi[1] == pytest.approx(1e-3 / (1 + 1e-3))
@@ -233,3 +234,14 @@ def test_flower_strategy_aggregates_as_the_pure_function_and_drops_a_bad_reply()
     np.testing.assert_allclose(protos.mu, want_protos.mu)
     np.testing.assert_allclose(protos.pi, want_protos.pi)
     assert [r.client_id for r in strategy.rejected_] == ["2"]
+
+
+def test_cli_refuses_another_commands_results_folder(tmp_path):
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    (tmp_path / "results.json").write_text('{"command": "mor eval"}')
+    res = CliRunner().invoke(app, ["vpa", "train", "--quick", "--out", str(tmp_path), "--data", str(tmp_path)])
+    assert res.exit_code != 0 and "mor eval" in str(res.output) + str(res.exception)
+    assert VPAConfig.quick().seeds == 1 and VPAConfig.quick().to_json()["users"]["n_clients"] == 12
