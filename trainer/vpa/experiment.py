@@ -11,10 +11,12 @@ context sizes, train local-only VPL with VPL's beta, and score every method on t
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
 
 from trainer.data.conflicting_users import TYPES, make_users
 from trainer.data.preferences import load_hh_harmless_pairs
@@ -165,8 +167,6 @@ def combine(runs: list[dict], contexts: tuple[int, ...]) -> dict:
 
 def _seed_job(args: tuple) -> dict:
     cfg, pairs, phi, seed, threads = args
-    import torch
-
     torch.set_num_threads(threads)
     return run_seed(cfg, pairs, phi, seed, lambda line: print(line, flush=True))
 
@@ -176,8 +176,6 @@ def run_experiment(cfg: VPAConfig, log: Callable[[str], None] = print, jobs: int
     (one torch thread each)."""
     pairs, phi = load_features(cfg)
     if jobs > 1 and cfg.seeds > 1:
-        from concurrent.futures import ProcessPoolExecutor
-
         with ProcessPoolExecutor(max_workers=min(jobs, cfg.seeds)) as pool:
             runs = list(pool.map(_seed_job, [(cfg, pairs, phi, seed, 1) for seed in range(cfg.seeds)]))
     else:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
+from sklearn.decomposition import PCA
 
 from trainer.rewards.pair_features import PairEncoder
 
@@ -75,8 +76,6 @@ def reduce_embeddings(phi: np.ndarray, train_rows: np.ndarray, n_components: int
     phi : ndarray of shape (n_pairs, 2, 2 * d_emb + k), float32; train_rows : int indices of the pairs the PCA
     is fitted on. Returns ndarray of shape (n_pairs, 2, 2 * n_components + k), float32.
     """
-    from sklearn.decomposition import PCA
-
     flat = phi.reshape(-1, phi.shape[-1])
     fit = phi[train_rows].reshape(-1, phi.shape[-1])
     blocks = []

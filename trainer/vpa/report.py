@@ -53,10 +53,10 @@ def markdown(res: dict) -> str:
 
 def plot_accuracy(res: dict, path: Path) -> None:
     """Accuracy vs C, one line per method, error bars = std over seeds."""
-    import matplotlib
+    import matplotlib  # matplotlib: heavy, imported when a figure is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for m in METHODS:
@@ -76,10 +76,10 @@ def plot_accuracy(res: dict, path: Path) -> None:
 
 def plot_latent(res: dict, path: Path) -> None:
     """Test users' posterior means (seed 0, first two principal axes) per method and C, coloured by true type."""
-    import matplotlib
+    import matplotlib  # matplotlib: heavy, imported when a figure is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     lat = res["latent_seed0"]
     types = np.array(lat["types"])

@@ -67,14 +67,14 @@ class VPAConfig:
     latent_dim: int = 4
     dropout: float = 0.1
     n_prototypes: int = 2
-    betas: tuple[float, ...] = (0.03, 0.3)
+    betas: tuple[float, ...] = (0.03,)
     z_modes: tuple[str, ...] = ("mean", "prototype")
     lambda_orth: float = 1.0
     proto_scale: float = 2.0
     tau_start: float = 1.0
     tau_end: float = 0.2
     warmup: float = 0.3
-    rounds: int = 60
+    rounds: int = 40
     local_steps: int = 5
     lr: float = 3e-3
     weight_decay: float = 1e-4
@@ -99,7 +99,7 @@ class VPAConfig:
     @classmethod
     def quick(cls, **over) -> VPAConfig:
         """The small preset: one seed, C in {2, 8, 32}, one beta, 30 rounds, 12 clients (<= 5 min CPU)."""
-        base = dict(seeds=1, contexts=(2, 8, 32), betas=(0.03,), rounds=30, structure=True,
+        base = dict(seeds=1, contexts=(2, 8, 32), rounds=30, structure=True,
                     users=UsersConfig(n_clients=12, n_test_users=6))
         return cls(**{**base, **over})
 
