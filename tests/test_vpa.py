@@ -245,3 +245,27 @@ def test_cli_refuses_another_commands_results_folder(tmp_path):
     res = CliRunner().invoke(app, ["vpa", "train", "--quick", "--out", str(tmp_path), "--data", str(tmp_path)])
     assert res.exit_code != 0 and "mor eval" in str(res.output) + str(res.exception)
     assert VPAConfig.quick().seeds == 1 and VPAConfig.quick().to_json()["users"]["n_clients"] == 12
+
+
+def test_device_z_and_margins_equal_the_trainers_after_onnx_export():
+    from export.vpa_export import check_parity, vpa_to_onnx
+    from sdk.personal_reward import PersonalReward
+
+    pairs, phi = _synthetic()
+    cfg = _small_cfg(rounds=3)
+    users = make_users(pairs, cfg.users, seed=0)
+    tr = VPATrainer(users, phi, cfg)
+    model, _ = tr.train_vpa("mixture", 0.03, seed=0)
+    enc, rew = vpa_to_onnx(model)
+    u = users.users("test")[0]
+    idx = torch.as_tensor(users.context(u, 8))[None]
+    w, lo = tr.context_tensors(np.array([u]), idx, torch.ones(1, 8))
+    held = users.heldout(u)
+    report = check_parity(model, enc, rew, w[0].numpy(), lo[0].numpy(), phi[held, 0], phi[held, 1])
+    assert max(report["mu"], report["logvar"], report["margin"]) <= 1e-3
+    # the device's z from the user's own context equals the trainer's posterior mean
+    mu_t, _ = ev.posterior(tr, model, np.array([u]), 8)
+    mu_d, _ = PersonalReward(enc, rew).infer_z(w[0].numpy(), lo[0].numpy())
+    np.testing.assert_allclose(mu_d, mu_t[0].numpy(), atol=1e-5)
+    with pytest.raises(InvalidInputError):
+        PersonalReward(enc, rew).infer_z(w[0].numpy(), lo[0].numpy()[:, :3])
