@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -50,7 +50,8 @@ class VPAConfig:
     betas : KL weights tried; the one with the best validation accuracy (mean over ``contexts``) is kept, per prior.
     z_modes : ``'mean'`` (score with the posterior mean) and/or ``'prototype'`` (with the mean of the most
         responsible prototype; mixture prior only), chosen on validation.
-    lambda_orth : weight of the orthogonality loss. proto_scale : distance of the initial prototype means from 0. tau_start, tau_end : Gumbel-softmax temperatures.
+    lambda_orth : weight of the orthogonality loss. proto_scale : distance of the initial prototype means from 0.
+    learn_pi : aggregate the mixing weights ``pi_k`` (else they stay uniform). tau_start, tau_end : Gumbel-softmax temperatures.
     warmup : share of the rounds over which beta rises from 0.
     rounds, local_steps, lr, weight_decay : federated optimisation (every client takes part in every round).
     n_targets : target pairs per user per step. context_min : smallest training context.
@@ -71,6 +72,7 @@ class VPAConfig:
     z_modes: tuple[str, ...] = ("mean", "prototype")
     lambda_orth: float = 1.0
     proto_scale: float = 2.0
+    learn_pi: bool = True
     tau_start: float = 1.0
     tau_end: float = 0.2
     warmup: float = 0.3
@@ -245,6 +247,8 @@ class VPATrainer:
                 updates.append(self.local_vpa_step(local, protos, self.users.users("train", i), _beta(cfg, beta, r),
                                                    _tau(cfg, r), rng, gen))
             params, protos = aggregate_round(updates, protos)
+            if protos is not None and not cfg.learn_pi:
+                protos = replace(protos, pi=np.full(len(protos.pi), 1.0 / len(protos.pi)))
             _load(model, params)
         model.eval()
         return model, protos
