@@ -171,7 +171,7 @@ def test_help_is_the_same_as_with_the_bare_click_path_types():
             after = click.testing.CliRunner().invoke(command, ["--help"], prog_name="x", env={"COLUMNS": "200"})
             assert before.exit_code == after.exit_code == 0 and before.output == after.output, path
             checked += 1
-    assert checked == 20  # 19 fedroute commands with path options, and fedroute-sync
+    assert checked == 21  # 20 fedroute commands with path options, and fedroute-sync
     out_line = next(line for line in CliRunner().invoke(app, ["export", "--help"], env={"COLUMNS": "200"}).output.splitlines()
                     if " --out " in line)
     assert " PATH " in out_line
