@@ -375,6 +375,15 @@ def _register_prism_commands() -> None:
 _register_prism_commands()
 
 
+def _register_vpa_commands() -> None:
+    from trainer.vpa.cli import app as vpa_app  # typer only; torch is imported when the command runs
+
+    app.add_typer(vpa_app, name="vpa")
+
+
+_register_vpa_commands()
+
+
 def _register_add_model_command() -> None:
     from trainer.add_model_cli import add_model_command  # the command module imports torch only when it runs
 

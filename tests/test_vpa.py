@@ -1,0 +1,271 @@
+"""FedVPA-GP (issue 28): ELBO terms, Gumbel-softmax assignment, prototype aggregation, orthogonality loss,
+what a client uploads, and a small synthetic federation where the personal latent must beat the monolithic model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from sdk.errors import InvalidInputError, ShapeError
+from trainer.data.conflicting_users import UsersConfig, make_users
+from trainer.vpa import evaluation as ev
+from trainer.vpa.aggregation import ClientUpdate, PrototypeStats, Prototypes, aggregate_prototypes, aggregate_round
+from trainer.vpa.model import (bt_loglik, elbo, expected_log_normal, gumbel_softmax, kl_normal, mixture_kl,
+                               orthogonality_loss)
+from trainer.vpa.trainer import VPAConfig, VPATrainer
+
+torch.set_num_threads(1)
+
+
+def test_elbo_terms_hand_computed():
+    # KL(N([1, 0], diag[1, 4]) || N(0, I)) = 1/2 (1 + 1 - 1 - 0) + 1/2 (4 + 0 - 1 - ln 4)
+    kl = kl_normal(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, math.log(4.0)]]), torch.zeros(1, 2), torch.zeros(1, 2))
+    assert kl.item() == pytest.approx(0.5 + 0.5 * (3 - math.log(4.0)), abs=1e-6)
+    # Bradley-Terry: log sigma(2) for label 1, log sigma(-2) for label 0
+    ll = bt_loglik(torch.tensor([[2.0, 2.0]]), torch.tensor([[1, 0]]))
+    assert ll[0, 0].item() == pytest.approx(-math.log1p(math.exp(-2.0)), abs=1e-6)
+    assert ll[0, 1].item() == pytest.approx(-math.log1p(math.exp(2.0)), abs=1e-6)
+    # ELBO = sum_t log p - beta KL
+    assert elbo(ll, kl, 0.5).item() == pytest.approx(ll.sum().item() - 0.5 * kl.item(), abs=1e-6)
+    # E_q log N(z; 0, 1) for q = N(1, 1): -1/2 (ln 2 pi + 1 + 1)
+    e = expected_log_normal(torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([0.0]))
+    assert e.item() == pytest.approx(-0.5 * (math.log(2 * math.pi) + 2.0), abs=1e-6)
+
+
+def test_mixture_kl_hand_computed():
+    mu, logvar = torch.tensor([[1.0]]), torch.tensor([[0.0]])
+    # one prototype at N(0, 1) with pi = 1: the bound is the Gaussian KL, 1/2
+    kl, gamma = mixture_kl(mu, logvar, torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), None)
+    assert kl.item() == pytest.approx(0.5, abs=1e-6) and gamma.item() == pytest.approx(1.0)
+    # prototypes at 1 and -1 (unit variance), pi = (1/2, 1/2): logits differ by E log N: -(0 + 1)/2 vs -(4 + 1)/2
+    kl, gamma = mixture_kl(mu, logvar, torch.tensor([[1.0], [-1.0]]), torch.zeros(2, 1), torch.log(torch.tensor([0.5, 0.5])), None)
+    g = 1 / (1 + math.exp(-2.0))
+    assert gamma[0, 0].item() == pytest.approx(g, abs=1e-6)
+    expect = g * 0.0 + (1 - g) * 2.0 + g * math.log(g / 0.5) + (1 - g) * math.log((1 - g) / 0.5)
+    assert kl.item() == pytest.approx(expect, abs=1e-6)
+
+
+def test_gumbel_softmax_sums_to_one_and_hardens():
+    logits = torch.tensor([[0.3, -0.2, 0.1]]).repeat(2000, 1)
+    sharpness = []
+    for tau in (5.0, 1.0, 0.2, 0.02):
+        y = gumbel_softmax(logits, tau, torch.Generator().manual_seed(0))
+        assert torch.allclose(y.sum(-1), torch.ones(2000), atol=1e-5)
+        sharpness.append(y.max(-1).values.mean().item())
+    assert sharpness == sorted(sharpness) and sharpness[-1] > 0.99 and sharpness[0] < 0.5
+    # the same noise: at a low temperature the sample is one-hot at argmax(logits + g)
+    gen = torch.Generator().manual_seed(1)
+    u = torch.rand(logits.shape, generator=gen).clamp(1e-10, 1 - 1e-10)
+    y = gumbel_softmax(logits, 1e-3, torch.Generator().manual_seed(1))
+    assert torch.equal(y.argmax(-1), (logits - torch.log(-torch.log(u))).argmax(-1))
+
+
+def test_prototype_aggregation_is_the_mass_weighted_mean():
+    prev = Prototypes(mu=np.full((2, 2), 9.0), logvar=np.full((2, 2), 9.0), pi=np.array([0.5, 0.5]))
+    # client a: mass 3 of users at mu = (1, 2), sigma^2 = 1; client b: mass 1 at mu = (5, -2)
+    a = PrototypeStats(mass=np.array([3.0, 0.0]), sum_mu=np.array([[3.0, 6.0], [0.0, 0.0]]),
+                       sum_sq=np.array([[6.0, 15.0], [0.0, 0.0]]))
+    b = PrototypeStats(mass=np.array([1.0, 0.0]), sum_mu=np.array([[5.0, -2.0], [0.0, 0.0]]),
+                       sum_sq=np.array([[12.0, 5.0], [0.0, 0.0]]))
+    new = aggregate_prototypes([a, b], prev)
+    np.testing.assert_allclose(new.mu[0], [(3 * 1 + 5) / 4, (3 * 2 - 2) / 4])  # (2, 1)
+    # E[z^2] = (18 / 4, 20 / 4): variance (0.5, 4), the second capped at VAR_CAP = 1
+    np.testing.assert_allclose(new.logvar[0], np.log([18 / 4 - 4, 1.0]))
+    np.testing.assert_allclose(new.mu[1], [9.0, 9.0])  # no mass anywhere: the previous prototype stays
+    np.testing.assert_allclose(new.logvar[1], [9.0, 9.0])
+    assert new.pi.sum() == pytest.approx(1.0) and new.pi[1] == pytest.approx(1e-3 / (1 + 1e-3))
+
+
+@pytest.mark.parametrize("bad, error", [
+    (PrototypeStats(mass=np.array([1.0]), sum_mu=np.zeros((2, 2)), sum_sq=np.zeros((2, 2))), ShapeError),
+    (PrototypeStats(mass=np.array([1.0, np.nan]), sum_mu=np.zeros((2, 2)), sum_sq=np.zeros((2, 2))), ShapeError),
+    (PrototypeStats(mass=np.array([1.0, -1.0]), sum_mu=np.zeros((2, 2)), sum_sq=np.zeros((2, 2))), InvalidInputError),
+    (None, InvalidInputError),
+])
+def test_aggregate_round_refuses_bad_statistics(bad, error):
+    prev = Prototypes(mu=np.zeros((2, 2)), logvar=np.zeros((2, 2)), pi=np.array([0.5, 0.5]))
+    ok = ClientUpdate({"w": np.ones(3)}, 2.0, PrototypeStats(np.ones(2), np.zeros((2, 2)), np.zeros((2, 2))))
+    with pytest.raises(error):
+        aggregate_round([ok, ClientUpdate({"w": np.ones(3)}, 1.0, bad)], prev)
+
+
+def test_aggregate_round_fedavg_by_users():
+    params, protos = aggregate_round([ClientUpdate({"w": np.array([0.0, 1.0])}, 1.0, None),
+                                      ClientUpdate({"w": np.array([4.0, 5.0])}, 3.0, None)], None)
+    np.testing.assert_allclose(params["w"], [3.0, 4.0])
+    assert protos is None
+
+
+def test_orthogonality_loss():
+    assert orthogonality_loss(torch.eye(3, 5) * torch.tensor([[2.0], [0.5], [3.0]])).item() == pytest.approx(0.0, abs=1e-7)
+    assert orthogonality_loss(torch.tensor([[1.0, 1.0], [2.0, 2.0]])).item() == pytest.approx(1.0, abs=1e-6)
+    assert orthogonality_loss(torch.tensor([[1.0, 0.0], [1.0, 1.0]])).item() == pytest.approx(0.5, abs=1e-6)
+
+
+# ------------------------------------------------------------------ a small synthetic federation
+
+
+def _synthetic(n_pairs: int = 240, d: int = 6, seed: int = 0):
+    """Pairs whose HH label is which response has the larger feature 0: harmless users prefer it, helpful users not."""
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal((n_pairs, 2))
+    label = (h[:, 0] > h[:, 1]).astype(np.int8)
+    pairs = pd.DataFrame({"prompt_id": [f"p{i}" for i in range(n_pairs)], "domain": "hh_harmless",
+                          "prompt": [f"prompt {i}" for i in range(n_pairs)],
+                          "response_a": ["a " * int(rng.integers(1, 30)) for _ in range(n_pairs)],
+                          "response_b": ["b " * int(rng.integers(1, 30)) for _ in range(n_pairs)], "label": label})
+    phi = rng.standard_normal((n_pairs, 2, d)).astype(np.float32) * 0.3
+    phi[:, :, 0] = h
+    return pairs, phi
+
+
+def _small_cfg(**over) -> VPAConfig:
+    users = UsersConfig(n_clients=4, mix="pure", n_train_users=4, n_val_users=2, n_test_users=4, n_train_pairs=40,
+                        context_max=8, n_heldout=16)
+    base = dict(users=users, contexts=(2, 8), hidden=16, latent_dim=2, rounds=25, local_steps=5, n_targets=16,
+                pca_components=None, structure=True, lr=1e-2, seeds=1)
+    return VPAConfig(**{**base, **over})
+
+
+def test_client_upload_holds_only_parameters_and_prototype_statistics():
+    pairs, phi = _synthetic()
+    cfg = _small_cfg()
+    users = make_users(pairs, cfg.users, seed=0)
+    tr = VPATrainer(users, phi, cfg)
+    model, protos = tr.new_vpa(0), tr.init_prototypes(0)
+    shapes = None
+    for client in (0, 1):
+        ids = users.users("train", client)
+        up = tr.local_vpa_step(model, protos, ids, 0.1, 1.0, np.random.default_rng(0), torch.Generator().manual_seed(0))
+        assert set(vars(up)) == {"params", "n_examples", "prototypes"} and up.n_examples == len(ids)
+        assert set(up.params) == set(model.state_dict())
+        assert set(vars(up.prototypes)) == {"mass", "sum_mu", "sum_sq"}
+        assert up.prototypes.mass.shape == (2,) and up.prototypes.sum_mu.shape == (2, 2)
+        now = {k: v.shape for k, v in up.params.items()}
+        assert shapes in (None, now)  # the same shapes whatever the client's data
+        shapes = now
+        # no feature row of the client's pairs appears in the upload
+        own = phi[np.concatenate([users.items[u] for u in ids])].reshape(-1, phi.shape[-1])
+        for arr in [*up.params.values(), up.prototypes.sum_mu, up.prototypes.sum_sq]:
+            flat = np.asarray(arr, dtype=np.float32).reshape(-1)
+            for row in own[:50]:
+                assert not any(np.allclose(flat[i:i + len(row)], row) for i in range(0, len(flat) - len(row) + 1))
+
+
+def test_synthetic_federation_personalises_and_the_monolithic_model_cannot():
+    pairs, phi = _synthetic()
+    cfg = _small_cfg()
+    users = make_users(pairs, cfg.users, seed=0)
+    tr = VPATrainer(users, phi, cfg)
+    test_ids, t_test = users.users("test"), users.type[users.users("test")]
+    mono = tr.train_bt(per_type=False, seed=0)
+    oracle = tr.train_bt(per_type=True, seed=0)
+    mono_acc = ev.bt_correct(tr, mono, test_ids, np.zeros(len(test_ids), dtype=np.int64)).mean()
+    oracle_acc = ev.bt_correct(tr, oracle, test_ids, t_test).mean()
+    model, protos = tr.train_vpa("mixture", 0.03, seed=0)
+    mu, logvar = ev.posterior(tr, model, test_ids, 8)
+    gp_acc = ev.vpa_correct(tr, model, test_ids, mu).mean()
+    assert oracle_acc > 0.85 and abs(mono_acc - 0.5) < 0.1
+    assert gp_acc > mono_acc + 0.2, (gp_acc, mono_acc)
+    assert protos.pi.sum() == pytest.approx(1.0)
+    switch = ev.switching(ev.vpa_correct(tr, model, test_ids, mu),
+                          ev.vpa_correct(tr, model, test_ids, mu[ev.partners(t_test, np.random.default_rng(0))]))
+    assert switch["flip"] > 0.5 and switch["both_right"] <= switch["flip"]
+
+
+def test_length_per_user_and_summary():
+    pairs, phi = _synthetic()
+    cfg = _small_cfg()
+    users = make_users(pairs, cfg.users, seed=0)
+    tr = VPATrainer(users, phi, cfg)
+    ids = users.users("test")
+    ok = ev.length_correct(tr, ids, 8)
+    assert ok.shape == (len(ids), cfg.users.n_heldout)
+    s = ev.summarise(np.array([[True, False], [True, True]]), np.array([0, 1]))
+    assert s == {"acc": 0.75, "per_type": {"harmless": 0.5, "helpful": 1.0}}
+
+
+def test_users_split_by_prompt_and_labels_mirror():
+    pairs, _ = _synthetic(n_pairs=300)
+    users = make_users(pairs, UsersConfig(n_clients=4, n_train_pairs=20, context_max=8, n_heldout=8), seed=1)
+    for u in range(len(users.items)):
+        parts = set(users.part[users.items[u]])
+        assert parts == {users.user_part[u]}  # a user's pairs all come from its part's prompts
+        assert len(set(pairs["prompt_id"].iloc[users.items[u]])) == len(users.items[u])
+        expect = pairs["label"].to_numpy()[users.items[u]] ^ users.type[u]
+        np.testing.assert_array_equal(users.labels(u, users.items[u]), expect)
+    train_prompts = set(pairs["prompt_id"][users.part == "train"])
+    assert not train_prompts & set(pairs["prompt_id"][users.part == "test"])
+
+
+def test_config_refuses_contexts_beyond_the_users():
+    with pytest.raises(InvalidInputError):
+        VPAConfig(contexts=(2, 64))
+
+
+def test_flower_strategy_aggregates_as_the_pure_function_and_drops_a_bad_reply():
+    from flwr.app import Message, MessageType, RecordDict
+
+    from trainer.vpa.flower_strategy import FedVPAStrategy, pack_update, unpack_global
+
+    prev = Prototypes(mu=np.zeros((2, 3)), logvar=np.zeros((2, 3)), pi=np.array([0.5, 0.5]))
+    rng = np.random.default_rng(0)
+
+    def update(n: float) -> ClientUpdate:
+        return ClientUpdate({"w": rng.standard_normal((2, 2)), "b": rng.standard_normal(2)}, n,
+                            PrototypeStats(rng.uniform(0, 2, 2), rng.standard_normal((2, 3)), rng.standard_normal((2, 3))))
+
+    ups = [update(1.0), update(3.0)]
+    bad = ClientUpdate({"w": np.ones((3, 3)), "b": np.ones(2)}, 1.0, ups[0].prototypes)
+    strategy = FedVPAStrategy({"w": np.zeros((2, 2)), "b": np.zeros(2)}, prev)
+
+    def reply(node, u):
+        return Message(pack_update(u), reply_to=Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN))
+
+    record, _ = strategy.aggregate_train(1, [reply(1, ups[0]), reply(2, bad), reply(3, ups[1])])
+    params, protos = unpack_global(record)
+    want_params, want_protos = aggregate_round(ups, prev)
+    for k in want_params:
+        np.testing.assert_allclose(params[k], want_params[k], rtol=1e-6)
+    np.testing.assert_allclose(protos.mu, want_protos.mu)
+    np.testing.assert_allclose(protos.pi, want_protos.pi)
+    assert [r.client_id for r in strategy.rejected_] == ["2"]
+
+
+def test_cli_refuses_another_commands_results_folder(tmp_path):
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    (tmp_path / "results.json").write_text('{"command": "mor eval"}')
+    res = CliRunner().invoke(app, ["vpa", "train", "--quick", "--out", str(tmp_path), "--data", str(tmp_path)])
+    assert res.exit_code != 0 and "mor eval" in str(res.output) + str(res.exception)
+    assert VPAConfig.quick().seeds == 1 and VPAConfig.quick().to_json()["users"]["n_clients"] == 12
+
+
+def test_device_z_and_margins_equal_the_trainers_after_onnx_export():
+    from export.vpa_export import check_parity, vpa_to_onnx
+    from sdk.personal_reward import PersonalReward
+
+    pairs, phi = _synthetic()
+    cfg = _small_cfg(rounds=3)
+    users = make_users(pairs, cfg.users, seed=0)
+    tr = VPATrainer(users, phi, cfg)
+    model, _ = tr.train_vpa("mixture", 0.03, seed=0)
+    enc, rew = vpa_to_onnx(model)
+    u = users.users("test")[0]
+    idx = torch.as_tensor(users.context(u, 8))[None]
+    w, lo = tr.context_tensors(np.array([u]), idx, torch.ones(1, 8))
+    held = users.heldout(u)
+    report = check_parity(model, enc, rew, w[0].numpy(), lo[0].numpy(), phi[held, 0], phi[held, 1])
+    assert max(report["mu"], report["logvar"], report["margin"]) <= 1e-3
+    # the device's z from the user's own context equals the trainer's posterior mean
+    mu_t, _ = ev.posterior(tr, model, np.array([u]), 8)
+    mu_d, _ = PersonalReward(enc, rew).infer_z(w[0].numpy(), lo[0].numpy())
+    np.testing.assert_allclose(mu_d, mu_t[0].numpy(), atol=1e-5)
+    with pytest.raises(InvalidInputError):
+        PersonalReward(enc, rew).infer_z(w[0].numpy(), lo[0].numpy()[:, :3])

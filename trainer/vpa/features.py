@@ -1,0 +1,86 @@
+"""Features ``phi(x, y)`` of each response of each pair, for the personalised reward models (issue 28).
+
+``phi(x, y) = [e(x), e(y), l(y), s(y)]``: the project's pair features (:class:`trainer.rewards.pair_features.PairEncoder`:
+frozen all-MiniLM-L6-v2 embeddings of the prompt and of the response, from the embedding cache, and the
+response's length ``l(y)``) and, when ``structure=True``, ``s(y)``: ``log1p`` counts of a few surface
+markers of refusing or complying (:data:`STRUCTURE_PATTERNS`, case-insensitive regular expressions) divided by
+4. MiniLM reads 256 tokens of each text; the markers are counted over the whole response. Whether ``s(y)``
+is used is chosen on validation (``fedroute vpa train`` reports both oracles).
+
+:func:`reduce_embeddings` then projects ``e(x)`` and ``e(y)`` each onto its first ``n_components`` principal
+components (scikit-learn PCA fitted on the training pairs only), which makes the small models of the
+federated simulation about six times cheaper on CPU; length and marker columns are kept as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from sklearn.decomposition import PCA
+
+from trainer.rewards.pair_features import PairEncoder
+
+#: Surface markers of ``s(y)``, in column order.
+STRUCTURE_PATTERNS = {
+    "apology": r"\b(sorry|apologi[sz]e)\b",
+    "refusal": r"\b(can't|cannot|can not|won't|unable|not able to|shouldn't|should not|don't think|i'd rather not)\b",
+    "harm_words": r"\b(illegal|harmful|dangerous|unethical|inappropriate|wrong|hurt|violence|crime|police|law)\b",
+    "question": r"\?",
+    "compliance": r"\b(here's|here is|here are|you can|you could|you might|try|first|step|sure|yes|ok|okay)\b",
+    "digits": r"\d",
+    "second_person": r"\byou(r)?\b",
+    "first_person": r"\b(i|i'm|me|my)\b",
+    "negation": r"\b(no|not|never|don't|doesn't|isn't)\b",
+}
+_COMPILED = [re.compile(p, re.IGNORECASE) for p in STRUCTURE_PATTERNS.values()]
+STRUCTURE_SCALE = 4.0
+
+
+def structure_features(responses: Sequence[str]) -> np.ndarray:
+    """``s(y)``: ndarray of shape (n, len(STRUCTURE_PATTERNS)), float32, ``log1p(count) / 4`` per marker."""
+    counts = np.array([[len(p.findall(r)) for p in _COMPILED] for r in responses], dtype=np.float64)
+    return (np.log1p(counts) / STRUCTURE_SCALE).astype(np.float32)
+
+
+def pair_features(pairs: pd.DataFrame, encoder: PairEncoder | None = None, structure: bool = True) -> np.ndarray:
+    """``phi`` of both responses of every pair.
+
+    Parameters
+    ----------
+    pairs : pairs frame (needs ``prompt``, ``response_a``, ``response_b``).
+    encoder : PairEncoder (default: MiniLM, 256 tokens, left truncation, length features, the default cache).
+    structure : append ``s(y)``.
+
+    Returns
+    -------
+    ndarray of shape (n_pairs, 2, d_in), float32; ``[:, 0]`` response_a, ``[:, 1]`` response_b.
+    """
+    encoder = encoder or PairEncoder()
+    n = len(pairs)
+    prompts = list(pairs["prompt"]) * 2
+    responses = list(pairs["response_a"]) + list(pairs["response_b"])
+    parts = [encoder.encode(prompts, responses)]
+    if structure:
+        parts.append(structure_features(responses))
+    phi = np.concatenate(parts, axis=1)
+    return np.stack([phi[:n], phi[n:]], axis=1)
+
+
+
+def reduce_embeddings(phi: np.ndarray, train_rows: np.ndarray, n_components: int, d_emb: int = 384) -> np.ndarray:
+    """PCA of the ``e(x)`` and ``e(y)`` blocks of ``phi`` (module docstring).
+
+    phi : ndarray of shape (n_pairs, 2, 2 * d_emb + k), float32; train_rows : int indices of the pairs the PCA
+    is fitted on. Returns ndarray of shape (n_pairs, 2, 2 * n_components + k), float32.
+    """
+    flat = phi.reshape(-1, phi.shape[-1])
+    fit = phi[train_rows].reshape(-1, phi.shape[-1])
+    blocks = []
+    for lo in (0, d_emb):
+        pca = PCA(n_components=n_components, random_state=0).fit(fit[:, lo:lo + d_emb])
+        blocks.append(pca.transform(flat[:, lo:lo + d_emb]))
+    out = np.concatenate(blocks + [flat[:, 2 * d_emb:]], axis=1).astype(np.float32)
+    return out.reshape(phi.shape[0], 2, -1)

@@ -1,0 +1,291 @@
+"""Federated training of FedVPA-GP, VPL and the Bradley-Terry baselines on simulated clients (issue 28).
+
+One round (:meth:`VPATrainer.train_vpa`): every client copies the global encoder + reward head (and, under the
+mixture prior, the global prototypes), runs ``local_steps`` AdamW steps on its own training users, and
+returns a :class:`~trainer.vpa.aggregation.ClientUpdate`; the server applies
+:func:`~trainer.vpa.aggregation.aggregate_round` (FedAvg weighted by users, prototypes weighted by mass).
+A step draws, per user, a context size ``C`` log-uniform in ``[context_min, context_max]``, ``C`` context
+pairs and ``n_targets`` other target pairs from the user's pairs, and minimises ``-ELBO / n_targets``
+(:mod:`trainer.vpa.model`) plus, under the mixture prior, ``lambda_orth * L_orth`` of the client's soft
+prototype means ``m_k = sum_u gamma_uk mu_u / sum_u gamma_uk`` in the step's batch (differentiable through the
+encoder: the prototypes themselves are the server's, fixed during the round, and move only by aggregation of the
+clients' statistics, :mod:`trainer.vpa.aggregation`). The Gumbel-softmax
+temperature falls geometrically from ``tau_start`` to ``tau_end`` over the rounds; ``beta`` rises linearly
+from 0 over the first ``warmup`` share of the rounds (KL annealing).
+
+The same loop trains a Bradley-Terry reward (:class:`~trainer.vpa.model.BTReward`) by FedAvg: one head
+(monolithic) or one head per user type, each user's pairs feeding its type's head (the oracle's models).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+import torch
+
+from sdk.errors import InvalidInputError
+from trainer.data.conflicting_users import ConflictingUsers, UsersConfig
+from trainer.vpa.aggregation import ClientUpdate, PrototypeStats, Prototypes, aggregate_round
+from trainer.vpa.model import BTReward, VPAModel, bt_loglik, elbo, kl_normal, mixture_kl, orthogonality_loss
+
+PRIORS = ("gaussian", "mixture")
+
+
+@dataclass
+class VPAConfig:
+    """Settings of ``fedroute vpa train`` (CPU defaults; :meth:`quick` is the small preset).
+
+    data_dir, cache_dir : shared data folder; embedding cache folder (None: default).
+    seeds : int >= 1, seeds of the whole experiment (split, users, training).
+    contexts : context sizes C evaluated (each <= ``users.context_max``).
+    users : :class:`~trainer.data.conflicting_users.UsersConfig`.
+    structure : use the surface markers ``s(y)`` (:mod:`trainer.vpa.features`); None chooses on validation.
+    pca_components : principal components kept of ``e(x)`` and of ``e(y)`` each (None: all 384).
+    hidden, latent_dim, dropout : model sizes (MLP width, d_z).
+    n_prototypes : K of the mixture prior.
+    betas : KL weights tried; the one with the best validation accuracy (mean over ``contexts``) is kept, per prior.
+    z_modes : ``'mean'`` (score with the posterior mean) and/or ``'prototype'`` (with the mean of the most
+        responsible prototype; mixture prior only), chosen on validation.
+    lambda_orth : weight of the orthogonality loss. proto_scale : distance of the initial prototype means from 0.
+    learn_pi : aggregate the mixing weights ``pi_k`` (else they stay uniform). tau_start, tau_end : Gumbel-softmax temperatures.
+    warmup : share of the rounds over which beta rises from 0.
+    rounds, local_steps, lr, weight_decay : federated optimisation (every client takes part in every round).
+    n_targets : target pairs per user per step. context_min : smallest training context.
+    """
+
+    data_dir: str = "../shared/data"
+    cache_dir: str | None = None
+    seeds: int = 3
+    contexts: tuple[int, ...] = (2, 4, 8, 16, 32)
+    users: UsersConfig = field(default_factory=UsersConfig)
+    structure: bool | None = None
+    pca_components: int | None = 32
+    hidden: int = 64
+    latent_dim: int = 4
+    dropout: float = 0.1
+    n_prototypes: int = 2
+    betas: tuple[float, ...] = (0.03,)
+    z_modes: tuple[str, ...] = ("mean", "prototype")
+    lambda_orth: float = 1.0
+    proto_scale: float = 2.0
+    learn_pi: bool = True
+    tau_start: float = 1.0
+    tau_end: float = 0.2
+    warmup: float = 0.3
+    rounds: int = 40
+    local_steps: int = 5
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    n_targets: int = 16
+    context_min: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.users, dict):
+            self.users = UsersConfig(**self.users)
+        self.contexts, self.betas, self.z_modes = tuple(self.contexts), tuple(self.betas), tuple(self.z_modes)
+        if self.seeds < 1 or self.rounds < 1 or self.local_steps < 1 or self.n_prototypes < 2:
+            raise InvalidInputError(f"seeds={self.seeds}, rounds={self.rounds}, local_steps={self.local_steps} must be "
+                                    f">= 1 and n_prototypes={self.n_prototypes} >= 2")
+        if not self.contexts or min(self.contexts) < 1 or max(self.contexts) > self.users.context_max:
+            raise InvalidInputError(f"contexts={self.contexts} must lie in [1, users.context_max={self.users.context_max}]")
+        if self.context_min + self.n_targets > self.users.n_train_pairs:
+            raise InvalidInputError(f"context_min={self.context_min} + n_targets={self.n_targets} exceeds "
+                                    f"users.n_train_pairs={self.users.n_train_pairs}")
+        if not self.betas or min(self.betas) < 0 or not set(self.z_modes) <= {"mean", "prototype"} or not self.z_modes:
+            raise InvalidInputError(f"betas={self.betas} must be >= 0 and z_modes={self.z_modes} in mean|prototype")
+
+    @classmethod
+    def quick(cls, **over) -> VPAConfig:
+        """The small preset: one seed, C in {2, 8, 32}, one beta, 30 rounds, 12 clients (<= 5 min CPU)."""
+        base = dict(seeds=1, contexts=(2, 8, 32), rounds=30, structure=True,
+                    users=UsersConfig(n_clients=12, n_test_users=6))
+        return cls(**{**base, **over})
+
+    def to_json(self) -> dict:
+        """The config as JSON-ready data (tuples become lists)."""
+        return json.loads(json.dumps(asdict(self)))
+
+
+def _tau(cfg: VPAConfig, r: int) -> float:
+    return cfg.tau_start * (cfg.tau_end / cfg.tau_start) ** (r / max(1, cfg.rounds - 1))
+
+
+def _beta(cfg: VPAConfig, beta: float, r: int) -> float:
+    ramp = cfg.warmup * cfg.rounds
+    return beta if ramp < 1 else beta * min(1.0, r / ramp)
+
+
+def _state(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _load(model: torch.nn.Module, params: dict[str, np.ndarray]) -> None:
+    model.load_state_dict({k: torch.as_tensor(np.asarray(v), dtype=torch.float32) for k, v in params.items()})
+
+
+class VPATrainer:
+    """Trains and scores the models of one seed on precomputed features.
+
+    users : ConflictingUsers of the seed. phi : ndarray of shape (n_pairs, 2, d_in), float32 (:mod:`trainer.vpa.features`).
+    cfg : VPAConfig.
+    """
+
+    def __init__(self, users: ConflictingUsers, phi: np.ndarray, cfg: VPAConfig) -> None:
+        self.users = users
+        self.phi = torch.as_tensor(phi, dtype=torch.float32)
+        self.cfg = cfg
+        self.label = torch.as_tensor(users.pairs["label"].to_numpy().astype(np.int64))
+
+    # ------------------------------------------------------------------ batches (one client's own users)
+
+    def user_labels(self, user_ids: np.ndarray, idx: torch.Tensor) -> torch.Tensor:
+        """Labels (1 = A preferred) of pairs ``idx`` (U, m) as users ``user_ids`` give them."""
+        return self.label[idx] ^ torch.as_tensor(self.users.type[user_ids])[:, None]
+
+    def context_tensors(self, user_ids: np.ndarray, idx: torch.Tensor, mask: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(phi_w, phi_l)`` (U, C, d_in) of context pairs ``idx`` (U, C): preferred / dispreferred by each user."""
+        a_wins = self.user_labels(user_ids, idx)[..., None].bool()  # 1 = A preferred = side 0
+        phi_a, phi_b = self.phi[idx, 0], self.phi[idx, 1]
+        m = mask[..., None]
+        return torch.where(a_wins, phi_a, phi_b) * m, torch.where(a_wins, phi_b, phi_a) * m
+
+    def _train_batch(self, user_ids: np.ndarray, rng: np.random.Generator):
+        cfg = self.cfg
+        c_max = min(self.users.context_max, cfg.users.n_train_pairs - cfg.n_targets)
+        n_u = len(user_ids)
+        ctx = np.zeros((n_u, c_max), dtype=np.int64)
+        mask = np.zeros((n_u, c_max), dtype=np.float32)
+        tgt = np.zeros((n_u, cfg.n_targets), dtype=np.int64)
+        for j, u in enumerate(user_ids):
+            c = int(round(math.exp(rng.uniform(math.log(cfg.context_min), math.log(c_max)))))
+            order = rng.permutation(self.users.items[u])
+            ctx[j, :c], mask[j, :c] = order[:c], 1.0
+            tgt[j] = order[c:c + cfg.n_targets]
+        return torch.as_tensor(ctx), torch.as_tensor(mask), torch.as_tensor(tgt)
+
+    # ------------------------------------------------------------------ VPL / FedVPA-GP
+
+    def new_vpa(self, seed: int) -> VPAModel:
+        torch.manual_seed(seed)
+        return VPAModel(self.phi.shape[-1], self.cfg.hidden, self.cfg.latent_dim, self.cfg.dropout)
+
+    def init_prototypes(self, seed: int) -> Prototypes:
+        """K prototype means ``proto_scale`` apart from 0 along random orthonormal directions (K <= d_z; else
+        N(0, proto_scale^2 I) draws), unit variances, uniform weights: distinct prototypes from the start, since
+        prototypes that start together get equal soft assignments and the aggregation keeps them together."""
+        rng = np.random.default_rng(seed)
+        k, d = self.cfg.n_prototypes, self.cfg.latent_dim
+        if k <= d:
+            q, _ = np.linalg.qr(rng.standard_normal((d, k)))
+            mu = self.cfg.proto_scale * q.T
+        else:
+            mu = self.cfg.proto_scale * rng.standard_normal((k, d))
+        return Prototypes(mu=mu, logvar=np.zeros((k, d)), pi=np.full(k, 1.0 / k))
+
+    def local_vpa_step(self, model: VPAModel, protos: Prototypes | None, user_ids: np.ndarray, beta: float,
+                       tau: float, rng: np.random.Generator, gen: torch.Generator) -> ClientUpdate:
+        """One client's round: ``local_steps`` AdamW steps on its users; returns its upload (parameters, users, stats)."""
+        cfg = self.cfg
+        model.train()
+        params = list(model.parameters())
+        if protos is not None:
+            p_mu = torch.tensor(protos.mu, dtype=torch.float32)
+            p_lv = torch.tensor(protos.logvar, dtype=torch.float32)
+            log_pi = torch.log(torch.tensor(protos.pi, dtype=torch.float32))
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        for _ in range(cfg.local_steps):
+            ctx, mask, tgt = self._train_batch(user_ids, rng)
+            mu, logvar = model.encode(*self.context_tensors(user_ids, ctx, mask), mask)
+            z = mu + torch.randn(mu.shape, generator=gen) * (0.5 * logvar).exp()
+            margin = model.margin(self.phi[tgt, 0], self.phi[tgt, 1], z)
+            loglik = bt_loglik(margin, self.user_labels(user_ids, tgt))
+            if protos is None:
+                kl = kl_normal(mu, logvar, torch.zeros_like(mu), torch.zeros_like(logvar))
+                extra = 0.0
+            else:
+                kl, gamma = mixture_kl(mu, logvar, p_mu, p_lv, log_pi, tau, gen)
+                local_means = (gamma.T @ mu) / gamma.sum(0)[:, None].clamp_min(1e-6)
+                extra = cfg.lambda_orth * orthogonality_loss(local_means)
+            loss = (-elbo(loglik, kl, beta) / cfg.n_targets).mean() + extra
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        stats = None
+        if protos is not None:
+            with torch.no_grad():
+                model.eval()
+                ctx, mask, _ = self._train_batch(user_ids, rng)
+                mu, logvar = model.encode(*self.context_tensors(user_ids, ctx, mask), mask)
+                _, gamma = mixture_kl(mu, logvar, p_mu, p_lv, log_pi, None)
+                g = gamma.double()
+                stats = PrototypeStats(mass=g.sum(0).numpy(), sum_mu=(g.T @ mu.double()).numpy(),
+                                       sum_sq=(g.T @ (mu.double() ** 2 + logvar.double().exp())).numpy())
+        return ClientUpdate(params=_state(model), n_examples=float(len(user_ids)), prototypes=stats)
+
+    def train_vpa(self, prior: str, beta: float, seed: int, clients: list[int] | None = None
+                  ) -> tuple[VPAModel, Prototypes | None]:
+        """Federated VPL (``prior='gaussian'``) or FedVPA-GP (``'mixture'``) over ``clients`` (default: all).
+
+        A single client in ``clients`` is local-only training (FedAvg of one update is that update).
+        """
+        cfg = self.cfg
+        clients = list(range(cfg.users.n_clients)) if clients is None else clients
+        model = self.new_vpa(seed)
+        protos = self.init_prototypes(seed) if prior == "mixture" else None
+        rng = np.random.default_rng(seed + 1)
+        gen = torch.Generator().manual_seed(seed + 2)
+        local = copy.deepcopy(model)
+        for r in range(cfg.rounds):
+            updates = []
+            for i in clients:
+                local.load_state_dict(model.state_dict())
+                updates.append(self.local_vpa_step(local, protos, self.users.users("train", i), _beta(cfg, beta, r),
+                                                   _tau(cfg, r), rng, gen))
+            params, protos = aggregate_round(updates, protos)
+            if protos is not None and not cfg.learn_pi:
+                protos = replace(protos, pi=np.full(len(protos.pi), 1.0 / len(protos.pi)))
+            _load(model, params)
+        model.eval()
+        return model, protos
+
+    # ------------------------------------------------------------------ Bradley-Terry baselines
+
+    def train_bt(self, per_type: bool, seed: int) -> BTReward:
+        """FedAvg Bradley-Terry reward: one head (monolithic) or one per type (the oracle's models, trained with type labels)."""
+        cfg = self.cfg
+        torch.manual_seed(seed)
+        model = BTReward(self.phi.shape[-1], cfg.hidden, 2 if per_type else 1, cfg.dropout)
+        local = copy.deepcopy(model)
+        rng = np.random.default_rng(seed + 1)
+        data = {}
+        for i in range(cfg.users.n_clients):
+            ids = self.users.users("train", i)
+            idx = torch.as_tensor(np.concatenate([self.users.items[u] for u in ids]))
+            owner = np.repeat(ids, [len(self.users.items[u]) for u in ids])
+            lab = self.label[idx] ^ torch.as_tensor(self.users.type[owner])
+            head = torch.as_tensor(self.users.type[owner] if per_type else np.zeros(len(owner), dtype=np.int64))
+            data[i] = (idx, lab, head, len(ids))
+        batch = cfg.n_targets * cfg.users.n_train_users
+        for _ in range(cfg.rounds):
+            updates = []
+            for i, (idx, lab, head, n_users) in data.items():
+                local.load_state_dict(model.state_dict())
+                local.train()
+                opt = torch.optim.AdamW(local.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+                for _ in range(cfg.local_steps):
+                    b = torch.as_tensor(rng.choice(len(idx), size=min(batch, len(idx)), replace=False))
+                    m = local.margin(self.phi[idx[b], 0], self.phi[idx[b], 1], head[b])
+                    loss = -bt_loglik(m, lab[b]).mean()
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                updates.append(ClientUpdate(params=_state(local), n_examples=float(n_users), prototypes=None))
+            params, _ = aggregate_round(updates, None)
+            _load(model, params)
+        model.eval()
+        return model
