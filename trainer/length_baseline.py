@@ -33,6 +33,11 @@ from trainer.data.errors import DataFormatError
 from trainer.preference_metrics import pairwise_accuracy
 
 
+#: Inverse L2 strength of the structure-feature baseline, chosen on validation pairs with its features
+#: (``benchmarks/pair_features_settings.py``, docs/pair_features_settings.json).
+STRUCTURE_C = 10.0
+
+
 def _features(df: pd.DataFrame, names: tuple[str, ...]) -> np.ndarray:
     reads_prompt = bool(set(names) & set(PROMPT_FEATURES))
     for col in ("prompt",) * reads_prompt + ("response_a", "response_b", "domain"):

@@ -25,8 +25,9 @@ Data flow of one seed (:meth:`MoRTrainer.prepare` then :meth:`MoRTrainer.train`)
 4. The router is trained federatedly on the clients' train pairs, once per aggregation weighting
    (``"samples"`` and ``"equal"``, :class:`FederatedRouterTrainer`).
 5. Baselines: one MLP reward model trained by FedAvg over all clients' train pairs
-   (:func:`train_fedavg_reward_model`) and the length-only logistic baseline
-   (:class:`trainer.length_baseline.LengthBaseline`, one model per domain).
+   (:func:`train_fedavg_reward_model`), the length-only logistic baseline
+   (:class:`trainer.length_baseline.LengthBaseline`, one model per domain, and one global model), and
+   the structure-feature baseline (the same regression on :data:`sdk.pair_features.DEFAULT_FEATURES`).
 """
 
 from __future__ import annotations
@@ -257,6 +258,7 @@ class MoRModels:
     routers: dict[str, ClientRouter]
     fedavg_rm: MLPRewardModel
     length_baseline: object
+    baselines: dict = field(default_factory=dict)
     router_bytes_per_round: int = 0
     history: dict = field(default_factory=dict)
 
@@ -396,7 +398,8 @@ class MoRTrainer:
 
     def train(self, split: MoRSplit) -> MoRModels:
         """Steps 3-5 for one seed."""
-        from trainer.length_baseline import LengthBaseline  # trainer.length_baseline imports pandas: on use only
+        from sdk.pair_features import DEFAULT_FEATURES
+        from trainer.length_baseline import STRUCTURE_C, LengthBaseline  # trainer.length_baseline imports pandas: on use only
 
         a, seed = self.args, split.seed
         rms, history = [], {}
@@ -414,8 +417,11 @@ class MoRTrainer:
             routers[w] = rt.train(data, list(a.client_names))
             nbytes = rt.bytes_per_round_
         fed = train_fedavg_reward_model(feats, replace(a.mlp_rm, seed=seed, clip=a.clip), self.encoder, a.fedavg_rm_rounds, seed)
-        length = LengthBaseline(per_domain=True).fit(pd.concat([c.train for c in split.clients], ignore_index=True))
-        return MoRModels(rms, routers, fed, length, nbytes, history)
+        pooled = pd.concat([c.train for c in split.clients], ignore_index=True)
+        length = LengthBaseline(per_domain=True).fit(pooled)
+        baselines = {"length_only_global": LengthBaseline(per_domain=False).fit(pooled),
+                     "structure_only": LengthBaseline(per_domain=True, C=STRUCTURE_C, features=DEFAULT_FEATURES).fit(pooled)}
+        return MoRModels(rms, routers, fed, length, nbytes, history, baselines)
 
     def mixture(self, models: MoRModels, mode: str | None = None, weighting: str | None = None,
                 normalise: bool = True, routing: dict | None = None) -> RoutedReward:
