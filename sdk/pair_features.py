@@ -34,7 +34,7 @@ from sdk.errors import InvalidInputError
 from sdk.pair_encoding import LENGTH_FEATURE_NAMES
 
 __all__ = ["DEFAULT_FEATURES", "FEATURE_NAMES", "LENGTH_FEATURE_NAMES", "PROMPT_FEATURES", "check_feature_names", "pair_features",
-           "pair_features_many", "response_features"]
+           "pair_features_many", "response_features", "response_features_many"]
 
 _WORD = re.compile(r"\w+")
 _LIST_ITEM = re.compile(r"^\s*(?:[-*+\u2022]|\d{1,3}[.)])\s+\S", re.M)
@@ -175,6 +175,18 @@ def response_features(prompt: str, response: str, names: Sequence[str] = DEFAULT
     return _phi(prompt, response, [_FEATURES[n] for n in check_feature_names(names)])
 
 
+def response_features_many(prompts: Sequence[str], responses: Sequence[str], names: Sequence[str] = DEFAULT_FEATURES) -> np.ndarray:
+    """``phi(x, y)`` of n (prompt, response): ndarray of shape (n, len(names)), float64 (a reward model
+    ``R(x, y)`` reads these; the Bradley-Terry difference of two of them is :func:`pair_features`).
+
+    Raises
+    ------
+    InvalidInputError
+        The sequences differ in length, an item is not a str, or a bad name.
+    """
+    return pair_features_many(prompts, responses, [""] * len(responses), names, exact=True)
+
+
 def pair_features(prompt: str, response_a: str, response_b: str, names: Sequence[str] = DEFAULT_FEATURES) -> np.ndarray:
     """``f = phi(x, y_A) - phi(x, y_B)`` of one pair: ndarray of shape (len(names),), float32.
 
@@ -187,11 +199,12 @@ def pair_features(prompt: str, response_a: str, response_b: str, names: Sequence
 
 
 def pair_features_many(prompts: Sequence[str], responses_a: Sequence[str], responses_b: Sequence[str],
-                       names: Sequence[str] = DEFAULT_FEATURES) -> np.ndarray:
+                       names: Sequence[str] = DEFAULT_FEATURES, *, exact: bool = False) -> np.ndarray:
     """:func:`pair_features` of n pairs: ndarray of shape (n, len(names)), float32.
 
     ``phi`` is computed once per distinct (prompt, response) (a response shared by several pairs, as
-    in AlpacaEval, costs one pass); the difference is taken in float64, then rounded to float32.
+    in AlpacaEval, costs one pass); the difference is taken in float64, then rounded to float32
+    (``exact=True``: returned in float64).
 
     Raises
     ------
@@ -218,4 +231,4 @@ def pair_features_many(prompts: Sequence[str], responses_a: Sequence[str], respo
     out = np.zeros((len(prompts), len(names)), dtype=np.float64)
     for i, (x, a, b) in enumerate(zip(prompts, responses_a, responses_b)):
         out[i] = phi(x, a) - phi(x, b)
-    return out.astype(np.float32)
+    return out if exact else out.astype(np.float32)

@@ -7,6 +7,9 @@ initialisation), subsamples each part to the preset's size (stratified by domain
 prompts (MiniLM, SQLite cache of :mod:`trainer.embeddings`) and runs the frozen lower layers of the
 selector once over every segment (:func:`trainer.experts.selector.build_segment_store`).
 
+:func:`prepare_data` computes the head's pair features (:mod:`sdk.pair_features`, the names in
+``SelectorConfig.pair_features``) of every pair once, with the segments.
+
 :func:`run_experiment` then, for each seed, draws N = 20 multi-faceted clients
 (:func:`trainer.data.preferences.dirichlet_clients`, alpha = 0.5 over subsets) and trains every method of
 :data:`trainer.experts.fedprism.METHODS` on them, plus the length-only baseline (per-domain logistic
@@ -17,11 +20,16 @@ Output folder (``fedroute prism train --out DIR``)
 --------------------------------------------------
 - ``results.json``: ``methods.<m>.{acc_mean, acc_std, acc_per_seed, domains.<d>.{acc_mean, acc_std}}``
   for m in fedprism, fedbis, fedbiscuit, random_routing, frozen_router, no_warmup, length_only (per-domain
-  regression; reads the domain label at prediction time), length_only_global (one regression);
+  regression; reads the domain label at prediction time), length_only_global (one regression),
+  structure_only (per-domain regression on :data:`sdk.pair_features.DEFAULT_FEATURES`);
+  ``paired_vs_length_only.<m>.{gain, se, n_pairs}`` (accuracy gain over length_only on the same pairs,
+  per-pair differences averaged over seeds, paired standard error over pairs);
   ``utilisation.{max_share, max_share_per_seed, entropy, share}`` (FedPrism, final round, test pairs);
   ``bytes.{downlink_per_round, dense_downlink_per_round, per_method}`` (mean bytes sent to the clients
   of a round; dense = every client downloads all M experts); ``config``, ``data``, ``seconds``.
 - ``results.md``: the table; ``accuracy_per_round.png``, ``utilisation_per_round.png``.
+- ``eval_proba.npz``: ``pair_id`` and P(A better) of every method and seed on the evaluated pairs
+  (``benchmarks/prism_generator_prior.py`` reads it).
 - ``history.json``: per method and seed, the per-round history of :class:`FedPrismTrainer`.
 - ``fedprism_seed0/`` (read by ``prism label`` and the selector export)::
 

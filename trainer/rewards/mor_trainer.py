@@ -96,6 +96,11 @@ class MoRConfig:
     fedavg_rm_rounds : rounds of the FedAvg reward-model baseline (1 local epoch each).
     embedder : EmbedderConfig of the frozen pair encoder (128 tokens: half the CPU time of 256).
     length_features : append the response length to the pair features.
+    pair_features : None, or names of :data:`sdk.pair_features.FEATURE_NAMES`: the appended columns are the
+        response's pair features ``phi(x, y) / 8`` instead of its 3 length columns (``PairEncoder.pair_features``),
+        and an MLP client's length prior becomes the client's local Bradley-Terry fit on them (the
+        structure-feature baseline of its own pairs) with the MLP as a residual over it. LoRA clients keep the
+        3 length columns.
     length_prior : each client's reward model gets a linear length term started from its OWN local
         length-only Bradley-Terry fit (``RewardModelConfig.length_prior``; MLP and LoRA clients alike;
         not the FedAvg-RM baseline). Overrides ``mlp_rm.length_prior`` / ``lora_rm.length_prior`` for
@@ -155,6 +160,7 @@ class MoRConfig:
     fedavg_rm_rounds: int = 30
     embedder: EmbedderConfig = field(default_factory=lambda: EmbedderConfig(max_tokens=128))
     length_features: bool = True
+    pair_features: tuple | None = None
     length_prior: bool | tuple = (True, False, True)
     length_prior_C: float = 10.0
     keep_start: bool = False
@@ -258,9 +264,9 @@ class MoRModels:
     routers: dict[str, ClientRouter]
     fedavg_rm: MLPRewardModel
     length_baseline: object
-    baselines: dict = field(default_factory=dict)
     router_bytes_per_round: int = 0
     history: dict = field(default_factory=dict)
+    baselines: dict = field(default_factory=dict)
 
 
 def train_fedavg_reward_model(features: list[tuple[np.ndarray, np.ndarray]], config: RewardModelConfig, encoder: PairEncoder,
@@ -313,7 +319,8 @@ class MoRTrainer:
         self.show_progress = show_progress
         a = self.args
         self.encoder = PairEncoder(a.embedder, Path(a.cache_dir) if a.cache_dir else None, show_progress,
-                                   length_features=a.length_features)
+                                   length_features=a.length_features,
+                                   pair_features=None if a.pair_features is None else tuple(a.pair_features))
         self.pool_: pd.DataFrame | None = None
 
     # ------------------------------------------------------------------ data
@@ -375,7 +382,7 @@ class MoRTrainer:
         ``d_in = 2 d_emb (+ 3 length columns)``."""
         if self.args.router_inputs == "pair" or (self.args.router_inputs == "text" and not self.args.length_features):
             return None
-        d_emb = (d_in - (3 if self.args.length_features else 0)) // 2
+        d_emb = (d_in - self.encoder.n_feature_columns) // 2
         return d_emb if self.args.router_inputs == "prompt" else 2 * d_emb
 
     def client_length_prior(self, name: str) -> bool:
