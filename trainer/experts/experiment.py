@@ -56,6 +56,7 @@ Output folder (``fedroute prism train --out DIR``)
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import time
@@ -65,7 +66,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sdk.atomic_write import replace_dir
+from sdk.atomic_write import replace_dir, write_atomic
 from sdk.errors import InvalidInputError
 from trainer.data.preferences import DOMAINS, dirichlet_clients, load_preference_pairs, split_by_prompt
 from trainer.experts.selector import SelectorConfig
@@ -294,10 +295,6 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
 def write_eval_proba(path: Path, pair_ids: np.ndarray, probas: dict[str, np.ndarray]) -> None:
     """``eval_proba.npz``: ``pair_id`` (n,) str and, per ``<method>_seed<s>``, P(A better) (n,) float64 on the
     evaluated pairs (for paired comparisons and post-hoc priors); atomic."""
-    import io
-
-    from sdk.atomic_write import write_atomic
-
     buf = io.BytesIO()
     np.savez_compressed(buf, pair_id=pair_ids, **probas)
     write_atomic(path, buf.getvalue())

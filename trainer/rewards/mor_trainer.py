@@ -43,6 +43,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sdk.errors import InvalidInputError
+from sdk.pair_features import DEFAULT_FEATURES
 from trainer.config_fields import check_bool, check_config, check_int, check_real, check_sequence
 from trainer.data.preferences import DOMAINS, check_split_fractions, load_preference_pairs, split_by_prompt
 from trainer.embeddings import EmbedderConfig
@@ -405,7 +406,6 @@ class MoRTrainer:
 
     def train(self, split: MoRSplit) -> MoRModels:
         """Steps 3-5 for one seed."""
-        from sdk.pair_features import DEFAULT_FEATURES
         from trainer.length_baseline import STRUCTURE_C, LengthBaseline  # trainer.length_baseline imports pandas: on use only
 
         a, seed = self.args, split.seed
