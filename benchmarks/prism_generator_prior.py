@@ -5,7 +5,8 @@ The clients of each seed (:func:`trainer.data.preferences.dirichlet_clients`) up
 generator pair; the server sums them and fits the Bradley-Terry strengths (C = 1). HH-RLHF pairs have no
 generator and get no prior; a generator missing from the counts neither.
 
-Rule for the prior's weight ``lambda`` (grid :data:`LAMBDAS`): the highest **validation** accuracy of the
+Rule for the prior's weight ``lambda`` (grid :data:`LAMBDAS`): the highest accuracy on every **validation** pair
+of the split (the quick preset keeps none of its own; the split by prompt is the same for every preset) of the
 structure-feature baseline (per-domain logistic regression on :data:`sdk.pair_features.DEFAULT_FEATURES`,
 fitted on the train pairs) with the prior; the same ``lambda`` is then applied to every method's test
 probabilities. Test pairs are never used for a choice.
@@ -42,7 +43,8 @@ def main() -> None:
     from trainer.report import write_json, write_text
 
     preset = PRESETS[args.preset][0]
-    train, val, test, _ = split_frames(args.data, preset)
+    train, _, test, _ = split_frames(args.data, preset)
+    val = split_frames(args.data, PRESETS["cpu"][0])[1]  # every validation pair (the quick preset keeps none)
     seeds = json.loads((args.run / "results.json").read_text())["seeds"] if args.run else [0, 1, 2]
     saved = np.load(args.run / "eval_proba.npz") if args.run else None
     if saved is not None and list(saved["pair_id"]) != list(test.pair_id.astype(str)):
