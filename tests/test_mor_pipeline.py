@@ -26,9 +26,12 @@ def test_mor_eval_quick_writes_the_table_and_learns(shared_data, tmp_path):
     assert (out / "results.png").stat().st_size > 10_000
     m = res["methods"]
     for key in ("router_rm_sparse", "router_rm_soft", "avg_rm", "random_rm", "fedavg_rm", "best_single_rm",
-                "oracle_client", "length_only"):
+                "oracle_client", "length_only", "length_only_global", "structure_only"):
         assert set(m[key]) >= {"id_acc_mean", "id_acc_std", "heldout_acc_mean"}
         assert len(m[key]["id_acc_per_seed"]) == 3
+    paired = res["paired_vs_length_only"]
+    assert set(paired) >= {"router_rm_sparse", "router_rm_soft", "structure_only", "length_only_global"}
+    assert all(0 < paired[k][part]["se"] < 0.1 for k in paired for part in ("id", "heldout"))
     # learning: the routed reward ranks better than chance and than a random client per response
     assert m["router_rm_sparse"]["id_acc_mean"] > 0.58
     assert m["router_rm_sparse"]["id_acc_mean"] > m["random_rm"]["id_acc_mean"] + 0.03
