@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from sdk.errors import InvalidInputError
 from sdk.http_options import (BodyTimeoutOpt, HeaderTimeoutOpt, HttpParserOpt, KeepAliveOpt, MaxConnectionsOpt,
                               MaxHeaderBytesOpt, http_limits)
 
@@ -34,8 +35,6 @@ def proxy(
     """Serve an OpenAI-compatible API that routes model="fedroute" (or "fedroute:lam=X", "fedroute:budget=Y").
 
     HTTP limits (the options from --header-timeout-s on, as fedroute serve's): docs/openai_proxy.md."""
-    from sdk.errors import InvalidInputError
-
     try:
         import uvicorn  # proxy extra, imported on use
 
