@@ -127,3 +127,22 @@ def test_cli_online_on_a_users_own_log_writes_the_online_table(routerbench_dir, 
                     "served_acc", "served_cost_usd"):
             assert key in r
     assert (out / "online.png").stat().st_size > 0 and "| thompson" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policies", "thompson"], "--policies only goes with --online"),
+    (["--passes", "2", "--round-labels", "60"], "--passes, --round-labels only goes with --online"),
+    (["--online", "--routers", "mlp"], "--routers does not go with --online"),
+])
+def test_cli_refuses_an_option_the_run_would_ignore(tmp_path, argv, message):
+    """Without --online the online options (and with it --routers) would be ignored: refused before any work."""
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["simulate", "--data", str(tmp_path / "no-data"), "--out", str(out), *argv],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not out.exists()
