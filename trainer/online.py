@@ -287,13 +287,13 @@ def _se(x: np.ndarray) -> float:
     return float(np.std(x, ddof=1) / np.sqrt(x.shape[0])) if x.shape[0] > 1 else float("nan")
 
 
-def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tuple[np.ndarray, np.ndarray],
+def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tuple[np.ndarray, np.ndarray] | None,
                      ceilings: Sequence[float]) -> dict:
-    """Per policy: gain mean, SE, median and per seed; APGR; CPT(50%) and CPT(80%) medians;
+    """Per policy: gain mean, SE, median and per seed; APGR; CPT(50%) and CPT(80%) medians (None
+    without a weak/strong pair: ``weak_strong`` None);
     cost saved at the best single model's accuracy (median) and the never-reaches share; served
     accuracy and USD cost; the curve (labels -> gain mean and SE over seeds); and the paired
     difference against ``fixed`` (mean and SE over seeds) where it ran."""
-    weak, strong = weak_strong
     out: dict = {}
     policies = list(per_seed[0])
     for policy in policies:
@@ -305,9 +305,7 @@ def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tupl
         entry = {
             "gain_mean": float(g.mean()), "gain_se": _se(g), "gain_median": float(np.median(g)),
             "gain_per_seed": g.tolist(),
-            "apgr_mean": float(np.mean([metrics.apgr(p, weak, strong) for p in pts])),
-            "cpt50_median": float(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
-            "cpt80_median": float(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
+            "apgr_mean": None, "cpt50_median": None, "cpt80_median": None,
             "cost_saved_at_best_acc_median": saved,
             "never_reaches_best_share": never,
             "served_acc": float(np.mean([r.served_accuracy for r in runs])),
@@ -315,6 +313,11 @@ def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tupl
             "curve": {str(lab): float(v) for lab, v in zip(runs[0].labels, curve.mean(axis=0))},
             "curve_se": {str(lab): _se(col) for lab, col in zip(runs[0].labels, curve.T)},
         }
+        if weak_strong is not None:
+            weak, strong = weak_strong
+            entry["apgr_mean"] = float(np.mean([metrics.apgr(p, weak, strong) for p in pts]))
+            entry["cpt50_median"] = float(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts]))
+            entry["cpt80_median"] = float(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts]))
         if "fixed" in policies and policy != "fixed":
             d = g - np.array([s["fixed"].gains[-1] for s in per_seed])
             entry["gain_minus_fixed_mean"], entry["gain_minus_fixed_se"] = float(d.mean()), _se(d)
@@ -325,7 +328,7 @@ def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tupl
 
 
 def run_online(stream: Stream, test: ScoringSet, config: OnlineConfig, seeds: Sequence[int],
-               weak_strong: tuple[np.ndarray, np.ndarray],
+               weak_strong: tuple[np.ndarray, np.ndarray] | None,
                progress: Callable[[Sequence[int]], Sequence[int]] = lambda s: s) -> dict:
     """All seeds; returns :func:`summarise_online`'s summary. ``progress`` wraps the seed list (tqdm)."""
     references = (metrics.zero_router_report(test.accuracy, test.cost).auc,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sdk.errors import InvalidInputError
 from trainer import metrics, report
 from trainer.data.routerbench import EvalTable
 from trainer.embeddings import EmbedderConfig
@@ -27,27 +28,37 @@ POLICY_NOTES = {
 }
 
 
-def weak_strong_points(train: EvalTable, test: EvalTable) -> tuple[np.ndarray, np.ndarray]:
+def weak_strong_points(train: EvalTable, test: EvalTable) -> tuple[np.ndarray, np.ndarray] | None:
     """RouteLLM's weak/strong pair chosen on the train split (mean over each model's labelled rows),
-    returned as their (mean cost USD, mean accuracy) points on the test split."""
+    returned as their (mean cost USD, mean accuracy) points on the test split; None when no model
+    costs at most a tenth of the most accurate one (:func:`trainer.metrics.weak_strong_pair`): then
+    APGR and CPT are not reported, the other figures are."""
     labelled = train.labelled()
     n = labelled.sum(axis=0)
     train_single = np.stack([np.where(labelled, train.cost, 0).sum(axis=0) / n,
                              np.where(labelled, train.accuracy, 0).sum(axis=0) / n], axis=1)
-    weak, strong = metrics.weak_strong_pair(train_single)
+    try:
+        weak, strong = metrics.weak_strong_pair(train_single)
+    except InvalidInputError:
+        return None
     test_single = metrics.single_model_points(test.accuracy, test.cost)
     return test_single[weak], test_single[strong]
+
+
+def _shown(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def markdown(summary: dict) -> str:
     on = summary["online"]
     cfg = summary["config"]
+    pair = (f"Weak/strong pair (RouteLLM): {cfg['weak_strong'][0]} / {cfg['weak_strong'][1]}." if cfg["weak_strong"] else
+            "No weak/strong pair (RouteLLM: no model costs at most 0.1 x the most accurate one): no APGR or CPT.")
     lines = [
         f"Online replay: {cfg['n_labels']} labels per seed ({cfg['online']['passes']:g} pass(es) over "
         f"{cfg['train']['n_queries']} train queries), a statistics round every {cfg['online']['round_labels']} labels, "
         f"K = {cfg['online']['kmeans']['n_clusters']}, prior strength {cfg['online']['kmeans']['prior_strength']:g}; "
-        f"{len(cfg['seeds'])} seeds, scored on {cfg['test']['n_queries_scored']} test rows. "
-        f"Weak/strong pair (RouteLLM): {cfg['weak_strong'][0]} / {cfg['weak_strong'][1]}.",
+        f"{len(cfg['seeds'])} seeds, scored on {cfg['test']['n_queries_scored']} test rows. {pair}",
         "",
         "| logging policy | gain (mean ± SE) | gain − fixed (paired) | APGR | CPT(50%) | CPT(80%) | cost saved at best acc (median) | never reaches best | served acc | served cost (USD/query) |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -59,7 +70,7 @@ def markdown(summary: dict) -> str:
                 if "gain_minus_fixed_mean" in r else "")
         lines.append(
             f"| {policy} ({POLICY_NOTES[policy]}) | {r['gain_mean']:.3f} ± {r['gain_se']:.3f} | {diff} | "
-            f"{r['apgr_mean']:.3f} | {r['cpt50_median']:.2f} | {r['cpt80_median']:.2f} | "
+            f"{_shown(r['apgr_mean'], '.3f')} | {_shown(r['cpt50_median'], '.2f')} | {_shown(r['cpt80_median'], '.2f')} | "
             f"{r['cost_saved_at_best_acc_median']:.1%} | {r['never_reaches_best_share']:.0%} | {r['served_acc']:.3f} | "
             f"{r['served_cost_usd']:.2e} |")
     c = on["dense_ceiling"]
@@ -118,7 +129,7 @@ def run_online_simulation(train: EvalTable, test: EvalTable, out: Path, config: 
 
     summary: dict = {"online": run_online(stream, scoring, config, seeds, ws, progress=lambda s: tqdm(s, desc="seeds"))}
     single = metrics.single_model_points(test.accuracy, test.cost)
-    ws_idx = [int(np.flatnonzero((single == p).all(axis=1))[0]) for p in ws]
+    ws_idx = [] if ws is None else [int(np.flatnonzero((single == p).all(axis=1))[0]) for p in ws]
     summary["config"] = {
         "online": dataclasses.asdict(config),
         "seeds": list(seeds),
@@ -127,7 +138,7 @@ def run_online_simulation(train: EvalTable, test: EvalTable, out: Path, config: 
         "train": {"source": train.source, "n_queries": int(keep.sum())},
         "test": {"source": test.source, "n_queries_scored": test.n_queries},
         "models": list(train.models),
-        "weak_strong": [train.models[i] for i in ws_idx],
+        "weak_strong": [train.models[i] for i in ws_idx] or None,
     }
     summary["seconds"] = round(time.time() - started, 1)
     summary[OWNER_KEY] = "simulate"
