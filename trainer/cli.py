@@ -152,7 +152,7 @@ def simulate(
                          EmbedderConfig(model=embedder, max_tokens=max_tokens, device=device), cache_dir, threads)
         return
     seeds = seeds or 5
-    config = _config(n_clients, alpha, routers or "mlp,kmeans", device)
+    config = _config(n_clients, alpha, "mlp,kmeans" if routers is None else routers, device)
     train_t, test_t = _load_tables(data, train, test)
     summary = run_simulation(
         train_t, test_t, out, config, range(seeds),
