@@ -70,6 +70,8 @@ class CallerBudgets:
         self._conn = None
         if path is not None:
             try:
+                if not Path(path).exists():  # owner-only, as the EvalLog (callers' token hashes and spend)
+                    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
                 self._conn = sqlite3.connect(Path(path), isolation_level=None, check_same_thread=False, timeout=10.0)
                 set_wal(self._conn, 10.0)
                 self._conn.execute("CREATE TABLE IF NOT EXISTS budget_state (caller TEXT NOT NULL, budget REAL NOT NULL,"
@@ -77,7 +79,7 @@ class CallerBudgets:
                 # Rows of controllers never used again since earlier runs: the file keeps the newest max_total.
                 self._conn.execute("DELETE FROM budget_state WHERE rowid NOT IN (SELECT rowid FROM budget_state "
                                    "ORDER BY saved DESC LIMIT ?)", (max_total,))
-            except sqlite3.Error as exc:
+            except (OSError, sqlite3.Error) as exc:
                 raise EvalLogError(f"budget state {path}: cannot open it as an SQLite file ({exc})") from exc
 
     def get(self, caller: str, budget: float) -> BudgetController:

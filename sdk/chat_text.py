@@ -24,6 +24,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 
 from sdk.errors import InvalidInputError, InvalidQueryError
+from sdk.real_numbers import shown
 
 #: Characters of earlier turns prepended to the last user message by default.
 DEFAULT_CONTEXT_CHARS = 300
@@ -76,7 +77,7 @@ def routing_text(messages: object, context_chars: int = DEFAULT_CONTEXT_CHARS) -
     if isinstance(context_chars, bool) or not isinstance(context_chars, numbers.Integral) or context_chars < 0:
         raise InvalidInputError(f"context_chars must be an int >= 0, got {context_chars!r}")
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or len(messages) == 0:
-        raise InvalidQueryError(f"messages must be a non-empty list of chat messages, got {type(messages).__name__}")
+        raise InvalidQueryError(f"messages must be a non-empty list of chat messages, got {shown(messages)}")
     texts = [message_text(m, i) for i, m in enumerate(messages)]
     last_user = next((i for i in range(len(messages) - 1, -1, -1)
                       if messages[i]["role"] == "user" and texts[i].strip()), None)

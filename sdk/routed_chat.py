@@ -837,7 +837,7 @@ def _check_messages(messages: object) -> None:
         Not a non-empty sequence of messages, or a message that is not one.
     """
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or len(messages) == 0:
-        raise InvalidQueryError(f"messages must be a non-empty list of chat messages, got {type(messages).__name__}")
+        raise InvalidQueryError(f"messages must be a non-empty list of chat messages, got {shown(messages)}")
     for i, m in enumerate(messages):
         message_text(m, i)
 

@@ -150,3 +150,52 @@ def test_equal_costs_score_quality_against_the_best_single_model_and_the_oracle(
     task_level = tacc[np.arange(task.shape[0]), task].mean()
     assert out["dense_ceiling"]["gain_mean"] == pytest.approx((task_level - best) / (oracle - best), abs=1e-9)
     assert out["thompson"]["gain_mean"] > 0.5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policies", "thompson"], "--policies only goes with --online"),
+    (["--passes", "2", "--round-labels", "60"], "--passes, --round-labels only goes with --online"),
+    (["--online", "--routers", "mlp"], "--routers does not go with --online"),
+])
+def test_cli_refuses_an_option_the_run_would_ignore(tmp_path, argv, message):
+    """Without --online the online options (and with it --routers) would be ignored: refused before any work."""
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["simulate", "--data", str(tmp_path / "no-data"), "--out", str(out), *argv],
+                                env={"COLUMNS": "500"})
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not out.exists()
+
+
+def test_cli_online_without_a_weak_strong_pair_reports_the_rest(routerbench_dir, tmp_path):
+    """A user's log whose models all cost within 10x of the most accurate one has no RouteLLM weak/strong
+    pair: the replay still reports gains (APGR and CPT: None / n/a) instead of stopping after the embedding."""
+    import json
+
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    models = ["WizardLM/WizardLM-13B-V1.2", "claude-instant-v1", "mistralai/mixtral-8x7b-chat"]
+    columns = ["sample_id", "task", "prompt"] + [f"{m}|{s}" for m in models for s in ("correctness", "cost_usd")]
+    for split, rows, name in (("train", 40, "my_log"), ("test", 20, "my_test")):
+        frame = pd.read_parquet(routerbench_dir / f"{split}.parquet").groupby("task").head(rows)[columns]
+        frame.to_parquet(tmp_path / f"{name}.parquet")
+    cost = frame[[f"{m}|cost_usd" for m in models]].mean()
+    assert cost.max() < 10 * cost.min()  # no model costs a tenth of another
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["simulate", "--online", "--train", str(tmp_path / "my_log.parquet"), "--test",
+                                      str(tmp_path / "my_test.parquet"), "--out", str(out), "--seeds", "2",
+                                      "--round-labels", "60", "--policies", "fixed,thompson"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["config"]["weak_strong"] is None
+    for policy in ("fixed", "thompson"):
+        r = summary["online"][policy]
+        assert r["apgr_mean"] is None and r["cpt50_median"] is None and len(r["gain_per_seed"]) == 2
+    assert "| n/a | n/a | n/a |" in (out / "results.md").read_text()

@@ -292,3 +292,10 @@ def test_bad_limit_and_upkeep_keys_are_refused_naming_the_key(make_bundle, signi
     bundle = make_bundle(tmp_path / "bundle")
     with pytest.raises(InvalidInputError, match=repr(key)):
         write_config(tmp_path, bundle, signing_keys[1], "http://127.0.0.1:9/v1", **{key: value})
+
+
+def test_the_budget_state_file_is_owner_only(tmp_path):
+    """It holds the callers' token hashes and spend: created 0600 as the EvalLog and the pending store (was 0644)."""
+    path = tmp_path / "log.budgets.sqlite"
+    CallerBudgets(lambda b: None, path=path).close()
+    assert path.stat().st_mode & 0o777 == 0o600

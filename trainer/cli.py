@@ -117,23 +117,29 @@ def simulate(
                                                  "default 5, or 20 with --online")] = None,
     n_clients: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="N, number of clients")] = 10,
     alpha: Annotated[float, typer.Option(callback=finite_option, min=1e-6, help="Dirichlet concentration of the task split")] = 0.6,
-    routers: RoutersOpt = "mlp,kmeans",
+    routers: Annotated[Optional[str], typer.Option(help="comma-separated router kinds: mlp,kmeans (default both; "
+                                                   "not with --online)")] = None,
     embedder: EmbedderOpt = "all-MiniLM-L6-v2",
     max_tokens: MaxTokensOpt = 256,
     cache_dir: CacheOpt = None,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = DEFAULT_CPU_THREADS,
     online: Annotated[bool, typer.Option("--online", help="online replay: stream the train queries through logging "
-                                         "policies (METRICS.md online protocol; --routers is not used)")] = False,
-    policies: Annotated[str, typer.Option(help="--online: comma-separated logging policies: fixed,uniform,thompson,top_two")]
-    = "fixed,uniform,thompson,top_two",
-    passes: Annotated[float, typer.Option(callback=finite_option, min=1.0, help="--online: stream length in passes over "
-                                          "the train queries (extra queries drawn with replacement)")] = 1.0,
-    round_labels: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="--online: labels between federated "
-                                              "statistics rounds (R)")] = 250,
+                                         "policies (METRICS.md online protocol)")] = False,
+    policies: Annotated[Optional[str], typer.Option(help="--online only: comma-separated logging policies "
+                                                    "(default fixed,uniform,thompson,top_two)")] = None,
+    passes: Annotated[Optional[float], typer.Option(callback=finite_option, min=1.0, help="--online only: stream length "
+                                                    "in passes over the train queries (extra queries drawn with "
+                                                    "replacement; default 1)")] = None,
+    round_labels: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="--online only: labels between "
+                                                        "federated statistics rounds (R; default 250)")] = None,
 ) -> None:
     """Run the federated simulation protocol (METRICS.md) and write results.json, results.md, curves.png
     (with --online: the online replay, results.json / results.md / online.png)."""
+    wrong = {"--routers": routers} if online else {"--policies": policies, "--passes": passes, "--round-labels": round_labels}
+    given = [name for name, value in wrong.items() if value is not None]
+    if given:  # an option the run would not use: refused, not ignored
+        raise typer.BadParameter(f"{', '.join(given)} {'does not go with' if online else 'only goes with'} --online")
     check_out_folder(out)  # before the heavy imports and any work
     claim_results(out, "simulate")
     _need_trainer()
@@ -146,7 +152,7 @@ def simulate(
                          EmbedderConfig(model=embedder, max_tokens=max_tokens, device=device), cache_dir, threads)
         return
     seeds = seeds or 5
-    config = _config(n_clients, alpha, routers, device)
+    config = _config(n_clients, alpha, "mlp,kmeans" if routers is None else routers, device)
     train_t, test_t = _load_tables(data, train, test)
     summary = run_simulation(
         train_t, test_t, out, config, range(seeds),
@@ -163,9 +169,11 @@ def _simulate_online(data, train, test, out, seeds, n_clients, alpha, policies, 
     from trainer.online import OnlineConfig  # trainer extra: `fedroute --help` works without it
     from trainer.online_experiment import run_online_simulation  # trainer extra, as above
 
-    try:
-        config = OnlineConfig(policies=tuple(p.strip() for p in policies.split(",") if p.strip()), passes=passes,
-                              round_labels=round_labels, n_clients=n_clients, alpha=alpha)
+    given = {"passes": passes, "round_labels": round_labels}
+    if policies is not None:
+        given["policies"] = tuple(p.strip() for p in policies.split(",") if p.strip())
+    try:  # OnlineConfig's defaults for the options not given
+        config = OnlineConfig(**{k: v for k, v in given.items() if v is not None}, n_clients=n_clients, alpha=alpha)
     except InvalidInputError as exc:
         raise typer.BadParameter(str(exc)) from exc
     train_t, test_t = _load_tables(data, train, test)

@@ -311,16 +311,17 @@ def _se(x: np.ndarray) -> float:
     return float(np.std(x, ddof=1) / np.sqrt(x.shape[0])) if x.shape[0] > 1 else float("nan")
 
 
-def _savings(finals: Sequence[metrics.CurveReport], weak: np.ndarray, strong: np.ndarray) -> dict:
+def _savings(finals: Sequence[metrics.CurveReport], weak: np.ndarray | None, strong: np.ndarray | None) -> dict:
+    """APGR and CPT (None without a RouteLLM weak/strong pair) and the cost saved at the best single model's accuracy."""
     pts = [r.points for r in finals]
     cost_at_best = np.array([r.cost_at_best_acc for r in finals])
     saved, never = metrics.cost_saved_at_best_acc(cost_at_best)
     boot = np.random.default_rng(0).integers(0, cost_at_best.shape[0], size=(2000, cost_at_best.shape[0]))
     saved_boot = np.array([metrics.cost_saved_at_best_acc(cost_at_best[b])[0] for b in boot])
     return {
-        "apgr_mean": float(np.mean([metrics.apgr(p, weak, strong) for p in pts])),
-        "cpt50_median": float(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
-        "cpt80_median": float(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
+        "apgr_mean": None if weak is None else float(np.mean([metrics.apgr(p, weak, strong) for p in pts])),
+        "cpt50_median": None if weak is None else float(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
+        "cpt80_median": None if weak is None else float(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
         "cost_saved_at_best_acc_median": saved,
         "cost_saved_at_best_acc_median_se": float(saved_boot.std(ddof=1)) if np.isfinite(saved_boot).all() else float("inf"),
         "cost_saved_at_best_acc_per_seed": (1.0 - cost_at_best).tolist(),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sdk.errors import InvalidInputError
 from trainer import metrics, report
 from trainer.data.routerbench import EvalTable
 from trainer.embeddings import EmbedderConfig
@@ -27,16 +28,25 @@ POLICY_NOTES = {
 }
 
 
-def weak_strong_points(train: EvalTable, test: EvalTable) -> tuple[np.ndarray, np.ndarray]:
+def weak_strong_points(train: EvalTable, test: EvalTable) -> tuple[np.ndarray, np.ndarray] | None:
     """RouteLLM's weak/strong pair chosen on the train split (mean over each model's labelled rows),
-    returned as their (mean cost USD, mean accuracy) points on the test split."""
+    returned as their (mean cost USD, mean accuracy) points on the test split; None when no model
+    costs at most a tenth of the most accurate one (:func:`trainer.metrics.weak_strong_pair`): then
+    APGR and CPT are not reported, the other figures are."""
     labelled = train.labelled()
     n = labelled.sum(axis=0)
     train_single = np.stack([np.where(labelled, train.cost, 0).sum(axis=0) / n,
                              np.where(labelled, train.accuracy, 0).sum(axis=0) / n], axis=1)
-    weak, strong = metrics.weak_strong_pair(train_single)
+    try:
+        weak, strong = metrics.weak_strong_pair(train_single)
+    except InvalidInputError:
+        return None
     test_single = metrics.single_model_points(test.accuracy, test.cost)
     return test_single[weak], test_single[strong]
+
+
+def _shown(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def markdown(summary: dict) -> str:
@@ -48,7 +58,9 @@ def markdown(summary: dict) -> str:
         f"K = {cfg['online']['kmeans']['n_clusters']}, prior strength {cfg['online']['kmeans']['prior_strength']:g}; "
         f"{len(cfg['seeds'])} seeds, scored on {cfg['test']['n_queries_scored']} test rows. "
         + (f"Weak/strong pair (RouteLLM): {cfg['weak_strong'][0]} / {cfg['weak_strong'][1]}." if cfg["weak_strong"] else
-           "Equal costs: quality only, gain = (accuracy - best single model's) / (oracle's - best single model's)."),
+           "Equal costs: quality only, gain = (accuracy - best single model's) / (oracle's - best single model's)."
+           if cfg["quality_only"] else
+           "No weak/strong pair (RouteLLM: no model costs at most 0.1 x the most accurate one): no APGR or CPT."),
         "",
         "| logging policy | gain (mean ± SE) | gain − fixed (paired) | APGR | CPT(50%) | CPT(80%) | cost saved at best acc (median ± bootstrap SE) | never reaches best | served acc | served cost (USD/query) |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -58,7 +70,7 @@ def markdown(summary: dict) -> str:
             continue
         diff = (f"{r['gain_minus_fixed_mean']:+.3f} ± {r['gain_minus_fixed_se']:.3f}"
                 if "gain_minus_fixed_mean" in r else "")
-        savings = (f"{r['apgr_mean']:.3f} | {r['cpt50_median']:.2f} | {r['cpt80_median']:.2f} | "
+        savings = (f"{_shown(r['apgr_mean'], '.3f')} | {_shown(r['cpt50_median'], '.2f')} | {_shown(r['cpt80_median'], '.2f')} | "
                    f"{r['cost_saved_at_best_acc_median']:.1%} ± {r['cost_saved_at_best_acc_median_se']:.1%} | "
                    f"{r['never_reaches_best_share']:.0%}") if "apgr_mean" in r else "— | — | — | — | —"
         lines.append(
@@ -116,7 +128,8 @@ def run_online_simulation(train: EvalTable, test: EvalTable, out: Path, config: 
                     np.asarray(train.cost)[keep], train.labelled()[keep])
     scoring = ScoringSet(test_emb, test.accuracy, test.cost)
     mean_cost = test.cost.mean(axis=0)
-    ws = weak_strong_points(train, test) if mean_cost.max() > mean_cost.min() else None  # None: quality only
+    quality_only = bool(mean_cost.max() == mean_cost.min())
+    ws = None if quality_only else weak_strong_points(train, test)
     from tqdm.auto import tqdm  # trainer extra (tqdm), imported on use
 
     summary: dict = {"online": run_online(stream, scoring, config, seeds, ws, progress=lambda s: tqdm(s, desc="seeds"))}
@@ -130,7 +143,8 @@ def run_online_simulation(train: EvalTable, test: EvalTable, out: Path, config: 
         "train": {"source": train.source, "n_queries": int(keep.sum())},
         "test": {"source": test.source, "n_queries_scored": test.n_queries},
         "models": list(train.models),
-        "weak_strong": [train.models[i] for i in ws_idx],
+        "weak_strong": [train.models[i] for i in ws_idx] or None,
+        "quality_only": quality_only,
     }
     summary["seconds"] = round(time.time() - started, 1)
     summary[OWNER_KEY] = "simulate"

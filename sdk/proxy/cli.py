@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from sdk.errors import InvalidInputError
 from sdk.http_options import (BodyTimeoutOpt, HeaderTimeoutOpt, HttpParserOpt, KeepAliveOpt, MaxConnectionsOpt,
                               MaxHeaderBytesOpt, http_limits)
 
@@ -34,12 +35,15 @@ def proxy(
     """Serve an OpenAI-compatible API that routes model="fedroute" (or "fedroute:lam=X", "fedroute:budget=Y").
 
     HTTP limits (the options from --header-timeout-s on, as fedroute serve's): docs/openai_proxy.md."""
-    import uvicorn  # proxy extra, imported on use
+    try:
+        import uvicorn  # proxy extra, imported on use
 
-    from sdk.errors import InvalidInputError
-    from sdk.proxy.app import create_app, token_digests  # proxy extra (fastapi, openai, prometheus-client)
-    from sdk.proxy.config import ProxyConfig  # proxy extra (openai)
-    from sdk.proxy.metrics import ProxyMetrics  # proxy extra (prometheus-client)
+        from sdk.proxy.app import create_app, token_digests  # proxy extra (fastapi, openai, prometheus-client)
+        from sdk.proxy.config import ProxyConfig  # proxy extra (openai)
+        from sdk.proxy.metrics import ProxyMetrics  # proxy extra (prometheus-client)
+    except ModuleNotFoundError as exc:  # the base install: name the extra (fastapi and uvicorn are the server's too)
+        raise InvalidInputError(f"fedroute proxy needs the proxy extra ({exc.name} is missing): "
+                                f"pip install 'fedroute[proxy]'") from exc
 
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("--tls-cert and --tls-key go together")
