@@ -294,9 +294,31 @@ def _fold_length_prior(selector, expert_dir: Path, prior_domain: str | None) -> 
         selector.length_skip.weight.add_(torch.from_numpy(w)[None, :])
 
 
+def check_beats_length_only(selector, validation_pairs, train_pairs) -> dict:
+    """The single-selector gate: the selector's accuracy on validation pairs against the label-free
+    length-only baseline (one logistic regression on the length features, fitted on ``train_pairs``; the
+    selector reads no domain label either). The per-domain baseline is reported beside it.
+
+    Returns
+    -------
+    dict with ``n_pairs``, ``selector_accuracy``, ``length_only_global``, ``length_only_per_domain``, ``passed``.
+    """
+    from trainer.length_baseline import LengthBaseline  # trainer.length_baseline imports pandas: on use only
+
+    ab, ba = torch_logits(selector, validation_pairs["prompt"].tolist(), validation_pairs["response_a"].tolist(),
+                          validation_pairs["response_b"].tolist())
+    label = validation_pairs["label"].to_numpy()
+    acc = pairwise_accuracy(0.5 * (1.0 + np.tanh(0.25 * (ab - ba))), label)
+    length = {per: pairwise_accuracy(LengthBaseline(per_domain=per).fit(train_pairs).predict_proba(validation_pairs), label)
+              for per in (False, True)}
+    return {"n_pairs": len(validation_pairs), "selector_accuracy": acc, "length_only_global": length[False],
+            "length_only_per_domain": length[True], "passed": bool(acc >= length[False])}
+
+
 def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parity_pairs, *, int8: bool = False,
                            name: str | None = None, method: str | None = None, expert: int | None = None,
                            bundle_version: int | None = None, prior_domain: str | None = None,
+                           validation: tuple | None = None,
                            progress: Callable[[str], None] = print) -> SelectorExportResult:
     """Export the expert saved at ``expert_dir`` as a signed selector bundle at ``out``.
 
@@ -317,6 +339,10 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
         path (``v + w_d``: exact for pairs of that domain, since the prior is the linear offset
         ``w_d . f``), e.g. ``'alpacaeval'``; the bundle then serves that domain. Refused for an expert of
         another run (it has no domain prior).
+    validation : (validation pairs, train pairs) of the run (DataFrames of ``trainer.data.preferences``), or None:
+        the export refuses a selector whose accuracy on the validation pairs is below the label-free
+        length-only baseline fitted on the train pairs (:func:`check_beats_length_only`; the figures go to
+        ``parity.json["validation"]``). None skips the gate (``parity.json["validation"]`` is null).
 
     Raises
     ------
@@ -324,7 +350,8 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
         Unreadable expert, config or key; no parity pairs or pairs without a column of
         :data:`PARITY_COLUMNS`; ``out`` not replaceable (e.g. a router bundle); an expert of a
         ``length_prior='domain'`` run without ``prior_domain`` (it is a residual, not a selector on its
-        own), a domain the prior lacks, or a ``prior_domain`` for an expert of another run.
+        own), a domain the prior lacks, or a ``prior_domain`` for an expert of another run; a selector below
+        length-only on the validation pairs.
     ParityError
         A parity threshold is missed; nothing is written at ``out``.
     """
@@ -350,6 +377,15 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
     expert = found_expert if expert is None else expert
     if name is None:
         name = method if expert is None else f"{method}-expert-{expert}"
+    gate = None
+    if validation is not None:
+        progress(f"validation gate: {name} against label-free length-only on {len(validation[0])} validation pairs")
+        gate = check_beats_length_only(selector, *validation)
+        if not gate["passed"]:
+            raise ExportError(f"{name} ranks {gate['selector_accuracy']:.3f} of {gate['n_pairs']} validation pairs right, below "
+                              f"the label-free length-only baseline ({gate['length_only_global']:.3f}; per domain "
+                              f"{gate['length_only_per_domain']:.3f}): it would rank worse than response length; export "
+                              "the routed run (--selector RUN/fedprism_seed0) or another expert")
     progress(f"exporting selector {name} ({selector.config.backbone}, LoRA merged) to ONNX (opset {OPSET})")
     kind = export_kinds.get(KIND, family=FAMILY)
     files = kind.files(selector)
@@ -368,9 +404,58 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
         write_bundle(staged, files, fields, key)
         report = kind.parity(staged, key.public_key(), selector, None, parity_pairs, list(precisions),
                              progress=progress)
+        report["validation"] = gate
         manifest = write_checked_bundle(out, files, fields, key, report, "selector parity check")
     progress(f"wrote selector bundle v{manifest['bundle_version']} to {out}")
     return SelectorExportResult(out, manifest, report)
+
+
+def run_pairs(run_dir: Path, data_dir: Path, part: str, n_pairs: int | None = 200, seed: int = 0):
+    """Real pairs of the prompts of one part (``train``, ``val``, ``public``, ``test``) of the run at ``run_dir``
+    (its ``splits.json``); ``n_pairs`` drawn evenly over the domains (seeded), or all of them with None.
+
+    Raises
+    ------
+    ExportError
+        The data folder or ``splits.json`` cannot be read, or no pair is left.
+    """
+    import pandas as pd  # pandas: optional heavy dependency, imported on use
+
+    from trainer.data.preferences import load_preference_pairs  # trainer.data.preferences imports pandas: on use only
+
+    splits = Path(run_dir) / "splits.json"
+    try:
+        ids = set(json.loads(splits.read_text())[part])
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON errors are ValueErrors; a wrong layout KeyError/TypeError
+        raise ExportError(f"{splits}: not the splits.json of `fedroute prism train` (no readable {part!r} list: "
+                          f"{type(exc).__name__}: {exc})") from exc
+    try:
+        pairs = load_preference_pairs(data_dir, seed=0)
+    except Exception as exc:  # noqa: BLE001 - DataUnavailableError / DataFormatError: one clear message
+        raise ExportError(f"cannot read preference pairs from {data_dir}: {exc}") from exc
+    pairs = pairs[pairs["prompt_id"].isin(ids)]
+    if pairs.empty:
+        raise ExportError(f"no preference pair of {data_dir} is a {part} prompt of {splits}: was the run trained on other data?")
+    if n_pairs is None:
+        return pairs.reset_index(drop=True)
+    per = max(1, n_pairs // max(1, pairs["domain"].nunique()))
+    parts = [g.sample(min(per, len(g)), random_state=seed) for _, g in pairs.groupby("domain", sort=True)]
+    return pd.concat(parts, ignore_index=True)
+
+
+def validation_for(run_dir: Path, data_dir: Path, n_pairs: int = 600, seed: int = 0) -> tuple | None:
+    """(validation pairs, train pairs) of the run at ``run_dir`` for :func:`check_beats_length_only`: the pairs of its
+    validation prompts, or of its public prompts (held by no client, their labels never trained on) when the
+    run has no validation prompts (the quick preset); None when the folder has no ``splits.json``."""
+    splits = Path(run_dir) / "splits.json"
+    if not splits.exists():
+        return None
+    try:
+        has_val = bool(json.loads(splits.read_text()).get("val"))
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ExportError(f"{splits}: not the splits.json of `fedroute prism train` ({type(exc).__name__}: {exc})") from exc
+    return (run_pairs(run_dir, data_dir, "val" if has_val else "public", n_pairs, seed),
+            run_pairs(run_dir, data_dir, "train", None))
 
 
 def parity_pairs_for(expert_dir: Path, data_dir: Path, n_pairs: int = 200, seed: int = 0):

@@ -33,8 +33,9 @@ sequence axis is dynamic), which also keeps padding out of the int8 activation s
 
 Plugin (ARCHITECTURE.md §9, ``docs/plugins.md``): this module declares the artefact family ``selector``
 (runtime interface :class:`SelectorScorer`, ``needs_embedder=False``: a selector bundle carries its own
-backbone and no query embedder or model table) and registers its one kind, ``onnx_pair``
-(:class:`OnnxPairSelectorKind`). The kind names the *format* (an ONNX pair classifier over the
+backbone and no query embedder or model table) and registers its kind ``onnx_pair``
+(:class:`OnnxPairSelectorKind`, one selector); :mod:`sdk.routed_selector` registers ``routed_onnx_pair``
+(FedPrism on the device: prompt embedder + prompt router + the experts, each an ``onnx_pair`` graph). The kind names the *format* (an ONNX pair classifier over the
 :mod:`sdk.pair_encoding` segments), not the training method: a FedPrism expert and FedBis's global
 selector are both ``onnx_pair``; the method is recorded in ``selector.method``.
 
@@ -323,6 +324,19 @@ class Selector:
         """
         return self._scorer.logits(check_text(x, "x"), check_text(y_a, "y_a"), check_text(y_b, "y_b"))
 
+    def route(self, x: str) -> int | None:
+        """Router index of the expert that scores prompt ``x``: the prompt router's choice for a routed
+        bundle (``routed_onnx_pair``, :mod:`sdk.routed_selector`), the manifest's ``selector.expert`` (None for a
+        selector that is not one expert of a run) for a single selector.
+
+        Raises
+        ------
+        InvalidInputError
+            ``x`` is not a non-blank str, or has no token the prompt embedder can read.
+        """
+        x = check_text(x, "x")
+        return self._scorer.route(x) if hasattr(self._scorer, "route") else self._manifest["selector"]["expert"]
+
     def prefer(self, x: str, y_a: str, y_b: str) -> float:
         """Probability that ``y_a`` is a better response to ``x`` than ``y_b``, in [0, 1].
 
@@ -373,3 +387,6 @@ class Selector:
 
 def _sigmoid(z: float) -> float:
     return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+
+
+import sdk.routed_selector  # noqa: E402,F401 - registers the family's second kind (FedPrism's routed bundle; it imports this module)
