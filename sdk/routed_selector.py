@@ -12,7 +12,7 @@ uses to score a pair, and :meth:`sdk.Selector.prefer` runs it in the trainer's o
    the argmax taken over the experts the bundle ships (all M by default; a top-k bundle ships the k experts
    the router sends most validation prompts to, and a prompt whose best expert is not shipped goes to the
    best shipped one); ties go to the lower index, as in torch.
-3. **Score**: expert ``k*`` is an ``onnx_pair`` graph (:class:`sdk.selector.OnnxPairScorer`, the contract of
+3. **Score**: expert ``k*`` is an ``onnx_pair`` graph (:class:`sdk.pair_scorer.OnnxPairScorer`, the contract of
    :mod:`sdk.selector`; files ``expert_<k>.onnx`` / ``expert_<k>.int8.onnx``) run on both orders.
 
 Manifest: ``"selector_kind": "routed_onnx_pair"`` and ``"selector"`` = ``{"name", "backbone", "method",
@@ -34,7 +34,7 @@ from sdk.arrays import is_npz
 from sdk.embedder import OnnxEmbedder
 from sdk.errors import BundleError
 from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncodingConfig
-from sdk.selector import FAMILY, SELECTOR_FILES, OnnxPairScorer
+from sdk.pair_scorer import FAMILY, SELECTOR_FILES, OnnxPairScorer
 
 KIND = "routed_onnx_pair"
 ROUTER_FILE = "prompt_router.npz"
@@ -98,12 +98,13 @@ class RoutedPairScorer:
         return int(self._shipped[np.argmax(self.router_logits(x)[self._shipped])])
 
     def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]:
-        """(l(a, b), l(b, a)) of the routed expert (:meth:`sdk.selector.OnnxPairScorer.logits`)."""
+        """(l(a, b), l(b, a)) of the routed expert (:meth:`sdk.pair_scorer.OnnxPairScorer.logits`)."""
         return self._experts[self.route(x)].logits(x, y_a, y_b)
 
 
 class RoutedOnnxPairSelectorKind(kinds.ArtefactKind):
-    """``selector/routed_onnx_pair`` (module docstring) -> :class:`RoutedPairScorer`. Not federated over HTTPS."""
+    """``selector/routed_onnx_pair`` (module docstring) -> :class:`RoutedPairScorer`; registered by :mod:`sdk.selector`
+    with the family. Not federated over HTTPS."""
 
     family = FAMILY
     name = KIND
@@ -173,6 +174,3 @@ class RoutedOnnxPairSelectorKind(kinds.ArtefactKind):
                    for k, name in zip(sel["experts"], sel["files"][precision])}
         return RoutedPairScorer(embedder, router, experts)
 
-
-if KIND not in kinds.names(FAMILY):
-    kinds.register(RoutedOnnxPairSelectorKind())
