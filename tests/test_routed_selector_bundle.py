@@ -177,3 +177,23 @@ def test_a_baseline_folder_or_a_domain_prior_run_is_refused(run, signing_keys, t
     with pytest.raises(ExportError, match="length_prior='domain'"):
         export_routed_selector_bundle(other, tmp_path / "b", signing_keys[0], ev, progress=lambda m: None)
     assert not (tmp_path / "b").exists()
+
+
+def test_cli_options_of_a_routed_export_are_checked_first(signing_keys, tmp_path):
+    """--top-k needs a run folder; --prior-domain is for one expert; both refused before anything is loaded."""
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    folder = tmp_path / "fedprism_seed0"  # a run folder by its files (nothing is read before the refusals)
+    (folder / "expert_0").mkdir(parents=True)
+    for name in ("router.safetensors", "fedprism_config.json"):
+        (folder / name).write_text("{}")
+    base = ["export", "--signing-key", str(signing_keys[0]), "--out", str(tmp_path / "b")]
+    r = CliRunner().invoke(app, [*base, "--selector", str(folder / "expert_0"), "--top-k", "1"], env={"COLUMNS": "500"})
+    assert r.exit_code == 2 and "--top-k is for a FedPrism run folder" in r.output
+    r = CliRunner().invoke(app, [*base, "--selector", str(folder), "--prior-domain", "alpacaeval"], env={"COLUMNS": "500"})
+    assert r.exit_code == 2 and "--prior-domain is for one expert" in r.output
+    r = CliRunner().invoke(app, [*base, "--router", str(folder), "--top-k", "1"], env={"COLUMNS": "500"})
+    assert r.exit_code == 2 and "--top-k is for --selector bundles" in r.output
+    assert not (tmp_path / "b").exists()
