@@ -161,7 +161,7 @@ def write_eval(res: dict, out: Path) -> None:
 
 
 def audit_markdown(res: dict) -> str:
-    lines = [f"Membership inference on reward margins (members : non-members = 1 : 1, mean over {res['seeds']} seeds "
+    lines = [f"Membership inference on reward margins (members : non-members = 1 : 1, mean over {res['seeds']} seed(s) "
              f"± the standard error of that mean (Hanley-McNeil per seed); clip = {res['clip']}). Members = the pairs "
              "each model trained on; settings: shipped = `mor train`'s reward models, shipped_dp = `mor train --dp`'s "
              "(DP-SGD), naive = a 200-epoch MLP (worst case).", "",
