@@ -301,18 +301,23 @@ def check_beats_length_only(selector, validation_pairs, train_pairs) -> dict:
 
     Returns
     -------
-    dict with ``n_pairs``, ``selector_accuracy``, ``length_only_global``, ``length_only_per_domain``, ``passed``.
+    dict with ``n_pairs``, ``selector_accuracy``, ``length_only_global``, ``length_only_per_domain``, ``per_domain``
+    ({domain: the three accuracies on its pairs}) and ``passed``.
     """
     from trainer.length_baseline import LengthBaseline  # trainer.length_baseline imports pandas: on use only
 
     ab, ba = torch_logits(selector, validation_pairs["prompt"].tolist(), validation_pairs["response_a"].tolist(),
                           validation_pairs["response_b"].tolist())
-    label = validation_pairs["label"].to_numpy()
-    acc = pairwise_accuracy(0.5 * (1.0 + np.tanh(0.25 * (ab - ba))), label)
-    length = {per: pairwise_accuracy(LengthBaseline(per_domain=per).fit(train_pairs).predict_proba(validation_pairs), label)
-              for per in (False, True)}
-    return {"n_pairs": len(validation_pairs), "selector_accuracy": acc, "length_only_global": length[False],
-            "length_only_per_domain": length[True], "passed": bool(acc >= length[False])}
+    label, dom = validation_pairs["label"].to_numpy(), validation_pairs["domain"].to_numpy()
+    proba = {"selector": 0.5 * (1.0 + np.tanh(0.25 * (ab - ba)))}
+    for name, per in (("length_only_global", False), ("length_only_per_domain", True)):
+        proba[name] = LengthBaseline(per_domain=per).fit(train_pairs).predict_proba(validation_pairs)
+    acc = {name: pairwise_accuracy(p, label) for name, p in proba.items()}
+    return {"n_pairs": len(validation_pairs), "selector_accuracy": acc["selector"],
+            "length_only_global": acc["length_only_global"], "length_only_per_domain": acc["length_only_per_domain"],
+            "per_domain": {d: {name: pairwise_accuracy(p[dom == d], label[dom == d]) for name, p in proba.items()}
+                           for d in sorted(set(dom))},
+            "passed": bool(acc["selector"] >= acc["length_only_global"])}
 
 
 def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parity_pairs, *, int8: bool = False,
