@@ -227,6 +227,9 @@ class MoRRewardExportKind(kinds.ExportKind):
         if getattr(rm, "arch", None) != self.arch:
             raise ExportError(f"client {client!r} has a {getattr(rm, 'arch', None)!r} reward model; the kind "
                               f"{self.family}/{self.name} exports {self.arch!r} reward models")
+        if getattr(mixture.encoder, "pair_features", None) is not None:
+            raise ExportError(f"the mixture's features hold the pair-feature columns {list(mixture.encoder.pair_features)} "
+                              "(MoRConfig.pair_features); the device's RewardScorer computes only the 3 length columns")
         d_in = 2 * artefact.embedder_dim + (3 if mixture.encoder.length_features else 0)
         self.check_reward_model(rm, mixture, client, d_in)
         if mixture.router.d_in != d_in:

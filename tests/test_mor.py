@@ -824,3 +824,31 @@ def test_fallback_top_and_one_vs_rest_probabilities_by_hand():
                 dict(fallback=0.8, fallback_top=True), dict(probabilities="sigmoid")):
         with pytest.raises(InvalidInputError):
             RoutingRule(**bad)
+
+
+def test_pair_feature_prior_starts_at_the_structure_fit_and_survives_save_load(clients, encoder, tmp_path):
+    from dataclasses import replace
+
+    from sdk.pair_features import response_features_many
+    from trainer.rewards.reward_models import load_reward_model
+
+    names = ("dlog_chars", "dlog_words", "dlog_lines", "refusal", "emphasis")
+    enc = replace(encoder, pair_features=names)
+    cook, travel = clients
+    both = _pairs(cook.prompts + travel.prompts, cook.chosen + travel.chosen, cook.rejected + travel.rejected)
+    assert enc.encode(both.prompts[:2], both.chosen[:2]).shape[1] == encoder.encode(both.prompts[:2], both.chosen[:2]).shape[1] + 2
+    trainer = RewardModelTrainer(RewardModelConfig(arch="mlp", epochs=1, early_stopping=False, length_prior=True, seed=0), enc)
+    trainer.train(both)
+    phi = lambda ys: response_features_many(both.prompts, ys, names) / 8  # noqa: E731  (the encoder's columns)
+    w = fit_length_prior(phi(both.chosen), phi(both.rejected))
+    np.testing.assert_allclose(trainer.length_weight_, w, rtol=1e-5)  # the encoder rounds its columns to float32
+    # the start: the margin is exactly the client's own fit on its pair features
+    rm = MLPRewardModel(enc, enc.encode(both.prompts[:1], both.chosen[:1]).shape[1], length_term=True)
+    rm.init_length_prior(w)
+    margin = rm.raw_scores(both.prompts, both.chosen) - rm.raw_scores(both.prompts, both.rejected)
+    np.testing.assert_allclose(margin, (phi(both.chosen) - phi(both.rejected)) @ w, atol=1e-4)
+    rm.fit_normaliser(both)
+    rm.save(tmp_path / "pf")
+    back = load_reward_model(tmp_path / "pf", cache_dir=enc.cache_dir)
+    assert back.encoder.pair_features == names
+    np.testing.assert_allclose(back.raw_scores(both.prompts, both.chosen), rm.raw_scores(both.prompts, both.chosen), atol=1e-5)

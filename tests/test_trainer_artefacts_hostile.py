@@ -509,7 +509,7 @@ def test_feature_rows_name_none_text_and_scalars_as_given(value, message):
     ('{"domains": ["alpacaeval"]', "not the length_prior.json of `fedroute prism train` (JSONDecodeError"),
     ('{"coefs": [[1, 2, 3]]}', "not the length_prior.json of `fedroute prism train` (KeyError: 'domains')"),
     ('{"domains": ["alpacaeval"], "coefs": [[1, 2]]}', "got domains ['alpacaeval'] and weights of shape (1, 2)"),
-    ('{"domains": ["alpacaeval"], "coefs": [[1, NaN, 3]]}', "one row of 3 finite weights per domain"),
+    ('{"domains": ["alpacaeval"], "coefs": [[1, NaN, 3]]}', "one row of finite weights per domain"),
 ])
 def test_a_hand_edited_length_prior_is_named(tmp_path, content, message):
     """RUN/fedprism_seed0/length_prior.json truncated or edited: `prism label` and `export --selector

@@ -1,4 +1,4 @@
-"""Length-only baseline of the preference tables: logistic regression on length features.
+"""Length-only and structure-feature baselines of the preference tables: logistic regression on pair features.
 
 Response length carries most of the learnable signal in the public preference data, in opposite
 directions per domain (longer wins on AlpacaEval, shorter on HH-RLHF harmless). A selector that does
@@ -6,7 +6,11 @@ not beat this baseline has learned nothing worth shipping (issue 10).
 
 Model: ``P(A better) = sigmoid(w . f(y_A, y_B))`` with ``f`` = :func:`sdk.pair_encoding.length_features`
 (antisymmetric log-length differences) and no intercept, so swapping A and B gives ``1 - P`` and
-labels need no balancing assumption. ``per_domain=True`` fits one weight vector per domain (the
+labels need no balancing assumption. ``features`` names the columns of
+:func:`sdk.pair_features.pair_features_many` (default the three length features; with
+:data:`sdk.pair_features.DEFAULT_FEATURES` this is the **structure-feature baseline**,
+``structure_only`` in the tables: length, lists, headers, emphasis, code, refusal and hedging
+phrases, echo of the instruction, ...). ``per_domain=True`` fits one weight vector per domain (the
 domain is known at prediction time), ``False`` one global vector. scikit-learn's
 ``LogisticRegression`` (lbfgs, C = 1.0).
 
@@ -23,34 +27,49 @@ import numpy as np
 import pandas as pd
 
 from sdk.errors import InvalidInputError
-from sdk.pair_encoding import length_features_many
+from sdk.pair_encoding import LENGTH_FEATURE_NAMES
+from sdk.pair_features import PROMPT_FEATURES, check_feature_names, pair_features_many
 from trainer.data.errors import DataFormatError
 from trainer.preference_metrics import pairwise_accuracy
 
 
-def _features(df: pd.DataFrame) -> np.ndarray:
-    for col in ("response_a", "response_b", "domain"):
+#: Inverse L2 strength of the structure-feature baseline, chosen on validation pairs with its features
+#: (``benchmarks/pair_features_settings.py``, docs/pair_features_settings.json).
+STRUCTURE_C = 10.0
+
+
+def _features(df: pd.DataFrame, names: tuple[str, ...]) -> np.ndarray:
+    reads_prompt = bool(set(names) & set(PROMPT_FEATURES))
+    for col in ("prompt",) * reads_prompt + ("response_a", "response_b", "domain"):
         if col not in df.columns:
             raise DataFormatError("missing column", path="<pairs frame>", column=col)
-    return length_features_many(list(df["response_a"]), list(df["response_b"])).astype(np.float64)
+    prompts = list(df["prompt"]) if reads_prompt else [""] * len(df)  # no feature of `names` reads it
+    return pair_features_many(prompts, list(df["response_a"]), list(df["response_b"]), names).astype(np.float64)
 
 
 class LengthBaseline:
-    """Logistic regression on length features, global or one per domain.
+    """Logistic regression on pair features (length by default), global or one per domain.
 
     Parameters
     ----------
     per_domain : bool, one model per ``domain`` value (default) or one global model.
     C : float > 0, inverse L2 strength of scikit-learn's LogisticRegression.
+    features : names of :data:`sdk.pair_features.FEATURE_NAMES` (default the 3 length features).
 
     Attributes
     ----------
-    coef_ : dict domain -> ndarray of shape (3,), float64 (key ``'*'`` for the global model).
+    coef_ : dict domain -> ndarray of shape (len(features),), float64 (key ``'*'`` for the global model).
+
+    Raises
+    ------
+    InvalidInputError
+        An unknown feature name.
     """
 
-    def __init__(self, per_domain: bool = True, C: float = 1.0) -> None:
+    def __init__(self, per_domain: bool = True, C: float = 1.0, features=LENGTH_FEATURE_NAMES) -> None:
         self.per_domain = per_domain
         self.C = C
+        self.features = check_feature_names(features)
 
     def _key(self, domain: str) -> str:
         return domain if self.per_domain else "*"
@@ -69,7 +88,7 @@ class LengthBaseline:
 
         if "label" not in df.columns:
             raise DataFormatError("missing column", path="<pairs frame>", column="label")
-        x, y = _features(df), df["label"].to_numpy(dtype=np.int64)
+        x, y = _features(df, self.features), df["label"].to_numpy(dtype=np.int64)
         keys = df["domain"].map(self._key).to_numpy()
         self.coef_ = {}
         for k in sorted(set(keys)):
@@ -90,7 +109,7 @@ class LengthBaseline:
         """
         if not hasattr(self, "coef_"):
             raise InvalidInputError("LengthBaseline is not fitted: call fit(df) first")
-        x = _features(df)
+        x = _features(df, self.features)
         keys = df["domain"].map(self._key).to_numpy()
         unknown = sorted(set(keys) - set(self.coef_))
         if unknown:

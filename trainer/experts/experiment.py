@@ -7,6 +7,9 @@ initialisation), subsamples each part to the preset's size (stratified by domain
 prompts (MiniLM, SQLite cache of :mod:`trainer.embeddings`) and runs the frozen lower layers of the
 selector once over every segment (:func:`trainer.experts.selector.build_segment_store`).
 
+:func:`prepare_data` computes the head's pair features (:mod:`sdk.pair_features`, the names in
+``SelectorConfig.pair_features``) of every pair once, with the segments.
+
 :func:`run_experiment` then, for each seed, draws N = 20 multi-faceted clients
 (:func:`trainer.data.preferences.dirichlet_clients`, alpha = 0.5 over subsets) and trains every method of
 :data:`trainer.experts.fedprism.METHODS` on them, plus the length-only baseline (per-domain logistic
@@ -17,11 +20,16 @@ Output folder (``fedroute prism train --out DIR``)
 --------------------------------------------------
 - ``results.json``: ``methods.<m>.{acc_mean, acc_std, acc_per_seed, domains.<d>.{acc_mean, acc_std}}``
   for m in fedprism, fedbis, fedbiscuit, random_routing, frozen_router, no_warmup, length_only (per-domain
-  regression; reads the domain label at prediction time), length_only_global (one regression);
+  regression; reads the domain label at prediction time), length_only_global (one regression),
+  structure_only (per-domain regression on :data:`sdk.pair_features.DEFAULT_FEATURES`);
+  ``paired_vs_length_only.<m>.{gain, se, n_pairs}`` (accuracy gain over length_only on the same pairs,
+  per-pair differences averaged over seeds, paired standard error over pairs);
   ``utilisation.{max_share, max_share_per_seed, entropy, share}`` (FedPrism, final round, test pairs);
   ``bytes.{downlink_per_round, dense_downlink_per_round, per_method}`` (mean bytes sent to the clients
   of a round; dense = every client downloads all M experts); ``config``, ``data``, ``seconds``.
 - ``results.md``: the table; ``accuracy_per_round.png``, ``utilisation_per_round.png``.
+- ``eval_proba.npz``: ``pair_id`` and P(A better) of every method and seed on the evaluated pairs
+  (``benchmarks/prism_generator_prior.py`` reads it).
 - ``history.json``: per method and seed, the per-round history of :class:`FedPrismTrainer`.
 - ``fedprism_seed0/`` (read by ``prism label`` and the selector export)::
 
@@ -48,6 +56,7 @@ Output folder (``fedroute prism train --out DIR``)
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import time
@@ -57,59 +66,67 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sdk.atomic_write import replace_dir
+from sdk.atomic_write import replace_dir, write_atomic
 from sdk.errors import InvalidInputError
 from trainer.data.preferences import DOMAINS, dirichlet_clients, load_preference_pairs, split_by_prompt
+from trainer.experts.selector import SelectorConfig
 from trainer.experts.fedprism import METHODS, FederatedPairs, FedPrismConfig, FedPrismTrainer, method_config, state_bytes
-from trainer.length_baseline import LengthBaseline
+from sdk.pair_features import DEFAULT_FEATURES
+from trainer.length_baseline import STRUCTURE_C, LengthBaseline
 from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
 from trainer.embeddings import EmbedderConfig, default_cache_dir, embed_texts
 from trainer.report import save_figure, write_json, write_text
 from trainer.results_owner import OWNER_KEY
 
-# the length-only baselines of issue 10 (logistic regression on length features): per domain (the domain label
-# is read at prediction time) and one global model
-LENGTH_ONLY = {"length_only": True, "length_only_global": False}
+# the baselines of issues 10 and 29 (logistic regression on pair features, trainer.length_baseline): length only
+# per domain (the domain label is read at prediction time), one global model (label-free), and the
+# structure-feature baseline (sdk.pair_features.DEFAULT_FEATURES, per domain, C chosen on validation)
+LENGTH_ONLY = {"length_only": {"per_domain": True}, "length_only_global": {"per_domain": False},
+               "structure_only": {"per_domain": True, "C": STRUCTURE_C, "features": DEFAULT_FEATURES}}
 ALL_METHODS = METHODS + tuple(LENGTH_ONLY)
 
 
 @dataclass(frozen=True)
 class DataPreset:
-    """Sizes of the parts (pairs, stratified by domain) and the client simulation."""
+    """Sizes of the parts (pairs, stratified by domain; None = every pair of the part) and the client simulation."""
 
-    n_train: int = 2400
-    n_val: int = 450
-    n_test: int = 600
+    n_train: int | None = None
+    n_val: int | None = None
+    n_test: int | None = None
     public_fraction: float = 0.15
     n_public: int = 300
     n_clients: int = 20
     alpha: float = 0.5
 
 
+#: The experts' head features (sdk.pair_features.DEFAULT_FEATURES, chosen on validation by
+#: benchmarks/pair_features_settings.py) and the clients' local regressions' C: the structure-feature
+#: baseline's C = 10 halved, since the local fits also see each pair's swapped copy (trainer.experts.length_init)
+_STRUCTURE = {"selector": SelectorConfig(pair_features=DEFAULT_FEATURES), "length_C": STRUCTURE_C / 2}
+
 PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
-    # quick: the CPU preset's M (not tuned separately); 2 rounds = 1 warm-up + 1 PGPD round; no validation
-    # pairs (nothing is tuned on it, and embedding + caching them was ~15 % of its data preparation)
-    "quick": (DataPreset(n_train=600, n_val=0, n_test=200, n_public=120),
+    # quick: the CPU preset's M and head (not tuned separately); 2 rounds = 1 warm-up + 1 PGPD round; no validation
+    # pairs (nothing is tuned on it); 2,500 test pairs so that a 0.01 difference is resolvable (paired SE <= 0.005)
+    "quick": (DataPreset(n_train=600, n_val=0, n_test=2500, n_public=120),
               FedPrismConfig(n_experts=6, rounds=2, warmup_rounds=1, router_every=1, clients_per_round=2,
-                             local_pairs=24, batch_size=12, router_epochs=3, eval_every=2)),
-    # length_init = 'fedavg_lr' chosen on the validation pairs (trainer.experts.tune), then n_experts = 6
-    # (grid 3, 4, 5, 6, 8) by benchmarks/prism_experts_settings.py, also on validation
-    # then the head variant 'residual_lr1e-2' (length path frozen at the federated prior, LoRA + content head
-    # at lr 1e-2) by benchmarks/prism_residual_settings.py, on validation (3 seeds); then, by the same script and
-    # rule, 'domain_residual_lr1e-2' (every expert = the federated per-domain length prior + its content
-    # residual), which reads the domain label at prediction time; sdk.Selector.prefer(x, y_a, y_b) has no
-    # domain input, so the default stays label-free (length_prior='expert'); 'domain' is opt-in
-    # (docs/prism.md, "Which head ships"). The quick preset keeps the same head (not tuned separately)
+                             local_pairs=24, batch_size=12, router_epochs=3, eval_every=2, length_lr_scale=0.0,
+                             expert_lr=1e-2, **_STRUCTURE)),
+    # every pair of the shared data (train 10.9k / val 4.3k / test 4.4k pairs); length_init = 'fedavg_lr' chosen on
+    # the validation pairs (trainer.experts.tune), then n_experts = 6 (grid 3, 4, 5, 6, 8) by
+    # benchmarks/prism_experts_settings.py, also on validation, then the head variant 'residual_lr1e-2' (feature path
+    # frozen at the federated prior, LoRA + content head at lr 1e-2) by benchmarks/prism_residual_settings.py, on
+    # validation (3 seeds); the pair features by benchmarks/pair_features_settings.py. Label-free
+    # (length_prior='expert'): sdk.Selector.prefer(x, y_a, y_b) has no domain input ('domain' is opt-in, docs/prism.md)
     "cpu": (DataPreset(), FedPrismConfig(n_experts=6, rounds=8, warmup_rounds=3, router_every=2, clients_per_round=4,
                                          local_pairs=40, eval_every=4, length_init="fedavg_lr",
-                                         length_lr_scale=0.0, expert_lr=1e-2)),
+                                         length_lr_scale=0.0, expert_lr=1e-2, **_STRUCTURE)),
     "gpu": (DataPreset(n_train=12000, n_val=1500, n_test=3000, n_public=1500), FedPrismConfig.gpu_preset()),
 }
 
 
-def _sample(df: pd.DataFrame, n: int, seed: int) -> pd.DataFrame:
-    """At most n rows, the same share from each domain (stratified), seeded."""
-    if len(df) <= n:
+def _sample(df: pd.DataFrame, n: int | None, seed: int) -> pd.DataFrame:
+    """At most n rows (None: all), the same share from each domain (stratified), seeded."""
+    if n is None or len(df) <= n:
         return df.reset_index(drop=True)
     per = {d: int(round(n * (df.domain == d).mean())) for d in df.domain.unique()}
     parts = [g.sample(min(per[d], len(g)), random_state=seed) for d, g in df.groupby("domain")]
@@ -128,11 +145,9 @@ class PreparedData:
     public_emb: np.ndarray
 
 
-def prepare_data(data_dir: Path, preset: DataPreset, model, embedder_config=None, cache_dir: Path | None = None,
-                 data_seed: int = 0, progress: bool = True) -> PreparedData:
-    """Pairs, splits, public prompts, prompt embeddings and the segment store (module docstring)."""
-    from trainer.experts.selector import build_segment_store  # trainer.experts.selector imports torch: on use only
-
+def split_frames(data_dir: Path, preset: DataPreset, data_seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(train, val, test, public) pairs frames of :func:`prepare_data` (no embedding): the split by prompt, the
+    public prompts (one row per prompt) and the preset's stratified subsamples."""
     pairs = load_preference_pairs(data_dir, seed=data_seed)
     train, val, test = split_by_prompt(pairs, (0.6, 0.2, 0.2), seed=data_seed)
     rng = np.random.default_rng(data_seed)
@@ -143,6 +158,15 @@ def prepare_data(data_dir: Path, preset: DataPreset, model, embedder_config=None
     train = train[~train.prompt_id.isin(public_ids)]
     train, val, test = (_sample(x, n, data_seed) for x, n in ((train, preset.n_train), (val, preset.n_val),
                                                               (test, preset.n_test)))
+    return train, val, test, public
+
+
+def prepare_data(data_dir: Path, preset: DataPreset, model, embedder_config=None, cache_dir: Path | None = None,
+                 data_seed: int = 0, progress: bool = True) -> PreparedData:
+    """Pairs, splits, public prompts, prompt embeddings and the segment store (module docstring)."""
+    from trainer.experts.selector import build_segment_store  # trainer.experts.selector imports torch: on use only
+
+    train, val, test, public = split_frames(data_dir, preset, data_seed)
     allp = pd.concat([train, val, test], ignore_index=True)
     config = embedder_config or EmbedderConfig()
     prompts = list(allp.prompt) + list(public.prompt)
@@ -196,13 +220,15 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
     bytes_per_round: dict[str, list[float]] = {m: [] for m in methods}
     util = {"max_share": [], "entropy": [], "share": []}
     dense, length_up = [], []
+    correct: dict[str, list[np.ndarray]] = {m: [] for m in methods}
+    probas: dict[str, np.ndarray] = {}
     for seed in seeds:
         data = _federated(prep, preset, seed, eval_split)
         eval_df = (prep.val if eval_split == "val" else prep.test)
         for m in methods:
             if m in LENGTH_ONLY:
                 tr = prep.train.iloc[np.concatenate(data.clients)]
-                proba = LengthBaseline(per_domain=LENGTH_ONLY[m]).fit(tr).predict_proba(eval_df)
+                proba = LengthBaseline(**LENGTH_ONLY[m]).fit(tr).predict_proba(eval_df)
                 y = eval_df.label.to_numpy()
                 res = {"overall": pairwise_accuracy(proba, y)}
                 for d in sorted(eval_df.domain.unique()):
@@ -212,6 +238,7 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                 cfg = replace(method_config(m, base), seed=seed)
                 trainer = FedPrismTrainer(model, data, cfg, progress=progress).train()
                 res = trainer.history_[-1]["accuracy"]
+                proba = trainer.last_eval_["proba"]
                 history[m][seed] = trainer.history_
                 bytes_per_round[m].append(float(np.mean([h["downlink_bytes"] for h in trainer.history_])))
                 if m == "fedprism":
@@ -232,6 +259,8 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                     write_text(staged / "splits.json", json.dumps(prep.splits))
             for k, v in res.items():
                 acc[m].setdefault(k, []).append(float(v))
+            correct[m].append(pair_correct(proba, eval_df.label.to_numpy()))
+            probas[f"{m}_seed{seed}"] = np.asarray(proba, dtype=np.float64)
     result = {
         "eval_split": eval_split,
         "methods": {m: {**_summary(acc[m]["overall"]),
@@ -246,6 +275,9 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
         "seconds": round(time.time() - start, 1),
         OWNER_KEY: "prism train",  # trainer.results_owner
     }
+    if "length_only" in methods:
+        result["paired_vs_length_only"] = {m: paired_gain(correct[m], correct["length_only"])
+                                           for m in methods if m != "length_only"}
     if "fedprism" in methods:
         result["utilisation"] = {"max_share": float(np.mean(util["max_share"])), "max_share_per_seed": util["max_share"],
                                  "entropy": float(np.mean(util["entropy"])), "share": util["share"]}
@@ -255,8 +287,35 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                            "per_method": {m: float(np.mean(v)) for m, v in bytes_per_round.items() if v}}
     if out is not None:
         write_results(out, result, history)
+        write_eval_proba(out / "eval_proba.npz", eval_df.pair_id.to_numpy().astype(str), probas)
         publish_saved_methods(out, methods)
     return result
+
+
+def write_eval_proba(path: Path, pair_ids: np.ndarray, probas: dict[str, np.ndarray]) -> None:
+    """``eval_proba.npz``: ``pair_id`` (n,) str and, per ``<method>_seed<s>``, P(A better) (n,) float64 on the
+    evaluated pairs (for paired comparisons and post-hoc priors); atomic."""
+    buf = io.BytesIO()
+    np.savez_compressed(buf, pair_id=pair_ids, **probas)
+    write_atomic(path, buf.getvalue())
+
+
+def pair_correct(proba: np.ndarray, label: np.ndarray) -> np.ndarray:
+    """Per-pair correctness of P(A better) against labels (1 = A better): 1, 0, or 1/2 for a tie at 0.5,
+    as :func:`trainer.preference_metrics.pairwise_accuracy` counts it; ndarray (n,), float64."""
+    return np.where(proba == 0.5, 0.5, ((proba > 0.5) == (label == 1)).astype(np.float64))
+
+
+def paired_gain(correct: list[np.ndarray], base: list[np.ndarray]) -> dict:
+    """Accuracy gain over a baseline on the same pairs, with its paired standard error.
+
+    ``correct``, ``base`` : one per-pair correctness array (n,) per seed. The per-pair difference is averaged
+    over the seeds first; ``se`` is the standard error of that mean over the n pairs (the pairs are the unit
+    of sampling; seeds vary the training, not the test set).
+    """
+    d = np.mean(correct, axis=0) - np.mean(base, axis=0)
+    return {"gain": float(d.mean()), "se": float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0,
+            "n_pairs": int(len(d))}
 
 
 def _staging(out: Path, method: str) -> Path:
@@ -290,11 +349,14 @@ def markdown(result: dict) -> str:
     doms = [d for d in DOMAINS if any(d in r["domains"] for r in result["methods"].values())]
     lines = [f"Held-out pairwise accuracy ({result['eval_split']} pairs: {result['data']['n_test']} test, "
              f"{len(result['seeds'])} seeds; mean +- std over seeds)", "",
-             "| method | overall | " + " | ".join(doms) + " |", "|---|---|" + "---|" * len(doms)]
+             "| method | overall | " + " | ".join(doms) + " | vs length_only (paired SE) |",
+             "|---|---|" + "---|" * len(doms) + "---|"]
     for m, r in result["methods"].items():
         cells = [f"{r['acc_mean']:.3f} +- {r['acc_std']:.3f}"]
         cells += [f"{r['domains'][d]['acc_mean']:.3f} +- {r['domains'][d]['acc_std']:.3f}" if d in r["domains"] else "-"
                   for d in doms]
+        gain = result.get("paired_vs_length_only", {}).get(m)
+        cells.append("-" if gain is None else f"{gain['gain']:+.3f} +- {gain['se']:.3f}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     if "utilisation" in result:
         u, b = result["utilisation"], result["bytes"]
@@ -325,7 +387,7 @@ def write_results(out: Path, result: dict, history: dict) -> None:
         rounds = [h["round"] for h in next(iter(hs.values())) if "accuracy" in h]
         vals = np.array([[h["accuracy"]["overall"] for h in run if "accuracy" in h] for run in hs.values()])
         ax.errorbar(rounds, vals.mean(0), yerr=vals.std(0), label=m, marker="o", capsize=3)
-    for m, ls in (("length_only", "--"), ("length_only_global", ":")):
+    for m, ls in (("length_only", "--"), ("length_only_global", ":"), ("structure_only", "-.")):
         if m in result["methods"]:
             ax.axhline(result["methods"][m]["acc_mean"], color="k", ls=ls, label=m)
     ax.set_xlabel("round")

@@ -347,7 +347,7 @@ class FedPrismTrainer:
         return self.model.expert_state()
 
     def _prior(self, pairs: np.ndarray) -> torch.Tensor | None:
-        """The per-pair length-prior weights (len(pairs), 3) of ``length_prior='domain'``, else None."""
+        """The per-pair feature-prior weights (len(pairs), F) of ``length_prior='domain'``, else None."""
         if getattr(self, "_prior_w", None) is None:
             return None
         return self._prior_w[torch.from_numpy(np.asarray(pairs, dtype=np.int64))].to(self.model.device)
@@ -464,7 +464,7 @@ class FedPrismTrainer:
     def _length_start(self) -> None:
         """Federated length-only start (:mod:`trainer.experts.length_init`): every client routes its
         train pairs with the initial routing, fits one local regression per expert it routed to and
-        sends (3 coefficients, count); the FedAvg per expert becomes that expert's length path, and
+        sends (F coefficients, count); the FedAvg per expert becomes that expert's length path, and
         the head's output layer is zeroed so the expert starts as exactly that regression."""
 
         a, d = self.args, self.data

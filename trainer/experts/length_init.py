@@ -12,7 +12,7 @@ rule from a few hundred pair-steps at ``expert_lr``; instead each expert **start
    both classes are always present; for a no-intercept model the swapped copy has the same loss
    term, so the data term counts twice: it is the baseline's fit with ``C`` *doubled*, i.e. half
    the L2 strength; test: ``tests/test_audit_numerics.py``).
-2. The client sends ``(w_ck, n_ck)``: 3 coefficients and its pair count per expert, float32
+2. The client sends ``(w_ck, n_ck)``: F coefficients (one per pair feature of the head; 3 for length only) and its pair count per expert, float32
    (16 bytes per expert; :func:`upload_bytes`). No pair, feature or label leaves the client.
 3. The server averages ``w_k = sum_c n_ck w_ck / sum_c n_ck`` (FedAvg, McMahan et al. 2017,
    Eq. (1) weighting) and sets expert ``k``'s length path ``v`` (``PairSelector.length_skip``) to
@@ -40,7 +40,7 @@ def client_length_coefs(features: np.ndarray, labels: np.ndarray, assign: np.nda
 
     Parameters
     ----------
-    features : ndarray (n, 3), float, length features of the client's pairs.
+    features : ndarray (n, F), float, pair features of the client's pairs (``SelectorConfig.pair_features``).
     labels : ndarray (n,), {0, 1}, 1 = A better.
     assign : ndarray (n,), int, expert of each pair (in ``[0, n_experts)``).
     n_experts : int >= 1.
@@ -48,7 +48,7 @@ def client_length_coefs(features: np.ndarray, labels: np.ndarray, assign: np.nda
 
     Returns
     -------
-    dict expert -> (coef ndarray (3,) float64, n_pairs float): only experts with >= 1 pair.
+    dict expert -> (coef ndarray (F,) float64, n_pairs float): only experts with >= 1 pair.
 
     Raises
     ------
@@ -119,7 +119,7 @@ def upload_bytes(client_coefs: Sequence[dict[int, tuple[np.ndarray, float]]]) ->
 
 def read_length_prior(folder: str | Path) -> dict[str, np.ndarray] | None:
     """The per-domain length priors saved with a ``length_prior='domain'`` run (``length_prior.json``:
-    ``{"domains": [str], "coefs": [[3 floats] per domain]}``): {domain: ndarray (3,) float32}; None for a
+    ``{"domains": [str], "coefs": [[F floats] per domain]}``): {domain: ndarray (F,) float32}; None for a
     run without the file.
 
     Raises
@@ -139,15 +139,23 @@ def read_length_prior(folder: str | Path) -> dict[str, np.ndarray] | None:
         raise InvalidInputError(f"{path}: not the length_prior.json of `fedroute prism train` "
                                 f"({type(exc).__name__}: {exc}); rerun it") from exc
     if (not isinstance(domains, list) or not all(isinstance(d, str) for d in domains) or len(set(domains)) != len(domains)
-            or coefs.shape != (len(domains), 3) or not np.isfinite(coefs).all()):
-        raise InvalidInputError(f"{path}: expected distinct domain names and one row of 3 finite weights per domain, "
+            or coefs.shape != (len(domains), _n_features(Path(folder))) or not np.isfinite(coefs).all()):
+        raise InvalidInputError(f"{path}: expected distinct domain names and one row of finite weights per domain, "
                                 f"got domains {domains!r:.80} and weights of shape {coefs.shape}; rerun `fedroute prism train`")
     return {d: coefs[i].astype(np.float32) for i, d in enumerate(domains)}
 
 
+def _n_features(folder: Path) -> int:
+    """Pair features of the run's selector (``selector_config.json`` beside the prior; 3 without one)."""
+    from trainer.experts.selector import load_selector_config  # imports torch: on use only
+
+    config = folder / "selector_config.json"
+    return len(load_selector_config(config).pair_features) if config.exists() else 3
+
+
 def saved_length_prior(folder: str | Path, domain: str) -> np.ndarray | None:
     """The fixed per-domain length prior of a run saved with ``length_prior='domain'``
-    (``length_prior.json``): the weights of ``domain``, ndarray (3,) float32; None for a run without it.
+    (``length_prior.json``): the weights of ``domain``, ndarray (F,) float32; None for a run without it.
 
     Raises
     ------

@@ -12,9 +12,11 @@ Architecture
   default) on ``target_modules`` of the layers ``lora_layers`` (None = all layers).
 - Segment vector ``h`` of shape (d,): mean of the top hidden states over real tokens (``pooling
   ='mean'``, BERT-style encoders) or the last real token (``'last'``, causal LMs).
-- Head: ``logit = w2 . tanh(W1 [h_A, h_B, f] + b1) + b2 + v . f`` with ``f`` the 3 length features;
-  the direct ``v . f`` path lets the head start from the length-only rule, and the tanh layer lets
-  the sign of the length effect depend on the content (longer wins on AlpacaEval, shorter on HH).
+- Head: ``logit = w2 . tanh(W1 [h_A, h_B, f] + b1) + b2 + v . f`` with ``f`` the antisymmetric pair
+  features ``SelectorConfig.pair_features`` of :mod:`sdk.pair_features` (the 3 length features by
+  default; the presets add the structure features chosen on validation); the direct ``v . f`` path
+  lets the head start from the length/structure-only rule, and the tanh layer lets the sign of the
+  length effect depend on the content (longer wins on AlpacaEval, shorter on HH).
 - Training loss (:meth:`PairSelector.pair_loss`): binary cross-entropy on each pair **and its
   position-swapped copy** ``(x, y_B, y_A, 1 - label)`` (the swap negates ``f``), averaged.
 - Prediction (:meth:`PairSelector.pair_proba`): ``sigmoid((logit(A, B) - logit(B, A)) / 2)``, so
@@ -51,7 +53,8 @@ import torch
 from torch import nn
 
 from sdk.errors import InvalidInputError, ShapeError
-from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig, length_features_many
+from sdk.pair_encoding import LENGTH_FEATURE_NAMES, PairEncoder, PairEncodingConfig
+from sdk.pair_features import check_feature_names, pair_features_many
 from trainer.config_fields import check_bool, check_int, check_real, check_sequence
 from trainer.data.errors import DataUnavailableError
 from trainer.embeddings import resolve_model_path
@@ -76,6 +79,8 @@ class SelectorConfig:
     pooling : ``'mean'`` or ``'last'``.
     cache_lower_layers : bool, run layers below ``min(lora_layers)`` once and cache them (CPU path).
     encoding : PairEncodingConfig, the token budget (shared with the SDK).
+    pair_features : names of :data:`sdk.pair_features.FEATURE_NAMES`, the head's features ``f``
+        (default the 3 length features; the device computes the same ones).
     """
 
     backbone: str = "all-MiniLM-L6-v2"
@@ -88,10 +93,13 @@ class SelectorConfig:
     pooling: str = "mean"
     cache_lower_layers: bool = True
     encoding: PairEncodingConfig = field(default_factory=PairEncodingConfig)
+    pair_features: tuple[str, ...] = LENGTH_FEATURE_NAMES
 
     def __post_init__(self) -> None:
         if isinstance(self.encoding, dict):
             self.encoding = PairEncodingConfig(**self.encoding)
+        check_sequence(self, "pair_features")
+        self.pair_features = check_feature_names(self.pair_features)
         for name in ("lora_layers", "target_modules"):
             check_sequence(self, name, optional=True)
         if self.lora_layers is not None:
@@ -120,6 +128,7 @@ class SelectorConfig:
         d = asdict(self)
         d["lora_layers"] = None if self.lora_layers is None else list(self.lora_layers)
         d["target_modules"] = list(self.target_modules)
+        d["pair_features"] = list(self.pair_features)
         return d
 
 
@@ -271,9 +280,10 @@ class PairSelector(nn.Module):
         self.backbone = get_peft_model(base, lora)
         d = base.config.hidden_size
         self.hidden_size = d
-        self.head = nn.Sequential(nn.Linear(2 * d + N_LENGTH_FEATURES, config.head_hidden), nn.Tanh(),
+        n_f = len(config.pair_features)
+        self.head = nn.Sequential(nn.Linear(2 * d + n_f, config.head_hidden), nn.Tanh(),
                                   nn.Linear(config.head_hidden, 1))
-        self.length_skip = nn.Linear(N_LENGTH_FEATURES, 1, bias=False)
+        self.length_skip = nn.Linear(n_f, 1, bias=False)
         nn.init.zeros_(self.length_skip.weight)
         self.first_lora_layer = 0 if config.lora_layers is None else min(config.lora_layers)
         self.train(False)
@@ -376,9 +386,9 @@ class PairSelector(nn.Module):
 
     def pair_logits(self, h_a: torch.Tensor, h_b: torch.Tensor, feats: torch.Tensor,
                     prior: torch.Tensor | None = None) -> torch.Tensor:
-        """Logit of P(A better): h_a, h_b of shape (n, d), feats (n, 3) -> (n,).
+        """Logit of P(A better): h_a, h_b of shape (n, d), feats (n, F) -> (n,) (F = len(config.pair_features)).
 
-        prior : optional (n, 3) float32, fixed length weights per pair (the per-domain length prior of
+        prior : optional (n, F) float32, fixed feature weights per pair (the per-domain length prior of
             ``FedPrismConfig.length_prior='domain'``): adds the offset ``prior . f``, no gradient, so the
             expert is that length-only logit plus its learned residual. Antisymmetric like ``v . f``.
         """
@@ -488,7 +498,7 @@ class SegmentStore:
     input_ids, attention_mask, token_type_ids : LongTensor of shape (n_segments, seq_len).
     lower : FloatTensor of shape (n_segments, seq_len, d) or None, cached frozen lower-layer states.
     seg_a, seg_b : ndarray of shape (n_pairs,), int64, segment of each pair's response A / B.
-    features : FloatTensor of shape (n_pairs, 3), length features.
+    features : FloatTensor of shape (n_pairs, F), pair features (``SelectorConfig.pair_features``).
     label : FloatTensor of shape (n_pairs,), 1.0 = A better.
     """
 
@@ -589,7 +599,7 @@ def build_segment_store(model: PairSelector, prompts: Sequence[str], responses_a
             tmp = disk.with_suffix(".tmp")
             torch.save(lower, tmp)
             os.replace(tmp, disk)
-    feats = torch.from_numpy(length_features_many(list(responses_a), list(responses_b)))
+    feats = torch.from_numpy(pair_features_many(prompts, responses_a, responses_b, model.config.pair_features))
     lab = torch.zeros(n) if labels is None else torch.as_tensor(np.asarray(labels, dtype=np.float32))
     return SegmentStore(ids, mask, types, lower, seg_a, seg_b, feats, lab)
 
@@ -612,6 +622,7 @@ def load_selector_config(path: Path) -> SelectorConfig:
     try:
         d = json.loads(path.read_text())
         d["encoding"] = PairEncodingConfig(**d["encoding"])
+        d["pair_features"] = tuple(d.get("pair_features", LENGTH_FEATURE_NAMES))  # configs saved before the key: length
         return SelectorConfig(**d)
     except InvalidInputError as exc:
         raise InvalidInputError(f"{path}: {exc}") from exc

@@ -15,7 +15,14 @@ best_single_rm    the single client reward model with the best mean ID accuracy 
 oracle_client     the reward model of the client the pair comes from (held-out: the helpfulness
                   client, whose criterion the held-out AlpacaEval subset shares)
 length_only       logistic regression on length differences, one per domain (trainer.length_baseline)
+length_only_global the same, one model for every domain (label-free)
+structure_only    logistic regression on the pair features of sdk.pair_features (length, lists,
+                  emphasis, refusal, ...; DEFAULT_FEATURES), one per domain
 ================= ===========================================================================
+
+``paired_vs_length_only.<m>.{id, heldout}.{gain, se}``: accuracy gain over ``length_only`` on the same
+test pairs, with its paired standard error (per-pair correctness differences averaged over seeds; ID:
+mean over clients; :func:`paired_vs_length_only`).
 
 ``id_acc`` is the mean over clients of each client's test accuracy; ``*_mean`` / ``*_std`` are over
 seeds (std with ddof = 1). ``ablation_no_norm`` repeats the routed and averaged rewards with raw
@@ -37,7 +44,9 @@ from trainer.rewards.mor_trainer import MoRModels, MoRSplit, MoRTrainer
 from trainer.rewards.reward_models import PreferencePairs, pairwise_accuracy
 
 METHODS = ("router_rm_sparse", "router_rm_soft", "avg_rm", "random_rm", "fedavg_rm", "best_single_rm",
-           "oracle_client", "length_only")
+           "oracle_client", "length_only", "length_only_global", "structure_only")
+#: The logistic baselines beside length_only (MoRModels.baselines).
+BASELINES = ("length_only_global", "structure_only")
 N_RANDOM_DRAWS = 20
 #: Soft-routing temperatures compared on validation (:func:`choose_routing`), with per-response (the paper) or
 #: per-prompt routing (:data:`trainer.rewards.routing_rule.ROUTE_BY`).
@@ -67,6 +76,7 @@ class EvalSet:
     fedavg: np.ndarray
     length_proba: np.ndarray
     groups: np.ndarray | None = None
+    baseline_proba: dict | None = None
 
     @property
     def n(self) -> int:
@@ -88,11 +98,11 @@ def score_set(trainer: MoRTrainer, models: MoRModels, frame: pd.DataFrame, name:
     logits = {w: np.stack([r.logits(fc), r.logits(fr)]) for w, r in models.routers.items()}
     fed = np.stack([models.fedavg_rm.raw_scores_from_features(fc), models.fedavg_rm.raw_scores_from_features(fr)])
     # P(response_a wins) -> P(chosen wins): the frame's label says which side is the chosen one
-    pa = models.length_baseline.predict_proba(frame)
     lab = frame["label"].to_numpy()
+    chosen = lambda m: np.where(lab == 1, m.predict_proba(frame), 1 - m.predict_proba(frame))  # noqa: E731
     return EvalSet(name, own, np.stack(norm, -1).astype(np.float64), np.stack(raw, -1).astype(np.float64),
-                   logits, fed.astype(np.float64), np.where(lab == 1, pa, 1 - pa),
-                   pd.factorize(frame["prompt"])[0])
+                   logits, fed.astype(np.float64), chosen(models.length_baseline),
+                   pd.factorize(frame["prompt"])[0], {b: chosen(models.baselines[b]) for b in BASELINES})
 
 
 def _acc(s: np.ndarray) -> float:
@@ -175,7 +185,8 @@ def set_accuracies(e: EvalSet, rng: np.random.Generator) -> dict:
     k = e.norm.shape[-1]
     out: dict = {"n": e.n, "single": [_acc(e.norm[..., j]) for j in range(k)], "oracle_client": _acc(e.norm[..., e.own]),
                  "fedavg_rm": _acc(e.fedavg),
-                 "length_only": _metric(e.length_proba, np.ones(e.n, dtype=np.int64)), "routing": {}}
+                 "length_only": _metric(e.length_proba, np.ones(e.n, dtype=np.int64)), "routing": {},
+                 **{b: _metric(e.baseline_proba[b], np.ones(e.n, dtype=np.int64)) for b in BASELINES}}
     for tag, s in (("", e.norm), ("_no_norm", e.raw)):
         out["avg_rm" + tag] = _acc(s.mean(-1))
         draws = [_acc(np.take_along_axis(s, rng.integers(0, k, size=(2, e.n, 1)), -1)[..., 0]) for _ in range(N_RANDOM_DRAWS)]
@@ -233,10 +244,12 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
     names = [c.name for c in split.clients]
     heldout_own = trainer.args.client_domains.index("alpacaeval") if split.heldout is not None else None
     val = {c.name: set_accuracies(score_set(trainer, models, c.val, c.name, k), rng) for k, c in enumerate(split.clients)}
-    test = {c.name: set_accuracies(score_set(trainer, models, c.test, c.name, k), rng) for k, c in enumerate(split.clients)}
-    held = None
+    test_sets = {c.name: score_set(trainer, models, c.test, c.name, k) for k, c in enumerate(split.clients)}
+    test = {n: set_accuracies(e, rng) for n, e in test_sets.items()}
+    held, held_set = None, None
     if split.heldout is not None:
-        held = set_accuracies(score_set(trainer, models, split.heldout, "heldout", heldout_own), rng)
+        held_set = score_set(trainer, models, split.heldout, "heldout", heldout_own)
+        held = set_accuracies(held_set, rng)
     val_router = {w: float(np.mean([val[n]["router_sparse"][w] for n in names])) for w in WEIGHTINGS}
     val_share = {w: float(np.mean([val[n]["own_share"][w] for n in names])) for w in WEIGHTINGS}
     a = trainer.args
@@ -250,7 +263,7 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
         return {"router_rm_sparse": r[routing["sparse"]], "router_rm_soft": r[routing["soft"]],
                 "avg_rm": acc["avg_rm"], "random_rm": acc["random_rm"], "fedavg_rm": acc["fedavg_rm"],
                 "best_single_rm": acc["single"][best], "oracle_client": acc["oracle_client"],
-                "length_only": acc["length_only"],
+                "length_only": acc["length_only"], **{b: acc[b] for b in BASELINES},
                 **{f"single_{names[j]}": acc["single"][j] for j in range(len(names))},
                 **{f"router_rm_sparse_{w}": acc["router_sparse"][w] for w in WEIGHTINGS},
                 **{f"router_rm_soft_{w}": acc["router_soft"][w] for w in WEIGHTINGS},
@@ -275,7 +288,55 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
             "choice_share": {n: test[n]["choice_share"] for n in names} | ({"heldout": held["choice_share"]} if held else {}),
             "n_pairs": {n: {"train": len(c.train), "val": len(c.val), "test": len(c.test)} for n, c in zip(names, split.clients)}
             | ({"heldout": len(split.heldout)} if split.heldout is not None else {}),
-            "router_bytes_per_round": models.router_bytes_per_round}
+            "router_bytes_per_round": models.router_bytes_per_round,
+            "pair_correct": {n: pair_correct(e, routing) for n, e in test_sets.items()}
+            | ({"heldout": pair_correct(held_set, routing)} if held_set is not None else {})}
+
+
+def _won(sc: np.ndarray) -> np.ndarray:
+    """Per-pair correctness of (2, n) scores of (chosen, rejected): 1, 0, or 1/2 for a tie."""
+    return (sc[0] > sc[1]) + 0.5 * (sc[0] == sc[1])
+
+
+def pair_correct(e: EvalSet, routing: dict) -> dict:
+    """Per-pair correctness (n,) float64 on one EvalSet of the routed rewards (the weighting and variants chosen
+    on validation), length_only and the :data:`BASELINES`: what the paired standard errors are computed from."""
+    z = e.logits[routing["weighting"]]
+    p = lambda q: np.where(q == 0.5, 0.5, (q > 0.5).astype(np.float64))  # noqa: E731  (P(chosen wins))
+    return {"router_rm_sparse": _won(routed_reward(e.norm, z, RoutingRule.from_variant(routing["sparse"]), e.groups)),
+            "router_rm_soft": _won(routed_reward(e.norm, z, RoutingRule.from_variant(routing["soft"]), e.groups)),
+            "avg_rm": _won(e.norm.mean(-1)), "fedavg_rm": _won(e.fedavg), "length_only": p(e.length_proba),
+            **{b: p(e.baseline_proba[b]) for b in BASELINES}}
+
+
+def paired_vs_length_only(seeds: list[dict]) -> dict:
+    """``{method: {"id"|"heldout": {gain, se, per_seed}}}`` from the seeds' ``pair_correct``.
+
+    Each seed splits the pool anew, so the gain over length_only and its paired standard error are computed per seed
+    (ID: mean over the K clients' test sets, se ``sqrt(sum_c se_c^2) / K``) and then averaged over the S seeds
+    (se ``sqrt(sum_s se_s^2) / S``)."""
+    def one(seed: dict, sets: list[str], m: str) -> tuple[float, float]:
+        g, v = [], []
+        for n in sets:
+            d = seed["pair_correct"][n][m] - seed["pair_correct"][n]["length_only"]
+            g.append(d.mean())
+            v.append(d.var(ddof=1) / len(d) if len(d) > 1 else 0.0)
+        return float(np.mean(g)), float(np.sqrt(np.sum(v)) / len(sets))
+
+    out = {}
+    clients = [n for n in seeds[0]["pair_correct"] if n != "heldout"]
+    for m in seeds[0]["pair_correct"][clients[0]]:
+        if m == "length_only":
+            continue
+        out[m] = {}
+        for key, sets in (("id", clients), ("heldout", ["heldout"])):
+            if not all(n in seeds[0]["pair_correct"] for n in sets):
+                continue
+            per = [one(s, sets, m) for s in seeds]
+            out[m][key] = {"gain": float(np.mean([g for g, _ in per])),
+                           "se": float(np.sqrt(np.sum([se ** 2 for _, se in per])) / len(per)),
+                           "per_seed": [g for g, _ in per]}
+    return out
 
 
 def summarise(seeds: list[dict]) -> dict:
@@ -308,7 +369,10 @@ def run_evaluation(trainer: MoRTrainer, progress=None) -> dict:
         if progress is not None:
             progress(seed, seeds[-1])
     methods = summarise(seeds)
-    return {"methods": {m: methods[m] for m in METHODS},
+    paired = paired_vs_length_only(seeds)
+    for s in seeds:
+        s.pop("pair_correct")  # arrays, not JSON; summarised in paired_vs_length_only
+    return {"methods": {m: methods[m] for m in METHODS}, "paired_vs_length_only": paired,
             "single_rms": {k: v for k, v in methods.items() if k.startswith("single_")},
             "router_weighting": {k: v for k, v in methods.items() if k.startswith(("router_rm_sparse_", "router_rm_soft_", "own_share_"))},
             "routing_errors": {k: v for k, v in methods.items() if k in ("pairs_away", "routing_cost", "soft_pairs_away",

@@ -11,20 +11,28 @@ from trainer.report import save_figure, write_json, write_text
 
 LABELS = {"router_rm_sparse": "router + RM (sparse)", "router_rm_soft": "router + RM (soft)", "avg_rm": "AvgRM",
           "random_rm": "random RM", "fedavg_rm": "FedAvg RM", "best_single_rm": "best single RM",
-          "oracle_client": "oracle client", "length_only": "length only"}
+          "oracle_client": "oracle client", "length_only": "length only", "length_only_global": "length only, label-free",
+          "structure_only": "structure features"}
 
 
-def _row(name: str, m: dict) -> str:
+def _row(name: str, m: dict, paired: dict | None = None) -> str:
     held = f"{m['heldout_acc_mean']:.3f} ± {m['heldout_acc_std']:.3f}" if "heldout_acc_mean" in m else "n/a"
-    return f"| {name} | {m['id_acc_mean']:.3f} ± {m['id_acc_std']:.3f} | {held} |"
+    row = f"| {name} | {m['id_acc_mean']:.3f} ± {m['id_acc_std']:.3f} | {held} |"
+    if paired is None:
+        return row
+    gain = lambda k: f"{paired[k]['gain']:+.3f} ± {paired[k]['se']:.3f}" if k in paired else "-"  # noqa: E731
+    return row + f" {gain('id')} | {gain('heldout')} |"
 
 
 def eval_markdown(res: dict) -> str:
     """The Table 4 analogue, then single RMs, router weightings and the no-normalisation ablation."""
     n = len(res["seeds"])
-    lines = [f"Pairwise ranking accuracy, mean ± std over {n} seeds (ID = mean of the clients' test accuracies).", "",
-             "| method | ID accuracy | held-out category |", "|---|---|---|"]
-    lines += [_row(LABELS.get(k, k), m) for k, m in res["methods"].items()]
+    lines = [f"Pairwise ranking accuracy, mean ± std over {n} seeds (ID = mean of the clients' test accuracies); "
+             "gain over length only on the same pairs ± its paired standard error.", "",
+             "| method | ID accuracy | held-out category | ID vs length only | held-out vs length only |",
+             "|---|---|---|---|---|"]
+    paired = res.get("paired_vs_length_only", {})
+    lines += [_row(LABELS.get(k, k), m, paired.get(k, {})) for k, m in res["methods"].items()]
     lines += ["", "Single client reward models and router weightings:", "",
               "| scorer | ID accuracy | held-out category |", "|---|---|---|"]
     lines += [_row(k, m) for k, m in {**res["single_rms"], **res["router_weighting"]}.items()]

@@ -25,8 +25,9 @@ Data flow of one seed (:meth:`MoRTrainer.prepare` then :meth:`MoRTrainer.train`)
 4. The router is trained federatedly on the clients' train pairs, once per aggregation weighting
    (``"samples"`` and ``"equal"``, :class:`FederatedRouterTrainer`).
 5. Baselines: one MLP reward model trained by FedAvg over all clients' train pairs
-   (:func:`train_fedavg_reward_model`) and the length-only logistic baseline
-   (:class:`trainer.length_baseline.LengthBaseline`, one model per domain).
+   (:func:`train_fedavg_reward_model`), the length-only logistic baseline
+   (:class:`trainer.length_baseline.LengthBaseline`, one model per domain, and one global model), and
+   the structure-feature baseline (the same regression on :data:`sdk.pair_features.DEFAULT_FEATURES`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from sdk.errors import InvalidInputError
+from sdk.pair_features import DEFAULT_FEATURES
 from trainer.config_fields import check_bool, check_config, check_int, check_real, check_sequence
 from trainer.data.preferences import DOMAINS, check_split_fractions, load_preference_pairs, split_by_prompt
 from trainer.embeddings import EmbedderConfig
@@ -102,6 +104,11 @@ class MoRConfig:
     fedavg_rm_rounds : rounds of the FedAvg reward-model baseline (1 local epoch each).
     embedder : EmbedderConfig of the frozen pair encoder (128 tokens: half the CPU time of 256).
     length_features : append the response length to the pair features.
+    pair_features : None, or names of :data:`sdk.pair_features.FEATURE_NAMES`: the appended columns are the
+        response's pair features ``phi(x, y) / 8`` instead of its 3 length columns (``PairEncoder.pair_features``),
+        and an MLP client's length prior becomes the client's local Bradley-Terry fit on them (the
+        structure-feature baseline of its own pairs) with the MLP as a residual over it. LoRA clients keep the
+        3 length columns.
     length_prior : each client's reward model gets a linear length term started from its OWN local
         length-only Bradley-Terry fit (``RewardModelConfig.length_prior``; MLP and LoRA clients alike;
         not the FedAvg-RM baseline). Overrides ``mlp_rm.length_prior`` / ``lora_rm.length_prior`` for
@@ -167,6 +174,7 @@ class MoRConfig:
     fedavg_rm_rounds: int = 30
     embedder: EmbedderConfig = field(default_factory=lambda: EmbedderConfig(max_tokens=128))
     length_features: bool = True
+    pair_features: tuple | None = None
     length_prior: bool | tuple = (True, False, True)
     length_prior_C: float = 10.0
     keep_start: bool = False
@@ -288,6 +296,7 @@ class MoRModels:
     length_baseline: object
     router_bytes_per_round: int = 0
     history: dict = field(default_factory=dict)
+    baselines: dict = field(default_factory=dict)
 
 
 def train_fedavg_reward_model(features: list[tuple[np.ndarray, np.ndarray]], config: RewardModelConfig, encoder: PairEncoder,
@@ -340,7 +349,8 @@ class MoRTrainer:
         self.show_progress = show_progress
         a = self.args
         self.encoder = PairEncoder(a.embedder, Path(a.cache_dir) if a.cache_dir else None, show_progress,
-                                   length_features=a.length_features)
+                                   length_features=a.length_features,
+                                   pair_features=None if a.pair_features is None else tuple(a.pair_features))
         self.pool_: pd.DataFrame | None = None
 
     # ------------------------------------------------------------------ data
@@ -402,7 +412,7 @@ class MoRTrainer:
         ``d_in = 2 d_emb (+ 3 length columns)``."""
         if self.args.router_inputs == "pair" or (self.args.router_inputs == "text" and not self.args.length_features):
             return None
-        d_emb = (d_in - (3 if self.args.length_features else 0)) // 2
+        d_emb = (d_in - self.encoder.n_feature_columns) // 2
         return d_emb if self.args.router_inputs == "prompt" else 2 * d_emb
 
     def client_length_prior(self, name: str) -> bool:
@@ -432,7 +442,7 @@ class MoRTrainer:
 
     def train(self, split: MoRSplit) -> MoRModels:
         """Steps 3-5 for one seed."""
-        from trainer.length_baseline import LengthBaseline  # trainer.length_baseline imports pandas: on use only
+        from trainer.length_baseline import STRUCTURE_C, LengthBaseline  # trainer.length_baseline imports pandas: on use only
 
         a, seed = self.args, split.seed
         rms, history = [], {}
@@ -450,8 +460,11 @@ class MoRTrainer:
             routers[w] = rt.train(data, list(a.client_names))
             nbytes = rt.bytes_per_round_
         fed = train_fedavg_reward_model(feats, replace(a.mlp_rm, seed=seed, clip=a.clip), self.encoder, a.fedavg_rm_rounds, seed)
-        length = LengthBaseline(per_domain=True).fit(pd.concat([c.train for c in split.clients], ignore_index=True))
-        return MoRModels(rms, routers, fed, length, nbytes, history)
+        pooled = pd.concat([c.train for c in split.clients], ignore_index=True)
+        length = LengthBaseline(per_domain=True).fit(pooled)
+        baselines = {"length_only_global": LengthBaseline(per_domain=False).fit(pooled),
+                     "structure_only": LengthBaseline(per_domain=True, C=STRUCTURE_C, features=DEFAULT_FEATURES).fit(pooled)}
+        return MoRModels(rms, routers, fed, length, nbytes, history, baselines)
 
     def mixture(self, models: MoRModels, mode: str | None = None, weighting: str | None = None,
                 normalise: bool = True, routing: dict | None = None) -> RoutedReward:

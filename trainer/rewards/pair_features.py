@@ -22,6 +22,7 @@ import numpy as np
 from sdk.errors import InvalidInputError
 from trainer.embeddings import EmbedderConfig, embed_texts
 from sdk.pair_encoding import length_features_many
+from sdk.pair_features import check_feature_names, response_features_many
 
 
 def check_pair_texts(prompts: Sequence[str], responses: Sequence[str]) -> None:
@@ -53,12 +54,33 @@ class PairEncoder:
     cache_dir : folder of the embedding cache (default :func:`trainer.embeddings.default_cache_dir`).
     show_progress : tqdm bar while embedding cache misses.
     length_features : append ``l(y)`` (3 columns).
+    pair_features : None, or names of :data:`sdk.pair_features.FEATURE_NAMES`: with ``length_features`` the
+        appended columns are ``phi(x, y) / 8`` of those names (:func:`sdk.pair_features.response_features_many`;
+        its first three, the length features, are ``l(y)``) instead of ``l(y)``.
     """
 
     embedder: EmbedderConfig = field(default_factory=EmbedderConfig)
     cache_dir: Path | None = None
     show_progress: bool = False
     length_features: bool = True
+    pair_features: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pair_features is not None:
+            self.pair_features = check_feature_names(self.pair_features)
+
+    @property
+    def n_feature_columns(self) -> int:
+        """Trailing feature columns of :meth:`encode` (0 without ``length_features``)."""
+        if not self.length_features:
+            return 0
+        return 3 if self.pair_features is None else len(self.pair_features)
+
+    def feature_columns(self, prompts: Sequence[str], responses: Sequence[str]) -> np.ndarray:
+        """The trailing columns of :meth:`encode` alone: (n, n_feature_columns) float32 (no embedding)."""
+        if self.pair_features is None:
+            return response_lengths(responses)
+        return (response_features_many(prompts, responses, self.pair_features) / LENGTH_SCALE).astype(np.float32)
 
     def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> np.ndarray:
         """Parameters: prompts, responses : sequences of n non-empty str.
@@ -78,7 +100,7 @@ class PairEncoder:
         er = vecs[[index[r] for r in responses]]
         parts = [ep, er]
         if self.length_features:
-            parts.append(response_lengths(responses))
+            parts.append(self.feature_columns(prompts, responses))
         return np.concatenate(parts, axis=1).astype(np.float32)
 
     @property
@@ -87,7 +109,8 @@ class PairEncoder:
         return {"model": self.embedder.model, "max_tokens": self.embedder.max_tokens,
                 "truncation_side": self.embedder.truncation_side, "pooling": "mean", "normalised": True,
                 "layout": "concat(e(prompt), e(response)" + (", log1p([chars, words, lines](response)) / 8)" if self.length_features else ")"),
-                "length_features": self.length_features}
+                "length_features": self.length_features,
+                **({"pair_features": list(self.pair_features)} if self.pair_features is not None else {})}
 
 
 #: Scale of the length columns: log1p counts / LENGTH_SCALE.

@@ -271,20 +271,21 @@ def fit_length_prior(len_chosen: np.ndarray, len_rejected: np.ndarray, C: float 
     ``[d; -d]`` with labels ``[1; 0]``, ``d = (l(y+) - l(y-)) * LENGTH_SCALE`` (the unscaled log-length
     differences of :class:`trainer.length_baseline.LengthBaseline`, so ``C`` means the same there).
 
-    len_chosen, len_rejected : (n, 3) arrays, n >= 1. Returns ndarray (3,) float64, the weight on the
+    len_chosen, len_rejected : (n, F) arrays, n >= 1 (F = 3 length columns, or the encoder's pair-feature
+    columns, :attr:`PairEncoder.n_feature_columns`). Returns ndarray (F,) float64, the weight on the
     SCALED columns (``coef * LENGTH_SCALE``). Raises InvalidInputError on a shape mismatch or C <= 0.
     """
     from sklearn.linear_model import LogisticRegression  # sklearn: optional heavy dependency, imported on use
 
 
     lc, lr_ = np.asarray(len_chosen, dtype=np.float64), np.asarray(len_rejected, dtype=np.float64)
-    if lc.shape != lr_.shape or lc.ndim != 2 or lc.shape[1] != N_LENGTH_COLUMNS or lc.shape[0] < 1:
-        raise InvalidInputError(f"length columns must both have shape (n >= 1, {N_LENGTH_COLUMNS}), got {lc.shape} and {lr_.shape}")
+    if lc.shape != lr_.shape or lc.ndim != 2 or lc.shape[0] < 1:
+        raise InvalidInputError(f"length columns must both have shape (n >= 1, F), got {lc.shape} and {lr_.shape}")
     if not C > 0:
         raise InvalidInputError(f"C must be > 0, got {C}")
     d = (lc - lr_) * LENGTH_SCALE
     if not np.any(d):
-        return np.zeros(N_LENGTH_COLUMNS)
+        return np.zeros(d.shape[1])
     x = np.concatenate([d, -d])
     y = np.concatenate([np.ones(len(d), dtype=np.int64), np.zeros(len(d), dtype=np.int64)])
     coef = LogisticRegression(C=C, fit_intercept=False, tol=1e-8, max_iter=1000).fit(x, y).coef_[0]
@@ -295,15 +296,17 @@ class _MLP(nn.Module):
     """``R(h) = net(h) [+ w_len . h[..., -3:]]``: the MLP, plus (``length_term``) a linear term on the
     three length columns ``l(y)`` of the pair features (:func:`fit_length_prior` initialises it)."""
 
-    def __init__(self, d_in: int, hidden: int, dropout: float, length_term: bool = False) -> None:
+    def __init__(self, d_in: int, hidden: int, dropout: float, length_term: bool = False,
+                 n_columns: int = N_LENGTH_COLUMNS) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, 1))
-        self.length = nn.Linear(N_LENGTH_COLUMNS, 1, bias=False) if length_term else None
+        self.length = nn.Linear(n_columns, 1, bias=False) if length_term else None
+        self.n_columns = n_columns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.net(x).squeeze(-1)
         if self.length is not None:
-            r = r + self.length(x[..., -N_LENGTH_COLUMNS:]).squeeze(-1)
+            r = r + self.length(x[..., -self.n_columns:]).squeeze(-1)
         return r
 
 
@@ -333,15 +336,15 @@ class MLPRewardModel(ClientRewardModel):
         self.encoder = encoder
         self.d_in, self.hidden, self.dropout = int(d_in), int(hidden), float(dropout)
         self.length_term = bool(length_term)
-        self.module = _MLP(self.d_in, self.hidden, self.dropout, self.length_term)
+        self.module = _MLP(self.d_in, self.hidden, self.dropout, self.length_term, encoder.n_feature_columns or N_LENGTH_COLUMNS)
         self.normaliser_ = None
 
     def init_length_prior(self, weight: np.ndarray) -> None:
-        """Start from the length-only model: the length term's weights := ``weight`` (3,), the MLP's
-        output layer := 0, so ``R(h) = weight . l(y)`` until training moves the MLP (the residual)."""
+        """Start from the length-only (or pair-feature) model: the feature term's weights := ``weight`` (F,),
+        the MLP's output layer := 0, so ``R(h) = weight . l(y)`` until training moves the MLP (the residual)."""
         if self.module.length is None:
             raise InvalidInputError("init_length_prior needs a model built with length_term=True")
-        w = np.asarray(weight, dtype=np.float32).reshape(1, N_LENGTH_COLUMNS)
+        w = np.asarray(weight, dtype=np.float32).reshape(1, self.module.n_columns)
         with torch.no_grad():
             self.module.length.weight.copy_(torch.from_numpy(w))
             self.module.net[3].weight.zero_()
@@ -372,6 +375,8 @@ class MLPRewardModel(ClientRewardModel):
         meta = self._meta() | {"d_in": self.d_in, "hidden": self.hidden, "dropout": self.dropout, "length_term": self.length_term,
                                "embedder": asdict(self.encoder.embedder),
                                "length_features": self.encoder.length_features}
+        if self.encoder.pair_features is not None:
+            meta["pair_features"] = list(self.encoder.pair_features)
         _atomic_text(directory / "reward_model.json", json.dumps(meta, indent=2))
 
     @classmethod
@@ -379,7 +384,8 @@ class MLPRewardModel(ClientRewardModel):
         from safetensors.torch import load_file  # safetensors: optional heavy dependency, imported on use
 
         meta = _read_meta(directory, "mlp")
-        encoder = PairEncoder(EmbedderConfig(**meta["embedder"]), cache_dir, length_features=meta["length_features"])
+        encoder = PairEncoder(EmbedderConfig(**meta["embedder"]), cache_dir, length_features=meta["length_features"],
+                              pair_features=meta.get("pair_features"))
         model = cls(encoder, meta["d_in"], meta["hidden"], meta["dropout"], meta.get("length_term", False))
         model.module.load_state_dict(load_file(str(Path(directory) / "weights.safetensors")))
         model.normaliser_ = ScoreNormaliser(meta["mean"], meta["std"], meta["eps"], meta["clip"])
@@ -691,9 +697,13 @@ class RewardModelTrainer:
         return model
 
     def length_prior_(self, fit: PreferencePairs) -> np.ndarray:
-        """(3,) weights of :func:`fit_length_prior` on ``fit`` (the pairs the model trains on)."""
-
-        self.length_weight_ = fit_length_prior(response_lengths(fit.chosen), response_lengths(fit.rejected), self.args.length_prior_C)
+        """Weights of :func:`fit_length_prior` on ``fit`` (the pairs the model trains on): (3,) on the length
+        columns, or (F,) on the MLP's pair-feature columns when the encoder has ``pair_features``."""
+        if self.args.arch == "mlp":
+            cols = lambda ys: self.encoder.feature_columns(fit.prompts, ys)  # noqa: E731
+        else:
+            cols = response_lengths
+        self.length_weight_ = fit_length_prior(cols(fit.chosen), cols(fit.rejected), self.args.length_prior_C)
         return self.length_weight_
 
     def _loop(self, module: nn.Module, n_fit: int, batch_loss, val_loss, rng: np.random.Generator) -> None:
