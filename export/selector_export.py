@@ -38,10 +38,9 @@ from export.scratch_folder import scratch_folder
 from export.torch_onnx import merged_lora_copy, module_to_onnx
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
-from sdk.pair_encoding import N_LENGTH_FEATURES
 from sdk.selector import FAMILY, KIND, MANIFEST_KEY, OUTPUT_NAME, SELECTOR_FILES
 from export.embedder_onnx import sensitive_matmuls
-from sdk.pair_encoding import length_features_many
+from sdk.pair_features import pair_features_many
 from sdk.selector import Selector
 from trainer.preference_metrics import pairwise_accuracy
 
@@ -136,7 +135,7 @@ def selector_to_onnx(selector) -> bytes:
     seq_len = selector.config.encoding.seq_len
     enc = selector.pair_encoder.encode_segments(["a prompt", "another prompt"], ["an answer", "a second answer"])
     ids, mask, types = (torch.from_numpy(enc[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))
-    feats = torch.zeros(2, N_LENGTH_FEATURES)
+    feats = torch.zeros(2, len(selector.config.pair_features))
     names = ["input_ids_a", "attention_mask_a", "input_ids_b", "attention_mask_b", "length_features"]
     args: tuple = (ids, mask, ids.flip(0), mask.flip(0), feats)
     if token_types:
@@ -177,7 +176,8 @@ def torch_logits(selector, prompts, responses_a, responses_b) -> tuple[np.ndarra
 
     enc_a = selector.pair_encoder.encode_segments(list(prompts), list(responses_a))
     enc_b = selector.pair_encoder.encode_segments(list(prompts), list(responses_b))
-    feats = torch.from_numpy(length_features_many(list(responses_a), list(responses_b)))
+    feats = torch.from_numpy(pair_features_many(list(prompts), list(responses_a), list(responses_b),
+                                                selector.config.pair_features))
     t = lambda enc, k: torch.from_numpy(enc[k])  # noqa: E731
     with torch.no_grad():
         h_a = selector.full_pooled(t(enc_a, "input_ids"), t(enc_a, "attention_mask"), t(enc_a, "token_type_ids"))
@@ -260,7 +260,8 @@ def selector_fields(selector, name: str, method: str, expert: int | None, files:
         MANIFEST_KEY: KIND,
         "selector": {
             "name": name, "backbone": c.backbone, "method": method, "expert": expert, "files": files,
-            "pair_encoding": c.encoding.to_dict(), "n_length_features": N_LENGTH_FEATURES,
+            "pair_encoding": c.encoding.to_dict(), "pair_features": list(c.pair_features),
+            "n_length_features": len(c.pair_features),
             "pooling": c.pooling,
             "lora": {"r": c.lora_r, "alpha": c.lora_alpha,
                      "layers": None if c.lora_layers is None else list(c.lora_layers), "merged": True},

@@ -13,7 +13,8 @@ import numpy as np
 
 from sdk.embedder import FLOAT, INT64, MAX_QUERY_CHARS, check_graph_inputs, inference_session, load_tokenizer, run_session
 from sdk.errors import BundleError, InvalidInputError
-from sdk.pair_encoding import PairEncoder, PairEncodingConfig, length_features
+from sdk.pair_encoding import LENGTH_FEATURE_NAMES, PairEncoder, PairEncodingConfig
+from sdk.pair_features import check_feature_names, pair_features_many
 
 FAMILY = "selector"
 KIND = "onnx_pair"
@@ -23,6 +24,25 @@ REQUIRED_INPUTS = ("input_ids_a", "attention_mask_a", "input_ids_b", "attention_
 #: Fed only when the graph declares them (a causal-LM backbone has no token types; the exporter drops them).
 OPTIONAL_INPUTS = ("token_type_ids_a", "token_type_ids_b")
 OUTPUT_NAME = "logit"
+
+
+def manifest_feature_names(selector: dict) -> tuple[str, ...]:
+    """The head's pair features of a selector manifest entry: ``pair_features`` (checked names), or the 3 length
+    features for a bundle written before it was recorded; ``n_length_features`` must count them.
+
+    Raises
+    ------
+    BundleError
+        Unknown or repeated names, or a count that differs.
+    """
+    try:
+        names = check_feature_names(selector.get("pair_features", LENGTH_FEATURE_NAMES))
+    except (InvalidInputError, TypeError) as exc:
+        raise BundleError(f"manifest: selector.pair_features is invalid ({exc})") from exc
+    if selector.get("n_length_features") != len(names):
+        raise BundleError(f"manifest: selector.n_length_features must be {len(names)} (the pair features), "
+                          f"got {selector.get('n_length_features')!r}")
+    return names
 
 
 def check_text(value: object, name: str) -> str:
@@ -54,6 +74,9 @@ class OnnxPairScorer:
     encoding : PairEncodingConfig
     options : onnxruntime ``SessionOptions``.
     what : str, names the graph in error messages.
+    feature_names : the head's pair features (:mod:`sdk.pair_features` names, the manifest's
+        ``selector.pair_features``; the 3 length features for bundles that do not list them), fed as the graph's
+        ``length_features`` input of shape (batch, len(feature_names)).
 
     Raises
     ------
@@ -62,7 +85,8 @@ class OnnxPairScorer:
         or the graph's inputs (names, element types)/outputs are not the contract.
     """
 
-    def __init__(self, tokenizer_json: str, model: bytes, encoding: PairEncodingConfig, options, what: str) -> None:
+    def __init__(self, tokenizer_json: str, model: bytes, encoding: PairEncodingConfig, options, what: str,
+                 feature_names: Sequence[str] = LENGTH_FEATURE_NAMES) -> None:
         tokenizer = load_tokenizer(tokenizer_json)
         try:
             self._encoder = PairEncoder(tokenizer, encoding)
@@ -77,6 +101,7 @@ class OnnxPairScorer:
             raise BundleError(f"{what}: no '{OUTPUT_NAME}' output (outputs: {outputs})")
         self._inputs = names
         self._what = what
+        self._feature_names = tuple(feature_names)
 
     def _feeds(self, prompt: str, first: Sequence[str], second: Sequence[str]) -> dict[str, np.ndarray]:
         n = len(first)
@@ -89,7 +114,7 @@ class OnnxPairScorer:
         # and a quantised graph's activation scales then see real tokens only.
         used = int(max(seg_first["attention_mask"].sum(1).max(), seg_second["attention_mask"].sum(1).max()))
         feeds = {k: v[:, :used] for k, v in feeds.items()}
-        feeds["length_features"] = np.stack([length_features(a, b) for a, b in zip(first, second)])
+        feeds["length_features"] = pair_features_many([prompt] * n, list(first), list(second), self._feature_names)
         return {k: v for k, v in feeds.items() if k in self._inputs}
 
     def _check_readable(self, seg: dict[str, np.ndarray]) -> None:

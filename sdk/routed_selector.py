@@ -19,7 +19,7 @@ Manifest: ``"selector_kind": "routed_onnx_pair"`` and ``"selector"`` = ``{"name"
 "expert": null, "experts": [k, ...] (router indices shipped, ascending), "n_experts": M, "top_k": k or null,
 "files": {precision: ["expert_<k>.onnx", ...]}, "prompt_embedder": {"files": {precision: file},
 "tokenizer", "dim", "max_tokens", "truncation_side"}, "prompt_router": {"file", "hidden"}, "pair_encoding",
-"n_length_features", "pooling", "lora"}``, plus ``tokenizer.json`` (the experts' backbone tokenizer).
+"pair_features", "n_length_features", "pooling", "lora"}``, plus ``tokenizer.json`` (the experts' backbone tokenizer).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from sdk import kinds
 from sdk.arrays import is_npz
 from sdk.embedder import OnnxEmbedder
 from sdk.errors import BundleError
-from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncodingConfig
-from sdk.pair_scorer import FAMILY, SELECTOR_FILES, OnnxPairScorer
+from sdk.pair_encoding import PairEncodingConfig
+from sdk.pair_scorer import FAMILY, SELECTOR_FILES, OnnxPairScorer, manifest_feature_names
 
 KIND = "routed_onnx_pair"
 ROUTER_FILE = "prompt_router.npz"
@@ -148,8 +148,7 @@ class RoutedOnnxPairSelectorKind(kinds.ArtefactKind):
         need(isinstance(emb.get("dim"), int) and emb["dim"] >= 1, "selector.prompt_embedder.dim must be an int >= 1")
         need(isinstance(emb.get("max_tokens"), int) and emb["max_tokens"] >= 8, "selector.prompt_embedder.max_tokens must be an int >= 8")
         need(emb.get("truncation_side") in ("left", "right"), "selector.prompt_embedder.truncation_side must be left or right")
-        need(sel.get("n_length_features") == N_LENGTH_FEATURES,
-             f"selector.n_length_features must be {N_LENGTH_FEATURES}, got {sel.get('n_length_features')!r}")
+        manifest_feature_names(sel)
         try:
             PairEncodingConfig(**sel.get("pair_encoding"))
         except Exception as exc:  # noqa: BLE001 - TypeError / InvalidInputError: one clear message
@@ -169,8 +168,9 @@ class RoutedOnnxPairSelectorKind(kinds.ArtefactKind):
                                 emb["truncation_side"], context.options, batched=precision == "fp32")
         router = load_router_arrays(context.files[ROUTER_FILE], emb["dim"], sel["n_experts"])
         encoding = PairEncodingConfig(**sel["pair_encoding"])
+        names = manifest_feature_names(sel)
         experts = {k: OnnxPairScorer(tokenizer_json, context.files[name], encoding, context.options,
-                                     f"expert {k} ({precision})")
+                                     f"expert {k} ({precision})", names)
                    for k, name in zip(sel["experts"], sel["files"][precision])}
         return RoutedPairScorer(embedder, router, experts)
 

@@ -18,7 +18,9 @@ token_type_ids_a      (batch, seq_len)        int64   (optional: absent for caus
 input_ids_b           (batch, seq_len)        int64   segment of (x, y_b)
 attention_mask_b      (batch, seq_len)        int64
 token_type_ids_b      (batch, seq_len)        int64   (optional)
-length_features       (batch, 3)              float32 :func:`sdk.pair_encoding.length_features` (a, b)
+length_features       (batch, F)              float32 :func:`sdk.pair_features.pair_features` (x, a, b) of the
+                                                      F names in ``selector.pair_features`` (the 3 length features
+                                                      :func:`sdk.pair_encoding.length_features` by default)
 **logit** (output)    (batch,)                float32 logit of P(y_a better than y_b)
 ===================== ======================= ======= =====================================================
 
@@ -42,7 +44,8 @@ selector are both ``onnx_pair``; the method is recorded in ``selector.method``.
 Manifest fields of a selector bundle (besides ``format_version``, ``created_utc``, ``bundle_version``,
 ``files``, ``signature``): ``"selector_kind": "onnx_pair"`` and ``"selector"`` =
 ``{"name", "backbone", "method", "expert", "files": {precision: file}, "pair_encoding": {...},
-"n_length_features": 3, "pooling", "lora"}``, plus ``tokenizer.json`` (the backbone's) among the files.
+"pair_features": [F names], "n_length_features": F, "pooling", "lora"}`` (a bundle without ``pair_features``
+reads the 3 length features), plus ``tokenizer.json`` (the backbone's) among the files.
 """
 
 from __future__ import annotations
@@ -58,9 +61,10 @@ from sdk import bundle_manifest as fmt
 from sdk import kinds
 from sdk.embedder import session_options
 from sdk.errors import BundleError, InvalidInputError
-from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncodingConfig
+from sdk.pair_encoding import PairEncodingConfig
 from sdk.pair_scorer import (  # noqa: F401 - the graph contract's names, public here as before
     FAMILY, KIND, MANIFEST_KEY, OPTIONAL_INPUTS, OUTPUT_NAME, REQUIRED_INPUTS, SELECTOR_FILES, OnnxPairScorer, check_text,
+    manifest_feature_names,
 )
 from sdk.routed_selector import KIND as ROUTED_KIND
 from sdk.routed_selector import RoutedOnnxPairSelectorKind
@@ -105,8 +109,7 @@ class OnnxPairSelectorKind(kinds.ArtefactKind):
                  f"selector.files precision {precision!r} is not one of {sorted(SELECTOR_FILES)}")
             need(fmt.is_plain_file_name(name) and name in files,
                  f"selector file {name!r:.80} ({precision}) is not a file name listed in files")
-        need(sel.get("n_length_features") == N_LENGTH_FEATURES,
-             f"selector.n_length_features must be {N_LENGTH_FEATURES}, got {sel.get('n_length_features')!r}")
+        manifest_feature_names(sel)
         enc = sel.get("pair_encoding")
         need(isinstance(enc, dict), "selector.pair_encoding must be an object")
         try:
@@ -123,7 +126,7 @@ class OnnxPairSelectorKind(kinds.ArtefactKind):
             raise BundleError(f"tokenizer.json is not UTF-8 ({exc})") from exc
         return OnnxPairScorer(tokenizer_json, context.files[sel["files"][context.precision]],
                               PairEncodingConfig(**sel["pair_encoding"]), context.options,
-                              f"selector ({context.precision})")
+                              f"selector ({context.precision})", manifest_feature_names(sel))
 
 
 kinds.register_family(FAMILY, SelectorScorer, needs_embedder=False, loader="sdk.Selector.load")

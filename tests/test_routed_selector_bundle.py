@@ -2,7 +2,8 @@
 bundle, export.routed_selector_export) and sdk.Selector routing then scoring as the trainer does.
 
 The run is a real, small FedPrism run (trainer.experts.fedprism.FedPrismTrainer): M = 2 experts (frozen
-all-MiniLM-L6-v2 + LoRA in the top layer + pair head), K-means-initialised prompt router updated by PGPD,
+all-MiniLM-L6-v2 + LoRA in the top layer + pair head reading the presets' pair features,
+sdk.pair_features.DEFAULT_FEATURES, which the device computes), K-means-initialised prompt router updated by PGPD,
 4 rounds over 4 clients holding real AlpacaEval and HH-RLHF harmless pairs, saved as `prism train` saves it.
 The device's probabilities are compared with FedPrismTrainer.predict_proba on held-out pairs (the trainer's
 own routing on its prompt embeddings and its cached-lower-layer scoring), and its routes with the trainer's.
@@ -21,6 +22,7 @@ pytest.importorskip("peft")
 
 from export.errors import ExportError  # noqa: E402
 from sdk.errors import BundleError, InvalidInputError  # noqa: E402
+from sdk.pair_features import DEFAULT_FEATURES  # noqa: E402
 from sdk.selector import Selector  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -54,7 +56,7 @@ def run(frames, tmp_path_factory):
 
     train, ev, public = frames
     allp = pd.concat([train, ev], ignore_index=True)
-    model = PairSelector(SelectorConfig(), seed=0)
+    model = PairSelector(SelectorConfig(pair_features=DEFAULT_FEATURES), seed=0)  # the presets' head features
     store = build_segment_store(model, list(allp.prompt), list(allp.response_a), list(allp.response_b), list(allp.label))
     emb = embed_texts(list(allp.prompt) + list(public.prompt), EmbedderConfig(), show_progress=False)
     n = len(allp)
@@ -114,6 +116,7 @@ def test_manifest_lists_router_embedder_and_every_expert(bundle):
     assert m["selector_kind"] == "routed_onnx_pair"
     assert s["experts"] == [0, 1] and s["n_experts"] == 2 and s["top_k"] is None and s["expert"] is None
     assert s["files"] == {"fp32": ["expert_0.onnx", "expert_1.onnx"]}
+    assert s["pair_features"] == list(DEFAULT_FEATURES) and s["n_length_features"] == len(DEFAULT_FEATURES) > 3
     assert s["prompt_embedder"]["dim"] == 384 and s["prompt_embedder"]["max_tokens"] == 256
     assert set(m["files"]) == {"tokenizer.json", "prompt_embedder_tokenizer.json", "prompt_embedder.onnx",
                                "prompt_router.npz", "expert_0.onnx", "expert_1.onnx", "parity.json"}
