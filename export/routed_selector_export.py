@@ -47,6 +47,7 @@ from export.selector_export import (
 )
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
+from sdk.errors import InvalidInputError
 from sdk.routed_selector import EMBEDDER_FILES, EMBEDDER_TOKENIZER_FILE, KIND, ROUTER_FILE, expert_file
 from sdk.selector import FAMILY, MANIFEST_KEY, Selector
 from trainer.preference_metrics import pairwise_accuracy
@@ -134,20 +135,29 @@ def check_routed_parity(bundle_dir: Path, public_key, reference: tuple[np.ndarra
 
     Returns
     -------
-    dict with ``n_pairs``, ``torch_accuracy`` (the trainer's pipeline), ``torch_route_share`` and per precision
+    dict with ``n_pairs`` (scored), ``n_refused_by_sdk`` (pairs with a text the SDK refuses as input: no token its
+    tokenizer can read; left out), ``torch_accuracy`` (the trainer's pipeline), ``torch_route_share`` and per precision
     ``route_agreement``, ``max_abs_logit_diff``, ``max_abs_proba_diff``, ``decision_agreement``, ``accuracy``;
     ``failures`` and ``passed``.
     """
-    route_t, ab, ba = reference
-    label = pairs["label"].to_numpy()
+    prompts, ra, rb = (pairs[c].tolist() for c in ("prompt", "response_a", "response_b"))
+    sels = {p: Selector.load(bundle_dir, public_key, precision=p) for p in precisions}
+    keep = np.ones(len(pairs), dtype=bool)  # pairs the SDK refuses as input (a text with no readable token) are left out
+    for i, (x, a, b) in enumerate(zip(prompts, ra, rb)):
+        try:
+            sels[precisions[0]].logits(x, a, b)
+        except InvalidInputError:
+            keep[i] = False
+    route_t, ab, ba = (v[keep] for v in reference)
+    label = pairs["label"].to_numpy()[keep]
+    prompts, ra, rb = ([t for t, k in zip(seq, keep) if k] for seq in (prompts, ra, rb))
     p_torch = 0.5 * (1.0 + np.tanh(0.25 * (ab - ba)))
     shares = np.bincount(route_t, minlength=int(route_t.max()) + 1) / len(route_t)
-    report: dict = {"n_pairs": len(pairs), "torch_accuracy": pairwise_accuracy(p_torch, label),
-                    "torch_route_share": shares.tolist(), "failures": []}
-    prompts, ra, rb = (pairs[c].tolist() for c in ("prompt", "response_a", "response_b"))
+    report: dict = {"n_pairs": int(keep.sum()), "n_refused_by_sdk": int((~keep).sum()),
+                    "torch_accuracy": pairwise_accuracy(p_torch, label), "torch_route_share": shares.tolist(), "failures": []}
     for precision in precisions:
-        progress(f"parity: routed {precision} selector on {len(pairs)} real pairs (embed, route, both orders)")
-        sel = Selector.load(bundle_dir, public_key, precision=precision)
+        progress(f"parity: routed {precision} selector on {len(prompts)} real pairs (embed, route, both orders)")
+        sel = sels[precision]
         route = np.array([sel.route(x) for x in prompts])
         logits = np.array([sel.logits(x, a, b) for x, a, b in zip(prompts, ra, rb)], dtype=np.float64)
         p = 0.5 * (1.0 + np.tanh(0.25 * (logits[:, 0] - logits[:, 1])))

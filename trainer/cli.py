@@ -234,9 +234,9 @@ def _check_export_options(out: Path, signing_key: Path, router: Optional[Path], 
             raise typer.BadParameter("--cache-dir is for router bundles and routed FedPrism runs (a single selector export "
                                      "embeds nothing)")
         if not selector.is_dir():
-            raise typer.BadParameter(f"--selector {selector} is not a folder; give a FedPrism run folder "
-                                     "(RUN/fedprism_seed0: router + experts) or one trained expert folder, e.g. "
-                                     "RUN/fedprism_seed0/expert_2")
+            raise typer.BadParameter(f"--selector {selector} is not a folder; give a trained expert folder, e.g. "
+                                     "RUN/fedprism_seed0/expert_2, or a FedPrism run folder (RUN/fedprism_seed0: "
+                                     "prompt router + every expert)")
         if routed and prior_domain is not None:
             raise typer.BadParameter("--prior-domain is for one expert of a length_prior='domain' run, not a routed run")
         if top_k is not None and not routed:
