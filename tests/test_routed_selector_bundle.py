@@ -67,7 +67,7 @@ def run(frames, tmp_path_factory):
     eval_pairs = np.arange(2 * N_TRAIN, n)
     data = FederatedPairs(store, emb[:n], allp.domain.to_numpy().astype(str), clients, emb[n:], eval_pairs)
     cfg = FedPrismConfig(n_experts=2, rounds=4, warmup_rounds=1, router_every=1, clients_per_round=4, local_pairs=24,
-                         batch_size=12, expert_lr=1e-2, router_epochs=3, eval_every=4, seed=0)
+                         batch_size=12, expert_lr=1e-2, router_epochs=3, eval_every=4, seed=0, selector=model.config)
     trainer = FedPrismTrainer(model, data, cfg).train()
     folder = tmp_path_factory.mktemp("run") / "fedprism_seed0"
     trainer.save(folder)
