@@ -38,10 +38,9 @@ from export.scratch_folder import scratch_folder
 from export.torch_onnx import merged_lora_copy, module_to_onnx
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
-from sdk.pair_encoding import N_LENGTH_FEATURES
 from sdk.selector import FAMILY, KIND, MANIFEST_KEY, OUTPUT_NAME, SELECTOR_FILES
 from export.embedder_onnx import sensitive_matmuls
-from sdk.pair_encoding import length_features_many
+from sdk.pair_features import pair_features_many
 from sdk.selector import Selector
 from trainer.preference_metrics import pairwise_accuracy
 
@@ -136,7 +135,7 @@ def selector_to_onnx(selector) -> bytes:
     seq_len = selector.config.encoding.seq_len
     enc = selector.pair_encoder.encode_segments(["a prompt", "another prompt"], ["an answer", "a second answer"])
     ids, mask, types = (torch.from_numpy(enc[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))
-    feats = torch.zeros(2, N_LENGTH_FEATURES)
+    feats = torch.zeros(2, len(selector.config.pair_features))
     names = ["input_ids_a", "attention_mask_a", "input_ids_b", "attention_mask_b", "length_features"]
     args: tuple = (ids, mask, ids.flip(0), mask.flip(0), feats)
     if token_types:
@@ -177,7 +176,8 @@ def torch_logits(selector, prompts, responses_a, responses_b) -> tuple[np.ndarra
 
     enc_a = selector.pair_encoder.encode_segments(list(prompts), list(responses_a))
     enc_b = selector.pair_encoder.encode_segments(list(prompts), list(responses_b))
-    feats = torch.from_numpy(length_features_many(list(responses_a), list(responses_b)))
+    feats = torch.from_numpy(pair_features_many(list(prompts), list(responses_a), list(responses_b),
+                                                selector.config.pair_features))
     t = lambda enc, k: torch.from_numpy(enc[k])  # noqa: E731
     with torch.no_grad():
         h_a = selector.full_pooled(t(enc_a, "input_ids"), t(enc_a, "attention_mask"), t(enc_a, "token_type_ids"))
@@ -260,7 +260,8 @@ def selector_fields(selector, name: str, method: str, expert: int | None, files:
         MANIFEST_KEY: KIND,
         "selector": {
             "name": name, "backbone": c.backbone, "method": method, "expert": expert, "files": files,
-            "pair_encoding": c.encoding.to_dict(), "n_length_features": N_LENGTH_FEATURES,
+            "pair_encoding": c.encoding.to_dict(), "pair_features": list(c.pair_features),
+            "n_length_features": len(c.pair_features),
             "pooling": c.pooling,
             "lora": {"r": c.lora_r, "alpha": c.lora_alpha,
                      "layers": None if c.lora_layers is None else list(c.lora_layers), "merged": True},
@@ -294,9 +295,36 @@ def _fold_length_prior(selector, expert_dir: Path, prior_domain: str | None) -> 
         selector.length_skip.weight.add_(torch.from_numpy(w)[None, :])
 
 
+def check_beats_length_only(selector, validation_pairs, train_pairs) -> dict:
+    """The single-selector gate: the selector's accuracy on validation pairs against the label-free
+    length-only baseline (one logistic regression on the length features, fitted on ``train_pairs``; the
+    selector reads no domain label either). The per-domain baseline is reported beside it.
+
+    Returns
+    -------
+    dict with ``n_pairs``, ``selector_accuracy``, ``length_only_global``, ``length_only_per_domain``, ``per_domain``
+    ({domain: the three accuracies on its pairs}) and ``passed``.
+    """
+    from trainer.length_baseline import LengthBaseline  # trainer.length_baseline imports pandas: on use only
+
+    ab, ba = torch_logits(selector, validation_pairs["prompt"].tolist(), validation_pairs["response_a"].tolist(),
+                          validation_pairs["response_b"].tolist())
+    label, dom = validation_pairs["label"].to_numpy(), validation_pairs["domain"].to_numpy()
+    proba = {"selector": 0.5 * (1.0 + np.tanh(0.25 * (ab - ba)))}
+    for name, per in (("length_only_global", False), ("length_only_per_domain", True)):
+        proba[name] = LengthBaseline(per_domain=per).fit(train_pairs).predict_proba(validation_pairs)
+    acc = {name: pairwise_accuracy(p, label) for name, p in proba.items()}
+    return {"n_pairs": len(validation_pairs), "selector_accuracy": acc["selector"],
+            "length_only_global": acc["length_only_global"], "length_only_per_domain": acc["length_only_per_domain"],
+            "per_domain": {d: {name: pairwise_accuracy(p[dom == d], label[dom == d]) for name, p in proba.items()}
+                           for d in sorted(set(dom))},
+            "passed": bool(acc["selector"] >= acc["length_only_global"])}
+
+
 def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parity_pairs, *, int8: bool = False,
                            name: str | None = None, method: str | None = None, expert: int | None = None,
                            bundle_version: int | None = None, prior_domain: str | None = None,
+                           validation: tuple | None = None,
                            progress: Callable[[str], None] = print) -> SelectorExportResult:
     """Export the expert saved at ``expert_dir`` as a signed selector bundle at ``out``.
 
@@ -317,6 +345,10 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
         path (``v + w_d``: exact for pairs of that domain, since the prior is the linear offset
         ``w_d . f``), e.g. ``'alpacaeval'``; the bundle then serves that domain. Refused for an expert of
         another run (it has no domain prior).
+    validation : (validation pairs, train pairs) of the run (DataFrames of ``trainer.data.preferences``), or None:
+        the export refuses a selector whose accuracy on the validation pairs is below the label-free
+        length-only baseline fitted on the train pairs (:func:`check_beats_length_only`; the figures go to
+        ``parity.json["validation"]``). None skips the gate (``parity.json["validation"]`` is null).
 
     Raises
     ------
@@ -324,7 +356,8 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
         Unreadable expert, config or key; no parity pairs or pairs without a column of
         :data:`PARITY_COLUMNS`; ``out`` not replaceable (e.g. a router bundle); an expert of a
         ``length_prior='domain'`` run without ``prior_domain`` (it is a residual, not a selector on its
-        own), a domain the prior lacks, or a ``prior_domain`` for an expert of another run.
+        own), a domain the prior lacks, or a ``prior_domain`` for an expert of another run; a selector below
+        length-only on the validation pairs.
     ParityError
         A parity threshold is missed; nothing is written at ``out``.
     """
@@ -350,6 +383,15 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
     expert = found_expert if expert is None else expert
     if name is None:
         name = method if expert is None else f"{method}-expert-{expert}"
+    gate = None
+    if validation is not None:
+        progress(f"validation gate: {name} against label-free length-only on {len(validation[0])} validation pairs")
+        gate = check_beats_length_only(selector, *validation)
+        if not gate["passed"]:
+            raise ExportError(f"{name} ranks {gate['selector_accuracy']:.3f} of {gate['n_pairs']} validation pairs right, below "
+                              f"the label-free length-only baseline ({gate['length_only_global']:.3f}; per domain "
+                              f"{gate['length_only_per_domain']:.3f}): it would rank worse than response length; export "
+                              "the routed run (--selector RUN/fedprism_seed0) or another expert")
     progress(f"exporting selector {name} ({selector.config.backbone}, LoRA merged) to ONNX (opset {OPSET})")
     kind = export_kinds.get(KIND, family=FAMILY)
     files = kind.files(selector)
@@ -368,9 +410,58 @@ def export_selector_bundle(expert_dir: Path, out: Path, signing_key: Path, parit
         write_bundle(staged, files, fields, key)
         report = kind.parity(staged, key.public_key(), selector, None, parity_pairs, list(precisions),
                              progress=progress)
+        report["validation"] = gate
         manifest = write_checked_bundle(out, files, fields, key, report, "selector parity check")
     progress(f"wrote selector bundle v{manifest['bundle_version']} to {out}")
     return SelectorExportResult(out, manifest, report)
+
+
+def run_pairs(run_dir: Path, data_dir: Path, part: str, n_pairs: int | None = 200, seed: int = 0):
+    """Real pairs of the prompts of one part (``train``, ``val``, ``public``, ``test``) of the run at ``run_dir``
+    (its ``splits.json``); ``n_pairs`` drawn evenly over the domains (seeded), or all of them with None.
+
+    Raises
+    ------
+    ExportError
+        The data folder or ``splits.json`` cannot be read, or no pair is left.
+    """
+    import pandas as pd  # pandas: optional heavy dependency, imported on use
+
+    from trainer.data.preferences import load_preference_pairs  # trainer.data.preferences imports pandas: on use only
+
+    splits = Path(run_dir) / "splits.json"
+    try:
+        ids = set(json.loads(splits.read_text())[part])
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON errors are ValueErrors; a wrong layout KeyError/TypeError
+        raise ExportError(f"{splits}: not the splits.json of `fedroute prism train` (no readable {part!r} list: "
+                          f"{type(exc).__name__}: {exc})") from exc
+    try:
+        pairs = load_preference_pairs(data_dir, seed=0)
+    except Exception as exc:  # noqa: BLE001 - DataUnavailableError / DataFormatError: one clear message
+        raise ExportError(f"cannot read preference pairs from {data_dir}: {exc}") from exc
+    pairs = pairs[pairs["prompt_id"].isin(ids)]
+    if pairs.empty:
+        raise ExportError(f"no preference pair of {data_dir} is a {part} prompt of {splits}: was the run trained on other data?")
+    if n_pairs is None:
+        return pairs.reset_index(drop=True)
+    per = max(1, n_pairs // max(1, pairs["domain"].nunique()))
+    parts = [g.sample(min(per, len(g)), random_state=seed) for _, g in pairs.groupby("domain", sort=True)]
+    return pd.concat(parts, ignore_index=True)
+
+
+def validation_for(run_dir: Path, data_dir: Path, n_pairs: int = 600, seed: int = 0) -> tuple | None:
+    """(validation pairs, train pairs) of the run at ``run_dir`` for :func:`check_beats_length_only`: the pairs of its
+    validation prompts, or of its public prompts (held by no client, their labels never trained on) when the
+    run has no validation prompts (the quick preset); None when the folder has no ``splits.json``."""
+    splits = Path(run_dir) / "splits.json"
+    if not splits.exists():
+        return None
+    try:
+        has_val = bool(json.loads(splits.read_text()).get("val"))
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ExportError(f"{splits}: not the splits.json of `fedroute prism train` ({type(exc).__name__}: {exc})") from exc
+    return (run_pairs(run_dir, data_dir, "val" if has_val else "public", n_pairs, seed),
+            run_pairs(run_dir, data_dir, "train", None))
 
 
 def parity_pairs_for(expert_dir: Path, data_dir: Path, n_pairs: int = 200, seed: int = 0):

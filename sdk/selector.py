@@ -18,7 +18,9 @@ token_type_ids_a      (batch, seq_len)        int64   (optional: absent for caus
 input_ids_b           (batch, seq_len)        int64   segment of (x, y_b)
 attention_mask_b      (batch, seq_len)        int64
 token_type_ids_b      (batch, seq_len)        int64   (optional)
-length_features       (batch, 3)              float32 :func:`sdk.pair_encoding.length_features` (a, b)
+length_features       (batch, F)              float32 :func:`sdk.pair_features.pair_features` (x, a, b) of the
+                                                      F names in ``selector.pair_features`` (the 3 length features
+                                                      :func:`sdk.pair_encoding.length_features` by default)
 **logit** (output)    (batch,)                float32 logit of P(y_a better than y_b)
 ===================== ======================= ======= =====================================================
 
@@ -33,15 +35,17 @@ sequence axis is dynamic), which also keeps padding out of the int8 activation s
 
 Plugin (ARCHITECTURE.md §9, ``docs/plugins.md``): this module declares the artefact family ``selector``
 (runtime interface :class:`SelectorScorer`, ``needs_embedder=False``: a selector bundle carries its own
-backbone and no query embedder or model table) and registers its one kind, ``onnx_pair``
-(:class:`OnnxPairSelectorKind`). The kind names the *format* (an ONNX pair classifier over the
+backbone and no query embedder or model table) and registers its kind ``onnx_pair``
+(:class:`OnnxPairSelectorKind`, one selector); :mod:`sdk.routed_selector` registers ``routed_onnx_pair``
+(FedPrism on the device: prompt embedder + prompt router + the experts, each an ``onnx_pair`` graph). The kind names the *format* (an ONNX pair classifier over the
 :mod:`sdk.pair_encoding` segments), not the training method: a FedPrism expert and FedBis's global
 selector are both ``onnx_pair``; the method is recorded in ``selector.method``.
 
 Manifest fields of a selector bundle (besides ``format_version``, ``created_utc``, ``bundle_version``,
 ``files``, ``signature``): ``"selector_kind": "onnx_pair"`` and ``"selector"`` =
 ``{"name", "backbone", "method", "expert", "files": {precision: file}, "pair_encoding": {...},
-"n_length_features": 3, "pooling", "lora"}``, plus ``tokenizer.json`` (the backbone's) among the files.
+"pair_features": [F names], "n_length_features": F, "pooling", "lora"}`` (a bundle without ``pair_features``
+reads the 3 length features), plus ``tokenizer.json`` (the backbone's) among the files.
 """
 
 from __future__ import annotations
@@ -55,18 +59,15 @@ import numpy as np
 
 from sdk import bundle_manifest as fmt
 from sdk import kinds
-from sdk.embedder import FLOAT, INT64, MAX_QUERY_CHARS, check_graph_inputs, inference_session, load_tokenizer, run_session, session_options
+from sdk.embedder import session_options
 from sdk.errors import BundleError, InvalidInputError
-from sdk.pair_encoding import N_LENGTH_FEATURES, PairEncoder, PairEncodingConfig, length_features
-
-FAMILY = "selector"
-KIND = "onnx_pair"
-MANIFEST_KEY = f"{FAMILY}_kind"
-SELECTOR_FILES = {"fp32": "selector.onnx", "int8": "selector.int8.onnx"}
-REQUIRED_INPUTS = ("input_ids_a", "attention_mask_a", "input_ids_b", "attention_mask_b", "length_features")
-#: Fed only when the graph declares them (a causal-LM backbone has no token types; the exporter drops them).
-OPTIONAL_INPUTS = ("token_type_ids_a", "token_type_ids_b")
-OUTPUT_NAME = "logit"
+from sdk.pair_encoding import PairEncodingConfig
+from sdk.pair_scorer import (  # noqa: F401 - the graph contract's names, public here as before
+    FAMILY, KIND, MANIFEST_KEY, OPTIONAL_INPUTS, OUTPUT_NAME, REQUIRED_INPUTS, SELECTOR_FILES, OnnxPairScorer, check_text,
+    manifest_feature_names,
+)
+from sdk.routed_selector import KIND as ROUTED_KIND
+from sdk.routed_selector import RoutedOnnxPairSelectorKind
 
 
 @runtime_checkable
@@ -76,108 +77,6 @@ class SelectorScorer(Protocol):
     kind cannot read (no token) raises :class:`~sdk.errors.InvalidInputError` naming ``x``, ``y_a`` or ``y_b``."""
 
     def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]: ...
-
-
-def check_text(value: object, name: str) -> str:
-    """Return ``value`` if it is a non-blank ``str`` that encodes as UTF-8.
-
-    Raises
-    ------
-    InvalidInputError
-        Not a ``str``, empty / whitespace only, or holding lone surrogates.
-    """
-    if not isinstance(value, str):
-        raise InvalidInputError(f"{name} must be a str, got {type(value).__name__}")
-    if not value.strip():
-        raise InvalidInputError(f"{name} is empty or whitespace only")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidInputError(f"{name} is not valid Unicode ({exc.reason} at position {exc.start})") from exc
-    return value
-
-
-class OnnxPairScorer:
-    """The ``selector/onnx_pair`` runtime: tokenizer + pair encoding + one onnxruntime session.
-
-    Parameters
-    ----------
-    tokenizer_json : str, the backbone's ``tokenizer.json``.
-    model : bytes, the ONNX graph (module docstring).
-    encoding : PairEncodingConfig
-    options : onnxruntime ``SessionOptions``.
-    what : str, names the graph in error messages.
-
-    Raises
-    ------
-    BundleError
-        The tokenizer or graph does not load, a special token of ``encoding`` is not in the vocabulary,
-        or the graph's inputs (names, element types)/outputs are not the contract.
-    """
-
-    def __init__(self, tokenizer_json: str, model: bytes, encoding: PairEncodingConfig, options, what: str) -> None:
-        tokenizer = load_tokenizer(tokenizer_json)
-        try:
-            self._encoder = PairEncoder(tokenizer, encoding)
-        except InvalidInputError as exc:  # a special token missing from the vocabulary
-            raise BundleError(f"selector.pair_encoding does not fit tokenizer.json ({exc})") from exc
-        self._session = inference_session(model, options, what)
-        names = check_graph_inputs(
-            self._session, {n: FLOAT if n == "length_features" else INT64 for n in REQUIRED_INPUTS},
-            dict.fromkeys(OPTIONAL_INPUTS, INT64), what)
-        outputs = [o.name for o in self._session.get_outputs()]
-        if OUTPUT_NAME not in outputs:
-            raise BundleError(f"{what}: no '{OUTPUT_NAME}' output (outputs: {outputs})")
-        self._inputs = names
-        self._what = what
-
-    def _feeds(self, prompt: str, first: Sequence[str], second: Sequence[str]) -> dict[str, np.ndarray]:
-        n = len(first)
-        seg_first = self._encoder.encode_segments([prompt] * n, list(first))
-        seg_second = self._encoder.encode_segments([prompt] * n, list(second))
-        self._check_readable(seg_first)
-        feeds = {f"{k}_a": v for k, v in seg_first.items()}
-        feeds.update({f"{k}_b": v for k, v in seg_second.items()})
-        # Cut the padding columns that no segment uses: exact (attention and pooling are masked), faster,
-        # and a quantised graph's activation scales then see real tokens only.
-        used = int(max(seg_first["attention_mask"].sum(1).max(), seg_second["attention_mask"].sum(1).max()))
-        feeds = {k: v[:, :used] for k, v in feeds.items()}
-        feeds["length_features"] = np.stack([length_features(a, b) for a, b in zip(first, second)])
-        return {k: v for k, v in feeds.items() if k in self._inputs}
-
-    def _check_readable(self, seg: dict[str, np.ndarray]) -> None:
-        """Refuse a pair whose prompt or a response gave no token (rows of ``seg``: (x, y_a), (x, y_b)).
-
-        A text of control or zero-width characters only (``"\\x00"``, ``"\\u200b"``) passes
-        :func:`check_text` but the tokenizer drops every character: the graph would then score an
-        empty prompt or response, which :func:`check_text` refuses when it is written ``""``.
-        """
-        mask, types = seg["attention_mask"].sum(1), seg["token_type_ids"].sum(1)
-        response_tokens = types - 1  # the response part ends with one separator
-        prompt_tokens = mask - types - 1 - (self._encoder.config.prefix_token is not None)
-        unreadable = [name for name, n in (("x", prompt_tokens[0]), ("y_a", response_tokens[0]),
-                                           ("y_b", response_tokens[1])) if n <= 0]
-        if unreadable:
-            raise InvalidInputError(
-                f"{unreadable[0]} has no token the selector's tokenizer can read (only control or zero-width "
-                f"characters in the {MAX_QUERY_CHARS:,} characters read?); there is nothing to compare")
-
-    def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]:
-        """(l(a, b), l(b, a)) in one call of batch 2 (module docstring: each pair runs alone).
-
-        Raises
-        ------
-        InvalidInputError
-            ``x``, ``y_a`` or ``y_b`` has no token the tokenizer can read (e.g. only control or
-            zero-width characters), named in the message.
-        BundleError
-            onnxruntime fails to run the graph, or it returns other than two finite logits.
-        """
-        out = run_session(self._session, [OUTPUT_NAME], self._feeds(x, [y_a, y_b], [y_b, y_a]), self._what)[0]
-        out = np.asarray(out, dtype=np.float64).reshape(-1)
-        if out.shape != (2,) or not np.isfinite(out).all():
-            raise BundleError(f"selector returned {out!r}, expected two finite logits")
-        return float(out[0]), float(out[1])
 
 
 class OnnxPairSelectorKind(kinds.ArtefactKind):
@@ -210,8 +109,7 @@ class OnnxPairSelectorKind(kinds.ArtefactKind):
                  f"selector.files precision {precision!r} is not one of {sorted(SELECTOR_FILES)}")
             need(fmt.is_plain_file_name(name) and name in files,
                  f"selector file {name!r:.80} ({precision}) is not a file name listed in files")
-        need(sel.get("n_length_features") == N_LENGTH_FEATURES,
-             f"selector.n_length_features must be {N_LENGTH_FEATURES}, got {sel.get('n_length_features')!r}")
+        manifest_feature_names(sel)
         enc = sel.get("pair_encoding")
         need(isinstance(enc, dict), "selector.pair_encoding must be an object")
         try:
@@ -228,12 +126,14 @@ class OnnxPairSelectorKind(kinds.ArtefactKind):
             raise BundleError(f"tokenizer.json is not UTF-8 ({exc})") from exc
         return OnnxPairScorer(tokenizer_json, context.files[sel["files"][context.precision]],
                               PairEncodingConfig(**sel["pair_encoding"]), context.options,
-                              f"selector ({context.precision})")
+                              f"selector ({context.precision})", manifest_feature_names(sel))
 
 
 kinds.register_family(FAMILY, SelectorScorer, needs_embedder=False, loader="sdk.Selector.load")
 if KIND not in kinds.names(FAMILY):
     kinds.register(OnnxPairSelectorKind())
+if ROUTED_KIND not in kinds.names(FAMILY):
+    kinds.register(RoutedOnnxPairSelectorKind())
 
 
 class Selector:
@@ -323,6 +223,19 @@ class Selector:
         """
         return self._scorer.logits(check_text(x, "x"), check_text(y_a, "y_a"), check_text(y_b, "y_b"))
 
+    def route(self, x: str) -> int | None:
+        """Router index of the expert that scores prompt ``x``: the prompt router's choice for a routed
+        bundle (``routed_onnx_pair``, :mod:`sdk.routed_selector`), the manifest's ``selector.expert`` (None for a
+        selector that is not one expert of a run) for a single selector.
+
+        Raises
+        ------
+        InvalidInputError
+            ``x`` is not a non-blank str, or has no token the prompt embedder can read.
+        """
+        x = check_text(x, "x")
+        return self._scorer.route(x) if hasattr(self._scorer, "route") else self._manifest["selector"]["expert"]
+
     def prefer(self, x: str, y_a: str, y_b: str) -> float:
         """Probability that ``y_a`` is a better response to ``x`` than ``y_b``, in [0, 1].
 
@@ -373,3 +286,4 @@ class Selector:
 
 def _sigmoid(z: float) -> float:
     return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+

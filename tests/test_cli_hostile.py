@@ -876,7 +876,8 @@ def test_mor_train_refuses_a_negative_seed_while_parsing(tmp_path):
     (["--router", "R", "--prior-domain", "alpacaeval"],
      "--prior-domain is for --selector bundles; a router export checks parity on --data"),
     (["--router", "R", "--parity-pairs", "50"], "--parity-pairs is for --selector bundles"),
-    (["--selector", "R", "--cache-dir", "C"], "--cache-dir is for router bundles (a selector export embeds nothing)"),
+    (["--selector", "R", "--cache-dir", "C"], "--cache-dir is for router bundles and routed FedPrism runs (a single "
+                                              "selector export embeds nothing)"),
 ])
 def test_export_refuses_the_options_of_the_other_bundle_kind(tmp_path, args, message):
     """--prior-domain and --parity-pairs with --router, and --cache-dir with --selector, were ignored without a

@@ -25,7 +25,7 @@ from trainer.rewards.client_router import (
 )
 from trainer.rewards.mixture import RoutedReward, load_mixture, save_mixture, softmax
 from trainer.rewards.pair_features import PairEncoder
-from trainer.rewards.privacy import communication_per_round, membership_attack
+from trainer.rewards.privacy import auc_standard_error, communication_per_round, membership_attack
 from trainer.rewards.reward_models import (
     LoRARewardModel,
     MLPRewardModel,
@@ -514,6 +514,18 @@ def test_attack_auc_is_half_on_random_scores_and_one_on_a_leaking_oracle():
     leak = membership_attack(rng.normal(5.0, 0.5, size=500), rng.normal(0.0, 0.5, size=800))
     assert leak.auc > 0.999 and leak.tpr_at_fpr[0.01] > 0.95
     assert leak.n_members == leak.n_non_members == 500  # 1 : 1
+    assert leak.auc_se == pytest.approx(auc_standard_error(leak.auc, 500, 500))
+
+
+def test_auc_standard_error_by_hand():
+    """Hanley & McNeil (1982) Eq. 2. At A = 0.5: Q1 = Q2 = 1/3, so with 500 + 500
+    var = (1/4 + 2 * 499 * (1/3 - 1/4)) / 500^2 = 83.41667 / 250000 and SE = 0.0182666."""
+    assert auc_standard_error(0.5, 500, 500) == pytest.approx(math.sqrt((0.25 + 2 * 499 / 12) / 250000), rel=1e-12)
+    assert auc_standard_error(0.5, 500, 500) == pytest.approx(0.0182666, abs=1e-6)
+    assert auc_standard_error(1.0, 50, 50) == 0.0  # a perfect separation has no spread
+    assert auc_standard_error(0.5, 120, 120) > 0.035  # the ~120-member audits of before: SE ~0.037
+    with pytest.raises(InvalidInputError):
+        auc_standard_error(0.5, 0, 10)
 
 
 def test_communication_counts_bytes():
@@ -564,6 +576,41 @@ def test_dp_sgd_reward_model_reports_epsilon_and_more_noise_means_smaller_epsilo
     assert 0 < eps[1] < eps[0] < math.inf
     with pytest.raises(InvalidInputError, match="DP-SGD"):
         RewardModelConfig(arch="lora", dp_noise_multiplier=1.0)
+
+
+def test_a_dp_reward_model_carries_its_guarantee_through_save_and_load(clients, encoder, tmp_path):
+    cook, _ = clients
+    trainer = RewardModelTrainer(RewardModelConfig(arch="mlp", epochs=3, batch_size=8, dp_noise_multiplier=1.0,
+                                                   weight_decay=0.0, dropout=0.0), encoder)
+    rm = trainer.train(cook)
+    assert rm.privacy_ == {"epsilon": trainer.epsilon_, "delta": 1 / cook.n_pairs, "noise_multiplier": 1.0,
+                           "max_grad_norm": 1.0, "epochs": 3, "batch_size": 8, "n_pairs": cook.n_pairs, "accountant": "rdp"}
+    rm.save(tmp_path / "rm")
+    back = MLPRewardModel.load(tmp_path / "rm", encoder.cache_dir)
+    assert back.privacy_ == rm.privacy_
+    plain = RewardModelTrainer(RewardModelConfig(arch="mlp", epochs=2, batch_size=8), encoder).train(cook)
+    assert plain.privacy_ is None
+
+
+def test_dp_config_makes_every_client_a_dp_mlp_and_audit_pools_hold_the_members(shared_data):
+    """MoRConfig.dp_rm: the clients' reward models are trained with it (all MLP, no length prior);
+    with_members(500) grows every pool so that a seed's split has >= 500 train and >= 500 val + test pairs."""
+    from trainer.rewards.mor_trainer import DP_RM, MoRConfig, MoRTrainer
+
+    with pytest.raises(InvalidInputError, match="dp_noise_multiplier"):
+        MoRConfig(dp_rm=RewardModelConfig(arch="mlp"))
+    cfg = MoRConfig(data_dir=str(shared_data)).with_members(500)
+    assert len(set(cfg.pool_pairs)) == 1 and cfg.pool_pairs[0] == cfg.max_eval_pairs >= 1375  # 1.1 * 500 / 0.4
+    assert cfg.pairs_per_prompt == 4  # AlpacaEval without koala has too few instructions at 2 pairs each
+    trainer = MoRTrainer(cfg, show_progress=False)
+    for c in trainer.prepare(0).clients:
+        assert len(c.train) >= 500 and len(c.val) + len(c.test) >= 500, c.name
+    dp = MoRTrainer(MoRConfig.quick(data_dir=str(shared_data), client_archs=("mlp", "lora", "mlp"), dp_rm=DP_RM),
+                    show_progress=False)
+    c = dp.prepare(0).clients[1]  # harmlessness: a LoRA client without DP
+    rm, _ = dp.train_reward_model(c, "lora", 0)
+    assert rm.arch == "mlp" and rm.privacy_["noise_multiplier"] == 1.0 and not rm.length_term
+    assert rm.privacy_["n_pairs"] == len(c.train) and rm.privacy_["delta"] == pytest.approx(1 / len(c.train))
 
 
 # ------------------------------------------------------------------ one routing rule, saved with the mixture

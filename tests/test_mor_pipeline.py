@@ -63,3 +63,43 @@ def test_mor_train_saves_a_mixture_that_scores_like_the_trained_one(shared_data,
     s = mix(p, y)
     assert s.shape == (2,) and s.dtype == np.float32 and np.isfinite(s).all()
     np.testing.assert_array_equal(mix.queries_, [2, 2, 2])
+
+
+def test_mor_train_dp_ships_dp_reward_models_and_reports_their_cost(shared_data, tmp_path):
+    """`mor train --dp`: every client's saved reward model is a DP-SGD MLP carrying its (epsilon, delta);
+    train_metrics.json reports them with the test accuracy of the DP and the non-DP model of each client."""
+    from trainer.rewards.mixture import load_mixture
+
+    out = tmp_path / "mix"
+    r = CliRunner().invoke(app, ["mor", "train", "--quick", "--dp", "--out", str(out), "--data", str(shared_data)])
+    assert r.exit_code == 0, r.output
+    mix = load_mixture(out)
+    metrics = json.loads((out / "train_metrics.json").read_text())
+    for rm, name in zip(mix.reward_models, mix.client_names):
+        assert rm.arch == "mlp" and rm.privacy_["noise_multiplier"] == 1.0
+        p = metrics["privacy"][name]
+        assert p["epsilon"] == rm.privacy_["epsilon"] > 0 and p["delta"] == pytest.approx(1 / p["n_pairs"])
+        assert 0 <= p["test_acc_dp"] <= 1 and p["cost"] == pytest.approx(p["test_acc_dp"] - p["test_acc_non_dp"])
+        assert f"{name}: DP-SGD (epsilon {p['epsilon']:.1f}" in r.output
+    assert json.loads((out / "mor_config.json").read_text())["dp_rm"]["dp_noise_multiplier"] == 1.0
+
+
+def test_mor_audit_attacks_the_shipped_models_with_per_seed_aucs(shared_data, tmp_path):
+    out = tmp_path / "audit"
+    r = CliRunner().invoke(app, ["mor", "audit", "--quick", "--seeds", "2", "--settings", "shipped_dp,naive",
+                                 "--out", str(out), "--data", str(shared_data)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "audit.json").read_text())
+    assert set(res["per_client"]) == {"shipped_dp", "naive"}
+    for setting, clients in res["per_client"].items():
+        assert set(clients) == {"helpfulness", "harmlessness", "correctness"}
+        for e in clients.values():
+            a = e["normalised"]
+            assert len(a["auc_per_seed"]) == len(a["auc_se_per_seed"]) == 2
+            assert a["auc"] == pytest.approx(np.mean(a["auc_per_seed"]))
+            assert a["auc_se"] == pytest.approx(np.sqrt(np.sum(np.square(a["auc_se_per_seed"]))) / 2)
+            assert (e["epsilon"] is not None) == (setting == "shipped_dp")
+    assert "± " in (out / "audit.md").read_text()
+    r = CliRunner().invoke(app, ["mor", "audit", "--quick", "--settings", "shipped,bogus", "--out", str(tmp_path / "x"),
+                                 "--data", str(shared_data)])
+    assert r.exit_code != 0 and "--settings" in r.output

@@ -319,3 +319,65 @@ def test_a_bundle_replaced_twice_while_it_loads_says_so_and_a_loaded_selector_ke
     # the loaded selector holds its graph: it keeps working with its folder gone, and a new load agrees
     assert sel.prefer("Is a whale a fish?", "No, a whale is a mammal.", "Yes.") == before
     assert Selector.load(out, signing_keys[1]).prefer("Is a whale a fish?", "No, a whale is a mammal.", "Yes.") == before
+
+
+def _edited_expert(trained_expert, tmp_path, edit):
+    """A copy of the trained expert (run layout) whose head tensors ``edit`` changes in place."""
+    from safetensors.numpy import load_file, save_file
+
+    run = tmp_path / "fedprism_seed0"
+    shutil.copytree(trained_expert.parent, run)
+    head = load_file(str(run / "expert_0" / "head.safetensors"))
+    edit(head)
+    save_file(head, str(run / "expert_0" / "head.safetensors"))
+    return run / "expert_0"
+
+
+def test_validation_gate_refuses_an_expert_below_length_only(trained_expert, hh_pairs, signing_keys, tmp_path):
+    """An inverted expert (every logit negated: P -> 1 - P) ranks below the label-free length-only
+    baseline on validation pairs; the export refuses it and writes nothing."""
+    from export.selector_export import check_beats_length_only, export_selector_bundle, load_trained_selector
+
+    train, parity = hh_pairs
+    train, val = (df[df.domain == "alpacaeval"] for df in (train, parity))  # length is strong there (longer wins)
+
+    def invert(head):
+        for name in ("head.2.weight", "head.2.bias", "length_skip.weight"):
+            head[name] = -head[name]
+
+    inverted = _edited_expert(trained_expert, tmp_path, invert)
+    gate = check_beats_length_only(load_trained_selector(trained_expert), val, train)
+    bad = check_beats_length_only(load_trained_selector(inverted), val, train)
+    assert bad["selector_accuracy"] == pytest.approx(1.0 - gate["selector_accuracy"], abs=1e-9)  # a pair at P = 0.5 counts 0.5 both ways
+    assert bad["length_only_global"] == gate["length_only_global"] > 0.6
+    assert not bad["passed"]
+    out = tmp_path / "bundle"
+    with pytest.raises(ExportError, match="below the label-free length-only baseline"):
+        export_selector_bundle(inverted, out, signing_keys[0], parity.iloc[:4], validation=(val, train),
+                               progress=lambda m: None)
+    assert not out.exists()
+
+
+def test_validation_gate_passes_the_length_only_expert_exactly(trained_expert, hh_pairs, signing_keys, tmp_path):
+    """An expert whose content head outputs 0 and whose length path is the global length-only regression's
+    coefficients is that baseline (P = sigmoid(v . f)): the gate measures equal accuracies and ships it, and
+    parity.json records the figures."""
+    from export.selector_export import export_selector_bundle
+    from trainer.length_baseline import LengthBaseline
+
+    train, parity = hh_pairs
+    train, val = (df[df.domain == "alpacaeval"] for df in (train, parity))
+    coef = LengthBaseline(per_domain=False).fit(train).coef_["*"].astype(np.float32)
+
+    def as_length_only(head):
+        head["head.2.weight"] = np.zeros_like(head["head.2.weight"])
+        head["head.2.bias"] = np.zeros_like(head["head.2.bias"])
+        head["length_skip.weight"] = coef[None, :]
+
+    expert = _edited_expert(trained_expert, tmp_path, as_length_only)
+    result = export_selector_bundle(expert, tmp_path / "bundle", signing_keys[0], parity.iloc[:4], validation=(val, train),
+                                    progress=lambda m: None)
+    gate = result.parity["validation"]
+    assert gate["passed"] and gate["n_pairs"] == len(val) == N_PARITY // 2
+    assert gate["selector_accuracy"] == pytest.approx(gate["length_only_global"], abs=1e-9)
+    assert json.loads((tmp_path / "bundle" / "parity.json").read_text())["validation"] == gate

@@ -20,7 +20,8 @@ from sdk.errors import InvalidInputError
 from sdk.finite_option import COUNT_MAX, finite_option
 from export.bundle_writer import check_replaceable, check_version
 from export.embedder_onnx import QUANTISED_PRECISIONS
-from export.selector_export import export_selector_bundle, parity_pairs_for
+from export.routed_selector_export import is_fedprism_run
+from export.selector_export import export_selector_bundle, parity_pairs_for, run_pairs, validation_for
 from export.errors import ParityError
 from export.signing import load_signing_key
 from trainer.out_folder import cache_folder_option, check_out_folder
@@ -245,7 +246,7 @@ def _parse_prices(spec: Optional[Path]) -> dict:
 def _check_export_options(out: Path, signing_key: Path, router: Optional[Path], selector: Optional[Path],
                           precision: Optional[list[str]], data: Optional[Path], prices: Optional[Path],
                           bundle_version: Optional[int], prior_domain: Optional[str], parity_pairs: Optional[int] = None,
-                          cache_dir: Optional[Path] = None) -> dict:
+                          cache_dir: Optional[Path] = None, top_k: Optional[int] = None) -> dict:
     """The checks of ``fedroute export``'s options that need no trainer library: run before torch and
     sentence-transformers are imported (10-15 s), so that a typo fails at once. Returns the parsed
     ``--prices`` table ({} without it).
@@ -270,13 +271,20 @@ def _check_export_options(out: Path, signing_key: Path, router: Optional[Path], 
             raise typer.BadParameter("--prices is for router bundles (a selector has no model table)")
         if precision:
             raise typer.BadParameter("--precision is for router bundles (a selector takes --int8)")
-        if cache_dir is not None:
-            raise typer.BadParameter("--cache-dir is for router bundles (a selector export embeds nothing)")
+        routed = is_fedprism_run(selector)
+        if cache_dir is not None and not routed:
+            raise typer.BadParameter("--cache-dir is for router bundles and routed FedPrism runs (a single selector export "
+                                     "embeds nothing)")
         if not selector.is_dir():
             raise typer.BadParameter(f"--selector {selector} is not a folder; give a trained expert folder, e.g. "
-                                     "RUN/fedprism_seed0/expert_2")
+                                     "RUN/fedprism_seed0/expert_2, or a FedPrism run folder (RUN/fedprism_seed0: "
+                                     "prompt router + every expert)")
+        if routed and prior_domain is not None:
+            raise typer.BadParameter("--prior-domain is for one expert of a length_prior='domain' run, not a routed run")
+        if top_k is not None and not routed:
+            raise typer.BadParameter(f"--top-k is for a FedPrism run folder (router + experts); {selector} is not one")
     else:
-        for option, value in (("--parity-pairs", parity_pairs), ("--prior-domain", prior_domain)):
+        for option, value in (("--parity-pairs", parity_pairs), ("--prior-domain", prior_domain), ("--top-k", top_k)):
             if value is not None:  # they used to be ignored without a word
                 raise typer.BadParameter(f"{option} is for --selector bundles; a router export checks parity on --data")
         unknown = sorted(set(precision or ()) - set(QUANTISED_PRECISIONS))
@@ -302,7 +310,7 @@ def export_cmd(
     out: Annotated[Path, typer.Option(help="bundle folder to write (replaced atomically)")],
     signing_key: Annotated[Path, typer.Option(help="signing.key from `fedroute keygen`")],
     router: Annotated[Optional[Path], typer.Option(help="trained router folder, e.g. results/routers/kmeans")] = None,
-    selector: Annotated[Optional[Path], typer.Option(help="trained selector expert folder, e.g. RUN/fedprism_seed0/expert_2 (instead of --router)")] = None,
+    selector: Annotated[Optional[Path], typer.Option(help="a FedPrism run folder, RUN/fedprism_seed0 (prompt router + every expert, one bundle), or one expert folder, e.g. RUN/fedbis_seed0/expert_0 (instead of --router)")] = None,
     int8: Annotated[bool, typer.Option("--int8", help="also ship the int8 embedder / selector (the SDK's default when present)")] = False,
     precision: Annotated[Optional[list[str]], typer.Option("--precision", help="router bundles: quantised encoder to ship besides fp32, 'int8' or 'int8-all' (every MatMul int8; gated on decisions and AUC); repeatable")] = None,
     data: Annotated[Optional[Path], typer.Option(help="RouterBench folder or test file for parity checks (default: the one recorded at training); with --selector the shared data folder (default ../shared/data)")] = None,
@@ -310,18 +318,42 @@ def export_cmd(
     bundle_version: Annotated[Optional[int], typer.Option(min=1, max=MAX_BUNDLE_VERSION, help="default: previous version at --out + 1")] = None,
     parity_pairs: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="--selector: real held-out pairs for the parity check (default 200)")] = None,
     prior_domain: Annotated[Optional[str], typer.Option(help="--selector of a length_prior='domain' run: the domain whose length prior is folded in")] = None,
+    top_k: Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="--selector RUN/fedprism_seed0: ship the K experts the router sends most validation prompts to (default: all)")] = None,
     cache_dir: CacheOpt = None,
 ) -> None:
     """Compile a trained router (or a preference selector) into a signed, parity-checked bundle for the SDK."""
     price_table = _check_export_options(out, signing_key, router, selector, precision, data, prices, bundle_version,
-                                        prior_domain, parity_pairs, cache_dir)
+                                        prior_domain, parity_pairs, cache_dir, top_k)
     _need_trainer()
+    if selector is not None and is_fedprism_run(selector):
+        from export.routed_selector_export import export_routed_selector_bundle  # export: trainer extra (torch, onnx)
+
+        data = data or Path("../shared/data")
+        pairs = run_pairs(selector, data, "test", parity_pairs or 200)
+        prompts = None
+        if top_k is not None:
+            splits = json.loads((selector / "splits.json").read_text())
+            prompts = run_pairs(selector, data, "val" if splits.get("val") else "public", None).drop_duplicates("prompt_id")
+            prompts = prompts["prompt"].tolist()
+        try:
+            result = export_routed_selector_bundle(selector, out, signing_key, pairs, int8=int8, top_k=top_k,
+                                                   top_k_prompts=prompts, bundle_version=bundle_version,
+                                                   cache_dir=cache_dir, progress=typer.echo)
+        except ParityError as exc:
+            typer.echo("parity report: " + json.dumps(exc.report), err=True)
+            raise
+        sel = result["manifest"]["selector"]
+        typer.echo(f"routed selector bundle v{result['manifest']['bundle_version']} (experts {sel['experts']} of "
+                   f"{sel['n_experts']}, {sorted(sel['files'])}) at {out}; parity passed: "
+                   + json.dumps({k: v for k, v in result["parity"].items() if k in ("fp32", "int8", "n_pairs", "torch_accuracy")}))
+        return
     if selector is not None:
-        pairs = parity_pairs_for(selector, data or Path("../shared/data"), parity_pairs or 200)
+        data = data or Path("../shared/data")
+        pairs = parity_pairs_for(selector, data, parity_pairs or 200)
         try:
             result = export_selector_bundle(selector, out, signing_key, pairs, int8=int8,
                                             bundle_version=bundle_version, prior_domain=prior_domain,
-                                            progress=typer.echo)
+                                            validation=validation_for(selector.parent, data), progress=typer.echo)
         except ParityError as exc:
             typer.echo("parity report: " + json.dumps(exc.report), err=True)
             raise

@@ -49,24 +49,33 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
           mode: Annotated[str, typer.Option(help="active routed reward: sparse | soft (both variants are saved)")] = "sparse",
           weighting: Annotated[Optional[str], typer.Option(help="router FedAvg weighting: equal | samples "
                                                                   "(default: chosen on validation)")] = None,
+          dp: Annotated[bool, typer.Option("--dp", help="train every client's reward model with DP-SGD (Opacus; all "
+                                                   "clients MLP); reports (epsilon, delta) and the accuracy it costs")] = False,
           cache: CacheOpt = None, threads: ThreadsOpt = DEFAULT_CPU_THREADS) -> None:
     """Train the clients' reward models and the federated router on one seed's split, choose the router's
     weighting and the sparse / soft routing variants on VALIDATION pairs, and save that mixture."""
 
     from trainer.rewards.evaluation import evaluate_seed  # trainer.rewards.evaluation imports pandas, torch: on use only
-    from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
+    from trainer.rewards.mor_trainer import DP_RM, MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     check_out_option(out)  # before training: the save at the end used to fail, losing the run
     set_cpu_threads(threads)
     if mode not in ("sparse", "soft") or weighting not in (None, "equal", "samples"):
         raise typer.BadParameter(f"--mode must be sparse|soft and --weighting equal|samples, got {mode!r}, {weighting!r}")
-    cfg = replace(_config(quick, data, None, cache), mode=mode)
+    cfg = replace(_config(quick, data, None, cache), mode=mode, dp_rm=DP_RM if dp else None)
     trainer = MoRTrainer(cfg)
     t0 = time.perf_counter()
     split = trainer.prepare(seed)
     models = trainer.train(split)
     ev = evaluate_seed(trainer, split, models)
     metrics = {"seed": seed, "seconds": time.perf_counter() - t0, "evaluation": ev, "history": models.history}
+    if dp:
+        from trainer.rewards.audit import dp_cost  # trainer.rewards.audit imports pandas, torch: on use only
+
+        metrics["privacy"] = dp_cost(trainer, split, models)
+        for name, p in metrics["privacy"].items():
+            typer.echo(f"{name}: DP-SGD (epsilon {p['epsilon']:.1f}, delta {p['delta']:.1e}), test accuracy "
+                       f"{p['test_acc_dp']:.3f} vs {p['test_acc_non_dp']:.3f} without DP ({p['cost']:+.3f})")
     # written by the save, before mixture.json: a kill between the two left an earlier run's metrics beside this mixture
     trainer.save(models, out, weighting=weighting, routing=ev["routing"], mode=mode,
                  records={"train_metrics.json": metrics})
@@ -104,17 +113,29 @@ def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
 @app.command()
 def audit(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"), seeds: SeedsOpt = None,
           clip: Annotated[float, typer.Option(callback=finite_option, min=0.01, help="clip of normalised scores in the clipped variant")] = 1.0,
+          members: Annotated[Optional[int], typer.Option(min=10, max=COUNT_MAX, help="grow each client's pool so that it has at least this "
+                                                         "many members and non-members (500: AUC SE <= 0.02)")] = None,
+          lora: Annotated[bool, typer.Option("--lora", help="also attack the shipped LoRA client (slow on a CPU)")] = False,
+          settings: Annotated[str, typer.Option(help="comma-separated settings: shipped, shipped_dp, naive")] = "shipped,shipped_dp,naive",
           cache: CacheOpt = None, threads: ThreadsOpt = DEFAULT_CPU_THREADS) -> None:
-    """Membership inference on reward margins (naive vs defended reward MLPs) and communication."""
+    """Membership inference on reward margins of the shipped reward models (with and without DP-SGD, and a
+    naive worst case) and communication."""
     from trainer.rewards.audit import run_audit  # trainer.rewards.audit imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     check_out_option(out)  # before training: the save at the end used to fail, losing the run
     set_cpu_threads(threads)
     cfg = _config(quick, data, seeds, cache)
+    if members is not None:
+        cfg = cfg.with_members(members)
     t0 = time.perf_counter()
-    res = run_audit(MoRTrainer(cfg), clip=clip)
-    res["seconds"] = time.perf_counter() - t0
-    res["quick"] = quick
-    write_audit(res, out)
+    chosen = tuple(s.strip() for s in settings.split(",") if s.strip())
+    if not chosen or set(chosen) - {"shipped", "shipped_dp", "naive"}:
+        raise typer.BadParameter(f"--settings {settings!r}: give a comma-separated subset of shipped, shipped_dp, naive")
+
+    def write(res: dict) -> None:  # after every seed: a run stopped early keeps the seeds it finished
+        write_audit(res | {"seconds": time.perf_counter() - t0, "quick": quick}, out)
+
+    res = run_audit(MoRTrainer(cfg), clip=clip, include_lora=lora, settings=chosen, on_seed=write)
+    write(res)
     typer.echo((out / "audit.md").read_text())

@@ -69,6 +69,13 @@ from trainer.rewards.reward_models import (
 )
 
 
+#: The DP-SGD reward model of ``fedroute mor train --dp`` (``MoRConfig.dp_rm``): per-pair gradients clipped
+#: to 1.0, Gaussian noise multiplier 1.0, 30 epochs of Poisson-sampled batches of 64, AdamW lr 3e-3, no weight
+#: decay or dropout; chosen on validation pairs by ``benchmarks/mor_defence_settings.py`` (docs/mor.md).
+DP_RM = RewardModelConfig(arch="mlp", epochs=30, lr=3e-3, weight_decay=0.0, dropout=0.0, dp_noise_multiplier=1.0,
+                          dp_max_grad_norm=1.0)
+
+
 @dataclass
 class MoRConfig:
     """Settings of the MoR pipeline (module docstring).
@@ -138,6 +145,12 @@ class MoRConfig:
         softmax) on the same validation folds by ``benchmarks/mor_heldout_gap_settings.py``
         (``docs/mor_heldout_gap_settings.json``: score +0.0009 +- 0.0005 and +0.0014 +- 0.0010 over the previous
         defaults, paired over 12 seed x fold cells; :class:`RoutingRule`).
+    dp_rm : None (default: reward models as above, not differentially private), or the DP-SGD
+        :class:`RewardModelConfig` (``arch='mlp'``, ``dp_noise_multiplier`` set) every client then trains its
+        reward model with: the models that are saved, evaluated and exported are DP-trained (Abadi et al.
+        2016, through Opacus; :data:`DP_RM`, ``fedroute mor train --dp``). Every client is then an MLP
+        (DP-SGD of the LoRA client is not implemented: ``client_archs`` is overridden) and the length prior
+        is off (its fit on the client's pairs would not be private); the MLP still reads the length columns.
     seeds : seeds 0..seeds-1 of the evaluation.
     cache_dir : embedding cache folder (None: ``$FEDROUTE_CACHE`` or ``~/.cache/fedroute``).
     """
@@ -175,10 +188,15 @@ class MoRConfig:
     temperature: float = 1.0
     soft_probabilities: str = "ovr"
     routing_margin_se: float = 1.0
+    dp_rm: RewardModelConfig | None = None
     seeds: int = 3
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.dp_rm is not None:
+            check_config(self, "dp_rm", RewardModelConfig)
+            if self.dp_rm.dp_noise_multiplier is None:
+                raise InvalidInputError("dp_rm must set dp_noise_multiplier (a DP-SGD config, e.g. mor_trainer.DP_RM)")
         for name, kind in (("mlp_rm", RewardModelConfig), ("lora_rm", RewardModelConfig), ("router", RouterConfig),
                            ("embedder", EmbedderConfig)):
             check_config(self, name, kind)
@@ -231,6 +249,17 @@ class MoRConfig:
         per pair on a loaded 2-core CPU), fewer FedAvg-RM rounds, 60 eval pairs per client; still 3 seeds."""
         base = dict(pool_pairs=(300, 100, 300), heldout_pairs=120, max_eval_pairs=60, client_archs=("mlp", "mlp", "mlp"), fedavg_rm_rounds=15)
         return cls(**(base | overrides))
+
+    def with_members(self, n: int) -> MoRConfig:
+        """This config with every client's pool grown to ``ceil(n / min(train share, val + test share) * 1.1)``
+        pairs, up to 4 pairs per prompt (AlpacaEval without the held-out subset has ~490 instructions) and no
+        cap on the validation and test pairs, so that the privacy audit has at least ``n`` members (training
+        pairs) and ``n`` non-members (validation + test pairs) per client (the 10 % margin covers the split by
+        prompt's rounding). At n = 500, 1 : 1, the AUC's standard error is <= 0.0183."""
+        tr, va, te = self.split_fractions
+        pool = int(np.ceil(n / min(tr, va + te) * 1.1))
+        return replace(self, pool_pairs=(pool,) * len(self.client_names), max_eval_pairs=pool,
+                       pairs_per_prompt=max(self.pairs_per_prompt, 4))
 
     def to_json(self) -> dict:
         return json.loads(json.dumps(asdict(self), default=str))
@@ -393,16 +422,23 @@ class MoRTrainer:
 
     def train_reward_model(self, client: ClientSplit, arch: str, seed: int, config: RewardModelConfig | None = None) -> tuple[ClientRewardModel, list]:
         a = self.args
+        if config is None and a.dp_rm is not None:
+            config, arch = replace(a.dp_rm, clip=a.clip), "mlp"
         base = config or (a.mlp_rm if arch == "mlp" else a.lora_rm)
         cfg = replace(base, arch=arch, seed=seed, clip=a.clip if config is None else base.clip,
                       length_prior=self.client_length_prior(client.name) if config is None else base.length_prior,
                       length_prior_C=a.length_prior_C if config is None else base.length_prior_C,
                       keep_start=a.keep_start if config is None else base.keep_start)
-        pairs = client.pairs("train")
-        if arch == "lora" and a.lora_train_pairs is not None and pairs.n_pairs > a.lora_train_pairs:
-            pairs = pairs.subset(np.sort(np.random.default_rng(seed).permutation(pairs.n_pairs)[: a.lora_train_pairs]))
         trainer = RewardModelTrainer(cfg, self.encoder, self.show_progress)
-        return trainer.train(pairs), trainer.history_
+        return trainer.train(self.training_pairs(client, arch, seed)), trainer.history_
+
+    def training_pairs(self, client: ClientSplit, arch: str, seed: int) -> PreferencePairs:
+        """The pairs a client's reward model of ``arch`` trains on: its train pairs, at most ``lora_train_pairs``
+        of them (seeded draw) for the LoRA architecture (the members of the privacy audit)."""
+        pairs, cap = client.pairs("train"), self.args.lora_train_pairs
+        if arch == "lora" and cap is not None and pairs.n_pairs > cap:
+            pairs = pairs.subset(np.sort(np.random.default_rng(seed).permutation(pairs.n_pairs)[:cap]))
+        return pairs
 
     def train(self, split: MoRSplit) -> MoRModels:
         """Steps 3-5 for one seed."""

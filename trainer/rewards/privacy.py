@@ -26,17 +26,32 @@ FPR_LEVELS = (0.01, 0.05, 0.10)
 
 @dataclass(frozen=True)
 class AttackResult:
-    """auc : ROC AUC of the margin as a membership score; tpr_at_fpr : {0.01: tpr, 0.05: ..., 0.10: ...};
-    n_members, n_non_members : sample counts (equal by construction)."""
+    """auc : ROC AUC of the margin as a membership score; auc_se : its standard error (:func:`auc_standard_error`);
+    tpr_at_fpr : {0.01: tpr, 0.05: ..., 0.10: ...}; n_members, n_non_members : sample counts (equal by construction)."""
 
     auc: float
     tpr_at_fpr: dict
     n_members: int
     n_non_members: int
+    auc_se: float = float("nan")
 
     def as_dict(self) -> dict:
-        return {"auc": self.auc, **{f"tpr_at_{int(round(f * 100))}pct_fpr": t for f, t in self.tpr_at_fpr.items()},
+        return {"auc": self.auc, "auc_se": self.auc_se,
+                **{f"tpr_at_{int(round(f * 100))}pct_fpr": t for f, t in self.tpr_at_fpr.items()},
                 "n_members": self.n_members, "n_non_members": self.n_non_members}
+
+
+def auc_standard_error(auc: float, n_pos: int, n_neg: int) -> float:
+    """Standard error of a ROC AUC from ``n_pos`` positives and ``n_neg`` negatives (Hanley & McNeil 1982,
+    Radiology 143, Eq. 2): ``sqrt((A(1-A) + (n_pos-1)(Q1-A^2) + (n_neg-1)(Q2-A^2)) / (n_pos n_neg))`` with
+    ``Q1 = A / (2 - A)``, ``Q2 = 2 A^2 / (1 + A)``. At A = 0.5 and 500 + 500 it is 0.0183.
+
+    Raises InvalidInputError: a count below 1 or an AUC outside [0, 1]."""
+    if n_pos < 1 or n_neg < 1 or not 0.0 <= auc <= 1.0:
+        raise InvalidInputError(f"need n_pos, n_neg >= 1 and auc in [0, 1], got {n_pos}, {n_neg}, {auc}")
+    q1, q2 = auc / (2.0 - auc), 2.0 * auc * auc / (1.0 + auc)
+    var = (auc * (1 - auc) + (n_pos - 1) * (q1 - auc * auc) + (n_neg - 1) * (q2 - auc * auc)) / (n_pos * n_neg)
+    return float(np.sqrt(max(var, 0.0)))
 
 
 def tpr_at_fpr(labels: np.ndarray, scores: np.ndarray, fpr_levels: Sequence[float] = FPR_LEVELS) -> dict:
@@ -73,7 +88,8 @@ def membership_attack(member_margins: np.ndarray, non_member_margins: np.ndarray
     non = non if non.size == n else rng.choice(non, n, replace=False)
     labels = np.r_[np.ones(n), np.zeros(n)]
     scores = np.r_[mem, non]
-    return AttackResult(float(roc_auc_score(labels, scores)), tpr_at_fpr(labels, scores, fpr_levels), n, n)
+    auc = float(roc_auc_score(labels, scores))
+    return AttackResult(auc, tpr_at_fpr(labels, scores, fpr_levels), n, n, auc_standard_error(auc, n, n))
 
 
 def communication_per_round(n_router_parameters: int, n_participants: int, query_prompts: Sequence[str],
@@ -93,3 +109,4 @@ def communication_per_round(n_router_parameters: int, n_participants: int, query
     return {"router_update_bytes": int(2 * n_participants * n_router_parameters * bytes_per_value),
             "reward_query_bytes": int(q), "reward_answer_bytes": int(bytes_per_value * len(query_prompts)),
             "n_queries": len(query_prompts)}
+

@@ -221,6 +221,9 @@ class ClientRewardModel(ABC):
 
     arch: str = ""
     normaliser_: ScoreNormaliser | None = None
+    #: The DP-SGD guarantee of a model trained with it (``epsilon``, ``delta``, ``noise_multiplier``,
+    #: ``max_grad_norm``, ``epochs``, ``batch_size``, ``n_pairs``, ``accountant``), saved with the model; None otherwise.
+    privacy_: dict | None = None
 
     @abstractmethod
     def raw_scores(self, prompts: Sequence[str], responses: Sequence[str]) -> np.ndarray:
@@ -244,7 +247,7 @@ class ClientRewardModel(ABC):
         if n is None:
             raise InvalidInputError("cannot save a reward model without a normaliser")
         return {"format_version": FORMAT_VERSION, "arch": self.arch, "mean": n.mean, "std": n.std,
-                "eps": n.eps, "clip": n.clip}
+                "eps": n.eps, "clip": n.clip, "privacy": self.privacy_}
 
     @abstractmethod
     def save(self, directory: Path) -> None:
@@ -386,6 +389,7 @@ class MLPRewardModel(ClientRewardModel):
         model = cls(encoder, meta["d_in"], meta["hidden"], meta["dropout"], meta.get("length_term", False))
         model.module.load_state_dict(load_file(str(Path(directory) / "weights.safetensors")))
         model.normaliser_ = ScoreNormaliser(meta["mean"], meta["std"], meta["eps"], meta["clip"])
+        model.privacy_ = meta.get("privacy")
         return model
 
 
@@ -792,6 +796,9 @@ class RewardModelTrainer:
         delta = a.dp_delta if a.dp_delta is not None else 1.0 / fit.n_pairs
         self.epsilon_ = float(engine.get_epsilon(delta))
         self.delta_ = delta
+        model.privacy_ = {"epsilon": self.epsilon_, "delta": float(delta), "noise_multiplier": float(a.dp_noise_multiplier),
+                          "max_grad_norm": float(a.dp_max_grad_norm), "epochs": int(a.epochs), "batch_size": int(a.batch_size),
+                          "n_pairs": int(fit.n_pairs), "accountant": "rdp"}
         model.module.load_state_dict({k.removeprefix("_module.").removeprefix("mlp."): v
                                       for k, v in private.state_dict().items()})
         model.module.eval()

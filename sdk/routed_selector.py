@@ -1,0 +1,176 @@
+"""FedPrism on the device: the ``selector/routed_onnx_pair`` kind (paper 000 §3.2-3.3; ARCHITECTURE.md §7).
+
+A routed selector bundle carries what the trainer's :class:`trainer.experts.fedprism.FedPrismTrainer`
+uses to score a pair, and :meth:`sdk.Selector.prefer` runs it in the trainer's order:
+
+1. **Prompt embedding** ``e(x)``: the frozen sentence embedder the router was trained on (MiniLM, mean
+   pooled, L2-normalised, 256 tokens, left truncation: ``trainer.embeddings.EmbedderConfig``), as an ONNX
+   graph with output ``sentence_embedding`` run by :class:`sdk.embedder.OnnxEmbedder` (files
+   ``prompt_embedder.onnx`` / ``prompt_embedder.int8.onnx`` + ``prompt_embedder_tokenizer.json``).
+2. **Route**: ``k* = argmax_k (W2 tanh(W1 e + b1) + b2)_k`` (``trainer.experts.prompt_router.PromptRouter``,
+   ``prompt_router.npz``: ``w1`` (hidden, dim), ``b1`` (hidden,), ``w2`` (M, hidden), ``b2`` (M,), float32),
+   the argmax taken over the experts the bundle ships (all M by default; a top-k bundle ships the k experts
+   the router sends most validation prompts to, and a prompt whose best expert is not shipped goes to the
+   best shipped one); ties go to the lower index, as in torch.
+3. **Score**: expert ``k*`` is an ``onnx_pair`` graph (:class:`sdk.pair_scorer.OnnxPairScorer`, the contract of
+   :mod:`sdk.selector`; files ``expert_<k>.onnx`` / ``expert_<k>.int8.onnx``) run on both orders.
+
+Manifest: ``"selector_kind": "routed_onnx_pair"`` and ``"selector"`` = ``{"name", "backbone", "method",
+"expert": null, "experts": [k, ...] (router indices shipped, ascending), "n_experts": M, "top_k": k or null,
+"files": {precision: ["expert_<k>.onnx", ...]}, "prompt_embedder": {"files": {precision: file},
+"tokenizer", "dim", "max_tokens", "truncation_side"}, "prompt_router": {"file", "hidden"}, "pair_encoding",
+"pair_features", "n_length_features", "pooling", "lora"}``, plus ``tokenizer.json`` (the experts' backbone tokenizer).
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from sdk import bundle_manifest as fmt
+from sdk import kinds
+from sdk.arrays import is_npz
+from sdk.embedder import OnnxEmbedder
+from sdk.errors import BundleError
+from sdk.pair_encoding import PairEncodingConfig
+from sdk.pair_scorer import FAMILY, SELECTOR_FILES, OnnxPairScorer, manifest_feature_names
+
+KIND = "routed_onnx_pair"
+ROUTER_FILE = "prompt_router.npz"
+EMBEDDER_TOKENIZER_FILE = "prompt_embedder_tokenizer.json"
+EMBEDDER_FILES = {"fp32": "prompt_embedder.onnx", "int8": "prompt_embedder.int8.onnx"}
+ROUTER_ARRAYS = ("w1", "b1", "w2", "b2")
+
+
+def expert_file(k: int, precision: str) -> str:
+    """File name of expert ``k``'s graph: ``expert_<k>.onnx`` (fp32) or ``expert_<k>.int8.onnx``."""
+    return SELECTOR_FILES[precision].replace("selector", f"expert_{k}")
+
+
+def load_router_arrays(data: bytes, dim: int, n_experts: int) -> dict[str, np.ndarray]:
+    """The four float32 arrays of ``prompt_router.npz``, shapes checked against ``dim`` and ``n_experts``.
+
+    Raises
+    ------
+    BundleError
+        Not an ``.npz``, an array missing, of another shape, or not finite.
+    """
+    if not is_npz(data):
+        raise BundleError(f"{ROUTER_FILE} is not an .npz archive")
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: np.asarray(z[k], dtype=np.float32) for k in ROUTER_ARRAYS}
+    except (KeyError, ValueError, OSError) as exc:
+        raise BundleError(f"{ROUTER_FILE} does not hold {ROUTER_ARRAYS} ({exc})") from exc
+    hidden = arrays["b1"].shape[0] if arrays["b1"].ndim == 1 else -1
+    want = {"w1": (hidden, dim), "b1": (hidden,), "w2": (n_experts, hidden), "b2": (n_experts,)}
+    for k, shape in want.items():
+        if arrays[k].shape != shape or not np.isfinite(arrays[k]).all():
+            raise BundleError(f"{ROUTER_FILE}: {k} has shape {arrays[k].shape}, expected {shape} and finite values")
+    return arrays
+
+
+class RoutedPairScorer:
+    """The ``selector/routed_onnx_pair`` runtime: prompt embedder -> prompt router -> the routed expert.
+
+    Parameters
+    ----------
+    embedder : OnnxEmbedder of the prompts.
+    router : dict of :data:`ROUTER_ARRAYS` (see :func:`load_router_arrays`).
+    experts : {router index: OnnxPairScorer} of the shipped experts.
+    """
+
+    def __init__(self, embedder: OnnxEmbedder, router: dict[str, np.ndarray], experts: dict[int, OnnxPairScorer]) -> None:
+        self._embedder = embedder
+        self._router = router
+        self._experts = experts
+        self._shipped = np.array(sorted(experts), dtype=np.int64)
+
+    def router_logits(self, x: str) -> np.ndarray:
+        """The prompt router's logits for prompt ``x``: ndarray (M,) float32 (every expert, shipped or not)."""
+        e = self._embedder.embed([x])[0]
+        r = self._router
+        return np.tanh(r["w1"] @ e + r["b1"]) @ r["w2"].T + r["b2"]
+
+    def route(self, x: str) -> int:
+        """Router index of the expert that scores prompt ``x`` (argmax over the shipped experts)."""
+        return int(self._shipped[np.argmax(self.router_logits(x)[self._shipped])])
+
+    def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]:
+        """(l(a, b), l(b, a)) of the routed expert (:meth:`sdk.pair_scorer.OnnxPairScorer.logits`)."""
+        return self._experts[self.route(x)].logits(x, y_a, y_b)
+
+
+class RoutedOnnxPairSelectorKind(kinds.ArtefactKind):
+    """``selector/routed_onnx_pair`` (module docstring) -> :class:`RoutedPairScorer`; registered by :mod:`sdk.selector`
+    with the family. Not federated over HTTPS."""
+
+    family = FAMILY
+    name = KIND
+    round_handler = None
+
+    def precisions(self, manifest: dict) -> tuple[str, ...]:
+        sel = manifest["selector"]
+        return tuple(p for p in sel["files"] if p in sel["prompt_embedder"]["files"])
+
+    def files(self, manifest: dict, precision: str) -> tuple[str, ...]:
+        sel = manifest["selector"]
+        emb = sel["prompt_embedder"]
+        return (fmt.TOKENIZER_FILE, EMBEDDER_TOKENIZER_FILE, emb["files"][precision], ROUTER_FILE,
+                *sel["files"][precision])
+
+    def check_manifest(self, manifest: dict) -> None:
+        def need(cond: bool, what: str) -> None:
+            if not cond:
+                raise BundleError(f"manifest: {what}")
+
+        files = manifest["files"]
+        sel = manifest.get("selector")
+        need(isinstance(sel, dict), "selector must be an object")
+        need(isinstance(sel.get("name"), str) and sel["name"], "selector.name must be a non-empty string")
+        n = sel.get("n_experts")
+        need(isinstance(n, int) and not isinstance(n, bool) and n >= 1, "selector.n_experts must be an int >= 1")
+        shipped = sel.get("experts")
+        need(isinstance(shipped, list) and shipped and all(isinstance(k, int) and 0 <= k < n for k in shipped)
+             and shipped == sorted(set(shipped)), "selector.experts must list distinct router indices in [0, n_experts), ascending")
+        need(isinstance(sel.get("files"), dict) and sel["files"], "selector.files must map precision -> expert files")
+        for precision, names in sel["files"].items():
+            need(precision in SELECTOR_FILES, f"selector.files precision {precision!r} is not one of {sorted(SELECTOR_FILES)}")
+            need(names == [expert_file(k, precision) for k in shipped],
+                 f"selector.files[{precision!r}] must name the shipped experts' graphs in order")
+            need(all(name in files for name in names), f"a {precision} expert graph is not listed in files")
+        emb = sel.get("prompt_embedder")
+        need(isinstance(emb, dict) and isinstance(emb.get("files"), dict), "selector.prompt_embedder.files must be an object")
+        for precision, name in emb["files"].items():
+            need(precision in EMBEDDER_FILES and name == EMBEDDER_FILES[precision] and name in files,
+                 f"selector.prompt_embedder file {name!r:.80} ({precision}) is not {EMBEDDER_FILES.get(precision)} in files")
+        need(isinstance(emb.get("dim"), int) and emb["dim"] >= 1, "selector.prompt_embedder.dim must be an int >= 1")
+        need(isinstance(emb.get("max_tokens"), int) and emb["max_tokens"] >= 8, "selector.prompt_embedder.max_tokens must be an int >= 8")
+        need(emb.get("truncation_side") in ("left", "right"), "selector.prompt_embedder.truncation_side must be left or right")
+        manifest_feature_names(sel)
+        try:
+            PairEncodingConfig(**sel.get("pair_encoding"))
+        except Exception as exc:  # noqa: BLE001 - TypeError / InvalidInputError: one clear message
+            raise BundleError(f"manifest: selector.pair_encoding is invalid ({exc})") from exc
+        for name in (fmt.TOKENIZER_FILE, EMBEDDER_TOKENIZER_FILE, ROUTER_FILE):
+            need(name in files, f"{name} is not listed in files")
+
+    def load(self, context: kinds.LoadContext) -> RoutedPairScorer:
+        sel, precision = context.manifest["selector"], context.precision
+        emb = sel["prompt_embedder"]
+        try:
+            tokenizer_json = context.files[fmt.TOKENIZER_FILE].decode("utf-8")
+            embedder_tokenizer = context.files[EMBEDDER_TOKENIZER_FILE].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BundleError(f"a tokenizer file is not UTF-8 ({exc})") from exc
+        embedder = OnnxEmbedder(embedder_tokenizer, context.files[emb["files"][precision]], emb["dim"], emb["max_tokens"],
+                                emb["truncation_side"], context.options, batched=precision == "fp32")
+        router = load_router_arrays(context.files[ROUTER_FILE], emb["dim"], sel["n_experts"])
+        encoding = PairEncodingConfig(**sel["pair_encoding"])
+        names = manifest_feature_names(sel)
+        experts = {k: OnnxPairScorer(tokenizer_json, context.files[name], encoding, context.options,
+                                     f"expert {k} ({precision})", names)
+                   for k, name in zip(sel["experts"], sel["files"][precision])}
+        return RoutedPairScorer(embedder, router, experts)
+
