@@ -45,6 +45,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proxy_latency import STUB, free_port, wait_healthy  # noqa: E402
 
+from trainer import report  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 ATTACKER, VICTIM = "attacker-token", "victim-token"
 
@@ -255,8 +257,7 @@ def plot(r: dict, path: Path) -> None:
     ax.set_ylabel("latency (ms)")
     ax.set_title("another caller's latency under attack (fedroute proxy)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -313,8 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
               "baseline": {name: summary(attacks["baseline"][name]) for name in ("health", "chat")},
               "tracebacks": text.count("Traceback"), "attacks": attacks, "proxy_log": str(log_path)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "proxy_attacks.json").write_text(json.dumps(result, indent=1))
-    (args.out / "proxy_attacks.md").write_text(markdown(result))
+    report.write_text(args.out / "proxy_attacks.json", json.dumps(result, indent=1))
+    report.write_text(args.out / "proxy_attacks.md", markdown(result))
     plot(result, args.out / "proxy_attacks.png")
     print(markdown(result))
     return result

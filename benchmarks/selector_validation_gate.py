@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from export.selector_export import check_beats_length_only, load_trained_selector, validation_for
+from trainer import report
 
 
 def main() -> None:
@@ -38,7 +39,7 @@ def main() -> None:
         print(f"expert {k}: {gate['selector_accuracy']:.3f} vs length-only {gate['length_only_global']:.3f} -> "
               f"{'ships' if gate['passed'] else 'refused'}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.json").write_text(json.dumps({"run": str(args.run), "n_pairs": len(val), "experts": rows}, indent=2) + "\n")
+    report.write_text(Path(f"{args.out}.json"), json.dumps({"run": str(args.run), "n_pairs": len(val), "experts": rows}, indent=2) + "\n")
     domains = sorted(rows[0]["per_domain"])
     lines = [f"Validation gate of single-expert exports, `{args.run}` ({len(val)} pairs of held-out prompts, evenly per "
              "domain; cells: selector / label-free length-only).", "",
@@ -48,7 +49,7 @@ def main() -> None:
         cells = " | ".join(f"{r['per_domain'][d]['selector']:.3f} / {r['per_domain'][d]['length_only_global']:.3f}" for d in domains)
         lines.append(f"| expert_{r['expert']} | {r['selector_accuracy']:.3f} | {r['length_only_global']:.3f} | "
                      f"{r['length_only_per_domain']:.3f} | {cells} | {'ships' if r['passed'] else '**refused**'} |")
-    Path(f"{args.out}.md").write_text("\n".join(lines) + "\n")
+    report.write_text(Path(f"{args.out}.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -18,6 +18,10 @@ SCRATCH_WRITES = {
     ("proxy_latency.py", "(work / 'tokens').write_text"),  # the proxy's token file, in its work folder
     ("proxy_latency.py", "open(work / 'processes.log', 'w')"),  # child processes' log, in the work folder
     ("sync_load.py", "self.log_path.open('ab')"),  # a server process's log, in the work folder
+    ("proxy_attacks.py", "(work / 'proxy.json').write_text"),  # the proxy's config, in its work folder
+    ("proxy_attacks.py", "(work / 'tokens').write_text"),  # the proxy's token file, in its work folder
+    ("proxy_attacks.py", "open(work / 'stub.log', 'w')"),  # the stub upstream's log, in the work folder
+    ("proxy_attacks.py", "open(log_path, 'w')"),  # the proxy's log, read back by the run for tracebacks
 }
 
 ATTR_WRITES = {"write_text", "write_bytes", "savefig"}
