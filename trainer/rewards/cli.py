@@ -68,7 +68,8 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     split = trainer.prepare(seed)
     models = trainer.train(split)
     ev = evaluate_seed(trainer, split, models)
-    metrics = {"seed": seed, "seconds": time.perf_counter() - t0, "evaluation": ev, "history": models.history}
+    evaluation = {k: v for k, v in ev.items() if k != "pair_correct"}  # per-pair arrays: for mor eval's paired SEs
+    metrics = {"seed": seed, "seconds": time.perf_counter() - t0, "evaluation": evaluation, "history": models.history}
     if dp:
         from trainer.rewards.audit import dp_cost  # trainer.rewards.audit imports pandas, torch: on use only
 
