@@ -26,6 +26,25 @@ OPTIONAL_INPUTS = ("token_type_ids_a", "token_type_ids_b")
 OUTPUT_NAME = "logit"
 
 
+def need(cond: bool, what: str) -> None:
+    """Raise ``BundleError("manifest: <what>")`` unless ``cond``: one manifest rule of a selector bundle."""
+    if not cond:
+        raise BundleError(f"manifest: {what}")
+
+
+def selector_section(manifest: dict) -> dict:
+    """The manifest's ``selector`` object, checked to be an object with a non-empty ``name``.
+
+    Raises
+    ------
+    BundleError
+    """
+    sel = manifest.get("selector")
+    need(isinstance(sel, dict), "selector must be an object")
+    need(isinstance(sel.get("name"), str) and sel["name"], "selector.name must be a non-empty string")
+    return sel
+
+
 def manifest_feature_names(selector: dict) -> tuple[str, ...]:
     """The head's pair features of a selector manifest entry: ``pair_features`` (checked names), or the 3 length
     features for a bundle written before it was recorded; ``n_length_features`` must count them.

@@ -34,7 +34,7 @@ from sdk.arrays import is_npz
 from sdk.embedder import OnnxEmbedder
 from sdk.errors import BundleError
 from sdk.pair_encoding import PairEncodingConfig
-from sdk.pair_scorer import FAMILY, SELECTOR_FILES, OnnxPairScorer, manifest_feature_names
+from sdk.pair_scorer import FAMILY, SELECTOR_FILES, OnnxPairScorer, manifest_feature_names, need, selector_section
 
 KIND = "routed_onnx_pair"
 ROUTER_FILE = "prompt_router.npz"
@@ -121,14 +121,8 @@ class RoutedOnnxPairSelectorKind(kinds.ArtefactKind):
                 *sel["files"][precision])
 
     def check_manifest(self, manifest: dict) -> None:
-        def need(cond: bool, what: str) -> None:
-            if not cond:
-                raise BundleError(f"manifest: {what}")
-
         files = manifest["files"]
-        sel = manifest.get("selector")
-        need(isinstance(sel, dict), "selector must be an object")
-        need(isinstance(sel.get("name"), str) and sel["name"], "selector.name must be a non-empty string")
+        sel = selector_section(manifest)
         n = sel.get("n_experts")
         need(isinstance(n, int) and not isinstance(n, bool) and n >= 1, "selector.n_experts must be an int >= 1")
         shipped = sel.get("experts")

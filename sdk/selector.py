@@ -64,7 +64,7 @@ from sdk.errors import BundleError, InvalidInputError
 from sdk.pair_encoding import PairEncodingConfig
 from sdk.pair_scorer import (  # noqa: F401 - the graph contract's names, public here as before
     FAMILY, KIND, MANIFEST_KEY, OPTIONAL_INPUTS, OUTPUT_NAME, REQUIRED_INPUTS, SELECTOR_FILES, OnnxPairScorer, check_text,
-    manifest_feature_names,
+    manifest_feature_names, need, selector_section,
 )
 from sdk.routed_selector import KIND as ROUTED_KIND
 from sdk.routed_selector import RoutedOnnxPairSelectorKind
@@ -95,14 +95,8 @@ class OnnxPairSelectorKind(kinds.ArtefactKind):
         return (fmt.TOKENIZER_FILE, manifest["selector"]["files"][precision])
 
     def check_manifest(self, manifest: dict) -> None:
-        def need(cond: bool, what: str) -> None:
-            if not cond:
-                raise BundleError(f"manifest: {what}")
-
         files = manifest["files"]
-        sel = manifest.get("selector")
-        need(isinstance(sel, dict), "selector must be an object")
-        need(isinstance(sel.get("name"), str) and sel["name"], "selector.name must be a non-empty string")
+        sel = selector_section(manifest)
         need(isinstance(sel.get("files"), dict) and sel["files"], "selector.files must map precision -> file name")
         for precision, name in sel["files"].items():
             need(precision in SELECTOR_FILES,
