@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
 
 from sdk.errors import ShapeError
 
 
-def finite_rows(x: object, width: int, name: str, rows: str = "n") -> np.ndarray:
-    """``x`` as a C-contiguous float32 array of shape (n >= 1, width).
+def finite_rows(x: Any, width: int, name: str, rows: str = "n") -> npt.NDArray[np.float32]:
+    """``x`` as a C-contiguous float32 array of shape (n >= 1, width), finite.
 
-    Raises
-    ------
-    ShapeError
-        Not convertible to float32 (ragged rows, strings (numeric ones too), None, objects, complex
-        numbers), another
-        shape, no rows, or a non-finite value (the message names ``name``).
+    Raises ShapeError (naming ``name``) for values that do not convert to float32 (ragged rows, strings,
+    None, complex numbers), another shape, no rows, or a non-finite value.
     """
     try:
         if np.iscomplexobj(x):  # numpy would drop the imaginary part with a warning only (as real_array)
@@ -36,15 +35,9 @@ def finite_rows(x: object, width: int, name: str, rows: str = "n") -> np.ndarray
     return out
 
 
-def real_array(x: object, name: str) -> np.ndarray:
-    """``x`` as a float64 ndarray of any shape (NaN and inf kept: the caller checks shape and values).
-
-    Raises
-    ------
-    ShapeError
-        Not convertible to float64: ragged rows, non-numeric strings, dicts, complex numbers (the
-        message names ``name``); numpy's own ValueError / TypeError never reaches the caller.
-    """
+def real_array(x: Any, name: str) -> npt.NDArray[np.float64]:
+    """``x`` as a float64 array of any shape (NaN and inf kept); ShapeError naming ``name`` when it
+    does not convert (ragged rows, non-numeric strings, complex numbers)."""
     try:
         if np.iscomplexobj(x):  # numpy would drop the imaginary part of a complex array with a warning only
             raise TypeError("complex numbers")
@@ -54,8 +47,7 @@ def real_array(x: object, name: str) -> np.ndarray:
                          f"convert to float64 ({exc})") from exc
 
 
-#: First bytes of a zip archive, non-empty or empty: the test ``np.load`` applies to tell an ``.npz``
-#: from an ``.npy`` (read as one array) or anything else (read as a pickle, refused).
+#: First bytes of a zip archive (non-empty or empty): how ``np.load`` tells an ``.npz`` from other bytes.
 NPZ_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 
 

@@ -20,9 +20,6 @@ derive from the built-in class a caller would expect, so ``except ValueError`` k
     ├── SyncError                           the federated sync could not complete (network, server, state)
     │   └── SyncRejectedError               the server answered with a 4xx; ``status`` and ``detail`` say why
     └── UpstreamError                       an LLM endpoint failed (after the bounded fallbacks); ``status``, ``attempts``
-
-Library exceptions that cross our boundary are re-raised as the most specific class here with
-``raise ... from exc``.
 """
 
 from __future__ import annotations
@@ -33,12 +30,10 @@ class FedrouteError(Exception):
 
 
 class InvalidInputError(FedrouteError, ValueError):
-    """An argument has a value the function cannot accept; the message names it and the fix.
+    """An argument has a value the function cannot accept; the message names it. ``param``: the
+    request parameter at fault, if any (the OpenAI-compatible proxy reports it as the error's ``param``)."""
 
-    ``param`` (keyword, optional): the request parameter at fault where there is one (``"stream"``),
-    which the OpenAI-compatible proxy reports as the error's ``param``."""
-
-    def __init__(self, *args, param: str | None = None) -> None:
+    def __init__(self, *args: object, param: str | None = None) -> None:
         super().__init__(*args)
         self.param = param
 
@@ -56,13 +51,11 @@ class ShapeError(InvalidInputError):
 
 
 class PrivacyError(InvalidInputError):
-    """An update that breaks the privacy rule (ARCHITECTURE.md §6): an entry or a cell mean over
-    fewer than ``min_count`` samples, or a change since the last upload smaller than that."""
+    """An update that breaks the ``min_count`` privacy rule (ARCHITECTURE.md §6)."""
 
 
 class PayloadError(InvalidInputError):
-    """A message or file whose bytes do not decode as the format it claims (not safetensors, not
-    an ``.npz``, an envelope that is not a JSON object)."""
+    """Bytes that do not decode as the format they claim (safetensors, ``.npz``, a JSON envelope)."""
 
 
 class UnknownModelError(FedrouteError, KeyError):
@@ -73,8 +66,7 @@ class UnknownModelError(FedrouteError, KeyError):
 
 
 class BundleError(FedrouteError):
-    """A bundle cannot be used: missing file, hash or signature mismatch, bad manifest, or router,
-    embedder and price table that disagree. Nothing of the bundle is loaded when this is raised."""
+    """A bundle cannot be used (missing file, bad hash, signature or manifest, parts that disagree)."""
 
 
 class BudgetError(InvalidInputError):
@@ -86,20 +78,12 @@ class EvalLogError(FedrouteError):
 
 
 class SyncError(FedrouteError):
-    """The federated sync could not complete: the server stayed unreachable or kept failing (5xx)
-    after the retries, sent a malformed answer, or the local sync state is unusable. Nothing is lost:
-    the evaluation log is only read, and the bundle in use is replaced only by a verified one."""
+    """The federated sync could not complete (server unreachable or failing after the retries, a
+    malformed answer, unusable local state); the log is only read, the bundle replaced only by a verified one."""
 
 
 class SyncRejectedError(SyncError):
-    """The server refused a request with a 4xx status (not retried).
-
-    Attributes
-    ----------
-    status : int, the HTTP status (401 bad token, 403 acting for another client, 409 wrong round,
-        413 body too large, 422 invalid update).
-    detail : str, the server's explanation.
-    """
+    """The server refused a request with a 4xx ``status`` (not retried); ``detail`` is its explanation."""
 
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(f"server rejected the request ({status}): {detail}")
@@ -108,8 +92,7 @@ class SyncRejectedError(SyncError):
 
 
 class PriceError(InvalidInputError):
-    """A model that may be called has no token price, so the cost of its answers could not be observed
-    (raised at construction of :class:`sdk.routed_chat.RoutedChat`, never guessed from a prediction)."""
+    """A model that may be called has no token price, so the cost of its answers cannot be observed."""
 
 
 class ModelSpecError(InvalidInputError):
@@ -117,23 +100,16 @@ class ModelSpecError(InvalidInputError):
 
 
 class UnknownResponseError(InvalidInputError):
-    """A score was given for a response id that no answered routed call awaits: unknown, already
-    scored, expired from the pending store, or a pass-through / unpriced call (never logged)."""
+    """A score for a response id that no answered routed call awaits (unknown, scored, expired, unlogged)."""
 
 
 class UpstreamError(FedrouteError):
-    """An OpenAI-compatible endpoint failed: a non-retryable answer (4xx other than 429), or every
-    model tried (the choice and its bounded fallbacks) timed out, answered 5xx or 429, or was unreachable.
+    """An OpenAI-compatible endpoint failed: a non-retryable answer, or every model tried (the choice
+    and its fallbacks) failed. ``status``: HTTP status of the last attempt (None: timeout, no connection);
+    ``kind``: ``"timeout"``, ``"connection"``, ``"rate_limit"``, ``"server_error"``, ``"invalid_response"``
+    or ``"client_error"``; ``attempts``: every ``sdk.routed_chat.FailedAttempt`` in order."""
 
-    Attributes
-    ----------
-    status : int or None, the HTTP status of the last failed attempt (None: timeout or no connection).
-    kind : str, the last failure: ``"timeout"``, ``"connection"``, ``"rate_limit"``, ``"server_error"``,
-        ``"invalid_response"`` (an answer that is not a chat completion) or ``"client_error"``.
-    attempts : tuple of ``sdk.routed_chat.FailedAttempt``, every failed attempt in order.
-    """
-
-    def __init__(self, message: str, *, status: int | None, kind: str, attempts: tuple = ()) -> None:
+    def __init__(self, message: str, *, status: int | None, kind: str, attempts: tuple[object, ...] = ()) -> None:
         super().__init__(message)
         self.status = None if status is None else int(status)
         self.kind = str(kind)
