@@ -1,13 +1,9 @@
 """The one way fedroute writes a file so that readers see the old content or the new, never a mix.
 
-:func:`write_atomic` writes the bytes to a fresh temporary file beside the target (created with
-``O_EXCL`` and ``O_NOFOLLOW``, so never through a planted file or symlink, with the requested
-permissions from the start), fsyncs it, renames it over the target with ``os.replace`` (atomic on
-POSIX and Windows) and fsyncs the folder, so the rename survives a power loss. Files that a library
-writes itself (a quantised ONNX graph) are written to :func:`temporary_path` and committed with
-:func:`commit_file`; folders that a library writes (a saved model) are written beside their target and
-swapped in whole with :func:`replace_dir`. Used by the SDK (sync state, bundles), the trainer (routers, reports, figures)
-and the exporter (keys, bundles).
+:func:`write_atomic` writes a fresh temporary file beside the target (``O_EXCL | O_NOFOLLOW``, final
+permissions from the start), fsyncs it, ``os.replace``s it over the target and fsyncs the folder.
+Files a library writes itself go to :func:`temporary_path` and :func:`commit_file`; folders are
+swapped in whole with :func:`replace_dir`.
 """
 
 from __future__ import annotations
@@ -20,8 +16,7 @@ from pathlib import Path
 
 
 def fsync_dir(path: Path) -> None:
-    """fsync a directory (makes renames and new entries in it durable); a no-op where directories
-    cannot be opened (Windows)."""
+    """fsync a directory (its renames become durable); a no-op where directories cannot be opened (Windows)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except (PermissionError, IsADirectoryError):  # Windows
@@ -33,8 +28,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_synced(path: Path, data: bytes) -> None:
-    """Write ``data`` to the new file ``path`` and fsync it (for files inside a folder that is
-    itself published atomically, e.g. a bundle version)."""
+    """Write ``data`` to the new file ``path`` and fsync it (inside a folder published atomically)."""
     with Path(path).open("wb") as f:
         f.write(data)
         f.flush()
@@ -48,8 +42,7 @@ def temporary_path(path: Path) -> Path:
 
 
 def commit_file(tmp: Path, path: Path) -> None:
-    """fsync the complete file ``tmp``, rename it over ``path`` and fsync the folder; ``tmp`` is
-    removed if any step fails."""
+    """fsync ``tmp``, rename it over ``path``, fsync the folder; ``tmp`` is removed if a step fails."""
     try:
         fd = os.open(tmp, os.O_RDONLY)
         try:
@@ -65,19 +58,8 @@ def commit_file(tmp: Path, path: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Replace ``path`` with ``data`` atomically and durably (module docstring).
-
-    Parameters
-    ----------
-    path : the file to write; its folder must exist.
-    data : bytes.
-    mode : permission bits of the new file (``0o600`` for a private key), set at creation.
-
-    Raises
-    ------
-    OSError
-        The folder is missing or not writable, or the disk is full (the old file stays).
-    """
+    """Replace ``path`` (its folder must exist) with ``data`` atomically and durably; ``mode``: the new
+    file's permission bits. OSError (folder missing or not writable, disk full) leaves the old file."""
     path = Path(path)
     tmp = temporary_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
@@ -92,21 +74,10 @@ def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
 
 
 def replace_dir(staged: Path, final: Path) -> None:
-    """Replace the folder ``final`` with the complete folder ``staged`` (same parent folder): readers see
-    the old folder, no folder (between two renames), or the new one, never old and new files mixed, and
-    no file of the old folder survives. The old folder is renamed away, ``staged`` renamed to ``final``,
-    the parent fsynced, then the old folder deleted.
-
-    Raises
-    ------
-    FileNotFoundError
-        ``staged`` does not exist (``final`` is left as it was).
-    OSError
-        A rename failed (``final`` is restored when it can be).
-    """
+    """Replace the folder ``final`` with the folder ``staged`` (same parent): readers see the old folder,
+    none (between two renames) or the new one, never a mix. OSError (FileNotFoundError: no ``staged``)
+    when a rename fails; ``final`` is restored when it can be."""
     staged, final = Path(staged), Path(final)
-    if not staged.is_dir():
-        raise FileNotFoundError(f"no staged folder at {staged}")
     old = None
     if final.exists() or final.is_symlink():
         old = temporary_path(final)

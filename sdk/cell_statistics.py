@@ -6,9 +6,7 @@ server merges with count weights::
 
     A_k^m = sum_i n_ik^m abar_ik^m / sum_i n_ik^m        C_k^m likewise
 
-Sums (not means) travel, so the merge is an exact element-wise addition and the merged statistics
-equal those of the pooled data. The shrunk cell means the K-means router ships are computed by the
-trainer (:mod:`trainer.routers.shrinkage`); the device only reads them from the bundle.
+Sums (not means) travel, so the merge is an exact element-wise addition.
 """
 
 from __future__ import annotations
@@ -18,52 +16,53 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from sdk.arrays import real_array
 from sdk.errors import ShapeError
+
+
+_Floats = npt.NDArray[np.float64]
+
+
+def _problem(name: str, arr: _Floats, count: _Floats | None) -> str | None:
+    """What is wrong with the field ``name`` of :class:`CellStatistics` (``count`` checked before it), or None."""
+    if arr.ndim != 2 or (count is not None and arr.shape != count.shape):
+        return f"must have shape {'(n_cells, n_models)' if count is None else f'{count.shape}, the shape of count'}" \
+               f", got {arr.shape}"
+    # A min and a max find NaN (it propagates into both) and infinity, and give the range.
+    low, high = (float(arr.min()), float(arr.max())) if arr.size else (0.0, 0.0)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "must be finite"
+    if count is not None and name == "sum_accuracy":
+        tol = 1e-9 * np.maximum(1.0, count)
+        if (low < 0 and (arr < -tol).any()) or (high > 0 and (arr > count).any() and (arr > count + tol).any()):
+            return "must lie in [0, count] (accuracy in [0, 1])"
+    elif low < 0:
+        return "must be >= 0" + (" (USD)" if name == "sum_cost" else "")
+    return None
 
 
 @dataclass(frozen=True)
 class CellStatistics:
     """Sufficient statistics of sparse evaluations per (cell, model).
 
-    Attributes
-    ----------
-    count : ndarray of shape (n_cells, n_models), float64, >= 0 (float so that noised counts fit).
-    sum_accuracy : ndarray of shape (n_cells, n_models), float64, in [0, count].
-    sum_cost : ndarray of shape (n_cells, n_models), float64, USD, >= 0.
-
-    Raises
-    ------
-    ShapeError
-        On construction, if values are not real numbers (strings, complex...), shapes differ or are not
-        2-D, values are not finite, counts are negative,
-        ``sum_accuracy`` is outside ``[0, count]`` (relative tolerance 1e-9) or ``sum_cost`` is
-        negative; the message starts with the offending field's name (``count: must be >= 0``).
+    ``count`` (>= 0; float so that noised counts fit), ``sum_accuracy`` (in [0, count], relative tolerance
+    1e-9) and ``sum_cost`` (USD, >= 0): finite float64 arrays of one shape (n_cells, n_models).
+    Raises ShapeError on construction otherwise; the message starts with the field (``count: must be >= 0``).
     """
 
-    count: np.ndarray
-    sum_accuracy: np.ndarray
-    sum_cost: np.ndarray
+    count: _Floats
+    sum_accuracy: _Floats
+    sum_cost: _Floats
 
     def __post_init__(self) -> None:
-        # Each array in turn; a min and a max find NaN (it propagates into both) and infinity, and
-        # give the range; the tolerant comparison of the scores runs only where the range needs it.
         count = None
         for name in ("count", "sum_accuracy", "sum_cost"):
             arr = real_array(getattr(self, name), name)
-            if arr.ndim != 2 or (count is not None and arr.shape != count.shape):
-                want = "(n_cells, n_models)" if count is None else f"{count.shape}, the shape of count"
-                raise ShapeError(f"{name}: must have shape {want}, got {arr.shape}")
-            low, high = (float(arr.min()), float(arr.max())) if arr.size else (0.0, 0.0)
-            if not (math.isfinite(low) and math.isfinite(high)):
-                raise ShapeError(f"{name}: must be finite")
-            if name == "sum_accuracy":
-                tol = 1e-9 * np.maximum(1.0, count)
-                if (low < 0 and (arr < -tol).any()) or (high > 0 and (arr > count).any() and (arr > count + tol).any()):
-                    raise ShapeError("sum_accuracy: must lie in [0, count] (accuracy in [0, 1])")
-            elif low < 0:
-                raise ShapeError(f"{name}: must be >= 0" + (" (USD)" if name == "sum_cost" else ""))
+            problem = _problem(name, arr, count)
+            if problem:
+                raise ShapeError(f"{name}: {problem}")
             object.__setattr__(self, name, arr)
             count = arr if count is None else count
 
@@ -82,71 +81,31 @@ class CellStatistics:
         return cls(z, z.copy(), z.copy())
 
     @classmethod
-    def from_samples(
-        cls,
-        cells: np.ndarray,
-        models: np.ndarray,
-        accuracy: np.ndarray,
-        cost: np.ndarray,
-        n_cells: int,
-        n_models: int,
-    ) -> CellStatistics:
-        """Statistics of one log of sparse evaluations.
-
-        Parameters
-        ----------
-        cells : ndarray of shape (n_samples,), int, cell of each sample in ``[0, n_cells)``.
-        models : ndarray of shape (n_samples,), int, the one model each sample was sent to.
-        accuracy : ndarray of shape (n_samples,), float, observed score in [0, 1].
-        cost : ndarray of shape (n_samples,), float, observed cost in USD, >= 0.
-        n_cells, n_models : int, table size.
-
-        Raises
-        ------
-        ShapeError
-            Lengths differ, or an index is out of range.
-        """
-        cells = np.asarray(cells, dtype=np.int64)
-        models = np.asarray(models, dtype=np.int64)
-        accuracy = np.asarray(accuracy, dtype=np.float64)
-        cost = np.asarray(cost, dtype=np.float64)
-        n = cells.shape[0]
-        if any(a.shape != (n,) for a in (models, accuracy, cost)):
-            raise ShapeError(
-                "cells, models, accuracy and cost must be 1-D of one length, got "
-                f"{cells.shape}, {models.shape}, {accuracy.shape}, {cost.shape}"
-            )
-        if n and (cells.min() < 0 or cells.max() >= n_cells):
-            raise ShapeError(f"cell indices must lie in [0, {n_cells}), got [{cells.min()}, {cells.max()}]")
-        if n and (models.min() < 0 or models.max() >= n_models):
-            raise ShapeError(f"model indices must lie in [0, {n_models}), got [{models.min()}, {models.max()}]")
-        flat = cells * n_models + models
-        size = n_cells * n_models
-        count = np.bincount(flat, minlength=size).astype(np.float64).reshape(n_cells, n_models)
-        sum_acc = np.bincount(flat, weights=accuracy, minlength=size).reshape(n_cells, n_models)
-        sum_cost = np.bincount(flat, weights=cost, minlength=size).reshape(n_cells, n_models)
-        return cls(count, sum_acc, sum_cost)
+    def from_samples(cls, cells: npt.ArrayLike, models: npt.ArrayLike, accuracy: npt.ArrayLike,
+                     cost: npt.ArrayLike, n_cells: int, n_models: int) -> CellStatistics:
+        """Statistics of one log: ``cells`` (n,) int in ``[0, n_cells)``, ``models`` (n,) int in
+        ``[0, n_models)``, observed ``accuracy`` (n,) in [0, 1] and ``cost`` (n,) USD >= 0.
+        Raises ShapeError when lengths differ or an index is out of range."""
+        c, m = np.asarray(cells, dtype=np.int64), np.asarray(models, dtype=np.int64)
+        a, usd = np.asarray(accuracy, dtype=np.float64), np.asarray(cost, dtype=np.float64)
+        n = c.shape[0]
+        if any(x.shape != (n,) for x in (m, a, usd)) or (n and not (0 <= c.min() <= c.max() < n_cells
+                                                                   and 0 <= m.min() <= m.max() < n_models)):
+            raise ShapeError(f"cells, models, accuracy and cost must be 1-D of one length with cell indices in "
+                             f"[0, {n_cells}) and model indices in [0, {n_models}), got shapes {c.shape}, "
+                             f"{m.shape}, {a.shape}, {usd.shape}")
+        flat, size = c * n_models + m, n_cells * n_models
+        return cls(*(np.bincount(flat, weights=w, minlength=size).astype(np.float64).reshape(n_cells, n_models)
+                     for w in (None, a, usd)))
 
     @staticmethod
     def merge(parts: Sequence[CellStatistics]) -> CellStatistics:
-        """Count-weighted merge (paper 002): element-wise sum of counts and sums. Pure.
-
-        Raises
-        ------
-        ShapeError
-            ``parts`` is empty or shapes differ.
-        """
-        if not parts:
-            raise ShapeError("merge needs at least one CellStatistics, got 0")
-        shape = parts[0].count.shape
-        for i, p in enumerate(parts):
-            if p.count.shape != shape:
-                raise ShapeError(f"part {i} has shape {p.count.shape}, expected {shape}")
-        return CellStatistics(
-            sum(p.count for p in parts),
-            sum(p.sum_accuracy for p in parts),
-            sum(p.sum_cost for p in parts),
-        )
+        """Count-weighted merge (paper 002): element-wise sum of counts and sums. ShapeError when
+        ``parts`` is empty or shapes differ."""
+        if not parts or any(p.count.shape != parts[0].count.shape for p in parts):
+            raise ShapeError(f"merge needs CellStatistics of one shape, got {[p.count.shape for p in parts]}")
+        return CellStatistics(*(sum((getattr(p, f) for p in parts[1:]), getattr(parts[0], f))
+                                for f in ("count", "sum_accuracy", "sum_cost")))
 
     def suppress_below(self, min_count: float) -> CellStatistics:
         """Statistics with every (cell, model) entry of count < ``min_count`` zeroed (privacy rule)."""

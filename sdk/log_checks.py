@@ -1,25 +1,12 @@
 """Degenerate-log checks: which rows of a client's evaluation log are not uploaded, and what is warned about.
 
-A log whose scores are all one value for a model (a scorer that always answers 1.0, a judge that
-broke) or that covers one model only looks, to an estimator fitted on it, like perfect evidence.
-Personalisation needs no threshold for it: its weights shrink with the rows behind the local
-estimate (:mod:`sdk.personalisation`), so a small or near-constant log moves a prediction only a
-little. Two criteria remain, per client log:
+1. **constant scores**: a model whose scores are all one value over at least :data:`MIN_CONSTANT_ROWS`
+   rows; its rows are not uploaded (the server's merge would count them as real outcomes). Fewer
+   identical 0/1 scores are common (``0.95 ** 10 = 0.60``) and not flagged.
+2. **one model**: fewer than 2 models keep rows after 1. A warning only.
 
-1. **constant scores**: a model whose scores are all one value over at least
-   :data:`MIN_CONSTANT_ROWS` rows. The device does not upload statistics or training rows of it (the
-   server's merge would count them as that many real outcomes). Below that many rows identical 0/1
-   scores are common for a strong or weak model (``0.95 ** 10 = 0.60``); they are not flagged.
-2. **one model**: fewer than 2 models remain with rows after criterion 1. A warning only: a device
-   pinned to one model holds valid evidence about that model, and the server's merge weights it by
-   its sample count among every device's.
-
-:func:`check_log` reports which criteria hit; personalisation
-(:func:`sdk.personalisation.personalisation_weights`) and the device round handlers
-(:mod:`sdk.device_rounds`) log a warning (logger ``fedroute.log_checks``) and return the warnings in
-their results (``PersonalisationWeights.warnings``; ``PreparedUpload.warnings`` and ``SyncResult.warnings``).
-
-Pure functions, no I/O.
+Personalisation needs no threshold: its weights shrink with the rows behind the local estimate.
+Warnings go to the logger ``fedroute.log_checks`` and into the callers' results.
 """
 
 from __future__ import annotations
@@ -29,8 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from sdk.errors import ShapeError
+import numpy.typing as npt
 
 log = logging.getLogger("fedroute.log_checks")
 
@@ -40,48 +26,25 @@ MIN_CONSTANT_ROWS = 30
 
 @dataclass(frozen=True)
 class LogCheck:
-    """The verdict of :func:`check_log` on one log.
-
-    Attributes
-    ----------
-    models : tuple of str, the model ids, in the order of every array below.
-    n_rows : ndarray of shape (n_models,), int64: rows of each model.
-    constant : ndarray of shape (n_models,), bool: criterion 1 (scores one value over >= MIN_CONSTANT_ROWS rows).
-    single_model : bool, criterion 2 (fewer than 2 models with rows that are not constant).
-    warnings : tuple of str, one line per criterion that hit.
-    """
+    """The verdict of :func:`check_log` on one log: per model (in ``models`` order) its ``n_rows`` and
+    whether criterion 1 hits (``constant``); criterion 2 (``single_model``); one warning line per hit."""
 
     models: tuple[str, ...]
-    n_rows: np.ndarray
-    constant: np.ndarray
+    n_rows: npt.NDArray[np.int64]
+    constant: npt.NDArray[np.bool_]
     single_model: bool
     warnings: tuple[str, ...]
 
     @property
-    def uploadable(self) -> np.ndarray:
+    def uploadable(self) -> npt.NDArray[np.bool_]:
         """(n_models,) bool: models whose rows may be uploaded (criterion 1 does not hit)."""
         return (self.n_rows > 0) & ~self.constant
 
 
-def check_log(model_index: np.ndarray, score: np.ndarray, models: Sequence[str]) -> LogCheck:
-    """Apply the module's criteria to one log.
-
-    Parameters
-    ----------
-    model_index : ndarray of shape (n_rows,), int: each row's model, an index into ``models``
-        (rows with an index outside ``[0, n_models)`` are ignored: models the router does not know).
-    score : ndarray of shape (n_rows,), float, in [0, 1].
-    models : sequence of str, the model ids.
-
-    Raises
-    ------
-    ShapeError
-        ``model_index`` and ``score`` are not 1-D of one length.
-    """
-    idx = np.asarray(model_index)
-    s = np.asarray(score, dtype=np.float64)
-    if idx.ndim != 1 or s.shape != idx.shape:
-        raise ShapeError(f"model_index and score must be 1-D of one length, got {idx.shape} and {s.shape}")
+def check_log(model_index: npt.NDArray[np.int64], score: npt.NDArray[np.float64], models: Sequence[str]) -> LogCheck:
+    """The criteria on one log: ``model_index`` (n_rows,) int indexes ``models`` (rows outside
+    ``[0, n_models)`` are ignored), ``score`` (n_rows,) float in [0, 1]; inputs validated by the caller."""
+    idx, s = np.asarray(model_index), np.asarray(score, dtype=np.float64)
     models = tuple(models)
     n_models = len(models)
     keep = (idx >= 0) & (idx < n_models)
