@@ -1,21 +1,14 @@
 """Device round handlers: what a device sends for an open federated round, per router kind.
 
-:class:`sdk.SyncClient` reads the round description (``GET /v1/rounds/current``), finds the kind's
-handler in the registry (:mod:`sdk.kinds`, ``ArtefactKind.round_handler``) and asks it for the
-upload (:meth:`DeviceRoundHandler.prepare`); the client then sends it with its retries,
-idempotency key and state file. Handlers do no HTTP themselves except through ``context.fetch``.
+:class:`sdk.SyncClient` reads the round (``GET /v1/rounds/current``), finds the kind's handler
+(:mod:`sdk.kinds`, ``ArtefactKind.round_handler``) and sends what :meth:`DeviceRoundHandler.prepare`
+returns. Both handlers first screen the log (:func:`screen_log`, :mod:`sdk.log_checks`).
 
-- :class:`KMeansRoundHandler` (paper 002, federated K-means): statistics per (cell, model) and
-  local centroids from the :class:`sdk.EvalLog` (:func:`sdk.local_update.kmeans_update`), with the
-  changes smaller than ``min_count`` since the last *sent* update held back
-  (:func:`sdk.local_update.hold_small_changes`).
-Both first screen the log (:func:`screen_log`, :mod:`sdk.log_checks`): the rows of a model whose
-scores are degenerate are not uploaded, and the warnings travel in ``PreparedUpload.warnings``.
-K-means uploads also leave out rows whose embedding is not of unit norm (logged by an SDK before
-``EvalLog.record`` refused them; the server refuses means of them), with a warning.
-
+- :class:`KMeansRoundHandler` (paper 002, federated K-means): :mod:`sdk.local_update`'s statistics and
+  local centroids, small changes since the last sent update held back; rows whose embedding is not of
+  unit norm (logged by older SDKs; the server refuses means of them) are left out with a warning.
 - :class:`MlpRoundHandler` (paper 002, federated MLP): fetches the round's parameters, checks their
-  hash and hands them to the device's local trainer (torch lives in ``trainer``, injected by the app).
+  hash and hands them to the app's local trainer (torch lives in ``trainer``).
 """
 
 from __future__ import annotations
@@ -24,9 +17,10 @@ import dataclasses
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from sdk.errors import SyncError
 from sdk.eval_log import UNIT_NORM_TOLERANCE, Evaluations
@@ -45,31 +39,19 @@ from sdk.protocol import (
 
 @dataclass(frozen=True)
 class DeviceRoundContext:
-    """What a handler may use.
-
-    Attributes
-    ----------
-    client_id : str, the id the server knows this device by (from the round description).
-    rows : callable returning the device's :class:`sdk.Evaluations` (reads the EvalLog).
-    sent : dict or None, the state's record of the last update sent (the handler's own format,
-        written by a previous :meth:`DeviceRoundHandler.prepare` as ``PreparedUpload.sent``).
-    min_count_floor : int >= 1, the smallest privacy threshold this device accepts.
-    allow_repartition : bool, whether to upload for another partition than the last upload's.
-    fetch : ``fetch(path, limit_bytes) -> bytes``, a GET on the server (retried, size-limited).
-    local_trainer : the app's trainer for kinds trained on the device with torch
-        (``f(evaluations, round_json, parameters_bytes, client_id) -> upload bytes or None``), or None.
-    state_path : str, where the state lives (for error messages).
-    upload_format : ``"msgpack"`` (default: binary arrays, about a quarter of the JSON size and
-        cheaper for the server to check) or ``"json"``, for kinds with both encodings (K-means).
-    """
+    """What a handler may use: the device's ``client_id``; ``rows()`` reads the EvalLog; ``sent``, the
+    state's record of the last sent update (``PreparedUpload.sent`` of an earlier round);
+    ``min_count_floor``, the smallest privacy threshold the device accepts; ``allow_repartition``;
+    ``fetch(path, limit_bytes)``, a retried, size-limited GET; ``local_trainer(evaluations, round_json,
+    parameters, client_id) -> bytes | None`` (torch kinds); ``upload_format``: ``"msgpack"`` or ``"json"``."""
 
     client_id: str
     rows: Callable[[], Evaluations]
-    sent: dict | None
+    sent: dict[str, Any] | None
     min_count_floor: int
     allow_repartition: bool
     fetch: Callable[[str, int], bytes]
-    local_trainer: Callable | None = None
+    local_trainer: Callable[[Evaluations, dict[str, Any], bytes, str], bytes | None] | None = None
     state_path: str = ""
     upload_format: str = "msgpack"
 
@@ -84,14 +66,13 @@ class PreparedUpload:
     payload: bytes | None
     content_type: str
     skipped: str | None = None
-    sent: dict | None = None
+    sent: dict[str, Any] | None = None
     warnings: tuple[str, ...] = ()
 
 
 def screen_log(evaluations: Evaluations) -> tuple[Evaluations, LogCheck]:
     """The log without the rows of models whose scores are degenerate (:mod:`sdk.log_checks`,
-    criterion 1), and the check; each warning is logged. The upload then carries no statistics or
-    training rows of those models, and the server's global estimate for them stands."""
+    criterion 1), and the check; each warning is logged."""
     models = tuple(sorted(set(evaluations.model)))
     index = {m: j for j, m in enumerate(models)}
     model_index = np.array([index[m] for m in evaluations.model], dtype=np.int64)
@@ -100,19 +81,20 @@ def screen_log(evaluations: Evaluations) -> tuple[Evaluations, LogCheck]:
     keep = check.uploadable[model_index] if len(evaluations) else np.zeros(0, dtype=bool)
     if keep.all():
         return evaluations, check
-    rows = np.flatnonzero(keep)
-    kept = Evaluations(
-        evaluations.id[rows], evaluations.timestamp[rows], tuple(evaluations.model[i] for i in rows),
-        evaluations.score[rows], evaluations.cost_usd[rows], evaluations.latency_ms[rows], evaluations.cell[rows],
-        evaluations.embedding[rows], evaluations.bundle_version[rows], tuple(evaluations.query[i] for i in rows))
-    return kept, check
+    return _take(evaluations, np.flatnonzero(keep)), check
+
+
+def _take(evaluations: Evaluations, rows: npt.NDArray[np.intp]) -> Evaluations:
+    """The ``rows`` of ``evaluations`` (policy and propensity: not recorded; uploads ignore them)."""
+    e = evaluations
+    return Evaluations(e.id[rows], e.timestamp[rows], tuple(e.model[i] for i in rows), e.score[rows],
+                       e.cost_usd[rows], e.latency_ms[rows], e.cell[rows], e.embedding[rows],
+                       e.bundle_version[rows], tuple(e.query[i] for i in rows))
 
 
 def _without_off_norm_embeddings(evaluations: Evaluations) -> tuple[Evaluations, tuple[str, ...]]:
     """The rows whose embedding is absent or of unit norm (within ``UNIT_NORM_TOLERANCE``), and a
-    warning for the others: rows an older SDK logged before ``EvalLog.record`` refused other norms. The
-    server refuses cell means of norm above 1 (422), so one such row in a reported cell blocked every
-    upload; they stay in the log, out of K-means uploads."""
+    warning for the others (the server refuses cell means of norm above 1)."""
     emb = evaluations.embedding.astype(np.float64)
     norm = np.sqrt(np.einsum("ij,ij->i", emb, emb)) if emb.shape[1] else np.zeros(len(evaluations))
     bad = np.isfinite(norm) & (np.abs(norm - 1.0) > UNIT_NORM_TOLERANCE)
@@ -122,27 +104,15 @@ def _without_off_norm_embeddings(evaluations: Evaluations) -> tuple[Evaluations,
                f"{int(evaluations.id[bad][0])}: {float(norm[bad][0]):.6g}; logged before EvalLog.record refused "
                "them): left out of this upload (the server refuses means of them); they stay in the log")
     warn((message,), "upload")
-    rows = np.flatnonzero(~bad)
-    kept = Evaluations(
-        evaluations.id[rows], evaluations.timestamp[rows], tuple(evaluations.model[i] for i in rows),
-        evaluations.score[rows], evaluations.cost_usd[rows], evaluations.latency_ms[rows], evaluations.cell[rows],
-        evaluations.embedding[rows], evaluations.bundle_version[rows], tuple(evaluations.query[i] for i in rows))
-    return kept, (message,)
+    return _take(evaluations, np.flatnonzero(~bad)), (message,)
 
 
 class DeviceRoundHandler(Protocol):
     """The device side of a federated round kind."""
 
-    def prepare(self, round_json: dict, context: DeviceRoundContext) -> PreparedUpload:
-        """The upload for the round described by ``round_json`` (``GET /v1/rounds/current``).
-
-        Raises
-        ------
-        SyncError
-            A malformed round description or a damaged ``context.sent`` record.
-        ShapeError
-            The log's embeddings do not fit the round.
-        """
+    def prepare(self, round_json: dict[str, Any], context: DeviceRoundContext) -> PreparedUpload:
+        """The upload for ``round_json`` (``GET /v1/rounds/current``); SyncError for a malformed round or
+        a damaged ``context.sent``, ShapeError when the log's embeddings do not fit the round."""
         ...
 
 
@@ -158,7 +128,7 @@ SAFETENSORS_TYPE = "application/x-safetensors"
 class KMeansRoundHandler:
     """Federated K-means rounds: see the module docstring and :mod:`sdk.local_update`."""
 
-    def prepare(self, round_json: dict, context: DeviceRoundContext) -> PreparedUpload:
+    def prepare(self, round_json: dict[str, Any], context: DeviceRoundContext) -> PreparedUpload:
         spec = RoundSpec.from_json(round_json)
         spec = dataclasses.replace(spec, min_count=max(spec.min_count, context.min_count_floor))
         record = context.sent
@@ -184,7 +154,7 @@ class KMeansRoundHandler:
 class MlpRoundHandler:
     """Federated MLP rounds: fetch the round's parameters, train on the device (``local_trainer``)."""
 
-    def prepare(self, round_json: dict, context: DeviceRoundContext) -> PreparedUpload:
+    def prepare(self, round_json: dict[str, Any], context: DeviceRoundContext) -> PreparedUpload:
         try:
             round_id = int(round_json["round_id"])
             url, digest = str(round_json["parameters_url"]), str(round_json["parameters_hash"])

@@ -1,66 +1,21 @@
 """A device's contribution to a federated K-means round, computed from its :class:`sdk.EvalLog`.
 
-Paper 002, "Federated hierarchical clustering" (ARCHITECTURE.md §4, §6). For the round's global
-centroids ``c_1..c_K`` the device maps each logged query to its Voronoi cell and reports
-
-- per (cell k, model m): the count ``n_k^m`` and the sums of score and cost
-  (:class:`sdk.CellStatistics`), the sufficient statistics whose element-wise sum over devices is
-  the statistics of the pooled logs;
-- per cell k: the mean embedding of its queries and their number ``w_k`` (its *local centroid and
-  weight*). The server's count-weighted mean of these is one exact Lloyd step of K-means over the
-  pooled embeddings: the next round's centroids.
-
-Privacy rule (ARCHITECTURE.md §6): no text and no per-query embedding leaves the device.
-
-*One upload* (:func:`kmeans_update`). Entries with fewer than ``min_count`` samples are zeroed, and
-a cell's mean embedding is reported only if it averages at least ``max(min_count, 2)`` *distinct*
-embeddings (bitwise-distinct float32 vectors), so neither a single query nor one prompt logged many
-times is sent as its own embedding.
-
-*Two uploads* (:func:`hold_small_changes`). A device that syncs again after logging one more query
-would otherwise let the server subtract its two uploads: a cell weight going ``n -> n + 1`` gives
-``(n + 1) mu_2 - n mu_1``, the new query's embedding, and an entry's count going ``30 -> 31`` gives
-its score and cost. Before each upload the device therefore compares its update with the last one
-it *sent* for the same centroids (``sdk.SyncClient`` keeps it in its state file) and keeps the sent
-values of every entry whose count changed by fewer than ``min_count`` samples, and the sent mean and
-weight of every cell whose weight, or whose number of distinct embeddings, changed by fewer than
-``max(min_count, 2)``.
-
-What this guarantees, for one ``min_count``, one set of centroids and a log that only grows (no
-retention deleting rows), as long as the device's sync state is kept: any two uploads of the
-device, consecutive or not, never differ in a (cell, model) entry by fewer than ``min_count``
-samples, nor in a cell mean by fewer than ``max(min_count, 2)`` queries (of which at least that
-many are new distinct embeddings). The difference of two uploads is then itself an aggregate that
-one upload would be allowed to carry.
-
-What it does not guarantee:
-
-- aggregates of at least ``min_count`` samples are still aggregates of *this* device's queries: the
-  rule bounds how few samples an answer summarises, it is not differential privacy (the server's
-  ``--noise-multiplier`` protects the published router, not the upload against the operator);
-- a cell mean over several distinct embeddings, one of them repeated many times, lies close to
-  that embedding (duplicates are weighted by their number, as the Lloyd step needs); near-duplicate
-  embeddings count as distinct;
-- ``log_size`` is sent as it is (it says how many queries were logged, not what they were);
-- rows removed by the log's retention: a net change of ``min_count`` samples may combine removed
-  and added rows, and the guarantee between non-consecutive uploads needs counts that only grow;
-- a change of ``min_count`` (the server's or the device's floor) between uploads: held values are
-  suppressed again under the new threshold, and the bound is the smaller of the two thresholds;
-- uploads for different centroids (another partition) are not compared;
-- a lost or deleted sync state: the next upload is compared with nothing on the device; the server,
-  which keeps every upload, enforces the rule across such a reset (``check_difference``, 422) and
-  refuses the device's uploads until every changed entry has moved by at least the threshold
-  (``sdk.protocol.STATE_LOSS_ADVICE``).
-
-Pure functions: no I/O, no clock.
+Paper 002, "Federated hierarchical clustering" (ARCHITECTURE.md §4, §6): for the round's centroids
+the device reports, per (cell, model), the count and the sums of score and cost
+(:class:`sdk.CellStatistics`), and per cell the mean embedding of its queries and their number (one
+exact Lloyd step once the server takes the count-weighted mean). Entries under ``min_count`` samples
+are zeroed, a cell mean needs ``max(min_count, 2)`` distinct embeddings (:func:`kmeans_update`), and
+changes since the last sent update smaller than that are held back (:func:`hold_small_changes`), so
+two uploads cannot be subtracted. What this guarantees and what not: docs/privacy-and-dp.md.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from sdk.cell_statistics import CellStatistics
-from sdk.errors import InvalidInputError, ShapeError
+from sdk.errors import ShapeError
 from sdk.eval_log import Evaluations
 from sdk.protocol import KMeansUpdate, RoundSpec, centroids_hash
 from sdk.voronoi import nearest_cell
@@ -77,28 +32,12 @@ def centroid_threshold(min_count: int) -> int:
 
 
 def kmeans_update(evaluations: Evaluations, spec: RoundSpec) -> KMeansUpdate:
-    """The device's :class:`KMeansUpdate` for ``spec`` from its logged evaluations.
+    """The device's :class:`KMeansUpdate` for ``spec`` from ``evaluations`` (``EvalLog.rows()``).
 
-    Rows without an embedding (NaN) or whose model is not in ``spec.models`` are skipped (they are
-    not counted in ``log_size``). A log with no usable row (empty, or only ``cell=`` rows) gives an
-    update with every count zero and no cell mean (:meth:`KMeansUpdate.is_empty`).
-
-    Each cost is clipped to ``spec.max_cost_usd`` when the round sets that bound (the server refuses
-    an entry whose mean cost is above it; clipping each record is what its DP sensitivity assumes).
-    Entries of fewer than ``spec.min_count`` samples are zeroed; a cell's mean embedding is
-    reported only if the cell holds at least ``max(spec.min_count, 2)`` distinct embeddings (its
-    weight counts every query, duplicates included).
-
-    Parameters
-    ----------
-    evaluations : :class:`sdk.Evaluations` (``EvalLog.rows()``); embeddings ``(n, d_emb) float32``.
-    spec : the round.
-
-    Raises
-    ------
-    ShapeError
-        The log's embeddings have another dimension than the round's centroids (the log was written
-        with a different embedder).
+    Rows without an embedding or of a model not in ``spec.models`` are skipped (not in ``log_size``).
+    Costs are clipped to ``spec.max_cost_usd`` if set; entries under ``spec.min_count`` are zeroed; a
+    cell mean is reported when the cell holds ``max(spec.min_count, 2)`` distinct embeddings (its weight
+    counts duplicates too). ShapeError when the log's embedding dimension is not the round's.
     """
     emb = evaluations.embedding
     n = len(evaluations)
@@ -131,8 +70,8 @@ def kmeans_update(evaluations: Evaluations, spec: RoundSpec) -> KMeansUpdate:
                         distinct[reported])
 
 
-def _distinct_per_cell(x: np.ndarray, cells: np.ndarray, n_cells: int) -> np.ndarray:
-    """Bitwise-distinct rows of ``x`` (n, d) float32 per cell, (n_cells,) int64. Does not validate."""
+def _distinct_per_cell(x: npt.NDArray[np.float32], cells: npt.NDArray[np.int64], n_cells: int) -> npt.NDArray[np.int64]:
+    """Bitwise-distinct rows of ``x`` (n, d) per cell, (n_cells,)."""
     if x.shape[0] == 0:
         return np.zeros(n_cells, dtype=np.int64)
     rows = np.ascontiguousarray(x + np.float32(0.0))  # -0.0 -> 0.0: equal values, equal bytes
@@ -142,48 +81,18 @@ def _distinct_per_cell(x: np.ndarray, cells: np.ndarray, n_cells: int) -> np.nda
 
 
 def hold_small_changes(new: KMeansUpdate, sent: KMeansUpdate | None, min_count: int) -> KMeansUpdate:
-    """``new`` with every change smaller than the privacy threshold replaced by what was ``sent``. Pure.
+    """``new`` with every change smaller than the privacy threshold replaced by what was ``sent`` (the
+    last update sent for the same centroids and models, of the same shapes; None: ``new`` as it is).
 
-    Compares the device's fresh update with the last one it sent for the same centroids and models
-    (see the module docstring for what this guarantees and what it does not):
-
-    - a (cell, model) entry whose count changed by fewer than ``min_count`` (including not at all)
-      keeps its sent count, score sum and cost sum;
-    - a cell whose weight, or whose number of distinct embeddings, changed by fewer than
-      ``t = max(min_count, 2)`` keeps its sent mean, weight and distinct count (a cell sent before
-      and absent now changed by its whole weight, >= t, and is dropped);
-    - then entries below ``min_count`` are zeroed and only cells of weight and distinct count
-      ``>= t`` are reported (a held value sent under a lower threshold is not re-sent);
-    - ``log_size`` is ``max(new.log_size, counts sum, weights sum)`` (the server refuses counts above it).
-
-    An unknown distinct count (``local_distinct is None``) is taken as the cell's weight.
-
-    Parameters
-    ----------
-    new : the update of the log now (:func:`kmeans_update`).
-    sent : the update sent last for the same centroids and models, or None (nothing sent: ``new``
-        is returned as it is).
-    min_count : int >= 1, the privacy threshold of this upload.
-
-    Raises
-    ------
-    ShapeError
-        ``new`` and ``sent`` have statistics of different shapes or mean embeddings of different
-        dimensions.
-    InvalidInputError
-        ``min_count`` is not an int >= 1.
+    An entry whose count changed by fewer than ``min_count`` (>= 1) keeps its sent count and sums; a
+    cell whose weight or distinct count changed by fewer than ``t = max(min_count, 2)`` keeps its sent
+    mean, weight and distinct count (an unknown distinct count is the weight). Then entries under
+    ``min_count`` are zeroed, only cells with weight and distinct count ``>= t`` are reported, and
+    ``log_size`` is at least the counts' and the weights' sums.
     """
-    if isinstance(min_count, bool) or not isinstance(min_count, (int, np.integer)) or min_count < 1:
-        raise InvalidInputError(f"min_count must be an int >= 1, got {min_count!r}")
     if sent is None:
         return new
     s, p = new.statistics, sent.statistics
-    if s.count.shape != p.count.shape:
-        raise ShapeError(f"statistics of shape {s.count.shape} cannot be compared with the sent {p.count.shape}")
-    d_emb = new.local_centroids.shape[1]
-    if sent.local_centroids.shape[1] != d_emb:
-        raise ShapeError(f"mean embeddings of dimension {d_emb} cannot be compared with the sent "
-                         f"{sent.local_centroids.shape[1]}")
     hold = np.abs(s.count - p.count) < min_count
     count = np.where(hold, p.count, s.count)
     keep = count >= min_count
@@ -201,13 +110,12 @@ def hold_small_changes(new: KMeansUpdate, sent: KMeansUpdate | None, min_count: 
                         dist[reported].astype(np.int64))
 
 
-def _dense_cells(u: KMeansUpdate, n_cells: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(weights (n_cells,), distinct (n_cells,), means (n_cells, d)) with zeros for unreported cells.
+_Dense = tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]
 
-    Raises ShapeError for reported cells out of range (a damaged sent update)."""
+
+def _dense_cells(u: KMeansUpdate, n_cells: int) -> _Dense:
+    """(weights (n_cells,), distinct (n_cells,), means (n_cells, d)), zeros for unreported cells."""
     cells = np.asarray(u.centroid_cells, dtype=np.int64)
-    if cells.size and (cells.min() < 0 or cells.max() >= n_cells or np.unique(cells).size != cells.size):
-        raise ShapeError(f"centroid_cells must be distinct and lie in [0, {n_cells}), got {cells.tolist()}")
     weights, distinct = np.zeros(n_cells), np.zeros(n_cells)
     means = np.zeros((n_cells, u.local_centroids.shape[1]))
     weights[cells] = u.local_weights

@@ -561,6 +561,8 @@ def decode_sent_record(record: dict | None, spec: RoundSpec, state_path: str = "
                 for k in stats:
                     aligned[k][:, i] = stats[k][:, column[m]]
         cells = np.asarray(record["centroid_cells"], dtype=np.int64).reshape(-1)
+        if cells.size and (cells.min() < 0 or cells.max() >= n_cells or np.unique(cells).size != cells.size):
+            raise ValueError(f"centroid_cells must be distinct and lie in [0, {n_cells}), got {cells.tolist()}")
         return KMeansUpdate(
             CellStatistics(aligned["count"], aligned["sum_accuracy"], aligned["sum_cost"]), cells,
             np.asarray(record["local_centroids"], dtype=np.float64).reshape(cells.size, spec.d_emb),

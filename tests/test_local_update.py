@@ -11,6 +11,7 @@ import pytest
 from sdk import EvalLog
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import InvalidInputError, ShapeError, SyncError
+from sdk.protocol import decode_sent_record, encode_sent_record
 from sdk.local_update import (
     KMeansUpdate,
     RoundSpec,
@@ -265,12 +266,21 @@ def test_nothing_sent_before_or_nothing_changed():
     assert out.log_size == SENT.log_size
 
 
-def test_hold_small_changes_refuses_incomparable_updates():
-    other = KMeansUpdate(CellStatistics.zeros(3, 2), np.zeros(0, np.int64), np.zeros((0, 2)), np.zeros(0), 0)
-    with pytest.raises(ShapeError, match="cannot be compared"):
-        hold_small_changes(other, SENT, min_count=5)
-    with pytest.raises(InvalidInputError, match="min_count"):
-        hold_small_changes(SENT, SENT, min_count=0)
+@pytest.mark.parametrize("damage", [
+    pytest.param({"centroid_cells": [5]}, id="cell-out-of-range"),
+    pytest.param({"centroid_cells": [-1]}, id="cell-negative"),
+    pytest.param({"centroid_cells": [0, 0], "local_centroids": [[1.0, 0, 0]] * 2, "local_weights": [30, 30],
+                  "local_distinct": [30, 30]}, id="cell-repeated"),
+    pytest.param({"count": [[1.0]]}, id="count-of-another-shape"),
+    pytest.param({"local_centroids": [[1.0, 0.0]]}, id="mean-of-another-dimension"),
+])
+def test_a_damaged_sent_record_is_a_sync_error(damage):
+    """The state file's record of the last sent update is checked when read (hold_small_changes trusts it)."""
+    sent = KMeansUpdate(CellStatistics(np.full((2, 3), 30.0), np.full((2, 3), 15.0), np.full((2, 3), 0.3)),
+                        np.array([0]), np.array([[1.0, 0.0, 0.0]]), np.array([30.0]), 180, np.array([30]))
+    record = {**encode_sent_record(sent, spec()), **damage}
+    with pytest.raises(SyncError, match="last sent update is damaged"):
+        decode_sent_record(record, spec())
 
 
 def test_one_more_logged_query_cannot_be_recovered_from_two_uploads(tmp_path):
