@@ -1,14 +1,10 @@
 """Answered calls that wait for their score, kept in a small SQLite file until the app scores them.
 
-The quality of an LLM answer (a score in [0, 1]) is known to the app *later*, if ever. A routed
-call therefore stores what an :class:`sdk.eval_log.EvalLog` row needs except the score: model,
-observed cost and latency, the query embedding, cell, bundle version and time, keyed by the
-response id. :meth:`sdk.routed_chat.RoutedChat.feedback` (or ``POST /v1/fedroute/feedback`` on the
-proxy) then writes the row with the score the app gives. Nothing is invented: a call never scored
-never reaches the log.
-
-The file survives restarts and killed processes (WAL, one transaction per write, ``synchronous=NORMAL``); entries older than ``max_age_s`` and
-all but the newest ``max_rows`` are dropped on insert. ``":memory:"`` keeps them in memory only.
+A routed call stores what an :class:`sdk.eval_log.EvalLog` row needs except the score, keyed by the
+response id; :meth:`sdk.routed_chat.RoutedChat.feedback` writes the row once the app gives the score
+(a call never scored never reaches the log). WAL, one transaction per write, ``synchronous=NORMAL``
+(survives killed processes); entries older than ``max_age_s`` and all but the newest ``max_rows``
+are dropped on insert. ``":memory:"`` keeps them in memory only.
 """
 
 from __future__ import annotations
@@ -19,10 +15,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from sdk.errors import EvalLogError, InvalidInputError
 from sdk.sqlite_files import set_wal, table_names
@@ -49,8 +46,7 @@ _COLUMNS = ("response_id", "seq", "timestamp", "model", "cost_usd", "latency_ms"
 
 
 def storable_id(response_id: object) -> bool:
-    """True for a response id this store can hold: a non-empty ``str`` that encodes as UTF-8 (an
-    upstream may send lone surrogates, which SQLite cannot store)."""
+    """True for a response id this store can hold: a non-empty ``str`` that encodes as UTF-8."""
     if not isinstance(response_id, str) or not response_id:
         return False
     try:
@@ -62,54 +58,32 @@ def storable_id(response_id: object) -> bool:
 
 @dataclass(frozen=True)
 class PendingOutcome:
-    """An answered routed call waiting for its score.
-
-    Attributes
-    ----------
-    response_id : the completion's ``id``.
-    timestamp : unix seconds when the answer arrived.
-    model : the model that answered (after any fallback).
-    cost_usd : observed cost, USD (token price x usage).
-    latency_ms : the answering call's wall time, ms.
-    embedding : ndarray of shape (d_emb,), float32, the routed text's embedding.
-    cell : K-means cell or None.
-    bundle_version : the bundle that routed.
-    """
+    """An answered routed call waiting for its score: the completion's ``id``, arrival time (unix s), the
+    model that answered, observed cost (USD) and latency (ms), the routed text's (d_emb,) float32
+    embedding, its K-means cell (or None) and the routing bundle's version."""
 
     response_id: str
     timestamp: float
     model: str
     cost_usd: float
     latency_ms: float
-    embedding: np.ndarray
+    embedding: npt.NDArray[np.float32]
     cell: int | None
     bundle_version: int
 
 
 class PendingOutcomes:
-    """The store of :class:`PendingOutcome` (thread-safe, one connection under a lock).
-
-    Parameters
-    ----------
-    path : SQLite file (created with mode 0600) or ``":memory:"``.
-    max_rows : int >= 1, newest entries kept (default 50,000).
-    max_age_s : float > 0, entries older than this are dropped (default 7 days).
-
-    Raises
-    ------
-    InvalidInputError
-        Bad ``max_rows`` / ``max_age_s``.
-    EvalLogError
-        The file cannot be opened as this store (not SQLite, or an SQLite database with other tables or
-        columns, e.g. the :class:`sdk.EvalLog`'s own file). :meth:`get`, :meth:`remove` and ``len`` raise it
-        too when SQLite fails (a file locked for over 10 s, damaged).
+    """The store of :class:`PendingOutcome` (thread-safe, one connection under a lock) in ``path`` (SQLite,
+    created with mode 0600, or ``":memory:"``), keeping the newest ``max_rows`` (int >= 1) entries of
+    age up to ``max_age_s`` (> 0). InvalidInputError for other values; EvalLogError when the file is
+    not this store (not SQLite, another database such as the EvalLog's) or SQLite fails later.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, max_rows: int = 50_000, max_age_s: float = 7 * 86_400.0) -> None:
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-            raise InvalidInputError(f"max_rows must be an int >= 1, got {max_rows!r}")
-        if not isinstance(max_age_s, (int, float)) or isinstance(max_age_s, bool) or not max_age_s > 0:
-            raise InvalidInputError(f"max_age_s must be a number > 0 (seconds), got {max_age_s!r}")
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1 \
+                or not isinstance(max_age_s, (int, float)) or isinstance(max_age_s, bool) or not max_age_s > 0:
+            raise InvalidInputError(f"max_rows must be an int >= 1 and max_age_s a number > 0 (seconds), got "
+                                    f"{max_rows!r} and {max_age_s!r}")
         self._max_rows, self._max_age_s = max_rows, float(max_age_s)
         self._lock = threading.Lock()
         self._closed = False
@@ -136,15 +110,8 @@ class PendingOutcomes:
                                f"{sorted(tables)}, pending columns {list(columns)}); give a file of its own")
 
     def add(self, outcome: PendingOutcome) -> None:
-        """Store ``outcome`` (replacing an entry with the same id) and apply retention, in one transaction.
-
-        Raises
-        ------
-        InvalidInputError
-            ``outcome.response_id`` is not a :func:`storable_id` (checked before any write).
-        EvalLogError
-            SQLite failed to write (the transaction is rolled back: the store stays usable).
-        """
+        """Store ``outcome`` (replacing an entry of its id) and apply retention, in one transaction.
+        InvalidInputError for an id that is not :func:`storable_id`; EvalLogError (rolled back) when SQLite fails."""
         if not storable_id(outcome.response_id):
             raise InvalidInputError(f"response id {outcome.response_id!r:.80} cannot be stored: a non-empty str of "
                                     "valid Unicode is needed")
@@ -179,18 +146,9 @@ class PendingOutcomes:
         return None if row is None else _outcome(row)
 
     def take(self, response_id: str, record: Callable[[PendingOutcome], T]) -> T | None:
-        """``record(entry)`` for the entry of ``response_id``, then the entry deleted, under the store's write
-        lock throughout: another thread, client or process taking the same id waits, then finds no entry
-        (each answer is recorded once). None when no entry has that id. When ``record`` raises, the entry
-        stays; a process killed after ``record`` returned but before the delete committed keeps it too (it
-        may be recorded again, never lost).
-
-        Raises
-        ------
-        EvalLogError
-            SQLite failed (another writer held the lock for over 10 s, a damaged file); or what
-            ``record`` raises.
-        """
+        """``record(entry)`` for the entry of ``response_id``, then the entry deleted, under the write lock
+        throughout (each answer is recorded once; None when there is no entry). When ``record`` raises,
+        or the process dies before the delete commits, the entry stays. EvalLogError when SQLite fails."""
         if not storable_id(response_id):
             return None
         with self._lock:
@@ -230,19 +188,19 @@ class PendingOutcomes:
             self._conn.close()
             self._closed = True
 
-    def _read(self, query):
-        """``query()``, with SQLite's errors (a locked or damaged file) as :class:`EvalLogError`."""
+    def _read(self, query: Callable[[], T]) -> T:
+        """``query()``, with SQLite's errors as :class:`EvalLogError`."""
         try:
             return query()
         except sqlite3.Error as exc:
             raise EvalLogError(f"cannot use the pending-outcome store {self._path!r}: {exc}") from exc
 
     def _check_open(self) -> None:
-        """Raise :class:`EvalLogError` after :meth:`close` (sqlite3's own error would be a raw ProgrammingError)."""
+        """EvalLogError after :meth:`close`."""
         if self._closed:
             raise EvalLogError(f"the pending-outcome store {self._path!r} is closed")
 
 
-def _outcome(row: tuple) -> PendingOutcome:
+def _outcome(row: tuple[Any, ...]) -> PendingOutcome:
     return PendingOutcome(row[0], row[1], row[2], row[3], row[4], np.frombuffer(row[5], dtype="<f4").copy(), row[6],
                           row[7])
