@@ -35,11 +35,13 @@ import io
 import json
 import math
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 import numpy as np
+import numpy.typing as npt
 
 from sdk.arrays import is_npz
 from sdk.cell_statistics import CellStatistics
@@ -51,6 +53,9 @@ PROTOCOL_VERSION = 1
 #: Version of the device's sync state file.
 SYNC_STATE_VERSION = 1
 KMEANS_KIND = "kmeans"
+JSONObject = dict[str, Any]
+_Floats = npt.NDArray[np.float64]
+_Ints = npt.NDArray[np.int64]
 
 
 def encode_json(obj: object) -> bytes:
@@ -59,7 +64,7 @@ def encode_json(obj: object) -> bytes:
     return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def centroids_hash(centroids: np.ndarray) -> str:
+def centroids_hash(centroids: npt.ArrayLike) -> str:
     """sha256 (hex) of the centroids as little-endian float32 with their shape: the identity of a
     cell partition. Updates are merged only with updates for the same partition."""
     c = np.ascontiguousarray(centroids, dtype="<f4")
@@ -68,31 +73,17 @@ def centroids_hash(centroids: np.ndarray) -> str:
     return h.hexdigest()
 
 
-
-
 @dataclass(frozen=True)
 class RoundSpec:
-    """The open round as the server announces it (``GET /v1/rounds/current``).
-
-    Attributes
-    ----------
-    round_id : int >= 1.
-    kind : str, ``"kmeans"`` (the only kind a device computes without torch).
-    centroids : ndarray of shape (n_cells, d_emb), float32, the global centroids.
-    centroids_hash : str, :func:`centroids_hash` of ``centroids``.
-    models : tuple of str, column order of the statistics.
-    embedder_name : str; d_emb : int, the embedder the centroids live in.
-    min_count : int >= 1, the privacy threshold of this round.
-    deadline_utc : str, ISO-8601 UTC time at which the round closes.
-    max_cost_usd : float > 0 or None, USD: the round's bound on one query's cost (``fedroute rounds
-        open --max-cost-usd``, for clipping and DP). The device clips each logged cost to it
-        (:func:`sdk.local_update.kmeans_update`), since the server refuses any entry whose mean cost
-        is above it; None (key absent or null) when the round sets no bound.
-    """
+    """The open round as the server announces it (``GET /v1/rounds/current``): ``round_id`` >= 1,
+    ``kind``, the global ``centroids`` (n_cells, d_emb) float32 and their :func:`centroids_hash`,
+    ``models`` (the statistics' column order), the embedder's name and ``d_emb``, the privacy threshold
+    ``min_count`` >= 1, ``deadline_utc`` (ISO-8601) and ``max_cost_usd`` (USD > 0, the bound each logged
+    cost is clipped to; None: no bound). Fields: docs/protocol.md."""
 
     round_id: int
     kind: str
-    centroids: np.ndarray
+    centroids: npt.NDArray[np.float32]
     centroids_hash: str
     models: tuple[str, ...]
     embedder_name: str
@@ -103,46 +94,48 @@ class RoundSpec:
 
     @classmethod
     def from_json(cls, data: object) -> RoundSpec:
-        """Parse the server's JSON answer.
-
-        Raises
-        ------
-        SyncError
-            A field is missing or has the wrong type (strings where strings belong, ``models`` a
-            list of strings: a string is not read as its characters) or shape, or the centroids do
-            not match their hash (a malformed or tampered answer).
-        """
+        """Parse the server's JSON answer; SyncError for a missing field, one of the wrong type or shape
+        (``models`` a list of distinct strings), or centroids that do not match their hash."""
         try:
-            if not isinstance(data, Mapping):
-                raise TypeError("not a JSON object")
-            for key in ("kind", "centroids_hash", "embedder_name", "deadline_utc"):
-                if not isinstance(data[key], str):
-                    raise TypeError(f"{key} must be a string, got {type(data[key]).__name__}")
-            if not isinstance(data["models"], list) or not all(isinstance(m, str) for m in data["models"]):
-                raise TypeError(f"models must be a list of strings, got {str(data['models'])[:80]}")
-            centroids = np.asarray(data["centroids"], dtype=np.float64)
-            spec = cls(
-                round_id=_int(data["round_id"], 1),
-                kind=str(data["kind"]),
-                centroids=centroids.astype(np.float32),
-                centroids_hash=str(data["centroids_hash"]),
-                models=tuple(str(m) for m in data["models"]),
-                embedder_name=str(data["embedder_name"]),
-                d_emb=_int(data["d_emb"], 1),
-                min_count=_int(data["min_count"], 1),
-                deadline_utc=str(data["deadline_utc"]),
-                max_cost_usd=_positive_or_none(data.get("max_cost_usd"), "max_cost_usd"),
-            )
+            obj = dict(data) if isinstance(data, Mapping) else {}
+            spec = cls(round_id=_int(obj["round_id"], 1), kind=_str(obj, "kind"),
+                       centroids=np.asarray(obj["centroids"], dtype=np.float64).astype(np.float32),
+                       centroids_hash=_str(obj, "centroids_hash"), models=_strings(obj["models"]),
+                       embedder_name=_str(obj, "embedder_name"), d_emb=_int(obj["d_emb"], 1),
+                       min_count=_int(obj["min_count"], 1), deadline_utc=_str(obj, "deadline_utc"),
+                       max_cost_usd=_positive_or_none(obj.get("max_cost_usd"), "max_cost_usd"))
         except (KeyError, TypeError, ValueError) as exc:
-            raise SyncError(f"malformed round description from the server: {exc!r}") from exc
+            raise SyncError(f"malformed round description from the server: "
+                            f"{repr(exc) if isinstance(data, Mapping) else 'not a JSON object'}") from exc
         c = spec.centroids
-        if c.ndim != 2 or c.shape[0] < 1 or c.shape[1] != spec.d_emb or not np.isfinite(c).all():
-            raise SyncError(f"round {spec.round_id}: centroids of shape {c.shape} do not fit d_emb={spec.d_emb}")
-        if centroids_hash(c) != spec.centroids_hash:
-            raise SyncError(f"round {spec.round_id}: centroids do not match their hash")
-        if not spec.models or len(set(spec.models)) != len(spec.models):
-            raise SyncError(f"round {spec.round_id}: models must be distinct and non-empty, got {spec.models}")
+        problem = (f"centroids of shape {c.shape} do not fit d_emb={spec.d_emb}"
+                   if c.ndim != 2 or c.shape[0] < 1 or c.shape[1] != spec.d_emb or not np.isfinite(c).all()
+                   else "centroids do not match their hash" if centroids_hash(c) != spec.centroids_hash
+                   else f"models must be distinct and non-empty, got {spec.models}"
+                   if not spec.models or len(set(spec.models)) != len(spec.models) else None)
+        if problem:
+            raise SyncError(f"round {spec.round_id}: {problem}")
         return spec
+
+
+def _str(obj: Mapping[str, object], key: str) -> str:
+    value = obj[key]
+    if not isinstance(value, str):
+        raise TypeError(f"{key} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _bool(value: object, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{key} must be a boolean, got {value!r}")
+    return value
+
+
+def _strings(value: object) -> tuple[str, ...]:
+    """A JSON list of strings as a tuple (a string is not read as its characters)."""
+    if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+        raise TypeError(f"models must be a list of strings, got {str(value)[:80]}")
+    return tuple(value)
 
 
 def _positive_or_none(value: object, name: str) -> float | None:
@@ -162,39 +155,25 @@ def _int(value: object, minimum: int) -> int:
 
 @dataclass(frozen=True)
 class KMeansUpdate:
-    """One device's statistics for one round.
-
-    Attributes
-    ----------
-    statistics : CellStatistics of shape (n_cells, n_models), entries below ``min_count`` zeroed.
-    centroid_cells : ndarray of shape (n_reported,), int64, cells whose mean embedding is reported.
-    local_centroids : ndarray of shape (n_reported, d_emb), float64, mean embedding per reported cell.
-    local_weights : ndarray of shape (n_reported,), float64, queries averaged per reported cell.
-    log_size : int, evaluations summarised (logged rows with an embedding and a known model);
-        ``statistics.count.sum() <= log_size`` and ``local_weights.sum() <= log_size``.
-    local_distinct : ndarray of shape (n_reported,), int64, distinct embeddings averaged per reported
-        cell, or None where unknown (an update decoded from the wire). Kept on the device for
-        :func:`hold_small_changes`; never sent (:meth:`to_payload` leaves it out).
-    """
+    """One device's statistics for one round: ``statistics`` (n_cells, n_models), the reported cells
+    ``centroid_cells`` (n_reported,) int64 with their mean embeddings ``local_centroids`` (n_reported,
+    d_emb) float64 and query counts ``local_weights`` (n_reported,), ``log_size`` (rows summarised, at
+    least the counts' and the weights' sums) and ``local_distinct`` (n_reported,) int64 distinct
+    embeddings per cell (None: unknown; kept on the device, never sent)."""
 
     statistics: CellStatistics
-    centroid_cells: np.ndarray
-    local_centroids: np.ndarray
-    local_weights: np.ndarray
+    centroid_cells: _Ints
+    local_centroids: _Floats
+    local_weights: _Floats
     log_size: int
-    local_distinct: np.ndarray | None = None
+    local_distinct: _Ints | None = None
 
     def is_empty(self) -> bool:
         """True if the update reports nothing: every count zero and no cell mean (not worth sending)."""
         return not np.any(self.statistics.count) and self.centroid_cells.size == 0
 
-    def to_payload(self, client_id: str, spec: RoundSpec) -> dict:
-        """The JSON body of ``POST /v1/rounds/{round_id}/updates`` (ARCHITECTURE.md §6).
-
-        Holds aggregates only: counts and sums per (cell, model) and mean embeddings of cells with
-        at least ``max(min_count, 2)`` distinct queries. Floats are written exactly (JSON repr of
-        float64). ``local_distinct`` is not sent.
-        """
+    def to_payload(self, client_id: str, spec: RoundSpec) -> JSONObject:
+        """The JSON body of ``POST /v1/rounds/{round_id}/updates`` (aggregates only; floats exact)."""
         return {
             "client_id": client_id,
             "round_id": spec.round_id,
@@ -212,9 +191,7 @@ class KMeansUpdate:
 
 
 def encode_kmeans_update(update: KMeansUpdate, client_id: str, spec: RoundSpec) -> bytes:
-    """The JSON body of ``POST /v1/rounds/{round_id}/updates`` for a K-means round
-    (:meth:`KMeansUpdate.to_payload`, :func:`encode_json`). Its sha256 names the upload in the
-    device's ``Idempotency-Key``, so the same update always gives the same bytes."""
+    """The JSON body of ``POST /v1/rounds/{round_id}/updates``; deterministic (its sha256 names the upload)."""
     return encode_json(update.to_payload(client_id, spec))
 
 
@@ -224,9 +201,8 @@ MSGPACK_MEDIA_TYPE = "application/msgpack"
 #: Keys of a K-means update on the wire (JSON and MessagePack), in the order written.
 UPDATE_FIELDS = ("client_id", "round_id", "kind", "centroids_hash", "models", "log_size", "count", "sum_accuracy",
                  "sum_cost", "centroid_cells", "local_centroids", "local_weights")
-#: The array fields of the MessagePack encoding: name -> (numpy dtype of the raw bytes, rank).
-#: Statistics and weights travel as float64 (sums of costs and scores stay exact), cell indices as
-#: int64, the cell means (the bulk of the body) as float32, the precision of the embeddings they average.
+#: The array fields of the MessagePack encoding: name -> (numpy dtype of the raw bytes, rank); the
+#: cell means travel as float32, the precision of the embeddings they average.
 MSGPACK_ARRAYS = {"count": ("<f8", 2), "sum_accuracy": ("<f8", 2), "sum_cost": ("<f8", 2),
                   "centroid_cells": ("<i8", 1), "local_centroids": ("<f4", 2), "local_weights": ("<f8", 1)}
 
@@ -236,127 +212,116 @@ _WIDE = (_INT64, _FLOAT64)
 _DTYPES = {dtype: np.dtype(dtype) for dtype, _ in MSGPACK_ARRAYS.values()}  # parsed once
 
 
-def pack_msgpack_array(values: np.ndarray, dtype: str) -> list:
-    """One array of the MessagePack encoding: ``[shape, data]``, ``shape`` a list of ints and
-    ``data`` the C-order bytes of ``values`` cast to ``dtype`` (little-endian)."""
+def pack_msgpack_array(values: npt.ArrayLike, dtype: str) -> list[Any]:
+    """``[shape, data]``: one array of the MessagePack encoding, C-order bytes cast to ``dtype``."""
     a = np.ascontiguousarray(values, dtype=dtype)
     return [list(a.shape), a.tobytes()]
 
 
-def unpack_msgpack_array(value: object, dtype: str, rank: int, widen: bool = True) -> np.ndarray:
-    """The ndarray of a ``[shape, data]`` pair of the MessagePack encoding (read-only, ``dtype``
-    widened to float64 or int64; ``widen=False``: a view of the bytes in ``dtype`` itself).
-
-    Raises
-    ------
-    ShapeError
-        Not a pair of a list of ``rank`` non-negative ints and bytes of exactly ``prod(shape) *
-        itemsize`` bytes.
-    """
-    if not (isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], (list, tuple))
-            and isinstance(value[1], bytes)):
-        raise ShapeError("must be [shape, bytes] (a list of ints and a bin)")
-    shape, data = value
-    if len(shape) != rank or not all([type(n) is int and 0 <= n < 2**31 for n in shape]):
-        raise ShapeError(f"shape must be {rank} non-negative ints, got {list(shape)!r}")
+def unpack_msgpack_array(value: object, dtype: str, rank: int, widen: bool = True) -> npt.NDArray[Any]:
+    """The read-only array of a ``[shape, data]`` pair, widened to float64 / int64 (``widen=False``: a
+    view in ``dtype``). ShapeError unless ``shape`` is ``rank`` non-negative ints and ``data`` bytes of
+    exactly ``prod(shape) * itemsize``."""
     dt = _DTYPES.get(dtype) or np.dtype(dtype)
-    n = math.prod(shape)
-    if len(data) != n * dt.itemsize:
-        raise ShapeError(f"shape {list(shape)} needs {n * dt.itemsize} bytes of {dtype}, got {len(data)}")
-    # A view of the bytes (read-only, like the bytes) where the dtype is already the wide one (no
-    # copy), else a widened copy.
-    arr = np.ndarray(shape, dt, data)
-    return arr if not widen or dt in _WIDE else arr.astype(_INT64 if dt.kind in "iu" else _FLOAT64)
+    shape, data = value if isinstance(value, (list, tuple)) and len(value) == 2 else (None, None)
+    if not (isinstance(shape, (list, tuple)) and isinstance(data, bytes)):
+        problem = "must be [shape, bytes] (a list of ints and a bin)"
+    elif len(shape) != rank or not all([type(n) is int and 0 <= n < 2**31 for n in shape]):
+        problem = f"shape must be {rank} non-negative ints, got {list(shape)!r}"
+    elif len(data) != math.prod(shape) * dt.itemsize:
+        problem = f"shape {list(shape)} needs {math.prod(shape) * dt.itemsize} bytes of {dtype}, got {len(data)}"
+    else:
+        # A view of the bytes (read-only, like the bytes) where the dtype is already the wide one, else a widened copy.
+        arr = np.ndarray(shape, dt, data)
+        return arr if not widen or dt in _WIDE else arr.astype(_INT64 if dt.kind in "iu" else _FLOAT64)
+    raise ShapeError(problem)
 
 
 def encode_kmeans_update_msgpack(update: KMeansUpdate, client_id: str, spec: RoundSpec) -> bytes:
-    """The MessagePack body (``application/msgpack``) of ``POST /v1/rounds/{round_id}/updates``:
-    a map with the keys of :data:`UPDATE_FIELDS` in that order, scalars and ``models`` as native
-    MessagePack values, the six arrays as ``[shape, bin]`` pairs of little-endian values of the
-    dtypes in :data:`MSGPACK_ARRAYS` (``local_centroids`` rounded to float32). Deterministic, like
-    :func:`encode_kmeans_update` (its sha256 names the upload). Byte-level spec: docs/protocol.md §3."""
+    """The MessagePack body of ``POST /v1/rounds/{round_id}/updates``: the keys of :data:`UPDATE_FIELDS` in
+    order, arrays as :data:`MSGPACK_ARRAYS` pairs; deterministic (docs/protocol.md §3)."""
     s = update.statistics
     arrays = {"count": s.count, "sum_accuracy": s.sum_accuracy, "sum_cost": s.sum_cost,
               "centroid_cells": update.centroid_cells, "local_centroids": update.local_centroids,
               "local_weights": update.local_weights}
-    body = {"client_id": client_id, "round_id": int(spec.round_id), "kind": KMEANS_KIND,
+    body: JSONObject = {"client_id": client_id, "round_id": int(spec.round_id), "kind": KMEANS_KIND,
             "centroids_hash": spec.centroids_hash, "models": list(spec.models), "log_size": int(update.log_size)}
     if arrays["local_centroids"].size == 0:  # (0, d_emb) whatever the update's empty shape
         arrays["local_centroids"] = np.zeros((0, int(spec.d_emb)))
     for name, (dtype, _) in MSGPACK_ARRAYS.items():
         body[name] = pack_msgpack_array(arrays[name], dtype)
-    return msgpack.packb(body, use_bin_type=True)
+    return bytes(msgpack.packb(body, use_bin_type=True))
 
 
-def _update_of_fields(obj: dict) -> KMeansUpdate:
+def _update_of_fields(obj: JSONObject) -> KMeansUpdate:
     return KMeansUpdate(CellStatistics(obj["count"], obj["sum_accuracy"], obj["sum_cost"]),
                         np.asarray(obj["centroid_cells"], dtype=np.int64).reshape(-1),
                         np.asarray(obj["local_centroids"], dtype=np.float64),
                         np.asarray(obj["local_weights"], dtype=np.float64).reshape(-1), int(obj["log_size"]))
 
 
-def decode_kmeans_update_msgpack(raw: bytes) -> tuple[dict, KMeansUpdate]:
-    """(envelope, update) of :func:`encode_kmeans_update_msgpack` bytes; the envelope holds
-    ``client_id``, ``round_id``, ``kind``, ``centroids_hash``, ``models``. Not checked against a
-    round (the server does that field by field, :mod:`trainer.server.validation`).
+_ENVELOPE = ("client_id", "round_id", "kind", "centroids_hash", "models")
 
-    Raises
-    ------
-    PayloadError
-        Not MessagePack, or not a map with exactly the keys of :data:`UPDATE_FIELDS`.
-    ShapeError
-        An array that is not a well-formed ``[shape, bin]`` pair (the message names it), or
-        statistics :class:`CellStatistics` refuses.
-    """
+
+def decode_kmeans_update_msgpack(raw: bytes) -> tuple[JSONObject, KMeansUpdate]:
+    """(envelope: the :data:`_ENVELOPE` fields, update) of :func:`encode_kmeans_update_msgpack` bytes, not
+    checked against a round (the server does, :mod:`trainer.server.validation`). PayloadError: not
+    MessagePack or not exactly :data:`UPDATE_FIELDS`; ShapeError naming the array that is malformed
+    or that :class:`CellStatistics` refuses."""
+    obj = _unpack_map(raw, "K-means update", lambda o: set(o) == set(UPDATE_FIELDS),
+                      f"a K-means update is a map with exactly the keys {list(UPDATE_FIELDS)}")
+    obj.update(_unpack_arrays(obj, MSGPACK_ARRAYS))
+    return {k: obj[k] for k in _ENVELOPE}, _update_of_fields(obj)
+
+
+def _unpack_map(raw: bytes, what: str, valid: Callable[[JSONObject], bool], expected: str) -> JSONObject:
+    """The MessagePack map of ``raw``; PayloadError when it is not one or not ``valid``."""
     try:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        ok = isinstance(obj, dict) and valid(obj)
     except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated classes on bad input
-        raise PayloadError(f"not a MessagePack K-means update ({type(exc).__name__})") from exc
-    if not isinstance(obj, dict) or set(obj) != set(UPDATE_FIELDS):
-        raise PayloadError(f"a K-means update is a map with exactly the keys {list(UPDATE_FIELDS)}")
-    for name, (dtype, rank) in MSGPACK_ARRAYS.items():
-        try:
-            obj[name] = unpack_msgpack_array(obj[name], dtype, rank)
-        except ShapeError as exc:
-            raise ShapeError(f"{name}: {exc}") from exc
-    envelope = {k: obj[k] for k in ("client_id", "round_id", "kind", "centroids_hash", "models")}
-    return envelope, _update_of_fields(obj)
+        raise PayloadError(f"not a MessagePack {what} ({type(exc).__name__})") from exc
+    if not ok:
+        raise PayloadError(expected)
+    return obj  # type: ignore[no-any-return]  # msgpack is untyped; checked above
 
 
-def decode_kmeans_update_json(raw: bytes) -> tuple[dict, KMeansUpdate]:
+def _unpack_arrays(obj: Mapping[str, object], dtypes: Mapping[str, tuple[str, int]]) -> dict[str, npt.NDArray[Any]]:
+    """The ``[shape, bin]`` arrays of ``obj``; ShapeError prefixed with the field's name."""
+    name = ""
+    try:
+        return {(name := n): unpack_msgpack_array(obj.get(n), dtype, rank) for n, (dtype, rank) in dtypes.items()}
+    except ShapeError as exc:
+        raise ShapeError(f"{name}: {exc}") from exc
+
+
+def decode_kmeans_update_json(raw: bytes) -> tuple[JSONObject, KMeansUpdate]:
     """(envelope, update) of :func:`encode_kmeans_update` bytes (not checked against a round).
-
-    Raises
-    ------
-    PayloadError
-        Not JSON, or not an object with exactly the keys of :data:`UPDATE_FIELDS`.
-    ShapeError
-        Ragged or non-numeric arrays, or statistics :class:`CellStatistics` refuses.
-    """
+    PayloadError: not JSON or not exactly :data:`UPDATE_FIELDS`; ShapeError: ragged or non-numeric
+    arrays, statistics :class:`CellStatistics` refuses."""
     try:
         obj = json.loads(raw)
+        ok = isinstance(obj, dict) and set(obj) == set(UPDATE_FIELDS)
     except ValueError as exc:
         raise PayloadError(f"not a JSON K-means update ({exc})") from exc
-    if not isinstance(obj, dict) or set(obj) != set(UPDATE_FIELDS):
+    if not ok:
         raise PayloadError(f"a K-means update is an object with exactly the keys {list(UPDATE_FIELDS)}")
-    envelope = {k: obj[k] for k in ("client_id", "round_id", "kind", "centroids_hash", "models")}
     try:
         arrays = {name: np.asarray(obj[name], dtype=np.float64) for name in MSGPACK_ARRAYS}
     except (TypeError, ValueError) as exc:
         raise ShapeError(f"an array field is ragged or not numeric ({exc})") from exc
     if arrays["local_centroids"].size == 0:
         arrays["local_centroids"] = arrays["local_centroids"].reshape(0, 0)
-    return envelope, _update_of_fields({**obj, **arrays})
+    return {k: obj[k] for k in _ENVELOPE}, _update_of_fields({**obj, **arrays})
 
 
-def encode_kmeans_round(round_id: int, status: str, models, embedder_name: str, d_emb: int, min_count: int,
-                        quorum: int, deadline_utc: str, centroids: np.ndarray, max_cost_usd: float | None = None) -> dict:
-    """The JSON object of ``GET /v1/rounds/current`` for a K-means round (decoded by
-    :meth:`RoundSpec.from_json`); ``centroids`` of shape (n_cells, d_emb) are sent as float64
-    lists of their float32 values, with their :func:`centroids_hash`; ``max_cost_usd`` (USD per
-    query) is sent, last, only when the round sets it."""
+def encode_kmeans_round(round_id: int, status: str, models: Sequence[str], embedder_name: str, d_emb: int,
+                        min_count: int, quorum: int, deadline_utc: str, centroids: npt.ArrayLike,
+                        max_cost_usd: float | None = None) -> JSONObject:
+    """The JSON object of ``GET /v1/rounds/current`` (:meth:`RoundSpec.from_json`): centroids as float64
+    lists of their float32 values with their hash; ``max_cost_usd`` last, only when set."""
     c = np.ascontiguousarray(centroids, dtype=np.float32)
-    out = {"round_id": int(round_id), "kind": KMEANS_KIND, "status": status, "models": list(models),
+    out: JSONObject = {"round_id": int(round_id), "kind": KMEANS_KIND, "status": status, "models": list(models),
            "embedder_name": embedder_name, "d_emb": int(d_emb), "min_count": int(min_count), "quorum": int(quorum),
            "deadline_utc": deadline_utc, "centroids": c.astype(np.float64).tolist(), "centroids_hash": centroids_hash(c)}
     if max_cost_usd is not None:
@@ -370,16 +335,9 @@ _RANKS = {"count": 2, "sum_accuracy": 2, "sum_cost": 2, "centroid_cells": 1, "lo
           "local_weights": 1, "log_size": 0}
 
 
-def kmeans_update_to_arrays(update: KMeansUpdate) -> dict[str, np.ndarray]:
-    """A :class:`KMeansUpdate` as named numpy arrays (the keys of :data:`UPDATE_ARRAYS`, in order).
-
-    Returns
-    -------
-    dict with ``count``, ``sum_accuracy``, ``sum_cost`` : ndarrays of shape (n_cells, n_models),
-    float64 (sum_cost in USD); ``centroid_cells`` : (n_reported,) int64; ``local_centroids`` :
-    (n_reported, d_emb) float64; ``local_weights`` : (n_reported,) float64; ``log_size`` : shape (),
-    int64. Values are copied exactly (no rounding).
-    """
+def kmeans_update_to_arrays(update: KMeansUpdate) -> dict[str, npt.NDArray[Any]]:
+    """A :class:`KMeansUpdate` as the arrays of :data:`UPDATE_ARRAYS`, in order: float64 but
+    ``centroid_cells`` and ``log_size`` (shape ()) int64; values exact."""
     s = update.statistics
     return {
         "count": np.asarray(s.count, dtype=np.float64),
@@ -392,32 +350,19 @@ def kmeans_update_to_arrays(update: KMeansUpdate) -> dict[str, np.ndarray]:
     }
 
 
-def kmeans_update_from_arrays(arrays: Mapping[str, np.ndarray]) -> KMeansUpdate:
-    """Inverse of :func:`kmeans_update_to_arrays`; checks names, dtypes and ranks (not the round).
-
-    Raises
-    ------
-    ShapeError
-        A name of :data:`UPDATE_ARRAYS` is missing or another one is present, an array has a
-        non-numeric dtype or the wrong rank, or the statistics are invalid (negative or non-finite
-        counts, ``sum_accuracy`` outside ``[0, count]``, negative costs).
-    """
+def kmeans_update_from_arrays(arrays: Mapping[str, npt.ArrayLike]) -> KMeansUpdate:
+    """Inverse of :func:`kmeans_update_to_arrays`; ShapeError for other names, non-numeric dtypes (cells
+    and ``log_size``: integers), other ranks, or statistics :class:`CellStatistics` refuses."""
     names = set(arrays)
-    if names != set(UPDATE_ARRAYS):
+    out = {name: np.asarray(arrays[name]) for name in UPDATE_ARRAYS if name in names}
+    bad = [name for name, arr in out.items() if arr.ndim != _RANKS[name]
+           or arr.dtype.kind not in ("iu" if name in ("centroid_cells", "log_size") else "fiu")]
+    if names != set(UPDATE_ARRAYS) or bad:
         raise ShapeError(
-            f"an update holds exactly the arrays {list(UPDATE_ARRAYS)}; missing {sorted(set(UPDATE_ARRAYS) - names)}, "
-            f"unexpected {sorted(names - set(UPDATE_ARRAYS))}"
-        )
-    out: dict[str, np.ndarray] = {}
-    for name in UPDATE_ARRAYS:
-        arr = np.asarray(arrays[name])
-        integral = name in ("centroid_cells", "log_size")
-        if arr.dtype.kind not in ("iu" if integral else "fiu"):
-            what = "integers" if integral else "numbers"
-            raise ShapeError(f"update array {name!r} must hold {what}, got dtype {arr.dtype}")
-        if arr.ndim != _RANKS[name]:
-            raise ShapeError(f"update array {name!r} must be {_RANKS[name]}-D, got shape {arr.shape}")
-        out[name] = arr
+            f"an update holds exactly the arrays {list(UPDATE_ARRAYS)} (numbers, integers for centroid_cells and "
+            f"log_size, of ranks {_RANKS}); missing {sorted(set(UPDATE_ARRAYS) - names)}, unexpected "
+            f"{sorted(names - set(UPDATE_ARRAYS))}, wrong dtype or rank "
+            f"{[f'{n} {out[n].dtype} {out[n].shape}' for n in bad]}")
     return KMeansUpdate(
         statistics=CellStatistics(out["count"], out["sum_accuracy"], out["sum_cost"]),
         centroid_cells=out["centroid_cells"].astype(np.int64),
@@ -428,26 +373,18 @@ def kmeans_update_from_arrays(arrays: Mapping[str, np.ndarray]) -> KMeansUpdate:
 
 
 def encode_kmeans_update_npz(update: KMeansUpdate) -> bytes:
-    """``.npz`` bytes (uncompressed zip of ``.npy`` files, no pickle) of :func:`kmeans_update_to_arrays`:
-    the server store's record of an accepted K-means update."""
+    """``.npz`` bytes (no pickle) of :func:`kmeans_update_to_arrays` (server store records before v2)."""
     buf = io.BytesIO()
-    np.savez(buf, **kmeans_update_to_arrays(update))
+    np.savez(buf, **kmeans_update_to_arrays(update))  # type: ignore[arg-type]  # numpy's stub reads **kwds as allow_pickle
     return buf.getvalue()
 
 
 def decode_kmeans_update_npz(data: bytes) -> KMeansUpdate:
-    """The update of :func:`encode_kmeans_update_npz` bytes.
-
-    Raises
-    ------
-    PayloadError
-        Not an ``.npz`` (pickle refused).
-    ShapeError
-        Not the update's arrays (see :func:`kmeans_update_from_arrays`).
-    """
-    if not is_npz(data):  # np.load would read a .npy as one array (not an update)
-        raise PayloadError("not an .npz K-means update (not a zip archive)")
+    """The update of :func:`encode_kmeans_update_npz` bytes; PayloadError: not an ``.npz`` (pickle
+    refused), ShapeError: not the update's arrays."""
     try:
+        if not is_npz(data):  # np.load would read a .npy as one array (not an update)
+            raise ValueError("not a zip archive")
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
@@ -457,75 +394,43 @@ def decode_kmeans_update_npz(data: bytes) -> KMeansUpdate:
 
 #: Version tag of :func:`encode_kmeans_update_record` (first key of the map).
 UPDATE_RECORD_FORMAT = "fedroute.kmeans_update.v3"
-#: The array dtypes of each store record format still read (:func:`decode_kmeans_update_record`):
-#: v3 (written now) keeps the cell means as float32, the dtypes of the MessagePack wire encoding
-#: (:data:`MSGPACK_ARRAYS`); v2 (rows written before it) held them as float64.
+#: The array dtypes of each store record format read: v3 (written) as the wire, v2 with float64 cell means.
 RECORD_ARRAYS = {
     UPDATE_RECORD_FORMAT: MSGPACK_ARRAYS,
     "fedroute.kmeans_update.v2": {**MSGPACK_ARRAYS, "local_centroids": ("<f8", 2)},
 }
 
 
-def encode_kmeans_update_record(update: KMeansUpdate, packed: Mapping[str, list] | None = None) -> bytes:
-    """The server store's record of an accepted K-means update: a MessagePack map, keys in order
-    ``format`` (:data:`UPDATE_RECORD_FORMAT`), then the arrays of :func:`kmeans_update_to_arrays`
-    (``count``, ``sum_accuracy``, ``sum_cost``, ``centroid_cells``, ``local_centroids``,
-    ``local_weights``) as ``[shape, bin]`` pairs of little-endian values of the dtypes of the
-    MessagePack wire encoding (:data:`MSGPACK_ARRAYS`: float64, ``centroid_cells`` int64,
-    ``local_centroids`` float32), then ``log_size`` (int). Deterministic; exact but for the cell
-    means, rounded to float32: the precision of the embeddings they average, at which the server
-    keeps them whatever the wire encoding (so storing them as float32 loses nothing; about half
-    the bytes of the float64 v2 record for 32 cells of 384 dimensions). Docs: docs/protocol.md §4.
-
-    ``packed``: name -> ``[shape, bytes]`` pairs already in the record's form (the MessagePack wire
-    pairs of an upload, :func:`pack_msgpack_array`'s output for the same arrays), used as they are
-    instead of packing ``update``'s arrays again (the server's upload path: the bytes it received and
-    checked are the bytes it stores); the caller guarantees they hold ``update``'s values and shapes."""
+def encode_kmeans_update_record(update: KMeansUpdate, packed: Mapping[str, list[Any]] | None = None) -> bytes:
+    """The server store's record of an accepted update: a MessagePack map of ``format``
+    (:data:`UPDATE_RECORD_FORMAT`), the arrays as :data:`MSGPACK_ARRAYS` pairs (cell means float32,
+    the precision of the embeddings they average), then ``log_size``; deterministic (docs/protocol.md
+    §4). ``packed``: the upload's own wire pairs of these arrays, stored as they are."""
     packed = packed or {}
-    arrays = None if all(name in packed for name in MSGPACK_ARRAYS) else kmeans_update_to_arrays(update)
-    record: dict = {"format": UPDATE_RECORD_FORMAT}
+    arrays = {} if all(name in packed for name in MSGPACK_ARRAYS) else kmeans_update_to_arrays(update)
+    record: JSONObject = {"format": UPDATE_RECORD_FORMAT}
     for name, (dtype, _) in MSGPACK_ARRAYS.items():
         record[name] = packed[name] if name in packed else pack_msgpack_array(arrays[name], dtype)
     record["log_size"] = int(update.log_size)
-    return msgpack.packb(record, use_bin_type=True)
+    return bytes(msgpack.packb(record, use_bin_type=True))
 
 
 def decode_kmeans_update_record(data: bytes) -> KMeansUpdate:
-    """The update of a store record: :func:`encode_kmeans_update_record` bytes (v3), a v2 record
-    (float64 cell means), or ``.npz`` bytes (:func:`encode_kmeans_update_npz`, rows written before
-    v2). Arrays come back as :func:`kmeans_update_from_arrays` gives them (float64, cell indices
-    int64), so sums over records (the aggregation) run in float64 whatever the stored dtype.
-
-    Raises
-    ------
-    PayloadError
-        None of these formats.
-    ShapeError
-        Not the update's arrays (see :func:`kmeans_update_from_arrays`).
-    """
+    """The update of a store record (v3, v2 or ``.npz``), arrays as :func:`kmeans_update_from_arrays`
+    gives them (float64, cells int64). PayloadError: none of these formats; ShapeError: not the
+    update's arrays."""
     if data[:2] == b"PK":
         return decode_kmeans_update_npz(data)
-    try:
-        record = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated classes on bad input
-        raise PayloadError(f"not a K-means update record ({type(exc).__name__})") from exc
-    dtypes = RECORD_ARRAYS.get(record.get("format")) if isinstance(record, dict) else None
-    if dtypes is None:
-        raise PayloadError(f"not a K-means update record (formats {list(RECORD_ARRAYS)})")
-    arrays = {}
-    for name, (dtype, rank) in dtypes.items():
-        try:
-            arrays[name] = unpack_msgpack_array(record.get(name), dtype, rank)
-        except ShapeError as exc:
-            raise ShapeError(f"{name}: {exc}") from exc
+    record = _unpack_map(data, "K-means update record", lambda o: o.get("format") in RECORD_ARRAYS,
+                         f"not a K-means update record (formats {list(RECORD_ARRAYS)})")
+    arrays = _unpack_arrays(record, RECORD_ARRAYS[record["format"]])
     log_size = record.get("log_size")
     if type(log_size) is not int:
         raise ShapeError(f"log_size must be an integer, got {log_size!r}")
-    arrays["log_size"] = np.asarray(log_size, dtype=np.int64)
-    return kmeans_update_from_arrays(arrays)
+    return kmeans_update_from_arrays({**arrays, "log_size": np.asarray(log_size, dtype=np.int64)})
 
 
-def encode_sent_record(update: KMeansUpdate, spec: RoundSpec) -> dict:
+def encode_sent_record(update: KMeansUpdate, spec: RoundSpec) -> JSONObject:
     """The device state's record of an update about to be sent (JSON object; floats exact):
     the wire fields plus ``centroids_hash``, ``models``, ``min_count`` and ``local_distinct``."""
     return {"centroids_hash": spec.centroids_hash, "models": list(spec.models), "min_count": spec.min_count,
@@ -537,16 +442,9 @@ def encode_sent_record(update: KMeansUpdate, spec: RoundSpec) -> dict:
             "log_size": int(update.log_size)}
 
 
-def decode_sent_record(record: dict | None, spec: RoundSpec, state_path: str = "") -> KMeansUpdate | None:
-    """The update last sent for ``spec``'s centroids (the state's ``record``), its columns in
-    ``spec.models`` order (a model it did not have counts as never sent), or None if none was sent
-    for them.
-
-    Raises
-    ------
-    SyncError
-        The record is damaged (rather than dropping the privacy guarantee it carries).
-    """
+def decode_sent_record(record: JSONObject | None, spec: RoundSpec, state_path: str = "") -> KMeansUpdate | None:
+    """The update last sent for ``spec``'s centroids (the state's ``record``) in ``spec.models`` column
+    order (a model it lacked counts as never sent), or None; SyncError when the record is damaged."""
     if not isinstance(record, dict) or record.get("centroids_hash") != spec.centroids_hash:
         return None
     try:
@@ -576,16 +474,9 @@ def decode_sent_record(record: dict | None, spec: RoundSpec, state_path: str = "
 
 @dataclass(frozen=True)
 class Receipt:
-    """The server's answer to an accepted upload (``201``, or ``200`` for a retry with the same key).
-
-    Attributes
-    ----------
-    update_id : int, the server's id of the stored update.
-    client_id : str. round_id : int, the round it was sent for.
-    late : bool, True if it arrived after the round closed (counted in the next round).
-    counted_in_round : int or None, the round it counts in (None while waiting for the next round).
-    log_size : int, evaluations the update summarises.
-    """
+    """The server's answer to an accepted upload: the stored ``update_id``, ``client_id``, the
+    ``round_id`` it was sent for, ``late`` (arrived after the round closed), ``counted_in_round``
+    (None while waiting for the next round) and the ``log_size`` it summarises."""
 
     update_id: int
     client_id: str
@@ -594,41 +485,29 @@ class Receipt:
     counted_in_round: int | None
     log_size: int
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JSONObject:
         """The receipt's JSON object (keys in the order of the attributes)."""
         return {"update_id": self.update_id, "client_id": self.client_id, "round_id": self.round_id,
                 "late": self.late, "counted_in_round": self.counted_in_round, "log_size": self.log_size}
 
     @classmethod
     def from_json(cls, data: object) -> Receipt:
-        """Parse a receipt.
-
-        Raises
-        ------
-        SyncError
-            Not an object, a missing field or one of the wrong type.
-        """
+        """Parse a receipt; SyncError for a non-object, a missing field or one of the wrong type."""
         try:
-            if not isinstance(data, Mapping):
-                raise TypeError("not a JSON object")
-            counted = data["counted_in_round"]
-            receipt = cls(_int(data["update_id"], 1), str(data["client_id"]), _int(data["round_id"], 1),
-                          data["late"], None if counted is None else _int(counted, 1), _int(data["log_size"], 0))
-            if not isinstance(receipt.late, bool):
-                raise TypeError(f"late must be a boolean, got {receipt.late!r}")
+            obj = dict(data) if isinstance(data, Mapping) else {}
+            counted, late = obj["counted_in_round"], obj["late"]
+            return cls(_int(obj["update_id"], 1), str(obj["client_id"]), _int(obj["round_id"], 1),
+                       _bool(late, "late"), None if counted is None else _int(counted, 1), _int(obj["log_size"], 0))
         except (KeyError, TypeError, ValueError) as exc:
-            raise SyncError(f"malformed receipt from the server: {exc!r}") from exc
-        return receipt
+            raise SyncError(f"malformed receipt from the server: "
+                            f"{repr(exc) if isinstance(data, Mapping) else 'not a JSON object'}") from exc
 
 
-#: What a damaged or unreadable sync state's error advises. Not "delete it": the state holds the record
-#: of the last update sent, and the server compares each upload with the client's previous one for the
-#: same centroids (``trainer.federated.update_checks.check_difference``), so a device without it sends
-#: changes the server refuses.
 #: Words of the server's 422 for an upload that moved an entry by fewer than min_count since the client's
-#: previous one (``trainer.federated.update_checks.check_difference`` puts them in its message); the device
-#: reads them to explain that refusal when it has lost its record of what it sent.
+#: previous one (``check_difference``); the device reads them to explain it after losing its state.
 DIFFERENCE_REFUSAL_PHRASE = "since your last upload"
+#: What a damaged sync state's error advises: not "delete it", since the server compares each upload
+#: with the client's previous one and refuses small changes.
 
 STATE_LOSS_ADVICE = (
     "restore it from a backup if there is one. Only if not, move it aside: without its record of the last "
@@ -639,30 +518,21 @@ STATE_LOSS_ADVICE = (
 
 @dataclass
 class SyncState:
-    """The device's sync state file (JSON, written atomically by :class:`sdk.SyncClient`).
+    """The device's sync state file (JSON, written atomically by :class:`sdk.SyncClient`): the last
+    acknowledged upload (``round_id``, ``key``, ``update_id``, ``late``, ``log_size``), the record of the
+    last update *sent* (:func:`encode_sent_record`, written before the upload), the manifest's ETag and
+    the bundle version in use, and the file's ``version``."""
 
-    Attributes
-    ----------
-    last_upload : dict or None, the last acknowledged upload: ``round_id``, ``key`` (its
-        Idempotency-Key), ``update_id``, ``late``, ``log_size``.
-    sent : dict or None, the record of the last update *sent* (:func:`encode_sent_record`), what the
-        server may hold; written before the upload.
-    bundle_etag : str or None, ETag of the manifest last fetched. bundle_version : int or None, the
-        bundle version in use when it was fetched.
-    version : int, :data:`SYNC_STATE_VERSION`.
-    """
-
-    last_upload: dict | None = None
-    sent: dict | None = None
+    last_upload: JSONObject | None = None
+    sent: JSONObject | None = None
     bundle_etag: str | None = None
     bundle_version: int | None = None
     version: int = field(default=SYNC_STATE_VERSION)
 
 
 def encode_sync_state(state: SyncState) -> bytes:
-    """The state file's bytes: JSON with sorted keys, no whitespace beyond ``", "``/``": "``;
-    fields that are None are left out."""
-    obj = {"version": state.version}
+    """The state file's bytes: JSON with sorted keys; fields that are None are left out."""
+    obj: JSONObject = {"version": state.version}
     for name in ("last_upload", "sent", "bundle_etag", "bundle_version"):
         value = getattr(state, name)
         if value is not None:
@@ -671,18 +541,14 @@ def encode_sync_state(state: SyncState) -> bytes:
 
 
 def decode_sync_state(raw: bytes, path: str = "") -> SyncState:
-    """Parse a state file (unknown keys ignored).
-
-    Raises
-    ------
-    SyncError
-        Not JSON, not an object, another version, or fields of the wrong type.
-    """
+    """Parse a state file (unknown keys ignored); SyncError when it is not JSON, not an object, of
+    another version, or with fields of the wrong type."""
     try:
         obj = json.loads(raw)
+        problem = None if (isinstance(obj, dict) and obj.get("version") == SYNC_STATE_VERSION and isinstance(
+            obj.get("last_upload") or {}, dict) and isinstance(obj.get("sent") or {}, dict)) else "has an unknown format"
     except ValueError as exc:
-        raise SyncError(f"sync state {path} is unreadable ({exc}); {STATE_LOSS_ADVICE}") from exc
-    if (not isinstance(obj, dict) or obj.get("version") != SYNC_STATE_VERSION
-            or not isinstance(obj.get("last_upload") or {}, dict) or not isinstance(obj.get("sent") or {}, dict)):
-        raise SyncError(f"sync state {path} has an unknown format; {STATE_LOSS_ADVICE}")
+        problem = f"is unreadable ({exc})"
+    if problem:
+        raise SyncError(f"sync state {path} {problem}; {STATE_LOSS_ADVICE}")
     return SyncState(obj.get("last_upload"), obj.get("sent"), obj.get("bundle_etag"), obj.get("bundle_version"))
