@@ -1,30 +1,19 @@
 """The device side of the federated sync (ARCHITECTURE.md §6): upload statistics, fetch the bundle.
 
-:meth:`SyncClient.run_once` is one sync, meant for cron or a systemd timer (``fedroute-sync``):
+:meth:`SyncClient.run_once` is one sync (``fedroute-sync``, for cron or a systemd timer):
 
-1. ``GET /v1/rounds/current``; if a round is open, compute the device's update for its centroids
-   from the :class:`sdk.EvalLog` (:func:`sdk.local_update.kmeans_update`: counts and sums per
-   (cell, model), mean embeddings of cells with enough distinct queries; never text, never a
-   per-query embedding), with the privacy threshold ``max(round min_count, min_count_floor)``;
-   hold every change smaller than that threshold since the update last *sent* for the same
-   centroids (:func:`sdk.local_update.hold_small_changes`, so the server cannot subtract two uploads
-   to recover one query); record what is about to be sent in the state; and ``POST`` it with an
-   ``Idempotency-Key`` derived from the round and the body, so a retry, or a rerun after a crash
-   with the same log, is counted once. An update that reports nothing is not sent.
-2. ``GET /v1/bundles/latest`` (with ``If-None-Match``); if a newer bundle is published, verify its
-   manifest signature, fetch the files it lists by sha256 (copying identical files of the bundle in
-   use, checked against their sha256, so an unchanged embedder is not downloaded again; a damaged
-   local file is downloaded instead), verify every hash, check that it loads and that some model
-   has an estimate for a probe query, and swap it in atomically (:mod:`sdk.bundle_install`). A
-   failure leaves the old bundle in place. This step also runs when the upload step was refused
-   (4xx), the log does not fit the round (another embedder) or its rows cannot be read (damaged):
-   the newer bundle may be the fix, and a device is not held on an old bundle by its log.
+1. ``GET /v1/rounds/current``; for an open round, the kind's device handler (:mod:`sdk.device_rounds`)
+   computes the update from the :class:`sdk.EvalLog` (aggregates only, small changes since the last
+   *sent* update held back); the record of what is sent goes to the state first, then the ``POST``
+   with an ``Idempotency-Key`` from the round and the body (a retry is counted once).
+2. ``GET /v1/bundles/latest`` (``If-None-Match``); a newer bundle is verified (signature, every
+   sha256; unchanged files copied from the bundle in use), loaded, probed, and swapped in atomically
+   (:mod:`sdk.bundle_install`). This step also runs when the upload step was refused (4xx) or the log
+   does not fit the round: the newer bundle may be the fix.
 
-Connection errors and 5xx answers are retried with exponential backoff and jitter; 4xx answers are
-not (they raise :class:`sdk.errors.SyncRejectedError`), nor are other unexpected statuses (3xx, an
-unexpected 2xx: :class:`sdk.errors.SyncError`). Answers are read with a size limit. The state (last
-acknowledged upload, last sent update, the bundle's ETag) is a small JSON file written atomically,
-so it survives restarts. httpx, no torch.
+Connection errors and 5xx are retried with exponential backoff and jitter; 4xx raise
+:class:`sdk.errors.SyncRejectedError`, other statuses :class:`sdk.errors.SyncError`. Answers are read
+with a size limit. The state is a small JSON file written atomically. httpx, no torch.
 """
 
 from __future__ import annotations
@@ -40,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -80,22 +69,11 @@ PROBE_QUERY = "hello"
 
 @dataclass(frozen=True)
 class SyncResult:
-    """What one :meth:`SyncClient.run_once` did.
-
-    round_id : the open round, or None if none was open.
-    uploaded : True if an update was sent and acknowledged in this run (False if none was open or
-        the same update had been acknowledged before).
-    late : True if the server counts the update in the next round (the round closed meanwhile).
-    update_id : the server's id of the acknowledged update, or None.
-    log_size : evaluations the update summarises, or None.
-    bundle_version : version of the bundle in use after the run, or None if there is none.
-    bundle_updated : True if a new bundle was installed.
-    skipped : why nothing was uploaded for an open round (nothing to report, an MLP round on a
-        client without an ``mlp_trainer``, an MLP round whose ``min_count`` is below the device's
-        ``min_count_floor``, or too few evaluations to train), else None.
-    warnings : the degenerate-log warnings of the upload step (:mod:`sdk.log_checks`; the rows of a
-        model whose scores are constant were not uploaded), empty if none.
-    """
+    """What one :meth:`SyncClient.run_once` did: the open ``round_id`` (None: none open), whether an
+    update was ``uploaded`` and acknowledged in this run, ``late`` (counted in the next round), the
+    server's ``update_id`` and the ``log_size`` it summarises, the ``bundle_version`` in use after the
+    run and whether it was ``bundle_updated``, why nothing was uploaded (``skipped``), and the
+    degenerate-log ``warnings`` of the upload step (:mod:`sdk.log_checks`)."""
 
     round_id: int | None
     uploaded: bool
@@ -107,18 +85,13 @@ class SyncResult:
     skipped: str | None = None
     warnings: tuple[str, ...] = ()
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def upload_key(round_id: int, deadline_utc, payload: bytes) -> str:
-    """The ``Idempotency-Key`` of an upload: ``r{round_id}-{sha256 hex of deadline + NUL + body}``.
-
-    The same body sent again in the same round gets the same key (a retry after a lost answer or a
-    lost state is stored once). The round's deadline (``deadline_utc`` of its description; "" if
-    absent) is in the hash so that round 1 of a new server database, whose id repeats an old round's,
-    is not taken for that round ("acknowledged before") by a device whose log has not changed.
-    """
+def upload_key(round_id: int, deadline_utc: object, payload: bytes) -> str:
+    """The ``Idempotency-Key`` of an upload: ``r{round_id}-{sha256 hex of deadline + NUL + body}``; the
+    deadline tells round 1 of a new server database from an old round 1."""
     prefix = ("" if deadline_utc is None else str(deadline_utc)).encode() + b"\0"
     return f"r{int(round_id)}-{hashlib.sha256(prefix + payload).hexdigest()}"
 
@@ -128,77 +101,61 @@ class SyncClient:
 
     Parameters
     ----------
-    server_url : ``https://host:port`` of the server (plain http is refused: the token would leak).
-    token : the device's bearer token (``fedroute clients add``).
+    server_url : ``https://host:port`` (plain http is refused: the token would leak).
+    token : the device's bearer token (``fedroute clients add``), printable ASCII.
     eval_log : the device's :class:`sdk.EvalLog` (only read).
     bundle_dir : path of the bundle in use (replaced atomically by newer published bundles).
     public_key : key that must have signed any bundle installed (path, PEM or key object).
     ca_cert : PEM file of the CA that signed the server certificate (default: system CAs).
     state_path : JSON state file; default ``.<bundle name>.sync.json`` beside ``bundle_dir``.
-    timeout_s : seconds per HTTP request.
-    retries : retries after a connection error or 5xx (0 disables).
-    backoff_s : first backoff in seconds; doubles each retry (with jitter), capped at ``max_backoff_s``.
-    transport : an ``httpx.BaseTransport`` to send requests through (default: httpx's own).
-    sleep : function used to wait between retries (seconds).
-    mlp_trainer : for MLP rounds, ``f(evaluations, round_json, parameters_bytes, client_id) ->
-        upload bytes or None`` (the SDK has no torch; ``trainer.federated.mlp_local.train_on_log`` is
-        one). Without it MLP rounds are skipped (``SyncResult.skipped`` says so).
-    min_count_floor : int >= 1, the smallest privacy threshold this device accepts, whatever the
-        server announces: K-means rounds use ``max(round min_count, min_count_floor)`` (the server
-        accepts stricter suppression), MLP rounds with a lower ``min_count`` are skipped.
-    upload_format : ``"msgpack"`` (default) or ``"json"``: the encoding of K-means uploads
-        (docs/protocol.md §3; the server takes both, by ``Content-Type``).
-    allow_repartition : False (default) skips a K-means round over other centroids than the device's
-        last upload: per-model totals and weighted sums of cell means do not depend on the
-        partition, so two uploads over two partitions can be subtracted to recover single queries
-        (:func:`sdk.local_update.hold_small_changes` only protects uploads over the same centroids).
+    timeout_s : seconds per HTTP request (> 0); retries : retries after a connection error or 5xx (>= 0);
+        backoff_s, max_backoff_s : the first backoff and its cap, seconds (>= 0; doubling, with jitter).
+    transport : an ``httpx.BaseTransport``; sleep : the function that waits between retries.
+    mlp_trainer : ``f(evaluations, round_json, parameters_bytes, client_id) -> bytes | None`` for MLP
+        rounds (``trainer.federated.mlp_local.train_on_log``); without it they are skipped.
+    min_count_floor : int >= 1, the smallest privacy threshold this device accepts (MLP rounds below it
+        are skipped); upload_format : ``"msgpack"`` or ``"json"`` (docs/protocol.md §3).
+    allow_repartition : False skips a K-means round over other centroids than the last upload (two
+        uploads over two partitions can be subtracted).
 
-    Raises
-    ------
-    InvalidInputError
-        A URL that is not https (or not a URL), an empty token or one that is not printable ASCII
-        (control characters, spaces or non-ASCII letters inside it), ``retries`` not an int >= 0,
-        ``timeout_s`` not a finite number > 0, ``backoff_s`` / ``max_backoff_s`` not finite numbers >= 0,
-        an ``eval_log`` that is not an :class:`sdk.EvalLog`, a ``bundle_dir`` that is not a path, a
-        ``min_count_floor`` below 1 or an unknown ``upload_format``.
+    Raises InvalidInputError naming the argument that is out of range or of the wrong type.
     """
 
-    def __init__(self, server_url: str, token: str, eval_log: EvalLog, bundle_dir, public_key, *,
-                 ca_cert=None, state_path=None, timeout_s: float = 30.0, retries: int = 5,
+    def __init__(self, server_url: str, token: str, eval_log: EvalLog, bundle_dir: str | os.PathLike[str],
+                 public_key: Any, *, ca_cert: str | os.PathLike[str] | None = None,
+                 state_path: str | os.PathLike[str] | None = None, timeout_s: float = 30.0, retries: int = 5,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  transport: httpx.BaseTransport | None = None,
                  sleep: Callable[[float], None] = time.sleep,
-                 mlp_trainer: Callable[[Evaluations, dict, bytes, str], bytes | None] | None = None,
+                 mlp_trainer: Callable[[Evaluations, dict[str, Any], bytes, str], bytes | None] | None = None,
                  min_count_floor: int = 5, allow_repartition: bool = False,
                  upload_format: str = "msgpack") -> None:
         try:
             url = httpx.URL(str(server_url))
         except httpx.InvalidURL as exc:
             raise InvalidInputError(f"server_url {str(server_url)!r} is not a URL ({exc})") from exc
-        if url.scheme != "https":
-            raise InvalidInputError(f"server_url must be https://..., got {str(server_url)!r}")
-        if not isinstance(token, str) or not token.strip():
-            raise InvalidInputError("token must be a non-empty string")
-        if not all("\x21" <= ch <= "\x7e" for ch in token.strip()):  # it travels in the Authorization header
-            raise InvalidInputError("token must be printable ASCII without spaces or control characters (it is sent "
-                                    "in an HTTP header); check the token file for stray bytes")
-        if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or retries < 0:
-            raise InvalidInputError(f"retries must be an int >= 0, got {retries!r}")
-        for name, value in (("backoff_s", backoff_s), ("max_backoff_s", max_backoff_s)):
-            seconds = finite_float(value)  # NaN reached time.sleep (ValueError) only at the first retry
-            if seconds is None or seconds < 0:
-                raise InvalidInputError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         timeout = finite_float(timeout_s)
-        if timeout is None or timeout <= 0:
-            raise InvalidInputError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
-        if not isinstance(eval_log, EvalLog):
-            raise InvalidInputError(f"eval_log must be an sdk.EvalLog, got {type(eval_log).__name__}")
-        if not isinstance(bundle_dir, (str, os.PathLike)):
-            raise InvalidInputError(f"bundle_dir must be a path, got {type(bundle_dir).__name__}")
-        if isinstance(min_count_floor, bool) or not isinstance(min_count_floor, int) or min_count_floor < 1:
-            raise InvalidInputError(f"min_count_floor must be an int >= 1, got {min_count_floor!r}")
-        if upload_format not in ("msgpack", "json"):
-            raise InvalidInputError(f"upload_format must be 'msgpack' or 'json', got {upload_format!r}")
+        bare = token.strip() if isinstance(token, str) else ""
+        problems = (  # (refused?, message): the first that holds is raised
+            (url.scheme != "https", f"server_url must be https://..., got {str(server_url)!r}"),
+            (not bare, "token must be a non-empty string"),
+            (not all("\x21" <= ch <= "\x7e" for ch in bare),  # it travels in the Authorization header
+             "token must be printable ASCII without spaces or control characters (it is sent in an HTTP header); "
+             "check the token file for stray bytes"),
+            (isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or retries < 0,
+             f"retries must be an int >= 0, got {retries!r}"),
+            *((finite_float(v) is None or v < 0, f"{name} must be a finite number of seconds >= 0, got {v!r}")
+              for name, v in (("backoff_s", backoff_s), ("max_backoff_s", max_backoff_s))),
+            (timeout is None or timeout <= 0, f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}"),
+            (not isinstance(eval_log, EvalLog), f"eval_log must be an sdk.EvalLog, got {type(eval_log).__name__}"),
+            (not isinstance(bundle_dir, (str, os.PathLike)), f"bundle_dir must be a path, got {type(bundle_dir).__name__}"),
+            (isinstance(min_count_floor, bool) or not isinstance(min_count_floor, int) or min_count_floor < 1,
+             f"min_count_floor must be an int >= 1, got {min_count_floor!r}"),
+            (upload_format not in ("msgpack", "json"), f"upload_format must be 'msgpack' or 'json', got {upload_format!r}"),
+        )
+        problem = next((message for refused, message in problems if refused), None)
+        if problem:
+            raise InvalidInputError(problem)
         self.upload_format = upload_format
         self.eval_log = eval_log
         self.bundle_dir = Path(bundle_dir)
@@ -212,7 +169,7 @@ class SyncClient:
             verify = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else True
         except (OSError, ssl.SSLError) as exc:
             raise InvalidInputError(f"ca_cert {ca_cert} is not a readable PEM certificate file ({exc})") from exc
-        self._http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token.strip()}"},
+        self._http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {bare}"},
                                   timeout=timeout, verify=verify, transport=transport)
 
     def close(self) -> None:
@@ -221,7 +178,7 @@ class SyncClient:
     def __enter__(self) -> SyncClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- one sync -----------------------------------------------------------------------------
@@ -229,29 +186,13 @@ class SyncClient:
     def run_once(self) -> SyncResult:
         """Upload this round's update (if a round is open), then install a newer bundle (if any).
 
-        The bundle step runs even when the upload step raised :class:`SyncRejectedError`,
-        :class:`ShapeError` or :class:`EvalLogError` (a damaged log); that error is raised afterwards
-        (with a note saying what happened to the bundle). Any other error stops the run where it happened.
-
-        Raises
-        ------
-        SyncRejectedError
-            The server refused a request (4xx); ``status`` says why.
-        SyncError
-            The server stayed unreachable or failing (5xx) after the retries, answered an
-            unexpected status (3xx, another 2xx) or nonsense, an answer was over its size limit,
-            the state file is unreadable, or this client was closed.
-        BundleError
-            A published bundle failed verification, or no model of it has an estimate for a probe
-            query (nothing was installed).
-        ShapeError
-            The log's embeddings do not fit the round's embedder.
-        EvalLogError
-            The evaluation log cannot be read.
-        OSError
-            Writing the state file or the new bundle's files failed (disk full, permissions).
-        Exception
-            Whatever ``mlp_trainer`` raises, unchanged.
+        The bundle step also runs when the upload step raised SyncRejectedError, ShapeError or
+        EvalLogError, which is raised afterwards with a note on the bundle. Raises SyncRejectedError (a
+        4xx; ``status`` says why), SyncError (unreachable or 5xx after the retries, an unexpected status
+        or answer, an answer over its size limit, an unreadable state, a closed client), BundleError (a
+        bundle that fails verification or the probe; nothing installed), ShapeError (the log does not
+        fit the round's embedder), EvalLogError, OSError (writing the state or bundle), and what
+        ``mlp_trainer`` raises.
         """
         if self._http.is_closed:  # httpx's own error would be a raw RuntimeError
             raise SyncError(f"this SyncClient of {self._http.base_url} is closed; create a new one to sync again")
@@ -278,7 +219,10 @@ class SyncClient:
     def _sync_round(self, state: SyncState) -> tuple[int | None, bool, bool, int | None, int | None, str | None,
                                                      tuple[str, ...]]:
         """The upload step: (round id, uploaded, late, update id, log size, why skipped, log warnings)."""
-        round_id = update_id = log_size = skipped = None
+        round_id: int | None = None
+        update_id: int | None = None
+        log_size: int | None = None
+        skipped: str | None = None
         uploaded = late = False
         warnings: tuple[str, ...] = ()
         answer = self._request("GET", "/v1/rounds/current", limit=MAX_ANSWER_BYTES)
@@ -300,7 +244,7 @@ class SyncClient:
             state.sent = sent
             self._write_state(state)
         try:
-            answer = _json(self._request(
+            receipt_json = _json(self._request(
                 "POST", f"/v1/rounds/{round_id}/updates", content=payload, limit=MAX_RECEIPT_BYTES,
                 headers={"Idempotency-Key": key, "Content-Type": content_type}))
         except SyncRejectedError as exc:  # refused (4xx): not stored, so hold against what the server has
@@ -310,15 +254,15 @@ class SyncClient:
             if exc.status == 422 and previous_sent is None and DIFFERENCE_REFUSAL_PHRASE in exc.detail:
                 exc.add_note(_NO_SENT_RECORD_NOTE)
             raise
-        receipt = Receipt.from_json(answer)
+        receipt = Receipt.from_json(receipt_json)
         update_id, late, uploaded, log_size = receipt.update_id, receipt.late, True, receipt.log_size
         state.last_upload = {"round_id": round_id, "key": key, "update_id": update_id,
                                 "late": late, "log_size": log_size}
         self._write_state(state)
         return round_id, uploaded, late, update_id, log_size, None, warnings
 
-    def _prepare_upload(self, body: dict, state: SyncState) -> tuple[int, bytes | None, str, str | None, dict | None,
-                                                                      tuple[str, ...]]:
+    def _prepare_upload(self, body: dict[str, Any], state: SyncState) -> tuple[
+            int, bytes | None, str, str | None, dict[str, Any] | None, tuple[str, ...]]:
         """(round id, upload body or None, its content type, why nothing is uploaded, the sent
         record to keep in the state or None, degenerate-log warnings), from the round kind's device
         handler (:mod:`sdk.kinds`)."""
@@ -349,7 +293,7 @@ class SyncClient:
 
     def _update_bundle(self, state: SyncState) -> tuple[int | None, bool]:
         current = bundle_install.read_version(self.bundle_dir)
-        headers = {}
+        headers: dict[str, str] = {}
         if state.bundle_etag and state.bundle_version == current:
             headers["If-None-Match"] = state.bundle_etag
         answer = self._request("GET", "/v1/bundles/latest", headers=headers, ok=(200, 304, 404),
@@ -365,7 +309,7 @@ class SyncClient:
         self._write_state(state)
         return in_use, installed
 
-    def _install(self, manifest: dict, raw: bytes) -> bool:
+    def _install(self, manifest: dict[str, Any], raw: bytes) -> bool:
         """Install the verified ``manifest`` (bytes ``raw``) as the new bundle; False if a version at
         least as new was installed meanwhile (by another process)."""
         version = int(manifest["bundle_version"])
@@ -434,8 +378,8 @@ class SyncClient:
 
     # -- HTTP with retries --------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, *, ok=(200, 201, 204), limit: int = MAX_RECEIPT_BYTES,
-                 **kwargs) -> _Reply:
+    def _request(self, method: str, path: str, *, ok: tuple[int, ...] = (200, 201, 204),
+                 limit: int = MAX_RECEIPT_BYTES, **kwargs: Any) -> _Reply:
         """One request, retried after transport errors and 5xx; the body read up to ``limit`` bytes.
 
         Raises SyncRejectedError (4xx), SyncError (another status not in ``ok``, a body over
@@ -535,14 +479,15 @@ def _read_limited(answer: httpx.Response, limit: int, what: str) -> bytes:
     return bytes(body)
 
 
-def _json(answer: _Reply) -> dict:
+def _json(answer: _Reply) -> dict[str, Any]:
     try:
         body = json.loads(answer.content)
+        problem = None if isinstance(body, dict) else "JSON that is not an object"
     except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deeply
-        raise SyncError(f"{answer.path} answered non-JSON ({answer.status_code}, {type(exc).__name__})") from exc
-    if not isinstance(body, dict):
-        raise SyncError(f"{answer.path} answered JSON that is not an object")
-    return body
+        problem = f"non-JSON ({answer.status_code}, {type(exc).__name__})"
+    if problem:
+        raise SyncError(f"{answer.path} answered {problem}")
+    return body  # type: ignore[no-any-return]  # json.loads is untyped; an object, checked above
 
 
 def _detail(answer: httpx.Response) -> str:
@@ -608,7 +553,7 @@ def _raise_if_certificate_error(exc: BaseException) -> None:
     """A server certificate that does not verify is not a transient error: raise SyncError at once,
     with the fix for its reason (the device's clock for a certificate outside its dates, the server
     name for one issued to other names, else the CA)."""
-    seen = exc
+    seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, ssl.SSLCertVerificationError):
             reason = getattr(seen, "verify_message", None) or seen

@@ -192,31 +192,28 @@ def test_other_statuses_are_not_retried(device, status):
     assert server.paths() == ["/v1/rounds/current"] and sleeps == []
 
 
-def test_using_http_or_a_bad_floor_is_refused(tmp_path, signing_keys):
-    with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
-        with pytest.raises(InvalidInputError, match="https"):
-            SyncClient("http://fed.test", "t", log, tmp_path / "b", signing_keys[1])
-        with pytest.raises(InvalidInputError, match="min_count_floor"):
-            SyncClient("https://fed.test", "t", log, tmp_path / "b", signing_keys[1], min_count_floor=0)
-
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"retries": "3"}, "retries must be an int >= 0, got '3'"),  # was TypeError: '<' between str and int
-    ({"retries": float("nan")}, "retries must be an int >= 0, got nan"),  # was ValueError from int(nan)
-    ({"backoff_s": float("nan")}, "backoff_s must be a finite number of seconds >= 0, got nan"),  # accepted
-    ({"timeout_s": -1}, "timeout_s must be a finite number of seconds > 0, got -1"),  # accepted
-    ({"server_url": "https://[::1"}, "server_url 'https://\\[::1' is not a URL"),  # was httpx.InvalidURL
-    ({"eval_log": None}, "eval_log must be an sdk.EvalLog, got NoneType"),  # accepted: AttributeError at sync
-    ({"bundle_dir": None}, "bundle_dir must be a path, got NoneType"),  # was TypeError from Path(None)
+@pytest.mark.parametrize("kwargs, field", [
+    ({"server_url": "http://fed.test"}, "server_url"),  # the token would leak
+    ({"server_url": "https://[::1"}, "server_url"),  # not a URL (was httpx.InvalidURL)
+    ({"token": " "}, "token"),
+    ({"token": "t\x00k"}, "token"),  # not printable ASCII: it travels in a header
+    ({"retries": "3"}, "retries"),
+    ({"retries": float("nan")}, "retries"),
+    ({"backoff_s": float("nan")}, "backoff_s"),
+    ({"max_backoff_s": -1.0}, "max_backoff_s"),
+    ({"timeout_s": -1}, "timeout_s"),
+    ({"eval_log": None}, "eval_log"),
+    ({"bundle_dir": None}, "bundle_dir"),
+    ({"min_count_floor": 0}, "min_count_floor"),
+    ({"upload_format": "xml"}, "upload_format"),
 ])
-def test_constructor_arguments_of_the_wrong_type_or_range_are_refused(tmp_path, signing_keys, kwargs, match):
+def test_constructor_arguments_of_the_wrong_type_or_range_are_refused(tmp_path, signing_keys, kwargs, field):
     with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
         args = {"server_url": "https://fed.test", "token": "t", "eval_log": log, "bundle_dir": tmp_path / "b",
                 "public_key": signing_keys[1], **kwargs}
-        with pytest.raises(InvalidInputError, match=match):
+        with pytest.raises(InvalidInputError) as info:
             SyncClient(**args)
-
+        assert str(info.value).startswith(field)
 
 
 def test_a_closed_client_says_so(tmp_path, signing_keys):
@@ -370,8 +367,6 @@ def test_uploads_are_msgpack_by_default_and_json_on_request(device, tmp_path):
     assert a.keys() == b.keys() and a["count"] == b["count"] and a["local_weights"] == b["local_weights"]
     # the cell means travel as float32 in MessagePack: equal to the JSON ones rounded to float32
     np.testing.assert_array_equal(np.float32(b["local_centroids"]), np.float32(a["local_centroids"]))
-    with pytest.raises(InvalidInputError, match="upload_format"):
-        device(FakeServer(None), upload_format="xml")
 
 
 def test_mlp_rounds_below_the_floor_are_skipped(device):
