@@ -37,6 +37,10 @@ from sdk.protocol import (
 )
 
 
+#: The app's local trainer of torch kinds: ``f(evaluations, round_json, parameters, client_id) -> upload or None``.
+LocalTrainer = Callable[[Evaluations, dict[str, Any], bytes, str], bytes | None]
+
+
 @dataclass(frozen=True)
 class DeviceRoundContext:
     """What a handler may use: the device's ``client_id``; ``rows()`` reads the EvalLog; ``sent``, the
@@ -51,7 +55,7 @@ class DeviceRoundContext:
     min_count_floor: int
     allow_repartition: bool
     fetch: Callable[[str, int], bytes]
-    local_trainer: Callable[[Evaluations, dict[str, Any], bytes, str], bytes | None] | None = None
+    local_trainer: LocalTrainer | None = None
     state_path: str = ""
     upload_format: str = "msgpack"
 

@@ -47,8 +47,8 @@ from sdk.errors import (
     SyncError,
     SyncRejectedError,
 )
-from sdk.device_rounds import DeviceRoundContext
-from sdk.eval_log import EvalLog, Evaluations
+from sdk.device_rounds import DeviceRoundContext, LocalTrainer
+from sdk.eval_log import EvalLog
 from sdk.protocol import (DIFFERENCE_REFUSAL_PHRASE, STATE_LOSS_ADVICE, Receipt, SyncState, decode_sync_state,
                           encode_sync_state)
 from sdk.real_numbers import finite_float
@@ -127,7 +127,7 @@ class SyncClient:
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  transport: httpx.BaseTransport | None = None,
                  sleep: Callable[[float], None] = time.sleep,
-                 mlp_trainer: Callable[[Evaluations, dict[str, Any], bytes, str], bytes | None] | None = None,
+                 mlp_trainer: LocalTrainer | None = None,
                  min_count_floor: int = 5, allow_repartition: bool = False,
                  upload_format: str = "msgpack") -> None:
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -21,14 +22,29 @@ import typer
 from sdk import bundle_manifest as fmt
 from sdk.cli_paths import PathCheckedCommand
 from sdk.console import run_app
+from sdk.device_rounds import LocalTrainer
 from sdk.eval_log import EvalLog
 from sdk.finite_option import COUNT_MAX
 from sdk.sync import SyncClient
 
 
-def make_sync_command(mlp_trainer=None):
-    """The ``sync`` command; ``mlp_trainer`` (see :class:`sdk.SyncClient`) lets it take part in MLP
-    rounds (``fedroute sync`` passes the trainer's; ``fedroute-sync`` has none and skips them)."""
+def _read_token(token_file: Path | None) -> tuple[str, str]:
+    """(the bearer token or "", why there is none) from ``token_file`` or ``$FEDROUTE_TOKEN``."""
+    if token_file is None:
+        return os.environ.get("FEDROUTE_TOKEN", "").strip(), "give --token-file or set FEDROUTE_TOKEN"
+    try:  # empty: e.g. a failed `fedroute clients add NAME > token` (its error went to the terminal)
+        return token_file.read_text().strip(), (f"--token-file {token_file} is empty; the operator issues a token "
+                                                "with `fedroute clients add` (`fedroute clients rotate` for an "
+                                                "existing client)")
+    except OSError as exc:
+        return "", f"--token-file {token_file}: cannot read it ({exc.strerror})"
+    except UnicodeDecodeError as exc:  # e.g. the EvalLog or a key given by mistake
+        return "", (f"--token-file {token_file} is not a text file (byte {exc.start} is not UTF-8); it holds the "
+                    "token `fedroute clients add` printed")
+
+
+def make_sync_command(mlp_trainer: LocalTrainer | None = None) -> Callable[..., None]:
+    """The ``sync`` command; with ``mlp_trainer`` (:class:`sdk.SyncClient`) it takes part in MLP rounds."""
 
     def sync(
         server: Annotated[str, typer.Option(help="https://host:port of the aggregation server")],
@@ -48,24 +64,11 @@ def make_sync_command(mlp_trainer=None):
                  "uploads over two partitions can be combined)")] = False,
     ) -> None:
         """Upload this round's statistics and install a newer bundle, once."""
-        if token_file is not None:
-            try:
-                token = token_file.read_text().strip()
-            except OSError as exc:
-                raise typer.BadParameter(f"--token-file {token_file}: cannot read it ({exc.strerror})") from exc
-            except UnicodeDecodeError as exc:  # e.g. the EvalLog or a key given by mistake
-                raise typer.BadParameter(f"--token-file {token_file} is not a text file (byte {exc.start} is not UTF-8); "
-                                         "it holds the token `fedroute clients add` printed") from exc
-            if not token:  # e.g. a failed `fedroute clients add NAME > token` (its error went to the terminal)
-                raise typer.BadParameter(f"--token-file {token_file} is empty; the operator issues a token with "
-                                         "`fedroute clients add` (`fedroute clients rotate` for an existing client)")
-        else:
-            token = os.environ.get("FEDROUTE_TOKEN", "").strip()
-            if not token:
-                raise typer.BadParameter("give --token-file or set FEDROUTE_TOKEN")
-        if not log.is_file():
-            what = "is not a file" if log.exists() else "does not exist"  # e.g. the app's data folder
-            raise typer.BadParameter(f"--log {log} {what} (the app's EvalLog file)")
+        token, no_token = _read_token(token_file)
+        problem = (no_token if not token else None if log.is_file()  # e.g. the app's data folder:
+                   else f"--log {log} {'is not a file' if log.exists() else 'does not exist'} (the app's EvalLog file)")
+        if problem:
+            raise typer.BadParameter(problem)
         models = [m["id"] for m in fmt.read_verified(bundle, public_key, wanted=()).manifest["models"]]
         try:
             with EvalLog(log, models) as eval_log, SyncClient(
@@ -86,8 +89,7 @@ sync = make_sync_command()
 
 
 def make_app() -> typer.Typer:
-    """The ``fedroute-sync`` app: the one ``sync`` command, whose path options refuse an empty value
-    (``--log "$LOG"`` with ``$LOG`` unset; :mod:`sdk.cli_paths`)."""
+    """The ``fedroute-sync`` app: the ``sync`` command, path options refusing an empty value (:mod:`sdk.cli_paths`)."""
     app = typer.Typer(add_completion=False)
     app.command(cls=PathCheckedCommand)(sync)
     return app

@@ -10,7 +10,7 @@ import pytest
 
 from sdk import EvalLog
 from sdk.cell_statistics import CellStatistics
-from sdk.errors import InvalidInputError, ShapeError, SyncError
+from sdk.errors import ShapeError, SyncError
 from sdk.protocol import decode_sent_record, encode_sent_record
 from sdk.local_update import (
     KMeansUpdate,
