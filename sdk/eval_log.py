@@ -1,77 +1,14 @@
 """Device-local log of sparse evaluations, kept in one SQLite file.
 
-Each routed query is answered by exactly one model, so its outcome (score, cost, latency) is known
-for that model only: a *sparse evaluation*. :class:`EvalLog` appends one row per routed query and
-the federated-sync job reads them back, incrementally, with ``rows(since_id=...)``.
-
-What a row holds
-----------------
-``id`` (increasing, never reused, also after retention deleted rows), ``timestamp`` (unix seconds),
-``model`` (the id of the model the query was sent to), ``score`` (in [0, 1]), ``cost_usd`` (USD),
-optionally ``latency_ms``, the query embedding (a float32 vector; the log's dimension is fixed by
-the first stored embedding) and/or the Voronoi ``cell`` of the query (at least one of the two is
-required), the ``bundle_version`` that made the decision, the ``policy`` that chose the model and its
-``propensity`` (the probability that the policy chose it: 1 for the greedy ``Router.choose``, below 1
-for an exploring :class:`sdk.Explorer`; kept for offline evaluation of other policies, never uploaded)
-and, only if allowed, the query text.
-
-Schema versions: 1 (no policy columns) is migrated to 2 when opened, in one transaction (its rows
-read policy None and propensity NaN); a file of a newer version is refused.
-
-Privacy
--------
-The raw query text is written only when the log is opened with ``store_text=True``. Otherwise a
-``query`` passed to :meth:`EvalLog.record` is dropped before anything is written: it never touches
-the database file nor its ``-wal`` journal. The file is created with mode 0600 (owner only), and
-``PRAGMA secure_delete`` is on, so rows removed by retention are overwritten with zeros instead of
-lingering in free pages of the database file. In WAL mode their old content can stay in the
-``-wal`` file until the next checkpoint (SQLite's automatic one, every ~1000 pages, or
-:meth:`EvalLog.close`); the WAL is truncated at each checkpoint (``journal_size_limit=0``). (Text
-stored by an earlier ``store_text=True`` session stays until its row is removed by retention.)
-
-Retention
----------
-Applied after each insert, in the same transaction as the insert:
-
-1. rows older than ``max_age_days`` are deleted (``max_age_days=None`` keeps rows forever), as a
-   prefix in the order of recording: the rows (by id) before the first one whose ``timestamp`` is
-   within ``max_age_days`` of the retention time, so a row goes no sooner than the rows recorded
-   before it. A row recorded with a timestamp already older than that is deleted at once (``record``
-   still returns its id) unless rows recorded before it are younger;
-2. then only the newest ``max_rows`` rows (by id) are kept.
-
-The retention time is the wall clock (``clock``, default ``time.time()``), with two guards against
-a clock that jumps (before 2026-12-02 a clock jumping ahead wiped the log at the next ``record``,
-and rows logged while the clock was behind were deleted once it was corrected):
-
-- a clock more than :data:`CLOCK_STEP_S` (a day) ahead of the newest row's timestamp is not trusted
-  until it has held for a day: until then the retention time is that newest timestamp plus the time
-  since the step (a clock set back before the step ends the wait). A device idle for longer than a
-  day therefore deletes its aged rows up to a day late; a clock that stays wrong for a day is taken
-  as right;
-- rows stamped while the clock was behind sit (by id) after rows with later timestamps, which the
-  prefix rule keeps them behind. Not covered: a log whose *first* rows were stamped while the clock
-  was behind (they are deleted once the corrected clock has held a day), and rows stamped while the
-  clock was ahead, which stay (with the rows after them) until the clock passes their timestamps
-  or ``max_rows`` pushes them out.
-
-Lowering ``max_rows`` or ``max_age_days`` on reopen takes effect at the next ``record``.
-
-Durability
-----------
-SQLite in WAL mode; every :meth:`EvalLog.record` is one transaction and returns after its commit.
-A process killed at any point (SIGKILL included) loses at most the row whose ``record`` had not
-returned and never leaves a corrupt file. With ``durable=True`` (``synchronous=FULL``) each commit
-is also fsynced, so it survives a power loss or OS crash; with ``durable=False``
-(``synchronous=NORMAL``) the file stays consistent but the last commits may be lost on power loss.
-
-Size
-----
-About 1.6 kB per row with a 384-d embedding (1,536 bytes of float32 plus ~60 bytes of other
-columns and SQLite overhead; more with stored query text), so ~32 MB at the default
-``max_rows=20_000``. Without an embedding a row is under 100 bytes.
-
-This module imports only the standard library, numpy and :mod:`sdk.errors`.
+Each routed query is answered by one model, so its outcome (score, cost, latency) is known for that
+model only: a *sparse evaluation*. :class:`EvalLog` appends one row per routed query (one committed
+transaction, WAL; a killed process loses at most the row whose ``record`` had not returned) and the
+sync job reads them back with ``rows(since_id=...)``. The query text is written only with
+``store_text=True`` (else dropped before anything is written); the file is mode 0600 with
+``secure_delete``. Retention after each insert, in its transaction: rows older than ``max_age_days``
+go as a prefix in the order of recording (a clock more than :data:`CLOCK_STEP_S` ahead of the newest
+row is trusted only once it has held that long), then all but the newest ``max_rows``. Schema 1 is
+migrated to 2 when opened; newer files are refused. Details: docs/device-and-bundles.md#evallog.
 """
 
 from __future__ import annotations
@@ -85,8 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from sdk.errors import EvalLogError, InvalidInputError, ShapeError, UnknownModelError
 from sdk.real_numbers import finite_float, is_real_number, shown
@@ -94,25 +33,19 @@ from sdk.sqlite_files import set_wal, table_names
 
 __all__ = ["CLOCK_STEP_S", "MAX_COST_PER_QUERY_USD", "SCHEMA_VERSION", "UNIT_NORM_TOLERANCE", "EvalLog", "Evaluations"]
 
-#: Value of ``PRAGMA user_version`` written by this version; a version-1 file is migrated to it when
-#: opened, a file with another non-zero value is refused with :class:`EvalLogError`.
+#: ``PRAGMA user_version`` written; version 1 is migrated to it, other non-zero values are refused.
 SCHEMA_VERSION = 2
 
 _INT64_MAX = 2**63 - 1
-#: Largest cost of one query a row may record, USD. The aggregation server refuses every upload whose
-#: mean cost in an entry is above it (``trainer/server/validation.py`` imports this bound), so a log
-#: holding such rows could never sync again: a unit mistake (micro-USD, cents) is refused at ``record``.
+#: Largest cost of one query a row may record, USD: the sync server refuses means above it.
 MAX_COST_PER_QUERY_USD = 1000.0
 #: Largest embedding dimension a log file may declare (far above any encoder's); a bigger one is a damaged file.
 _MAX_EMBEDDING_DIM = 1 << 16
 _EMBEDDING_DTYPE = np.dtype("<f4")  # little-endian float32, whatever the host byte order
-#: How far an embedding's L2 norm may be from 1 (float32 rounding of a normalised vector is ~1e-7). The
-#: sync server refuses a cell mean of norm above ``1 + 1e-4`` (``trainer/server/validation.py``): a log
-#: of longer vectors could never sync, so :meth:`EvalLog.record` refuses them.
+#: How far an embedding's L2 norm may be from 1: the sync server refuses cell means of norm above ``1 + 1e-4``.
 UNIT_NORM_TOLERANCE = 5e-5
 _SECONDS_PER_DAY = 86_400.0
-#: A wall clock more than this many seconds ahead of the log's newest row is not trusted by the
-#: retention until it has held that long (module docstring, Retention).
+#: A wall clock more than this many seconds ahead of the newest row is trusted once it has held that long.
 CLOCK_STEP_S = _SECONDS_PER_DAY
 _BUSY_TIMEOUT_S = 10.0
 
@@ -152,47 +85,30 @@ _COLUMNS = "id, timestamp, model, score, cost_usd, latency_ms, cell, embedding, 
 class Evaluations:
     """Rows of an :class:`EvalLog` as read-only column arrays, all of length ``n``, ascending ``id``.
 
-    Attributes
-    ----------
-    id : ndarray of shape (n,), int64, row ids (strictly increasing).
-    timestamp : ndarray of shape (n,), float64, unix seconds.
-    model : tuple of n str, the model id each query was sent to.
-    score : ndarray of shape (n,), float64, in [0, 1].
-    cost_usd : ndarray of shape (n,), float64, USD, >= 0.
-    latency_ms : ndarray of shape (n,), float64, milliseconds; NaN where not recorded.
-    cell : ndarray of shape (n,), int64, Voronoi cell index; -1 where not recorded.
-    embedding : ndarray of shape (n, d), float32; rows of NaN where not recorded. ``d`` is the log's
-        embedding dimension, 0 if the log never stored an embedding (shape ``(n, 0)``).
-    bundle_version : ndarray of shape (n,), int64; -1 where not recorded.
-    query : tuple of n (str or None), the query text; None where not stored (``store_text=False``).
-    policy : tuple of n (str or None), the policy that chose the model (``"greedy"``, ``"thompson"``);
-        None where not recorded (default: all None).
-    propensity : ndarray of shape (n,), float64, in (0, 1], the probability that ``policy`` chose
-        ``model``; NaN where not recorded (default: all NaN).
-
-    Raises
-    ------
-    ShapeError
-        On construction, if the columns do not all have length ``n`` or ``embedding`` is not 2-D.
+    ``id`` int64; ``timestamp`` float64 unix s; ``model`` tuple of str; ``score`` float64 in [0, 1];
+    ``cost_usd`` float64 USD; ``latency_ms`` float64 (NaN: not recorded); ``cell`` int64 (-1: none);
+    ``embedding`` (n, d) float32 (rows of NaN: none; d = 0 if the log never stored one);
+    ``bundle_version`` int64 (-1: none); ``query`` tuple of str or None (not stored); ``policy``
+    tuple of str or None and ``propensity`` float64 in (0, 1] (NaN): the policy that chose the model
+    and its probability. ShapeError on construction for columns of different lengths.
     """
 
-    id: np.ndarray
-    timestamp: np.ndarray
+    id: npt.NDArray[np.int64]
+    timestamp: npt.NDArray[np.float64]
     model: tuple[str, ...]
-    score: np.ndarray
-    cost_usd: np.ndarray
-    latency_ms: np.ndarray
-    cell: np.ndarray
-    embedding: np.ndarray
-    bundle_version: np.ndarray
+    score: npt.NDArray[np.float64]
+    cost_usd: npt.NDArray[np.float64]
+    latency_ms: npt.NDArray[np.float64]
+    cell: npt.NDArray[np.int64]
+    embedding: npt.NDArray[np.float32]
+    bundle_version: npt.NDArray[np.int64]
     query: tuple[str | None, ...]
     policy: tuple[str | None, ...] | None = None
-    propensity: np.ndarray | None = None
+    propensity: npt.NDArray[np.float64] | None = None
 
     def __post_init__(self) -> None:
         n_rows = len(self.query)
-        if self.policy is None:
-            object.__setattr__(self, "policy", (None,) * n_rows)
+        object.__setattr__(self, "policy", tuple(self.policy) if self.policy is not None else (None,) * n_rows)
         if self.propensity is None:
             object.__setattr__(self, "propensity", np.full(n_rows, np.nan))
         dtypes = {
@@ -212,51 +128,33 @@ class Evaluations:
             object.__setattr__(self, name, arr)
         object.__setattr__(self, "model", tuple(self.model))
         object.__setattr__(self, "query", tuple(self.query))
-        object.__setattr__(self, "policy", tuple(self.policy))
         n = self.id.shape[0] if self.id.ndim == 1 else -1
-        if self.embedding.ndim != 2:
-            raise ShapeError(f"embedding must have shape (n, d), got {self.embedding.shape}")
         lengths = {name: np.shape(getattr(self, name))[:1] for name in (*dtypes, "model", "query", "policy")}
-        if n < 0 or any(length != (n,) for length in lengths.values()):
-            raise ShapeError(f"all columns must have one length n, got {lengths}")
+        if n < 0 or self.embedding.ndim != 2 or any(length != (n,) for length in lengths.values()):
+            raise ShapeError(f"all columns must have one length n and embedding shape (n, d), got {lengths}, "
+                             f"embedding {self.embedding.shape}")
 
     def __len__(self) -> int:
         return int(self.id.shape[0])
 
 
 class EvalLog:
-    """Append-only (up to retention) SQLite log of sparse evaluations on the device.
-
-    Thread-safe: one connection guarded by a lock, so one instance can be shared by threads. Use as a
-    context manager or call :meth:`close`. See the module docstring for privacy, retention and
-    durability.
+    """Append-only (up to retention) SQLite log of sparse evaluations on the device; thread-safe (one
+    connection under a lock); a context manager.
 
     Parameters
     ----------
-    path : str or os.PathLike, the SQLite file; created (with its parent directory) if missing.
-    models : sequence of str, non-empty and without duplicates, the model ids rows may name.
-    store_text : bool, keyword-only, default False. If False the ``query`` text given to
-        :meth:`record` is dropped and never written.
-    max_rows : int, keyword-only, >= 1, default 20,000; the newest ``max_rows`` rows (by id) are kept.
-    max_age_days : float or None, keyword-only, > 0, default 90; rows older than this (by timestamp,
-        against the wall clock, guarded against clock jumps: module docstring) are deleted at each
-        insert. None keeps rows forever.
-    durable : bool, keyword-only, default True. ``synchronous=FULL`` (each commit fsynced) if True,
-        ``synchronous=NORMAL`` otherwise (consistent, but a power loss may drop the last commits).
-    clock : function returning the wall-clock time in unix seconds, keyword-only, default
-        ``time.time`` (the default timestamp of a row and the retention's time; see the module
-        docstring for how a clock that jumps is handled).
+    path : the SQLite file (str or os.PathLike, not ``":memory:"``); created with its folder if missing.
+    models : non-empty sequence of distinct, non-empty str, the model ids rows may name.
+    store_text : bool, default False: the ``query`` given to :meth:`record` is dropped, never written.
+    max_rows : int in [1, 2**63 - 1], default 20,000: the newest rows (by id) kept.
+    max_age_days : real > 0 or None (keep forever), default 90: rows older than this are deleted at each insert.
+    durable : bool, default True: ``synchronous=FULL`` (fsync per commit), else ``NORMAL``.
+    clock : wall-clock time in unix seconds, default ``time.time``.
 
-    Raises
-    ------
-    InvalidInputError
-        ``path`` ``":memory:"`` or a ``file:`` URI (nothing is created), ``models`` empty, not a sequence
-        of non-empty str (valid Unicode), or with duplicates; ``max_rows`` not an
-        int in [1, 2**63 - 1]; ``max_age_days`` not None nor a finite real > 0; ``store_text``/``durable`` not bool;
-        ``clock`` not callable.
-    EvalLogError
-        The file cannot be opened or created, is not SQLite, is another SQLite database, or has a
-        schema version this code does not understand. The message names the path.
+    Raises InvalidInputError naming the argument that is out of range or of the wrong type (nothing is
+    created then); EvalLogError, naming the path, for a file that cannot be opened or created, is not
+    SQLite, is another database, or has a newer schema.
     """
 
     def __init__(
@@ -272,30 +170,29 @@ class EvalLog:
     ) -> None:
         self._models = _check_models(models)
         self._model_set = frozenset(self._models)
-        for name, flag in (("store_text", store_text), ("durable", durable)):
-            if not isinstance(flag, bool):
-                raise InvalidInputError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
-        if isinstance(max_rows, bool) or not isinstance(max_rows, numbers.Integral) or not 1 <= max_rows <= _INT64_MAX:
-            raise InvalidInputError(f"max_rows must be an int in [1, 2**63 - 1], got {shown(max_rows)}")
+        memory = isinstance(path, str) and (path == ":memory:" or path.startswith("file:"))
+        problems = (  # (refused?, message): the first that holds is raised
+            *((not isinstance(flag, bool), f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+              for name, flag in (("store_text", store_text), ("durable", durable))),
+            (isinstance(max_rows, bool) or not isinstance(max_rows, numbers.Integral)
+             or not 1 <= max_rows <= _INT64_MAX, f"max_rows must be an int in [1, 2**63 - 1], got {shown(max_rows)}"),
+            (not isinstance(path, (str, os.PathLike)), f"path must be a str or os.PathLike, got {type(path).__name__}"),
+            # SQLite would open an in-memory database (nothing kept), after creating a file of that name
+            (memory, f"path {path!r} names an in-memory SQLite database; an EvalLog is a file that keeps its rows "
+                     "across restarts and that fedroute-sync reads: give a file path"),
+            (not callable(clock), f"clock must be a function returning unix seconds, got {type(clock).__name__}"),
+        )
+        problem = next((message for refused, message in problems if refused), None)
+        if problem:
+            raise InvalidInputError(problem)
         if max_age_days is not None:
-            max_age_days = _check_real("max_age_days", max_age_days)
-            if max_age_days <= 0:
-                raise InvalidInputError(
-                    f"max_age_days must be > 0 (or None to keep rows forever), got {max_age_days!r}"
-                )
-        if not isinstance(path, (str, os.PathLike)):
-            raise InvalidInputError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        if isinstance(path, str) and (path == ":memory:" or path.startswith("file:")):
-            # SQLite would open an in-memory database (no WAL, nothing kept), after a file of that name was created
-            raise InvalidInputError(f"path {path!r} names an in-memory SQLite database; an EvalLog is a file that "
-                                    "keeps its rows across restarts and that fedroute-sync reads: give a file path")
+            max_age_days = _real("max_age_days", max_age_days, 0.0, np.inf, open_low=True,
+                                 note=" (or None to keep rows forever)")
         self._path = Path(path)
         self._store_text = store_text
         self._max_rows = int(max_rows)
         self._max_age_days = max_age_days
         self._durable = durable
-        if not callable(clock):
-            raise InvalidInputError(f"clock must be a function returning unix seconds, got {type(clock).__name__}")
         self._clock = clock
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = self._open()
@@ -340,13 +237,9 @@ class EvalLog:
             conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
-        if version not in (0, 1, SCHEMA_VERSION):
-            raise EvalLogError(
-                f"evaluation log {path!r} has schema version {version}; this fedroute understands "
-                f"versions 1 to {SCHEMA_VERSION} (written by a newer or unknown program)"
-            )
-        if version == 0 and tables:
-            raise EvalLogError(_NOT_A_LOG.format(path=path))
+        problem = _schema_problem(version, tables, path)
+        if problem:
+            raise EvalLogError(problem)
         mode = set_wal(conn, _BUSY_TIMEOUT_S)  # retried: a new file's switch to WAL can fail at once
         if str(mode).lower() != "wal":
             raise EvalLogError(f"cannot put evaluation log {path!r} in WAL mode (got {mode!r})")
@@ -359,9 +252,10 @@ class EvalLog:
         try:
             # Re-read under the write lock: another process may have created the schema meanwhile.
             version = conn.execute("PRAGMA user_version").fetchone()[0]
+            problem = _schema_problem(version, table_names(conn), path)  # a fedroute creator sets both at once
+            if problem:
+                raise EvalLogError(problem)
             if version == 0:
-                if table_names(conn):  # under the write lock: a fedroute creator sets both at once
-                    raise EvalLogError(_NOT_A_LOG.format(path=path))
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         conn.execute(statement)
@@ -370,11 +264,6 @@ class EvalLog:
                 for statement in _MIGRATE_1_TO_2:
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            elif version != SCHEMA_VERSION:
-                raise EvalLogError(
-                    f"evaluation log {path!r} has schema version {version}; this fedroute "
-                    f"understands versions 1 to {SCHEMA_VERSION}"
-                )
             missing = {"meta", "evaluations"} - table_names(conn)
             if missing:
                 raise EvalLogError(
@@ -413,98 +302,63 @@ class EvalLog:
         policy: str | None = None,
         propensity: float | None = None,
     ) -> int:
-        """Append one evaluation and apply retention, in one committed transaction.
+        """Append one evaluation and apply retention, in one committed transaction; returns the row's id
+        (the row may already be gone to retention if ``timestamp`` is older than ``max_age_days``).
 
         Parameters
         ----------
-        model : str, one of :attr:`models`, the model the query was sent to.
-        score : real number in [0, 1] (bools rejected), the observed quality of the answer.
-        cost_usd : real number, USD, in [0, :data:`MAX_COST_PER_QUERY_USD`] (1000).
-        latency_ms : real number, milliseconds, finite and >= 0, or None (stored as NULL).
-        embedding : array-like of shape (d,), real, finite, unit L2 norm (within
-            :data:`UNIT_NORM_TOLERANCE`, like ``Choice.embedding``), or None; stored as float32. ``d``
-            must equal the log's embedding dimension, which the first stored embedding fixes.
-        cell : int >= 0 or None, the Voronoi cell of the query. At least one of ``embedding`` and
-            ``cell`` must be given.
-        bundle_version : int >= 0 or None, the routing bundle that made the decision.
-        query : str or None, the query text. Stored only if the log was opened with
-            ``store_text=True``; otherwise dropped without being written anywhere.
-        timestamp : real number, unix seconds, at most one day ahead of the clock, or None for
-            ``clock()`` (default ``time.time()``).
-        policy, propensity : the policy that chose ``model`` (non-empty str) and the probability that
-            it did (real number in (0, 1]), both or neither (NULL: not recorded). Kept on the device
-            for offline evaluation (inverse propensity weighting); the statistics upload ignores them.
+        model : one of :attr:`models`, the model the query was sent to.
+        score : real in [0, 1], the observed quality of the answer.
+        cost_usd : real in [0, :data:`MAX_COST_PER_QUERY_USD`], USD.
+        latency_ms : real >= 0, milliseconds, or None.
+        embedding : (d,) real, finite, unit L2 norm (within :data:`UNIT_NORM_TOLERANCE`, like
+            ``Choice.embedding``), stored as float32; ``d`` is fixed by the log's first embedding.
+        cell : int >= 0, the query's Voronoi cell; at least one of ``embedding`` and ``cell`` is needed.
+        bundle_version : int >= 0, the routing bundle that made the decision.
+        query : str, stored only with ``store_text=True``.
+        timestamp : real, unix seconds, at most a day ahead of ``clock()`` (default: ``clock()``).
+        policy, propensity : the policy that chose ``model`` (non-empty str) and the probability that it
+            did (real in (0, 1]), both or neither; kept for offline evaluation, never uploaded.
 
-        Returns
-        -------
-        int, the id of the new row; the row is committed when this returns (it may already have
-        been removed by retention if its ``timestamp`` is older than ``max_age_days``).
-
-        Raises
-        ------
-        UnknownModelError
-            ``model`` is not a str or not in :attr:`models` (the message lists the known ids).
-        InvalidInputError
-            ``score``, ``cost_usd``, ``latency_ms``, ``cell``, ``bundle_version``, ``query``,
-            ``timestamp``, ``policy`` or ``propensity`` out of range or of the wrong type, only one of
-            ``policy`` and ``propensity``, a ``query`` to store that is not valid
-            Unicode (lone surrogates), or neither ``embedding`` nor ``cell``.
-        ShapeError
-            ``embedding`` not 1-D, empty, not real-valued, non-finite (also after the cast to
-            float32), not of unit norm (the message gives the norm found), or of another dimension
-            than the log's.
-        EvalLogError
-            The log is closed, or SQLite failed to write (disk full, file locked too long, ...);
-            nothing is written then.
+        Raises UnknownModelError (a model not in :attr:`models`), InvalidInputError naming the argument
+        out of range or of the wrong type, ShapeError (``embedding`` not 1-D, not finite in float32, not
+        of unit norm, or of another dimension than the log's), EvalLogError (closed, or SQLite failed:
+        nothing is written).
         """
         if not isinstance(model, str) or model not in self._model_set:
             raise UnknownModelError(
                 f"model {model!r} is not in this log's models; known ids: {list(self._models)}"
             )
-        score_f = _check_real("score", score)
-        if not 0.0 <= score_f <= 1.0:
-            raise InvalidInputError(f"score must lie in [0, 1], got {score_f!r}")
-        cost_f = _check_real("cost_usd", cost_usd)
-        if not 0 <= cost_f <= MAX_COST_PER_QUERY_USD:
-            raise InvalidInputError(f"cost_usd must lie in [0, {MAX_COST_PER_QUERY_USD:g}] (USD per query; the sync "
-                                    f"server refuses more), got {cost_f!r}")
-        latency_f = None
-        if latency_ms is not None:
-            latency_f = _check_real("latency_ms", latency_ms)
-            if latency_f < 0:
-                raise InvalidInputError(f"latency_ms must be >= 0 (milliseconds), got {latency_f!r}")
-        cell_i = None if cell is None else _check_index("cell", cell)
-        bundle_i = None if bundle_version is None else _check_index("bundle_version", bundle_version)
-        now = _check_real("clock()", self._clock())
-        ts = now if timestamp is None else _check_real("timestamp", timestamp)
-        if ts > now + _SECONDS_PER_DAY:
-            # A row from the future would never age out of the retention window.
-            raise InvalidInputError(f"timestamp {ts!r} is more than a day in the future (now {now:.0f})")
-        if query is not None and not isinstance(query, str):
-            raise InvalidInputError(f"query must be a str or None, got {type(query).__name__}")
+        score_f = _real("score", score, 0.0, 1.0)
+        cost_f = _real("cost_usd", cost_usd, 0.0, MAX_COST_PER_QUERY_USD, note=" (USD per query; the sync server "
+                       "refuses more)")
+        latency_f = None if latency_ms is None else _real("latency_ms", latency_ms, 0.0, np.inf, note=" (milliseconds)")
+        cell_i = None if cell is None else _index("cell", cell)
+        bundle_i = None if bundle_version is None else _index("bundle_version", bundle_version)
+        now = _real("clock()", self._clock(), -np.inf, np.inf)
+        ts = now if timestamp is None else _real("timestamp", timestamp, -np.inf, now + _SECONDS_PER_DAY,
+                                                 note=" (at most a day in the future)")
+        problems = (  # (refused?, message): the first that holds is raised
+            (query is not None and not isinstance(query, str), f"query must be a str or None, got {type(query).__name__}"),
+            (embedding is None and cell is None,
+             "each row needs at least one of embedding or cell; got embedding=None and cell=None"),
+            ((policy is None) != (propensity is None), f"policy and propensity go together (both or neither), got "
+                                                       f"policy={policy!r} and propensity={shown(propensity)}"),
+            (policy is not None and (not isinstance(policy, str) or not policy),
+             f"policy must be a non-empty str, got {shown(policy)}"),
+        )
+        problem = next((message for refused, message in problems if refused), None)
+        if problem:
+            raise InvalidInputError(problem)
         if query is not None and self._store_text:
             _check_utf8("query", query)  # SQLite stores UTF-8: lone surrogates cannot be written
-        blob = None
-        dim = None
-        if embedding is not None:
-            vector = _check_embedding(embedding)
-            dim = int(vector.shape[0])
-            blob = vector.tobytes()
-        if blob is None and cell_i is None:
-            raise InvalidInputError(
-                "each row needs at least one of embedding or cell; got embedding=None and cell=None"
-            )
-        if (policy is None) != (propensity is None):
-            raise InvalidInputError(f"policy and propensity go together (both or neither), got policy={policy!r} "
-                                    f"and propensity={shown(propensity)}")
         if policy is not None:
-            if not isinstance(policy, str) or not policy:
-                raise InvalidInputError(f"policy must be a non-empty str, got {shown(policy)}")
             _check_utf8("policy", policy)
-            propensity = _check_real("propensity", propensity)
-            if not 0.0 < propensity <= 1.0:
-                raise InvalidInputError(f"propensity must lie in (0, 1] (a probability of the logged choice), "
-                                        f"got {propensity!r}")
+            propensity = _real("propensity", propensity, 0.0, 1.0, open_low=True,
+                               note=" (a probability of the logged choice)")
+        vector = None if embedding is None else _check_embedding(embedding)
+        dim = None if vector is None else int(vector.shape[0])
+        blob = None if vector is None else vector.tobytes()
         text = query if self._store_text else None  # privacy: dropped here, never written
 
         with self._lock:
@@ -521,7 +375,7 @@ class EvalLog:
                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (ts, model, score_f, cost_f, latency_f, cell_i, blob, bundle_i, text, policy, propensity),
                     )
-                    row_id = int(cursor.lastrowid)
+                    row_id = int(cursor.lastrowid or 0)  # set by the INSERT
                     self._apply_retention(conn, reference)
                     conn.execute("COMMIT")
                 except BaseException:
@@ -534,7 +388,7 @@ class EvalLog:
 
     def record_choice(
         self,
-        choice,
+        choice: Any,
         score: float,
         cost_usd: float,
         *,
@@ -542,11 +396,10 @@ class EvalLog:
         model: str | None = None,
         query: str | None = None,
     ) -> int:
-        """:meth:`record` the outcome of a :class:`sdk.router.Choice`: its embedding, cell, bundle
-        version, policy and propensity are taken from the choice; ``model`` overrides ``choice.model``
-        when the app sent the query elsewhere (the row then records no policy nor propensity: the
-        policy did not choose that model). Same errors as :meth:`record`, and
-        :class:`InvalidInputError` for a ``choice`` that is not a ``Choice`` (e.g. its model id)."""
+        """:meth:`record` the outcome of a :class:`sdk.router.Choice` (its embedding, cell, bundle version,
+        policy and propensity); ``model`` overrides ``choice.model`` when the app sent the query elsewhere
+        (then no policy nor propensity). :meth:`record`'s errors, and InvalidInputError for a ``choice``
+        that is not a ``Choice``."""
         try:  # duck-typed: this module does not import sdk.router
             chosen, embedding, cell, version = choice.model, choice.embedding, choice.cell, choice.bundle_version
             policy, propensity = choice.policy, choice.propensity
@@ -563,24 +416,9 @@ class EvalLog:
         )
 
     def rows(self, since_id: int = 0) -> Evaluations:
-        """The rows with ``id > since_id``, in ascending id, as one consistent snapshot.
-
-        Parameters
-        ----------
-        since_id : int, default 0 (all rows). Pass the last id already synced to read only new rows.
-
-        Returns
-        -------
-        Evaluations, the column arrays (see :class:`Evaluations` for shapes, dtypes and the values
-        that stand for "not recorded").
-
-        Raises
-        ------
-        InvalidInputError
-            ``since_id`` is not an int.
-        EvalLogError
-            The log is closed, SQLite failed to read, or a stored embedding has the wrong size.
-        """
+        """The rows with ``id > since_id`` (int; the last id already synced) in ascending id, as one
+        consistent snapshot. InvalidInputError for a ``since_id`` that is not an int; EvalLogError when the
+        log is closed, SQLite fails or a stored embedding has the wrong size."""
         if isinstance(since_id, bool) or not isinstance(since_id, numbers.Integral):
             raise InvalidInputError(f"since_id must be an int, got {type(since_id).__name__} {since_id!r}")
         since = max(-1, min(int(since_id), _INT64_MAX))
@@ -649,10 +487,9 @@ class EvalLog:
             )
 
     def _retention_time(self, conn: sqlite3.Connection, now: float) -> float | None:
-        """The time the age limit is measured from (module docstring, Retention), inside the write
-        transaction and before the insert; None without an age limit. A clock more than
-        :data:`CLOCK_STEP_S` ahead of the newest row is not trusted until it has held for
-        :data:`CLOCK_STEP_S` (the step and its start are kept in the meta table meanwhile)."""
+        """The time the age limit is measured from, before the insert; None without an age limit. A clock
+        more than :data:`CLOCK_STEP_S` ahead of the newest row is not trusted until it has held that long
+        (the step and its start are kept in the meta table meanwhile)."""
         if self._max_age_days is None:
             return None
         row = conn.execute("SELECT value FROM meta WHERE key = 'clock_step'").fetchone()
@@ -672,7 +509,7 @@ class EvalLog:
         return now
 
     def _apply_retention(self, conn: sqlite3.Connection, reference: float | None) -> None:
-        if reference is not None:
+        if reference is not None and self._max_age_days is not None:
             cutoff = reference - self._max_age_days * _SECONDS_PER_DAY
             # Only a prefix (by id, the order of recording) goes: rows up to the first one within the
             # limit. NOT INDEXED: scan ids from the oldest, stopping there (usually the first row).
@@ -694,21 +531,18 @@ class EvalLog:
 
 
 def _check_models(models: object) -> tuple[str, ...]:
-    if isinstance(models, (str, bytes)) or not isinstance(models, Sequence):
-        raise InvalidInputError(
-            f"models must be a sequence of model id strings, got {type(models).__name__} {models!r}"
-        )
-    ids = tuple(models)
-    if not ids:
-        raise InvalidInputError("models must not be empty")
-    bad = [m for m in ids if not isinstance(m, str) or not m]
-    if bad:
-        raise InvalidInputError(f"models must be non-empty strings, got {bad!r} in {list(ids)!r}")
+    sequence = isinstance(models, Sequence) and not isinstance(models, (str, bytes))
+    ids: tuple[Any, ...] = tuple(models) if isinstance(models, Sequence) and sequence else ()
+    duplicates = sorted({m for m in ids if ids.count(m) > 1}) if all(isinstance(m, str) for m in ids) else []
+    problem = (f"models must be a sequence of model id strings, got {type(models).__name__} {models!r}" if not sequence
+               else "models must not be empty" if not ids
+               else f"models must be non-empty strings, got {[m for m in ids if not isinstance(m, str) or not m]!r} "
+                    f"in {list(ids)!r}" if not all(isinstance(m, str) and m for m in ids)
+               else f"models must not repeat ids, got duplicates {duplicates} in {list(ids)}" if duplicates else None)
+    if problem:
+        raise InvalidInputError(problem)
     for m in ids:
         _check_utf8("models", m)
-    duplicates = sorted({m for m in ids if ids.count(m) > 1})
-    if duplicates:
-        raise InvalidInputError(f"models must not repeat ids, got duplicates {duplicates} in {list(ids)}")
     return ids
 
 
@@ -720,47 +554,58 @@ def _check_utf8(name: str, text: str) -> None:
                                 "stores UTF-8 text") from exc
 
 
-def _check_real(name: str, value: object) -> float:
-    if not is_real_number(value):
-        raise InvalidInputError(f"{name} must be a real number, got {shown(value)}")
+def _real(name: str, value: object, low: float, high: float, *, open_low: bool = False, note: str = "") -> float:
+    """``value`` as a float when it is a finite real number in ``[low, high]`` (``(low, high]``), else
+    InvalidInputError naming ``name``."""
     result = finite_float(value)
-    if result is None:
-        raise InvalidInputError(f"{name} must be finite, got {shown(value)}")
+    if result is None or not (low < result if open_low else low <= result) or not result <= high:
+        why = ("a real number" if not is_real_number(value) else "finite" if result is None
+               else f"in {'(' if open_low else '['}{low:g}, {high:g}]{note}")
+        raise InvalidInputError(f"{name} must be {why}, got {shown(value)}")
     return result
 
 
-def _check_index(name: str, value: object) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise InvalidInputError(f"{name} must be an int >= 0, got "
-                                f"{type(value).__name__ + ' ' if is_real_number(value) else ''}{shown(value)}")
-    result = int(value)
-    if not 0 <= result <= _INT64_MAX:
-        raise InvalidInputError(f"{name} must be an int in [0, 2**63 - 1], got {shown(result)}")
-    return result
+def _index(name: str, value: object) -> int:
+    """``value`` as an int in [0, 2**63 - 1] (bools refused), else InvalidInputError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or not 0 <= int(value) <= _INT64_MAX:
+        shown_type = f"{type(value).__name__} " if is_real_number(value) or isinstance(value, (bool, np.bool_)) else ""
+        raise InvalidInputError(f"{name} must be an int in [0, 2**63 - 1], got {shown_type}{shown(value)}")
+    return int(value)
 
 
-def _check_embedding(embedding: object) -> np.ndarray:
+def _check_embedding(embedding: object) -> npt.NDArray[np.float32]:
+    """``embedding`` as a unit-norm (d,) little-endian float32 vector, else ShapeError."""
     try:
         arr = np.asarray(embedding)
-    except (TypeError, ValueError) as exc:
-        raise ShapeError(f"embedding must be a 1-D array of reals, got {type(embedding).__name__}") from exc
-    if arr.dtype.kind not in "fiu":
-        raise ShapeError(f"embedding must hold real numbers, got dtype {arr.dtype}")
-    if arr.ndim != 1 or not 1 <= arr.shape[0] <= _MAX_EMBEDDING_DIM:
-        raise ShapeError(f"embedding must have shape (d,) with 1 <= d <= {_MAX_EMBEDDING_DIM}, got {arr.shape}")
-    with np.errstate(over="ignore", invalid="ignore"):
-        vector = arr.astype(_EMBEDDING_DTYPE)
-    if not np.isfinite(vector).all():
-        raise ShapeError("embedding must be finite (no NaN/inf, and within float32 range)")
-    norm = float(np.sqrt(np.dot(vector.astype(np.float64), vector.astype(np.float64))))
-    if not abs(norm - 1.0) <= UNIT_NORM_TOLERANCE:
-        raise ShapeError(f"embedding must have unit L2 norm (1 +- {UNIT_NORM_TOLERANCE:g}, as the bundle's embedder "
-                         f"and Choice.embedding give it; the sync server refuses means of longer vectors), got norm "
-                         f"{norm:.6g}: pass the router's embedding, or divide by its norm")
+    except (TypeError, ValueError):
+        arr = np.asarray(None)  # refused below as not real
+    vector = norm = None
+    if arr.dtype.kind in "fiu" and arr.ndim == 1 and 1 <= arr.shape[0] <= _MAX_EMBEDDING_DIM:
+        with np.errstate(over="ignore", invalid="ignore"):
+            vector = arr.astype(_EMBEDDING_DTYPE)
+        wide = vector.astype(np.float64)
+        norm = float(np.sqrt(np.dot(wide, wide)))
+    problem = (f"embedding must hold real numbers, got dtype {arr.dtype}" if arr.dtype.kind not in "fiu"
+               else f"embedding must have shape (d,) with 1 <= d <= {_MAX_EMBEDDING_DIM}, got {arr.shape}"
+               if vector is None or norm is None
+               else "embedding must be finite (no NaN/inf, and within float32 range)" if not np.isfinite(vector).all()
+               else f"embedding must have unit L2 norm (1 +- {UNIT_NORM_TOLERANCE:g}, as the bundle's embedder and "
+                    f"Choice.embedding give it; the sync server refuses means of longer vectors), got norm {norm:.6g}: "
+                    "pass the router's embedding, or divide by its norm" if not abs(norm - 1.0) <= UNIT_NORM_TOLERANCE
+               else None)
+    if problem or vector is None:
+        raise ShapeError(problem)
     return vector
 
 
-_NOT_A_LOG = "{path!r} is an SQLite database but not a fedroute evaluation log (user_version 0 with tables in it)"
+def _schema_problem(version: int, tables: set[str], path: str) -> str | None:
+    """Why a file of ``version`` holding ``tables`` is not a log this code opens, or None."""
+    if version not in (0, 1, SCHEMA_VERSION):
+        return (f"evaluation log {path!r} has schema version {version}; this fedroute understands versions 1 to "
+                f"{SCHEMA_VERSION} (written by a newer or unknown program)")
+    if version == 0 and tables:
+        return f"{path!r} is an SQLite database but not a fedroute evaluation log (user_version 0 with tables in it)"
+    return None
 
 
 def _read_embedding_dim(conn: sqlite3.Connection, path: str) -> int | None:
@@ -776,7 +621,7 @@ def _read_embedding_dim(conn: sqlite3.Connection, path: str) -> int | None:
     return dim
 
 
-def _to_evaluations(records: list[tuple], dim: int, path: str) -> Evaluations:
+def _to_evaluations(records: list[tuple[Any, ...]], dim: int, path: str) -> Evaluations:
     n = len(records)
     embedding = np.full((n, dim), np.nan, dtype=np.float32)
     for i, r in enumerate(records):
