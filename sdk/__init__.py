@@ -1,45 +1,23 @@
 """fedroute SDK: on-device, cost-aware LLM routing.
 
-``import sdk`` imports nothing but :mod:`sdk.errors`: every public name below is imported from its
-module on first use (PEP 562 ``__getattr__``), so ``from sdk import Router`` loads the routing path
-only (numpy, cryptography for the signature, tokenizers with the bundle; onnxruntime only for a
-bundle that runs an ONNX graph, httpx only for the sync). Never torch, transformers, ``trainer`` or
-``export``.
+``import sdk`` imports only :mod:`sdk.errors`; each public name is imported from its module on first
+use (PEP 562 ``__getattr__``): never torch, transformers, ``trainer`` or ``export``.
 
-On the device:
-
-- :class:`sdk.Router` — ``Router.load(bundle_dir, public_key)`` verifies a signed bundle, then
-  ``choose(query, lam)`` returns a :class:`Choice` (the bundle's embedder: a static table in numpy
-  or an ONNX encoder in onnxruntime; no network, no torch);
-- :class:`sdk.RewardScorer` — ``RewardScorer.load(bundle_dir, public_key)`` verifies a signed MoR
-  reward-scorer bundle, then ``score(prompt, response)`` gives this client's reward and ``route(...)``
-  the federated router's client choice, locally;
-- :class:`sdk.Selector` — ``Selector.load(bundle_dir, public_key)`` verifies a signed selector bundle
-  (a FedPrism expert), then ``prefer(x, y_a, y_b)`` returns P(y_a is the better response);
-- :class:`sdk.BudgetController` — keeps the realised spend per 1,000 queries on a budget (``choose`` /
-  ``record``), adjusting ``lam`` online;
-- :class:`sdk.EvalLog` — the SQLite log of sparse evaluations that the federated sync reads;
-- :class:`sdk.Explorer` — opt-in Thompson-sampling exploration over a K-means bundle's cell table
-  (``Explorer(router, seed=0).choose(query, lam)``), so the logs teach the federated router what it
-  does not know yet; each choice carries its policy and propensity;
-- :class:`sdk.SyncClient` — the periodic federated sync (upload statistics, install new bundles;
-  httpx, imported on first use).
-
-The math shared by the device and the trainer lives here once:
-
-- :mod:`sdk.utility` — utility ``U = A - lam * C`` and the decision rule (METRICS.md tie-break); ``sdk.utility``
-  is this module (``from sdk.utility import utility`` for the function: a package attribute cannot be both,
-  and the import system rebinds it to the module once anything imports ``sdk.utility``);
-- :mod:`sdk.voronoi` — nearest-centroid (Voronoi cell) lookup;
-- :mod:`sdk.cell_statistics` — per-(cell, model) count/sum statistics, their merge and shrunk means;
-- :mod:`sdk.personalisation` — the error-weighted interpolation of a global and a local estimator.
+- :class:`Router` (``Router.load(bundle_dir, public_key).choose(query, lam)`` -> :class:`Choice`),
+  :class:`RewardScorer`, :class:`Selector`: signed bundles, verified when loaded;
+- :class:`BudgetController` keeps spend per 1,000 queries on a budget; :class:`Explorer` explores
+  by Thompson sampling;
+- :class:`EvalLog`, the SQLite log of sparse evaluations, and :class:`SyncClient`, the federated sync;
+- the math shared with the trainer: :mod:`sdk.utility` (``U = A - lam * C``, :func:`decide`; ``sdk.utility``
+  is the module: ``from sdk.utility import utility`` for the function), :mod:`sdk.voronoi`,
+  :mod:`sdk.cell_statistics`, :mod:`sdk.personalisation`.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sdk.errors import (
     BudgetError,
@@ -127,10 +105,9 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """PEP 562: import a public name's module on first access (and cache the name here). A
-    submodule not imported yet (``sdk.kinds`` after a bare ``import sdk``) is imported too, as the
-    eager ``import sdk`` of earlier versions made it available."""
+def __getattr__(name: str) -> Any:
+    """PEP 562: import a public name's module on first access (and cache the name); a submodule
+    (``sdk.kinds``) is imported too."""
     module = _LAZY.get(name)
     if module is None:
         if name.startswith("_") or importlib.util.find_spec(f"sdk.{name}") is None:
