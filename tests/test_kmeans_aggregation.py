@@ -152,5 +152,3 @@ def test_configuration_errors():
         AggregationConfig(trim_fraction=0.5)
     with pytest.raises(InvalidInputError, match="trim_fraction=0"):
         AggregationConfig(clip_count=10, max_cost_usd=1.0, noise_multiplier=1.0, trim_fraction=0.1)
-    with pytest.raises(InvalidInputError, match="at least one"):
-        aggregate_kmeans(np.zeros((2, 2)), {}, AggregationConfig(), np.random.default_rng(0))

@@ -163,21 +163,13 @@ def lloyd_step(
     -------
     (weights, sums, next_centroids) : ndarrays of shape (n_cells,), (n_cells, d_emb) float64 and
     (n_cells, d_emb) float32; a cell with no reported weight keeps its centroid.
-
-    Raises
-    ------
-    ShapeError
-        A reported cell out of range or a mean of the wrong dimension.
+    Inputs validated by the caller (:func:`trainer.federated.update_checks.check_kmeans_update`).
     """
     c = np.asarray(centroids, dtype=np.float64)
     weights = np.zeros(c.shape[0])
     sums = np.zeros_like(c)
     for u in updates:
         cells = np.asarray(u.centroid_cells, dtype=np.int64)
-        if cells.size and (cells.min() < 0 or cells.max() >= c.shape[0]):
-            raise ShapeError(f"centroid cells must lie in [0, {c.shape[0]}), got {cells.tolist()}")
-        if u.local_centroids.shape != (cells.size, c.shape[1]):
-            raise ShapeError(f"local centroids have shape {u.local_centroids.shape}, expected ({cells.size}, {c.shape[1]})")
         np.add.at(weights, cells, u.local_weights)
         np.add.at(sums, cells, u.local_centroids * u.local_weights[:, None])
     return weights, sums, _centroids_from_sums(c, weights, sums, noisy=False)
@@ -204,25 +196,13 @@ def aggregate_kmeans(
     Parameters
     ----------
     centroids : ndarray of shape (n_cells, d_emb), the partition the updates were computed for.
-    updates : client id -> :class:`sdk.local_update.KMeansUpdate`, at least one.
+    updates : client id -> :class:`sdk.local_update.KMeansUpdate`, at least one, each checked against
+        ``centroids`` by :func:`trainer.federated.update_checks.check_kmeans_update`.
     config : robustness and privacy options.
     rng : source of the Gaussian noise (unused without noise).
-
-    Raises
-    ------
-    InvalidInputError
-        No update.
-    ShapeError
-        Updates of another shape than ``centroids`` or than each other.
     """
-    if not updates:
-        raise InvalidInputError("aggregation needs at least one client update, got 0")
     ids = tuple(sorted(updates))
     clipped = [clip_update(updates[i], config.clip_count, config.max_cost_usd) for i in ids]
-    n_cells = np.asarray(centroids).shape[0]
-    for i, u in zip(ids, clipped):
-        if u.statistics.n_cells != n_cells:
-            raise ShapeError(f"client {i}: statistics have {u.statistics.n_cells} cells, the partition has {n_cells}")
     stats = trimmed_merge([u.statistics for u in clipped], config.trim_fraction)
     weights, sums, next_centroids = lloyd_step(centroids, clipped)
     epsilon = math.inf

@@ -93,16 +93,6 @@ class MLPAggregate:
     epsilon: float
 
 
-def _check(global_params: Parameters, cid: str, p: Parameters) -> None:
-    if set(p) != set(global_params):
-        raise ShapeError(f"client {cid}: parameter names {sorted(set(p) ^ set(global_params))} differ from the round's")
-    for k, v in p.items():
-        if np.shape(v) != np.shape(global_params[k]):
-            raise ShapeError(f"client {cid}: '{k}' has shape {np.shape(v)}, expected {np.shape(global_params[k])}")
-        if not np.isfinite(v).all():
-            raise ShapeError(f"client {cid}: '{k}' holds NaN or inf")
-
-
 def aggregate_mlp(global_params: Parameters, updates: Mapping[str, MLPUpdate], config: MLPAggregationConfig,
                   rng: np.random.Generator) -> MLPAggregate:
     """The next global parameters from the clients' updates (module docstring).
@@ -110,7 +100,8 @@ def aggregate_mlp(global_params: Parameters, updates: Mapping[str, MLPUpdate], c
     Parameters
     ----------
     global_params : the current round's parameters, name -> float32 array of any shape.
-    updates : client id -> MLPUpdate (parameters and base of the same names and shapes), at least one.
+    updates : client id -> MLPUpdate (finite parameters and base of the same names and shapes, ``n_samples``
+        >= 1), at least one; validated by the caller (:func:`trainer.server.validation.validate_mlp_update`).
     config : the robust and private options.
     rng : source of the DP noise (unused without noise).
 
@@ -120,22 +111,14 @@ def aggregate_mlp(global_params: Parameters, updates: Mapping[str, MLPUpdate], c
 
     Raises
     ------
-    InvalidInputError
-        No update, or a sample count that is not > 0.
     ShapeError
-        Parameters (or bases) of other names or shapes than ``global_params``, or non-finite values.
+        The aggregate overflows float32 (extreme client parameters).
     """
-    if not updates:
-        raise InvalidInputError("aggregation needs at least one client update, got 0")
     ids = tuple(sorted(updates))
     names = sorted(global_params)
     deltas, weights = [], []
     for cid in ids:
         u = updates[cid]
-        _check(global_params, cid, u.parameters)
-        _check(global_params, cid, u.base)
-        if not u.n_samples > 0:
-            raise InvalidInputError(f"client {cid}: n_samples must be > 0, got {u.n_samples}")
         deltas.append({k: np.asarray(u.parameters[k], np.float64) - np.asarray(u.base[k], np.float64) for k in names})
         weights.append(float(u.n_samples if config.clip_count is None else min(u.n_samples, config.clip_count)))
     epsilon = math.inf
