@@ -4,31 +4,7 @@ Pure functions (no I/O, no clock; randomness only from a passed ``numpy.random.G
 unchanged by the built-in HTTPS server (:mod:`trainer.server`) and the Flower strategy
 (:mod:`trainer.federated.flower_app`).
 
-Algorithms
-----------
-- **Merge** (paper 002, "Federated hierarchical clustering"): element-wise sum of the clients'
-  per-(cell, model) counts and sums (:meth:`sdk.CellStatistics.merge`); with every client in, it
-  equals the statistics of the pooled logs.
-- **Lloyd step**: next centroid of cell k = ``sum_i w_ik mu_ik / sum_i w_ik`` over the clients'
-  mean embeddings ``mu_ik`` and counts ``w_ik`` (:mod:`sdk.local_update`); one exact step of
-  Lloyd's algorithm on the pooled embeddings (cells without reported data keep their centroid).
-- **Weight clipping**: a client's statistics and centroid sums are scaled by
-  ``s_i = min(1, C / N_i, C * c_max / S_i)`` where ``N_i`` is its total count (or total centroid
-  weight, whichever is larger) and ``S_i`` its total cost: no client weighs more than ``C`` queries.
-- **Trimmed merge** (coordinate-wise trimmed mean, Yin et al. 2018, ICML, "Byzantine-robust
-  distributed learning"): for each (cell, model) entry, of the ``n`` clients with data there, the
-  ``floor(beta * n)`` with the lowest and the ``floor(beta * n)`` with the highest mean score are
-  dropped before the sum.
-- **Gaussian mechanism** (Dwork & Roth 2014, App. A; exact epsilon of Balle & Wang 2018 through
-  Google's ``dp_accounting``): with clipping, one client changes the vector
-  ``(count, sum_accuracy, sum_cost / c_max, weights, weights * mu) / C`` by at most
-  ``sqrt(5)`` in L2 norm (each part has L1 norm, hence L2 norm, at most 1 since scores are in
-  [0, 1], costs are at most ``c_max`` per query and embeddings have unit norm). Adding
-  ``N(0, (z * sqrt(5) * C)^2)`` to every count and sum (``c_max`` times that to the cost sums)
-  makes each published aggregate (epsilon, delta)-DP for adding or removing one client, with
-  epsilon from :func:`gaussian_epsilon`; ``r`` published aggregates compose to
-  ``gaussian_epsilon(z, delta, r)``. Noised values are post-processed into the valid range
-  (counts >= 0, sums of scores in [0, count], costs >= 0), which keeps the guarantee.
+Design notes: docs/privacy-and-dp.md (Module notes).
 """
 
 from __future__ import annotations
@@ -107,7 +83,7 @@ class KMeansAggregate:
 
 
 def clip_update(update: KMeansUpdate, clip_count: float | None, max_cost_usd: float | None) -> KMeansUpdate:
-    """``update`` scaled by ``s = min(1, C / max(N, W), C * c_max / S)`` (module docstring). Pure."""
+    """``update`` scaled by ``s = min(1, C / max(N, W), C * c_max / S)`` (design notes). Pure."""
     if clip_count is None:
         return update
     s = update.statistics
@@ -191,7 +167,7 @@ def aggregate_kmeans(
     config: AggregationConfig,
     rng: np.random.Generator,
 ) -> KMeansAggregate:
-    """Aggregate the clients' latest updates for one cell partition (module docstring).
+    """Aggregate the clients' latest updates for one cell partition (design notes).
 
     Parameters
     ----------

@@ -1,26 +1,6 @@
 """Server-side aggregation of federated MLP-router updates: FedAvg on deltas, robust and private options.
 
-Pure functions (no I/O, no clock; randomness only from a passed ``numpy.random.Generator``).
-
-Each client trains the round's global parameters ``theta_r`` on its log for one local epoch
-(paper 002, "Federated parametric optimisation") and uploads its parameters ``theta_i`` and its
-number of samples ``n_i``. The server works on deltas ``d_i = theta_i - theta_base(i)``, so an update
-computed from the previous round's parameters (a straggler) still applies (buffered asynchronous
-FedAvg, Nguyen et al. 2022, "FedBuff"):
-
-- **FedAvg** (McMahan et al. 2017): ``theta_{r+1} = theta_r + sum_i w_i d_i / sum_i w_i`` with
-  ``w_i = n_i``; with every delta based on ``theta_r`` this is the sample-weighted mean of the
-  uploaded parameters (:func:`trainer.routers.fedavg.fedavg`).
-- **Weight clipping**: ``w_i = min(n_i, C)``.
-- **Trimmed mean** (Yin et al. 2018): per coordinate, the ``floor(beta n)`` lowest and highest deltas
-  are dropped and the rest averaged (unweighted).
-- **DP-FedAvg** (McMahan et al. 2018, ICLR, "Learning differentially private recurrent language
-  models", fixed-size variant): each delta is clipped to L2 norm ``S`` over all parameters, the
-  clipped deltas are summed with equal weights, ``N(0, (z S)^2)`` is added to every coordinate of the
-  sum and it is divided by the *expected* number of clients ``W`` (fixed in advance, e.g. the round's
-  quorum; dividing by the actual number would make the scale depend on who took part). One client changes the sum by at most ``S``, so a
-  release is (epsilon, delta)-DP for adding or removing one client with epsilon
-  ``gaussian_epsilon(z, delta)`` (no amplification by sampling is claimed).
+Design notes: docs/privacy-and-dp.md (Module notes).
 """
 
 from __future__ import annotations
@@ -95,7 +75,7 @@ class MLPAggregate:
 
 def aggregate_mlp(global_params: Parameters, updates: Mapping[str, MLPUpdate], config: MLPAggregationConfig,
                   rng: np.random.Generator) -> MLPAggregate:
-    """The next global parameters from the clients' updates (module docstring).
+    """The next global parameters from the clients' updates (design notes).
 
     Parameters
     ----------

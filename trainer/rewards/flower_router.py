@@ -3,19 +3,7 @@
 :func:`trainer.rewards.client_router.local_router_update`, the strategy aggregates with the pure
 :func:`trainer.rewards.client_router.aggregate_routers`.
 
-One round ``r``: server -> node, ``arrays`` = the global router parameters (names of
-:meth:`ClientRouter.state_dict`, float32) and ``config``: ``server-round`` = r and ``min-count`` (int,
-the strategy's privacy threshold, as the K-means strategy sends it); node -> server, its updated
-parameters as ``arrays`` and ``metrics["num-examples"]`` = its number of local pairs. A node holding
-fewer than ``min-count`` pairs does not train and replies with no array and ``num-examples`` 0 (the
-router it would have sent never leaves it; the strategy lists the reply in ``rejected_``), as a
-device of the HTTPS server skips such a round. Only router parameters travel; preference pairs and
-reward models stay on the node.
-
-With the same :class:`RouterConfig` (and dropout 0, whose masks come from torch's global generator)
-a Flower run with full participation gives the parameters of
-:class:`trainer.rewards.client_router.FederatedRouterTrainer`: each node shuffles with
-:func:`local_rng` ``(seed, r, k)``.
+Design notes: docs/mor.md (Module notes).
 """
 
 from __future__ import annotations
@@ -173,7 +161,7 @@ def make_router_client_app(clients: Mapping[int, ClientRouterData], config: Rout
     and replies with its router parameters and ``num-examples`` = its pairs; when it holds fewer pairs
     than the round's ``min-count`` (:data:`trainer.federated.update_checks.DEFAULT_MIN_COUNT` when the
     round config has none) it does not train and replies with no array and ``num-examples`` 0, so no
-    parameter trained on them leaves the node (module docstring).
+    parameter trained on them leaves the node (design notes).
 
     Raises (as Flower's error reply)
     ------

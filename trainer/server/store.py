@@ -1,24 +1,6 @@
 """Durable state of the aggregation server: clients, rounds and accepted updates (SQLAlchemy Core).
 
-Any SQLAlchemy database URL works (``postgresql+psycopg://...``); the default is one SQLite file in
-WAL mode with ``synchronous=FULL``, so a write acknowledged to a client survives a killed server
-process (and a power loss). Every write is one transaction (``BEGIN IMMEDIATE`` on SQLite, so two
-writers never deadlock on a lock upgrade); reads are deferred transactions that never wait for a
-writer (WAL).
-
-Tables
-------
-clients : id, sha256 of the bearer token (never the token), created time, revoked flag.
-rounds : id, kind (``kmeans`` or ``mlp``), status (open -> closing -> closed), deadline, quorum,
-    min_count, the round's *base* and its sha256 ``base_hash`` (K-means: the global centroids as
-    float32 .npy bytes; MLP: the global parameters as safetensors bytes), models, embedder,
-    per-round settings (JSON), and at close the outcome (JSON) and the aggregate (.npz bytes).
-updates : one row per accepted upload: client, round it was sent for, round it is counted in (NULL
-    while waiting for the next round), Idempotency-Key, sha256 of the body, the update (K-means: a
-    MessagePack record, :func:`sdk.protocol.encode_kmeans_update_record`, float32 cell means; v2 or .npz in older rows; MLP:
-    the safetensors body)
-    and the receipt returned to the client (empty for rows written by the one-statement insert:
-    the receipt is rebuilt from the row, :func:`receipt_of`). ``(client_id, idempotency_key)`` is unique.
+Design notes: docs/sync-protocol-and-operations.md (Module notes).
 """
 
 from __future__ import annotations
