@@ -50,13 +50,7 @@ def _to_onnx(module, d_in: int, outputs: list[str], dynamic: dict, metadata: dic
 
 
 def _fitted_normaliser(model, arch: str, exporter: str):
-    """``model``'s normaliser (``model.normaliser_``) after checking ``model.arch == arch``.
-
-    Raises
-    ------
-    ExportError
-        Another architecture, or no normaliser fitted.
-    """
+    """``model.normaliser_`` after checking ``model.arch == arch``; ExportError otherwise or when none is fitted."""
     if getattr(model, "arch", None) != arch:
         raise ExportError(f"{exporter} needs a {arch.upper()} reward model, got arch {getattr(model, 'arch', None)!r}")
     if model.normaliser_ is None:
@@ -65,9 +59,7 @@ def _fitted_normaliser(model, arch: str, exporter: str):
 
 
 def _normalise_module(norm):
-    """The client's z-normalisation as a torch module folded into the graph: ``raw (batch,)`` ->
-    ``(raw - mean) / (std + eps)``, clipped to ``[-clip, clip]`` when the normaliser clips (MoR Sec. 3,
-    local normalisation; ``trainer.rewards.reward_models``' normaliser)."""
+    """The client's z-normalisation ``(raw - mean) / (std + eps)``, clipped when set, as a torch module (MoR Sec. 3)."""
     import torch  # torch: optional heavy dependency, imported on use
     from torch import nn  # torch: optional heavy dependency, imported on use
 

@@ -71,13 +71,8 @@ def _remove_if_empty(folders: list[Path]) -> None:
 
 
 def _remove_created(created: list[Path], out: Path) -> None:
-    """Remove the folders a failed export created (``created``, deepest first, :func:`_missing_folders`) when
-    empty. ``out``'s lock file (:func:`sdk.bundle_install.locked`, which filelock keeps after release on
-    purpose) would keep ``out``'s folder: when that folder is one this export created and holds nothing else,
-    the lock is taken without waiting and the file unlinked and the folders removed while it is held. A lock
-    another writer holds (or is being given) is left alone, and so is its folder. A writer already waiting on
-    the unlinked file retries on the path once it gets the lock (filelock >= 3.20.4 checks ``st_nlink``), so
-    no two writers ever hold the lock at once."""
+    """Remove the folders a failed export created, deepest first, when empty; ``out``'s lock file is unlinked
+    (under the lock, taken without waiting) only when its folder is one this export created and holds nothing else."""
     lock = lock_path(out)
     if not created or created[0] != lock.parent or not os.path.lexists(lock):
         _remove_if_empty(created)

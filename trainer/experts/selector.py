@@ -398,9 +398,7 @@ class PairSelector(nn.Module):
     def load_expert(self, folder: Path) -> dict[str, np.ndarray]:
         """Read an expert written by :meth:`save_expert` and load it; returns its state.
 
-        Both files must hold exactly this selector's tensors: peft loads an adapter leniently (tensors
-        it lacks keep their current values) and the head file was merged into the current state, so a
-        truncated or foreign file used to load as the previously loaded expert's tensors, silently.
+        Both files must hold exactly this selector's tensors (peft alone loads an adapter leniently).
 
         Raises
         ------

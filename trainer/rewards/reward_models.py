@@ -481,16 +481,8 @@ class LoRARewardModel(ClientRewardModel):
 
 
 def _load_adapter(peft_model, base, adapter_dir: Path):
-    """``PeftModel.from_pretrained(base, adapter_dir)``, strict: peft loads an adapter leniently (a LoRA tensor
-    the file lacks keeps its random initialisation, one it has in excess is ignored, both silently but for
-    a warning), so an adapter saved over another base model or cut short scored as an untrained one.
-
-    Raises
-    ------
-    InvalidInputError
-        ``adapter_model.safetensors`` lacks a LoRA tensor of this model, holds one it does not have, or
-        one of another shape (the message names the file and the tensors).
-    """
+    """``PeftModel.from_pretrained(base, adapter_dir)``, strict: InvalidInputError naming the file and tensors when
+    ``adapter_model.safetensors`` lacks a LoRA tensor of the model, holds an extra one or one of another shape."""
     from peft import get_peft_model_state_dict  # peft: optional heavy dependency, imported on use
     from safetensors import safe_open  # safetensors: optional heavy dependency, imported on use
 
