@@ -21,7 +21,7 @@ out samples routed to an expert it was not sent. ``local_step(experts, router, p
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from logging import INFO, WARNING
+from logging import INFO
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -33,7 +33,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from sdk.errors import InvalidInputError, PrivacyError, ShapeError
 from trainer.experts.aggregation import aggregate_components, validate_component_update
-from trainer.federated.rejected_reply import RejectedReply
+from trainer.federated.rejected_reply import REPLY_ERRORS, RejectedReply, reject, reply_reason
 from trainer.federated.update_checks import (
     DEFAULT_MIN_COUNT,
     MIN_COUNT_KEY,
@@ -159,14 +159,13 @@ class FedPrismStrategy(Strategy):
                 continue
             try:
                 update, router, needs = self._read_reply(msg)
-            except (InvalidInputError, KeyError, TypeError, ValueError) as exc:  # ShapeError included
-                malformed = not isinstance(exc, InvalidInputError)
-                self._reject(server_round, msg, f"malformed reply: {type(exc).__name__} {exc}" if malformed else str(exc))
+            except REPLY_ERRORS as exc:  # ShapeError included
+                reject(self.rejected_, server_round, msg.metadata.src_node_id, reply_reason(exc))
                 continue
             self.needs_[msg.metadata.src_node_id] = needs
             if router is None and not any(n > 0 for _, n in update.values()):
-                self._reject(server_round, msg, "the reply used no sample (every n-expert-<k> and n-router is 0): "
-                                                "nothing to aggregate")
+                reject(self.rejected_, server_round, msg.metadata.src_node_id,
+                       "the reply used no sample (every n-expert-<k> and n-router is 0): nothing to aggregate")
                 continue
             update, router = self._apply_min_count(server_round, msg, update, router)
             if router is None and not any(n > 0 for _, n in update.values()):
@@ -191,21 +190,16 @@ class FedPrismStrategy(Strategy):
                 if n > 0:
                     check_sample_count(n, self.min_count)
             except PrivacyError as exc:
-                self._reject(server_round, msg, f"expert {k}: {exc}", "expert")
+                reject(self.rejected_, server_round, msg.metadata.src_node_id, f"expert {k}: {exc}", "expert")
                 continue
             kept[k] = (params, n)
         if router is not None:
             try:
                 check_sample_count(router[1], self.min_count)  # n_router > 0 here (_read_reply)
             except PrivacyError as exc:
-                self._reject(server_round, msg, f"router: {exc}", "router")
+                reject(self.rejected_, server_round, msg.metadata.src_node_id, f"router: {exc}", "router")
                 router = None
         return kept, router
-
-    def _reject(self, server_round: int, msg: Message, reason: str, part: str = "reply") -> None:
-        log(WARNING, "aggregate_train: round %d, %s of node %s dropped: %s", server_round, part,
-            msg.metadata.src_node_id, reason)
-        self.rejected_.append(RejectedReply(server_round, str(msg.metadata.src_node_id), reason))
 
     def _read_reply(self, msg: Message) -> tuple[dict[int, tuple[Params, float]], tuple[Params, float] | None,
                                                  list[int]]:

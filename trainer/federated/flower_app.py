@@ -55,7 +55,7 @@ from sdk.protocol import (
 )
 from trainer.federated.gaussian_privacy import gaussian_epsilon
 from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans
-from trainer.federated.rejected_reply import RejectedReply  # re-exported: its home before rejected_reply.py
+from trainer.federated.rejected_reply import RejectedReply, reject  # RejectedReply re-exported
 from trainer.federated.update_checks import DEFAULT_MIN_COUNT, MIN_COUNT_KEY, check_kmeans_update, check_min_count
 from trainer.routers.kmeans_router import KMeansRouter
 
@@ -141,7 +141,7 @@ def _check_centroids(centroids: np.ndarray) -> np.ndarray:
 
 
 class FederatedKMeansStrategy(Strategy):
-    """Flower strategy for the federated K-means router (paper 002; protocol in the module docstring).
+    """Flower strategy for the federated K-means router (paper 002; one round in docs/sync-protocol-and-operations.md).
 
     Parameters
     ----------
@@ -365,7 +365,7 @@ class FederatedKMeansStrategy(Strategy):
     def _keep(self, server_round: int, msg: Message) -> None:
         cid = str(msg.metadata.src_node_id)
         if msg.has_error():
-            self._reject(server_round, cid, f"node error {msg.error.code}: {msg.error.reason}")
+            reject(self.rejected_, server_round, cid, f"node error {msg.error.code}: {msg.error.reason}")
             return
         try:
             update, partition_hash = update_from_record(msg.content)
@@ -376,13 +376,9 @@ class FederatedKMeansStrategy(Strategy):
             update = check_kmeans_update(update_to_ndarrays(update), update.log_size, self._round_centroids.shape,
                                          len(self.models), self.min_count, self._config.max_cost_usd)
         except InvalidInputError as exc:  # ShapeError included
-            self._reject(server_round, cid, str(exc))
+            reject(self.rejected_, server_round, cid, str(exc))
             return
         self.latest_updates_[cid] = (partition_hash, update)
-
-    def _reject(self, server_round: int, cid: str, reason: str) -> None:
-        log(WARNING, "aggregate_train: round %d, reply of node %s dropped: %s", server_round, cid, reason)
-        self.rejected_.append(RejectedReply(server_round, cid, reason))
 
 
 def make_server_app(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from sdk.cell_statistics import CellStatistics
-from sdk.errors import InvalidInputError, ShapeError
+from sdk.errors import InvalidInputError
 from sdk.local_update import KMeansUpdate
 from trainer.config_fields import check_real
 from trainer.federated.gaussian_privacy import gaussian_epsilon

@@ -19,7 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from sdk.errors import InvalidInputError
-from trainer.federated.rejected_reply import RejectedReply
+from trainer.federated.rejected_reply import REPLY_ERRORS, RejectedReply, reject, reply_reason
 from trainer.federated.update_checks import (
     DEFAULT_MIN_COUNT,
     MIN_COUNT_KEY,
@@ -55,33 +55,24 @@ class RouterFedAvg(FedAvg):
     or ``"equal"``). ``last_updates_`` holds the (parameters, n) of the last aggregated round;
     ``rejected_`` the replies dropped (:class:`trainer.federated.rejected_reply.RejectedReply`).
 
-    Each reply is checked against the round's broadcast parameters with
-    :func:`trainer.routers.fedavg.validate_updates` (the check FedAvg runs: ``num-examples`` finite
-    and > 0, the same names and shapes, finite values), then against the privacy threshold with
-    :func:`trainer.federated.update_checks.check_sample_count`, the HTTPS server's check of an MLP
-    upload's ``n_samples`` (docs/protocol.md; ARCHITECTURE.md §6): a router trained on fewer than
-    ``min_count`` preference pairs reveals them. A reply that fails (zero samples, empty or missing
-    arrays, ``num-examples`` below ``min_count``, ...) is dropped, logged and listed in ``rejected_``
-    with the check's message (``need min_count=5 <= n_samples=2``), and the others are averaged, as
-    the HTTPS server answers 422 to such an upload and keeps the round. The round config tells the
-    nodes the threshold (``min-count``): one of :func:`make_router_client_app` below it sends no
-    parameters (``num-examples`` 0), listed as ``no update: the node holds fewer than min_count=5
-    pairs``.
+    Each reply is checked against the broadcast parameters (:func:`trainer.routers.fedavg.validate_updates`)
+    and the privacy threshold (:func:`trainer.federated.update_checks.check_sample_count`, the HTTPS server's
+    check of an MLP upload); one that fails is dropped, logged and listed in ``rejected_`` with the check's
+    message, and the others are averaged. The round config tells the nodes the threshold (``min-count``): a
+    node of :func:`make_router_client_app` below it sends no parameters (listed as ``no update: ...``).
 
     Parameters
     ----------
     weighting : ``"samples"`` or ``"equal"``.
     min_count : int >= 1, the privacy threshold: smallest ``num-examples`` (preference pairs) of a
-        reply that is averaged; default :data:`trainer.federated.update_checks.DEFAULT_MIN_COUNT` (5,
-        the HTTPS server's default round ``min_count``).
+        reply that is averaged; default :data:`trainer.federated.update_checks.DEFAULT_MIN_COUNT` (5).
     **kwargs : passed to :class:`flwr.serverapp.strategy.FedAvg`.
 
     Raises
     ------
     InvalidInputError
         An unknown ``weighting``, or a ``min_count`` that is not an int >= 1 (the message names it);
-        from :meth:`configure_train`, a round config that sets ``min-count`` itself.
-    """
+        from :meth:`configure_train`, a round config that sets ``min-count`` itself."""
 
     def __init__(self, weighting: str = "equal", min_count: int = DEFAULT_MIN_COUNT, **kwargs) -> None:
         if weighting not in ("samples", "equal"):
@@ -124,14 +115,9 @@ class RouterFedAvg(FedAvg):
                     raise InvalidInputError(f"no update: the node holds fewer than min_count={self.min_count} pairs")
                 validate_updates([(self._broadcast, 1.0), update])
                 check_sample_count(update[1], self.min_count)  # the HTTPS server's check (PrivacyError)
-            except (InvalidInputError, KeyError, TypeError, ValueError) as exc:  # ShapeError, PrivacyError included
-                if isinstance(exc, InvalidInputError):  # its "update 1" is this reply, "update 0" the broadcast
-                    reason = str(exc).removeprefix("update 1: ").replace("update 0", "the round's parameters")
-                else:
-                    reason = f"malformed reply: {type(exc).__name__} {exc}"
-                log(WARNING, "aggregate_train: round %d, reply of node %s dropped: %s", server_round,
-                    m.metadata.src_node_id, reason)
-                self.rejected_.append(RejectedReply(server_round, str(m.metadata.src_node_id), reason))
+            except REPLY_ERRORS as exc:  # ShapeError, PrivacyError included; "update 1" is this reply
+                reason = reply_reason(exc).removeprefix("update 1: ").replace("update 0", "the round's parameters")
+                reject(self.rejected_, server_round, m.metadata.src_node_id, reason)
                 continue
             updates.append(update)
         if not updates:
