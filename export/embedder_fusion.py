@@ -1,34 +1,7 @@
 """Graph fusion of the exported encoder before quantisation (issue 13): onnxruntime's transformer
 optimizer (``onnxruntime.transformers.optimizer.optimize_model``, ``model_type="bert"``).
 
-Per encoder layer, the optimizer replaces the ~100 primitive nodes optimum's export traces (Q/K/V
-MatMuls, Reshape/Transpose/Softmax, erf GELU, Add + LayerNormalization) with onnxruntime contrib
-ops: one ``Attention`` (Q, K and V projections in one packed weight) and one ``BiasGelu``; the two
-residual ``Add`` + ``LayerNormalization`` pairs per layer stay standard ops (below). For
-all-MiniLM-L6-v2 the graph goes from ~700 nodes to ~200 (about 110 after onnxruntime's own
-session-time optimisations, against 286 unfused). ``quantize_dynamic`` then turns each ``Attention`` into a
-``QAttention`` (int8 packed Q/K/V weight, :func:`export.embedder_onnx.quantize_embedder`). All of
-these ops are in the standard ``onnxruntime`` wheel's CPU execution provider: the SDK needs
-nothing more.
-
-Settings: the residual ``Add`` + ``LayerNormalization`` pairs are *not* fused into
-``SkipLayerNormalization`` (``enable_skip_layer_norm=False``; the SDK also leaves out onnxruntime's
-session-time ``SkipLayerNormFusion``, :data:`sdk.embedder.DISABLED_OPTIMIZERS`): in onnxruntime 1.32
-that op's CPU kernel took 84 us per call against 19-26 us for the pair on a (1, 32, 384) input, and the
-int8-all encoder ran 18% faster (4.49 -> 3.64 ms median, 300 test prompts at 32 tokens, one thread,
-Xeon with AVX-512 VNNI, load ~0.5; fp32 -8%). The embedding LayerNorm is *not* fused (``EmbedLayerNormalization`` takes the
-word-embedding table out of the ``Gather`` that ``quantize_dynamic`` stores in int8, a 58 MB
-int8-all file instead of 23 MB unless it is quantised too as ``QEmbedLayerNormalization``, which
-measured within 1% of this recipe's speed), GELU stays exact (no tanh approximation), and attention reads the
-raw 2-D ``attention_mask`` (``use_raw_attention_mask``), not a per-row length, so any padding
-gives the unfused graph's result. :func:`fuse_embedder` checks that on a padded probe batch.
-
-Measured (issue 13, 2-core AVX2 EPYC without VNNI, 1 intra-op thread, 32-token queries, same
-process as sentence-transformers+torch; the recipe then also fused ``SkipLayerNormalization``): int8-all ``choose()`` 3.67x torch fused vs 3.58x unfused
-(``benchmarks/choose_latency.py --unfused-bundle``, 500 prompts, load 11-15); CPU time per query
-9.68 vs 10.24 ms (300 prompts, load 8-10); the encoder's fixed cost on 3 tokens 2.73 vs 3.35 ms.
-Parity (decisions, AUC, cosine) moves by at most 0.04 points for fp32, int8 and int8-all. The
-encoder stays bound by its int8 GEMMs (~75% of kernel time): see docs/benchmarks.md.
+Design notes: docs/device-and-bundles.md (Module notes).
 """
 
 from __future__ import annotations
@@ -45,7 +18,7 @@ from sdk.atomic_write import commit_file, temporary_path
 FUSABLE_MODEL_TYPES = ("bert",)
 #: contrib ops of a fused encoder, and how many each layer has.
 FUSED_OPS_PER_LAYER = {"Attention": 1, "BiasGelu": 1}
-#: ops a fused encoder must not hold (see the module docstring for why).
+#: ops a fused encoder must not hold (see the design notes for why).
 UNFUSED_OPS = ("SkipLayerNormalization",)
 #: largest |difference| between the fused and the unfused fp32 sentence embeddings on the probe
 #: batch (unit vectors; fusion reorders float sums, measured ~1e-7).
@@ -76,7 +49,7 @@ def fused_op_counts(model: Path) -> dict[str, int]:
 
 
 def fuse_embedder(model: Path, out: Path, config_json: Path, tokenizer_json: Path) -> dict[str, int] | None:
-    """Fuse the fp32 encoder ``model`` into ``out`` (written atomically; see the module docstring).
+    """Fuse the fp32 encoder ``model`` into ``out`` (written atomically; see the design notes).
 
     Parameters
     ----------

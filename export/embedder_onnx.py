@@ -1,25 +1,6 @@
 """Sentence-transformers embedder -> ONNX (fp32) and a dynamically quantised int8 variant.
 
-Export uses optimum's ONNX exporter (``optimum.exporters.onnx.main_export`` with
-``library_name="sentence_transformers"``), which traces the whole sentence-transformers pipeline:
-transformer, mean pooling and L2 normalisation, so the graph's ``sentence_embedding`` output is
-the trainer's embedding and the SDK does no pooling of its own. Opset 17 (onnxruntime >= 1.14).
-
-Quantisation is onnxruntime's dynamic quantisation (:func:`quantize_embedder`): int8 weights per
-output channel, uint8 activations quantised at run time. Two recipes, named by the bundle's
-precision (:data:`QUANTISED_PRECISIONS`): ``int8`` keeps the most sensitive MatMuls in fp32
-(:func:`sensitive_matmuls`, measured figures there); ``int8-all`` quantises every weight MatMul
-(:func:`no_fp32_matmuls`), ~30% less encoder time, and is gated on routing decisions and AUC
-rather than embedding cosine (:mod:`export.parity`).
-
-With ``fuse=True`` (the ``onnx`` embedder kind's recipe, :class:`export.embedder_export.OnnxEmbedderExportKind`)
-the exported graph is fused first (:mod:`export.embedder_fusion`: onnxruntime's transformer optimizer,
-``Attention`` / ``BiasGelu``; residual ``Add`` + ``LayerNormalization`` left unfused), and every precision, fp32 included, ships
-the fused graph; quantisation then makes each ``Attention`` a ``QAttention``.
-
-The tokenizer is saved as ``tokenizer.json`` with padding off and truncation to ``max_tokens``
-on ``truncation_side``, matching the trainer's embedder (the packaged file pads and truncates
-every input to 128 tokens).
+Design notes: docs/device-and-bundles.md (Module notes).
 """
 
 from __future__ import annotations

@@ -66,14 +66,7 @@ def check_prices(prices: dict, models) -> dict[str, tuple[float | None, float | 
 
 
 def _embedder_config(emb: dict, router_dir: Path) -> EmbedderConfig:
-    """The trainer's embedder settings from ``router.json``'s ``embedder`` entry.
-
-    Raises
-    ------
-    ExportError
-        ``name`` is not a non-blank str, ``max_tokens`` not an int >= 8, ``truncation_side`` not
-        ``"left"``/``"right"`` (a hand-edited or corrupt ``router.json``); the message names the value.
-    """
+    """The trainer's embedder settings from ``router.json``'s ``embedder`` entry; ExportError naming a bad value."""
     where = f"{router_dir}/router.json"
     name, max_tokens, side = emb["name"], emb.get("max_tokens", 256), emb.get("truncation_side", "left")
     if not isinstance(name, str) or not name.strip():

@@ -6,28 +6,7 @@ The device then scores its own (prompt, response) pairs locally with :class:`sdk
 and ``client_router.onnx`` (``torch.onnx.export``, TorchScript exporter, opset 17: these are our own
 small networks, which optimum does not cover), and ``parity.json``.
 
-``reward.onnx`` folds the client's normaliser into the graph: outputs ``raw = R_k(x, y)`` and
-``reward = clip((R_k - mu_k) / (sigma_k + eps))`` (``trainer.rewards.reward_models.ScoreNormaliser``).
-
-Reward models exported, one export kind per architecture (:func:`export_kind_for` picks it by
-``ClientRewardModel.arch``; registered in :mod:`export.kinds`, read by the SDK kind of the same name):
-
-- ``mor`` (``arch = "mlp"``): the MLP on frozen pair features, ``reward.onnx`` on ``features (batch, d_in)``;
-- ``mor_lora`` (``arch = "lora"``): the LoRA-tuned encoder. Its adapter is merged into a copy of the encoder
-  (peft ``merge_and_unload``, :func:`export.torch_onnx.merged_lora_copy`, as the FedPrism selector export
-  does), and encoder + masked mean pooling + head + length term + normaliser become ``reward.onnx`` on the
-  tokenised pair (``input_ids``, ``attention_mask``, ``token_type_ids`` (batch, seq) int64, ``lengths``
-  (batch, 3) float32); the tokenizer ships as ``reward_tokenizer.json`` (:func:`reward_lora_to_onnx`).
-  The torch reference of its parity check is the trainer's peft model with the adapter NOT merged.
-
-Parity (:func:`check_parity`, the gate of :func:`export_reward_bundle`), measured through the SDK on the
-staged bundle, on real pairs:
-
-- graphs: on the trainer's own features, ``max |reward_onnx - reward_torch|`` and the same for raw
-  rewards and router logits must be <= :data:`MAX_ABS_DIFF` (1e-3, fp32);
-- end to end (the device's ONNX embedder and length features vs the trainer's sentence-transformers
-  features): reward and logits within the same :data:`MAX_ABS_DIFF`, and the router's client choice
-  agreeing on >= :data:`MIN_CHOICE_AGREEMENT` of the pairs.
+Design notes: docs/mor.md (Module notes).
 """
 
 from __future__ import annotations
@@ -71,13 +50,7 @@ def _to_onnx(module, d_in: int, outputs: list[str], dynamic: dict, metadata: dic
 
 
 def _fitted_normaliser(model, arch: str, exporter: str):
-    """``model``'s normaliser (``model.normaliser_``) after checking ``model.arch == arch``.
-
-    Raises
-    ------
-    ExportError
-        Another architecture, or no normaliser fitted.
-    """
+    """``model.normaliser_`` after checking ``model.arch == arch``; ExportError otherwise or when none is fitted."""
     if getattr(model, "arch", None) != arch:
         raise ExportError(f"{exporter} needs a {arch.upper()} reward model, got arch {getattr(model, 'arch', None)!r}")
     if model.normaliser_ is None:
@@ -86,9 +59,7 @@ def _fitted_normaliser(model, arch: str, exporter: str):
 
 
 def _normalise_module(norm):
-    """The client's z-normalisation as a torch module folded into the graph: ``raw (batch,)`` ->
-    ``(raw - mean) / (std + eps)``, clipped to ``[-clip, clip]`` when the normaliser clips (MoR Sec. 3,
-    local normalisation; ``trainer.rewards.reward_models``' normaliser)."""
+    """The client's z-normalisation ``(raw - mean) / (std + eps)``, clipped when set, as a torch module (MoR Sec. 3)."""
     import torch  # torch: optional heavy dependency, imported on use
     from torch import nn  # torch: optional heavy dependency, imported on use
 
@@ -209,7 +180,7 @@ class ClientRewardArtefact:
 
 class MoRRewardExportKind(kinds.ExportKind):
     """``reward_scorer/mor``: ``reward.onnx`` (MLP on the pair features) + ``client_router.onnx``, the kind's
-    manifest fields, and the parity gate of the module docstring. ``arch`` is the reward-model
+    manifest fields, and the parity gate of the design notes. ``arch`` is the reward-model
     architecture (``ClientRewardModel.arch``) the kind exports: :func:`export_kind_for` picks the kind by it."""
 
     family = FAMILY
@@ -364,7 +335,7 @@ def assemble(mixture, client: str, exported: ExportedEmbedder, bundle_version: i
 
 def check_parity(scorer, mixture, client_index: int, prompts: Sequence[str], responses: Sequence[str],
                  trainer_features: np.ndarray, kind: MoRRewardExportKind | None = None) -> dict:
-    """Parity report of a loaded :class:`sdk.reward_scorer.RewardScorer` against the trainer (module docstring).
+    """Parity report of a loaded :class:`sdk.reward_scorer.RewardScorer` against the trainer (design notes).
 
     Parameters
     ----------

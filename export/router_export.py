@@ -1,22 +1,6 @@
 """Trained routers -> the bundle's router file (ARCHITECTURE.md §5).
 
-- MLP (paper 002, MLP router): ``router.onnx`` via ``torch.onnx.export`` (TorchScript exporter,
-  ``dynamo=False``, opset 17). optimum's exporter covers Hugging Face architectures only; this is
-  our own small network. The graph is input ``embedding (batch, d_emb) float32`` -> outputs
-  ``accuracy`` and ``cost`` ``(batch, n_models) float32``, with
-
-  * the shared accuracy head folded into each model's head: ``A = (W_m + u) . h + b_m``
-    (one Gemm instead of two; same function);
-  * the cost scale folded in, so ``cost`` is USD per query;
-  * NaN for models the router never observed (``available = False``), as in the trainer.
-
-  Model ids and the embedder's name and dimension go into the ONNX metadata, so the SDK can check
-  them against the manifest.
-- K-means (paper 002, K-means router): ``kmeans.npz`` with ``centroids (K, d_emb) float32``, the
-  shrunk cell means ``accuracy`` and ``cost`` (USD) ``(K, n_models) float64``, ``count``
-  ``(K, n_models) float64``, ``prior_strength`` (the shrinkage kappa of those means, a float64
-  scalar: the device's Beta posteriors for exploration, :mod:`sdk.explorer`), ``models``,
-  ``embedder_name``, ``embedder_dim``. No pickle.
+Design notes: docs/device-and-bundles.md (Module notes).
 """
 
 from __future__ import annotations

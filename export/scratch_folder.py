@@ -1,21 +1,6 @@
 """The scratch folder of an export, beside the bundle it writes, and the removal of those a killed export left.
 
-An export works for minutes in a scratch folder (the embedder's ONNX files, the staged bundle that the
-parity check loads). It was a ``/tmp/fedroute-export-*`` folder, removed when the export ended but left
-there for good when the process was killed (``kill -9``, the OOM killer, a closed terminal): nothing
-ever looked at it again. Now it is ``.<name>.export-<host>-<pid>-<random>`` beside the destination
-``out`` (created with its parents if missing; the parents it created are removed again, when empty, if
-the export fails, so a failed export to ``a/new/b`` leaves no ``a/new`` behind, nor the bundle's lock file
-``a/new/.b.lock`` that a bundle write failing under its lock leaves there):
-
-- every export first removes the scratch folders beside ``out`` whose process is gone (same host, no
-  process with that id), so a killed export's folder lives until the next export to the same place;
-  those of a live process, or of another host sharing the folder, are kept;
-- it is on the bundle's filesystem, where the user looks, and a large embedder never fills a small
-  ``/tmp`` (often RAM).
-
-The bundle itself is still published by :mod:`export.bundle_writer` (a fresh version folder, then an
-atomic link swap): the scratch folder holds nothing the published bundle needs.
+Design notes: docs/device-and-bundles.md (Module notes).
 """
 
 from __future__ import annotations
@@ -86,13 +71,8 @@ def _remove_if_empty(folders: list[Path]) -> None:
 
 
 def _remove_created(created: list[Path], out: Path) -> None:
-    """Remove the folders a failed export created (``created``, deepest first, :func:`_missing_folders`) when
-    empty. ``out``'s lock file (:func:`sdk.bundle_install.locked`, which filelock keeps after release on
-    purpose) would keep ``out``'s folder: when that folder is one this export created and holds nothing else,
-    the lock is taken without waiting and the file unlinked and the folders removed while it is held. A lock
-    another writer holds (or is being given) is left alone, and so is its folder. A writer already waiting on
-    the unlinked file retries on the path once it gets the lock (filelock >= 3.20.4 checks ``st_nlink``), so
-    no two writers ever hold the lock at once."""
+    """Remove the folders a failed export created, deepest first, when empty; ``out``'s lock file is unlinked
+    (under the lock, taken without waiting) only when its folder is one this export created and holds nothing else."""
     lock = lock_path(out)
     if not created or created[0] != lock.parent or not os.path.lexists(lock):
         _remove_if_empty(created)

@@ -44,12 +44,6 @@ def test_partition_is_reproducible_from_the_seed():
     assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("n_clients, alpha", [(0, 0.6), (2.5, 0.6), (10, 0.0), (10, float("nan"))])
-def test_bad_partition_arguments(n_clients, alpha):
-    with pytest.raises(InvalidInputError):
-        dirichlet_partition(TASKS, n_clients, alpha, np.random.default_rng(0))
-
-
 def test_sparse_logging_reveals_exactly_one_labelled_model_per_query():
     rng = np.random.default_rng(3)
     n, m = 1000, 5

@@ -24,7 +24,6 @@ from trainer.experts.fedprism import FedPrismConfig
 from trainer.experts.selector import SelectorConfig
 from trainer.federated.kmeans_aggregation import AggregationConfig
 from trainer.federated.mlp_aggregation import MLPAggregationConfig
-from trainer.federated.partition import dirichlet_partition
 from trainer.rewards.client_router import RouterConfig
 from trainer.rewards.mor_trainer import MoRConfig
 from trainer.rewards.pair_features import PairEncoder
@@ -139,10 +138,6 @@ DATA_CASES = [
     ("dirichlet-alpha-0", lambda: dirichlet_clients(pairs_frame(), 3, 0.0), InvalidInputError, r"alpha must be finite and > 0"),
     ("dirichlet-alpha-str", lambda: dirichlet_clients(pairs_frame(), 3, "0.5"), InvalidInputError, r"alpha must be finite and > 0, got '0\.5'"),
     ("dirichlet-alpha-bool", lambda: dirichlet_clients(pairs_frame(), 3, True), InvalidInputError, r"alpha"),
-    ("partition-alpha-str", lambda: dirichlet_partition(np.arange(8) % 2, 3, "0.5", np.random.default_rng(0)),
-     InvalidInputError, r"alpha must be a finite number > 0, got '0\.5'"),
-    ("partition-alpha-0", lambda: dirichlet_partition(np.arange(8) % 2, 3, 0.0, np.random.default_rng(0)),
-     InvalidInputError, r"alpha must be a finite number > 0, got 0\.0"),
     ("dirichlet-clients-bool", lambda: dirichlet_clients(pairs_frame(), True, 0.5), InvalidInputError, r"n_clients must be an int"),
     ("normaliser-eps-neg", lambda: ScoreNormaliser(0.0, 1.0, eps=-1.0), InvalidInputError, r"eps=-1\.0"),
     ("normaliser-str-mean", lambda: ScoreNormaliser("0", 1.0), InvalidInputError, r"mean='0'"),

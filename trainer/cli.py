@@ -214,8 +214,7 @@ def ablate(
 
 @app.command()
 def keygen(
-    # a Path option, wrapped in NonEmptyPath by PathCheckedGroup (sdk.cli_paths): --out "" (typer's Path(".")) is
-    # refused while the line is parsed; it used to write the keys into the current folder
+    # NonEmptyPath (PathCheckedGroup, sdk.cli_paths) refuses --out "" while the line is parsed
     out: Annotated[Path, typer.Option(help="folder for signing.key (private, mode 0600) and signing.pub")],
     force: Annotated[bool, typer.Option(help="replace an existing signing.key")] = False,
 ) -> None:
@@ -247,23 +246,9 @@ def _check_export_options(out: Path, signing_key: Path, router: Optional[Path], 
                           precision: Optional[list[str]], data: Optional[Path], prices: Optional[Path],
                           bundle_version: Optional[int], prior_domain: Optional[str], parity_pairs: Optional[int] = None,
                           cache_dir: Optional[Path] = None, top_k: Optional[int] = None) -> dict:
-    """The checks of ``fedroute export``'s options that need no trainer library: run before torch and
-    sentence-transformers are imported (10-15 s), so that a typo fails at once. Returns the parsed
-    ``--prices`` table ({} without it).
-
-    Raises
-    ------
-    typer.BadParameter
-        Not exactly one of --router and --selector, options of the other kind of bundle, an unknown
-        --precision, a --router / --selector / --data that does not exist (a --router without
-        router.json), an unreadable --prices file.
-    InvalidInputError
-        --out cannot be written (:func:`trainer.out_folder.check_out_folder`; its parent holds the
-        bundle's versions).
-    ExportError
-        --out exists and is not a fedroute bundle, --bundle-version is not above the one there, or
-        --signing-key cannot be read as an Ed25519 private key.
-    """
+    """Check ``fedroute export``'s options before torch is imported (so a typo fails at once); return the
+    parsed ``--prices`` table ({} without it). Raises typer.BadParameter, InvalidInputError (``--out``) or
+    ExportError (an existing ``--out``, ``--bundle-version``, ``--signing-key``)."""
     if (router is None) == (selector is None):
         raise typer.BadParameter("give exactly one of --router DIR and --selector DIR")
     if selector is not None:
@@ -285,7 +270,7 @@ def _check_export_options(out: Path, signing_key: Path, router: Optional[Path], 
             raise typer.BadParameter(f"--top-k is for a FedPrism run folder (router + experts); {selector} is not one")
     else:
         for option, value in (("--parity-pairs", parity_pairs), ("--prior-domain", prior_domain), ("--top-k", top_k)):
-            if value is not None:  # they used to be ignored without a word
+            if value is not None:
                 raise typer.BadParameter(f"{option} is for --selector bundles; a router export checks parity on --data")
         unknown = sorted(set(precision or ()) - set(QUANTISED_PRECISIONS))
         if unknown:
@@ -391,9 +376,7 @@ _register_server_commands()
 
 
 def _register_mor_commands() -> None:
-    """``fedroute mor train|eval|audit`` (trainer.rewards.cli; its imports are light), ``grpo``
-    (trainer.alignment.grpo_cli) and ``export`` (export.reward_cli): registered here, at the top, so
-    that trainer.rewards imports neither trainer.alignment nor export."""
+    """``fedroute mor train|eval|audit|grpo|export``, registered here so that trainer.rewards imports neither alignment nor export."""
     from export.reward_cli import register as register_reward_export  # sub-app registered by the console-script module (ARCHITECTURE.md §2)
     from trainer.alignment.grpo_cli import register as register_grpo  # sub-app registered by the console-script module (ARCHITECTURE.md §2)
     from trainer.rewards.cli import app as mor_app  # sub-app registered by the console-script module (ARCHITECTURE.md §2)

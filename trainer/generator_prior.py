@@ -1,21 +1,6 @@
 """Bradley-Terry prior over generators, aggregated federatedly as win/loss counts (issue 29, item 3).
 
-Where the generator of each candidate is known (a router that picked the model knows it), how often that
-generator's answers win is a prior on the pair: ``P(A better) = sigmoid(logit_model + lambda (beta_gA -
-beta_gB))`` with ``beta`` the Bradley-Terry strengths of the generators (Bradley and Terry 1952;
-``P(g beats h) = sigmoid(beta_g - beta_h)``).
-
-Federated protocol
-------------------
-1. Each client counts, over its own labelled pairs, ``W_c[g, h]`` = how often generator ``g``'s response
-   beat generator ``h``'s (:func:`client_win_counts`; a sparse dict of counts, no text, no pair leaves).
-2. The server sums them, ``W = sum_c W_c`` (:func:`aggregate_win_counts`, pure), which equals the counts of
-   the pooled pairs, and fits ``beta`` by L2-regularised maximum likelihood (:func:`fit_bradley_terry`:
-   scikit-learn logistic regression on ``e_g - e_h`` rows weighted by the counts, no intercept).
-3. ``beta`` ships with the model; a generator absent from the counts (or unknown) has no prior (0).
-
-Pairs of domains in :data:`NO_GENERATOR` carry no generator: HH-RLHF's sources are ``chosen`` /
-``rejected``, i.e. the label itself, and are never counted or used.
+Design notes: docs/prism.md (Module notes).
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """Length-only and structure-feature baselines of the preference tables: logistic regression on pair features.
 
-Response length carries most of the learnable signal in the public preference data, in opposite
-directions per domain (longer wins on AlpacaEval, shorter on HH-RLHF harmless). A selector that does
-not beat this baseline has learned nothing worth shipping (issue 10).
-
-Model: ``P(A better) = sigmoid(w . f(y_A, y_B))`` with ``f`` = :func:`sdk.pair_encoding.length_features`
-(antisymmetric log-length differences) and no intercept, so swapping A and B gives ``1 - P`` and
-labels need no balancing assumption. ``features`` names the columns of
-:func:`sdk.pair_features.pair_features_many` (default the three length features; with
-:data:`sdk.pair_features.DEFAULT_FEATURES` this is the **structure-feature baseline**,
-``structure_only`` in the tables: length, lists, headers, emphasis, code, refusal and hedging
-phrases, echo of the instruction, ...). ``per_domain=True`` fits one weight vector per domain (the
-domain is known at prediction time), ``False`` one global vector. scikit-learn's
-``LogisticRegression`` (lbfgs, C = 1.0).
-
-Measured (``python -m trainer.length_baseline ../shared/data``, 5-fold by prompt, default pairs of
-:func:`trainer.data.preferences.load_preference_pairs`, seed 0): see the module docstring of
-:mod:`trainer.data.preferences`.
+Design notes: docs/prism.md (Module notes).
 """
 
 from __future__ import annotations

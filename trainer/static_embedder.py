@@ -1,21 +1,6 @@
 """The ``static`` embedder kind on the trainer side: model2vec tables distilled from a sentence-transformer.
 
-``--embedder static:SPEC``: SPEC is a model2vec folder (``config.json`` with ``"model_type":
-"model2vec"``), or a sentence-transformer (folder, ``all-MiniLM-L6-v2`` or hub id) that is
-distilled here with ``model2vec.distill`` (Tulkens & van Dongen 2024: every vocabulary token
-embedded by the transformer, PCA to :data:`PCA_DIMS` dimensions, SIF weights with coefficient
-1e-4 folded into the vectors, float16 table) into ``<cache>/static/`` once; distillation is
-deterministic (checked: two runs give the same table) and offline with a local model.
-
-Embeddings are ``StaticModel.encode(texts, max_length=None)`` of each text's last
-:data:`~sdk.embedder.MAX_QUERY_CHARS` characters (the whole RouterBench prompt), computed with the
-float16 table widened to float32, then L2-normalised: what :class:`sdk.static_embedder.StaticEmbedder`
-computes from the same table on the device. The model's tokenizer is set to no padding and no
-truncation: the packaged MiniLM ``tokenizer.json`` pads and truncates every input to 128 tokens,
-which model2vec would otherwise average in as ``[PAD]`` vectors.
-
-The cache namespace and ``router.json`` carry the sha256 of the table and tokenizer
-(:func:`model_digest`), so ``export`` refuses a table other than the one the routers trained on.
+Design notes: docs/static_embedder.md (Module notes).
 """
 
 from __future__ import annotations
@@ -136,7 +121,7 @@ def encode_static(model, texts: list[str], show_progress: bool = False) -> np.nd
 
 
 class StaticEmbedderTrainerKind(EmbedderTrainerKind):
-    """``embedder/static``: model2vec table (see module docstring)."""
+    """``embedder/static``: model2vec table (see the design notes)."""
 
     name = "static"
     display_name = "static (model2vec)"

@@ -10,20 +10,7 @@ accuracy"). Before training the policy equals the reference, every implicit rewa
 is exactly 0.5; we also report the policy's own log-likelihood ranking (``log pi(y_w|x) > log pi(y_l|x)``)
 before and after, which is informative at step 0.
 
-Preference rows are ``{"prompt": str, "chosen": str, "rejected": str}`` (the file Phase III writes; see
-:func:`read_preference_rows`). With ``chat=True`` (default) each row is given to TRL in conversational
-form (``[{"role": "user", ...}]`` / ``[{"role": "assistant", ...}]``) and rendered by the tokenizer's chat
-template (:func:`trainer.alignment.policy_models.prepare_tokenizer` sets one when missing).
-
-CPU settings (the defaults here): float32 (TRL's configs default to bf16), no gradient checkpointing (TRL
-defaults it on), one torch thread (much faster for small models on a busy machine). GPU preset
-(:meth:`DPORunConfig.gpu_preset`): ``device="cuda"``, bf16, gradient checkpointing, the paper-scale
-learning rate 5e-7 with batch 8 x 4 accumulation; multi-GPU through ``accelerate launch`` of
-``fedroute prism dpo`` (TRL's trainer is accelerate-native).
-
-Outputs in ``out_dir``: ``model/`` (``save_pretrained`` of policy + tokenizer; written to ``.model.partial/``
-and swapped in whole, :func:`sdk.atomic_write.replace_dir`), ``dpo_results.json`` (settings, loss per step,
-held-out accuracies before/after; written after ``model/``), ``dpo_loss.png``.
+Design notes: docs/prism_device_and_dpo.md (Module notes).
 """
 
 from __future__ import annotations

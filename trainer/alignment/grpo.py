@@ -1,30 +1,7 @@
 """GRPO on the routed reward of a mixture of client reward models, with online routing (MoR, paper 001,
 Sec. "GRPO with MoR" and "Online Router Updating"; ARCHITECTURE.md §7).
 
-TRL's ``GRPOTrainer`` does the policy optimisation: for each public prompt ``x_i`` the policy samples a
-group of ``M`` completions, each pair ``(x_i, y_ij)`` gets the routed reward, advantages are
-group-relative, and the loss is the clipped GRPO objective with a KL penalty ``beta`` to the frozen
-reference policy (``loss_type="grpo"``, Shao et al. 2024). Our pieces are:
-
-* :class:`RoutedGRPOReward`, the reward *function* TRL calls, ``(prompts, completions, **kw) -> list
-  of n floats``. It encodes each pair, ``c = Enc(x, y)`` of shape ``(n, d)`` float32, asks the router
-  which client reward model to query (sparse routing: exactly one client per pair; the scalar it
-  returns, already z-normalised by the client, *is* the routed reward) and keeps ``(c, k)`` for the
-  bandit update. ``mode="soft"`` mixes every client's normalised reward with ``softmax(g_phi(c))``
-  (MoR's ``R_mix``) and is not updated online.
-* :class:`OnlineRoutingCallback`: after each optimiser step it reads TRL's GRPO loss ``J_t``, turns
-  ``J_t - J_{t-1}`` into the binary bandit feedback and applies it to the pairs routed in that step
-  (:class:`~trainer.alignment.thompson_routing.NeuralThompsonRouting`). It also records the per-step
-  history: routed reward, KL to the reference, loss, and how many pairs went to another client than
-  the offline router would have chosen.
-* :class:`RoutedGRPOConfig` + :class:`RoutedGRPOTrainer` (TRL style): a config that validates and saves
-  without a model; the trainer loads the policy by path or hub id
-  (:func:`trainer.alignment.policy_models.load_policy`) and writes ``history.json`` and ``grpo.png``.
-
-Presets: CPU (default) = float32, no gradient checkpointing, ``torch.set_num_threads(1)``, tiny
-batches; GPU (``device="cuda"``) = bfloat16 weights and autocast, the same loop. The tokenizer's
-``model_input_names`` is set to ``["input_ids", "attention_mask"]`` so no ``token_type_ids`` reach
-generation.
+Design notes: docs/mor_grpo_and_device.md (Module notes).
 """
 
 from __future__ import annotations
@@ -66,7 +43,7 @@ def _text(item) -> str:
 
 
 class RoutedGRPOReward:
-    """The routed reward as a TRL reward function (see module docstring).
+    """The routed reward as a TRL reward function (see the design notes).
 
     Parameters
     ----------
@@ -168,7 +145,7 @@ def _callback_base():
 
 
 class OnlineRoutingCallback(_callback_base()):
-    """Bandit feedback after each GRPO step, and the per-step history (module docstring).
+    """Bandit feedback after each GRPO step, and the per-step history (design notes).
 
     Parameters
     ----------
@@ -376,7 +353,7 @@ def summarise(history: list[dict], n_queries: int, online: bool) -> dict:
 
 
 class RoutedGRPOTrainer:
-    """GRPO (TRL) on a routed reward with optional online routing (module docstring).
+    """GRPO (TRL) on a routed reward with optional online routing (design notes).
 
     Parameters
     ----------

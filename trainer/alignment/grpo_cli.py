@@ -53,7 +53,7 @@ def public_prompts(data: Path, n: int, seed: int = 0) -> list[str]:
     Raises
     ------
     InvalidInputError
-        ``n`` < 1, or more prompts than the alternating pool holds (it used to return fewer, silently).
+        ``n`` < 1, or more prompts than the alternating pool holds
     """
 
     from trainer.data.preferences import load_alpacaeval_pairs, load_hh_harmless_pairs  # trainer.data.preferences imports pandas: on use only
@@ -79,7 +79,7 @@ DEFAULT_LENGTHS, QUICK_LENGTHS = (60, 256, 32), (20, 64, 16)
 def run_lengths(quick: bool, steps: Optional[int], n_prompts: Optional[int],
                 max_completion_length: Optional[int]) -> tuple[int, int, int]:
     """(steps, n_prompts, max_completion_length): the values given on the line, else the preset's
-    (``--quick`` used to replace given values: ``--quick --steps 5`` ran 20 steps)."""
+    (``--quick --steps 5`` runs 5 steps)."""
     preset = QUICK_LENGTHS if quick else DEFAULT_LENGTHS
     given = (steps, n_prompts, max_completion_length)
     return tuple(p if g is None else g for g, p in zip(given, preset))  # type: ignore[return-value]
@@ -120,7 +120,7 @@ def grpo(
             raise typer.BadParameter(f"{option} must be a finite number > 0, got {value}")
     check_out_option(out)
     if device in DEVICES:  # another value is refused by RoutedGRPOConfig below
-        try:  # a CPU-only machine used to fail to move the policy after the mixture, data and OUT/tiny_policy
+        try:  # before the mixture, data and OUT/tiny_policy are built
             check_torch_device("--device", device)
         except InvalidInputError as exc:
             raise typer.BadParameter(str(exc)) from exc

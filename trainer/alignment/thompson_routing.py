@@ -1,35 +1,7 @@
 """Online reward routing by neural Thompson sampling on the router's last layer (MoR, paper 001,
 Sec. "Online Router Updating"; Neural Thompson Sampling, Zhang et al. 2021).
 
-During GRPO the policy drifts away from the responses the router was trained on, so the router is
-updated online as a contextual bandit: each client reward model ``R_k`` is an arm, the context is
-``c_t = Enc(x_t, y_t)`` and the router's score ``r_hat_k(c_t; phi)`` estimates the utility of asking
-client ``k``. Only the last linear layer of the router, ``phi = [W (K, h), b (K,)]`` flattened to
-``p = K * (h + 1)`` numbers, is the bandit's parameter; the layers below are frozen features
-``a(c)`` of shape ``(h,)``.
-
-The equations, with ``m`` the width of the last layer's input (NeuralTS's scaling; ``width=1``
-gives the form printed in MoR):
-
-* score: ``r_hat_k(c; phi) = sigmoid(z_k)``, ``z = W a(c) + b``. The router is trained with BCE
-  towards the client's own index, so ``sigmoid(z_k)`` is already a [0, 1] estimate, on the scale
-  of the binary bandit feedback below. Its gradient is
-  ``g_k = sigmoid'(z_k) * [e_k (x) a(c), e_k]`` (zero outside arm ``k``'s row of ``W`` and ``b_k``).
-* prior and covariance: ``U_0 = lambda I_p``, ``U_t = U_{t-1} + g_{k_t} g_{k_t}^T / m`` with the
-  gradient taken at the updated ``phi_t`` (MoR eq. for ``U_t``), i.e.
-  ``U_t = lambda I + sum_s g_s g_s^T / m``.
-* posterior per arm: ``r_tilde_{t,k} ~ N(r_hat_k(c_t; phi_{t-1}), nu^2 sigma^2_{t,k})`` with
-  ``sigma^2_{t,k} = lambda g_k^T U_{t-1}^{-1} g_k / m``; decision ``k_t = argmax_k r_tilde_{t,k}``.
-* bandit feedback from the change of the GRPO objective between two policy steps,
-  ``Delta J_t = J_t - J_{t-1}``; ``r_t = 1`` if ``Delta J_t <= 0`` else ``0``. MoR writes ``J`` as
-  ``L_clip - beta L_KL`` but calls ``r_t = 1`` the case where the chosen reward model "leads to an
-  improvement"; both read consistently only with ``J`` as the *loss* the GRPO step minimises, which
-  is what :func:`bandit_feedback` takes (TRL's logged ``loss``).
-* update: minimise ``1/2 (r_hat_{k_t}(c_t; phi) - r_t)^2 + lambda/2 ||phi - phi_0||^2`` over the
-  last layer (``phi_0`` = the offline, federated router), averaged over the pairs of the step, by
-  ``n_update_steps`` steps of ``torch.optim.SGD``.
-
-``enabled=False`` is the ablation "w/o online": the router's own argmax, no sampling, no update.
+Design notes: docs/mor_grpo_and_device.md (Module notes).
 """
 
 from __future__ import annotations
@@ -62,7 +34,7 @@ LAM_MIN = 1e-100
 
 @dataclass
 class ThompsonConfig:
-    """Settings of the online router update (module docstring has the equations).
+    """Settings of the online router update (the design notes have the equations).
 
     enabled : False = the ablation: argmax of the offline router, never updated.
     lam : lambda in [LAM_MIN, 2 / lr), the prior precision (``U_0 = lambda I``), the variance scale and
@@ -169,7 +141,7 @@ class RoutingDecision:
 
 
 class NeuralThompsonRouting:
-    """Neural Thompson sampling on the last linear layer of ``router`` (module docstring).
+    """Neural Thompson sampling on the last linear layer of ``router`` (design notes).
 
     Parameters
     ----------

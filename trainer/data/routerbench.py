@@ -495,11 +495,7 @@ def load_routerbench_hub(
 
 
 def _read_frame(path: Path) -> pd.DataFrame:
-    """Read a .parquet or .csv file as a DataFrame, mapping library errors to ours.
-
-    CSV text columns (sample_id, task, prompt, responses) are read verbatim, so a prompt "NA"
-    stays text and an empty prompt stays ``""``; other columns keep pandas' missing tokens.
-    """
+    """Read a .parquet or .csv file (CSV text columns verbatim: "NA" stays text), mapping library errors to ours."""
     suffix = path.suffix.lower()
     if suffix not in (".parquet", ".csv"):
         raise DataFormatError(
@@ -598,10 +594,7 @@ def _build_table(
     correctness_of: Callable[[str], str],
     cost_of: Callable[[str], str],
 ) -> EvalTable:
-    """Validate the cells of ``frame`` and build the table (the check shared by both forms).
-
-    Columns must already be present (see :func:`_require_columns`, :func:`_check_model_columns`).
-    """
+    """Validate the cells of ``frame`` (columns already present) and build the table."""
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, str) or not prompt.strip():
             raise DataFormatError(
@@ -678,10 +671,7 @@ def _text_vector(series: pd.Series, *, source: str, column: str, what: str) -> n
 
 
 def _unwrap_upstream_prompt(value: object, *, source: str, row: int) -> object:
-    """First element of an upstream prompt list (or list literal); other values unchanged.
-
-    Does not check that the result is a non-empty string (:func:`_build_table` does).
-    """
+    """First element of an upstream prompt list (or list literal); other values unchanged."""
     if isinstance(value, str) and value.lstrip().startswith("["):
         try:
             parsed = ast.literal_eval(value)

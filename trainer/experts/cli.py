@@ -45,7 +45,7 @@ def train(
     from trainer.experts.experiment import ALL_METHODS, PRESETS, prepare_data, run_experiment  # trainer.experts.experiment imports pandas, torch: on use only
     from trainer.experts.selector import PairSelector, selector_for_backbone  # trainer.experts.selector imports torch: on use only
 
-    check_out_option(out)  # before any work: an unusable --out used to fail after it
+    check_out_option(out)  # before any work
     if quick and preset != "cpu":  # --quick --preset gpu ran the quick preset without a word
         raise typer.BadParameter(f"--quick is the small preset; give --quick or --preset {preset}, not both")
     claim_results(out, "prism train")
@@ -54,7 +54,7 @@ def train(
         raise typer.BadParameter(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
     set_cpu_threads(device_threads)
     data_preset, base = PRESETS[name]
-    try:  # --preset gpu on a machine without CUDA used to train on the CPU, at the paper's scale
+    try:  # --preset gpu needs CUDA
         base = base if device is None else replace(base, device=device)
         check_torch_device("--device" if device is not None else f"--preset {name} (its device)", base.device)
     except InvalidInputError as exc:
@@ -96,7 +96,7 @@ def label(
     """Phase III: routed experts label held-out AlpacaEval pairs; agreement with the judge; synthetic set."""
     from trainer.experts.phase3 import agreement_markdown, run_phase3  # trainer.experts.phase3 imports pandas: on use only
 
-    check_out_option(out)  # before any work: an unusable --out used to fail after it
+    check_out_option(out)  # before any work
     set_cpu_threads(device_threads)
     result = run_phase3(run, data, out, max_pairs=max_pairs, cache_dir=cache_dir)
     typer.echo(agreement_markdown(result["agreement"]))
@@ -105,14 +105,7 @@ def label(
 
 def _dpo_config(policy: str, *, gpu: bool, tiny: bool, steps: Optional[int], beta: float, lr: Optional[float],
                 batch_size: Optional[int], max_length: Optional[int], seed: int) -> DPORunConfig:
-    """The run's :class:`DPORunConfig`: the CPU defaults or ``DPORunConfig.gpu_preset``, with every option the
-    user gave taking precedence (``--lr 0`` is refused by the config, not replaced by a default).
-
-    Raises
-    ------
-    AlignmentConfigError
-        A setting out of range (e.g. ``learning_rate <= 0``).
-    """
+    """The CPU defaults or ``DPORunConfig.gpu_preset``, with every option given taking precedence; AlignmentConfigError when out of range."""
     given = {k: v for k, v in (("max_steps", steps), ("learning_rate", lr), ("batch_size", batch_size),
                                ("max_length", max_length)) if v is not None}
     if gpu:
@@ -149,8 +142,8 @@ def dpo(
     if not 0.0 < heldout_fraction < 1.0:  # NaN and inf: refused by finite_option while parsing
         raise typer.BadParameter(f"--heldout-fraction must lie in (0, 1) (at least one prompt is held out for "
                                  f"the accuracy), got {heldout_fraction}")
-    check_out_option(out)  # before any work: an unusable --out used to fail after it
-    if gpu:  # a CPU-only machine used to fail to move the policy only after OUT/tiny_policy was built
+    check_out_option(out)  # before any work
+    if gpu:  # before OUT/tiny_policy is built
         try:
             check_torch_device("--gpu", "cuda")
         except InvalidInputError as exc:

@@ -1,57 +1,11 @@
-"""The FedPrism experiment: data, clients, every method on the same clients and test pairs, results.
+"""The FedPrism experiment: every method on the same clients and test pairs (docs/prism.md).
 
-:func:`prepare_data` loads the three preference sources (:mod:`trainer.data.preferences`), splits them
-by prompt (60 / 20 / 20 % within each domain, data seed 0), keeps ``public_fraction`` of the train
-prompts as *public* prompts held by no client (only their text is used, for the router's K-means
-initialisation), subsamples each part to the preset's size (stratified by domain), embeds the
-prompts (MiniLM, SQLite cache of :mod:`trainer.embeddings`) and runs the frozen lower layers of the
-selector once over every segment (:func:`trainer.experts.selector.build_segment_store`).
-
-:func:`prepare_data` computes the head's pair features (:mod:`sdk.pair_features`, the names in
-``SelectorConfig.pair_features``) of every pair once, with the segments.
-
-:func:`run_experiment` then, for each seed, draws N = 20 multi-faceted clients
-(:func:`trainer.data.preferences.dirichlet_clients`, alpha = 0.5 over subsets) and trains every method of
-:data:`trainer.experts.fedprism.METHODS` on them, plus the length-only baseline (per-domain logistic
-regression fitted on the pooled client pairs). Everything is scored on the same held-out test pairs
-(or validation pairs when tuning).
-
-Output folder (``fedroute prism train --out DIR``)
---------------------------------------------------
-- ``results.json``: ``methods.<m>.{acc_mean, acc_std, acc_per_seed, domains.<d>.{acc_mean, acc_std}}``
-  for m in fedprism, fedbis, fedbiscuit, random_routing, frozen_router, no_warmup, length_only (per-domain
-  regression; reads the domain label at prediction time), length_only_global (one regression),
-  structure_only (per-domain regression on :data:`sdk.pair_features.DEFAULT_FEATURES`);
-  ``paired_vs_length_only.<m>.{gain, se, n_pairs}`` (accuracy gain over length_only on the same pairs,
-  per-pair differences averaged over seeds, paired standard error over pairs);
-  ``utilisation.{max_share, max_share_per_seed, entropy, share}`` (FedPrism, final round, test pairs);
-  ``bytes.{downlink_per_round, dense_downlink_per_round, per_method}`` (mean bytes sent to the clients
-  of a round; dense = every client downloads all M experts); ``config``, ``data``, ``seconds``.
-- ``results.md``: the table; ``accuracy_per_round.png``, ``utilisation_per_round.png``.
-- ``eval_proba.npz``: ``pair_id`` and P(A better) of every method and seed on the evaluated pairs
-  (``benchmarks/prism_generator_prior.py`` reads it).
-- ``history.json``: per method and seed, the per-round history of :class:`FedPrismTrainer`.
-- ``fedprism_seed0/`` (read by ``prism label`` and the selector export)::
-
-      fedprism_seed0/
-        selector_config.json        SelectorConfig (backbone, LoRA, pair encoding) as JSON
-        fedprism_config.json        FedPrismConfig of the run
-        router.safetensors          PromptRouter state: net.0.weight (128, 384), net.0.bias (128,),
-                                    net.2.weight (M, 128), net.2.bias (M,), float32; input = MiniLM
-                                    prompt embedding (mean-pooled, L2-normalised, 256 tokens, left
-                                    truncation: trainer.embeddings.EmbedderConfig defaults)
-        expert_<k>/adapter/         peft save_pretrained of expert k's LoRA (adapter_config.json,
-                                    adapter_model.safetensors)
-        expert_<k>/head.safetensors head.0.weight, head.0.bias, head.2.weight, head.2.bias,
-                                    length_skip.weight (float32)
-        splits.json                 prompt_ids of the train / public / val / test parts
-- ``fedbis_seed0/``: the same layout for FedBis (one expert, ``expert_0``; its router file is unused).
-- Both are written to ``.<method>_seed0.partial/`` during the run and replace the old folders after
-  ``results.json``: an interrupted run leaves the earlier run's folder and results as they were. A run
-  without FedPrism or FedBis removes the earlier run's folder of that method (and, without FedPrism, its
-  ``utilisation_per_round.png``) once its own results are written.
-
-  Load with ``PairSelector(load_selector_config(...))`` then ``load_expert(folder / "expert_<k>")``.
+:func:`prepare_data` loads and splits the preference pairs by prompt (60/20/20 within each domain, data
+seed 0), keeps ``public_fraction`` of the train prompts as text-only *public* prompts, subsamples to the
+preset, embeds the prompts and caches the selector's frozen lower layers and the pair features.
+:func:`run_experiment` draws N = 20 Dirichlet(0.5) clients per seed and trains every method of
+:data:`trainer.experts.fedprism.METHODS` plus the length-only baseline; all are scored on the same
+held-out pairs. The output folder's layout is in docs/prism.md (Output folder).
 """
 
 from __future__ import annotations

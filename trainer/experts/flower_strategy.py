@@ -1,41 +1,27 @@
 """FedPrism's per-component aggregation as a Flower strategy (message API, ``flwr >= 1.21``).
 
 The maths is :func:`trainer.experts.aggregation.aggregate_components` (each expert averaged over the
-nodes that updated it, weighted by the samples it used) and :func:`trainer.routers.fedavg.fedavg`
-for the router; this module only carries it over Flower, as :mod:`trainer.federated.flower_app`
-does for the K-means router.
+nodes that updated it, weighted by its samples) and :func:`trainer.routers.fedavg.fedavg` for the router.
 
 Wire format
 -----------
 - Server -> node (``"train"``): ``arrays["arrays"]`` holds the router (``router/<name>``) and only the
-  experts the node asked for (``expert-<k>/<name>``): **sparse retrieval**. In round 1, or for a node
-  not heard from yet, every expert is sent. ``config["config"]``: ``round-id`` (int), ``experts``
-  (list of int, the experts sent), ``pgpd`` (bool, whether the node should distil the router),
-  ``min-count`` (int, the strategy's privacy threshold).
-- Node -> server: ``arrays["arrays"]`` with the updated experts (``expert-<k>/<name>``) and, when it
-  ran PGPD, the router (``router/<name>``), leaving out any trained on ``0 < n < min-count`` samples
-  (they never leave the node; without ``min-count`` in the config the node applies
-  :data:`~trainer.federated.update_checks.DEFAULT_MIN_COUNT`); ``metrics["metrics"]``: ``n-expert-<k>`` (samples used
-  for expert k), ``n-router`` (samples behind the router update, 0 if none); ``config["config"]``:
-  ``needs`` (list of int, the experts its samples route to, for the next round).
-- Server: each expert (and router) of a reply trained on ``0 < n < min_count`` samples is left out
-  and listed in ``rejected_`` (the privacy threshold, per component: :meth:`FedPrismStrategy.aggregate_train`).
+  experts the node asked for (``expert-<k>/<name>``; every expert for a node not heard from yet):
+  **sparse retrieval**. ``config["config"]``: ``round-id``, ``experts`` (the experts sent), ``pgpd``
+  (bool: distil the router), ``min-count`` (the privacy threshold).
+- Node -> server: ``arrays["arrays"]`` with the updated experts and, after PGPD, the router, leaving out
+  any trained on ``0 < n < min-count`` samples; ``metrics["metrics"]``: ``n-expert-<k>``, ``n-router``
+  (0 if none); ``config["config"]``: ``needs`` (the experts its samples route to, for the next round).
 
-Deviation from paper 000 (Step 1 routes with the *current* round's router before retrieving): to save
-a round trip, a node's request is the ``needs`` it reported at the end of its previous round, routed
-with the router it held then; after a PGPD round the new global router can route some of its samples
-to an expert it was not sent; ``local_step`` must leave those samples out for that round (it may
-return only experts it was sent), and the next round's retrieval includes that expert.
-
-The node's work is a callable ``local_step(experts, router, pgpd, partition_id) -> (updates, router or
-None, n_router, needs)`` with ``experts``/``updates`` as ``{k: params}`` / ``{k: (params, n)}``;
-``trainer.experts.fedprism`` holds the in-process equivalent of that step.
-"""
+Deviation from paper 000 (Step 1 routes with the current round's router): a node's request is the
+``needs`` it reported at the end of its previous round, which saves a round trip; ``local_step`` leaves
+out samples routed to an expert it was not sent. ``local_step(experts, router, pgpd, partition_id) ->
+(updates, router or None, n_router, needs)`` with ``{k: params}`` / ``{k: (params, n)}``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from logging import INFO, WARNING
+from logging import INFO
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -47,7 +33,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from sdk.errors import InvalidInputError, PrivacyError, ShapeError
 from trainer.experts.aggregation import aggregate_components, validate_component_update
-from trainer.federated.rejected_reply import RejectedReply
+from trainer.federated.rejected_reply import REPLY_ERRORS, RejectedReply, reject, reply_reason
 from trainer.federated.update_checks import (
     DEFAULT_MIN_COUNT,
     MIN_COUNT_KEY,
@@ -161,39 +147,25 @@ class FedPrismStrategy(Strategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Per-component aggregation of the experts, FedAvg of the PGPD routers; records each node's needs.
 
-        Each reply is checked first (:meth:`_read_reply`); an invalid one, or one that used no sample
-        (every count 0: it would count as a node and change nothing), is dropped, logged and listed
-        in :attr:`rejected_`, and the round goes on with the others, as the HTTPS server answers 422
-        to one upload and keeps the round. The ``needs`` of a reply that used no sample are still
-        recorded (its samples may route to experts it was not sent: it asks for them next round).
-
-        Then the privacy threshold, per component: each expert of a valid reply (``n-expert-<k>``)
-        and its PGPD router (``n-router``) is checked on its own with
-        :func:`trainer.federated.update_checks.check_sample_count`, the HTTPS server's check of an
-        MLP upload's ``n_samples`` (docs/protocol.md): one trained on ``0 < n < min_count`` samples
-        is left out of the aggregate and listed in :attr:`rejected_` as ``expert <k>: need
-        min_count=5 <= n_samples=1`` (or ``router: ...``); the reply's other components are kept. Per
-        component rather than per reply because the server's check is per parameter set (one upload
-        = one set with its own ``n_samples``) and here each expert is a set of its own, trained only
-        on the samples routed to it: an expert of 1 sample reveals that sample whatever its
-        siblings used, and a sibling of 50 samples reveals no more for it. A component of 0 samples
-        already has weight 0 (:func:`aggregate_components`) and is not listed. A reply left with
-        nothing to aggregate does not count as a node.
-        """
+        A malformed reply, or one that used no sample, is dropped and listed in :attr:`rejected_` (its
+        ``needs`` are still recorded); the round goes on with the others. Then each expert (``n-expert-<k>``)
+        and PGPD router (``n-router``) of a reply is checked on its own with
+        :func:`trainer.federated.update_checks.check_sample_count` (each expert is a parameter set trained only
+        on the samples routed to it): one of ``0 < n < min_count`` samples is left out and listed. A reply left
+        with nothing to aggregate does not count as a node."""
         updates, routers = [], []
         for msg in replies:
             if msg.has_error():
                 continue
             try:
                 update, router, needs = self._read_reply(msg)
-            except (InvalidInputError, KeyError, TypeError, ValueError) as exc:  # ShapeError included
-                malformed = not isinstance(exc, InvalidInputError)
-                self._reject(server_round, msg, f"malformed reply: {type(exc).__name__} {exc}" if malformed else str(exc))
+            except REPLY_ERRORS as exc:  # ShapeError included
+                reject(self.rejected_, server_round, msg.metadata.src_node_id, reply_reason(exc))
                 continue
             self.needs_[msg.metadata.src_node_id] = needs
             if router is None and not any(n > 0 for _, n in update.values()):
-                self._reject(server_round, msg, "the reply used no sample (every n-expert-<k> and n-router is 0): "
-                                                "nothing to aggregate")
+                reject(self.rejected_, server_round, msg.metadata.src_node_id,
+                       "the reply used no sample (every n-expert-<k> and n-router is 0): nothing to aggregate")
                 continue
             update, router = self._apply_min_count(server_round, msg, update, router)
             if router is None and not any(n > 0 for _, n in update.values()):
@@ -211,29 +183,23 @@ class FedPrismStrategy(Strategy):
     def _apply_min_count(self, server_round: int, msg: Message, update: dict[int, tuple[Params, float]],
                          router: tuple[Params, float] | None
                          ) -> tuple[dict[int, tuple[Params, float]], tuple[Params, float] | None]:
-        """``(update, router)`` without the components trained on ``0 < n < min_count`` samples,
-        each listed in :attr:`rejected_` (:meth:`aggregate_train`)."""
+        """``(update, router)`` without the components below ``min_count``, each listed in :attr:`rejected_`."""
         kept = {}
         for k, (params, n) in update.items():
             try:
                 if n > 0:
                     check_sample_count(n, self.min_count)
             except PrivacyError as exc:
-                self._reject(server_round, msg, f"expert {k}: {exc}", "expert")
+                reject(self.rejected_, server_round, msg.metadata.src_node_id, f"expert {k}: {exc}", "expert")
                 continue
             kept[k] = (params, n)
         if router is not None:
             try:
                 check_sample_count(router[1], self.min_count)  # n_router > 0 here (_read_reply)
             except PrivacyError as exc:
-                self._reject(server_round, msg, f"router: {exc}", "router")
+                reject(self.rejected_, server_round, msg.metadata.src_node_id, f"router: {exc}", "router")
                 router = None
         return kept, router
-
-    def _reject(self, server_round: int, msg: Message, reason: str, part: str = "reply") -> None:
-        log(WARNING, "aggregate_train: round %d, %s of node %s dropped: %s", server_round, part,
-            msg.metadata.src_node_id, reason)
-        self.rejected_.append(RejectedReply(server_round, str(msg.metadata.src_node_id), reason))
 
     def _read_reply(self, msg: Message) -> tuple[dict[int, tuple[Params, float]], tuple[Params, float] | None,
                                                  list[int]]:

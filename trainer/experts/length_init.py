@@ -1,24 +1,6 @@
 """Federated length-only start of the experts: FedAvg of client-local logistic regressions.
 
-Response length carries most of the learnable signal of the preference pairs, in opposite directions
-per domain (issue 10; :mod:`trainer.length_baseline`). A zero-initialised length path must learn that
-rule from a few hundred pair-steps at ``expert_lr``; instead each expert **starts** from it:
-
-1. Each client routes its train pairs with the initial routing (the K-means-initialised router for
-   FedPrism, the client's group for FedBiscuit, one expert for FedBis, a uniform draw for random
-   routing) and, per expert ``k`` that received pairs, fits the length-only model of
-   :class:`trainer.length_baseline.LengthBaseline` (scikit-learn ``LogisticRegression``, lbfgs,
-   ``C``, no intercept) on those pairs **and their position-swapped copies** ``(-f, 1 - y)`` (so
-   both classes are always present; for a no-intercept model the swapped copy has the same loss
-   term, so the data term counts twice: it is the baseline's fit with ``C`` *doubled*, i.e. half
-   the L2 strength; test: ``tests/test_audit_numerics.py``).
-2. The client sends ``(w_ck, n_ck)``: F coefficients (one per pair feature of the head; 3 for length only) and its pair count per expert, float32
-   (16 bytes per expert; :func:`upload_bytes`). No pair, feature or label leaves the client.
-3. The server averages ``w_k = sum_c n_ck w_ck / sum_c n_ck`` (FedAvg, McMahan et al. 2017,
-   Eq. (1) weighting) and sets expert ``k``'s length path ``v`` (``PairSelector.length_skip``) to
-   ``w_k``; the head's output layer starts at zero, so the initial expert predicts exactly
-   ``sigmoid(w_k . f)`` (test: the initialised head reproduces the averaged regression). An expert
-   no client routed to keeps ``v = 0``.
+Design notes: docs/prism.md (Module notes).
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """FedPrism Phase III: routed experts label candidate pairs -> a synthetic preference set for DPO.
 
-Paper 000, §3.3 "Phase III: LLM Fine-tuning with RLHF", step 1 (synthetic preference dataset
-construction): for each public prompt ``x`` with two candidate responses ``(y1, y2)``, the global router
-picks ``k* = argmax_k R(h_x)_k``, expert ``E_k*`` scores the pair in **both orders**, and the response
-with the higher probability is the winner. Step 2 (DPO on the resulting set) is
-:mod:`trainer.alignment.dpo`.
-
-Here the public prompts are **held-out AlpacaEval instructions** (prompts of the test split: no client
-holds them) and the candidates are **two generators' outputs** for the same instruction (model-vs-model
-pairs, no reference pairs). AlpacaEval's judge (weighted GPT-4-turbo annotator) also ranked those two
-outputs, so every synthetic label can be checked: **agreement** = share of pairs where the labeller's
-winner is the judge's winner (METRICS.md pairwise ranking accuracy; P = 0.5 counts 0.5). The table
-compares FedPrism's routed experts with FedBis's single global selector, the length-only baseline
-(:class:`trainer.length_baseline.LengthBaseline`, fitted on the training pairs) and "always the
-first response" (0.5 by construction: sides are balanced by the loader).
-
-The synthetic set (:func:`synthetic_preferences`) has one row per pair: ``prompt``, ``chosen``,
-``rejected`` (what DPO reads), ``p_chosen`` (the labeller's probability for its winner, >= 0.5),
-``expert`` (routed expert index, -1 for a single selector), ``judge_agrees`` (bool), ``pair_id``,
-``prompt_id``, ``subset``. Written as JSON lines and parquet (:func:`write_preference_set`, atomic).
+Design notes: docs/prism.md (Module notes).
 """
 
 from __future__ import annotations

@@ -3,42 +3,7 @@
 One FedPrism expert (paper 000, Sec. 3.2: "M binary selectors sharing a frozen backbone, each a LoRA
 adapter"; ARCHITECTURE.md §7) scores ``(x, y_A, y_B)`` and returns the logit of P(y_A better).
 
-Architecture
-------------
-- Inputs: the two segments and the length features of :mod:`sdk.pair_encoding` (the device builds
-  the same ones).
-- Backbone (frozen, always in eval mode, so its own dropout is off): the transformer of
-  ``SelectorConfig.backbone`` (path or hub id). LoRA (peft; r = 8, alpha = 16, dropout 0.05 by
-  default) on ``target_modules`` of the layers ``lora_layers`` (None = all layers).
-- Segment vector ``h`` of shape (d,): mean of the top hidden states over real tokens (``pooling
-  ='mean'``, BERT-style encoders) or the last real token (``'last'``, causal LMs).
-- Head: ``logit = w2 . tanh(W1 [h_A, h_B, f] + b1) + b2 + v . f`` with ``f`` the antisymmetric pair
-  features ``SelectorConfig.pair_features`` of :mod:`sdk.pair_features` (the 3 length features by
-  default; the presets add the structure features chosen on validation); the direct ``v . f`` path
-  lets the head start from the length/structure-only rule, and the tanh layer lets the sign of the
-  length effect depend on the content (longer wins on AlpacaEval, shorter on HH).
-- Training loss (:meth:`PairSelector.pair_loss`): binary cross-entropy on each pair **and its
-  position-swapped copy** ``(x, y_B, y_A, 1 - label)`` (the swap negates ``f``), averaged.
-- Prediction (:meth:`PairSelector.pair_proba`): ``sigmoid((logit(A, B) - logit(B, A)) / 2)``, so
-  ``P(A over B) = 1 - P(B over A)`` exactly. ``sdk.Selector`` must compute the same.
-
-CPU path: cached lower layers (exact)
--------------------------------------
-With LoRA only in the top layers ``lora_layers = (5,)`` of the 6-layer MiniLM, the layers below are
-frozen and never change, so their output for a segment is computed once (:meth:`lower_hidden`, no
-gradient) and stored in a :class:`SegmentStore`; training and evaluation then run only the top
-layer(s) (:meth:`top_pooled`). This equals the full forward (test: ``cached == full`` to float
-round-off) and costs about 1/6 of it on MiniLM. The all-layer path (``lora_layers=None``,
-``cache_lower_layers=False``) runs :meth:`full_pooled` on token ids and is the GPU preset
-(:meth:`SelectorConfig.gpu_preset`: a Qwen2-0.5B-class causal LM, LoRA on q/v of every layer,
-last-token pooling, 128 + 256 tokens).
-
-Expert state
-------------
-:meth:`PairSelector.expert_state` returns the trainable tensors (the LoRA A/B matrices and the head)
-as ``{name: ndarray float32}``: this is what FedPrism ships and aggregates per expert;
-:meth:`load_expert_state` puts one back. One module holds one expert at a time; M experts are M
-states over the same frozen backbone.
+Design notes: docs/prism.md (Module notes).
 """
 
 from __future__ import annotations
@@ -232,7 +197,7 @@ def _mask_for_layers(base, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 
 class PairSelector(nn.Module):
-    """One frozen backbone with one LoRA adapter and the pair head (module docstring).
+    """One frozen backbone with one LoRA adapter and the pair head (design notes).
 
     Parameters
     ----------
@@ -400,7 +365,7 @@ class PairSelector(nn.Module):
 
     def pair_loss(self, h_a: torch.Tensor, h_b: torch.Tensor, feats: torch.Tensor, label: torch.Tensor,
                   reduction: str = "mean", prior: torch.Tensor | None = None) -> torch.Tensor:
-        """BCE on each pair and its position-swapped copy, averaged per pair (module docstring).
+        """BCE on each pair and its position-swapped copy, averaged per pair (design notes).
 
         label : (n,) float 1.0 = A better; prior : optional (n, 3), see :meth:`pair_logits`. Returns a
         scalar, or (n,) with ``reduction='none'``.
@@ -433,9 +398,7 @@ class PairSelector(nn.Module):
     def load_expert(self, folder: Path) -> dict[str, np.ndarray]:
         """Read an expert written by :meth:`save_expert` and load it; returns its state.
 
-        Both files must hold exactly this selector's tensors: peft loads an adapter leniently (tensors
-        it lacks keep their current values) and the head file was merged into the current state, so a
-        truncated or foreign file used to load as the previously loaded expert's tensors, silently.
+        Both files must hold exactly this selector's tensors (peft alone loads an adapter leniently).
 
         Raises
         ------

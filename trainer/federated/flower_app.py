@@ -1,42 +1,10 @@
 """Federated K-means (paper 002) on Flower: a message-API ``Strategy``, a ``ClientApp`` and their wire format.
 
-The same protocol as the built-in HTTPS server (ARCHITECTURE.md §6), carried by Flower
-(https://flower.ai, ``flwr >= 1.21``, message API of :mod:`flwr.serverapp.strategy`) instead of our
-own transport. The maths is not repeated here: the device side is :func:`sdk.local_update.kmeans_update`,
-the server side :func:`trainer.federated.kmeans_aggregation.aggregate_kmeans`.
+The protocol of the built-in HTTPS server (ARCHITECTURE.md §6) carried by Flower (``flwr >= 1.21``); one
+round's messages are in docs/sync-protocol-and-operations.md (One Flower round). The device side is
+:func:`sdk.local_update.kmeans_update`, the server side :func:`trainer.federated.kmeans_aggregation.aggregate_kmeans`,
+replies are checked by :func:`trainer.federated.update_checks.check_kmeans_update`. Clients are Flower node ids.
 
-One Flower round ``r``
-----------------------
-1. Server -> each sampled node, message type ``"train"``:
-
-   - ``arrays["centroids"]``: ndarray of shape (n_cells, d_emb), float32, the global centroids ``C_r``;
-   - ``config``: ``round-id`` (int), ``centroids-hash`` (:func:`sdk.local_update.centroids_hash`),
-     ``models`` (list of str, the column order), ``embedder-name`` (str), ``min-count`` (int) and,
-     when the strategy's ``aggregation`` sets one, ``max-cost-usd`` (float > 0, USD per query: the
-     round's bound on one query's cost, ``RoundSpec.max_cost_usd``; the node clips each logged cost
-     to it, as a device does for the HTTPS server, docs/protocol.md §2).
-
-2. Node -> server, the reply (:func:`update_to_record`): the node's
-   :class:`sdk.local_update.KMeansUpdate` for ``C_r`` as named arrays (:data:`UPDATE_ARRAYS`), the
-   ``centroids-hash`` it was computed for, and ``metrics["num-examples"]`` (its log size). Only
-   aggregates travel: counts and sums per (cell, model) and mean embeddings of cells with at least
-   ``max(min_count, 2)`` queries; never a query text nor a per-query embedding.
-
-3. Server: each reply is validated (:func:`trainer.federated.update_checks.check_kmeans_update`, the
-   validator of the HTTPS server too: shapes, whole counts,
-   the privacy threshold, cost sums within ``count * max_cost_usd`` (1000 USD per query when the
-   aggregation sets no bound), ...; an invalid one is dropped, logged and listed in
-   :attr:`FederatedKMeansStrategy.rejected_`, never fatal), kept as the node's *latest* update,
-   and the latest updates computed for ``C_r`` are aggregated. A node that misses a round is not
-   lost (paper 002): its latest update stays in every later aggregate over the same centroids.
-   While ``r <= centroid_rounds`` the aggregate's Lloyd step gives the next broadcast ``C_{r+1}``;
-   afterwards the centroids stay fixed and rounds only refresh the statistics.
-
-Clients are identified by Flower's node id (``message.metadata.src_node_id``), which the SuperLink
-assigns and, with node authentication, verifies: a node cannot report for another one.
-
-Running it
-----------
 Simulation (needs ``flwr[simulation]``, i.e. Ray)::
 
     strategy = FederatedKMeansStrategy(models, "all-MiniLM-L6-v2", centroid_rounds=1)
@@ -87,7 +55,7 @@ from sdk.protocol import (
 )
 from trainer.federated.gaussian_privacy import gaussian_epsilon
 from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans
-from trainer.federated.rejected_reply import RejectedReply  # re-exported: its home before rejected_reply.py
+from trainer.federated.rejected_reply import RejectedReply, reject  # RejectedReply re-exported
 from trainer.federated.update_checks import DEFAULT_MIN_COUNT, MIN_COUNT_KEY, check_kmeans_update, check_min_count
 from trainer.routers.kmeans_router import KMeansRouter
 
@@ -173,7 +141,7 @@ def _check_centroids(centroids: np.ndarray) -> np.ndarray:
 
 
 class FederatedKMeansStrategy(Strategy):
-    """Flower strategy for the federated K-means router (paper 002; protocol in the module docstring).
+    """Flower strategy for the federated K-means router (paper 002; one round in docs/sync-protocol-and-operations.md).
 
     Parameters
     ----------
@@ -397,7 +365,7 @@ class FederatedKMeansStrategy(Strategy):
     def _keep(self, server_round: int, msg: Message) -> None:
         cid = str(msg.metadata.src_node_id)
         if msg.has_error():
-            self._reject(server_round, cid, f"node error {msg.error.code}: {msg.error.reason}")
+            reject(self.rejected_, server_round, cid, f"node error {msg.error.code}: {msg.error.reason}")
             return
         try:
             update, partition_hash = update_from_record(msg.content)
@@ -408,13 +376,9 @@ class FederatedKMeansStrategy(Strategy):
             update = check_kmeans_update(update_to_ndarrays(update), update.log_size, self._round_centroids.shape,
                                          len(self.models), self.min_count, self._config.max_cost_usd)
         except InvalidInputError as exc:  # ShapeError included
-            self._reject(server_round, cid, str(exc))
+            reject(self.rejected_, server_round, cid, str(exc))
             return
         self.latest_updates_[cid] = (partition_hash, update)
-
-    def _reject(self, server_round: int, cid: str, reason: str) -> None:
-        log(WARNING, "aggregate_train: round %d, reply of node %s dropped: %s", server_round, cid, reason)
-        self.rejected_.append(RejectedReply(server_round, cid, reason))
 
 
 def make_server_app(

@@ -1,24 +1,6 @@
 """The federated K-means router as a Flower App for Flower's deployment engine (``flwr run``).
 
-``pyproject.toml``'s ``[tool.flwr.app]`` names the two components here: ``server_app`` (run by the
-SuperLink) and ``client_app`` (run by each SuperNode). Both are the simulation's pieces
-(:mod:`trainer.federated.flower_app`): the same :class:`FederatedKMeansStrategy`, the same wire format and
-the same device-side update (:func:`sdk.local_update.kmeans_update` of the node's EvalLog); only the
-transport differs (Flower's gRPC Fleet API instead of the simulation engine).
-
-Run config (``[tool.flwr.app.config]``, overridden with ``flwr run --run-config 'key=value ...'``):
-
-- ``prior-router`` (str, required): folder of a saved K-means router (``fedroute simulate``'s
-  ``routers/kmeans``, the operator's ``--prior-router``). Its centroids are the first broadcast; its models,
-  embedder identity and shrinkage are the merged router's.
-- ``out`` (str, required): folder the merged router is written to (:meth:`KMeansRouter.save`, atomic), on
-  the machine that runs the ServerApp; ``fedroute export --router OUT`` turns it into a bundle.
-- ``num-server-rounds`` (int >= 1), ``centroid-rounds`` (int >= 0: rounds that end with a Lloyd step),
-  ``min-nodes`` (int >= 1: nodes to wait for and sample each round), ``min-count`` (int >= 1: privacy
-  threshold of an uploaded (cell, model) entry), ``round-timeout-s`` (float > 0: seconds to wait for replies).
-
-Each SuperNode names its EvalLog with ``--node-config 'eval-log="/path/to/eval_log.sqlite"'``
-(docs/sync-protocol-and-operations.md, "Flower deployment engine").
+Design notes: docs/sync-protocol-and-operations.md (Module notes).
 """
 
 from __future__ import annotations
@@ -44,7 +26,7 @@ SUMMARY_FILE = "flower_run.json"
 
 @dataclass(frozen=True)
 class DeployConfig:
-    """The ServerApp's run config (module docstring); :meth:`from_run_config` checks it."""
+    """The ServerApp's run config (design notes); :meth:`from_run_config` checks it."""
 
     prior_router: Path
     out: Path

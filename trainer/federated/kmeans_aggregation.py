@@ -4,31 +4,7 @@ Pure functions (no I/O, no clock; randomness only from a passed ``numpy.random.G
 unchanged by the built-in HTTPS server (:mod:`trainer.server`) and the Flower strategy
 (:mod:`trainer.federated.flower_app`).
 
-Algorithms
-----------
-- **Merge** (paper 002, "Federated hierarchical clustering"): element-wise sum of the clients'
-  per-(cell, model) counts and sums (:meth:`sdk.CellStatistics.merge`); with every client in, it
-  equals the statistics of the pooled logs.
-- **Lloyd step**: next centroid of cell k = ``sum_i w_ik mu_ik / sum_i w_ik`` over the clients'
-  mean embeddings ``mu_ik`` and counts ``w_ik`` (:mod:`sdk.local_update`); one exact step of
-  Lloyd's algorithm on the pooled embeddings (cells without reported data keep their centroid).
-- **Weight clipping**: a client's statistics and centroid sums are scaled by
-  ``s_i = min(1, C / N_i, C * c_max / S_i)`` where ``N_i`` is its total count (or total centroid
-  weight, whichever is larger) and ``S_i`` its total cost: no client weighs more than ``C`` queries.
-- **Trimmed merge** (coordinate-wise trimmed mean, Yin et al. 2018, ICML, "Byzantine-robust
-  distributed learning"): for each (cell, model) entry, of the ``n`` clients with data there, the
-  ``floor(beta * n)`` with the lowest and the ``floor(beta * n)`` with the highest mean score are
-  dropped before the sum.
-- **Gaussian mechanism** (Dwork & Roth 2014, App. A; exact epsilon of Balle & Wang 2018 through
-  Google's ``dp_accounting``): with clipping, one client changes the vector
-  ``(count, sum_accuracy, sum_cost / c_max, weights, weights * mu) / C`` by at most
-  ``sqrt(5)`` in L2 norm (each part has L1 norm, hence L2 norm, at most 1 since scores are in
-  [0, 1], costs are at most ``c_max`` per query and embeddings have unit norm). Adding
-  ``N(0, (z * sqrt(5) * C)^2)`` to every count and sum (``c_max`` times that to the cost sums)
-  makes each published aggregate (epsilon, delta)-DP for adding or removing one client, with
-  epsilon from :func:`gaussian_epsilon`; ``r`` published aggregates compose to
-  ``gaussian_epsilon(z, delta, r)``. Noised values are post-processed into the valid range
-  (counts >= 0, sums of scores in [0, count], costs >= 0), which keeps the guarantee.
+Design notes: docs/privacy-and-dp.md (Module notes).
 """
 
 from __future__ import annotations
@@ -40,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from sdk.cell_statistics import CellStatistics
-from sdk.errors import InvalidInputError, ShapeError
+from sdk.errors import InvalidInputError
 from sdk.local_update import KMeansUpdate
 from trainer.config_fields import check_real
 from trainer.federated.gaussian_privacy import gaussian_epsilon
@@ -107,7 +83,7 @@ class KMeansAggregate:
 
 
 def clip_update(update: KMeansUpdate, clip_count: float | None, max_cost_usd: float | None) -> KMeansUpdate:
-    """``update`` scaled by ``s = min(1, C / max(N, W), C * c_max / S)`` (module docstring). Pure."""
+    """``update`` scaled by ``s = min(1, C / max(N, W), C * c_max / S)`` (design notes). Pure."""
     if clip_count is None:
         return update
     s = update.statistics
@@ -163,21 +139,13 @@ def lloyd_step(
     -------
     (weights, sums, next_centroids) : ndarrays of shape (n_cells,), (n_cells, d_emb) float64 and
     (n_cells, d_emb) float32; a cell with no reported weight keeps its centroid.
-
-    Raises
-    ------
-    ShapeError
-        A reported cell out of range or a mean of the wrong dimension.
+    Inputs validated by the caller (:func:`trainer.federated.update_checks.check_kmeans_update`).
     """
     c = np.asarray(centroids, dtype=np.float64)
     weights = np.zeros(c.shape[0])
     sums = np.zeros_like(c)
     for u in updates:
         cells = np.asarray(u.centroid_cells, dtype=np.int64)
-        if cells.size and (cells.min() < 0 or cells.max() >= c.shape[0]):
-            raise ShapeError(f"centroid cells must lie in [0, {c.shape[0]}), got {cells.tolist()}")
-        if u.local_centroids.shape != (cells.size, c.shape[1]):
-            raise ShapeError(f"local centroids have shape {u.local_centroids.shape}, expected ({cells.size}, {c.shape[1]})")
         np.add.at(weights, cells, u.local_weights)
         np.add.at(sums, cells, u.local_centroids * u.local_weights[:, None])
     return weights, sums, _centroids_from_sums(c, weights, sums, noisy=False)
@@ -199,30 +167,18 @@ def aggregate_kmeans(
     config: AggregationConfig,
     rng: np.random.Generator,
 ) -> KMeansAggregate:
-    """Aggregate the clients' latest updates for one cell partition (module docstring).
+    """Aggregate the clients' latest updates for one cell partition (design notes).
 
     Parameters
     ----------
     centroids : ndarray of shape (n_cells, d_emb), the partition the updates were computed for.
-    updates : client id -> :class:`sdk.local_update.KMeansUpdate`, at least one.
+    updates : client id -> :class:`sdk.local_update.KMeansUpdate`, at least one, each checked against
+        ``centroids`` by :func:`trainer.federated.update_checks.check_kmeans_update`.
     config : robustness and privacy options.
     rng : source of the Gaussian noise (unused without noise).
-
-    Raises
-    ------
-    InvalidInputError
-        No update.
-    ShapeError
-        Updates of another shape than ``centroids`` or than each other.
     """
-    if not updates:
-        raise InvalidInputError("aggregation needs at least one client update, got 0")
     ids = tuple(sorted(updates))
     clipped = [clip_update(updates[i], config.clip_count, config.max_cost_usd) for i in ids]
-    n_cells = np.asarray(centroids).shape[0]
-    for i, u in zip(ids, clipped):
-        if u.statistics.n_cells != n_cells:
-            raise ShapeError(f"client {i}: statistics have {u.statistics.n_cells} cells, the partition has {n_cells}")
     stats = trimmed_merge([u.statistics for u in clipped], config.trim_fraction)
     weights, sums, next_centroids = lloyd_step(centroids, clipped)
     epsilon = math.inf

@@ -1,26 +1,6 @@
 """Server-side aggregation of federated MLP-router updates: FedAvg on deltas, robust and private options.
 
-Pure functions (no I/O, no clock; randomness only from a passed ``numpy.random.Generator``).
-
-Each client trains the round's global parameters ``theta_r`` on its log for one local epoch
-(paper 002, "Federated parametric optimisation") and uploads its parameters ``theta_i`` and its
-number of samples ``n_i``. The server works on deltas ``d_i = theta_i - theta_base(i)``, so an update
-computed from the previous round's parameters (a straggler) still applies (buffered asynchronous
-FedAvg, Nguyen et al. 2022, "FedBuff"):
-
-- **FedAvg** (McMahan et al. 2017): ``theta_{r+1} = theta_r + sum_i w_i d_i / sum_i w_i`` with
-  ``w_i = n_i``; with every delta based on ``theta_r`` this is the sample-weighted mean of the
-  uploaded parameters (:func:`trainer.routers.fedavg.fedavg`).
-- **Weight clipping**: ``w_i = min(n_i, C)``.
-- **Trimmed mean** (Yin et al. 2018): per coordinate, the ``floor(beta n)`` lowest and highest deltas
-  are dropped and the rest averaged (unweighted).
-- **DP-FedAvg** (McMahan et al. 2018, ICLR, "Learning differentially private recurrent language
-  models", fixed-size variant): each delta is clipped to L2 norm ``S`` over all parameters, the
-  clipped deltas are summed with equal weights, ``N(0, (z S)^2)`` is added to every coordinate of the
-  sum and it is divided by the *expected* number of clients ``W`` (fixed in advance, e.g. the round's
-  quorum; dividing by the actual number would make the scale depend on who took part). One client changes the sum by at most ``S``, so a
-  release is (epsilon, delta)-DP for adding or removing one client with epsilon
-  ``gaussian_epsilon(z, delta)`` (no amplification by sampling is claimed).
+Design notes: docs/privacy-and-dp.md (Module notes).
 """
 
 from __future__ import annotations
@@ -93,24 +73,15 @@ class MLPAggregate:
     epsilon: float
 
 
-def _check(global_params: Parameters, cid: str, p: Parameters) -> None:
-    if set(p) != set(global_params):
-        raise ShapeError(f"client {cid}: parameter names {sorted(set(p) ^ set(global_params))} differ from the round's")
-    for k, v in p.items():
-        if np.shape(v) != np.shape(global_params[k]):
-            raise ShapeError(f"client {cid}: '{k}' has shape {np.shape(v)}, expected {np.shape(global_params[k])}")
-        if not np.isfinite(v).all():
-            raise ShapeError(f"client {cid}: '{k}' holds NaN or inf")
-
-
 def aggregate_mlp(global_params: Parameters, updates: Mapping[str, MLPUpdate], config: MLPAggregationConfig,
                   rng: np.random.Generator) -> MLPAggregate:
-    """The next global parameters from the clients' updates (module docstring).
+    """The next global parameters from the clients' updates (design notes).
 
     Parameters
     ----------
     global_params : the current round's parameters, name -> float32 array of any shape.
-    updates : client id -> MLPUpdate (parameters and base of the same names and shapes), at least one.
+    updates : client id -> MLPUpdate (finite parameters and base of the same names and shapes, ``n_samples``
+        >= 1), at least one; validated by the caller (:func:`trainer.server.validation.validate_mlp_update`).
     config : the robust and private options.
     rng : source of the DP noise (unused without noise).
 
@@ -120,22 +91,14 @@ def aggregate_mlp(global_params: Parameters, updates: Mapping[str, MLPUpdate], c
 
     Raises
     ------
-    InvalidInputError
-        No update, or a sample count that is not > 0.
     ShapeError
-        Parameters (or bases) of other names or shapes than ``global_params``, or non-finite values.
+        The aggregate overflows float32 (extreme client parameters).
     """
-    if not updates:
-        raise InvalidInputError("aggregation needs at least one client update, got 0")
     ids = tuple(sorted(updates))
     names = sorted(global_params)
     deltas, weights = [], []
     for cid in ids:
         u = updates[cid]
-        _check(global_params, cid, u.parameters)
-        _check(global_params, cid, u.base)
-        if not u.n_samples > 0:
-            raise InvalidInputError(f"client {cid}: n_samples must be > 0, got {u.n_samples}")
         deltas.append({k: np.asarray(u.parameters[k], np.float64) - np.asarray(u.base[k], np.float64) for k in names})
         weights.append(float(u.n_samples if config.clip_count is None else min(u.n_samples, config.clip_count)))
     epsilon = math.inf

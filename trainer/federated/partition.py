@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from sdk.errors import InvalidInputError
-from sdk.real_numbers import finite_float
 
 
 @dataclass(frozen=True)
@@ -52,15 +51,8 @@ def dirichlet_partition(
     alpha : float > 0, Dirichlet concentration (small = heterogeneous).
     rng : numpy Generator (all randomness comes from it).
 
-    Raises
-    ------
-    InvalidInputError
-        ``n_clients < 1`` or ``alpha`` not a positive finite number.
+    Inputs validated by the caller (``SimulationConfig``, ``OnlineConfig``).
     """
-    if int(n_clients) != n_clients or n_clients < 1:
-        raise InvalidInputError(f"n_clients must be an integer >= 1, got {n_clients!r}")
-    if finite_float(alpha) is None or alpha <= 0:  # also a str, None or bool alpha
-        raise InvalidInputError(f"alpha must be a finite number > 0, got {alpha!r}")
     tasks = np.asarray(tasks)
     client = np.full(tasks.shape[0], -1, dtype=np.int64)
     shares: dict[str, np.ndarray] = {}

@@ -1,30 +1,7 @@
 """The MoR privacy audit (paper 001, Table 5 analogue): membership inference on reward margins of
 each client's reward model, as shipped and as a naive worst case; communication per round.
 
-Members are the pairs a client's reward model was trained on, non-members its validation + test pairs
-(never trained on), drawn 1 : 1 (:func:`trainer.rewards.privacy.membership_attack`). The server of MoR
-sees only the scores a client returns, i.e. normalised (and possibly clipped) rewards; we attack raw
-margins, normalised margins and normalised + clipped margins. Per client, z-normalisation is an
-increasing affine map, so it cannot change the AUC; pooled over clients (the server mixes all clients'
-answers) it can, and clipping can (it ties the largest margins).
-
-Settings (:data:`SETTINGS`), each on the same members and non-members of a seed:
-
-- ``shipped``: the reward models ``fedroute mor train`` saves (``MoRTrainer.train_reward_model`` with the
-  client's own config: early stopping, weight decay, dropout, length prior); the LoRA client only with
-  ``include_lora`` (a LoRA step costs ~1 s per pair on a loaded 2-core CPU), its members being the
-  ``lora_train_pairs`` it trains on;
-- ``shipped_dp``: the reward models ``fedroute mor train --dp`` saves (``MoRConfig.dp_rm`` =
-  :data:`trainer.rewards.mor_trainer.DP_RM`: DP-SGD through Opacus, per-pair gradient clipping at 1.0,
-  Gaussian noise multiplier 1.0, 30 epochs, Poisson-sampled batches of 64; every client an MLP); the RDP
-  accountant's (epsilon, delta = 1 / n_pairs) is reported. Chosen on validation pairs by
-  ``benchmarks/mor_defence_settings.py``: early stopping, weight decay and dropout cut the naive AUC but
-  left the helpfulness client at ~0.70, while DP-SGD bounds what any one pair can change in the model;
-- ``naive``: an MLP trained for a fixed 200 epochs without weight decay, dropout or validation, as a
-  client that fits its data to the end (the worst case the defences are measured against).
-
-Every AUC comes with its standard error (Hanley & McNeil 1982) per seed, the per-seed values and the
-standard error of the seed mean; the cost of the defence is the test accuracy of each setting.
+Design notes: docs/mor.md (Module notes).
 """
 
 from __future__ import annotations
@@ -144,7 +121,7 @@ def run_audit(trainer: MoRTrainer, dp: RewardModelConfig | None = None, naive: R
                    "delta": float(np.mean(e["delta"])) if eps else None})
 
     def result(n_seeds: int) -> dict:
-        """The audit of the first ``n_seeds`` seeds (module docstring's layout)."""
+        """The audit of the first ``n_seeds`` seeds (design notes' layout)."""
         per_out = {s: {c: client_out(e) for c, e in cl.items()} for s, cl in per.items()}
         pooled_out = {s: {v: _summary(rows) for v, rows in d.items() if rows} for s, d in pooled.items()}
         k = len(trainer.args.client_names)

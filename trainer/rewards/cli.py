@@ -58,7 +58,7 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.evaluation import evaluate_seed  # trainer.rewards.evaluation imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import DP_RM, MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
-    check_out_option(out)  # before training: the save at the end used to fail, losing the run
+    check_out_option(out)  # before training
     set_cpu_threads(threads)
     if mode not in ("sparse", "soft") or weighting not in (None, "equal", "samples"):
         raise typer.BadParameter(f"--mode must be sparse|soft and --weighting equal|samples, got {mode!r}, {weighting!r}")
@@ -93,7 +93,7 @@ def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.evaluation import run_evaluation  # trainer.rewards.evaluation imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
-    check_out_option(out)  # before training: the save at the end used to fail, losing the run
+    check_out_option(out)  # before training
     claim_results(out, "mor eval")
     set_cpu_threads(threads)
     cfg = _config(quick, data, seeds, cache)
@@ -124,7 +124,7 @@ def audit(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.audit import run_audit  # trainer.rewards.audit imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
-    check_out_option(out)  # before training: the save at the end used to fail, losing the run
+    check_out_option(out)  # before training
     set_cpu_threads(threads)
     cfg = _config(quick, data, seeds, cache)
     if members is not None:

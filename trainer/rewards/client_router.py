@@ -1,27 +1,7 @@
 """The federated router of MoR over client reward models (paper 001, Sec. "Routing Network Federated
 Learning").
 
-``g_phi``: an MLP over the frozen pair features ``h = Enc(x, y)`` (:class:`PairEncoder`), giving one
-logit per client, ``z = g_phi(h)`` of shape (K,). Layout: ``Linear(d_in, hidden) - GELU - Dropout -
-Linear(hidden, K)`` (the paper uses four Transformer layers over a multimodal encoder; our encoder
-already pools, so an MLP trunk stands for them). The last layer is ``head`` (the layer the online
-Thompson-sampling update of GRPO adapts).
-
-Local loss on client k (paper 001, ``L_router^(k)``): for each local pair, BCE-with-logits of the
-router's logits on ``(x, y+)`` and on ``(x, y-)`` towards the one-hot target ``e_k``, averaged:
-``0.5 [BCE(z+, e_k) + BCE(z-, e_k)]`` (:func:`router_bce_loss`, :func:`own_client_targets`).
-
-Aggregation (:func:`aggregate_routers`, pure): ``phi = sum_k w_k phi_k`` with ``w_k = n_k / sum n``
-(``weighting="samples"``, the paper's FedAvg) or ``w_k = 1 / |S_t|`` (``weighting="equal"``). Every
-client holds one class only, so sample weighting pulls the shared output biases towards the largest
-client; see ``docs/mor.md`` for which one is the default and why.
-
-The same aggregation runs on Flower as :class:`RouterFedAvg` (a :class:`flwr.serverapp.strategy.FedAvg`
-whose ``aggregate_train`` calls :func:`aggregate_routers`) with :func:`make_router_client_app`.
-
-Saved layout (:meth:`ClientRouter.save`): ``router.json`` {"format_version": 1, "d_in", "hidden",
-"n_clients", "client_names", "dropout"} and ``router.safetensors`` with keys ``trunk.0.weight``
-(hidden, d_in), ``trunk.0.bias`` (hidden,), ``head.weight`` (K, hidden), ``head.bias`` (K,), float32.
+Design notes: docs/mor.md (Module notes).
 """
 
 from __future__ import annotations

@@ -2,31 +2,7 @@
 of scoring a (prompt, response) pair, on each client's held-out test pairs (in-distribution, "ID")
 and on the held-out category no client and no router has seen.
 
-Methods (keys of ``results.json["methods"]``):
-
-================= ===========================================================================
-router_rm_sparse  router (weighting chosen on validation) picks one client per (x, y); its
-                  normalised reward (paper 001, sparse routing)
-router_rm_soft    softmax(router logits)-weighted normalised rewards (paper 001, ``R_mix``)
-avg_rm            mean of all clients' normalised rewards (AvgRM)
-random_rm         a uniformly random client per (x, y) (mean over 20 draws)
-fedavg_rm         one MLP reward model trained by FedAvg over all clients' pairs
-best_single_rm    the single client reward model with the best mean ID accuracy on validation
-oracle_client     the reward model of the client the pair comes from (held-out: the helpfulness
-                  client, whose criterion the held-out AlpacaEval subset shares)
-length_only       logistic regression on length differences, one per domain (trainer.length_baseline)
-length_only_global the same, one model for every domain (label-free)
-structure_only    logistic regression on the pair features of sdk.pair_features (length, lists,
-                  emphasis, refusal, ...; DEFAULT_FEATURES), one per domain
-================= ===========================================================================
-
-``paired_vs_length_only.<m>.{id, heldout}.{gain, se}``: accuracy gain over ``length_only`` on the same
-test pairs, with its paired standard error (per-pair correctness differences averaged over seeds; ID:
-mean over clients; :func:`paired_vs_length_only`).
-
-``id_acc`` is the mean over clients of each client's test accuracy; ``*_mean`` / ``*_std`` are over
-seeds (std with ddof = 1). ``ablation_no_norm`` repeats the routed and averaged rewards with raw
-scores (paper 001, "w/o Norm").
+Design notes: docs/mor.md (Module notes).
 """
 
 from __future__ import annotations

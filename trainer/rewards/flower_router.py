@@ -3,19 +3,7 @@
 :func:`trainer.rewards.client_router.local_router_update`, the strategy aggregates with the pure
 :func:`trainer.rewards.client_router.aggregate_routers`.
 
-One round ``r``: server -> node, ``arrays`` = the global router parameters (names of
-:meth:`ClientRouter.state_dict`, float32) and ``config``: ``server-round`` = r and ``min-count`` (int,
-the strategy's privacy threshold, as the K-means strategy sends it); node -> server, its updated
-parameters as ``arrays`` and ``metrics["num-examples"]`` = its number of local pairs. A node holding
-fewer than ``min-count`` pairs does not train and replies with no array and ``num-examples`` 0 (the
-router it would have sent never leaves it; the strategy lists the reply in ``rejected_``), as a
-device of the HTTPS server skips such a round. Only router parameters travel; preference pairs and
-reward models stay on the node.
-
-With the same :class:`RouterConfig` (and dropout 0, whose masks come from torch's global generator)
-a Flower run with full participation gives the parameters of
-:class:`trainer.rewards.client_router.FederatedRouterTrainer`: each node shuffles with
-:func:`local_rng` ``(seed, r, k)``.
+Design notes: docs/mor.md (Module notes).
 """
 
 from __future__ import annotations
@@ -31,7 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from sdk.errors import InvalidInputError
-from trainer.federated.rejected_reply import RejectedReply
+from trainer.federated.rejected_reply import REPLY_ERRORS, RejectedReply, reject, reply_reason
 from trainer.federated.update_checks import (
     DEFAULT_MIN_COUNT,
     MIN_COUNT_KEY,
@@ -67,33 +55,24 @@ class RouterFedAvg(FedAvg):
     or ``"equal"``). ``last_updates_`` holds the (parameters, n) of the last aggregated round;
     ``rejected_`` the replies dropped (:class:`trainer.federated.rejected_reply.RejectedReply`).
 
-    Each reply is checked against the round's broadcast parameters with
-    :func:`trainer.routers.fedavg.validate_updates` (the check FedAvg runs: ``num-examples`` finite
-    and > 0, the same names and shapes, finite values), then against the privacy threshold with
-    :func:`trainer.federated.update_checks.check_sample_count`, the HTTPS server's check of an MLP
-    upload's ``n_samples`` (docs/protocol.md; ARCHITECTURE.md §6): a router trained on fewer than
-    ``min_count`` preference pairs reveals them. A reply that fails (zero samples, empty or missing
-    arrays, ``num-examples`` below ``min_count``, ...) is dropped, logged and listed in ``rejected_``
-    with the check's message (``need min_count=5 <= n_samples=2``), and the others are averaged, as
-    the HTTPS server answers 422 to such an upload and keeps the round. The round config tells the
-    nodes the threshold (``min-count``): one of :func:`make_router_client_app` below it sends no
-    parameters (``num-examples`` 0), listed as ``no update: the node holds fewer than min_count=5
-    pairs``.
+    Each reply is checked against the broadcast parameters (:func:`trainer.routers.fedavg.validate_updates`)
+    and the privacy threshold (:func:`trainer.federated.update_checks.check_sample_count`, the HTTPS server's
+    check of an MLP upload); one that fails is dropped, logged and listed in ``rejected_`` with the check's
+    message, and the others are averaged. The round config tells the nodes the threshold (``min-count``): a
+    node of :func:`make_router_client_app` below it sends no parameters (listed as ``no update: ...``).
 
     Parameters
     ----------
     weighting : ``"samples"`` or ``"equal"``.
     min_count : int >= 1, the privacy threshold: smallest ``num-examples`` (preference pairs) of a
-        reply that is averaged; default :data:`trainer.federated.update_checks.DEFAULT_MIN_COUNT` (5,
-        the HTTPS server's default round ``min_count``).
+        reply that is averaged; default :data:`trainer.federated.update_checks.DEFAULT_MIN_COUNT` (5).
     **kwargs : passed to :class:`flwr.serverapp.strategy.FedAvg`.
 
     Raises
     ------
     InvalidInputError
         An unknown ``weighting``, or a ``min_count`` that is not an int >= 1 (the message names it);
-        from :meth:`configure_train`, a round config that sets ``min-count`` itself.
-    """
+        from :meth:`configure_train`, a round config that sets ``min-count`` itself."""
 
     def __init__(self, weighting: str = "equal", min_count: int = DEFAULT_MIN_COUNT, **kwargs) -> None:
         if weighting not in ("samples", "equal"):
@@ -136,14 +115,9 @@ class RouterFedAvg(FedAvg):
                     raise InvalidInputError(f"no update: the node holds fewer than min_count={self.min_count} pairs")
                 validate_updates([(self._broadcast, 1.0), update])
                 check_sample_count(update[1], self.min_count)  # the HTTPS server's check (PrivacyError)
-            except (InvalidInputError, KeyError, TypeError, ValueError) as exc:  # ShapeError, PrivacyError included
-                if isinstance(exc, InvalidInputError):  # its "update 1" is this reply, "update 0" the broadcast
-                    reason = str(exc).removeprefix("update 1: ").replace("update 0", "the round's parameters")
-                else:
-                    reason = f"malformed reply: {type(exc).__name__} {exc}"
-                log(WARNING, "aggregate_train: round %d, reply of node %s dropped: %s", server_round,
-                    m.metadata.src_node_id, reason)
-                self.rejected_.append(RejectedReply(server_round, str(m.metadata.src_node_id), reason))
+            except REPLY_ERRORS as exc:  # ShapeError, PrivacyError included; "update 1" is this reply
+                reason = reply_reason(exc).removeprefix("update 1: ").replace("update 0", "the round's parameters")
+                reject(self.rejected_, server_round, m.metadata.src_node_id, reason)
                 continue
             updates.append(update)
         if not updates:
@@ -173,7 +147,7 @@ def make_router_client_app(clients: Mapping[int, ClientRouterData], config: Rout
     and replies with its router parameters and ``num-examples`` = its pairs; when it holds fewer pairs
     than the round's ``min-count`` (:data:`trainer.federated.update_checks.DEFAULT_MIN_COUNT` when the
     round config has none) it does not train and replies with no array and ``num-examples`` 0, so no
-    parameter trained on them leaves the node (module docstring).
+    parameter trained on them leaves the node (design notes).
 
     Raises (as Flower's error reply)
     ------

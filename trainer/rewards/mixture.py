@@ -3,41 +3,12 @@ reward models per (prompt, response).
 
 ``RoutedReward(router, reward_models, encoder, mode)``; ``reward(prompts, responses) -> ndarray (n,) float32``.
 How logits become rewards is :class:`trainer.rewards.routing_rule.RoutingRule` (sparse: top-1 client, only it
-is asked; soft: ``sum_k softmax(z / T)_k R_bar_k``; ``route_by="prompt"``: the responses of one prompt in a
-call share the mean of their routing probabilities), the one code path the evaluation and GRPO's reward
-function use too.
-
-``variants`` holds one RoutingRule per mode (what ``fedroute mor train`` chose on validation); ``mode`` picks
-the active one (``rule``), so ``load_mixture(DIR, mode="soft")`` scores with the soft variant chosen on
-validation, not with defaults.
-
-``normalise=False`` uses raw rewards (the "w/o Norm" ablation). ``queries_`` counts, per client, the
-pairs it was asked to score (the communication of reward queries); ``last_choice_`` holds the chosen
-client index per pair of the last call.
-
-Saved layout (:func:`save_mixture` / :func:`load_mixture`)::
-
-    DIR/mixture.json   {"format_version": 1, "mode": "sparse"|"soft", "normalise": bool,
-                        "temperature": float, "route_by": "response"|"prompt"   (the active rule),
-                        "variants": {"sparse": {"mode", "temperature", "route_by", "fallback", "fallback_top",
-                                                "probabilities"}, "soft": {...}},
-                        "selection": {...} (optional: how the variants were chosen, e.g. validation accuracies),
-                        "client_names": [K str], "embedder": {EmbedderConfig fields},
-                        "length_features": bool,
-                        "router": "router", "clients": {"<name>": "clients/<name>"}}
-    DIR/router/        ClientRouter.save layout (router.json, router.safetensors)
-    DIR/clients/<name>/ reward model layout of trainer.rewards.reward_models (reward_model.json + weights)
-
-``router/`` and ``clients/`` are written to ``DIR/.mixture.partial/`` first and swapped in, ``mixture.json``
-last: a save killed midway leaves the earlier mixture whole, or (within the swap) no ``mixture.json``.
-
-Files without ``variants`` (older saves) load with ``temperature`` / ``route_by`` for both modes. Variants without
-``fallback`` (saved before it existed) load with ``fallback = 0``; without ``fallback_top`` / ``probabilities`` with 0 /
-``"softmax"``.
-
-The router reads ``PairEncoder(EmbedderConfig(**embedder)).encode(prompts, responses)``, i.e.
-``[e(x), e(y), l(y)]`` of width 2 * 384 + 3 for MiniLM (``2 * 384`` when ``length_features`` is false); client ``k`` of the router's logits is
-``client_names[k]``.
+is asked; soft: ``sum_k softmax(z / T)_k R_bar_k``), the one code path the evaluation and GRPO's reward
+function use too. ``variants`` holds one RoutingRule per mode (chosen on validation by ``fedroute mor train``);
+``mode`` picks the active one. ``normalise=False`` uses raw rewards (the "w/o Norm" ablation); ``queries_``
+counts, per client, the pairs it was asked to score; ``last_choice_`` the client chosen per pair of the last call.
+The router reads ``PairEncoder(EmbedderConfig(**embedder)).encode(prompts, responses)``; client ``k`` of its
+logits is ``client_names[k]``. Saved layout (:func:`save_mixture` / :func:`load_mixture`): docs/mor.md.
 """
 
 from __future__ import annotations

@@ -1,42 +1,14 @@
 """Client reward models of MoR (paper 001, Sec. "Reward Model Initialization"): Bradley-Terry training,
 local z-normalisation and optional clipping.
 
-Two architectures, so that clients may differ (the paper's "structurally heterogeneous reward models"):
-
-``mlp``  :class:`MLPRewardModel`, an MLP on the frozen pair features ``[e(x), e(y)]`` of
-         :class:`trainer.rewards.pair_features.PairEncoder` (``Linear(2 d, hidden) - GELU - Dropout -
-         Linear(hidden, 1)``).
-``lora`` :class:`LoRARewardModel`, the MiniLM encoder itself, fine-tuned with LoRA adapters (peft,
-         rank ``lora_r`` on the attention query/value projections) on the tokenised pair
-         ``(prompt, response)``, mean-pooled, then a linear head.
-
-Both are trained with the Bradley-Terry loss ``L = -mean log sigmoid(R(x, y+) - R(x, y-))``
-(paper 001, Eq. for ``L_RM``; :func:`bradley_terry_loss`) by :class:`RewardModelTrainer`, optionally
-with early stopping on a validation split of the client's own pairs (split by prompt). After training
-each client computes ``mu_k, sigma_k`` of its raw scores over its own training responses and answers
-queries with ``(R - mu_k) / (sigma_k + eps)`` (paper 001, Eq. for ``R_bar_k``), clipped to
-``[-clip, clip]`` when ``clip`` is set (:meth:`ClientRewardModel.score`).
-
-Saved layout (:meth:`ClientRewardModel.save` / :func:`load_reward_model`), one folder per client::
-
-    reward_model.json    {"format_version": 1, "arch": "mlp"|"lora", "mean": float, "std": float,
-                          "eps": float, "clip": float|null, + architecture fields (below)}
-    mlp:  weights.safetensors   keys "net.0.weight" (hidden, d_in), "net.0.bias", "net.3.weight"
-                                (1, hidden), "net.3.bias"; json: d_in (2 d_emb + 3 with length
-                                features), hidden, dropout, embedder (EmbedderConfig fields),
-                                length_features (bool): the input is PairEncoder(...).encode(x, y);
-                                length_term (bool, default false): + key "length.weight" (1, 3), a
-                                linear term on the last 3 (length) columns added to the MLP's output
-    lora: adapter/              peft ``save_pretrained`` of the LoRA adapter over ``base_model``
-          head.safetensors      "weight" (1, d_model), "bias" (1,); json: base_model, max_tokens,
-                                truncation_side, lora_r, lora_alpha, length_term (bool, default false)
-          length.safetensors    (length_term only) "weight" (1, 3) on ``response_lengths(y)``
-
-With ``RewardModelConfig.length_prior`` both architectures get the length term, initialised from the
-client's own length-only Bradley-Terry fit (:func:`fit_length_prior`) with the output layer at 0.
-
-All scores are float32 arrays of shape (n,); a raw score has no unit (a Bradley-Terry logit), a
-normalised one is in client standard deviations.
+Two architectures (the paper's "structurally heterogeneous reward models"): ``mlp``, :class:`MLPRewardModel`
+on the frozen pair features ``[e(x), e(y)]`` of :class:`trainer.rewards.pair_features.PairEncoder`; ``lora``,
+:class:`LoRARewardModel`, the MiniLM encoder fine-tuned with LoRA (peft) on ``(prompt, response)``, mean-pooled,
+then a linear head. Both minimise ``L = -mean log sigmoid(R(x, y+) - R(x, y-))`` (paper 001, ``L_RM``;
+:func:`bradley_terry_loss`) and answer ``(R - mu_k) / (sigma_k + eps)`` (paper 001, ``R_bar_k``) with the
+client's own score statistics, clipped to ``[-clip, clip]`` when set. ``RewardModelConfig.length_prior`` adds a
+length term started from the client's length-only fit (:func:`fit_length_prior`). Scores are float32 (n,);
+raw scores are Bradley-Terry logits, normalised ones client standard deviations. Saved layout: docs/mor.md.
 """
 
 from __future__ import annotations
@@ -509,16 +481,8 @@ class LoRARewardModel(ClientRewardModel):
 
 
 def _load_adapter(peft_model, base, adapter_dir: Path):
-    """``PeftModel.from_pretrained(base, adapter_dir)``, strict: peft loads an adapter leniently (a LoRA tensor
-    the file lacks keeps its random initialisation, one it has in excess is ignored, both silently but for
-    a warning), so an adapter saved over another base model or cut short scored as an untrained one.
-
-    Raises
-    ------
-    InvalidInputError
-        ``adapter_model.safetensors`` lacks a LoRA tensor of this model, holds one it does not have, or
-        one of another shape (the message names the file and the tensors).
-    """
+    """``PeftModel.from_pretrained(base, adapter_dir)``, strict: InvalidInputError naming the file and tensors when
+    ``adapter_model.safetensors`` lacks a LoRA tensor of the model, holds an extra one or one of another shape."""
     from peft import get_peft_model_state_dict  # peft: optional heavy dependency, imported on use
     from safetensors import safe_open  # safetensors: optional heavy dependency, imported on use
 

@@ -1,33 +1,6 @@
 """The routing rule of MoR's routed reward: router logits -> routing weights -> one reward per (x, y).
 
-ONE code path for every user of the routed reward: :class:`trainer.rewards.mixture.RoutedReward`
-(``fedroute mor train`` / export), the evaluation's ranking accuracies (:mod:`trainer.rewards.evaluation`)
-and GRPO's reward function (:class:`trainer.alignment.grpo.RoutedGRPOReward`) all call
-:meth:`RoutingRule.weights` and :meth:`RoutingRule.combine`.
-
-Paper 001 (MoR), Sec. "GRPO with MoR":
-
-- ``mode="sparse"``: ``k* = argmax_k w_k`` and the reward is client k*'s normalised score
-  ``R_bar_k*(x, y)``; only client k* is asked about that pair.
-- ``mode="soft"``: ``R_mix = sum_k w_k R_bar_k(x, y)`` (Eq. ``R_mix``); every client is asked.
-- ``mode="sparse"`` with ``fallback = tau > 0`` (ours, not the paper's): a row whose largest weight is below
-  ``tau`` (the router is unsure) is scored like soft routing, ``sum_k w_k R_bar_k``, and every client is asked
-  about it; the other rows stay sparse. Chosen on a validation category by
-  ``benchmarks/mor_router_inputs_settings.py --loco`` (docs/mor.md).
-
-- ``fallback_top = k >= 2`` (ours, with ``fallback``): the fallback's soft reward mixes only the k clients with the
-  largest weights, renormalised, and only they are asked about that row (an unsure row is scored by the candidate
-  criteria, not by a client the router all but rules out).
-- ``probabilities="ovr"`` (ours): weights ``sigmoid(z / T) / sum_k sigmoid(z_k / T)``, the one-vs-rest probabilities
-  the router's BCE loss (paper 001, ``L_router``) trains, normalised, instead of the paper's softmax.
-  ``fallback_top`` and ``probabilities`` were chosen on a validation category by
-  ``benchmarks/mor_heldout_gap_settings.py`` (docs/mor.md).
-
-Weights ``w = softmax(z / temperature)`` of the router logits ``z`` (n, K) (T < 1 sharpens towards sparse
-routing, T > 1 flattens towards AvgRM). ``route_by="prompt"`` gives every response of one prompt group
-(``groups``, e.g. the responses of one prompt in a call, a preference pair, a GRPO group) the mean of the
-group's rows, so the group is scored by one client (sparse) or one mixture (soft) on one scale;
-``route_by="response"`` is the paper's per-(x, y) routing.
+Design notes: docs/mor.md (Module notes).
 """
 
 from __future__ import annotations
@@ -59,7 +32,7 @@ def prompt_groups(prompts: Sequence[str]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class RoutingRule:
-    """How router logits become one reward per (x, y) (module docstring).
+    """How router logits become one reward per (x, y) (design notes).
 
     mode : ``"sparse"`` | ``"soft"``. temperature : > 0, divides the logits before the softmax.
     route_by : ``"response"`` | ``"prompt"``.

@@ -1,38 +1,12 @@
 """A new model in the pool without retraining (paper 002; ARCHITECTURE.md §4 "Model pool changes").
 
-``fedroute add-model`` widens a trained router by one model, fitted on a small *calibration set*
-(queries with the new model's observed score and cost), leaving everything the router already
-knew untouched:
-
-- **MLP router** (:func:`add_model_mlp`): trunk, shared accuracy part and every old head are
-  frozen (copied bit for bit); one new accuracy head and one new cost head are fitted on the trunk
-  features ``h(x)`` of the calibration queries.
-- **K-means router** (:func:`add_model_kmeans`): a column of per-cell statistics (count, score sum,
-  cost sum) is added; centroids and the old columns' statistics are unchanged.
-
-The prior (what a model with few or no observations predicts), the same for both routers:
-
-- **accuracy**: the pool's mean accuracy. MLP: the mean of the old (observed) heads, i.e. the pool's
-  mean predicted accuracy for the query; K-means: the count-weighted mean accuracy of all models
-  (plus the cell's difficulty with the additive prior), i.e. the ``model_prior_strength`` shrinkage of
-  :func:`trainer.routers.shrinkage.shrunk_means` with ``n = 0``.
-- **cost**: the model's price, USD per query (``--price``, or the calibration rows' mean cost).
-
-As observations arrive the estimate moves from the prior to the data with ``kappa0`` (the router's
-``model_prior_strength``) pseudo-observations of the prior: the model-level mean is
-``(S + kappa0 * prior) / (n + kappa0)`` (:func:`trainer.routers.shrinkage.shrink_toward`, the
-shrinkage the routers already use). The MLP's new head adds a query-dependent part on top: a ridge
-regression of the remaining residuals on ``h(x)`` whose penalty is chosen by leave-one-out error on
-the calibration set itself (scikit-learn ``RidgeCV``, efficient LOO), so no setting is tuned on
-test data.
-
-The calibration file (:func:`load_calibration`): ``.csv``, ``.parquet`` or ``.jsonl`` with one row
-per query and the columns ``prompt`` (non-empty text), ``model`` (the new model's id on every row),
-``score`` (in [0, 1]) and ``cost_usd`` (USD per query, in [0, 1000]).
-
-Costs and prices above :data:`sdk.eval_log.MAX_COST_PER_QUERY_USD` (1000 USD per query) are refused:
-no device log may record such a cost and the sync server refuses it, and a price near the float range
-overflowed the shrinkage (``--price 1e308`` wrote a router whose cost table held inf).
+``fedroute add-model`` widens a trained router by one model fitted on a small calibration set, leaving
+what the router knew untouched: the MLP router (:func:`add_model_mlp`) gets new accuracy and cost heads on
+its frozen trunk features; the K-means router (:func:`add_model_kmeans`) a new column of per-cell
+statistics. Both start the model from the pool's mean accuracy and its price (USD per query) and move to
+the data with ``kappa0 = model_prior_strength`` pseudo-observations
+(:func:`trainer.routers.shrinkage.shrink_toward`). The calibration file, the price rule and the prior
+are in docs/add_model.md.
 """
 
 from __future__ import annotations

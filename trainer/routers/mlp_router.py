@@ -1,32 +1,7 @@
 """Parametric MLP router and its FedAvg training (paper 002, "Federated parametric optimisation";
 ARCHITECTURE.md §4).
 
-Network: shared trunk ``h_theta(x)`` (2 hidden layers of width 512, LayerNorm, GELU, Dropout) and
-per-model linear heads for accuracy ``A(x, m)`` and normalised cost ``C(x, m) = cost / s_m``, with
-``s_m`` the model's mean cost (USD) from the federated per-model statistics. Local loss: MSE on the
-*observed* (x, m) pairs only (paper 002, Eq. for L_i). AdamW lr 1e-3, weight decay 3e-4,
-grad-clip 1.0, batch 128, one local epoch per round; FedAvg weighted by sample counts.
-
-Learning from one observed model per query with ~200 observations per model needs care; we use:
-
-- **Shrinkage toward an additive prediction**: each accuracy head is parametrised as a shared part
-  plus a per-model part, ``A(x, m) = (u + w_m) . h(x) + b_m`` (still one linear head per model;
-  ``export`` folds ``u`` into each head). The per-model interaction ``w_m . h(x)`` is penalised on
-  *every* model at every query (``interaction_penalty``, a ridge in function space), so a model
-  seen ~200 times stays near ``b_m + u . h(x)`` unless its data say otherwise; ``u . h(x)`` (query
-  difficulty) learns from all observations. Without it the heads fit the noise of single binary
-  outcomes (per-task predictions of 0.01 or 0.98 where the truth is 0.4 or 0.85) and the router
-  falls below the zero router.
-- **Initialisation at per-model means**: head weights start at 0, accuracy biases at the model's
-  mean accuracy shrunk toward the all-model mean (``model_prior_strength``), cost biases at 1
-  (costs are normalised by the model's mean cost); these come from one round of per-model
-  count/sum statistics, the same privacy-safe aggregate as the K-means router.
-- **Validation-based early stopping**: each client holds out ``val_fraction`` of its log; the server
-  keeps the global parameters with the lowest sample-weighted validation MSE and stops after
-  ``patience`` rounds without improvement.
-- No inverse-propensity weighting: the logging policy depends on the client only, not on the query
-  or its outcome, so ``E[acc | x, m]`` is identified from the observed pairs as is; IPW would only add
-  variance. Models a party never observed get NaN predictions and are never chosen.
+Design notes: docs/routers-and-results.md (Module notes).
 """
 
 from __future__ import annotations
@@ -59,7 +34,7 @@ class MLPRouterConfig:
     rounds, patience : max rounds and early-stopping patience of federated training.
     epochs, epoch_patience : the same for one party training alone (local, centralised).
     participation : share of clients per round. val_fraction : held-out share of each log.
-    interaction_penalty : weight of the per-model interaction penalty (see module docstring).
+    interaction_penalty : weight of the per-model interaction penalty (see the design notes).
     model_prior_strength : pseudo-observations of the all-model mean in each head's initial bias.
     device : torch device string (``"cpu"``, ``"cuda"``).
     """

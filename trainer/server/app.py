@@ -1,37 +1,12 @@
 """The aggregation server's HTTP API (FastAPI; served over TLS by uvicorn, see :mod:`trainer.server.cli`).
 
-Sync protocol v1 (ARCHITECTURE.md §6). Every route but ``/v1/health`` needs
-``Authorization: Bearer <token>`` (401 otherwise).
-
-``GET /v1/rounds/current``
-    200: the open round (its kind's ``describe``, :mod:`trainer.server.round_kinds`) plus ``client_id``; 204: none.
-``POST /v1/rounds/{round_id}/updates``
-    Header ``Idempotency-Key`` (1-128 of ``[A-Za-z0-9_.:-]``). Body: MessagePack or JSON
-    (:mod:`trainer.server.validation`, by ``Content-Type``), at most ``max_body_bytes``. 201 with a
-    receipt once the update is committed durably to the store; 200 with the same receipt for a retry
-    with the same key and body. 400 undecodable body or missing key, 403 ``client_id`` is not the
-    token's client, 408 body not received in time, 409 a round that is neither open nor the last one
-    closed (or other centroids), 413 too large, 415 other content type, 422 invalid update (the
-    detail starts with the first offending field), 429 over the client's upload quota (with
-    ``Retry-After`` seconds). An upload for the last closed round is stored and counted in the next
-    round (receipt ``late: true``).
-``GET /v1/rounds/{round_id}/parameters``
-    The global parameters of an MLP round (safetensors); their sha256 is the round's
-    ``parameters_hash``. MLP uploads are safetensors bodies (:mod:`trainer.federated.mlp_local`).
-``GET /v1/bundles/latest``
-    The published bundle's ``manifest.json`` bytes, ``ETag`` = sha256 of them; 304 on a matching
-    ``If-None-Match``; 404 when nothing is published.
-``GET /v1/bundles/files/{sha256}``
-    A file of the published bundle by its sha256; 404 if the current manifest does not list it.
-
-Rounds close in the background (quorum or deadline, checked every ``tick_s`` seconds and right after
-each accepted upload), also after a restart.
-
-The upload path checks an upload against cached state (token -> client, the round's base, the
-client's previous upload: :mod:`trainer.server.upload_state`) and stores it with a check ``SELECT``
-and an ``INSERT`` that re-check that state in one transaction (:meth:`Store.insert_update`); when the state
-moved (a revoke, a round closed, a retry) it takes the checked path (:meth:`Store.add_update`).
-HTTP limits (header size and time, body time, keep-alive): :mod:`sdk.http_limits`.
+Sync protocol v1 (ARCHITECTURE.md §6; routes, bodies and status codes in
+docs/sync-protocol-and-operations.md and docs/protocol.md). Every route but ``/v1/health`` needs
+``Authorization: Bearer <token>`` (401 otherwise). Rounds close in the background (quorum or deadline,
+checked every ``tick_s`` seconds and after each accepted upload), also after a restart. An upload is
+checked against cached state (:mod:`trainer.server.upload_state`) and stored by
+:meth:`Store.insert_update`, which re-checks that state in its transaction; when the state moved it
+takes the checked path (:meth:`Store.add_update`).
 """
 # No "from __future__ import annotations": FastAPI resolves the route annotations, which name locals.
 

@@ -30,39 +30,18 @@ import numpy as np
 from sdk import bundle_manifest as fmt
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import BundleError, InvalidInputError, PrivacyError
-from sdk.protocol import (
-    KMeansUpdate,
-    centroids_hash,
-    decode_kmeans_update_record,
-    encode_kmeans_round,
-    encode_kmeans_update_record,
-)
+from sdk.protocol import (KMeansUpdate, centroids_hash, decode_kmeans_update_record, encode_kmeans_round,
+    encode_kmeans_update_record)
 from trainer.federated.kmeans_aggregation import AggregationConfig, aggregate_kmeans
 from trainer.federated.update_checks import check_difference
 from trainer.routers.kmeans_router import KMeansRouter
 from trainer.server.errors import PublishRefused, UploadRejected
 from trainer.server.pool_changes import align_to_pool
-from trainer.server.round_kind import (
-    AcceptedUpload,
-    OpenRequest,
-    ParsedUpload,
-    Publisher,
-    RoundOutcome,
-    RoundSettings,
-    ServerRoundKind,
-    check_round_args,
-    common_description,
-    round_settings,
-)
+from trainer.server.round_kind import (AcceptedUpload, OpenRequest, ParsedUpload, Publisher, RoundOutcome,
+    RoundSettings, ServerRoundKind, check_round_args, common_description, round_settings)
 from trainer.server.store import Round, Store, array_bytes
-from trainer.server.validation import (
-    JSON_TYPES,
-    MSGPACK_TYPES,
-    decode_body,
-    parse_kmeans_body,
-    record_pairs,
-    validate_update,
-)
+from trainer.server.validation import (JSON_TYPES, MSGPACK_TYPES, decode_body, parse_kmeans_body, record_pairs,
+    validate_update)
 
 KMEANS_FILE = "kmeans.npz"
 

@@ -27,26 +27,12 @@ import numpy as np
 from sdk import bundle_manifest as fmt
 from sdk import kinds as sdk_kinds
 from sdk.errors import BundleError, InvalidInputError
-from trainer.federated.mlp_aggregation import (
-    MLPAggregationConfig,
-    MLPUpdate,
-    aggregate_mlp,
-)
+from trainer.federated.mlp_aggregation import (MLPAggregationConfig, MLPUpdate, aggregate_mlp)
 from trainer.federated.mlp_local import parameters_bytes, read_parameters
 from trainer.routers.mlp_router import MLPRouter
 from trainer.server.errors import PublishRefused
-from trainer.server.round_kind import (
-    AcceptedUpload,
-    OpenRequest,
-    ParsedUpload,
-    Publisher,
-    RoundOutcome,
-    RoundSettings,
-    ServerRoundKind,
-    check_round_args,
-    common_description,
-    round_settings,
-)
+from trainer.server.round_kind import (AcceptedUpload, OpenRequest, ParsedUpload, Publisher, RoundOutcome,
+    RoundSettings, ServerRoundKind, check_round_args, common_description, round_settings)
 from trainer.server.store import Round, Store, array_bytes
 from trainer.server.validation import SAFETENSORS_TYPES, parse_mlp_upload, validate_mlp_update
 

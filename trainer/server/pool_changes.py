@@ -1,22 +1,7 @@
 """Federated K-means rounds over a changed model pool (``fedroute add-model``; ARCHITECTURE.md §4
 "Model pool changes"): the explicit migration of stored uploads.
 
-A K-means round merges each client's *latest* upload for the round's partition (centroids), also
-uploads sent to earlier rounds over the same centroids (paper 002). After ``add-model`` the pool of
-a new round can be wider than the pool those earlier uploads were made for. Their statistics are
-migrated column by column, by model id:
-
-- a model of the round that the upload's round lacked gets a column of zeros: exact, since the
-  device counted only the models of the round it uploaded for (:func:`sdk.local_update.kmeans_update`
-  skips rows of other models), so it reported no evaluation of that model;
-- an upload whose round had a model that this round lacks (a model removed from the pool) is not
-  merged: its statistics of that model cannot be dropped without changing what the client agreed to
-  send in aggregate. It stays in the store (nothing is lost) and the close says so; the client's next
-  upload, for this pool, replaces it.
-
-The device applies the same rule to its record of the last sent update
-(:func:`sdk.protocol.decode_sent_record` aligns it by model id), so its privacy hold
-(:func:`sdk.local_update.hold_small_changes`) keeps working across the change.
+Design notes: docs/sync-protocol-and-operations.md (Module notes).
 """
 
 from __future__ import annotations
@@ -60,7 +45,7 @@ def widen_update(update: KMeansUpdate, models: Sequence[str], pool: Sequence[str
 
 def align_to_pool(store: Store, latest: dict[str, tuple[int, KMeansUpdate]], pool: Sequence[str]
                   ) -> tuple[dict[str, tuple[int, KMeansUpdate]], list[str]]:
-    """The clients' latest uploads (``Store.latest_updates``) migrated to ``pool`` (see the module docstring).
+    """The clients' latest uploads (``Store.latest_updates``) migrated to ``pool`` (see the design notes).
 
     Returns
     -------

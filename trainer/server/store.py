@@ -1,24 +1,6 @@
 """Durable state of the aggregation server: clients, rounds and accepted updates (SQLAlchemy Core).
 
-Any SQLAlchemy database URL works (``postgresql+psycopg://...``); the default is one SQLite file in
-WAL mode with ``synchronous=FULL``, so a write acknowledged to a client survives a killed server
-process (and a power loss). Every write is one transaction (``BEGIN IMMEDIATE`` on SQLite, so two
-writers never deadlock on a lock upgrade); reads are deferred transactions that never wait for a
-writer (WAL).
-
-Tables
-------
-clients : id, sha256 of the bearer token (never the token), created time, revoked flag.
-rounds : id, kind (``kmeans`` or ``mlp``), status (open -> closing -> closed), deadline, quorum,
-    min_count, the round's *base* and its sha256 ``base_hash`` (K-means: the global centroids as
-    float32 .npy bytes; MLP: the global parameters as safetensors bytes), models, embedder,
-    per-round settings (JSON), and at close the outcome (JSON) and the aggregate (.npz bytes).
-updates : one row per accepted upload: client, round it was sent for, round it is counted in (NULL
-    while waiting for the next round), Idempotency-Key, sha256 of the body, the update (K-means: a
-    MessagePack record, :func:`sdk.protocol.encode_kmeans_update_record`, float32 cell means; v2 or .npz in older rows; MLP:
-    the safetensors body)
-    and the receipt returned to the client (empty for rows written by the one-statement insert:
-    the receipt is rebuilt from the row, :func:`receipt_of`). ``(client_id, idempotency_key)`` is unique.
+Design notes: docs/sync-protocol-and-operations.md (Module notes).
 """
 
 from __future__ import annotations
@@ -116,10 +98,7 @@ _SQLITE_INTERNAL_TABLES = frozenset({"sqlite_sequence", "sqlite_stat1", "sqlite_
 
 
 def _create_private(path: Path) -> None:
-    """Create an empty SQLite file at ``path`` readable and writable by its owner only (0600), unless
-    it exists: the database holds each client's exact uploads and the secret seed of the DP noise
-    (whoever reads it can subtract the noise from a published router). SQLite gives the ``-wal``
-    and ``-shm`` files the database file's permissions."""
+    """Create an empty SQLite file at ``path`` with mode 0600 unless it exists (it holds uploads and the DP noise seed)."""
     if not path.exists():
         os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
 
@@ -136,9 +115,7 @@ def _sqlite_table_names(path: Path) -> list[str]:
 
 
 def _refuse_foreign_tables(url: str, names) -> None:
-    """Refuse (ValueError naming them) a database holding tables other than the server's, before
-    anything is created in it: ``--db sqlite:///eval_log.sqlite`` (a device's log) or another
-    program's database got the server's tables added to it."""
+    """Refuse (ValueError naming them) a database holding tables other than the server's."""
     foreign = sorted(set(names) - set(metadata.tables) - _SQLITE_INTERNAL_TABLES)
     if foreign:
         raise ValueError(f"database {url!r} holds tables that are not the aggregation server's: "
@@ -235,17 +212,11 @@ _RECEIPT_COLUMNS = (updates.c.id, updates.c.client_id, updates.c.sent_round, upd
 
 
 def _check_insert(check_previous: bool):
-    """The check of :meth:`Store.insert_update` (built once; bound parameters ``client_id``,
-    ``round_id``, ``key``, ``token_sha256``, ``previous_id``): ``SELECT`` the round's id, status and
-    base hash ``FROM rounds WHERE`` the round is open or the latest, the token is the client's
-    active one, the key is not stored yet and (``check_previous``) the client's latest update for
-    the round's base is ``previous_id`` (0: none); no row when any of these fails.
-
-    Run just before the plain insert (:data:`_INSERT_ROW`) in the same write transaction, which
-    holds the database's write lock (SQLite) or the client's and the round's row locks
-    (PostgreSQL), so nothing it checked can change in between. Not one ``INSERT ... SELECT``: a
-    SELECT that reads ``updates`` makes SQLite copy each inserted row, payload included, through a
-    temporary table first."""
+    """The check ``SELECT`` of :meth:`Store.insert_update`: a row only when the round is open or the latest, the
+    token is the client's active one, the key is new and (``check_previous``) the client's latest update for the
+    round's base is ``previous_id`` (0: none). Run in the insert's write transaction, so nothing it checked can
+    change before the insert; a separate SELECT, since SQLite's ``INSERT ... SELECT`` copies each row through a
+    temporary table."""
     r = rounds.alias("r")
     client_id = sa.bindparam("client_id", type_=sa.String)
     newest = sa.select(sa.func.max(rounds.c.id)).scalar_subquery()
@@ -374,11 +345,7 @@ class Store:
                                  f"lacks {sorted(missing)}); use a new database")
 
     def _create_tables(self) -> None:
-        """Create the tables a new database lacks, one creator at a time: under SQLite's write lock
-        (``BEGIN IMMEDIATE``, waiting on the busy timeout) or a PostgreSQL advisory lock. Without it,
-        processes creating a new database together (``fedroute clients add`` run in parallel to
-        provision a fleet) failed with "database is locked" (SQLite refuses at once a read
-        transaction's upgrade to a write) or "already exists"."""
+        """Create the tables a new database lacks, one creator at a time (SQLite write lock or a PostgreSQL advisory lock)."""
         if set(metadata.tables) <= set(sa.inspect(self.engine).get_table_names()):
             return  # the usual case: no write lock taken
         with self._write_lock, self._writer.begin() as conn:

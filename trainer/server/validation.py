@@ -1,24 +1,6 @@
 """Validation of an uploaded update (ARCHITECTURE.md §6): every 422 names the first offending field.
 
-MLP uploads (safetensors, :mod:`trainer.federated.mlp_local`) must have the round's parameter names
-and shapes, finite values, and ``min_count <= n_samples <= log_size``.
-
-K-means uploads are JSON (``application/json``, parsed with orjson, the standard library taking the
-numbers orjson refuses: integers beyond 64 bits, NaN) or MessagePack (``application/msgpack``,
-binary arrays; docs/protocol.md §3). Both are checked by the same code, **in this fixed order**,
-and the first failure is answered (the detail starts with the field's name):
-
-1. the body is an object / map; unknown keys, then missing keys (first in :data:`UPDATE_FIELDS` order);
-2. each field's type, in :data:`UPDATE_FIELDS` order (:func:`parse_kmeans_body`): ``client_id`` str
-   of 1-64 chars, ``round_id`` int in [1, 2**31), ``kind`` str, ``centroids_hash`` 64 chars,
-   ``models`` list of str, ``log_size`` int in [0, 2**31), the six arrays rectangular and numeric
-   (JSON: nested lists of numbers; MessagePack: ``[shape, bin]`` pairs);
-3. against the round (:func:`validate_update`): ``centroids_hash`` (409 for another partition),
-   ``models``, then every rule of :func:`trainer.federated.update_checks.check_kmeans_update`, the
-   validator the Flower strategies share: each array's shape, finite values and range in field
-   order, then the rules across fields (nothing reported, counts and weights within ``log_size``,
-   the privacy threshold ``min_count``). The cell means are kept at float32 precision whatever the
-   encoding, so both store the same row.
+Design notes: docs/sync-protocol-and-operations.md (Module notes).
 """
 
 from __future__ import annotations
@@ -209,7 +191,7 @@ def _json_cells(value: object) -> np.ndarray:
 
 
 def parse_kmeans_body(obj: object) -> KMeansBody:
-    """Steps 1 and 2 of the module docstring on a decoded body: the fields' types, in order.
+    """Steps 1 and 2 of the design notes on a decoded body: the fields' types, in order.
 
     Raises
     ------
@@ -269,7 +251,7 @@ def record_pairs(body: KMeansBody, update: KMeansUpdate) -> dict[str, list]:
 
 
 def validate_update(body: KMeansBody, round_: Round) -> KMeansUpdate:
-    """Steps 3 and 4 of the module docstring: check ``body`` against ``round_`` and return the update
+    """Steps 3 and 4 of the design notes: check ``body`` against ``round_`` and return the update
     it holds (``local_centroids`` at float32 precision, as float64). The rules after the hash and the
     models are :func:`trainer.federated.update_checks.check_kmeans_update`, the one validator the
     Flower strategies call too.
