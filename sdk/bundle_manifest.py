@@ -315,23 +315,12 @@ def read_files(directory: Path, manifest: dict[str, Any], wanted: Iterable[str] 
 
 def read_verified(directory: str | os.PathLike[str], public_key: PublicKey, wanted: Iterable[str] | None = None, *,
                   by_path: Iterable[str] = (), verify_unused: bool = True) -> VerifiedBundle:
-    """:func:`read_manifest` then :func:`read_files`: the verified bundle at ``directory``.
-
-    Raises
-    ------
-    BundleError
-        As :func:`read_manifest` and :func:`read_files`.
-    """
+    """:func:`read_manifest` then :func:`read_files`: the verified bundle at ``directory`` (BundleError as they raise)."""
     resolved, manifest = read_manifest(directory, public_key)
     return read_files(resolved, manifest, wanted, by_path, verify_unused=verify_unused)
 
 
 def verify_all(directory: str | os.PathLike[str], public_key: PublicKey) -> dict[str, Any]:
-    """Verify the signature and every listed file (streamed, nothing kept); return the manifest.
-
-    Raises
-    ------
-    BundleError
-        As :func:`read_verified`.
-    """
+    """Verify the signature and every listed file (streamed, nothing kept); return the manifest (BundleError as
+    :func:`read_verified`)."""
     return read_verified(directory, public_key, wanted=()).manifest

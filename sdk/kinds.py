@@ -59,13 +59,8 @@ REGISTRY: KindRegistry[ArtefactKind] = KindRegistry("sdk", ArtefactKind)
 
 
 def register_family(name: str, interface: type, *, needs_embedder: bool = True, loader: str | None = None) -> Family:
-    """Declare an artefact family (idempotent for the same interface).
-
-    Raises
-    ------
-    InvalidInputError
-        ``name`` is not a lower-case identifier, or is registered with another interface.
-    """
+    """Declare an artefact family (idempotent for the same interface). Raises InvalidInputError for a name that is
+    not a lower-case identifier or is registered with another interface."""
     if not name.isidentifier() or name != name.lower() or _FAMILIES.get(name, Family(name, interface)).interface \
             is not interface:
         raise InvalidInputError(f"family name must be a new lower-case identifier, got {name!r}")
@@ -78,15 +73,8 @@ def _import_family(family: str) -> None:
 
 
 def register(kind: ArtefactKind, *, replace: bool = False) -> ArtefactKind:
-    """Register an SDK kind (:meth:`sdk.kind_registry.KindRegistry.register`).
-
-    Raises
-    ------
-    UnknownKindError
-        Its family is not declared (:func:`register_family`).
-    InvalidInputError
-        Not an :class:`ArtefactKind`, a bad name, or a name already taken (without ``replace``).
-    """
+    """Register an SDK kind (:meth:`sdk.kind_registry.KindRegistry.register`). Raises UnknownKindError for an
+    undeclared family, InvalidInputError for a kind that is not an :class:`ArtefactKind`, a bad or taken name."""
     _import_family(getattr(kind, "family", ""))
     if getattr(kind, "family", None) not in _FAMILIES:
         raise UnknownKindError(f"unknown artefact family {getattr(kind, 'family', None)!r}; registered: "
@@ -100,13 +88,7 @@ def unregister(family: str, name: str) -> None:
 
 
 def unregister_family(name: str) -> None:
-    """Remove a family and its kinds (tests); unknown names are ignored.
-
-    Raises
-    ------
-    InvalidInputError
-        ``name`` is one of the SDK's own families.
-    """
+    """Remove a family and its kinds (tests); unknown names are ignored. Raises InvalidInputError for a built-in one."""
     if name in (ROUTER_FAMILY, EMBEDDER_FAMILY, *BUILTIN_FAMILY_MODULES):
         raise InvalidInputError(f"family {name!r} is built in; it cannot be unregistered")
     for kind in REGISTRY.names(name):
@@ -189,13 +171,8 @@ def carries_no(family: str, found: Mapping[str, str]) -> BundleError:
 def load_artefact(family: str, manifest: dict[str, Any], files: Mapping[str, bytes], *,
                   options: SessionThreads | None = None, precision: str = "fp32",
                   paths: Mapping[str, Any] | None = None) -> Any:
-    """The ``family`` runtime of a verified bundle, loaded by its kind (``paths``: files opened by path).
-
-    Raises
-    ------
-    BundleError
-        The bundle carries no ``family`` artefact, or the kind refuses its files.
-    """
+    """The ``family`` runtime of a verified bundle, loaded by its kind (``paths``: files opened by path). Raises
+    BundleError when the bundle carries no ``family`` artefact or the kind refuses its files."""
     found = manifest_kinds(manifest)
     if family not in found:
         raise carries_no(family, found)

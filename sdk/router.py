@@ -136,17 +136,11 @@ class Router:
     @classmethod
     def load(cls, bundle_dir: str | os.PathLike[str], public_key: fmt.PublicKey, *, precision: str = "auto",
              intra_op_threads: int = 1, inter_op_threads: int = 1, min_bundle_version: int = 1) -> Router:
-        """Verify and load the bundle at ``bundle_dir`` (:func:`sdk.kinds.load_bundle`).
-
-        Parameters
-        ----------
-        bundle_dir : path of a bundle written by ``fedroute export``.
-        public_key : path of ``signing.pub``, its PEM text (str or bytes) or an ``Ed25519PublicKey``.
-        precision : ``"int8"``, ``"int8-all"``, ``"fp32"`` or ``"auto"`` (the first the bundle has of
-            :data:`AUTO_PRECISIONS`).
-        intra_op_threads, inter_op_threads : onnxruntime thread counts, integers in [1, 1024].
-        min_bundle_version : refuse an older bundle (pass the version last loaded: a replayed, superseded
-            bundle is refused).
+        """Verify and load the bundle at ``bundle_dir`` (``fedroute export``) with ``public_key`` (path of
+        ``signing.pub``, PEM text or an ``Ed25519PublicKey``): :func:`sdk.kinds.load_bundle`. ``precision``:
+        ``"int8"``, ``"int8-all"``, ``"fp32"`` or ``"auto"`` (the first the bundle has of :data:`AUTO_PRECISIONS`);
+        thread counts in [1, 1024]; ``min_bundle_version``: pass the version last loaded, so that a replayed,
+        superseded bundle is refused.
 
         Raises
         ------
