@@ -1,9 +1,8 @@
 """The interfaces of an artefact kind on the device (ARCHITECTURE.md §9); the registry is :mod:`sdk.kinds`.
 
-- :class:`ArtefactKind`: what a kind supplies to the SDK (the bundle files it reads, its manifest
-  checks, a loader returning its runtime, an optional device round handler);
-- one runtime interface per family: :class:`RouterScorer` (routers), :class:`Embedder` (embedders);
-- :class:`LoadContext`: the verified inputs a loader gets.
+:class:`ArtefactKind` is what a kind supplies (the bundle files it reads, its manifest checks, a loader, an
+optional device round handler); :class:`RouterScorer` and :class:`Embedder` are the runtime interfaces of the
+two built-in families; :class:`LoadContext` holds the verified inputs a loader gets.
 """
 
 from __future__ import annotations
@@ -11,111 +10,87 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 
+from sdk.errors import BundleError
 
-# -- runtime interfaces, one per family -------------------------------------------------------
+if TYPE_CHECKING:
+    from sdk.embedder import SessionThreads
+    from sdk.verified_file import VerifiedFile
 
 
 @runtime_checkable
 class RouterScorer(Protocol):
-    """Runtime of a router kind on the device: embeddings -> accuracy and cost per model.
+    """Runtime of a router kind: ``predict(embeddings (n, d_emb) float32, validated)`` -> ``(accuracy, cost, cells)``,
+    accuracy in [0, 1] and cost in USD per query each (n, n_models) float64 (NaN = no estimate) in the manifest's
+    model order; ``cells`` (n,) int64 for partition-based kinds, else None."""
 
-    ``predict(embeddings)`` takes an ndarray of shape (n_queries, d_emb), float32, finite (already
-    validated by :class:`sdk.Router`) and returns ``(accuracy, cost, cells)``: accuracy in [0, 1] and
-    cost in USD per query, each an ndarray of shape (n_queries, n_models), float64 (NaN = no
-    estimate, never chosen), in the manifest's model order; ``cells`` an ndarray of shape
-    (n_queries,), int64 (Voronoi cell per query) for partition-based kinds, else None.
-    """
-
-    def predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]: ...
+    def predict(self, embeddings: npt.NDArray[np.float32]) -> tuple[
+        npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.int64] | None]: ...
 
 
 @runtime_checkable
 class Embedder(Protocol):
-    """Runtime of an embedder kind: ``embed(texts)`` -> ndarray of shape (n, d_emb), float32, unit
-    L2 norm; ``n_tokens(texts)`` -> tokens read per text (after truncation). Texts are already
-    validated non-blank ``str``."""
+    """Runtime of an embedder kind: ``embed(texts)`` -> (n, d_emb) float32, unit L2 norm; ``n_tokens(texts)`` ->
+    tokens read per text. Texts are already validated non-blank ``str``."""
 
-    def embed(self, texts: Sequence[str]) -> np.ndarray: ...
+    def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]: ...
 
     def n_tokens(self, texts: Sequence[str]) -> list[int]: ...
 
 
 @dataclass(frozen=True)
 class LoadContext:
-    """What a kind's :meth:`ArtefactKind.load` gets: verified inputs, nothing else.
+    """What :meth:`ArtefactKind.load` gets, all verified: the manifest, ``files`` (name -> bytes of
+    :meth:`ArtefactKind.files`), ``models`` (the manifest's model ids: the column order of every score), the
+    manifest's ``embedder`` entry, ``options`` (thread counts for :func:`sdk.embedder.inference_session`), the
+    ``precision`` chosen, and ``paths`` (name -> open :class:`~sdk.verified_file.VerifiedFile` of
+    :meth:`ArtefactKind.path_files`; such a file is then not in ``files``)."""
 
-    Attributes
-    ----------
-    manifest : dict, the signature-verified manifest.
-    files : mapping file name -> bytes, the files :meth:`ArtefactKind.files` asked for, each
-        verified against its sha256.
-    models : tuple of str, the manifest's model ids, in order (the column order of every score).
-    embedder : dict, the manifest's ``embedder`` entry (``name``, ``dim``, ``max_tokens``, ...).
-    options : for kinds that run ONNX graphs (threads chosen by the app): onnxruntime ``SessionOptions``
-        or an :class:`sdk.embedder.SessionThreads`; pass it to :func:`sdk.embedder.inference_session`,
-        which accepts both (so that a kind running no graph never imports onnxruntime).
-    precision : a key of the manifest's ``embedder.files`` (``"fp32"``, ``"int8"``, ``"int8-all"``),
-        the embedder precision chosen at load time.
-    paths : mapping file name -> :class:`sdk.verified_file.VerifiedFile`, the files of
-        :meth:`ArtefactKind.path_files` when the caller opened them by path (verified, still open;
-        load them from ``library_path``, then call ``check_unchanged()``); such a file is then not
-        in ``files``. Empty when the caller read every file as bytes.
-    """
-
-    manifest: dict
+    manifest: dict[str, Any]
     files: Mapping[str, bytes]
     models: tuple[str, ...]
-    embedder: dict
-    options: Any = None
+    embedder: dict[str, Any]
+    options: SessionThreads | None = None
     precision: str = "fp32"
-    paths: Mapping[str, Any] = field(default_factory=dict)
+    paths: Mapping[str, VerifiedFile] = field(default_factory=dict)
+
+
+def utf8_file(context: LoadContext, name: str) -> str:
+    """The verified file ``name`` as text. Raises BundleError if it is not UTF-8."""
+    try:
+        return context.files[name].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BundleError(f"{name} is not UTF-8 ({exc})") from exc
 
 
 class ArtefactKind(abc.ABC):
-    """One kind of one family on the device. Subclass, set ``family`` and ``name``, implement
-    :meth:`files` and :meth:`load`; register an instance with :func:`register`.
-
-    Attributes
-    ----------
-    family : str, e.g. ``"router"``.
-    name : str, the kind, e.g. ``"kmeans"`` (the value of ``"<family>_kind"`` in the manifest).
-    round_handler : a :class:`sdk.device_rounds.DeviceRoundHandler` when the kind is federated over
-        HTTPS (the sync client hands it rounds whose ``kind`` is this name), else None.
-    """
+    """One kind of one family on the device: set ``family`` and ``name`` (the manifest's ``"<family>_kind"``
+    value), implement :meth:`files` and :meth:`load`, register an instance with :func:`sdk.kinds.register`.
+    ``round_handler``: a :class:`sdk.device_rounds.DeviceRoundHandler` when federated over HTTPS, else None."""
 
     family: str = ""
     name: str = ""
     round_handler: Any = None
 
-    @abc.abstractmethod
-    def files(self, manifest: dict, precision: str) -> tuple[str, ...]:
-        """Names of the bundle files :meth:`load` reads (each must be listed in the manifest)."""
+    def precisions(self, manifest: dict[str, Any]) -> tuple[str, ...]:
+        """Precisions the bundle ships for this kind, e.g. ``("fp32", "int8")``."""
+        return ("fp32",)
 
-    def path_files(self, manifest: dict, precision: str) -> tuple[str, ...]:
-        """Of :meth:`files`, the large ones :meth:`load` can open by path (given in
-        :attr:`LoadContext.paths` rather than as bytes, so they are never held in Python memory).
-        Default: none."""
+    @abc.abstractmethod
+    def files(self, manifest: dict[str, Any], precision: str) -> tuple[str, ...]:
+        """Names of the bundle files :meth:`load` reads."""
+
+    def path_files(self, manifest: dict[str, Any], precision: str) -> tuple[str, ...]:
+        """Of :meth:`files`, those :meth:`load` opens by path (:attr:`LoadContext.paths`)."""
         return ()
 
-    def check_manifest(self, manifest: dict) -> None:
-        """Check the manifest fields this kind needs beyond the common schema (default: none).
-
-        Raises
-        ------
-        BundleError
-            A field is missing or invalid (the message names it).
-        """
+    def check_manifest(self, manifest: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Check the fields this kind needs beyond the format's schema; raise BundleError naming the field."""
 
     @abc.abstractmethod
     def load(self, context: LoadContext) -> Any:
-        """The runtime object (the family's interface: :class:`RouterScorer`, :class:`Embedder`, ...).
-
-        Raises
-        ------
-        BundleError
-            The files do not load or disagree with the manifest (models, embedder, shapes).
-        """
+        """The runtime (the family's interface); raise BundleError when the files do not load or disagree."""

@@ -1,9 +1,6 @@
-"""One registry class for artefact kinds, instantiated once per layer (ARCHITECTURE.md §9).
-
-``sdk.kinds`` (device runtime), ``trainer.kinds`` (trainer and server round kind) and
-``export.kinds`` (export step) each hold one :class:`KindRegistry`, keyed by the same
-``(family, kind name)``; dependencies run one way, so each layer registers what it owns.
-"""
+"""One registry class for artefact kinds, instantiated once per layer: ``sdk.kinds`` (device runtime),
+``trainer.kinds`` (trainer, server round kind) and ``export.kinds`` (export step), keyed by the same
+``(family, kind name)`` (ARCHITECTURE.md §9)."""
 
 from __future__ import annotations
 
@@ -18,22 +15,9 @@ class UnknownKindError(InvalidInputError):
     """A family or kind that is not registered; the message lists the registered ones."""
 
 
-def _check_name(what: str, name: object) -> str:
-    if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
-        raise InvalidInputError(f"{what} must be a lower-case identifier, got {name!r}")
-    return name
-
-
 class KindRegistry(Generic[K]):
-    """Kinds of one layer: ``(family, name) -> kind object``.
-
-    Parameters
-    ----------
-    layer : str, for messages (``"sdk"``, ``"trainer"``, ``"export"``).
-    base : the class every registered kind must be an instance of.
-
-    A kind object has the attributes ``family`` and ``name`` (lower-case identifiers).
-    """
+    """Kinds of one ``layer`` (named in messages): ``(family, name) -> kind``, each an instance of ``base`` with
+    lower-case identifier attributes ``family`` and ``name``."""
 
     def __init__(self, layer: str, base: type) -> None:
         self.layer = layer
@@ -41,23 +25,22 @@ class KindRegistry(Generic[K]):
         self._kinds: dict[str, dict[str, K]] = {}
 
     def register(self, kind: K, *, replace: bool = False) -> K:
-        """Register ``kind`` under ``(kind.family, kind.name)`` and return it (usable as a class
-        decorator's inner call: ``register(MyKind())``).
+        """Register ``kind`` under ``(kind.family, kind.name)`` and return it.
 
         Raises
         ------
         InvalidInputError
-            ``kind`` is not an instance of ``base``, a name is not a lower-case identifier, or the
-            name is taken and ``replace`` is False.
+            ``kind`` is not a ``base``, a name is not a lower-case identifier, or it is taken (without ``replace``).
         """
-        if not isinstance(kind, self.base):
-            raise InvalidInputError(f"{self.layer} kinds must be {self.base.__name__} instances, got {type(kind).__name__}")
-        family = _check_name("family", getattr(kind, "family", None))
-        name = _check_name("kind name", getattr(kind, "name", None))
-        by_name = self._kinds.setdefault(family, {})
-        if name in by_name and not replace:
-            raise InvalidInputError(f"{self.layer}: {family} kind {name!r} is already registered")
-        by_name[name] = kind
+        family, name = getattr(kind, "family", None), getattr(kind, "name", None)
+        for what, value in (("family", family), ("kind name", name)):
+            if not isinstance(value, str) or not value.isidentifier() or value != value.lower():
+                raise InvalidInputError(f"{what} must be a lower-case identifier, got {value!r}")
+        by_name = self._kinds.setdefault(str(family), {})
+        if not isinstance(kind, self.base) or (name in by_name and not replace):
+            raise InvalidInputError(f"{self.layer}: {family} kind {name!r} is not a {self.base.__name__} or is "
+                                    "already registered")
+        by_name[str(name)] = kind
         return kind
 
     def unregister(self, family: str, name: str) -> None:
@@ -65,13 +48,7 @@ class KindRegistry(Generic[K]):
         self._kinds.get(family, {}).pop(name, None)
 
     def get(self, family: str, name: str) -> K:
-        """The kind ``name`` of ``family``.
-
-        Raises
-        ------
-        UnknownKindError
-            Not registered; the message lists the registered kinds of the family.
-        """
+        """The kind ``name`` of ``family``. Raises :class:`UnknownKindError` listing the registered ones."""
         try:
             return self._kinds[family][name]
         except (KeyError, TypeError):

@@ -1,129 +1,84 @@
-"""Artefact kinds as plugins, the SDK side (ARCHITECTURE.md §9).
+"""Artefact kinds as plugins, the SDK side, and the one bundle loader (ARCHITECTURE.md §9, docs/plugins.md).
 
-Every artefact that is trained, exported, shipped in a bundle and run on the device belongs to a
-*family* (``router``, ``embedder``; ``selector`` and ``reward_scorer`` are added by their own
-modules) and is of one *kind* in it (``router/kmeans``, ``router/mlp``, ``embedder/onnx``). Each
-layer keeps one registry keyed by the same ``(family, kind)``, because dependencies run one way
-(``export -> trainer -> sdk``, and ``sdk`` never imports the other two):
+Every artefact shipped in a bundle belongs to a *family* (``router``, ``embedder``; ``selector`` and
+``reward_scorer`` are declared by their own modules, imported when a manifest names them) and is of one *kind*
+in it, named in the manifest by a top-level ``"<family>_kind"`` key (an embedder without ``embedder_kind`` is
+``"onnx"``). ``sdk.kinds``, ``trainer.kinds`` and ``export.kinds`` each keep one registry keyed by the same
+``(family, kind)``; nothing outside the registries branches on a kind name.
 
-========================  ==================================================================
-``sdk.kinds`` (here)      files a kind reads from a bundle, manifest checks, its runtime
-                          (one interface per family: :class:`RouterScorer` for routers,
-                          :class:`Embedder` for embedders) and its device round handler
-``trainer.kinds``         its trainer (router class, local / federated fitting for the
-                          simulation)
-``trainer.server.``       its server round kind (open, describe, validate, aggregate,
-``round_kinds``           publish), where it is federated over HTTPS (server extra)
-``export.kinds``          its export step: bundle files, manifest fields, parity gate
-========================  ==================================================================
-
-Nothing outside the registries branches on a kind name: code asks the registry.
-
-Manifest (format_version 1, unchanged for existing bundles): a bundle names the kind of each
-artefact family it carries with a top-level ``"<family>_kind"`` key, e.g. ``"router_kind":
-"kmeans"``. Every router bundle written so far is therefore already in this form. The embedder
-family is the exception that keeps old bundles valid: without ``"embedder_kind"`` the embedder is
-``"onnx"``. A bundle must carry at least one family other than the embedder. See
-``docs/plugins.md`` for how to add a kind and :func:`manifest_kinds` for the reading rule.
-
-A plugin module registers its kind once at import (``register(MyKind())``); tests that register
-a toy kind remove it with :func:`unregister`. The SDK's own ``selector`` and ``reward_scorer``
-families live in such modules (:data:`BUILTIN_FAMILY_MODULES`); the registry imports one the first
-time a manifest or a look-up names its family, so loading a router imports neither.
+:func:`load_bundle` is the loader of every family: verify (signature, format, kinds) -> plan (the kinds name
+the files of the chosen precision) -> read (sha256-checked) -> load (each kind's runtime).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sdk import bundle_manifest as fmt
 from sdk.artefact_kind import ArtefactKind, Embedder, LoadContext, RouterScorer
 from sdk.builtin_kinds import BUILTIN_KINDS
+from sdk.embedder import SessionThreads
 from sdk.errors import BundleError, InvalidInputError
 from sdk.kind_registry import KindRegistry, UnknownKindError
 from sdk.static_embedder import StaticEmbedderKind
 
-#: Families whose kind is named in the manifest; the embedder is the only one with a default.
 EMBEDDER_FAMILY = "embedder"
 ROUTER_FAMILY = "router"
-#: Kind of the embedder of a bundle whose manifest has no ``embedder_kind`` (every bundle before §9).
+#: Kind of the embedder of a bundle whose manifest has no ``embedder_kind``.
 DEFAULT_EMBEDDER_KIND = "onnx"
 
 
 @dataclass(frozen=True)
 class Family:
-    """A family of artefacts: its ``name`` and the runtime ``interface`` (a ``Protocol``) its kinds
-    return from :meth:`ArtefactKind.load`."""
+    """A family: its runtime ``interface`` (a ``Protocol``); whether its bundles also carry the query embedder
+    and model table (``needs_embedder``); the public method that loads them (``loader``, named in errors)."""
 
     name: str
     interface: type
-    #: Whether a bundle carrying this family also carries the query embedder and the model table
-    #: (``embedder``, ``models``): routers do; a selector has its own backbone and no model table.
     needs_embedder: bool = True
-    #: The public method that loads a bundle of this family (``"sdk.Router.load"``), named when a
-    #: loader of another family is given such a bundle; None: :func:`load_artefact` is the way.
     loader: str | None = None
 
 
+@dataclass(frozen=True)
+class LoadedBundle:
+    """What :func:`load_bundle` returns: the verified manifest, the precision loaded, family -> runtime."""
+
+    manifest: dict[str, Any]
+    precision: str
+    runtimes: dict[str, Any]
+
+
 _FAMILIES: dict[str, Family] = {}
-#: Families the SDK ships in modules that declare the family and register its kinds when imported
-#: (as a third-party plugin module would); imported on first use by :func:`import_named_families`.
+#: Families the SDK declares in their own modules, imported on first use (as a plugin module would be).
 BUILTIN_FAMILY_MODULES: dict[str, str] = {"selector": "sdk.selector", "reward_scorer": "sdk.reward_scorer"}
-#: The SDK layer's kinds.
 REGISTRY: KindRegistry[ArtefactKind] = KindRegistry("sdk", ArtefactKind)
 
 
 def register_family(name: str, interface: type, *, needs_embedder: bool = True, loader: str | None = None) -> Family:
-    """Declare an artefact family (idempotent for the same interface).
-
-    ``needs_embedder``: bundles carrying this family also carry ``embedder`` and ``models``
-    (see :attr:`Family.needs_embedder`). ``loader``: the public method that loads its bundles, e.g.
-    ``"sdk.Selector.load"`` (see :attr:`Family.loader`).
-
-    Raises
-    ------
-    InvalidInputError
-        ``name`` is not a lower-case identifier, or is registered with another interface.
-    """
-    if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
-        raise InvalidInputError(f"family name must be a lower-case identifier, got {name!r}")
-    if name in _FAMILIES and _FAMILIES[name].interface is not interface:
-        raise InvalidInputError(f"family {name!r} is already registered with interface "
-                                f"{_FAMILIES[name].interface.__name__}")
-    _FAMILIES.setdefault(name, Family(name, interface, needs_embedder, loader))
-    return _FAMILIES[name]
+    """Declare an artefact family (idempotent for the same interface). Raises InvalidInputError for a name that is
+    not a lower-case identifier or is registered with another interface."""
+    if not name.isidentifier() or name != name.lower() or _FAMILIES.get(name, Family(name, interface)).interface \
+            is not interface:
+        raise InvalidInputError(f"family name must be a new lower-case identifier, got {name!r}")
+    return _FAMILIES.setdefault(name, Family(name, interface, needs_embedder, loader))
 
 
-def _import_family(family: object) -> None:
-    if isinstance(family, str) and family not in _FAMILIES and family in BUILTIN_FAMILY_MODULES:
+def _import_family(family: str) -> None:
+    if family not in _FAMILIES and family in BUILTIN_FAMILY_MODULES:
         importlib.import_module(BUILTIN_FAMILY_MODULES[family])  # registers the family and its kinds
 
 
-def import_named_families(manifest: object) -> None:
-    """Import the module of each built-in family (:data:`BUILTIN_FAMILY_MODULES`) that ``manifest``
-    names with a ``"<family>_kind"`` key and that is not declared yet; anything else is ignored."""
-    if isinstance(manifest, Mapping):
-        for key in manifest:
-            if isinstance(key, str) and key.endswith("_kind"):
-                _import_family(key[: -len("_kind")])
-
-
 def register(kind: ArtefactKind, *, replace: bool = False) -> ArtefactKind:
-    """Register an SDK kind (see :meth:`sdk.kind_registry.KindRegistry.register`).
-
-    Raises
-    ------
-    UnknownKindError
-        Its family is not declared (:func:`register_family`).
-    InvalidInputError
-        Not an :class:`ArtefactKind`, a bad name, or a name already taken (without ``replace``).
-    """
-    if isinstance(kind, ArtefactKind):
-        _import_family(kind.family)
-    if isinstance(kind, ArtefactKind) and kind.family not in _FAMILIES:
-        raise UnknownKindError(f"unknown artefact family {kind.family!r}; registered: {sorted(_FAMILIES)}")
+    """Register an SDK kind (:meth:`sdk.kind_registry.KindRegistry.register`). Raises UnknownKindError for an
+    undeclared family, InvalidInputError for a kind that is not an :class:`ArtefactKind`, a bad or taken name."""
+    _import_family(getattr(kind, "family", ""))
+    if getattr(kind, "family", None) not in _FAMILIES:
+        raise UnknownKindError(f"unknown artefact family {getattr(kind, 'family', None)!r}; registered: "
+                               f"{sorted(_FAMILIES)}")
     return REGISTRY.register(kind, replace=replace)
 
 
@@ -133,15 +88,7 @@ def unregister(family: str, name: str) -> None:
 
 
 def unregister_family(name: str) -> None:
-    """Remove a family declared by :func:`register_family` and its kinds (tests: a toy family
-    would otherwise stay declared for the rest of the process, and be listed in every message that
-    lists the families); unknown names are ignored.
-
-    Raises
-    ------
-    InvalidInputError
-        ``name`` is one of the SDK's own families (router, embedder, selector, reward_scorer).
-    """
+    """Remove a family and its kinds (tests); unknown names are ignored. Raises InvalidInputError for a built-in one."""
     if name in (ROUTER_FAMILY, EMBEDDER_FAMILY, *BUILTIN_FAMILY_MODULES):
         raise InvalidInputError(f"family {name!r} is built in; it cannot be unregistered")
     for kind in REGISTRY.names(name):
@@ -150,7 +97,7 @@ def unregister_family(name: str) -> None:
 
 
 def get(family: str, name: str) -> ArtefactKind:
-    """The registered SDK kind ``name`` of ``family``; :class:`UnknownKindError` lists the valid ones."""
+    """The registered kind ``name`` of ``family``; :class:`UnknownKindError` lists the valid ones."""
     _import_family(family)
     return REGISTRY.get(family, name)
 
@@ -171,91 +118,123 @@ def manifest_key(family: str) -> str:
     return f"{family}_kind"
 
 
-def manifest_kinds(manifest: Mapping) -> dict[str, str]:
-    """``{family: kind}`` of every artefact the manifest carries (embedder included, ``"onnx"`` by
-    default), without checking that the kinds are registered (see :func:`check_manifest_kinds`)."""
-    import_named_families(manifest)
+def manifest_kinds(manifest: Mapping[str, Any]) -> dict[str, str]:
+    """``{family: kind name}`` of every artefact the manifest names (the embedder ``"onnx"`` by default)."""
+    for key in manifest:
+        if isinstance(key, str) and key.endswith("_kind"):
+            _import_family(key[: -len("_kind")])
     out = {fam: manifest[manifest_key(fam)] for fam in _FAMILIES if manifest_key(fam) in manifest}
     if needs_embedder(manifest):
         out.setdefault(EMBEDDER_FAMILY, DEFAULT_EMBEDDER_KIND)
     return out
 
 
-def needs_embedder(manifest: Mapping) -> bool:
-    """True unless every declared family the manifest names has ``needs_embedder=False`` (a bundle
-    naming no declared family, or only such families as routers, carries ``embedder`` and ``models``)."""
-    import_named_families(manifest)
+def needs_embedder(manifest: Mapping[str, Any]) -> bool:
+    """True unless every declared family the manifest names (the embedder aside) has ``needs_embedder=False``."""
     named = [fam for fam in _FAMILIES if fam != EMBEDDER_FAMILY and manifest_key(fam) in manifest]
     return not named or any(_FAMILIES[fam].needs_embedder for fam in named) or manifest_key(EMBEDDER_FAMILY) in manifest
 
 
-def check_manifest_kinds(manifest: Mapping) -> dict[str, ArtefactKind]:
-    """The registered kinds of a manifest's artefacts, after their own manifest checks.
+def check_manifest_kinds(manifest: dict[str, Any]) -> dict[str, ArtefactKind]:
+    """The registered kinds of a (format-checked) manifest's artefacts, after their own manifest checks.
 
     Raises
     ------
     BundleError
-        No artefact besides the embedder, an unknown kind (the message lists the registered ones),
-        a file a kind needs that is not listed, or a kind's own :meth:`ArtefactKind.check_manifest`.
+        No artefact besides the embedder, an unknown kind (the message lists the registered ones), the embedder
+        or model table missing where the family needs them, or a kind's :meth:`ArtefactKind.check_manifest`.
     """
     found = manifest_kinds(manifest)
     if set(found) == {EMBEDDER_FAMILY}:
         keys = [manifest_key(f) for f in sorted({*families(), *BUILTIN_FAMILY_MODULES}) if f != EMBEDDER_FAMILY]
         raise BundleError(f"manifest: names no artefact; expected one of {keys} (e.g. router_kind)")
+    fmt.need(EMBEDDER_FAMILY not in found or isinstance(manifest.get("embedder"), dict), "embedder must be an object")
+    fmt.need(ROUTER_FAMILY not in found or manifest.get("models"), "models must be a non-empty list of objects")
     out = {}
     for family, name in found.items():
         try:
-            kind = get(family, name)
+            out[family] = get(family, name)
         except UnknownKindError as exc:
             raise BundleError(f"manifest: {manifest_key(family)} {exc}") from None
-        kind.check_manifest(dict(manifest))
-        out[family] = kind
+        out[family].check_manifest(manifest)
     return out
 
 
 def carries_no(family: str, found: Mapping[str, str]) -> BundleError:
-    """The error for a bundle that carries no ``family`` artefact: it names the families it carries
-    (``found``, from :func:`manifest_kinds`) and the loader each declared (:attr:`Family.loader`)."""
+    """The error for a bundle carrying no ``family`` artefact: it names what it carries and their loaders."""
     held = {f: k for f, k in found.items() if f != EMBEDDER_FAMILY}
-    loaders = sorted({getattr(_FAMILIES.get(f), "loader", None) or "sdk.kinds.load_artefact" for f in held})
+    loaders = sorted({getattr(_FAMILIES.get(f), "loader", None) or "sdk.kinds.load_bundle" for f in held})
     hint = f"; load it with {' or '.join(loaders)}" if loaders else ""
     return BundleError(f"bundle carries no {family} (it carries {held}){hint}")
 
 
-def load_artefact(family: str, manifest: dict, files: Mapping[str, bytes], *, options=None,
-                  precision: str = "fp32", paths: Mapping[str, Any] | None = None) -> Any:
-    """Load the ``family`` artefact of a verified bundle through its kind (``paths``: the verified
-    files opened by path, see :attr:`LoadContext.paths`).
+def load_artefact(family: str, manifest: dict[str, Any], files: Mapping[str, bytes], *,
+                  options: SessionThreads | None = None, precision: str = "fp32",
+                  paths: Mapping[str, Any] | None = None) -> Any:
+    """The ``family`` runtime of a verified bundle, loaded by its kind (``paths``: files opened by path). Raises
+    BundleError when the bundle carries no ``family`` artefact or the kind refuses its files."""
+    found = manifest_kinds(manifest)
+    if family not in found:
+        raise carries_no(family, found)
+    kind = get(family, found[family])
+    runtime = kind.load(LoadContext(manifest, files, tuple(m["id"] for m in manifest.get("models", ())),
+                                    manifest.get("embedder", {}), options, precision, dict(paths or {})))
+    if not isinstance(runtime, _FAMILIES[family].interface):
+        raise BundleError(f"{family} kind {kind.name!r} loaded a {type(runtime).__name__}, which lacks the "
+                          f"{_FAMILIES[family].interface.__name__} interface")
+    return runtime
+
+
+def load_bundle(bundle_dir: str | os.PathLike[str], public_key: fmt.PublicKey, family: str, *,
+                precision: str = "auto", preference: Sequence[str] = ("fp32",), intra_op_threads: int = 1,
+                inter_op_threads: int = 1, min_bundle_version: int = 1) -> LoadedBundle:
+    """Verify and load the ``family`` artefact (and the query embedder, where the family needs it) of a bundle.
+
+    ``precision``: one of ``preference`` (the precisions this family's loader offers, preferred first), or
+    ``"auto"``: the first of them the bundle ships. Verification covers the signature, the schema and the sha256
+    of every file loaded; the other precisions' files are checked at install (:mod:`sdk.sync`) and by
+    :func:`sdk.bundle_manifest.verify_all`.
 
     Raises
     ------
     BundleError
-        The bundle carries no artefact of ``family``, or the kind's loader refuses the files.
+        Signature, schema or a used file's sha256 does not verify, a file is missing or unloadable, the bundle
+        carries no ``family`` artefact, lacks the precision, or is older than ``min_bundle_version``.
+    InvalidInputError
+        ``precision``, a thread count or ``min_bundle_version`` is not valid.
     """
-    kinds = manifest_kinds(manifest)
-    if family not in kinds:
-        raise carries_no(family, kinds)
-    kind = get(family, kinds[family])
-    runtime = kind.load(LoadContext(manifest, files, tuple(m["id"] for m in manifest.get("models", ())),
-                                    manifest.get("embedder", {}), options, precision, dict(paths or {})))
-    interface = _FAMILIES[family].interface
-    if not isinstance(runtime, interface):
-        raise BundleError(f"{family} kind {kind.name!r} loaded a {type(runtime).__name__}, which lacks the "
-                          f"{interface.__name__} interface")
-    return runtime
+    options = SessionThreads(intra_op_threads, inter_op_threads)
+    if precision != "auto" and precision not in preference:
+        raise InvalidInputError(f"precision must be 'auto' or one of {sorted(preference)}, got {precision!r}")
+    if isinstance(min_bundle_version, bool) or not isinstance(min_bundle_version, int):
+        raise InvalidInputError(f"min_bundle_version must be an int, got {min_bundle_version!r:.80}")
+    directory, manifest = fmt.read_manifest(bundle_dir, public_key)  # verify
+    found = check_manifest_kinds(manifest)
+    if manifest["bundle_version"] < min_bundle_version:
+        raise BundleError(f"bundle version {manifest['bundle_version']} is older than min_bundle_version "
+                          f"{min_bundle_version} (a superseded bundle)")
+    if family not in found:
+        raise carries_no(family, {f: k.name for f, k in found.items()})
+    used = {f: found[f] for f in (EMBEDDER_FAMILY, family) if f in found}  # plan
+    first = next(iter(used))
+    available = used[first].precisions(manifest)
+    want = next((p for p in preference if p in available), preference[-1]) if precision == "auto" else precision
+    if want not in available:
+        raise BundleError(f"bundle has no {want} {first} (it has {sorted(available)})")
+    wanted = [name for kind in used.values() for name in kind.files(manifest, want)]
+    by_path = [name for kind in used.values() for name in kind.path_files(manifest, want)]
+    with fmt.read_files(directory, manifest, wanted, by_path, verify_unused=False) as bundle:  # read
+        runtimes = {f: load_artefact(f, manifest, bundle.files, options=options, precision=want, paths=bundle.opened)
+                    for f in used}  # load
+    return LoadedBundle(manifest, want, runtimes)
 
-
-# -- the built-in kinds ------------------------------------------------------------------------
 
 register_family(ROUTER_FAMILY, RouterScorer, loader="sdk.Router.load")
 register_family(EMBEDDER_FAMILY, Embedder)
-
-for _kind in BUILTIN_KINDS:
+for _kind in (*BUILTIN_KINDS, StaticEmbedderKind()):
     register(_kind)
-register(StaticEmbedderKind())  # embedder/static (model2vec table), sdk/static_embedder.py
 
-
-__all__ = ["ArtefactKind", "Embedder", "Family", "LoadContext", "RouterScorer", "UnknownKindError", "carries_no",
-           "check_manifest_kinds",
-           "REGISTRY", "families", "get", "import_named_families", "load_artefact", "manifest_key", "manifest_kinds", "names", "needs_embedder", "register",
-           "register_family", "unregister", "unregister_family"]
+__all__ = ["ArtefactKind", "Embedder", "Family", "LoadContext", "LoadedBundle", "RouterScorer", "UnknownKindError",
+           "carries_no", "check_manifest_kinds", "REGISTRY", "families", "get", "load_artefact", "load_bundle",
+           "manifest_key", "manifest_kinds", "names", "needs_embedder", "register", "register_family", "unregister",
+           "unregister_family"]

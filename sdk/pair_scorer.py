@@ -1,17 +1,19 @@
-"""The ``onnx_pair`` graph's runtime: one binary preference selector as an onnxruntime session.
-
-Shared by the selector kinds of :mod:`sdk.selector` (one selector) and :mod:`sdk.routed_selector` (FedPrism's
-prompt router + experts, each expert an ``onnx_pair`` graph); the graph contract is in :mod:`sdk.selector`'s
-docstring. Only numpy, onnxruntime and ``tokenizers`` are used.
+"""The ``onnx_pair`` graph's runtime (one binary preference selector as an onnxruntime session) and the manifest
+checks shared by the selector kinds of :mod:`sdk.selector` and :mod:`sdk.routed_selector`; the graph contract is
+in :mod:`sdk.selector`'s docstring.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from sdk.embedder import FLOAT, INT64, MAX_QUERY_CHARS, check_graph_inputs, inference_session, load_tokenizer, run_session
+from sdk.bundle_manifest import need
+from sdk.embedder import (FLOAT, INT64, MAX_QUERY_CHARS, SessionThreads, check_graph_inputs, inference_session,
+                          load_tokenizer, run_session)
 from sdk.errors import BundleError, InvalidInputError
 from sdk.pair_encoding import LENGTH_FEATURE_NAMES, PairEncoder, PairEncodingConfig
 from sdk.pair_features import check_feature_names, pair_features_many
@@ -26,86 +28,47 @@ OPTIONAL_INPUTS = ("token_type_ids_a", "token_type_ids_b")
 OUTPUT_NAME = "logit"
 
 
-def need(cond: bool, what: str) -> None:
-    """Raise ``BundleError("manifest: <what>")`` unless ``cond``: one manifest rule of a selector bundle."""
-    if not cond:
-        raise BundleError(f"manifest: {what}")
-
-
-def selector_section(manifest: dict) -> dict:
-    """The manifest's ``selector`` object, checked to be an object with a non-empty ``name``.
-
-    Raises
-    ------
-    BundleError
-    """
-    sel = manifest.get("selector")
+def selector_section(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's ``selector`` object, with a non-empty ``name`` and the checked ``pair_features`` and
+    ``pair_encoding`` (BundleError otherwise)."""
+    sel: Any = manifest.get("selector")
     need(isinstance(sel, dict), "selector must be an object")
     need(isinstance(sel.get("name"), str) and sel["name"], "selector.name must be a non-empty string")
-    return sel
+    manifest_feature_names(sel)
+    need(isinstance(sel.get("pair_encoding"), dict), "selector.pair_encoding must be an object")
+    try:
+        PairEncodingConfig(**sel["pair_encoding"])
+    except (TypeError, InvalidInputError) as exc:
+        raise BundleError(f"manifest: selector.pair_encoding is invalid ({exc})") from exc
+    checked: dict[str, Any] = sel
+    return checked
 
 
-def manifest_feature_names(selector: dict) -> tuple[str, ...]:
-    """The head's pair features of a selector manifest entry: ``pair_features`` (checked names), or the 3 length
-    features for a bundle written before it was recorded; ``n_length_features`` must count them.
-
-    Raises
-    ------
-    BundleError
-        Unknown or repeated names, or a count that differs.
-    """
+def manifest_feature_names(selector: dict[str, Any]) -> tuple[str, ...]:
+    """The head's pair features: ``pair_features`` (checked names; the 3 length features when absent), counted by
+    ``n_length_features``. Raises BundleError otherwise."""
     try:
         names = check_feature_names(selector.get("pair_features", LENGTH_FEATURE_NAMES))
     except (InvalidInputError, TypeError) as exc:
         raise BundleError(f"manifest: selector.pair_features is invalid ({exc})") from exc
-    if selector.get("n_length_features") != len(names):
-        raise BundleError(f"manifest: selector.n_length_features must be {len(names)} (the pair features), "
-                          f"got {selector.get('n_length_features')!r}")
+    need(selector.get("n_length_features") == len(names), f"selector.n_length_features must be {len(names)} "
+         f"(the pair features), got {selector.get('n_length_features')!r}")
     return names
 
 
-def check_text(value: object, name: str) -> str:
-    """Return ``value`` if it is a non-blank ``str`` that encodes as UTF-8.
-
-    Raises
-    ------
-    InvalidInputError
-        Not a ``str``, empty / whitespace only, or holding lone surrogates.
-    """
-    if not isinstance(value, str):
-        raise InvalidInputError(f"{name} must be a str, got {type(value).__name__}")
-    if not value.strip():
-        raise InvalidInputError(f"{name} is empty or whitespace only")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidInputError(f"{name} is not valid Unicode ({exc.reason} at position {exc.start})") from exc
-    return value
-
-
 class OnnxPairScorer:
-    """The ``selector/onnx_pair`` runtime: tokenizer + pair encoding + one onnxruntime session.
-
-    Parameters
-    ----------
-    tokenizer_json : str, the backbone's ``tokenizer.json``.
-    model : bytes, the ONNX graph (module docstring).
-    encoding : PairEncodingConfig
-    options : onnxruntime ``SessionOptions``.
-    what : str, names the graph in error messages.
-    feature_names : the head's pair features (:mod:`sdk.pair_features` names, the manifest's
-        ``selector.pair_features``; the 3 length features for bundles that do not list them), fed as the graph's
-        ``length_features`` input of shape (batch, len(feature_names)).
+    """The ``selector/onnx_pair`` runtime: tokenizer + pair encoding + one onnxruntime session (``what`` names the
+    graph in errors); ``feature_names`` are fed as its ``length_features`` input (batch, len(feature_names)).
 
     Raises
     ------
     BundleError
-        The tokenizer or graph does not load, a special token of ``encoding`` is not in the vocabulary,
-        or the graph's inputs (names, element types)/outputs are not the contract.
+        The tokenizer or graph does not load, a special token of ``encoding`` is not in the vocabulary, or the
+        graph's inputs or outputs are not the contract.
     """
 
-    def __init__(self, tokenizer_json: str, model: bytes, encoding: PairEncodingConfig, options, what: str,
-                 feature_names: Sequence[str] = LENGTH_FEATURE_NAMES) -> None:
+    def __init__(self, tokenizer_json: str, model: bytes, encoding: PairEncodingConfig, options: SessionThreads | None,
+                 what: str, feature_names: Sequence[str] = LENGTH_FEATURE_NAMES) -> None:
         tokenizer = load_tokenizer(tokenizer_json)
         try:
             self._encoder = PairEncoder(tokenizer, encoding)
@@ -122,7 +85,7 @@ class OnnxPairScorer:
         self._what = what
         self._feature_names = tuple(feature_names)
 
-    def _feeds(self, prompt: str, first: Sequence[str], second: Sequence[str]) -> dict[str, np.ndarray]:
+    def _feeds(self, prompt: str, first: Sequence[str], second: Sequence[str]) -> dict[str, npt.NDArray[Any]]:
         n = len(first)
         seg_first = self._encoder.encode_segments([prompt] * n, list(first))
         seg_second = self._encoder.encode_segments([prompt] * n, list(second))
@@ -136,13 +99,8 @@ class OnnxPairScorer:
         feeds["length_features"] = pair_features_many([prompt] * n, list(first), list(second), self._feature_names)
         return {k: v for k, v in feeds.items() if k in self._inputs}
 
-    def _check_readable(self, seg: dict[str, np.ndarray]) -> None:
-        """Refuse a pair whose prompt or a response gave no token (rows of ``seg``: (x, y_a), (x, y_b)).
-
-        A text of control or zero-width characters only (``"\\x00"``, ``"\\u200b"``) passes
-        :func:`check_text` but the tokenizer drops every character: the graph would then score an
-        empty prompt or response, which :func:`check_text` refuses when it is written ``""``.
-        """
+    def _check_readable(self, seg: dict[str, npt.NDArray[np.int64]]) -> None:
+        """Refuse a pair whose prompt or a response gave no token (only control or zero-width characters)."""
         mask, types = seg["attention_mask"].sum(1), seg["token_type_ids"].sum(1)
         response_tokens = types - 1  # the response part ends with one separator
         prompt_tokens = mask - types - 1 - (self._encoder.config.prefix_token is not None)
@@ -154,16 +112,8 @@ class OnnxPairScorer:
                 f"characters in the {MAX_QUERY_CHARS:,} characters read?); there is nothing to compare")
 
     def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]:
-        """(l(a, b), l(b, a)) in one call of batch 2 (module docstring: each pair runs alone).
-
-        Raises
-        ------
-        InvalidInputError
-            ``x``, ``y_a`` or ``y_b`` has no token the tokenizer can read (e.g. only control or
-            zero-width characters), named in the message.
-        BundleError
-            onnxruntime fails to run the graph, or it returns other than two finite logits.
-        """
+        """(l(a, b), l(b, a)) in one call of batch 2 (each pair runs alone). Raises InvalidInputError naming a
+        text with no readable token, BundleError when the graph fails or returns other than two finite logits."""
         out = run_session(self._session, [OUTPUT_NAME], self._feeds(x, [y_a, y_b], [y_b, y_a]), self._what)[0]
         out = np.asarray(out, dtype=np.float64).reshape(-1)
         if out.shape != (2,) or not np.isfinite(out).all():

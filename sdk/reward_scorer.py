@@ -1,46 +1,36 @@
-"""``RewardScorer``: a client's own MoR reward model and the federated client router, on the device.
+"""``RewardScorer``: a client's own MoR reward model and the federated client router, on the device (MoR,
+paper 001: the reward model never leaves its client).
 
-A reward-scorer bundle (family ``reward_scorer``, kind ``mor``: the manifest says
-``"reward_scorer_kind": "mor"``, :mod:`sdk.kinds`; written by :mod:`export.reward_export`) lets a device
-score its own (prompt, response) pairs locally, with numpy, onnxruntime and tokenizers only (MoR,
-paper 001: the reward model never leaves its client). This module declares the family (runtime
-interface :class:`RewardGraphs`) and registers its two kinds at import: ``mor`` (:class:`MoRRewardScorerKind`,
-an MLP reward model on the pair features, files below) and ``mor_lora`` (:class:`MoRLoRARewardScorerKind`,
-a LoRA-tuned encoder with its adapter merged: ``reward.onnx`` reads the tokenised pair instead, see
-:class:`sdk.pair_tokenizer.PairTokenizer` and :func:`check_lora_reward_manifest`; ``reward_tokenizer.json`` is its tokenizer).
-
-- ``tokenizer.json`` + ``embedder.onnx``: the frozen sentence encoder ``e(.)`` (as :class:`sdk.Router`);
-- ``reward.onnx``: input ``features (batch, d_in) float32`` -> outputs ``raw (batch,)`` (the
-  Bradley-Terry reward ``R_k(x, y)``) and ``reward (batch,)`` (``(R_k - mu_k) / (sigma_k + eps)``,
-  clipped when the client clips: the normalised score the client returns to the server);
-- ``client_router.onnx``: input ``features (batch, d_in) float32`` -> output ``logits (batch, K)``,
-  the federated router ``g_phi`` over the K clients.
-
-The features are the trainer's ``Enc(x, y) = [e(x), e(y), l(y)]`` (``trainer.rewards.pair_features``):
-the embeddings of the prompt and of the response, then, when the manifest's ``features.length_features``
-is true, ``l(y) = log1p([characters, words, lines](y)) / length_scale`` from
-:func:`sdk.pair_encoding.length_features_many`, measured on the full response. A response that is empty
-or whitespace only is read as ``"(empty)"``, exactly as the trainer does.
-
-Loading verifies the signature and every hash before any file is used (:func:`sdk.bundle_manifest.read_verified`;
-the kind's :meth:`MoRRewardScorerKind.check_manifest` checks its fields), then that the graphs' inputs,
-outputs and widths agree with the manifest; any failure raises :class:`~sdk.errors.BundleError` and
-nothing is half-loaded.
+This module declares the family ``reward_scorer`` (runtime interface :class:`RewardGraphs`; bundles written by
+:mod:`export.reward_export`) and registers its kinds: ``mor`` (an MLP reward model on the pair features) and
+``mor_lora`` (a LoRA-tuned encoder with its adapter merged, reading the tokenised pair,
+:class:`sdk.pair_tokenizer.PairTokenizer`, with ``reward_tokenizer.json``). Files: ``tokenizer.json`` +
+``embedder.onnx`` (the frozen sentence encoder ``e(.)``); ``reward.onnx``: ``features (batch, d_in) float32`` ->
+``raw (batch,)`` (the Bradley-Terry reward ``R_k(x, y)``) and ``reward (batch,)`` (``(R_k - mu_k) / (sigma_k +
+eps)``, clipped when the client clips); ``client_router.onnx``: ``features`` -> ``logits (batch, K)``, the router
+``g_phi`` over the K clients. The features are the trainer's ``Enc(x, y) = [e(x), e(y), l(y)]``
+(``trainer.rewards.pair_features``), ``l(y) = log1p([characters, words, lines](y)) / length_scale`` when
+``features.length_features`` is true; a blank response is read as ``"(empty)"``, as the trainer does.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 
 from sdk import bundle_manifest as fmt
 from sdk import kinds
-from sdk.artefact_kind import ArtefactKind, LoadContext
-from sdk.embedder import FLOAT, INT64, MAX_QUERY_CHARS, check_graph_inputs, inference_session, load_tokenizer, run_session, session_options
+from sdk.artefact_kind import ArtefactKind, LoadContext, utf8_file
 from sdk.arrays import finite_rows
+from sdk.bundle_manifest import need
+from sdk.embedder import (FLOAT, INT64, MAX_QUERY_CHARS, SessionThreads, check_graph_inputs, check_text,
+                          inference_session, load_tokenizer, run_session)
 from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
 from sdk.pair_encoding import length_features_many
 from sdk.pair_tokenizer import PairTokenizer
@@ -52,34 +42,25 @@ REWARD_FILE = "reward.onnx"
 CLIENT_ROUTER_FILE = "client_router.onnx"
 EMPTY_RESPONSE = "(empty)"
 
+F32 = npt.NDArray[np.float32]
 
-def check_reward_manifest(manifest: dict) -> None:
-    """The ``reward_scorer/mor`` fields of a manifest (after the common schema): ``client``,
-    ``clients``, ``features``, ``reward`` and the two graph files.
 
-    Raises
-    ------
-    BundleError
-        The first violation, naming the field.
-    """
-    def need(cond: bool, what: str) -> None:
-        if not cond:
-            raise BundleError(f"manifest: {what}")
-
-    clients = manifest.get("clients")
+def check_reward_manifest(manifest: dict[str, Any]) -> None:
+    """The ``reward_scorer/mor`` fields: ``client``, ``clients``, ``features``, ``reward`` and the two graph files.
+    Raises BundleError naming the first field that violates its rule."""
+    clients: Any = manifest.get("clients")
     need(isinstance(clients, list) and len(clients) >= 2 and all(isinstance(c, str) and c for c in clients)
          and len(set(clients)) == len(clients), "clients must list >= 2 distinct client names")
-    client = manifest.get("client")
-    need(isinstance(client, dict) and isinstance(client.get("index"), int) and not isinstance(client.get("index"), bool)
-         and 0 <= client["index"] < len(clients) and client.get("name") == clients[client["index"]],
-         "client must be {name, index} with clients[index] == name")
-    features = manifest.get("features")
+    client: Any = manifest.get("client")
+    need(isinstance(client, dict) and type(client.get("index")) is int and 0 <= client["index"] < len(clients)
+         and client.get("name") == clients[client["index"]], "client must be {name, index} with clients[index] == name")
+    features: Any = manifest.get("features")
     need(isinstance(features, dict) and isinstance(features.get("length_features"), bool)
          and isinstance(features.get("d_in"), int) and features["d_in"] > 0,
          "features must hold length_features (bool) and d_in (int > 0)")
-    if features["length_features"]:
-        scale = finite_float(features.get("length_scale"))
-        need(scale is not None and scale > 0, "features.length_scale must be a finite number > 0")
+    scale = finite_float(features.get("length_scale"))
+    need(not features["length_features"] or (scale is not None and scale > 0),
+         "features.length_scale must be a finite number > 0")
     expected = 2 * manifest["embedder"]["dim"] + (3 if features["length_features"] else 0)
     need(features["d_in"] == expected, f"features.d_in {features['d_in']} != 2 * embedder.dim"
          f"{' + 3' if features['length_features'] else ''} = {expected}")
@@ -103,9 +84,9 @@ class RewardGraphs(Protocol):
     ``logits(features) -> (n, K)`` float32: the client router's logits.
     """
 
-    def reward(self, features: np.ndarray, prompts: list[str] | None, responses: list[str] | None) -> dict[str, np.ndarray]: ...
+    def reward(self, features: F32, prompts: list[str] | None, responses: list[str] | None) -> dict[str, F32]: ...
 
-    def logits(self, features: np.ndarray) -> np.ndarray: ...
+    def logits(self, features: F32) -> F32: ...
 
 
 @dataclass(frozen=True)
@@ -126,56 +107,37 @@ class ClientChoice:
 
 def _check_texts(prompts: object, responses: object) -> tuple[list[str], list[str]]:
     for name, value in (("prompts", prompts), ("responses", responses)):
-        if isinstance(value, str) or not isinstance(value, Sequence):
-            raise InvalidQueryError(f"{name} must be a list of str, got {type(value).__name__}")
-    if len(prompts) != len(responses):
-        raise InvalidQueryError(f"{len(prompts)} prompts but {len(responses)} responses")
-    if len(prompts) == 0:
-        raise InvalidQueryError("prompts is empty")
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        if not isinstance(p, str):
-            raise InvalidQueryError(f"prompts[{i}] must be a str, got {type(p).__name__}")
-        if not p.strip():
-            raise InvalidQueryError(f"prompts[{i}] is empty or whitespace only; there is nothing to score")
-        if not isinstance(r, str):
-            raise InvalidQueryError(f"responses[{i}] must be a str, got {type(r).__name__}")
-        for name, text in (("prompts", p), ("responses", r)):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise InvalidQueryError(f"{name}[{i}] is not valid Unicode ({exc.reason} at position {exc.start})") from exc
-    return list(prompts), [r if r.strip() else EMPTY_RESPONSE for r in responses]
+        if isinstance(value, str) or not isinstance(value, Sequence) or len(value) == 0:
+            raise InvalidQueryError(f"{name} must be a non-empty list of str, got {type(value).__name__}")
+    if len(prompts) != len(responses):  # type: ignore[arg-type]
+        raise InvalidQueryError(f"{len(prompts)} prompts but {len(responses)} responses")  # type: ignore[arg-type]
+    out: list[str] = []
+    for i, (p, r) in enumerate(zip(prompts, responses)):  # type: ignore[call-overload]
+        check_text(p, f"prompts[{i}]", InvalidQueryError, "; there is nothing to score")
+        blank = isinstance(r, str) and not r.strip()
+        out.append(EMPTY_RESPONSE if blank else check_text(r, f"responses[{i}]", InvalidQueryError))
+    return list(prompts), out  # type: ignore[call-overload]
 
 
 class _Graph:
     """One ONNX graph with a single ``features (batch, d_in)`` input; checks its outputs on load."""
 
-    def __init__(self, model: bytes, what: str, d_in: int, outputs: dict[str, int | None], options) -> None:
+    def __init__(self, model: bytes, what: str, d_in: int, outputs: dict[str, int | None],
+                 options: SessionThreads | None) -> None:
         self._session = inference_session(model, options, what)
         check_graph_inputs(self._session, {"features": FLOAT}, {}, what)
-        shape = self._session.get_inputs()[0].shape
-        width = shape[-1] if shape else None
-        if isinstance(width, int) and width != d_in:
-            raise BundleError(f"{what}: input width {width}, the manifest declares d_in {d_in}")
-        have = {o.name: o for o in self._session.get_outputs()}
-        for name, last in outputs.items():
-            if name not in have:
-                raise BundleError(f"{what}: no output {name!r} (outputs: {sorted(have)})")
-            shape = have[name].shape
-            if last is not None and shape and isinstance(shape[-1], int) and shape[-1] != last:
-                raise BundleError(f"{what}: output {name!r} has width {shape[-1]}, expected {last}")
+        widths = {o.name: (o.shape or [None])[-1] for o in self._session.get_outputs()}
+        declared = {"features": (self._session.get_inputs()[0].shape or [None])[-1], **widths}
+        for name, want in {"features": d_in, **outputs}.items():
+            if name not in declared or (want is not None and isinstance(declared[name], int) and declared[name] != want):
+                raise BundleError(f"{what}: {name!r} of width {want or 'any'} expected (the manifest's d_in and "
+                                  f"clients), the graph has widths {declared}")
         self._outputs = list(outputs)
         self._widths, self._what = dict(outputs), what
 
-    def run(self, features: np.ndarray) -> dict[str, np.ndarray]:
-        """The outputs for ``features`` (n, d_in) float32, each as float32.
-
-        Raises
-        ------
-        BundleError
-            onnxruntime fails to run the graph, or an output with a declared width has another
-            shape than (n, width).
-        """
+    def run(self, features: F32) -> dict[str, F32]:
+        """The outputs for ``features`` (n, d_in) float32, each as float32. Raises BundleError when the graph
+        fails or an output with a declared width is not (n, width)."""
         values = run_session(self._session, self._outputs, {"features": features}, self._what)
         out = {n: np.asarray(v, dtype=np.float32) for n, v in zip(self._outputs, values)}
         for name, width in self._widths.items():
@@ -191,11 +153,12 @@ class _MoRGraphs:
     def __init__(self, reward: _Graph, router: _Graph) -> None:
         self._reward, self._router = reward, router
 
-    def reward(self, features: np.ndarray, prompts=None, responses=None) -> dict[str, np.ndarray]:
+    def reward(self, features: F32, prompts: list[str] | None = None,
+               responses: list[str] | None = None) -> dict[str, F32]:
         out = self._reward.run(features)
         return {"raw": out["raw"].reshape(-1), "reward": out["reward"].reshape(-1)}
 
-    def logits(self, features: np.ndarray) -> np.ndarray:
+    def logits(self, features: F32) -> F32:
         return self._router.run(features)["logits"]
 
 
@@ -205,10 +168,10 @@ class MoRRewardScorerKind(ArtefactKind):
     family = FAMILY
     name = KIND
 
-    def files(self, manifest: dict, precision: str) -> tuple[str, ...]:
+    def files(self, manifest: dict[str, Any], precision: str) -> tuple[str, ...]:
         return (REWARD_FILE, CLIENT_ROUTER_FILE)
 
-    def check_manifest(self, manifest: dict) -> None:
+    def check_manifest(self, manifest: dict[str, Any]) -> None:
         check_reward_manifest(manifest)
 
     def load(self, context: LoadContext) -> _MoRGraphs:
@@ -234,36 +197,28 @@ LORA_REQUIRED_INPUTS = ("input_ids", "attention_mask")
 LORA_OPTIONAL_INPUTS = ("token_type_ids", "lengths")
 
 
-def check_lora_reward_manifest(manifest: dict) -> None:
-    """:func:`check_reward_manifest`, plus the ``mor_lora`` fields: ``reward.encoder`` =
-    ``{"base_model": str, "max_tokens": int in [2, 65536], "truncation_side": "left"|"right", "length_term": bool,
-    "lora": {...}}`` and ``reward_tokenizer.json`` among the files.
-
-    Raises
-    ------
-    BundleError
-        The first violation, naming the field.
-    """
+def check_lora_reward_manifest(manifest: dict[str, Any]) -> None:
+    """:func:`check_reward_manifest` plus ``reward.encoder`` = ``{"base_model": str, "max_tokens": int in [2, 65536],
+    "truncation_side": "left"|"right", "length_term": bool, "lora": {...}}`` and ``reward_tokenizer.json``.
+    Raises BundleError naming the first field that violates its rule."""
     check_reward_manifest(manifest)
     enc = manifest["reward"].get("encoder")
-    ok = (isinstance(enc, dict) and isinstance(enc.get("base_model"), str)
-          and isinstance(enc.get("max_tokens"), int) and not isinstance(enc.get("max_tokens"), bool)
-          and 2 <= enc["max_tokens"] <= MAX_QUERY_CHARS
-          and enc.get("truncation_side") in ("left", "right") and isinstance(enc.get("length_term"), bool))
-    if not ok:
-        raise BundleError(f"manifest: reward.encoder must hold base_model (str), max_tokens (int in [2, {MAX_QUERY_CHARS}]), "
-                          "truncation_side ('left'|'right') and length_term (bool)")
-    if enc["length_term"] and not manifest["features"].get("length_scale"):
-        raise BundleError("manifest: reward.encoder.length_term needs features.length_scale")
-    if REWARD_TOKENIZER_FILE not in manifest["files"]:
-        raise BundleError(f"manifest: {REWARD_TOKENIZER_FILE} is not listed in files")
+    need(isinstance(enc, dict) and isinstance(enc.get("base_model"), str) and type(enc.get("max_tokens")) is int
+         and 2 <= enc["max_tokens"] <= MAX_QUERY_CHARS and enc.get("truncation_side") in ("left", "right")
+         and isinstance(enc.get("length_term"), bool),
+         f"reward.encoder must hold base_model (str), max_tokens (int in [2, {MAX_QUERY_CHARS}]), truncation_side "
+         "('left'|'right') and length_term (bool)")
+    need(not enc["length_term"] or manifest["features"].get("length_scale"),
+         "reward.encoder.length_term needs features.length_scale")
+    need(REWARD_TOKENIZER_FILE in manifest["files"], f"{REWARD_TOKENIZER_FILE} is not listed in files")
 
 
 class _LoRARewardGraph:
     """``reward.onnx`` of kind ``mor_lora``: tokenised pair (+ ``lengths (batch, 3)`` float32) -> ``raw``,
     ``reward`` (batch,) float32. Checks its inputs and outputs on load."""
 
-    def __init__(self, model: bytes, tokenizer: PairTokenizer, length_scale: float, options, batch_size: int = 16) -> None:
+    def __init__(self, model: bytes, tokenizer: PairTokenizer, length_scale: float, options: SessionThreads | None,
+                 batch_size: int = 16) -> None:
         self._session = inference_session(model, options, REWARD_FILE)
         inputs = [i.name for i in self._session.get_inputs()]
         check_graph_inputs(self._session, dict.fromkeys(LORA_REQUIRED_INPUTS, INT64),
@@ -274,7 +229,7 @@ class _LoRARewardGraph:
         self._inputs, self._tokenizer = inputs, tokenizer
         self._length_scale, self._batch = float(length_scale), int(batch_size)
 
-    def __call__(self, prompts: list[str], responses: list[str]) -> dict[str, np.ndarray]:
+    def __call__(self, prompts: list[str], responses: list[str]) -> dict[str, F32]:
         raw, reward = [], []
         for s in range(0, len(prompts), self._batch):
             p, r = prompts[s : s + self._batch], responses[s : s + self._batch]
@@ -292,13 +247,14 @@ class _LoRAMoRGraphs:
     def __init__(self, reward: _LoRARewardGraph, router: _Graph) -> None:
         self._reward, self._router = reward, router
 
-    def reward(self, features: np.ndarray, prompts=None, responses=None) -> dict[str, np.ndarray]:
+    def reward(self, features: F32, prompts: list[str] | None = None,
+               responses: list[str] | None = None) -> dict[str, F32]:
         if prompts is None or responses is None:
             raise InvalidQueryError("this client's reward model (kind 'mor_lora') reads the prompt and response "
                                     "texts: pass them with the features")
         return self._reward(list(prompts), list(responses))
 
-    def logits(self, features: np.ndarray) -> np.ndarray:
+    def logits(self, features: F32) -> F32:
         return self._router.run(features)["logits"]
 
 
@@ -310,19 +266,16 @@ class MoRLoRARewardScorerKind(ArtefactKind):
     family = FAMILY
     name = LORA_KIND
 
-    def files(self, manifest: dict, precision: str) -> tuple[str, ...]:
+    def files(self, manifest: dict[str, Any], precision: str) -> tuple[str, ...]:
         return (REWARD_FILE, CLIENT_ROUTER_FILE, REWARD_TOKENIZER_FILE)
 
-    def check_manifest(self, manifest: dict) -> None:
+    def check_manifest(self, manifest: dict[str, Any]) -> None:
         check_lora_reward_manifest(manifest)
 
     def load(self, context: LoadContext) -> _LoRAMoRGraphs:
         manifest = context.manifest
         enc, features = manifest["reward"]["encoder"], manifest["features"]
-        try:
-            tokenizer_json = context.files[REWARD_TOKENIZER_FILE].decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise BundleError(f"{REWARD_TOKENIZER_FILE} is not UTF-8 text ({exc})") from exc
+        tokenizer_json = utf8_file(context, REWARD_TOKENIZER_FILE)
         try:
             tokenizer = PairTokenizer(load_tokenizer(tokenizer_json, REWARD_TOKENIZER_FILE), enc["max_tokens"], enc["truncation_side"])
         except InvalidInputError as exc:
@@ -338,19 +291,13 @@ if LORA_KIND not in kinds.names(FAMILY):
 
 
 class RewardScorer:
-    """A client's reward model and the client router, loaded from a verified bundle. Use :meth:`load`.
+    """A client's reward model and the client router from a verified bundle (use :meth:`load`); thread-safe.
 
-    Attributes
-    ----------
-    client_name, client_index : this device's client.
-    client_names : tuple of the K client names, in the router's order.
-    bundle_version : int.
-    d_in : width of the pair features.
-
-    Thread-safe after loading (no state changes; onnxruntime's ``run`` is thread-safe).
+    Attributes: ``client_name``, ``client_index`` (this device's client), ``client_names`` (the K clients in the
+    router's order), ``bundle_version``, ``d_in`` (width of the pair features).
     """
 
-    def __init__(self, manifest: dict, embedder, graphs: RewardGraphs) -> None:
+    def __init__(self, manifest: dict[str, Any], embedder: kinds.Embedder, graphs: RewardGraphs) -> None:
         self._manifest = copy.deepcopy(manifest)
         self._embedder, self._graphs = embedder, graphs
         self.client_names = tuple(manifest["clients"])
@@ -363,65 +310,37 @@ class RewardScorer:
         self._length_scale = float(features.get("length_scale", 1.0))
 
     @property
-    def manifest(self) -> dict:
+    def manifest(self) -> dict[str, Any]:
         """A copy of the bundle's verified manifest."""
         return copy.deepcopy(self._manifest)
 
     @classmethod
-    def load(cls, bundle_dir, public_key, *, intra_op_threads: int = 1, inter_op_threads: int = 1,
-             min_bundle_version: int = 1) -> RewardScorer:
-        """Verify and load the reward-scorer bundle at ``bundle_dir``.
-
-        Parameters
-        ----------
-        bundle_dir : path of a bundle written by ``fedroute mor export``.
-        public_key : path of ``signing.pub``, its PEM text (str or bytes) or an ``Ed25519PublicKey``.
-        intra_op_threads, inter_op_threads : onnxruntime thread counts, integers in [1, 1024].
-        min_bundle_version : refuse a bundle older than this (a replayed, superseded bundle).
+    def load(cls, bundle_dir: str | os.PathLike[str], public_key: fmt.PublicKey, *, intra_op_threads: int = 1,
+             inter_op_threads: int = 1, min_bundle_version: int = 1) -> RewardScorer:
+        """Verify and load the reward-scorer bundle at ``bundle_dir`` (``fedroute mor export``), as
+        :meth:`sdk.Router.load` (:func:`sdk.kinds.load_bundle`; the fp32 embedder).
 
         Raises
         ------
         BundleError
-            Signature or a sha256 does not verify, a file is missing or unloadable, the bundle is not a
-            reward scorer (e.g. a router bundle), is older than ``min_bundle_version``, or its graphs
-            disagree with the manifest (input width, number of clients).
+            Signature or a used file's sha256 does not verify, a file is missing or unloadable, the bundle is not
+            a reward scorer, is older than ``min_bundle_version``, or its graphs disagree with the manifest.
         InvalidInputError
             A thread count or ``min_bundle_version`` that is not valid.
         """
-        if isinstance(min_bundle_version, bool) or not isinstance(min_bundle_version, int):
-            raise InvalidInputError(f"min_bundle_version must be an int, got {min_bundle_version!r}")
-        options = session_options(intra_op_threads, inter_op_threads)
-
-        def files_needed(manifest: dict):
-            if manifest["bundle_version"] < min_bundle_version:
-                raise BundleError(f"bundle version {manifest['bundle_version']} is older than "
-                                  f"min_bundle_version {min_bundle_version} (a superseded bundle)")
-            found = kinds.manifest_kinds(manifest)
-            if FAMILY not in found:
-                raise kinds.carries_no(FAMILY, found)
-            return tuple(name for family, kind in found.items()
-                         for name in kinds.get(family, kind).files(manifest, "fp32"))
-
-        verified = fmt.read_verified(bundle_dir, public_key, wanted=files_needed)
-        manifest = verified.manifest
-        embedder = kinds.load_artefact(kinds.EMBEDDER_FAMILY, manifest, verified.files, options=options, precision="fp32")
-        graphs = kinds.load_artefact(FAMILY, manifest, verified.files, options=options)
-        return cls(manifest, embedder, graphs)
+        loaded = kinds.load_bundle(bundle_dir, public_key, FAMILY, intra_op_threads=intra_op_threads,
+                                   inter_op_threads=inter_op_threads, min_bundle_version=min_bundle_version)
+        return cls(loaded.manifest, loaded.runtimes[kinds.EMBEDDER_FAMILY], loaded.runtimes[FAMILY])
 
     # -- features --------------------------------------------------------------------------------
 
-    def features(self, prompts: Sequence[str], responses: Sequence[str]) -> np.ndarray:
-        """The pair features ``[e(x), e(y), l(y)]``: ndarray of shape (n, d_in), float32.
-
-        Raises
-        ------
-        InvalidQueryError
-            Not two lists of str of the same non-zero length, or a blank prompt.
-        """
+    def features(self, prompts: Sequence[str], responses: Sequence[str]) -> F32:
+        """The pair features ``[e(x), e(y), l(y)]``: (n, d_in) float32. Raises InvalidQueryError unless given two
+        lists of str of one non-zero length, with no blank prompt."""
         prompts, responses = _check_texts(prompts, responses)
         return self._features(prompts, responses)
 
-    def _features(self, prompts: list[str], responses: list[str]) -> np.ndarray:
+    def _features(self, prompts: list[str], responses: list[str]) -> F32:
         texts = list(dict.fromkeys(prompts + responses))
         try:
             vecs = self._embedder.embed(texts)
@@ -429,14 +348,10 @@ class RewardScorer:
             raise InvalidQueryError(f"{self._unreadable(prompts, responses)} has no token the embedder can read "
                                     "(only whitespace, control or zero-width characters?)") from exc
         row = {t: i for i, t in enumerate(texts)}
-        parts = [vecs[[row[p] for p in prompts]], vecs[[row[r] for r in responses]]]
+        parts: list[npt.NDArray[Any]] = [vecs[[row[p] for p in prompts]], vecs[[row[r] for r in responses]]]
         if self._length:
-
             parts.append(length_features_many(responses, [""] * len(responses)) / self._length_scale)
-        out = np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
-        if out.shape[1] != self.d_in:
-            raise BundleError(f"features have width {out.shape[1]}, the bundle declares {self.d_in}")
-        return out
+        return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)  # width checked by the manifest
 
     def _unreadable(self, prompts: list[str], responses: list[str]) -> str:
         """``prompts[i]`` or ``responses[i]``, the first text the embedder refuses (called after it refused one)."""
@@ -450,18 +365,10 @@ class RewardScorer:
 
     # -- scores and routing ------------------------------------------------------------------------
 
-    def score_batch(self, prompts: Sequence[str], responses: Sequence[str], *, normalised: bool = True) -> np.ndarray:
-        """This client's reward of each pair: ndarray of shape (n,), float32.
-
-        ``normalised=True`` (default) gives the z-normalised (and clipped, if the client clips) score
-        the client would return to the server; False the raw Bradley-Terry reward.
-
-        Raises
-        ------
-        InvalidQueryError
-        InvalidInputError
-            ``normalised`` is not a bool (None or 0 was taken as False).
-        """
+    def score_batch(self, prompts: Sequence[str], responses: Sequence[str], *, normalised: bool = True) -> F32:
+        """This client's reward of each pair, (n,) float32: z-normalised (and clipped, if the client clips), as the
+        client returns it to the server, or the raw Bradley-Terry reward (``normalised=False``).
+        Raises InvalidQueryError, or InvalidInputError when ``normalised`` is not a bool."""
         if not isinstance(normalised, (bool, np.bool_)):
             raise InvalidInputError(f"normalised must be True or False, got {type(normalised).__name__} "
                                     f"{normalised!r:.80}")
@@ -470,21 +377,11 @@ class RewardScorer:
         return out["reward" if normalised else "raw"]
 
     def score(self, prompt: str, response: str, *, normalised: bool = True) -> float:
-        """:meth:`score_batch` of one pair, as a float.
-
-        Raises
-        ------
-        InvalidQueryError, InvalidInputError
-        """
+        """:meth:`score_batch` of one pair, as a float. Raises InvalidQueryError, InvalidInputError."""
         return float(self.score_batch([prompt], [response], normalised=normalised)[0])
 
     def route_batch(self, prompts: Sequence[str], responses: Sequence[str]) -> list[ClientChoice]:
-        """The federated router's client choice for each pair.
-
-        Raises
-        ------
-        InvalidQueryError
-        """
+        """The federated router's client choice for each pair. Raises InvalidQueryError."""
         prompts, responses = _check_texts(prompts, responses)
         logits = self._graphs.logits(self._features(prompts, responses))
         picks = logits.argmax(axis=1)
@@ -492,19 +389,13 @@ class RewardScorer:
                 for k, row in zip(picks, logits)]
 
     def route(self, prompt: str, response: str) -> ClientChoice:
-        """:meth:`route_batch` of one pair.
-
-        Raises
-        ------
-        InvalidQueryError
-        """
+        """:meth:`route_batch` of one pair. Raises InvalidQueryError."""
         return self.route_batch([prompt], [response])[0]
 
-    def scores_from_features(self, features: np.ndarray, prompts: Sequence[str] | None = None,
-                             responses: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        """Outputs of the graphs for precomputed features (n, d_in) float32: ``raw``, ``reward`` (n,),
-        ``logits`` (n, K). For parity checks against the trainer on the same features. A reward model
-        that reads the texts (kind ``mor_lora``) needs the n ``prompts`` and ``responses`` too.
+    def scores_from_features(self, features: npt.ArrayLike, prompts: Sequence[str] | None = None,
+                             responses: Sequence[str] | None = None) -> dict[str, F32]:
+        """The graphs' outputs ``raw``, ``reward`` (n,) and ``logits`` (n, K) for precomputed (n, d_in) float32
+        features (parity checks); a kind that reads the texts (``mor_lora``) needs the n ``prompts`` and ``responses``.
 
         Raises
         ------
@@ -513,12 +404,13 @@ class RewardScorer:
         InvalidQueryError
             Texts that are not valid (or missing, for a kind that reads them), or not n of them.
         """
-        features = finite_rows(features, self.d_in, "features")
+        x = finite_rows(features, self.d_in, "features")
+        texts: tuple[list[str] | None, list[str] | None] = (None, None)
         if prompts is not None or responses is not None:
-            prompts, responses = _check_texts(prompts, responses)
-            if len(prompts) != features.shape[0]:
-                raise InvalidQueryError(f"{len(prompts)} pairs of texts for {features.shape[0]} rows of features")
-        return self._graphs.reward(features, prompts, responses) | {"logits": self._graphs.logits(features)}
+            texts = _check_texts(prompts, responses)
+            if len(texts[0]) != x.shape[0]:
+                raise InvalidQueryError(f"{len(texts[0])} pairs of texts for {x.shape[0]} rows of features")
+        return self._graphs.reward(x, *texts) | {"logits": self._graphs.logits(x)}
 
     def __repr__(self) -> str:
         return (f"RewardScorer(client={self.client_name!r}, clients={len(self.client_names)}, "

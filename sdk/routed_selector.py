@@ -25,16 +25,22 @@ Manifest: ``"selector_kind": "routed_onnx_pair"`` and ``"selector"`` = ``{"name"
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from sdk import bundle_manifest as fmt
 from sdk import kinds
+from sdk.artefact_kind import utf8_file
 from sdk.arrays import is_npz
+from sdk.bundle_manifest import need
 from sdk.embedder import OnnxEmbedder
 from sdk.errors import BundleError
 from sdk.pair_encoding import PairEncodingConfig
-from sdk.pair_scorer import FAMILY, SELECTOR_FILES, OnnxPairScorer, manifest_feature_names, need, selector_section
+from sdk.pair_scorer import FAMILY, SELECTOR_FILES, OnnxPairScorer, manifest_feature_names, selector_section
+
+F32 = npt.NDArray[np.float32]
 
 KIND = "routed_onnx_pair"
 ROUTER_FILE = "prompt_router.npz"
@@ -48,17 +54,12 @@ def expert_file(k: int, precision: str) -> str:
     return SELECTOR_FILES[precision].replace("selector", f"expert_{k}")
 
 
-def load_router_arrays(data: bytes, dim: int, n_experts: int) -> dict[str, np.ndarray]:
+def load_router_arrays(data: bytes, dim: int, n_experts: int) -> dict[str, F32]:
     """The four float32 arrays of ``prompt_router.npz``, shapes checked against ``dim`` and ``n_experts``.
-
-    Raises
-    ------
-    BundleError
-        Not an ``.npz``, an array missing, of another shape, or not finite.
-    """
-    if not is_npz(data):
-        raise BundleError(f"{ROUTER_FILE} is not an .npz archive")
+    Raises BundleError for a file that is not such an ``.npz`` or holds non-finite values."""
     try:
+        if not is_npz(data):
+            raise ValueError("not an .npz archive")
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             arrays = {k: np.asarray(z[k], dtype=np.float32) for k in ROUTER_ARRAYS}
     except (KeyError, ValueError, OSError) as exc:
@@ -72,26 +73,21 @@ def load_router_arrays(data: bytes, dim: int, n_experts: int) -> dict[str, np.nd
 
 
 class RoutedPairScorer:
-    """The ``selector/routed_onnx_pair`` runtime: prompt embedder -> prompt router -> the routed expert.
+    """The ``selector/routed_onnx_pair`` runtime: prompt ``embedder`` -> prompt ``router`` (:func:`load_router_arrays`)
+    -> the routed one of the shipped ``experts`` (router index -> scorer)."""
 
-    Parameters
-    ----------
-    embedder : OnnxEmbedder of the prompts.
-    router : dict of :data:`ROUTER_ARRAYS` (see :func:`load_router_arrays`).
-    experts : {router index: OnnxPairScorer} of the shipped experts.
-    """
-
-    def __init__(self, embedder: OnnxEmbedder, router: dict[str, np.ndarray], experts: dict[int, OnnxPairScorer]) -> None:
+    def __init__(self, embedder: OnnxEmbedder, router: dict[str, F32], experts: dict[int, OnnxPairScorer]) -> None:
         self._embedder = embedder
         self._router = router
         self._experts = experts
         self._shipped = np.array(sorted(experts), dtype=np.int64)
 
-    def router_logits(self, x: str) -> np.ndarray:
+    def router_logits(self, x: str) -> F32:
         """The prompt router's logits for prompt ``x``: ndarray (M,) float32 (every expert, shipped or not)."""
         e = self._embedder.embed([x])[0]
         r = self._router
-        return np.tanh(r["w1"] @ e + r["b1"]) @ r["w2"].T + r["b2"]
+        logits: F32 = np.tanh(r["w1"] @ e + r["b1"]) @ r["w2"].T + r["b2"]
+        return logits
 
     def route(self, x: str) -> int:
         """Router index of the expert that scores prompt ``x`` (argmax over the shipped experts)."""
@@ -108,24 +104,23 @@ class RoutedOnnxPairSelectorKind(kinds.ArtefactKind):
 
     family = FAMILY
     name = KIND
-    round_handler = None
 
-    def precisions(self, manifest: dict) -> tuple[str, ...]:
+    def precisions(self, manifest: dict[str, Any]) -> tuple[str, ...]:
         sel = manifest["selector"]
         return tuple(p for p in sel["files"] if p in sel["prompt_embedder"]["files"])
 
-    def files(self, manifest: dict, precision: str) -> tuple[str, ...]:
+    def files(self, manifest: dict[str, Any], precision: str) -> tuple[str, ...]:
         sel = manifest["selector"]
         emb = sel["prompt_embedder"]
         return (fmt.TOKENIZER_FILE, EMBEDDER_TOKENIZER_FILE, emb["files"][precision], ROUTER_FILE,
                 *sel["files"][precision])
 
-    def check_manifest(self, manifest: dict) -> None:
+    def check_manifest(self, manifest: dict[str, Any]) -> None:
         files = manifest["files"]
         sel = selector_section(manifest)
-        n = sel.get("n_experts")
+        n: Any = sel.get("n_experts")
         need(isinstance(n, int) and not isinstance(n, bool) and n >= 1, "selector.n_experts must be an int >= 1")
-        shipped = sel.get("experts")
+        shipped: Any = sel.get("experts")
         need(isinstance(shipped, list) and shipped and all(isinstance(k, int) and 0 <= k < n for k in shipped)
              and shipped == sorted(set(shipped)), "selector.experts must list distinct router indices in [0, n_experts), ascending")
         need(isinstance(sel.get("files"), dict) and sel["files"], "selector.files must map precision -> expert files")
@@ -134,7 +129,7 @@ class RoutedOnnxPairSelectorKind(kinds.ArtefactKind):
             need(names == [expert_file(k, precision) for k in shipped],
                  f"selector.files[{precision!r}] must name the shipped experts' graphs in order")
             need(all(name in files for name in names), f"a {precision} expert graph is not listed in files")
-        emb = sel.get("prompt_embedder")
+        emb: Any = sel.get("prompt_embedder")
         need(isinstance(emb, dict) and isinstance(emb.get("files"), dict), "selector.prompt_embedder.files must be an object")
         for precision, name in emb["files"].items():
             need(precision in EMBEDDER_FILES and name == EMBEDDER_FILES[precision] and name in files,
@@ -142,23 +137,14 @@ class RoutedOnnxPairSelectorKind(kinds.ArtefactKind):
         need(isinstance(emb.get("dim"), int) and emb["dim"] >= 1, "selector.prompt_embedder.dim must be an int >= 1")
         need(isinstance(emb.get("max_tokens"), int) and emb["max_tokens"] >= 8, "selector.prompt_embedder.max_tokens must be an int >= 8")
         need(emb.get("truncation_side") in ("left", "right"), "selector.prompt_embedder.truncation_side must be left or right")
-        manifest_feature_names(sel)
-        try:
-            PairEncodingConfig(**sel.get("pair_encoding"))
-        except Exception as exc:  # noqa: BLE001 - TypeError / InvalidInputError: one clear message
-            raise BundleError(f"manifest: selector.pair_encoding is invalid ({exc})") from exc
         for name in (fmt.TOKENIZER_FILE, EMBEDDER_TOKENIZER_FILE, ROUTER_FILE):
             need(name in files, f"{name} is not listed in files")
 
     def load(self, context: kinds.LoadContext) -> RoutedPairScorer:
         sel, precision = context.manifest["selector"], context.precision
         emb = sel["prompt_embedder"]
-        try:
-            tokenizer_json = context.files[fmt.TOKENIZER_FILE].decode("utf-8")
-            embedder_tokenizer = context.files[EMBEDDER_TOKENIZER_FILE].decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise BundleError(f"a tokenizer file is not UTF-8 ({exc})") from exc
-        embedder = OnnxEmbedder(embedder_tokenizer, context.files[emb["files"][precision]], emb["dim"], emb["max_tokens"],
+        tokenizer_json = utf8_file(context, fmt.TOKENIZER_FILE)
+        embedder = OnnxEmbedder(utf8_file(context, EMBEDDER_TOKENIZER_FILE), context.files[emb["files"][precision]], emb["dim"], emb["max_tokens"],
                                 emb["truncation_side"], context.options, batched=precision == "fp32")
         router = load_router_arrays(context.files[ROUTER_FILE], emb["dim"], sel["n_experts"])
         encoding = PairEncodingConfig(**sel["pair_encoding"])

@@ -302,6 +302,7 @@ class SyncClient:
             return current, False
         raw = answer.content
         manifest = fmt.verify_manifest(raw, self.public_key)
+        kinds.check_manifest_kinds(manifest)  # registered kinds and their fields: refused before install
         version = int(manifest["bundle_version"])
         installed = (current is None or version > current) and self._install(manifest, raw)
         in_use = bundle_install.read_version(self.bundle_dir)

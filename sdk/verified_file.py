@@ -1,27 +1,13 @@
-"""A bundle file hashed from one open descriptor and handed to a native library by path.
+"""Bundle files opened once, hashed from that descriptor, and handed to a native library by path.
 
-Large graphs (the ONNX encoder: 28-90 MB) are not read into Python memory to be verified and then
-copied again by onnxruntime: :class:`VerifiedFile` opens the file once (``O_NOFOLLOW``, regular
-files only), streams its sha256 from that descriptor, and keeps the descriptor open. A library is
-then given :attr:`VerifiedFile.library_path`, which names the *open file*, not the bundle path:
-
-- Linux: ``/proc/self/fd/<fd>`` (re-opening it opens the same inode, even if the bundle path has
-  been renamed, replaced or unlinked meanwhile), likewise ``/dev/fd/<fd>`` on macOS and the BSDs
-  (there a re-open shares the descriptor's offset, so it is rewound to 0 first);
-- elsewhere (Windows) the bundle path itself: a file Python holds open there cannot be renamed,
-  replaced or deleted (no ``FILE_SHARE_DELETE``), and :meth:`VerifiedFile.check_unchanged` also
-  compares the path's device and file index with the descriptor's.
-
-What is left is a write *into* the verified inode between the hash and the library's read. The
-file's identity (device, inode, size, mtime and ctime in ns) is recorded when it is opened and
-compared after hashing and again by :meth:`VerifiedFile.check_unchanged`, called once the library
-has loaded it; any write or ``utime`` sets ctime to the current time, so a change is seen unless
-it lands within the same filesystem timestamp tick as the hash (a few ms on Linux before 6.13).
-Renaming another file over the path or unlinking it also changes the verified inode's ctime, so
-that too is refused (the library read the verified inode, but the load fails closed).
-Bundle files are never written in place (a new version is a new directory, published by renaming
-a link: :mod:`sdk.bundle_install`), so that residue needs write access to the installed version's
-own files, which also lets an attacker replace them before any check.
+A large graph (the ONNX encoder: 28-90 MB) is not read into Python memory: :class:`VerifiedFile` opens it
+(``O_NOFOLLOW``, regular files only), streams its sha256 from that descriptor and keeps it open; the library
+is given :attr:`VerifiedFile.library_path`, which names the open file (``/proc/self/fd/<fd>`` on Linux,
+``/dev/fd/<fd>`` on macOS and the BSDs; on Windows the path itself, which cannot be replaced while Python
+holds it open). A write into the verified inode between the hash and the library's read changes its ctime:
+:meth:`VerifiedFile.check_unchanged` compares the identity (device, inode, size, mtime, ctime in ns) recorded
+at the hash and fails closed, unless the write lands within the same timestamp tick. Bundle files are never
+written in place (:mod:`sdk.bundle_install` publishes a new version as a new directory).
 """
 
 from __future__ import annotations
@@ -39,10 +25,7 @@ CHUNK = 1 << 20
 
 
 def open_regular(path: Path) -> int:
-    """A read-only descriptor on ``path``, which must be a regular file and not a symlink.
-
-    The checks run on the opened descriptor (``fstat``), so a path swapped after the check is
-    never read; ``O_NONBLOCK`` keeps a FIFO from blocking the open.
+    """A read-only descriptor on ``path``, a regular file and not a symlink (checked on the descriptor).
 
     Raises
     ------
@@ -53,18 +36,38 @@ def open_regular(path: Path) -> int:
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     try:
         fd = os.open(path, flags)
-    except FileNotFoundError as exc:
-        raise BundleError(f"{path.name}: missing from bundle {path.parent}") from exc
-    except OSError as exc:  # ELOOP for a symlink, EISDIR, EACCES, ...
-        if path.is_symlink():  # O_NOFOLLOW's ELOOP reads "Too many levels of symbolic links" for one link
-            raise BundleError(f"{path.name}: cannot be opened as a regular file: it is a symbolic link (to "
-                              f"{os.readlink(path)!s:.200}); a bundle's files must be regular files in its folder "
-                              "(copy a bundle with its files, e.g. `cp -rL`, not links to them)") from exc
-        raise BundleError(f"{path.name}: cannot be opened as a regular file ({exc.strerror})") from exc
+    except OSError as exc:  # ENOENT; ELOOP for a symlink, EISDIR, EACCES, ...
+        why = f"cannot be opened as a regular file: {exc.strerror}"
+        if isinstance(exc, FileNotFoundError) and not path.is_symlink():
+            why = f"missing from bundle {path.parent}"
+        elif path.is_symlink():  # O_NOFOLLOW's ELOOP reads "Too many levels of symbolic links" for one link
+            why = (f"cannot be opened as a regular file: it is a symbolic link (to {os.readlink(path)!s:.200}); a "
+                   "bundle's files must be regular files in its folder (copy a bundle with its files, e.g. `cp -rL`, "
+                   "not links to them)")
+        raise BundleError(f"{path.name}: {why}") from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise BundleError(f"{path.name}: is not a regular file")
     return fd
+
+
+def read_descriptor(fd: int, name: str, limit: int) -> bytes:
+    """All bytes of the open file ``fd`` (closed afterwards). Raises BundleError on a read error or over ``limit``."""
+    try:
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise BundleError(f"{name}: cannot be read ({exc})") from exc
+    if len(data) > limit:
+        raise BundleError(f"{name}: over the {limit}-byte limit")
+    return data
+
+
+def check_digest(name: str, actual: str, digest: str) -> None:
+    """Raise BundleError unless the file's hex sha256 ``actual`` is the manifest's ``digest``."""
+    if actual != digest:
+        raise BundleError(f"{name}: sha256 {actual[:16]}… does not match the manifest's {digest[:16]}… "
+                          "(file corrupt or tampered)")
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
@@ -72,50 +75,31 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
 
 
 def sha256_of_descriptor(fd: int, name: str, limit: int) -> str:
-    """Hex sha256 of the open file ``fd`` from offset 0, streamed in :data:`CHUNK` blocks.
-
-    Raises
-    ------
-    BundleError
-        More than ``limit`` bytes, or a read error.
-    """
+    """Hex sha256 of the open file ``fd`` from offset 0. Raises BundleError on a read error or over ``limit``."""
     h = hashlib.sha256()
     read = 0
     try:
         os.lseek(fd, 0, os.SEEK_SET)
-        while block := os.read(fd, CHUNK):
+        while (block := os.read(fd, CHUNK)) and read <= limit:
             read += len(block)
-            if read > limit:
-                raise BundleError(f"{name}: over the {limit}-byte limit")
             h.update(block)
     except OSError as exc:
         raise BundleError(f"{name}: cannot be read ({exc})") from exc
+    if read > limit:
+        raise BundleError(f"{name}: over the {limit}-byte limit")
     return h.hexdigest()
 
 
 class VerifiedFile:
-    """A bundle file whose sha256 matched ``digest``, kept open for a library to load by path.
+    """A bundle file at ``path`` whose sha256 matched ``digest`` (at most ``limit`` bytes), kept open.
 
-    Parameters
-    ----------
-    path : Path of the file inside the (resolved) bundle directory.
-    digest : the manifest's lower-case hex sha256 of the file.
-    limit : largest accepted size in bytes.
-
-    Attributes
-    ----------
-    name : the file name.
-    size : size in bytes.
-    library_path : str to give a library that opens the file itself (see the module docstring).
+    Attributes: ``name``, ``size`` (bytes), ``library_path`` (what to give a library that opens the file).
+    Close it with :meth:`close` or as a context manager (also closed when garbage-collected).
 
     Raises
     ------
     BundleError
-        The file cannot be opened as a regular file, is over ``limit``, changed while it was
-        hashed, or its sha256 is not ``digest``.
-
-    Use as a context manager, or call :meth:`close`; the descriptor is also closed when the object
-    is garbage-collected.
+        Not a regular file, over ``limit``, changed while it was hashed, or its sha256 is not ``digest``.
     """
 
     def __init__(self, path: Path, digest: str, limit: int) -> None:
@@ -129,9 +113,7 @@ class VerifiedFile:
             self._identity = _identity(os.fstat(self._fd))
             if self._identity != before:
                 raise BundleError(f"{self.name}: changed while it was being verified")
-            if actual != digest:
-                raise BundleError(f"{self.name}: sha256 {actual[:16]}… does not match the manifest's {digest[:16]}… "
-                                  "(file corrupt or tampered)")
+            check_digest(self.name, actual, digest)
             self.size = self._identity[2]
             self.library_path = self._descriptor_path()
         except BaseException:
@@ -150,19 +132,16 @@ class VerifiedFile:
         return str(self._path)
 
     def check_unchanged(self) -> None:
-        """Raise :class:`BundleError` if the file's identity differs from the verified one (call it
-        once the library has read the file; see the module docstring for what this covers)."""
-        if self._closer.alive:
-            now = _identity(os.fstat(self._fd))
-            same_path = True
-            if self.library_path == str(self._path):  # no descriptor path: the path must still name it
-                try:
-                    same_path = os.path.samestat(os.stat(self._path), os.fstat(self._fd))
-                except OSError:
-                    same_path = False
-            if now == self._identity and same_path:
-                return
-        raise BundleError(f"{self.name}: changed after it was verified (or was closed); not loaded")
+        """Raise :class:`BundleError` if the file's identity differs from the verified one (call it once the
+        library has read the file)."""
+        same = self._closer.alive and _identity(os.fstat(self._fd)) == self._identity
+        if same and self.library_path == str(self._path):  # no descriptor path: the path must still name it
+            try:
+                same = os.path.samestat(os.stat(self._path), os.fstat(self._fd))
+            except OSError:
+                same = False
+        if not same:
+            raise BundleError(f"{self.name}: changed after it was verified (or was closed); not loaded")
 
     def close(self) -> None:
         """Close the descriptor (idempotent)."""
@@ -171,7 +150,7 @@ class VerifiedFile:
     def __enter__(self) -> VerifiedFile:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -297,7 +297,7 @@ def test_a_new_family_is_exported_loaded_and_removed_as_the_plugin_doc_says(sign
         bundle = bundle_manifest.read_verified(tmp_path / "bundle", signing_keys[1])
         assert sdk_kinds.load_artefact(TOY_FAMILY, bundle.manifest, bundle.files).score("hello") == 3.5
         with pytest.raises(BundleError, match=r"^bundle carries no router \(it carries \{'lengthscore': 'linear'\}\); "
-                                              r"load it with sdk.kinds.load_artefact$"):  # it declared no loader
+                                              r"load it with sdk.kinds.load_bundle$"):  # it declared no loader
             Router.load(tmp_path / "bundle", signing_keys[1])
         with pytest.raises(ExportError, match="holds a lengthscore bundle; refusing to replace it with a router"):
             write_bundle(tmp_path / "bundle", files, {"bundle_version": 2, "router_kind": "kmeans"}, key)

@@ -13,7 +13,7 @@ import pytest
 
 from sdk import Router
 from sdk import bundle_manifest as fmt
-from sdk.errors import BundleError
+from sdk.errors import BundleError, InvalidInputError
 from sdk.verified_file import VerifiedFile, open_regular
 
 
@@ -131,42 +131,6 @@ def test_router_load_leaves_no_descriptor_open(three_precisions, signing_keys):
     assert set(os.listdir("/proc/self/fd")) <= before
 
 
-def test_background_reads_hand_out_only_verified_bytes(copy, signing_keys):
-    """read_verified(background_bytes=...) (Router.load: the static table) returns before the large files
-    are hashed; a lookup waits and gives the same bytes, or raises for a corrupt file; nothing stays open."""
-    names = ["kmeans.npz", "tokenizer.json", "embedder.int8.onnx"]
-    expected = {n: (copy / n).read_bytes() for n in names}
-    before = set(os.listdir("/proc/self/fd"))
-    with fmt.read_verified(copy, signing_keys[1], wanted=names, verify_unused=False, background_bytes=1) as verified:
-        assert sorted(verified.files) == sorted(names) and len(verified.files) == 3
-        assert {n: verified.files[n] for n in names} == expected
-    flip_a_bit(copy / "embedder.int8.onnx")
-    with fmt.read_verified(copy, signing_keys[1], wanted=names, verify_unused=False,
-                           background_bytes=1 << 20) as verified:
-        assert verified.files["kmeans.npz"] == expected["kmeans.npz"]  # small: read and checked at once
-        for _ in range(2):  # refused at every lookup, never handed out
-            with pytest.raises(BundleError, match=r"embedder.int8.onnx: sha256 .* does not match"):
-                verified.files["embedder.int8.onnx"]
-        with pytest.raises(BundleError, match=r"embedder.int8.onnx: sha256 .* does not match"):
-            verified.files.check_all()  # what Router.load calls for files no kind looked up
-    with fmt.read_verified(copy, signing_keys[1], wanted=names, verify_unused=False, background_bytes=1):
-        pass  # never looked up: close() waits for the workers
-    assert set(os.listdir("/proc/self/fd")) <= before
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
-def test_background_reads_only_with_a_second_cpu():
-    from sdk import router as router_module
-
-    cpus = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, {min(cpus)})
-        assert router_module._background_bytes() is None
-    finally:
-        os.sched_setaffinity(0, cpus)
-    assert router_module._background_bytes() == (router_module.BACKGROUND_BYTES if len(cpus) > 1 else None)
-
-
 def test_a_bundle_file_that_is_a_symbolic_link_is_named_as_one(tmp_path):
     """A manifest.json linked to a copy outside the bundle was refused as "cannot be opened as a regular file
     (Too many levels of symbolic links)": O_NOFOLLOW's ELOOP, which reads as a link loop for one plain link."""
@@ -184,3 +148,47 @@ def test_a_bundle_file_that_is_a_symbolic_link_is_named_as_one(tmp_path):
     (bundle / "manifest.json").symlink_to(tmp_path / "missing")  # a dangling link: still a link, not "missing"
     with pytest.raises(BundleError, match=r"^manifest.json: .*symbolic link"):
         open_regular(bundle / "manifest.json")
+
+
+LOADERS = {"router": lambda *a, **k: Router.load(*a, **k), "selector": lambda *a, **k: _selector().load(*a, **k),
+           "reward_scorer": lambda *a, **k: _reward().load(*a, **k)}
+
+
+def _selector():
+    from sdk.selector import Selector
+
+    return Selector
+
+
+def _reward():
+    from sdk.reward_scorer import RewardScorer
+
+    return RewardScorer
+
+
+@pytest.mark.parametrize("family", sorted(LOADERS))
+@pytest.mark.parametrize("option, value", [("intra_op_threads", 0), ("inter_op_threads", True),
+                                           ("min_bundle_version", "2"), ("precision", "fp16")])
+def test_every_loader_refuses_a_bad_option_before_reading_the_bundle(tmp_path, family, option, value):
+    """One loader (sdk.kinds.load_bundle) checks the options of every family, naming the option."""
+    if family == "reward_scorer" and option == "precision":
+        pytest.skip("RewardScorer.load has no precision (it loads the fp32 embedder)")
+    with pytest.raises(InvalidInputError, match=f"^{option} must be"):
+        LOADERS[family](tmp_path / "never-read", b"never read", **{option: value})
+
+
+@pytest.mark.parametrize("family", ["selector", "reward_scorer"])
+def test_a_router_bundle_given_to_another_family_names_its_loader(three_precisions, signing_keys, family):
+    with pytest.raises(BundleError, match=rf"^bundle carries no {family} \(it carries \{{'router': 'kmeans'\}}\); "
+                                          r"load it with sdk.Router.load$"):
+        LOADERS[family](three_precisions, signing_keys[1])
+
+
+def test_bundle_manifest_is_the_file_format_only():
+    """The format module imports no kind registry (issue 30): the registry imports it, not the other way."""
+    import ast
+
+    tree = ast.parse(Path(fmt.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+               {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not imported & {"sdk.kinds", "sdk.builtin_kinds", "sdk.kind_registry", "sdk.artefact_kind"}

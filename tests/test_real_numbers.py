@@ -83,7 +83,7 @@ def test_an_int_of_thousands_of_digits_is_a_clear_error_at_every_numeric_boundar
     """Python cannot str() an int of over 4,300 digits (ValueError): messages that quoted the bad value
     turned a clear refusal into a traceback. A str number is shown as a str, not as the number."""
     from sdk import EvalLog
-    from sdk.embedder import check_threads
+    from sdk.embedder import SessionThreads
     from sdk.errors import InvalidInputError
     from sdk.routed_chat import check_budget
     from sdk.token_prices import TokenPrice
@@ -100,7 +100,7 @@ def test_an_int_of_thousands_of_digits_is_a_clear_error_at_every_numeric_boundar
         "TokenPrice": lambda v: TokenPrice(v, 1.0),
         "TokenPrice.cost_usd": lambda v: TokenPrice(1.0, 1.0).cost_usd(v, 1),
         "check_budget": check_budget,
-        "check_threads": check_threads,
+        "SessionThreads": SessionThreads,
     }
     for name, call in calls.items():
         with pytest.raises(InvalidInputError, match="an integer of about 5001 digits"):

@@ -49,7 +49,7 @@ def test_bad_lambdas_raise_invalid_lambda_error(router, lam, match):
 
 
 @pytest.mark.parametrize("queries, match", [
-    ([], "queries is empty"), ("just one string", "list of str"), (["fine", "  "], r"queries\[1\] is empty"),
+    ([], r"non-empty list of str, got \[\]"), ("just one string", "list of str"), (["fine", "  "], r"queries\[1\] is empty"),
     (["fine", 3], r"queries\[1\] must be a str"),
 ])
 def test_bad_batches_raise_invalid_query_error(router, queries, match):

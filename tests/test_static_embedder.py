@@ -181,7 +181,7 @@ def test_split_tokenizer_with_a_mismatched_added_token_id_is_refused():
 
 @pytest.mark.parametrize("data, match", [
     (b"not a zip", "not a readable .npy or .npz"),
-    ("wrong_dim", "dimension 4"),
+    ("wrong_dim", "dimension 4, the manifest declares 3"),
     ("nan", "NaN or inf"),
     ("zero_scale", "scales must be finite and > 0"),
     ("float32", "expected float16"),
