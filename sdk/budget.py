@@ -1,50 +1,14 @@
 """``BudgetController``: keep the realised spend per 1,000 queries on a budget while traffic shifts.
 
-:meth:`sdk.Router.lam_for_budget` calibrates ``lam`` once, on a sample; when the traffic's task mix
-moves away from the sample the spend moves with it (a budget calibrated on a mixed RouterBench
-sample ran 38% over on a winogrande-only stream). The controller closes the loop. Its state is a
-*predicted-spend target* ``s`` (USD per query), started at the budget ``b = budget_usd_per_1k /
-1000``, and two sliding windows of the last ``window`` queries: the router's predictions of the
-queries routed (:meth:`choose`) and the realised costs reported (:meth:`record`).
-
-Routing (feed-forward, every :meth:`choose`). On the predictions in the window the mean predicted
-cost of the router's decisions is a step function ``S(lam)`` of ``lam`` (:class:`sdk.spend_curve.
-SpendCurve`, exact). The controller routes with the randomised threshold policy that meets ``s``
-in expectation on the window: at ``lam_low`` (a step whose spend is ``>= s``) with probability
-``p_low`` and at ``lam_high`` (the next step, spend ``<= s``) otherwise,
-``p_low = (s - S(lam_high)) / (S(lam_low) - S(lam_high))`` (:meth:`sdk.spend_curve.SpendCurve.
-mix_for`). A router whose decisions are coarse (a K-means router: every query of a Voronoi cell
-switches model at the same ``lam``) thereby still meets a target between two of its steps; for a
-fine-grained router (MLP) ``p_low`` mixes two nearly equal ``lam``. :attr:`lam` is ``lam_high``,
-the smallest step of ``lam`` whose predicted spend fits ``s`` (what ``lam_for_budget`` would give
-on the window, to its bisection tolerance).
-
-Correction (feedback, every :meth:`record`). The router's predicted costs can be biased for the
-current traffic, so the realised spend ``R`` (mean of the recorded costs in the window) is compared
-with the budget and the target moves by a bounded multiplicative step, an integral controller in
-log space::
-
-    log s  <-  log s - clip((gain / window) * log(R / b), -max_step, +max_step)
-    s      <-  min(max(s, b / TARGET_RANGE), b * TARGET_RANGE)
-
-applied from the ``min(window, MIN_RECORDS)``-th record on. ``gain / window`` makes the correction
-per *window* of records about ``gain`` times the log-error, whatever the window; the clamp on
-``s`` keeps an unreachable budget from winding the target up without bound. Defaults
-(:data:`DEFAULT_GAIN`, :data:`DEFAULT_MAX_STEP`) were chosen on validation streams drawn from the
-RouterBench *train* split by ``benchmarks/budget_controller_settings.py``, never on the test split.
-
-Drift warning. Once the window of realised costs is full, ``|R / b - 1| > tolerance`` logs a
-warning (logger ``fedroute.budget``) and appends a :class:`BudgetEvent` of kind ``"drift"``; the
-return within tolerance appends ``"recovered"``. The state is re-examined at most once per window
-of records after a change, so a spend that hovers at the tolerance does not flood the log. A spend target below the cost of the router's
-cheapest decisions on the window appends ``"unreachable"`` (and ``"reachable"`` when it is met
-again). Events are kept in :attr:`events` (the last :data:`MAX_EVENTS`) and passed, as they happen,
-to the ``on_event`` callback if one is given (called in the thread of :meth:`choose` or
-:meth:`record`, after the controller's lock is released; an exception it raises propagates to that
-caller, the controller's state being already updated).
-
-Thread-safe: :meth:`choose` and :meth:`record` may run concurrently (one lock around the state; the
-embedding, the costly part of :meth:`choose`, runs outside it).
+Feed-forward: on the router's predictions for the last ``window`` queries the predicted spend is a step
+function ``S(lam)`` (:class:`sdk.spend_curve.SpendCurve`); each query is routed by the randomised
+threshold policy that meets the predicted-spend target ``s`` in expectation (``lam_low`` with
+probability ``p_low = (s - S(lam_high)) / (S(lam_low) - S(lam_high))``, else ``lam_high``). Feedback:
+an integral controller in log space moves ``s`` by the realised spend ``R`` of the window,
+``log s <- log s - clip((gain / window) * log(R / b), -max_step, max_step)``, ``s`` clamped to
+``[b / TARGET_RANGE, b * TARGET_RANGE]``; drift beyond ``tolerance`` and an unreachable target are
+:class:`BudgetEvent` s. Rule, defaults (chosen on RouterBench train streams by
+``benchmarks/budget_controller_settings.py``) and figures: docs/budgets.md. Thread-safe.
 """
 
 from __future__ import annotations
@@ -57,21 +21,24 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from sdk.arrays import real_array
 from sdk.errors import InvalidInputError, ShapeError, UnknownModelError
-from sdk.real_numbers import finite_float, is_real_number, shown
-from sdk.router import check_query
+from sdk.real_numbers import finite_float, shown
+from sdk.router import Router, check_query
 from sdk.spend_curve import Mix, SpendCurve, row_steps
 from sdk.utility import _decide_unchecked
 
 log = logging.getLogger("fedroute.budget")
+_F64 = npt.NDArray[np.float64]
 
-#: Correction per window of records, as a multiple of the log-error ``log(R / b)`` (see the module docstring).
 #: Largest ``window`` accepted (queries): its ring buffers take (n_models + 1) floats per query.
 MAX_WINDOW = 1_000_000
+#: Correction per window of records, as a multiple of the log-error ``log(R / b)``.
 DEFAULT_GAIN = 1.0
 #: Largest change of ``log s`` per record.
 DEFAULT_MAX_STEP = 0.05
@@ -88,19 +55,9 @@ MIN_BUDGET_USD_PER_1K = 1000.0 * sys.float_info.min
 
 @dataclass(frozen=True)
 class BudgetEvent:
-    """Something the app may want to act on.
-
-    Attributes
-    ----------
-    kind : ``"drift"`` (realised spend over the window left ``budget * (1 +- tolerance)``),
-        ``"recovered"`` (back within it), ``"unreachable"`` (the spend target is below the predicted
-        cost of the router's cheapest decisions on the window) or ``"reachable"`` (met again).
-    n_chosen, n_recorded : queries routed and costs recorded when it happened.
-    realised_usd_per_1k : realised spend over the window, USD per 1,000 queries (None: no record yet).
-    budget_usd_per_1k : the budget, USD per 1,000 queries.
-    lam : the controller's ``lam`` then, USD^-1.
-    message : one line for a log.
-    """
+    """``kind``: ``"drift"`` (the window's realised spend left ``budget * (1 +- tolerance)``), ``"recovered"``,
+    ``"unreachable"`` (the target is below the cheapest decisions' predicted cost) or ``"reachable"``;
+    spends in USD per 1,000 queries (``realised_usd_per_1k`` None before a record), ``lam`` in USD^-1."""
 
     kind: str
     n_chosen: int
@@ -112,33 +69,22 @@ class BudgetEvent:
 
 
 def _positive_real(name: str, value: object) -> float:
-    if not is_real_number(value):
-        raise InvalidInputError(f"{name} must be a real number, got {shown(value)}")
     out = finite_float(value)
-    if out is None and isinstance(value, numbers.Rational):  # a rational is never NaN or inf: beyond the float range
-        raise InvalidInputError(f"{name} must be finite, got an integer too large for a float")
     if out is None or out <= 0:
         raise InvalidInputError(f"{name} must be a finite number > 0, got {shown(value)}")
     return out
 
 
 def check_budget_floor(value: float, given: object) -> None:
-    """Refuse a budget (``value``, USD per 1,000 queries, already a finite float > 0; ``given`` as the
-    caller passed it, for the message) below :data:`MIN_BUDGET_USD_PER_1K`: ``b / TARGET_RANGE`` and
-    ``1e-12 * b`` would underflow to 0, and the controller takes their log.
-
-    Raises
-    ------
-    InvalidInputError
-    """
+    """Raise :class:`InvalidInputError` for a budget ``value`` (USD per 1,000 queries, a finite float > 0;
+    ``given`` as passed) below :data:`MIN_BUDGET_USD_PER_1K`, where the controller's bounds underflow."""
     if value < MIN_BUDGET_USD_PER_1K:
         raise InvalidInputError(f"budget_usd_per_1k must be at least {MIN_BUDGET_USD_PER_1K:.3g} USD per "
                                 f"1,000 queries (a smaller budget underflows), got {shown(given)}")
 
 
 def _mean(values: deque[float]) -> float:
-    """The exact mean of finite floats >= 0 (``math.fsum``), also where their sum exceeds the float range
-    (``fsum`` raises OverflowError there: each value is then divided by ``n`` first)."""
+    """The exact mean of finite floats >= 0, also where their sum exceeds the float range."""
     try:
         return math.fsum(values) / len(values)
     except OverflowError:
@@ -146,9 +92,7 @@ def _mean(values: deque[float]) -> float:
 
 
 class BudgetController:
-    """Route with ``router`` so that the realised spend stays at ``budget_usd_per_1k`` USD per 1,000 queries.
-
-    See the module docstring for the rule. Typical use::
+    """Route with ``router`` so that the realised spend stays at ``budget_usd_per_1k`` USD per 1,000 queries::
 
         controller = BudgetController(router, budget_usd_per_1k=0.50)
         model = controller.choose(prompt)          # a model id of router.model_ids
@@ -157,67 +101,59 @@ class BudgetController:
 
     Parameters
     ----------
-    router : an :class:`sdk.Router` (anything with ``model_ids`` and ``predict(queries) ->
-        (accuracy, cost)``, each ``(n_queries, n_models)``, cost in USD per query).
-    budget_usd_per_1k : float > 0, finite: the budget, USD per 1,000 queries.
-    window : int in [1, :data:`MAX_WINDOW`]: queries in each sliding window (predictions and realised costs).
-    tolerance : float > 0: relative deviation of the windowed realised spend from the budget that
-        raises a ``"drift"`` event (0.10 = +-10%).
-    seed : int >= 0 or None: seed of the randomised mixing (None: fresh entropy).
-    gain : float > 0: feedback gain per window of records (module docstring).
-    max_step : float > 0: bound on the change of ``log s`` per record.
-    on_event : callable taking a :class:`BudgetEvent`, or None.
+    router : an :class:`sdk.Router` (``model_ids``; ``predict(queries)`` -> accuracy, cost, each
+        ``(n_queries, n_models)``, cost in USD per query).
+    budget_usd_per_1k : float > 0, at least :data:`MIN_BUDGET_USD_PER_1K`.
+    window : int in [1, :data:`MAX_WINDOW`], queries in each sliding window.
+    tolerance : float > 0, relative deviation of the realised spend that is a ``"drift"`` (0.10 = +-10%).
+    seed : int >= 0 or None (fresh entropy), of the randomised mixing.
+    gain, max_step : float > 0, the feedback's gain per window and bound on the change of ``log s`` per record.
+    on_event : callable taking each :class:`BudgetEvent` (after the lock is released), or None.
 
     Raises
     ------
     InvalidInputError
-        A budget, tolerance, gain or max_step that is not a finite number > 0 (NaN, inf, 0,
-        negative, bool, str...), a budget below ``1000 * sys.float_info.min`` (~2.2e-305, it would
-        underflow); a window that is not an int in [1, MAX_WINDOW]; a seed that is not None or an
-        int >= 0; a router without ``model_ids`` and ``predict``; an ``on_event`` that is not callable.
+        Any of these out of its range or of another type.
     """
 
-    def __init__(self, router, budget_usd_per_1k: float, *, window: int = 200, tolerance: float = 0.10,
+    def __init__(self, router: Router, budget_usd_per_1k: float, *, window: int = 200, tolerance: float = 0.10,
                  seed: int | None = None, gain: float = DEFAULT_GAIN, max_step: float = DEFAULT_MAX_STEP,
                  on_event: Callable[[BudgetEvent], None] | None = None) -> None:
-        if not hasattr(router, "model_ids") or not callable(getattr(router, "predict", None)):
-            raise InvalidInputError(f"router must be an sdk.Router (model_ids and predict), got {type(router).__name__}")
-        self.budget_usd_per_1k = _positive_real("budget_usd_per_1k", budget_usd_per_1k)
+        self.budget_usd_per_1k: float = _positive_real("budget_usd_per_1k", budget_usd_per_1k)
         if isinstance(window, bool) or not isinstance(window, numbers.Integral) or not 1 <= window <= MAX_WINDOW:
             raise InvalidInputError(f"window must be an int in [1, {MAX_WINDOW}] (queries), got {shown(window)}")
-        self.window = int(window)
-        self.tolerance = _positive_real("tolerance", tolerance)
-        self.gain = _positive_real("gain", gain)
-        self.max_step = _positive_real("max_step", max_step)
+        self.window: int = int(window)
+        self.tolerance: float = _positive_real("tolerance", tolerance)
+        self.gain: float = _positive_real("gain", gain)
+        self.max_step: float = _positive_real("max_step", max_step)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
             raise InvalidInputError(f"seed must be None or an int >= 0, got {shown(seed)}")
         if on_event is not None and not callable(on_event):
             raise InvalidInputError(f"on_event must be callable or None, got {type(on_event).__name__}")
-        self.router = router
-        self.seed = seed
-        self.on_event = on_event
-        self._model_ids = tuple(router.model_ids)
-        self._index = {m: i for i, m in enumerate(self._model_ids)}
-        self._budget = self.budget_usd_per_1k / 1000.0
+        self.router: Router = router
+        self.seed: int | None = seed
+        self.on_event: Callable[[BudgetEvent], None] | None = on_event
+        self._model_ids: tuple[str, ...] = tuple(router.model_ids)
+        self._budget: float = self.budget_usd_per_1k / 1000.0
         check_budget_floor(self.budget_usd_per_1k, budget_usd_per_1k)
-        self._log_target = math.log(self._budget)
-        self._rng = np.random.default_rng(seed)
-        self._lock = threading.Lock()
+        self._log_target: float = math.log(self._budget)
+        self._rng: np.random.Generator = np.random.default_rng(seed)
+        self._lock: threading.Lock = threading.Lock()
         # Prediction window as ring buffers: per query its lam = 0 cost and its breakpoints
         # (padded with lam = inf) with the cost change at each (sdk.spend_curve.row_steps).
         n_steps = max(len(self._model_ids) - 1, 1)
-        self._base = np.zeros(self.window)
-        self._step_lam = np.full((self.window, n_steps), np.inf)
-        self._step_delta = np.zeros((self.window, n_steps))
-        self._n_predicted = 0
+        self._base: npt.NDArray[np.float64] = np.zeros(self.window)
+        self._step_lam: npt.NDArray[np.float64] = np.full((self.window, n_steps), np.inf)
+        self._step_delta: npt.NDArray[np.float64] = np.zeros((self.window, n_steps))
+        self._n_predicted: int = 0
         self._realised: deque[float] = deque(maxlen=self.window)
-        self._realised_mean = 0.0
+        self._realised_mean: float = 0.0
         self._mix: Mix | None = None
-        self._n_chosen = 0
-        self._n_recorded = 0
-        self._drifting = False
-        self._last_toggle = -self.window  # n_recorded at the last drift / recovered event
-        self._unreachable = False
+        self._n_chosen: int = 0
+        self._n_recorded: int = 0
+        self._drifting: bool = False
+        self._last_toggle: int = -self.window  # n_recorded at the last drift / recovered event
+        self._unreachable: bool = False
         self._events: deque[BudgetEvent] = deque(maxlen=MAX_EVENTS)
 
     # -- state --------------------------------------------------------------------------------
@@ -270,42 +206,18 @@ class BudgetController:
     # -- routing ------------------------------------------------------------------------------
 
     def choose(self, query: str) -> str:
-        """The model to call for ``query``: the router's decision at the controller's randomised ``lam``.
-
-        Parameters
-        ----------
-        query : non-blank str.
-
-        Returns
-        -------
-        str, a model id of ``router.model_ids``.
-
-        Raises
-        ------
-        InvalidQueryError
-            ``query`` is not a non-blank str.
-        """
+        """The model id to call for ``query`` (a non-blank str, else :class:`InvalidQueryError`): the router's
+        decision at the controller's randomised ``lam``."""
         accuracy, cost = self.router.predict([check_query(query)])  # checked here: the message names ``query``
         return self._route(*self._checked(np.asarray(accuracy)[0], np.asarray(cost)[0]))
 
-    def choose_from_predictions(self, accuracy: np.ndarray, cost: np.ndarray) -> str:
-        """:meth:`choose` for a query whose predictions are already computed (e.g. by
-        ``router.predict_from_embeddings``).
-
-        Parameters
-        ----------
-        accuracy, cost : ndarray of shape (n_models,), float; cost in USD per query; NaN = no estimate.
-
-        Raises
-        ------
-        ShapeError
-            Values that do not convert to float64 (or complex), wrong shape, inf, or a negative cost.
-        InvalidInputError
-            Every prediction NaN.
-        """
+    def choose_from_predictions(self, accuracy: npt.ArrayLike, cost: npt.ArrayLike) -> str:
+        """:meth:`choose` for predictions already computed: ``accuracy``, ``cost`` of shape (n_models,),
+        cost in USD per query, NaN = no estimate. Raises :class:`ShapeError` (not real, wrong shape, inf, a
+        negative cost) or :class:`InvalidInputError` (every prediction NaN)."""
         return self._route(*self._checked(accuracy, cost))
 
-    def _checked(self, accuracy: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _checked(self, accuracy: npt.ArrayLike, cost: npt.ArrayLike) -> tuple[_F64, _F64]:
         a, c = real_array(accuracy, "accuracy"), real_array(cost, "cost")  # ragged lists, strings, complex: ShapeError
         if a.shape != (len(self._model_ids),) or c.shape != a.shape:
             raise ShapeError(f"accuracy and cost must have shape ({len(self._model_ids)},), got {a.shape} and {c.shape}")
@@ -316,9 +228,9 @@ class BudgetController:
             raise ShapeError("predictions must not contain inf, and predicted costs must be >= 0 USD")
         return a, c
 
-    def _route(self, a: np.ndarray, c: np.ndarray) -> str:
+    def _route(self, a: _F64, c: _F64) -> str:
         base, lams, deltas = row_steps(a, c)
-        events = []
+        events: list[BudgetEvent] = []
         with self._lock:
             slot = self._n_predicted % self.window
             self._base[slot] = base
@@ -343,35 +255,21 @@ class BudgetController:
         return self._model_ids[j]
 
     def _curve(self) -> SpendCurve:
-        """Spend curve of the prediction window (called under the lock)."""
+        """Spend curve of the prediction window (under the lock)."""
         n = min(self._n_predicted, self.window)
         return SpendCurve.from_arrays(self._base[:n], self._step_lam[:n], self._step_delta[:n])
 
     # -- feedback -----------------------------------------------------------------------------
 
     def record(self, model: str, cost_usd: float) -> None:
-        """Report the realised cost of one answered query.
-
-        Parameters
-        ----------
-        model : the model id that answered (one of ``router.model_ids``).
-        cost_usd : float >= 0, finite: what the call cost, USD.
-
-        Raises
-        ------
-        UnknownModelError
-            ``model`` is not in the router's pool.
-        InvalidInputError
-            ``cost_usd`` is not a finite number >= 0.
-        """
-        if not isinstance(model, str) or model not in self._index:
+        """Report the realised cost (USD, finite >= 0, else :class:`InvalidInputError`) of one query answered
+        by ``model`` (one of ``router.model_ids``, else :class:`UnknownModelError`)."""
+        if model not in self._model_ids:
             raise UnknownModelError(f"unknown model {model!r}; the router's models are {list(self._model_ids)}")
-        if not is_real_number(cost_usd):
-            raise InvalidInputError(f"cost_usd must be a real number (USD), got {shown(cost_usd)}")
         cost = finite_float(cost_usd)
         if cost is None or cost < 0:
             raise InvalidInputError(f"cost_usd must be a finite number >= 0 (USD), got {shown(cost_usd)}")
-        events = []
+        events: list[BudgetEvent] = []
         with self._lock:
             self._realised.append(cost)
             self._realised_mean = realised = _mean(self._realised)
@@ -393,8 +291,8 @@ class BudgetController:
                         "realised spend {r:.4g} USD per 1k is back within {tol:.0%} of the budget {b:.4g}"))
         self._emit(events)
 
-    def _event(self, kind: str, template: str, **extra) -> BudgetEvent:
-        """Build and keep an event (called under the lock)."""
+    def _event(self, kind: str, template: str, **extra: float) -> BudgetEvent:
+        """Build and keep an event (under the lock)."""
         realised = self._realised_per_1k()
         b = self.budget_usd_per_1k
         message = template.format(r=realised if realised is not None else float("nan"), b=b, tol=self.tolerance,
@@ -414,7 +312,7 @@ class BudgetController:
 
     # -- persistence --------------------------------------------------------------------------
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         """The controller's state (target, windows, counters, drift flags) as JSON values, for :meth:`restore`
         (``Infinity`` marks the padding of the breakpoint window: Python's ``json`` writes and reads it)."""
         with self._lock:
@@ -424,7 +322,7 @@ class BudgetController:
                     "realised": list(self._realised), "n_chosen": self._n_chosen, "n_recorded": self._n_recorded,
                     "drifting": self._drifting, "last_toggle": self._last_toggle, "unreachable": self._unreachable}
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state` of a controller with the same models and window (the next
         :meth:`choose` recomputes the mix; events and the random stream start afresh).
 

@@ -1,35 +1,10 @@
 """How a preference pair ``(x, y_A, y_B)`` becomes model inputs: one definition for trainer and device.
 
-A binary selector (FedPrism expert, paper 000 Sec. 3) scores a prompt ``x`` and two candidate
-responses and returns the logit of ``P(y_A better than y_B)``. The trainer (``trainer.experts``)
-and the on-device ``sdk.Selector`` must build byte-identical inputs, so the encoding lives here,
-with numpy and ``tokenizers`` only (no torch, no transformers).
-
-Inputs of one pair
-------------------
-- Two **segments**, one per response: ``[prefix] prompt_tail [sep] response_head [sep] [pad...]``
-  as token ids of shape ``(seq_len,)`` int64 with an attention mask (1 = token, 0 = padding) and
-  token-type ids (0 for the prompt part, 1 for the response part). ``prompt_tail`` is the **last**
-  ``prompt_tokens`` tokens of the prompt (RouterBench prompts put the question after long few-shot
-  demonstrations; the same left truncation as :mod:`trainer.embeddings`), ``response_head`` the
-  **first** ``response_tokens`` tokens of the response. ``seq_len = prompt_tokens +
-  response_tokens + n_special`` is fixed by the config, so every segment has the same shape.
-  The swapped pair ``(x, y_B, y_A)`` reuses the same two segments in the other order.
-- **Prediction** of a selector from the two logits ``l(A, B)`` and ``l(B, A)`` (the swapped pair,
-  length features negated): ``P(A better) = sigmoid((l(A, B) - l(B, A)) / 2)`` (see
-  ``trainer.experts.selector``); the device computes the same.
-- **Length features** of shape ``(N_LENGTH_FEATURES,)`` float32 (:func:`length_features`):
-  differences of log lengths of the two *full* responses (characters, words, lines), measured before
-  truncation. They are antisymmetric: swapping A and B negates them. Response length carries most of
-  the learnable signal in the public preference data (longer wins on AlpacaEval, shorter on
-  HH-RLHF harmless), and the truncated segments cannot see it.
-
-Text is tokenised without the tokenizer's own special tokens (``add_special_tokens=False``); the
-special tokens come from :class:`PairEncodingConfig` by name and must exist in the vocabulary. Only a
-prompt's last and a response's first :data:`~sdk.embedder.MAX_QUERY_CHARS` (65,536) characters are
-tokenised, as the query embedder reads a query (tokenising 1 MB took 4.6 s at load 7 on 2 cores, a
-10 MB word 36 s); no text of the project's preference data is that long (longest under 20,000
-characters), and the length features still measure the full texts.
+Two segments ``[prefix] prompt_tail [sep] response_head [sep] [pad...]`` of shape ``(seq_len,)`` int64
+(the prompt's last ``prompt_tokens`` tokens, the response's first ``response_tokens``), one per
+response, and the antisymmetric length features of the full responses; a selector's prediction is
+``P(A better) = sigmoid((l(A, B) - l(B, A)) / 2)`` (FedPrism, paper 000 Sec. 3). Details and limits:
+docs/pair_inputs.md.
 """
 
 from __future__ import annotations
@@ -37,11 +12,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sdk.embedder import MAX_QUERY_CHARS
 from sdk.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 #: Number of length features per pair (see :func:`length_features`).
 N_LENGTH_FEATURES = 3
@@ -55,25 +34,10 @@ MAX_SEGMENT_TOKENS = 1 << 16
 
 @dataclass(frozen=True)
 class PairEncodingConfig:
-    """Token budget and special tokens of a pair encoding.
-
-    prompt_tokens : int in [1, :data:`MAX_SEGMENT_TOKENS`], tokens kept from the end of the prompt.
-    response_tokens : int in [1, :data:`MAX_SEGMENT_TOKENS`], tokens kept from the start of each response.
-    prefix_token : str or None, token put first (BERT ``[CLS]``; None for causal LMs).
-    sep_token : str, token after the prompt and after the response (BERT ``[SEP]``, Qwen ``<|endoftext|>``).
-    pad_token : str, padding token (masked out).
-
-    The CPU default (all-MiniLM-L6-v2) reads ``[CLS] prompt[-24:] [SEP] response[:40] [SEP]``,
-    67 tokens per segment (the length features carry the full lengths; see the selector's CPU budget). The GPU preset (a Qwen2-0.5B-class causal LM) uses
-    :meth:`causal_lm_preset`: 128 + 256 tokens, no prefix, ``<|endoftext|>`` separators, and the
-    selector pools the last real token.
-
-    Raises
-    ------
-    InvalidInputError
-        A token count that is not an int in [1, :data:`MAX_SEGMENT_TOKENS`] (bools refused), or a
-        special token that is not a non-empty str (``prefix_token`` may be None).
-    """
+    """Token budget (``prompt_tokens`` from the prompt's end, ``response_tokens`` from each response's start,
+    ints in [1, :data:`MAX_SEGMENT_TOKENS`]) and special tokens (non-empty str; ``prefix_token`` None for
+    causal LMs) of a pair encoding; :class:`InvalidInputError` otherwise. The default is MiniLM's 67-token
+    ``[CLS] prompt[-24:] [SEP] response[:40] [SEP]``."""
 
     prompt_tokens: int = 24
     response_tokens: int = 40
@@ -103,7 +67,7 @@ class PairEncodingConfig:
         """Tokens per segment, padding included."""
         return self.prompt_tokens + self.response_tokens + 2 + (self.prefix_token is not None)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -116,22 +80,8 @@ def _count_lines(text: str) -> int:
 
 
 def length_features(response_a: str, response_b: str) -> np.ndarray:
-    """Length features of a pair, antisymmetric in (A, B).
-
-    Parameters
-    ----------
-    response_a, response_b : str, the full responses (not truncated).
-
-    Returns
-    -------
-    ndarray of shape (3,), float32: ``log1p(n_a) - log1p(n_b)`` for n = characters, whitespace
-    words, lines (``\\n`` count + 1; 0 for an empty or whitespace-only text).
-
-    Raises
-    ------
-    InvalidInputError
-        A response is not a str.
-    """
+    """``log1p(n_a) - log1p(n_b)`` of the full responses for n = characters, whitespace words, lines
+    (``\\n`` count + 1; 0 for a blank text): shape (3,), float32. :class:`InvalidInputError` for a non-str."""
     for name, r in (("response_a", response_a), ("response_b", response_b)):
         if not isinstance(r, str):
             raise InvalidInputError(f"{name} must be a str, got {type(r).__name__}")
@@ -157,22 +107,11 @@ def length_features_many(responses_a: Sequence[str], responses_b: Sequence[str])
 
 
 class PairEncoder:
-    """Builds the segments of :mod:`sdk.pair_encoding` with a ``tokenizers.Tokenizer``.
+    """Builds the segments of :mod:`sdk.pair_encoding` with a copy of ``tokenizer`` whose own truncation,
+    padding and post-processing are off; :class:`InvalidInputError` for a special token of ``config``
+    not in its vocabulary."""
 
-    Parameters
-    ----------
-    tokenizer : tokenizers.Tokenizer (e.g. ``Tokenizer.from_file("tokenizer.json")``). A copy with
-        truncation and padding switched off is used (MiniLM's tokenizer.json pads and truncates to
-        128 on the right, which would cut the prompt's tail); its post-processing is not used.
-    config : PairEncodingConfig
-
-    Raises
-    ------
-    InvalidInputError
-        A special token of ``config`` is not in the tokenizer's vocabulary.
-    """
-
-    def __init__(self, tokenizer, config: PairEncodingConfig | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, config: PairEncodingConfig | None = None) -> None:
         from tokenizers import Tokenizer  # loaded with the bundle, not at import of sdk
 
         self.tokenizer = Tokenizer.from_str(tokenizer.to_str())

@@ -1,25 +1,10 @@
 """Antisymmetric pair features ``f(x, y_A, y_B) = phi(x, y_A) - phi(x, y_B)``: the length prior generalised.
 
-One implementation for the trainer (every learner's head and the ``structure_only`` baseline) and the
-device (``sdk.Selector`` / ``sdk.RewardScorer`` bundles), numpy and stdlib only.
-
-``phi(x, y)`` describes one response ``y`` to the prompt ``x`` by surface statistics that the
-truncated encoder segments cannot see (they read 40 tokens of a response) and that the public
-preference data rewards or punishes (issue 29): its length, its markdown structure (list items,
-headers, emphasis, code blocks, paragraphs), refusal, apology and hedging phrases, how much of the
-instruction it echoes, and a few more (:data:`FEATURE_NAMES`, defined in :data:`_FEATURES`). A pair's
-feature vector is the difference, so swapping A and B negates it and a model ``P(A better) =
-sigmoid(w . f)`` without intercept satisfies ``P(B over A) = 1 - P(A over B)``: the Bradley-Terry
-model (Bradley and Terry 1952) with reward ``w . phi(x, y)``.
-
-The first three features are :func:`sdk.pair_encoding.length_features` exactly (``dlog_chars``,
-``dlog_words``, ``dlog_lines``), so the length-only baseline is the special case
-``names=LENGTH_FEATURE_NAMES``. :data:`DEFAULT_FEATURES` is the set chosen on validation pairs by
-``benchmarks/pair_features_settings.py`` (``docs/pair_features_settings.json``); a bundle records the
-names it was trained with and passes them back as ``names``.
-
-Counts are ``log1p`` of a count; shares lie in [0, 1]; indicators are 0 or 1. Texts are read in
-full (a few regular-expression passes: about 20k responses per second on one core).
+``phi`` describes a response by surface statistics (length, markdown structure, refusal and hedging
+phrases, instruction echo...: :data:`FEATURE_NAMES`); swapping A and B negates ``f``, so
+``P(A better) = sigmoid(w . f)`` is the Bradley-Terry model (Bradley and Terry 1952) with reward
+``w . phi(x, y)``. The first three are :func:`sdk.pair_encoding.length_features`; :data:`DEFAULT_FEATURES`
+was chosen on validation pairs by ``benchmarks/pair_features_settings.py``. docs/pair_inputs.md.
 """
 
 from __future__ import annotations
@@ -29,6 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from sdk.errors import InvalidInputError
 from sdk.pair_encoding import LENGTH_FEATURE_NAMES
@@ -195,7 +181,8 @@ def pair_features(prompt: str, response_a: str, response_b: str, names: Sequence
     InvalidInputError
         A text is not a str, or a bad name.
     """
-    return pair_features_many([prompt], [response_a], [response_b], names)[0]
+    row: npt.NDArray[np.float32] = pair_features_many([prompt], [response_a], [response_b], names)[0]
+    return row
 
 
 def pair_features_many(prompts: Sequence[str], responses_a: Sequence[str], responses_b: Sequence[str],

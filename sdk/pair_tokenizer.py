@@ -1,34 +1,23 @@
 """``PairTokenizer``: (prompt, response) pairs -> one truncated, padded ``[CLS] x [SEP] y [SEP]`` sequence each.
 
-The LoRA reward model (``reward_scorer`` kind ``mor_lora``) reads a pair as one sequence truncated to
-``max_tokens`` in all by the ``longest_first`` strategy: the longer text loses tokens first, from the
-``truncation_side``. The trainer (:mod:`trainer.rewards.reward_models`) and the device
-(:mod:`sdk.reward_scorer`) both tokenise through this class, so the two agree by construction; its
-output equals what ``tokenizers``' own pair truncation (and ``transformers``' ``tokenizer(x, y,
-truncation=True, max_length=max_tokens, padding=True)``) gives, at a bounded cost.
-
-Why not ``tokenizers``' pair truncation itself: it keeps every truncated-away window of each text as an
-"overflowing" encoding and merges the two lists pairwise, so memory and time grow with the *product*
-of the two texts' lengths (two 4,000-character texts: 1,624 windows, 112 MB, 0.2 s; two 64 Ki-character
-texts: gigabytes). Here each text is tokenised alone, the two kept lengths are computed
-(:func:`longest_first_lengths`), and each text is cut at the start (left truncation) or end (right) of
-the word holding its last kept token, then tokenised again: WordPiece and BPE tokenise word by word,
-so the kept tokens are unchanged. Each cut is checked (its kept ids must equal the full text's); if a
-tokenizer's words do not split that way, the cut is widened until they do (at worst the whole text).
-
-Each text is first capped to its :data:`~sdk.embedder.MAX_QUERY_CHARS` characters on the kept side (the
-last ones with left truncation), which bounds the time of a multi-megabyte text; no text in the
-project's data is that long, so no training input is changed by the cap.
+The same output as ``tokenizers``' ``longest_first`` pair truncation to ``max_tokens`` (trainer and
+device both use this class), at a cost linear in the texts: each text is tokenised alone, cut at the
+word holding its last kept token and tokenised again, the cut checked against the full encoding
+(docs/pair_inputs.md, docs/mor_grpo_and_device.md).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sdk.embedder import MAX_QUERY_CHARS
 from sdk.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from tokenizers import Encoding, Tokenizer
 
 #: Tokens the cut steps back before the word start on each retry (doubled per retry).
 _RETRY_MARGIN = 8
@@ -83,7 +72,7 @@ class PairTokenizer:
         ``truncation_side`` is neither, or ``max_tokens`` leaves no room for a token of each text.
     """
 
-    def __init__(self, tokenizer, max_tokens: int, truncation_side: str, pad_token: str = "[PAD]") -> None:
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int, truncation_side: str, pad_token: str = "[PAD]") -> None:
         from tokenizers import Tokenizer  # native library: loaded with the first bundle, not by `import sdk`
 
         if truncation_side not in ("left", "right"):
@@ -98,7 +87,7 @@ class PairTokenizer:
         pad_id = self._tokenizer.token_to_id(pad_token)
         self._pad_id, self._pad_token = (0 if pad_id is None else pad_id), pad_token
 
-    def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> list:
+    def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> list[Encoding]:
         """``tokenizers.Encoding`` per pair, truncated and padded to the longest pair of the batch.
 
         Raises
@@ -134,7 +123,7 @@ class PairTokenizer:
             return text
         return text[-MAX_QUERY_CHARS:] if self.side == "left" else text[:MAX_QUERY_CHARS]
 
-    def _kept(self, text: str, full, k: int):
+    def _kept(self, text: str, full: Encoding, k: int) -> Encoding:
         """The encoding of ``text`` truncated to its ``k`` kept tokens, from a re-tokenised cut of the
         text (few overflowing tokens), checked against the full encoding ``full``."""
         n = len(full.ids)
@@ -154,7 +143,7 @@ class PairTokenizer:
                 return enc
             margin = max(_RETRY_MARGIN, 2 * margin)
 
-    def _cut(self, text: str, full, k: int, margin: int) -> str | None:
+    def _cut(self, text: str, full: Encoding, k: int, margin: int) -> str | None:
         """``text`` cut at the word boundary outside its ``k`` kept tokens (``margin`` tokens further
         out), or None when that boundary is the text's own start or end."""
         n, words, offsets = len(full.ids), full.word_ids, full.offsets

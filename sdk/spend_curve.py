@@ -1,76 +1,49 @@
 """The predicted spend of a router as an exact step function of ``lam``, and its randomised inversion.
 
-For one query with predictions ``A_m`` (accuracy) and ``C_m`` (USD) the decision ``argmax_m A_m -
-lam * C_m`` (METRICS.md tie-break, :func:`sdk.utility.decide`) is piecewise constant in ``lam``: it
-walks down the upper convex hull of the points ``(C_m, A_m)`` from the most accurate model to the
-cheapest. From the decision ``m`` the next change happens at
-
-    lam' = min_{j : C_j < C_m} (A_m - A_j) / (C_m - C_j)
-
-and goes to the minimising ``j`` (ties: lower cost, then lower index, as the decision rule breaks
-them). :func:`decision_steps` lists these breakpoints and the cost change at each, per query.
-
-Over a sample of ``n`` queries, the mean predicted cost of the decisions, ``S(lam)``, is then a
-non-increasing right-continuous step function with breakpoints ``B_0 < B_1 < ...`` (the union of
-the queries' breakpoints) and levels ``L_0 = S(0) > L_1 > ...`` (:class:`SpendCurve`). A K-means
-router gives few distinct breakpoints (every query of a Voronoi cell has the same ones), so a spend
-target usually falls *between* two levels, where no deterministic ``lam`` meets it.
-
-:meth:`SpendCurve.mix_for` meets it in expectation with a *randomised threshold policy*, the
-optimal policy of a budget-constrained decision problem (a mix of the two deterministic policies
-on either side of the constraint, as in Neyman-Pearson randomised tests; E. Altman, *Constrained
-Markov Decision Processes*, 1999: one constraint needs at most one randomised choice): route at ``lam_low`` (step with level ``L_hi >= s``) with probability
-``p_low = (s - L_lo) / (L_hi - L_lo)`` and at ``lam_high`` (the next step, level ``L_lo <= s``)
-otherwise, so that ``p_low * L_hi + (1 - p_low) * L_lo = s``. ``lam_low`` and ``lam_high`` are
-interior points (geometric midpoints) of their steps, so float rounding at a breakpoint cannot flip
-a decision.
-
-Pure functions, no I/O.
+One query's decision ``argmax_m A_m - lam * C_m`` (:func:`sdk.utility.decide`) walks down the upper
+convex hull of ``(C_m, A_m)`` as ``lam`` grows; from decision ``m`` the next change is at
+``lam' = min_{j : C_j < C_m} (A_m - A_j) / (C_m - C_j)`` (ties: lower cost, then lower index). Over a
+sample, the mean predicted cost ``S(lam)`` is a non-increasing step function (:class:`SpendCurve`), and
+a target between two levels is met in expectation by a randomised threshold policy (:meth:`SpendCurve.mix_for`:
+``lam_low`` with probability ``p_low = (s - L_lo) / (L_hi - L_lo)``, else ``lam_high``), the optimal
+policy under one constraint (E. Altman, *Constrained Markov Decision Processes*, 1999). docs/budgets.md.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from sdk.arrays import real_array
 from sdk.errors import InvalidInputError, ShapeError
-from sdk.real_numbers import finite_float
 from sdk.utility import check_lambda
 
 #: Breakpoints closer than this relative distance are one breakpoint (float rounding of equal ratios).
 MERGE_RTOL = 1e-9
+_F64 = npt.NDArray[np.float64]
+_T = TypeVar("_T", bound=np.generic)
 
 
 @dataclass(frozen=True)
 class DecisionSteps:
-    """The decisions of ``n_queries`` queries as functions of ``lam``.
+    """The decisions of ``n_queries`` queries as functions of ``lam``: ``base_cost`` (n_queries,) USD at
+    ``lam = 0``; per breakpoint (n_steps,): its query ``row`` (int64), ``lam`` (USD^-1, from there on the
+    cheaper model is chosen) and ``delta_cost`` (USD, < 0)."""
 
-    Attributes
-    ----------
-    base_cost : ndarray of shape (n_queries,), float64, USD: predicted cost of the decision at ``lam = 0``.
-    row : ndarray of shape (n_steps,), int64: the query each breakpoint belongs to.
-    lam : ndarray of shape (n_steps,), float64, USD^-1, >= 0: where the query's decision changes
-        (from that ``lam`` on, the cheaper model is chosen).
-    delta_cost : ndarray of shape (n_steps,), float64, USD, < 0: change of the predicted cost there.
-    """
-
-    base_cost: np.ndarray
-    row: np.ndarray
-    lam: np.ndarray
-    delta_cost: np.ndarray
+    base_cost: _F64
+    row: npt.NDArray[np.int64]
+    lam: _F64
+    delta_cost: _F64
 
 
-def decision_steps(accuracy: np.ndarray, cost: np.ndarray) -> DecisionSteps:
+def decision_steps(accuracy: npt.ArrayLike, cost: npt.ArrayLike) -> DecisionSteps:
     """Breakpoints in ``lam`` of each query's decision ``argmax_m A - lam * C`` (module docstring).
-
-    Parameters
-    ----------
-    accuracy, cost : ndarray of shape (n_queries, n_models), float; cost in USD per query, >= 0.
-        NaN in either means "no estimate": that model is never chosen (as in :func:`sdk.utility.decide`).
+    ``accuracy``, ``cost``: (n_queries, n_models), cost USD per query >= 0, NaN = no estimate.
 
     Raises
     ------
@@ -94,8 +67,8 @@ def decision_steps(accuracy: np.ndarray, cost: np.ndarray) -> DecisionSteps:
     return _decision_steps_unchecked(a, c, valid)
 
 
-def _decision_steps_unchecked(a: np.ndarray, c: np.ndarray, valid: np.ndarray) -> DecisionSteps:
-    """Kernel of :func:`decision_steps`; validates nothing."""
+def _decision_steps_unchecked(a: _F64, c: _F64, valid: npt.NDArray[np.bool_]) -> DecisionSteps:
+    """Inputs validated by the caller."""
     n, n_models = a.shape
     rows = np.arange(n)
     index = np.broadcast_to(np.arange(n_models), a.shape)
@@ -104,7 +77,9 @@ def _decision_steps_unchecked(a: np.ndarray, c: np.ndarray, valid: np.ndarray) -
     cur = np.lexsort((index, np.where(valid, c, np.inf), neg_a), axis=-1)[:, 0] if n else np.zeros(0, np.int64)
     base = c[rows, cur]
     prev = np.zeros(n)
-    out_row, out_lam, out_delta = [], [], []
+    out_row: list[npt.NDArray[np.int64]] = []
+    out_lam: list[_F64] = []
+    out_delta: list[_F64] = []
     active = np.ones(n, dtype=bool)
     for _ in range(n_models):
         if not active.any():
@@ -127,24 +102,18 @@ def _decision_steps_unchecked(a: np.ndarray, c: np.ndarray, valid: np.ndarray) -
         out_delta.append(c[hit, nxt[hit]] - cc[hit])
         prev = np.where(active, lam, prev)
         cur = np.where(active, nxt, cur)
-    cat = (lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype))
-    return DecisionSteps(base.astype(np.float64), cat(out_row, np.int64), cat(out_lam, np.float64),
-                         cat(out_delta, np.float64))
+    return DecisionSteps(base.astype(np.float64), _cat(out_row, np.int64), _cat(out_lam, np.float64),
+                         _cat(out_delta, np.float64))
 
 
-def row_steps(accuracy: np.ndarray, cost: np.ndarray) -> tuple[float, list[float], list[float]]:
-    """:func:`decision_steps` of one query, in plain Python (a few microseconds for a dozen models).
+def _cat(parts: Sequence[npt.NDArray[Any]], dtype: type[_T]) -> npt.NDArray[_T]:
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
-    Parameters
-    ----------
-    accuracy, cost : ndarray of shape (n_models,), float; NaN = no estimate. Not validated
-        (:func:`decision_steps` validates); at least one model must have both estimates.
 
-    Returns
-    -------
-    (base_cost, lams, delta_costs): the predicted cost at ``lam = 0`` (USD), and the breakpoints
-    (USD^-1, increasing) with the cost change at each (USD, < 0), as lists.
-    """
+def row_steps(accuracy: _F64, cost: _F64) -> tuple[float, list[float], list[float]]:
+    """:func:`decision_steps` of one query (shape (n_models,), NaN = no estimate, at least one model with
+    both; inputs validated by the caller) in plain Python: base cost (USD), breakpoints (USD^-1) and cost
+    changes (USD) as lists."""
     models = [(float(a), float(c), j) for j, (a, c) in enumerate(zip(accuracy.tolist(), cost.tolist()))
               if a == a and c == c]  # a == a: not NaN
     cur = min(models, key=lambda m: (-m[0], m[1], m[2]))
@@ -153,7 +122,7 @@ def row_steps(accuracy: np.ndarray, cost: np.ndarray) -> tuple[float, list[float
     deltas: list[float] = []
     prev = 0.0
     while True:
-        best = None
+        best: tuple[tuple[float, float, int], tuple[float, float, int]] | None = None
         for m in models:
             if m[1] < cur[1]:
                 key = ((cur[0] - m[0]) / (cur[1] - m[1]), m[1], m[2])
@@ -169,16 +138,8 @@ def row_steps(accuracy: np.ndarray, cost: np.ndarray) -> tuple[float, list[float
 
 @dataclass(frozen=True)
 class Mix:
-    """A randomised threshold policy: route at ``lam_low`` with probability ``p_low``, else at ``lam_high``.
-
-    Attributes
-    ----------
-    lam_low, lam_high : float, USD^-1, ``0 <= lam_low <= lam_high``.
-    p_low : float in [0, 1].
-    expected_cost : float, USD per query: ``p_low * S(lam_low) + (1 - p_low) * S(lam_high)`` on the sample.
-    reachable : bool, False when the target is below ``S`` of the cheapest decisions (then
-        ``lam_high`` routes every sample query to its cheapest model and ``p_low = 0``).
-    """
+    """Route at ``lam_low`` with probability ``p_low``, else at ``lam_high`` (USD^-1); ``expected_cost`` USD per
+    query on the sample; ``reachable`` False when the target is below the cheapest decisions' spend."""
 
     lam_low: float
     lam_high: float
@@ -189,62 +150,25 @@ class Mix:
 
 @dataclass(frozen=True)
 class SpendCurve:
-    """Mean predicted cost ``S(lam)`` of a sample's decisions, a non-increasing step function.
+    """Mean predicted cost ``S(lam)`` of a sample's decisions: ``breakpoints`` (n_breaks,) USD^-1 increasing,
+    ``levels`` (n_breaks + 1,) USD per query, ``levels[i + 1] = S(lam)`` from ``breakpoints[i]`` on."""
 
-    Attributes
-    ----------
-    breakpoints : ndarray of shape (n_breaks,), float64, USD^-1, strictly increasing.
-    levels : ndarray of shape (n_breaks + 1,), float64, USD per query: ``levels[0] = S(0)`` and
-        ``levels[i + 1] = S(lam)`` for ``breakpoints[i] <= lam < breakpoints[i + 1]``.
-    """
-
-    breakpoints: np.ndarray
-    levels: np.ndarray
+    breakpoints: _F64
+    levels: _F64
 
     @classmethod
     def from_steps(cls, steps: DecisionSteps) -> SpendCurve:
-        """The curve of the queries in ``steps`` (breakpoints within :data:`MERGE_RTOL` merged).
-
-        Raises
-        ------
-        InvalidInputError
-            ``steps`` holds no query.
-        """
+        """The curve of the queries (at least one) in ``steps``, breakpoints within :data:`MERGE_RTOL` merged."""
         return cls.from_arrays(steps.base_cost, steps.lam, steps.delta_cost)
 
     @classmethod
-    def from_arrays(cls, base_cost: np.ndarray, lam: np.ndarray, delta_cost: np.ndarray) -> SpendCurve:
-        """The curve of ``n`` queries given as arrays (as in :class:`DecisionSteps`, without ``row``).
-
-        Parameters
-        ----------
-        base_cost : ndarray of shape (n,), float64, USD.
-        lam, delta_cost : ndarrays of one shape, float64; entries with ``lam = inf`` are padding
-            and ignored (so a (n, n_models - 1) table of steps padded with inf can be passed as it is).
-
-        Raises
-        ------
-        InvalidInputError
-            No query (``n = 0``).
-        ShapeError
-            An argument that is not an array of real numbers, ``base_cost`` not 1-D, ``lam`` and
-            ``delta_cost`` of different shapes, a NaN ``lam``, or a NaN/inf cost (padding aside).
-        """
-        base_cost = real_array(base_cost, "base_cost")
-        lam, delta = real_array(lam, "lam"), real_array(delta_cost, "delta_cost")
-        if base_cost.ndim != 1:
-            raise ShapeError(f"base_cost must be 1-D (one cost per query), got shape {base_cost.shape}")
-        if lam.shape != delta.shape:
-            raise ShapeError(f"lam and delta_cost must have one shape, got {lam.shape} and {delta.shape}")
+    def from_arrays(cls, base_cost: _F64, lam: _F64, delta_cost: _F64) -> SpendCurve:
+        """The curve of ``n >= 1`` queries: ``base_cost`` (n,) USD; ``lam``, ``delta_cost`` of one shape, entries
+        with ``lam = inf`` padding (a (n, n_models - 1) table padded with inf as it is). Inputs validated by
+        the caller."""
         n = base_cost.shape[0]
-        if n == 0:
-            raise InvalidInputError("a spend curve needs at least one query")
-        lam, delta = np.ravel(lam), np.ravel(delta)
-        if np.isnan(lam).any():
-            raise ShapeError("lam holds NaN (padding is lam = inf)")
+        lam, delta = np.ravel(lam), np.ravel(delta_cost)
         keep = np.isfinite(lam)
-        if not (np.isfinite(base_cost).all() and np.isfinite(delta[keep]).all()):
-            raise ShapeError("base_cost and delta_cost must be finite (USD), padding aside")
         lam, delta = lam[keep], delta[keep]
         order = np.argsort(lam, kind="stable")
         lam, delta = lam[order], delta[order]
@@ -259,41 +183,12 @@ class SpendCurve:
         return cls(breaks, base + np.concatenate([[0.0], np.cumsum(jump)]))
 
     def spend_at(self, lam: float) -> float:
-        """``S(lam)``, USD per query.
-
-        Parameters
-        ----------
-        lam : real number, USD^-1, finite and >= 0 (:func:`sdk.utility.check_lambda`).
-
-        Raises
-        ------
-        InvalidLambdaError
-            ``lam`` is not a real number (bools and strings included), is NaN or inf, or is negative.
-        """
-        lam = check_lambda(lam)
-        return float(self.levels[np.searchsorted(self.breakpoints, lam, side="right")])
+        """``S(lam)``, USD per query; raises :class:`InvalidLambdaError` unless ``lam`` is finite >= 0."""
+        return float(self.levels[np.searchsorted(self.breakpoints, check_lambda(lam), side="right")])
 
     def step_lam(self, i: int) -> float:
-        """An interior ``lam`` (USD^-1) of step ``i`` (level ``levels[i]``): 0 for step 0, the geometric
-        mean of its two breakpoints, or twice the last breakpoint for the last step.
-
-        Parameters
-        ----------
-        i : int, ``0 <= i <= breakpoints.size`` (``len(levels) - 1``); numpy integers too, not bools.
-
-        Raises
-        ------
-        InvalidInputError
-            ``i`` is not an integer or is out of that range (a negative ``i`` is not counted from the end).
-        """
-        last = self.breakpoints.size
-        if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral) or not 0 <= i <= last:
-            raise InvalidInputError(f"i must be a step index, an int in [0, {last}] (len(levels) - 1), "
-                                    f"got {type(i).__name__} {i!r}")
-        return self._step_lam(int(i))
-
-    def _step_lam(self, i: int) -> float:
-        """:meth:`step_lam` without the check of ``i``."""
+        """An interior ``lam`` (USD^-1) of step ``i`` in ``[0, breakpoints.size]``: 0 for step 0, the geometric
+        mean of its two breakpoints, or twice the last breakpoint for the last step."""
         if i == 0:
             return 0.0
         lo = float(self.breakpoints[i - 1])
@@ -303,33 +198,16 @@ class SpendCurve:
         return math.sqrt(lo * hi) if lo > 0 else 0.5 * hi
 
     def mix_for(self, target: float) -> Mix:
-        """The randomised threshold policy whose expected spend on the sample equals ``target``.
-
-        ``target >= S(0)``: ``lam = 0`` (nothing to save). ``target`` below the last level: the
-        cheapest decisions (``reachable=False``). Otherwise the first step ``k`` with level ``<=
-        target`` and the one before it, mixed as the module docstring says.
-
-        Parameters
-        ----------
-        target : real number, USD per query, finite and >= 0.
-
-        Raises
-        ------
-        InvalidInputError
-            ``target`` is not a real number (bools and strings included), is NaN or inf, or is negative.
-        """
-        value = finite_float(target)
-        if value is None or value < 0:
-            raise InvalidInputError(f"target must be a finite spend >= 0 USD per query (a real number), got "
-                                    f"{type(target).__name__} {target!r}")
-        target = value
+        """The randomised threshold policy whose expected spend on the sample is ``target`` (USD per query,
+        finite >= 0): ``lam = 0`` at or above ``S(0)``, the cheapest decisions (``reachable=False``) below the
+        last level, else the first step at or under ``target`` mixed with the one before it."""
         levels = self.levels
         if target >= levels[0]:
             return Mix(0.0, 0.0, 0.0, float(levels[0]), True)
         if target < levels[-1]:
-            lam = self._step_lam(levels.size - 1)
+            lam = self.step_lam(levels.size - 1)
             return Mix(lam, lam, 0.0, float(levels[-1]), False)
         k = int(np.argmax(levels <= target))  # first step at or under the target; k >= 1
         high, low = float(levels[k - 1]), float(levels[k])
         p_low = (target - low) / (high - low) if high > low else 0.0
-        return Mix(self._step_lam(k - 1), self._step_lam(k), float(min(max(p_low, 0.0), 1.0)), float(target), True)
+        return Mix(self.step_lam(k - 1), self.step_lam(k), float(min(max(p_low, 0.0), 1.0)), float(target), True)

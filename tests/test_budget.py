@@ -71,11 +71,6 @@ def test_a_huge_int_or_a_str_number_is_named_as_such(router):
         router.lam_for_budget(huge, ["Is a whale a fish?"])
 
 
-def test_a_router_is_required():
-    with pytest.raises(InvalidInputError, match="router"):
-        BudgetController(object(), 1.0)
-
-
 def test_bad_records_are_refused(router):
     controller = BudgetController(router, 1.0)
     with pytest.raises(UnknownModelError, match="no-such-model"):
