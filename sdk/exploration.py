@@ -192,12 +192,22 @@ def _upper_hull(cost: list[float], acc: list[float]) -> list[int]:
     return hull[: best + 1]
 
 
-def _frontier_end(cost: list[float], theta: list[float], u: float, v: float) -> int:
-    """The hull end logged for position ``u`` in [0, 1] of the normalised cost axis, with ``v`` a
-    U[0, 1] draw choosing between the segment's two ends (weights by proximity to ``u``)."""
+def _axis_point(lo: float, hi: float, u: float, power: float) -> float:
+    """The cost at position ``u`` in [0, 1] of the axis from ``lo`` to ``hi`` on which ``cost ** power``
+    is uniform (1: linear; 0: log, for ``lo > 0``)."""
+    if power == 1.0 or hi <= lo or (power == 0.0 and lo <= 0.0):
+        return lo + u * (hi - lo)
+    if power == 0.0:
+        return lo * (hi / lo) ** u
+    return (lo**power + u * (hi**power - lo**power)) ** (1.0 / power)
+
+
+def _frontier_end(cost: list[float], theta: list[float], u: float, v: float, axis_power: float = 1.0) -> int:
+    """The hull end logged for position ``u`` in [0, 1] of the cost axis (:func:`_axis_point`), with
+    ``v`` a U[0, 1] draw choosing between the segment's two ends (weights by proximity to ``u``)."""
     h = _upper_hull(cost, theta)
     finite = [c for c, t in zip(cost, theta) if c == c and t == t]
-    x = min(finite) + u * (max(finite) - min(finite))
+    x = _axis_point(min(finite), max(finite), u, axis_power)
     if x <= cost[h[0]]:
         return h[0]
     if x >= cost[h[-1]]:
@@ -207,12 +217,13 @@ def _frontier_end(cost: list[float], theta: list[float], u: float, v: float) -> 
     return h[i + 1] if v < share else h[i]
 
 
-def _frontier_rows(c: np.ndarray, theta: np.ndarray, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+def _frontier_rows(c: np.ndarray, theta: np.ndarray, u: np.ndarray, v: np.ndarray,
+                   axis_power: float = 1.0) -> np.ndarray:
     cl, tl, ul, vl = c.tolist(), theta.tolist(), u.tolist(), v.tolist()
-    return np.array([_frontier_end(cl[i], tl[i], ul[i], vl[i]) for i in range(len(tl))], dtype=np.int64)
+    return np.array([_frontier_end(cl[i], tl[i], ul[i], vl[i], axis_power) for i in range(len(tl))], dtype=np.int64)
 
 
-def frontier_choice(alpha, beta, cost, u, cells, rng: np.random.Generator) -> np.ndarray:
+def frontier_choice(alpha, beta, cost, u, cells, rng: np.random.Generator, axis_power: float = 1.0) -> np.ndarray:
     """Frontier Thompson sampling (METRICS.md "Online protocol"; module docstring).
 
     Parameters
@@ -220,6 +231,8 @@ def frontier_choice(alpha, beta, cost, u, cells, rng: np.random.Generator) -> np
     alpha, beta, cost, cells, rng : as :func:`thompson_choice`.
     u : ndarray of shape (n_queries,), in [0, 1], each query's position on its normalised cost axis
         (``(c - min_m cost_m) / (max_m cost_m - min_m cost_m)`` over the models with an estimate).
+    axis_power : g >= 0, the axis on which ``u`` is uniform: ``c ** g`` normalised as above (1: the
+        linear axis above, the AUC's; 0.5: square-root cost; 0: log cost), so g < 1 draws cheaper points.
 
     Returns
     -------
@@ -229,11 +242,11 @@ def frontier_choice(alpha, beta, cost, u, cells, rng: np.random.Generator) -> np
     theta = _sample(a, b, known, rng)
     v = rng.random(theta.shape[0])
     u = np.broadcast_to(np.asarray(u, dtype=np.float64), v.shape)
-    return _frontier_rows(np.where(known, c, np.nan), theta, u, v)
+    return _frontier_rows(np.where(known, c, np.nan), theta, u, v, axis_power)
 
 
 def top_two_choice(alpha, beta, cost, u, cells, rng: np.random.Generator, beta_tt: float = 0.5,
-                   max_resamples: int = 20) -> np.ndarray:
+                   max_resamples: int = 20, axis_power: float = 1.0) -> np.ndarray:
     """Top-two Thompson sampling on the frontier policy (Russo 2020, TTTS; module docstring).
 
     Parameters as :func:`frontier_choice`; ``beta_tt`` in [0, 1] is the leader probability and
@@ -246,14 +259,14 @@ def top_two_choice(alpha, beta, cost, u, cells, rng: np.random.Generator, beta_t
     a, b, c, known = _rows(alpha, beta, cost, cells)
     c = np.where(known, c, np.nan)
     u = np.broadcast_to(np.asarray(u, dtype=np.float64), (a.shape[0],))
-    leader = _frontier_rows(c, _sample(a, b, known, rng), u, rng.random(a.shape[0]))
+    leader = _frontier_rows(c, _sample(a, b, known, rng), u, rng.random(a.shape[0]), axis_power)
     out = leader.copy()
     pending = np.flatnonzero(rng.random(a.shape[0]) >= beta_tt)  # these log a challenger
     for _ in range(max_resamples):
         if pending.size == 0:
             break
         p = pending
-        other = _frontier_rows(c[p], _sample(a[p], b[p], known[p], rng), u[p], rng.random(p.shape[0]))
+        other = _frontier_rows(c[p], _sample(a[p], b[p], known[p], rng), u[p], rng.random(p.shape[0]), axis_power)
         found = other != leader[p]
         out[p[found]] = other[found]
         pending = p[~found]

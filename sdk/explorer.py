@@ -17,8 +17,8 @@ Propensity: each :class:`~sdk.router.Choice` carries ``policy`` and ``propensity
 that the policy picks the logged model for that query; :meth:`sdk.EvalLog.record_choice` stores them
 for offline evaluation (inverse propensity weighting). For ``"thompson"`` it is a Monte Carlo
 estimate over ``n_draws`` posterior draws per cell (drawn once, by a generator of their own seeded
-from ``seed`` and the cell, so the choices never depend on what was cached), evaluated once per
-(cell, ``lam``), with the query's own draw counted as one more: ``(count_m + 1) / (n_draws + 1)``,
+from ``seed`` and the cell, so the choices never depend on what was cached), tabulated once per cell
+as a step function of ``lam`` (:func:`_switch_table`), with the query's own draw counted as one more: ``(count_m + 1) / (n_draws + 1)``,
 never 0 for the logged model (standard error about ``sqrt(p (1 - p) / n_draws)``). ``"uniform"`` is
 exact.
 
@@ -38,6 +38,7 @@ merged table, installed as the next bundle, is every device's next posterior.
 
 from __future__ import annotations
 
+import bisect
 import numbers
 import threading
 from collections.abc import Sequence
@@ -60,6 +61,9 @@ DEVICE_POLICIES = ("thompson", "uniform")
 #: (cell, lam) entries of the propensity cache before it is emptied (an app whose lam changes per
 #: query would otherwise grow it without bound).
 _CACHE_SIZE = 4096
+#: Largest ``n_draws`` for which a cell's Thompson propensities are tabulated over ``lam`` (:func:`_switch_table`;
+#: at most ``n_draws * (n_models - 1)`` rows per cell); above it they are counted per (cell, ``lam``).
+_TABLE_MAX_DRAWS = 10_000
 
 
 class Explorer:
@@ -120,6 +124,7 @@ class Explorer:
         self._plans: dict[tuple[int, float], tuple[_CellPlan, np.ndarray]] = {}
         self._cell_plans: dict[int, _CellPlan] = {}
         self._pools: dict[int, np.ndarray] = {}
+        self._tables: dict[int, tuple[list[float], np.ndarray]] = {}
 
     # -- decisions ----------------------------------------------------------------------------
 
@@ -224,7 +229,18 @@ class Explorer:
         Thompson probabilities are the share of ``n_draws`` posterior draws of the cell
         (:meth:`_pool`, reused for every ``lam``) that each model wins by
         :func:`sdk.exploration.thompson_choice`'s rule (utility, then lower cost, then lower index);
-        uniform ones are exact."""
+        uniform ones are exact. Without ``max_regret``, Thompson probabilities come from the cell's
+        table over ``lam`` (:func:`_switch_table`), so a new ``lam`` costs one bisection."""
+        if self.policy.name == "thompson" and self.max_regret is None and self.policy.n_draws <= _TABLE_MAX_DRAWS:
+            plan = self._cell_plans.get(cell)
+            if plan is None:
+                plan = self._cell_plans[cell] = self._cell_plan(cell, lam)
+            table = self._tables.get(cell)
+            if table is None:
+                ranked = plan.known_ranked
+                table = self._tables[cell] = _switch_table(self._pool(cell, ranked), self._cost[cell, ranked], ranked,
+                                                           self._cost.shape[1])
+            return plan, table[1][bisect.bisect_right(table[0], lam)]
         key = (cell, lam)
         found = self._plans.get(key)
         if found is not None:
@@ -303,6 +319,43 @@ class _CellPlan:
             return int(np.argmax(np.where(self.mask, rng.random(self.mask.size), -1.0)))
         u = rng.beta(self.alpha, self.beta)[self.rank] - lam * self.cost_ranked
         return int(self.models_ranked[np.argmax(u)])
+
+
+def _switch_table(theta: np.ndarray, cost: np.ndarray, ranked: np.ndarray,
+                  n_models: int) -> tuple[list[float], np.ndarray]:
+    """Thompson propensities of one cell as a step function of ``lam``: (breakpoints ``b`` ascending,
+    table (len(b) + 1, n_models)) with row ``bisect_right(b, lam)`` the share of the draws ``theta``
+    (n_draws, n_ranked; columns by (cost, index): ``cost`` ascending, ``ranked`` their model indices)
+    whose ``argmax theta - lam * cost`` is each model (ties: the cheaper, then the lower index).
+
+    Each draw's utilities are lines in ``lam``; its winner moves down the upper envelope to ever
+    cheaper models, switching from ``w`` to ``m`` at ``(theta_w - theta_m) / (c_w - c_m)``; the table
+    is the winners' counts at ``lam = 0`` plus the switches, summed in order of ``lam``."""
+    d, r = theta.shape
+    rows = np.arange(d)
+    winner = np.argmax(theta, axis=1)
+    start = np.bincount(winner, minlength=r).astype(np.float64)
+    at, old, new = [], [], []
+    while rows.size:
+        w = winner[rows]
+        cw = cost[w][:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cross = np.where(cost[None, :] < cw, (theta[rows, w][:, None] - theta[rows]) / (cw - cost[None, :]), np.inf)
+        nxt = np.argmin(cross, axis=1)  # a tie of crossings: the first column, the cheapest model
+        lam = cross[np.arange(rows.size), nxt]
+        go = np.isfinite(lam)
+        at.append(lam[go]), old.append(w[go]), new.append(nxt[go])
+        rows = rows[go]
+        winner[rows] = nxt[go]
+    lams, old_c, new_c = np.concatenate(at), np.concatenate(old), np.concatenate(new)
+    order = np.argsort(lams, kind="stable")
+    steps = np.zeros((order.size + 1, r))
+    steps[0] = start
+    steps[1 + np.arange(order.size), old_c[order]] -= 1.0
+    steps[1 + np.arange(order.size), new_c[order]] += 1.0
+    table = np.zeros((order.size + 1, n_models))
+    table[:, ranked] = np.cumsum(steps, axis=0) / d
+    return lams[order].tolist(), table
 
 
 def _is_int(value: object) -> bool:
