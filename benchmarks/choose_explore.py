@@ -4,10 +4,10 @@
 same loaded router. The two take turns query by query (round-robin), so a change in the machine's load hits them
 alike; ``--passes`` passes over ``--n-prompts`` RouterBench test prompts, one intra-op thread. Rows:
 
-- ``fixed lam``: the app's ``lam`` (``--lam``) for every query. The propensity of a (cell, ``lam``) is computed at the
-  first query of the cell and cached, as in an app that routes at one trade-off;
-- ``new lam per query``: a ``lam`` drawn per query (log-uniform on [1, 1e4] USD^-1, both sides get the same one), so
-  every query computes its propensity afresh: the worst case (a budget controller that moves ``lam`` often).
+- ``fixed lam``: the app's ``lam`` (``--lam``) for every query, as in an app that routes at one trade-off;
+- ``new lam per query``: a ``lam`` drawn per query (log-uniform on [1, 1e4] USD^-1, both sides get the same one), as
+  under a budget controller that moves ``lam`` often: each query looks its propensity up in the cell's table over
+  ``lam`` (built at the cell's first query, :func:`sdk.explorer._switch_table`).
 
 each on the full prompts and on short queries (the first 8 words of each prompt: the cheapest embedding, so the
 largest relative cost of exploring). Reported: median ms per query of each side and their ratio, explore / greedy;

@@ -4,8 +4,12 @@ split carved from train (never test): ``fedroute simulate --online``'s defaults.
 The train split's fully labelled rows are split once (seeded, stratified by task) into 75% stream and
 25% validation; every candidate streams the 75% (one label per query) over 20+ seeds and is scored
 on the validation rows by the METRICS.md gain.
-Run: ``PYTHONPATH=. HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/online_settings.py [--data ../shared/data/routerbench] [--seeds 20] [--stage kmeans|policy]``;
+Run: ``PYTHONPATH=. HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/online_settings.py [--data ../shared/data/routerbench] [--seeds 20] [--stage kmeans|policy|posterior|confirm|targets]``;
 writes ``docs/results/online_settings_<stage>.json``.
+
+Stage ``targets`` (the default exploring policy, issue 26's targets): every candidate and ``fixed`` on
+the same seeds; the choice rule (:func:`choose`) maximises validation gain subject to the served
+queries' mean cost <= 1.5 x fixed logging's and their accuracy >= fixed logging's.
 """
 
 from __future__ import annotations
@@ -56,11 +60,35 @@ def carve(data: Path):
     return stream, vset, (vsingle[w], vsingle[s])
 
 
+#: Stage ``targets``: name -> OnlineConfig fields of one exploring policy (K and shrinkage from --clusters etc.).
+TARGET_CANDIDATES = {
+    "thompson (linear cost axis)": dict(policies=("thompson",)),
+    "thompson (sqrt cost axis)": dict(policies=("thompson",), thompson_axis_power=0.5),
+    "thompson (log cost axis)": dict(policies=("thompson",), thompson_axis_power=0.0),
+    "top_two (beta 0.75, linear axis)": dict(policies=("top_two",), top_two_u_power=1.0, beta_tt=0.75),
+    "top_two (beta 0.5, u = v^2)": dict(policies=("top_two",), top_two_u_power=2.0, beta_tt=0.5),
+    "top_two (beta 0.75, sqrt cost axis)": dict(policies=("top_two",), top_two_u_power=1.0, beta_tt=0.75,
+                                               top_two_axis_power=0.5),
+    "top_two (beta 0.5, sqrt cost axis)": dict(policies=("top_two",), top_two_u_power=1.0, beta_tt=0.5,
+                                              top_two_axis_power=0.5),
+}
+#: The served-cost limit of the choice rule, as a multiple of fixed logging's mean served cost.
+COST_LIMIT = 1.5
+
+
+def choose(results: dict[str, dict], fixed: dict) -> str | None:
+    """The candidate with the highest validation gain among those whose served queries cost at most
+    ``COST_LIMIT`` x fixed logging's mean and are at least as accurate; None if none qualifies."""
+    ok = [name for name, r in results.items()
+          if r["served_cost_usd"] <= COST_LIMIT * fixed["served_cost_usd"] and r["served_acc"] >= fixed["served_acc"]]
+    return max(ok, key=lambda name: results[name]["gain_mean"], default=None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--data", type=Path, default=DATA)
-    ap.add_argument("--stage", choices=("kmeans", "policy", "posterior", "confirm"), default="kmeans")
+    ap.add_argument("--stage", choices=("kmeans", "policy", "posterior", "confirm", "targets"), default="kmeans")
     ap.add_argument("--clusters", type=int, default=3)
     ap.add_argument("--prior-strength", type=float, default=16.0)
     ap.add_argument("--passes", type=float, default=1.0)
@@ -79,6 +107,9 @@ def main() -> None:
         km = KMeansRouterConfig(n_clusters=args.clusters, prior_strength=args.prior_strength)
         grid = [dict(kmeans=km, policies=("fixed", "uniform", "thompson", "top_two"), top_two_u_power=1.0, beta_tt=0.75),
                 dict(kmeans=km, policies=("top_two",), top_two_u_power=2.0, beta_tt=0.5)]
+    elif args.stage == "targets":
+        km = KMeansRouterConfig(n_clusters=args.clusters, prior_strength=args.prior_strength)
+        grid = [dict(kmeans=km, policies=("fixed",))] + [dict(kmeans=km, **c) for c in TARGET_CANDIDATES.values()]
     else:  # the exploring posterior's prior strength, and positions favouring the expensive end
         km = KMeansRouterConfig(n_clusters=args.clusters, prior_strength=args.prior_strength)
         grid = ([dict(kmeans=km, policies=("thompson",), thompson_u_power=p) for p in (0.5, 0.75)]
@@ -99,8 +130,18 @@ def main() -> None:
                           for p in cfg.policies)
         print({k: v for k, v in row.items() if k not in ("results", "gain_per_seed")}, brief,
               f"ceiling {summary['dense_ceiling']['gain_mean']:.3f} ({time.time() - t0:.0f} s)", flush=True)
+    extra = {}
+    if args.stage == "targets":
+        fixed = rows[0]["results"]["fixed"]
+        named = {name: row["results"][row["policies"][0]] for name, row in zip(TARGET_CANDIDATES, rows[1:])}
+        for name, r in named.items():
+            print(f"{name}: gain {r['gain_mean']:.4f} ± {r['gain_se']:.4f}, served cost {r['served_cost_usd'] / fixed['served_cost_usd']:.2f}x "
+                  f"fixed, served acc {r['served_acc']:.3f} vs {fixed['served_acc']:.3f}")
+        extra = {"rule": f"max validation gain s.t. served cost <= {COST_LIMIT} x fixed and served acc >= fixed",
+                 "candidates": list(TARGET_CANDIDATES), "chosen": choose(named, fixed)}
+        print("chosen:", extra["chosen"])
     out = Path(__file__).resolve().parents[1] / "docs" / "results" / f"online_settings_{args.stage}.json"
-    write_atomic(out, json.dumps({"seeds": args.seeds, "passes": args.passes, "rows": rows}, indent=1).encode())
+    write_atomic(out, json.dumps({"seeds": args.seeds, "passes": args.passes, "rows": rows, **extra}, indent=1).encode())
     print(f"wrote {out}")
 
 

@@ -1,43 +1,16 @@
-"""``Explorer``: opt-in exploration on the device, over a K-means bundle's per-(cell, model) statistics.
+"""``Explorer``: opt-in Thompson-sampling exploration on the device over a K-means bundle's cell table
+(docs/device-and-bundles.md "Exploration"; Russo et al. 2018, "A tutorial on Thompson sampling", Alg. 1).
 
-Greedy routing (:meth:`sdk.Router.choose`) logs the model the bundle already rates best, so the
-federated statistics keep learning about that model only (ARCHITECTURE.md §11). An :class:`Explorer`
-wraps a loaded K-means :class:`~sdk.Router` and chooses by Thompson sampling at the caller's ``lam``
-(Thompson 1933; Russo et al. 2018, "A tutorial on Thompson sampling", Alg. 1): for a query in cell
-``k``, draw each model's accuracy ``theta_m ~ Beta(alpha_k^m, beta_k^m)`` and pick
-``argmax_m theta_m - lam * C_k^m`` (ties: the cheaper model, then the lower index).
-
-Posterior (:func:`sdk.exploration.beta_posterior`): the bundle's shrunk mean
-``A = (S + kappa P) / (n + kappa)``, its count ``n`` and the shrinkage ``kappa`` (``prior_strength``
-in ``kmeans.npz``) give ``alpha = A (n + kappa)``, ``beta = (1 - A)(n + kappa)``: the Beta posterior
-of prior ``Beta(kappa P, kappa (1 - P))`` after ``n`` observations summing to ``S``. Its mean is the
-bundle's ``A``, so the greedy choice is the argmax of the posterior-mean utility.
-
-Propensity: each :class:`~sdk.router.Choice` carries ``policy`` and ``propensity``, the probability
-that the policy picks the logged model for that query; :meth:`sdk.EvalLog.record_choice` stores them
-for offline evaluation (inverse propensity weighting). For ``"thompson"`` it is a Monte Carlo
-estimate over ``n_draws`` posterior draws per cell (drawn once, by a generator of their own seeded
-from ``seed`` and the cell, so the choices never depend on what was cached), evaluated once per
-(cell, ``lam``), with the query's own draw counted as one more: ``(count_m + 1) / (n_draws + 1)``,
-never 0 for the logged model (standard error about ``sqrt(p (1 - p) / n_draws)``). ``"uniform"`` is
-exact.
-
-Cost of exploring: under the current posterior a query of cell ``k`` loses, in expectation,
-``R_k(lam) = sum_m p_k^m (U_k^* - U_k^m)`` in utility (accuracy points, at ``lam``) against the
-greedy choice, with ``U_k^m = A_k^m - lam C_k^m`` and ``p`` the propensities
-(:meth:`Explorer.expected_regret`); a logged query's own loss is ``max(s.utility for s in
-choice.scores) - choice.utility``. ``max_regret`` bounds it per query: models whose posterior-mean
-utility is more than ``max_regret`` below the greedy one's are never explored (``max_regret=0``:
-greedy).
-
-Federation: nothing new leaves the device. The rows an Explorer logs feed the usual statistics
-upload (:func:`sdk.local_update.kmeans_update`: per-(cell, model) counts and sums, per-cell mean
-embeddings above the privacy floor); policy and propensity stay in the local log. Each round's
-merged table, installed as the next bundle, is every device's next posterior.
+For a query in cell ``k`` it draws ``theta_m ~ Beta(alpha_k^m, beta_k^m)``, the posterior of the bundle's
+shrunk means (:func:`sdk.exploration.beta_posterior`), and picks ``argmax_m theta_m - lam * C_k^m`` (ties:
+the cheaper model, then the lower index). Each :class:`~sdk.router.Choice` carries ``policy`` and
+``propensity``: for Thompson sampling the share of ``n_draws`` pooled posterior draws of the cell that the
+model wins at ``lam``, the query's own draw counted as one more, ``(count + 1) / (n_draws + 1)``.
 """
 
 from __future__ import annotations
 
+import bisect
 import numbers
 import threading
 from collections.abc import Sequence
@@ -54,40 +27,24 @@ from sdk.utility import check_lambda
 
 __all__ = ["DEVICE_POLICIES", "Explorer"]
 
-#: Policies an :class:`Explorer` runs: both choose at the caller's ``lam`` (``frontier`` and
-#: ``top_two`` of :mod:`sdk.exploration` draw their own point on the cost axis: simulation only).
+#: Policies an :class:`Explorer` runs (both at the caller's ``lam``; ``frontier`` and ``top_two``: simulation only).
 DEVICE_POLICIES = ("thompson", "uniform")
-#: (cell, lam) entries of the propensity cache before it is emptied (an app whose lam changes per
-#: query would otherwise grow it without bound).
+#: (cell, lam) entries of the counted-propensity cache before it is emptied.
 _CACHE_SIZE = 4096
+#: Largest ``n_draws`` whose propensities are tabulated over ``lam`` (<= n_draws * (n_models - 1) rows per cell).
+_TABLE_MAX_DRAWS = 10_000
 
 
 class Explorer:
-    """A K-means :class:`~sdk.Router` that explores: :meth:`choose` samples the model to log.
+    """A K-means :class:`~sdk.Router` that explores: :meth:`choose` samples the model to log. Thread-safe.
 
-    Parameters
-    ----------
-    router : a loaded :class:`sdk.Router` of a K-means bundle (``router_kind == "kmeans"``).
-    policy : ``"thompson"`` (default; module docstring) or ``"uniform"`` (every model with an
-        estimate alike, within ``max_regret``).
-    seed : int >= 0 or None (fresh OS entropy); the same seed, bundle and calls give the same choices
-        and propensities, bit for bit.
-    n_draws : int in [1, 10**7], Monte Carlo runs per (cell, ``lam``) for the Thompson propensity.
-    max_regret : float >= 0 or None (no bound): the most posterior-mean utility (accuracy points at
-        the call's ``lam``) a query may give up against the greedy choice.
-
-    Attributes
-    ----------
-    policy : the :class:`sdk.exploration.ExplorationPolicy` value (name, seed, n_draws).
-    alpha_, beta_ : ndarray of shape (n_cells, n_models), float64, the Beta posterior (NaN: no estimate).
-
-    Thread-safe: one lock guards the generator and the cache.
-
-    Raises
-    ------
-    InvalidInputError
-        ``router`` is not a Router or not a K-means one (an MLP bundle has no cell statistics),
-        ``policy`` unknown, ``seed``, ``n_draws`` or ``max_regret`` out of range or of the wrong type.
+    router : a loaded K-means :class:`sdk.Router`. policy : ``"thompson"`` or ``"uniform"`` (every model
+    with an estimate alike). seed : int >= 0 or None (OS entropy); a seed reproduces choices and
+    propensities bit for bit. n_draws : int in [1, 10**7], posterior draws per cell for the propensity.
+    max_regret : float >= 0 or None: the most posterior-mean utility (accuracy points at ``lam``) a query
+    may give up against the greedy choice. Attributes ``policy`` (:class:`~sdk.exploration.ExplorationPolicy`),
+    ``alpha_``, ``beta_`` ((n_cells, n_models) float64 Beta posterior, NaN: no estimate).
+    Raises InvalidInputError for a router that is not a K-means Router or an argument out of range.
     """
 
     def __init__(self, router: Router, *, policy: str = "thompson", seed: int | None = None, n_draws: int = 1000,
@@ -120,36 +77,19 @@ class Explorer:
         self._plans: dict[tuple[int, float], tuple[_CellPlan, np.ndarray]] = {}
         self._cell_plans: dict[int, _CellPlan] = {}
         self._pools: dict[int, np.ndarray] = {}
+        self._tables: dict[int, tuple[list[float], np.ndarray]] = {}
 
     # -- decisions ----------------------------------------------------------------------------
 
     def choose(self, query: str, lam: float) -> Choice:
-        """The model to send ``query`` to, drawn by the policy at ``lam``.
-
-        Parameters
-        ----------
-        query : non-blank str (as :meth:`sdk.Router.choose`).
-        lam : float, USD^-1, finite and >= 0.
-
-        Returns
-        -------
-        :class:`~sdk.router.Choice` with ``policy`` the policy's name and ``propensity`` in (0, 1]
-        (module docstring); its ``scores`` are the bundle's posterior means, as greedy.
-
-        Raises
-        ------
-        InvalidQueryError, InvalidLambdaError
-        """
+        """The :class:`~sdk.router.Choice` for ``query`` (non-blank str) drawn at ``lam`` (USD^-1, >= 0), with
+        ``policy`` and ``propensity`` in (0, 1]; ``scores`` are the posterior means, as greedy's.
+        Raises InvalidQueryError, InvalidLambdaError."""
         lam = check_lambda(lam)
         return self._choices([check_query(query)], lam)[0]
 
     def choose_batch(self, queries: Sequence[str], lam: float) -> list[Choice]:
-        """:meth:`choose` for each query (one embedding call, one draw per query).
-
-        Raises
-        ------
-        InvalidQueryError, InvalidLambdaError
-        """
+        """:meth:`choose` for each query (one embedding call). Raises InvalidQueryError, InvalidLambdaError."""
         lam = check_lambda(lam)
         return self._choices(_check_queries(queries), lam)
 
@@ -171,38 +111,18 @@ class Explorer:
     # -- what exploring costs -----------------------------------------------------------------
 
     def probabilities(self, lam: float) -> np.ndarray:
-        """Each model's probability of being chosen, per cell, at ``lam``.
-
-        Returns
-        -------
-        ndarray of shape (n_cells, n_models), float64, rows summing to 1 (0 for a model without an
-        estimate or beyond ``max_regret``); Monte Carlo (``n_draws`` runs) for ``"thompson"``, exact
-        for ``"uniform"``. A row of NaN for a cell with no model to choose.
-
-        Raises
-        ------
-        InvalidLambdaError
-        """
+        """Each model's probability of being chosen per cell at ``lam``, (n_cells, n_models) float64, rows
+        summing to 1 (NaN rows: no model to choose). Raises InvalidLambdaError."""
         return self._all_probabilities(check_lambda(lam))
 
     def expected_regret(self, lam: float) -> np.ndarray:
-        """Expected utility lost against the greedy choice per query of each cell, under the current
-        posterior: ``R_k = sum_m p_k^m (U_k^* - U_k^m)``, ``U = A - lam * C`` (module docstring).
-
-        Returns
-        -------
-        ndarray of shape (n_cells,), float64, >= 0, accuracy points at ``lam``; at most ``max_regret``
-        when set; NaN for a cell with no model to choose.
-
-        Raises
-        ------
-        InvalidLambdaError
-        """
+        """Expected utility lost against greedy per query of each cell, ``R_k = sum_m p_k^m (U_k^* - U_k^m)``
+        with ``U = A - lam * C``: (n_cells,) float64 accuracy points, NaN: no model. Raises InvalidLambdaError."""
         lam = check_lambda(lam)
         p = self._all_probabilities(lam)
         u = self._accuracy - lam * self._cost
         gap = np.fmax.reduce(u, axis=1, keepdims=True) - u  # fmax skips NaN (no estimate)
-        regret = np.nansum(p * gap, axis=1)  # p is 0 exactly where gap is NaN
+        regret: np.ndarray = np.nansum(p * gap, axis=1)  # p is 0 exactly where gap is NaN
         regret[np.isnan(p).all(axis=1)] = np.nan
         return regret
 
@@ -218,21 +138,25 @@ class Explorer:
         return out
 
     def _plan(self, cell: int, lam: float) -> tuple[_CellPlan, np.ndarray]:
-        """The models the policy may choose in ``cell`` at ``lam`` (:class:`_CellPlan`) and each
-        model's probability under the policy, (n_models,); cached. Caller holds the lock.
-
-        Thompson probabilities are the share of ``n_draws`` posterior draws of the cell
-        (:meth:`_pool`, reused for every ``lam``) that each model wins by
-        :func:`sdk.exploration.thompson_choice`'s rule (utility, then lower cost, then lower index);
-        uniform ones are exact."""
+        """The models ``cell`` offers at ``lam`` and each model's probability (n_models,): Thompson's the share
+        of the cell's pooled draws each wins (from the cell's table over ``lam`` without ``max_regret``),
+        uniform's exact. Caller holds the lock."""
+        plan = self._cell_plans.get(cell)
+        if plan is not None and self.policy.name == "thompson" and plan.models_ranked.size \
+                and self.policy.n_draws <= _TABLE_MAX_DRAWS:
+            table = self._tables.get(cell)
+            if table is None:
+                ranked = plan.known_ranked
+                table = self._tables[cell] = _switch_table(self._pool(cell, ranked), self._cost[cell, ranked], ranked,
+                                                           self._cost.shape[1])
+            return plan, table[1][bisect.bisect_right(table[0], lam)]
         key = (cell, lam)
         found = self._plans.get(key)
         if found is not None:
             return found
         if len(self._plans) >= _CACHE_SIZE:
             self._plans.clear()
-        plan = self._cell_plans.get(cell)  # without max_regret the models do not depend on lam
-        if plan is None:
+        if plan is None:  # cached without max_regret: then the models do not depend on lam
             plan = self._cell_plan(cell, lam)
             if self.max_regret is None:
                 self._cell_plans[cell] = plan
@@ -248,8 +172,7 @@ class Explorer:
         return plan, probs
 
     def _cell_plan(self, cell: int, lam: float) -> _CellPlan:
-        """The :class:`_CellPlan` of ``cell`` at ``lam``: models with a posterior and a cost, within
-        ``max_regret`` of the greedy utility. Does not validate."""
+        """The models of ``cell`` with a posterior and a cost, within ``max_regret`` of the greedy utility at ``lam``."""
         a, b, cost = self.alpha_[cell], self.beta_[cell], self._cost[cell]
         known = np.flatnonzero(np.isfinite(a) & np.isfinite(b) & np.isfinite(cost))
         ranked = known[np.lexsort((known, cost[known]))]  # by cost, then index: an argmax keeps the first of a tie
@@ -264,9 +187,7 @@ class Explorer:
                          ranked[keep], ranked, keep)
 
     def _pool(self, cell: int, ranked: np.ndarray) -> np.ndarray:
-        """(n_draws, len(ranked)) accuracy draws of the posterior of ``cell``'s models ``ranked`` (the
-        models with an estimate, by cost), drawn on first use by a generator seeded from ``seed`` and
-        the cell (never the choices' generator)."""
+        """(n_draws, len(ranked)) posterior draws of ``cell``'s models ``ranked``, by a generator of the seed and cell."""
         theta = self._pools.get(cell)
         if theta is None:
             rng = np.random.default_rng(np.random.SeedSequence(self._seeds.entropy, spawn_key=(cell,)))
@@ -281,11 +202,8 @@ class Explorer:
 
 @dataclass(frozen=True)
 class _CellPlan:
-    """The models the policy may choose in one cell at one ``lam``: ``mask`` (n_models,) bool;
-    ``alpha``, ``beta`` their posteriors in column order; ``rank`` their positions by (cost, index);
-    ``cost_ranked``, ``models_ranked`` their costs and indices in that order. ``known_ranked``: the
-    cell's models with an estimate by (cost, index), ``keep`` (bool, same length) those within
-    ``max_regret``."""
+    """The models one cell offers at one ``lam`` (``mask``, their posteriors, ranks by (cost, index),
+    costs and indices in that order; ``known_ranked``: all with an estimate, ``keep``: within ``max_regret``)."""
 
     mask: np.ndarray
     alpha: np.ndarray
@@ -297,12 +215,46 @@ class _CellPlan:
     keep: np.ndarray
 
     def draw(self, rng: np.random.Generator, lam: float, policy: str) -> int:
-        """One query's choice: the draws :func:`sdk.exploration.thompson_choice` (or
-        :func:`~sdk.exploration.uniform_choice`) makes for it from ``rng``, and its pick (tested)."""
+        """One query's choice, drawn from ``rng`` as :func:`sdk.exploration.thompson_choice` / ``uniform_choice`` do."""
         if policy == "uniform":
             return int(np.argmax(np.where(self.mask, rng.random(self.mask.size), -1.0)))
         u = rng.beta(self.alpha, self.beta)[self.rank] - lam * self.cost_ranked
         return int(self.models_ranked[np.argmax(u)])
+
+
+def _switch_table(theta: np.ndarray, cost: np.ndarray, ranked: np.ndarray,
+                  n_models: int) -> tuple[list[float], np.ndarray]:
+    """Thompson propensities of a cell as a step function of ``lam``: (breakpoints ``b``, table (len(b) + 1,
+    n_models)), row ``bisect_right(b, lam)`` = share of draws ``theta`` (n_draws, n_ranked; columns by cost,
+    then index) whose ``argmax theta - lam * cost`` is each model. Each draw's winner walks down its upper
+    envelope to cheaper models, from ``w`` to ``m`` at ``lam = (theta_w - theta_m) / (c_w - c_m)``."""
+    d, r = theta.shape
+    rows = np.arange(d)
+    winner = np.argmax(theta, axis=1)
+    start = np.bincount(winner, minlength=r).astype(np.float64)
+    at, old, new = [], [], []
+    while rows.size:
+        w = winner[rows]
+        cw = cost[w][:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cross = np.where(cost[None, :] < cw, (theta[rows, w][:, None] - theta[rows]) / (cw - cost[None, :]), np.inf)
+        nxt = np.argmin(cross, axis=1)  # a tie of crossings: the first column, the cheapest model
+        lam = cross[np.arange(rows.size), nxt]
+        go = np.isfinite(lam)
+        at.append(lam[go])
+        old.append(w[go])
+        new.append(nxt[go])
+        rows = rows[go]
+        winner[rows] = nxt[go]
+    lams, old_c, new_c = np.concatenate(at), np.concatenate(old), np.concatenate(new)
+    order = np.argsort(lams, kind="stable")
+    steps = np.zeros((order.size + 1, r))
+    steps[0] = start
+    steps[1 + np.arange(order.size), old_c[order]] -= 1.0
+    steps[1 + np.arange(order.size), new_c[order]] += 1.0
+    table = np.zeros((order.size + 1, n_models))
+    table[:, ranked] = np.cumsum(steps, axis=0) / d
+    return lams[order].tolist(), table
 
 
 def _is_int(value: object) -> bool:

@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 
-from sdk.errors import InvalidInputError
 from sdk.exploration import (
     ExplorationPolicy,
     beta_posterior,
@@ -11,6 +10,7 @@ from sdk.exploration import (
     frontier_choice,
     thompson_choice,
     top_two_choice,
+    _axis_point,
     uniform_choice,
 )
 
@@ -35,11 +35,6 @@ def test_posterior_keeps_no_estimate_and_floors_certain_means():
     alpha, beta = beta_posterior(np.array([[np.nan, 1.0]]), np.array([[0.0, 5.0]]), 0.0)
     assert np.isnan(alpha[0, 0]) and np.isnan(beta[0, 0])
     assert alpha[0, 1] == 5.0 and 0 < beta[0, 1] <= 1e-9
-
-
-def test_posterior_refuses_a_negative_prior_strength():
-    with pytest.raises(InvalidInputError, match="prior_strength"):
-        beta_posterior(np.zeros((1, 1)), np.zeros((1, 1)), -1.0)
 
 
 # Three models, one cell: costs 1, 2, 4 USD; accuracies 0.3, 0.6, 0.7 known almost exactly.
@@ -113,9 +108,7 @@ def test_uniform_choice_covers_the_models_with_an_estimate():
     assert set(picks.tolist()) == {0, 2} and abs(picks.mean() / 2 - 0.5) < 0.03
 
 
-def test_policy_value_checks_its_fields_and_seeds_reproduce():
-    with pytest.raises(InvalidInputError, match="name"):
-        ExplorationPolicy(name="greedy")
+def test_policy_seeds_reproduce():
     policy = ExplorationPolicy(name="thompson", seed=7)
     cells = np.zeros(100, dtype=int)
     a = thompson_choice(*beta_posterior(np.array([[0.5, 0.5]]), np.ones((1, 2)), 1.0), np.ones(2), 0.0, cells,
@@ -123,3 +116,19 @@ def test_policy_value_checks_its_fields_and_seeds_reproduce():
     b = thompson_choice(*beta_posterior(np.array([[0.5, 0.5]]), np.ones((1, 2)), 1.0), np.ones(2), 0.0, cells,
                         policy.generator())
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("power, u, want", [(1.0, 0.5, 5.5), (0.0, 0.5, 10 ** 0.5), (0.5, 0.5, ((1 + 10 ** 0.5) / 2) ** 2),
+                                            (0.0, 0.0, 1.0), (0.5, 1.0, 10.0)])
+def test_axis_point_is_uniform_on_cost_to_the_power(power, u, want):
+    # lo = 1, hi = 10 USD: linear midpoint 5.5; log midpoint sqrt(10); sqrt midpoint ((1 + sqrt(10)) / 2) ** 2.
+    assert _axis_point(1.0, 10.0, u, power) == pytest.approx(want)
+
+
+def test_a_log_cost_axis_logs_the_cheap_end_more():
+    # Tight posteriors, costs 1, 2, 4: on the linear axis u = 0.5 is cost 2.5 (segment 2-4); on the log
+    # axis it is cost 2 (model 1 exactly).
+    cells, rng = np.zeros(2000, dtype=int), np.random.default_rng(3)
+    linear = frontier_choice(*TIGHT, COST, np.full(2000, 0.5), cells, rng)
+    log = frontier_choice(*TIGHT, COST, np.full(2000, 0.5), cells, rng, axis_power=0.0)
+    assert (log == 1).all() and abs((linear == 2).mean() - 0.25) < 0.04

@@ -167,6 +167,14 @@ def test_max_regret_bounds_what_exploring_gives_up(default):
     np.testing.assert_array_equal(loose.probabilities(0.0), free.probabilities(0.0))
 
 
+def test_propensities_tabulated_over_lam_equal_the_counted_ones(default):
+    # Without max_regret the Thompson propensities come from a per-cell table over lam (breakpoints of
+    # each draw's upper envelope); max_regret=1.0 excludes nothing here but counts the same draws per lam.
+    table, counted = Explorer(default, seed=5), Explorer(default, seed=5, max_regret=1.0)
+    for lam in np.concatenate([[0.0], np.exp(np.random.default_rng(0).uniform(0.0, np.log(1e5), 60))]):
+        np.testing.assert_array_equal(table.probabilities(lam), counted.probabilities(lam))
+
+
 def test_an_mlp_bundle_is_refused_at_construction(tmp_path, keys):
     from export.bundle_writer import write_bundle
     from export.embedder_export import BundleEmbedder

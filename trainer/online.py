@@ -71,6 +71,8 @@ class OnlineConfig:
     thompson_u_power, top_two_u_power : each exploring policy draws its cost-axis position as
         ``u = v ** power``, ``v ~ U[0, 1]`` (1: uniform, the AUC's measure and METRICS.md's ``thompson``;
         > 1 favours cheap models, < 1 expensive ones).
+    thompson_axis_power, top_two_axis_power : the cost axis ``u`` is uniform on: ``cost ** g`` (1: linear,
+        the AUC's; 0.5: square root; 0: log cost; :func:`sdk.exploration.frontier_choice`).
     explore_prior_strength : prior strength of the exploring policies' posterior; None = ``kmeans.prior_strength``.
     Raises InvalidInputError for an unknown policy or a value out of range.
     """
@@ -85,7 +87,9 @@ class OnlineConfig:
     kmeans: KMeansRouterConfig = field(default_factory=_default_kmeans)
     beta_tt: float = 0.5
     thompson_u_power: float = 1.0
-    top_two_u_power: float = 2.0
+    top_two_u_power: float = 1.0
+    thompson_axis_power: float = 1.0
+    top_two_axis_power: float = 0.5  # top_two's settings: chosen on validation (benchmarks/online_settings.py --stage targets)
     explore_prior_strength: float | None = None
 
     def __post_init__(self) -> None:
@@ -102,6 +106,8 @@ class OnlineConfig:
         check_real(self, "beta_tt", 0, 1)
         check_real(self, "thompson_u_power", 0, low_open=True)
         check_real(self, "top_two_u_power", 0, low_open=True)
+        check_real(self, "thompson_axis_power", 0, 1)
+        check_real(self, "top_two_axis_power", 0, 1)
         if self.explore_prior_strength is not None:
             check_real(self, "explore_prior_strength", 0)
         check_config(self, "kmeans", KMeansRouterConfig)
@@ -234,10 +240,11 @@ def _choose(policy: str, queries: np.ndarray, client: np.ndarray, cells: np.ndar
     if explore.any():
         q = rows[explore]
         if policy == "thompson":
-            out[q] = frontier_choice(a[q], b[q], c[q], u[q] ** config.thompson_u_power, np.arange(q.shape[0]), rng)
+            out[q] = frontier_choice(a[q], b[q], c[q], u[q] ** config.thompson_u_power, np.arange(q.shape[0]), rng,
+                                     axis_power=config.thompson_axis_power)
         else:
             out[q] = top_two_choice(a[q], b[q], c[q], u[q] ** config.top_two_u_power, np.arange(q.shape[0]), rng,
-                                    beta_tt=config.beta_tt)
+                                    beta_tt=config.beta_tt, axis_power=config.top_two_axis_power)
     return out.astype(np.int64)
 
 

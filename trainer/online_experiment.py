@@ -24,7 +24,7 @@ POLICY_NOTES = {
     "fixed": "paper's logging: client i logs m ~ pi_i, pi_i ~ Dir(0.5)",
     "uniform": "a model uniformly at random",
     "thompson": "frontier Thompson sampling (METRICS.md), u ~ U[0, 1]",
-    "top_two": "top-two Thompson sampling on the frontier",
+    "top_two": "top-two Thompson sampling on the frontier, u uniform on sqrt(cost); chosen on validation",
 }
 
 
