@@ -37,8 +37,21 @@ def _export(module: nn.Module, args: tuple, inputs: list[str], outputs: list[str
     return model.SerializeToString()
 
 
-def vpa_to_onnx(model) -> tuple[bytes, bytes]:
-    """``(vpa_encoder.onnx, vpa_reward.onnx)`` bytes of a :class:`trainer.vpa.model.VPAModel` (put in eval mode)."""
+def _prior(protos) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    if protos is None:
+        return None
+    return (torch.tensor(protos.mu, dtype=torch.float32), torch.tensor(protos.logvar, dtype=torch.float32),
+            torch.log(torch.tensor(protos.pi, dtype=torch.float32)))
+
+
+def vpa_to_onnx(model, protos=None) -> tuple[bytes, bytes]:
+    """``(vpa_encoder.onnx, vpa_reward.onnx)`` bytes of a :class:`trainer.vpa.model.VPAModel` (put in eval mode).
+
+    protos : the FedVPA-GP prior (:class:`trainer.vpa.aggregation.Prototypes`) or None; with it the encoder graph
+    outputs the mean and log variance of the mixture posterior (:meth:`~trainer.vpa.model.VPAModel.infer`), the
+    prototypes being constants of the graph.
+    """
+    prior = _prior(protos)
     model = model.eval()
     d_in = model.pair_net[0].in_features
     d_z = model.head.in_features
@@ -49,7 +62,7 @@ def vpa_to_onnx(model) -> tuple[bytes, bytes]:
             self.model = model
 
         def forward(self, phi_w, phi_l, mask):
-            return self.model.encode(phi_w, phi_l, mask)
+            return self.model.infer(phi_w, phi_l, mask, prior)
 
     class Reward(Encoder):
         def forward(self, phi, z):
@@ -65,8 +78,9 @@ def vpa_to_onnx(model) -> tuple[bytes, bytes]:
 
 
 def check_parity(model, encoder: bytes, reward: bytes, phi_w: np.ndarray, phi_l: np.ndarray,
-                 phi_a: np.ndarray, phi_b: np.ndarray) -> dict:
-    """Device vs trainer on one user's context (phi_w, phi_l: (C, d_in)) and target pairs (phi_a, phi_b: (n, d_in)).
+                 phi_a: np.ndarray, phi_b: np.ndarray, protos=None) -> dict:
+    """Device vs trainer on one user's context (phi_w, phi_l: (C, d_in)) and target pairs (phi_a, phi_b: (n, d_in));
+    ``protos`` as given to :func:`vpa_to_onnx`.
 
     Returns ``{'mu', 'logvar', 'margin'}`` max absolute differences. Raises ParityError above :data:`PARITY_FP32`.
     """
@@ -74,7 +88,7 @@ def check_parity(model, encoder: bytes, reward: bytes, phi_w: np.ndarray, phi_l:
     mu_d, lv_d = device.infer_z(phi_w, phi_l)
     with torch.no_grad():
         w, lo = torch.as_tensor(phi_w[None], dtype=torch.float32), torch.as_tensor(phi_l[None], dtype=torch.float32)
-        mu_t, lv_t = model.eval().encode(w, lo, torch.ones(1, len(phi_w)))
+        mu_t, lv_t = model.eval().infer(w, lo, torch.ones(1, len(phi_w)), _prior(protos))
         m_t = model.margin(torch.as_tensor(phi_a[None], dtype=torch.float32),
                            torch.as_tensor(phi_b[None], dtype=torch.float32), mu_t)[0].numpy()
     report = {"mu": float(np.abs(mu_d - mu_t[0].numpy()).max()), "logvar": float(np.abs(lv_d - lv_t[0].numpy()).max()),

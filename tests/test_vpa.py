@@ -14,8 +14,9 @@ from sdk.errors import InvalidInputError, ShapeError
 from trainer.data.conflicting_users import UsersConfig, make_users
 from trainer.vpa import evaluation as ev
 from trainer.vpa.aggregation import ClientUpdate, PrototypeStats, Prototypes, aggregate_prototypes, aggregate_round
-from trainer.vpa.model import (bt_loglik, elbo, expected_log_normal, gumbel_softmax, kl_normal, mixture_kl,
-                               orthogonality_loss)
+from trainer.vpa.model import (VPAModel, bt_loglik, component_kl, elbo, expected_log_normal, gumbel_softmax, kl_normal,
+                               mixture_kl, mixture_moments, mixture_posterior, orthogonality_loss)
+from trainer.vpa.prototype_kmeans import federated_kmeans, lloyd_stats, principal_split
 from trainer.vpa.trainer import VPAConfig, VPATrainer
 
 torch.set_num_threads(1)
@@ -100,6 +101,64 @@ def test_aggregate_round_fedavg_by_users():
     assert protos is None
 
 
+def test_mixture_posterior_hand_computed():
+    # one prototype N(0, 1): the posterior of evidence (h, Lambda) = (3, 2) is N(3 / 3, 1 / 3), as under VPL's prior
+    h, lam = torch.tensor([[3.0]]), torch.tensor([[2.0]])
+    m, lv, logits = mixture_posterior(h, lam, torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1))
+    assert m.item() == pytest.approx(1.0) and lv.item() == pytest.approx(-math.log(3.0))
+    # two prototypes N(+-1, 1/2), pi = (1/4, 3/4): gamma_k ~ pi_k N(h / Lambda = 1.5; mu_k, 1/2 + 1/2)
+    p_mu, p_lv = torch.tensor([[1.0], [-1.0]]), torch.log(torch.tensor([[0.5], [0.5]]))
+    m, lv, logits = mixture_posterior(h, lam, p_mu, p_lv, torch.log(torch.tensor([0.25, 0.75])))
+    w = np.array([0.25 * math.exp(-0.5 * 0.25), 0.75 * math.exp(-0.5 * 2.5 ** 2)])
+    np.testing.assert_allclose(torch.softmax(logits, -1)[0].numpy(), w / w.sum(), rtol=1e-5)
+    # component posteriors: precision 2 + 2 = 4, means (+-1 * 2 + 3) / 4
+    np.testing.assert_allclose(m[0, :, 0].numpy(), [5 / 4, 1 / 4], rtol=1e-6)
+    np.testing.assert_allclose(lv[0, :, 0].numpy(), [-math.log(4.0)] * 2, rtol=1e-6)
+    # mixture moments: mean sum_k g_k m_k, variance sum_k g_k (v_k + m_k^2) - mean^2
+    g = torch.tensor([[0.5, 0.5]])
+    mean, logvar = mixture_moments(m, lv, g)
+    assert mean.item() == pytest.approx(0.75) and logvar.exp().item() == pytest.approx(0.25 + (25 / 16 + 1 / 16) / 2 - 0.5625)
+    # component KL with one component equals the Gaussian KL (no categorical term)
+    kl, _, _ = component_kl(torch.tensor([[[1.0]]]), torch.zeros(1, 1, 1), torch.zeros(1, 1), torch.zeros(1, 1),
+                            torch.zeros(1, 1), torch.zeros(1), None)
+    assert kl.item() == pytest.approx(0.5)
+
+
+def test_natural_parameter_encoder_tightens_with_more_pairs():
+    torch.manual_seed(0)
+    model = VPAModel(5, hidden=8, latent_dim=3, dropout=0.0, pooling="natural").eval()
+    w, lo = torch.randn(1, 1, 5), torch.randn(1, 1, 5)
+    var = [model.encode(w.repeat(1, c, 1), lo.repeat(1, c, 1), torch.ones(1, c))[1].exp() for c in (1, 2, 8)]
+    assert bool((var[0] > var[1]).all() and (var[1] > var[2]).all())
+    # the same pair c times: precision 1 + c lambda, mean c h_1 / (1 + c lambda)
+    h1, lam1 = model.evidence(w, lo, torch.ones(1, 1))
+    mu8, lv8 = model.encode(w.repeat(1, 8, 1), lo.repeat(1, 8, 1), torch.ones(1, 8))
+    torch.testing.assert_close(mu8, 8 * h1 / (1 + 8 * (lam1 - 1e-6) + 1e-6))
+    # padding does not count
+    mu_pad, _ = model.encode(torch.cat([w.repeat(1, 8, 1), torch.randn(1, 3, 5)], 1),
+                             torch.cat([lo.repeat(1, 8, 1), torch.randn(1, 3, 5)], 1),
+                             torch.cat([torch.ones(1, 8), torch.zeros(1, 3)], 1))
+    torch.testing.assert_close(mu_pad, mu8)
+
+
+def test_federated_kmeans_finds_the_clusters_from_statistics():
+    # principal split of points at (+-2, 0): mean 0, covariance diag(4, 0) -> centres (+-2, 0)
+    pts = np.array([[2.0, 0.0], [-2.0, 0.0]])
+    np.testing.assert_allclose(np.sort(principal_split([(2.0, pts.sum(0), pts.T @ pts)], 2)[:, 0]), [-2.0, 2.0], atol=1e-12)
+    # hard-assignment statistics: counts and sums per centre
+    st = lloyd_stats(np.array([[1.0, 1.0], [3.0, 1.0], [-5.0, 0.0]]), np.array([[2.0, 0.0], [-4.0, 0.0]]))
+    np.testing.assert_allclose(st.mass, [2.0, 1.0])
+    np.testing.assert_allclose(st.sum_mu, [[4.0, 2.0], [-5.0, 0.0]])
+    np.testing.assert_allclose(st.sum_sq, [[10.0, 2.0], [25.0, 0.0]])
+    # two clusters spread over three clients, one client holding only one of them
+    rng = np.random.default_rng(0)
+    a, b = rng.normal([3.0, 1.0], 0.1, (30, 2)), rng.normal([-1.0, -2.0], 0.1, (30, 2))
+    protos = federated_kmeans([a[:20], np.vstack([a[20:], b[:10]]), b[10:]], 2, 5)
+    order = np.argsort(protos.mu[:, 0])
+    np.testing.assert_allclose(protos.mu[order], [b.mean(0), a.mean(0)], atol=1e-9)
+    np.testing.assert_allclose(protos.pi, [0.5, 0.5])
+
+
 def test_orthogonality_loss():
     assert orthogonality_loss(torch.eye(3, 5) * torch.tensor([[2.0], [0.5], [3.0]])).item() == pytest.approx(0.0, abs=1e-7)
     assert orthogonality_loss(torch.tensor([[1.0, 1.0], [2.0, 2.0]])).item() == pytest.approx(1.0, abs=1e-6)
@@ -127,7 +186,7 @@ def _small_cfg(**over) -> VPAConfig:
     users = UsersConfig(n_clients=4, mix="pure", n_train_users=4, n_val_users=2, n_test_users=4, n_train_pairs=40,
                         context_max=8, n_heldout=16)
     base = dict(users=users, contexts=(2, 8), hidden=16, latent_dim=2, rounds=25, local_steps=5, n_targets=16,
-                pca_components=None, structure=True, lr=1e-2, seeds=1)
+                pca_components=None, structure="markers", lr=1e-2, seeds=1)
     return VPAConfig(**{**base, **over})
 
 
@@ -156,9 +215,10 @@ def test_client_upload_holds_only_parameters_and_prototype_statistics():
                 assert not any(np.allclose(flat[i:i + len(row)], row) for i in range(0, len(flat) - len(row) + 1))
 
 
-def test_synthetic_federation_personalises_and_the_monolithic_model_cannot():
+@pytest.mark.parametrize("over", [{}, {"pooling": "natural", "kmeans_at": (0.3,)}])
+def test_synthetic_federation_personalises_and_the_monolithic_model_cannot(over):
     pairs, phi = _synthetic()
-    cfg = _small_cfg()
+    cfg = _small_cfg(**over)
     users = make_users(pairs, cfg.users, seed=0)
     tr = VPATrainer(users, phi, cfg)
     test_ids, t_test = users.users("test"), users.type[users.users("test")]
@@ -167,7 +227,7 @@ def test_synthetic_federation_personalises_and_the_monolithic_model_cannot():
     mono_acc = ev.bt_correct(tr, mono, test_ids, np.zeros(len(test_ids), dtype=np.int64)).mean()
     oracle_acc = ev.bt_correct(tr, oracle, test_ids, t_test).mean()
     model, protos = tr.train_vpa("mixture", 0.03, seed=0)
-    mu, logvar = ev.posterior(tr, model, test_ids, 8)
+    mu, logvar = ev.posterior(tr, model, test_ids, 8, protos)
     gp_acc = ev.vpa_correct(tr, model, test_ids, mu).mean()
     assert oracle_acc > 0.85 and abs(mono_acc - 0.5) < 0.1
     assert gp_acc > mono_acc + 0.2, (gp_acc, mono_acc)
@@ -247,24 +307,25 @@ def test_cli_refuses_another_commands_results_folder(tmp_path):
     assert VPAConfig.quick().seeds == 1 and VPAConfig.quick().to_json()["users"]["n_clients"] == 12
 
 
-def test_device_z_and_margins_equal_the_trainers_after_onnx_export():
+@pytest.mark.parametrize("pooling", ["mean", "natural"])
+def test_device_z_and_margins_equal_the_trainers_after_onnx_export(pooling):
     from export.vpa_export import check_parity, vpa_to_onnx
     from sdk.personal_reward import PersonalReward
 
     pairs, phi = _synthetic()
-    cfg = _small_cfg(rounds=3)
+    cfg = _small_cfg(rounds=3, pooling=pooling, kmeans_at=(0.5,))
     users = make_users(pairs, cfg.users, seed=0)
     tr = VPATrainer(users, phi, cfg)
-    model, _ = tr.train_vpa("mixture", 0.03, seed=0)
-    enc, rew = vpa_to_onnx(model)
+    model, protos = tr.train_vpa("mixture", 0.03, seed=0)
+    enc, rew = vpa_to_onnx(model, protos)
     u = users.users("test")[0]
     idx = torch.as_tensor(users.context(u, 8))[None]
     w, lo = tr.context_tensors(np.array([u]), idx, torch.ones(1, 8))
     held = users.heldout(u)
-    report = check_parity(model, enc, rew, w[0].numpy(), lo[0].numpy(), phi[held, 0], phi[held, 1])
+    report = check_parity(model, enc, rew, w[0].numpy(), lo[0].numpy(), phi[held, 0], phi[held, 1], protos)
     assert max(report["mu"], report["logvar"], report["margin"]) <= 1e-3
-    # the device's z from the user's own context equals the trainer's posterior mean
-    mu_t, _ = ev.posterior(tr, model, np.array([u]), 8)
+    # the device's z from the user's own context equals the trainer's posterior mean (under the mixture prior)
+    mu_t, _ = ev.posterior(tr, model, np.array([u]), 8, protos)
     mu_d, _ = PersonalReward(enc, rew).infer_z(w[0].numpy(), lo[0].numpy())
     np.testing.assert_allclose(mu_d, mu_t[0].numpy(), atol=1e-5)
     with pytest.raises(InvalidInputError):

@@ -5,7 +5,7 @@ user prefers, averaged over users (every user has the same number of held-out pa
 over the users of one type. Methods:
 
 - ``fedvpa_gp`` / ``vpl_gaussian`` / ``local_vpl``: ``z`` = the posterior mean of ``q(z | first C context pairs)``
-  (or, ``z_mode='prototype'``, the mean of the most responsible prototype), then ``r(x, y, z)``.
+  (under the mixture prior with the natural-parameter encoder: the mean of the mixture posterior) (or, ``z_mode='prototype'``, the mean of the most responsible prototype), then ``r(x, y, z)``.
 - ``monolithic_bt``: one FedAvg Bradley-Terry reward for everybody.
 - ``oracle_type``: the Bradley-Terry head of the user's true type.
 - ``two_stage``: the type with the larger log-likelihood of the user's C context labels under the two type heads
@@ -31,7 +31,7 @@ from sklearn.linear_model import LogisticRegression
 from sdk.pair_encoding import length_features_many
 from trainer.data.conflicting_users import TYPES
 from trainer.vpa.aggregation import Prototypes
-from trainer.vpa.model import BTReward, VPAModel, bt_loglik, kl_normal, mixture_kl
+from trainer.vpa.model import BTReward, VPAModel, bt_loglik, component_kl, kl_normal
 from trainer.vpa.trainer import VPATrainer
 
 
@@ -45,32 +45,48 @@ def _heldout(tr: VPATrainer, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tenso
     return idx, tr.user_labels(ids, idx)
 
 
+def prior_tensors(protos: Prototypes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(proto_mu, proto_logvar, log_pi)`` float32 tensors of the mixture prior."""
+    return (torch.tensor(protos.mu, dtype=torch.float32), torch.tensor(protos.logvar, dtype=torch.float32),
+            torch.log(torch.tensor(protos.pi, dtype=torch.float32)))
+
+
 @torch.no_grad()
-def posterior(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mu, logvar)`` (U, d_z) of ``q(z | first c context pairs)`` of users ``ids``."""
+def components(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: Prototypes
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Component posteriors and log responsibilities (:meth:`VPAModel.components`) of users ``ids`` from c context pairs."""
     idx, mask = _context_batch(tr, ids, c)
-    return model.encode(*tr.context_tensors(ids, idx, mask), mask)
+    return model.components(*tr.context_tensors(ids, idx, mask), mask, *prior_tensors(protos))
 
 
 @torch.no_grad()
-def choose_z(mu: torch.Tensor, logvar: torch.Tensor, protos: Prototypes | None, z_mode: str) -> torch.Tensor:
+def posterior(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: Prototypes | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mu, logvar)`` (U, d_z) of ``q(z | first c context pairs)`` of users ``ids`` (under the mixture prior
+    ``protos``: the mean and variance of the mixture posterior)."""
+    idx, mask = _context_batch(tr, ids, c)
+    return model.infer(*tr.context_tensors(ids, idx, mask), mask, None if protos is None else prior_tensors(protos))
+
+
+@torch.no_grad()
+def choose_z(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: Prototypes | None, z_mode: str
+             ) -> torch.Tensor:
     """The ``z`` scored with: the posterior mean, or the mean of the most responsible prototype."""
     if z_mode == "mean" or protos is None:
-        return mu
-    p_mu, p_lv = torch.tensor(protos.mu, dtype=torch.float32), torch.tensor(protos.logvar, dtype=torch.float32)
-    _, gamma = mixture_kl(mu, logvar, p_mu, p_lv, torch.log(torch.tensor(protos.pi, dtype=torch.float32)), None)
-    return p_mu[gamma.argmax(1)]
+        return posterior(tr, model, ids, c, protos)[0]
+    _, _, logits = components(tr, model, ids, c, protos)
+    return torch.tensor(protos.mu, dtype=torch.float32)[logits.argmax(1)]
 
 
 @torch.no_grad()
-def kl_to_prior(mu: torch.Tensor, logvar: torch.Tensor, protos: Prototypes | None) -> np.ndarray:
+def kl_to_prior(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: Prototypes | None) -> np.ndarray:
     """``KL(q || p)`` per user (nats): N(0, I) when ``protos`` is None, else the mixture bound with ``c = gamma``."""
     if protos is None:
+        mu, logvar = posterior(tr, model, ids, c)
         return kl_normal(mu, logvar, torch.zeros_like(mu), torch.zeros_like(logvar)).numpy()
-    kl, _ = mixture_kl(mu, logvar, torch.tensor(protos.mu, dtype=torch.float32),
-                       torch.tensor(protos.logvar, dtype=torch.float32),
-                       torch.log(torch.tensor(protos.pi, dtype=torch.float32)), None)
-    return kl.numpy()
+    m, lv, logits = components(tr, model, ids, c, protos)
+    p_mu, p_lv, log_pi = prior_tensors(protos)
+    return component_kl(m, lv, logits, p_mu, p_lv, log_pi, None)[0].numpy()
 
 
 @torch.no_grad()

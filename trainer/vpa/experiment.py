@@ -22,7 +22,7 @@ from trainer.data.conflicting_users import TYPES, make_users
 from trainer.data.preferences import load_hh_harmless_pairs
 from trainer.rewards.pair_features import PairEncoder
 from trainer.vpa import evaluation as ev
-from trainer.vpa.features import STRUCTURE_PATTERNS, pair_features, reduce_embeddings
+from trainer.vpa.features import STRUCTURES, pair_features, reduce_embeddings, select_structure
 from trainer.vpa.trainer import VPAConfig, VPATrainer
 
 METHODS = ("fedvpa_gp", "vpl_gaussian", "monolithic_bt", "length_per_user", "two_stage", "local_vpl", "oracle_type")
@@ -30,15 +30,15 @@ Z_METHODS = ("fedvpa_gp", "vpl_gaussian", "local_vpl")
 
 
 def load_features(cfg: VPAConfig) -> tuple[pd.DataFrame, np.ndarray]:
-    """The HH pairs and ``phi`` with ``s(y)`` (its last columns; :func:`trainer.vpa.features.pair_features`)."""
+    """The HH pairs and ``phi`` with ``s(y)`` and ``p(y)`` (its last columns; :func:`trainer.vpa.features.pair_features`)."""
     pairs = load_hh_harmless_pairs(cfg.data_dir, seed=0)
     encoder = PairEncoder(cache_dir=None if cfg.cache_dir is None else Path(cfg.cache_dir), show_progress=True)
-    return pairs, pair_features(pairs, encoder, structure=True)
+    return pairs, pair_features(pairs, encoder)
 
 
 def _val_score(tr: VPATrainer, model, protos, z_mode: str) -> float:
     ids = tr.users.users("val")
-    accs = [ev.vpa_correct(tr, model, ids, ev.choose_z(*ev.posterior(tr, model, ids, c), protos, z_mode)).mean()
+    accs = [ev.vpa_correct(tr, model, ids, ev.choose_z(tr, model, ids, c, protos, z_mode)).mean()
             for c in tr.cfg.contexts]
     return float(np.mean(accs))
 
@@ -49,29 +49,28 @@ def run_seed(cfg: VPAConfig, pairs: pd.DataFrame, phi_full: np.ndarray, seed: in
     users = make_users(pairs, cfg.users, seed=seed)
     if cfg.pca_components:
         phi_full = reduce_embeddings(phi_full, np.flatnonzero(users.part == "train"), cfg.pca_components)
-    n_struct = len(STRUCTURE_PATTERNS)
     val_ids, test_ids = users.users("val"), users.users("test")
     t_val, t_test = users.type[val_ids], users.type[test_ids]
     choices: dict = {}
 
-    # features: with or without s(y), by the oracle's validation accuracy
-    options = [cfg.structure] if cfg.structure is not None else [False, True]
+    # features: which of s(y) and p(y), by the oracle's validation accuracy
+    options = [cfg.structure] if cfg.structure is not None else list(STRUCTURES)
     best = None
     for structure in options:
-        tr = VPATrainer(users, phi_full if structure else phi_full[..., : phi_full.shape[-1] - n_struct], cfg)
+        tr = VPATrainer(users, select_structure(phi_full, structure), cfg)
         oracle = tr.train_bt(per_type=True, seed=seed)
         acc = ev.bt_correct(tr, oracle, val_ids, t_val).mean()
         choices[f"oracle_val_acc_structure_{structure}"] = float(acc)
         if best is None or acc > best[0]:
             best = (acc, structure, tr, oracle)
     _, choices["structure"], tr, oracle = best
-    log(f"seed {seed}: features {'with' if choices['structure'] else 'without'} s(y); oracle val acc {best[0]:.3f}")
+    log(f"seed {seed}: features {choices['structure']}; oracle val acc {best[0]:.3f}")
 
     mono = tr.train_bt(per_type=False, seed=seed)
     fitted = {}
     for prior, name in (("mixture", "fedvpa_gp"), ("gaussian", "vpl_gaussian")):
         cands = []
-        for beta in cfg.betas:
+        for beta in cfg.betas_for(prior):
             model, protos = tr.train_vpa(prior, beta, seed)
             for z_mode in (cfg.z_modes if prior == "mixture" else ("mean",)):
                 score = _val_score(tr, model, protos, z_mode)
@@ -108,12 +107,12 @@ def run_seed(cfg: VPAConfig, pairs: pd.DataFrame, phi_full: np.ndarray, seed: in
         switch["monolithic_bt"][key] = ev.switching(mono_ok, mono_ok)
         for name in ("fedvpa_gp", "vpl_gaussian"):
             model, protos, z_mode = fitted[name]
-            mu, logvar = ev.posterior(tr, model, test_ids, c)
-            z = ev.choose_z(mu, logvar, protos, z_mode)
+            mu, _ = ev.posterior(tr, model, test_ids, c, protos)
+            z = ev.choose_z(tr, model, test_ids, c, protos, z_mode)
             ok = ev.vpa_correct(tr, model, test_ids, z)
             out[name][key] = ev.summarise(ok, t_test)
-            mu_val, _ = ev.posterior(tr, model, val_ids, c)
-            collapse[name][key] = {"kl_mean": float(ev.kl_to_prior(mu, logvar, protos).mean()),
+            mu_val, _ = ev.posterior(tr, model, val_ids, c, protos)
+            collapse[name][key] = {"kl_mean": float(ev.kl_to_prior(tr, model, test_ids, c, protos).mean()),
                                    "type_acc_from_z": ev.type_probe(mu_val.numpy(), t_val, mu.numpy(), t_test)}
             switch[name][key] = ev.switching(ok, ev.vpa_correct(tr, model, test_ids, z[partner]))
             latent.setdefault(name, {})[key] = mu.numpy().round(4).tolist()
@@ -122,9 +121,9 @@ def run_seed(cfg: VPAConfig, pairs: pd.DataFrame, phi_full: np.ndarray, seed: in
         ok_rows, kls = [], []
         for i, (model, _) in local.items():
             ids = users.users("test", i)
-            mu, logvar = ev.posterior(tr, model, ids, c)
+            mu, _ = ev.posterior(tr, model, ids, c)
             ok_rows.append(ev.vpa_correct(tr, model, ids, mu))
-            kls.append(ev.kl_to_prior(mu, logvar, None))
+            kls.append(ev.kl_to_prior(tr, model, ids, c, None))
         order = np.concatenate([users.users("test", i) for i in local])
         t_local = users.type[order]
         out["local_vpl"][key] = ev.summarise(np.concatenate(ok_rows), t_local)

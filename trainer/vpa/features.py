@@ -1,11 +1,15 @@
 """Features ``phi(x, y)`` of each response of each pair, for the personalised reward models (issue 28).
 
-``phi(x, y) = [e(x), e(y), l(y), s(y)]``: the project's pair features (:class:`trainer.rewards.pair_features.PairEncoder`:
+``phi(x, y) = [e(x), e(y), l(y), s(y), p(y)]``: the project's pair features (:class:`trainer.rewards.pair_features.PairEncoder`:
 frozen all-MiniLM-L6-v2 embeddings of the prompt and of the response, from the embedding cache, and the
 response's length ``l(y)``) and, when ``structure=True``, ``s(y)``: ``log1p`` counts of a few surface
 markers of refusing or complying (:data:`STRUCTURE_PATTERNS`, case-insensitive regular expressions) divided by
-4. MiniLM reads 256 tokens of each text; the markers are counted over the whole response. Whether ``s(y)``
-is used is chosen on validation (``fedroute vpa train`` reports both oracles).
+4, and ``p(y)``: the response features of :mod:`sdk.pair_features` (:data:`PAIR_FEATURE_NAMES`: its
+:data:`~sdk.pair_features.DEFAULT_FEATURES` less the three length columns, which ``l(y)`` already holds; markdown,
+repetition, refusal phrases, ...), each column divided by its standard deviation over the responses (no label is read). MiniLM reads 256 tokens of each text; the
+markers are counted over the whole response. Which of ``s(y)`` and ``p(y)`` are used (:data:`STRUCTURES`) is
+chosen on validation by the oracle's accuracy (``fedroute vpa train`` reports every oracle) and is the same for
+every method.
 
 :func:`reduce_embeddings` then projects ``e(x)`` and ``e(y)`` each onto its first ``n_components`` principal
 components (scikit-learn PCA fitted on the training pairs only), which makes the small models of the
@@ -21,6 +25,8 @@ import numpy as np
 import pandas as pd
 from sklearn.decomposition import PCA
 
+from sdk.pair_features import DEFAULT_FEATURES, response_features_many
+from sdk.pair_encoding import LENGTH_FEATURE_NAMES
 from trainer.rewards.pair_features import PairEncoder
 
 #: Surface markers of ``s(y)``, in column order.
@@ -35,6 +41,10 @@ STRUCTURE_PATTERNS = {
     "first_person": r"\b(i|i'm|me|my)\b",
     "negation": r"\b(no|not|never|don't|doesn't|isn't)\b",
 }
+#: The :mod:`sdk.pair_features` columns of ``p(y)``, in column order.
+PAIR_FEATURE_NAMES = tuple(n for n in DEFAULT_FEATURES if n not in LENGTH_FEATURE_NAMES)
+#: Feature sets: which of ``s(y)`` (markers) and ``p(y)`` (pair features) follow ``[e(x), e(y), l(y)]``.
+STRUCTURES = ("none", "markers", "pair_features", "both")
 _COMPILED = [re.compile(p, re.IGNORECASE) for p in STRUCTURE_PATTERNS.values()]
 STRUCTURE_SCALE = 4.0
 
@@ -45,14 +55,13 @@ def structure_features(responses: Sequence[str]) -> np.ndarray:
     return (np.log1p(counts) / STRUCTURE_SCALE).astype(np.float32)
 
 
-def pair_features(pairs: pd.DataFrame, encoder: PairEncoder | None = None, structure: bool = True) -> np.ndarray:
-    """``phi`` of both responses of every pair.
+def pair_features(pairs: pd.DataFrame, encoder: PairEncoder | None = None) -> np.ndarray:
+    """``phi`` of both responses of every pair, with both ``s(y)`` and ``p(y)`` (:func:`select_structure` drops them).
 
     Parameters
     ----------
     pairs : pairs frame (needs ``prompt``, ``response_a``, ``response_b``).
     encoder : PairEncoder (default: MiniLM, 256 tokens, left truncation, length features, the default cache).
-    structure : append ``s(y)``.
 
     Returns
     -------
@@ -62,12 +71,26 @@ def pair_features(pairs: pd.DataFrame, encoder: PairEncoder | None = None, struc
     n = len(pairs)
     prompts = list(pairs["prompt"]) * 2
     responses = list(pairs["response_a"]) + list(pairs["response_b"])
-    parts = [encoder.encode(prompts, responses)]
-    if structure:
-        parts.append(structure_features(responses))
-    phi = np.concatenate(parts, axis=1)
-    return np.stack([phi[:n], phi[n:]], axis=1)
+    phi = np.concatenate([encoder.encode(prompts, responses), structure_features(responses),
+                          _standardised(response_features_many(prompts, responses, PAIR_FEATURE_NAMES))], axis=1)
+    return np.stack([phi[:n], phi[n:]], axis=1).astype(np.float32)
 
+
+def _standardised(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(x.std(0), 1e-3)
+
+
+def select_structure(phi: np.ndarray, structure: str) -> np.ndarray:
+    """``phi`` of :func:`pair_features` (after :func:`reduce_embeddings` or not) keeping the columns of ``structure``
+    (one of :data:`STRUCTURES`)."""
+    n_s, n_p = len(STRUCTURE_PATTERNS), len(PAIR_FEATURE_NAMES)
+    d = phi.shape[-1]
+    keep = list(range(d - n_s - n_p))
+    if structure in ("markers", "both"):
+        keep += range(d - n_s - n_p, d - n_p)
+    if structure in ("pair_features", "both"):
+        keep += range(d - n_p, d)
+    return phi[..., keep]
 
 
 def reduce_embeddings(phi: np.ndarray, train_rows: np.ndarray, n_components: int, d_emb: int = 384) -> np.ndarray:

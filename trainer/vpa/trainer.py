@@ -30,7 +30,9 @@ import torch
 from sdk.errors import InvalidInputError
 from trainer.data.conflicting_users import ConflictingUsers, UsersConfig
 from trainer.vpa.aggregation import ClientUpdate, PrototypeStats, Prototypes, aggregate_round
-from trainer.vpa.model import BTReward, VPAModel, bt_loglik, elbo, kl_normal, mixture_kl, orthogonality_loss
+from trainer.vpa.model import (BTReward, VPAModel, bt_loglik, component_kl, elbo, kl_normal, mixture_moments,
+                               orthogonality_loss)
+from trainer.vpa.prototype_kmeans import federated_kmeans
 
 PRIORS = ("gaussian", "mixture")
 
@@ -43,11 +45,16 @@ class VPAConfig:
     seeds : int >= 1, seeds of the whole experiment (split, users, training).
     contexts : context sizes C evaluated (each <= ``users.context_max``).
     users : :class:`~trainer.data.conflicting_users.UsersConfig`.
-    structure : use the surface markers ``s(y)`` (:mod:`trainer.vpa.features`); None chooses on validation.
+    structure : which of ``s(y)`` and ``p(y)`` to use (:data:`trainer.vpa.features.STRUCTURES`); None chooses on validation.
     pca_components : principal components kept of ``e(x)`` and of ``e(y)`` each (None: all 384).
     hidden, latent_dim, dropout : model sizes (MLP width, d_z).
+    pooling : context encoder, ``'mean'`` or ``'natural'`` (:class:`~trainer.vpa.model.VPAModel`; both priors).
     n_prototypes : K of the mixture prior.
     betas : KL weights tried; the one with the best validation accuracy (mean over ``contexts``) is kept, per prior.
+    betas_mixture : KL weights tried for FedVPA-GP (None: ``betas``).
+    free_bits : the KL term of a user is ``max(KL, free_bits)`` (Kingma et al. 2016), nats; 0 disables it.
+    kmeans_at : shares of the rounds at whose start the prototypes are re-fitted by federated K-means of the
+        clients' posterior means (:mod:`trainer.vpa.prototype_kmeans`); kmeans_iters : its Lloyd steps.
     z_modes : ``'mean'`` (score with the posterior mean) and/or ``'prototype'`` (with the mean of the most
         responsible prototype; mixture prior only), chosen on validation.
     lambda_orth : weight of the orthogonality loss. proto_scale : distance of the initial prototype means from 0.
@@ -62,13 +69,18 @@ class VPAConfig:
     seeds: int = 3
     contexts: tuple[int, ...] = (2, 4, 8, 16, 32)
     users: UsersConfig = field(default_factory=UsersConfig)
-    structure: bool | None = None
+    structure: str | None = None
     pca_components: int | None = 32
     hidden: int = 64
     latent_dim: int = 4
     dropout: float = 0.1
+    pooling: str = "mean"
     n_prototypes: int = 2
     betas: tuple[float, ...] = (0.03,)
+    betas_mixture: tuple[float, ...] | None = None
+    free_bits: float = 0.0
+    kmeans_at: tuple[float, ...] = ()
+    kmeans_iters: int = 10
     z_modes: tuple[str, ...] = ("mean", "prototype")
     lambda_orth: float = 1.0
     proto_scale: float = 2.0
@@ -87,6 +99,9 @@ class VPAConfig:
         if isinstance(self.users, dict):
             self.users = UsersConfig(**self.users)
         self.contexts, self.betas, self.z_modes = tuple(self.contexts), tuple(self.betas), tuple(self.z_modes)
+        self.kmeans_at = tuple(self.kmeans_at)
+        if self.betas_mixture is not None:
+            self.betas_mixture = tuple(self.betas_mixture)
         if self.seeds < 1 or self.rounds < 1 or self.local_steps < 1 or self.n_prototypes < 2:
             raise InvalidInputError(f"seeds={self.seeds}, rounds={self.rounds}, local_steps={self.local_steps} must be "
                                     f">= 1 and n_prototypes={self.n_prototypes} >= 2")
@@ -97,11 +112,20 @@ class VPAConfig:
                                     f"users.n_train_pairs={self.users.n_train_pairs}")
         if not self.betas or min(self.betas) < 0 or not set(self.z_modes) <= {"mean", "prototype"} or not self.z_modes:
             raise InvalidInputError(f"betas={self.betas} must be >= 0 and z_modes={self.z_modes} in mean|prototype")
+        if self.pooling not in ("mean", "natural") or self.free_bits < 0 or not all(0 <= a < 1 for a in self.kmeans_at):
+            raise InvalidInputError(f"pooling={self.pooling!r} must be mean|natural, free_bits={self.free_bits} >= 0, "
+                                    f"kmeans_at={self.kmeans_at} in [0, 1)")
+        if self.betas_mixture is not None and (not self.betas_mixture or min(self.betas_mixture) < 0):
+            raise InvalidInputError(f"betas_mixture={self.betas_mixture} must be >= 0")
+
+    def betas_for(self, prior: str) -> tuple[float, ...]:
+        """The KL weights tried for ``prior`` ('gaussian' or 'mixture')."""
+        return self.betas_mixture if prior == "mixture" and self.betas_mixture is not None else self.betas
 
     @classmethod
     def quick(cls, **over) -> VPAConfig:
         """The small preset: one seed, C in {2, 8, 32}, one beta, 30 rounds, 12 clients (<= 5 min CPU)."""
-        base = dict(seeds=1, contexts=(2, 8, 32), rounds=30, structure=True,
+        base = dict(seeds=1, contexts=(2, 8, 32), rounds=30, structure="markers",
                     users=UsersConfig(n_clients=12, n_test_users=6))
         return cls(**{**base, **over})
 
@@ -172,7 +196,7 @@ class VPATrainer:
 
     def new_vpa(self, seed: int) -> VPAModel:
         torch.manual_seed(seed)
-        return VPAModel(self.phi.shape[-1], self.cfg.hidden, self.cfg.latent_dim, self.cfg.dropout)
+        return VPAModel(self.phi.shape[-1], self.cfg.hidden, self.cfg.latent_dim, self.cfg.dropout, self.cfg.pooling)
 
     def init_prototypes(self, seed: int) -> Prototypes:
         """K prototype means ``proto_scale`` apart from 0 along random orthonormal directions (K <= d_z; else
@@ -200,18 +224,23 @@ class VPATrainer:
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         for _ in range(cfg.local_steps):
             ctx, mask, tgt = self._train_batch(user_ids, rng)
-            mu, logvar = model.encode(*self.context_tensors(user_ids, ctx, mask), mask)
-            z = mu + torch.randn(mu.shape, generator=gen) * (0.5 * logvar).exp()
-            margin = model.margin(self.phi[tgt, 0], self.phi[tgt, 1], z)
-            loglik = bt_loglik(margin, self.user_labels(user_ids, tgt))
+            ctx_phi = self.context_tensors(user_ids, ctx, mask)
             if protos is None:
+                mu, logvar = model.encode(*ctx_phi, mask)
+                z = mu + torch.randn(mu.shape, generator=gen) * (0.5 * logvar).exp()
                 kl = kl_normal(mu, logvar, torch.zeros_like(mu), torch.zeros_like(logvar))
                 extra = 0.0
             else:
-                kl, gamma = mixture_kl(mu, logvar, p_mu, p_lv, log_pi, tau, gen)
-                local_means = (gamma.T @ mu) / gamma.sum(0)[:, None].clamp_min(1e-6)
+                m, lv, logits = model.components(*ctx_phi, mask, p_mu, p_lv, log_pi)
+                kl, gamma, c = component_kl(m, lv, logits, p_mu, p_lv, log_pi, tau, gen)
+                eps = torch.randn((len(user_ids), m.shape[-1]), generator=gen)[:, None]
+                z = (c[..., None] * (m + eps * (0.5 * lv).exp())).sum(1)
+                mean, _ = mixture_moments(m, lv, gamma)
+                local_means = (gamma.T @ mean) / gamma.sum(0)[:, None].clamp_min(1e-6)
                 extra = cfg.lambda_orth * orthogonality_loss(local_means)
-            loss = (-elbo(loglik, kl, beta) / cfg.n_targets).mean() + extra
+            margin = model.margin(self.phi[tgt, 0], self.phi[tgt, 1], z)
+            loglik = bt_loglik(margin, self.user_labels(user_ids, tgt))
+            loss = (-elbo(loglik, kl.clamp_min(cfg.free_bits), beta) / cfg.n_targets).mean() + extra
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -220,12 +249,23 @@ class VPATrainer:
             with torch.no_grad():
                 model.eval()
                 ctx, mask, _ = self._train_batch(user_ids, rng)
-                mu, logvar = model.encode(*self.context_tensors(user_ids, ctx, mask), mask)
-                _, gamma = mixture_kl(mu, logvar, p_mu, p_lv, log_pi, None)
-                g = gamma.double()
+                ctx_phi = self.context_tensors(user_ids, ctx, mask)
+                _, _, logits = model.components(*ctx_phi, mask, p_mu, p_lv, log_pi)
+                mu, logvar = model.encode(*ctx_phi, mask)
+                g = torch.softmax(logits, -1).double()
                 stats = PrototypeStats(mass=g.sum(0).numpy(), sum_mu=(g.T @ mu.double()).numpy(),
                                        sum_sq=(g.T @ (mu.double() ** 2 + logvar.double().exp())).numpy())
         return ClientUpdate(params=_state(model), n_examples=float(len(user_ids)), prototypes=stats)
+
+    @torch.no_grad()
+    def posterior_means(self, model: VPAModel, user_ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """(U, d_z) posterior means (:meth:`VPAModel.encode`) of users ``user_ids`` from ``context_max`` of their
+        training pairs (computed on the client; only :mod:`trainer.vpa.prototype_kmeans` statistics of them leave it)."""
+        c = min(self.users.context_max, self.cfg.users.n_train_pairs)
+        idx = torch.as_tensor(np.stack([rng.permutation(self.users.items[u])[:c] for u in user_ids]))
+        mask = torch.ones(idx.shape, dtype=torch.float32)
+        model.eval()
+        return model.encode(*self.context_tensors(user_ids, idx, mask), mask)[0].double().numpy()
 
     def train_vpa(self, prior: str, beta: float, seed: int, clients: list[int] | None = None
                   ) -> tuple[VPAModel, Prototypes | None]:
@@ -240,7 +280,13 @@ class VPATrainer:
         rng = np.random.default_rng(seed + 1)
         gen = torch.Generator().manual_seed(seed + 2)
         local = copy.deepcopy(model)
+        refit = {int(round(a * cfg.rounds)) for a in cfg.kmeans_at} if protos is not None else set()
+        fitted = False
         for r in range(cfg.rounds):
+            if r in refit:
+                means = [self.posterior_means(model, self.users.users("train", i), rng) for i in clients]
+                protos = federated_kmeans(means, cfg.n_prototypes, cfg.kmeans_iters, protos if fitted else None)
+                fitted = True
             updates = []
             for i in clients:
                 local.load_state_dict(model.state_dict())
