@@ -185,6 +185,29 @@ def test_initialised_experts_reproduce_the_fedavged_length_regressions(small):
         FedPrismConfig(length_init="global")
 
 
+def test_pooled_start_is_the_exact_federated_fit_per_routed_expert(small):
+    from trainer.experts.length_init import pooled_expert_coefs
+
+    model, data = small
+    cfg = FedPrismConfig(n_experts=2, rounds=1, warmup_rounds=0, init_epochs=5, length_init="pooled", length_C=5.0,
+                         length_pool_C=2.0, router_init_rounds=1)
+    trainer = FedPrismTrainer(model, data, cfg).setup()
+    feats, labels = data.store.features.numpy().astype(np.float64), data.store.label.numpy().astype(np.float64)
+    assign = trainer.router_.route(data.prompt_emb)  # the router after its centroid distillation
+    w, n_eval = pooled_expert_coefs(feats, labels, assign, data.clients, 2, C=5.0, pool_C=2.0)
+    np.testing.assert_allclose(trainer.length_coefs_, w, rtol=1e-5, atol=1e-6)
+    assert trainer.length_init_upload_bytes_ == 4 * 4 * n_eval * len(data.clients)
+    pairs = data.eval_pairs
+    for k in range(2):  # the initialised expert predicts exactly sigmoid(v_k . f)
+        p = trainer._per_sample(trainer.experts_[k], pairs, "proba")
+        np.testing.assert_allclose(p, 1 / (1 + np.exp(-feats[pairs] @ w[k])), atol=1e-5)
+    bis = FedPrismTrainer(model, data, method_config("fedbis", cfg)).setup()  # FedBis: the global fit
+    glob, _ = pooled_expert_coefs(feats, labels, np.zeros(len(labels), np.int64), data.clients, 1, C=5.0, pool_C=None)
+    np.testing.assert_allclose(bis.length_coefs_, glob, rtol=1e-5, atol=1e-6)
+    with pytest.raises(InvalidInputError, match="length_pool_C"):
+        FedPrismConfig(length_pool_C=0.0)
+
+
 def test_router_changes_only_in_pgpd_rounds_and_experts_learn(small):
     model, data = small
     cfg = FedPrismConfig(n_experts=2, rounds=4, warmup_rounds=1, router_every=2, clients_per_round=2,

@@ -57,6 +57,10 @@ class DataPreset:
 #: benchmarks/pair_features_settings.py) and the clients' local regressions' C: the structure-feature
 #: baseline's C = 10 halved, since the local fits also see each pair's swapped copy (trainer.experts.length_init)
 _STRUCTURE = {"selector": SelectorConfig(pair_features=DEFAULT_FEATURES), "length_C": STRUCTURE_C / 2}
+# the feature path's start: exact federated fits per routed expert pulled towards the global fit (length_pool_C = 1),
+# the router distilled onto the public K-means centroids over the clients' prompts for 3 rounds; chosen on the
+# validation pairs by benchmarks/prism_prior_fit_settings.py (docs/results/prism_prior_fit_settings_cpu.md)
+_START = {"length_init": "pooled", "length_pool_C": 1.0, "router_init_rounds": 3}
 
 PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
     # quick: the CPU preset's M and head (not tuned separately); 2 rounds = 1 warm-up + 1 PGPD round; no validation
@@ -64,7 +68,7 @@ PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
     "quick": (DataPreset(n_train=600, n_val=0, n_test=2500, n_public=120),
               FedPrismConfig(n_experts=6, rounds=2, warmup_rounds=1, router_every=1, clients_per_round=2,
                              local_pairs=24, batch_size=12, router_epochs=3, eval_every=2, length_lr_scale=0.0,
-                             expert_lr=1e-2, **_STRUCTURE)),
+                             expert_lr=1e-2, **_STRUCTURE, **_START)),
     # every pair of the shared data (train 10.9k / val 4.3k / test 4.4k pairs); length_init = 'fedavg_lr' chosen on
     # the validation pairs (trainer.experts.tune), then n_experts = 6 (grid 3, 4, 5, 6, 8) by
     # benchmarks/prism_experts_settings.py, also on validation, then the head variant 'residual_lr1e-2' (feature path
@@ -72,8 +76,8 @@ PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
     # validation (3 seeds); the pair features by benchmarks/pair_features_settings.py. Label-free
     # (length_prior='expert'): sdk.Selector.prefer(x, y_a, y_b) has no domain input ('domain' is opt-in, docs/prism.md)
     "cpu": (DataPreset(), FedPrismConfig(n_experts=6, rounds=8, warmup_rounds=3, router_every=2, clients_per_round=4,
-                                         local_pairs=40, eval_every=4, length_init="fedavg_lr",
-                                         length_lr_scale=0.0, expert_lr=1e-2, **_STRUCTURE)),
+                                         local_pairs=40, eval_every=4,
+                                         length_lr_scale=0.0, expert_lr=1e-2, **{**_STRUCTURE, **_START})),
     "gpu": (DataPreset(n_train=12000, n_val=1500, n_test=3000, n_public=1500), FedPrismConfig.gpu_preset()),
 }
 

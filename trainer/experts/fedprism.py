@@ -63,15 +63,15 @@ import torch
 from sdk.errors import InvalidInputError
 from trainer.config_fields import check_bool, check_config, check_int, check_real
 from trainer.experts.aggregation import aggregate_components
-from trainer.experts.prompt_router import PromptRouter, fit_router, kmeans_init, pgpd_pseudo_labels
+from trainer.experts.prompt_router import PromptRouter, centroid_distillation, fit_router, kmeans_init, pgpd_pseudo_labels
 from trainer.experts.selector import PairSelector, SegmentStore, SelectorConfig
 from trainer.routers.fedavg import fedavg
 from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
-from trainer.experts.length_init import client_length_coefs, fedavg_length_coefs, upload_bytes
+from trainer.experts.length_init import client_length_coefs, fedavg_length_coefs, pooled_expert_coefs, upload_bytes
 from trainer.report import write_text
 
 ROUTINGS = ("router", "random", "single", "client_cluster", "domain_oracle")
-LENGTH_INITS = ("fedavg_lr", "zero")
+LENGTH_INITS = ("fedavg_lr", "pooled", "zero")
 LENGTH_PRIORS = ("expert", "domain")
 METHODS = ("fedprism", "fedbis", "fedbiscuit", "random_routing", "frozen_router", "no_warmup")
 
@@ -96,8 +96,16 @@ class FedPrismConfig:
     length_init : ``'fedavg_lr'`` (each expert's length path starts at the FedAvg of the clients'
         local length-only logistic regressions on the pairs initially routed to it, and the head's
         output layer at zero: :mod:`trainer.experts.length_init`) or ``'zero'`` (length path 0, head
-        at PyTorch's default initialisation).
-    length_C : inverse L2 strength of those local regressions.
+        at PyTorch's default initialisation), or ``'pooled'`` (the exact federated fits of
+        :func:`trainer.experts.length_init.pooled_expert_coefs`: one fit on every client pair (``length_C``),
+        then per expert the fit on the pairs initially routed to it pulled towards it (``length_pool_C``);
+        clients send loss and gradient per L-BFGS evaluation; chosen on validation by
+        ``benchmarks/prism_prior_fit_settings.py``).
+    length_C : inverse L2 strength of those local regressions (``'pooled'``: of the global fit).
+    length_pool_C : float > 0, ``'pooled'`` only: inverse strength of each expert's pull towards the global fit.
+    router_init_rounds : int >= 0, rounds of federated distillation of the K-means-initialised router onto its
+        public centroids over the clients' own prompts (:func:`trainer.experts.prompt_router.centroid_distillation`;
+        0 = the router fitted to the public prompts alone).
     length_prior : ``'expert'`` (each expert's own length path ``v_k`` is its prior: the federated fit on
         the pairs initially routed to it) or ``'domain'`` (every expert adds the fixed offset
         ``w_d . f`` of the pair's *domain* ``d``, the FedAvg of the clients' local per-domain length-only
@@ -140,6 +148,8 @@ class FedPrismConfig:
     pgpd: bool = True
     length_init: str = "fedavg_lr"
     length_C: float = 1.0
+    length_pool_C: float = 5.0
+    router_init_rounds: int = 0
     length_lr_scale: float = 1.0
     length_prior: str = "expert"
     residual_scale: float = 1.0
@@ -165,6 +175,8 @@ class FedPrismConfig:
             raise InvalidInputError("length_prior='domain' needs length_init='fedavg_lr' (the prior is a federated fit)")
         check_real(self, "residual_scale", 0)
         check_real(self, "length_C", 0, low_open=True)
+        check_real(self, "length_pool_C", 0, low_open=True)
+        check_int(self, "router_init_rounds", 0)
         check_real(self, "length_lr_scale", 0)
         check_real(self, "client_val_fraction", 0, 0.5, high_open=True)
         for name in ("expert_lr", "router_lr", "init_lr"):
@@ -479,12 +491,27 @@ class FedPrismTrainer:
             self.domain_length_coefs_ = fedavg_length_coefs(sent, len(self._domains), feats.shape[1])
             self._prior_w = torch.from_numpy(self.domain_length_coefs_[dom].astype(np.float32))
             self.length_coefs_ = np.zeros((a.n_experts, feats.shape[1]))
+        elif a.length_init == "pooled":
+            # exact federated fits (L-BFGS on the clients' summed loss and gradient); each evaluation is one
+            # upload of F + 1 floats per client and expert
+            assign = np.zeros(len(labels), np.int64)
+            for c, own in enumerate(self._train_parts):
+                assign[own] = self._route(own, None if self._groups is None else int(self._groups[c]))
+            pool_C = None if a.routing == "single" else a.length_pool_C
+            self.length_coefs_, n_eval = pooled_expert_coefs(feats.astype(np.float64), labels.astype(np.float64), assign,
+                                                             self._train_parts, a.n_experts, a.length_C, pool_C)
+            self.length_init_upload_bytes_ = 4 * (feats.shape[1] + 1) * n_eval * len(self._train_parts)  # at most
+            return self._set_length_paths()
         else:
             for c, own in enumerate(self._train_parts):
                 assign = self._route(own, None if self._groups is None else int(self._groups[c]))
                 sent.append(client_length_coefs(feats[own], labels[own], assign, a.n_experts, C=a.length_C))
             self.length_coefs_ = fedavg_length_coefs(sent, a.n_experts, feats.shape[1])
         self.length_init_upload_bytes_ = upload_bytes(sent)
+        self._set_length_paths()
+
+    def _set_length_paths(self) -> None:
+        """Each expert's feature path ``v`` <- ``length_coefs_[k]``, its head's output layer <- 0."""
         last = self.model.head[-1]
         for k, state in enumerate(self.experts_):
             state[_name_of(self.model, self.model.length_skip.weight)] = self.length_coefs_[k][None, :].astype(np.float32)
@@ -501,6 +528,9 @@ class FedPrismTrainer:
         self.router_ = PromptRouter(d.prompt_emb.shape[1], a.n_experts, a.router_hidden, seed=a.seed)
         if a.routing == "router":
             kmeans_init(self.router_, d.public_emb, lr=a.init_lr, epochs=a.init_epochs, seed=a.seed)
+            if a.router_init_rounds:
+                centroid_distillation(self.router_, d.public_emb, [d.prompt_emb[c] for c in d.clients],
+                                      rounds=a.router_init_rounds, lr=a.init_lr, seed=a.seed)
         self._groups = self._client_groups() if a.routing == "client_cluster" else None
         self._domains = np.unique(self.data.domain)
         if a.routing == "domain_oracle" and len(self._domains) != a.n_experts:
@@ -509,7 +539,7 @@ class FedPrismTrainer:
         self._split_clients()
         self.length_coefs_, self.length_init_upload_bytes_ = None, 0
         self.domain_length_coefs_, self._prior_w = None, None
-        if a.length_init == "fedavg_lr":
+        if a.length_init != "zero":
             self._length_start()
         self.best_experts_, self.best_round_, self._round = list(self.experts_), [0] * a.n_experts, 0
         self.val_upload_bytes_, self.val_downlink_bytes_ = 0, 0

@@ -13,7 +13,8 @@ import numpy as np
 
 from sdk.errors import InvalidInputError, ShapeError
 
-__all__ = ["client_length_coefs", "fedavg_length_coefs", "saved_length_prior", "upload_bytes"]
+__all__ = ["client_length_coefs", "fedavg_length_coefs", "federated_logistic_fit", "pooled_expert_coefs",
+           "saved_length_prior", "upload_bytes"]
 
 
 def client_length_coefs(features: np.ndarray, labels: np.ndarray, assign: np.ndarray, n_experts: int,
@@ -92,6 +93,94 @@ def fedavg_length_coefs(client_coefs: Sequence[dict[int, tuple[np.ndarray, float
     nz = den > 0
     out[nz] = num[nz] / den[nz, None]
     return out
+
+
+def client_loss_grad(features: np.ndarray, labels: np.ndarray, w: np.ndarray) -> tuple[float, np.ndarray]:
+    """What one client sends per evaluation of :func:`federated_logistic_fit`: the logistic loss of
+    ``sigmoid(f . w)`` summed over its pairs **and their position-swapped copies** (each copy has the same
+    loss term, so twice the pairs' sum) and its gradient.
+
+    features (n, F) float64, labels (n,) {0, 1}, w (F,) -> (loss float, gradient ndarray (F,) float64).
+    """
+    z = features @ w
+    loss = 2.0 * float(np.sum(np.logaddexp(0.0, z) - labels * z))
+    grad = 2.0 * features.T @ (1.0 / (1.0 + np.exp(-z)) - labels)
+    return loss, grad
+
+
+def federated_logistic_fit(parts: Sequence[tuple[np.ndarray, np.ndarray]], C: float,
+                           center: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """The exact federated L2 logistic regression (no intercept) on the pooled pairs of ``parts``:
+
+    ``w* = argmin_w sum_c L_c(w) + ||w - center||^2 / (2 C)``, ``L_c`` = :func:`client_loss_grad` of client
+    ``c`` (its pairs and their swapped copies). With ``center = 0`` this is scikit-learn's
+    ``LogisticRegression(C, fit_intercept=False)`` on all clients' pairs and swapped copies pooled (test:
+    ``tests/test_prism_pooled_fit.py``), i.e. the centralised structure-feature fit with ``C`` doubled,
+    while no pair leaves a client: the server runs L-BFGS (scipy, ``L-BFGS-B``, Byrd et al. 1995); each
+    function evaluation is one round in which every client returns ``(L_c(w), grad L_c(w))`` at the
+    server's ``w`` (F + 1 floats). A FedAvg of local fits (:func:`fedavg_length_coefs`) is not this
+    optimum: with tens of pairs per client and 11 features each local fit is noisy and the average
+    inherits it.
+
+    Parameters
+    ----------
+    parts : sequence of (features ndarray (n_c, F) float, labels ndarray (n_c,) {0, 1}), one per client
+        (clients with no pair may be left out; at least one pair in all).
+    C : float > 0, inverse strength of the pull towards ``center``.
+    center : ndarray (F,) or None (zeros): the point the penalty pulls towards (the global fit for the
+        pooled per-expert heads of :func:`pooled_expert_coefs`).
+
+    Returns
+    -------
+    (w ndarray (F,) float64, evaluations int: the rounds of (loss, gradient) uploads it took).
+    """
+    from scipy.optimize import minimize  # scipy: optional heavy dependency, imported on use
+
+    parts = [(np.asarray(x, np.float64), np.asarray(y, np.float64)) for x, y in parts if len(y)]
+    n_f = parts[0][0].shape[1]
+    c0 = np.zeros(n_f) if center is None else np.asarray(center, np.float64)
+
+    def objective(w):
+        d = w - c0
+        loss, grad = float(d @ d) / (2 * C), d / C
+        for x, y in parts:
+            l_c, g_c = client_loss_grad(x, y, w)
+            loss, grad = loss + l_c, grad + g_c
+        return loss, grad
+
+    res = minimize(objective, c0.copy(), jac=True, method="L-BFGS-B", options={"maxiter": 500, "gtol": 1e-8})
+    return res.x, int(res.nfev)
+
+
+def pooled_expert_coefs(features: np.ndarray, labels: np.ndarray, assign: np.ndarray,
+                        clients: Sequence[np.ndarray], n_experts: int, C: float,
+                        pool_C: float | None) -> tuple[np.ndarray, int]:
+    """Per-expert start of the heads' feature path ``v_k`` from the exact federated fits.
+
+    ``v_g`` = :func:`federated_logistic_fit` on every client pair (``C``); then, per expert ``k``,
+    ``v_k = argmin_v sum_{pairs routed to k} L(v) + ||v - v_g||^2 / (2 pool_C)`` (the same fit, pulled
+    towards the global one: a hierarchical / shrinkage prior; ``pool_C -> 0`` gives every expert ``v_g``,
+    ``pool_C = None`` gives every expert ``v_g`` as it is). An expert no pair is routed to gets ``v_g``.
+
+    Parameters
+    ----------
+    features : (n, F) float, labels : (n,) {0, 1}, assign : (n,) int expert of each pair (indexed like
+    ``features``); clients : index arrays into them, one per client; n_experts : M; C, pool_C : > 0.
+
+    Returns
+    -------
+    (coefs ndarray (n_experts, F) float64, evaluations int: all rounds of (loss, gradient) uploads).
+    """
+    glob, n_eval = federated_logistic_fit([(features[c], labels[c]) for c in clients], C)
+    out = np.tile(glob, (n_experts, 1))
+    if pool_C is None:
+        return out, n_eval
+    for k in range(n_experts):
+        parts = [(features[c[assign[c] == k]], labels[c[assign[c] == k]]) for c in clients]
+        if sum(len(y) for _, y in parts):
+            out[k], n = federated_logistic_fit(parts, pool_C, center=glob)
+            n_eval += n
+    return out, n_eval
 
 
 def upload_bytes(client_coefs: Sequence[dict[int, tuple[np.ndarray, float]]]) -> int:
