@@ -160,7 +160,7 @@ def export_bundle(
     The work (embedder export, staged bundle for the parity check) happens in a scratch folder beside
     ``out``, ``.<name>.export-<host>-<pid>-<random>``, removed when the export ends or fails; one left by
     a killed export (its process gone) is removed by the next export to ``out``
-    (:mod:`export.scratch_folder`). It was a ``/tmp/fedroute-export-*`` folder that a kill left forever.
+    (:mod:`export.scratch_folder`).
 
     Parameters
     ----------

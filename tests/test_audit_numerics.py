@@ -12,7 +12,7 @@ import torch
 from sdk.errors import InvalidInputError
 from sdk.personalisation import interpolation_weights
 from trainer.data.client_data import ClientData
-from trainer.experts.aggregation import aggregate_components
+from trainer.experts.aggregation import aggregate_components, validate_component_update
 from trainer.experts.length_init import client_length_coefs
 from trainer.experts.prompt_router import pgpd_pseudo_labels
 from trainer.metrics import normalised_auc
@@ -41,9 +41,9 @@ def test_component_aggregation_hand_computed_and_zero_count_update_has_weight_ze
     np.testing.assert_allclose(out[1]["w"], [7.0, 7.0])
     np.testing.assert_allclose(out[2]["w"], [9.0, 9.0])
     with pytest.raises(InvalidInputError):
-        aggregate_components(current, [{0: (_p(1.0), -1.0)}])
+        validate_component_update(current, {0: (_p(1.0), -1.0)})
     with pytest.raises(InvalidInputError):
-        aggregate_components(current, [{0: (_p(1.0), float("nan"))}])
+        validate_component_update(current, {0: (_p(1.0), float("nan"))})
 
 
 def test_pgpd_pseudo_label_is_the_retrieved_expert_with_lowest_ce():

@@ -15,7 +15,7 @@ import torch
 from sdk.errors import InvalidInputError, ShapeError
 from trainer.data.preferences import load_preference_pairs
 from trainer.embeddings import embed_texts
-from trainer.experts.aggregation import aggregate_components
+from trainer.experts.aggregation import aggregate_components, validate_component_update
 from trainer.experts.fedprism import FederatedPairs, FedPrismConfig, FedPrismTrainer, method_config, state_bytes
 from trainer.experts.prompt_router import PromptRouter, fit_router, pgpd_pseudo_labels
 from trainer.experts.selector import PairSelector, SelectorConfig, build_segment_store
@@ -38,13 +38,13 @@ def test_component_aggregation_equals_the_hand_computed_weighted_mean():
     np.testing.assert_array_equal(out[2]["w"], cur[2]["w"])  # nobody updated it: unchanged
     np.testing.assert_allclose(out[0]["w"], np.average([[1.0, 2.0], [4.0, 8.0]], axis=0, weights=[1, 2]), rtol=1e-6)
     with pytest.raises(InvalidInputError, match="outside"):
-        aggregate_components(cur, [{3: ({"w": np.zeros(2)}, 1.0)}])
+        validate_component_update(cur, {3: ({"w": np.zeros(2)}, 1.0)})
     with pytest.raises(ShapeError):
-        aggregate_components(cur, [{0: ({"w": np.zeros(3)}, 1.0)}])
+        validate_component_update(cur, {0: ({"w": np.zeros(3)}, 1.0)})
     # a zero-count update has weight 0 (no 0/0): the expert keeps its parameters; a negative count is refused
     np.testing.assert_array_equal(aggregate_components(cur, [{0: ({"w": np.full(2, 9.0)}, 0.0)}])[0]["w"], cur[0]["w"])
     with pytest.raises(InvalidInputError, match="finite and >= 0"):
-        aggregate_components(cur, [{0: ({"w": np.zeros(2)}, -1.0)}])
+        validate_component_update(cur, {0: ({"w": np.zeros(2)}, -1.0)})
 
 
 def test_pgpd_pseudo_label_is_the_argmin_ce_among_retrieved_experts():

@@ -19,7 +19,7 @@ from trainer.alignment.errors import AlignmentConfigError
 from trainer.alignment.grpo import RoutedGRPOConfig
 from trainer.alignment.thompson_routing import ThompsonConfig
 from trainer.data.preferences import dirichlet_clients, split_by_prompt
-from trainer.experts.aggregation import aggregate_components
+from trainer.experts.aggregation import aggregate_components, validate_component_update
 from trainer.experts.fedprism import FedPrismConfig
 from trainer.experts.selector import SelectorConfig
 from trainer.federated.kmeans_aggregation import AggregationConfig
@@ -149,10 +149,10 @@ DATA_CASES = [
     ("fedavg-bool-count", lambda: fedavg([(ONE, True)]), InvalidInputError, r"got True"),
     ("fedavg-zero-counts", lambda: fedavg([(ONE, 0), (ONE, 0)]), InvalidInputError, r"got 0"),
     # a zero count has weight 0 (paper 000 Step 4; tests/test_fedprism.py), a negative one is refused
-    ("components-negative-count", lambda: aggregate_components([ONE], [{0: (ONE, -1.0)}]), InvalidInputError, r"got -1\.0"),
-    ("components-shape", lambda: aggregate_components([ONE], [{0: ({"w": np.ones(3)}, 1.0)}]), ShapeError, r"'w' has shape \(3,\)"),
-    ("components-not-mapping", lambda: aggregate_components([ONE], [[ONE]]), InvalidInputError, r"update must be a mapping"),
-    ("components-bool-index", lambda: aggregate_components([ONE], [{True: (ONE, 1.0)}]), InvalidInputError, r"expert index True"),
+    ("components-negative-count", lambda: validate_component_update([ONE], {0: (ONE, -1.0)}), InvalidInputError, r"got -1\.0"),
+    ("components-shape", lambda: validate_component_update([ONE], {0: ({"w": np.ones(3)}, 1.0)}), ShapeError, r"'w' has shape \(3,\)"),
+    ("components-not-mapping", lambda: validate_component_update([ONE], [ONE]), InvalidInputError, r"update must be a mapping"),
+    ("components-bool-index", lambda: validate_component_update([ONE], {True: (ONE, 1.0)}), InvalidInputError, r"expert index True"),
 ]
 
 

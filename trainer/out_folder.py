@@ -79,8 +79,7 @@ def check_out_option(out: Path, option: str = "--out", *, beside: bool = False) 
 
 def cache_folder_option(value: Path | None) -> Path | None:
     """typer ``callback=`` of a cache-folder option (``--cache-dir``, ``--cache``): ``value`` unchanged when
-    :func:`check_out_folder` accepts it (or None: not given). A file there, or a folder that cannot be
-    written, ended in a FileExistsError traceback when the first embedding was cached, after minutes.
+    :func:`check_out_folder` accepts it (or None: not given).
 
     Raises
     ------

@@ -10,8 +10,9 @@ An update with ``n_ik = 0`` (a client that sent expert k back without using any 
 weight 0 in that formula, so it is left out; an expert whose every update has count 0 keeps its
 parameters (no 0/0).
 
-Pure functions in the style of Flower's strategies (no I/O, clock or sampling); the per-expert mean
-is :func:`trainer.routers.fedavg.fedavg`, which validates names, shapes, finiteness and counts.
+Pure functions in the style of Flower's strategies (no I/O, clock or sampling): a reply is checked by
+:func:`validate_component_update`, then merged by :func:`aggregate_components` (per-expert
+:func:`trainer.routers.fedavg.fedavg`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ ComponentUpdate = Mapping[int, tuple[Parameters, float]]
 
 
 def validate_component_update(current: Sequence[Parameters], update: ComponentUpdate, who: str = "client") -> None:
-    """Check one client's reply against the current experts, as :func:`aggregate_components` does
-    for every reply (the Flower strategy runs it per reply, to drop a bad one instead of the round).
-    Pure.
+    """Check one client's reply against the current experts (the Flower strategy runs it per reply,
+    to drop a bad one instead of the round). Pure.
 
     Parameters
     ----------
@@ -71,23 +71,16 @@ def aggregate_components(
     Parameters
     ----------
     current : sequence of n_experts parameter dicts, the global experts before the round.
-    updates : sequence over clients of {expert index: (parameters, n_samples)}.
+    updates : sequence over clients of {expert index: (parameters, n_samples)}, each passed by
+        :func:`validate_component_update` (or made by our own local step).
 
     Returns
     -------
     list of n_experts dicts name -> ndarray float32; experts without updates are copies of ``current``.
-
-    Raises
-    ------
-    InvalidInputError
-        An expert index outside ``[0, n_experts)``, or a count that is negative or not finite.
-    ShapeError
-        An update's names or shapes differ from the current expert's, or it holds NaN/inf.
     """
     n = len(current)
     per: list[list[tuple[Parameters, float]]] = [[] for _ in range(n)]
-    for c, upd in enumerate(updates):
-        validate_component_update(current, upd, f"client {c}")
+    for upd in updates:
         for k, (params, count) in upd.items():
             per[k].append((params, float(count)))
     out = []

@@ -163,7 +163,7 @@ def create_app(store: Store, bundle_dir: Path | None = None, *, max_body_bytes: 
 
     @app.exception_handler(sa.exc.OperationalError)
     async def _store_down(request: Request, exc: sa.exc.OperationalError) -> JSONResponse:
-        # A database that went away (PostgreSQL stopped, an I/O error) was a 500 with a traceback.
+        # a database that went away (PostgreSQL stopped, an I/O error): 503, not 500
         log.error("%s %s: the database is unavailable: %s (answered 503)", request.method, request.url.path,
                   _first_line(exc))
         return JSONResponse({"detail": f"the server's database is unavailable ({_first_line(exc)}); retry later"},

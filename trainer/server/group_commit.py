@@ -128,8 +128,7 @@ class GroupWriter:
             try:
                 outcomes = [(True, r) for r in self.store.insert_updates([row for row, _ in batch])]
             except Exception as exc:  # noqa: BLE001 - one bad batch must not fail the others' uploads: retry alone
-                # No traceback here: each upload's error reaches its request, which answers it (a full
-                # disk logged one traceback per upload here besides the request's own).
+                # no traceback here: each upload's error reaches its request, which answers it
                 if len(batch) > 1:
                     log.warning("a batch of %d uploads failed (%s: %s); storing them one by one", len(batch),
                                 type(exc).__name__, (str(exc).splitlines() or [""])[0])
