@@ -201,28 +201,22 @@ class EvalLog:
     # ------------------------------------------------------------------ opening
 
     def _open(self) -> sqlite3.Connection:
-        path = self._path
+        path, conn = self._path, None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             if not path.exists():
                 # Pre-create owner-only; SQLite gives its -wal/-shm files the same permissions.
                 os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
-            conn = sqlite3.connect(
-                str(path), timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-            )
-        except (OSError, sqlite3.Error, ValueError) as exc:  # ValueError: a NUL byte in the path
-            raise EvalLogError(f"cannot open evaluation log {str(path)!r}: {exc}") from exc
-        try:
+            conn = sqlite3.connect(str(path), timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
             self._init_connection(conn)
-        except EvalLogError:
-            conn.close()
+            return conn
+        except BaseException as exc:
+            if conn is not None:
+                conn.close()
+            if isinstance(exc, (OSError, sqlite3.Error, ValueError)):  # ValueError: a NUL byte in the path
+                raise EvalLogError(f"cannot open evaluation log {str(path)!r}: {exc}" if conn is None else
+                                   f"{str(path)!r} is not a usable SQLite evaluation log: {exc}") from exc
             raise
-        except sqlite3.Error as exc:
-            conn.close()
-            raise EvalLogError(
-                f"{str(path)!r} is not a usable SQLite evaluation log: {exc}"
-            ) from exc
-        return conn
 
     def _init_connection(self, conn: sqlite3.Connection) -> None:
         path = str(self._path)

@@ -131,7 +131,6 @@ class PendingOutcomes:
         if not storable_id(response_id):
             return None
         with self._lock:
-            self._check_open()
             row = self._read(lambda: self._conn.execute(_SELECT, (response_id,)).fetchone())
         return None if row is None else _outcome(row)
 
@@ -153,13 +152,11 @@ class PendingOutcomes:
         if not storable_id(response_id):
             return False
         with self._lock:
-            self._check_open()
             return self._read(lambda: self._conn.execute("DELETE FROM pending WHERE response_id = ?",
                                                           (response_id,)).rowcount > 0)
 
     def __len__(self) -> int:
         with self._lock:
-            self._check_open()
             return self._read(lambda: int(self._conn.execute("SELECT COUNT(*) FROM pending").fetchone()[0]))
 
     def close(self) -> None:
@@ -173,9 +170,8 @@ class PendingOutcomes:
         """A write transaction under the lock, committed, or rolled back on any error (else every later
         write would fail); SQLite's errors as :class:`EvalLogError`."""
         with self._lock:
-            self._check_open()
+            self._read(lambda: self._conn.execute("BEGIN IMMEDIATE"))
             try:
-                self._conn.execute("BEGIN IMMEDIATE")
                 yield self._conn
                 self._conn.execute("COMMIT")
             except BaseException as exc:
@@ -186,16 +182,13 @@ class PendingOutcomes:
                 raise
 
     def _read(self, query: Callable[[], T]) -> T:
-        """``query()``, with SQLite's errors as :class:`EvalLogError`."""
+        """``query()`` on the open store, with SQLite's errors as :class:`EvalLogError`."""
+        if self._closed:
+            raise EvalLogError(f"the pending-outcome store {self._path!r} is closed")
         try:
             return query()
         except sqlite3.Error as exc:
             raise EvalLogError(f"cannot use the pending-outcome store {self._path!r}: {exc}") from exc
-
-    def _check_open(self) -> None:
-        """EvalLogError after :meth:`close`."""
-        if self._closed:
-            raise EvalLogError(f"the pending-outcome store {self._path!r} is closed")
 
 
 def _outcome(row: tuple[Any, ...]) -> PendingOutcome:

@@ -100,7 +100,7 @@ class RoundSpec:
             obj = dict(data) if isinstance(data, Mapping) else {}
             spec = cls(round_id=_field(obj, "round_id", int, 1), kind=_field(obj, "kind", str),
                        centroids=np.asarray(obj["centroids"], dtype=np.float64).astype(np.float32),
-                       centroids_hash=_field(obj, "centroids_hash", str), models=_strings(obj["models"]),
+                       centroids_hash=_field(obj, "centroids_hash", str), models=tuple(_field(obj, "models", list)),
                        embedder_name=_field(obj, "embedder_name", str), d_emb=_field(obj, "d_emb", int, 1),
                        min_count=_field(obj, "min_count", int, 1), deadline_utc=_field(obj, "deadline_utc", str),
                        max_cost_usd=_positive_or_none(obj.get("max_cost_usd"), "max_cost_usd"))
@@ -125,22 +125,16 @@ def _positive_or_none(value: object, name: str) -> float | None:
     return out
 
 
-_KINDS = {str: "a string", bool: "a boolean", int: "an integer"}
+_KINDS = {str: "a string", bool: "a boolean", int: "an integer", list: "a list of strings"}
 
 
 def _field(obj: Mapping[str, Any], key: str, kind: type[Any], minimum: int = 0) -> Any:
     """``obj[key]`` when it is of ``kind`` (an int: not a bool, >= ``minimum``), else TypeError."""
     value = obj[key]
-    if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < minimum)):
+    if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < minimum)) \
+            or (kind is list and not all(isinstance(m, str) for m in value)):
         raise TypeError(f"{key} must be {_KINDS[kind]}{f' >= {minimum}' if kind is int else ''}, got {value!r:.80}")
     return value
-
-
-def _strings(value: object) -> tuple[str, ...]:
-    """A JSON list of strings as a tuple (a string is not read as its characters)."""
-    if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
-        raise TypeError(f"models must be a list of strings, got {str(value)[:80]}")
-    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -417,10 +411,8 @@ def decode_kmeans_update_record(data: bytes) -> KMeansUpdate:
     record = _unpack_map(data, "K-means update record", lambda o: o.get("format") in RECORD_ARRAYS,
                          f"not a K-means update record (formats {list(RECORD_ARRAYS)})")
     arrays = _unpack_arrays(record, RECORD_ARRAYS[record["format"]])
-    log_size = record.get("log_size")
-    if type(log_size) is not int:
-        raise ShapeError(f"log_size must be an integer, got {log_size!r}")
-    return kmeans_update_from_arrays({**arrays, "log_size": np.asarray(log_size, dtype=np.int64)})
+    log_size = record.get("log_size")  # anything but an int is refused as of dtype object
+    return kmeans_update_from_arrays({**arrays, "log_size": np.asarray(log_size if type(log_size) is int else None)})
 
 
 def encode_sent_record(update: KMeansUpdate, spec: RoundSpec) -> JSONObject:

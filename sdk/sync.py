@@ -226,11 +226,9 @@ class SyncClient:
         skipped: str | None = None
         uploaded = late = False
         warnings: tuple[str, ...] = ()
-        answer = self._request("GET", "/v1/rounds/current", limit=MAX_ANSWER_BYTES)
+        answer = self._request("GET", "/v1/rounds/current", ok=(200, 204), limit=MAX_ANSWER_BYTES)
         if answer.status_code == 204:
             return round_id, uploaded, late, update_id, log_size, skipped, warnings
-        if answer.status_code != 200:
-            raise SyncError(f"GET /v1/rounds/current answered {answer.status_code}")
         description = _json(answer)
         round_id, payload, content_type, skipped, sent, warnings = self._prepare_upload(description, state)
         if payload is None:
@@ -468,13 +466,14 @@ class _Reply:
 def _read_limited(answer: httpx.Response, limit: int, what: str) -> bytes:
     """The (decoded) body of a streamed ``answer``, refusing more than ``limit`` bytes (SyncError)."""
     declared = answer.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise SyncError(f"{what}: answer of {declared} bytes is over the {limit}-byte limit")
+    too_big = declared.isdigit() and int(declared) > limit  # then not read at all
     body = bytearray()
-    for chunk in answer.iter_bytes():
+    for chunk in () if too_big else answer.iter_bytes():
         body += chunk
         if len(body) > limit:
-            raise SyncError(f"{what}: answer over the {limit}-byte limit")
+            break
+    if too_big or len(body) > limit:
+        raise SyncError(f"{what}: answer {f'of {declared} bytes is ' if too_big else ''}over the {limit}-byte limit")
     return bytes(body)
 
 
