@@ -12,6 +12,7 @@ import contextlib
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -41,19 +42,25 @@ def temporary_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
+@contextlib.contextmanager
+def _removed_on_error(tmp: Path) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def commit_file(tmp: Path, path: Path) -> None:
     """fsync ``tmp``, rename it over ``path``, fsync the folder; ``tmp`` is removed if a step fails."""
-    try:
+    with _removed_on_error(tmp):
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
     fsync_dir(Path(path).parent)
 
 
@@ -63,13 +70,8 @@ def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     path = Path(path)
     tmp = temporary_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with _removed_on_error(tmp), os.fdopen(fd, "wb") as f:
+        f.write(data)
     commit_file(tmp, path)
 
 

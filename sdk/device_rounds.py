@@ -163,10 +163,13 @@ class MlpRoundHandler:
             round_id = int(round_json["round_id"])
             url, digest = str(round_json["parameters_url"]), str(round_json["parameters_hash"])
             min_count = round_json["min_count"]
-            if isinstance(min_count, bool) or not isinstance(min_count, int):
-                raise TypeError(f"min_count must be an integer, got {min_count!r}")
+            problem = (f"min_count must be an integer, got {min_count!r}" if isinstance(min_count, bool)
+                       or not isinstance(min_count, int) else f"unexpected parameters URL {url!r}"
+                       if not url.startswith("/v1/rounds/") else None)
         except (KeyError, TypeError, ValueError) as exc:
-            raise SyncError(f"malformed MLP round description from the server: {exc!r}") from exc
+            problem = repr(exc)
+        if problem:
+            raise SyncError(f"malformed MLP round description from the server: {problem}")
         if context.local_trainer is None:
             why = "MLP round: this client cannot train (no mlp_trainer; `fedroute sync` with the trainer extra can)"
             return PreparedUpload(round_id, None, SAFETENSORS_TYPE, why)
@@ -174,8 +177,6 @@ class MlpRoundHandler:
             why = (f"MLP round: its min_count={min_count} is below this device's min_count_floor="
                    f"{context.min_count_floor} (an update over so few samples would reveal too much)")
             return PreparedUpload(round_id, None, SAFETENSORS_TYPE, why)
-        if not url.startswith("/v1/rounds/"):
-            raise SyncError(f"MLP round: unexpected parameters URL {url!r}")
         parameters = context.fetch(url, MAX_PARAMETERS_BYTES)
         if hashlib.sha256(parameters).hexdigest() != digest:
             raise SyncError(f"round {round_id}: parameters do not match their hash")

@@ -13,12 +13,13 @@ migrated to 2 when opened; newer files are refused. Details: docs/device-and-bun
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -200,28 +201,22 @@ class EvalLog:
     # ------------------------------------------------------------------ opening
 
     def _open(self) -> sqlite3.Connection:
-        path = self._path
+        path, conn = self._path, None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             if not path.exists():
                 # Pre-create owner-only; SQLite gives its -wal/-shm files the same permissions.
                 os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
-            conn = sqlite3.connect(
-                str(path), timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-            )
-        except (OSError, sqlite3.Error, ValueError) as exc:  # ValueError: a NUL byte in the path
-            raise EvalLogError(f"cannot open evaluation log {str(path)!r}: {exc}") from exc
-        try:
+            conn = sqlite3.connect(str(path), timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
             self._init_connection(conn)
-        except EvalLogError:
-            conn.close()
+            return conn
+        except BaseException as exc:
+            if conn is not None:
+                conn.close()
+            if isinstance(exc, (OSError, sqlite3.Error, ValueError)):  # ValueError: a NUL byte in the path
+                raise EvalLogError(f"cannot open evaluation log {str(path)!r}: {exc}" if conn is None else
+                                   f"{str(path)!r} is not a usable SQLite evaluation log: {exc}") from exc
             raise
-        except sqlite3.Error as exc:
-            conn.close()
-            raise EvalLogError(
-                f"{str(path)!r} is not a usable SQLite evaluation log: {exc}"
-            ) from exc
-        return conn
 
     def _init_connection(self, conn: sqlite3.Connection) -> None:
         path = str(self._path)
@@ -229,14 +224,9 @@ class EvalLog:
         # foreign or newer file is refused before any pragma changes it.
         # One read transaction: another process creating the log commits its tables and user_version
         # together, and two autocommit reads could see the version before and the tables after.
-        conn.execute("BEGIN")
-        try:
+        with _transaction(conn, "BEGIN"):
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             tables = table_names(conn)
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
         problem = _schema_problem(version, tables, path)
         if problem:
             raise EvalLogError(problem)
@@ -248,32 +238,20 @@ class EvalLog:
         conn.execute(f"PRAGMA checkpoint_fullfsync={'ON' if self._durable else 'OFF'}")
         conn.execute("PRAGMA secure_delete=ON")
         conn.execute("PRAGMA journal_size_limit=0")  # truncate the -wal file at each checkpoint
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with _transaction(conn, "BEGIN IMMEDIATE"):
             # Re-read under the write lock: another process may have created the schema meanwhile.
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             problem = _schema_problem(version, table_names(conn), path)  # a fedroute creator sets both at once
             if problem:
                 raise EvalLogError(problem)
-            if version == 0:
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
-                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            elif version == 1:  # migrated in this write transaction: all or nothing
-                for statement in _MIGRATE_1_TO_2:
+            if version in (0, 1):  # created or migrated in this write transaction: all or nothing
+                for statement in [t for t in _SCHEMA.split(";") if t.strip()] if version == 0 else _MIGRATE_1_TO_2:
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             missing = {"meta", "evaluations"} - table_names(conn)
             if missing:
-                raise EvalLogError(
-                    f"evaluation log {path!r} is damaged: table(s) {sorted(missing)} missing"
-                )
+                raise EvalLogError(f"evaluation log {path!r} is damaged: table(s) {sorted(missing)} missing")
             _read_embedding_dim(conn, path)  # fails early on a damaged meta table
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
 
     # ------------------------------------------------------------------ public API
 
@@ -361,29 +339,18 @@ class EvalLog:
         blob = None if vector is None else vector.tobytes()
         text = query if self._store_text else None  # privacy: dropped here, never written
 
-        with self._lock:
-            conn = self._connection()
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    if dim is not None:
-                        self._claim_embedding_dim(conn, dim)
-                    reference = self._retention_time(conn, now)  # before the insert: the rows' newest time
-                    cursor = conn.execute(
-                        "INSERT INTO evaluations (timestamp, model, score, cost_usd, latency_ms, "
-                        "cell, embedding, bundle_version, query, policy, propensity) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (ts, model, score_f, cost_f, latency_f, cell_i, blob, bundle_i, text, policy, propensity),
-                    )
-                    row_id = int(cursor.lastrowid or 0)  # set by the INSERT
-                    self._apply_retention(conn, reference)
-                    conn.execute("COMMIT")
-                except BaseException:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as exc:
-                raise EvalLogError(f"cannot write to evaluation log {str(self._path)!r}: {exc}") from exc
+        with self._using("write to") as conn, _transaction(conn, "BEGIN IMMEDIATE"):
+            if dim is not None:
+                self._claim_embedding_dim(conn, dim)
+            reference = self._retention_time(conn, now)  # before the insert: the rows' newest time
+            cursor = conn.execute(
+                "INSERT INTO evaluations (timestamp, model, score, cost_usd, latency_ms, "
+                "cell, embedding, bundle_version, query, policy, propensity) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (ts, model, score_f, cost_f, latency_f, cell_i, blob, bundle_i, text, policy, propensity),
+            )
+            row_id = int(cursor.lastrowid or 0)  # set by the INSERT
+            self._apply_retention(conn, reference)
         return row_id
 
     def record_choice(
@@ -422,29 +389,15 @@ class EvalLog:
         if isinstance(since_id, bool) or not isinstance(since_id, numbers.Integral):
             raise InvalidInputError(f"since_id must be an int, got {type(since_id).__name__} {since_id!r}")
         since = max(-1, min(int(since_id), _INT64_MAX))
-        with self._lock:
-            conn = self._connection()
-            try:
-                conn.execute("BEGIN")
-                try:
-                    dim = _read_embedding_dim(conn, str(self._path))
-                    records = conn.execute(
-                        f"SELECT {_COLUMNS} FROM evaluations WHERE id > ? ORDER BY id", (since,)
-                    ).fetchall()
-                finally:
-                    conn.execute("COMMIT")
-            except sqlite3.Error as exc:
-                raise EvalLogError(f"cannot read evaluation log {str(self._path)!r}: {exc}") from exc
+        with self._using("read") as conn, _transaction(conn, "BEGIN"):
+            dim = _read_embedding_dim(conn, str(self._path))
+            records = conn.execute(f"SELECT {_COLUMNS} FROM evaluations WHERE id > ? ORDER BY id", (since,)).fetchall()
         return _to_evaluations(records, dim or 0, str(self._path))
 
     def __len__(self) -> int:
         """Number of rows currently in the log (after retention)."""
-        with self._lock:
-            conn = self._connection()
-            try:
-                return int(conn.execute("SELECT COUNT(*) FROM evaluations").fetchone()[0])
-            except sqlite3.Error as exc:
-                raise EvalLogError(f"cannot read evaluation log {str(self._path)!r}: {exc}") from exc
+        with self._using("read") as conn:
+            return int(conn.execute("SELECT COUNT(*) FROM evaluations").fetchone()[0])
 
     def close(self) -> None:
         """Close the connection (checkpointing the WAL into the main file). Idempotent."""
@@ -470,10 +423,16 @@ class EvalLog:
 
     # ------------------------------------------------------------------ internals
 
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            raise EvalLogError(f"evaluation log {str(self._path)!r} is closed")
-        return self._conn
+    @contextlib.contextmanager
+    def _using(self, doing: str) -> Iterator[sqlite3.Connection]:
+        """The open connection under the lock; SQLite's errors as :class:`EvalLogError`."""
+        with self._lock:
+            if self._conn is None:
+                raise EvalLogError(f"evaluation log {str(self._path)!r} is closed")
+            try:
+                yield self._conn
+            except sqlite3.Error as exc:
+                raise EvalLogError(f"cannot {doing} evaluation log {str(self._path)!r}: {exc}") from exc
 
     def _claim_embedding_dim(self, conn: sqlite3.Connection, dim: int) -> None:
         """Check ``dim`` against the log's dimension, fixing it if unset (inside a write transaction)."""
@@ -596,6 +555,19 @@ def _check_embedding(embedding: object) -> npt.NDArray[np.float32]:
     if problem or vector is None:
         raise ShapeError(problem)
     return vector
+
+
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection, begin: str) -> Iterator[None]:
+    """``begin`` ... ``COMMIT``, rolled back on any error."""
+    conn.execute(begin)
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
 
 def _schema_problem(version: int, tables: set[str], path: str) -> str | None:

@@ -9,11 +9,12 @@ are dropped on insert. ``":memory:"`` keeps them in memory only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -116,24 +117,13 @@ class PendingOutcomes:
             raise InvalidInputError(f"response id {outcome.response_id!r:.80} cannot be stored: a non-empty str of "
                                     "valid Unicode is needed")
         blob = np.ascontiguousarray(outcome.embedding, dtype="<f4").tobytes()
-        with self._lock:
-            self._check_open()
-            try:
-                self._conn.execute("BEGIN IMMEDIATE")
-                seq = self._conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM pending").fetchone()[0]
-                self._conn.execute(
-                    "INSERT OR REPLACE INTO pending VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (outcome.response_id, seq, outcome.timestamp, outcome.model, outcome.cost_usd, outcome.latency_ms,
-                     blob, outcome.cell, outcome.bundle_version))
-                self._conn.execute("DELETE FROM pending WHERE timestamp < ?", (time.time() - self._max_age_s,))
-                self._conn.execute("DELETE FROM pending WHERE seq <= ?", (seq - self._max_rows,))
-                self._conn.execute("COMMIT")
-            except BaseException as exc:  # any failure mid-transaction: roll back, or every later add would fail
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.Error):
-                    raise EvalLogError(f"cannot write the pending-outcome store {self._path!r}: {exc}") from exc
-                raise
+        with self._transaction("write") as conn:
+            seq = conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM pending").fetchone()[0]
+            conn.execute("INSERT OR REPLACE INTO pending VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         (outcome.response_id, seq, outcome.timestamp, outcome.model, outcome.cost_usd,
+                          outcome.latency_ms, blob, outcome.cell, outcome.bundle_version))
+            conn.execute("DELETE FROM pending WHERE timestamp < ?", (time.time() - self._max_age_s,))
+            conn.execute("DELETE FROM pending WHERE seq <= ?", (seq - self._max_rows,))
 
     def get(self, response_id: str) -> PendingOutcome | None:
         """The entry for ``response_id``, or None (unknown, already scored or expired, or an id no
@@ -141,7 +131,6 @@ class PendingOutcomes:
         if not storable_id(response_id):
             return None
         with self._lock:
-            self._check_open()
             row = self._read(lambda: self._conn.execute(_SELECT, (response_id,)).fetchone())
         return None if row is None else _outcome(row)
 
@@ -151,35 +140,23 @@ class PendingOutcomes:
         or the process dies before the delete commits, the entry stays. EvalLogError when SQLite fails."""
         if not storable_id(response_id):
             return None
-        with self._lock:
-            self._check_open()
-            self._read(lambda: self._conn.execute("BEGIN IMMEDIATE"))
-            try:
-                row = self._conn.execute(_SELECT, (response_id,)).fetchone()
-                result = None if row is None else record(_outcome(row))
-                if row is not None:
-                    self._conn.execute("DELETE FROM pending WHERE response_id = ?", (response_id,))
-                self._conn.execute("COMMIT")
-                return result
-            except BaseException as exc:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.Error):
-                    raise EvalLogError(f"cannot use the pending-outcome store {self._path!r}: {exc}") from exc
-                raise
+        with self._transaction("use") as conn:
+            row = conn.execute(_SELECT, (response_id,)).fetchone()
+            result = None if row is None else record(_outcome(row))
+            if row is not None:
+                conn.execute("DELETE FROM pending WHERE response_id = ?", (response_id,))
+        return result
 
     def remove(self, response_id: str) -> bool:
         """Delete the entry; True if there was one."""
         if not storable_id(response_id):
             return False
         with self._lock:
-            self._check_open()
             return self._read(lambda: self._conn.execute("DELETE FROM pending WHERE response_id = ?",
                                                           (response_id,)).rowcount > 0)
 
     def __len__(self) -> int:
         with self._lock:
-            self._check_open()
             return self._read(lambda: int(self._conn.execute("SELECT COUNT(*) FROM pending").fetchone()[0]))
 
     def close(self) -> None:
@@ -188,17 +165,30 @@ class PendingOutcomes:
             self._conn.close()
             self._closed = True
 
+    @contextlib.contextmanager
+    def _transaction(self, doing: str) -> Iterator[sqlite3.Connection]:
+        """A write transaction under the lock, committed, or rolled back on any error (else every later
+        write would fail); SQLite's errors as :class:`EvalLogError`."""
+        with self._lock:
+            self._read(lambda: self._conn.execute("BEGIN IMMEDIATE"))
+            try:
+                yield self._conn
+                self._conn.execute("COMMIT")
+            except BaseException as exc:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise EvalLogError(f"cannot {doing} the pending-outcome store {self._path!r}: {exc}") from exc
+                raise
+
     def _read(self, query: Callable[[], T]) -> T:
-        """``query()``, with SQLite's errors as :class:`EvalLogError`."""
+        """``query()`` on the open store, with SQLite's errors as :class:`EvalLogError`."""
+        if self._closed:
+            raise EvalLogError(f"the pending-outcome store {self._path!r} is closed")
         try:
             return query()
         except sqlite3.Error as exc:
             raise EvalLogError(f"cannot use the pending-outcome store {self._path!r}: {exc}") from exc
-
-    def _check_open(self) -> None:
-        """EvalLogError after :meth:`close`."""
-        if self._closed:
-            raise EvalLogError(f"the pending-outcome store {self._path!r} is closed")
 
 
 def _outcome(row: tuple[Any, ...]) -> PendingOutcome:

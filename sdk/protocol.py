@@ -98,11 +98,11 @@ class RoundSpec:
         (``models`` a list of distinct strings), or centroids that do not match their hash."""
         try:
             obj = dict(data) if isinstance(data, Mapping) else {}
-            spec = cls(round_id=_int(obj["round_id"], 1), kind=_str(obj, "kind"),
+            spec = cls(round_id=_field(obj, "round_id", int, 1), kind=_field(obj, "kind", str),
                        centroids=np.asarray(obj["centroids"], dtype=np.float64).astype(np.float32),
-                       centroids_hash=_str(obj, "centroids_hash"), models=_strings(obj["models"]),
-                       embedder_name=_str(obj, "embedder_name"), d_emb=_int(obj["d_emb"], 1),
-                       min_count=_int(obj["min_count"], 1), deadline_utc=_str(obj, "deadline_utc"),
+                       centroids_hash=_field(obj, "centroids_hash", str), models=tuple(_field(obj, "models", list)),
+                       embedder_name=_field(obj, "embedder_name", str), d_emb=_field(obj, "d_emb", int, 1),
+                       min_count=_field(obj, "min_count", int, 1), deadline_utc=_field(obj, "deadline_utc", str),
                        max_cost_usd=_positive_or_none(obj.get("max_cost_usd"), "max_cost_usd"))
         except (KeyError, TypeError, ValueError) as exc:
             raise SyncError(f"malformed round description from the server: "
@@ -118,38 +118,22 @@ class RoundSpec:
         return spec
 
 
-def _str(obj: Mapping[str, object], key: str) -> str:
-    value = obj[key]
-    if not isinstance(value, str):
-        raise TypeError(f"{key} must be a string, got {type(value).__name__}")
-    return value
-
-
-def _bool(value: object, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{key} must be a boolean, got {value!r}")
-    return value
-
-
-def _strings(value: object) -> tuple[str, ...]:
-    """A JSON list of strings as a tuple (a string is not read as its characters)."""
-    if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
-        raise TypeError(f"models must be a list of strings, got {str(value)[:80]}")
-    return tuple(value)
-
-
 def _positive_or_none(value: object, name: str) -> float | None:
-    if value is None:
-        return None
     out = finite_float(value)
-    if out is None or out <= 0:
+    if value is not None and (out is None or out <= 0):
         raise ValueError(f"{name} must be a finite number > 0 or null, got {value!r}")
     return out
 
 
-def _int(value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"expected an integer >= {minimum}, got {value!r}")
+_KINDS = {str: "a string", bool: "a boolean", int: "an integer", list: "a list of strings"}
+
+
+def _field(obj: Mapping[str, Any], key: str, kind: type[Any], minimum: int = 0) -> Any:
+    """``obj[key]`` when it is of ``kind`` (an int: not a bool, >= ``minimum``), else TypeError."""
+    value = obj[key]
+    if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < minimum)) \
+            or (kind is list and not all(isinstance(m, str) for m in value)):
+        raise TypeError(f"{key} must be {_KINDS[kind]}{f' >= {minimum}' if kind is int else ''}, got {value!r:.80}")
     return value
 
 
@@ -278,11 +262,11 @@ def _unpack_map(raw: bytes, what: str, valid: Callable[[JSONObject], bool], expe
     """The MessagePack map of ``raw``; PayloadError when it is not one or not ``valid``."""
     try:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-        ok = isinstance(obj, dict) and valid(obj)
+        problem = None if isinstance(obj, dict) and valid(obj) else expected
     except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated classes on bad input
-        raise PayloadError(f"not a MessagePack {what} ({type(exc).__name__})") from exc
-    if not ok:
-        raise PayloadError(expected)
+        problem = f"not a MessagePack {what} ({type(exc).__name__})"
+    if problem:
+        raise PayloadError(problem)
     return obj  # type: ignore[no-any-return]  # msgpack is untyped; checked above
 
 
@@ -301,11 +285,12 @@ def decode_kmeans_update_json(raw: bytes) -> tuple[JSONObject, KMeansUpdate]:
     arrays, statistics :class:`CellStatistics` refuses."""
     try:
         obj = json.loads(raw)
-        ok = isinstance(obj, dict) and set(obj) == set(UPDATE_FIELDS)
+        problem = None if isinstance(obj, dict) and set(obj) == set(UPDATE_FIELDS) else \
+            f"a K-means update is an object with exactly the keys {list(UPDATE_FIELDS)}"
     except ValueError as exc:
-        raise PayloadError(f"not a JSON K-means update ({exc})") from exc
-    if not ok:
-        raise PayloadError(f"a K-means update is an object with exactly the keys {list(UPDATE_FIELDS)}")
+        problem = f"not a JSON K-means update ({exc})"
+    if problem:
+        raise PayloadError(problem)
     try:
         arrays = {name: np.asarray(obj[name], dtype=np.float64) for name in MSGPACK_ARRAYS}
     except (TypeError, ValueError) as exc:
@@ -382,13 +367,15 @@ def encode_kmeans_update_npz(update: KMeansUpdate) -> bytes:
 def decode_kmeans_update_npz(data: bytes) -> KMeansUpdate:
     """The update of :func:`encode_kmeans_update_npz` bytes; PayloadError: not an ``.npz`` (pickle
     refused), ShapeError: not the update's arrays."""
-    try:
-        if not is_npz(data):  # np.load would read a .npy as one array (not an update)
-            raise ValueError("not a zip archive")
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise PayloadError(f"not an .npz K-means update ({exc})") from exc
+    arrays, reason = None, "not a zip archive"  # np.load would read a .npy as one array (not an update)
+    if is_npz(data):
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            reason = str(exc)
+    if arrays is None:
+        raise PayloadError(f"not an .npz K-means update ({reason})")
     return kmeans_update_from_arrays(arrays)
 
 
@@ -424,10 +411,8 @@ def decode_kmeans_update_record(data: bytes) -> KMeansUpdate:
     record = _unpack_map(data, "K-means update record", lambda o: o.get("format") in RECORD_ARRAYS,
                          f"not a K-means update record (formats {list(RECORD_ARRAYS)})")
     arrays = _unpack_arrays(record, RECORD_ARRAYS[record["format"]])
-    log_size = record.get("log_size")
-    if type(log_size) is not int:
-        raise ShapeError(f"log_size must be an integer, got {log_size!r}")
-    return kmeans_update_from_arrays({**arrays, "log_size": np.asarray(log_size, dtype=np.int64)})
+    log_size = record.get("log_size")  # anything but an int is refused as of dtype object
+    return kmeans_update_from_arrays({**arrays, "log_size": np.asarray(log_size if type(log_size) is int else None)})
 
 
 def encode_sent_record(update: KMeansUpdate, spec: RoundSpec) -> JSONObject:
@@ -495,9 +480,9 @@ class Receipt:
         """Parse a receipt; SyncError for a non-object, a missing field or one of the wrong type."""
         try:
             obj = dict(data) if isinstance(data, Mapping) else {}
-            counted, late = obj["counted_in_round"], obj["late"]
-            return cls(_int(obj["update_id"], 1), str(obj["client_id"]), _int(obj["round_id"], 1),
-                       _bool(late, "late"), None if counted is None else _int(counted, 1), _int(obj["log_size"], 0))
+            counted = obj["counted_in_round"] is not None and _field(obj, "counted_in_round", int, 1)
+            return cls(_field(obj, "update_id", int, 1), str(obj["client_id"]), _field(obj, "round_id", int, 1),
+                       _field(obj, "late", bool), counted or None, _field(obj, "log_size", int))
         except (KeyError, TypeError, ValueError) as exc:
             raise SyncError(f"malformed receipt from the server: "
                             f"{repr(exc) if isinstance(data, Mapping) else 'not a JSON object'}") from exc

@@ -131,12 +131,13 @@ class SyncClient:
                  min_count_floor: int = 5, allow_repartition: bool = False,
                  upload_format: str = "msgpack") -> None:
         try:
-            url = httpx.URL(str(server_url))
+            url, not_a_url = httpx.URL(str(server_url)), ""
         except httpx.InvalidURL as exc:
-            raise InvalidInputError(f"server_url {str(server_url)!r} is not a URL ({exc})") from exc
+            url, not_a_url = httpx.URL("https://invalid"), f"server_url {str(server_url)!r} is not a URL ({exc})"
         timeout = finite_float(timeout_s)
         bare = token.strip() if isinstance(token, str) else ""
         problems = (  # (refused?, message): the first that holds is raised
+            (bool(not_a_url), not_a_url),
             (url.scheme != "https", f"server_url must be https://..., got {str(server_url)!r}"),
             (not bare, "token must be a non-empty string"),
             (not all("\x21" <= ch <= "\x7e" for ch in bare),  # it travels in the Authorization header
@@ -225,11 +226,9 @@ class SyncClient:
         skipped: str | None = None
         uploaded = late = False
         warnings: tuple[str, ...] = ()
-        answer = self._request("GET", "/v1/rounds/current", limit=MAX_ANSWER_BYTES)
+        answer = self._request("GET", "/v1/rounds/current", ok=(200, 204), limit=MAX_ANSWER_BYTES)
         if answer.status_code == 204:
             return round_id, uploaded, late, update_id, log_size, skipped, warnings
-        if answer.status_code != 200:
-            raise SyncError(f"GET /v1/rounds/current answered {answer.status_code}")
         description = _json(answer)
         round_id, payload, content_type, skipped, sent, warnings = self._prepare_upload(description, state)
         if payload is None:
@@ -359,21 +358,21 @@ class SyncClient:
             h = hashlib.sha256()
             size = 0
             with self._http.stream("GET", f"/v1/bundles/files/{digest}") as answer:
-                if 500 <= answer.status_code < 600:
-                    raise _Transient(f"{answer.status_code} {_detail(answer)[:200]}")
                 if answer.status_code != 200:
-                    raise _rejection(answer)
+                    raise _failure(answer)
                 with path.open("wb") as f:
                     for chunk in answer.iter_bytes(1 << 20):
                         size += len(chunk)
                         if size > fmt.MAX_FILE_BYTES:
-                            raise BundleError(f"{path.name}: download over the {fmt.MAX_FILE_BYTES}-byte limit")
+                            break
                         h.update(chunk)
                         f.write(chunk)
                     f.flush()
                     os.fsync(f.fileno())
-            if h.hexdigest() != digest:
-                raise BundleError(f"{path.name}: downloaded sha256 does not match the manifest")
+            problem = (f"download over the {fmt.MAX_FILE_BYTES}-byte limit" if size > fmt.MAX_FILE_BYTES
+                       else "downloaded sha256 does not match the manifest" if h.hexdigest() != digest else None)
+            if problem:
+                raise BundleError(f"{path.name}: {problem}")
 
         self._retrying(f"downloading {path.name}", once)
 
@@ -392,9 +391,7 @@ class SyncClient:
                     if answer.status_code in ok:
                         return _Reply(answer.status_code, answer.headers,
                                       _read_limited(answer, limit, f"{method} {path}"), path)
-                    if not 500 <= answer.status_code < 600:
-                        raise _rejection(answer)
-                    raise _Transient(f"{answer.status_code} {_detail(answer)[:200]}")
+                    raise _failure(answer)
             except httpx.DecodingError as exc:  # a body its Content-Encoding cannot decode
                 raise SyncError(f"{method} {path}: undecodable answer ({exc})") from exc
 
@@ -470,13 +467,14 @@ class _Reply:
 def _read_limited(answer: httpx.Response, limit: int, what: str) -> bytes:
     """The (decoded) body of a streamed ``answer``, refusing more than ``limit`` bytes (SyncError)."""
     declared = answer.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise SyncError(f"{what}: answer of {declared} bytes is over the {limit}-byte limit")
+    too_big = declared.isdigit() and int(declared) > limit  # then not read at all
     body = bytearray()
-    for chunk in answer.iter_bytes():
+    for chunk in () if too_big else answer.iter_bytes():
         body += chunk
         if len(body) > limit:
-            raise SyncError(f"{what}: answer over the {limit}-byte limit")
+            break
+    if too_big or len(body) > limit:
+        raise SyncError(f"{what}: answer {f'of {declared} bytes is ' if too_big else ''}over the {limit}-byte limit")
     return bytes(body)
 
 
@@ -509,10 +507,13 @@ def _detail(answer: httpx.Response) -> str:
     return str(detail)
 
 
-def _rejection(answer: httpx.Response) -> SyncError:
-    """The error for an unexpected status: SyncRejectedError for 4xx, else SyncError (not retried here)."""
+def _failure(answer: httpx.Response) -> Exception:
+    """The error for an unexpected status: :class:`_Transient` for 5xx (retried), SyncRejectedError for
+    4xx, else SyncError."""
     status = answer.status_code
     detail = _detail(answer)
+    if 500 <= status < 600:
+        return _Transient(f"{status} {detail[:200]}")
     if 400 <= status < 500:
         return SyncRejectedError(status, detail[:500])
     where = answer.headers.get("location")
