@@ -206,8 +206,8 @@ class OnnxEmbedder:
         shape = outputs.get(OUTPUT, ())  # an unknown rank (no shape) is checked on the first run
         if OUTPUT not in outputs or (shape and (len(shape) != 2 or shape[-1] not in (dim, None) and
                                                 isinstance(shape[-1], int))):
-            raise BundleError(f"embedder outputs {outputs} lack '{OUTPUT}' of shape (batch, {dim}), the manifest's "
-                              "dimension (token embeddings instead of pooled sentence embeddings?)")
+            raise BundleError(f"embedder output '{OUTPUT}' has shape {outputs.get(OUTPUT, f'(missing: outputs {outputs})')}, "
+                              f"expected (batch, {dim}) (token embeddings instead of pooled sentence embeddings?)")
         self.dim = int(dim)
         self.max_tokens = int(max_tokens)
         self.truncation_side = truncation_side
