@@ -193,7 +193,7 @@ class DeadlineH11Protocol(_Deadlines, H11Protocol):
 
 def _httptools_protocol() -> type:
     """uvicorn's httptools protocol (C parser, the cheaper one) with :class:`_Deadlines`."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # httptools is optional (uvicorn[standard])
 
     return type("DeadlineHttpToolsProtocol", (_Deadlines, HttpToolsProtocol), {})
 
