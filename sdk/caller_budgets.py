@@ -1,19 +1,11 @@
 """``CallerBudgets``: the budget controllers of a :class:`sdk.routed_chat.RoutedChat`, per caller, bounded, kept on disk.
 
-One :class:`sdk.budget.BudgetController` per ``(caller, budget)``: a caller is whoever asks
-(``fedroute proxy``: the sha256 of the caller's bearer token; a plain ``RoutedChat``: ``""``), so one
-caller's spend never moves another's ``lam``. At most ``max_per_caller`` controllers per caller and
-``max_total`` overall; past either the least recently used one is dropped (LRU, its own caller's first
-when the caller is at its cap), so a caller sending ever new ``fedroute:budget=Y`` values only cycles
-its own slots: it cannot take another caller's (the callers are the proxy's tokens, an allow-list).
-
-With a ``path`` the state of every controller (:meth:`sdk.budget.BudgetController.state`) is saved
-by :meth:`save` in an SQLite file (one row per controller, one transaction: a kill leaves the
-previous save or this one) and restored, on first use of that ``(caller, budget)``, after a
-restart; the file keeps at most ``max_total`` rows (the most recently saved, pruned when it is opened).
-``fedroute proxy`` saves every ``budget_save_s`` seconds and at shutdown.
-
-Thread-safe (one lock around the table; SQLite writes under it).
+One :class:`sdk.budget.BudgetController` per ``(caller, budget)`` (``fedroute proxy``: the caller is the
+sha256 of its bearer token), so one caller's spend never moves another's ``lam``; at most
+``max_per_caller`` per caller and ``max_total`` overall, least recently used dropped (the caller's own
+first), so a caller sending ever new budgets only cycles its own slots. With a ``path``, :meth:`save`
+writes every changed controller's state in one SQLite transaction (a kill leaves the previous save),
+restored on first use after a restart; the file keeps the newest ``max_total`` rows. Thread-safe.
 """
 
 from __future__ import annotations

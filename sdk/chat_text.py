@@ -1,27 +1,16 @@
-"""Which text of a chat conversation the router embeds.
+"""Which text of a chat conversation the router embeds (docs/openai_proxy.md, "Which text is routed").
 
-A router is trained on single prompts, and the on-device embedder keeps the *last* ``max_tokens``
-tokens of what it is given (left truncation, see :mod:`sdk.embedder`). For a list of OpenAI chat
-``messages`` the routed text is therefore:
-
-    <tail of the earlier turns, at most ``context_chars`` characters> "\n" <last user message>
-
-- the **last user message** (role ``"user"``) is the query; text parts of a multi-part content
-  (``{"type": "text", "text": ...}``) are joined with a newline, images and audio are ignored;
-- the **context** is the text of the user and assistant messages *before* it, oldest first, joined
-  with newlines, of which only the last ``context_chars`` characters are kept (a follow-up such as
-  "and in Python?" is routed with what it follows). ``system`` / ``developer`` messages are left out:
-  they are often long and the same for every query, so they would drown the query;
-- messages after the last user message (an assistant prefill, tool results) are not embedded.
-
-Because the embedder truncates from the left, a last user message longer than its token window
-fills the window alone and the context falls away: the query always wins.
+The routed text is ``<tail of the earlier user/assistant turns, at most context_chars characters>
+"\n" <last user message>``: text parts of a multi-part content joined with newlines (images and audio
+ignored), ``system`` / ``developer`` messages and messages after the last user message left out. The
+embedder truncates from the left, so a long last user message fills its window alone: the query wins.
 """
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 from sdk.errors import InvalidInputError, InvalidQueryError
 from sdk.real_numbers import shown
@@ -32,14 +21,8 @@ _CONTEXT_ROLES = ("user", "assistant")
 
 
 def message_text(message: object, position: int) -> str:
-    """The text of one chat message (``content`` str, or the text parts of a list), "" if none.
-
-    Raises
-    ------
-    InvalidQueryError
-        ``message`` is not a mapping with a ``role`` str and a ``content`` that is a str, a list of
-        parts or None.
-    """
+    """The text of ``messages[position]`` (``content`` str, or the text parts of a list), "" if none;
+    :class:`InvalidQueryError` unless a mapping with a ``role`` str and a str, list or None ``content``."""
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise InvalidQueryError(f"messages[{position}] must be a mapping with a 'role' str, got {message!r:.80}")
     content = message.get("content")
@@ -54,18 +37,16 @@ def message_text(message: object, position: int) -> str:
                             f"got {type(content).__name__}")
 
 
+def message_texts(messages: object) -> list[str]:
+    """The text of each message; :class:`InvalidQueryError` unless a non-empty sequence of chat messages."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or len(messages) == 0:
+        raise InvalidQueryError(f"messages must be a non-empty list of chat messages, got {shown(messages)}")
+    return [message_text(m, i) for i, m in enumerate(messages)]
+
+
 def routing_text(messages: object, context_chars: int = DEFAULT_CONTEXT_CHARS) -> str:
-    """The text the router embeds for a chat (rules in the module docstring).
-
-    Parameters
-    ----------
-    messages : non-empty sequence of OpenAI chat messages (mappings with ``role`` and ``content``).
-    context_chars : int >= 0, characters of earlier user/assistant turns to prepend (0: the last user
-        message alone).
-
-    Returns
-    -------
-    str, non-blank.
+    """The non-blank text the router embeds for ``messages`` (OpenAI chat messages), with ``context_chars``
+    (int >= 0) characters of earlier turns (module docstring).
 
     Raises
     ------
@@ -76,9 +57,8 @@ def routing_text(messages: object, context_chars: int = DEFAULT_CONTEXT_CHARS) -
     """
     if isinstance(context_chars, bool) or not isinstance(context_chars, numbers.Integral) or context_chars < 0:
         raise InvalidInputError(f"context_chars must be an int >= 0, got {context_chars!r}")
-    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or len(messages) == 0:
-        raise InvalidQueryError(f"messages must be a non-empty list of chat messages, got {shown(messages)}")
-    texts = [message_text(m, i) for i, m in enumerate(messages)]
+    texts = message_texts(messages)
+    messages = cast(Sequence[Mapping[str, object]], messages)
     last_user = next((i for i in range(len(messages) - 1, -1, -1)
                       if messages[i]["role"] == "user" and texts[i].strip()), None)
     if last_user is None:

@@ -58,7 +58,7 @@ def _refuse_empty(param: Any) -> None:
                 raise typer.BadParameter(EMPTY_PATH.format(text), ctx=ctx, param=param)
         return convert(ctx, value)
 
-    process_value.refuses_empty_path = True
+    setattr(process_value, "refuses_empty_path", True)
     param.process_value = process_value
 
 

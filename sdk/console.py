@@ -3,6 +3,8 @@ and exit with status 2."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import typer
 
 from sdk.errors import FedrouteError
@@ -21,7 +23,7 @@ EXTRA_OF_MODULE = {
 
 
 
-def run_app(app) -> None:
+def run_app(app: Callable[[], object]) -> None:
     """Run the Typer ``app``; a :class:`sdk.errors.FedrouteError` prints ``error: <message>`` on stderr
     and exits 2 (no traceback), so cron jobs and timer units can alert on the status. So does a
     command that imports a module of an extra that is not installed (:data:`EXTRA_OF_MODULE`): the

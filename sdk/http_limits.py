@@ -1,50 +1,45 @@
 """HTTP limits of ``fedroute serve`` and ``fedroute proxy``: what a slow, idle, flooding or vanishing client can cost.
 
-Needs uvicorn (the ``server`` and ``proxy`` extras); ``import sdk`` never imports this module.
-Both servers run uvicorn with its **httptools** parser by default (the C parser; ``--http-parser h11``
-for the pure-Python one, the default when httptools is not installed). uvicorn's header-size
-setting (``h11_max_incomplete_event_size``) only applies to h11, and httptools alone would buffer a
-request head of any size, so :class:`_Deadlines` caps the request head itself, for both parsers, at
-the same ``max_header_bytes`` (431 and close), counted before the parser sees the bytes (h11's own
-setting, set to the same value, is then not reached). The header count is checked by :class:`RequestLimits` for both.
-With TLS, 64 devices and MessagePack bodies, a bare ASGI app answering 201
-(``benchmarks/http_floor_app.py``) cost 0.2-0.4 ms less server CPU per request under httptools than
-under h11 in two runs on a loaded 2-core machine (docs/benchmarks.md). The limits (:class:`HttpLimits`, options of
-``fedroute serve`` and ``fedroute proxy``; docs/sync-protocol-and-operations.md and docs/openai_proxy.md list them):
+Needs uvicorn (the ``server`` and ``proxy`` extras). Both servers run uvicorn's httptools parser by
+default (h11 with ``--http-parser h11`` or without httptools); httptools would buffer a request head of
+any size, so :class:`_Deadlines` caps the head itself for both parsers (docs/benchmarks.md has the
+parser costs). The limits (:class:`HttpLimits`; docs/sync-protocol-and-operations.md, docs/openai_proxy.md):
 
 ========================  ========  ==========================================================================
 limit                     default   where
 ========================  ========  ==========================================================================
-header bytes              16 KiB    both parsers: :class:`_Deadlines` (a head over that many bytes,
-                                    complete or not, counted before parsing: 431 and close); h11 also:
-                                    uvicorn's ``h11_max_incomplete_event_size`` (400 and close)
+header bytes              16 KiB    :class:`_Deadlines`, counted before parsing: 431 and close
 header count              64        :class:`RequestLimits` (ASGI middleware): 431
-header read time          10 s      :class:`_Deadlines`: from the connection (or the first byte
-                                    of the next request) to the end of the headers; then 408 and close
-body read time            30 s      :class:`_Deadlines`: from the end of the headers to the end
-                                    of the body (a slow or stalled upload); 408 and close (the route
-                                    sees a disconnect and stores nothing)
-idle keep-alive           5 s       uvicorn ``timeout_keep_alive``: between requests on one connection
-TLS handshake             60 s      asyncio's ``ssl_handshake_timeout`` (its default)
+header read time          10 s      :class:`_Deadlines`: from the connection (or the next request's first
+                                    byte) to the end of the headers; 408 and close
+body read time            30 s      :class:`_Deadlines`: from the end of the headers to the end of the body;
+                                    408 and close (the route sees a disconnect and stores nothing)
+idle keep-alive           5 s       uvicorn ``timeout_keep_alive``
+TLS handshake             60 s      asyncio's ``ssl_handshake_timeout``
 concurrent connections    1000      uvicorn ``limit_concurrency``: 503 above it
-body size                 4 MiB     the server's upload route (``max_body_bytes``; the proxy's: 32 MiB): 413
+body size                 4 MiB     the server's upload route (the proxy's: 32 MiB): 413
 ========================  ========  ==========================================================================
-
-A client that disconnects mid-body ends its request quietly (one INFO line, no traceback): each app's
-``ClientDisconnect`` handler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-try:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-except ImportError:  # httptools is optional (uvicorn[standard]); h11 is always there
-    HttpToolsProtocol = None
+#: httptools is optional (uvicorn[standard]); h11 is always there.
+HAS_HTTPTOOLS = importlib.util.find_spec("httptools") is not None
+# The mixin's base for the type checker: the protocol attributes it uses (cycle, transport, loop, logger).
+if TYPE_CHECKING:
+    _Protocol = H11Protocol
+else:
+    _Protocol = object
+_Scope = MutableMapping[str, Any]
+_ASGI = Callable[[_Scope, Callable[[], Awaitable[_Scope]], Callable[[_Scope], Awaitable[None]]], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -57,13 +52,11 @@ class HttpLimits:
     body_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
     limit_concurrency: int = 1000
-    parser: str = "httptools" if HttpToolsProtocol is not None else "h11"
+    parser: str = "httptools" if HAS_HTTPTOOLS else "h11"
 
-    def uvicorn_options(self) -> dict:
-        """Keyword arguments of ``uvicorn.run`` / ``uvicorn.Config`` for these limits (``parser``'s
-        protocol with the head cap and the header and body deadlines, h11's header-size setting,
-        keep-alive and concurrency)."""
-        base = DeadlineHttpToolsProtocol if self.parser == "httptools" and DeadlineHttpToolsProtocol else DeadlineH11Protocol
+    def uvicorn_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``uvicorn.run`` / ``uvicorn.Config`` for these limits."""
+        base: type = _httptools_protocol() if self.parser == "httptools" and HAS_HTTPTOOLS else DeadlineH11Protocol
         protocol = type("LimitedHttpProtocol", (base,), {"header_timeout_s": self.header_timeout_s,
                                                          "body_timeout_s": self.body_timeout_s,
                                                          "max_header_bytes": self.max_header_bytes})
@@ -71,27 +64,13 @@ class HttpLimits:
                 "timeout_keep_alive": self.keep_alive_s, "limit_concurrency": self.limit_concurrency}
 
 
-class _Deadlines:
-    """Mixed into uvicorn's h11 or httptools protocol: a cap on the request head's bytes and two deadlines (uvicorn itself only times out idle keep-alive
-    connections, so a client trickling bytes, or one that connects and sends nothing, would hold
-    its connection and request forever):
-
-    - headers: armed when the connection opens and when the first bytes of a next request arrive,
-      ended once the parser has the whole request head;
-    - body: armed when a request's head is complete, ended once its body is complete.
-
-    At a deadline the client gets a 408 (unless the app has answered already) and the connection is
-    closed; an app still reading the body sees a disconnect (``ClientDisconnect``) and stores nothing.
-    No per-chunk cost, and one timer per connection rather than one per phase: a phase only notes
-    its deadline (loop time); the connection's timer, when it fires, ends a phase past its deadline,
-    re-arms itself at the deadline of a phase still running, and lapses when none is (the next phase
-    then arms it again). So a connection busy with requests re-arms its timer about once per
-    deadline period instead of creating and cancelling two timers per request (a ``call_later`` and
-    its ``cancel``: about 3 us of CPU on uvloop in a loop; docs/benchmarks.md, round 5). A request head
-    (request line + headers) over ``max_header_bytes`` bytes gets a 431 and the connection is closed,
-    checked on the bytes before the parser sees them: a head that ends within a chunk would be
-    dispatched at once (httptools would buffer any size). The check looks for the head's end only
-    in a chunk that takes the bytes past the limit (a body may follow in it)."""
+class _Deadlines(_Protocol):
+    """Mixed into uvicorn's h11 or httptools protocol (uvicorn itself only times out idle keep-alive
+    connections): a header deadline (armed when the connection opens or a next request's first bytes
+    arrive, ended with the request head) and a body deadline (from the head to the end of the body),
+    408 and close at either; and a 431 and close for a request head over ``max_header_bytes``, counted
+    on the bytes before the parser sees them. One timer per connection: a phase notes its deadline, and
+    the timer, when it fires, ends a phase past it or re-arms itself (docs/benchmarks.md, round 5)."""
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
@@ -102,7 +81,7 @@ class _Deadlines:
     _head_bytes: int = 0
     _tail: bytes = b""  # the last 3 bytes of the head read so far (its end may straddle two chunks)
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm("headers", self.header_timeout_s)
 
@@ -136,9 +115,7 @@ class _Deadlines:
 
     def _head_over_limit(self, data: bytes, before: int) -> bool:
         """True (after answering 431 and closing) if the request head that ``data`` continues, after
-        ``before`` head bytes, is over ``max_header_bytes``: it ends in ``data`` past the limit, or does
-        not end in it. Only called once the bytes received exceed the limit (a body may follow the
-        head in the same chunk: only the head counts)."""
+        ``before`` head bytes, ends past ``max_header_bytes`` or not in ``data`` (a body may follow it)."""
         joint = (self._tail + data[:3]).find(b"\r\n\r\n")  # the end straddling the two chunks comes first
         if joint >= 0:
             head = before - len(self._tail) + joint + 4
@@ -214,20 +191,21 @@ class DeadlineH11Protocol(_Deadlines, H11Protocol):
     """uvicorn's h11 protocol with :class:`_Deadlines`."""
 
 
-if HttpToolsProtocol is not None:
-    class DeadlineHttpToolsProtocol(_Deadlines, HttpToolsProtocol):
-        """uvicorn's httptools protocol (C parser, the cheaper one) with :class:`_Deadlines`."""
-else:  # pragma: no cover - httptools not installed
-    DeadlineHttpToolsProtocol = None
+def _httptools_protocol() -> type:
+    """uvicorn's httptools protocol (C parser, the cheaper one) with :class:`_Deadlines`."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # httptools is optional (uvicorn[standard])
+
+    return type("DeadlineHttpToolsProtocol", (_Deadlines, HttpToolsProtocol), {})
 
 
 class RequestLimits:
     """ASGI middleware: at most ``max_headers`` request headers (431 and close)."""
 
-    def __init__(self, app, *, max_headers: int = 64) -> None:
+    def __init__(self, app: _ASGI, *, max_headers: int = 64) -> None:
         self.app, self.max_headers = app, max_headers
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Scope]],
+                       send: Callable[[_Scope], Awaitable[None]]) -> None:
         if scope["type"] == "http" and len(scope["headers"]) > self.max_headers:
             body = f"more than {self.max_headers} request headers".encode()
             await send({"type": "http.response.start", "status": 431,

@@ -6,11 +6,14 @@ Defaults and what each limit does: :mod:`sdk.http_limits`.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from sdk.finite_option import COUNT_MAX, finite_option
+
+if TYPE_CHECKING:
+    from sdk.http_limits import HttpLimits
 
 HeaderTimeoutOpt = Annotated[float, typer.Option(callback=finite_option, min=0.01,
                                                  help="seconds to send a request's headers (408)")]
@@ -27,7 +30,7 @@ HttpParserOpt = Annotated[str | None, typer.Option(help="httptools (default when
 
 
 def http_limits(*, max_header_bytes: int, header_timeout_s: float, body_timeout_s: float, keep_alive_s: float,
-                max_connections: int, http_parser: str | None):
+                max_connections: int, http_parser: str | None) -> HttpLimits:
     """The :class:`sdk.http_limits.HttpLimits` of these options.
 
     Raises

@@ -1,20 +1,8 @@
-"""The ``model=`` string of a routed chat call: route, or pass straight through.
-
-==============================  ============================================================
-``model=``                      meaning
-==============================  ============================================================
-``None`` or ``"fedroute"``      route with the client's default (its ``lam`` or budget)
-``"fedroute:lam=100"``          route with ``lam = 100`` USD^-1 (finite, >= 0)
-``"fedroute:budget=0.5"``       route keeping the realised spend at 0.5 USD per 1,000 queries
-                                (finite, > 0; :class:`sdk.budget.BudgetController`)
-any other string                that model, straight through (no routing, no fallback)
-==============================  ============================================================
-
-Anything else that starts with ``fedroute`` (``"fedroute:"``, ``"fedroute:lam=abc"``,
-``"fedroute:lam=1,budget=2"``, ``"fedroute:speed=9"``, ``"fedroute:lam=-1"``,
-``"fedroute:budget=0"``, ``"fedroute:budget=nan"``) is a :class:`sdk.errors.ModelSpecError`. Numbers are
-written in ASCII digits with an optional sign, decimal point and exponent (``100``, ``0.5``, ``1e-3``):
-no other script's digits, ``_`` separators, spaces, ``inf`` or ``nan``.
+"""The ``model=`` string of a routed chat call (docs/openai_proxy.md, "model= strings"): ``None`` or
+``"fedroute"`` routes with the client's default, ``"fedroute:lam=X"`` (finite, >= 0, USD^-1) or
+``"fedroute:budget=Y"`` (finite, > 0, USD per 1,000 queries) with that trade-off or budget, any other
+string names a model to call directly. Any other string starting with ``fedroute`` is a
+:class:`sdk.errors.ModelSpecError`; numbers are ASCII decimals (no ``_``, spaces, ``inf`` or ``nan``).
 """
 
 from __future__ import annotations
@@ -34,14 +22,8 @@ _NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A parsed ``model=`` string.
-
-    Attributes
-    ----------
-    passthrough : the model id to call directly, or None when the call is routed.
-    lam : USD^-1 asked for by ``fedroute:lam=X``, else None.
-    budget_usd_per_1k : USD per 1,000 queries asked for by ``fedroute:budget=Y``, else None.
-    """
+    """A parsed ``model=`` string: the model id to call directly (None: routed), or the ``lam`` (USD^-1) or
+    budget (USD per 1,000 queries) asked for."""
 
     passthrough: str | None = None
     lam: float | None = None
@@ -53,14 +35,8 @@ class ModelSpec:
 
 
 def parse_model_spec(model: object) -> ModelSpec:
-    """Parse ``model`` (table in the module docstring).
-
-    Raises
-    ------
-    ModelSpecError
-        Not a str (nor None), empty, or a malformed ``fedroute...`` string; the message quotes it and
-        the valid forms.
-    """
+    """Parse ``model`` (module docstring); :class:`ModelSpecError` for a value that is not a str (nor None),
+    an empty one or a malformed ``fedroute...`` string (the message quotes it and the valid forms)."""
     if model is None:
         return ModelSpec()
     if not isinstance(model, str):
@@ -77,16 +53,14 @@ def parse_model_spec(model: object) -> ModelSpec:
     key, eq, raw = option.partition("=")
     if not eq or key not in _KEYS or "," in raw or ":" in raw:
         raise ModelSpecError(_bad(model, "expected exactly one option, lam=X or budget=Y"))
-    if _NUMBER.fullmatch(raw) is None:  # float() alone also took '٣', '1_0', ' 3 ' and 'inf'
+    if _NUMBER.fullmatch(raw) is None:
         raise ModelSpecError(_bad(model, f"{raw!r} is not a decimal number in ASCII digits (e.g. 100, 0.5, 1e-3)"))
     value = float(raw)
-    if key == "lam":
-        if not math.isfinite(value) or value < 0:
-            raise ModelSpecError(_bad(model, f"lam must be a finite number >= 0 (USD^-1), got {raw}"))
-        return ModelSpec(lam=value)
-    if not math.isfinite(value) or value <= 0:
-        raise ModelSpecError(_bad(model, f"budget must be a finite number > 0 (USD per 1,000 queries), got {raw}"))
-    return ModelSpec(budget_usd_per_1k=value)
+    lam = key == "lam"
+    if not math.isfinite(value) or value < 0 or (value == 0 and not lam):
+        bound = ">= 0 (USD^-1)" if lam else "> 0 (USD per 1,000 queries)"
+        raise ModelSpecError(_bad(model, f"{key} must be a finite number {bound}, got {raw}"))
+    return ModelSpec(lam=value) if lam else ModelSpec(budget_usd_per_1k=value)
 
 
 def _bad(model: str, why: str) -> str:

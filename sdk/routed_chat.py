@@ -31,9 +31,9 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from sdk.budget import BudgetController, check_budget_floor
 from sdk.caller_budgets import DEFAULT_MAX_PER_CALLER, CallerBudgets
-from sdk.chat_text import DEFAULT_CONTEXT_CHARS, message_text, routing_text
-from sdk.errors import (BundleError, EvalLogError, InvalidInputError, InvalidQueryError, ShapeError, UnknownModelError, UnknownResponseError,
-                        UpstreamError)
+from sdk.chat_text import DEFAULT_CONTEXT_CHARS, message_texts, routing_text
+from sdk.errors import (BundleError, EvalLogError, InvalidInputError, ShapeError, UnknownModelError,
+                        UnknownResponseError, UpstreamError)
 from sdk.eval_log import MAX_COST_PER_QUERY_USD, EvalLog
 from sdk.model_spec import ROUTED_MODEL, ModelSpec, parse_model_spec
 from sdk.pending_outcomes import PendingOutcome, PendingOutcomes, storable_id
@@ -435,7 +435,8 @@ class RoutedChat:
         if name not in self._clients:
             raise UnknownModelError(f"model {name!r} has no upstream; callable: {list(self._clients)} "
                                     "or 'fedroute' to route")
-        return name, None, (name,), list(_check_messages(listed))
+        message_texts(listed)  # no text needed: an image-only message may go to a model named by the caller
+        return name, None, (name,), list(cast(Sequence[object], listed))
 
     def _failure(self, model: str, exc: Exception, t0: float, order: tuple[str, ...],
                  failed: list[FailedAttempt]) -> FailedAttempt:
@@ -520,7 +521,7 @@ class RoutedChat:
         self._observer.answered(outcome)
         return outcome
 
-    def feedback(self, response_id: str, score: float) -> int:
+    def feedback(self, response_id: str, score: object) -> int:
         """Record the score in [0, 1] of the answered routed call ``response_id`` (the completion's ``id``):
         one :class:`sdk.EvalLog` row (the model that answered, ``score``, observed cost and latency,
         embedding, cell, bundle version, the time of the answer). Returns the row id.
@@ -562,7 +563,7 @@ class RoutedChat:
                                        "already scored, expired, a pass-through or an answer without usage)")
         return row
 
-    async def afeedback(self, response_id: str, score: float) -> int:
+    async def afeedback(self, response_id: str, score: object) -> int:
         """:meth:`feedback` in a worker thread."""
         return await asyncio.to_thread(self.feedback, response_id, score)
 
@@ -708,18 +709,8 @@ def check_budget(budget: object) -> float:
 
 
 def _as_messages(messages: object) -> object:
-    """A str as one user message; anything else as it is (checked by routing or :func:`_check_messages`)."""
+    """A str as one user message; anything else as it is (checked by routing or :func:`message_texts`)."""
     return [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
-
-
-def _check_messages(messages: object) -> Sequence[object]:
-    """:func:`sdk.chat_text.routing_text`'s checks but the one for routable text (an image-only message
-    may go to a model named by the caller); raises :class:`InvalidQueryError`."""
-    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or len(messages) == 0:
-        raise InvalidQueryError(f"messages must be a non-empty list of chat messages, got {shown(messages)}")
-    for i, m in enumerate(messages):
-        message_text(m, i)
-    return messages
 
 
 def _check_stream_kwargs(kwargs: dict[str, Any]) -> None:

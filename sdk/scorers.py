@@ -15,7 +15,8 @@ from __future__ import annotations
 import io
 import json
 import zipfile
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ def _check_models(router_models: Sequence[str], manifest_models: Sequence[str], 
     raise BundleError(f"{where} orders models {router_models}, the price table {manifest_models}")
 
 
-def _check_embedder(name: str, dim: int, embedder: dict, where: str) -> None:
+def _check_embedder(name: str, dim: int, embedder: dict[str, Any], where: str) -> None:
     if name != embedder["name"] or dim != embedder["dim"]:
         raise BundleError(
             f"{where} was trained on embedder {name!r} (dim {dim}) but the bundle ships "
@@ -60,7 +61,7 @@ class MlpScorer:
 
     cells = False
 
-    def __init__(self, model: bytes, models: Sequence[str], embedder: dict, options) -> None:
+    def __init__(self, model: bytes, models: Sequence[str], embedder: dict[str, Any], options: Any) -> None:
         self._session = inference_session(model, options, "router.onnx")
         meta = self._session.get_modelmeta().custom_metadata_map
         try:
@@ -138,7 +139,7 @@ class KMeansScorer:
 
     cells = True
 
-    def __init__(self, data: bytes, models: Sequence[str], embedder: dict) -> None:
+    def __init__(self, data: bytes, models: Sequence[str], embedder: dict[str, Any]) -> None:
         if not is_npz(data):  # np.load would read a .npy as one array, anything else as a pickle
             raise BundleError("kmeans.npz cannot be read (not a zip archive, so not an .npz)")
         try:
@@ -155,13 +156,13 @@ class KMeansScorer:
         _check_embedder(str(arrays["embedder_name"]), int(arrays["embedder_dim"]), embedder, "kmeans.npz")
         centroids = np.ascontiguousarray(arrays["centroids"], dtype=np.float32)
         k, m = centroids.shape[0], len(models)
-        if centroids.ndim != 2 or centroids.shape[1] != embedder["dim"] or k < 1:
-            raise BundleError(f"kmeans.npz centroids must be (K, {embedder['dim']}), got {centroids.shape}")
+        shapes = {"centroids": (max(k, 1), embedder["dim"]), "accuracy": (k, m), "cost": (k, m), "count": (k, m)}
+        for name, shape in shapes.items():
+            if arrays[name].shape != shape:
+                raise BundleError(f"kmeans.npz {name} must be {shape} (K >= 1, embedder dim, models), "
+                                  f"got {arrays[name].shape}")
         if not np.isfinite(centroids).all():
             raise BundleError("kmeans.npz centroids hold NaN/inf")
-        for name in ("accuracy", "cost", "count"):
-            if arrays[name].shape != (k, m):
-                raise BundleError(f"kmeans.npz {name} must be ({k}, {m}), got {arrays[name].shape}")
         acc, cost = arrays["accuracy"].astype(np.float64), arrays["cost"].astype(np.float64)
         if np.isinf(acc).any() or np.isinf(cost).any() or (acc[~np.isnan(acc)] < 0).any() or (acc[~np.isnan(acc)] > 1).any():
             raise BundleError("kmeans.npz accuracy must lie in [0, 1] (NaN = no estimate)")

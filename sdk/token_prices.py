@@ -1,44 +1,29 @@
 """Token prices and the observed cost of an answer: price per token x the tokens in the response's ``usage``.
 
-The router *predicts* a cost per query; what an answer *cost* is observed from the endpoint's
-``usage`` (``prompt_tokens``, ``completion_tokens``) and a price table. The table comes, per model,
-from (first match wins):
-
-1. a :class:`TokenPrice` given by the app (``prices=`` of :class:`sdk.routed_chat.RoutedChat`, or
-   ``input_usd_per_1m`` / ``output_usd_per_1m`` in the proxy config), USD per 1M tokens;
-2. the bundle's price table (``price_per_1k_input_usd`` / ``price_per_1k_output_usd`` in
-   ``manifest.json``, written by ``fedroute export --prices``), USD per 1k tokens, times 1000.
-
-A model that may be called and has neither is a :class:`sdk.errors.PriceError` at construction: its
-cost is never guessed (the router's prediction is not an observation). Cached-prompt discounts and
-other per-token tiers are not modelled: every prompt token costs the input price and every completion
-token (reasoning tokens included, as OpenAI counts them) the output price.
+Per model, the app's :class:`TokenPrice` (``prices=`` of :class:`sdk.routed_chat.RoutedChat`, or the proxy
+config's ``input_usd_per_1m`` / ``output_usd_per_1m``) wins over the bundle's price table (USD per 1k tokens,
+``fedroute export --prices``); a callable model with neither is a :class:`sdk.errors.PriceError`: a cost
+is never guessed. Every prompt token costs the input price and every completion token (reasoning tokens
+included) the output price; cached-prompt discounts are not modelled.
 """
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sdk.errors import InvalidInputError, PriceError
 from sdk.real_numbers import finite_float, shown
 
+if TYPE_CHECKING:
+    from sdk.router import ModelInfo
+
 
 @dataclass(frozen=True)
 class TokenPrice:
-    """List price of one model.
-
-    Attributes
-    ----------
-    input_usd_per_1m : float >= 0, USD per 1,000,000 prompt tokens.
-    output_usd_per_1m : float >= 0, USD per 1,000,000 completion tokens.
-
-    Raises
-    ------
-    InvalidInputError
-        A price that is not a finite real number >= 0 (bools rejected).
-    """
+    """List price of one model, USD per 1,000,000 prompt / completion tokens; :class:`InvalidInputError`
+    unless each is a finite real number >= 0."""
 
     input_usd_per_1m: float
     output_usd_per_1m: float
@@ -52,47 +37,27 @@ class TokenPrice:
             object.__setattr__(self, name, price)
 
     def cost_usd(self, prompt_tokens: int, completion_tokens: int) -> float:
-        """Cost in USD of ``prompt_tokens`` in and ``completion_tokens`` out (ints >= 0).
-
-        Raises
-        ------
-        InvalidInputError
-            A token count that is not an int >= 0, or counts so large that the cost is not a
-            finite float.
-        """
-        for name, n in (("prompt_tokens", prompt_tokens), ("completion_tokens", completion_tokens)):
-            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-                raise InvalidInputError(f"{name} must be an int >= 0, got {shown(n)}")
+        """Cost in USD of ``prompt_tokens`` in and ``completion_tokens`` out; :class:`InvalidInputError` for a
+        negative count (an upstream's ``usage``) or counts whose cost is beyond the float range."""
         n_in, n_out = finite_float(prompt_tokens), finite_float(completion_tokens)  # None: beyond the float range
-        cost = None if n_in is None or n_out is None else finite_float(
+        cost = None if n_in is None or n_out is None or min(n_in, n_out) < 0 else finite_float(
             (n_in * self.input_usd_per_1m + n_out * self.output_usd_per_1m) / 1e6)
         if cost is None:
-            raise InvalidInputError(f"token counts {shown(prompt_tokens)} in, {shown(completion_tokens)} out "
-                                    "give a cost beyond the float range")
+            raise InvalidInputError(f"token counts {shown(prompt_tokens)} in, {shown(completion_tokens)} out must be "
+                                    "ints >= 0 and not give a cost beyond the float range")
         return cost
 
 
-def price_table(models: Sequence[str], given: Mapping[str, TokenPrice] | None, bundle_models: Sequence) -> dict[str, TokenPrice]:
-    """The price of each of ``models``: ``given`` first, else the bundle's per-1k prices x 1000.
-
-    Parameters
-    ----------
-    models : model ids that may be called (the routing pool and the pass-through ids).
-    given : {model id: TokenPrice} from the app, or None. Every key must be one of ``models``.
-    bundle_models : :attr:`sdk.Router.models` (``ModelInfo`` with ``price_per_1k_*_usd``), or ().
-
-    Returns
-    -------
-    dict {model id: TokenPrice}, one entry per id of ``models``.
+def price_table(models: Sequence[str], given: Mapping[str, TokenPrice] | None, bundle_models: Sequence[ModelInfo]) -> dict[str, TokenPrice]:
+    """{model id: TokenPrice} for each of ``models`` (the callable ids): ``given`` first, else the bundle's
+    per-1k prices (``bundle_models``: :attr:`sdk.Router.models`) x 1000.
 
     Raises
     ------
     PriceError
-        A model of ``models`` with no price in ``given`` nor a complete one in the bundle (the
-        message names every such model and both ways to give a price).
+        A model with no price in ``given`` nor a complete one in the bundle (the message names each).
     InvalidInputError
-        ``given`` is not a mapping, names a model that is not in ``models``, or has a value that is
-        not a ``TokenPrice``.
+        ``given`` is not a mapping of ``models`` to ``TokenPrice``.
     """
     if given is not None and not isinstance(given, Mapping):
         raise InvalidInputError(f"prices must be a mapping {{model id: TokenPrice}}, got {type(given).__name__}")
@@ -103,7 +68,8 @@ def price_table(models: Sequence[str], given: Mapping[str, TokenPrice] | None, b
         if not isinstance(price, TokenPrice):
             raise InvalidInputError(f"prices[{model!r}] must be a TokenPrice, got {type(price).__name__}")
     bundle = {m.id: m for m in bundle_models}
-    table, missing = {}, []
+    table: dict[str, TokenPrice] = {}
+    missing: list[str] = []
     for model in models:
         if model in given:
             table[model] = given[model]

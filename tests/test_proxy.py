@@ -261,20 +261,21 @@ def test_config_errors(tmp_path, make_bundle, signing_keys, monkeypatch):
     monkeypatch.setenv("STUB_KEY", "k")
     bundle = make_bundle(tmp_path / "bundle")
     base = "http://127.0.0.1:9/v1"
-    config = write_config(tmp_path, bundle, signing_keys[1], base)
-    config.raw["upstreams"]["gpt-4-1106-preview"].pop("input_usd_per_1m")
+    def upstreams(**change):
+        entries = json.loads(write_config(tmp_path, bundle, signing_keys[1], base).path.read_text())["upstreams"]
+        return {**entries, **change}
+
+    one_price = {"base_url": base, "input_usd_per_1m": 1.0}
+    config = write_config(tmp_path, bundle, signing_keys[1], base, upstreams=upstreams(**{"gpt-4-1106-preview": one_price}))
     with pytest.raises(InvalidInputError, match="give both"):
         config.build_chat()
-    config = write_config(tmp_path, bundle, signing_keys[1], base)
-    for entry in config.raw["upstreams"].values():
-        entry.pop("input_usd_per_1m"), entry.pop("output_usd_per_1m")
+    no_price = {m: {"base_url": base} for m in POOL}
     with pytest.raises(PriceError):
-        config.build_chat()
-    config = write_config(tmp_path, bundle, signing_keys[1], base)
-    config.raw["upstreams"]["gpt-5"] = dict(config.raw["upstreams"]["gpt-4-1106-preview"])
+        write_config(tmp_path, bundle, signing_keys[1], base, upstreams=no_price).build_chat()
+    config = write_config(tmp_path, bundle, signing_keys[1], base, upstreams=upstreams(**{"gpt-5": {**one_price, "output_usd_per_1m": 2.0}}))
     with pytest.raises(UnknownModelError, match="gpt-5"):
         config.build_chat()
-    for extra, match in (({"lamda": 3}, "unknown keys"), ({"upstreams": []}, "must be an object"),
+    for extra, match in (({"lamda": 3}, "unknown keys"), ({"upstreams": []}, "'upstreams'"),
                          ({"upstreams": {"claude-v1": {"url": base}}}, "base_url")):
         with pytest.raises(InvalidInputError, match=match):
             write_config(tmp_path, bundle, signing_keys[1], base, **extra)
@@ -295,25 +296,25 @@ def test_config_errors(tmp_path, make_bundle, signing_keys, monkeypatch):
 
 
 
-@pytest.mark.parametrize("override, match", [
-    ({"bundle": 5}, "'bundle' must be a path string, got int 5"),
-    ({"public_key": None}, "'public_key' must be a path string, got NoneType None"),
-    ({"log": ["a"]}, "'log' must be a path string, got list \\['a'\\]"),
-    ({"log": ""}, "'log' is an empty path; expected the EvalLog file the proxy appends scored calls to \\(omit "
-                  "\"log\" or give null to keep no log\\)$"),  # it silently kept no log
-    ({"public_key": " "}, "'public_key' is an empty path; expected the signing.pub file written by `fedroute keygen`$"),
+@pytest.mark.parametrize("override, field", [
+    ({"bundle": 5}, "'bundle'"), ({"public_key": None}, "'public_key'"), ({"log": ["a"]}, "'log'"),
+    ({"log": ""}, "'log' is an empty path"),  # it silently kept no log
+    ({"public_key": " "}, "'public_key' is an empty path"),
     ({"passthrough": {"x": {"base_url": "http://127.0.0.1:9/v1", "api_key_env": 5}}},
-     "passthrough\\['x'\\]\\['api_key_env'\\] must be a string, got int 5"),
-    ({"upstreams": {"m": {"base_url": "http://127.0.0.1:9/v1", "model": {"a": 1}}}},
-     "upstreams\\['m'\\]\\['model'\\] must be a string, got dict"),
+     "passthrough['x']['api_key_env']"),
+    ({"upstreams": {"m": {"base_url": "http://127.0.0.1:9/v1", "model": {"a": 1}}}}, "upstreams['m']['model']"),
+    ({"max_messages": True}, "'max_messages'"), ({"max_budgets_per_caller": 0}, "'max_budgets_per_caller'"),
+    ({"reload_s": -1}, "'reload_s'"), ({"budget_save_s": float("inf")}, "'budget_save_s'"),
+    ({"lamb": 1}, "unknown keys ['lamb']"), ({"upstreams": None}, "'upstreams'"),
 ])
-def test_config_values_of_the_wrong_json_type_are_refused_at_load(tmp_path, override, match):
+def test_config_values_of_the_wrong_json_type_are_refused_at_load(tmp_path, override, field):
     # They passed load() and raised raw TypeErrors in build_chat (Path / 5, os.environ.get(5)): a traceback at start.
     raw = {"bundle": "bundles/kmeans", "public_key": "keys/signing.pub", "log": "proxy_log.sqlite", "lam": 100,
            "upstreams": {"m": {"base_url": "http://127.0.0.1:9/v1"}}, **override}
     (tmp_path / "proxy.json").write_text(json.dumps(raw))
-    with pytest.raises(InvalidInputError, match=match):
+    with pytest.raises(InvalidInputError) as info:
         ProxyConfig.load(tmp_path / "proxy.json")
+    assert field in str(info.value)
 
 
 def test_the_proxy_command_is_registered():

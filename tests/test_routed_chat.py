@@ -473,8 +473,8 @@ def test_two_clients_on_one_pending_store_record_a_score_once(router, stub, tmp_
 @pytest.mark.parametrize("messages, shown", [([], "got list []"), ("hello", "got str 'hello'"), ({}, "got dict {}")])
 def test_messages_that_are_no_list_of_messages_are_named(messages, shown):
     """The 400 for `"messages": []` said 'non-empty list of chat messages, got list': the value is shown."""
-    from sdk.routed_chat import _check_messages
+    from sdk.chat_text import message_texts
 
-    for check in (routing_text, _check_messages):
+    for check in (routing_text, message_texts):
         with pytest.raises(InvalidQueryError, match=re.escape(f"non-empty list of chat messages, {shown}")):
             check(messages)

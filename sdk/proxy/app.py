@@ -1,47 +1,13 @@
-"""The proxy's HTTP API (FastAPI; served by uvicorn, :mod:`sdk.proxy.cli`). OpenAI-compatible.
+"""The proxy's HTTP API (FastAPI; served by uvicorn, :mod:`sdk.proxy.cli`), OpenAI-compatible.
 
-Every route but ``/health`` needs ``Authorization: Bearer <token>`` with one of the proxy's tokens
-(401 otherwise, OpenAI-style error JSON, code ``invalid_api_key``).
-
-``POST /v1/chat/completions``
-    An OpenAI chat request. ``model``: ``"fedroute"`` (or absent), ``"fedroute:lam=X"`` or
-    ``"fedroute:budget=Y"`` routes (:mod:`sdk.model_spec`); any other id with an upstream passes
-    straight through. Parameters the ``openai`` package knows go to the upstream as they are; others
-    as ``extra_body``. 200 with the upstream's ``chat.completion`` (or, with ``"stream": true``, its
-    server-sent events passed through, then ``data: [DONE]``). Headers ``x-fedroute-model`` (the
-    model that answered), ``x-fedroute-fallbacks`` (failed tries before it) and, when routed,
-    ``x-fedroute-routing-ms``. Errors, as ``{"error": {"message", "type", "param", "code"}}``:
-    400 malformed body (not a JSON object, NaN/Infinity, nested too deeply), ``messages`` (more than
-    ``max_messages``, code ``too_many_messages``; no user message with text, e.g. an image-only
-    conversation: nothing to route, name a model to call it directly) or ``model=`` string (a budget
-    <= 0 or NaN included); 413 a body over ``max_body_bytes`` (32 MiB); 404 a model
-    id with no upstream (``model_not_found``); the upstream's status for a request it refused (4xx);
-    when every try failed: 429 (rate limited), 502 (5xx, unreachable, or an answer that is not a chat
-    completion) or 504 (timeout).
-``GET /v1/models``, ``GET /v1/models/{id}``
-    ``fedroute`` and every model callable by name, as OpenAI's model list; one of them (404
-    ``model_not_found`` for another id).
-``POST /v1/fedroute/feedback``
-    ``{"id": "<completion id>", "score": 0.8}``: the app's score in [0, 1] of a routed answer; the
-    outcome row is appended to the device's ``EvalLog`` (200 ``{"recorded": <row id>}``). 404 for an
-    id that awaits no score, 400 for a bad body, ``id`` or score (``param`` names which), 409 when the
-    proxy runs without a log, 500 (``server_error``, JSON) when the log or the pending store cannot
-    record it (the entry keeps waiting).
-``GET /metrics``
-    Prometheus text format (:mod:`sdk.proxy.metrics`).
-``GET /health``
-    ``{"status": "ok", "bundle_version": <int>}``, no auth.
-
-Budgets are per caller: ``fedroute:budget=Y`` uses the controllers of the request's token
-(:class:`sdk.caller_budgets.CallerBudgets`), saved every ``budget_save_s`` seconds and at shutdown.
-Every ``reload_s`` seconds the proxy checks for a newer bundle at its config's ``bundle`` and swaps it
-in (:meth:`sdk.routed_chat.RoutedChat.reload`); requests already routed finish on the old one.
-
-Any other path: 404 (``unknown_url``), any other method on a known path: 405 (``method_not_allowed``),
-both as OpenAI-style error JSON. A client that disconnects mid-body ends its request with one INFO
-line (no traceback). The HTTP limits (header size and count, header and body deadlines, idle and
-concurrent connections) are uvicorn's settings of :class:`sdk.http_limits.HttpLimits` (``fedroute proxy``
-options); the header count is checked here (:class:`sdk.http_limits.RequestLimits`).
+Routes: ``POST /v1/chat/completions`` (routed for ``model`` ``"fedroute"``, ``"fedroute:lam=X"``,
+``"fedroute:budget=Y"`` or absent, else passed through), ``GET /v1/models[/{id}]``, ``POST
+/v1/fedroute/feedback`` (``{"id", "score"}``), ``GET /metrics`` (Prometheus) and ``GET /health`` (no auth);
+every other route needs ``Authorization: Bearer <token>`` (401 ``invalid_api_key``). Errors are
+OpenAI-style ``{"error": {"message", "type", "param", "code"}}``: 400 a malformed body, ``messages``
+(over ``max_messages``: ``too_many_messages``) or ``model=``; 413 a body over ``max_body_bytes``; 404 an
+unknown model, URL or feedback id; 405 another method; 409 feedback without a log; the upstream's 4xx;
+429 / 502 / 504 when every try failed. Statuses, headers and limits in full: docs/openai_proxy.md.
 """
 # No "from __future__ import annotations": FastAPI resolves the route annotations.
 
@@ -52,7 +18,8 @@ import hmac
 import inspect
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import Any
 
 import openai
 from fastapi import FastAPI, Request
@@ -77,7 +44,7 @@ _EXHAUSTED_STATUS = {"rate_limit": 429, "server_error": 502, "invalid_response":
 
 
 def error_json(status: int, message: str, type_: str, *, param: str | None = None, code: str | None = None,
-               headers: dict | None = None) -> JSONResponse:
+               headers: Mapping[str, str] | None = None) -> JSONResponse:
     """An OpenAI-style error response."""
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status, headers=headers)
@@ -133,7 +100,7 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
     metrics = metrics if metrics is not None else ProxyMetrics()
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app):
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(_every(seconds, job, what)) for seconds, job, what in (
             (budget_save_s, chat.save_budgets, "saving the budget state"),
             (reload_s, chat.reload, "reloading the bundle")) if seconds > 0]
@@ -163,7 +130,7 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
         return Response(status_code=400)  # nobody reads it
 
     @app.middleware("http")
-    async def authenticate(request: Request, call_next):
+    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if request.url.path != "/health":
             header = request.headers.get("authorization", "")
             scheme, _, token = header.partition(" ")
@@ -175,7 +142,7 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
         return await call_next(request)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> dict[str, Any]:
         return {"status": "ok", "bundle_version": chat.router.bundle_version}
 
     @app.get("/metrics")
@@ -183,18 +150,18 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_object(m) for m in (ROUTED_MODEL, *chat.models)]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
+    async def model(model_id: str) -> JSONResponse:
         if model_id not in (ROUTED_MODEL, *chat.models):
             return error_json(404, f"model {model_id!r} has no upstream; callable: {[ROUTED_MODEL, *chat.models]}",
                               "invalid_request_error", param="model", code="model_not_found")
-        return _model_object(model_id)
+        return JSONResponse(_model_object(model_id))
 
     @app.post("/v1/chat/completions")
-    async def completions(request: Request):
+    async def completions(request: Request) -> Response:
         route_label = "invalid"
         try:
             body = await _json_object(request, max_body_bytes)
@@ -225,7 +192,7 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
                             headers=_headers(result.outcome.route))
 
     @app.post("/v1/fedroute/feedback")
-    async def feedback(request: Request):
+    async def feedback(request: Request) -> JSONResponse:
         if chat.pending is None:
             return error_json(409, "the proxy runs without an EvalLog (no \"log\" in its config): scores cannot be "
                               "recorded", "invalid_request_error", code="no_eval_log")
@@ -251,7 +218,7 @@ def create_app(chat: RoutedChat, tokens: Iterable[str], metrics: ProxyMetrics | 
             metrics.feedback.labels("error").inc()
             return _error_for(exc)
         metrics.feedback.labels("recorded").inc()
-        return {"recorded": row}
+        return JSONResponse({"recorded": row})
 
     return app
 
@@ -282,7 +249,7 @@ def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number standard JSON allows")
 
 
-async def _json_object(request: Request, max_body_bytes: int) -> dict:
+async def _json_object(request: Request, max_body_bytes: int) -> dict[str, Any]:
     """The request body as a JSON object, read up to ``max_body_bytes``.
 
     Raises
@@ -331,18 +298,18 @@ def _error_for(exc: FedrouteError) -> JSONResponse:
     return error_json(500, str(exc), "server_error")
 
 
-def _model_object(model_id: str) -> dict:
+def _model_object(model_id: str) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": "fedroute"}
 
 
-def _headers(route: Route) -> dict:
+def _headers(route: Route) -> dict[str, str]:
     headers = {"x-fedroute-model": route.model, "x-fedroute-fallbacks": str(len(route.failed))}
     if route.plan is not None:
         headers["x-fedroute-routing-ms"] = f"{route.plan.routing_ms:.3f}"
     return headers
 
 
-async def _events(stream: AsyncRoutedStream):
+async def _events(stream: AsyncRoutedStream) -> AsyncIterator[str]:
     try:
         async for chunk in stream:
             yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
