@@ -96,7 +96,8 @@ def test_per_cell_scorer_equals_the_per_query_curve(data):
                                metrics.curve_points(acc_t[cells], cost_t[cells], test.accuracy, test.cost))
 
 
-@pytest.mark.parametrize("field, value", [("policies", ("greedy",)), ("passes", 0.5), ("round_labels", 0)])
+@pytest.mark.parametrize("field, value", [("policies", ("greedy",)), ("passes", 0.5), ("round_labels", 0),
+                                          ("thompson_axis_power", 1.5), ("top_two_axis_power", -0.1)])
 def test_config_refuses_bad_values(field, value):
     with pytest.raises(InvalidInputError, match=field):
         OnlineConfig(**{field: value})
@@ -199,3 +200,15 @@ def test_cli_online_without_a_weak_strong_pair_reports_the_rest(routerbench_dir,
         r = summary["online"][policy]
         assert r["apgr_mean"] is None and r["cpt50_median"] is None and len(r["gain_per_seed"]) == 2
     assert "| n/a | n/a | n/a |" in (out / "results.md").read_text()
+
+
+def test_the_settings_choice_rule_keeps_the_cost_and_accuracy_limits():
+    from benchmarks.online_settings import choose
+
+    fixed = {"gain_mean": 0.10, "served_cost_usd": 1.0, "served_acc": 0.70}
+    results = {"dear": {"gain_mean": 0.20, "served_cost_usd": 1.51, "served_acc": 0.80},  # 1.51x fixed's cost
+               "worse served": {"gain_mean": 0.19, "served_cost_usd": 1.0, "served_acc": 0.69},
+               "at the limit": {"gain_mean": 0.15, "served_cost_usd": 1.5, "served_acc": 0.70},
+               "cheap": {"gain_mean": 0.14, "served_cost_usd": 0.9, "served_acc": 0.75}}
+    assert choose(results, fixed) == "at the limit"
+    assert choose({"dear": results["dear"]}, fixed) is None
