@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--data", default="../shared/data")
     ap.add_argument("--out", type=Path, default=Path("docs/results/vpa_settings.json"))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--betas", type=float, nargs="+", default=[0.01, 0.1, 0.3], help="step 3's KL weights")
+    ap.add_argument("--resume", action="store_true", help="keep the candidates already in --out (same seeds)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     base = VPAConfig.quick(data_dir=args.data, structure=None)
@@ -58,6 +60,9 @@ def main() -> None:
         users = make_users(pairs, base.users, seed=s)
         seeds[s] = (users, reduce_embeddings(phi_all, np.flatnonzero(users.part == "train"), base.pca_components))
     out: dict = {"seeds": args.seeds, "config": base.to_json(), "features": {}, "gaussian": [], "mixture": []}
+    if args.resume and args.out.exists():
+        out = json.loads(args.out.read_text())
+        assert out["seeds"] == args.seeds, f"{args.out} holds seeds {out['seeds']}"
     t0 = time.perf_counter()
 
     def save() -> None:
@@ -73,6 +78,8 @@ def main() -> None:
 
     # 1. features, by the oracle
     for structure in STRUCTURES:
+        if structure in out["features"]:
+            continue
         accs = []
         for s, (users, phi) in seeds.items():
             tr = VPATrainer(users, select_structure(phi, structure), base)
@@ -85,7 +92,9 @@ def main() -> None:
     structure = max(out["features"], key=out["features"].get)
     out["structure"] = structure
 
-    def run(prior: str, setting: dict) -> dict:
+    def run(prior: str, setting: dict) -> None:
+        if any(r["setting"] == json.loads(json.dumps(setting)) for r in out[prior]):
+            return
         cfg = replace(base, structure=structure, **{k: v for k, v in setting.items() if k != "beta"})
         rows = []
         for s, (users, phi) in seeds.items():
@@ -97,7 +106,6 @@ def main() -> None:
         out[prior].append(row)
         print(f"{prior} {setting}: val acc {row['acc']:.4f}, type acc {row['type_acc']:.3f}", flush=True)
         save()
-        return row
 
     # 2. pooling (and, for the mixture, K-means refits) at beta = 0.03
     for pooling in ("mean", "natural"):
@@ -107,7 +115,7 @@ def main() -> None:
     # 3. beta and free bits around the best of step 2
     for prior in ("gaussian", "mixture"):
         best = dict(max(out[prior], key=lambda r: r["acc"])["setting"])
-        for beta in (0.01, 0.1, 0.3):
+        for beta in args.betas:
             run(prior, {**best, "beta": beta})
         run(prior, {**best, "free_bits": 1.0})
     out["chosen"] = {p: max(out[p], key=lambda r: r["acc"])["setting"] for p in ("gaussian", "mixture")}

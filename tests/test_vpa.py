@@ -215,7 +215,7 @@ def test_client_upload_holds_only_parameters_and_prototype_statistics():
                 assert not any(np.allclose(flat[i:i + len(row)], row) for i in range(0, len(flat) - len(row) + 1))
 
 
-@pytest.mark.parametrize("over", [{}, {"pooling": "natural", "kmeans_at": (0.3,)}])
+@pytest.mark.parametrize("over", [{"pooling": "mean"}, {"pooling": "natural", "kmeans_at": (0.3,)}])
 def test_synthetic_federation_personalises_and_the_monolithic_model_cannot(over):
     pairs, phi = _synthetic()
     cfg = _small_cfg(**over)

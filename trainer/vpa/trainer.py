@@ -11,7 +11,11 @@ prototype means ``m_k = sum_u gamma_uk mu_u / sum_u gamma_uk`` in the step's bat
 encoder: the prototypes themselves are the server's, fixed during the round, and move only by aggregation of the
 clients' statistics, :mod:`trainer.vpa.aggregation`). The Gumbel-softmax
 temperature falls geometrically from ``tau_start`` to ``tau_end`` over the rounds; ``beta`` rises linearly
-from 0 over the first ``warmup`` share of the rounds (KL annealing).
+from 0 over the first ``warmup`` share of the rounds (KL annealing); a user's KL term is at least ``free_bits``.
+The prototype statistics are of the posterior under N(0, I) (:meth:`~trainer.vpa.model.VPAModel.encode`: the
+evidence's own location) weighted by the mixture's responsibilities. At the rounds of ``kmeans_at`` the
+prototypes are re-fitted by federated K-means of the clients' posterior means
+(:mod:`trainer.vpa.prototype_kmeans`) before the round.
 
 The same loop trains a Bradley-Terry reward (:class:`~trainer.vpa.model.BTReward`) by FedAvg: one head
 (monolithic) or one head per user type, each user's pairs feeding its type's head (the oracle's models).
@@ -41,6 +45,9 @@ PRIORS = ("gaussian", "mixture")
 class VPAConfig:
     """Settings of ``fedroute vpa train`` (CPU defaults; :meth:`quick` is the small preset).
 
+    The defaults of ``structure``, ``pooling``, ``betas``, ``betas_mixture``, ``free_bits`` and ``kmeans_at`` are
+    the choices of ``benchmarks/vpa_settings.py`` on validation users (docs/results/vpa_settings.md).
+
     data_dir, cache_dir : shared data folder; embedding cache folder (None: default).
     seeds : int >= 1, seeds of the whole experiment (split, users, training).
     contexts : context sizes C evaluated (each <= ``users.context_max``).
@@ -69,14 +76,14 @@ class VPAConfig:
     seeds: int = 3
     contexts: tuple[int, ...] = (2, 4, 8, 16, 32)
     users: UsersConfig = field(default_factory=UsersConfig)
-    structure: str | None = None
+    structure: str | None = "pair_features"
     pca_components: int | None = 32
     hidden: int = 64
     latent_dim: int = 4
     dropout: float = 0.1
-    pooling: str = "mean"
+    pooling: str = "natural"
     n_prototypes: int = 2
-    betas: tuple[float, ...] = (0.03,)
+    betas: tuple[float, ...] = (0.01,)
     betas_mixture: tuple[float, ...] | None = None
     free_bits: float = 0.0
     kmeans_at: tuple[float, ...] = ()
@@ -125,7 +132,7 @@ class VPAConfig:
     @classmethod
     def quick(cls, **over) -> VPAConfig:
         """The small preset: one seed, C in {2, 8, 32}, one beta, 30 rounds, 12 clients (<= 5 min CPU)."""
-        base = dict(seeds=1, contexts=(2, 8, 32), rounds=30, structure="markers",
+        base = dict(seeds=1, contexts=(2, 8, 32), rounds=30,
                     users=UsersConfig(n_clients=12, n_test_users=6))
         return cls(**{**base, **over})
 
