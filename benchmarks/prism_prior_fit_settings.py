@@ -199,10 +199,12 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", choices=("cpu", "quick"), default="cpu")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--test", type=Path, default=None, help="score the chosen start on the test pairs into this folder")
+    ap.add_argument("--start", default=None, help="with --test: this start (e.g. pooled_C1@r3, the presets') instead of "
+                                                   "the one chosen for --preset")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.test is not None:
-        chosen = json.loads((args.out / f"prism_prior_fit_settings_{args.preset}.json").read_text())["chosen"]
+        chosen = args.start or json.loads((args.out / f"prism_prior_fit_settings_{args.preset}.json").read_text())["chosen"]
         print(run_test(args.data, args.preset, seeds, chosen, args.test))
         return
     out = run(args.data, args.preset, seeds)

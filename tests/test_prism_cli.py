@@ -14,17 +14,18 @@ from trainer.data.preferences import DOMAINS
 from trainer.experts.experiment import ALL_METHODS
 
 # Learning, on the quick run's 2,500 test pairs (mean over 3 seeds; measured 2026-12-07 with M = 6 experts whose
-# heads read the pair features of sdk.pair_features and start from their federated per-expert fit,
-# docs/results/prism_quick_issue29/): FedPrism 0.778 +- 0.008, FedBis 0.760, random routing 0.687, length-only
-# 0.788, structure features 0.800, chance 0.5 (A side randomised). FedPrism must beat FedBis and random routing
-# by these margins and be far above chance.
+# feature path starts from the exact federated fit per routed expert and a router distilled onto the public
+# centroids, docs/results/prism_quick_issue29_pooled/): FedPrism 0.788 +- 0.006 (per seed 0.792 / 0.782 / 0.791),
+# FedBis 0.765 +- 0.002, random routing 0.762 +- 0.002 (its experts start from the same exact fits, on a random
+# assignment), length-only 0.788, structure features 0.800, chance 0.5 (A side randomised). FedPrism must beat
+# FedBis and random routing by these margins (the issue's rule: by more than 1 std) and be far above chance.
 MARGIN_OVER_FEDBIS = 0.01
-MARGIN_OVER_RANDOM_ROUTING = 0.05
+MARGIN_OVER_RANDOM_ROUTING = 0.015
 MIN_ACCURACY = 0.75
-# NOT met on the quick preset: beating the centralised per-domain length-only regression (measured -0.010 +- 0.005
-# paired; the quick experts fit 11 feature weights on 600 training pairs, docs/prism.md "Now (issue 29)").
-MAX_GAP_BELOW_LENGTH_ONLY = 0.02
-# the quick test split resolves about a 0.01 difference: paired SE of FedPrism vs length-only 0.0054 measured
+# NOT met on the quick preset: beating the centralised per-domain length-only regression by 0.01 (measured
+# +0.000 +- 0.005 paired; 600 training pairs are too few for label-free 11-weight expert fits, docs/prism.md)
+MAX_GAP_BELOW_LENGTH_ONLY = 0.01
+# the quick test split resolves about a 0.01 difference: paired SE of FedPrism vs length-only 0.0053 measured
 MAX_PAIRED_SE = 0.007
 # the methods the quick test runs (the ablations and FedBiscuit, which scores every test pair with all 6 experts,
 # would triple its CPU time on 2,500 test pairs)
