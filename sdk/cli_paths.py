@@ -1,22 +1,11 @@
-"""Path options of the console commands refuse an empty value.
+"""Path options of the console commands refuse an empty value (``Path("")`` is ``Path(".")``: ``--out "$OUT"``
+with ``$OUT`` unset would write into the current folder).
 
-``Path("")`` is ``Path(".")``, so ``fedroute export --out "$OUT"`` with ``$OUT`` unset (the shell passes
-``--out ""``) used to write into the current folder, and ``--log "$LOG"`` read from it. The command
-classes here refuse an empty or blank value of every option or argument annotated ``Path`` (or
-``Path | None``) while the command line is parsed (``Invalid value for '--out': the path is empty ...``,
-exit status 2); any other value goes on to typer's own conversion and checks (``exists=``,
-``file_okay=``, ``dir_okay=``).
-
-Typer's parameter objects differ across its releases: up to 0.25 they carry a :class:`click.Path`
-type, 0.26-0.28 a vendored click's, and from 0.29 no click type at all (pydantic coercion). The check
-therefore sits on what every release shares: the annotation of the command's function (typing; typer's
-wrapper keeps the function as ``__wrapped__``) says which parameters are paths, and each such parameter's
-``process_value(ctx, value)`` (click's Parameter API, which typer keeps) sees the raw command-line or
-environment string before any conversion. The error is ``typer.BadParameter``, typer's public
-exception. Imports typer and the standard library only (no click: typer >= 0.26 does not install it).
-
-Used as ``typer.Typer(cls=PathCheckedGroup)`` (the group wraps its commands and sub-groups, recursively)
-and ``app.command(cls=PathCheckedCommand)`` for a single-command app.
+A ``click.Path`` type does not serve every typer release (up to 0.25 a click type, 0.26-0.28 a vendored
+click's, from 0.29 none), so the check sits on what they share: the command function's annotations say
+which parameters are ``Path`` (or ``Path | None``), and each such parameter's ``process_value(ctx, value)``
+sees the raw string first; the error is ``typer.BadParameter`` (exit status 2). Use
+``typer.Typer(cls=PathCheckedGroup)`` or ``app.command(cls=PathCheckedCommand)``.
 """
 
 from __future__ import annotations
