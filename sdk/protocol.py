@@ -133,7 +133,8 @@ def _field(obj: Mapping[str, Any], key: str, kind: type[Any], minimum: int = 0) 
     value = obj[key]
     if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < minimum)) \
             or (kind is list and not all(isinstance(m, str) for m in value)):
-        raise TypeError(f"{key} must be {_KINDS[kind]}{f' >= {minimum}' if kind is int else ''}, got {value!r:.80}")
+        shown = value if isinstance(value, (int, float)) else type(value).__name__  # no quotes: repr(exc) stays plain
+        raise TypeError(f"{key} must be {_KINDS[kind]}{f' >= {minimum}' if kind is int else ''}, got {shown}")
     return value
 
 
