@@ -5,7 +5,7 @@ Validation users only (their own prompts, never a test prompt): for each seed, t
 
 1. the features: the oracle's validation accuracy with each feature set of :data:`trainer.vpa.features.STRUCTURES`;
 2. per prior, the encoder pooling (mean / natural parameters), for FedVPA-GP the federated K-means refits of the
-   prototypes (none / at 30 % / at 30 % and 60 % of the rounds), at beta = 0.03;
+   prototypes (none / at 30 % / at 30 % and 60 % / at 80 % of the rounds), at beta = 0.03;
 3. for the best of step 2 per prior: beta in {0.01, 0.1, 0.3} and free bits (1 nat).
 
 The score is the validation accuracy averaged over C and seeds (the ``fedroute vpa train`` criterion); the
@@ -110,7 +110,7 @@ def main() -> None:
     # 2. pooling (and, for the mixture, K-means refits) at beta = 0.03
     for pooling in ("mean", "natural"):
         run("gaussian", {"pooling": pooling, "beta": 0.03})
-        for kmeans_at in ((), (0.3,), (0.3, 0.6)):
+        for kmeans_at in ((), (0.3,), (0.3, 0.6), (0.8,)):
             run("mixture", {"pooling": pooling, "kmeans_at": kmeans_at, "beta": 0.03})
     # 3. beta and free bits around the best of step 2
     for prior in ("gaussian", "mixture"):
