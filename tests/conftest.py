@@ -11,6 +11,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FEDROUTE_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files that hold a ``slow`` test first, the rest after, each file's tests in their own order.
+
+    With ``-n 2`` each worker takes whole files from this order (pyproject: ``--dist loadfile
+    --no-loadscope-reorder``), so the long files (README quick starts, end-to-end exports, the sync
+    fleets: up to minutes each) start early and the two workers finish together on short files.
+    xdist's default order (most tests first) left those few-test files for the end, one worker
+    running them while the other idled."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: order within each group kept
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """Path of ``../shared/data``; the tests need it (CI lays it beside the clone)."""
