@@ -95,6 +95,7 @@ class Explorer:
 
     def _choices(self, queries: list[str], lam: float) -> list[Choice]:
         acc, cost, cells, emb = self.router._predict(queries)
+        assert cells is not None  # K-means bundles only: __init__ refuses the others
         picked, p = np.empty(len(queries), dtype=np.int64), np.empty(len(queries))
         with self._lock:
             for i, k in enumerate(cells):
