@@ -23,7 +23,7 @@ The node's work is a callable ``local_step(params, prototypes or None, partition
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from logging import INFO, WARNING
+from logging import INFO
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -34,7 +34,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from sdk.errors import InvalidInputError
-from trainer.federated.rejected_reply import RejectedReply
+from trainer.federated.rejected_reply import REPLY_ERRORS, RejectedReply, reject, reply_reason
 from trainer.routers.fedavg import fedavg, validate_updates
 from trainer.vpa.aggregation import ClientUpdate, PrototypeStats, Prototypes, aggregate_prototypes, validate_prototype_stats
 
@@ -126,10 +126,8 @@ class FedVPAStrategy(Strategy):
                     if update.prototypes is None:
                         raise InvalidInputError("the reply carries no prototype statistics")
                     validate_prototype_stats([update.prototypes], *self.prototypes_.mu.shape)
-            except (InvalidInputError, KeyError, TypeError, ValueError) as exc:  # ShapeError included
-                reason = str(exc) if isinstance(exc, InvalidInputError) else f"malformed reply: {type(exc).__name__} {exc}"
-                log(WARNING, "round %d: reply of node %s dropped: %s", server_round, msg.metadata.src_node_id, reason)
-                self.rejected_.append(RejectedReply(server_round, str(msg.metadata.src_node_id), reason))
+            except REPLY_ERRORS as exc:  # ShapeError included
+                reject(self.rejected_, server_round, msg.metadata.src_node_id, reply_reason(exc))
                 continue
             updates.append(update)
         if not updates:
