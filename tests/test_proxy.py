@@ -317,6 +317,14 @@ def test_config_values_of_the_wrong_json_type_are_refused_at_load(tmp_path, over
     assert field in str(info.value)
 
 
+@pytest.mark.parametrize("document", ["[]", "5", '"proxy.json"', "null"])
+def test_a_config_that_is_not_a_json_object_is_refused_at_load(tmp_path, document):
+    # A list, a number, a string or null raised a bare ValueError (an error with an empty location) at start.
+    (tmp_path / "proxy.json").write_text(document)
+    with pytest.raises(InvalidInputError, match="expected a JSON object"):
+        ProxyConfig.load(tmp_path / "proxy.json")
+
+
 def test_the_proxy_command_is_registered():
     from typer.testing import CliRunner
 

@@ -152,6 +152,9 @@ def _problems(exc: ValidationError) -> str:
     for e in exc.errors():
         if e["type"] == "extra_forbidden" and len(e["loc"]) == 1:
             continue
+        if not e["loc"]:  # the document itself: a list, a number, a string
+            clauses.append(f"expected a JSON object, got {type(e['input']).__name__} {e['input']!r:.80}")
+            continue
         head, *rest = [str(part) for part in e["loc"]]
         where = head + "".join(f"[{part!r}]" for part in rest) if rest else repr(head)
         if e["type"] == "missing":
