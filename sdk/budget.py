@@ -91,6 +91,15 @@ def _mean(values: deque[float]) -> float:
         return math.fsum(v / len(values) for v in values)
 
 
+#: The keys of :meth:`BudgetController.state`.
+_STATE_KEYS = ("model_ids", "window", "log_target", "n_predicted", "base", "step_lam", "step_delta", "realised",
+               "n_chosen", "n_recorded", "drifting", "last_toggle", "unreachable")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 class BudgetController:
     """Route with ``router`` so that the realised spend stays at ``budget_usd_per_1k`` USD per 1,000 queries::
 
@@ -324,27 +333,59 @@ class BudgetController:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state` of a controller with the same models and window (the next
-        :meth:`choose` recomputes the mix; events and the random stream start afresh).
+        :meth:`choose` recomputes the mix; events and the random stream start afresh). A ``log_target``
+        outside this controller's range (a state of another budget) is clamped into it, as :meth:`record` does.
 
         Raises
         ------
         InvalidInputError
-            ``state`` is of other models or another window, or its arrays have other shapes.
+            ``state`` is not a dict, is of other models or another window, misses a key, or holds a value
+            of the wrong type or range (arrays of other shapes, NaN, a negative cost or count); the
+            controller is then left as it was.
         """
+        if not isinstance(state, dict):
+            raise InvalidInputError(f"budget state must be a dict (from BudgetController.state()), got "
+                                    f"{type(state).__name__}")
         if state.get("model_ids") != list(self._model_ids) or state.get("window") != self.window:
             raise InvalidInputError(f"budget state of models {state.get('model_ids')} and window {state.get('window')}, "
                                     f"not {list(self._model_ids)} and {self.window}")
-        base, lams, deltas = (np.asarray(state[k], dtype=np.float64) for k in ("base", "step_lam", "step_delta"))
-        if base.shape != self._base.shape or lams.shape != self._step_lam.shape or deltas.shape != lams.shape:
-            raise InvalidInputError("budget state arrays of other shapes than this controller's windows")
+        missing = sorted(set(_STATE_KEYS) - set(state))
+        if missing:
+            raise InvalidInputError(f"budget state misses {missing}")
+        try:
+            base, lams, deltas = (np.asarray(state[k], dtype=np.float64) for k in ("base", "step_lam", "step_delta"))
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(f"budget state arrays must be numeric: {exc}") from None
+        realised = [finite_float(c) for c in state["realised"]] if isinstance(state["realised"], list) else None
+        log_target = finite_float(state["log_target"])
+        counts = [state[k] for k in ("n_predicted", "n_chosen", "n_recorded")]
+        problem = next((message for refused, message in (
+            (base.shape != self._base.shape or lams.shape != self._step_lam.shape or deltas.shape != lams.shape,
+             "budget state arrays of other shapes than this controller's windows"),
+            (not (np.isfinite(base).all() and (base >= 0).all() and not np.isnan(lams).any()
+                  and np.isfinite(deltas).all()), "budget state arrays must be real (base >= 0 USD, no NaN)"),
+            (realised is None or len(realised) > self.window or any(c is None or c < 0 for c in realised),
+             f"budget state 'realised' must be a list of at most {self.window} finite costs >= 0 USD, "
+             f"got {shown(state['realised'])}"),
+            (log_target is None, f"budget state 'log_target' must be a finite number, got {shown(state['log_target'])}"),
+            (not all(_is_int(n) and n >= 0 for n in counts) or not _is_int(state["last_toggle"]),
+             f"budget state counts must be ints (n_predicted, n_chosen, n_recorded >= 0), got {counts} "
+             f"and last_toggle {shown(state['last_toggle'])}"),
+            (not all(isinstance(state[k], bool) for k in ("drifting", "unreachable")),
+             "budget state 'drifting' and 'unreachable' must be booleans"),
+        ) if refused), None)
+        if problem:
+            raise InvalidInputError(problem)
+        assert realised is not None and log_target is not None  # checked above
+        low, high = math.log(self._budget / TARGET_RANGE), math.log(self._budget * TARGET_RANGE)
         with self._lock:
-            self._log_target = float(state["log_target"])
+            self._log_target = min(max(log_target, low), high)
             self._n_predicted = int(state["n_predicted"])
             self._base, self._step_lam, self._step_delta = base, lams, deltas
-            self._realised = deque((float(c) for c in state["realised"]), maxlen=self.window)
+            self._realised = deque(realised, maxlen=self.window)  # type: ignore[arg-type]
             self._realised_mean = _mean(self._realised) if self._realised else 0.0
             self._n_chosen, self._n_recorded = int(state["n_chosen"]), int(state["n_recorded"])
-            self._drifting, self._unreachable = bool(state["drifting"]), bool(state["unreachable"])
+            self._drifting, self._unreachable = state["drifting"], state["unreachable"]
             self._last_toggle = int(state["last_toggle"])
 
     def __repr__(self) -> str:

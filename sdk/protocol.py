@@ -531,8 +531,11 @@ def decode_sync_state(raw: bytes, path: str = "") -> SyncState:
     another version, or with fields of the wrong type."""
     try:
         obj = json.loads(raw)
+        version = obj.get("bundle_version") if isinstance(obj, dict) else None
         problem = None if (isinstance(obj, dict) and obj.get("version") == SYNC_STATE_VERSION and isinstance(
-            obj.get("last_upload") or {}, dict) and isinstance(obj.get("sent") or {}, dict)) else "has an unknown format"
+            obj.get("last_upload") or {}, dict) and isinstance(obj.get("sent") or {}, dict)
+            and isinstance(obj.get("bundle_etag") or "", str) and (version is None or (
+                isinstance(version, int) and not isinstance(version, bool)))) else "has an unknown format"
     except ValueError as exc:
         problem = f"is unreadable ({exc})"
     if problem:

@@ -24,9 +24,8 @@ def check_lambda(lam: object) -> float:
     """``lam`` (USD^-1) as a float; InvalidLambdaError unless it is a finite real number >= 0 (bools refused)."""
     value = finite_float(lam)
     if value is None or value < 0:
-        why = ("a real number" if not is_real_number(lam)
-               else "finite (an integer too large for a float)" if isinstance(lam, numbers.Rational)
-               else "finite" if value is None else ">= 0 (0 = ignore cost)")
+        why = ("a real number" if not is_real_number(lam) else ">= 0 (0 = ignore cost)" if value is not None
+               else "finite (an integer too large for a float)" if isinstance(lam, numbers.Rational) else "finite")
         raise InvalidLambdaError(f"lam must be {why}, in USD^-1, got {shown(lam)}")
     return value + 0.0  # -0.0 -> 0.0: the lam a Choice reports is never negative
 

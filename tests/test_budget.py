@@ -229,3 +229,49 @@ def test_example_holds_a_budget_on_a_single_task_stream(bundle_dir, signing_keys
     assert code == 0 and out.count(" queries  lam ") == 5
     realised = float(re.search(r"warm-up of 100: ([0-9.]+) USD per 1k", out).group(1))
     assert realised == pytest.approx(budget, rel=0.2)  # 400 queries after the warm-up
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("log_target", float("nan"), "'log_target'"), ("log_target", "x", "'log_target'"),
+    ("realised", [float("nan")], "'realised'"), ("realised", [-1.0], "'realised'"), ("realised", "x", "'realised'"),
+    ("realised", [0.001] * 51, "'realised'"), ("n_chosen", -5, "counts"), ("n_recorded", 1.5, "counts"),
+    ("last_toggle", None, "counts"), ("drifting", "no", "'drifting'"), ("base", ["x"] * 50, "numeric"),
+    ("base", [float("nan")] * 50, "arrays must be real"), ("base", [-1.0] * 50, "arrays must be real"),
+])
+def test_a_hand_edited_state_is_refused_and_leaves_the_controller_as_it_was(router, key, value, match):
+    # These raised bare ValueError/TypeError after assigning part of the state (a controller half restored that
+    # the proxy then used "afresh"), or were taken silently: a NaN log_target routed at lam 0 (the dearest model).
+    rng = np.random.default_rng(0)
+    saved = BudgetController(router, 0.5, window=50, seed=0)
+    for _ in range(30):
+        saved.choose_from_predictions(rng.random(len(router.model_ids)), rng.random(len(router.model_ids)) / 1e3)
+        saved.record(router.model_ids[0], 0.002)
+    state = {**saved.state(), "n_predicted": 7, "n_chosen": 3, key: value}
+    fresh = BudgetController(router, 0.5, window=50, seed=0)
+    before = fresh.state()
+    with pytest.raises(InvalidInputError, match=match):
+        fresh.restore(state)
+    assert fresh.state() == before
+
+
+def test_restore_refuses_a_state_that_is_not_a_dict_or_misses_keys(router):
+    controller = BudgetController(router, 0.5, seed=0)
+    with pytest.raises(InvalidInputError, match="must be a dict"):
+        controller.restore([])  # type: ignore[arg-type]
+    state = controller.state()
+    del state["realised"]
+    with pytest.raises(InvalidInputError, match=r"misses \['realised'\]"):
+        controller.restore(state)
+
+
+def test_a_state_round_trips_through_json(router):
+    import json
+
+    saved = BudgetController(router, 0.5, window=50, seed=0)
+    for _ in range(25):
+        saved.choose_from_predictions(np.linspace(0.2, 0.9, len(router.model_ids)),
+                                      np.linspace(1e-5, 1e-3, len(router.model_ids)))
+        saved.record(router.model_ids[-1], 0.004)
+    restored = BudgetController(router, 0.5, window=50, seed=0)
+    restored.restore(json.loads(json.dumps(saved.state())))
+    assert restored.state() == saved.state()

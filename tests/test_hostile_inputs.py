@@ -17,6 +17,7 @@ import re
 import sqlite3
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -334,6 +335,19 @@ def test_check_lambda_normalises_negative_zero():
     with pytest.raises(InvalidLambdaError):
         check_lambda(-1e-300)
 
+
+
+@pytest.mark.parametrize("lam, why", [
+    (-1, ">= 0"), (-1.5, ">= 0"), (Fraction(-1, 3), ">= 0"), (np.int64(-2), ">= 0"),
+    (10**400, "finite (an integer too large"), (-(10**400), "finite (an integer too large"),
+    (float("nan"), "finite, "), ("5", "a real number"),
+], ids=["-1", "-1.5", "-1/3", "int64(-2)", "1e400", "-1e400", "nan", "str"])
+def test_check_lambda_names_the_actual_problem(lam, why):
+    # A negative int or Fraction was refused as "finite (an integer too large for a float)".
+    from sdk.utility import check_lambda
+
+    with pytest.raises(InvalidLambdaError, match=f"^lam must be {re.escape(why)}"):
+        check_lambda(lam)
 
 
 def _array_calls():

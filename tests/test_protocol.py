@@ -289,7 +289,9 @@ def test_sync_state_round_trip_and_refusals():
     state = SyncState(last_upload={"round_id": 1, "key": "k"}, sent=None, bundle_etag=None, bundle_version=4)
     assert decode_sync_state(encode_sync_state(state)) == state
     assert decode_sync_state(encode_sync_state(SyncState())) == SyncState()
-    for raw in (b"{", b'{"version": 2}', b'{"version": 1, "last_upload": "x"}', b"[1]"):
+    for raw in (b"{", b'{"version": 2}', b'{"version": 1, "last_upload": "x"}', b"[1]",
+                # a hand-edited etag or version: httpx raised TypeError on the If-None-Match header
+                b'{"version": 1, "bundle_etag": 5, "bundle_version": 4}', b'{"version": 1, "bundle_version": "4"}'):
         with pytest.raises(SyncError):
             decode_sync_state(raw, "state.json")
 

@@ -306,6 +306,9 @@ def test_config_errors(tmp_path, make_bundle, signing_keys, monkeypatch):
     ({"max_messages": True}, "'max_messages'"), ({"max_budgets_per_caller": 0}, "'max_budgets_per_caller'"),
     ({"reload_s": -1}, "'reload_s'"), ({"budget_save_s": float("inf")}, "'budget_save_s'"),
     ({"lamb": 1}, "unknown keys ['lamb']"), ({"upstreams": None}, "'upstreams'"),
+    # an empty or scheme-less base_url was accepted and failed only at the first request routed to it
+    ({"upstreams": {"m": {"base_url": ""}}}, "base_url must be an http(s) URL"),
+    ({"passthrough": {"x": {"base_url": "api.openai.com/v1"}}}, "base_url must be an http(s) URL"),
 ])
 def test_config_values_of_the_wrong_json_type_are_refused_at_load(tmp_path, override, field):
     # They passed load() and raised raw TypeErrors in build_chat (Path / 5, os.environ.get(5)): a traceback at start.
@@ -315,6 +318,14 @@ def test_config_values_of_the_wrong_json_type_are_refused_at_load(tmp_path, over
     with pytest.raises(InvalidInputError) as info:
         ProxyConfig.load(tmp_path / "proxy.json")
     assert field in str(info.value)
+
+
+@pytest.mark.parametrize("document", ["[]", "5", '"proxy.json"', "null"])
+def test_a_config_that_is_not_a_json_object_is_refused_at_load(tmp_path, document):
+    # A list, a number, a string or null raised a bare ValueError (an error with an empty location) at start.
+    (tmp_path / "proxy.json").write_text(document)
+    with pytest.raises(InvalidInputError, match="expected a JSON object"):
+        ProxyConfig.load(tmp_path / "proxy.json")
 
 
 def test_the_proxy_command_is_registered():

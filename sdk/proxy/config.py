@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
@@ -33,6 +34,13 @@ def _path(key: str) -> Any:
     return AfterValidator(check)
 
 
+def _http_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"base_url must be an http(s) URL such as https://api.openai.com/v1, got {value!r:.80}")
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -40,7 +48,7 @@ class _Strict(BaseModel):
 class UpstreamConfig(_Strict):
     """One entry of ``upstreams`` / ``passthrough``; prices in USD per 1M tokens (both or neither)."""
 
-    base_url: str
+    base_url: Annotated[str, AfterValidator(_http_url)]
     api_key_env: str | None = None
     model: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -151,6 +159,9 @@ def _problems(exc: ValidationError) -> str:
     clauses = [f"unknown keys {sorted(unknown)}; valid: {sorted(ProxySettings.model_fields)}"] if unknown else []
     for e in exc.errors():
         if e["type"] == "extra_forbidden" and len(e["loc"]) == 1:
+            continue
+        if not e["loc"]:  # the document itself: a list, a number, a string
+            clauses.append(f"expected a JSON object, got {type(e['input']).__name__} {e['input']!r:.80}")
             continue
         head, *rest = [str(part) for part in e["loc"]]
         where = head + "".join(f"[{part!r}]" for part in rest) if rest else repr(head)
