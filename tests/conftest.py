@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# One torch (OpenMP) thread per test process, set before any test module imports torch: the README's
+# `-n 2` runs two workers on two cores, and a worker's default of one thread per core oversubscribed
+# them (spinning OpenMP threads: more CPU for the same work). Commands set their own (--threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 SHARED_DATA = Path(os.environ.get("FEDROUTE_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 

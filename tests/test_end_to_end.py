@@ -27,8 +27,13 @@ def small_tables(routerbench_dir):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("e2e-cache")
+def cache_dir(small_tables, tmp_path_factory):
+    """An embedding cache that holds the small tables' prompts (MiniLM as the CLI's defaults read
+    them): the module's runs embed no prompt twice."""
+    cache = tmp_path_factory.mktemp("e2e-cache")
+    train, test = small_tables
+    embed_texts(list(train.prompts) + list(test.prompts), EmbedderConfig(), cache, show_progress=False)
+    return cache
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +96,12 @@ def test_cli_simulate_on_train_and_test_files(small_tables, cache_dir, tmp_path,
     import pandas as pd
     import torch
 
+    # --train/--test accept any file of the schema: write a CSV and a parquet subset, of rows whose prompts the
+    # module's cache holds (the command's embedding pass is a cache read).
     src = pd.read_parquet(train.source)
-    # --train/--test accept any file of the schema: write CSV subsets.
-    src.iloc[:300].to_csv(tmp_path / "train.csv", index=False)
-    pd.read_parquet(test.source).iloc[:150].to_parquet(tmp_path / "test.parquet")
+    src[src["prompt"].isin(set(train.prompts))].iloc[:300].to_csv(tmp_path / "train.csv", index=False)
+    src = pd.read_parquet(test.source)
+    src[src["prompt"].isin(set(test.prompts))].iloc[:150].to_parquet(tmp_path / "test.parquet")
     out = tmp_path / "out"
     result = CliRunner().invoke(app, [
         "simulate", "--train", str(tmp_path / "train.csv"), "--test", str(tmp_path / "test.parquet"),

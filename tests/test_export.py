@@ -239,6 +239,8 @@ def test_fedroute_export_end_to_end_with_parity(kind, fitted_routers, tmp_path):
     expected = trained.decide(emb, 50.0)
     got = [c.index for c in router.choose_batch(list(fitted_routers["test"].prompts), 50.0)]
     assert np.mean(np.array(got) == expected) >= 0.95
+    if kind == "mlp":
+        return  # the version bump below is the bundle writer's, the same for every kind: one full re-export checks it
     # Exporting again bumps the version.
     again = runner.invoke(app, ["export", "--router", str(fitted_routers["dir"] / kind), "--out", str(out),
                                 "--signing-key", str(keys / "signing.key"), "--cache-dir", str(fitted_routers["cache"])])
