@@ -540,11 +540,10 @@ class RoutedChat:
             The log or the pending store cannot be written, or was closed, or the waiting answer cannot
             go in the log; the entry stays pending.
         """
-        if self._log is None or self._pending is None:
-            raise InvalidInputError("this RoutedChat has no EvalLog (log=None): there is nowhere to record a score")
         value = finite_float(score)
-        if value is None or not 0.0 <= value <= 1.0:
-            raise InvalidInputError(f"score must be a real number in [0, 1], got {shown(score)}")
+        if self._log is None or self._pending is None or value is None or not 0.0 <= value <= 1.0:
+            raise InvalidInputError(f"score must be a real number in [0, 1], got {shown(score)}" if self._log is not None
+                                    else "this RoutedChat has no EvalLog (log=None): there is nowhere to record a score")
         eval_log = self._log
 
         def record(pending: PendingOutcome) -> int:
