@@ -68,13 +68,6 @@ class BudgetEvent:
     message: str
 
 
-def _positive_real(name: str, value: object) -> float:
-    out = finite_float(value)
-    if out is None or out <= 0:
-        raise InvalidInputError(f"{name} must be a finite number > 0, got {shown(value)}")
-    return out
-
-
 def check_budget_floor(value: float, given: object) -> None:
     """Raise :class:`InvalidInputError` for a budget ``value`` (USD per 1,000 queries, a finite float > 0;
     ``given`` as passed) below :data:`MIN_BUDGET_USD_PER_1K`, where the controller's bounds underflow."""
@@ -128,17 +121,23 @@ class BudgetController:
     def __init__(self, router: Router, budget_usd_per_1k: float, *, window: int = 200, tolerance: float = 0.10,
                  seed: int | None = None, gain: float = DEFAULT_GAIN, max_step: float = DEFAULT_MAX_STEP,
                  on_event: Callable[[BudgetEvent], None] | None = None) -> None:
-        self.budget_usd_per_1k: float = _positive_real("budget_usd_per_1k", budget_usd_per_1k)
-        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or not 1 <= window <= MAX_WINDOW:
-            raise InvalidInputError(f"window must be an int in [1, {MAX_WINDOW}] (queries), got {shown(window)}")
+        given = {"budget_usd_per_1k": budget_usd_per_1k, "tolerance": tolerance, "gain": gain, "max_step": max_step,
+                 "window": window, "seed": seed, "on_event": on_event}
+        reals = {name: finite_float(given[name]) for name in ("budget_usd_per_1k", "tolerance", "gain", "max_step")}
+        integral = {name: not isinstance(given[name], bool) and isinstance(given[name], numbers.Integral)
+                    for name in ("window", "seed")}
+        rules = [(name, value is not None and value > 0, "a finite number > 0") for name, value in reals.items()] + [
+            ("window", integral["window"] and 1 <= window <= MAX_WINDOW, f"an int in [1, {MAX_WINDOW}] (queries)"),
+            ("seed", seed is None or (integral["seed"] and seed >= 0), "None or an int >= 0"),
+            ("on_event", on_event is None or callable(on_event), "callable or None")]
+        for name, accepted, what in rules:
+            if not accepted:
+                raise InvalidInputError(f"{name} must be {what}, got {shown(given[name])}", param=name)
+        self.budget_usd_per_1k: float = float(budget_usd_per_1k)
         self.window: int = int(window)
-        self.tolerance: float = _positive_real("tolerance", tolerance)
-        self.gain: float = _positive_real("gain", gain)
-        self.max_step: float = _positive_real("max_step", max_step)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
-            raise InvalidInputError(f"seed must be None or an int >= 0, got {shown(seed)}")
-        if on_event is not None and not callable(on_event):
-            raise InvalidInputError(f"on_event must be callable or None, got {type(on_event).__name__}")
+        self.tolerance: float = float(tolerance)
+        self.gain: float = float(gain)
+        self.max_step: float = float(max_step)
         self.router: Router = router
         self.seed: int | None = seed
         self.on_event: Callable[[BudgetEvent], None] | None = on_event
@@ -228,13 +227,13 @@ class BudgetController:
 
     def _checked(self, accuracy: npt.ArrayLike, cost: npt.ArrayLike) -> tuple[_F64, _F64]:
         a, c = real_array(accuracy, "accuracy"), real_array(cost, "cost")  # ragged lists, strings, complex: ShapeError
-        if a.shape != (len(self._model_ids),) or c.shape != a.shape:
-            raise ShapeError(f"accuracy and cost must have shape ({len(self._model_ids)},), got {a.shape} and {c.shape}")
+        if a.shape != (len(self._model_ids),) or c.shape != a.shape or np.isinf(a).any() or np.isinf(c).any() \
+                or (c[~(np.isnan(a) | np.isnan(c))] < 0).any():
+            raise ShapeError(f"accuracy and cost must have shape ({len(self._model_ids)},) without inf, and predicted "
+                             f"costs must be >= 0 USD, got shapes {a.shape} and {c.shape}")
         valid = ~(np.isnan(a) | np.isnan(c))
         if not valid.any():
             raise InvalidInputError("the query has no model with an estimate (all predictions NaN)")
-        if np.isinf(a).any() or np.isinf(c).any() or (c[valid] < 0).any():
-            raise ShapeError("predictions must not contain inf, and predicted costs must be >= 0 USD")
         return a, c
 
     def _route(self, a: _F64, c: _F64) -> str:
@@ -346,9 +345,6 @@ class BudgetController:
         if not isinstance(state, dict):
             raise InvalidInputError(f"budget state must be a dict (from BudgetController.state()), got "
                                     f"{type(state).__name__}")
-        if state.get("model_ids") != list(self._model_ids) or state.get("window") != self.window:
-            raise InvalidInputError(f"budget state of models {state.get('model_ids')} and window {state.get('window')}, "
-                                    f"not {list(self._model_ids)} and {self.window}")
         missing = sorted(set(_STATE_KEYS) - set(state))
         if missing:
             raise InvalidInputError(f"budget state misses {missing}")
@@ -360,6 +356,9 @@ class BudgetController:
         log_target = finite_float(state["log_target"])
         counts = [state[k] for k in ("n_predicted", "n_chosen", "n_recorded")]
         problem = next((message for refused, message in (
+            (state["model_ids"] != list(self._model_ids) or state["window"] != self.window,
+             f"budget state of models {shown(state['model_ids'])} and window {shown(state['window'])}, "
+             f"not {list(self._model_ids)} and {self.window}"),
             (base.shape != self._base.shape or lams.shape != self._step_lam.shape or deltas.shape != lams.shape,
              "budget state arrays of other shapes than this controller's windows"),
             (not (np.isfinite(base).all() and (base >= 0).all() and not np.isnan(lams).any()

@@ -111,18 +111,18 @@ def load_public_key(public_key: PublicKey) -> Ed25519PublicKey:
         data = public_key.encode("ascii", "replace")
     elif isinstance(public_key, (str, os.PathLike)):
         data, name = _read_key_file(Path(public_key)), f"public key {public_key}"
-        if not data.strip():
-            raise BundleError(f"{name} is an empty file; expected the PEM signing.pub written by `fedroute keygen`")
     elif isinstance(public_key, bytes):
         data = public_key
     else:
         raise BundleError(f"public_key must be a path, PEM bytes or Ed25519PublicKey, got {type(public_key).__name__}")
     try:
-        key = _load_pem_public_key(data)
+        key = _load_pem_public_key(data) if data.strip() else None
+        problem = ("is an empty file; expected the PEM signing.pub written by `fedroute keygen`" if key is None
+                   else "" if isinstance(key, Ed25519PublicKey) else f"is {type(key).__name__}, expected Ed25519")
     except (ValueError, TypeError) as exc:
-        raise BundleError(f"{name} is not a PEM public key: {exc}") from exc
-    if not isinstance(key, Ed25519PublicKey):
-        raise BundleError(f"{name} is {type(key).__name__}, expected Ed25519")
+        problem = f"is not a PEM public key: {exc}"
+    if problem or not isinstance(key, Ed25519PublicKey):
+        raise BundleError(f"{name} {problem}")
     return key
 
 
@@ -254,14 +254,14 @@ def read_manifest(directory: str | os.PathLike[str], public_key: PublicKey) -> t
     BundleError
         ``directory`` is not a path to a folder, is a trained router's folder, or the manifest does not verify.
     """
-    if not isinstance(directory, (str, os.PathLike)):
-        raise BundleError(f"bundle path must be a str or os.PathLike, got {type(directory).__name__}")
-    given = Path(directory)
-    if not given.is_dir():
-        raise BundleError(f"bundle {given} is not a directory")
-    if not (given / MANIFEST_FILE).exists() and (given / "router.json").is_file():
-        raise BundleError(f"{given} is a trained router folder, not a bundle (no {MANIFEST_FILE}): make a bundle of it "
-                          f"with `fedroute export --router {given} --out BUNDLE --signing-key KEY`")
+    given = Path(directory) if isinstance(directory, (str, os.PathLike)) else None
+    problem = (f"bundle path must be a str or os.PathLike, got {type(directory).__name__}" if given is None
+               else f"bundle {given} is not a directory" if not given.is_dir()
+               else f"{given} is a trained router folder, not a bundle (no {MANIFEST_FILE}): make a bundle of it with "
+                    f"`fedroute export --router {given} --out BUNDLE --signing-key KEY`"
+               if not (given / MANIFEST_FILE).exists() and (given / "router.json").is_file() else None)
+    if problem or given is None:
+        raise BundleError(problem)
     resolved = given.resolve()
     raw = read_descriptor(open_regular(resolved / MANIFEST_FILE), MANIFEST_FILE, MAX_MANIFEST_BYTES)
     return resolved, verify_manifest(raw, public_key)

@@ -23,18 +23,16 @@ _CONTEXT_ROLES = ("user", "assistant")
 def message_text(message: object, position: int) -> str:
     """The text of ``messages[position]`` (``content`` str, or the text parts of a list), "" if none;
     :class:`InvalidQueryError` unless a mapping with a ``role`` str and a str, list or None ``content``."""
-    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-        raise InvalidQueryError(f"messages[{position}] must be a mapping with a 'role' str, got {message!r:.80}")
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
-        texts = [part.get("text") for part in content if isinstance(part, Mapping) and part.get("type") == "text"]
+    content = message.get("content") if isinstance(message, Mapping) else None
+    parts = isinstance(content, Sequence) and not isinstance(content, (str, bytes, bytearray))
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
+            or not (content is None or isinstance(content, str) or parts):
+        raise InvalidQueryError(f"messages[{position}] must be a mapping with a 'role' str and a 'content' str, list of "
+                                f"parts or None, got {message!r:.80}")
+    if parts:
+        texts = [part.get("text") for part in content or () if isinstance(part, Mapping) and part.get("type") == "text"]
         return "\n".join(t for t in texts if isinstance(t, str))
-    raise InvalidQueryError(f"messages[{position}]['content'] must be a str, a list of parts or None, "
-                            f"got {type(content).__name__}")
+    return content or ""
 
 
 def message_texts(messages: object) -> list[str]:

@@ -27,15 +27,16 @@ if TYPE_CHECKING:
 
 def check_text(value: object, name: str, error: type[InvalidInputError] = InvalidInputError, why: str = "") -> str:
     """``value`` if it is a non-blank ``str`` that encodes as UTF-8, else ``error`` naming ``name``."""
-    if not isinstance(value, str):
-        raise error(f"{name} must be a str, got {type(value).__name__}")
-    if not value.strip():
-        raise error(f"{name} is empty or whitespace only{why}")
+    text = value if isinstance(value, str) else ""
+    problem = (f"must be a str, got {type(value).__name__}" if not isinstance(value, str)
+               else f"is empty or whitespace only{why}" if not text.strip() else None)
     try:
-        value.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise error(f"{name} is not valid Unicode ({exc.reason} at position {exc.start})") from exc
-    return value
+        problem = f"is not valid Unicode ({exc.reason} at position {exc.start})"
+    if problem:
+        raise error(f"{name} {problem}")
+    return text
 
 
 def load_tokenizer(tokenizer_json: str, file_name: str = "tokenizer.json") -> Tokenizer:
@@ -152,14 +153,12 @@ def check_graph_inputs(session: ort.InferenceSession, required: Mapping[str, str
     contract = {**optional, **required}
     missing = [n for n in required if n not in declared]
     extra = [n for n in declared if n not in contract]
-    if missing or extra:
-        raise BundleError(f"{what}: inputs {sorted(declared)} are not the contract: needs {list(required)}"
-                          f"{f' (+ optionally {list(optional)})' if optional else ''}"
-                          f"{f'; missing {missing}' if missing else ''}{f'; unexpected {extra}' if extra else ''}")
-    wrong = {n: t for n, t in declared.items() if t != contract[n]}
-    if wrong:
-        raise BundleError(f"{what}: input {next(iter(wrong))!r} is {next(iter(wrong.values()))}, "
-                          f"expected {contract[next(iter(wrong))]}")
+    wrong = {n: t for n, t in declared.items() if n in contract and t != contract[n]}
+    if missing or extra or wrong:
+        raise BundleError(f"{what}: inputs {declared} are not the contract: needs {dict(required)}"
+                          f"{f' (+ optionally {dict(optional)})' if optional else ''}"
+                          f"{f'; missing {missing}' if missing else ''}{f'; unexpected {extra}' if extra else ''}"
+                          f"{f'; of another type {list(wrong)}' if wrong else ''}")
     return frozenset(declared)
 
 

@@ -228,11 +228,9 @@ class EvalLog:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             tables = table_names(conn)
         problem = _schema_problem(version, tables, path)
-        if problem:
-            raise EvalLogError(problem)
-        mode = set_wal(conn, _BUSY_TIMEOUT_S)  # retried: a new file's switch to WAL can fail at once
-        if str(mode).lower() != "wal":
-            raise EvalLogError(f"cannot put evaluation log {path!r} in WAL mode (got {mode!r})")
+        mode = None if problem else set_wal(conn, _BUSY_TIMEOUT_S)  # retried: a new file may fail to switch at once
+        if problem or str(mode).lower() != "wal":
+            raise EvalLogError(problem or f"cannot put evaluation log {path!r} in WAL mode (got {mode!r})")
         conn.execute(f"PRAGMA synchronous={'FULL' if self._durable else 'NORMAL'}")
         conn.execute(f"PRAGMA fullfsync={'ON' if self._durable else 'OFF'}")  # macOS/iOS only
         conn.execute(f"PRAGMA checkpoint_fullfsync={'ON' if self._durable else 'OFF'}")
@@ -242,15 +240,13 @@ class EvalLog:
             # Re-read under the write lock: another process may have created the schema meanwhile.
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             problem = _schema_problem(version, table_names(conn), path)  # a fedroute creator sets both at once
-            if problem:
-                raise EvalLogError(problem)
-            if version in (0, 1):  # created or migrated in this write transaction: all or nothing
+            if version in (0, 1) and not problem:  # created or migrated in this write transaction: all or nothing
                 for statement in [t for t in _SCHEMA.split(";") if t.strip()] if version == 0 else _MIGRATE_1_TO_2:
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             missing = {"meta", "evaluations"} - table_names(conn)
-            if missing:
-                raise EvalLogError(f"evaluation log {path!r} is damaged: table(s) {sorted(missing)} missing")
+            if problem or missing:
+                raise EvalLogError(problem or f"evaluation log {path!r} is damaged: table(s) {sorted(missing)} missing")
             _read_embedding_dim(conn, path)  # fails early on a damaged meta table
 
     # ------------------------------------------------------------------ public API

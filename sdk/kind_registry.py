@@ -33,14 +33,12 @@ class KindRegistry(Generic[K]):
             ``kind`` is not a ``base``, a name is not a lower-case identifier, or it is taken (without ``replace``).
         """
         family, name = getattr(kind, "family", None), getattr(kind, "name", None)
-        for what, value in (("family", family), ("kind name", name)):
-            if not isinstance(value, str) or not value.isidentifier() or value != value.lower():
-                raise InvalidInputError(f"{what} must be a lower-case identifier, got {value!r}")
-        by_name = self._kinds.setdefault(str(family), {})
-        if not isinstance(kind, self.base) or (name in by_name and not replace):
-            raise InvalidInputError(f"{self.layer}: {family} kind {name!r} is not a {self.base.__name__} or is "
-                                    "already registered")
-        by_name[str(name)] = kind
+        bad = [f"{what} must be a lower-case identifier, got {value!r}" for what, value in (("family", family),
+               ("kind name", name)) if not isinstance(value, str) or not value.isidentifier() or value != value.lower()]
+        if bad or not isinstance(kind, self.base) or (name in self._kinds.get(str(family), {}) and not replace):
+            raise InvalidInputError(bad[0] if bad else f"{self.layer}: {family} kind {name!r} is not a "
+                                    f"{self.base.__name__} or is already registered")
+        self._kinds.setdefault(str(family), {})[str(name)] = kind
         return kind
 
     def unregister(self, family: str, name: str) -> None:

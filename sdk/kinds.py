@@ -204,10 +204,12 @@ def load_bundle(bundle_dir: str | os.PathLike[str], public_key: fmt.PublicKey, f
         ``precision``, a thread count or ``min_bundle_version`` is not valid.
     """
     options = SessionThreads(intra_op_threads, inter_op_threads)
-    if precision != "auto" and precision not in preference:
-        raise InvalidInputError(f"precision must be 'auto' or one of {sorted(preference)}, got {precision!r}")
-    if isinstance(min_bundle_version, bool) or not isinstance(min_bundle_version, int):
-        raise InvalidInputError(f"min_bundle_version must be an int, got {min_bundle_version!r:.80}")
+    for param, value, accepted, what in (
+            ("precision", precision, precision == "auto" or precision in preference, f"'auto' or one of {sorted(preference)}"),
+            ("min_bundle_version", min_bundle_version, not isinstance(min_bundle_version, bool)
+             and isinstance(min_bundle_version, int), "an int")):
+        if not accepted:
+            raise InvalidInputError(f"{param} must be {what}, got {value!r:.80}", param=param)
     directory, manifest = fmt.read_manifest(bundle_dir, public_key)  # verify
     found = check_manifest_kinds(manifest)
     if manifest["bundle_version"] < min_bundle_version:

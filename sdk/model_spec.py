@@ -39,27 +39,24 @@ def parse_model_spec(model: object) -> ModelSpec:
     an empty one or a malformed ``fedroute...`` string (the message quotes it and the valid forms)."""
     if model is None:
         return ModelSpec()
-    if not isinstance(model, str):
-        raise ModelSpecError(f"model must be a str, got {type(model).__name__} {model!r}")
-    if not model.strip():
-        raise ModelSpecError("model is empty; use 'fedroute', 'fedroute:lam=X', 'fedroute:budget=Y' or a model id")
+    if not isinstance(model, str) or not model.strip():
+        raise ModelSpecError(f"model must be a non-empty str ('fedroute', 'fedroute:lam=X', 'fedroute:budget=Y' or a "
+                             f"model id), got {type(model).__name__} {model!r}")
     if model == ROUTED_MODEL:
         return ModelSpec()
     head, sep, option = model.partition(":")
-    if head != ROUTED_MODEL:
-        if model.startswith(ROUTED_MODEL):
-            raise ModelSpecError(_bad(model, "it starts with 'fedroute' but is not 'fedroute' nor 'fedroute:...'"))
+    if head != ROUTED_MODEL and not model.startswith(ROUTED_MODEL):
         return ModelSpec(passthrough=model)
     key, eq, raw = option.partition("=")
-    if not eq or key not in _KEYS or "," in raw or ":" in raw:
-        raise ModelSpecError(_bad(model, "expected exactly one option, lam=X or budget=Y"))
-    if _NUMBER.fullmatch(raw) is None:
-        raise ModelSpecError(_bad(model, f"{raw!r} is not a decimal number in ASCII digits (e.g. 100, 0.5, 1e-3)"))
-    value = float(raw)
+    value = float(raw) if _NUMBER.fullmatch(raw) else math.nan
     lam = key == "lam"
-    if not math.isfinite(value) or value < 0 or (value == 0 and not lam):
-        bound = ">= 0 (USD^-1)" if lam else "> 0 (USD per 1,000 queries)"
-        raise ModelSpecError(_bad(model, f"{key} must be a finite number {bound}, got {raw}"))
+    problem = ("it starts with 'fedroute' but is not 'fedroute' nor 'fedroute:...'" if head != ROUTED_MODEL
+               else "expected exactly one option, lam=X or budget=Y" if not eq or key not in _KEYS or "," in raw or ":" in raw
+               else f"{raw!r} is not a decimal number in ASCII digits (e.g. 100, 0.5, 1e-3)" if math.isnan(value)
+               else f"{key} must be a finite number {'>= 0 (USD^-1)' if lam else '> 0 (USD per 1,000 queries)'}, got {raw}"
+               if not math.isfinite(value) or value < 0 or (value == 0 and not lam) else None)
+    if problem:
+        raise ModelSpecError(_bad(model, problem))
     return ModelSpec(lam=value) if lam else ModelSpec(budget_usd_per_1k=value)
 
 

@@ -46,15 +46,15 @@ class PairEncodingConfig:
     pad_token: str = "[PAD]"
 
     def __post_init__(self) -> None:
-        for name in ("prompt_tokens", "response_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SEGMENT_TOKENS:
-                raise InvalidInputError(f"{name} must be an int in [1, {MAX_SEGMENT_TOKENS}], got {str(v)[:40]}")
-        for name in ("prefix_token", "sep_token", "pad_token"):
-            v = getattr(self, name)
-            if not (isinstance(v, str) and v) and not (name == "prefix_token" and v is None):
-                raise InvalidInputError(f"{name} must be a non-empty str{' or None' if name == 'prefix_token' else ''}, "
-                                        f"got {v!r:.40}")
+        values = {name: getattr(self, name) for name in ("prompt_tokens", "response_tokens", "prefix_token", "sep_token",
+                                                         "pad_token")}
+        rules = [(name, not isinstance(v, bool) and isinstance(v, int) and 1 <= v <= MAX_SEGMENT_TOKENS,
+                  f"an int in [1, {MAX_SEGMENT_TOKENS}]") for name, v in list(values.items())[:2]] + [
+                 (name, (isinstance(v, str) and bool(v)) or (name == "prefix_token" and v is None),
+                  f"a non-empty str{' or None' if name == 'prefix_token' else ''}") for name, v in list(values.items())[2:]]
+        for name, accepted, what in rules:
+            if not accepted:
+                raise InvalidInputError(f"{name} must be {what}, got {values[name]!r:.40}", param=name)
 
     @classmethod
     def causal_lm_preset(cls) -> PairEncodingConfig:
@@ -151,12 +151,10 @@ class PairEncoder:
         InvalidInputError
             Lengths differ or an item is not a str.
         """
-        if len(prompts) != len(responses):
-            raise InvalidInputError(f"{len(prompts)} prompts but {len(responses)} responses")
-        for name, seq in (("prompts", prompts), ("responses", responses)):
-            for i, t in enumerate(seq):
-                if not isinstance(t, str):
-                    raise InvalidInputError(f"{name}[{i}] must be a str, got {type(t).__name__}")
+        bad = [f"{name}[{i}] must be a str, got {type(t).__name__}" for name, seq in (("prompts", prompts),
+               ("responses", responses)) for i, t in enumerate(seq) if not isinstance(t, str)]
+        if len(prompts) != len(responses) or bad:
+            raise InvalidInputError(bad[0] if bad else f"{len(prompts)} prompts but {len(responses)} responses")
         c = self.config
         n, L = len(prompts), c.seq_len
         input_ids = np.full((n, L), self._pad, dtype=np.int64)

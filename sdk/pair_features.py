@@ -199,13 +199,12 @@ def pair_features_many(prompts: Sequence[str], responses_a: Sequence[str], respo
         The three sequences differ in length, an item is not a str, or a bad name.
     """
     names = check_feature_names(names)
-    if not len(prompts) == len(responses_a) == len(responses_b):
-        raise InvalidInputError(f"{len(prompts)} prompts, {len(responses_a)} responses_a and "
+    bad = [f"{label}[{i}] must be a str, got {type(t).__name__}" for label, seq in (("prompts", prompts),
+           ("responses_a", responses_a), ("responses_b", responses_b)) for i, t in enumerate(seq) if not isinstance(t, str)]
+    equal = len(prompts) == len(responses_a) == len(responses_b)
+    if not equal or bad:
+        raise InvalidInputError(bad[0] if equal else f"{len(prompts)} prompts, {len(responses_a)} responses_a and "
                                 f"{len(responses_b)} responses_b: expected equal lengths")
-    for label, seq in (("prompts", prompts), ("responses_a", responses_a), ("responses_b", responses_b)):
-        bad = next((i for i, t in enumerate(seq) if not isinstance(t, str)), None)
-        if bad is not None:
-            raise InvalidInputError(f"{label}[{bad}] must be a str, got {type(seq[bad]).__name__}")
     fns = [_FEATURES[n] for n in names]
     memo: dict[tuple[str, str], np.ndarray] = {}
 

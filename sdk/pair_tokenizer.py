@@ -75,14 +75,14 @@ class PairTokenizer:
     def __init__(self, tokenizer: Tokenizer, max_tokens: int, truncation_side: str, pad_token: str = "[PAD]") -> None:
         from tokenizers import Tokenizer  # native library: loaded with the first bundle, not by `import sdk`
 
-        if truncation_side not in ("left", "right"):
-            raise InvalidInputError(f"truncation_side must be 'left' or 'right', got {truncation_side!r:.40}")
         self._tokenizer = Tokenizer.from_str(tokenizer.to_str())
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()
         self.budget = int(max_tokens) - self._tokenizer.num_special_tokens_to_add(True)
-        if self.budget < 2:
-            raise InvalidInputError(f"max_tokens={max_tokens} leaves {self.budget} tokens for the two texts (need >= 2)")
+        if truncation_side not in ("left", "right") or self.budget < 2:
+            raise InvalidInputError(f"truncation_side must be 'left' or 'right', got {truncation_side!r:.40}"
+                                    if truncation_side not in ("left", "right") else
+                                    f"max_tokens={max_tokens} leaves {self.budget} tokens for the two texts (need >= 2)")
         self.max_tokens, self.side = int(max_tokens), truncation_side
         pad_id = self._tokenizer.token_to_id(pad_token)
         self._pad_id, self._pad_token = (0 if pad_id is None else pad_id), pad_token

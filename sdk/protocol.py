@@ -104,17 +104,18 @@ class RoundSpec:
                        embedder_name=_field(obj, "embedder_name", str), d_emb=_field(obj, "d_emb", int, 1),
                        min_count=_field(obj, "min_count", int, 1), deadline_utc=_field(obj, "deadline_utc", str),
                        max_cost_usd=_positive_or_none(obj.get("max_cost_usd"), "max_cost_usd"))
+            c = spec.centroids
+            problem = (f"centroids of shape {c.shape} do not fit d_emb={spec.d_emb}"
+                       if c.ndim != 2 or c.shape[0] < 1 or c.shape[1] != spec.d_emb or not np.isfinite(c).all()
+                       else "centroids do not match their hash" if centroids_hash(c) != spec.centroids_hash
+                       else f"models must be distinct and non-empty, got {spec.models}"
+                       if not spec.models or len(set(spec.models)) != len(spec.models) else None)
+            problem = problem and f"round {spec.round_id}: {problem}"
         except (KeyError, TypeError, ValueError) as exc:
-            raise SyncError(f"malformed round description from the server: "
-                            f"{repr(exc) if isinstance(data, Mapping) else 'not a JSON object'}") from exc
-        c = spec.centroids
-        problem = (f"centroids of shape {c.shape} do not fit d_emb={spec.d_emb}"
-                   if c.ndim != 2 or c.shape[0] < 1 or c.shape[1] != spec.d_emb or not np.isfinite(c).all()
-                   else "centroids do not match their hash" if centroids_hash(c) != spec.centroids_hash
-                   else f"models must be distinct and non-empty, got {spec.models}"
-                   if not spec.models or len(set(spec.models)) != len(spec.models) else None)
+            problem = (f"malformed round description from the server: "
+                       f"{repr(exc) if isinstance(data, Mapping) else 'not a JSON object'}")
         if problem:
-            raise SyncError(f"round {spec.round_id}: {problem}")
+            raise SyncError(problem)
         return spec
 
 

@@ -106,11 +106,11 @@ class ClientChoice:
 
 
 def _check_texts(prompts: object, responses: object) -> tuple[list[str], list[str]]:
-    for name, value in (("prompts", prompts), ("responses", responses)):
-        if isinstance(value, str) or not isinstance(value, Sequence) or len(value) == 0:
-            raise InvalidQueryError(f"{name} must be a non-empty list of str, got {type(value).__name__}")
-    if len(prompts) != len(responses):  # type: ignore[arg-type]
-        raise InvalidQueryError(f"{len(prompts)} prompts but {len(responses)} responses")  # type: ignore[arg-type]
+    bad = [f"{name} must be a non-empty list of str, got {type(value).__name__}" for name, value in
+           (("prompts", prompts), ("responses", responses)) if isinstance(value, str) or not isinstance(value, Sequence)
+           or len(value) == 0]
+    if bad or len(prompts) != len(responses):  # type: ignore[arg-type]
+        raise InvalidQueryError("; ".join(bad) or f"{len(prompts)} prompts but {len(responses)} responses")  # type: ignore[arg-type]
     out: list[str] = []
     for i, (p, r) in enumerate(zip(prompts, responses)):  # type: ignore[call-overload]
         check_text(p, f"prompts[{i}]", InvalidQueryError, "; there is nothing to score")

@@ -182,30 +182,33 @@ class RoutedChat:
                  context_chars: int = DEFAULT_CONTEXT_CHARS, observer: ChatObserver | None = None,
                  budget_seed: int | None = None, max_budgets_per_caller: int = DEFAULT_MAX_PER_CALLER,
                  budget_state: str | Path | None = None) -> None:
-        if (lam is None) == (budget_usd_per_1k is None):
-            raise InvalidInputError("give exactly one of lam (USD^-1) and budget_usd_per_1k (USD per 1,000 queries), "
-                                    f"got lam={lam!r}, budget_usd_per_1k={budget_usd_per_1k!r}")
+        pass_ok = passthrough is None or isinstance(passthrough, Mapping)
+        bad_keys = [n for n in (passthrough or {}) if pass_ok and (not isinstance(n, str) or not n.strip()
+                    or n.startswith(ROUTED_MODEL) or n in router.model_ids)]
+        rules = (  # parameter, accepted, what it must be
+            ("lam", (lam is None) != (budget_usd_per_1k is None), "give exactly one of lam (USD^-1) and budget_usd_per_1k "
+             f"(USD per 1,000 queries), got lam={lam!r}, budget_usd_per_1k={budget_usd_per_1k!r}"),
+            ("max_fallbacks", not isinstance(max_fallbacks, bool) and isinstance(max_fallbacks, numbers.Integral)
+             and max_fallbacks >= 0, f"max_fallbacks must be an int >= 0, got {max_fallbacks!r}"),
+            ("upstreams", isinstance(upstreams, Mapping) and bool(upstreams),
+             "upstreams must be a non-empty mapping {router model id: base URL or Upstream}"),
+            ("passthrough", pass_ok, "passthrough must be a mapping {model id: base URL or Upstream}, got "
+             f"{type(passthrough).__name__}"),
+            ("passthrough", not bad_keys, f"passthrough keys {bad_keys!r} must be model ids the router does not know, "
+             "not starting with 'fedroute' (router models go in upstreams=)"),
+            ("log", log is None or tuple(log.models) == tuple(router.model_ids),
+             "log must be an sdk.EvalLog opened with router.model_ids"))
+        for param, accepted, message in rules:
+            if not accepted:
+                raise InvalidInputError(message, param=param)
         self._lam: float | None = None if lam is None else check_lambda(lam)
         self._budget: float | None = None if budget_usd_per_1k is None else check_budget(budget_usd_per_1k)
-        if isinstance(max_fallbacks, bool) or not isinstance(max_fallbacks, numbers.Integral) or max_fallbacks < 0:
-            raise InvalidInputError(f"max_fallbacks must be an int >= 0, got {max_fallbacks!r}")
         routing_text([{"role": "user", "content": "x"}], context_chars)  # validates context_chars
-        if not isinstance(upstreams, Mapping) or not upstreams:
-            raise InvalidInputError("upstreams must be a non-empty mapping {router model id: base URL or Upstream}")
         unknown = [m for m in upstreams if m not in router.model_ids]
         if unknown:
             raise UnknownModelError(f"upstreams names {unknown}, not in the router's models {list(router.model_ids)} "
                                     "(models the router does not know go in passthrough=)")
-        if passthrough is not None and not isinstance(passthrough, Mapping):
-            raise InvalidInputError(f"passthrough must be a mapping {{model id: base URL or Upstream}}, got "
-                                    f"{type(passthrough).__name__}")
         passthrough = dict(passthrough or {})
-        for name in passthrough:
-            if not isinstance(name, str) or not name.strip() or name.startswith(ROUTED_MODEL) or name in router.model_ids:
-                raise InvalidInputError(f"passthrough key {name!r} must be a model id the router does not know, not "
-                                        "starting with 'fedroute' (router models go in upstreams=)")
-        if log is not None and tuple(log.models) != tuple(router.model_ids):
-            raise InvalidInputError("log must be an sdk.EvalLog opened with router.model_ids")
         self._router: Router = router
         self._pool: tuple[str, ...] = tuple(m for m in router.model_ids if m in upstreams)  # router order
         self._pool_ids: frozenset[str] = frozenset(self._pool)
@@ -537,11 +540,10 @@ class RoutedChat:
             The log or the pending store cannot be written, or was closed, or the waiting answer cannot
             go in the log; the entry stays pending.
         """
-        if self._log is None or self._pending is None:
-            raise InvalidInputError("this RoutedChat has no EvalLog (log=None): there is nowhere to record a score")
         value = finite_float(score)
-        if value is None or not 0.0 <= value <= 1.0:
-            raise InvalidInputError(f"score must be a real number in [0, 1], got {shown(score)}")
+        if self._log is None or self._pending is None or value is None or not 0.0 <= value <= 1.0:
+            raise InvalidInputError(f"score must be a real number in [0, 1], got {shown(score)}" if self._log is not None
+                                    else "this RoutedChat has no EvalLog (log=None): there is nowhere to record a score")
         eval_log = self._log
 
         def record(pending: PendingOutcome) -> int:
@@ -717,12 +719,12 @@ def _check_stream_kwargs(kwargs: dict[str, Any]) -> None:
     """Refuse a ``stream`` that is not a bool (OpenAI's API takes a boolean only) or a ``stream_options``
     that is not a mapping, before anything is routed or sent."""
     stream, options = kwargs.get("stream"), kwargs.get("stream_options")
-    if stream is not None and not isinstance(stream, (bool, openai.NotGiven, openai.Omit)):
-        raise InvalidInputError(f"stream must be a boolean (true or false), got {type(stream).__name__} "
-                                f"{stream!r:.80}", param="stream")
-    if options is not None and not isinstance(options, Mapping):
-        raise InvalidInputError(f"stream_options must be a mapping (a JSON object), got {type(options).__name__}",
-                                param="stream_options")
+    for param, accepted, what in (("stream", stream is None or isinstance(stream, (bool, openai.NotGiven, openai.Omit)),
+                                   f"a boolean (true or false), got {type(stream).__name__} {stream!r:.80}"),
+                                  ("stream_options", options is None or isinstance(options, Mapping),
+                                   f"a mapping (a JSON object), got {type(options).__name__}")):
+        if not accepted:
+            raise InvalidInputError(f"{param} must be {what}", param=param)
 
 
 def _call_kwargs(messages: list[object], kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
@@ -755,9 +757,10 @@ def _clients_for(model: str, spec: object) -> _UpstreamClients:
         raise InvalidInputError(f"the upstream of {model!r} must be a base URL str, an Upstream, an openai.OpenAI or "
                                 f"an openai.AsyncOpenAI, got {type(spec).__name__}")
     timeout = finite_float(spec.timeout_s)
-    if timeout is None or timeout <= 0:
-        raise InvalidInputError(f"the upstream of {model!r}: timeout_s must be a number > 0, got {spec.timeout_s!r}")
     sync, async_ = spec.client, spec.async_client
+    if timeout is None or timeout <= 0 or (spec.base_url is None and sync is None and async_ is None):
+        raise InvalidInputError(f"the upstream of {model!r} needs timeout_s a number > 0 and a base_url or a client, "
+                                f"got timeout_s={spec.timeout_s!r}, base_url={spec.base_url!r}")
     if spec.base_url is not None:
         try:
             sync = sync or openai.OpenAI(base_url=spec.base_url, api_key=spec.api_key, timeout=timeout, max_retries=0)
@@ -765,8 +768,6 @@ def _clients_for(model: str, spec: object) -> _UpstreamClients:
                                                   max_retries=0)
         except openai.OpenAIError as exc:
             raise InvalidInputError(f"cannot build the client of {model!r} ({spec.base_url}): {exc}") from exc
-    if sync is None and async_ is None:
-        raise InvalidInputError(f"the upstream of {model!r} has neither base_url nor a client")
     return _UpstreamClients(spec.model or model, sync, async_, owned=spec.base_url is not None)
 
 

@@ -62,13 +62,14 @@ def load_router_arrays(data: bytes, dim: int, n_experts: int) -> dict[str, F32]:
             raise ValueError("not an .npz archive")
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             arrays = {k: np.asarray(z[k], dtype=np.float32) for k in ROUTER_ARRAYS}
+        hidden = arrays["b1"].shape[0] if arrays["b1"].ndim == 1 else -1
+        want = {"w1": (hidden, dim), "b1": (hidden,), "w2": (n_experts, hidden), "b2": (n_experts,)}
+        problem = next((f"{k} has shape {arrays[k].shape}, expected {shape} and finite values" for k, shape in want.items()
+                        if arrays[k].shape != shape or not np.isfinite(arrays[k]).all()), None)
     except (KeyError, ValueError, OSError) as exc:
-        raise BundleError(f"{ROUTER_FILE} does not hold {ROUTER_ARRAYS} ({exc})") from exc
-    hidden = arrays["b1"].shape[0] if arrays["b1"].ndim == 1 else -1
-    want = {"w1": (hidden, dim), "b1": (hidden,), "w2": (n_experts, hidden), "b2": (n_experts,)}
-    for k, shape in want.items():
-        if arrays[k].shape != shape or not np.isfinite(arrays[k]).all():
-            raise BundleError(f"{ROUTER_FILE}: {k} has shape {arrays[k].shape}, expected {shape} and finite values")
+        problem = f"does not hold {ROUTER_ARRAYS} ({exc})"
+    if problem:
+        raise BundleError(f"{ROUTER_FILE}: {problem}")
     return arrays
 
 

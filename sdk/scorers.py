@@ -28,16 +28,12 @@ from sdk.voronoi import CentroidTable
 
 def _check_models(router_models: Sequence[str], manifest_models: Sequence[str], where: str) -> None:
     router_models, manifest_models = list(router_models), list(manifest_models)
-    if router_models == manifest_models:
-        return
     no_head = [m for m in manifest_models if m not in router_models]
     no_price = [m for m in router_models if m not in manifest_models]
-    if no_head or no_price:
-        raise BundleError(
-            f"price table and {where} disagree: models without a router head {no_head}, "
-            f"router heads without a price-table entry {no_price}"
-        )
-    raise BundleError(f"{where} orders models {router_models}, the price table {manifest_models}")
+    if router_models != manifest_models:
+        raise BundleError(f"price table and {where} disagree: models without a router head {no_head}, router heads "
+                          f"without a price-table entry {no_price}" if no_head or no_price
+                          else f"{where} orders models {router_models}, the price table {manifest_models}")
 
 
 def _check_embedder(name: str, dim: int, embedder: dict[str, Any], where: str) -> None:
@@ -74,17 +70,13 @@ class MlpScorer:
         _check_models(router_models, models, "router.onnx")
         _check_embedder(emb_name, emb_dim, embedder, "router.onnx")
         inputs = self._session.get_inputs()
-        if len(inputs) != 1 or inputs[0].type != FLOAT:
-            raise BundleError(f"router.onnx must have one {FLOAT} input (batch, {embedder['dim']}), got "
-                              f"{[(i.name, i.type) for i in inputs]}")
-        (inp,) = inputs
-        if not inp.shape or inp.shape[-1] != embedder["dim"]:
-            raise BundleError(f"router.onnx input shape {inp.shape} is not (batch, {embedder['dim']}) (embedder dim)")
         outputs = {o.name: o.shape for o in self._session.get_outputs()}
-        for name in ("accuracy", "cost"):
-            if name not in outputs or len(outputs[name] or ()) != 2 or outputs[name][-1] != len(models):
-                raise BundleError(f"router.onnx output {name!r} must have shape (batch, {len(models)}), got {outputs.get(name)}")
-        self._input = inp.name
+        if len(inputs) != 1 or inputs[0].type != FLOAT or not inputs[0].shape or inputs[0].shape[-1] != embedder["dim"] \
+                or any(len(outputs.get(n) or ()) != 2 or outputs[n][-1] != len(models) for n in ("accuracy", "cost")):
+            raise BundleError(f"router.onnx must have one {FLOAT} input (batch, {embedder['dim']}) and outputs "
+                              f"'accuracy', 'cost' of shape (batch, {len(models)}), got inputs "
+                              f"{[(i.name, i.type, i.shape) for i in inputs]} and outputs {outputs}")
+        self._input = inputs[0].name
         self._n_models = len(models)
 
     def predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
@@ -99,10 +91,9 @@ class MlpScorer:
         acc, cost = run_session(self._session, ["accuracy", "cost"], {self._input: embeddings}, "router.onnx")
         acc, cost = np.asarray(acc, dtype=np.float64), np.asarray(cost, dtype=np.float64)
         expected = (embeddings.shape[0], self._n_models)
-        if acc.shape != expected or cost.shape != expected:
-            raise BundleError(f"router.onnx returned accuracy {acc.shape} and cost {cost.shape}, expected {expected}")
-        if np.isinf(acc).any() or np.isinf(cost).any():
-            raise BundleError("router.onnx predicted an infinite accuracy or cost (a corrupt router graph)")
+        if acc.shape != expected or cost.shape != expected or np.isinf(acc).any() or np.isinf(cost).any():
+            raise BundleError(f"router.onnx predicted an infinite accuracy or cost, or accuracy {acc.shape} and cost "
+                              f"{cost.shape} instead of {expected} (a corrupt router graph)")
         return acc, cost, None
 
 
@@ -156,20 +147,18 @@ class KMeansScorer:
         _check_embedder(str(arrays["embedder_name"]), int(arrays["embedder_dim"]), embedder, "kmeans.npz")
         centroids = np.ascontiguousarray(arrays["centroids"], dtype=np.float32)
         k, m = centroids.shape[0], len(models)
-        shapes = {"centroids": (max(k, 1), embedder["dim"]), "accuracy": (k, m), "cost": (k, m), "count": (k, m)}
-        for name, shape in shapes.items():
-            if arrays[name].shape != shape:
-                raise BundleError(f"kmeans.npz {name} must be {shape} (K >= 1, embedder dim, models), "
-                                  f"got {arrays[name].shape}")
-        if not np.isfinite(centroids).all():
-            raise BundleError("kmeans.npz centroids hold NaN/inf")
         acc, cost = arrays["accuracy"].astype(np.float64), arrays["cost"].astype(np.float64)
-        if np.isinf(acc).any() or np.isinf(cost).any() or (acc[~np.isnan(acc)] < 0).any() or (acc[~np.isnan(acc)] > 1).any():
-            raise BundleError("kmeans.npz accuracy must lie in [0, 1] (NaN = no estimate)")
-        if (cost[~np.isnan(cost)] < 0).any():
-            raise BundleError("kmeans.npz cost must be >= 0 USD (NaN = no estimate)")
-        if strength.dtype.kind not in "fiu" or strength.ndim != 0 or not 0 <= float(strength) < np.inf:
-            raise BundleError(f"kmeans.npz prior_strength must be a finite real number >= 0, got {strength!r:.80}")
+        shapes = {"centroids": (max(k, 1), embedder["dim"]), "accuracy": (k, m), "cost": (k, m), "count": (k, m)}
+        rules = [(name, arrays[name].shape == shape, f"of shape {shape} (K >= 1, embedder dim, models), got "
+                  f"{arrays[name].shape}") for name, shape in shapes.items()] + [
+            ("centroids", np.isfinite(centroids).all(), "finite (no NaN/inf)"),
+            ("accuracy", bool(np.all((acc >= 0) & (acc <= 1) | np.isnan(acc))), "in [0, 1] (NaN = no estimate)"),
+            ("cost", bool(np.all((cost >= 0) & (cost < np.inf) | np.isnan(cost))), "finite and >= 0 USD (NaN = no estimate)"),
+            ("prior_strength", strength.dtype.kind in "fiu" and strength.ndim == 0 and 0 <= float(strength) < np.inf,
+             f"a finite real number >= 0, got {strength!r:.80}")]
+        for name, accepted, what in rules:
+            if not accepted:
+                raise BundleError(f"kmeans.npz {name} must be {what}")
         self.centroids = centroids
         self._cells = CentroidTable(centroids)
         self.accuracy, self.cost = acc, cost

@@ -165,11 +165,11 @@ class Selector:
     def prefer_many(self, x: Sequence[str], y_a: Sequence[str], y_b: Sequence[str]) -> npt.NDArray[np.float64]:
         """:meth:`prefer` of n pairs: (n,) float64. Raises InvalidInputError for sequences of different lengths
         or an invalid text (named ``y_a[i]``, or ``pair i: ...`` for one with no readable token)."""
-        for name, seq in (("x", x), ("y_a", y_a), ("y_b", y_b)):
-            if isinstance(seq, str) or not isinstance(seq, Sequence):
-                raise InvalidInputError(f"{name} must be a list of str, got {type(seq).__name__}")
-        if not (len(x) == len(y_a) == len(y_b)):
-            raise InvalidInputError(f"x, y_a, y_b must have one length, got {len(x)}, {len(y_a)}, {len(y_b)}")
+        bad = [f"{name} must be a list of str, got {type(seq).__name__}" for name, seq in (("x", x), ("y_a", y_a),
+               ("y_b", y_b)) if isinstance(seq, str) or not isinstance(seq, Sequence)]
+        if bad or not (len(x) == len(y_a) == len(y_b)):
+            raise InvalidInputError(bad[0] if bad else f"x, y_a, y_b must have one length, got {len(x)}, {len(y_a)}, "
+                                    f"{len(y_b)}")
         for i, texts in enumerate(zip(x, y_a, y_b)):
             for name, text in zip(("x", "y_a", "y_b"), texts):
                 check_text(text, f"{name}[{i}]")

@@ -54,13 +54,11 @@ def decision_steps(accuracy: npt.ArrayLike, cost: npt.ArrayLike) -> DecisionStep
     """
     a = real_array(accuracy, "accuracy")
     c = real_array(cost, "cost")
-    if a.ndim != 2 or a.shape != c.shape:
-        raise ShapeError(f"accuracy and cost must both have shape (n_queries, n_models), got {a.shape} and {c.shape}")
-    if np.isinf(a).any() or np.isinf(c).any():
-        raise ShapeError("accuracy and cost must not contain inf (use NaN for 'no estimate')")
+    if a.ndim != 2 or a.shape != c.shape or np.isinf(a).any() or np.isinf(c).any() \
+            or (c[~(np.isnan(a) | np.isnan(c))] < 0).any():
+        raise ShapeError(f"accuracy and cost must both have shape (n_queries, n_models) without inf (use NaN for "
+                         f"'no estimate'), and predicted costs must be >= 0 USD, got shapes {a.shape} and {c.shape}")
     valid = ~(np.isnan(a) | np.isnan(c))
-    if (c[valid] < 0).any():
-        raise ShapeError("predicted costs must be >= 0 USD")
     if a.shape[0] and (~valid.any(axis=1)).any():
         row = int(np.flatnonzero(~valid.any(axis=1))[0])
         raise InvalidInputError(f"query {row} has no model with an estimate (all predictions NaN)")

@@ -156,16 +156,15 @@ def load_split_tokenizer(pipeline_json: str, vocab: VerifiedFile | bytes) -> Tok
     try:
         if isinstance(vocab, VerifiedFile):
             tokenizer.model = WordPiece.from_file(vocab.library_path, **options)
-            vocab.check_unchanged()
         else:
             lines = vocab.decode("utf-8").split("\n")
             if lines and lines[-1] == "":
                 lines.pop()
             tokenizer.model = WordPiece({token: i for i, token in enumerate(lines)}, **options)
-    except BundleError:
-        raise
     except Exception as exc:  # tokenizers raises a bare Exception on an unreadable file
         raise BundleError(f"{name} cannot be loaded ({exc})") from exc
+    if isinstance(vocab, VerifiedFile):
+        vocab.check_unchanged()
     check_unknown_token(tokenizer, name)
     n = tokenizer.get_vocab_size(with_added_tokens=False)
     for token_id, added in tokenizer.get_added_tokens_decoder().items():

@@ -59,14 +59,13 @@ def price_table(models: Sequence[str], given: Mapping[str, TokenPrice] | None, b
     InvalidInputError
         ``given`` is not a mapping of ``models`` to ``TokenPrice``.
     """
-    if given is not None and not isinstance(given, Mapping):
-        raise InvalidInputError(f"prices must be a mapping {{model id: TokenPrice}}, got {type(given).__name__}")
+    wrong = [] if not isinstance(given, Mapping) else [m for m, p in given.items()
+                                                         if m not in models or not isinstance(p, TokenPrice)]
+    if (given is not None and not isinstance(given, Mapping)) or wrong:
+        raise InvalidInputError(f"prices must be a mapping {{model id: TokenPrice}}, got {type(given).__name__}"
+                                f"{f'; prices names {wrong}' if wrong else ''} (models with an upstream: {list(models)})",
+                                param="prices")
     given = dict(given or {})
-    for model, price in given.items():
-        if model not in models:
-            raise InvalidInputError(f"prices names {model!r}, which has no upstream; models with an upstream: {list(models)}")
-        if not isinstance(price, TokenPrice):
-            raise InvalidInputError(f"prices[{model!r}] must be a TokenPrice, got {type(price).__name__}")
     bundle = {m.id: m for m in bundle_models}
     table: dict[str, TokenPrice] = {}
     missing: list[str] = []

@@ -56,10 +56,11 @@ def read_descriptor(fd: int, name: str, limit: int) -> bytes:
     try:
         with os.fdopen(fd, "rb", closefd=True) as f:
             data = f.read(limit + 1)
+        problem = f"over the {limit}-byte limit" if len(data) > limit else None
     except OSError as exc:
-        raise BundleError(f"{name}: cannot be read ({exc})") from exc
-    if len(data) > limit:
-        raise BundleError(f"{name}: over the {limit}-byte limit")
+        data, problem = b"", f"cannot be read ({exc})"
+    if problem:
+        raise BundleError(f"{name}: {problem}")
     return data
 
 
@@ -83,10 +84,11 @@ def sha256_of_descriptor(fd: int, name: str, limit: int) -> str:
         while (block := os.read(fd, CHUNK)) and read <= limit:
             read += len(block)
             h.update(block)
+        problem = f"over the {limit}-byte limit" if read > limit else None
     except OSError as exc:
-        raise BundleError(f"{name}: cannot be read ({exc})") from exc
-    if read > limit:
-        raise BundleError(f"{name}: over the {limit}-byte limit")
+        problem = f"cannot be read ({exc})"
+    if problem:
+        raise BundleError(f"{name}: {problem}")
     return h.hexdigest()
 
 

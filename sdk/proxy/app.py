@@ -268,13 +268,14 @@ async def _json_object(request: Request, max_body_bytes: int) -> dict[str, Any]:
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks), parse_constant=_refuse_constant)
+        problem = None if isinstance(body, dict) else "must be a JSON object"
     except ValueError as exc:
-        raise InvalidInputError(f"the body is not JSON ({exc})") from exc
-    except RecursionError as exc:
-        raise InvalidInputError("the body is not JSON this proxy reads (nested too deeply)") from exc
-    if not isinstance(body, dict):
-        raise InvalidInputError("the body must be a JSON object")
-    return body
+        problem = f"is not JSON ({exc})"
+    except RecursionError:
+        problem = "is not JSON this proxy reads (nested too deeply)"
+    if problem:
+        raise InvalidInputError(f"the body {problem}")
+    return body  # type: ignore[no-any-return]
 
 
 def _error_for(exc: FedrouteError) -> JSONResponse:

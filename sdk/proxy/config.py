@@ -95,13 +95,10 @@ class ProxyConfig:
         """
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise InvalidInputError(f"proxy config {path}: cannot read it as JSON ({exc})") from exc
-        try:
-            return cls(path, ProxySettings.model_validate(raw))
-        except ValidationError as exc:
-            raise InvalidInputError(f"proxy config {path}: {_problems(exc)}") from exc
+            return cls(path, ProxySettings.model_validate(json.loads(path.read_text())))
+        except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            raise InvalidInputError(f"proxy config {path}: " + (_problems(exc) if isinstance(exc, ValidationError)
+                                                                else f"cannot read it as JSON ({exc})")) from exc
 
     def _file(self, name: str) -> Path:
         path = self.path.parent / name
@@ -140,14 +137,13 @@ class ProxyConfig:
         prices: dict[str, TokenPrice] = {}
         for model, entry in entries.items():
             key = None if entry.api_key_env is None else os.environ.get(entry.api_key_env)
-            if entry.api_key_env is not None and not key:
-                raise InvalidInputError(f"proxy config {self.path}: {section}[{model!r}] reads its key from "
-                                        f"${entry.api_key_env}, which is not set")
-            upstreams[model] = Upstream(entry.base_url, api_key=key, model=entry.model, timeout_s=entry.timeout_s)
             given = (entry.input_usd_per_1m, entry.output_usd_per_1m)
-            if given.count(None) == 1:
-                raise InvalidInputError(f"proxy config {self.path}: {section}[{model!r}] gives one of "
-                                        "input_usd_per_1m / output_usd_per_1m; give both")
+            problem = (f"reads its key from ${entry.api_key_env}, which is not set" if entry.api_key_env is not None
+                       and not key else "gives one of input_usd_per_1m / output_usd_per_1m; give both"
+                       if given.count(None) == 1 else None)
+            if problem:
+                raise InvalidInputError(f"proxy config {self.path}: {section}[{model!r}] {problem}")
+            upstreams[model] = Upstream(entry.base_url, api_key=key, model=entry.model, timeout_s=entry.timeout_s)
             if given[0] is not None and given[1] is not None:
                 prices[model] = TokenPrice(given[0], given[1])
         return upstreams, prices
