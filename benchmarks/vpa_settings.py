@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sdk.atomic_write import write_atomic
 from trainer.data.conflicting_users import make_users
 from trainer.vpa import evaluation as ev
 from trainer.vpa.experiment import load_features
@@ -68,13 +69,14 @@ def main() -> None:
     def save() -> None:
         out["seconds"] = time.perf_counter() - t0
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1))
+        write_atomic(args.out, json.dumps(out, indent=1).encode())
         lines = ["| prior | setting | val acc (mean over C, seeds) | type acc from z at C = 2 |", "|---|---|---|---|"]
         for prior in ("gaussian", "mixture"):
             for r in out[prior]:
                 lines.append(f"| {prior} | {r['setting']} | {r['acc']:.4f} | {r['type_acc']:.3f} |")
         feats = ", ".join(f"{k} {v:.4f}" for k, v in out["features"].items())
-        args.out.with_suffix(".md").write_text(f"Oracle validation accuracy by feature set: {feats}\n\n" + "\n".join(lines) + "\n")
+        write_atomic(args.out.with_suffix(".md"),
+                     (f"Oracle validation accuracy by feature set: {feats}\n\n" + "\n".join(lines) + "\n").encode())
 
     # 1. features, by the oracle
     for structure in STRUCTURES:
