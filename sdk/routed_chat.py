@@ -505,24 +505,29 @@ class RoutedChat:
         plan = route.plan
         if plan is not None and plan.controller is not None and cost is not None:
             plan.controller.record(route.model, cost)
-        awaiting = False
-        if plan is None or self._pending is None or cost is None or not response_id:
-            pass
-        elif not storable_id(response_id):  # e.g. lone surrogates from the upstream: the answer still stands
-            log.warning("the answer of %s has an id that cannot be stored (%r): it cannot be scored later",
-                        route.model, str(response_id)[:80])
-        elif cost > MAX_COST_PER_QUERY_USD:  # no log row may hold it: feedback could never record it
-            log.warning("the answer of %s (id %s) cost %.6g USD by its usage, above the %g USD per query a log row "
-                        "holds (absurd token counts or prices?): it cannot be scored later", route.model,
-                        response_id, cost, MAX_COST_PER_QUERY_USD)
-        else:
-            c = plan.choice
-            self._pending.add(PendingOutcome(response_id, time.time(), route.model, cost, latency_ms, c.embedding,
-                                             c.cell, c.bundle_version))
-            awaiting = True
+        awaiting = self._await_score(plan, route, response_id, cost, latency_ms)
         outcome = CallOutcome(route, response_id, latency_ms, prompt_tokens, completion_tokens, cost, awaiting)
         self._observer.answered(outcome)
         return outcome
+
+    def _await_score(self, plan: Plan | None, route: Route, response_id: str | None, cost: float | None,
+                     latency_ms: float) -> bool:
+        """Store the answer until :meth:`feedback` scores it; False where it cannot be scored later."""
+        if plan is None or self._pending is None or cost is None or not response_id:
+            return False
+        if not storable_id(response_id):  # e.g. lone surrogates from the upstream: the answer still stands
+            log.warning("the answer of %s has an id that cannot be stored (%r): it cannot be scored later",
+                        route.model, str(response_id)[:80])
+            return False
+        if cost > MAX_COST_PER_QUERY_USD:  # no log row may hold it: feedback could never record it
+            log.warning("the answer of %s (id %s) cost %.6g USD by its usage, above the %g USD per query a log row "
+                        "holds (absurd token counts or prices?): it cannot be scored later", route.model,
+                        response_id, cost, MAX_COST_PER_QUERY_USD)
+            return False
+        c = plan.choice
+        self._pending.add(PendingOutcome(response_id, time.time(), route.model, cost, latency_ms, c.embedding,
+                                         c.cell, c.bundle_version))
+        return True
 
     def feedback(self, response_id: str, score: object) -> int:
         """Record the score in [0, 1] of the answered routed call ``response_id`` (the completion's ``id``):
