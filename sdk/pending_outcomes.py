@@ -35,15 +35,20 @@ CREATE TABLE IF NOT EXISTS pending (
     latency_ms     REAL    NOT NULL,
     embedding      BLOB    NOT NULL,
     cell           INTEGER,
-    bundle_version INTEGER NOT NULL
+    bundle_version INTEGER NOT NULL,
+    policy         TEXT,
+    propensity     REAL
 )
 """
 
-_SELECT = ("SELECT response_id, timestamp, model, cost_usd, latency_ms, embedding, cell, bundle_version "
-           "FROM pending WHERE response_id = ?")
+_SELECT = ("SELECT response_id, timestamp, model, cost_usd, latency_ms, embedding, cell, bundle_version, policy, "
+           "propensity FROM pending WHERE response_id = ?")
 T = TypeVar("T")
 
-_COLUMNS = ("response_id", "seq", "timestamp", "model", "cost_usd", "latency_ms", "embedding", "cell", "bundle_version")
+_COLUMNS = ("response_id", "seq", "timestamp", "model", "cost_usd", "latency_ms", "embedding", "cell", "bundle_version",
+            "policy", "propensity")
+#: A store written before exploration (no policy nor propensity): its entries are kept, the columns added.
+_COLUMNS_1 = _COLUMNS[:-2]
 
 
 def storable_id(response_id: object) -> bool:
@@ -61,7 +66,8 @@ def storable_id(response_id: object) -> bool:
 class PendingOutcome:
     """An answered routed call waiting for its score: the completion's ``id``, arrival time (unix s), the
     model that answered, observed cost (USD) and latency (ms), the routed text's (d_emb,) float32
-    embedding, its K-means cell (or None) and the routing bundle's version."""
+    embedding, its K-means cell (or None) and the routing bundle's version; ``policy`` and ``propensity``
+    of an explored choice that the chosen model answered (else None: :meth:`sdk.EvalLog.record`'s pair)."""
 
     response_id: str
     timestamp: float
@@ -71,6 +77,8 @@ class PendingOutcome:
     embedding: npt.NDArray[np.float32]
     cell: int | None
     bundle_version: int
+    policy: str | None = None
+    propensity: float | None = None
 
 
 class PendingOutcomes:
@@ -102,13 +110,23 @@ class PendingOutcomes:
             tables = table_names(self._conn)
             if not tables - {"pending"}:  # a new file, or a store: never add the table to another database
                 self._conn.execute(_SCHEMA)
-            columns = tuple(r[1] for r in self._conn.execute("PRAGMA table_info(pending)"))
+            columns = self._columns()
+            if columns == _COLUMNS_1 and not tables - {"pending"}:  # under the write lock: one process migrates
+                self._conn.execute("BEGIN IMMEDIATE")
+                if self._columns() == _COLUMNS_1:  # not migrated meanwhile by another process
+                    self._conn.execute("ALTER TABLE pending ADD COLUMN policy TEXT")
+                    self._conn.execute("ALTER TABLE pending ADD COLUMN propensity REAL")
+                self._conn.execute("COMMIT")
+                columns = self._columns()
         except (OSError, sqlite3.Error, ValueError) as exc:  # ValueError: a NUL byte in the path
             raise EvalLogError(f"cannot open the pending-outcome store {self._path!r}: {exc}") from exc
         if tables - {"pending"} or columns != _COLUMNS:  # e.g. the EvalLog's own file given as the store
             self._conn.close()
             raise EvalLogError(f"{self._path!r} is an SQLite database but not a pending-outcome store (tables "
                                f"{sorted(tables)}, pending columns {list(columns)}); give a file of its own")
+
+    def _columns(self) -> tuple[str, ...]:
+        return tuple(r[1] for r in self._conn.execute("PRAGMA table_info(pending)"))
 
     def add(self, outcome: PendingOutcome) -> None:
         """Store ``outcome`` (replacing an entry of its id) and apply retention, in one transaction.
@@ -119,9 +137,10 @@ class PendingOutcomes:
         blob = np.ascontiguousarray(outcome.embedding, dtype="<f4").tobytes()
         with self._transaction("write") as conn:
             seq = conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM pending").fetchone()[0]
-            conn.execute("INSERT OR REPLACE INTO pending VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            conn.execute("INSERT OR REPLACE INTO pending VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                          (outcome.response_id, seq, outcome.timestamp, outcome.model, outcome.cost_usd,
-                          outcome.latency_ms, blob, outcome.cell, outcome.bundle_version))
+                          outcome.latency_ms, blob, outcome.cell, outcome.bundle_version, outcome.policy,
+                          outcome.propensity))
             conn.execute("DELETE FROM pending WHERE timestamp < ?", (time.time() - self._max_age_s,))
             conn.execute("DELETE FROM pending WHERE seq <= ?", (seq - self._max_rows,))
 
@@ -193,4 +212,4 @@ class PendingOutcomes:
 
 def _outcome(row: tuple[Any, ...]) -> PendingOutcome:
     return PendingOutcome(row[0], row[1], row[2], row[3], row[4], np.frombuffer(row[5], dtype="<f4").copy(), row[6],
-                          row[7])
+                          row[7], row[8], row[9])

@@ -5,8 +5,9 @@ Per call: route the :func:`sdk.chat_text.routing_text` of ``messages`` by utilit
 upstream through the ``openai`` package, fall back on a timeout, connection failure, 429, 5xx or an
 answer that is not a chat completion (at most ``max_fallbacks`` times), and record the observed cost
 (:mod:`sdk.token_prices`) and latency; with a ``log``, :meth:`RoutedChat.feedback` writes the scored
-call to the :class:`sdk.eval_log.EvalLog`. Behaviour in full: docs/openai_proxy.md. Requires the
-``openai`` package (``pip install 'fedroute[proxy]'``).
+call to the :class:`sdk.eval_log.EvalLog`. With ``explore``, an :class:`sdk.Explorer` over the pool picks
+the model tried first, and a row answered by that model keeps its policy and propensity.
+Behaviour in full: docs/openai_proxy.md. Requires the ``openai`` package (``pip install 'fedroute[proxy]'``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from sdk.chat_text import DEFAULT_CONTEXT_CHARS, message_texts, routing_text
 from sdk.errors import (BundleError, EvalLogError, InvalidInputError, ShapeError, UnknownModelError,
                         UnknownResponseError, UpstreamError)
 from sdk.eval_log import MAX_COST_PER_QUERY_USD, EvalLog
+from sdk.explorer import Explorer
 from sdk.model_spec import ROUTED_MODEL, ModelSpec, parse_model_spec
 from sdk.pending_outcomes import PendingOutcome, PendingOutcomes, storable_id
 from sdk.real_numbers import finite_float, shown
@@ -77,8 +79,8 @@ class FailedAttempt:
 
 @dataclass(frozen=True)
 class Plan:
-    """The routing decision for one call: the routed ``text``, the router's ``choice``, the models to try
-    (``order``, best first), ``lam`` used (USD^-1), the budget asked for (USD per 1k queries, or None),
+    """The routing decision for one call: the routed ``text``, the router's ``choice`` (or the Explorer's,
+    with its ``policy`` and ``propensity``), the models to try (``order``, best first), ``lam`` used (USD^-1), the budget asked for (USD per 1k queries, or None),
     ``routing_ms`` and the budget ``controller`` that chose (or None)."""
 
     text: str
@@ -162,6 +164,9 @@ class RoutedChat:
     max_fallbacks : int >= 0; context_chars : int >= 0 (:func:`sdk.chat_text.routing_text`).
     observer : a :class:`ChatObserver`; budget_seed : seed of the budget controllers' mixing.
     max_budgets_per_caller : int >= 1; budget_state : SQLite file of the controllers' state, or None.
+    explore : None (greedy), a policy name of :class:`sdk.Explorer` (unseeded) or an ``Explorer`` whose
+        settings (policy, seed, n_draws, max_regret) are copied: each routed call tries first the model
+        drawn by an Explorer of those settings over the pool (:attr:`explorer`, renewed by :meth:`reload`).
 
     Raises
     ------
@@ -172,7 +177,8 @@ class RoutedChat:
     InvalidInputError
         Not exactly one of ``lam`` / ``budget_usd_per_1k``, either out of range, an empty ``upstreams``,
         an upstream of another type, a bad ``passthrough`` key, ``max_fallbacks`` or ``context_chars``,
-        a ``log`` over other models, or an ``openai`` client that cannot be built.
+        a ``log`` over other models, an ``openai`` client that cannot be built, or an ``explore`` that
+        :class:`sdk.Explorer` refuses (an MLP bundle, an unknown policy).
     """
 
     def __init__(self, router: Router, *, upstreams: Mapping[str, object], lam: float | None = None,
@@ -181,7 +187,7 @@ class RoutedChat:
                  pending: PendingOutcomes | str | Path | None = None, max_fallbacks: int = DEFAULT_MAX_FALLBACKS,
                  context_chars: int = DEFAULT_CONTEXT_CHARS, observer: ChatObserver | None = None,
                  budget_seed: int | None = None, max_budgets_per_caller: int = DEFAULT_MAX_PER_CALLER,
-                 budget_state: str | Path | None = None) -> None:
+                 budget_state: str | Path | None = None, explore: str | Explorer | None = None) -> None:
         pass_ok = passthrough is None or isinstance(passthrough, Mapping)
         bad_keys = [n for n in (passthrough or {}) if pass_ok and (not isinstance(n, str) or not n.strip()
                     or n.startswith(ROUTED_MODEL) or n in router.model_ids)]
@@ -197,7 +203,9 @@ class RoutedChat:
             ("passthrough", not bad_keys, f"passthrough keys {bad_keys!r} must be model ids the router does not know, "
              "not starting with 'fedroute' (router models go in upstreams=)"),
             ("log", log is None or tuple(log.models) == tuple(router.model_ids),
-             "log must be an sdk.EvalLog opened with router.model_ids"))
+             "log must be an sdk.EvalLog opened with router.model_ids"),
+            ("explore", explore is None or isinstance(explore, (str, Explorer)),
+             f"explore must be None, a policy name or an sdk.Explorer, got {type(explore).__name__}"))
         for param, accepted, message in rules:
             if not accepted:
                 raise InvalidInputError(message, param=param)
@@ -225,6 +233,9 @@ class RoutedChat:
         self._observer: ChatObserver = observer or ChatObserver()
         self._budgets: CallerBudgets = CallerBudgets(lambda b: BudgetController(self.router, b, seed=budget_seed),
                                       max_per_caller=max_budgets_per_caller, path=budget_state)
+        self._explore: dict[str, Any] | None = (None if explore is None else {"policy": explore}
+                                                if isinstance(explore, str) else _settings(explore))
+        self._explorer: Explorer | None = None if self._explore is None else _explorer(router, self._explore, self._pool)
         self._closed: bool = False
         self._feedback_lock: threading.Lock = threading.Lock()
         self._id_lock: threading.Lock = threading.Lock()
@@ -252,6 +263,11 @@ class RoutedChat:
         return self._router
 
     @property
+    def explorer(self) -> Explorer | None:
+        """The :class:`sdk.Explorer` choosing the first model of each routed call (None: greedy)."""
+        return self._explorer
+
+    @property
     def pending(self) -> PendingOutcomes | None:
         """The store of calls awaiting a score (None without a log)."""
         return self._pending
@@ -276,7 +292,8 @@ class RoutedChat:
         PriceError
             A model has no price in the newer bundle nor in ``prices`` (the old one stays).
         InvalidInputError
-            The router was not built by :meth:`sdk.Router.load`.
+            The router was not built by :meth:`sdk.Router.load`, or ``explore`` is on and the newer
+            bundle is not a K-means one (the old one stays).
         """
         new = self._router.reloaded()
         if new is None:
@@ -285,8 +302,9 @@ class RoutedChat:
             raise BundleError(f"bundle version {new.bundle_version} routes {list(new.model_ids)}, not this client's "
                               f"{list(self._router.model_ids)} (its log and upstreams): not swapped in; restart with it")
         prices = price_table(self._callable_ids, self._given_prices, new.models)
+        explorer = None if self._explore is None else _explorer(new, self._explore, self._pool)  # the new table
         old = self._router.bundle_version
-        self._router, self._prices = new, prices
+        self._router, self._explorer, self._prices = new, explorer, prices
         log.info("routing with bundle version %d (was %d)", new.bundle_version, old)
         return True
 
@@ -318,12 +336,14 @@ class RoutedChat:
             self._budget if spec.lam is None else None)
         first: str | None = None
         controller: BudgetController | None = None
-        router = self._router  # one bundle per call, also when reload() swaps it meanwhile
+        explorer = self._explorer  # one bundle per call, also when reload() swaps it meanwhile
+        router = self._router if explorer is None else explorer.router
+        choose = router.choose if explorer is None else explorer.choose
         if budget is not None:
             # The controller picks among the models with an upstream only (NaN = no estimate), so its
             # spend curve is that of the models this client can call.
             controller = self._budgets.get(caller, budget)
-            choice = router.choose(text, float(controller.lam))
+            choice = choose(text, float(controller.lam))
             pool = self._pool_ids
             first = controller.choose_from_predictions(
                 np.array([s.accuracy if s.model in pool else math.nan for s in choice.scores]),
@@ -331,7 +351,9 @@ class RoutedChat:
         else:
             lam = self._lam if spec.lam is None else spec.lam
             assert lam is not None  # exactly one of lam / budget is set at construction
-            choice = router.choose(text, lam)
+            choice = choose(text, lam)
+        if explorer is not None:  # the explored model goes first; the controller (if any) still sees every cost
+            first = choice.model
         ranked = self._ranked(choice)
         if first in self._pool_ids:
             ranked = [first] + [m for m in ranked if m != first]
@@ -525,8 +547,11 @@ class RoutedChat:
                         response_id, cost, MAX_COST_PER_QUERY_USD)
             return False
         c = plan.choice
+        # An explored choice answered by a fallback is logged without policy nor propensity (docs/openai_proxy.md).
+        explored = c.policy != "greedy" and route.model == c.model
         self._pending.add(PendingOutcome(response_id, time.time(), route.model, cost, latency_ms, c.embedding,
-                                         c.cell, c.bundle_version))
+                                         c.cell, c.bundle_version, c.policy if explored else None,
+                                         c.propensity if explored else None))
         return True
 
     def feedback(self, response_id: str, score: object) -> int:
@@ -555,8 +580,8 @@ class RoutedChat:
             try:  # a clock set back since the answer: the row takes the time of the feedback (not a future one)
                 return eval_log.record(pending.model, value, pending.cost_usd, latency_ms=pending.latency_ms,
                                        embedding=pending.embedding, cell=pending.cell,
-                                       bundle_version=pending.bundle_version,
-                                       timestamp=min(pending.timestamp, time.time()))
+                                       bundle_version=pending.bundle_version, policy=pending.policy,
+                                       propensity=pending.propensity, timestamp=min(pending.timestamp, time.time()))
             except (InvalidInputError, UnknownModelError, ShapeError) as exc:  # the stored outcome, not the score
                 raise EvalLogError(f"the answer awaiting a score under id {response_id!r} cannot be recorded in "
                                    f"{str(eval_log.path)!r} (it stays pending): {exc}") from exc
@@ -745,6 +770,21 @@ def _call_kwargs(messages: list[object], kwargs: dict[str, Any]) -> tuple[dict[s
         options["include_usage"] = True
         kwargs["stream_options"] = options
     return kwargs, stream, strip
+
+
+def _settings(explorer: Explorer) -> dict[str, Any]:
+    """The keyword arguments that build an :class:`sdk.Explorer` like ``explorer``."""
+    p = explorer.policy
+    return {"policy": p.name, "seed": p.seed, "n_draws": p.n_draws, "max_regret": explorer.max_regret}
+
+
+def _explorer(router: Router, settings: Mapping[str, Any], pool: Sequence[str]) -> Explorer:
+    """An :class:`sdk.Explorer` of ``settings`` over ``router`` that explores only ``pool``: the other models'
+    posteriors are NaN ("no estimate": never chosen, propensity 0) before its first choice."""
+    explorer = Explorer(router, **settings)
+    off = [j for j, m in enumerate(router.model_ids) if m not in pool]
+    explorer.alpha_[:, off] = explorer.beta_[:, off] = np.nan
+    return explorer
 
 
 def _no_client(model: str, other: str) -> NoReturn:

@@ -285,6 +285,10 @@ def test_config_errors(tmp_path, make_bundle, signing_keys, monkeypatch):
     config = write_config(tmp_path, bundle, signing_keys[1], base, lam=None, budget_usd_per_1k=float("nan"))
     with pytest.raises(InvalidInputError, match="budget"):
         config.build_chat()
+    for explore, match in (({"policy": "frontier"}, "policy must be one of"), ({"seed": -1}, "seed must be"),
+                           ({"n_draws": 0}, "n_draws must be"), ({"max_regret": -0.5}, "max_regret must be")):
+        with pytest.raises(InvalidInputError, match=match):  # sdk.Explorer's ranges
+            write_config(tmp_path, bundle, signing_keys[1], base, explore=explore).build_chat()
     monkeypatch.delenv("STUB_KEY")
     with pytest.raises(InvalidInputError, match=r"\$STUB_KEY"):
         write_config(tmp_path, bundle, signing_keys[1], base).build_chat()
@@ -309,6 +313,8 @@ def test_config_errors(tmp_path, make_bundle, signing_keys, monkeypatch):
     # an empty or scheme-less base_url was accepted and failed only at the first request routed to it
     ({"upstreams": {"m": {"base_url": ""}}}, "base_url must be an http(s) URL"),
     ({"passthrough": {"x": {"base_url": "api.openai.com/v1"}}}, "base_url must be an http(s) URL"),
+    ({"explore": {"policy": "thompson", "sed": 1}}, "explore['sed']"), ({"explore": {"seed": "1"}}, "explore['seed']"),
+    ({"explore": "thompson"}, "'explore'"),
 ])
 def test_config_values_of_the_wrong_json_type_are_refused_at_load(tmp_path, override, field):
     # They passed load() and raised raw TypeErrors in build_chat (Path / 5, os.environ.get(5)): a traceback at start.

@@ -245,16 +245,24 @@ def test_reload_keeps_the_old_bundle_when_the_newer_one_does_not_load(make_bundl
     chat.close()
 
 
-def test_the_proxy_picks_up_a_newer_bundle(proxy, make_bundle):
-    base, chat, bundle = proxy(reload_s=0.1)
+def test_the_proxy_picks_up_a_newer_bundle_and_explores_with_a_new_explorer(proxy, make_bundle, tmp_path):
+    base, chat, bundle = proxy(reload_s=0.1, explore={"policy": "uniform", "seed": 3})
     assert httpx.get(base + "/health").json()["bundle_version"] == 1
+    first = chat.explorer
+    ids = [post(base, A, model="fedroute", messages=USER).json()["id"]]
     make_bundle(bundle, bundle_version=2)
     deadline = time.monotonic() + 20
     while httpx.get(base + "/health").json()["bundle_version"] != 2:
         assert time.monotonic() < deadline, "the proxy did not reload the bundle"
         time.sleep(0.05)
-    assert chat.router.bundle_version == 2
-    assert post(base, A, model="fedroute", messages=USER).status_code == 200
+    assert chat.router.bundle_version == 2 and chat.explorer is not first and chat.explorer.router is chat.router
+    ids.append(post(base, A, model="fedroute", messages=USER).json()["id"])
+    for i in ids:  # scored through the proxy: each row keeps the policy and the propensity (1 of the 3 upstreams)
+        r = httpx.post(base + "/v1/fedroute/feedback", json={"id": i, "score": 1.0}, headers={"Authorization": f"Bearer {A}"})
+        assert r.status_code == 200, r.text
+    rows = EvalLog(tmp_path / "proxy_log.sqlite", chat.router.model_ids).rows()
+    assert list(rows.bundle_version) == [1, 2] and rows.policy == ("uniform", "uniform")
+    assert list(rows.propensity) == [1 / 3, 1 / 3] and set(rows.model) <= set(POOL)
 
 
 def test_fedroute_proxy_under_attack_answers_others_within_a_second(make_bundle, signing_keys, tmp_path):

@@ -90,6 +90,7 @@ def test_routes_to_the_best_model_by_utility_and_records_the_observed_cost_on_fe
     assert rows.latency_ms[0] == pytest.approx(outcome.latency_ms)
     np.testing.assert_allclose(rows.embedding[0], router.choose(QUERY, 100.0).embedding, atol=1e-6)
     assert rows.bundle_version[0] == router.bundle_version and rows.query == (None,)
+    assert chat.explorer is None and rows.policy == (None,) and np.isnan(rows.propensity[0])  # greedy: as before
     with pytest.raises(UnknownResponseError, match="already scored"):
         chat.feedback(result.completion.id, 0.5)
     for bad in (1.5, -0.1, float("nan"), True, "0.5"):
@@ -478,3 +479,138 @@ def test_messages_that_are_no_list_of_messages_are_named(messages, shown):
     for check in (routing_text, message_texts):
         with pytest.raises(InvalidQueryError, match=re.escape(f"non-empty list of chat messages, {shown}")):
             check(messages)
+
+
+# -- exploration (explore=): tiny K-means bundles (tests/tiny_kmeans.py), every model with an upstream -------------
+
+def tiny_chat(router, stub, tmp_path, **kwargs) -> RoutedChat:
+    from tiny_kmeans import MODELS
+
+    options = dict(lam=0.0, prices={m: TokenPrice(1.0, 1.0) for m in MODELS},
+                   log=EvalLog(tmp_path / "evals.sqlite", router.model_ids))
+    return RoutedChat(router, upstreams={m: Upstream(stub.base_url, api_key="k") for m in MODELS},
+                      **{**options, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def tiny(signing_keys, tmp_path_factory) -> Router:
+    """The trainer's default shrinkage over 4 evaluations per (cell, model): loose posteriors, both models explored."""
+    from tiny_kmeans import write_tiny_kmeans
+
+    return Router.load(write_tiny_kmeans(tmp_path_factory.mktemp("tiny"), signing_keys[0])[0], signing_keys[1])
+
+
+TINY_QUERIES = ["a", "b", "a a", "b b", "a b a", "b a b"] * 3
+
+
+def test_explore_tries_the_explorers_model_first_and_logs_its_policy_and_propensity(tiny, stub, tmp_path):
+    from sdk.explorer import Explorer
+
+    chat = tiny_chat(tiny, stub, tmp_path, explore=Explorer(tiny, seed=4))
+    ref = Explorer(tiny, seed=4)  # same seed, same bundle, same calls: the same draws
+    served, ids = [], []
+    for q in TINY_QUERIES:
+        result = chat.create_routed(messages=q)
+        plan, expected = result.outcome.route.plan, ref.choose(q, 0.0)
+        assert (plan.choice.model, plan.choice.propensity, plan.choice.policy) == \
+            (expected.model, expected.propensity, "thompson")
+        assert plan.order[0] == expected.model == result.outcome.route.model == stub.requests[-1]["model"]
+        served.append((expected.model, expected.propensity))
+        ids.append(result.completion.id)
+    greedy = [tiny.choose(q, 0.0).model for q in TINY_QUERIES]
+    assert sum(m != g for (m, _), g in zip(served, greedy)) == 4  # it explored (seed 4: 4 of 18, about 10% a query)
+    chat.close()
+    again = tiny_chat(tiny, stub, tmp_path)  # a restart, exploring or not: the pending store keeps the pair
+    for i in ids:
+        again.feedback(i, 1.0)
+    rows = again._log.rows()
+    assert list(zip(rows.model, rows.propensity)) == served and set(rows.policy) == {"thompson"}
+    assert all(0.0 < p <= 1.0 for _, p in served) and min(p for _, p in served) < 1.0
+    again.close()
+
+
+def test_an_explored_model_that_fails_is_fallen_back_from_and_its_row_carries_no_propensity(tiny, stub, tmp_path):
+    """Rule (docs/openai_proxy.md): the probability of logging a fallback depends on the upstream's failures,
+    which nobody knows, so a row served by a fallback is logged as not explored (no policy nor propensity)."""
+    from sdk.explorer import Explorer
+
+    chat = tiny_chat(tiny, stub, tmp_path, explore=Explorer(tiny, policy="uniform", seed=5))
+    first = Explorer(tiny, policy="uniform", seed=5).choose("a", 0.0).model
+    stub.modes[first] = "503"
+    result = chat.create_routed(messages="a")
+    assert [r["model"] for r in stub.requests] == [first, result.outcome.route.model] != [first, first]
+    assert result.outcome.route.failed[0].model == first and result.outcome.route.plan.choice.propensity == 0.5
+    chat.feedback(result.completion.id, 1.0)
+    rows = chat._log.rows()
+    assert rows.model == (result.outcome.route.model,) and rows.policy == (None,) and np.isnan(rows.propensity[0])
+    chat.close()
+
+
+def test_explore_chooses_among_the_pool_only(router, stub, tmp_path):
+    """3 of the router's 11 models have an upstream: uniform exploration draws each with probability 1/3."""
+    chat = make_chat(router, stub, tmp_path, explore="uniform")
+    p = chat.explorer.probabilities(100.0)
+    pool = [router.model_ids.index(m) for m in POOL]
+    np.testing.assert_array_equal(p[:, pool], 1 / 3)
+    assert np.delete(p, pool, axis=1).sum() == 0.0
+    result = chat.create_routed(messages=QUERY)
+    choice = result.outcome.route.plan.choice
+    assert choice.model in POOL and choice.propensity == 1 / 3 and stub.requests[-1]["model"] == POOL[choice.model]
+    chat.feedback(result.completion.id, 0.0)
+    rows = chat._log.rows()
+    assert rows.policy == ("uniform",) and rows.propensity[0] == 1 / 3
+    budget = make_chat(router, stub, tmp_path, lam=None, budget_usd_per_1k=0.5, explore="uniform")
+    result = budget.create_routed(messages=QUERY)  # the controller sets lam and sees the explored model's cost
+    assert result.outcome.route.plan.choice.propensity == 1 / 3
+    assert budget.budget_controllers()[0.5].n_recorded == 1
+    budget.close()
+    with pytest.raises(InvalidInputError, match="explore must be"):
+        make_chat(router, stub, tmp_path, explore=0.1)
+    with pytest.raises(InvalidInputError, match="policy must be one of"):
+        make_chat(router, stub, tmp_path, explore="frontier")
+    chat.close()
+
+
+def test_reload_explores_with_a_new_explorer_on_the_new_table(signing_keys, stub, tmp_path):
+    from sdk.explorer import Explorer
+    from tiny_kmeans import write_tiny_kmeans
+    from trainer.routers.kmeans_router import KMeansRouterConfig
+
+    hand = KMeansRouterConfig(n_clusters=2, prior_strength=2.0, model_prior_strength=0.0, prior="model")
+    bundle, _ = write_tiny_kmeans(tmp_path / "b", signing_keys[0], config=hand)  # Beta(5, 1) / Beta(1, 5)
+    router = Router.load(bundle, signing_keys[1])
+    chat = tiny_chat(router, stub, tmp_path, explore=Explorer(router, seed=3, n_draws=500))
+    old = chat.explorer
+    a, b = router.choose("a", 0.0).cell, router.choose("b", 0.0).cell
+    np.testing.assert_allclose(old.alpha_[[a, b]], [[5, 1], [1, 5]])
+    write_tiny_kmeans(tmp_path / "b", signing_keys[0], version=2, config=hand, n_copies=250)  # 1,000 per cell
+    assert chat.reload() is True
+    new = chat.explorer
+    assert new is not old and new.router is chat.router and chat.router.bundle_version == 2
+    np.testing.assert_allclose(new.alpha_[[a, b]], [[1001, 1], [1, 1001]])
+    assert (new.policy, new.max_regret) == (old.policy, None)  # the same settings: policy, seed, n_draws
+    assert chat.choose("a").choice.bundle_version == 2
+    chat.close()
+
+
+def test_a_pending_store_written_before_exploration_is_migrated_and_keeps_its_entries(tmp_path):
+    import sqlite3
+    import time
+
+    from sdk.pending_outcomes import PendingOutcome, PendingOutcomes
+
+    now = time.time()
+    conn = sqlite3.connect(tmp_path / "p.sqlite")
+    conn.execute("CREATE TABLE pending (response_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, timestamp REAL NOT NULL, "
+                 "model TEXT NOT NULL, cost_usd REAL NOT NULL, latency_ms REAL NOT NULL, embedding BLOB NOT NULL, "
+                 "cell INTEGER, bundle_version INTEGER NOT NULL)")
+    conn.execute("INSERT INTO pending VALUES ('old', 1, ?, 'm', 0.5, 2.0, ?, 3, 4)", (now, np.ones(2, dtype="<f4").tobytes()))
+    conn.commit()
+    conn.close()
+    store = PendingOutcomes(tmp_path / "p.sqlite")
+    assert store.get("old").policy is None and store.get("old").cell == 3
+    store.add(PendingOutcome("new", now, "m", 0.5, 2.0, np.ones(2, dtype=np.float32), 1, 4, "thompson", 0.25))
+    store.close()
+    again = PendingOutcomes(tmp_path / "p.sqlite")
+    assert (again.get("new").policy, again.get("new").propensity) == ("thompson", 0.25) and len(again) == 2
+    again.close()

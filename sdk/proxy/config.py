@@ -15,6 +15,7 @@ from sdk.caller_budgets import DEFAULT_MAX_PER_CALLER
 from sdk.chat_text import DEFAULT_CONTEXT_CHARS
 from sdk.errors import InvalidInputError
 from sdk.eval_log import EvalLog
+from sdk.explorer import Explorer
 from sdk.router import Router
 from sdk.routed_chat import DEFAULT_MAX_FALLBACKS, DEFAULT_TIMEOUT_S, ChatObserver, RoutedChat, Upstream
 from sdk.token_prices import TokenPrice
@@ -56,6 +57,16 @@ class UpstreamConfig(_Strict):
     output_usd_per_1m: float | None = None
 
 
+class ExploreConfig(_Strict):
+    """``explore``: the settings of the :class:`sdk.Explorer` that picks each routed call's first model
+    (ranges checked by it)."""
+
+    policy: str = "thompson"
+    seed: int | None = None
+    n_draws: int = 1000
+    max_regret: float | None = None
+
+
 class ProxySettings(_Strict):
     """The config's keys, types and defaults; range checks of ``lam``, the budget and the upstreams are
     :class:`RoutedChat`'s."""
@@ -75,6 +86,7 @@ class ProxySettings(_Strict):
     budget_state: Annotated[str, _path("budget_state")] | None = None
     budget_save_s: float = Field(5.0, ge=0, allow_inf_nan=False)
     reload_s: float = Field(30.0, ge=0, allow_inf_nan=False)
+    explore: ExploreConfig | None = None
 
 
 class ProxyConfig:
@@ -115,7 +127,7 @@ class ProxyConfig:
         Raises
         ------
         BundleError, EvalLogError, PriceError, UnknownModelError, InvalidInputError
-            As :meth:`sdk.Router.load`, :class:`sdk.EvalLog` and :class:`RoutedChat`; an
+            As :meth:`sdk.Router.load`, :class:`sdk.EvalLog`, :class:`sdk.Explorer` and :class:`RoutedChat`; an
             ``api_key_env`` naming an unset variable, or one of two prices of an upstream.
         """
         s = self.settings
@@ -129,7 +141,8 @@ class ProxyConfig:
         return RoutedChat(router, upstreams=upstreams, passthrough=passthrough, prices={**prices, **more},
                           max_budgets_per_caller=s.max_budgets_per_caller, budget_state=budget_state,
                           lam=s.lam, budget_usd_per_1k=s.budget_usd_per_1k, log=log, max_fallbacks=s.max_fallbacks,
-                          context_chars=s.context_chars, observer=observer)
+                          context_chars=s.context_chars, observer=observer,
+                          explore=None if s.explore is None else Explorer(router, **s.explore.model_dump()))
 
     def _upstreams(self, section: str, entries: dict[str, UpstreamConfig]
                    ) -> tuple[dict[str, object], dict[str, TokenPrice]]:
