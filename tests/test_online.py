@@ -130,6 +130,36 @@ def test_cli_online_on_a_users_own_log_writes_the_online_table(routerbench_dir, 
     assert (out / "online.png").stat().st_size > 0 and "| thompson" in (out / "results.md").read_text()
 
 
+def test_cli_online_refuses_a_log_of_served_calls_and_says_what_the_replay_needs(routerbench_dir, tmp_path):
+    """A user's own device log (an sdk.EvalLog, or its rows as a table: one model's outcome per query) cannot
+    drive the replay: every policy could only log the model that was served. Refused before any embedding."""
+    import numpy as np
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from sdk import EvalLog
+    from trainer.cli import app
+
+    test = pd.read_parquet(routerbench_dir / "test.parquet").groupby("task").head(5)
+    test.to_parquet(tmp_path / "my_test.parquet")
+    models = [c.removesuffix("|correctness") for c in test.columns if c.endswith("|correctness")]
+    with EvalLog(tmp_path / "evals.sqlite", models) as log:
+        log.record(models[0], 1.0, 0.001, embedding=np.full(4, 0.5, dtype=np.float32), cell=0,
+                   bundle_version=1)
+    served = test.copy()  # one served model per query: the others' outcomes unknown
+    for i, m in enumerate(models):
+        served.loc[np.arange(len(served)) % len(models) != i, f"{m}|correctness"] = np.nan
+    served.to_parquet(tmp_path / "served.parquet")
+    for train, message in (("evals.sqlite", "an SQLite file (an sdk.EvalLog?) is not an evaluation table"),
+                           ("served.parquet", "no train query has an outcome for more than one model")):
+        out = tmp_path / f"out_{train}"
+        result = CliRunner().invoke(app, ["simulate", "--online", "--train", str(tmp_path / train), "--test",
+                                          str(tmp_path / "my_test.parquet"), "--out", str(out)],
+                                    env={"COLUMNS": "500"})
+        assert result.exit_code != 0 and message in " ".join((str(result.exception) + result.output).split())
+        assert not out.exists()
+
+
 def test_equal_costs_score_quality_against_the_best_single_model_and_the_oracle(data):
     stream, test, _ = data
     rng = np.random.default_rng(5)

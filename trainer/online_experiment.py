@@ -116,9 +116,14 @@ def run_online_simulation(train: EvalTable, test: EvalTable, out: Path, config: 
     Raises
     ------
     InvalidInputError
-        See :func:`trainer.experiments.check_tables`; ``out`` cannot be written.
+        See :func:`trainer.experiments.check_tables`; no train query labelled for two models or more;
+        ``out`` cannot be written.
     """
     check_tables(train, test)
+    if train.labelled().sum(axis=1).max() < 2:  # every policy could only log that one model: nothing to compare
+        raise InvalidInputError(f"{train.source}: no train query has an outcome for more than one model; the online "
+                                "replay reveals the outcome of the model each policy chooses, so each query needs "
+                                "the outcomes of the models it may choose (a log of served calls is not enough)")
     _prepare_out(out)
     started = time.time()
     train_emb, test_emb = embed_tables(train, test, embedder, cache_dir)

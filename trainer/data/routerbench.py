@@ -19,6 +19,7 @@ the column and the first offending row (0-based position among the data rows).
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import os
 from collections import Counter
@@ -51,6 +52,12 @@ UPSTREAM_RESPONSE_SUFFIX = "|model_response"
 
 # Columns of the local schema read as text verbatim (never turned into NaN) from CSV.
 _TEXT_COLUMNS = ("sample_id", "task", "prompt")
+#: Why an SQLite file (an ``sdk.EvalLog``) is refused where an evaluation table is read.
+_NOT_A_TABLE = ("an SQLite file (an sdk.EvalLog?) is not an evaluation table: a device's log holds the outcome of the "
+                "one model that served each query, and scoring or replaying routers needs each query's outcome for "
+                "several models; run your prompts through the models you route between and write the outcomes as "
+                "'<model>|correctness' and '<model>|cost_usd' columns in a .parquet or .csv file "
+                "(docs/routers-and-results.md, 'Your own logs')")
 # Cells of a numeric CSV column that mean "missing" (pandas' usual spellings).
 _CSV_NA_TOKENS = frozenset(
     {"", "nan", "NaN", "NAN", "NA", "N/A", "n/a", "null", "NULL", "None", "<NA>"}
@@ -498,8 +505,12 @@ def _read_frame(path: Path) -> pd.DataFrame:
     """Read a .parquet or .csv file (CSV text columns verbatim: "NA" stays text), mapping library errors to ours."""
     suffix = path.suffix.lower()
     if suffix not in (".parquet", ".csv"):
+        sqlite = False
+        with contextlib.suppress(OSError), path.open("rb") as head:
+            sqlite = head.read(16) == b"SQLite format 3\x00"
         raise DataFormatError(
-            f"unknown file suffix {path.suffix!r}; expected '.parquet' or '.csv'", path=str(path)
+            _NOT_A_TABLE if sqlite else f"unknown file suffix {path.suffix!r}; expected '.parquet' or '.csv'",
+            path=str(path),
         )
     if not path.is_file():
         raise DataUnavailableError(
