@@ -61,8 +61,8 @@ def proxy(
     chat = settings.build_chat(observer=metrics)
     app = create_app(chat, tokens, metrics, max_headers=limits.max_headers, **settings.app_options())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    typer.echo(f"routing over {list(chat.pool)} (pass-through: {[m for m in chat.models if m not in chat.pool]})",
-               err=True)
+    typer.echo(f"routing over {list(chat.pool)} (pass-through: {[m for m in chat.models if m not in chat.pool]})"
+               + ("" if chat.explorer is None else f", exploring: {chat.explorer.policy}"), err=True)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
                 ssl_certfile=None if tls_cert is None else str(tls_cert),
                 ssl_keyfile=None if tls_key is None else str(tls_key), **limits.uvicorn_options())
