@@ -80,8 +80,9 @@ class FailedAttempt:
 @dataclass(frozen=True)
 class Plan:
     """The routing decision for one call: the routed ``text``, the router's ``choice`` (or the Explorer's,
-    with its ``policy`` and ``propensity``), the models to try (``order``, best first), ``lam`` used (USD^-1), the budget asked for (USD per 1k queries, or None),
-    ``routing_ms`` and the budget ``controller`` that chose (or None)."""
+    with its ``policy`` and ``propensity``), the models to try (``order``, best first), ``lam`` used
+    (USD^-1), the budget asked for (USD per 1k queries, or None), ``routing_ms`` and the budget
+    ``controller`` that chose (or None)."""
 
     text: str
     choice: Choice = field(repr=False)
@@ -235,7 +236,8 @@ class RoutedChat:
                                       max_per_caller=max_budgets_per_caller, path=budget_state)
         self._explore: dict[str, Any] | None = (None if explore is None else {"policy": explore}
                                                 if isinstance(explore, str) else _settings(explore))
-        self._explorer: Explorer | None = None if self._explore is None else _explorer(router, self._explore, self._pool)
+        self._explorer: Explorer | None = (None if self._explore is None
+                                           else _explorer(router, self._explore, self._pool))
         self._closed: bool = False
         self._feedback_lock: threading.Lock = threading.Lock()
         self._id_lock: threading.Lock = threading.Lock()

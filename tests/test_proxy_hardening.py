@@ -258,7 +258,8 @@ def test_the_proxy_picks_up_a_newer_bundle_and_explores_with_a_new_explorer(prox
     assert chat.router.bundle_version == 2 and chat.explorer is not first and chat.explorer.router is chat.router
     ids.append(post(base, A, model="fedroute", messages=USER).json()["id"])
     for i in ids:  # scored through the proxy: each row keeps the policy and the propensity (1 of the 3 upstreams)
-        r = httpx.post(base + "/v1/fedroute/feedback", json={"id": i, "score": 1.0}, headers={"Authorization": f"Bearer {A}"})
+        r = httpx.post(base + "/v1/fedroute/feedback", json={"id": i, "score": 1.0},
+                       headers={"Authorization": f"Bearer {A}"})
         assert r.status_code == 200, r.text
     rows = EvalLog(tmp_path / "proxy_log.sqlite", chat.router.model_ids).rows()
     assert list(rows.bundle_version) == [1, 2] and rows.policy == ("uniform", "uniform")

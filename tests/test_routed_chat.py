@@ -604,7 +604,8 @@ def test_a_pending_store_written_before_exploration_is_migrated_and_keeps_its_en
     conn.execute("CREATE TABLE pending (response_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, timestamp REAL NOT NULL, "
                  "model TEXT NOT NULL, cost_usd REAL NOT NULL, latency_ms REAL NOT NULL, embedding BLOB NOT NULL, "
                  "cell INTEGER, bundle_version INTEGER NOT NULL)")
-    conn.execute("INSERT INTO pending VALUES ('old', 1, ?, 'm', 0.5, 2.0, ?, 3, 4)", (now, np.ones(2, dtype="<f4").tobytes()))
+    conn.execute("INSERT INTO pending VALUES ('old', 1, ?, 'm', 0.5, 2.0, ?, 3, 4)",
+                 (now, np.ones(2, dtype="<f4").tobytes()))
     conn.commit()
     conn.close()
     store = PendingOutcomes(tmp_path / "p.sqlite")
