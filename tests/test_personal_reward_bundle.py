@@ -16,7 +16,7 @@ from sdk.errors import BundleError, InvalidQueryError, ShapeError
 
 torch.set_num_threads(1)
 
-N_PAIRS = 200  # training users' pairs; the parity users read the rows after them
+N_PAIRS = 150  # training users' pairs; the parity users read the rows after them
 
 
 @pytest.fixture(scope="module")
