@@ -70,7 +70,7 @@ class _Features(nn.Module):
         x, d = raw / self.div, self.d
         if not d:
             return x
-        blocks = [(x[..., i * d:(i + 1) * d] - self.mean[i]) @ self.components[i].T for i in (0, 1)]
+        blocks = [x[..., i * d:(i + 1) * d] @ self.components[i].T - self.mean[i] @ self.components[i].T for i in (0, 1)]
         return torch.cat(blocks + [x[..., 2 * d:]], -1)
 
 

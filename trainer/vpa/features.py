@@ -111,7 +111,7 @@ def select_structure(phi: np.ndarray, structure: str) -> np.ndarray:
 class EmbeddingProjection:
     """PCA of the ``e(x)`` and ``e(y)`` blocks: ``mean`` (2, d_emb) and ``components`` (2, n_components, d_emb),
     float32 (scikit-learn's ``mean_`` and ``components_`` of the prompt and the response block);
-    a block ``e`` becomes ``(e - mean) @ components.T``."""
+    a block ``e`` becomes ``e @ components.T - mean @ components.T`` (scikit-learn's ``transform``, same order)."""
 
     mean: np.ndarray
     components: np.ndarray
@@ -119,7 +119,7 @@ class EmbeddingProjection:
     def apply(self, phi: np.ndarray) -> np.ndarray:
         """``phi`` (..., 2 * d_emb + k) with its two embedding blocks projected: (..., 2 * n_components + k) float32."""
         d = self.mean.shape[1]
-        blocks = [(phi[..., i * d:(i + 1) * d] - self.mean[i]) @ self.components[i].T for i in (0, 1)]
+        blocks = [phi[..., i * d:(i + 1) * d] @ self.components[i].T - self.mean[i] @ self.components[i].T for i in (0, 1)]
         return np.concatenate(blocks + [phi[..., 2 * d:]], axis=-1).astype(np.float32)
 
 
