@@ -4,7 +4,7 @@
 use (PEP 562 ``__getattr__``): never torch, transformers, ``trainer`` or ``export``.
 
 - :class:`Router` (``Router.load(bundle_dir, public_key).choose(query, lam)`` -> :class:`Choice`),
-  :class:`RewardScorer`, :class:`Selector`: signed bundles, verified when loaded;
+  :class:`RewardScorer`, :class:`PersonalRewardScorer`, :class:`Selector`: signed bundles, verified when loaded;
 - :class:`BudgetController` keeps spend per 1,000 queries on a budget; :class:`Explorer` explores
   by Thompson sampling;
 - :class:`EvalLog`, the SQLite log of sparse evaluations, and :class:`SyncClient`, the federated sync;
@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time `__getattr__` impor
     from sdk.cell_statistics import CellStatistics
     from sdk.eval_log import EvalLog, Evaluations
     from sdk.explorer import Explorer
+    from sdk.personal_reward import PersonalLatent, PersonalRewardScorer
     from sdk.personalisation import interpolation_weights, personalise
     from sdk.reward_scorer import ClientChoice, RewardScorer
     from sdk.router import Choice, ModelInfo, ModelScore, Router
@@ -54,6 +55,8 @@ _LAZY = {
     "EvalLog": "sdk.eval_log",
     "Evaluations": "sdk.eval_log",
     "Explorer": "sdk.explorer",
+    "PersonalLatent": "sdk.personal_reward",
+    "PersonalRewardScorer": "sdk.personal_reward",
     "interpolation_weights": "sdk.personalisation",
     "personalise": "sdk.personalisation",
     "ClientChoice": "sdk.reward_scorer",
@@ -88,6 +91,8 @@ __all__ = [
     "InvalidQueryError",
     "ModelInfo",
     "ModelScore",
+    "PersonalLatent",
+    "PersonalRewardScorer",
     "RewardScorer",
     "Router",
     "Selector",

@@ -1,8 +1,8 @@
 """Artefact kinds as plugins, the SDK side, and the one bundle loader (ARCHITECTURE.md §9, docs/plugins.md).
 
-Every artefact shipped in a bundle belongs to a *family* (``router``, ``embedder``; ``selector`` and
-``reward_scorer`` are declared by their own modules, imported when a manifest names them) and is of one *kind*
-in it, named in the manifest by a top-level ``"<family>_kind"`` key (an embedder without ``embedder_kind`` is
+Every artefact shipped in a bundle belongs to a *family* (``router``, ``embedder``; ``selector``,
+``reward_scorer`` and ``personal_reward`` are declared by their own modules, imported when a manifest names them) and is of one
+*kind* in it, named in the manifest by a top-level ``"<family>_kind"`` key (an embedder without ``embedder_kind`` is
 ``"onnx"``). ``sdk.kinds``, ``trainer.kinds`` and ``export.kinds`` each keep one registry keyed by the same
 ``(family, kind)``; nothing outside the registries branches on a kind name.
 
@@ -54,7 +54,8 @@ class LoadedBundle:
 
 _FAMILIES: dict[str, Family] = {}
 #: Families the SDK declares in their own modules, imported on first use (as a plugin module would be).
-BUILTIN_FAMILY_MODULES: dict[str, str] = {"selector": "sdk.selector", "reward_scorer": "sdk.reward_scorer"}
+BUILTIN_FAMILY_MODULES: dict[str, str] = {"selector": "sdk.selector", "reward_scorer": "sdk.reward_scorer",
+                                          "personal_reward": "sdk.personal_reward"}
 REGISTRY: KindRegistry[ArtefactKind] = KindRegistry("sdk", ArtefactKind)
 
 

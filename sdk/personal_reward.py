@@ -1,53 +1,256 @@
-"""A personal reward on the device: ``z`` inferred from the user's own labelled pairs, then ``r(x, y, z)`` (issue 28).
+"""A personal reward on the device: the user's latent ``z`` from their own labelled pairs, then ``r(x, y, z)``
+(VPL, Poddar et al. 2024; FedVPA-GP, paper 003; docs/vpa.md).
 
-Runs the two graphs :mod:`export.vpa_export` writes from a FedVPA-GP / VPL model (``trainer.vpa.model.VPAModel``):
-``vpa_encoder.onnx`` (``phi_w``, ``phi_l`` (U, C, d_in) float32 features of the preferred and dispreferred
-responses, ``mask`` (U, C) -> ``mu``, ``logvar`` (U, d_z), the posterior ``q(z | C)``) and ``vpa_reward.onnx``
-(``phi`` (U, T, d_in), ``z`` (U, d_z) -> ``reward`` (U, T)). The user's pairs never leave the device.
+This module declares the family ``personal_reward`` (runtime :class:`PersonalRewardGraphs`; bundles written by
+:mod:`export.vpa_export` from ``fedroute vpa train``'s model) and its kind ``vpa``. Files: ``tokenizer.json`` +
+``embedder.onnx`` (the frozen sentence encoder ``e(.)``), and two graphs on the raw features
+``[e(x), e(y), l(y), s(y), p(y)]`` of a response (columns: the manifest's ``features``; the graphs hold the
+trainer's scaling of ``p(y)`` and its PCA of ``e(x)``, ``e(y)`` as constants):
+
+- ``vpa_encoder.onnx``: ``phi_w``, ``phi_l`` (U, C, d_in) float32 (the preferred and dispreferred response of each
+  context pair), ``mask`` (U, C) float32 -> ``z``, ``mu``, ``logvar`` (U, d_z) and ``responsibilities`` (U, K): the
+  posterior ``q(z | C)`` (under FedVPA-GP's prior: the mixture of the component posteriors, prototypes as graph
+  constants), the ``z`` the trainer scores with (posterior mean or most responsible prototype's mean);
+- ``vpa_reward.onnx``: ``phi`` (U, T, d_in), ``z`` (U, d_z) -> ``reward`` (U, T).
+
+The user's context pairs are an input of :meth:`PersonalRewardScorer.infer_z` only: nothing here sends them.
 """
 
 from __future__ import annotations
 
+import copy
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
 import numpy as np
 import numpy.typing as npt
 
-from sdk.embedder import SessionThreads, inference_session
-from sdk.errors import InvalidInputError
+from sdk import bundle_manifest as fmt
+from sdk import kinds
+from sdk.artefact_kind import ArtefactKind, LoadContext
+from sdk.arrays import finite_rows
+from sdk.bundle_manifest import need
+from sdk.embedder import FLOAT, SessionThreads, check_graph_inputs, check_text, inference_session, run_session
+from sdk.errors import BundleError, InvalidInputError, InvalidQueryError
+from sdk.pair_encoding import length_features_many
+from sdk.pair_features import FEATURE_NAMES, response_features_many
+from sdk.real_numbers import finite_float
+
+FAMILY = "personal_reward"
+KIND = "vpa"
+ENCODER_FILE = "vpa_encoder.onnx"
+REWARD_FILE = "vpa_reward.onnx"
+EMPTY_RESPONSE = "(empty)"
+LATENT_OUTPUTS = ("z", "mu", "logvar", "responsibilities")
+
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class PersonalLatent:
+    """A user's latent from their context pairs: ``z`` (d_z,) float32, what rewards are scored with; ``mu``,
+    ``logvar`` (d_z,) float32, mean and log variance of the posterior ``q(z | C)``; ``responsibilities`` (K,)
+    float32, the posterior's weight on each prototype of the mixture prior (``[1.0]`` under VPL's N(0, I))."""
+
+    z: F32
+    mu: F32
+    logvar: F32
+    responsibilities: F32
+
+
+def check_personal_reward_manifest(manifest: dict[str, Any]) -> None:
+    """The ``personal_reward/vpa`` fields ``features`` and ``latent`` and the two graph files. Raises BundleError
+    naming the first field that violates its rule."""
+    f: Any = manifest.get("features")
+    need(isinstance(f, dict) and isinstance(f.get("markers"), list) and all(isinstance(m, str) for m in f["markers"])
+         and isinstance(f.get("pair_features"), list) and all(n in FEATURE_NAMES for n in f["pair_features"])
+         and all((finite_float(f.get(s)) or 0) > 0 for s in ("length_scale", "marker_scale")),
+         "features must hold markers (list of str), pair_features (names of sdk.pair_features.FEATURE_NAMES), "
+         "length_scale and marker_scale (> 0)")
+    d_in = 2 * manifest["embedder"]["dim"] + 3 + len(f["markers"]) + len(f["pair_features"])
+    need(f.get("d_in") == d_in, f"features.d_in {f.get('d_in')!r} != 2 * embedder.dim + 3 + markers + pair_features = {d_in}")
+    try:
+        [re.compile(m, re.IGNORECASE) for m in f["markers"]]
+    except re.error as exc:
+        raise BundleError(f"manifest: features.markers: {exc}") from exc
+    latent: Any = manifest.get("latent")
+    need(isinstance(latent, dict) and all(type(latent.get(k)) is int and latent[k] >= 1 for k in ("dim", "n_prototypes")),
+         "latent must hold dim and n_prototypes (int >= 1)")
+    for name in (ENCODER_FILE, REWARD_FILE):
+        need(name in manifest["files"], f"{name} is not listed in files")
+
+
+@runtime_checkable
+class PersonalRewardGraphs(Protocol):
+    """Runtime of a ``personal_reward`` kind, on validated raw features (module docstring).
+
+    ``latent(phi_w, phi_l)``: one user's C context pairs, each (C, d_in) float32 -> :class:`PersonalLatent`.
+    ``rewards(phi, z)``: (n, d_in) float32 responses, ``z`` (d_z,) float32 -> ``r(x, y, z)`` (n,) float32.
+    """
+
+    def latent(self, phi_w: F32, phi_l: F32) -> PersonalLatent: ...
+
+    def rewards(self, phi: F32, z: F32) -> F32: ...
 
 
 class PersonalReward:
-    """``infer_z`` from a user's context pairs, ``margins`` of pairs under a ``z`` (graphs as bytes)."""
+    """The kind ``vpa``'s two graphs (:class:`PersonalRewardGraphs`); raises BundleError on load when a graph's
+    inputs or outputs are not the module docstring's, or its feature width is not ``d_in``."""
 
-    def __init__(self, encoder: bytes, reward: bytes, options: SessionThreads | None = None) -> None:
-        self._encoder = inference_session(encoder, options, "vpa_encoder.onnx")
-        self._reward = inference_session(reward, options, "vpa_reward.onnx")
-        self.d_in = int(self._encoder.get_inputs()[0].shape[-1])
+    def __init__(self, encoder: bytes, reward: bytes, d_in: int, options: SessionThreads | None = None) -> None:
+        self._encoder = inference_session(encoder, options, ENCODER_FILE)
+        self._reward = inference_session(reward, options, REWARD_FILE)
+        for session, what, inputs, outputs in ((self._encoder, ENCODER_FILE, ("phi_w", "phi_l", "mask"), LATENT_OUTPUTS),
+                                               (self._reward, REWARD_FILE, ("phi", "z"), ("reward",))):
+            check_graph_inputs(session, dict.fromkeys(inputs, FLOAT), {}, what)
+            width = (session.get_inputs()[0].shape or [None])[-1]
+            if width != d_in or not set(outputs) <= {o.name for o in session.get_outputs()}:
+                raise BundleError(f"{what}: needs outputs {list(outputs)} and features of width {d_in} (the manifest's "
+                                  f"features.d_in), has {[o.name for o in session.get_outputs()]} and width {width}")
 
-    def _pair(self, names: tuple[str, str], x: npt.ArrayLike, y: npt.ArrayLike) -> tuple[
-            npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        a, b = np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.float32)
-        if a.ndim != 2 or a.shape != b.shape or len(a) == 0 or a.shape[1] != self.d_in or \
-                not (np.isfinite(a).all() and np.isfinite(b).all()):
-            raise InvalidInputError(f"{names[0]} {a.shape} and {names[1]} {b.shape} must be finite arrays of one "
-                                    f"shape (n >= 1, {self.d_in})")
-        return a, b
+    def latent(self, phi_w: F32, phi_l: F32) -> PersonalLatent:
+        out = run_session(self._encoder, list(LATENT_OUTPUTS), {"phi_w": phi_w[None], "phi_l": phi_l[None],
+                                                                "mask": np.ones((1, len(phi_w)), dtype=np.float32)},
+                          ENCODER_FILE)
+        return PersonalLatent(*(np.asarray(v[0], dtype=np.float32) for v in out))
 
-    def infer_z(self, phi_w: npt.ArrayLike, phi_l: npt.ArrayLike) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """Posterior ``(mu, logvar)``, each ``(d_z,) float32``, of one user's C context pairs.
+    def rewards(self, phi: F32, z: F32) -> F32:
+        (reward,) = run_session(self._reward, ["reward"], {"phi": phi[None], "z": z[None]}, REWARD_FILE)
+        return np.asarray(reward[0], dtype=np.float32)
 
-        phi_w, phi_l : (C, d_in) float32, features of the response the user preferred / did not prefer.
-        Raises InvalidInputError on shapes that differ, a wrong d_in, no pair or a non-finite value.
+
+class VPAPersonalRewardKind(ArtefactKind):
+    """``personal_reward/vpa``: FedVPA-GP's (or VPL's) context encoder and reward head on the raw pair features."""
+
+    family = FAMILY
+    name = KIND
+
+    def files(self, manifest: dict[str, Any], precision: str) -> tuple[str, ...]:
+        return (ENCODER_FILE, REWARD_FILE)
+
+    def check_manifest(self, manifest: dict[str, Any]) -> None:
+        check_personal_reward_manifest(manifest)
+
+    def load(self, context: LoadContext) -> PersonalReward:
+        return PersonalReward(context.files[ENCODER_FILE], context.files[REWARD_FILE],
+                              context.manifest["features"]["d_in"], context.options)
+
+
+kinds.register_family(FAMILY, PersonalRewardGraphs, loader="sdk.PersonalRewardScorer.load")
+if KIND not in kinds.names(FAMILY):
+    kinds.register(VPAPersonalRewardKind())
+
+
+def _texts(**lists: object) -> list[list[str]]:
+    """Each of ``lists`` as a list of str, all as long as the first (n >= 1); InvalidQueryError naming one otherwise."""
+    out: list[list[str]] = []
+    for name, v in lists.items():
+        if isinstance(v, str) or not isinstance(v, Sequence) or not all(isinstance(t, str) for t in v) or \
+                len(v) != len(out[0] if out else v) or len(v) == 0:
+            raise InvalidQueryError(f"{name} must be a non-empty list of str{' as long as ' + next(iter(lists)) if out else ''}, "
+                                    f"got {v!r:.80}")
+        out.append(list(v))
+    return out
+
+
+class PersonalRewardScorer:
+    """A personal reward model from a verified bundle (use :meth:`load`): :meth:`infer_z` from the user's own
+    labelled pairs, then :meth:`rewards` or :meth:`margins` under that ``z``; text in, as the trainer reads it
+    (``trainer.vpa.artefact.PersonalRewardArtefact``). Thread-safe.
+
+    Attributes: ``bundle_version``, ``latent_dim`` (d_z), ``n_prototypes`` (K), ``d_in`` (raw feature width).
+    """
+
+    def __init__(self, manifest: dict[str, Any], embedder: kinds.Embedder, graphs: PersonalRewardGraphs) -> None:
+        self._manifest = copy.deepcopy(manifest)
+        self._embedder, self._graphs = embedder, graphs
+        f = manifest["features"]
+        self.bundle_version = int(manifest["bundle_version"])
+        self.latent_dim, self.n_prototypes = int(manifest["latent"]["dim"]), int(manifest["latent"]["n_prototypes"])
+        self.d_in = int(f["d_in"])
+        self._markers = [re.compile(m, re.IGNORECASE) for m in f["markers"]]
+        self._names = tuple(f["pair_features"])
+        self._length_scale, self._marker_scale = float(f["length_scale"]), float(f["marker_scale"])
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """A copy of the bundle's verified manifest."""
+        return copy.deepcopy(self._manifest)
+
+    @classmethod
+    def load(cls, bundle_dir: str | os.PathLike[str], public_key: fmt.PublicKey, *, intra_op_threads: int = 1,
+             inter_op_threads: int = 1, min_bundle_version: int = 1) -> PersonalRewardScorer:
+        """Verify and load the personal-reward bundle at ``bundle_dir`` (``fedroute vpa export``), as
+        :meth:`sdk.Router.load` (:func:`sdk.kinds.load_bundle`; the fp32 embedder).
+
+        Raises
+        ------
+        BundleError
+            Signature or a used file's sha256 does not verify, a file is missing or unloadable, the bundle is not
+            a personal reward, is older than ``min_bundle_version``, or its graphs disagree with the manifest.
+        InvalidInputError
+            A thread count or ``min_bundle_version`` that is not valid.
         """
-        w, lo = self._pair(("phi_w", "phi_l"), phi_w, phi_l)
-        mu, logvar = self._encoder.run(None, {"phi_w": w[None], "phi_l": lo[None],
-                                              "mask": np.ones((1, len(w)), dtype=np.float32)})
-        return mu[0], logvar[0]
+        loaded = kinds.load_bundle(bundle_dir, public_key, FAMILY, intra_op_threads=intra_op_threads,
+                                   inter_op_threads=inter_op_threads, min_bundle_version=min_bundle_version)
+        return cls(loaded.manifest, loaded.runtimes[kinds.EMBEDDER_FAMILY], loaded.runtimes[FAMILY])
 
-    def margins(self, phi_a: npt.ArrayLike, phi_b: npt.ArrayLike, z: npt.ArrayLike) -> npt.NDArray[np.float32]:
-        """``r(x, y_A, z) - r(x, y_B, z)``, shape (n,) float32 (> 0: A preferred); phi_a, phi_b (n, d_in); z (d_z,)."""
-        a, b = self._pair(("phi_a", "phi_b"), phi_a, phi_b)
-        zz = np.asarray(z, dtype=np.float32)[None]
-        (ra,) = self._reward.run(None, {"phi": a[None], "z": zz})
-        (rb,) = self._reward.run(None, {"phi": b[None], "z": zz})
-        margin: npt.NDArray[np.float32] = (ra - rb)[0]
-        return margin
+    def features(self, prompts: Sequence[str], responses: Sequence[str]) -> F32:
+        """Raw features ``[e(x), e(y), l(y), s(y), p(y)]`` (n, d_in) float32 of n (prompt, response) (a blank
+        response is embedded and measured as ``"(empty)"``, as the trainer does). Raises InvalidQueryError unless
+        two lists of str of one length n >= 1 with no blank prompt, or a text has no token the embedder reads."""
+        return self._features(*_texts(prompts=prompts, responses=responses))
+
+    def _features(self, prompts: list[str], responses: list[str]) -> F32:
+        shown = [r if r.strip() else EMPTY_RESPONSE for r in responses]
+        texts = list(dict.fromkeys([check_text(p, "a prompt", InvalidQueryError) for p in prompts] + shown))
+        try:
+            vecs = self._embedder.embed(texts)
+        except InvalidQueryError as exc:  # its position counts the de-duplicated texts
+            raise InvalidQueryError(f"a prompt or response has no token the embedder can read ({exc})") from exc
+        row = {t: i for i, t in enumerate(texts)}
+        counts = np.array([[len(m.findall(r)) for m in self._markers] for r in responses], dtype=np.float64)
+        parts: list[npt.NDArray[Any]] = [vecs[[row[p] for p in prompts]], vecs[[row[r] for r in shown]],
+                 length_features_many(shown, [""] * len(shown)) / self._length_scale,
+                 np.log1p(counts.reshape(len(responses), -1)) / self._marker_scale,
+                 response_features_many(prompts, responses, self._names) if self._names else np.zeros((len(prompts), 0))]
+        return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
+
+    def infer_z(self, context: Sequence[tuple[str, str, str]]) -> PersonalLatent:
+        """The user's latent from their own C >= 1 labelled pairs ``(prompt, preferred, dispreferred)``; they stay
+        on the device. Raises InvalidQueryError for a context that is not a non-empty list of three str each,
+        or a blank prompt."""
+        if isinstance(context, str) or not isinstance(context, Sequence) or not context or \
+                any(isinstance(c, str) or not isinstance(c, Sequence) or len(c) != 3 for c in context):
+            raise InvalidQueryError(f"context must be a non-empty list of (prompt, preferred, dispreferred) triples "
+                                    f"of str, got {context!r:.80}")
+        prompts, preferred, dispreferred = _texts(**dict(zip(("prompts", "preferred", "dispreferred"), zip(*context))))
+        phi = self._features(prompts + prompts, preferred + dispreferred)
+        return self._graphs.latent(phi[:len(prompts)], phi[len(prompts):])
+
+    def _z(self, z: PersonalLatent | npt.ArrayLike) -> F32:
+        row: F32 = finite_rows([z.z if isinstance(z, PersonalLatent) else z], self.latent_dim, "z", rows="1")[0]
+        return row
+
+    def rewards(self, prompt: str, responses: Sequence[str], z: PersonalLatent | npt.ArrayLike) -> F32:
+        """``r(x, y, z)`` of each candidate response to ``prompt``: (n,) float32, higher = more to this user's
+        taste. ``z``: a :class:`PersonalLatent` or (d_z,) floats. Raises InvalidQueryError (texts), ShapeError (z)."""
+        zz, x = self._z(z), check_text(prompt, "prompt", InvalidQueryError)
+        (ys,) = _texts(responses=responses)
+        return self._graphs.rewards(self._features([x] * len(ys), ys), zz)
+
+    def margins(self, prompts: Sequence[str], responses_a: Sequence[str], responses_b: Sequence[str],
+                z: PersonalLatent | npt.ArrayLike) -> F32:
+        """``r(x, y_A, z) - r(x, y_B, z)`` of n pairs: (n,) float32, > 0 when this user would prefer A (Bradley-Terry:
+        ``P(A) = sigmoid(margin)``). Raises InvalidQueryError (texts), ShapeError (z)."""
+        zz = self._z(z)
+        xs, a, b = _texts(prompts=prompts, responses_a=responses_a, responses_b=responses_b)
+        r = self._graphs.rewards(self._features(xs + xs, a + b), zz)
+        return r[:len(xs)] - r[len(xs):]
+
+    def __repr__(self) -> str:
+        return (f"PersonalRewardScorer(latent_dim={self.latent_dim}, n_prototypes={self.n_prototypes}, "
+                f"bundle_version={self.bundle_version})")

@@ -13,10 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The modules that register the built-in kinds (each registers at import).
-KIND_MODULES = ("sdk.kinds", "sdk.selector", "sdk.reward_scorer", "trainer.kinds", "trainer.embeddings",
-                "trainer.static_embedder", "trainer.rewards.reward_scorer_kind", "trainer.experts.selector_kind",
-                "trainer.server.round_kinds", "export.kinds", "export.embedder_export", "export.reward_export",
-                "export.selector_export")
+KIND_MODULES = ("sdk.kinds", "sdk.selector", "sdk.reward_scorer", "sdk.personal_reward", "trainer.kinds",
+                "trainer.embeddings", "trainer.static_embedder", "trainer.rewards.reward_scorer_kind",
+                "trainer.experts.selector_kind", "trainer.vpa.personal_reward_kind", "trainer.server.round_kinds",
+                "export.kinds", "export.embedder_export", "export.reward_export", "export.selector_export",
+                "export.vpa_export")
 #: Kinds exported from another kind's trained artefact: export kind -> the trainer kind it reads.
 TRAINED_AS = {("reward_scorer", "mor_lora"): ("reward_scorer", "mor")}
 LAYERS = ("sdk", "trainer", "export", "server")

@@ -305,8 +305,8 @@ def test_a_new_family_is_exported_loaded_and_removed_as_the_plugin_doc_says(sign
         export_kinds.unregister("linear", family=TOY_FAMILY)
         sdk_kinds.unregister_family(TOY_FAMILY)  # its kinds go with it
     assert TOY_FAMILY not in sdk_kinds.families() and sdk_kinds.REGISTRY.names(TOY_FAMILY) == ()
-    with pytest.raises(BundleError, match=r"names no artefact; expected one of \['reward_scorer_kind', 'router_kind', "
-                                          r"'selector_kind'\]"):
+    with pytest.raises(BundleError, match=r"names no artefact; expected one of \['personal_reward_kind', 'reward_scorer_kind', "
+                                          r"'router_kind', 'selector_kind'\]"):
         sdk_kinds.check_manifest_kinds({"lengthscore_kind": "linear"})
 
 

@@ -307,9 +307,9 @@ def test_cli_refuses_another_commands_results_folder(tmp_path):
     assert VPAConfig.quick().seeds == 1 and VPAConfig.quick().to_json()["users"]["n_clients"] == 12
 
 
-@pytest.mark.parametrize("pooling", ["mean", "natural"])
-def test_device_z_and_margins_equal_the_trainers_after_onnx_export(pooling):
-    from export.vpa_export import check_parity, vpa_to_onnx
+@pytest.mark.parametrize("pooling,z_mode", [("mean", "prototype"), ("natural", "mean")])
+def test_device_z_and_rewards_equal_the_trainers_after_onnx_export(pooling, z_mode):
+    from export.vpa_export import vpa_to_onnx
     from sdk.personal_reward import PersonalReward
 
     pairs, phi = _synthetic()
@@ -317,16 +317,18 @@ def test_device_z_and_margins_equal_the_trainers_after_onnx_export(pooling):
     users = make_users(pairs, cfg.users, seed=0)
     tr = VPATrainer(users, phi, cfg)
     model, protos = tr.train_vpa("mixture", 0.03, seed=0)
-    enc, rew = vpa_to_onnx(model, protos)
+    device = PersonalReward(*vpa_to_onnx(model, protos, z_mode=z_mode), phi.shape[-1])
     u = users.users("test")[0]
     idx = torch.as_tensor(users.context(u, 8))[None]
     w, lo = tr.context_tensors(np.array([u]), idx, torch.ones(1, 8))
+    latent = device.latent(w[0].numpy(), lo[0].numpy())
+    # the device's z from the user's own context is the trainer's (posterior mean or nearest prototype)
+    mu_t, logvar_t = ev.posterior(tr, model, np.array([u]), 8, protos)
+    z_t = ev.choose_z(tr, model, np.array([u]), 8, protos, z_mode)
+    np.testing.assert_allclose(latent.mu, mu_t[0].numpy(), atol=1e-5)
+    np.testing.assert_allclose(latent.logvar, logvar_t[0].numpy(), atol=1e-4)
+    np.testing.assert_allclose(latent.z, z_t[0].numpy(), atol=1e-5)
     held = users.heldout(u)
-    report = check_parity(model, enc, rew, w[0].numpy(), lo[0].numpy(), phi[held, 0], phi[held, 1], protos)
-    assert max(report["mu"], report["logvar"], report["margin"]) <= 1e-3
-    # the device's z from the user's own context equals the trainer's posterior mean (under the mixture prior)
-    mu_t, _ = ev.posterior(tr, model, np.array([u]), 8, protos)
-    mu_d, _ = PersonalReward(enc, rew).infer_z(w[0].numpy(), lo[0].numpy())
-    np.testing.assert_allclose(mu_d, mu_t[0].numpy(), atol=1e-5)
-    with pytest.raises(InvalidInputError):
-        PersonalReward(enc, rew).infer_z(w[0].numpy(), lo[0].numpy()[:, :3])
+    with torch.no_grad():
+        r_t = model.reward(torch.as_tensor(phi[held, 0])[None], z_t)[0].numpy()
+    np.testing.assert_allclose(device.rewards(phi[held, 0], latent.z), r_t, atol=1e-4)

@@ -399,8 +399,11 @@ _register_prism_commands()
 
 
 def _register_vpa_commands() -> None:
+    """``fedroute vpa train|export``, registered here so that trainer.vpa does not import export."""
+    from export.vpa_cli import register as register_vpa_export  # sub-app registered by the console-script module (ARCHITECTURE.md §2)
     from trainer.vpa.cli import app as vpa_app  # typer only; torch is imported when the command runs
 
+    register_vpa_export(vpa_app)
     app.add_typer(vpa_app, name="vpa")
 
 

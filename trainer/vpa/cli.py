@@ -1,6 +1,7 @@
 """``fedroute vpa train``: FedVPA-GP and its baselines on users who disagree (issue 28, docs/vpa.md).
 
-Writes results.json, results.md, accuracy_vs_context.png and latent.png into ``--out``. ``--quick`` is
+Writes results.json, results.md, accuracy_vs_context.png, latent.png and ``personal_reward/`` (seed 0's FedVPA-GP,
+:mod:`trainer.vpa.artefact`; ``fedroute vpa export`` ships it) into ``--out``. ``--quick`` is
 :meth:`trainer.vpa.trainer.VPAConfig.quick`. Every run checks the monolithic gap (the oracle told the user's type
 beats the monolithic reward by at least :data:`MIN_MONOLITHIC_GAP` at the largest C) and exits 1 when it fails.
 Heavy imports happen inside the command.
@@ -39,6 +40,7 @@ def train(out: Annotated[Path, typer.Option(help="output folder")],
           jobs: Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="seeds run in parallel processes (one thread each)")] = 1) -> None:
     """Train FedVPA-GP, VPL and the baselines on the same simulated clients; settings chosen on validation users."""
     from trainer.vpa.experiment import run_experiment  # torch, pandas: on use only
+    from trainer.vpa.artefact import ARTEFACT_DIR
     from trainer.vpa.report import write_results
     from trainer.vpa.trainer import VPAConfig
 
@@ -50,7 +52,7 @@ def train(out: Annotated[Path, typer.Option(help="output folder")],
         over["seeds"] = seeds
     cfg = VPAConfig.quick(**over) if quick else VPAConfig(**over)
     t0 = time.perf_counter()
-    res = run_experiment(cfg, log=typer.echo, jobs=jobs)
+    res = run_experiment(cfg, log=typer.echo, jobs=jobs, save_to=out / ARTEFACT_DIR)
     c_max = str(max(cfg.contexts))
     gap = res["methods"]["oracle_type"][c_max]["acc_mean"] - res["methods"]["monolithic_bt"][c_max]["acc_mean"]
     res["monolithic_gap"] = {"C": int(c_max), "gap": gap, "min": MIN_MONOLITHIC_GAP, "holds": gap >= MIN_MONOLITHIC_GAP}

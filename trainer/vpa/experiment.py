@@ -22,7 +22,8 @@ from trainer.data.conflicting_users import TYPES, make_users
 from trainer.data.preferences import load_hh_harmless_pairs
 from trainer.rewards.pair_features import PairEncoder
 from trainer.vpa import evaluation as ev
-from trainer.vpa.features import STRUCTURES, pair_features, reduce_embeddings, select_structure
+from trainer.vpa.artefact import PersonalRewardArtefact
+from trainer.vpa.features import STRUCTURES, fit_projection, pair_feature_scales, pair_features, select_structure
 from trainer.vpa.trainer import VPAConfig, VPATrainer
 
 METHODS = ("fedvpa_gp", "vpl_gaussian", "monolithic_bt", "length_per_user", "two_stage", "local_vpl", "oracle_type")
@@ -47,8 +48,10 @@ def run_seed(cfg: VPAConfig, pairs: pd.DataFrame, phi_full: np.ndarray, seed: in
              log: Callable[[str], None] = print) -> dict:
     """All methods on one seed; returns per-method, per-C test scores, collapse and switching figures, choices made."""
     users = make_users(pairs, cfg.users, seed=seed)
+    projection = None
     if cfg.pca_components:
-        phi_full = reduce_embeddings(phi_full, np.flatnonzero(users.part == "train"), cfg.pca_components)
+        projection = fit_projection(phi_full, np.flatnonzero(users.part == "train"), cfg.pca_components)
+        phi_full = projection.apply(phi_full)
     val_ids, test_ids = users.users("val"), users.users("test")
     t_val, t_test = users.type[val_ids], users.type[test_ids]
     choices: dict = {}
@@ -130,8 +133,11 @@ def run_seed(cfg: VPAConfig, pairs: pd.DataFrame, phi_full: np.ndarray, seed: in
         collapse["local_vpl"][key] = {"kl_mean": float(np.concatenate(kls).mean()), "type_acc_from_z": None}
     latent["types"] = t_test.tolist()
     log(f"seed {seed}: C={cfg.contexts[-1]} " + ", ".join(f"{m} {out[m][str(cfg.contexts[-1])]['acc']:.3f}" for m in METHODS))
+    model, protos, z_mode = fitted["fedvpa_gp"]
+    artefact = {"model": model, "prototypes": protos, "z_mode": z_mode, "structure": choices["structure"],
+                "projection": projection, "beta": choices["fedvpa_gp"]["beta"]}
     return {"seed": seed, "methods": out, "collapse": collapse, "switching": switch, "choices": choices,
-            "latent": latent, "n_test_users": int(len(test_ids)),
+            "latent": latent, "artefact": artefact, "n_test_users": int(len(test_ids)),
             "n_test_users_per_type": {name: int((t_test == t).sum()) for t, name in enumerate(TYPES)}}
 
 
@@ -170,17 +176,20 @@ def _seed_job(args: tuple) -> dict:
     return run_seed(cfg, pairs, phi, seed, lambda line: print(line, flush=True))
 
 
-def run_experiment(cfg: VPAConfig, log: Callable[[str], None] = print, jobs: int = 1) -> dict:
+def run_experiment(cfg: VPAConfig, log: Callable[[str], None] = print, jobs: int = 1, save_to: Path | None = None) -> dict:
     """Every seed of ``cfg`` and their combination (JSON-ready); ``jobs`` > 1 runs seeds in that many processes
-    (one torch thread each)."""
+    (one torch thread each). ``save_to``: a folder to save seed 0's FedVPA-GP in
+    (:class:`trainer.vpa.artefact.PersonalRewardArtefact`, what ``fedroute vpa export`` reads)."""
     pairs, phi = load_features(cfg)
     if jobs > 1 and cfg.seeds > 1:
         with ProcessPoolExecutor(max_workers=min(jobs, cfg.seeds)) as pool:
             runs = list(pool.map(_seed_job, [(cfg, pairs, phi, seed, 1) for seed in range(cfg.seeds)]))
     else:
         runs = [run_seed(cfg, pairs, phi, seed, log) for seed in range(cfg.seeds)]
+    if save_to is not None:
+        PersonalRewardArtefact.from_run(runs[0]["artefact"], cfg, pair_feature_scales(pairs)).save(save_to)
     res = combine(runs, cfg.contexts)
-    res["seeds"] = [{k: v for k, v in r.items() if k != "latent"} for r in runs]
+    res["seeds"] = [{k: v for k, v in r.items() if k not in ("latent", "artefact")} for r in runs]
     res["latent_seed0"] = runs[0]["latent"]
     res["config"] = cfg.to_json()
     return res
