@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 from sdk import Router
 from sdk import bundle_manifest as fmt
+from sdk import kinds
 from sdk.errors import BundleError, InvalidInputError
 from sdk.verified_file import VerifiedFile, open_regular
 
@@ -59,6 +61,22 @@ def test_a_corrupt_used_file_is_refused(copy, signing_keys, precision, name):
     flip_a_bit(copy / name)
     with pytest.raises(BundleError, match=rf"{name}: sha256 .* does not match"):
         Router.load(copy, signing_keys[1], precision=precision)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "kmeans.npz"])
+def test_files_read_on_the_worker_are_used_only_once_verified(copy, signing_keys, monkeypatch, name):
+    """load_bundle reads used files of >= kinds.BACKGROUND_BYTES on a worker thread (here: every file read as
+    bytes); a kind gets them only after their sha256 matched, and a tampered one is refused."""
+    reference = Router.load(copy, signing_keys[1], precision="int8")
+    monkeypatch.setattr(kinds, "BACKGROUND_BYTES", 1)
+    before = set(os.listdir("/proc/self/fd"))
+    router = Router.load(copy, signing_keys[1], precision="int8")
+    np.testing.assert_array_equal(router.embed(["Is a whale a fish?"]), reference.embed(["Is a whale a fish?"]))
+    flip_a_bit(copy / name)
+    with pytest.raises(BundleError, match=rf"{name}: sha256") as exc:
+        Router.load(copy, signing_keys[1], precision="int8")
+    assert any("concurrent" in frame.filename for frame in traceback.extract_tb(exc.value.__traceback__))
+    assert set(os.listdir("/proc/self/fd")) <= before
 
 
 def test_an_unused_file_that_is_missing_or_a_fifo_does_not_block_loading(copy, signing_keys):
