@@ -419,6 +419,22 @@ def test_foreign_sqlite_database_raises_eval_log_error(tmp_path):
         EvalLog(path, MODELS)
 
 
+def test_a_log_of_another_pool_is_refused_and_a_changed_pool_keeps_its_log(tmp_path):
+    path = tmp_path / "evals.sqlite"
+    with EvalLog(path, MODELS) as log:
+        log.record("gpt-4o", 0.5, 0.01, cell=0)
+    with pytest.raises(EvalLogError, match=r"evals\.sqlite.*\['gpt-4o'\].*\['claude-3', 'qwen-2'\]") as exc:
+        EvalLog(path, ["claude-3", "qwen-2"])
+    assert "models" in str(exc.value)
+    with EvalLog(path, ["gpt-4o", "qwen-2"]) as log:  # a model added, two lost: the old rows stay
+        log.record("qwen-2", 1.0, 0.02, cell=1)
+        assert log.rows().model == ("gpt-4o", "qwen-2")
+    with EvalLog(path, ["qwen-2"]) as log:  # shares qwen-2 with the rows
+        assert len(log) == 2
+    EvalLog(tmp_path / "empty.sqlite", MODELS).close()
+    EvalLog(tmp_path / "empty.sqlite", ["claude-3"]).close()  # no rows: any pool
+
+
 def test_wal_mode_and_synchronous_setting(tmp_path):
     # synchronous is per connection, so read it on the log's own connection.
     for durable, expected in ((True, 2), (False, 1)):  # FULL = 2, NORMAL = 1
