@@ -7,7 +7,8 @@ in it, named in the manifest by a top-level ``"<family>_kind"`` key (an embedder
 ``(family, kind)``; nothing outside the registries branches on a kind name.
 
 :func:`load_bundle` is the loader of every family: verify (signature, format, kinds) -> plan (the kinds name
-the files of the chosen precision) -> read (sha256-checked) -> load (each kind's runtime).
+the files of the chosen precision) -> read (sha256-checked; files of >= 1 MiB on a worker thread, awaited at first
+use) -> load (each kind's runtime).
 """
 
 from __future__ import annotations

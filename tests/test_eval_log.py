@@ -366,7 +366,7 @@ def test_a_row_stamped_older_than_a_row_recorded_before_it_waits_for_that_row(tm
 
 
 def test_the_clock_must_be_callable(tmp_path):
-    with pytest.raises(InvalidInputError, match="clock must be a function returning unix seconds, got float"):
+    with pytest.raises(InvalidInputError, match="clock"):
         EvalLog(tmp_path / "log.sqlite", MODELS, clock=1.0)
 
 
@@ -560,8 +560,7 @@ def test_record_choice_given_a_model_id_instead_of_the_choice_is_an_invalid_inpu
     # A new user's slip (the model id, or None when routing was skipped) was a raw AttributeError.
     with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
         for wrong in (MODELS[0], None):
-            with pytest.raises(InvalidInputError, match=f"choice must be the sdk.Choice that Router.choose returned, "
-                                                        f"got {type(wrong).__name__}"):
+            with pytest.raises(InvalidInputError, match=f"choice.*got {type(wrong).__name__}"):
                 log.record_choice(wrong, score=1.0, cost_usd=0.001)
         assert len(log) == 0
 
