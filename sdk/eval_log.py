@@ -146,7 +146,8 @@ class EvalLog:
     Parameters
     ----------
     path : the SQLite file (str or os.PathLike, not ``":memory:"``); created with its folder if missing.
-    models : non-empty sequence of distinct, non-empty str, the model ids rows may name.
+    models : non-empty sequence of distinct, non-empty str, the model ids :meth:`record` accepts. An existing
+        log keeps the rows of models its pool has since lost; it must share a model with ``models``.
     store_text : bool, default False: the ``query`` given to :meth:`record` is dropped, never written.
     max_rows : int in [1, 2**63 - 1], default 20,000: the newest rows (by id) kept.
     max_age_days : real > 0 or None (keep forever), default 90: rows older than this are deleted at each insert.
@@ -155,7 +156,7 @@ class EvalLog:
 
     Raises InvalidInputError naming the argument that is out of range or of the wrong type (nothing is
     created then); EvalLogError, naming the path, for a file that cannot be opened or created, is not
-    SQLite, is another database, or has a newer schema.
+    SQLite, is another database, has a newer schema, or holds rows of none of ``models``.
     """
 
     def __init__(
@@ -245,9 +246,20 @@ class EvalLog:
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             missing = {"meta", "evaluations"} - table_names(conn)
-            if problem or missing:
-                raise EvalLogError(problem or f"evaluation log {path!r} is damaged: table(s) {sorted(missing)} missing")
+            problem = problem or (f"evaluation log {path!r} is damaged: table(s) {sorted(missing)} missing"
+                                  if missing else self._pool_problem(conn, path))
+            if problem:
+                raise EvalLogError(problem)
             _read_embedding_dim(conn, path)  # fails early on a damaged meta table
+
+    def _pool_problem(self, conn: sqlite3.Connection, path: str) -> str | None:
+        """Why the log's rows, naming none of :attr:`models`, are another pool's, or None (a pool that gained or
+        lost models keeps its log: :func:`sdk.local_update.kmeans_update` skips rows of other models)."""
+        logged = sorted(m for (m,) in conn.execute("SELECT DISTINCT model FROM evaluations"))
+        if not logged or self._model_set.intersection(logged):
+            return None
+        return (f"evaluation log {path!r} holds rows of models {logged!s:.200}, none of models {list(self._models)!s:.200}: "
+                "another app's or pool's log; give this pool its own log file")
 
     # ------------------------------------------------------------------ public API
 

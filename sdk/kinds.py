@@ -7,7 +7,8 @@ Every artefact shipped in a bundle belongs to a *family* (``router``, ``embedder
 ``(family, kind)``; nothing outside the registries branches on a kind name.
 
 :func:`load_bundle` is the loader of every family: verify (signature, format, kinds) -> plan (the kinds name
-the files of the chosen precision) -> read (sha256-checked) -> load (each kind's runtime).
+the files of the chosen precision) -> read (sha256-checked; files of >= 1 MiB on a worker thread, awaited at first
+use) -> load (each kind's runtime).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,9 @@ EMBEDDER_FAMILY = "embedder"
 ROUTER_FAMILY = "router"
 #: Kind of the embedder of a bundle whose manifest has no ``embedder_kind``.
 DEFAULT_EMBEDDER_KIND = "onnx"
+#: :func:`load_bundle` reads and hashes used files of at least this many bytes (a static table) on a worker thread
+#: while the kinds build the rest (the tokenizer): wall time saved where a second core is free (docs/benchmarks.md).
+BACKGROUND_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,19 @@ class LoadedBundle:
     manifest: dict[str, Any]
     precision: str
     runtimes: dict[str, Any]
+
+
+class _Files(dict[str, bytes]):
+    """Verified bytes by file name; a file read and hashed on a worker is waited for at its first lookup, which
+    raises its BundleError: no byte of it is used before its sha256 matched the manifest."""
+
+    def __init__(self, files: dict[str, bytes], pending: dict[str, Future[fmt.VerifiedBundle]]) -> None:
+        super().__init__(files)
+        self.pending = pending
+
+    def __missing__(self, name: str) -> bytes:
+        self[name] = self.pending[name].result().files[name]
+        return self[name]
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -224,11 +242,22 @@ def load_bundle(bundle_dir: str | os.PathLike[str], public_key: fmt.PublicKey, f
     want = next((p for p in preference if p in available), preference[-1]) if precision == "auto" else precision
     if want not in available:
         raise BundleError(f"bundle has no {want} {first} (it has {sorted(available)})")
-    wanted = [name for kind in used.values() for name in kind.files(manifest, want)]
+    wanted = {name for kind in used.values() for name in kind.files(manifest, want)}
     by_path = [name for kind in used.values() for name in kind.path_files(manifest, want)]
-    with fmt.read_files(directory, manifest, wanted, by_path, verify_unused=False) as bundle:  # read
-        runtimes = {f: load_artefact(f, manifest, bundle.files, options=options, precision=want, paths=bundle.opened)
-                    for f in used}  # load
+    try:
+        sizes = {e.name: e.stat(follow_symlinks=False).st_size for e in os.scandir(directory)}
+    except OSError:  # the folder went (a newer install): read_files says so
+        sizes = {}
+    large = {name for name in wanted if sizes.get(name, 0) >= BACKGROUND_BYTES}
+    with ThreadPoolExecutor(1) as pool:  # read: the large files on a worker, the rest here
+        pending = {name: pool.submit(fmt.read_files, directory, manifest, [name], verify_unused=False)
+                   for name in large}
+        with fmt.read_files(directory, manifest, wanted - large, by_path, verify_unused=False) as bundle:
+            files = _Files(bundle.files, pending)
+            runtimes = {f: load_artefact(f, manifest, files, options=options, precision=want, paths=bundle.opened)
+                        for f in used}  # load
+            for name in large:
+                files[name]  # a used file no kind looked up is refused all the same if it does not verify
     return LoadedBundle(manifest, want, runtimes)
 
 

@@ -83,9 +83,9 @@ def test_bad_records_are_refused(router):
 
 def test_bad_queries_and_predictions_are_refused(router):
     controller = BudgetController(router, 1.0)
-    with pytest.raises(InvalidQueryError, match=r"^query is empty or whitespace only; there is nothing to route$"):
+    with pytest.raises(InvalidQueryError, match=r"^query is empty"):
         controller.choose("   ")  # it named queries[0], a list the caller never passed
-    with pytest.raises(InvalidQueryError, match=r"^query must be a str, got int$"):
+    with pytest.raises(InvalidQueryError, match=r"^query"):
         controller.choose(3)
     with pytest.raises(ShapeError):
         controller.choose_from_predictions(np.array(ACC), np.array(COST))  # 3 of 11 models

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -113,7 +114,7 @@ def test_tampered_file_is_rejected(bundle_copy, signing_keys, name, precision):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(BundleError, match=rf"{name}: sha256 .* does not match"):
+    with pytest.raises(BundleError, match=rf"{name}: sha256"):
         Router.load(bundle_copy, signing_keys[1], precision=precision)
 
 
@@ -193,42 +194,29 @@ def test_signed_but_hostile_file_name_is_rejected(make_bundle, tmp_path, signing
         Router.load(bundle, signing_keys[1])
 
 
-def test_price_table_naming_a_model_without_router_head_is_rejected(make_bundle, tmp_path, signing_keys, fitted_routers):
-    models = [{"id": m, "price_per_1k_input_usd": None, "price_per_1k_output_usd": None, "mean_cost_usd": None}
-              for m in ROUTERBENCH_MODELS + ["gpt-5-imaginary"]]
-    bundle = make_bundle(tmp_path / "extra", models=models)
-    with pytest.raises(BundleError, match=r"without a router head \['gpt-5-imaginary'\]"):
-        Router.load(bundle, signing_keys[1])
+def _priced(models: list[str]) -> list[dict]:
+    return [{"id": m, "price_per_1k_input_usd": None, "price_per_1k_output_usd": None, "mean_cost_usd": None}
+            for m in models]
 
 
-def test_router_head_missing_from_price_table_is_rejected(make_bundle, tmp_path, signing_keys):
-    models = [{"id": m, "price_per_1k_input_usd": None, "price_per_1k_output_usd": None, "mean_cost_usd": None}
-              for m in ROUTERBENCH_MODELS[:-1]]
-    bundle = make_bundle(tmp_path / "fewer", kind="mlp", int8=False, models=models)
-    with pytest.raises(BundleError, match=r"without a price-table entry \['zero-one-ai/Yi-34B-Chat'\]"):
-        Router.load(bundle, signing_keys[1])
+def _embedder(name: str, dim: int) -> dict:
+    return {"name": name, "dim": dim, "max_tokens": 64, "truncation_side": "left", "pooling": "mean",
+            "normalised": True, "files": {"fp32": "embedder.onnx", "int8": "embedder.int8.onnx"}}
 
 
-def test_router_trained_on_another_embedder_is_refused(make_bundle, tmp_path, signing_keys):
-    bundle = make_bundle(tmp_path / "emb", embedder={
-        "name": "all-mpnet-base-v2", "dim": 384, "max_tokens": 64, "truncation_side": "left",
-        "pooling": "mean", "normalised": True, "files": {"fp32": "embedder.onnx", "int8": "embedder.int8.onnx"}})
-    with pytest.raises(BundleError, match="trained on embedder 'all-MiniLM-L6-v2'"):
-        Router.load(bundle, signing_keys[1])
-
-
-def test_embedder_dimension_mismatch_is_refused(make_bundle, tmp_path, signing_keys):
-    bundle = make_bundle(tmp_path / "dim", embedder={
-        "name": "all-MiniLM-L6-v2", "dim": 768, "max_tokens": 64, "truncation_side": "left",
-        "pooling": "mean", "normalised": True, "files": {"fp32": "embedder.onnx"}})
-    with pytest.raises(BundleError, match="768"):
-        Router.load(bundle, signing_keys[1])
-
-
-def test_corrupt_router_file_with_valid_hash_is_a_bundle_error(make_bundle, tmp_path, signing_keys):
-    bundle = make_bundle(tmp_path / "npz", files={"kmeans.npz": b"PK\x03\x04 definitely not an npz"})
-    with pytest.raises(BundleError, match="kmeans.npz cannot be read"):
-        Router.load(bundle, signing_keys[1])
+@pytest.mark.parametrize("overrides, field", [
+    pytest.param(dict(models=_priced(ROUTERBENCH_MODELS + ["gpt-5-imaginary"])), "['gpt-5-imaginary']",
+                 id="price-table-model-without-router-head"),
+    pytest.param(dict(kind="mlp", int8=False, models=_priced(ROUTERBENCH_MODELS[:-1])), "['zero-one-ai/Yi-34B-Chat']",
+                 id="router-head-without-price"),
+    pytest.param(dict(embedder=_embedder("all-mpnet-base-v2", 384)), "'all-MiniLM-L6-v2'", id="other-embedder"),
+    pytest.param(dict(embedder={**_embedder("all-MiniLM-L6-v2", 768), "files": {"fp32": "embedder.onnx"}}),
+                 "768", id="other-dimension"),
+    pytest.param(dict(files={"kmeans.npz": b"PK\x03\x04 definitely not an npz"}), "kmeans.npz", id="corrupt-router"),
+])
+def test_a_signed_bundle_whose_parts_disagree_is_refused(make_bundle, tmp_path, signing_keys, overrides, field):
+    with pytest.raises(BundleError, match=re.escape(field)):
+        Router.load(make_bundle(tmp_path / "b", **overrides), signing_keys[1])
 
 
 def test_export_over_an_existing_bundle_replaces_it_whole(make_bundle, tmp_path, signing_keys):
@@ -330,7 +318,7 @@ def test_price_table_values_must_be_non_negative_numbers(make_bundle, tmp_path, 
     from export.signing import load_signing_key, sign_manifest
 
     (bundle / MANIFEST_FILE).write_text(json.dumps(sign_manifest(manifest, load_signing_key(signing_keys[0]))))
-    with pytest.raises(BundleError, match="price_per_1k_input_usd must be a number >= 0"):
+    with pytest.raises(BundleError, match="price_per_1k_input_usd"):
         Router.load(bundle, signing_keys[1])
 
 
@@ -341,7 +329,7 @@ def test_deeply_nested_manifest_and_fifo_files_are_bundle_errors(bundle_copy, si
     shutil.copytree(bundle_copy, fifo_bundle)
     (fifo_bundle / "tokenizer.json").unlink()
     (fifo_bundle / "tokenizer.json").symlink_to(bundle_copy / "tokenizer.json")
-    with pytest.raises(BundleError, match="tokenizer.json: cannot be opened as a regular file"):
+    with pytest.raises(BundleError, match="tokenizer.json: cannot be opened"):
         Router.load(fifo_bundle, signing_keys[1])
     (fifo_bundle / "tokenizer.json").unlink()
     shutil.copy(bundle_copy / "tokenizer.json", fifo_bundle / "tokenizer.json")

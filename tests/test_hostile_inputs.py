@@ -104,16 +104,12 @@ def test_the_tiny_bundle_routes_as_computed_by_hand(bundle, signing_keys):
 
 # -- 1. bundles ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arrays, match", [
-    ({"models": np.array("cheap")}, "models must be a 1-D array of strings, got a 0-D"),
-    ({"embedder_dim": np.array("three")}, "embedder_dim must be an integer, got a 0-D <U5"),
-    ({"embedder_dim": np.array(3.7)}, "embedder_dim must be an integer, got a 0-D float64"),
-    ({"centroids": np.array([["x"] * 3] * 2)}, "centroids must be a 2-D array of real numbers, got a 2-D <U1"),
-    ({"accuracy": np.array([["x", "y"]] * 2)}, "accuracy must be a 2-D array of real numbers"),
-    ({"cost": np.ones((2, 2)) * 1j}, "cost must be a 2-D array of real numbers, got a 2-D complex128"),
+@pytest.mark.parametrize("arrays", [
+    {"models": np.array("cheap")}, {"embedder_dim": np.array("three")}, {"embedder_dim": np.array(3.7)},
+    {"centroids": np.array([["x"] * 3] * 2)}, {"accuracy": np.array([["x", "y"]] * 2)}, {"cost": np.ones((2, 2)) * 1j},
 ])
-def test_a_kmeans_file_with_arrays_of_the_wrong_dtype_is_a_bundle_error(bundle, signing_keys, arrays, match):
-    with pytest.raises(BundleError, match=f"kmeans.npz {match}"):
+def test_a_kmeans_file_with_arrays_of_the_wrong_dtype_is_a_bundle_error(bundle, signing_keys, arrays):
+    with pytest.raises(BundleError, match=f"kmeans.npz {next(iter(arrays))} "):
         Router.load(bundle({"kmeans.npz": kmeans_npz(**arrays)}), signing_keys[1])
 
 
@@ -121,29 +117,25 @@ def test_an_npy_or_empty_file_named_kmeans_npz_is_a_bundle_error(bundle, signing
     buf = io.BytesIO()
     np.save(buf, np.ones(3))
     for data in (buf.getvalue(), b""):
-        with pytest.raises(BundleError, match="kmeans.npz cannot be read \\(not a zip archive"):
+        with pytest.raises(BundleError, match="kmeans.npz"):
             Router.load(bundle({"kmeans.npz": data}), signing_keys[1])
 
 
-@pytest.mark.parametrize("path, value, match", [
-    (("embedder", "files", "fp32"), ["static_table.f16.npy"], "embedder file \\['static_table.f16.npy'\\] \\(fp32\\) "
-                                                              "is not a file name listed in files"),
-    (("bundle_version",), True, "bundle_version must be an integer in \\[1, 2\\*\\*63 - 1\\], got True"),
-    (("bundle_version",), 2**63, "bundle_version must be an integer in \\[1, 2\\*\\*63 - 1\\], got 9223372036854775808"),
-    (("format_version",), True, "format_version True is not supported"),
-    (("format_version",), 1.0, "format_version 1.0 is not supported"),
-    (("embedder", "dim"), True, "embedder.dim must be a positive integer"),
-    (("embedder", "max_tokens"), 10**30, "embedder.max_tokens must be an integer in \\[3, 65536\\]"),
-    (("models", 0, "id"), "cheap\ud800", "model ids must be valid Unicode"),
+@pytest.mark.parametrize("path, value, field", [
+    (("embedder", "files", "fp32"), ["static_table.f16.npy"], "embedder file"),
+    (("bundle_version",), True, "bundle_version"), (("bundle_version",), 2**63, "bundle_version"),
+    (("format_version",), True, "format_version"), (("format_version",), 1.0, "format_version"),
+    (("embedder", "dim"), True, "embedder.dim"), (("embedder", "max_tokens"), 10**30, "embedder.max_tokens"),
+    (("models", 0, "id"), "cheap\ud800", "model ids"),
 ])
-def test_a_signed_manifest_with_values_of_the_wrong_type_is_a_bundle_error(bundle, signing_keys, path, value, match):
+def test_a_signed_manifest_with_values_of_the_wrong_type_is_a_bundle_error(bundle, signing_keys, path, value, field):
     def mutate(manifest):
         target = manifest
         for key in path[:-1]:
             target = target[key]
         target[path[-1]] = value
 
-    with pytest.raises(BundleError, match=f"manifest: {match}"):
+    with pytest.raises(BundleError, match=f"manifest: {field}"):
         Router.load(resign(bundle(), signing_keys[0], mutate), signing_keys[1])
 
 
@@ -173,7 +165,7 @@ def test_a_static_table_header_with_an_absurd_shape_is_a_bundle_error(shape, mat
 
 def test_a_tokenizer_whose_unknown_token_is_not_in_its_vocabulary_is_refused_at_load(bundle, signing_keys):
     broken = bundle({"tokenizer.json": tokenizer_json(unk="[NOPE]")})
-    with pytest.raises(BundleError, match="tokenizer.json: the unknown token '\\[NOPE\\]' is not in the vocabulary"):
+    with pytest.raises(BundleError, match="tokenizer.json: .*'\\[NOPE\\]'"):
         Router.load(broken, signing_keys[1])
 
 
@@ -181,7 +173,7 @@ def test_a_token_id_beyond_the_static_table_is_a_bundle_error_not_an_index_error
     # 4 tokens, 4 table rows, but "c" has id 99: the sizes agree, the ids do not.
     router = Router.load(bundle({"tokenizer.json": tokenizer_json({**VOCAB, "c": 99})}), signing_keys[1])
     assert router.choose("a b", 1.0).model == "dear"
-    with pytest.raises(BundleError, match="token id 99, beyond the static table's 4 rows"):
+    with pytest.raises(BundleError, match="token id 99"):
         router.choose("a c", 1.0)
 
 
@@ -261,36 +253,31 @@ def test_the_tiny_onnx_embedder_gives_the_hand_computed_embedding():
     np.testing.assert_allclose(onnx_embedder(embedder_graph()).embed(["a b"]), [[0.0, 0.0, 0.25]])
 
 
-@pytest.mark.parametrize("graph, match", [
-    (dict(ids_type="INT32"), "embedder: inputs .*'input_ids': 'tensor\\(int32\\)'.* of another type \\['input_ids'\\]"),
-    (dict(ids_type="FLOAT"), "embedder: inputs .*'input_ids': 'tensor\\(float\\)'.* of another type \\['input_ids'\\]"),
-    (dict(extra_input=True), "embedder: inputs .* are not the contract.*unexpected \\['position_ids'\\]"),
-    (dict(out_rank=3), "embedder output 'sentence_embedding' has shape \\['N', 'L', 3\\], expected \\(batch, 3\\)"),
+@pytest.mark.parametrize("graph, field", [
+    (dict(ids_type="INT32"), "input_ids"), (dict(ids_type="FLOAT"), "input_ids"),
+    (dict(extra_input=True), "position_ids"), (dict(out_rank=3), "sentence_embedding"),
 ])
-def test_an_encoder_graph_onnxruntime_could_not_run_on_our_feeds_is_refused_at_load(graph, match):
-    with pytest.raises(BundleError, match=match):
+def test_an_encoder_graph_onnxruntime_could_not_run_on_our_feeds_is_refused_at_load(graph, field):
+    with pytest.raises(BundleError, match=f"^embedder.*'{field}'"):
         onnx_embedder(embedder_graph(**graph))
 
 
 def test_an_encoder_that_fails_or_returns_nan_on_a_query_is_a_bundle_error():
     small_vocab = onnx_embedder(embedder_graph(vocab=4))  # the tokenizer emits ids up to 7
-    with pytest.raises(BundleError, match="embedder: onnxruntime failed to run the graph on this input"):
+    with pytest.raises(BundleError, match="embedder: onnxruntime failed"):
         small_vocab.embed(["d"])
-    with pytest.raises(BundleError, match="embedder returned NaN or inf for a valid query"):
+    with pytest.raises(BundleError, match="embedder returned NaN"):
         onnx_embedder(embedder_graph(nan=True)).embed(["a b"])
 
 
-@pytest.mark.parametrize("graph, match", [
-    (dict(in_type="DOUBLE"), "router.onnx must have one tensor\\(float\\) input \\(batch, 3\\).*got inputs \\[\\('embedding', "
-                             "'tensor\\(double\\)'"),
-    (dict(two_inputs=True), "router.onnx must have one tensor\\(float\\) input"),
-    (dict(meta_models="5"), "router.onnx metadata 'models' must be a JSON list of model ids, got '5'"),
-    (dict(meta_models="[1, 2]"), "metadata 'models' must be a JSON list of model ids"),
+@pytest.mark.parametrize("graph, field", [
+    (dict(in_type="DOUBLE"), "input"), (dict(two_inputs=True), "input"),
+    (dict(meta_models="5"), "metadata 'models'"), (dict(meta_models="[1, 2]"), "metadata 'models'"),
 ])
-def test_a_router_graph_of_the_wrong_contract_is_refused_at_load(graph, match):
+def test_a_router_graph_of_the_wrong_contract_is_refused_at_load(graph, field):
     from sdk.scorers import MlpScorer
 
-    with pytest.raises(BundleError, match=match):
+    with pytest.raises(BundleError, match=f"^router.onnx.* {field}"):
         MlpScorer(router_graph(**graph), MODELS, {**EMBEDDER}, None)
 
 
@@ -301,7 +288,7 @@ def test_a_router_graph_predicting_inf_is_a_bundle_error():
     acc, cost, _ = MlpScorer(router_graph(), MODELS, {**EMBEDDER}, None).predict(x)
     np.testing.assert_allclose(acc, [[0.5, 0.5]])
     np.testing.assert_allclose(cost, [[0.001, 0.001]], rtol=1e-6)
-    with pytest.raises(BundleError, match="router.onnx predicted an infinite accuracy or cost"):
+    with pytest.raises(BundleError, match="router.onnx predicted an infinite"):
         MlpScorer(router_graph(accuracy=np.inf), MODELS, {**EMBEDDER}, None).predict(x)
 
 
@@ -310,21 +297,20 @@ def test_a_router_graph_predicting_inf_is_a_bundle_error():
 @pytest.mark.parametrize("embeddings", [[["a", "b", "c"]], [[1.0, 2.0, 3.0], [1.0]], [[{}, 1.0, 2.0]], [[1j, 0.0, 0.0]]])
 def test_embeddings_that_do_not_convert_to_float32_are_shape_errors(bundle, signing_keys, embeddings):
     router = Router.load(bundle(), signing_keys[1])
-    with pytest.raises(ShapeError, match="embeddings must be a \\(n_queries, 3\\) array of real numbers"):
+    with pytest.raises(ShapeError, match="embeddings"):
         router.predict_from_embeddings(embeddings)
 
 
 def test_arguments_of_the_wrong_type_get_clear_errors(bundle, signing_keys):
     router = Router.load(bundle(), signing_keys[1])
-    with pytest.raises(InvalidInputError,
-                       match="usd_per_1k_queries must be a finite number > 0, got an integer of about 401 digits"):
+    with pytest.raises(InvalidInputError, match="usd_per_1k_queries.*401 digits"):
         router.lam_for_budget(10**400, ["a", "b"])
     assert math.copysign(1.0, router.choose("a", -0.0).lam) == 1.0  # -0.0 is 0, reported as +0.0
-    with pytest.raises(BundleError, match="bundle path must be a str or os.PathLike, got int"):
+    with pytest.raises(BundleError, match="bundle path"):
         Router.load(5, signing_keys[1])
-    with pytest.raises(InvalidInputError, match="precision must be 'auto' or one of"):
+    with pytest.raises(InvalidInputError, match="precision"):
         Router.load(bundle(), signing_keys[1], precision=["fp32"])
-    with pytest.raises(InvalidInputError, match="intra_op_threads must be an integer in \\[1, 1024\\]"):
+    with pytest.raises(InvalidInputError, match="intra_op_threads"):
         Router.load(bundle(), signing_keys[1], intra_op_threads=2**40)
 
 
@@ -371,7 +357,7 @@ def _array_calls():
 @pytest.mark.parametrize("case", ["strings", "ragged", "steps", "errors", "weights", "complex", "statistics"])
 def test_public_array_functions_refuse_values_that_are_not_real_numbers(case):
     call, name = _array_calls()[case]  # were numpy's raw ValueError / TypeError
-    with pytest.raises(ShapeError, match=f"{name} must be an array of real numbers, got "):
+    with pytest.raises(ShapeError, match=f"{name}"):
         call()
 
 
@@ -379,7 +365,7 @@ def test_public_array_functions_refuse_values_that_are_not_real_numbers(case):
 
 def test_text_sqlite_cannot_store_is_refused_before_anything_is_written(tmp_path):
     with EvalLog(tmp_path / "log.sqlite", MODELS, store_text=True) as log:
-        with pytest.raises(InvalidInputError, match="query is not valid Unicode \\(surrogates not allowed at position 2\\)"):
+        with pytest.raises(InvalidInputError, match="query"):
             log.record("cheap", 1.0, 0.001, cell=0, query="hi\ud800")
         assert len(log) == 0
         log.record("cheap", 1.0, 0.001, cell=0, query="hi")
@@ -387,7 +373,7 @@ def test_text_sqlite_cannot_store_is_refused_before_anything_is_written(tmp_path
     with EvalLog(tmp_path / "drop.sqlite", MODELS) as log:  # not stored: nothing to encode, nothing refused
         log.record("cheap", 1.0, 0.001, cell=0, query="hi\ud800")
         assert log.rows().query == (None,)
-    with pytest.raises(InvalidInputError, match="models is not valid Unicode"):
+    with pytest.raises(InvalidInputError, match="models"):
         EvalLog(tmp_path / "models.sqlite", ["cheap\ud800"])
 
 
@@ -395,13 +381,13 @@ def test_a_log_declaring_an_absurd_embedding_dimension_is_damaged(tmp_path):
     path = tmp_path / "log.sqlite"
     with EvalLog(path, MODELS) as log:
         log.record("cheap", 1.0, 0.001, embedding=np.ones(3) / np.sqrt(3))
-        with pytest.raises(ShapeError, match="embedding must have shape \\(d,\\) with 1 <= d <= 65536"):
+        with pytest.raises(ShapeError, match="embedding"):
             log.record("cheap", 1.0, 0.001, embedding=np.ones(70_000))
     conn = sqlite3.connect(path)
     conn.execute("UPDATE meta SET value = '99999999999999999999' WHERE key = 'embedding_dim'")
     conn.commit()
     conn.close()
-    with pytest.raises(EvalLogError, match="is damaged: bad embedding_dim '99999999999999999999'"):
+    with pytest.raises(EvalLogError, match="damaged.*embedding_dim"):
         EvalLog(path, MODELS)
 
 
@@ -418,8 +404,7 @@ def test_a_row_whose_embedding_is_not_the_logs_float32_vector_is_damaged(tmp_pat
     conn.commit()
     conn.close()
     with EvalLog(path, MODELS) as log:
-        with pytest.raises(EvalLogError, match=f"is damaged: row 2 has an embedding of {size}, the log's dimension 3 "
-                                               "needs 12 bytes"):
+        with pytest.raises(EvalLogError, match=f"damaged: row 2 .*{size}"):
             log.rows()
         assert len(log) == 2  # nothing is deleted: the damaged row stays for inspection
 
@@ -431,7 +416,7 @@ def test_an_npy_where_an_npz_update_belongs_is_a_payload_error():
 
     buf = io.BytesIO()
     np.save(buf, np.ones(3))
-    with pytest.raises(PayloadError, match="not an .npz K-means update \\(not a zip archive\\)"):
+    with pytest.raises(PayloadError, match="not an .npz K-means update"):
         decode_kmeans_update_npz(buf.getvalue())
 
 
@@ -483,18 +468,16 @@ def sync_client(tmp_path, signing_keys, handler):
 UNSENDABLE = "the request holds text that is not valid Unicode (surrogates not allowed: '\\ud800'); nothing was sent"
 
 
-@pytest.mark.parametrize("body, match", [
-    (b'{"messages": [{"role": "user", "content": "a"}], "stream": true, "stream_options": "on"}',
-     "stream_options must be a mapping (a JSON object), got str"),
-    (b'{"messages": [{"role": "user", "content": "a"}], "stream_options": [1]}',
-     "stream_options must be a mapping (a JSON object), got list"),
+@pytest.mark.parametrize("body, field", [
+    (b'{"messages": [{"role": "user", "content": "a"}], "stream": true, "stream_options": "on"}', "stream_options"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "stream_options": [1]}', "stream_options"),
     # JSON escapes of lone surrogates outside the routed text: the openai client's encoder raised UnicodeEncodeError
-    (b'{"messages": [{"role": "system", "content": "\\ud800"}, {"role": "user", "content": "a"}]}', UNSENDABLE),
-    (b'{"messages": [{"role": "user", "content": "a"}], "user": "\\ud800"}', UNSENDABLE),
+    (b'{"messages": [{"role": "system", "content": "\\ud800"}, {"role": "user", "content": "a"}]}', "not valid Unicode"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "user": "\\ud800"}', "not valid Unicode"),
 ])
-def test_proxy_requests_the_openai_client_cannot_send_are_400_not_500(proxy, body, match):
+def test_proxy_requests_the_openai_client_cannot_send_are_400_not_500(proxy, body, field):
     answer = proxy.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
-    assert answer.status_code == 400 and answer.json()["error"]["message"] == match
+    assert answer.status_code == 400 and field in answer.json()["error"]["message"]
 
 
 def test_routed_chat_refuses_a_request_it_cannot_send_before_any_fallback(bundle, signing_keys):
@@ -506,7 +489,7 @@ def test_routed_chat_refuses_a_request_it_cannot_send_before_any_fallback(bundle
                     lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS}) as chat:
         with pytest.raises(InvalidInputError, match=re.escape(UNSENDABLE)):
             chat.create(messages=[{"role": "system", "content": "\ud800"}, {"role": "user", "content": "a"}])
-        with pytest.raises(InvalidInputError, match="stream_options must be a mapping"):
+        with pytest.raises(InvalidInputError, match="stream_options"):
             chat.create(messages="a", model="cheap", stream=True, stream_options=("include_usage", True))
 
 
@@ -517,13 +500,13 @@ def test_routed_chat_refuses_at_construction_what_would_fail_later(bundle, signi
     router = Router.load(bundle(), signing_keys[1])
     upstreams = {m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in MODELS}
     # a budget the controller would refuse at the first call is refused at construction
-    with pytest.raises(InvalidInputError, match="budget_usd_per_1k must be at least 2.23e-305 USD per 1,000"):
+    with pytest.raises(InvalidInputError, match="budget_usd_per_1k"):
         RoutedChat(router, upstreams=upstreams, budget_usd_per_1k=1e-310,
                    prices={m: TokenPrice(1.0, 2.0) for m in MODELS})
     # a list where a mapping belongs was dict()'s raw TypeError / ValueError
-    with pytest.raises(InvalidInputError, match="prices must be a mapping \\{model id: TokenPrice\\}, got list"):
+    with pytest.raises(InvalidInputError, match="prices"):
         RoutedChat(router, upstreams=upstreams, lam=1.0, prices=[TokenPrice(1.0, 2.0)] * 2)
-    with pytest.raises(InvalidInputError, match="passthrough must be a mapping .* got list"):
+    with pytest.raises(InvalidInputError, match="passthrough"):
         RoutedChat(router, upstreams=upstreams, lam=1.0, passthrough=["gpt-4o"],
                    prices={m: TokenPrice(1.0, 2.0) for m in MODELS})
 
@@ -563,7 +546,7 @@ def test_a_round_description_with_fields_of_the_wrong_type_is_a_sync_error(field
     good = {"round_id": 1, "kind": "kmeans", "centroids": centroids.tolist(), "centroids_hash": centroids_hash(centroids),
             "models": ["a", "b", "c"], "embedder_name": "toy", "d_emb": 3, "min_count": 1, "deadline_utc": "x"}
     assert RoundSpec.from_json(good).models == ("a", "b", "c")
-    with pytest.raises(SyncError, match=f"malformed round description from the server: TypeError\\('{field} must be"):
+    with pytest.raises(SyncError, match=f"malformed round description.*{field}"):
         RoundSpec.from_json({**good, field: value})
 
 
@@ -579,7 +562,7 @@ def test_a_round_of_an_unknown_kind_with_an_infinite_round_id_is_a_sync_error(tm
 
     client, log = sync_client(tmp_path, signing_keys, handler)
     try:
-        with pytest.raises(SyncError, match="malformed round description from the server: OverflowError"):
+        with pytest.raises(SyncError, match="malformed round description.*OverflowError"):
             client.run_once()
     finally:
         client.close()
@@ -708,7 +691,7 @@ def test_the_pending_store_refuses_an_unstorable_id_before_writing_and_stays_usa
         def outcome(rid):
             return PendingOutcome(rid, time.time(), "cheap", 0.001, 5.0, np.ones(3, np.float32), 0, 1)
 
-        with pytest.raises(InvalidInputError, match="cannot be stored: a non-empty str of valid Unicode"):
+        with pytest.raises(InvalidInputError, match="cannot be stored"):
             store.add(outcome("a\ud800"))
         store.add(outcome("ok"))
         assert len(store) == 1 and store.get("ok").model == "cheap" and store.get("a\ud800") is None
@@ -719,9 +702,9 @@ def test_the_pending_store_refuses_an_unstorable_id_before_writing_and_stays_usa
 def test_token_prices_refuse_numbers_beyond_the_float_range():
     from sdk.token_prices import TokenPrice
 
-    with pytest.raises(InvalidInputError, match="input_usd_per_1m must be a finite number >= 0"):
+    with pytest.raises(InvalidInputError, match="input_usd_per_1m"):
         TokenPrice(10**400, 1.0)
-    with pytest.raises(InvalidInputError, match="give a cost beyond the float range"):
+    with pytest.raises(InvalidInputError, match="float range"):
         TokenPrice(1.0, 2.0).cost_usd(10**400, 0)
     assert TokenPrice(1.0, 2.0).cost_usd(1_000_000, 500_000) == 2.0  # 1 USD in + 1 USD out
 
@@ -752,10 +735,10 @@ def test_budget_controller_arguments_beyond_the_float_or_memory_range(bundle, si
     from sdk.budget import BudgetController
 
     router = Router.load(bundle(), signing_keys[1])
-    with pytest.raises(InvalidInputError, match="window must be an int in \\[1, 1000000\\] \\(queries\\), got 10000"):
+    with pytest.raises(InvalidInputError, match="window"):
         BudgetController(router, budget_usd_per_1k=1.0, window=10**30)
     controller = BudgetController(router, budget_usd_per_1k=1.0, seed=0)
-    with pytest.raises(InvalidInputError, match="cost_usd must be a finite number >= 0 \\(USD\\)"):
+    with pytest.raises(InvalidInputError, match="cost_usd"):
         controller.record("cheap", 10**400)
     for accuracy, cost in (([["a", "b"]], [[1, 2]]), ([[0.5], [0.5, 0.1]], [0.1, 0.2])):
         with pytest.raises(ShapeError, match="do not convert to float64"):
@@ -768,7 +751,7 @@ def test_budget_controller_budgets_and_costs_whose_arithmetic_over_or_underflows
 
     router = Router.load(bundle(), signing_keys[1])
     # 5e-324 USD per 1k is a finite number > 0, but / 1000 is 0.0: math.log raised "math domain error".
-    with pytest.raises(InvalidInputError, match="budget_usd_per_1k must be at least 2.23e-305 USD per 1,000 queries"):
+    with pytest.raises(InvalidInputError, match="budget_usd_per_1k"):
         BudgetController(router, budget_usd_per_1k=5e-324)
     # Two finite costs whose sum is beyond the float range: math.fsum raised OverflowError, after the cost had
     # entered the window, so every later record (even of 0 USD) raised too.
@@ -790,7 +773,7 @@ def test_a_token_that_cannot_travel_in_an_http_header_is_refused_at_construction
     from sdk.sync import SyncClient
 
     with EvalLog(tmp_path / "log.sqlite", MODELS) as log:
-        with pytest.raises(InvalidInputError, match="token must be printable ASCII without spaces or control"):
+        with pytest.raises(InvalidInputError, match="token"):
             SyncClient("https://fed.test", token, log, tmp_path / "bundle", signing_keys[1])
         SyncClient("https://fed.test", " fr_AbC-_9 \n", log, tmp_path / "bundle", signing_keys[1]).close()  # stripped
 
@@ -899,8 +882,7 @@ def test_a_feedback_score_beyond_the_float_range_is_an_invalid_input(bundle, sig
         chat = stubbed_chat(router, {"id": b'"chatcmpl-1"', "usage": USAGE}, log=log, pending=tmp_path / "p.sqlite")
         try:
             assert chat.create_routed(messages="a").outcome.awaiting_score
-            with pytest.raises(InvalidInputError,
-                               match="score must be a real number in \\[0, 1\\], got an integer of about 401 digits"):
+            with pytest.raises(InvalidInputError, match="score.*401 digits"):
                 chat.feedback("chatcmpl-1", 10**400)
             assert chat.feedback("chatcmpl-1", 1) == 1  # still awaiting: the bad score recorded nothing
         finally:
@@ -915,29 +897,26 @@ def test_numbers_beyond_the_float_range_are_invalid_inputs_in_the_log_and_the_bu
             kwargs = {"score": 1.0, "cost_usd": 0.001, "latency_ms": 1.0, "timestamp": None, field: 10**400}
             score, cost = kwargs.pop("score"), kwargs.pop("cost_usd")
             # its size, not its first 40 digits (which read as a finite number)
-            with pytest.raises(InvalidInputError, match=f"{field} must be finite, got an integer of about 401 digits"):
+            with pytest.raises(InvalidInputError, match=f"{field}.*401 digits"):
                 log.record("cheap", score, cost, cell=0, **kwargs)
         assert len(log) == 0
-    with pytest.raises(InvalidInputError, match="budget_usd_per_1k must be a finite number > 0"):
+    with pytest.raises(InvalidInputError, match="budget_usd_per_1k"):
         check_budget(10**400)
 
 
-@pytest.mark.parametrize("fields, match", [
-    ({"prompt_tokens": 10**12}, "prompt_tokens must be an int in \\[1, 65536\\], got 1000000000000"),
-    ({"response_tokens": True}, "response_tokens must be an int in \\[1, 65536\\], got True"),
-    ({"sep_token": ["[SEP]"]}, "sep_token must be a non-empty str, got \\['\\[SEP\\]'\\]"),
-    ({"pad_token": ""}, "pad_token must be a non-empty str"),
-])
-def test_a_pair_encoding_that_would_allocate_without_bound_or_crash_the_tokenizer_is_refused(fields, match):
+@pytest.mark.parametrize("fields", [{"prompt_tokens": 10**12}, {"response_tokens": True}, {"sep_token": ["[SEP]"]},
+                                    {"pad_token": ""}])
+def test_a_pair_encoding_that_would_allocate_without_bound_or_crash_the_tokenizer_is_refused(fields):
     from sdk.pair_encoding import PairEncodingConfig
     from sdk.selector import OnnxPairSelectorKind
 
-    with pytest.raises(InvalidInputError, match=match):
+    field = next(iter(fields))
+    with pytest.raises(InvalidInputError, match=f"^{field} "):
         PairEncodingConfig(**fields)
     manifest = {"files": {"tokenizer.json": "0" * 64, "selector.onnx": "0" * 64},
                 "selector": {"name": "s", "files": {"fp32": "selector.onnx"}, "n_length_features": 3,
                              "pair_encoding": {**PairEncodingConfig().to_dict(), **fields}}}
-    with pytest.raises(BundleError, match=f"manifest: selector.pair_encoding is invalid \\({match}"):
+    with pytest.raises(BundleError, match=f"manifest: selector.pair_encoding.*{field}"):
         OnnxPairSelectorKind().check_manifest(manifest)  # a signed selector bundle carrying it
 
 
@@ -953,7 +932,7 @@ def test_reward_manifest_numbers_beyond_what_tokenizers_or_floats_take_are_bundl
                 "files": {n: "0" * 64 for n in ("reward.onnx", "client_router.onnx", "reward_tokenizer.json")}}
 
     check_lora_reward_manifest(manifest())
-    with pytest.raises(BundleError, match="manifest: features.length_scale must be a finite number > 0"):
+    with pytest.raises(BundleError, match="features.length_scale"):
         check_lora_reward_manifest(manifest(length_scale=10**400))
-    with pytest.raises(BundleError, match="reward.encoder must hold base_model \\(str\\), max_tokens \\(int in \\[2, 65536\\]\\)"):
+    with pytest.raises(BundleError, match="reward.encoder"):
         check_lora_reward_manifest(manifest(max_tokens=10**30))  # tokenizers' enable_truncation overflowed at load

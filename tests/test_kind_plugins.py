@@ -173,7 +173,7 @@ def test_the_registries_refuse_a_kind_that_is_not_registered():
         SimulationConfig(routers=("mean",))
     with pytest.raises(InvalidInputError, match="already registered"):
         sdk_kinds.register(sdk_kinds.get("router", "kmeans"))
-    with pytest.raises(InvalidInputError, match="router_class must be a Router subclass whose kind is 'average'"):
+    with pytest.raises(InvalidInputError, match="router_class"):
 
         class Misnamed(MeanTrainerKind):
             name = "average"  # its router_class says "mean"
@@ -296,17 +296,15 @@ def test_a_new_family_is_exported_loaded_and_removed_as_the_plugin_doc_says(sign
         assert "embedder" not in manifest and "models" not in manifest and "parity.json" in manifest["files"]
         bundle = bundle_manifest.read_verified(tmp_path / "bundle", signing_keys[1])
         assert sdk_kinds.load_artefact(TOY_FAMILY, bundle.manifest, bundle.files).score("hello") == 3.5
-        with pytest.raises(BundleError, match=r"^bundle carries no router \(it carries \{'lengthscore': 'linear'\}\); "
-                                              r"load it with sdk.kinds.load_bundle$"):  # it declared no loader
+        with pytest.raises(BundleError, match=r"^bundle carries no router .*sdk.kinds.load_bundle"):  # it declared no loader
             Router.load(tmp_path / "bundle", signing_keys[1])
-        with pytest.raises(ExportError, match="holds a lengthscore bundle; refusing to replace it with a router"):
+        with pytest.raises(ExportError, match="holds a lengthscore bundle"):
             write_bundle(tmp_path / "bundle", files, {"bundle_version": 2, "router_kind": "kmeans"}, key)
     finally:
         export_kinds.unregister("linear", family=TOY_FAMILY)
         sdk_kinds.unregister_family(TOY_FAMILY)  # its kinds go with it
     assert TOY_FAMILY not in sdk_kinds.families() and sdk_kinds.REGISTRY.names(TOY_FAMILY) == ()
-    with pytest.raises(BundleError, match=r"names no artefact; expected one of \['personal_reward_kind', 'reward_scorer_kind', "
-                                          r"'router_kind', 'selector_kind'\]"):
+    with pytest.raises(BundleError, match=r"names no artefact.*'router_kind'"):
         sdk_kinds.check_manifest_kinds({"lengthscore_kind": "linear"})
 
 

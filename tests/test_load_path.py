@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 from sdk import Router
 from sdk import bundle_manifest as fmt
+from sdk import kinds
 from sdk.errors import BundleError, InvalidInputError
 from sdk.verified_file import VerifiedFile, open_regular
 
@@ -43,12 +45,12 @@ def test_a_corrupt_unused_precision_does_not_block_the_other_but_verify_all_catc
     assert router.precision == "int8"
     np.testing.assert_array_equal(router.embed(["Is a whale a fish?"]), reference)
     assert Router.load(copy, signing_keys[1], precision="int8-all").precision == "int8-all"
-    with pytest.raises(BundleError, match=r"embedder.onnx: sha256 .* does not match"):
+    with pytest.raises(BundleError, match=r"embedder.onnx: sha256"):
         Router.load(copy, signing_keys[1], precision="fp32")
-    with pytest.raises(BundleError, match=r"embedder.onnx: sha256 .* does not match"):
+    with pytest.raises(BundleError, match=r"embedder.onnx: sha256"):
         fmt.verify_all(copy, signing_keys[1])
     # fedroute-sync reads the bundle in use this way before every sync: still the full check.
-    with pytest.raises(BundleError, match=r"embedder.onnx: sha256 .* does not match"):
+    with pytest.raises(BundleError, match=r"embedder.onnx: sha256"):
         fmt.read_verified(copy, signing_keys[1], wanted=())
 
 
@@ -57,8 +59,24 @@ def test_a_corrupt_unused_precision_does_not_block_the_other_but_verify_all_catc
                                              ("int8", "kmeans.npz")])
 def test_a_corrupt_used_file_is_refused(copy, signing_keys, precision, name):
     flip_a_bit(copy / name)
-    with pytest.raises(BundleError, match=rf"{name}: sha256 .* does not match"):
+    with pytest.raises(BundleError, match=rf"{name}: sha256"):
         Router.load(copy, signing_keys[1], precision=precision)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "kmeans.npz"])
+def test_files_read_on_the_worker_are_used_only_once_verified(copy, signing_keys, monkeypatch, name):
+    """load_bundle reads used files of >= kinds.BACKGROUND_BYTES on a worker thread (here: every file read as
+    bytes); a kind gets them only after their sha256 matched, and a tampered one is refused."""
+    reference = Router.load(copy, signing_keys[1], precision="int8")
+    monkeypatch.setattr(kinds, "BACKGROUND_BYTES", 1)
+    before = set(os.listdir("/proc/self/fd"))
+    router = Router.load(copy, signing_keys[1], precision="int8")
+    np.testing.assert_array_equal(router.embed(["Is a whale a fish?"]), reference.embed(["Is a whale a fish?"]))
+    flip_a_bit(copy / name)
+    with pytest.raises(BundleError, match=rf"{name}: sha256") as exc:
+        Router.load(copy, signing_keys[1], precision="int8")
+    assert any("concurrent" in frame.filename for frame in traceback.extract_tb(exc.value.__traceback__))
+    assert set(os.listdir("/proc/self/fd")) <= before
 
 
 def test_an_unused_file_that_is_missing_or_a_fifo_does_not_block_loading(copy, signing_keys):
@@ -106,7 +124,7 @@ def test_a_file_written_in_place_after_verification_is_refused(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"abc" * 1000)
     digest = hashlib.sha256(b"abc" * 1000).hexdigest()
-    with pytest.raises(BundleError, match="f.bin: sha256 .* does not match"):
+    with pytest.raises(BundleError, match="f.bin: sha256"):
         VerifiedFile(path, hashlib.sha256(b"other").hexdigest(), fmt.MAX_FILE_BYTES)
     with pytest.raises(BundleError, match="over the 100-byte limit"):
         VerifiedFile(path, digest, 100)
@@ -139,8 +157,7 @@ def test_a_bundle_file_that_is_a_symbolic_link_is_named_as_one(tmp_path):
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     (bundle / "manifest.json").symlink_to(outside)
-    with pytest.raises(BundleError, match=r"^manifest.json: cannot be opened as a regular file: it is a symbolic link "
-                                          r"\(to .*elsewhere.json\); a bundle's files must be regular files"):
+    with pytest.raises(BundleError, match=r"^manifest.json: .*symbolic link"):
         fmt.read_verified(bundle, b"unused: the manifest is read first")
     with pytest.raises(BundleError, match=r"^manifest.json: .*symbolic link"):
         open_regular(bundle / "manifest.json")
@@ -180,8 +197,7 @@ def test_every_loader_refuses_a_bad_option_before_reading_the_bundle(tmp_path, f
 
 @pytest.mark.parametrize("family", ["selector", "reward_scorer"])
 def test_a_router_bundle_given_to_another_family_names_its_loader(three_precisions, signing_keys, family):
-    with pytest.raises(BundleError, match=rf"^bundle carries no {family} \(it carries \{{'router': 'kmeans'\}}\); "
-                                          r"load it with sdk.Router.load$"):
+    with pytest.raises(BundleError, match=rf"^bundle carries no {family} .*sdk.Router.load"):
         LOADERS[family](three_precisions, signing_keys[1])
 
 

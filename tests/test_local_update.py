@@ -132,7 +132,7 @@ def test_round_spec_refuses_tampered_or_malformed_answers():
     with pytest.raises(SyncError, match="distinct"):
         RoundSpec.from_json({**good, "models": ["a", "a", "b"]})
     for bad in (0, -1.0, "0.1", True, [0.1], 1e400):  # 1e400 is what json reads as inf
-        with pytest.raises(SyncError, match="max_cost_usd must be a finite number > 0 or null"):
+        with pytest.raises(SyncError, match="max_cost_usd"):
             RoundSpec.from_json({**good, "max_cost_usd": bad})
     assert RoundSpec.from_json({**good, "max_cost_usd": None}).max_cost_usd is None
 

@@ -318,6 +318,25 @@ def test_rounds_open_names_a_prior_router_without_readable_statistics(fed, tmp_p
     assert fed["store"].latest_round() is None
 
 
+@pytest.mark.parametrize("router_kind", [None, "mlp"])
+def test_rounds_open_refuses_a_bundle_that_is_not_k_means(fed, router_kind):
+    """kmeans_rounds reads operator-signed bundles with format checks only: a manifest without router_kind
+    ended in a KeyError."""
+    from export.bundle_writer import write_bundle
+    from export.signing import load_signing_key
+    from sdk.errors import BundleError
+
+    manifest = json.loads((fed["bundle"] / "manifest.json").read_text())
+    fields = {k: v for k, v in manifest.items() if k not in ("format_version", "created_utc", "files", "signature",
+                                                             "router_kind")}
+    other = fed["tmp"] / "other"
+    write_bundle(other, {name: (fed["bundle"] / name).read_bytes() for name in manifest["files"]},
+                 {**fields, **({"router_kind": router_kind} if router_kind else {})}, load_signing_key(fed["key"]))
+    result = fedroute("rounds", "open", "--bundle-dir", other, "--public-key", fed["pub"], "--db", fed["url"])
+    assert isinstance(result.exception, BundleError) and "router_kind" in str(result.exception), result.output
+    assert fed["store"].latest_round() is None
+
+
 # --- the database ------------------------------------------------------------------------------
 
 

@@ -106,6 +106,6 @@ def test_an_int_of_thousands_of_digits_is_a_clear_error_at_every_numeric_boundar
         with pytest.raises(InvalidInputError, match="an integer of about 5001 digits"):
             call(huge)
         print(name, "refused")
-    with pytest.raises(InvalidInputError, match=r"input_usd_per_1m must be a finite number >= 0 .*got str '10\.0'"):
+    with pytest.raises(InvalidInputError, match=r"input_usd_per_1m.*got str '10\.0'"):
         TokenPrice("10.0", 1.0)  # a price quoted in a JSON config: the message said "got 10.0"
     log.close()

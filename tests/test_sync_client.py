@@ -493,7 +493,7 @@ def test_a_downloaded_file_with_the_wrong_hash_is_refused(device, bundles, devic
     served[-1] ^= 1
     server.files[digest] = bytes(served)
     client, _ = device(server, bundle=device_bundle)
-    with pytest.raises(BundleError, match="kmeans.npz: downloaded sha256 does not match") as info:
+    with pytest.raises(BundleError, match="kmeans.npz: downloaded sha256") as info:
         client.run_once()
     assert type(info.value) is BundleError
     assert_still(device_bundle, 1)
@@ -673,6 +673,6 @@ def test_an_unused_precision_that_is_corrupt_is_still_refused_at_install(device,
     data[len(data) // 2] ^= 1
     server.files[digest] = bytes(data)
     client, _ = device(server, bundle=tmp_path / "bundle")  # nothing installed yet: every file is downloaded
-    with pytest.raises(BundleError, match="embedder.onnx: downloaded sha256 does not match"):
+    with pytest.raises(BundleError, match="embedder.onnx: downloaded sha256"):
         client.run_once()
     assert not (tmp_path / "bundle").exists() and bundle_install.version_dirs(tmp_path / "bundle") == []

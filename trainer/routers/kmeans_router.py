@@ -22,6 +22,7 @@ import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class KMeansRouterConfig:
     prior_strength : kappa >= 0, pseudo-observations of the model mean in each cell mean.
     model_prior_strength : kappa0 >= 0, pseudo-observations of the all-model mean accuracy in each
         model mean (see :func:`trainer.routers.shrinkage.model_means`).
+    prior : what the cell means shrink toward (:func:`trainer.routers.shrinkage.shrunk_means`).
     centroid_rounds, statistics_rounds : rounds of each phase.
     participation : share of clients taking part in a round, in (0, 1].
     min_count : (cell, model) entries with fewer samples are not reported by a client (privacy).
@@ -55,7 +57,7 @@ class KMeansRouterConfig:
     n_local_clusters: int = 8
     prior_strength: float = 16.0
     model_prior_strength: float = 10.0
-    prior: str = "additive"
+    prior: Literal["model", "additive"] = "additive"
     centroid_rounds: int = 3
     statistics_rounds: int = 5
     participation: float = 0.6

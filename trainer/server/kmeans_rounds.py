@@ -57,8 +57,8 @@ def read_base_bundle(bundle_dir: Path, public_key) -> fmt.VerifiedBundle:
     bundle = fmt.read_verified(bundle_dir, public_key)
     held = bundle.manifest.get("router_kind")  # the manifest's format is verified, its kinds are not
     if held != KMeansRoundKind.name:
-        raise BundleError(f"{bundle_dir} holds a {held!r} bundle; federated K-means "
-                          "rounds start from a K-means bundle")
+        raise BundleError(f"{bundle_dir}: router_kind is {held!r}; federated K-means rounds start from a "
+                          "K-means bundle")
     return bundle
 
 

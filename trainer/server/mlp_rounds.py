@@ -74,7 +74,7 @@ def open_mlp_round(
     manifest = fmt.read_verified(bundle_dir, public_key, wanted=()).manifest
     held = sdk_kinds.manifest_kinds(manifest).get(sdk_kinds.ROUTER_FAMILY)
     if held != MlpRoundKind.name:
-        raise BundleError(f"{bundle_dir} holds a {held!r} bundle; an MLP round needs an MLP bundle")
+        raise BundleError(f"{bundle_dir}: router_kind is {held!r}; an MLP round needs an MLP bundle")
     if [m["id"] for m in manifest["models"]] != list(models):
         raise BundleError(f"{bundle_dir} lists other models than the router's {list(models)}")
     emb = manifest["embedder"]
