@@ -32,6 +32,7 @@ compared on the same streams and a seeded run reproduces bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -190,12 +191,28 @@ class _Scorer:
         return metrics.gain(report.auc, *references), report
 
 
+#: Last seeds' partitions and centroids (the costly part of a seed), keyed by what they depend on, with the
+#: generator's state after them: runs that differ only in policy or shrinkage reuse them bit for bit.
+_CELLS_CACHE: dict[tuple, tuple] = {}
+
+
 def _seed_cells(stream: Stream, config: OnlineConfig, rng: np.random.Generator):
     """The seed's client of each query (n,), federated centroids (K, d_emb) and cell of each query (n,)."""
-    part = dirichlet_partition(stream.tasks, config.n_clients, config.alpha, rng)
-    embs = [stream.embeddings[part.indices(i)] for i in range(config.n_clients)]
-    centroids = federated_centroids(embs, config.kmeans, rng)
-    return part.client, centroids, nearest_cell(stream.embeddings, centroids)
+    km = config.kmeans
+    digest = hashlib.blake2b(stream.embeddings.tobytes(), digest_size=16)
+    digest.update(np.asarray(stream.tasks).astype(str).tobytes())
+    key = (digest.hexdigest(), stream.embeddings.shape, str(rng.bit_generator.state), config.n_clients,
+           config.alpha, km.n_clusters, km.n_local_clusters, km.centroid_rounds, km.participation)
+    if key not in _CELLS_CACHE:
+        part = dirichlet_partition(stream.tasks, config.n_clients, config.alpha, rng)
+        embs = [stream.embeddings[part.indices(i)] for i in range(config.n_clients)]
+        centroids = federated_centroids(embs, km, rng)
+        if len(_CELLS_CACHE) >= 256:
+            _CELLS_CACHE.clear()
+        _CELLS_CACHE[key] = (part.client, centroids, nearest_cell(stream.embeddings, centroids), rng.bit_generator.state)
+    client, centroids, cells, state = _CELLS_CACHE[key]
+    rng.bit_generator.state = state
+    return client, centroids, cells
 
 
 def _stream_order(client: np.ndarray, passes: float, rng: np.random.Generator) -> np.ndarray:
@@ -318,29 +335,48 @@ def _se(x: np.ndarray) -> float:
     return float(np.std(x, ddof=1) / np.sqrt(x.shape[0])) if x.shape[0] > 1 else float("nan")
 
 
-def _savings(finals: Sequence[metrics.CurveReport], weak: np.ndarray | None, strong: np.ndarray | None) -> dict:
-    """APGR and CPT (None without a RouteLLM weak/strong pair) and the cost saved at the best single model's accuracy."""
-    pts = [r.points for r in finals]
-    cost_at_best = np.array([r.cost_at_best_acc for r in finals])
+def _finite_or_none(x: float) -> float | None:
+    return float(x) if np.isfinite(x) else None
+
+
+def _saved(cost_at_best: np.ndarray, key: str) -> dict:
+    """Median of ``1 - cost@best_acc`` over seeds (None when most seeds never reach it), its bootstrap SE
+    over seeds (None when a resample's median is -inf), the per-seed savings (None = never) and the
+    never-reaches share, under ``key`` (strict JSON: no infinities)."""
     saved, never = metrics.cost_saved_at_best_acc(cost_at_best)
     boot = np.random.default_rng(0).integers(0, cost_at_best.shape[0], size=(2000, cost_at_best.shape[0]))
     saved_boot = np.array([metrics.cost_saved_at_best_acc(cost_at_best[b])[0] for b in boot])
     return {
-        "apgr_mean": None if weak is None else float(np.mean([metrics.apgr(p, weak, strong) for p in pts])),
-        "cpt50_median": None if weak is None else float(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
-        "cpt80_median": None if weak is None else float(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
-        "cost_saved_at_best_acc_median": saved,
-        "cost_saved_at_best_acc_median_se": float(saved_boot.std(ddof=1)) if np.isfinite(saved_boot).all() else float("inf"),
-        "cost_saved_at_best_acc_per_seed": (1.0 - cost_at_best).tolist(),
-        "never_reaches_best_share": never,
+        f"{key}_median": _finite_or_none(saved),
+        f"{key}_median_se": float(saved_boot.std(ddof=1)) if np.isfinite(saved_boot).all() else None,
+        f"{key}_per_seed": [_finite_or_none(1.0 - c) for c in cost_at_best],
+        "never_reaches_best_share" if key == "cost_saved_at_best_acc" else f"{key}_never_share": never,
     }
 
 
+def _savings(finals: Sequence[metrics.CurveReport], weak: np.ndarray | None, strong: np.ndarray | None,
+             test: ScoringSet, near_best_tolerance: float | None) -> dict:
+    """APGR and CPT (None without a RouteLLM weak/strong pair) and the cost saved at the best single
+    model's accuracy; with ``near_best_tolerance`` also at that accuracy less the tolerance (``..._near_best_...``)."""
+    pts = [r.points for r in finals]
+    out = {
+        "apgr_mean": None if weak is None else float(np.mean([metrics.apgr(p, weak, strong) for p in pts])),
+        "cpt50_median": None if weak is None else float(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
+        "cpt80_median": None if weak is None else float(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
+        **_saved(np.array([r.cost_at_best_acc for r in finals]), "cost_saved_at_best_acc"),
+    }
+    if near_best_tolerance is not None:
+        near = [metrics.cost_at_best_accuracy(p, test.accuracy, test.cost, near_best_tolerance) for p in pts]
+        out.update(_saved(np.array(near), "cost_saved_at_near_best_acc"))
+    return out
+
+
 def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tuple[np.ndarray, np.ndarray] | None,
-                     ceilings: Sequence[float]) -> dict:
+                     ceilings: Sequence[float], test: ScoringSet, near_best_tolerance: float | None = None) -> dict:
     """Per policy: gain mean, SE, median and per seed; APGR; CPT(50%) and CPT(80%) medians;
     cost saved at the best single model's accuracy (median, its bootstrap SE over seeds, per seed:
-    -inf = never) and the never-reaches share; served
+    None = never) and the never-reaches share (with ``near_best_tolerance``, the same at that accuracy
+    less the tolerance: ``cost_saved_at_near_best_acc_*``, a validation proxy); served
     accuracy and USD cost; the curve (labels -> gain mean and SE over seeds); and the paired
     difference against ``fixed`` (mean and SE over seeds) where it ran."""
     weak, strong = weak_strong if weak_strong is not None else (None, None)
@@ -359,7 +395,7 @@ def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tupl
             "curve_se": {str(lab): _se(col) for lab, col in zip(runs[0].labels, curve.T)},
         }
         if runs[0].final is not None:  # a cost axis: the savings an app developer reads
-            entry.update(_savings([r.final for r in runs], weak, strong))
+            entry.update(_savings([r.final for r in runs], weak, strong, test, near_best_tolerance))
         if "fixed" in policies and policy != "fixed":
             d = g - np.array([s["fixed"].gains[-1] for s in per_seed])
             entry["gain_minus_fixed_mean"], entry["gain_minus_fixed_se"] = float(d.mean()), _se(d)
@@ -371,10 +407,12 @@ def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tupl
 
 def run_online(stream: Stream, test: ScoringSet, config: OnlineConfig, seeds: Sequence[int],
                weak_strong: tuple[np.ndarray, np.ndarray] | None,
-               progress: Callable[[Sequence[int]], Sequence[int]] = lambda s: s) -> dict:
+               progress: Callable[[Sequence[int]], Sequence[int]] = lambda s: s,
+               near_best_tolerance: float | None = None) -> dict:
     """All seeds; returns :func:`summarise_online`'s summary. ``progress`` wraps the seed list (tqdm).
     ``weak_strong`` : RouteLLM's pair as (cost, accuracy) points on ``test``; None for a quality-only
-    pool (equal costs: gain against the best single model and the oracle, no savings)."""
+    pool (equal costs: gain against the best single model and the oracle, no savings).
+    ``near_best_tolerance`` : see :func:`summarise_online`."""
     mean_cost = test.cost.mean(axis=0)
     if mean_cost.max() > mean_cost.min():
         references = (metrics.zero_router_report(test.accuracy, test.cost).auc,
@@ -385,4 +423,4 @@ def run_online(stream: Stream, test: ScoringSet, config: OnlineConfig, seeds: Se
     for seed in progress(list(seeds)):
         per_seed.append(run_online_seed(stream, test, config, seed, references))
         ceilings.append(dense_ceiling(stream, test, config, seed, references))
-    return summarise_online(per_seed, weak_strong, ceilings)
+    return summarise_online(per_seed, weak_strong, ceilings, test, near_best_tolerance)
