@@ -169,13 +169,11 @@ def accuracy_at_best_cost(points: np.ndarray, true_accuracy: np.ndarray, true_co
     return _frontier_value(frontier(points), float(best[0]))
 
 
-def cost_at_best_accuracy(points: np.ndarray, true_accuracy: np.ndarray, true_cost: np.ndarray,
-                          tolerance: float = 0.0) -> float:
-    """Lowest cost at which the frontier reaches the most accurate single model's accuracy (less
-    ``tolerance``, absolute; 0 = METRICS.md step 7), as a fraction of that model's mean cost; ``inf`` if never."""
+def cost_at_best_accuracy(points: np.ndarray, true_accuracy: np.ndarray, true_cost: np.ndarray) -> float:
+    """Lowest cost at which the frontier reaches the most accurate single model's accuracy,
+    as a fraction of that model's mean cost; ``inf`` if never (METRICS.md step 7)."""
     single = single_model_points(true_accuracy, true_cost)
     best_cost, best_acc = single[_most_accurate(single)]
-    best_acc -= tolerance
     h = frontier(points)
     if h[-1, 1] < best_acc:
         return float("inf")

@@ -75,6 +75,8 @@ class OnlineConfig:
     thompson_axis_power, top_two_axis_power : the cost axis ``u`` is uniform on: ``cost ** g`` (1: linear,
         the AUC's; 0.5: square root; 0: log cost; :func:`sdk.exploration.frontier_choice`).
     explore_prior_strength : prior strength of the exploring policies' posterior; None = ``kmeans.prior_strength``.
+    thompson_top_share : share of ``thompson``'s labels that log an end of the sampled hull's top segment
+        (:func:`sdk.exploration.frontier_choice`; 0 = METRICS.md's ``thompson``).
     Raises InvalidInputError for an unknown policy or a value out of range.
     """
 
@@ -92,6 +94,7 @@ class OnlineConfig:
     thompson_axis_power: float = 1.0
     top_two_axis_power: float = 0.5  # top_two's settings: chosen on validation (benchmarks/online_settings.py --stage targets)
     explore_prior_strength: float | None = None
+    thompson_top_share: float = 0.0
 
     def __post_init__(self) -> None:
         check_sequence(self, "policies")
@@ -105,6 +108,7 @@ class OnlineConfig:
         check_real(self, "preference_concentration", 0, low_open=True)
         check_real(self, "participation", 0, 1, low_open=True)
         check_real(self, "beta_tt", 0, 1)
+        check_real(self, "thompson_top_share", 0, 1)
         check_real(self, "thompson_u_power", 0, low_open=True)
         check_real(self, "top_two_u_power", 0, low_open=True)
         check_real(self, "thompson_axis_power", 0, 1)
@@ -150,6 +154,7 @@ class PolicyRun:
     served_accuracy: float
     served_cost: float
     chosen: np.ndarray  # (n_labels, 2) int: (query, model) of each label, in stream order
+    tables: tuple[np.ndarray, np.ndarray]  # the final router's (n_cells, n_models) accuracy and cost (USD) tables
 
 
 class _Scorer:
@@ -258,7 +263,7 @@ def _choose(policy: str, queries: np.ndarray, client: np.ndarray, cells: np.ndar
         q = rows[explore]
         if policy == "thompson":
             out[q] = frontier_choice(a[q], b[q], c[q], u[q] ** config.thompson_u_power, np.arange(q.shape[0]), rng,
-                                     axis_power=config.thompson_axis_power)
+                                     axis_power=config.thompson_axis_power, top_share=config.thompson_top_share)
         else:
             out[q] = top_two_choice(a[q], b[q], c[q], u[q] ** config.top_two_u_power, np.arange(q.shape[0]), rng,
                                     beta_tt=config.beta_tt, axis_power=config.top_two_axis_power)
@@ -308,18 +313,18 @@ def run_online_seed(stream: Stream, test: ScoringSet, config: OnlineConfig, seed
             if total[0].sum() == 0:
                 continue
             merged = CellStatistics(total[0], np.minimum(total[1], total[0]), total[2])
-            gain, report = scorer.score(*_tables(merged, config.kmeans), references)
+            tables = _tables(merged, config.kmeans)
+            gain, report = scorer.score(*tables, references)
             labels.append(stop)
             gains.append(gain)
         runs[policy] = PolicyRun(labels, gains, report, served_acc / order.shape[0], served_cost / order.shape[0],
-                                 np.concatenate(chosen))
+                                 np.concatenate(chosen), tables)
     return runs
 
 
-def dense_ceiling(stream: Stream, test: ScoringSet, config: OnlineConfig, seed: int,
-                  references: tuple[float, float]) -> float:
-    """Gain of the same K-means router (same seed's centroids) with every train query labelled by
-    every available model: the ceiling a logging policy approaches."""
+def dense_tables(stream: Stream, config: OnlineConfig, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(centroids (K, d_emb), accuracy and cost tables (K, n_models)) of the same K-means router (same seed's
+    centroids) with every train query labelled by every available model."""
     _, centroids, cells = _seed_cells(stream, config, np.random.default_rng(seed))
     k, m = centroids.shape[0], stream.accuracy.shape[1]
     stats = np.zeros((3, k, m))
@@ -328,7 +333,14 @@ def dense_ceiling(stream: Stream, test: ScoringSet, config: OnlineConfig, seed: 
         rows = np.flatnonzero(avail[:, j])
         for arr, val in ((stats[0], 1.0), (stats[1], stream.accuracy[rows, j]), (stats[2], stream.cost[rows, j])):
             np.add.at(arr[:, j], cells[rows], val)
-    return _Scorer(test, centroids).score(*_tables(CellStatistics(*stats), config.kmeans), references)[0]
+    return centroids, *_tables(CellStatistics(*stats), config.kmeans)
+
+
+def dense_ceiling(stream: Stream, test: ScoringSet, config: OnlineConfig, seed: int,
+                  references: tuple[float, float]) -> float:
+    """Gain of :func:`dense_tables`' router: the ceiling a logging policy approaches."""
+    centroids, acc, cost = dense_tables(stream, config, seed)
+    return _Scorer(test, centroids).score(acc, cost, references)[0]
 
 
 def _se(x: np.ndarray) -> float:
@@ -339,44 +351,37 @@ def _finite_or_none(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
-def _saved(cost_at_best: np.ndarray, key: str) -> dict:
+def _saved(cost_at_best: np.ndarray) -> dict:
     """Median of ``1 - cost@best_acc`` over seeds (None when most seeds never reach it), its bootstrap SE
-    over seeds (None when a resample's median is -inf), the per-seed savings (None = never) and the
-    never-reaches share, under ``key`` (strict JSON: no infinities)."""
+    over seeds (None when a resample's median is such a seed), the per-seed savings (None = never) and the
+    never-reaches share (strict JSON: no infinities)."""
     saved, never = metrics.cost_saved_at_best_acc(cost_at_best)
     boot = np.random.default_rng(0).integers(0, cost_at_best.shape[0], size=(2000, cost_at_best.shape[0]))
     saved_boot = np.array([metrics.cost_saved_at_best_acc(cost_at_best[b])[0] for b in boot])
     return {
-        f"{key}_median": _finite_or_none(saved),
-        f"{key}_median_se": float(saved_boot.std(ddof=1)) if np.isfinite(saved_boot).all() else None,
-        f"{key}_per_seed": [_finite_or_none(1.0 - c) for c in cost_at_best],
-        "never_reaches_best_share" if key == "cost_saved_at_best_acc" else f"{key}_never_share": never,
+        "cost_saved_at_best_acc_median": _finite_or_none(saved),
+        "cost_saved_at_best_acc_median_se": float(saved_boot.std(ddof=1)) if np.isfinite(saved_boot).all() else None,
+        "cost_saved_at_best_acc_per_seed": [_finite_or_none(1.0 - c) for c in cost_at_best],
+        "never_reaches_best_share": never,
     }
 
 
-def _savings(finals: Sequence[metrics.CurveReport], weak: np.ndarray | None, strong: np.ndarray | None,
-             test: ScoringSet, near_best_tolerance: float | None) -> dict:
-    """APGR and CPT (None without a RouteLLM weak/strong pair) and the cost saved at the best single
-    model's accuracy; with ``near_best_tolerance`` also at that accuracy less the tolerance (``..._near_best_...``)."""
+def _savings(finals: Sequence[metrics.CurveReport], weak: np.ndarray | None, strong: np.ndarray | None) -> dict:
+    """APGR and CPT (None without a RouteLLM weak/strong pair) and the cost saved at the best single model's accuracy."""
     pts = [r.points for r in finals]
-    out = {
+    return {
         "apgr_mean": None if weak is None else float(np.mean([metrics.apgr(p, weak, strong) for p in pts])),
         "cpt50_median": None if weak is None else float(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
         "cpt80_median": None if weak is None else float(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
-        **_saved(np.array([r.cost_at_best_acc for r in finals]), "cost_saved_at_best_acc"),
+        **_saved(np.array([r.cost_at_best_acc for r in finals])),
     }
-    if near_best_tolerance is not None:
-        near = [metrics.cost_at_best_accuracy(p, test.accuracy, test.cost, near_best_tolerance) for p in pts]
-        out.update(_saved(np.array(near), "cost_saved_at_near_best_acc"))
-    return out
 
 
 def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tuple[np.ndarray, np.ndarray] | None,
-                     ceilings: Sequence[float], test: ScoringSet, near_best_tolerance: float | None = None) -> dict:
+                     ceilings: Sequence[float]) -> dict:
     """Per policy: gain mean, SE, median and per seed; APGR; CPT(50%) and CPT(80%) medians;
     cost saved at the best single model's accuracy (median, its bootstrap SE over seeds, per seed:
-    None = never) and the never-reaches share (with ``near_best_tolerance``, the same at that accuracy
-    less the tolerance: ``cost_saved_at_near_best_acc_*``, a validation proxy); served
+    None = never) and the never-reaches share; served
     accuracy and USD cost; the curve (labels -> gain mean and SE over seeds); and the paired
     difference against ``fixed`` (mean and SE over seeds) where it ran."""
     weak, strong = weak_strong if weak_strong is not None else (None, None)
@@ -395,7 +400,7 @@ def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tupl
             "curve_se": {str(lab): _se(col) for lab, col in zip(runs[0].labels, curve.T)},
         }
         if runs[0].final is not None:  # a cost axis: the savings an app developer reads
-            entry.update(_savings([r.final for r in runs], weak, strong, test, near_best_tolerance))
+            entry.update(_savings([r.final for r in runs], weak, strong))
         if "fixed" in policies and policy != "fixed":
             d = g - np.array([s["fixed"].gains[-1] for s in per_seed])
             entry["gain_minus_fixed_mean"], entry["gain_minus_fixed_se"] = float(d.mean()), _se(d)
@@ -407,12 +412,10 @@ def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tupl
 
 def run_online(stream: Stream, test: ScoringSet, config: OnlineConfig, seeds: Sequence[int],
                weak_strong: tuple[np.ndarray, np.ndarray] | None,
-               progress: Callable[[Sequence[int]], Sequence[int]] = lambda s: s,
-               near_best_tolerance: float | None = None) -> dict:
+               progress: Callable[[Sequence[int]], Sequence[int]] = lambda s: s) -> dict:
     """All seeds; returns :func:`summarise_online`'s summary. ``progress`` wraps the seed list (tqdm).
     ``weak_strong`` : RouteLLM's pair as (cost, accuracy) points on ``test``; None for a quality-only
-    pool (equal costs: gain against the best single model and the oracle, no savings).
-    ``near_best_tolerance`` : see :func:`summarise_online`."""
+    pool (equal costs: gain against the best single model and the oracle, no savings)."""
     mean_cost = test.cost.mean(axis=0)
     if mean_cost.max() > mean_cost.min():
         references = (metrics.zero_router_report(test.accuracy, test.cost).auc,
@@ -423,4 +426,4 @@ def run_online(stream: Stream, test: ScoringSet, config: OnlineConfig, seeds: Se
     for seed in progress(list(seeds)):
         per_seed.append(run_online_seed(stream, test, config, seed, references))
         ceilings.append(dense_ceiling(stream, test, config, seed, references))
-    return summarise_online(per_seed, weak_strong, ceilings, test, near_best_tolerance)
+    return summarise_online(per_seed, weak_strong, ceilings)
