@@ -371,8 +371,9 @@ def _savings(finals: Sequence[metrics.CurveReport], weak: np.ndarray | None, str
     pts = [r.points for r in finals]
     return {
         "apgr_mean": None if weak is None else float(np.mean([metrics.apgr(p, weak, strong) for p in pts])),
-        "cpt50_median": None if weak is None else float(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
-        "cpt80_median": None if weak is None else float(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
+        # None: no weak/strong pair, or most seeds never reach that share of the gap (strict JSON)
+        "cpt50_median": None if weak is None else _finite_or_none(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
+        "cpt80_median": None if weak is None else _finite_or_none(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
         **_saved(np.array([r.cost_at_best_acc for r in finals])),
     }
 
