@@ -120,9 +120,13 @@ def _axis_point(lo: float, hi: float, u: float, power: float) -> float:
     return float((lo**power + u * (hi**power - lo**power)) ** (1.0 / power))
 
 
-def _frontier_end(cost: list[float], theta: list[float], u: float, v: float, axis_power: float) -> int:
-    """The hull end logged at axis position ``u``; ``v ~ U[0, 1]`` picks the end by proximity."""
+def _frontier_end(cost: list[float], theta: list[float], u: float, v: float, axis_power: float, top: bool = False) -> int:
+    """The hull end logged at axis position ``u``; ``v ~ U[0, 1]`` picks the end by proximity. With ``top``,
+    one end of the hull's top segment (the most accurate sample and its hull neighbour), each with
+    probability 1/2, whatever ``u``."""
     h = _upper_hull(cost, theta)
+    if top:
+        return h[-1] if v < 0.5 or len(h) == 1 else h[-2]
     finite = [c for c, t in zip(cost, theta) if c == c and t == t]
     x = _axis_point(min(finite), max(finite), u, axis_power)
     if x <= cost[h[0]]:
@@ -134,24 +138,32 @@ def _frontier_end(cost: list[float], theta: list[float], u: float, v: float, axi
     return h[i + 1] if v < share else h[i]
 
 
-def _frontier_rows(c: Floats, theta: Floats, u: Floats, v: Floats, axis_power: float) -> Ints:
+def _frontier_rows(c: Floats, theta: Floats, u: Floats, v: Floats, axis_power: float,
+                   top: npt.NDArray[np.bool_] | None = None) -> Ints:
     cl, tl, ul, vl = c.tolist(), theta.tolist(), u.tolist(), v.tolist()
-    return np.array([_frontier_end(cl[i], tl[i], ul[i], vl[i], axis_power) for i in range(len(tl))], dtype=np.int64)
+    tops = [False] * len(tl) if top is None else top.tolist()
+    return np.array([_frontier_end(cl[i], tl[i], ul[i], vl[i], axis_power, tops[i]) for i in range(len(tl))],
+                    dtype=np.int64)
 
 
 def frontier_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike, cells: npt.ArrayLike,
-                    rng: np.random.Generator, axis_power: float = 1.0) -> Ints:
+                    rng: np.random.Generator, axis_power: float = 1.0, top_share: float = 0.0) -> Ints:
     """Frontier Thompson sampling (METRICS.md "Online protocol"), (n_queries,) int64.
 
     Arguments as :func:`thompson_choice`; ``u`` (n_queries,) in [0, 1] is each query's position on the
     cost axis from its cheapest to its dearest model with an estimate, on which ``cost ** axis_power``
     is uniform (1: linear, the AUC's axis; 0.5: square root; 0: log), so ``axis_power < 1`` logs cheaper.
+    ``top_share`` in [0, 1]: the share of queries that log an end of the sampled hull's top segment
+    instead (each end with probability 1/2): labels for the first step down from the most accurate
+    model, where the saving at the best model's accuracy is decided. 0 = METRICS.md's policy (and the
+    same draws).
     """
     a, b, c, known = _rows(alpha, beta, cost, cells)
     theta = _sample(a, b, known, rng)
     v: Floats = rng.random((theta.shape[0],))
     pos = np.broadcast_to(np.asarray(u, dtype=np.float64), v.shape)
-    return _frontier_rows(np.where(known, c, np.nan), theta, pos, v, axis_power)
+    top = rng.random(v.shape) < top_share if top_share > 0 else None
+    return _frontier_rows(np.where(known, c, np.nan), theta, pos, v, axis_power, top)
 
 
 def top_two_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike, cells: npt.ArrayLike,

@@ -67,6 +67,16 @@ def test_frontier_choice_follows_the_cost_axis_when_posteriors_are_tight():
     assert abs((picks == 2).mean() - 0.5) < 0.03
 
 
+def test_frontier_top_share_logs_the_top_segment_ends_evenly():
+    # Hull (1, .3), (2, .6), (4, .7): the top segment is model 1 -> model 2. u = 0 alone logs model 0; with
+    # top_share 1 every query logs model 1 or 2, half each; with 0.5, half the queries (a quarter each).
+    cells, rng = np.zeros(4000, dtype=int), np.random.default_rng(4)
+    top = frontier_choice(*TIGHT, COST, np.zeros(4000), cells, rng, top_share=1.0)
+    assert set(top.tolist()) == {1, 2} and abs((top == 2).mean() - 0.5) < 0.03
+    half = frontier_choice(*TIGHT, COST, np.zeros(4000), cells, rng, top_share=0.5)
+    assert abs((half == 0).mean() - 0.5) < 0.03 and abs((half == 2).mean() - 0.25) < 0.03
+
+
 def test_top_two_logs_the_challenger_about_half_the_time():
     # Two equal models in one cell: the leader is either, and the challenger is the other one.
     alpha, beta = beta_posterior(np.array([[0.5, 0.5]]), np.full((1, 2), 20.0), 0.0)

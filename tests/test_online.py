@@ -120,13 +120,20 @@ def test_cli_online_on_a_users_own_log_writes_the_online_table(routerbench_dir, 
                                       str(tmp_path / "my_test.parquet"), "--out", str(out), "--seeds", "2",
                                       "--round-labels", "60", "--passes", "2"])
     assert result.exit_code == 0, result.output
-    online = json.loads((out / "results.json").read_text())["online"]
+    def refuse(constant):
+        raise AssertionError(f"non-strict JSON constant {constant}")
+
+    online = json.loads((out / "results.json").read_text(), parse_constant=refuse)["online"]
     for policy in ("fixed", "uniform", "thompson", "top_two"):
         r = online[policy]
         assert len(r["gain_per_seed"]) == 2 and list(r["curve"])[-1] == "360"
         for key in ("gain_mean", "gain_se", "apgr_mean", "cost_saved_at_best_acc_median", "never_reaches_best_share",
                     "served_acc", "served_cost_usd"):
             assert key in r
+        # strict JSON: a seed that never reaches the best single model's accuracy saves None, not -inf
+        per_seed = r["cost_saved_at_best_acc_per_seed"]
+        assert len(per_seed) == 2 and all(v is None or isinstance(v, float) for v in per_seed)
+        assert r["never_reaches_best_share"] == sum(v is None for v in per_seed) / 2
     assert (out / "online.png").stat().st_size > 0 and "| thompson" in (out / "results.md").read_text()
 
 
@@ -232,13 +239,32 @@ def test_cli_online_without_a_weak_strong_pair_reports_the_rest(routerbench_dir,
     assert "| n/a | n/a | n/a |" in (out / "results.md").read_text()
 
 
-def test_the_settings_choice_rule_keeps_the_cost_and_accuracy_limits():
-    from benchmarks.online_settings import choose
+def test_the_settings_choice_rule_reads_every_online_target():
+    from benchmarks.online_settings import choose, target_checks
 
     fixed = {"gain_mean": 0.10, "served_cost_usd": 1.0, "served_acc": 0.70}
-    results = {"dear": {"gain_mean": 0.20, "served_cost_usd": 1.51, "served_acc": 0.80},  # 1.51x fixed's cost
-               "worse served": {"gain_mean": 0.19, "served_cost_usd": 1.0, "served_acc": 0.69},
-               "at the limit": {"gain_mean": 0.15, "served_cost_usd": 1.5, "served_acc": 0.70},
-               "cheap": {"gain_mean": 0.14, "served_cost_usd": 0.9, "served_acc": 0.75}}
-    assert choose(results, fixed) == "at the limit"
-    assert choose({"dear": results["dear"]}, fixed) is None
+    good = {"gain_mean": 0.16, "served_cost_usd": 1.4, "served_acc": 0.70,
+            "resampled_capture_share": 0.51, "resampled_never_share": 0.25}
+    results = {"meets all": good,
+               "higher gain, dear": {**good, "gain_mean": 0.20, "served_cost_usd": 1.41},  # over 1.4x fixed's cost
+               "higher gain, worse served": {**good, "gain_mean": 0.19, "served_acc": 0.69},
+               "higher gain, saves in half the runs": {**good, "gain_mean": 0.19, "resampled_capture_share": 0.5},
+               "higher gain, often never": {**good, "gain_mean": 0.19, "resampled_never_share": 0.26},
+               "low gain": {**good, "gain_mean": 0.149, "served_cost_usd": 0.5}}
+    assert choose(results, fixed) == ("meets all", True)
+    assert [k for k, ok in target_checks(results["higher gain, dear"], fixed).items() if not ok] == ["served_cost"]
+    assert [k for k, ok in target_checks(results["low gain"], fixed).items() if not ok] == ["gain"]
+    # None meets every target: the highest capture share among those meeting gain and the served-query limits.
+    rest = {k: v for k, v in results.items() if k != "meets all"}
+    assert choose(rest, fixed) == ("higher gain, often never", False)
+    assert choose({"dear": results["higher gain, dear"]}, fixed) == (None, False)
+
+
+def test_savings_are_strict_json_with_none_for_seeds_that_never_reach():
+    from trainer.online import _saved
+
+    out = _saved(np.array([0.7, np.inf, np.inf]))
+    # savings 0.3, -inf, -inf: the median is a seed that never reaches it -> None, and so is the SE.
+    assert out["cost_saved_at_best_acc_per_seed"] == [pytest.approx(0.3), None, None]
+    assert out["cost_saved_at_best_acc_median"] is None and out["cost_saved_at_best_acc_median_se"] is None
+    assert out["never_reaches_best_share"] == pytest.approx(2 / 3)

@@ -32,6 +32,7 @@ compared on the same streams and a seeded run reproduces bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -74,6 +75,8 @@ class OnlineConfig:
     thompson_axis_power, top_two_axis_power : the cost axis ``u`` is uniform on: ``cost ** g`` (1: linear,
         the AUC's; 0.5: square root; 0: log cost; :func:`sdk.exploration.frontier_choice`).
     explore_prior_strength : prior strength of the exploring policies' posterior; None = ``kmeans.prior_strength``.
+    thompson_top_share : share of ``thompson``'s labels that log an end of the sampled hull's top segment
+        (:func:`sdk.exploration.frontier_choice`; 0 = METRICS.md's ``thompson``).
     Raises InvalidInputError for an unknown policy or a value out of range.
     """
 
@@ -91,6 +94,7 @@ class OnlineConfig:
     thompson_axis_power: float = 1.0
     top_two_axis_power: float = 0.5  # top_two's settings: chosen on validation (benchmarks/online_settings.py --stage targets)
     explore_prior_strength: float | None = None
+    thompson_top_share: float = 0.0
 
     def __post_init__(self) -> None:
         check_sequence(self, "policies")
@@ -104,6 +108,7 @@ class OnlineConfig:
         check_real(self, "preference_concentration", 0, low_open=True)
         check_real(self, "participation", 0, 1, low_open=True)
         check_real(self, "beta_tt", 0, 1)
+        check_real(self, "thompson_top_share", 0, 1)
         check_real(self, "thompson_u_power", 0, low_open=True)
         check_real(self, "top_two_u_power", 0, low_open=True)
         check_real(self, "thompson_axis_power", 0, 1)
@@ -149,6 +154,7 @@ class PolicyRun:
     served_accuracy: float
     served_cost: float
     chosen: np.ndarray  # (n_labels, 2) int: (query, model) of each label, in stream order
+    tables: tuple[np.ndarray, np.ndarray]  # the final router's (n_cells, n_models) accuracy and cost (USD) tables
 
 
 class _Scorer:
@@ -190,12 +196,28 @@ class _Scorer:
         return metrics.gain(report.auc, *references), report
 
 
+#: Last seeds' partitions and centroids (the costly part of a seed), keyed by what they depend on, with the
+#: generator's state after them: runs that differ only in policy or shrinkage reuse them bit for bit.
+_CELLS_CACHE: dict[tuple, tuple] = {}
+
+
 def _seed_cells(stream: Stream, config: OnlineConfig, rng: np.random.Generator):
     """The seed's client of each query (n,), federated centroids (K, d_emb) and cell of each query (n,)."""
-    part = dirichlet_partition(stream.tasks, config.n_clients, config.alpha, rng)
-    embs = [stream.embeddings[part.indices(i)] for i in range(config.n_clients)]
-    centroids = federated_centroids(embs, config.kmeans, rng)
-    return part.client, centroids, nearest_cell(stream.embeddings, centroids)
+    km = config.kmeans
+    digest = hashlib.blake2b(stream.embeddings.tobytes(), digest_size=16)
+    digest.update(np.asarray(stream.tasks).astype(str).tobytes())
+    key = (digest.hexdigest(), stream.embeddings.shape, str(rng.bit_generator.state), config.n_clients,
+           config.alpha, km.n_clusters, km.n_local_clusters, km.centroid_rounds, km.participation)
+    if key not in _CELLS_CACHE:
+        part = dirichlet_partition(stream.tasks, config.n_clients, config.alpha, rng)
+        embs = [stream.embeddings[part.indices(i)] for i in range(config.n_clients)]
+        centroids = federated_centroids(embs, km, rng)
+        if len(_CELLS_CACHE) >= 256:
+            _CELLS_CACHE.clear()
+        _CELLS_CACHE[key] = (part.client, centroids, nearest_cell(stream.embeddings, centroids), rng.bit_generator.state)
+    client, centroids, cells, state = _CELLS_CACHE[key]
+    rng.bit_generator.state = state
+    return client, centroids, cells
 
 
 def _stream_order(client: np.ndarray, passes: float, rng: np.random.Generator) -> np.ndarray:
@@ -241,7 +263,7 @@ def _choose(policy: str, queries: np.ndarray, client: np.ndarray, cells: np.ndar
         q = rows[explore]
         if policy == "thompson":
             out[q] = frontier_choice(a[q], b[q], c[q], u[q] ** config.thompson_u_power, np.arange(q.shape[0]), rng,
-                                     axis_power=config.thompson_axis_power)
+                                     axis_power=config.thompson_axis_power, top_share=config.thompson_top_share)
         else:
             out[q] = top_two_choice(a[q], b[q], c[q], u[q] ** config.top_two_u_power, np.arange(q.shape[0]), rng,
                                     beta_tt=config.beta_tt, axis_power=config.top_two_axis_power)
@@ -291,18 +313,18 @@ def run_online_seed(stream: Stream, test: ScoringSet, config: OnlineConfig, seed
             if total[0].sum() == 0:
                 continue
             merged = CellStatistics(total[0], np.minimum(total[1], total[0]), total[2])
-            gain, report = scorer.score(*_tables(merged, config.kmeans), references)
+            tables = _tables(merged, config.kmeans)
+            gain, report = scorer.score(*tables, references)
             labels.append(stop)
             gains.append(gain)
         runs[policy] = PolicyRun(labels, gains, report, served_acc / order.shape[0], served_cost / order.shape[0],
-                                 np.concatenate(chosen))
+                                 np.concatenate(chosen), tables)
     return runs
 
 
-def dense_ceiling(stream: Stream, test: ScoringSet, config: OnlineConfig, seed: int,
-                  references: tuple[float, float]) -> float:
-    """Gain of the same K-means router (same seed's centroids) with every train query labelled by
-    every available model: the ceiling a logging policy approaches."""
+def dense_tables(stream: Stream, config: OnlineConfig, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(centroids (K, d_emb), accuracy and cost tables (K, n_models)) of the same K-means router (same seed's
+    centroids) with every train query labelled by every available model."""
     _, centroids, cells = _seed_cells(stream, config, np.random.default_rng(seed))
     k, m = centroids.shape[0], stream.accuracy.shape[1]
     stats = np.zeros((3, k, m))
@@ -311,28 +333,48 @@ def dense_ceiling(stream: Stream, test: ScoringSet, config: OnlineConfig, seed: 
         rows = np.flatnonzero(avail[:, j])
         for arr, val in ((stats[0], 1.0), (stats[1], stream.accuracy[rows, j]), (stats[2], stream.cost[rows, j])):
             np.add.at(arr[:, j], cells[rows], val)
-    return _Scorer(test, centroids).score(*_tables(CellStatistics(*stats), config.kmeans), references)[0]
+    return centroids, *_tables(CellStatistics(*stats), config.kmeans)
+
+
+def dense_ceiling(stream: Stream, test: ScoringSet, config: OnlineConfig, seed: int,
+                  references: tuple[float, float]) -> float:
+    """Gain of :func:`dense_tables`' router: the ceiling a logging policy approaches."""
+    centroids, acc, cost = dense_tables(stream, config, seed)
+    return _Scorer(test, centroids).score(acc, cost, references)[0]
 
 
 def _se(x: np.ndarray) -> float:
     return float(np.std(x, ddof=1) / np.sqrt(x.shape[0])) if x.shape[0] > 1 else float("nan")
 
 
-def _savings(finals: Sequence[metrics.CurveReport], weak: np.ndarray | None, strong: np.ndarray | None) -> dict:
-    """APGR and CPT (None without a RouteLLM weak/strong pair) and the cost saved at the best single model's accuracy."""
-    pts = [r.points for r in finals]
-    cost_at_best = np.array([r.cost_at_best_acc for r in finals])
+def _finite_or_none(x: float) -> float | None:
+    return float(x) if np.isfinite(x) else None
+
+
+def _saved(cost_at_best: np.ndarray) -> dict:
+    """Median of ``1 - cost@best_acc`` over seeds (None when most seeds never reach it), its bootstrap SE
+    over seeds (None when a resample's median is such a seed), the per-seed savings (None = never) and the
+    never-reaches share (strict JSON: no infinities)."""
     saved, never = metrics.cost_saved_at_best_acc(cost_at_best)
     boot = np.random.default_rng(0).integers(0, cost_at_best.shape[0], size=(2000, cost_at_best.shape[0]))
     saved_boot = np.array([metrics.cost_saved_at_best_acc(cost_at_best[b])[0] for b in boot])
     return {
-        "apgr_mean": None if weak is None else float(np.mean([metrics.apgr(p, weak, strong) for p in pts])),
-        "cpt50_median": None if weak is None else float(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
-        "cpt80_median": None if weak is None else float(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
-        "cost_saved_at_best_acc_median": saved,
-        "cost_saved_at_best_acc_median_se": float(saved_boot.std(ddof=1)) if np.isfinite(saved_boot).all() else float("inf"),
-        "cost_saved_at_best_acc_per_seed": (1.0 - cost_at_best).tolist(),
+        "cost_saved_at_best_acc_median": _finite_or_none(saved),
+        "cost_saved_at_best_acc_median_se": float(saved_boot.std(ddof=1)) if np.isfinite(saved_boot).all() else None,
+        "cost_saved_at_best_acc_per_seed": [_finite_or_none(1.0 - c) for c in cost_at_best],
         "never_reaches_best_share": never,
+    }
+
+
+def _savings(finals: Sequence[metrics.CurveReport], weak: np.ndarray | None, strong: np.ndarray | None) -> dict:
+    """APGR and CPT (None without a RouteLLM weak/strong pair) and the cost saved at the best single model's accuracy."""
+    pts = [r.points for r in finals]
+    return {
+        "apgr_mean": None if weak is None else float(np.mean([metrics.apgr(p, weak, strong) for p in pts])),
+        # None: no weak/strong pair, or most seeds never reach that share of the gap (strict JSON)
+        "cpt50_median": None if weak is None else _finite_or_none(np.median([metrics.cpt(p, weak, strong, 0.5) for p in pts])),
+        "cpt80_median": None if weak is None else _finite_or_none(np.median([metrics.cpt(p, weak, strong, 0.8) for p in pts])),
+        **_saved(np.array([r.cost_at_best_acc for r in finals])),
     }
 
 
@@ -340,7 +382,7 @@ def summarise_online(per_seed: Sequence[dict[str, PolicyRun]], weak_strong: tupl
                      ceilings: Sequence[float]) -> dict:
     """Per policy: gain mean, SE, median and per seed; APGR; CPT(50%) and CPT(80%) medians;
     cost saved at the best single model's accuracy (median, its bootstrap SE over seeds, per seed:
-    -inf = never) and the never-reaches share; served
+    None = never) and the never-reaches share; served
     accuracy and USD cost; the curve (labels -> gain mean and SE over seeds); and the paired
     difference against ``fixed`` (mean and SE over seeds) where it ran."""
     weak, strong = weak_strong if weak_strong is not None else (None, None)

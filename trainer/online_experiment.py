@@ -49,6 +49,14 @@ def _shown(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _saved(median: float | None, se: float | None) -> str:
+    """The median saving ± its bootstrap SE; None = most seeds never reach the accuracy (no median), or a
+    resample's median is such a seed (no SE)."""
+    if median is None:
+        return "never (median)"
+    return f"{median:.1%} ± " + ("n/a" if se is None else f"{se:.1%}")
+
+
 def markdown(summary: dict) -> str:
     on = summary["online"]
     cfg = summary["config"]
@@ -71,7 +79,7 @@ def markdown(summary: dict) -> str:
         diff = (f"{r['gain_minus_fixed_mean']:+.3f} ± {r['gain_minus_fixed_se']:.3f}"
                 if "gain_minus_fixed_mean" in r else "")
         savings = (f"{_shown(r['apgr_mean'], '.3f')} | {_shown(r['cpt50_median'], '.2f')} | {_shown(r['cpt80_median'], '.2f')} | "
-                   f"{r['cost_saved_at_best_acc_median']:.1%} ± {r['cost_saved_at_best_acc_median_se']:.1%} | "
+                   f"{_saved(r['cost_saved_at_best_acc_median'], r['cost_saved_at_best_acc_median_se'])} | "
                    f"{r['never_reaches_best_share']:.0%}") if "apgr_mean" in r else "— | — | — | — | —"
         lines.append(
             f"| {policy} ({POLICY_NOTES[policy]}) | {r['gain_mean']:.3f} ± {r['gain_se']:.3f} | {diff} | {savings} | "
