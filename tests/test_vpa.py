@@ -79,6 +79,8 @@ def test_prototype_aggregation_is_the_mass_weighted_mean():
     np.testing.assert_allclose(new.mu[1], [9.0, 9.0])  # no mass anywhere: the previous prototype stays
     np.testing.assert_allclose(new.logvar[1], [9.0, 9.0])
     assert new.pi.sum() == pytest.approx(1.0) and new.pi[1] == pytest.approx(1e-3 / (1 + 1e-3))
+    # a tighter cap (the config's proto_var_cap) caps both variances: (0.5, 4) -> (0.3, 0.3)
+    np.testing.assert_allclose(aggregate_prototypes([a, b], prev, var_cap=0.3).logvar[0], np.log([0.3, 0.3]))
 
 
 @pytest.mark.parametrize("bad, error", [
@@ -235,6 +237,24 @@ def test_synthetic_federation_personalises_and_the_monolithic_model_cannot(over)
     switch = ev.switching(ev.vpa_correct(tr, model, test_ids, mu),
                           ev.vpa_correct(tr, model, test_ids, mu[ev.partners(t_test, np.random.default_rng(0))]))
     assert switch["flip"] > 0.5 and switch["both_right"] <= switch["flip"]
+
+
+def test_choose_z_modes_read_the_mixture_posterior():
+    pairs, phi = _synthetic()
+    cfg = _small_cfg(proto_var_cap=0.2)
+    users = make_users(pairs, cfg.users, seed=0)
+    tr = VPATrainer(users, phi, cfg)
+    model, protos = tr.new_vpa(0).eval(), tr.init_prototypes(0)
+    np.testing.assert_allclose(protos.logvar, np.log(0.2))  # initial variances are the cap
+    ids = users.users("test")
+    _, _, logits = ev.components(tr, model, ids, 2, protos)
+    gamma = torch.softmax(logits, 1).numpy()
+    soft = ev.choose_z(tr, model, ids, 2, protos, "responsibility").numpy()
+    np.testing.assert_allclose(soft, gamma @ protos.mu, rtol=1e-5, atol=1e-6)  # sum_k gamma_k mu_k
+    hard = ev.choose_z(tr, model, ids, 2, protos, "prototype").numpy()
+    np.testing.assert_allclose(hard, protos.mu[gamma.argmax(1)], rtol=1e-6)
+    with pytest.raises(InvalidInputError):
+        _small_cfg(proto_var_cap=2.0)
 
 
 def test_length_per_user_and_summary():

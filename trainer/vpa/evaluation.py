@@ -5,7 +5,8 @@ user prefers, averaged over users (every user has the same number of held-out pa
 over the users of one type. Methods:
 
 - ``fedvpa_gp`` / ``vpl_gaussian`` / ``local_vpl``: ``z`` = the posterior mean of ``q(z | first C context pairs)``
-  (under the mixture prior with the natural-parameter encoder: the mean of the mixture posterior) (or, ``z_mode='prototype'``, the mean of the most responsible prototype), then ``r(x, y, z)``.
+  (under the mixture prior with the natural-parameter encoder: the mean of the mixture posterior) (or, ``z_mode='prototype'``, the mean of the most responsible prototype; ``'responsibility'``, the
+  responsibility-weighted prototype mean), then ``r(x, y, z)``.
 - ``monolithic_bt``: one FedAvg Bradley-Terry reward for everybody.
 - ``oracle_type``: the Bradley-Terry head of the user's true type.
 - ``two_stage``: the type with the larger log-likelihood of the user's C context labels under the two type heads
@@ -71,11 +72,15 @@ def posterior(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: 
 @torch.no_grad()
 def choose_z(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: Prototypes | None, z_mode: str
              ) -> torch.Tensor:
-    """The ``z`` scored with: the posterior mean, or the mean of the most responsible prototype."""
+    """The ``z`` scored with: the posterior mean, the mean of the most responsible prototype, or the
+    responsibility-weighted prototype mean ``sum_k gamma_k mu_k`` (:data:`trainer.vpa.trainer.Z_MODES`)."""
     if z_mode == "mean" or protos is None:
         return posterior(tr, model, ids, c, protos)[0]
     _, _, logits = components(tr, model, ids, c, protos)
-    return torch.tensor(protos.mu, dtype=torch.float32)[logits.argmax(1)]
+    proto_mu = torch.tensor(protos.mu, dtype=torch.float32)
+    if z_mode == "prototype":
+        return proto_mu[logits.argmax(1)]
+    return torch.softmax(logits, 1) @ proto_mu
 
 
 @torch.no_grad()
