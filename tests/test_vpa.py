@@ -253,6 +253,18 @@ def test_choose_z_modes_read_the_mixture_posterior():
     np.testing.assert_allclose(soft, gamma @ protos.mu, rtol=1e-5, atol=1e-6)  # sum_k gamma_k mu_k
     hard = ev.choose_z(tr, model, ids, 2, protos, "prototype").numpy()
     np.testing.assert_allclose(hard, protos.mu[gamma.argmax(1)], rtol=1e-6)
+    # 'likelihood': w_k ~ pi_k prod_i sigma(+-m_ik), m_ik the margin of context pair i at z = mu_k, sign by the label
+    protos = Prototypes(mu=protos.mu, logvar=protos.logvar, pi=np.array([0.3, 0.7]))
+    got = ev.choose_z(tr, model, ids, 2, protos, "likelihood").numpy()
+    for j, u in enumerate(ids[:3]):
+        ctx = users.context(u, 2)
+        sign = 2.0 * users.labels(u, ctx) - 1.0
+        w = []
+        for k in range(2):
+            z = torch.tensor(protos.mu[k:k + 1], dtype=torch.float32)
+            m = model.margin(tr.phi[ctx, 0][None], tr.phi[ctx, 1][None], z)[0].detach().numpy()
+            w.append(protos.pi[k] * np.prod(1.0 / (1.0 + np.exp(-sign * m))))
+        np.testing.assert_allclose(got[j], np.array(w) @ protos.mu / sum(w), rtol=1e-4, atol=1e-6)
     with pytest.raises(InvalidInputError):
         _small_cfg(proto_var_cap=2.0)
 

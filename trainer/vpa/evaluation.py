@@ -72,12 +72,21 @@ def posterior(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: 
 @torch.no_grad()
 def choose_z(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: Prototypes | None, z_mode: str
              ) -> torch.Tensor:
-    """The ``z`` scored with: the posterior mean, the mean of the most responsible prototype, or the
-    responsibility-weighted prototype mean ``sum_k gamma_k mu_k`` (:data:`trainer.vpa.trainer.Z_MODES`)."""
+    """The ``z`` scored with (:data:`trainer.vpa.trainer.Z_MODES`): the posterior mean, the mean of the most
+    responsible prototype, the responsibility-weighted prototype mean ``sum_k gamma_k mu_k``, or ``'likelihood'``:
+    ``sum_k w_k mu_k`` with ``w_k ~ pi_k prod_i p(s_i | z = mu_k)``, the posterior of the prototype given the
+    Bradley-Terry likelihood of the user's C context labels under the reward head at each prototype mean (the
+    E-step of a mixture of Bradley-Terry models, the prototypes taken as points; it bypasses the encoder)."""
     if z_mode == "mean" or protos is None:
         return posterior(tr, model, ids, c, protos)[0]
-    _, _, logits = components(tr, model, ids, c, protos)
     proto_mu = torch.tensor(protos.mu, dtype=torch.float32)
+    if z_mode == "likelihood":
+        idx, _ = _context_batch(tr, ids, c)
+        lab = tr.user_labels(ids, idx)
+        ll = torch.stack([bt_loglik(model.margin(tr.phi[idx, 0], tr.phi[idx, 1], m.expand(len(ids), -1)), lab).sum(1)
+                          for m in proto_mu], 1)
+        return torch.softmax(ll + torch.log(torch.tensor(protos.pi, dtype=torch.float32)), 1) @ proto_mu
+    _, _, logits = components(tr, model, ids, c, protos)
     if z_mode == "prototype":
         return proto_mu[logits.argmax(1)]
     return torch.softmax(logits, 1) @ proto_mu

@@ -40,7 +40,7 @@ from trainer.vpa.prototype_kmeans import federated_kmeans
 
 PRIORS = ("gaussian", "mixture")
 #: How a user's ``z`` for scoring is read from the posterior (:func:`trainer.vpa.evaluation.choose_z`).
-Z_MODES = ("mean", "prototype", "responsibility")
+Z_MODES = ("mean", "prototype", "responsibility", "likelihood")
 
 
 @dataclass
@@ -65,8 +65,10 @@ class VPAConfig:
     kmeans_at : shares of the rounds at whose start the prototypes are re-fitted by federated K-means of the
         clients' posterior means (:mod:`trainer.vpa.prototype_kmeans`); kmeans_iters : its Lloyd steps.
     z_modes : ``'mean'`` (score with the posterior mean), ``'prototype'`` (with the mean of the most responsible
-        prototype) and/or ``'responsibility'`` (the responsibility-weighted prototype mean ``sum_k gamma_k mu_k``, the
-        user's soft type); the last two under the mixture prior only; chosen on validation.
+        prototype), ``'responsibility'`` (the responsibility-weighted prototype mean ``sum_k gamma_k mu_k``, the
+        user's soft type) and/or ``'likelihood'`` (prototypes weighted by the context labels' likelihood under the
+        reward head, :func:`trainer.vpa.evaluation.choose_z`); all but the first under the mixture prior only;
+        chosen on validation.
     lambda_orth : weight of the orthogonality loss. proto_scale : distance of the initial prototype means from 0.
     proto_var_cap : largest prototype variance per latent dimension (initial variances too; at most
         :data:`~trainer.vpa.aggregation.VAR_CAP`): a tighter ``sigma_k`` lets few pairs pick a prototype.
