@@ -97,6 +97,9 @@ def main() -> None:
     ap.add_argument("--betas", type=float, nargs="+", default=[0.01, 0.1, 0.3], help="step 3's KL weights")
     ap.add_argument("--resume", action="store_true", help="keep the candidates already in --out (same seeds)")
     ap.add_argument("--mixture-structure", action="store_true", help="run step 4 (what the mixture prior adds)")
+    ap.add_argument("--shard", type=int, nargs=2, metavar=("I", "N"),
+                    help="step 4: only changes I, I + N, ... (runs in parallel; a later --resume run over the merged "
+                         "step4 rows adds the combination)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     base = VPAConfig.quick(data_dir=args.data, structure=None)
@@ -186,11 +189,13 @@ def main() -> None:
     out["chosen"] = {p: max(out[p], key=lambda r: r["acc"])["setting"] for p in ("gaussian", "mixture")}
     save()
     if args.mixture_structure:
-        step4(out, seeds, structure, base, dict(out["chosen"]["gaussian"]), dict(out["chosen"]["mixture"]), save)
+        step4(out, seeds, structure, base, dict(out["chosen"]["gaussian"]), dict(out["chosen"]["mixture"]), save,
+              args.shard)
     print("chosen:", out["chosen"], f"structure {structure}", flush=True)
 
 
-def step4(out: dict, seeds: dict, structure: str, base: VPAConfig, gaussian: dict, mixture: dict, save) -> None:
+def step4(out: dict, seeds: dict, structure: str, base: VPAConfig, gaussian: dict, mixture: dict, save,
+          shard: tuple[int, int] | None = None) -> None:
     """Step 4 (module docstring): one change at a time around the chosen settings, then the two best together."""
     out.setdefault("step4", [])
     if not out.get("reference"):
@@ -223,6 +228,11 @@ def step4(out: dict, seeds: dict, structure: str, base: VPAConfig, gaussian: dic
         save()
         return row
 
+    if shard is not None:
+        i, n = shard
+        for change in MIXTURE_CHANGES[i::n]:
+            run("mixture", change)
+        return
     run("gaussian", {})
     run("gaussian", {"latent_dim": 2})
     ref = run("mixture", {})
