@@ -48,7 +48,9 @@ class VPAConfig:
     """Settings of ``fedroute vpa train`` (CPU defaults; :meth:`quick` is the small preset).
 
     The defaults of ``structure``, ``pooling``, ``betas``, ``betas_mixture``, ``free_bits`` and ``kmeans_at`` are
-    the choices of ``benchmarks/vpa_settings.py`` on validation users (docs/results/vpa_settings.md).
+    the choices of ``benchmarks/vpa_settings.py`` on validation users (docs/results/vpa_settings.md); its step 4
+    kept those of ``n_prototypes``, ``lambda_orth``, ``tau_end``, ``proto_var_cap``, ``proto_scale``, ``learn_pi``
+    and ``latent_dim``.
 
     data_dir, cache_dir : shared data folder; embedding cache folder (None: default).
     seeds : int >= 1, seeds of the whole experiment (split, users, training).
