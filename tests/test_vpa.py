@@ -265,6 +265,13 @@ def test_choose_z_modes_read_the_mixture_posterior():
             m = model.margin(tr.phi[ctx, 0][None], tr.phi[ctx, 1][None], z)[0].detach().numpy()
             w.append(protos.pi[k] * np.prod(1.0 / (1.0 + np.exp(-sign * m))))
         np.testing.assert_allclose(got[j], np.array(w) @ protos.mu / sum(w), rtol=1e-4, atol=1e-6)
+    # 'client': the client's weights are (sum of its training users' gamma + pi) / (n + 1)
+    log_pi = ev.client_log_pi(tr, model, protos, ids).numpy()
+    for i in np.unique(users.client[ids]):
+        train = users.users("train", int(i))
+        _, _, lg = ev.components(tr, model, train, cfg.users.context_max, protos)
+        want = (torch.softmax(lg, 1).numpy().sum(0) + protos.pi) / (len(train) + 1)
+        np.testing.assert_allclose(np.exp(log_pi[users.client[ids] == i]), np.broadcast_to(want, (int((users.client[ids] == i).sum()), 2)), rtol=1e-5)
     with pytest.raises(InvalidInputError):
         _small_cfg(proto_var_cap=2.0)
 
