@@ -12,7 +12,8 @@ Validation users only (their own prompts, never a test prompt): for each seed, t
    variances, prototypes further apart, uniform ``pi``, d_z = 2 for both priors), every z mode of
    :data:`trainer.vpa.trainer.Z_MODES` scored; then the two best changes together. Beside them, the label-trained
    reference on the same validation users: the two-stage model's accuracy and type accuracy per C (the
-   type inference a model told the types at training reaches from C pairs).
+   type inference a model told the types at training reaches from C pairs), and the type accuracy of the
+   user's client's training majority (what a client-level prior could know).
 
 The score is the validation accuracy averaged over C and seeds (the ``fedroute vpa train`` criterion); the
 type accuracy of a probe on z at C = 2 (fitted on half the validation users, scored on the other half) is
@@ -65,12 +66,16 @@ def _val_modes(tr: VPATrainer, model, protos) -> dict:
 
 
 def _reference(tr: VPATrainer, seed: int) -> dict:
-    """The two-stage model (trained with type labels) on the validation users: accuracy and type accuracy per C."""
+    """The two-stage model (trained with type labels) on the validation users: accuracy and type accuracy per C; and
+    the type accuracy of guessing a user's type as the majority type of its client's training users (what a
+    client-level prior could know before any pair)."""
     ids = tr.users.users("val")
     t = tr.users.type[ids]
     oracle = tr.train_bt(per_type=True, seed=seed)
     shares = np.bincount(tr.users.type[tr.users.users("train")], minlength=2) + 1.0
-    out = {"oracle": float(ev.bt_correct(tr, oracle, ids, t).mean()), "two_stage": {}, "two_stage_type_acc": {}}
+    majority = np.array([tr.users.type[tr.users.users("train", int(i))].mean() > 0.5 for i in tr.users.client[ids]])
+    out = {"oracle": float(ev.bt_correct(tr, oracle, ids, t).mean()), "two_stage": {}, "two_stage_type_acc": {},
+           "client_majority_type_acc": float((majority == t).mean())}
     for c in tr.cfg.contexts:
         guess = ev.two_stage_types(tr, oracle, ids, c, np.log(shares / shares.sum()))
         out["two_stage"][str(c)] = float(ev.bt_correct(tr, oracle, ids, guess).mean())
@@ -129,8 +134,8 @@ def main() -> None:
             head = " | ".join(f"C = {c}" for c in cs)
             rows = [f"| prior | setting | z mode | val acc (mean over C) | {head} | type acc (4-fold CV) at {head} |",
                     "|---|---|---|---|" + "---|" * 2 * len(cs)]
-            if out.get("reference"):
-                ref = out["reference"]
+            ref = out.get("reference") or []
+            if ref:
                 rows.append("| two_stage (type labels) | - | - | "
                             f"{np.mean([np.mean(list(r['two_stage'].values())) for r in ref]):.4f} | "
                             + " | ".join(f"{np.mean([r['two_stage'][c] for r in ref]):.4f}" for c in cs) + " | "
@@ -142,6 +147,9 @@ def main() -> None:
                                 + " | ".join(f"{r['type_acc_cv'][c]:.3f}" for c in cs) + " |")
             text += ("\nStep 4 (what the mixture prior adds; mean over seeds; z mode = how z is read from the posterior):\n\n"
                      + "\n".join(rows) + "\n")
+            if ref and all("client_majority_type_acc" in r for r in ref):
+                text += ("\nType accuracy of the client's training majority on validation users, per seed: "
+                         + ", ".join(f"{r['client_majority_type_acc']:.3f}" for r in ref) + "\n")
         write_atomic(args.out.with_suffix(".md"), text.encode())
 
     # 1. features, by the oracle
@@ -198,7 +206,7 @@ def step4(out: dict, seeds: dict, structure: str, base: VPAConfig, gaussian: dic
           shard: tuple[int, int] | None = None) -> None:
     """Step 4 (module docstring): one change at a time around the chosen settings, then the two best together."""
     out.setdefault("step4", [])
-    if not out.get("reference"):
+    if not out.get("reference") or "client_majority_type_acc" not in out["reference"][0]:
         out["reference"] = [_reference(VPATrainer(users, select_structure(phi, structure), base), s)
                             for s, (users, phi) in seeds.items()]
         save()
