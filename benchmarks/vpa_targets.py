@@ -6,6 +6,12 @@ Targets (H = oracle_type - monolithic_bt): FedVPA-GP recovers >= 50 % of H at C 
 beats vpl_gaussian at every C <= 8 by more than one std (the larger of the two methods' standard deviations
 over seeds; the paired per-seed differences are shown too); within 0.01 of two_stage; beats length_per_user by
 >= 0.02 at C = 8; at C = 2 its type accuracy from z exceeds vpl_gaussian's by >= 0.05; oracle above length-only.
+
+Then the decomposition by type inference (:func:`decomposition`): the two types' labels are mirror images, so a
+model that scores a user with the oracle's reward of the type it infers, right with probability ``p``, has accuracy
+``0.5 + (2 p - 1)(a - 0.5)``, ``a`` the oracle's accuracy. Per method and C it prints ``p`` (the type probe on z;
+two_stage: its classifier), that prediction beside the measured accuracy, and the ``p`` that beating vpl_gaussian
+by one std would take (to set against two_stage's ``p``, a classifier trained with type labels).
 """
 
 from __future__ import annotations
@@ -47,6 +53,23 @@ def targets(res: dict) -> list[tuple[str, str, bool]]:
     return rows
 
 
+def decomposition(res: dict) -> list[str]:
+    """Markdown rows: per C, for two_stage, vpl_gaussian and fedvpa_gp, p / predicted / measured accuracy, and the
+    p needed to beat vpl_gaussian by one std (module docstring)."""
+    m, col = res["methods"], res["collapse"]
+    rows = ["| C | method | type acc p | 0.5 + (2p - 1)(a - 0.5) | measured | p to beat vpl_gaussian by 1 std |",
+            "|---|---|---|---|---|---|"]
+    for c in m["fedvpa_gp"]:
+        a = m["oracle_type"][c]["acc_mean"]
+        vpl = m["vpl_gaussian"][c]
+        need = 0.5 + (vpl["acc_mean"] + max(vpl["acc_std"], m["fedvpa_gp"][c]["acc_std"]) - 0.5) / (2 * (a - 0.5))
+        for name in ("two_stage", "vpl_gaussian", "fedvpa_gp"):
+            p = col[name][c]["type_acc_from_z"]
+            rows.append(f"| {c} | {name} | {p:.3f} | {0.5 + (2 * p - 1) * (a - 0.5):.3f} | {m[name][c]['acc_mean']:.3f} | "
+                        + (f"{need:.3f} |" if name == "fedvpa_gp" else "|"))
+    return rows
+
+
 def main(path: str) -> None:
     res = json.loads(open(path).read())
     n = len(res["seeds"])
@@ -56,6 +79,7 @@ def main(path: str) -> None:
     print(f"\nper-seed choices: {[s['choices'].get('fedvpa_gp') for s in res['seeds']]}; "
           f"structure {[s['choices']['structure'] for s in res['seeds']]}; "
           f"seconds {res.get('seconds', float('nan')):.0f}, mean acc std {np.mean([v['acc_std'] for v in res['methods']['fedvpa_gp'].values()]):.3f}")
+    print(f"\nBy type inference (a = oracle_type accuracy):\n\n" + "\n".join(decomposition(res)))
 
 
 if __name__ == "__main__":

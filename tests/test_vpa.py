@@ -79,6 +79,8 @@ def test_prototype_aggregation_is_the_mass_weighted_mean():
     np.testing.assert_allclose(new.mu[1], [9.0, 9.0])  # no mass anywhere: the previous prototype stays
     np.testing.assert_allclose(new.logvar[1], [9.0, 9.0])
     assert new.pi.sum() == pytest.approx(1.0) and new.pi[1] == pytest.approx(1e-3 / (1 + 1e-3))
+    # a tighter cap (the config's proto_var_cap) caps both variances: (0.5, 4) -> (0.3, 0.3)
+    np.testing.assert_allclose(aggregate_prototypes([a, b], prev, var_cap=0.3).logvar[0], np.log([0.3, 0.3]))
 
 
 @pytest.mark.parametrize("bad, error", [
@@ -235,6 +237,43 @@ def test_synthetic_federation_personalises_and_the_monolithic_model_cannot(over)
     switch = ev.switching(ev.vpa_correct(tr, model, test_ids, mu),
                           ev.vpa_correct(tr, model, test_ids, mu[ev.partners(t_test, np.random.default_rng(0))]))
     assert switch["flip"] > 0.5 and switch["both_right"] <= switch["flip"]
+
+
+def test_choose_z_modes_read_the_mixture_posterior():
+    pairs, phi = _synthetic()
+    cfg = _small_cfg(proto_var_cap=0.2)
+    users = make_users(pairs, cfg.users, seed=0)
+    tr = VPATrainer(users, phi, cfg)
+    model, protos = tr.new_vpa(0).eval(), tr.init_prototypes(0)
+    np.testing.assert_allclose(protos.logvar, np.log(0.2))  # initial variances are the cap
+    ids = users.users("test")
+    _, _, logits = ev.components(tr, model, ids, 2, protos)
+    gamma = torch.softmax(logits, 1).numpy()
+    soft = ev.choose_z(tr, model, ids, 2, protos, "responsibility").numpy()
+    np.testing.assert_allclose(soft, gamma @ protos.mu, rtol=1e-5, atol=1e-6)  # sum_k gamma_k mu_k
+    hard = ev.choose_z(tr, model, ids, 2, protos, "prototype").numpy()
+    np.testing.assert_allclose(hard, protos.mu[gamma.argmax(1)], rtol=1e-6)
+    # 'likelihood': w_k ~ pi_k prod_i sigma(+-m_ik), m_ik the margin of context pair i at z = mu_k, sign by the label
+    protos = Prototypes(mu=protos.mu, logvar=protos.logvar, pi=np.array([0.3, 0.7]))
+    got = ev.choose_z(tr, model, ids, 2, protos, "likelihood").numpy()
+    for j, u in enumerate(ids[:3]):
+        ctx = users.context(u, 2)
+        sign = 2.0 * users.labels(u, ctx) - 1.0
+        w = []
+        for k in range(2):
+            z = torch.tensor(protos.mu[k:k + 1], dtype=torch.float32)
+            m = model.margin(tr.phi[ctx, 0][None], tr.phi[ctx, 1][None], z)[0].detach().numpy()
+            w.append(protos.pi[k] * np.prod(1.0 / (1.0 + np.exp(-sign * m))))
+        np.testing.assert_allclose(got[j], np.array(w) @ protos.mu / sum(w), rtol=1e-4, atol=1e-6)
+    # 'client': the client's weights are (sum of its training users' gamma + pi) / (n + 1)
+    log_pi = ev.client_log_pi(tr, model, protos, ids).numpy()
+    for i in np.unique(users.client[ids]):
+        train = users.users("train", int(i))
+        _, _, lg = ev.components(tr, model, train, cfg.users.context_max, protos)
+        want = (torch.softmax(lg, 1).numpy().sum(0) + protos.pi) / (len(train) + 1)
+        np.testing.assert_allclose(np.exp(log_pi[users.client[ids] == i]), np.broadcast_to(want, (int((users.client[ids] == i).sum()), 2)), rtol=1e-5)
+    with pytest.raises(InvalidInputError):
+        _small_cfg(proto_var_cap=2.0)
 
 
 def test_length_per_user_and_summary():

@@ -75,23 +75,24 @@ def validate_prototype_stats(stats: Sequence[PrototypeStats], k: int, d_z: int) 
             raise InvalidInputError(f"client {i}: mass must be >= 0, got {s.mass.tolist()}")
 
 
-def aggregate_prototypes(stats: Sequence[PrototypeStats], previous: Prototypes) -> Prototypes:
-    """Mass-weighted prototype means and mixing weights (module docstring). Prior validation is assumed."""
+def aggregate_prototypes(stats: Sequence[PrototypeStats], previous: Prototypes, var_cap: float = VAR_CAP) -> Prototypes:
+    """Mass-weighted prototype means and mixing weights (module docstring); variances at most ``var_cap`` (a tighter
+    prior per prototype). Prior validation is assumed."""
     mass = np.sum([s.mass for s in stats], axis=0)
     sum_mu = np.sum([s.sum_mu for s in stats], axis=0)
     sum_sq = np.sum([s.sum_sq for s in stats], axis=0)
     seen = mass > 0
     safe = np.where(seen, mass, 1.0)[:, None]
     mu = np.where(seen[:, None], sum_mu / safe, previous.mu)
-    var = np.clip(sum_sq / safe - mu ** 2, VAR_FLOOR, VAR_CAP)
+    var = np.clip(sum_sq / safe - mu ** 2, VAR_FLOOR, var_cap)
     logvar = np.where(seen[:, None], np.log(var), previous.logvar)
     pi = np.maximum(mass / mass.sum(), PI_FLOOR) if mass.sum() > 0 else previous.pi
     return Prototypes(mu=mu, logvar=logvar, pi=pi / pi.sum())
 
 
-def aggregate_round(updates: Sequence[ClientUpdate], previous: Prototypes | None
+def aggregate_round(updates: Sequence[ClientUpdate], previous: Prototypes | None, var_cap: float = VAR_CAP
                     ) -> tuple[dict[str, np.ndarray], Prototypes | None]:
-    """One round at the server: FedAvg of the parameters, and (mixture prior) the prototypes.
+    """One round at the server: FedAvg of the parameters, and (mixture prior) the prototypes (variances <= ``var_cap``).
 
     Raises the validators' errors (:func:`trainer.routers.fedavg.validate_updates`, :func:`validate_prototype_stats`).
     """
@@ -104,4 +105,4 @@ def aggregate_round(updates: Sequence[ClientUpdate], previous: Prototypes | None
     if any(s is None for s in stats):
         raise InvalidInputError("under the mixture prior every update must carry prototype statistics")
     validate_prototype_stats(stats, *previous.mu.shape)
-    return params, aggregate_prototypes(stats, previous)
+    return params, aggregate_prototypes(stats, previous, var_cap)

@@ -5,7 +5,8 @@ user prefers, averaged over users (every user has the same number of held-out pa
 over the users of one type. Methods:
 
 - ``fedvpa_gp`` / ``vpl_gaussian`` / ``local_vpl``: ``z`` = the posterior mean of ``q(z | first C context pairs)``
-  (under the mixture prior with the natural-parameter encoder: the mean of the mixture posterior) (or, ``z_mode='prototype'``, the mean of the most responsible prototype), then ``r(x, y, z)``.
+  (under the mixture prior with the natural-parameter encoder: the mean of the mixture posterior) (or, ``z_mode='prototype'``, the mean of the most responsible prototype; ``'responsibility'``, the
+  responsibility-weighted prototype mean), then ``r(x, y, z)``.
 - ``monolithic_bt``: one FedAvg Bradley-Terry reward for everybody.
 - ``oracle_type``: the Bradley-Terry head of the user's true type.
 - ``two_stage``: the type with the larger log-likelihood of the user's C context labels under the two type heads
@@ -69,13 +70,49 @@ def posterior(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: 
 
 
 @torch.no_grad()
+def client_log_pi(tr: VPATrainer, model: VPAModel, protos: Prototypes, ids: np.ndarray) -> torch.Tensor:
+    """(U, K) log mixing weights of each user's client: ``pi_ik = (sum_u gamma_uk + pi_k) / (n_i + 1)`` over the
+    client's n_i training users, ``gamma_u`` their responsibilities from ``context_max`` of their training pairs
+    (the client's own soft-assignment mass, one global ``pi`` as a pseudo-user), so the prior of a user is that of
+    the client's users."""
+    p_mu, p_lv, log_pi = prior_tensors(protos)
+    rows = {}
+    for i in np.unique(tr.users.client[ids]):
+        train = tr.users.users("train", int(i))
+        idx = torch.as_tensor(np.stack([tr.users.items[u][:tr.users.context_max] for u in train]))
+        mask = torch.ones(idx.shape, dtype=torch.float32)
+        _, _, logits = model.components(*tr.context_tensors(train, idx, mask), mask, p_mu, p_lv, log_pi)
+        rows[int(i)] = torch.log((torch.softmax(logits, 1).sum(0) + log_pi.exp()) / (len(train) + 1))
+    return torch.stack([rows[int(i)] for i in tr.users.client[ids]])
+
+
+@torch.no_grad()
 def choose_z(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: Prototypes | None, z_mode: str
              ) -> torch.Tensor:
-    """The ``z`` scored with: the posterior mean, or the mean of the most responsible prototype."""
+    """The ``z`` scored with (:data:`trainer.vpa.trainer.Z_MODES`): the posterior mean, the mean of the most
+    responsible prototype, the responsibility-weighted prototype mean ``sum_k gamma_k mu_k``, or ``'likelihood'``:
+    ``sum_k w_k mu_k`` with ``w_k ~ pi_k prod_i p(s_i | z = mu_k)``, the posterior of the prototype given the
+    Bradley-Terry likelihood of the user's C context labels under the reward head at each prototype mean (the
+    E-step of a mixture of Bradley-Terry models, the prototypes taken as points; it bypasses the encoder), or
+    ``'client'``: the mixture posterior's mean under the user's client's mixing weights (:func:`client_log_pi`)."""
     if z_mode == "mean" or protos is None:
         return posterior(tr, model, ids, c, protos)[0]
+    if z_mode == "client":
+        idx, mask = _context_batch(tr, ids, c)
+        p_mu, p_lv, _ = prior_tensors(protos)
+        prior = (p_mu, p_lv, client_log_pi(tr, model, protos, ids))
+        return model.infer(*tr.context_tensors(ids, idx, mask), mask, prior)[0]
+    proto_mu = torch.tensor(protos.mu, dtype=torch.float32)
+    if z_mode == "likelihood":
+        idx, _ = _context_batch(tr, ids, c)
+        lab = tr.user_labels(ids, idx)
+        ll = torch.stack([bt_loglik(model.margin(tr.phi[idx, 0], tr.phi[idx, 1], m.expand(len(ids), -1)), lab).sum(1)
+                          for m in proto_mu], 1)
+        return torch.softmax(ll + torch.log(torch.tensor(protos.pi, dtype=torch.float32)), 1) @ proto_mu
     _, _, logits = components(tr, model, ids, c, protos)
-    return torch.tensor(protos.mu, dtype=torch.float32)[logits.argmax(1)]
+    if z_mode == "prototype":
+        return proto_mu[logits.argmax(1)]
+    return torch.softmax(logits, 1) @ proto_mu
 
 
 @torch.no_grad()

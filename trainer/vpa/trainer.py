@@ -33,12 +33,14 @@ import torch
 
 from sdk.errors import InvalidInputError
 from trainer.data.conflicting_users import ConflictingUsers, UsersConfig
-from trainer.vpa.aggregation import ClientUpdate, PrototypeStats, Prototypes, aggregate_round
+from trainer.vpa.aggregation import VAR_CAP, VAR_FLOOR, ClientUpdate, PrototypeStats, Prototypes, aggregate_round
 from trainer.vpa.model import (BTReward, VPAModel, bt_loglik, component_kl, elbo, kl_normal, mixture_moments,
                                orthogonality_loss)
 from trainer.vpa.prototype_kmeans import federated_kmeans
 
 PRIORS = ("gaussian", "mixture")
+#: How a user's ``z`` for scoring is read from the posterior (:func:`trainer.vpa.evaluation.choose_z`).
+Z_MODES = ("mean", "prototype", "responsibility", "likelihood", "client")
 
 
 @dataclass
@@ -46,7 +48,9 @@ class VPAConfig:
     """Settings of ``fedroute vpa train`` (CPU defaults; :meth:`quick` is the small preset).
 
     The defaults of ``structure``, ``pooling``, ``betas``, ``betas_mixture``, ``free_bits`` and ``kmeans_at`` are
-    the choices of ``benchmarks/vpa_settings.py`` on validation users (docs/results/vpa_settings.md).
+    the choices of ``benchmarks/vpa_settings.py`` on validation users (docs/results/vpa_settings.md); its step 4
+    kept those of ``n_prototypes``, ``lambda_orth``, ``tau_end``, ``proto_var_cap``, ``proto_scale``, ``learn_pi``
+    and ``latent_dim``.
 
     data_dir, cache_dir : shared data folder; embedding cache folder (None: default).
     seeds : int >= 1, seeds of the whole experiment (split, users, training).
@@ -62,9 +66,14 @@ class VPAConfig:
     free_bits : the KL term of a user is ``max(KL, free_bits)`` (Kingma et al. 2016), nats; 0 disables it.
     kmeans_at : shares of the rounds at whose start the prototypes are re-fitted by federated K-means of the
         clients' posterior means (:mod:`trainer.vpa.prototype_kmeans`); kmeans_iters : its Lloyd steps.
-    z_modes : ``'mean'`` (score with the posterior mean) and/or ``'prototype'`` (with the mean of the most
-        responsible prototype; mixture prior only), chosen on validation.
+    z_modes : ``'mean'`` (score with the posterior mean), ``'prototype'`` (with the mean of the most responsible
+        prototype), ``'responsibility'`` (the responsibility-weighted prototype mean ``sum_k gamma_k mu_k``, the
+        user's soft type) and/or ``'likelihood'`` (prototypes weighted by the context labels' likelihood under the
+        reward head, :func:`trainer.vpa.evaluation.choose_z`); all but the first under the mixture prior only;
+        chosen on validation.
     lambda_orth : weight of the orthogonality loss. proto_scale : distance of the initial prototype means from 0.
+    proto_var_cap : largest prototype variance per latent dimension (initial variances too; at most
+        :data:`~trainer.vpa.aggregation.VAR_CAP`): a tighter ``sigma_k`` lets few pairs pick a prototype.
     learn_pi : aggregate the mixing weights ``pi_k`` (else they stay uniform). tau_start, tau_end : Gumbel-softmax temperatures.
     warmup : share of the rounds over which beta rises from 0.
     rounds, local_steps, lr, weight_decay : federated optimisation (every client takes part in every round).
@@ -91,6 +100,7 @@ class VPAConfig:
     z_modes: tuple[str, ...] = ("mean", "prototype")
     lambda_orth: float = 1.0
     proto_scale: float = 2.0
+    proto_var_cap: float = VAR_CAP
     learn_pi: bool = True
     tau_start: float = 1.0
     tau_end: float = 0.2
@@ -117,8 +127,10 @@ class VPAConfig:
         if self.context_min + self.n_targets > self.users.n_train_pairs:
             raise InvalidInputError(f"context_min={self.context_min} + n_targets={self.n_targets} exceeds "
                                     f"users.n_train_pairs={self.users.n_train_pairs}")
-        if not self.betas or min(self.betas) < 0 or not set(self.z_modes) <= {"mean", "prototype"} or not self.z_modes:
-            raise InvalidInputError(f"betas={self.betas} must be >= 0 and z_modes={self.z_modes} in mean|prototype")
+        if not self.betas or min(self.betas) < 0 or not set(self.z_modes) <= set(Z_MODES) or not self.z_modes:
+            raise InvalidInputError(f"betas={self.betas} must be >= 0 and z_modes={self.z_modes} in {'|'.join(Z_MODES)}")
+        if not VAR_FLOOR <= self.proto_var_cap <= VAR_CAP:
+            raise InvalidInputError(f"proto_var_cap={self.proto_var_cap} must lie in [{VAR_FLOOR}, {VAR_CAP}]")
         if self.pooling not in ("mean", "natural") or self.free_bits < 0 or not all(0 <= a < 1 for a in self.kmeans_at):
             raise InvalidInputError(f"pooling={self.pooling!r} must be mean|natural, free_bits={self.free_bits} >= 0, "
                                     f"kmeans_at={self.kmeans_at} in [0, 1)")
@@ -207,7 +219,7 @@ class VPATrainer:
 
     def init_prototypes(self, seed: int) -> Prototypes:
         """K prototype means ``proto_scale`` apart from 0 along random orthonormal directions (K <= d_z; else
-        N(0, proto_scale^2 I) draws), unit variances, uniform weights: distinct prototypes from the start, since
+        N(0, proto_scale^2 I) draws), variances ``proto_var_cap``, uniform weights: distinct prototypes from the start, since
         prototypes that start together get equal soft assignments and the aggregation keeps them together."""
         rng = np.random.default_rng(seed)
         k, d = self.cfg.n_prototypes, self.cfg.latent_dim
@@ -216,7 +228,7 @@ class VPATrainer:
             mu = self.cfg.proto_scale * q.T
         else:
             mu = self.cfg.proto_scale * rng.standard_normal((k, d))
-        return Prototypes(mu=mu, logvar=np.zeros((k, d)), pi=np.full(k, 1.0 / k))
+        return Prototypes(mu=mu, logvar=np.full((k, d), math.log(self.cfg.proto_var_cap)), pi=np.full(k, 1.0 / k))
 
     def local_vpa_step(self, model: VPAModel, protos: Prototypes | None, user_ids: np.ndarray, beta: float,
                        tau: float, rng: np.random.Generator, gen: torch.Generator) -> ClientUpdate:
@@ -299,7 +311,7 @@ class VPATrainer:
                 local.load_state_dict(model.state_dict())
                 updates.append(self.local_vpa_step(local, protos, self.users.users("train", i), _beta(cfg, beta, r),
                                                    _tau(cfg, r), rng, gen))
-            params, protos = aggregate_round(updates, protos)
+            params, protos = aggregate_round(updates, protos, cfg.proto_var_cap)
             if protos is not None and not cfg.learn_pi:
                 protos = replace(protos, pi=np.full(len(protos.pi), 1.0 / len(protos.pi)))
             _load(model, params)
