@@ -10,6 +10,9 @@ never chosen; ties go to the cheaper model, then the lower index (:func:`sdk.uti
   proximity): Thompson sampling at the ``lam`` of that segment's slope.
 - ``top_two``: top-two Thompson sampling (Russo 2020, TTTS) on ``frontier``: the leader with probability
   ``beta_tt``, else a resampled challenger.
+- ``step_down``: top-two on ``frontier`` whose challenger is drawn among the leader's cheaper models only
+  (the pair that decides the next step down the cost axis): a best-arm-identification flavour of TTTS
+  (Russo 2020) for the question "is a cheaper model within ``epsilon`` of the leader?".
 - ``uniform``: a model uniformly at random among those with an estimate.
 """
 
@@ -24,7 +27,7 @@ from sdk.utility import _rank_unchecked
 
 Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
-POLICIES = ("thompson", "frontier", "top_two", "uniform")
+POLICIES = ("thompson", "frontier", "top_two", "step_down", "uniform")
 #: Floor of the Beta parameters: a mean of exactly 0 or 1 stays samplable (a point mass, in effect).
 _MIN_PARAMETER = 1e-9
 
@@ -189,6 +192,38 @@ def top_two_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike, 
     return out
 
 
+def step_down_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike, cells: npt.ArrayLike,
+                     rng: np.random.Generator, beta_tt: float = 0.5, epsilon: float = 0.02,
+                     axis_power: float = 1.0) -> Ints:
+    """Top-two sampling with a cheaper challenger, (n_queries,) int64.
+
+    The leader ``L`` is :func:`frontier_choice`'s at ``u``. With probability ``1 - beta_tt`` one more
+    posterior sample ``theta`` is drawn; among the models cheaper than ``L`` the challenger is
+    ``C = argmax theta_j`` (ties: the cheaper), logged if ``theta_C >= theta_L - epsilon``, else ``L``.
+    So ``C`` is logged with probability ``(1 - beta_tt) P(C is the best cheaper model and within epsilon
+    of L)``: labels go to the pair that decides whether the cell steps down from ``L`` (epsilon-best-arm
+    identification between ``L`` and its cheaper rivals, after top-two Thompson sampling, Russo 2020),
+    and to none once the posteriors settle the question (then the policy is greedy at ``u``). Arguments
+    as :func:`top_two_choice`; ``epsilon`` >= 0 in accuracy units.
+    """
+    a, b, c, known = _rows(alpha, beta, cost, cells)
+    c = np.where(known, c, np.nan)
+    pos = np.broadcast_to(np.asarray(u, dtype=np.float64), (a.shape[0],))
+    out = _frontier_rows(c, _sample(a, b, known, rng), pos, rng.random((a.shape[0],)), axis_power)
+    p = np.flatnonzero(rng.random(a.shape[0]) >= beta_tt)  # these may log a challenger
+    rows = np.arange(p.shape[0])
+    theta = _sample(a[p], b[p], known[p], rng)
+    lead = out[p]
+    with np.errstate(invalid="ignore"):
+        cheaper = c[p] < c[p, lead][:, None]
+    rival = _rank_unchecked(np.where(cheaper, theta, np.nan), np.where(cheaper, c[p], np.nan))[:, 0]
+    ok = cheaper.any(axis=1)
+    rival = np.where(ok, rival, lead).astype(np.int64)
+    take = ok & (theta[rows, rival] >= theta[rows, lead] - epsilon)
+    out[p[take]] = rival[take]
+    return out
+
+
 def uniform_choice(alpha: Floats, beta: Floats, cost: Floats, cells: npt.ArrayLike, rng: np.random.Generator) -> Ints:
     """A model uniformly at random among those with a posterior and a cost, (n_queries,) int64."""
     known = _rows(alpha, beta, cost, cells)[3]
@@ -198,11 +233,13 @@ def uniform_choice(alpha: Floats, beta: Floats, cost: Floats, cells: npt.ArrayLi
 
 def choice_propensities(alpha: Floats, beta: Floats, cost: Floats, lam: float | Floats, cells: npt.ArrayLike,
                         rng: np.random.Generator, n_draws: int = 1000, chosen: npt.ArrayLike | None = None,
-                        policy: str = "thompson", u: npt.ArrayLike | None = None, beta_tt: float = 0.5) -> Floats:
+                        policy: str = "thompson", u: npt.ArrayLike | None = None, beta_tt: float = 0.5,
+                        epsilon: float = 0.02) -> Floats:
     """Each model's probability under ``policy`` per query, (n_queries, n_models) float64, rows summing to 1.
 
     Exact for ``uniform``; else the share of ``n_draws`` runs of the policy (``lam`` for ``thompson``;
-    ``u`` for the frontier ones, None = ``u ~ U[0, 1]`` per run), with the logged ``chosen`` model per
+    ``u`` for the frontier ones, None = ``u ~ U[0, 1]`` per run; ``beta_tt`` for the top-two ones,
+    ``epsilon`` for ``step_down``), with the logged ``chosen`` model per
     query counted as one more run, so its propensity is > 0.
     """
     known = _rows(alpha, beta, cost, cells)[3]
@@ -215,8 +252,12 @@ def choice_propensities(alpha: Floats, beta: Floats, cost: Floats, lam: float | 
         picks = thompson_choice(alpha, beta, cost, lam_rep, repeated, rng)
     else:
         pos = rng.random(n * n_draws) if u is None else np.tile(np.broadcast_to(np.asarray(u, dtype=np.float64), (n,)), n_draws)
-        picks = (frontier_choice(alpha, beta, cost, pos, repeated, rng) if policy == "frontier"
-                 else top_two_choice(alpha, beta, cost, pos, repeated, rng, beta_tt))
+        if policy == "frontier":
+            picks = frontier_choice(alpha, beta, cost, pos, repeated, rng)
+        elif policy == "top_two":
+            picks = top_two_choice(alpha, beta, cost, pos, repeated, rng, beta_tt)
+        else:
+            picks = step_down_choice(alpha, beta, cost, pos, repeated, rng, beta_tt, epsilon)
     counts = np.zeros((n, m))
     np.add.at(counts, (np.tile(np.arange(n), n_draws), picks), 1.0)
     if chosen is not None:
@@ -226,4 +267,4 @@ def choice_propensities(alpha: Floats, beta: Floats, cost: Floats, lam: float | 
 
 
 __all__ = ["POLICIES", "ExplorationPolicy", "beta_posterior", "choice_propensities", "frontier_choice",
-           "thompson_choice", "top_two_choice", "uniform_choice"]
+           "step_down_choice", "thompson_choice", "top_two_choice", "uniform_choice"]

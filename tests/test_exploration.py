@@ -8,6 +8,7 @@ from sdk.exploration import (
     beta_posterior,
     choice_propensities,
     frontier_choice,
+    step_down_choice,
     thompson_choice,
     top_two_choice,
     _axis_point,
@@ -89,7 +90,24 @@ def test_top_two_logs_the_challenger_about_half_the_time():
     assert (tight == 0).all()
 
 
-@pytest.mark.parametrize("policy", ["thompson", "frontier", "top_two", "uniform"])
+def test_step_down_is_greedy_when_posteriors_are_tight():
+    # TIGHT: the cheaper models trail the leader by 0.1 and 0.4 > epsilon, the cheapest has none cheaper.
+    cells, rng = np.zeros(500, dtype=int), np.random.default_rng(8)
+    for u, want in ((1.0, 2), (1 / 3, 1), (0.0, 0)):
+        assert (step_down_choice(*TIGHT, COST, np.full(500, u), cells, rng, epsilon=0.02) == want).all()
+
+
+@pytest.mark.parametrize("beta_tt", [0.5, 0.75])
+def test_step_down_logs_a_cheaper_near_tie_with_probability_1_minus_beta(beta_tt):
+    # Accuracies 0.3, 0.69, 0.7 known almost exactly, epsilon 0.02: the leader (u = 1) is model 2; the best
+    # cheaper model, model 1, is within epsilon, so it is logged 1 - beta_tt of the time, model 0 never.
+    tight = beta_posterior(np.array([[0.3, 0.69, 0.7]]), np.full((1, 3), 1e7), 0.0)
+    picks = step_down_choice(*tight, COST, np.ones(4000), np.zeros(4000, dtype=int), np.random.default_rng(9),
+                             beta_tt=beta_tt, epsilon=0.02)
+    assert not (picks == 0).any() and abs((picks == 1).mean() - (1 - beta_tt)) < 0.03
+
+
+@pytest.mark.parametrize("policy", ["thompson", "frontier", "top_two", "step_down", "uniform"])
 def test_propensities_lie_in_0_1_and_sum_to_one(policy):
     alpha, beta = beta_posterior(np.array([[0.3, 0.6, 0.7], [0.9, 0.5, np.nan]]), np.full((2, 3), 3.0), 2.0)
     cells = np.array([0, 1, 0])
