@@ -67,9 +67,10 @@ def carve(data: Path):
     return stream, vset, (vsingle[w], vsingle[s])
 
 
-#: Stage ``targets``: name -> OnlineConfig fields of one exploring policy; ``router_prior_strength`` and
-#: ``router_prior`` replace the K-means router's shrinkage (else ``--prior-strength``) and prior (else additive),
-#: for the scored router and the exploring posterior alike.
+#: Stage ``targets``: name -> OnlineConfig fields of one exploring policy; ``router_prior_strength``,
+#: ``router_model_prior_strength`` and ``router_prior`` replace the K-means router's shrinkage (else
+#: ``--prior-strength``), model-effect shrinkage (else 10) and prior (else additive), for the scored router and
+#: the exploring posterior alike.
 TARGET_CANDIDATES = {
     "thompson (linear cost axis)": dict(policies=("thompson",)),
     "thompson (sqrt cost axis)": dict(policies=("thompson",), thompson_axis_power=0.5),
@@ -99,6 +100,22 @@ TARGET_CANDIDATES = {
                                                             router_prior_strength=8.0),
     "step_down (beta 0.5, sqrt cost axis, epsilon 0.05, cell prior)": dict(policies=("step_down",),
                                                                           step_down_epsilon=0.05, router_prior="cell"),
+    "step_down (epsilon 0.05, cheapest near-tie)": dict(policies=("step_down",), step_down_epsilon=0.05,
+                                                        step_down_cheapest=True),
+    "step_down (epsilon 0.05, top-two fallback)": dict(policies=("step_down",), step_down_epsilon=0.05,
+                                                       step_down_fallback=True),
+    "step_down (epsilon 0.05, cheapest near-tie, top-two fallback)": dict(policies=("step_down",), step_down_epsilon=0.05,
+                                                                         step_down_cheapest=True, step_down_fallback=True),
+    "step_down (epsilon 0.1, cheapest near-tie, top-two fallback)": dict(policies=("step_down",), step_down_epsilon=0.1,
+                                                                        step_down_cheapest=True, step_down_fallback=True),
+    "step_down (epsilon 0.05, top-two fallback, beta 0.25)": dict(policies=("step_down",), step_down_epsilon=0.05,
+                                                                  step_down_fallback=True, beta_tt=0.25),
+    # The model gap carried into each cell, partly pooled: the model effects a^m of the additive prior shrunk
+    # toward the all-model mean with kappa0 pseudo-labels (KMeansRouterConfig.model_prior_strength, default 10;
+    # a model gets ~700 labels in one pass, so kappa0 = 700 halves its gap in the prior).
+    "top_two (beta 0.5, sqrt cost axis, model prior 300)": dict(policies=("top_two",), router_model_prior_strength=300.0),
+    "top_two (beta 0.5, sqrt cost axis, model prior 1000)": dict(policies=("top_two",), router_model_prior_strength=1000.0),
+    "top_two (beta 0.5, sqrt cost axis, model prior 3000)": dict(policies=("top_two",), router_model_prior_strength=3000.0),
 }
 #: Issue 26's online targets as the choice rule reads them on validation (:func:`choose`).
 TARGETS = {
@@ -189,6 +206,8 @@ def _run(cand: dict, passes: float, seeds: int) -> dict:
     cand = dict(cand)
     if "router_prior_strength" in cand:
         cand["kmeans"] = dataclasses.replace(cand["kmeans"], prior_strength=cand.pop("router_prior_strength"))
+    if "router_model_prior_strength" in cand:
+        cand["kmeans"] = dataclasses.replace(cand["kmeans"], model_prior_strength=cand.pop("router_model_prior_strength"))
     if "router_prior" in cand:
         cand["kmeans"] = dataclasses.replace(cand["kmeans"], prior=cand.pop("router_prior"))
     t0 = time.time()

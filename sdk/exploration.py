@@ -181,20 +181,29 @@ def top_two_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike, 
     leader = _frontier_rows(c, _sample(a, b, known, rng), pos, rng.random((a.shape[0],)), axis_power)
     out = leader.copy()
     pending = np.flatnonzero(rng.random(a.shape[0]) >= beta_tt)  # these log a challenger
+    _resampled_challengers(a, b, c, known, pos, out, pending, rng, max_resamples, axis_power)
+    return out
+
+
+def _resampled_challengers(a: Floats, b: Floats, c: Floats, known: npt.NDArray[np.bool_], pos: Floats, out: Ints,
+                           pending: Ints, rng: np.random.Generator, max_resamples: int, axis_power: float) -> None:
+    """Top-two's challenger in place: for each row of ``pending``, the first of ``max_resamples`` resampled
+    frontier choices that differs from ``out`` (the leader), else the leader."""
+    leader = out[pending]
     for _ in range(max_resamples):
         if pending.size == 0:
             break
         p = pending
         other = _frontier_rows(c[p], _sample(a[p], b[p], known[p], rng), pos[p], rng.random((p.shape[0],)), axis_power)
-        found = other != leader[p]
+        found = other != leader
         out[p[found]] = other[found]
-        pending = p[~found]
-    return out
+        pending, leader = p[~found], leader[~found]
 
 
 def step_down_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike, cells: npt.ArrayLike,
                      rng: np.random.Generator, beta_tt: float = 0.5, epsilon: float = 0.02,
-                     axis_power: float = 1.0) -> Ints:
+                     axis_power: float = 1.0, cheapest: bool = False, fallback: bool = False,
+                     max_resamples: int = 20) -> Ints:
     """Top-two sampling with a cheaper challenger, (n_queries,) int64.
 
     The leader ``L`` is :func:`frontier_choice`'s at ``u``. With probability ``1 - beta_tt`` one more
@@ -204,7 +213,10 @@ def step_down_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike
     of L)``: labels go to the pair that decides whether the cell steps down from ``L`` (epsilon-best-arm
     identification between ``L`` and its cheaper rivals, after top-two Thompson sampling, Russo 2020),
     and to none once the posteriors settle the question (then the policy is greedy at ``u``). Arguments
-    as :func:`top_two_choice`; ``epsilon`` >= 0 in accuracy units.
+    as :func:`top_two_choice`; ``epsilon`` >= 0 in accuracy units. ``cheapest``: the challenger is instead
+    the cheapest model within ``epsilon`` of ``L`` in the sample (the deepest step down that keeps ``L``'s
+    accuracy). ``fallback``: where no cheaper model is within ``epsilon``, :func:`top_two_choice`'s
+    resampled challenger instead of ``L`` (top-two's exploration kept, the step-down pair preferred).
     """
     a, b, c, known = _rows(alpha, beta, cost, cells)
     c = np.where(known, c, np.nan)
@@ -216,11 +228,17 @@ def step_down_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike
     lead = out[p]
     with np.errstate(invalid="ignore"):
         cheaper = c[p] < c[p, lead][:, None]
-    rival = _rank_unchecked(np.where(cheaper, theta, np.nan), np.where(cheaper, c[p], np.nan))[:, 0]
+    if cheapest:
+        cheaper &= theta >= theta[rows, lead][:, None] - epsilon
+        rival = _rank_unchecked(np.where(cheaper, -c[p], np.nan), np.where(cheaper, c[p], np.nan))[:, 0]
+    else:
+        rival = _rank_unchecked(np.where(cheaper, theta, np.nan), np.where(cheaper, c[p], np.nan))[:, 0]
     ok = cheaper.any(axis=1)
     rival = np.where(ok, rival, lead).astype(np.int64)
     take = ok & (theta[rows, rival] >= theta[rows, lead] - epsilon)
     out[p[take]] = rival[take]
+    if fallback:
+        _resampled_challengers(a, b, c, known, pos, out, p[~take], rng, max_resamples, axis_power)
     return out
 
 

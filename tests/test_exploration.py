@@ -107,6 +107,27 @@ def test_step_down_logs_a_cheaper_near_tie_with_probability_1_minus_beta(beta_tt
     assert not (picks == 0).any() and abs((picks == 1).mean() - (1 - beta_tt)) < 0.03
 
 
+def test_step_down_cheapest_logs_the_deepest_step_within_epsilon():
+    # epsilon 0.45: both cheaper models are within it of the leader (0.7); the best of them is model 1,
+    # the cheapest model 0.
+    cells, u, rng = np.zeros(4000, dtype=int), np.ones(4000), np.random.default_rng(10)
+    best = step_down_choice(*TIGHT, COST, u, cells, rng, epsilon=0.45)
+    deepest = step_down_choice(*TIGHT, COST, u, cells, rng, epsilon=0.45, cheapest=True)
+    assert set(best.tolist()) == {1, 2} and set(deepest.tolist()) == {0, 2}
+    assert abs((deepest == 0).mean() - 0.5) < 0.03
+
+
+def test_step_down_fallback_is_top_two_where_no_cheaper_model_is_near():
+    # Equal costs: no model is cheaper than the leader, so the fallback logs top-two's challenger (the other
+    # model) half the time; tight posteriors with gaps > epsilon: greedy still.
+    alpha, beta = beta_posterior(np.array([[0.5, 0.5]]), np.full((1, 2), 20.0), 0.0)
+    rng = np.random.default_rng(11)
+    picks = step_down_choice(alpha, beta, np.ones(2), np.ones(2000), np.zeros(2000, dtype=int), rng, fallback=True)
+    assert abs(picks.mean() - 0.5) < 0.05
+    tight = step_down_choice(*TIGHT, COST, np.ones(500), np.zeros(500, dtype=int), rng, fallback=True)
+    assert (tight == 2).all()
+
+
 @pytest.mark.parametrize("policy", ["thompson", "frontier", "top_two", "step_down", "uniform"])
 def test_propensities_lie_in_0_1_and_sum_to_one(policy):
     alpha, beta = beta_posterior(np.array([[0.3, 0.6, 0.7], [0.9, 0.5, np.nan]]), np.full((2, 3), 3.0), 2.0)

@@ -71,7 +71,8 @@ class OnlineConfig:
     kmeans : the K-means router (K, shrinkage) scored and used as the posterior.
     beta_tt : leader probability of ``top_two`` and ``step_down`` (whose positions ``u`` and cost axis
         are ``top_two``'s too).
-    step_down_epsilon : ``step_down``'s tolerance in accuracy (:func:`sdk.exploration.step_down_choice`).
+    step_down_epsilon, step_down_cheapest, step_down_fallback : ``step_down``'s tolerance in accuracy, challenger
+        and fallback (:func:`sdk.exploration.step_down_choice`'s ``epsilon``, ``cheapest``, ``fallback``).
     thompson_u_power, top_two_u_power : each exploring policy draws its cost-axis position as
         ``u = v ** power``, ``v ~ U[0, 1]`` (1: uniform, the AUC's measure and METRICS.md's ``thompson``;
         > 1 favours cheap models, < 1 expensive ones).
@@ -99,6 +100,8 @@ class OnlineConfig:
     explore_prior_strength: float | None = None
     thompson_top_share: float = 0.0
     step_down_epsilon: float = 0.02
+    step_down_cheapest: bool = False
+    step_down_fallback: bool = False
 
     def __post_init__(self) -> None:
         check_sequence(self, "policies")
@@ -275,7 +278,8 @@ def _choose(policy: str, queries: np.ndarray, client: np.ndarray, cells: np.ndar
         else:
             out[q] = step_down_choice(a[q], b[q], c[q], u[q] ** config.top_two_u_power, np.arange(q.shape[0]), rng,
                                       beta_tt=config.beta_tt, epsilon=config.step_down_epsilon,
-                                      axis_power=config.top_two_axis_power)
+                                      axis_power=config.top_two_axis_power, cheapest=config.step_down_cheapest,
+                                      fallback=config.step_down_fallback)
     return out.astype(np.int64)
 
 
