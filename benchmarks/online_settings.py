@@ -116,6 +116,10 @@ TARGET_CANDIDATES = {
     "top_two (beta 0.5, sqrt cost axis, model prior 300)": dict(policies=("top_two",), router_model_prior_strength=300.0),
     "top_two (beta 0.5, sqrt cost axis, model prior 1000)": dict(policies=("top_two",), router_model_prior_strength=1000.0),
     "top_two (beta 0.5, sqrt cost axis, model prior 3000)": dict(policies=("top_two",), router_model_prior_strength=3000.0),
+    "top_two (beta 0.5, sqrt cost axis, model prior 1000, router prior 16)": dict(
+        policies=("top_two",), router_model_prior_strength=1000.0, router_prior_strength=16.0),
+    "thompson (sqrt cost axis, model prior 1000)": dict(policies=("thompson",), thompson_axis_power=0.5,
+                                                        router_model_prior_strength=1000.0),
 }
 #: Issue 26's online targets as the choice rule reads them on validation (:func:`choose`).
 TARGETS = {
