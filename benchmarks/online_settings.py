@@ -120,6 +120,9 @@ TARGET_CANDIDATES = {
         policies=("top_two",), router_model_prior_strength=1000.0, router_prior_strength=16.0),
     "thompson (sqrt cost axis, model prior 1000)": dict(policies=("thompson",), thompson_axis_power=0.5,
                                                         router_model_prior_strength=1000.0),
+    # epsilon 1: the challenger is always the best sampled cheaper model (top-two, challenger among cheaper only).
+    "step_down (epsilon 1: any cheaper challenger)": dict(policies=("step_down",), step_down_epsilon=1.0),
+    "step_down (epsilon 1, u = v^0.5)": dict(policies=("step_down",), step_down_epsilon=1.0, top_two_u_power=0.5),
 }
 #: Issue 26's online targets as the choice rule reads them on validation (:func:`choose`).
 TARGETS = {
