@@ -123,6 +123,9 @@ TARGET_CANDIDATES = {
     # epsilon 1: the challenger is always the best sampled cheaper model (top-two, challenger among cheaper only).
     "step_down (epsilon 1: any cheaper challenger)": dict(policies=("step_down",), step_down_epsilon=1.0),
     "step_down (epsilon 1, u = v^0.5)": dict(policies=("step_down",), step_down_epsilon=1.0, top_two_u_power=0.5),
+    # The step that decides the saving is across cells: Thompson sampling on which (cell, model) step comes first.
+    "first_step (beta 0.5, sqrt cost axis)": dict(policies=("first_step",)),
+    "first_step (beta 0.25, sqrt cost axis)": dict(policies=("first_step",), beta_tt=0.25),
 }
 #: Issue 26's online targets as the choice rule reads them on validation (:func:`choose`).
 TARGETS = {

@@ -13,6 +13,9 @@ never chosen; ties go to the cheaper model, then the lower index (:func:`sdk.uti
 - ``step_down``: top-two on ``frontier`` whose challenger is drawn among the leader's cheaper models only
   (the pair that decides the next step down the cost axis): a best-arm-identification flavour of TTTS
   (Russo 2020) for the question "is a cheaper model within ``epsilon`` of the leader?".
+- ``first_step``: top-two whose challenger labels go to the pair (cell, top model, cheaper model) that is
+  the first step down from every cell's most accurate model in a posterior sample of all cells' tables
+  (Thompson sampling on which step comes first, the step that decides the saving at the best accuracy).
 - ``uniform``: a model uniformly at random among those with an estimate.
 """
 
@@ -27,7 +30,7 @@ from sdk.utility import _rank_unchecked
 
 Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
-POLICIES = ("thompson", "frontier", "top_two", "step_down", "uniform")
+POLICIES = ("thompson", "frontier", "top_two", "step_down", "first_step", "uniform")
 #: Floor of the Beta parameters: a mean of exactly 0 or 1 stays samplable (a point mass, in effect).
 _MIN_PARAMETER = 1e-9
 
@@ -242,6 +245,45 @@ def step_down_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike
     return out
 
 
+def first_step_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike, cells: npt.ArrayLike,
+                      rng: np.random.Generator, beta_tt: float = 0.5, axis_power: float = 1.0,
+                      available: npt.NDArray[np.bool_] | None = None, max_resamples: int = 20) -> Ints:
+    """Top-two sampling whose challenger is the first step down of a sampled table, (n_queries,) int64.
+
+    alpha, beta, cost : (n_cells, n_models) tables (cost (n_models,) broadcasts). The leader is
+    :func:`frontier_choice`'s at ``u``. With probability ``1 - beta_tt`` every cell's table is sampled,
+    ``theta ~ Beta(alpha, beta)``; in it each cell k's most accurate model ``t_k`` and the step
+    ``(k*, j*) = argmin_{k, j: c_kj < c_kt_k} (theta_kt_k - theta_kj) / (c_kt_k - c_kj)``, the cell and
+    model a cell-table router switches to first as ``lam`` grows from 0 (the step that decides the saving at
+    the best model's accuracy). A query of cell ``k*`` logs ``t_k*`` or ``j*`` (1/2 each); any other query
+    (or one whose pick is not ``available``, (n_queries, n_models) bool) logs :func:`top_two_choice`'s
+    resampled challenger. Arguments otherwise as :func:`top_two_choice`.
+    """
+    a, b, c, known = _rows(alpha, beta, cost, cells)
+    if available is not None:
+        known = known & available
+    c = np.where(known, c, np.nan)
+    pos = np.broadcast_to(np.asarray(u, dtype=np.float64), (a.shape[0],))
+    out = _frontier_rows(c, _sample(a, b, known, rng), pos, rng.random((a.shape[0],)), axis_power)
+    p = np.flatnonzero(rng.random(a.shape[0]) >= beta_tt)
+    tab_c = np.broadcast_to(np.asarray(cost, dtype=np.float64), alpha.shape)
+    tab_known = np.isfinite(alpha) & np.isfinite(beta) & np.isfinite(tab_c)
+    theta = _sample(*(np.broadcast_to(x, (p.shape[0], *alpha.shape)) for x in (alpha, beta, tab_known)), rng)
+    top = np.argmax(np.where(tab_known, theta, -np.inf), axis=2)  # (n_p, n_cells)
+    th_top = np.take_along_axis(theta, top[..., None], axis=2)
+    c_top = tab_c[np.arange(alpha.shape[0])[None, :], top][..., None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        slope = np.where(tab_known & (tab_c < c_top), (th_top - theta) / (c_top - tab_c), np.inf)
+    flat = np.argmin(slope.reshape(p.shape[0], -1), axis=1)
+    k_star, j_star = np.divmod(flat, alpha.shape[1])
+    step = np.isfinite(slope.reshape(p.shape[0], -1)[np.arange(p.shape[0]), flat])
+    pick = np.where(rng.random(p.shape[0]) < 0.5, top[np.arange(p.shape[0]), k_star], j_star)
+    take = step & (np.asarray(cells, dtype=np.int64)[p] == k_star) & known[p, pick]
+    out[p[take]] = pick[take]
+    _resampled_challengers(a, b, c, known, pos, out, p[~take], rng, max_resamples, axis_power)
+    return out
+
+
 def uniform_choice(alpha: Floats, beta: Floats, cost: Floats, cells: npt.ArrayLike, rng: np.random.Generator) -> Ints:
     """A model uniformly at random among those with a posterior and a cost, (n_queries,) int64."""
     known = _rows(alpha, beta, cost, cells)[3]
@@ -274,8 +316,10 @@ def choice_propensities(alpha: Floats, beta: Floats, cost: Floats, lam: float | 
             picks = frontier_choice(alpha, beta, cost, pos, repeated, rng)
         elif policy == "top_two":
             picks = top_two_choice(alpha, beta, cost, pos, repeated, rng, beta_tt)
-        else:
+        elif policy == "step_down":
             picks = step_down_choice(alpha, beta, cost, pos, repeated, rng, beta_tt, epsilon)
+        else:
+            picks = first_step_choice(alpha, beta, cost, pos, repeated, rng, beta_tt)
     counts = np.zeros((n, m))
     np.add.at(counts, (np.tile(np.arange(n), n_draws), picks), 1.0)
     if chosen is not None:
@@ -284,5 +328,5 @@ def choice_propensities(alpha: Floats, beta: Floats, cost: Floats, lam: float | 
     return out
 
 
-__all__ = ["POLICIES", "ExplorationPolicy", "beta_posterior", "choice_propensities", "frontier_choice",
+__all__ = ["POLICIES", "ExplorationPolicy", "beta_posterior", "choice_propensities", "first_step_choice", "frontier_choice",
            "step_down_choice", "thompson_choice", "top_two_choice", "uniform_choice"]

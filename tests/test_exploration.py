@@ -7,6 +7,7 @@ from sdk.exploration import (
     ExplorationPolicy,
     beta_posterior,
     choice_propensities,
+    first_step_choice,
     frontier_choice,
     step_down_choice,
     thompson_choice,
@@ -128,7 +129,25 @@ def test_step_down_fallback_is_top_two_where_no_cheaper_model_is_near():
     assert (tight == 2).all()
 
 
-@pytest.mark.parametrize("policy", ["thompson", "frontier", "top_two", "step_down", "uniform"])
+def test_first_step_labels_the_pair_of_the_first_step_down():
+    # Costs 1, 0.3, 0.1; cell 0: 0.8, 0.79, 0.3 -> first step down (0.8 - 0.79) / 0.7 = 0.014 per USD, the
+    # smallest of every cell's: cell 0 -> model 1. Cell 0's challenger queries log model 0 or 1 (1/2 each):
+    # model 1 on (1 - beta_tt) / 2 = 0.25; cell 1 (tight, no near step) is greedy: its leader at u = 1.
+    alpha, beta = beta_posterior(np.array([[0.8, 0.79, 0.3], [0.9, 0.6, 0.5]]), np.full((2, 3), 1e6), 0.0)
+    cells = np.repeat([0, 1], 4000)
+    picks = first_step_choice(alpha, beta, np.array([1.0, 0.3, 0.1]), np.ones(8000), cells,
+                              np.random.default_rng(12), axis_power=0.5)
+    assert abs((picks[:4000] == 1).mean() - 0.25) < 0.03 and not (picks[:4000] == 2).any()
+    assert (picks[4000:] == 0).all()
+    # A pick the query has no label for is not logged: the top-two fallback (here the leader) instead.
+    avail = np.ones((8000, 3), dtype=bool)
+    avail[:, 1] = False
+    masked = first_step_choice(alpha, beta, np.array([1.0, 0.3, 0.1]), np.ones(8000), cells,
+                               np.random.default_rng(12), axis_power=0.5, available=avail)
+    assert not (masked == 1).any()
+
+
+@pytest.mark.parametrize("policy", ["thompson", "frontier", "top_two", "step_down", "first_step", "uniform"])
 def test_propensities_lie_in_0_1_and_sum_to_one(policy):
     alpha, beta = beta_posterior(np.array([[0.3, 0.6, 0.7], [0.9, 0.5, np.nan]]), np.full((2, 3), 3.0), 2.0)
     cells = np.array([0, 1, 0])
