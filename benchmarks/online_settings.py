@@ -4,8 +4,8 @@ split carved from train (never test): ``fedroute simulate --online``'s defaults.
 The train split's fully labelled rows are split once (seeded, stratified by task) into 75% stream and
 25% validation; every candidate streams the 75% (one label per query) over 20+ seeds and is scored
 on the validation rows by the METRICS.md gain.
-Run: ``PYTHONPATH=. HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/online_settings.py [--data ../shared/data/routerbench] [--seeds 20] [--stage kmeans|policy|posterior|confirm|targets] [--workers 2]``;
-writes ``docs/results/online_settings_<stage>[_<passes>x].json``.
+Run: ``PYTHONPATH=. HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/online_settings.py [--data ../shared/data/routerbench] [--seeds 20] [--stage kmeans|policy|posterior|confirm|targets] [--workers 2] [--candidates 13,14] [--tag name]``;
+writes ``docs/results/online_settings_<stage>[_<passes>x][_<tag>].json``.
 
 Stage ``targets`` (the default exploring policy, issue 26's targets): every candidate and ``fixed`` on
 the same seeds; the choice rule (:func:`choose`) maximises validation gain subject to every online
@@ -67,8 +67,10 @@ def carve(data: Path):
     return stream, vset, (vsingle[w], vsingle[s])
 
 
-#: Stage ``targets``: name -> OnlineConfig fields of one exploring policy; ``router_prior_strength``
-#: replaces the scored K-means router's shrinkage (else ``--prior-strength``).
+#: Stage ``targets``: name -> OnlineConfig fields of one exploring policy; ``router_prior_strength``,
+#: ``router_model_prior_strength`` and ``router_prior`` replace the K-means router's shrinkage (else
+#: ``--prior-strength``), model-effect shrinkage (else 10) and prior (else additive), for the scored router and
+#: the exploring posterior alike.
 TARGET_CANDIDATES = {
     "thompson (linear cost axis)": dict(policies=("thompson",)),
     "thompson (sqrt cost axis)": dict(policies=("thompson",), thompson_axis_power=0.5),
@@ -87,6 +89,43 @@ TARGET_CANDIDATES = {
                                                        router_prior_strength=16.0),
     "top_two (beta 0.75, sqrt cost axis, router prior 16)": dict(policies=("top_two",), beta_tt=0.75,
                                                                  top_two_axis_power=0.5, router_prior_strength=16.0),
+    # Labels for the pair that decides each cell's next step down the cost axis (sdk.exploration.step_down_choice).
+    "step_down (beta 0.5, sqrt cost axis, epsilon 0.02)": dict(policies=("step_down",), step_down_epsilon=0.02),
+    "step_down (beta 0.5, sqrt cost axis, epsilon 0.05)": dict(policies=("step_down",), step_down_epsilon=0.05),
+    "step_down (beta 0.5, sqrt axis, u = v^0.5, epsilon 0.05)": dict(policies=("step_down",), step_down_epsilon=0.05,
+                                                                    top_two_u_power=0.5),
+    # A prior that does not carry each model's overall gap into every cell (router_prior: KMeansRouterConfig.prior).
+    "top_two (beta 0.5, sqrt cost axis, cell prior)": dict(policies=("top_two",), router_prior="cell"),
+    "top_two (beta 0.5, sqrt cost axis, cell prior 8)": dict(policies=("top_two",), router_prior="cell",
+                                                            router_prior_strength=8.0),
+    "step_down (beta 0.5, sqrt cost axis, epsilon 0.05, cell prior)": dict(policies=("step_down",),
+                                                                          step_down_epsilon=0.05, router_prior="cell"),
+    "step_down (epsilon 0.05, cheapest near-tie)": dict(policies=("step_down",), step_down_epsilon=0.05,
+                                                        step_down_cheapest=True),
+    "step_down (epsilon 0.05, top-two fallback)": dict(policies=("step_down",), step_down_epsilon=0.05,
+                                                       step_down_fallback=True),
+    "step_down (epsilon 0.05, cheapest near-tie, top-two fallback)": dict(policies=("step_down",), step_down_epsilon=0.05,
+                                                                         step_down_cheapest=True, step_down_fallback=True),
+    "step_down (epsilon 0.1, cheapest near-tie, top-two fallback)": dict(policies=("step_down",), step_down_epsilon=0.1,
+                                                                        step_down_cheapest=True, step_down_fallback=True),
+    "step_down (epsilon 0.05, top-two fallback, beta 0.25)": dict(policies=("step_down",), step_down_epsilon=0.05,
+                                                                  step_down_fallback=True, beta_tt=0.25),
+    # The model gap carried into each cell, partly pooled: the model effects a^m of the additive prior shrunk
+    # toward the all-model mean with kappa0 pseudo-labels (KMeansRouterConfig.model_prior_strength, default 10;
+    # a model gets ~700 labels in one pass, so kappa0 = 700 halves its gap in the prior).
+    "top_two (beta 0.5, sqrt cost axis, model prior 300)": dict(policies=("top_two",), router_model_prior_strength=300.0),
+    "top_two (beta 0.5, sqrt cost axis, model prior 1000)": dict(policies=("top_two",), router_model_prior_strength=1000.0),
+    "top_two (beta 0.5, sqrt cost axis, model prior 3000)": dict(policies=("top_two",), router_model_prior_strength=3000.0),
+    "top_two (beta 0.5, sqrt cost axis, model prior 1000, router prior 16)": dict(
+        policies=("top_two",), router_model_prior_strength=1000.0, router_prior_strength=16.0),
+    "thompson (sqrt cost axis, model prior 1000)": dict(policies=("thompson",), thompson_axis_power=0.5,
+                                                        router_model_prior_strength=1000.0),
+    # epsilon 1: the challenger is always the best sampled cheaper model (top-two, challenger among cheaper only).
+    "step_down (epsilon 1: any cheaper challenger)": dict(policies=("step_down",), step_down_epsilon=1.0),
+    "step_down (epsilon 1, u = v^0.5)": dict(policies=("step_down",), step_down_epsilon=1.0, top_two_u_power=0.5),
+    # The step that decides the saving is across cells: Thompson sampling on which (cell, model) step comes first.
+    "first_step (beta 0.5, sqrt cost axis)": dict(policies=("first_step",)),
+    "first_step (beta 0.25, sqrt cost axis)": dict(policies=("first_step",), beta_tt=0.25),
 }
 #: Issue 26's online targets as the choice rule reads them on validation (:func:`choose`).
 TARGETS = {
@@ -177,6 +216,10 @@ def _run(cand: dict, passes: float, seeds: int) -> dict:
     cand = dict(cand)
     if "router_prior_strength" in cand:
         cand["kmeans"] = dataclasses.replace(cand["kmeans"], prior_strength=cand.pop("router_prior_strength"))
+    if "router_model_prior_strength" in cand:
+        cand["kmeans"] = dataclasses.replace(cand["kmeans"], model_prior_strength=cand.pop("router_model_prior_strength"))
+    if "router_prior" in cand:
+        cand["kmeans"] = dataclasses.replace(cand["kmeans"], prior=cand.pop("router_prior"))
     t0 = time.time()
     cfg = OnlineConfig(passes=passes, **cand)
     refs = (metrics.zero_router_report(vset.accuracy, vset.cost).auc, metrics.oracle_report(vset.accuracy, vset.cost).auc)
@@ -224,6 +267,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="candidates run in parallel (processes)")
     ap.add_argument("--candidates", type=str, default=None,
                     help="stage targets: comma-separated indices into TARGET_CANDIDATES (default: all)")
+    ap.add_argument("--tag", type=str, default="", help="appended to the JSON's name (a batch of candidates)")
     args = ap.parse_args()
     rows: list[dict] = []
     if args.stage == "kmeans":
@@ -274,7 +318,7 @@ def main() -> None:
         print("chosen:", extra["chosen"], "(meets every target)" if extra["chosen_meets_every_target"] else
               "(no candidate meets every target: the highest capture share among those meeting the rest)")
     suffix = "" if args.passes == 1 else f"_{args.passes:g}x"
-    out = Path(__file__).resolve().parents[1] / "docs" / "results" / f"online_settings_{args.stage}{suffix}.json"
+    out = Path(__file__).resolve().parents[1] / "docs" / "results" / f"online_settings_{args.stage}{suffix}{args.tag and '_' + args.tag}.json"
     write_atomic(out, json.dumps({"seeds": args.seeds, "passes": args.passes, "rows": rows, **extra}, indent=1).encode())
     print(f"wrote {out}")
 

@@ -8,7 +8,7 @@ import pytest
 
 from sdk.errors import InvalidInputError
 from trainer import metrics
-from trainer.online import OnlineConfig, Stream, ScoringSet, _Scorer, run_online, run_online_seed
+from trainer.online import POLICIES, OnlineConfig, Stream, ScoringSet, _Scorer, run_online, run_online_seed
 from trainer.routers.kmeans_router import KMeansRouterConfig
 
 
@@ -43,8 +43,9 @@ def _config(**kw):
 
 def test_the_loop_never_reads_an_unchosen_outcome(data):
     stream, test, refs = data
-    cfg = _config(passes=1.5)
+    cfg = _config(passes=1.5, policies=POLICIES)
     runs = run_online_seed(stream, test, cfg, 3, refs)
+    assert set(runs) == set(POLICIES)
     for policy, run in runs.items():
         q, m = run.chosen.T
         seen = np.zeros_like(stream.accuracy, dtype=bool)
@@ -97,7 +98,8 @@ def test_per_cell_scorer_equals_the_per_query_curve(data):
 
 
 @pytest.mark.parametrize("field, value", [("policies", ("greedy",)), ("passes", 0.5), ("round_labels", 0),
-                                          ("thompson_axis_power", 1.5), ("top_two_axis_power", -0.1)])
+                                          ("thompson_axis_power", 1.5), ("top_two_axis_power", -0.1),
+                                          ("step_down_epsilon", -0.01)])
 def test_config_refuses_bad_values(field, value):
     with pytest.raises(InvalidInputError, match=field):
         OnlineConfig(**{field: value})

@@ -13,7 +13,9 @@ once more (the stream is over; a final statistics round), and that router gives 
 
 Policies: ``fixed`` (the paper's logging: client i logs ``m ~ pi_i``, ``pi_i ~ Dir(0.5)``),
 ``uniform``, ``thompson`` (frontier Thompson sampling of METRICS.md), ``top_two`` (top-two
-Thompson sampling on the frontier, :func:`sdk.exploration.top_two_choice`). Before the first merge,
+Thompson sampling on the frontier, :func:`sdk.exploration.top_two_choice`), ``step_down`` (top-two
+with a cheaper challenger, :func:`sdk.exploration.step_down_choice`), ``first_step`` (top-two with the
+sampled first step down as challenger, :func:`sdk.exploration.first_step_choice`). Before the first merge,
 and for a model with no estimate yet, an exploring policy logs uniformly among the models without
 an estimate (each model tried before its posterior is used).
 
@@ -40,7 +42,7 @@ import numpy as np
 
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import InvalidInputError
-from sdk.exploration import beta_posterior, frontier_choice, top_two_choice
+from sdk.exploration import beta_posterior, first_step_choice, frontier_choice, step_down_choice, top_two_choice
 from sdk.utility import _decide_unchecked
 from sdk.voronoi import nearest_cell
 from trainer import metrics
@@ -49,9 +51,9 @@ from trainer.federated.partition import dirichlet_partition
 from trainer.routers.kmeans_router import KMeansRouterConfig, federated_centroids
 from trainer.routers.shrinkage import shrunk_means
 
-POLICIES = ("fixed", "uniform", "thompson", "top_two")
+POLICIES = ("fixed", "uniform", "thompson", "top_two", "step_down", "first_step")
 #: Stable key of each policy's own generator (``default_rng([seed, key])``).
-_POLICY_KEY = {"fixed": 1, "uniform": 2, "thompson": 3, "top_two": 4}
+_POLICY_KEY = {"fixed": 1, "uniform": 2, "thompson": 3, "top_two": 4, "step_down": 5, "first_step": 6}
 
 
 def _default_kmeans() -> KMeansRouterConfig:
@@ -68,7 +70,10 @@ class OnlineConfig:
     passes : P >= 1, length of the stream in units of the train split (extra queries drawn with replacement).
     n_clients, alpha, preference_concentration, participation : as :class:`trainer.simulation.SimulationConfig`.
     kmeans : the K-means router (K, shrinkage) scored and used as the posterior.
-    beta_tt : leader probability of ``top_two``.
+    beta_tt : leader probability of ``top_two``, ``step_down`` and ``first_step`` (whose positions ``u`` and cost axis
+        are ``top_two``'s too).
+    step_down_epsilon, step_down_cheapest, step_down_fallback : ``step_down``'s tolerance in accuracy, challenger
+        and fallback (:func:`sdk.exploration.step_down_choice`'s ``epsilon``, ``cheapest``, ``fallback``).
     thompson_u_power, top_two_u_power : each exploring policy draws its cost-axis position as
         ``u = v ** power``, ``v ~ U[0, 1]`` (1: uniform, the AUC's measure and METRICS.md's ``thompson``;
         > 1 favours cheap models, < 1 expensive ones).
@@ -80,7 +85,7 @@ class OnlineConfig:
     Raises InvalidInputError for an unknown policy or a value out of range.
     """
 
-    policies: tuple[str, ...] = POLICIES
+    policies: tuple[str, ...] = POLICIES[:4]  # step_down, first_step: candidates not chosen on validation
     round_labels: int = 250
     passes: float = 1.0
     n_clients: int = 10
@@ -95,6 +100,9 @@ class OnlineConfig:
     top_two_axis_power: float = 0.5  # top_two's settings: chosen on validation (benchmarks/online_settings.py --stage targets)
     explore_prior_strength: float | None = None
     thompson_top_share: float = 0.0
+    step_down_epsilon: float = 0.02
+    step_down_cheapest: bool = False
+    step_down_fallback: bool = False
 
     def __post_init__(self) -> None:
         check_sequence(self, "policies")
@@ -109,6 +117,7 @@ class OnlineConfig:
         check_real(self, "participation", 0, 1, low_open=True)
         check_real(self, "beta_tt", 0, 1)
         check_real(self, "thompson_top_share", 0, 1)
+        check_real(self, "step_down_epsilon", 0, 1)
         check_real(self, "thompson_u_power", 0, low_open=True)
         check_real(self, "top_two_u_power", 0, low_open=True)
         check_real(self, "thompson_axis_power", 0, 1)
@@ -264,9 +273,18 @@ def _choose(policy: str, queries: np.ndarray, client: np.ndarray, cells: np.ndar
         if policy == "thompson":
             out[q] = frontier_choice(a[q], b[q], c[q], u[q] ** config.thompson_u_power, np.arange(q.shape[0]), rng,
                                      axis_power=config.thompson_axis_power, top_share=config.thompson_top_share)
-        else:
+        elif policy == "top_two":
             out[q] = top_two_choice(a[q], b[q], c[q], u[q] ** config.top_two_u_power, np.arange(q.shape[0]), rng,
                                     beta_tt=config.beta_tt, axis_power=config.top_two_axis_power)
+        elif policy == "first_step":
+            out[q] = first_step_choice(alpha, beta, cost, u[q] ** config.top_two_u_power, k[q], rng,
+                                       beta_tt=config.beta_tt, axis_power=config.top_two_axis_power,
+                                       available=avail[q])
+        else:
+            out[q] = step_down_choice(a[q], b[q], c[q], u[q] ** config.top_two_u_power, np.arange(q.shape[0]), rng,
+                                      beta_tt=config.beta_tt, epsilon=config.step_down_epsilon,
+                                      axis_power=config.top_two_axis_power, cheapest=config.step_down_cheapest,
+                                      fallback=config.step_down_fallback)
     return out.astype(np.int64)
 
 
