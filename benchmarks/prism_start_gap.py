@@ -31,12 +31,13 @@ the other clients' counts (cross-fitting: its own labels never build its feature
 weight. Chosen on validation, then scored once on every test pair (per-seed test rows, paired SE over pairs).
 
 ``PYTHONPATH=. HF_HUB_OFFLINE=1 python benchmarks/prism_start_gap.py --part gap --out docs/results`` writes
-``DIR/prism_start_gap_<part>.{json,md}``. Needs the prompt embeddings only (no segment cache); minutes on CPU.
+``DIR/prism_start_gap_<part>.{json,md}`` (and, for ``gap``, a PNG of each row's gain over structure_only). Needs the prompt embeddings only (no segment cache); minutes on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
@@ -353,6 +354,29 @@ def markdown(out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(out: dict, path: Path) -> None:
+    """``--part gap``: each start's gain over structure_only on validation, ± paired SE (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trainer.report import save_figure
+
+    rows = out["rows"]
+    names = list(rows)[::-1]
+    gain = [rows[k]["vs_structure_only"]["gain"] for k in names]
+    se = [rows[k]["vs_structure_only"]["se"] for k in names]
+    fig, ax = plt.subplots(figsize=(9, 0.38 * len(names) + 1.2))
+    ax.barh(range(len(names)), gain, xerr=se, color=["tab:orange" if "oracle" in k else "tab:blue" for k in names])
+    ax.set_yticks(range(len(names)), [k if len(k) < 60 else k[:57] + "..." for k in names], fontsize=7)
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_xlabel("validation accuracy minus structure_only (paired SE; orange: reads the domain label)")
+    ax.set_title(f"FedPrism's start vs the structure baseline ({out['n_val']} validation pairs, seeds {out['seeds']})",
+                 fontsize=9)
+    save_figure(fig, path)
+
+
 def main(argv=None) -> None:
     import torch
 
@@ -362,11 +386,18 @@ def main(argv=None) -> None:
     ap.add_argument("--data", type=Path, default=Path("../shared/data"))
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     ap.add_argument("--part", choices=("gap", "quick_size", "prior"), required=True)
+    ap.add_argument("--plot-only", action="store_true", help="--part gap: redraw the PNG from the saved JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    stem = args.out / f"prism_start_gap_{args.part}"
+    if args.plot_only:
+        plot(json.loads(stem.with_suffix(".json").read_text()), stem.with_suffix(".png"))
+        return
     out = {"gap": part_gap, "quick_size": part_quick_size, "prior": part_prior}[args.part](args.data)
-    write_json(args.out / f"prism_start_gap_{args.part}.json", out)
-    write_text(args.out / f"prism_start_gap_{args.part}.md", markdown(out))
+    write_json(stem.with_suffix(".json"), out)
+    write_text(stem.with_suffix(".md"), markdown(out))
+    if args.part == "gap":
+        plot(out, stem.with_suffix(".png"))
     print(markdown(out))
 
 
