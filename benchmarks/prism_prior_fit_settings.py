@@ -22,8 +22,9 @@ selector training and the K-means-initialised router of each seed (what round 1 
 
 Rule: the start with the highest mean validation accuracy over the seeds (ties to the earlier entry of
 :data:`STARTS`). The test pairs are never read. Every pair of the split (the ``cpu`` preset: 10,939 train /
-4,293 validation pairs) or the quick preset's 600 training pairs (``--preset quick``, scored on the full
-validation split, which that preset never trains on).
+4,293 validation pairs) or the quick preset's training pairs (``--preset quick``, scored on the full
+validation split, which that preset never trains on; 2,400 now, 600 when ``prism_prior_fit_settings_quick`` was
+written).
 
 ``PYTHONPATH=. HF_HUB_OFFLINE=1 python benchmarks/prism_prior_fit_settings.py --data ../shared/data --out docs/results``
 writes ``prism_prior_fit_settings_<preset>.{json,md}``. Needs the prompt embeddings only (no segment cache).

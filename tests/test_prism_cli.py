@@ -13,22 +13,23 @@ from typer.testing import CliRunner
 from trainer.data.preferences import DOMAINS
 from trainer.experts.experiment import ALL_METHODS
 
-# Learning, on the quick run's 2,500 test pairs (mean over 3 seeds; measured 2026-12-07 with M = 6 experts whose
-# feature path starts from the exact federated fit per routed expert and a router distilled onto the public
-# centroids, docs/results/prism_quick_issue29_pooled/): FedPrism 0.788 +- 0.006 (per seed 0.792 / 0.782 / 0.791),
-# FedBis 0.765 +- 0.002, random routing 0.762 +- 0.002 (its experts start from the same exact fits, on a random
-# assignment), length-only 0.788, structure features 0.800, chance 0.5 (A side randomised). FedPrism must beat
+# Learning, on the quick run's 4,376 test pairs (every test pair; 2,400 training pairs; mean over 3 seeds; measured
+# 2026-12-07, docs/results/prism_quick_issue29_full_test/): FedPrism 0.792 +- 0.002 (per seed 0.793 / 0.790 / 0.792),
+# FedBis 0.758 +- 0.000, random routing 0.762 +- 0.003 (its experts start from the same exact fits, on a random
+# assignment), length-only 0.789, structure features 0.804, chance 0.5 (A side randomised). FedPrism must beat
 # FedBis and random routing by these margins (the issue's rule: by more than 1 std) and be far above chance.
-MARGIN_OVER_FEDBIS = 0.01
-MARGIN_OVER_RANDOM_ROUTING = 0.015
+MARGIN_OVER_FEDBIS = 0.02
+MARGIN_OVER_RANDOM_ROUTING = 0.02
 MIN_ACCURACY = 0.75
 # NOT met on the quick preset: beating the centralised per-domain length-only regression by 0.01 (measured
-# +0.000 +- 0.005 paired; 600 training pairs are too few for label-free 11-weight expert fits, docs/prism.md)
-MAX_GAP_BELOW_LENGTH_ONLY = 0.01
-# the quick test split resolves about a 0.01 difference: paired SE of FedPrism vs length-only 0.0053 measured
-MAX_PAIRED_SE = 0.007
+# +0.003 +- 0.004 paired; the label-free start loses on the 4 % of pairs routed to another domain's expert,
+# docs/prism.md); it must not fall below it by more than this
+MAX_GAP_BELOW_LENGTH_ONLY = 0.005
+# the issue's target: the quick test split resolves a 0.01 difference (paired SE of FedPrism vs length-only 0.0041)
+MAX_PAIRED_SE = 0.005
+N_TEST_PAIRS = 4376  # every pair of the test split
 # the methods the quick test runs (the ablations and FedBiscuit, which scores every test pair with all 6 experts,
-# would triple its CPU time on 2,500 test pairs)
+# would triple its CPU time on 4,376 test pairs)
 METHODS = ("fedprism", "fedbis", "random_routing", "length_only", "length_only_global", "structure_only")
 
 
@@ -59,10 +60,10 @@ def test_prism_train_quick_writes_results_and_learns(shared_data: Path, tmp_path
     assert fed >= r["methods"]["fedbis"]["acc_mean"] + MARGIN_OVER_FEDBIS
     assert fed >= r["methods"]["random_routing"]["acc_mean"] + MARGIN_OVER_RANDOM_ROUTING
     assert fed >= r["methods"]["length_only"]["acc_mean"] - MAX_GAP_BELOW_LENGTH_ONLY
-    # the structure-feature baseline (deterministic fit) is above length-only on these pairs (+0.012 measured)
+    # the structure-feature baseline (deterministic fit) is above length-only on these pairs (+0.015 measured)
     assert r["methods"]["structure_only"]["acc_mean"] > r["methods"]["length_only"]["acc_mean"]
     assert r["paired_vs_length_only"]["fedprism"]["se"] <= MAX_PAIRED_SE
-    assert r["paired_vs_length_only"]["fedprism"]["n_pairs"] == r["data"]["n_test"] == 2500
+    assert r["paired_vs_length_only"]["fedprism"]["n_pairs"] == r["data"]["n_test"] == N_TEST_PAIRS
 
     # the saved seed-0 experts and router load back and score as in training
     from safetensors.numpy import load_file

@@ -64,8 +64,10 @@ _START = {"length_init": "pooled", "length_pool_C": 1.0, "router_init_rounds": 3
 
 PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
     # quick: the CPU preset's M and head (not tuned separately); 2 rounds = 1 warm-up + 1 PGPD round; no validation
-    # pairs (nothing is tuned on it); 2,500 test pairs so that a 0.01 difference is resolvable (paired SE <= 0.005)
-    "quick": (DataPreset(n_train=600, n_val=0, n_test=2500, n_public=120),
+    # pairs (nothing is tuned on it); every test pair (4,376) so that a 0.01 difference is resolvable (paired SE
+    # <= 0.005); 2,400 training pairs: the fewest of 600 / 1,200 / 2,400 / 4,800 whose start is not below
+    # length-only on the validation pairs in any domain (benchmarks/prism_start_gap.py --part quick_size)
+    "quick": (DataPreset(n_train=2400, n_val=0, n_test=None, n_public=300),
               FedPrismConfig(n_experts=6, rounds=2, warmup_rounds=1, router_every=1, clients_per_round=2,
                              local_pairs=24, batch_size=12, router_epochs=3, eval_every=2, length_lr_scale=0.0,
                              expert_lr=1e-2, **_STRUCTURE, **_START)),
