@@ -567,7 +567,7 @@ class RoutedChat:
         with self._feedback_lock:
             row = self._pending.take(response_id, record)
         if row is None:
-            raise UnknownResponseError(f"no routed call awaits a score under id {response_id!r} (unknown, "
+            raise UnknownResponseError(f"no routed call awaits a score under id {response_id!r:.80} (unknown, "
                                        "already scored, expired, a pass-through or an answer without usage)")
         return row
 
