@@ -28,7 +28,6 @@ import numpy.typing as npt
 
 from sdk.arrays import real_array
 from sdk.errors import InvalidInputError, ShapeError, UnknownModelError
-from sdk.eval_log import MAX_COST_PER_QUERY_USD
 from sdk.real_numbers import finite_float, shown
 from sdk.router import Router, check_query
 from sdk.spend_curve import Mix, SpendCurve, row_steps
@@ -271,14 +270,13 @@ class BudgetController:
     # -- feedback -----------------------------------------------------------------------------
 
     def record(self, model: str, cost_usd: float) -> None:
-        """Report the realised cost (USD, in [0, 1000] as EvalLog, else :class:`InvalidInputError`) of one query
-        answered by ``model`` (one of ``router.model_ids``, else :class:`UnknownModelError`)."""
+        """Report the realised cost (USD, finite >= 0, else :class:`InvalidInputError`) of one query answered
+        by ``model`` (one of ``router.model_ids``, else :class:`UnknownModelError`)."""
         if model not in self._model_ids:
             raise UnknownModelError(f"unknown model {model!r}; the router's models are {list(self._model_ids)}")
         cost = finite_float(cost_usd)
-        if cost is None or not 0 <= cost <= MAX_COST_PER_QUERY_USD:
-            raise InvalidInputError(f"cost_usd must be a finite number in [0, {MAX_COST_PER_QUERY_USD:g}] "
-                                    f"(USD per query, as EvalLog), got {shown(cost_usd)}")
+        if cost is None or cost < 0:
+            raise InvalidInputError(f"cost_usd must be a finite number >= 0 (USD), got {shown(cost_usd)}")
         events: list[BudgetEvent] = []
         with self._lock:
             self._realised.append(cost)

@@ -75,7 +75,7 @@ def test_bad_records_are_refused(router):
     controller = BudgetController(router, 1.0)
     with pytest.raises(UnknownModelError, match="no-such-model"):
         controller.record("no-such-model", 0.001)
-    for cost in (-0.001, float("nan"), float("inf"), "0.001", None, True, 1e9):   # 1e9: a unit mistake, as EvalLog
+    for cost in (-0.001, float("nan"), float("inf"), "0.001", None, True):
         with pytest.raises(InvalidInputError, match="cost_usd"):
             controller.record(router.model_ids[0], cost)
     assert controller.n_recorded == 0 and controller.realised_usd_per_1k is None  # nothing half-recorded
