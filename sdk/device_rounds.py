@@ -6,7 +6,8 @@ returns. Both handlers first screen the log (:func:`screen_log`, :mod:`sdk.log_c
 
 - :class:`KMeansRoundHandler` (paper 002, federated K-means): :mod:`sdk.local_update`'s statistics and
   local centroids, small changes since the last sent update held back; rows whose embedding is not of
-  unit norm (logged by older SDKs; the server refuses means of them) are left out with a warning.
+  unit norm (logged by older SDKs; the server refuses means of them) or absent (a cell only) are left out with
+  a warning.
 - :class:`MlpRoundHandler` (paper 002, federated MLP): fetches the round's parameters, checks their
   hash and hands them to the app's local trainer (torch lives in ``trainer``).
 """
@@ -98,17 +99,20 @@ def _take(evaluations: Evaluations, rows: npt.NDArray[np.intp]) -> Evaluations:
 
 def _without_off_norm_embeddings(evaluations: Evaluations) -> tuple[Evaluations, tuple[str, ...]]:
     """The rows whose embedding is absent or of unit norm (within ``UNIT_NORM_TOLERANCE``), and a
-    warning for the others (the server refuses cell means of norm above 1)."""
+    warning for the others (the server refuses cell means of norm above 1) and for the absent ones
+    (rows logged with a cell only: the upload places each query by its embedding, so they stay out)."""
     emb = evaluations.embedding.astype(np.float64)
-    norm = np.sqrt(np.einsum("ij,ij->i", emb, emb)) if emb.shape[1] else np.zeros(len(evaluations))
-    bad = np.isfinite(norm) & (np.abs(norm - 1.0) > UNIT_NORM_TOLERANCE)
-    if not bad.any():
-        return evaluations, ()
-    message = (f"{int(bad.sum())} rows of the log have an embedding whose norm is not 1 (e.g. row "
-               f"{int(evaluations.id[bad][0])}: {float(norm[bad][0]):.6g}; logged before EvalLog.record refused "
-               "them): left out of this upload (the server refuses means of them); they stay in the log")
-    warn((message,), "upload")
-    return _take(evaluations, np.flatnonzero(~bad)), (message,)
+    norm = np.sqrt(np.einsum("ij,ij->i", emb, emb)) if emb.shape[1] else np.full(len(evaluations), np.nan)
+    bad, absent = np.isfinite(norm) & (np.abs(norm - 1.0) > UNIT_NORM_TOLERANCE), int((~np.isfinite(norm)).sum())
+    messages: tuple[str, ...] = (f"{absent} rows of the log have no embedding (logged with a cell only): left out of "
+                                 "this upload (K-means uploads place each query by its embedding); they stay in the log",
+                                 ) if absent else ()
+    if bad.any():
+        messages += (f"{int(bad.sum())} rows of the log have an embedding whose norm is not 1 (e.g. row "
+                     f"{int(evaluations.id[bad][0])}: {float(norm[bad][0]):.6g}; logged before EvalLog.record refused "
+                     "them): left out of this upload (the server refuses means of them); they stay in the log",)
+    warn(messages, "upload")
+    return (_take(evaluations, np.flatnonzero(~bad)) if bad.any() else evaluations), messages
 
 
 class DeviceRoundHandler(Protocol):

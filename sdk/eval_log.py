@@ -205,9 +205,8 @@ class EvalLog:
         path, conn = self._path, None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            if not path.exists():
-                # Pre-create owner-only; SQLite gives its -wal/-shm files the same permissions.
-                os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+            # Pre-create owner-only (SQLite gives its -wal/-shm files the same permissions); a folder fails here.
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
             conn = sqlite3.connect(str(path), timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
             self._init_connection(conn)
             return conn

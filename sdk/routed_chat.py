@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NoReturn, cast
+from urllib.parse import urlsplit
 
 import numpy as np
 import openai
@@ -593,7 +594,7 @@ class RoutedChat:
         with self._feedback_lock:
             row = self._pending.take(response_id, record)
         if row is None:
-            raise UnknownResponseError(f"no routed call awaits a score under id {response_id!r} (unknown, "
+            raise UnknownResponseError(f"no routed call awaits a score under id {response_id!r:.80} (unknown, "
                                        "already scored, expired, a pass-through or an answer without usage)")
         return row
 
@@ -805,8 +806,11 @@ def _clients_for(model: str, spec: object) -> _UpstreamClients:
                                 f"an openai.AsyncOpenAI, got {type(spec).__name__}")
     timeout = finite_float(spec.timeout_s)
     sync, async_ = spec.client, spec.async_client
-    if timeout is None or timeout <= 0 or (spec.base_url is None and sync is None and async_ is None):
-        raise InvalidInputError(f"the upstream of {model!r} needs timeout_s a number > 0 and a base_url or a client, "
+    url = urlsplit(str(spec.base_url or "http://client"))
+    if timeout is None or timeout <= 0 or (spec.base_url is None and sync is None and async_ is None) \
+            or url.scheme not in ("http", "https") or not url.netloc:
+        raise InvalidInputError(f"the upstream of {model!r} needs timeout_s a number > 0 and a base_url "
+                                "(http(s)://host/...) or a client, "
                                 f"got timeout_s={spec.timeout_s!r}, base_url={spec.base_url!r}")
     if spec.base_url is not None:
         try:

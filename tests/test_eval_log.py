@@ -382,6 +382,12 @@ def test_non_sqlite_file_raises_eval_log_error_naming_path(tmp_path):
     assert path.read_bytes() == original  # left untouched
 
 
+def test_a_folder_given_as_the_log_is_named_as_a_folder(tmp_path):
+    (tmp_path / "logs").mkdir()
+    with pytest.raises(EvalLogError, match=r"logs'.*Is a directory"):  # not SQLite's "unable to open database file"
+        EvalLog(tmp_path / "logs", MODELS)
+
+
 def test_newer_schema_version_raises_eval_log_error(tmp_path):
     path = tmp_path / "future.sqlite"
     with EvalLog(path, MODELS) as log:

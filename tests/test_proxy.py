@@ -470,6 +470,8 @@ def test_feedback_the_log_cannot_record_is_an_openai_style_500_and_the_answer_ke
         assert "model-of-an-older-bundle" in r.json()["error"]["message"]
         # a bad id or body is not blamed on the score
         assert http.post("/v1/fedroute/feedback", json={"score": 1.0}).json()["error"]["param"] == "id"
+        r = http.post("/v1/fedroute/feedback", json={"id": "x" * 100_000, "score": 1.0})  # not echoed in full
+        assert r.status_code == 404 and r.json()["error"]["param"] == "id" and len(r.content) < 1000
         r = http.post("/v1/fedroute/feedback", content=b"[1]")
         assert r.status_code == 400 and r.json()["error"]["param"] is None
         log.close()

@@ -328,6 +328,9 @@ def test_unknown_upstreams_and_other_bad_construction(router, stub, tmp_path):
             RoutedChat(router, lam=lam, upstreams={"claude-v1": up}, prices={"claude-v1": TokenPrice(1, 1)})
     with pytest.raises(InvalidInputError, match="must be a base URL"):
         RoutedChat(router, lam=1.0, upstreams={"claude-v1": 42}, prices={"claude-v1": TokenPrice(1, 1)})
+    for url in ("api.openai.com/v1", "not a url", "ftp://host/v1", "https://"):   # a typo fails here, not as "connection"
+        with pytest.raises(InvalidInputError, match="base_url"):
+            RoutedChat(router, lam=1.0, upstreams={"claude-v1": url}, prices={"claude-v1": TokenPrice(1, 1)})
     with pytest.raises(InvalidInputError, match="passthrough key"):
         RoutedChat(router, lam=1.0, upstreams={"claude-v1": up}, passthrough={"claude-v2": up},
                    prices={"claude-v1": TokenPrice(1, 1), "claude-v2": TokenPrice(1, 1)})

@@ -533,6 +533,9 @@ def test_nothing_to_report_is_not_uploaded_but_the_bundle_is_updated(device, bun
     assert result.round_id == 3 and not result.uploaded and result.skipped.startswith("nothing to report")
     assert server.posts() == []
     assert result.bundle_updated and result.bundle_version == 2
+    absent = [w for w in result.warnings if "no embedding" in w or "norm is not 1" in w]  # not "norm 0" for none
+    assert [w.split(" (")[0] for w in absent] == (["1 rows of the log have no embedding"] if rows == "cells_only"
+                                                  else [])
 
 
 def test_a_refused_upload_still_updates_the_bundle_then_raises(device, bundles, device_bundle, tmp_path):
@@ -640,10 +643,12 @@ def test_rows_logged_with_longer_embeddings_are_left_out_of_the_upload_and_kept(
             db.execute("UPDATE evaluations SET embedding = ? WHERE id = ?",
                        ((2 * np.frombuffer(blob, "<f4")).astype("<f4").tobytes(), row_id))
     log = EvalLog(tmp_path / "log.sqlite", MODELS)
+    log.record("cheap", 1.0, 0.001, cell=0)  # a cell only: left out too, and said so (it was silent)
     server = FakeServer(kmeans_round(min_count=1))
     client, _ = device(server, log=log)
     result = client.run_once()
-    assert result.uploaded and result.log_size == 10 and len(log) == 12
+    assert result.uploaded and result.log_size == 10 and len(log) == 13
+    assert result.warnings[-2].startswith("1 rows of the log have no embedding (logged with a cell only)")
     assert result.warnings[-1:] == ("2 rows of the log have an embedding whose norm is not 1 (e.g. row 1: 2; logged "
                                "before EvalLog.record refused them): left out of this upload (the server refuses "
                                "means of them); they stay in the log",)
