@@ -268,7 +268,9 @@ def first_step_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLik
     p = np.flatnonzero(rng.random(a.shape[0]) >= beta_tt)
     tab_c = np.broadcast_to(np.asarray(cost, dtype=np.float64), alpha.shape)
     tab_known = np.isfinite(alpha) & np.isfinite(beta) & np.isfinite(tab_c)
-    theta = _sample(*(np.broadcast_to(x, (p.shape[0], *alpha.shape)) for x in (alpha, beta, tab_known)), rng)
+    shape = (p.shape[0], *alpha.shape)
+    theta = _sample(np.broadcast_to(alpha, shape), np.broadcast_to(beta, shape),
+                    np.broadcast_to(tab_known, shape), rng)
     top = np.argmax(np.where(tab_known, theta, -np.inf), axis=2)  # (n_p, n_cells)
     th_top = np.take_along_axis(theta, top[..., None], axis=2)
     c_top = tab_c[np.arange(alpha.shape[0])[None, :], top][..., None]
