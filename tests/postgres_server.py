@@ -1,5 +1,6 @@
-"""A throwaway PostgreSQL server for tests: ``initdb`` into a temporary folder, ``pg_ctl start`` on a
-Unix socket only (no TCP), stopped and deleted afterwards.
+"""A throwaway PostgreSQL server for tests: ``initdb`` into a temporary folder (in memory, under
+``/dev/shm``, where the machine has it), ``pg_ctl start`` on a Unix socket only (no TCP), stopped and
+deleted afterwards.
 
 Needs PostgreSQL's ``initdb`` and ``pg_ctl`` on PATH (Debian: ``apt install postgresql``) and the
 ``psycopg`` driver (dev extra). PostgreSQL refuses to run as root, so under root the server runs as
@@ -16,6 +17,10 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+# Each test gets a fresh database (~11 MB written and fsynced, then deleted): on disk, a module of ~60
+# PostgreSQL tests spent ~0.8 s creating each and 80 s deleting the 670 MB at the end (load 15).
+MEMORY_DIR = Path("/dev/shm")
 
 
 @dataclass
@@ -41,7 +46,7 @@ def start() -> tuple[PostgresServer | None, str]:
     except ImportError:
         return None, "the psycopg driver is not installed (pip install 'psycopg[binary]')"
     run_as: list[str] = []
-    directory = Path(tempfile.mkdtemp(prefix="fedroute-pg-"))
+    directory = Path(tempfile.mkdtemp(prefix="fedroute-pg-", dir=MEMORY_DIR if MEMORY_DIR.is_dir() else None))
     if os.geteuid() == 0:
         try:
             user = pwd.getpwnam("postgres")

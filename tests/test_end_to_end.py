@@ -16,6 +16,9 @@ from trainer.routers.mlp_router import MLPRouter, MLPRouterConfig
 from trainer.simulation import SimulationConfig
 
 pytestmark = pytest.mark.slow
+# The module's runs embed with the 64-token encoder (the bundles' setting): 700 real prompts at the default
+# 256 tokens cost ~60 s CPU, most of the module's time.
+EMBEDDER = EmbedderConfig(max_tokens=64)
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +31,11 @@ def small_tables(routerbench_dir):
 
 @pytest.fixture(scope="module")
 def cache_dir(small_tables, tmp_path_factory):
-    """An embedding cache that holds the small tables' prompts (MiniLM as the CLI's defaults read
-    them): the module's runs embed no prompt twice."""
+    """An embedding cache that holds the small tables' prompts (:data:`EMBEDDER`): the module's runs embed
+    no prompt twice."""
     cache = tmp_path_factory.mktemp("e2e-cache")
     train, test = small_tables
-    embed_texts(list(train.prompts) + list(test.prompts), EmbedderConfig(), cache, show_progress=False)
+    embed_texts(list(train.prompts) + list(test.prompts), EMBEDDER, cache, show_progress=False)
     return cache
 
 
@@ -41,7 +44,7 @@ def run(small_tables, cache_dir, tmp_path_factory):
     train, test = small_tables
     out = tmp_path_factory.mktemp("results")
     config = SimulationConfig(n_clients=5, mlp=MLPRouterConfig(hidden=128, rounds=120, patience=30, epochs=40))
-    summary = run_simulation(train, test, out, config, seeds=[0, 1], embedder=EmbedderConfig(), cache_dir=cache_dir)
+    summary = run_simulation(train, test, out, config, seeds=[0, 1], embedder=EMBEDDER, cache_dir=cache_dir)
     return out, summary
 
 
@@ -71,7 +74,7 @@ def test_federated_beats_local(run, kind):
 def test_saved_federated_routers_reload_with_identical_predictions(run, small_tables, cache_dir):
     out, _ = run
     _, test = small_tables
-    emb = embed_texts(list(test.prompts), cache_dir=cache_dir, show_progress=False)
+    emb = embed_texts(list(test.prompts), EMBEDDER, cache_dir, show_progress=False)
     for cls, kind in ((KMeansRouter, "kmeans"), (MLPRouter, "mlp")):
         router = cls.load(out / "routers" / kind)
         meta = json.loads((out / "routers" / kind / "router.json").read_text())
@@ -105,7 +108,7 @@ def test_cli_simulate_on_train_and_test_files(small_tables, cache_dir, tmp_path,
     out = tmp_path / "out"
     result = CliRunner().invoke(app, [
         "simulate", "--train", str(tmp_path / "train.csv"), "--test", str(tmp_path / "test.parquet"),
-        "--out", str(out), "--seeds", "1", "--routers", "kmeans", "--n-clients", "4", "--cache-dir", str(cache_dir),
+        "--out", str(out), "--seeds", "1", "--routers", "kmeans", "--n-clients", "4", "--max-tokens", "64", "--cache-dir", str(cache_dir),
     ])
     assert result.exit_code == 0, result.output
     assert "K-means | federated" in result.output

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +27,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+@functools.cache  # read once per setting: the tests below only read it
 def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     """module -> our modules it imports (``from pkg import mod`` resolves to ``pkg.mod`` when that is
     a module; imports under ``if TYPE_CHECKING:`` only when ``type_checking``)."""

@@ -595,6 +595,8 @@ def test_a_dp_reward_model_carries_its_guarantee_through_save_and_load(clients, 
 def test_dp_config_makes_every_client_a_dp_mlp_and_audit_pools_hold_the_members(shared_data):
     """MoRConfig.dp_rm: the clients' reward models are trained with it (all MLP, no length prior);
     with_members(500) grows every pool so that a seed's split has >= 500 train and >= 500 val + test pairs."""
+    from dataclasses import replace
+
     from trainer.rewards.mor_trainer import DP_RM, MoRConfig, MoRTrainer
 
     with pytest.raises(InvalidInputError, match="dp_noise_multiplier"):
@@ -605,7 +607,8 @@ def test_dp_config_makes_every_client_a_dp_mlp_and_audit_pools_hold_the_members(
     trainer = MoRTrainer(cfg, show_progress=False)
     for c in trainer.prepare(0).clients:
         assert len(c.train) >= 500 and len(c.val) + len(c.test) >= 500, c.name
-    dp = MoRTrainer(MoRConfig.quick(data_dir=str(shared_data), client_archs=("mlp", "lora", "mlp"), dp_rm=DP_RM),
+    dp_rm = replace(DP_RM, epochs=2)  # which model is trained, not how well: 2 of DP_RM's 30 epochs
+    dp = MoRTrainer(MoRConfig.quick(data_dir=str(shared_data), client_archs=("mlp", "lora", "mlp"), dp_rm=dp_rm),
                     show_progress=False)
     c = dp.prepare(0).clients[1]  # harmlessness: a LoRA client without DP
     rm, _ = dp.train_reward_model(c, "lora", 0)

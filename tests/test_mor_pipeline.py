@@ -1,7 +1,7 @@
 """MoR end to end on the real shared data: ``fedroute mor eval --quick`` learns (router + RM beats
 random selection and chance, routes most responses to their own client, the held-out category goes
 to the helpfulness client), ``mor train`` saves a mixture that loads to the same rewards, and the
-audit's attack tells a naive reward MLP from a defended one."""
+audit reports per-seed attack AUCs of each setting, (epsilon, delta) for the DP-SGD one only."""
 
 from __future__ import annotations
 
@@ -86,20 +86,40 @@ def test_mor_train_dp_ships_dp_reward_models_and_reports_their_cost(shared_data,
 
 def test_mor_audit_attacks_the_shipped_models_with_per_seed_aucs(shared_data, tmp_path):
     out = tmp_path / "audit"
-    r = CliRunner().invoke(app, ["mor", "audit", "--quick", "--seeds", "2", "--settings", "shipped_dp,naive",
+    r = CliRunner().invoke(app, ["mor", "audit", "--quick", "--seeds", "2", "--settings", "shipped",
                                  "--out", str(out), "--data", str(shared_data)])
     assert r.exit_code == 0, r.output
     res = json.loads((out / "audit.json").read_text())
-    assert set(res["per_client"]) == {"shipped_dp", "naive"}
-    for setting, clients in res["per_client"].items():
+    assert set(res["per_client"]) == {"shipped"}
+    for clients in res["per_client"].values():
         assert set(clients) == {"helpfulness", "harmlessness", "correctness"}
         for e in clients.values():
             a = e["normalised"]
             assert len(a["auc_per_seed"]) == len(a["auc_se_per_seed"]) == 2
             assert a["auc"] == pytest.approx(np.mean(a["auc_per_seed"]))
             assert a["auc_se"] == pytest.approx(np.sqrt(np.sum(np.square(a["auc_se_per_seed"]))) / 2)
-            assert (e["epsilon"] is not None) == (setting == "shipped_dp")
+            assert e["epsilon"] is None
     assert "± " in (out / "audit.md").read_text()
     r = CliRunner().invoke(app, ["mor", "audit", "--quick", "--settings", "shipped,bogus", "--out", str(tmp_path / "x"),
                                  "--data", str(shared_data)])
     assert r.exit_code != 0 and "--settings" in r.output
+
+
+def test_the_audits_dp_setting_carries_epsilon_and_the_naive_setting_none(shared_data):
+    """The shipped_dp and naive settings train their own configs (here cut to a few epochs: the audit's
+    bookkeeping is asserted, not the attack's AUC) and only the DP-SGD models report (epsilon, delta)."""
+    from dataclasses import replace
+
+    from trainer.rewards.audit import NAIVE, run_audit
+    from trainer.rewards.mor_trainer import DP_RM, MoRConfig, MoRTrainer
+
+    trainer = MoRTrainer(MoRConfig.quick(data_dir=str(shared_data), seeds=1))
+    res = run_audit(trainer, dp=replace(DP_RM, epochs=2), naive=replace(NAIVE, epochs=10), settings=("shipped_dp", "naive"))
+    assert set(res["per_client"]) == {"shipped_dp", "naive"}
+    assert res["settings"]["shipped_dp"]["dp_noise_multiplier"] == 1.0 and res["settings"]["naive"]["epochs"] == 10
+    for setting, clients in res["per_client"].items():
+        assert set(clients) == {"helpfulness", "harmlessness", "correctness"}
+        for e in clients.values():
+            assert len(e["normalised"]["auc_per_seed"]) == 1
+            assert (e["epsilon"] is not None) == (setting == "shipped_dp")
+            assert (e["delta"] is not None) == (setting == "shipped_dp")

@@ -1,7 +1,7 @@
 """End to end over real HTTPS between real processes (issue: federated sync).
 
 The server runs as ``fedroute serve`` on 127.0.0.1 over TLS (a local CA made with trustme); the
-operator uses the real CLI; three devices hold real :class:`sdk.EvalLog` files built from RouterBench
+operator uses the real CLI (in process); three devices hold real :class:`sdk.EvalLog` files built from RouterBench
 rows, embedded by the bundle's own ONNX embedder as ``Router.choose`` does on a device. One device
 syncs in-process through :class:`sdk.SyncClient` with a transport that records every request it
 sends (privacy check), the other two run the ``fedroute-sync`` command. One round closes on quorum,
@@ -31,7 +31,6 @@ from sdk.voronoi import nearest_cell
 
 pytestmark = pytest.mark.slow
 
-CLI = (sys.executable, "-m", "trainer.cli")
 SYNC_CLI = (sys.executable, "-m", "sdk.sync_cli")
 PER_CLIENT = 40
 
@@ -49,8 +48,14 @@ class RecordingTransport(httpx.HTTPTransport):
 
 
 def cli(*args: str) -> str:
-    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    """stdout of ``fedroute ARGS``, run in this process (the operator's commands as processes: the README's
+    operator quick start, tests/test_readme_quickstart.py)."""
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    done = CliRunner().invoke(app, list(args), env={"COLUMNS": "500"})
+    assert done.exit_code == 0, done.output
     return done.stdout
 
 

@@ -26,8 +26,14 @@ SIZES = {"gpu-box": 30, "laptop": 45, "phone": 30}  # unequal: FedAvg weights by
 
 
 def cli(*args: str) -> str:
-    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
+    """stdout of ``fedroute ARGS``, run in this process (the operator's commands as processes: the README's
+    operator quick start, tests/test_readme_quickstart.py)."""
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    done = CliRunner().invoke(app, list(args), env={"COLUMNS": "500"})
+    assert done.exit_code == 0, done.output
     return done.stdout
 
 
