@@ -13,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from trainer.report import save_figure  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
@@ -38,9 +40,8 @@ def main() -> None:
     ax.axvline(0.70, color="g", ls=":", lw=0.8, label="dense labels (0.70)")
     ax.set_xlabel("capture share: pairs (seed, resample) saving >= 20% at gpt-4's accuracy, ± SE", fontsize=8)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
     out = RESULTS / "online_settings_capture.png"
-    fig.savefig(out, dpi=120)
+    save_figure(fig, out, dpi=120)
     print(f"wrote {out}")
 
 

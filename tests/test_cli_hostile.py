@@ -484,12 +484,12 @@ def test_mor_export_refuses_counts_below_one_while_parsing(tmp_path, option):
 
 
 def test_prism_train_refuses_more_experts_than_public_prompts_before_the_data(tmp_path):
-    """--n-experts 121 with --quick (120 public prompts) was refused by the router's K-means start only after
+    """--n-experts 301 with --quick (300 public prompts) was refused by the router's K-means start only after
     the data preparation (minutes on a busy CPU)."""
-    result = CliRunner().invoke(app, ["prism", "train", "--quick", "--n-experts", "121", "--out", str(tmp_path / "run"),
+    result = CliRunner().invoke(app, ["prism", "train", "--quick", "--n-experts", "301", "--out", str(tmp_path / "run"),
                                       "--data", str(tmp_path / "absent")], env={"COLUMNS": "500"})
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
-    assert ("--n-experts 121: the quick preset holds 120 public prompts and the router's K-means start needs at "
+    assert ("--n-experts 301: the quick preset holds 300 public prompts and the router's K-means start needs at "
             "least one per expert") in flat(result.output)
     assert not (tmp_path / "run").exists()
 
