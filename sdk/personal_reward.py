@@ -183,17 +183,8 @@ class PersonalRewardScorer:
     @classmethod
     def load(cls, bundle_dir: str | os.PathLike[str], public_key: fmt.PublicKey, *, intra_op_threads: int = 1,
              inter_op_threads: int = 1, min_bundle_version: int = 1) -> PersonalRewardScorer:
-        """Verify and load the personal-reward bundle at ``bundle_dir`` (``fedroute vpa export``), as
-        :meth:`sdk.Router.load` (:func:`sdk.kinds.load_bundle`; the fp32 embedder).
-
-        Raises
-        ------
-        BundleError
-            Signature or a used file's sha256 does not verify, a file is missing or unloadable, the bundle is not
-            a personal reward, is older than ``min_bundle_version``, or its graphs disagree with the manifest.
-        InvalidInputError
-            A thread count or ``min_bundle_version`` that is not valid.
-        """
+        """Verify and load the personal-reward bundle at ``bundle_dir`` (``fedroute vpa export``); arguments and
+        errors as :meth:`sdk.RewardScorer.load` (BundleError also when the bundle is not a personal reward)."""
         loaded = kinds.load_bundle(bundle_dir, public_key, FAMILY, intra_op_threads=intra_op_threads,
                                    inter_op_threads=inter_op_threads, min_bundle_version=min_bundle_version)
         return cls(loaded.manifest, loaded.runtimes[kinds.EMBEDDER_FAMILY], loaded.runtimes[FAMILY])
