@@ -172,6 +172,8 @@ def shrunk_means(
     # are fitted against them, so adding a model leaves the pool's columns unchanged.
     pool = stats if not priced.any() else CellStatistics(
         stats.count[:, ~priced], stats.sum_accuracy[:, ~priced], stats.sum_cost[:, ~priced])
+    n_pool = pool.count.sum()
+    grand = pool.sum_accuracy.sum() / n_pool if n_pool > 0 else 0.0
     if prior == "model":
         effect, cell = model_acc, np.zeros(stats.n_cells)
     elif prior == "additive":
@@ -180,11 +182,9 @@ def shrunk_means(
             effect = _added_model_effects(stats, priced, effect, cell)
     elif prior == "cell":
         cell = additive_effects(pool)[1]
-        effect = np.full(stats.n_models, pool.sum_accuracy.sum() / pool.count.sum() if pool.count.sum() > 0 else 0.0)
+        effect = np.full(stats.n_models, grand)
     else:
         raise InvalidInputError(f"prior must be 'model', 'additive' or 'cell', got {prior!r}")
-    n_pool = pool.count.sum()
-    grand = pool.sum_accuracy.sum() / n_pool if n_pool > 0 else 0.0
     with np.errstate(invalid="ignore", divide="ignore"):
         effect = (n_m * effect + kappa0 * grand) / (n_m + kappa0)
         if priced.any():  # a priced model never observed: the all-model mean (limit n^m = 0)
