@@ -10,12 +10,6 @@ never chosen; ties go to the cheaper model, then the lower index (:func:`sdk.uti
   proximity): Thompson sampling at the ``lam`` of that segment's slope.
 - ``top_two``: top-two Thompson sampling (Russo 2020, TTTS) on ``frontier``: the leader with probability
   ``beta_tt``, else a resampled challenger.
-- ``step_down``: top-two on ``frontier`` whose challenger is drawn among the leader's cheaper models only
-  (the pair that decides the next step down the cost axis): a best-arm-identification flavour of TTTS
-  (Russo 2020) for the question "is a cheaper model within ``epsilon`` of the leader?".
-- ``first_step``: top-two whose challenger labels go to the pair (cell, top model, cheaper model) that is
-  the first step down from every cell's most accurate model in a posterior sample of all cells' tables
-  (Thompson sampling on which step comes first, the step that decides the saving at the best accuracy).
 - ``uniform``: a model uniformly at random among those with an estimate.
 """
 
@@ -30,7 +24,7 @@ from sdk.utility import _rank_unchecked
 
 Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
-POLICIES = ("thompson", "frontier", "top_two", "step_down", "first_step", "uniform")
+POLICIES = ("thompson", "frontier", "top_two", "uniform")
 #: Floor of the Beta parameters: a mean of exactly 0 or 1 stays samplable (a point mass, in effect).
 _MIN_PARAMETER = 1e-9
 
@@ -126,13 +120,9 @@ def _axis_point(lo: float, hi: float, u: float, power: float) -> float:
     return float((lo**power + u * (hi**power - lo**power)) ** (1.0 / power))
 
 
-def _frontier_end(cost: list[float], theta: list[float], u: float, v: float, axis_power: float, top: bool = False) -> int:
-    """The hull end logged at axis position ``u``; ``v ~ U[0, 1]`` picks the end by proximity. With ``top``,
-    one end of the hull's top segment (the most accurate sample and its hull neighbour), each with
-    probability 1/2, whatever ``u``."""
+def _frontier_end(cost: list[float], theta: list[float], u: float, v: float, axis_power: float) -> int:
+    """The hull end logged at axis position ``u``; ``v ~ U[0, 1]`` picks the end by proximity."""
     h = _upper_hull(cost, theta)
-    if top:
-        return h[-1] if v < 0.5 or len(h) == 1 else h[-2]
     finite = [c for c, t in zip(cost, theta) if c == c and t == t]
     x = _axis_point(min(finite), max(finite), u, axis_power)
     if x <= cost[h[0]]:
@@ -144,32 +134,24 @@ def _frontier_end(cost: list[float], theta: list[float], u: float, v: float, axi
     return h[i + 1] if v < share else h[i]
 
 
-def _frontier_rows(c: Floats, theta: Floats, u: Floats, v: Floats, axis_power: float,
-                   top: npt.NDArray[np.bool_] | None = None) -> Ints:
+def _frontier_rows(c: Floats, theta: Floats, u: Floats, v: Floats, axis_power: float) -> Ints:
     cl, tl, ul, vl = c.tolist(), theta.tolist(), u.tolist(), v.tolist()
-    tops = [False] * len(tl) if top is None else top.tolist()
-    return np.array([_frontier_end(cl[i], tl[i], ul[i], vl[i], axis_power, tops[i]) for i in range(len(tl))],
-                    dtype=np.int64)
+    return np.array([_frontier_end(cl[i], tl[i], ul[i], vl[i], axis_power) for i in range(len(tl))], dtype=np.int64)
 
 
 def frontier_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike, cells: npt.ArrayLike,
-                    rng: np.random.Generator, axis_power: float = 1.0, top_share: float = 0.0) -> Ints:
+                    rng: np.random.Generator, axis_power: float = 1.0) -> Ints:
     """Frontier Thompson sampling (METRICS.md "Online protocol"), (n_queries,) int64.
 
     Arguments as :func:`thompson_choice`; ``u`` (n_queries,) in [0, 1] is each query's position on the
     cost axis from its cheapest to its dearest model with an estimate, on which ``cost ** axis_power``
     is uniform (1: linear, the AUC's axis; 0.5: square root; 0: log), so ``axis_power < 1`` logs cheaper.
-    ``top_share`` in [0, 1]: the share of queries that log an end of the sampled hull's top segment
-    instead (each end with probability 1/2): labels for the first step down from the most accurate
-    model, where the saving at the best model's accuracy is decided. 0 = METRICS.md's policy (and the
-    same draws).
     """
     a, b, c, known = _rows(alpha, beta, cost, cells)
     theta = _sample(a, b, known, rng)
     v: Floats = rng.random((theta.shape[0],))
     pos = np.broadcast_to(np.asarray(u, dtype=np.float64), v.shape)
-    top = rng.random(v.shape) < top_share if top_share > 0 else None
-    return _frontier_rows(np.where(known, c, np.nan), theta, pos, v, axis_power, top)
+    return _frontier_rows(np.where(known, c, np.nan), theta, pos, v, axis_power)
 
 
 def top_two_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike, cells: npt.ArrayLike,
@@ -184,15 +166,7 @@ def top_two_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike, 
     leader = _frontier_rows(c, _sample(a, b, known, rng), pos, rng.random((a.shape[0],)), axis_power)
     out = leader.copy()
     pending = np.flatnonzero(rng.random(a.shape[0]) >= beta_tt)  # these log a challenger
-    _resampled_challengers(a, b, c, known, pos, out, pending, rng, max_resamples, axis_power)
-    return out
-
-
-def _resampled_challengers(a: Floats, b: Floats, c: Floats, known: npt.NDArray[np.bool_], pos: Floats, out: Ints,
-                           pending: Ints, rng: np.random.Generator, max_resamples: int, axis_power: float) -> None:
-    """Top-two's challenger in place: for each row of ``pending``, the first of ``max_resamples`` resampled
-    frontier choices that differs from ``out`` (the leader), else the leader."""
-    leader = out[pending]
+    leader = leader[pending]
     for _ in range(max_resamples):
         if pending.size == 0:
             break
@@ -201,88 +175,6 @@ def _resampled_challengers(a: Floats, b: Floats, c: Floats, known: npt.NDArray[n
         found = other != leader
         out[p[found]] = other[found]
         pending, leader = p[~found], leader[~found]
-
-
-def step_down_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike, cells: npt.ArrayLike,
-                     rng: np.random.Generator, beta_tt: float = 0.5, epsilon: float = 0.02,
-                     axis_power: float = 1.0, cheapest: bool = False, fallback: bool = False,
-                     max_resamples: int = 20) -> Ints:
-    """Top-two sampling with a cheaper challenger, (n_queries,) int64.
-
-    The leader ``L`` is :func:`frontier_choice`'s at ``u``. With probability ``1 - beta_tt`` one more
-    posterior sample ``theta`` is drawn; among the models cheaper than ``L`` the challenger is
-    ``C = argmax theta_j`` (ties: the cheaper), logged if ``theta_C >= theta_L - epsilon``, else ``L``.
-    So ``C`` is logged with probability ``(1 - beta_tt) P(C is the best cheaper model and within epsilon
-    of L)``: labels go to the pair that decides whether the cell steps down from ``L`` (epsilon-best-arm
-    identification between ``L`` and its cheaper rivals, after top-two Thompson sampling, Russo 2020),
-    and to none once the posteriors settle the question (then the policy is greedy at ``u``). Arguments
-    as :func:`top_two_choice`; ``epsilon`` >= 0 in accuracy units. ``cheapest``: the challenger is instead
-    the cheapest model within ``epsilon`` of ``L`` in the sample (the deepest step down that keeps ``L``'s
-    accuracy). ``fallback``: where no cheaper model is within ``epsilon``, :func:`top_two_choice`'s
-    resampled challenger instead of ``L`` (top-two's exploration kept, the step-down pair preferred).
-    """
-    a, b, c, known = _rows(alpha, beta, cost, cells)
-    c = np.where(known, c, np.nan)
-    pos = np.broadcast_to(np.asarray(u, dtype=np.float64), (a.shape[0],))
-    out = _frontier_rows(c, _sample(a, b, known, rng), pos, rng.random((a.shape[0],)), axis_power)
-    p = np.flatnonzero(rng.random(a.shape[0]) >= beta_tt)  # these may log a challenger
-    rows = np.arange(p.shape[0])
-    theta = _sample(a[p], b[p], known[p], rng)
-    lead = out[p]
-    with np.errstate(invalid="ignore"):
-        cheaper = c[p] < c[p, lead][:, None]
-    if cheapest:
-        cheaper &= theta >= theta[rows, lead][:, None] - epsilon
-        rival = _rank_unchecked(np.where(cheaper, -c[p], np.nan), np.where(cheaper, c[p], np.nan))[:, 0]
-    else:
-        rival = _rank_unchecked(np.where(cheaper, theta, np.nan), np.where(cheaper, c[p], np.nan))[:, 0]
-    ok = cheaper.any(axis=1)
-    rival = np.where(ok, rival, lead).astype(np.int64)
-    take = ok & (theta[rows, rival] >= theta[rows, lead] - epsilon)
-    out[p[take]] = rival[take]
-    if fallback:
-        _resampled_challengers(a, b, c, known, pos, out, p[~take], rng, max_resamples, axis_power)
-    return out
-
-
-def first_step_choice(alpha: Floats, beta: Floats, cost: Floats, u: npt.ArrayLike, cells: npt.ArrayLike,
-                      rng: np.random.Generator, beta_tt: float = 0.5, axis_power: float = 1.0,
-                      available: npt.NDArray[np.bool_] | None = None, max_resamples: int = 20) -> Ints:
-    """Top-two sampling whose challenger is the first step down of a sampled table, (n_queries,) int64.
-
-    alpha, beta, cost : (n_cells, n_models) tables (cost (n_models,) broadcasts). The leader is
-    :func:`frontier_choice`'s at ``u``. With probability ``1 - beta_tt`` every cell's table is sampled,
-    ``theta ~ Beta(alpha, beta)``; in it each cell k's most accurate model ``t_k`` and the step
-    ``(k*, j*) = argmin_{k, j: c_kj < c_kt_k} (theta_kt_k - theta_kj) / (c_kt_k - c_kj)``, the cell and
-    model a cell-table router switches to first as ``lam`` grows from 0 (the step that decides the saving at
-    the best model's accuracy). A query of cell ``k*`` logs ``t_k*`` or ``j*`` (1/2 each); any other query
-    (or one whose pick is not ``available``, (n_queries, n_models) bool) logs :func:`top_two_choice`'s
-    resampled challenger. Arguments otherwise as :func:`top_two_choice`.
-    """
-    a, b, c, known = _rows(alpha, beta, cost, cells)
-    if available is not None:
-        known = known & available
-    c = np.where(known, c, np.nan)
-    pos = np.broadcast_to(np.asarray(u, dtype=np.float64), (a.shape[0],))
-    out = _frontier_rows(c, _sample(a, b, known, rng), pos, rng.random((a.shape[0],)), axis_power)
-    p = np.flatnonzero(rng.random(a.shape[0]) >= beta_tt)
-    tab_c = np.broadcast_to(np.asarray(cost, dtype=np.float64), alpha.shape)
-    tab_known = np.isfinite(alpha) & np.isfinite(beta) & np.isfinite(tab_c)
-    shape = (p.shape[0], *alpha.shape)
-    theta = _sample(np.broadcast_to(alpha, shape), np.broadcast_to(beta, shape),
-                    np.broadcast_to(tab_known, shape), rng)
-    top = np.argmax(np.where(tab_known, theta, -np.inf), axis=2)  # (n_p, n_cells)
-    th_top = np.take_along_axis(theta, top[..., None], axis=2)
-    c_top = tab_c[np.arange(alpha.shape[0])[None, :], top][..., None]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        slope = np.where(tab_known & (tab_c < c_top), (th_top - theta) / (c_top - tab_c), np.inf)
-    flat = np.argmin(slope.reshape(p.shape[0], -1), axis=1)
-    k_star, j_star = np.divmod(flat, alpha.shape[1])
-    step = np.isfinite(slope.reshape(p.shape[0], -1)[np.arange(p.shape[0]), flat])
-    pick = np.where(rng.random(p.shape[0]) < 0.5, top[np.arange(p.shape[0]), k_star], j_star)
-    take = step & (np.asarray(cells, dtype=np.int64)[p] == k_star) & known[p, pick]
-    out[p[take]] = pick[take]
-    _resampled_challengers(a, b, c, known, pos, out, p[~take], rng, max_resamples, axis_power)
     return out
 
 
@@ -295,14 +187,12 @@ def uniform_choice(alpha: Floats, beta: Floats, cost: Floats, cells: npt.ArrayLi
 
 def choice_propensities(alpha: Floats, beta: Floats, cost: Floats, lam: float | Floats, cells: npt.ArrayLike,
                         rng: np.random.Generator, n_draws: int = 1000, chosen: npt.ArrayLike | None = None,
-                        policy: str = "thompson", u: npt.ArrayLike | None = None, beta_tt: float = 0.5,
-                        epsilon: float = 0.02) -> Floats:
+                        policy: str = "thompson", u: npt.ArrayLike | None = None, beta_tt: float = 0.5) -> Floats:
     """Each model's probability under ``policy`` per query, (n_queries, n_models) float64, rows summing to 1.
 
     Exact for ``uniform``; else the share of ``n_draws`` runs of the policy (``lam`` for ``thompson``;
-    ``u`` for the frontier ones, None = ``u ~ U[0, 1]`` per run; ``beta_tt`` for the top-two ones,
-    ``epsilon`` for ``step_down``), with the logged ``chosen`` model per
-    query counted as one more run, so its propensity is > 0.
+    ``u`` for the frontier ones, None = ``u ~ U[0, 1]`` per run; ``beta_tt`` for ``top_two``), with the
+    logged ``chosen`` model per query counted as one more run, so its propensity is > 0.
     """
     known = _rows(alpha, beta, cost, cells)[3]
     n, m = known.shape
@@ -316,12 +206,8 @@ def choice_propensities(alpha: Floats, beta: Floats, cost: Floats, lam: float | 
         pos = rng.random(n * n_draws) if u is None else np.tile(np.broadcast_to(np.asarray(u, dtype=np.float64), (n,)), n_draws)
         if policy == "frontier":
             picks = frontier_choice(alpha, beta, cost, pos, repeated, rng)
-        elif policy == "top_two":
-            picks = top_two_choice(alpha, beta, cost, pos, repeated, rng, beta_tt)
-        elif policy == "step_down":
-            picks = step_down_choice(alpha, beta, cost, pos, repeated, rng, beta_tt, epsilon)
         else:
-            picks = first_step_choice(alpha, beta, cost, pos, repeated, rng, beta_tt)
+            picks = top_two_choice(alpha, beta, cost, pos, repeated, rng, beta_tt)
     counts = np.zeros((n, m))
     np.add.at(counts, (np.tile(np.arange(n), n_draws), picks), 1.0)
     if chosen is not None:
@@ -330,5 +216,5 @@ def choice_propensities(alpha: Floats, beta: Floats, cost: Floats, lam: float | 
     return out
 
 
-__all__ = ["POLICIES", "ExplorationPolicy", "beta_posterior", "choice_propensities", "first_step_choice", "frontier_choice",
-           "step_down_choice", "thompson_choice", "top_two_choice", "uniform_choice"]
+__all__ = ["POLICIES", "ExplorationPolicy", "beta_posterior", "choice_propensities", "frontier_choice",
+           "thompson_choice", "top_two_choice", "uniform_choice"]

@@ -127,18 +127,6 @@ def test_additive_effects_undo_the_confounding_of_plain_model_means():
     np.testing.assert_allclose(acc, a_true[None, :] + b_true[:, None], atol=1e-6)
 
 
-def test_the_cell_prior_carries_no_model_gap_into_a_cell():
-    # Cell 0: model 0 9/10, model 1 5/10; cell 1: model 0 4/10, model 1 unseen. All-model mean 18/30 = 0.6;
-    # additive fit: a = (0.8, 0.4) + cell effects (1/6, -1/3) (centred, n_k = 20, 10). Cell prior
-    # P_k = 0.6 + b_k = (23/30, 8/30) for both models; kappa = 10: (9 + 10 * 23/30) / 20 = 5/6, ...
-    stats = CellStatistics(np.array([[10.0, 10.0], [10.0, 0.0]]), np.array([[9.0, 5.0], [4.0, 0.0]]), np.ones((2, 2)))
-    acc, _ = shrunk_means(stats, 10.0, prior="cell")
-    np.testing.assert_allclose(acc, [[5 / 6, (5 + 23 / 3) / 20], [(4 + 8 / 3) / 20, 8 / 30]])
-    # The additive prior puts model 1 at a^1 + b_1 = 0.4 - 1/3 in cell 1, below model 0's prior there.
-    additive, _ = shrunk_means(stats, 10.0, prior="additive")
-    assert additive[1, 1] < acc[1, 1]
-
-
 def test_centroid_table_gives_nearest_cells_answers():
     """The device's cached lookup: the hand-computed cells, ties to the lower index, and the same
     answers as nearest_cell on random float32 queries."""

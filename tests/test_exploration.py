@@ -7,9 +7,7 @@ from sdk.exploration import (
     ExplorationPolicy,
     beta_posterior,
     choice_propensities,
-    first_step_choice,
     frontier_choice,
-    step_down_choice,
     thompson_choice,
     top_two_choice,
     _axis_point,
@@ -69,16 +67,6 @@ def test_frontier_choice_follows_the_cost_axis_when_posteriors_are_tight():
     assert abs((picks == 2).mean() - 0.5) < 0.03
 
 
-def test_frontier_top_share_logs_the_top_segment_ends_evenly():
-    # Hull (1, .3), (2, .6), (4, .7): the top segment is model 1 -> model 2. u = 0 alone logs model 0; with
-    # top_share 1 every query logs model 1 or 2, half each; with 0.5, half the queries (a quarter each).
-    cells, rng = np.zeros(4000, dtype=int), np.random.default_rng(4)
-    top = frontier_choice(*TIGHT, COST, np.zeros(4000), cells, rng, top_share=1.0)
-    assert set(top.tolist()) == {1, 2} and abs((top == 2).mean() - 0.5) < 0.03
-    half = frontier_choice(*TIGHT, COST, np.zeros(4000), cells, rng, top_share=0.5)
-    assert abs((half == 0).mean() - 0.5) < 0.03 and abs((half == 2).mean() - 0.25) < 0.03
-
-
 def test_top_two_logs_the_challenger_about_half_the_time():
     # Two equal models in one cell: the leader is either, and the challenger is the other one.
     alpha, beta = beta_posterior(np.array([[0.5, 0.5]]), np.full((1, 2), 20.0), 0.0)
@@ -91,63 +79,7 @@ def test_top_two_logs_the_challenger_about_half_the_time():
     assert (tight == 0).all()
 
 
-def test_step_down_is_greedy_when_posteriors_are_tight():
-    # TIGHT: the cheaper models trail the leader by 0.1 and 0.4 > epsilon, the cheapest has none cheaper.
-    cells, rng = np.zeros(500, dtype=int), np.random.default_rng(8)
-    for u, want in ((1.0, 2), (1 / 3, 1), (0.0, 0)):
-        assert (step_down_choice(*TIGHT, COST, np.full(500, u), cells, rng, epsilon=0.02) == want).all()
-
-
-@pytest.mark.parametrize("beta_tt", [0.5, 0.75])
-def test_step_down_logs_a_cheaper_near_tie_with_probability_1_minus_beta(beta_tt):
-    # Accuracies 0.3, 0.69, 0.7 known almost exactly, epsilon 0.02: the leader (u = 1) is model 2; the best
-    # cheaper model, model 1, is within epsilon, so it is logged 1 - beta_tt of the time, model 0 never.
-    tight = beta_posterior(np.array([[0.3, 0.69, 0.7]]), np.full((1, 3), 1e7), 0.0)
-    picks = step_down_choice(*tight, COST, np.ones(4000), np.zeros(4000, dtype=int), np.random.default_rng(9),
-                             beta_tt=beta_tt, epsilon=0.02)
-    assert not (picks == 0).any() and abs((picks == 1).mean() - (1 - beta_tt)) < 0.03
-
-
-def test_step_down_cheapest_logs_the_deepest_step_within_epsilon():
-    # epsilon 0.45: both cheaper models are within it of the leader (0.7); the best of them is model 1,
-    # the cheapest model 0.
-    cells, u, rng = np.zeros(4000, dtype=int), np.ones(4000), np.random.default_rng(10)
-    best = step_down_choice(*TIGHT, COST, u, cells, rng, epsilon=0.45)
-    deepest = step_down_choice(*TIGHT, COST, u, cells, rng, epsilon=0.45, cheapest=True)
-    assert set(best.tolist()) == {1, 2} and set(deepest.tolist()) == {0, 2}
-    assert abs((deepest == 0).mean() - 0.5) < 0.03
-
-
-def test_step_down_fallback_is_top_two_where_no_cheaper_model_is_near():
-    # Equal costs: no model is cheaper than the leader, so the fallback logs top-two's challenger (the other
-    # model) half the time; tight posteriors with gaps > epsilon: greedy still.
-    alpha, beta = beta_posterior(np.array([[0.5, 0.5]]), np.full((1, 2), 20.0), 0.0)
-    rng = np.random.default_rng(11)
-    picks = step_down_choice(alpha, beta, np.ones(2), np.ones(2000), np.zeros(2000, dtype=int), rng, fallback=True)
-    assert abs(picks.mean() - 0.5) < 0.05
-    tight = step_down_choice(*TIGHT, COST, np.ones(500), np.zeros(500, dtype=int), rng, fallback=True)
-    assert (tight == 2).all()
-
-
-def test_first_step_labels_the_pair_of_the_first_step_down():
-    # Costs 1, 0.3, 0.1; cell 0: 0.8, 0.79, 0.3 -> first step down (0.8 - 0.79) / 0.7 = 0.014 per USD, the
-    # smallest of every cell's: cell 0 -> model 1. Cell 0's challenger queries log model 0 or 1 (1/2 each):
-    # model 1 on (1 - beta_tt) / 2 = 0.25; cell 1 (tight, no near step) is greedy: its leader at u = 1.
-    alpha, beta = beta_posterior(np.array([[0.8, 0.79, 0.3], [0.9, 0.6, 0.5]]), np.full((2, 3), 1e6), 0.0)
-    cells = np.repeat([0, 1], 4000)
-    picks = first_step_choice(alpha, beta, np.array([1.0, 0.3, 0.1]), np.ones(8000), cells,
-                              np.random.default_rng(12), axis_power=0.5)
-    assert abs((picks[:4000] == 1).mean() - 0.25) < 0.03 and not (picks[:4000] == 2).any()
-    assert (picks[4000:] == 0).all()
-    # A pick the query has no label for is not logged: the top-two fallback (here the leader) instead.
-    avail = np.ones((8000, 3), dtype=bool)
-    avail[:, 1] = False
-    masked = first_step_choice(alpha, beta, np.array([1.0, 0.3, 0.1]), np.ones(8000), cells,
-                               np.random.default_rng(12), axis_power=0.5, available=avail)
-    assert not (masked == 1).any()
-
-
-@pytest.mark.parametrize("policy", ["thompson", "frontier", "top_two", "step_down", "first_step", "uniform"])
+@pytest.mark.parametrize("policy", ["thompson", "frontier", "top_two", "uniform"])
 def test_propensities_lie_in_0_1_and_sum_to_one(policy):
     alpha, beta = beta_posterior(np.array([[0.3, 0.6, 0.7], [0.9, 0.5, np.nan]]), np.full((2, 3), 3.0), 2.0)
     cells = np.array([0, 1, 0])

@@ -98,8 +98,7 @@ def test_per_cell_scorer_equals_the_per_query_curve(data):
 
 
 @pytest.mark.parametrize("field, value", [("policies", ("greedy",)), ("passes", 0.5), ("round_labels", 0),
-                                          ("thompson_axis_power", 1.5), ("top_two_axis_power", -0.1),
-                                          ("step_down_epsilon", -0.01)])
+                                          ("thompson_axis_power", 1.5), ("top_two_axis_power", -0.1)])
 def test_config_refuses_bad_values(field, value):
     with pytest.raises(InvalidInputError, match=field):
         OnlineConfig(**{field: value})

@@ -73,7 +73,7 @@ CONFIG_CASES = [
     ("mlp-hidden-nan", lambda: MLPRouterConfig(hidden=NAN), InvalidInputError, r"hidden=nan"),
     ("kmeans-clusters-nan", lambda: KMeansRouterConfig(n_clusters=NAN), InvalidInputError, r"n_clusters=nan"),
     ("kmeans-prior-nan", lambda: KMeansRouterConfig(prior_strength=NAN), InvalidInputError, r"prior_strength=nan"),
-    ("kmeans-prior-kind", lambda: KMeansRouterConfig(prior="bayes"), InvalidInputError, r"prior must be 'model', 'additive' or 'cell'"),
+    ("kmeans-prior-kind", lambda: KMeansRouterConfig(prior="bayes"), InvalidInputError, r"prior must be 'model' or 'additive'"),
     ("sim-no-clients", lambda: SimulationConfig(n_clients=0), InvalidInputError, r"n_clients=0"),
     ("sim-participation-2", lambda: SimulationConfig(participation=2.0), InvalidInputError, r"participation=2\.0"),
     ("sim-alpha-0", lambda: SimulationConfig(alpha=0.0), InvalidInputError, r"alpha"),

@@ -13,9 +13,7 @@ once more (the stream is over; a final statistics round), and that router gives 
 
 Policies: ``fixed`` (the paper's logging: client i logs ``m ~ pi_i``, ``pi_i ~ Dir(0.5)``),
 ``uniform``, ``thompson`` (frontier Thompson sampling of METRICS.md), ``top_two`` (top-two
-Thompson sampling on the frontier, :func:`sdk.exploration.top_two_choice`), ``step_down`` (top-two
-with a cheaper challenger, :func:`sdk.exploration.step_down_choice`), ``first_step`` (top-two with the
-sampled first step down as challenger, :func:`sdk.exploration.first_step_choice`). Before the first merge,
+Thompson sampling on the frontier, :func:`sdk.exploration.top_two_choice`). Before the first merge,
 and for a model with no estimate yet, an exploring policy logs uniformly among the models without
 an estimate (each model tried before its posterior is used).
 
@@ -42,7 +40,7 @@ import numpy as np
 
 from sdk.cell_statistics import CellStatistics
 from sdk.errors import InvalidInputError
-from sdk.exploration import beta_posterior, first_step_choice, frontier_choice, step_down_choice, top_two_choice
+from sdk.exploration import beta_posterior, frontier_choice, top_two_choice
 from sdk.utility import _decide_unchecked
 from sdk.voronoi import nearest_cell
 from trainer import metrics
@@ -51,9 +49,9 @@ from trainer.federated.partition import dirichlet_partition
 from trainer.routers.kmeans_router import KMeansRouterConfig, federated_centroids
 from trainer.routers.shrinkage import shrunk_means
 
-POLICIES = ("fixed", "uniform", "thompson", "top_two", "step_down", "first_step")
+POLICIES = ("fixed", "uniform", "thompson", "top_two")
 #: Stable key of each policy's own generator (``default_rng([seed, key])``).
-_POLICY_KEY = {"fixed": 1, "uniform": 2, "thompson": 3, "top_two": 4, "step_down": 5, "first_step": 6}
+_POLICY_KEY = {"fixed": 1, "uniform": 2, "thompson": 3, "top_two": 4}
 
 
 def _default_kmeans() -> KMeansRouterConfig:
@@ -70,22 +68,17 @@ class OnlineConfig:
     passes : P >= 1, length of the stream in units of the train split (extra queries drawn with replacement).
     n_clients, alpha, preference_concentration, participation : as :class:`trainer.simulation.SimulationConfig`.
     kmeans : the K-means router (K, shrinkage) scored and used as the posterior.
-    beta_tt : leader probability of ``top_two``, ``step_down`` and ``first_step`` (whose positions ``u`` and cost axis
-        are ``top_two``'s too).
-    step_down_epsilon, step_down_cheapest, step_down_fallback : ``step_down``'s tolerance in accuracy, challenger
-        and fallback (:func:`sdk.exploration.step_down_choice`'s ``epsilon``, ``cheapest``, ``fallback``).
+    beta_tt : leader probability of ``top_two``.
     thompson_u_power, top_two_u_power : each exploring policy draws its cost-axis position as
         ``u = v ** power``, ``v ~ U[0, 1]`` (1: uniform, the AUC's measure and METRICS.md's ``thompson``;
         > 1 favours cheap models, < 1 expensive ones).
     thompson_axis_power, top_two_axis_power : the cost axis ``u`` is uniform on: ``cost ** g`` (1: linear,
         the AUC's; 0.5: square root; 0: log cost; :func:`sdk.exploration.frontier_choice`).
     explore_prior_strength : prior strength of the exploring policies' posterior; None = ``kmeans.prior_strength``.
-    thompson_top_share : share of ``thompson``'s labels that log an end of the sampled hull's top segment
-        (:func:`sdk.exploration.frontier_choice`; 0 = METRICS.md's ``thompson``).
     Raises InvalidInputError for an unknown policy or a value out of range.
     """
 
-    policies: tuple[str, ...] = POLICIES[:4]  # step_down, first_step: candidates not chosen on validation
+    policies: tuple[str, ...] = POLICIES
     round_labels: int = 250
     passes: float = 1.0
     n_clients: int = 10
@@ -99,10 +92,6 @@ class OnlineConfig:
     thompson_axis_power: float = 1.0
     top_two_axis_power: float = 0.5  # top_two's settings: chosen on validation (benchmarks/online_settings.py --stage targets)
     explore_prior_strength: float | None = None
-    thompson_top_share: float = 0.0
-    step_down_epsilon: float = 0.02
-    step_down_cheapest: bool = False
-    step_down_fallback: bool = False
 
     def __post_init__(self) -> None:
         check_sequence(self, "policies")
@@ -116,8 +105,6 @@ class OnlineConfig:
         check_real(self, "preference_concentration", 0, low_open=True)
         check_real(self, "participation", 0, 1, low_open=True)
         check_real(self, "beta_tt", 0, 1)
-        check_real(self, "thompson_top_share", 0, 1)
-        check_real(self, "step_down_epsilon", 0, 1)
         check_real(self, "thompson_u_power", 0, low_open=True)
         check_real(self, "top_two_u_power", 0, low_open=True)
         check_real(self, "thompson_axis_power", 0, 1)
@@ -272,19 +259,10 @@ def _choose(policy: str, queries: np.ndarray, client: np.ndarray, cells: np.ndar
         q = rows[explore]
         if policy == "thompson":
             out[q] = frontier_choice(a[q], b[q], c[q], u[q] ** config.thompson_u_power, np.arange(q.shape[0]), rng,
-                                     axis_power=config.thompson_axis_power, top_share=config.thompson_top_share)
-        elif policy == "top_two":
+                                     axis_power=config.thompson_axis_power)
+        else:
             out[q] = top_two_choice(a[q], b[q], c[q], u[q] ** config.top_two_u_power, np.arange(q.shape[0]), rng,
                                     beta_tt=config.beta_tt, axis_power=config.top_two_axis_power)
-        elif policy == "first_step":
-            out[q] = first_step_choice(alpha, beta, cost, u[q] ** config.top_two_u_power, k[q], rng,
-                                       beta_tt=config.beta_tt, axis_power=config.top_two_axis_power,
-                                       available=avail[q])
-        else:
-            out[q] = step_down_choice(a[q], b[q], c[q], u[q] ** config.top_two_u_power, np.arange(q.shape[0]), rng,
-                                      beta_tt=config.beta_tt, epsilon=config.step_down_epsilon,
-                                      axis_power=config.top_two_axis_power, cheapest=config.step_down_cheapest,
-                                      fallback=config.step_down_fallback)
     return out.astype(np.int64)
 
 

@@ -25,8 +25,6 @@ POLICY_NOTES = {
     "uniform": "a model uniformly at random",
     "thompson": "frontier Thompson sampling (METRICS.md), u ~ U[0, 1]",
     "top_two": "top-two Thompson sampling on the frontier, u uniform on sqrt(cost); chosen on validation",
-    "step_down": "top-two with a challenger among the leader's cheaper models, u uniform on sqrt(cost)",
-    "first_step": "top-two with the sampled first step down from the top as challenger, u uniform on sqrt(cost)",
 }
 
 

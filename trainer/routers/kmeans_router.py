@@ -69,8 +69,8 @@ class KMeansRouterConfig:
         check_real(self, "prior_strength", 0)
         check_real(self, "model_prior_strength", 0)
         check_real(self, "participation", 0, 1, low_open=True)
-        if self.prior not in ("model", "additive", "cell"):  # trainer.routers.shrinkage.shrunk_means's priors
-            raise InvalidInputError(f"KMeansRouterConfig.prior must be 'model', 'additive' or 'cell', got {self.prior!r}")
+        if self.prior not in ("model", "additive"):  # trainer.routers.shrinkage.shrunk_means's priors
+            raise InvalidInputError(f"KMeansRouterConfig.prior must be 'model' or 'additive', got {self.prior!r}")
 
 
 class KMeansRouter(Router):

@@ -134,10 +134,7 @@ def shrunk_means(
 
     ``A_k^m = (S_k^m + kappa * P_k^m) / (n_k^m + kappa)`` with ``kappa = prior_strength``.
     The prior ``P`` is, for ``prior="model"``, the model's mean over all cells, for
-    ``prior="additive"``, ``clip(a^m + b_k, 0, 1)`` from :func:`additive_effects` and, for
-    ``prior="cell"``, ``clip(Abar + b_k, 0, 1)``: the cell's mean over the models (the all-model mean
-    ``Abar`` plus the cell effect), the same for every model, so no model's overall gap is carried
-    into a cell before the cell's own observations show it. The model
+    ``prior="additive"``, ``clip(a^m + b_k, 0, 1)`` from :func:`additive_effects`. The model
     part is itself shrunk toward the all-model mean with ``model_prior_strength`` pseudo-counts.
     Costs shrink toward the model's mean cost (never across models). ``kappa = 0`` gives the
     plain merged means of paper 002 (NaN in empty cells).
@@ -180,11 +177,8 @@ def shrunk_means(
         effect, cell = additive_effects(pool)
         if priced.any():
             effect = _added_model_effects(stats, priced, effect, cell)
-    elif prior == "cell":
-        cell = additive_effects(pool)[1]
-        effect = np.full(stats.n_models, grand)
     else:
-        raise InvalidInputError(f"prior must be 'model', 'additive' or 'cell', got {prior!r}")
+        raise InvalidInputError(f"prior must be 'model' or 'additive', got {prior!r}")
     with np.errstate(invalid="ignore", divide="ignore"):
         effect = (n_m * effect + kappa0 * grand) / (n_m + kappa0)
         if priced.any():  # a priced model never observed: the all-model mean (limit n^m = 0)
