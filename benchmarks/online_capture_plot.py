@@ -1,5 +1,6 @@
 """Plot the savings capture share (± SE over seeds) of every ``benchmarks/online_settings.py --stage targets``
-candidate on validation, from its one-pass JSON files, against the target (> 0.5) and dense labels.
+candidate on validation, from its one-pass JSON files, and of ``benchmarks/online_capture_ceiling.py``'s oracle
+label allocations, against the target (> 0.5) and dense labels.
 Run: ``PYTHONPATH=. python benchmarks/online_capture_plot.py``; writes ``docs/results/online_settings_capture.png``.
 """
 
@@ -28,6 +29,11 @@ def captures() -> dict[str, tuple[float, float]]:
         for name, row in zip(["fixed (paper)"] + d["candidates"], d["rows"]):
             r = row["results"][row["policies"][0]]
             out.setdefault(name, (r["resampled_capture_share"], r["resampled_capture_share_se"]))
+    ceiling = RESULTS / "online_capture_ceiling.json"  # benchmarks/online_capture_ceiling.py: oracle label allocations
+    for row in json.loads(ceiling.read_text())["rows"] if ceiling.exists() else []:
+        if row["labels"] != "top_two" and row["final_prior_strength"] == 32.0:
+            out[f"ceiling (oracle mbpp labels): {row['labels']}"] = (row["resampled_capture_share"],
+                                                                   row["resampled_capture_share_se"])
     return out
 
 
