@@ -366,10 +366,12 @@ def _register_server_commands() -> None:
     from trainer.server.cli import register  # typer commands; the server extra is imported inside them
 
     from trainer.demo_log import demo_log  # sdk.Router + the RouterBench loader
+    from trainer.online_offpolicy import offpolicy  # sdk.Router + sdk.EvalLog
 
     register(app, publisher=BundlePublisher())
     app.command("sync")(make_sync_command(mlp_trainer=train_on_log))
     app.command("demo-log")(demo_log)
+    app.command("offpolicy")(offpolicy)
 
 
 _register_server_commands()
