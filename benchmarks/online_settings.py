@@ -113,6 +113,10 @@ TARGET_CANDIDATES = {
     "top_two (beta 0.5, sqrt cost axis, explorer prior 4)": dict(policies=("top_two",), explore_prior_strength=4.0),
     "thompson (linear cost axis, explorer prior 128)": dict(policies=("thompson",), explore_prior_strength=128.0),
     "top_two (beta 0.5, sqrt cost axis, explorer prior 128)": dict(policies=("top_two",), explore_prior_strength=128.0),
+    # More challenger labels (Russo's beta below 1/2), and positions uniform on log cost (cheaper leaders).
+    "top_two (beta 0.25, sqrt cost axis)": dict(policies=("top_two",), beta_tt=0.25),
+    "top_two (beta 0.35, sqrt cost axis)": dict(policies=("top_two",), beta_tt=0.35),
+    "top_two (beta 0.5, log cost axis)": dict(policies=("top_two",), top_two_axis_power=0.0),
 }
 #: Issue 26's online targets as the choice rule reads them on validation (:func:`choose`).
 TARGETS = {
