@@ -57,7 +57,8 @@ _NOT_A_TABLE = ("an SQLite file (an sdk.EvalLog?) is not an evaluation table: a 
                 "one model that served each query, and scoring or replaying routers needs each query's outcome for "
                 "several models; run your prompts through the models you route between and write the outcomes as "
                 "'<model>|correctness' and '<model>|cost_usd' columns in a .parquet or .csv file "
-                "(docs/routers-and-results.md, 'Your own logs')")
+                "(docs/routers-and-results.md, 'Your own logs'); to estimate a router on a log an Explorer "
+                "wrote (rows with propensities), use fedroute offpolicy")
 # Cells of a numeric CSV column that mean "missing" (pandas' usual spellings).
 _CSV_NA_TOKENS = frozenset(
     {"", "nan", "NaN", "NAN", "NA", "N/A", "n/a", "null", "NULL", "None", "<NA>"}
