@@ -11,7 +11,7 @@ the cell logs both models on top of top_two's label (three labels per query: mor
 can log; the information about the gap of a dense table in that cell). The final table is the shrunk cell
 table at each ``--final-priors`` strength; reported: resampled capture and never shares (as ``online_settings``)
 and the share of seeds whose first step down from gpt-4 is mbpp -> gpt-3.5.
-Run: ``PYTHONPATH=. HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/online_capture_ceiling.py [--seeds 60]``;
+Run: ``PYTHONPATH=. HF_HUB_OFFLINE=1 nice -n 10 python benchmarks/online_capture_ceiling.py [--seeds 60] [--pair-shares 0.25,0.5]``;
 writes ``docs/results/online_capture_ceiling.json``.
 """
 
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=60)
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--final-priors", type=str, default="0,8,32")
-    ap.add_argument("--pair-shares", type=str, default="0.5,0.75,0.9")
+    ap.add_argument("--pair-shares", type=str, default="0.25,0.35,0.5,0.75,0.9")
     args = ap.parse_args()
     import benchmarks.online_settings as settings
 
