@@ -6,10 +6,11 @@ C in {2, 4, 8, 16, 32}) or ``--quick``'s. Per seed: VPL (N(0, I)) for reference,
 prototype variance cap of ``--caps``; for each, per C, the validation accuracy of every read-out of
 :func:`trainer.vpa.experiment.choose_readout` (the global ``pi`` with the z mode chosen over all C, or the
 user's client's own ``pi`` with the evidence scaled by ``alpha``) and the agreement of the most responsible
-prototype with the user's type (the larger of the two labellings). Reported per cap: per C the read-out
-``fedroute vpa train`` would pick (the best on these validation users; its score is optimistic by the
-selection over 1 + len(alphas) options, equally for every cap) and the mean over C. Writes ``--out`` (JSON)
-and markdown beside it.
+prototype with the user's type (the larger of the two labellings). Reported per cap: per C the read-out a
+per-C, per-seed choice would pick (the best on these validation users; optimistic by the selection over
+1 + len(alphas) options, equally for every cap), and every read-out used for all C and seeds; the best of
+those by the mean over C and seeds is the choice (``VPAConfig.proto_var_cap`` and ``client_scale``). Writes
+``--out`` (JSON) and markdown beside it; ``--report`` only rewrites the markdown from ``--out``.
 
     python benchmarks/vpa_readout_settings.py --data ../shared/data --out docs/results/vpa_readout_settings.json
 """
@@ -30,6 +31,9 @@ from trainer.vpa import evaluation as ev
 from trainer.vpa.experiment import _val_score, choose_readout, load_features
 from trainer.vpa.features import reduce_embeddings, select_structure
 from trainer.vpa.trainer import VPAConfig, VPATrainer
+
+#: The evidence scales tried with the client's ``pi``.
+SCALES = (1.0, 0.3, 0.1, 0.03)
 
 
 @torch.no_grad()
@@ -55,10 +59,14 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--caps", type=float, nargs="+", default=[1.0, 0.1], help="prototype variance caps")
     ap.add_argument("--quick", action="store_true", help="the quick preset's clients")
+    ap.add_argument("--report", action="store_true", help="only rewrite the markdown from --out")
     args = ap.parse_args()
     torch.set_num_threads(1)
     make_cfg = VPAConfig.quick if args.quick else VPAConfig
     base = make_cfg(data_dir=args.data)
+    if args.report:
+        write_atomic(args.out.with_suffix(".md"), markdown(json.loads(args.out.read_text())["runs"], base.contexts).encode())
+        return
     pairs, phi_all = load_features(base)
     runs = []
     for s in args.seeds:
@@ -76,9 +84,9 @@ def main() -> None:
             model, protos = tr.train_vpa("mixture", base.betas_for("mixture")[0], seed=s)
             z_mode = max(base.z_modes, key=lambda m: _val_score(tr, model, protos, m))
             choices: dict = {"fedvpa_gp": {}}
-            readout = choose_readout(tr, model, protos, z_mode, choices)
+            readout = choose_readout(tr, model, protos, z_mode, SCALES, choices)
             agree = {str(c): {f"{m}@{a}": agreement(tr, model, protos, c, m, a)
-                              for m, a in [(z_mode, 1.0)] + [("client", a) for a in base.client_scales]}
+                              for m, a in [(z_mode, 1.0)] + [("client", a) for a in SCALES]}
                      for c in base.contexts}
             runs.append({"seed": s, "cap": cap, "z_mode": z_mode, "readout": choices["fedvpa_gp"]["readout"],
                          "val_acc": choices["fedvpa_gp_readout_val_acc"], "type_agreement": agree, "vpl_val_acc": vpl_acc})
@@ -114,7 +122,24 @@ def markdown(runs: list[dict], contexts: tuple[int, ...]) -> str:
                          f"{ag_g:.3f} / {ag_p:.3f} | {np.mean(vpl):.4f} |")
         lines.append(f"| {cap} | mean | {np.mean(means['global']):.4f} | {np.mean(means['picked']):.4f} | | | "
                      f"{np.mean(means['vpl']):.4f} |")
+    lines += ["", "One read-out for every C and seed (no per-C, per-seed pick; 'global': the z mode chosen per seed):", "",
+              "| cap | read-out | " + " | ".join(f"C = {c}" for c in contexts) + " | mean |", "|---|---|" + "---|" * (len(contexts) + 1)]
+    for cap, key, accs in fixed_readouts(runs, contexts):
+        lines.append(f"| {cap} | {key} | " + " | ".join(f"{a:.4f}" for a in accs) + f" | {np.mean(accs):.4f} |")
+    cap, key, _ = max(fixed_readouts(runs, contexts), key=lambda r: np.mean(r[2]))
+    lines += ["", f"Chosen (best mean over C and seeds): cap {cap}, {key}."]
     return "\n".join(lines) + "\n"
+
+
+def fixed_readouts(runs: list[dict], contexts: tuple[int, ...]) -> list[tuple[float, str, list[float]]]:
+    """(cap, read-out, validation accuracy per C averaged over seeds) of every read-out used for all C."""
+    out = []
+    for cap in sorted({r["cap"] for r in runs}, reverse=True):
+        sel = [r for r in runs if r["cap"] == cap]
+        for key in ["global"] + [f"client@{a}" for a in SCALES]:
+            out.append((cap, key, [float(np.mean([r["val_acc"][str(c)][f"{r['z_mode']}@1.0" if key == "global" else key]
+                                                  for r in sel])) for c in contexts]))
+    return out
 
 
 if __name__ == "__main__":

@@ -409,12 +409,12 @@ def test_readout_is_chosen_per_context_on_validation_and_read_back_by_context_si
     from trainer.vpa.experiment import choose_readout
 
     pairs, phi = _synthetic()
-    cfg = _small_cfg(rounds=4, client_scales=(1.0, 0.1))
+    cfg = _small_cfg(rounds=4)
     users = make_users(pairs, cfg.users, seed=0)
     tr = VPATrainer(users, phi, cfg)
     model, protos = tr.train_vpa("mixture", 0.03, seed=0)
     choices = {"fedvpa_gp": {}}
-    readout = choose_readout(tr, model, protos, "mean", choices)
+    readout = choose_readout(tr, model, protos, "mean", (1.0, 0.1), choices)
     ids = users.users("val")
     for c in cfg.contexts:
         scores = choices["fedvpa_gp_readout_val_acc"][str(c)]
@@ -428,4 +428,5 @@ def test_readout_is_chosen_per_context_on_validation_and_read_back_by_context_si
     art = PersonalRewardArtefact(model, protos, None, "mean", None, {}, {2: ("client", 0.1), 8: ("mean", 1.0)})
     assert [art.readout_for(n) for n in (1, 2, 7, 8, 40)] == [("client", 0.1)] * 3 + [("mean", 1.0)] * 2
     with pytest.raises(InvalidInputError):
-        _small_cfg(client_scales=(1.0, 0.0))
+        _small_cfg(client_scale=0.0)
+    assert _small_cfg(client_scale=None).client_scale is None

@@ -4,8 +4,8 @@ Per seed (:func:`run_seed`): draw the users (:func:`trainer.data.conflicting_use
 features (with or without ``s(y)``: the oracle's validation accuracy decides, unless the config fixes it), train
 the monolithic and per-type Bradley-Terry rewards, VPL (N(0, I) prior) and FedVPA-GP for every beta of the config,
 keep per prior the beta (and, for FedVPA-GP, the z mode) with the best validation accuracy averaged over the
-context sizes, then per C FedVPA-GP's read-out (global or client ``pi``, evidence scale: :func:`choose_readout`;
-the global read-out alone is scored too, as ``fedvpa_gp_global_pi``), train local-only VPL with VPL's beta, and score every method on the test users for every C.
+context sizes (FedVPA-GP is then read under each user's client's own ``pi``, ``VPAConfig.client_scale``; the
+global read-out is scored too, as ``fedvpa_gp_global_pi``), train local-only VPL with VPL's beta, and score every method on the test users for every C.
 :func:`run_experiment` repeats over seeds and reports mean and standard deviation over seeds.
 """
 
@@ -46,14 +46,15 @@ def _val_score(tr: VPATrainer, model, protos, z_mode: str) -> float:
     return float(np.mean(accs))
 
 
-def choose_readout(tr: VPATrainer, model, protos, z_mode: str, choices: dict) -> dict[int, tuple[str, float]]:
+def choose_readout(tr: VPATrainer, model, protos, z_mode: str, scales: tuple[float, ...], choices: dict
+                   ) -> dict[int, tuple[str, float]]:
     """Per C, FedVPA-GP's read-out of ``z`` with the best validation accuracy: ``(z_mode, 1.0)`` (the global ``pi``,
-    chosen over all C) or ``('client', alpha)`` for each ``alpha`` of ``cfg.client_scales`` (the client's own
-    ``pi``, evidence scaled by ``alpha``); the first wins ties. Records every score in ``choices``."""
+    chosen over all C) or ``('client', alpha)`` for each ``alpha`` of ``scales`` (the client's own ``pi``, evidence
+    scaled by ``alpha``); the first wins ties. Records every score in ``choices`` (``benchmarks/vpa_readout_settings.py``)."""
     ids = tr.users.users("val")
     readout = {}
     for c in tr.cfg.contexts:
-        options = [(z_mode, 1.0)] + [("client", a) for a in tr.cfg.client_scales]
+        options = [(z_mode, 1.0)] + [("client", a) for a in scales]
         accs = [float(ev.vpa_correct(tr, model, ids, ev.choose_z(tr, model, ids, c, protos, m, a)).mean())
                 for m, a in options]
         choices.setdefault("fedvpa_gp_readout_val_acc", {})[str(c)] = {f"{m}@{a}": v for (m, a), v in zip(options, accs)}
@@ -101,8 +102,9 @@ def run_seed(cfg: VPAConfig, pairs: pd.DataFrame, phi_full: np.ndarray, seed: in
         choices[name] = {"beta": beta, "z_mode": z_mode, "val_acc": score}
         fitted[name] = (model, protos, z_mode)
         log(f"seed {seed}: {name} beta {beta}, z {z_mode}, val acc {score:.3f}")
-    readout = choose_readout(tr, *fitted["fedvpa_gp"], choices)
-    log(f"seed {seed}: fedvpa_gp read-out per C {readout}")
+    scale = cfg.client_scale
+    readout = {c: ("client", scale) if scale is not None else (fitted["fedvpa_gp"][2], 1.0) for c in cfg.contexts}
+    choices["fedvpa_gp"]["readout"] = {str(c): list(r) for c, r in readout.items()}
     local = {i: tr.train_vpa("gaussian", choices["vpl_gaussian"]["beta"], seed, clients=[i])
              for i in range(cfg.users.n_clients)}
 

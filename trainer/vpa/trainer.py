@@ -71,11 +71,11 @@ class VPAConfig:
         user's soft type) and/or ``'likelihood'`` (prototypes weighted by the context labels' likelihood under the
         reward head, :func:`trainer.vpa.evaluation.choose_z`); all but the first under the mixture prior only;
         chosen on validation.
-    client_scales : evidence scales ``alpha`` tried, per C on validation users, for the read-out under the user's
-        client's mixing weights ``pi_c`` (``z_mode='client'``: the prior of a user is ``sum_k pi_ck N(mu_k,
-        sigma_k^2)``, ``pi_c`` its client's users' mean responsibilities, computed on the client); per C the
-        best of these and the ``z_modes`` choice (under the global ``pi``) is kept. Empty: the global ``pi`` only.
-        ``alpha`` scales the natural-parameter evidence (``pooling='mean'``: no effect, only ``pi_c`` counts).
+    client_scale : FedVPA-GP's read-out under the user's client's mixing weights ``pi_c`` (``z_mode='client'``: the
+        prior of a user is ``sum_k pi_ck N(mu_k, sigma_k^2)``, ``pi_c`` its client's users' mean responsibilities,
+        computed on the client) with the natural-parameter evidence scaled by ``alpha = client_scale`` at every C
+        (``pooling='mean'``: no scale, only ``pi_c`` counts); ``benchmarks/vpa_readout_settings.py`` chose 0.1 on
+        validation users. None: the ``z_modes`` choice under the global ``pi``.
     lambda_orth : weight of the orthogonality loss. proto_scale : distance of the initial prototype means from 0.
     proto_var_cap : largest prototype variance per latent dimension (initial variances too; at most
         :data:`~trainer.vpa.aggregation.VAR_CAP`): a tighter ``sigma_k`` lets few pairs pick a prototype.
@@ -103,7 +103,7 @@ class VPAConfig:
     kmeans_at: tuple[float, ...] = ()
     kmeans_iters: int = 10
     z_modes: tuple[str, ...] = ("mean", "prototype")
-    client_scales: tuple[float, ...] = (1.0, 0.3, 0.1, 0.03)
+    client_scale: float | None = 0.1
     lambda_orth: float = 1.0
     proto_scale: float = 2.0
     proto_var_cap: float = VAR_CAP
@@ -122,7 +122,7 @@ class VPAConfig:
         if isinstance(self.users, dict):
             self.users = UsersConfig(**self.users)
         self.contexts, self.betas, self.z_modes = tuple(self.contexts), tuple(self.betas), tuple(self.z_modes)
-        self.kmeans_at, self.client_scales = tuple(self.kmeans_at), tuple(self.client_scales)
+        self.kmeans_at = tuple(self.kmeans_at)
         if self.betas_mixture is not None:
             self.betas_mixture = tuple(self.betas_mixture)
         if self.seeds < 1 or self.rounds < 1 or self.local_steps < 1 or self.n_prototypes < 2:
@@ -140,8 +140,8 @@ class VPAConfig:
         if self.pooling not in ("mean", "natural") or self.free_bits < 0 or not all(0 <= a < 1 for a in self.kmeans_at):
             raise InvalidInputError(f"pooling={self.pooling!r} must be mean|natural, free_bits={self.free_bits} >= 0, "
                                     f"kmeans_at={self.kmeans_at} in [0, 1)")
-        if any(a <= 0 for a in self.client_scales):
-            raise InvalidInputError(f"client_scales={self.client_scales} must be > 0")
+        if self.client_scale is not None and not self.client_scale > 0:
+            raise InvalidInputError(f"client_scale={self.client_scale} must be > 0 or None")
         if self.betas_mixture is not None and (not self.betas_mixture or min(self.betas_mixture) < 0):
             raise InvalidInputError(f"betas_mixture={self.betas_mixture} must be >= 0")
 
