@@ -409,10 +409,10 @@ def test_readout_is_chosen_per_context_on_validation_and_read_back_by_context_si
     from trainer.vpa.experiment import choose_readout
 
     pairs, phi = _synthetic()
-    cfg = _small_cfg(rounds=4)
+    cfg = _small_cfg()
     users = make_users(pairs, cfg.users, seed=0)
     tr = VPATrainer(users, phi, cfg)
-    model, protos = tr.train_vpa("mixture", 0.03, seed=0)
+    model, protos = tr.new_vpa(0).eval(), tr.init_prototypes(0)
     choices = {"fedvpa_gp": {}}
     readout = choose_readout(tr, model, protos, "mean", (1.0, 0.1), choices)
     ids = users.users("val")
