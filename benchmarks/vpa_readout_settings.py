@@ -34,6 +34,9 @@ from trainer.vpa.trainer import VPAConfig, VPATrainer
 
 #: The evidence scales tried with the client's ``pi``.
 SCALES = (1.0, 0.3, 0.1, 0.03)
+#: The read-outs under the client's ``pi`` (:func:`trainer.vpa.evaluation.choose_z`); ``--prototype`` adds
+#: ``client_prototype`` (the most responsible prototype's mean).
+MODES = ("client",)
 
 
 @torch.no_grad()
@@ -41,7 +44,7 @@ def agreement(tr: VPATrainer, model, protos, c: int, z_mode: str, scale: float) 
     """Share of validation users whose most responsible prototype is their type (the better labelling)."""
     ids = tr.users.users("val")
     p_mu, p_lv, log_pi = ev.prior_tensors(protos)
-    if z_mode == "client":
+    if z_mode.startswith("client"):
         log_pi = ev.client_log_pi(tr, model, protos, ids)
     else:
         scale = 1.0
@@ -60,7 +63,10 @@ def main() -> None:
     ap.add_argument("--caps", type=float, nargs="+", default=[1.0, 0.1], help="prototype variance caps")
     ap.add_argument("--quick", action="store_true", help="the quick preset's clients")
     ap.add_argument("--report", action="store_true", help="only rewrite the markdown from --out")
+    ap.add_argument("--prototype", action="store_true", help="also the client_prototype read-outs")
+    ap.add_argument("--no-vpl", action="store_true", help="skip the VPL reference")
     args = ap.parse_args()
+    modes = MODES + (("client_prototype",) if args.prototype else ())
     torch.set_num_threads(1)
     make_cfg = VPAConfig.quick if args.quick else VPAConfig
     base = make_cfg(data_dir=args.data)
@@ -75,18 +81,21 @@ def main() -> None:
         phi = select_structure(reduce_embeddings(phi_all, np.flatnonzero(users.part == "train"), base.pca_components),
                                base.structure)
         tr = VPATrainer(users, phi, base)
-        vpl, _ = tr.train_vpa("gaussian", base.betas[0], seed=s)
         ids = users.users("val")
-        vpl_acc = {str(c): float(ev.vpa_correct(tr, vpl, ids, ev.posterior(tr, vpl, ids, c)[0]).mean())
-                   for c in base.contexts}
+        vpl_acc = {str(c): float("nan") for c in base.contexts}
+        if not args.no_vpl:
+            vpl, _ = tr.train_vpa("gaussian", base.betas[0], seed=s)
+            vpl_acc = {str(c): float(ev.vpa_correct(tr, vpl, ids, ev.posterior(tr, vpl, ids, c)[0]).mean())
+                       for c in base.contexts}
         for cap in args.caps:
             tr = VPATrainer(users, phi, make_cfg(data_dir=args.data, proto_var_cap=cap))
             model, protos = tr.train_vpa("mixture", base.betas_for("mixture")[0], seed=s)
             z_mode = max(base.z_modes, key=lambda m: _val_score(tr, model, protos, m))
             choices: dict = {"fedvpa_gp": {}}
-            readout = choose_readout(tr, model, protos, z_mode, SCALES, choices)
+            options = [(m, a) for m in modes for a in SCALES]
+            readout = choose_readout(tr, model, protos, z_mode, options, choices)
             agree = {str(c): {f"{m}@{a}": agreement(tr, model, protos, c, m, a)
-                              for m, a in [(z_mode, 1.0)] + [("client", a) for a in SCALES]}
+                              for m, a in [(z_mode, 1.0)] + options}
                      for c in base.contexts}
             runs.append({"seed": s, "cap": cap, "z_mode": z_mode, "readout": choices["fedvpa_gp"]["readout"],
                          "val_acc": choices["fedvpa_gp_readout_val_acc"], "type_agreement": agree, "vpl_val_acc": vpl_acc})
@@ -136,7 +145,7 @@ def fixed_readouts(runs: list[dict], contexts: tuple[int, ...]) -> list[tuple[fl
     out = []
     for cap in sorted({r["cap"] for r in runs}, reverse=True):
         sel = [r for r in runs if r["cap"] == cap]
-        for key in ["global"] + [f"client@{a}" for a in SCALES]:
+        for key in ["global"] + [k for k in sel[0]["val_acc"][str(contexts[0])] if "@" in k and k.startswith("client")]:
             out.append((cap, key, [float(np.mean([r["val_acc"][str(c)][f"{r['z_mode']}@1.0" if key == "global" else key]
                                                   for r in sel])) for c in contexts]))
     return out

@@ -414,7 +414,7 @@ def test_readout_is_chosen_per_context_on_validation_and_read_back_by_context_si
     tr = VPATrainer(users, phi, cfg)
     model, protos = tr.new_vpa(0).eval(), tr.init_prototypes(0)
     choices = {"fedvpa_gp": {}}
-    readout = choose_readout(tr, model, protos, "mean", (1.0, 0.1), choices)
+    readout = choose_readout(tr, model, protos, "mean", [("client", 1.0), ("client", 0.1)], choices)
     ids = users.users("val")
     for c in cfg.contexts:
         scores = choices["fedvpa_gp_readout_val_acc"][str(c)]
@@ -424,6 +424,12 @@ def test_readout_is_chosen_per_context_on_validation_and_read_back_by_context_si
         assert readout[c] == ("mean", 1.0) or scores["mean@1.0"] < best  # ties keep the global pi
         z = ev.choose_z(tr, model, ids, c, protos, "client", 0.1)
         assert scores["client@0.1"] == pytest.approx(ev.vpa_correct(tr, model, ids, z).mean())
+        # 'client_prototype': the mean of the prototype most responsible under the same posterior
+        _, _, logits = model.components(*tr.context_tensors(ids, torch.as_tensor(np.stack([users.context(u, c) for u in ids])),
+                                                            torch.ones(len(ids), c)), torch.ones(len(ids), c),
+                                        *ev.prior_tensors(protos)[:2], ev.client_log_pi(tr, model, protos, ids), 0.1)
+        np.testing.assert_allclose(ev.choose_z(tr, model, ids, c, protos, "client_prototype", 0.1).numpy(),
+                                   protos.mu[logits.argmax(1).numpy()], rtol=1e-6)
     assert choices["fedvpa_gp"]["readout"] == {str(c): list(r) for c, r in readout.items()}
     art = PersonalRewardArtefact(model, protos, None, "mean", None, {}, {2: ("client", 0.1), 8: ("mean", 1.0)})
     assert [art.readout_for(n) for n in (1, 2, 7, 8, 40)] == [("client", 0.1)] * 3 + [("mean", 1.0)] * 2

@@ -95,14 +95,18 @@ def choose_z(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: P
     Bradley-Terry likelihood of the user's C context labels under the reward head at each prototype mean (the
     E-step of a mixture of Bradley-Terry models, the prototypes taken as points; it bypasses the encoder), or
     ``'client'``: the mixture posterior's mean under the user's client's mixing weights (:func:`client_log_pi`),
-    the evidence scaled by ``evidence_scale`` (:meth:`VPAModel.components`; the other modes read it unscaled)."""
+    the evidence scaled by ``evidence_scale`` (:meth:`VPAModel.components`; the other modes read it unscaled), or
+    ``'client_prototype'``: the mean of the prototype most responsible under that posterior."""
     if z_mode == "mean" or protos is None:
         return posterior(tr, model, ids, c, protos)[0]
-    if z_mode == "client":
+    if z_mode in ("client", "client_prototype"):
         idx, mask = _context_batch(tr, ids, c)
         p_mu, p_lv, _ = prior_tensors(protos)
         prior = (p_mu, p_lv, client_log_pi(tr, model, protos, ids))
-        return model.infer(*tr.context_tensors(ids, idx, mask), mask, prior, evidence_scale)[0]
+        ctx = tr.context_tensors(ids, idx, mask)
+        if z_mode == "client":
+            return model.infer(*ctx, mask, prior, evidence_scale)[0]
+        return p_mu[model.components(*ctx, mask, *prior, evidence_scale)[2].argmax(1)]
     proto_mu = torch.tensor(protos.mu, dtype=torch.float32)
     if z_mode == "likelihood":
         idx, _ = _context_batch(tr, ids, c)

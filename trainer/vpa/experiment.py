@@ -46,15 +46,16 @@ def _val_score(tr: VPATrainer, model, protos, z_mode: str) -> float:
     return float(np.mean(accs))
 
 
-def choose_readout(tr: VPATrainer, model, protos, z_mode: str, scales: tuple[float, ...], choices: dict
+def choose_readout(tr: VPATrainer, model, protos, z_mode: str, options: list[tuple[str, float]], choices: dict
                    ) -> dict[int, tuple[str, float]]:
     """Per C, FedVPA-GP's read-out of ``z`` with the best validation accuracy: ``(z_mode, 1.0)`` (the global ``pi``,
-    chosen over all C) or ``('client', alpha)`` for each ``alpha`` of ``scales`` (the client's own ``pi``, evidence
-    scaled by ``alpha``); the first wins ties. Records every score in ``choices`` (``benchmarks/vpa_readout_settings.py``)."""
+    chosen over all C) or one of ``options``, ``(mode, alpha)`` (e.g. ``('client', 0.1)``: the client's own ``pi``,
+    evidence scaled by 0.1; :func:`trainer.vpa.evaluation.choose_z`); the first wins ties. Records every score in
+    ``choices`` (``benchmarks/vpa_readout_settings.py``)."""
     ids = tr.users.users("val")
     readout = {}
+    options = [(z_mode, 1.0)] + list(options)
     for c in tr.cfg.contexts:
-        options = [(z_mode, 1.0)] + [("client", a) for a in scales]
         accs = [float(ev.vpa_correct(tr, model, ids, ev.choose_z(tr, model, ids, c, protos, m, a)).mean())
                 for m, a in options]
         choices.setdefault("fedvpa_gp_readout_val_acc", {})[str(c)] = {f"{m}@{a}": v for (m, a), v in zip(options, accs)}

@@ -40,7 +40,7 @@ from trainer.vpa.prototype_kmeans import federated_kmeans
 
 PRIORS = ("gaussian", "mixture")
 #: How a user's ``z`` for scoring is read from the posterior (:func:`trainer.vpa.evaluation.choose_z`).
-Z_MODES = ("mean", "prototype", "responsibility", "likelihood", "client")
+Z_MODES = ("mean", "prototype", "responsibility", "likelihood", "client", "client_prototype")
 
 
 @dataclass
