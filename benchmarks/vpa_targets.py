@@ -63,7 +63,7 @@ def decomposition(res: dict) -> list[str]:
         a = m["oracle_type"][c]["acc_mean"]
         vpl = m["vpl_gaussian"][c]
         need = 0.5 + (vpl["acc_mean"] + max(vpl["acc_std"], m["fedvpa_gp"][c]["acc_std"]) - 0.5) / (2 * (a - 0.5))
-        for name in ("two_stage", "vpl_gaussian", "fedvpa_gp"):
+        for name in [n for n in ("two_stage", "vpl_gaussian", "fedvpa_gp_global_pi", "fedvpa_gp") if n in m]:
             p = col[name][c]["type_acc_from_z"]
             rows.append(f"| {c} | {name} | {p:.3f} | {0.5 + (2 * p - 1) * (a - 0.5):.3f} | {m[name][c]['acc_mean']:.3f} | "
                         + (f"{need:.3f} |" if name == "fedvpa_gp" else "|"))

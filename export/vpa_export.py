@@ -82,6 +82,9 @@ def vpa_to_onnx(model, protos=None, transform: FeatureTransform | None = None, z
     encoder outputs the moments of the mixture posterior (:meth:`~trainer.vpa.model.VPAModel.infer`), the prototypes
     being graph constants. transform : what turns the graphs' raw inputs (width ``d_raw``) into the model's ``phi``
     (None: the inputs are ``phi``). z_mode : ``'mean'`` or ``'prototype'`` (the most responsible prototype's mean).
+    Under the mixture prior the encoder also reads ``log_pi`` (U, K) float32, the mixing weights of each user's
+    prior (the global ``log pi`` or its client's), and ``evidence_scale`` (U, 1) float32, the ``alpha`` of
+    :meth:`~trainer.vpa.model.VPAModel.components`.
     """
     model = model.eval()
     prior = None if protos is None else prior_tensors(protos)
@@ -93,12 +96,12 @@ def vpa_to_onnx(model, protos=None, transform: FeatureTransform | None = None, z
             super().__init__()
             self.model, self.features = model, features
 
-        def forward(self, phi_w, phi_l, mask):
+        def forward(self, phi_w, phi_l, mask, log_pi=None, evidence_scale=None):
             w, lo = self.features(phi_w), self.features(phi_l)
             if prior is None:
                 mu, logvar = self.model.encode(w, lo, mask)
                 return mu, mu, logvar, torch.ones_like(mu[:, :1])
-            m, lv, logits = self.model.components(w, lo, mask, *prior)
+            m, lv, logits = self.model.components(w, lo, mask, prior[0], prior[1], log_pi, evidence_scale)
             gamma = torch.softmax(logits, -1)
             mu, logvar = mixture_moments(m, lv, gamma)
             return (prior[0][gamma.argmax(-1)] if z_mode == "prototype" else mu), mu, logvar, gamma
@@ -109,10 +112,14 @@ def vpa_to_onnx(model, protos=None, transform: FeatureTransform | None = None, z
 
     d, users = d_raw or d_in, {0: "users"}
     ctx = {0: "users", 1: "context"}
-    enc = module_to_onnx(Encoder(), (torch.zeros(2, 3, d), torch.zeros(2, 3, d), torch.ones(2, 3)),
-                         ["phi_w", "phi_l", "mask"], ["z", "mu", "logvar", "responsibilities"],
+    args, names, axes = (torch.zeros(2, 3, d), torch.zeros(2, 3, d), torch.ones(2, 3)), ["phi_w", "phi_l", "mask"], {}
+    if prior is not None:
+        args += (prior[2].expand(2, -1).clone(), torch.ones(2, 1))
+        names += ["log_pi", "evidence_scale"]
+        axes = {"log_pi": users, "evidence_scale": users}
+    enc = module_to_onnx(Encoder(), args, names, ["z", "mu", "logvar", "responsibilities"],
                          {"phi_w": ctx, "phi_l": ctx, "mask": ctx, "z": users, "mu": users, "logvar": users,
-                          "responsibilities": users}, {"family": FAMILY, "kind": KIND})
+                          "responsibilities": users, **axes}, {"family": FAMILY, "kind": KIND})
     rew = module_to_onnx(Reward(), (torch.zeros(2, 3, d), torch.zeros(2, model.head.in_features)), ["phi", "z"],
                          ["reward"], {"phi": {0: "users", 1: "targets"}, "z": users, "reward": {0: "users", 1: "targets"}},
                          {"family": FAMILY, "kind": KIND})
@@ -148,7 +155,10 @@ class VPAPersonalRewardExportKind(kinds.ExportKind):
         return {sdk_kinds.manifest_key(FAMILY): self.name, "features": feature_fields(artefact),
                 "latent": {"dim": int(artefact.settings["latent_dim"]), "prior": "gaussian" if protos is None else "mixture",
                            "n_prototypes": 1 if protos is None else len(protos.pi), "z_mode": artefact.z_mode,
-                           "pooling": artefact.settings["pooling"], "beta": artefact.settings["beta"]}}
+                           "pooling": artefact.settings["pooling"], "beta": artefact.settings["beta"],
+                           **({} if protos is None else {"pi": [float(p) for p in protos.pi],
+                                                          "readout": {str(c): [m, float(a)] for c, (m, a)
+                                                                      in sorted(artefact.readout.items())}})}}
 
     def parity(self, bundle_dir, public_key, artefact, reference, test, precisions=("fp32",), progress=print) -> dict:
         """``reference``: :func:`trainer_reference` of the users ``test``."""
@@ -175,18 +185,30 @@ def parity_users(pairs: pd.DataFrame, n_users: int, context: int, n_targets: int
     return users
 
 
+def client_weights(n_prototypes: int, user: int) -> np.ndarray:
+    """The client mixing weights the parity check gives user ``user`` (K,): 0.8 on prototype ``user mod K``, the
+    rest spread evenly (a client of mostly one type)."""
+    w = np.full(n_prototypes, 0.2 / (n_prototypes - 1))
+    w[user % n_prototypes] = 0.8
+    return w
+
+
 def trainer_reference(artefact: PersonalRewardArtefact, users: Sequence[ParityUser], cache_dir: Path | None = None
                       ) -> list[dict]:
     """Per user the trainer's raw features of its context and targets, its latent
-    (:meth:`~trainer.vpa.artefact.PersonalRewardArtefact.latent`) and the rewards of the target responses (A then B)."""
+    (:meth:`~trainer.vpa.artefact.PersonalRewardArtefact.latent`) and the rewards of the target responses (A then B);
+    under the mixture prior also ``latent_client``, the latent under :func:`client_weights`."""
     out = []
-    for ctx, targets in users:
+    for u, (ctx, targets) in enumerate(users):
         (xs, w, lo), (tx, a, b) = zip(*ctx), zip(*targets)
         raw_c, raw_t = artefact.raw(xs + xs, w + lo, cache_dir), artefact.raw(tx + tx, a + b, cache_dir)
         phi_c = artefact.transform.apply(raw_c)
         latent = artefact.latent(phi_c[:len(xs)], phi_c[len(xs):])
         out.append({"raw": np.concatenate([raw_c, raw_t]), "latent": latent,
                     "rewards": artefact.rewards(artefact.transform.apply(raw_t), latent["z"])})
+        if artefact.prototypes is not None:
+            out[-1]["latent_client"] = artefact.latent(phi_c[:len(xs)], phi_c[len(xs):],
+                                                       client_weights(len(artefact.prototypes.pi), u))
     return out
 
 
@@ -194,10 +216,15 @@ def check_parity(scorer: PersonalRewardScorer, users: Sequence[ParityUser], refe
     """The device (``scorer``, from text) against the trainer's ``reference`` (:func:`trainer_reference`) on ``users``.
 
     Returns ``{"n_users", "n_context", "n_targets", "max_abs_diff": {features, z, mu, logvar, responsibilities,
-    rewards}, "threshold", "failures", "passed"}``; the gate covers ``z``, ``mu``, ``logvar`` and ``rewards``.
+    rewards}, "threshold", "failures", "passed"}``; the gate covers ``z``, ``mu``, ``logvar`` and ``rewards`` (the
+    latent also under :func:`client_weights` where the reference has it).
     """
     diff = dict.fromkeys(("features", "z", "mu", "logvar", "responsibilities", "rewards"), 0.0)
-    for (ctx, targets), ref in zip(users, reference):
+    for u, ((ctx, targets), ref) in enumerate(zip(users, reference)):
+        if "latent_client" in ref:
+            mine = scorer.infer_z(ctx, client_weights(scorer.n_prototypes, u))
+            for name in ("z", "mu", "logvar", "responsibilities"):
+                diff[name] = max(diff[name], float(np.abs(getattr(mine, name) - ref["latent_client"][name]).max()))
         (xs, w, lo), (tx, a, b) = (list(map(list, zip(*ctx))), list(map(list, zip(*targets))))
         latent = scorer.infer_z(ctx)
         device = {"features": np.concatenate([scorer.features(xs + xs, w + lo), scorer.features(tx + tx, a + b)]),

@@ -8,9 +8,11 @@ This module declares the family ``personal_reward`` (runtime :class:`PersonalRew
 trainer's scaling of ``p(y)`` and its PCA of ``e(x)``, ``e(y)`` as constants):
 
 - ``vpa_encoder.onnx``: ``phi_w``, ``phi_l`` (U, C, d_in) float32 (the preferred and dispreferred response of each
-  context pair), ``mask`` (U, C) float32 -> ``z``, ``mu``, ``logvar`` (U, d_z) and ``responsibilities`` (U, K): the
-  posterior ``q(z | C)`` (under FedVPA-GP's prior: the mixture of the component posteriors, prototypes as graph
-  constants), the ``z`` the trainer scores with (posterior mean or most responsible prototype's mean);
+  context pair), ``mask`` (U, C) float32, under FedVPA-GP's prior also ``log_pi`` (U, K) and (natural-parameter
+  encoders) ``evidence_scale`` (U, 1) float32 -> ``z``, ``mu``, ``logvar`` (U, d_z) and ``responsibilities`` (U, K): the posterior ``q(z | C)``
+  (under FedVPA-GP's prior ``sum_k pi_k N(mu_k, sigma_k^2)``: the mixture of the component posteriors, prototypes
+  as graph constants, ``pi`` the manifest's ``latent.pi`` or the client's own), the ``z`` the trainer scores with
+  (posterior mean or most responsible prototype's mean);
 - ``vpa_reward.onnx``: ``phi`` (U, T, d_in), ``z`` (U, d_z) -> ``reward`` (U, T).
 
 The user's context pairs are an input of :meth:`PersonalRewardScorer.infer_z` only: nothing here sends them.
@@ -45,6 +47,7 @@ ENCODER_FILE = "vpa_encoder.onnx"
 REWARD_FILE = "vpa_reward.onnx"
 EMPTY_RESPONSE = "(empty)"
 LATENT_OUTPUTS = ("z", "mu", "logvar", "responsibilities")
+PRIOR_INPUTS = ("log_pi", "evidence_scale")
 
 F32 = npt.NDArray[np.float32]
 
@@ -79,6 +82,14 @@ def check_personal_reward_manifest(manifest: dict[str, Any]) -> None:
     latent: Any = manifest.get("latent")
     need(isinstance(latent, dict) and all(type(latent.get(k)) is int and latent[k] >= 1 for k in ("dim", "n_prototypes")),
          "latent must hold dim and n_prototypes (int >= 1)")
+    pi, readout = latent.get("pi"), latent.get("readout", {})
+    need(pi is None or (isinstance(pi, list) and len(pi) == latent["n_prototypes"]
+                        and all((finite_float(p) or 0) > 0 for p in pi)),
+         "latent.pi must be n_prototypes floats > 0")
+    need(isinstance(readout, dict) and all(c.isdigit() and isinstance(r, list) and len(r) == 2 and isinstance(r[0], str)
+                                           and (finite_float(r[1]) or 0) > 0 for c, r in readout.items())
+         and (pi is not None or not readout), "latent.readout must map context sizes to [z mode, evidence scale > 0], "
+                                              "with latent.pi")
     for name in (ENCODER_FILE, REWARD_FILE):
         need(name in manifest["files"], f"{name} is not listed in files")
 
@@ -87,34 +98,43 @@ def check_personal_reward_manifest(manifest: dict[str, Any]) -> None:
 class PersonalRewardGraphs(Protocol):
     """Runtime of a ``personal_reward`` kind, on validated raw features (module docstring).
 
-    ``latent(phi_w, phi_l)``: one user's C context pairs, each (C, d_in) float32 -> :class:`PersonalLatent`.
+    ``latent(phi_w, phi_l, log_pi, evidence_scale)``: one user's C context pairs, each (C, d_in) float32, the log
+    mixing weights (K,) float32 of its prior (None under N(0, I)) and the evidence's scale -> :class:`PersonalLatent`.
     ``rewards(phi, z)``: (n, d_in) float32 responses, ``z`` (d_z,) float32 -> ``r(x, y, z)`` (n,) float32.
     """
 
-    def latent(self, phi_w: F32, phi_l: F32) -> PersonalLatent: ...
+    def latent(self, phi_w: F32, phi_l: F32, log_pi: F32 | None, evidence_scale: float) -> PersonalLatent: ...
 
     def rewards(self, phi: F32, z: F32) -> F32: ...
 
 
 class PersonalReward:
     """The kind ``vpa``'s two graphs (:class:`PersonalRewardGraphs`); raises BundleError on load when a graph's
-    inputs or outputs are not the module docstring's, or its feature width is not ``d_in``."""
+    inputs or outputs are not the module docstring's (``prior_inputs``: the encoder reads ``log_pi`` and, unless
+    it mean-pools, ``evidence_scale``), or its feature width is not ``d_in``."""
 
-    def __init__(self, encoder: bytes, reward: bytes, d_in: int, options: SessionThreads | None = None) -> None:
+    def __init__(self, encoder: bytes, reward: bytes, d_in: int, options: SessionThreads | None = None,
+                 prior_inputs: bool = False) -> None:
         self._encoder = inference_session(encoder, options, ENCODER_FILE)
         self._reward = inference_session(reward, options, REWARD_FILE)
-        for session, what, inputs, outputs in ((self._encoder, ENCODER_FILE, ("phi_w", "phi_l", "mask"), LATENT_OUTPUTS),
+        enc_inputs = ("phi_w", "phi_l", "mask") + (("log_pi",) if prior_inputs else ())
+        for session, what, inputs, outputs in ((self._encoder, ENCODER_FILE, enc_inputs, LATENT_OUTPUTS),
                                                (self._reward, REWARD_FILE, ("phi", "z"), ("reward",))):
-            check_graph_inputs(session, dict.fromkeys(inputs, FLOAT), {}, what)
+            optional = {"evidence_scale": FLOAT} if prior_inputs and session is self._encoder else {}
+            check_graph_inputs(session, dict.fromkeys(inputs, FLOAT), optional, what)
             width = (session.get_inputs()[0].shape or [None])[-1]
             if width != d_in or not set(outputs) <= {o.name for o in session.get_outputs()}:
                 raise BundleError(f"{what}: needs outputs {list(outputs)} and features of width {d_in} (the manifest's "
                                   f"features.d_in), has {[o.name for o in session.get_outputs()]} and width {width}")
+        self._scaled = "evidence_scale" in {i.name for i in self._encoder.get_inputs()}
 
-    def latent(self, phi_w: F32, phi_l: F32) -> PersonalLatent:
-        out = run_session(self._encoder, list(LATENT_OUTPUTS), {"phi_w": phi_w[None], "phi_l": phi_l[None],
-                                                                "mask": np.ones((1, len(phi_w)), dtype=np.float32)},
-                          ENCODER_FILE)
+    def latent(self, phi_w: F32, phi_l: F32, log_pi: F32 | None, evidence_scale: float) -> PersonalLatent:
+        feeds = {"phi_w": phi_w[None], "phi_l": phi_l[None], "mask": np.ones((1, len(phi_w)), dtype=np.float32)}
+        if log_pi is not None:
+            feeds["log_pi"] = log_pi[None].astype(np.float32)
+        if self._scaled:  # a mean-pooling encoder has no evidence to scale
+            feeds["evidence_scale"] = np.full((1, 1), evidence_scale, np.float32)
+        out = run_session(self._encoder, list(LATENT_OUTPUTS), feeds, ENCODER_FILE)
         return PersonalLatent(*(np.asarray(v[0], dtype=np.float32) for v in out))
 
     def rewards(self, phi: F32, z: F32) -> F32:
@@ -136,7 +156,7 @@ class VPAPersonalRewardKind(ArtefactKind):
 
     def load(self, context: LoadContext) -> PersonalReward:
         return PersonalReward(context.files[ENCODER_FILE], context.files[REWARD_FILE],
-                              context.manifest["features"]["d_in"], context.options)
+                              context.manifest["features"]["d_in"], context.options, "pi" in context.manifest["latent"])
 
 
 kinds.register_family(FAMILY, PersonalRewardGraphs, loader="sdk.PersonalRewardScorer.load")
@@ -174,6 +194,9 @@ class PersonalRewardScorer:
         self._markers = [re.compile(m, re.IGNORECASE) for m in f["markers"]]
         self._names = tuple(f["pair_features"])
         self._length_scale, self._marker_scale = float(f["length_scale"]), float(f["marker_scale"])
+        latent = manifest["latent"]
+        self._log_pi = None if "pi" not in latent else np.log(np.asarray(latent["pi"], dtype=np.float32))
+        self._readout = sorted((int(c), str(m), float(a)) for c, (m, a) in latent.get("readout", {}).items())
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -210,17 +233,37 @@ class PersonalRewardScorer:
                  response_features_many(prompts, responses, self._names) if self._names else np.zeros((len(prompts), 0))]
         return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
 
-    def infer_z(self, context: Sequence[tuple[str, str, str]]) -> PersonalLatent:
+    def infer_z(self, context: Sequence[tuple[str, str, str]], client_weights: npt.ArrayLike | None = None
+                ) -> PersonalLatent:
         """The user's latent from their own C >= 1 labelled pairs ``(prompt, preferred, dispreferred)``; they stay
-        on the device. Raises InvalidQueryError for a context that is not a non-empty list of three str each,
-        or a blank prompt."""
+        on the device. ``client_weights``: (K,) mixing weights ``pi_c`` of the user's client (its users' mean
+        responsibilities, ``sum = 1``, each > 0): under the bundle's read-out for C pairs (``latent.readout``, the
+        largest listed C <= the pairs) the prior becomes ``sum_k pi_ck N(mu_k, sigma_k^2)`` with the evidence scaled
+        as listed and ``z`` its posterior mean; None: the global ``pi``. Raises InvalidQueryError for a context that
+        is not a non-empty list of three str each, a blank prompt, or weights given to a bundle without ``latent.pi``."""
         if isinstance(context, str) or not isinstance(context, Sequence) or not context or \
                 any(isinstance(c, str) or not isinstance(c, Sequence) or len(c) != 3 for c in context):
             raise InvalidQueryError(f"context must be a non-empty list of (prompt, preferred, dispreferred) triples "
                                     f"of str, got {context!r:.80}")
+        log_pi, scale, client = self._prior(len(context), client_weights)
         prompts, preferred, dispreferred = _texts(**dict(zip(("prompts", "preferred", "dispreferred"), zip(*context))))
         phi = self._features(prompts + prompts, preferred + dispreferred)
-        return self._graphs.latent(phi[:len(prompts)], phi[len(prompts):])
+        latent = self._graphs.latent(phi[:len(prompts)], phi[len(prompts):], log_pi, scale)
+        return PersonalLatent(latent.mu, latent.mu, latent.logvar, latent.responsibilities) if client else latent
+
+    def _prior(self, n_pairs: int, client_weights: npt.ArrayLike | None) -> tuple[F32 | None, float, bool]:
+        """``(log_pi, evidence_scale, client read-out?)`` for a user with ``n_pairs`` context pairs."""
+        if client_weights is None or self._log_pi is None:
+            if client_weights is not None:
+                raise InvalidQueryError("client_weights need a bundle whose prior is a mixture with latent.pi")
+            return self._log_pi, 1.0, False
+        w = finite_rows([client_weights], self.n_prototypes, "client_weights", rows="1")[0]
+        if not (np.all(w > 0) and abs(float(w.sum()) - 1.0) <= 1e-3):
+            raise InvalidQueryError(f"client_weights must be > 0 and sum to 1, got {w.tolist()}")
+        listed = [r for r in self._readout if r[0] <= n_pairs] or self._readout[:1]  # sorted by C
+        if not listed or listed[-1][1] != "client":
+            return self._log_pi, 1.0, False
+        return np.log(w).astype(np.float32), listed[-1][2], True
 
     def _z(self, z: PersonalLatent | npt.ArrayLike) -> F32:
         row: F32 = finite_rows([z.z if isinstance(z, PersonalLatent) else z], self.latent_dim, "z", rows="1")[0]

@@ -49,7 +49,7 @@ def vpa_bundle(shared_data, exported_embedder, signing_keys, tmp_path_factory):
     phi = select_structure(projection.apply(phi), cfg.structure)
     model, protos = VPATrainer(users, phi, cfg).train_vpa("mixture", 0.01, seed=0)
     run = {"model": model, "prototypes": protos, "z_mode": "mean", "structure": cfg.structure,
-           "projection": projection, "beta": 0.01}
+           "projection": projection, "beta": 0.01, "readout": {2: ("client", 0.3), 4: ("mean", 1.0), 8: ("client", 0.1)}}
     saved = PersonalRewardArtefact.from_run(run, cfg, pair_feature_scales(pairs), embedder).save(
         tmp_path_factory.mktemp("run") / "personal_reward")
     artefact = kinds.get(NAME, FAMILY).load(saved)
@@ -96,6 +96,16 @@ def test_device_z_and_rewards_from_text_equal_the_trainers(vpa_bundle, scorer):
     device = scorer.rewards(x, [a, b, "   "], latent)
     expect = artefact.rewards(artefact.features([x] * 3, [a, b, "   "], cache), trainer["z"])
     np.testing.assert_allclose(device, expect, atol=1e-3)
+    # the client's own pi: the read-out listed for the largest C <= the pairs (8: client pi, evidence x 0.1)
+    for n, weights in ((8, [0.3, 0.7]), (5, [0.9, 0.1]), (3, [0.9, 0.1])):
+        mine = scorer.infer_z(context[:n], weights)
+        want = artefact.latent(phi[:n], phi[8:8 + n], np.array(weights))
+        for name in ("z", "mu", "logvar", "responsibilities"):
+            np.testing.assert_allclose(getattr(mine, name), want[name], atol=1e-3)
+        same = np.allclose(mine.mu, artefact.latent(phi[:n], phi[8:8 + n])["mu"], atol=1e-6)
+        assert same == (n == 5)  # C = 4's read-out is the global pi
+    assert report["max_abs_diff"]["z"] > 0 and manifest_readout(out) == {"2": ["client", 0.3], "4": ["mean", 1.0],
+                                                                         "8": ["client", 0.1]}
     margins = scorer.margins([x], [a], [b], latent.z)
     assert margins[0] == pytest.approx(device[0] - device[1], abs=1e-5)
     # the manifest says what the device computes; the prototypes are in the graph, not in the manifest
@@ -104,14 +114,20 @@ def test_device_z_and_rewards_from_text_equal_the_trainers(vpa_bundle, scorer):
     assert manifest["features"]["d_in"] == scorer.d_in == 2 * 384 + 3 + 9 + len(manifest["features"]["pair_features"])
 
 
+def manifest_readout(out):
+    return json.loads((out / "manifest.json").read_text())["latent"]["readout"]
+
+
 def test_the_parity_gate_fails_on_a_difference_above_1e_3(vpa_bundle, scorer):
     from export.vpa_export import check_parity, trainer_reference
 
     artefact, _, _, parity, _, _, cache = vpa_bundle
-    reference = trainer_reference(artefact, parity[:1], cache)  # passed in the export (the fixture)
-    reference[0]["rewards"] = reference[0]["rewards"] + 2e-3
-    report = check_parity(scorer, parity[:1], reference)
+    (ref,) = trainer_reference(artefact, parity[:1], cache)  # passed in the export (the fixture)
+    report = check_parity(scorer, parity[:1], [{**ref, "rewards": ref["rewards"] + 2e-3}])
     assert not report["passed"] and report["failures"][0].startswith("rewards")
+    shifted = {**ref["latent_client"], "mu": ref["latent_client"]["mu"] + 2e-3}  # the client-pi latent is gated too
+    report = check_parity(scorer, parity[:1], [{**ref, "latent_client": shifted}])
+    assert not report["passed"] and report["failures"][0].startswith("mu")
 
 
 def test_tampered_or_foreign_bundles_are_refused(vpa_bundle, signing_keys, tmp_path):
@@ -140,6 +156,9 @@ def test_bad_input_is_refused_at_the_edge(scorer):
     for context in ([], "a question", [("a question", "a yes")], [pair, ("q", 3, "no")], [("  ", "a", "b")], None):
         with pytest.raises(InvalidQueryError):
             scorer.infer_z(context)
+    for weights in ([0.5, 0.6], [1.0, 0.0], [1.0], "pi"):
+        with pytest.raises((InvalidQueryError, ShapeError)):
+            scorer.infer_z([pair], weights)
     z = scorer.infer_z([pair])
     with pytest.raises(InvalidQueryError):
         scorer.rewards("a question", "an answer", z)

@@ -356,11 +356,11 @@ def test_device_z_and_rewards_equal_the_trainers_after_onnx_export(pooling, z_mo
     users = make_users(pairs, cfg.users, seed=0)
     tr = VPATrainer(users, phi, cfg)
     model, protos = tr.train_vpa("mixture", 0.03, seed=0)
-    device = PersonalReward(*vpa_to_onnx(model, protos, z_mode=z_mode), phi.shape[-1])
+    device = PersonalReward(*vpa_to_onnx(model, protos, z_mode=z_mode), phi.shape[-1], prior_inputs=True)
     u = users.users("test")[0]
     idx = torch.as_tensor(users.context(u, 8))[None]
     w, lo = tr.context_tensors(np.array([u]), idx, torch.ones(1, 8))
-    latent = device.latent(w[0].numpy(), lo[0].numpy())
+    latent = device.latent(w[0].numpy(), lo[0].numpy(), np.log(protos.pi).astype(np.float32), 1.0)
     # the device's z from the user's own context is the trainer's (posterior mean or nearest prototype)
     mu_t, logvar_t = ev.posterior(tr, model, np.array([u]), 8, protos)
     z_t = ev.choose_z(tr, model, np.array([u]), 8, protos, z_mode)
@@ -371,3 +371,68 @@ def test_device_z_and_rewards_equal_the_trainers_after_onnx_export(pooling, z_mo
     with torch.no_grad():
         r_t = model.reward(torch.as_tensor(phi[held, 0])[None], z_t)[0].numpy()
     np.testing.assert_allclose(device.rewards(phi[held, 0], latent.z), r_t, atol=1e-4)
+    # under the client's own pi, evidence scaled (natural parameters only): the trainer's 'client' read-out
+    if pooling == "natural":
+        log_pi = ev.client_log_pi(tr, model, protos, np.array([u]))[0].numpy()
+        client = device.latent(w[0].numpy(), lo[0].numpy(), log_pi, 0.1)
+        want = ev.choose_z(tr, model, np.array([u]), 8, protos, "client", 0.1)[0].numpy()
+        np.testing.assert_allclose(client.mu, want, atol=1e-5)
+        assert np.abs(client.mu - latent.mu).max() > 1e-3  # the client's prior and the scale change it
+
+
+@torch.no_grad()
+def test_client_prior_and_evidence_scale_hand_computed():
+    # natural-parameter evidence (h, Lambda) scaled by alpha: gamma_k ~ pi_ck N(h / Lambda; mu_k, s_k^2 + 1 / (alpha
+    # Lambda)), the component posterior N((mu_k / s_k^2 + alpha h) / P_k, 1 / P_k), P_k = 1 / s_k^2 + alpha Lambda
+    torch.manual_seed(0)
+    model = VPAModel(3, hidden=8, latent_dim=1, dropout=0.0, pooling="natural").eval()
+    w, lo, mask = torch.randn(2, 4, 3), torch.randn(2, 4, 3), torch.ones(2, 4)
+    h, lam = (t.double().numpy()[:, 0] for t in model.evidence(w, lo, mask))
+    p_mu, p_lv = torch.tensor([[1.0], [-1.0]]), torch.log(torch.tensor([[0.1], [0.1]]))
+    log_pi = torch.log(torch.tensor([[0.9, 0.1], [0.2, 0.8]]))  # one prior per user (its client's pi)
+    for alpha in (1.0, 0.1):
+        m, lv, logits = model.components(w, lo, mask, p_mu, p_lv, log_pi, alpha)
+        for u in range(2):
+            var = 0.1 + 1.0 / (alpha * lam[u])
+            g = np.exp(log_pi[u].double().numpy()) * np.exp(-0.5 * (h[u] / lam[u] - np.array([1.0, -1.0])) ** 2 / var)
+            np.testing.assert_allclose(torch.softmax(logits[u], -1).numpy(), g / g.sum(), rtol=1e-4)
+            prec = 10.0 + alpha * lam[u]
+            np.testing.assert_allclose(m[u, :, 0].numpy(), (np.array([10.0, -10.0]) + alpha * h[u]) / prec, rtol=1e-5)
+            np.testing.assert_allclose(lv[u, :, 0].numpy(), [-np.log(prec)] * 2, rtol=1e-5)
+    # with vanishing evidence the responsibilities are the client's weights
+    _, _, logits = model.components(w, lo, mask, p_mu, p_lv, log_pi, 1e-6)
+    np.testing.assert_allclose(torch.softmax(logits, -1).numpy(), log_pi.exp().numpy(), atol=1e-4)
+
+
+def test_readout_is_chosen_per_context_on_validation_and_read_back_by_context_size():
+    from trainer.vpa.artefact import PersonalRewardArtefact
+    from trainer.vpa.experiment import choose_readout
+
+    pairs, phi = _synthetic()
+    cfg = _small_cfg()
+    users = make_users(pairs, cfg.users, seed=0)
+    tr = VPATrainer(users, phi, cfg)
+    model, protos = tr.new_vpa(0).eval(), tr.init_prototypes(0)
+    choices = {"fedvpa_gp": {}}
+    readout = choose_readout(tr, model, protos, "mean", [("client", 1.0), ("client", 0.1)], choices)
+    ids = users.users("val")
+    for c in cfg.contexts:
+        scores = choices["fedvpa_gp_readout_val_acc"][str(c)]
+        assert list(scores) == ["mean@1.0", "client@1.0", "client@0.1"]
+        best = max(scores.values())
+        assert scores[f"{readout[c][0]}@{readout[c][1]}"] == best
+        assert readout[c] == ("mean", 1.0) or scores["mean@1.0"] < best  # ties keep the global pi
+        z = ev.choose_z(tr, model, ids, c, protos, "client", 0.1)
+        assert scores["client@0.1"] == pytest.approx(ev.vpa_correct(tr, model, ids, z).mean())
+        # 'client_prototype': the mean of the prototype most responsible under the same posterior
+        _, _, logits = model.components(*tr.context_tensors(ids, torch.as_tensor(np.stack([users.context(u, c) for u in ids])),
+                                                            torch.ones(len(ids), c)), torch.ones(len(ids), c),
+                                        *ev.prior_tensors(protos)[:2], ev.client_log_pi(tr, model, protos, ids), 0.1)
+        np.testing.assert_allclose(ev.choose_z(tr, model, ids, c, protos, "client_prototype", 0.1).numpy(),
+                                   protos.mu[logits.argmax(1).numpy()], rtol=1e-6)
+    assert choices["fedvpa_gp"]["readout"] == {str(c): list(r) for c, r in readout.items()}
+    art = PersonalRewardArtefact(model, protos, None, "mean", None, {}, {2: ("client", 0.1), 8: ("mean", 1.0)})
+    assert [art.readout_for(n) for n in (1, 2, 7, 8, 40)] == [("client", 0.1)] * 3 + [("mean", 1.0)] * 2
+    with pytest.raises(InvalidInputError):
+        _small_cfg(client_scale=0.0)
+    assert _small_cfg(client_scale=None).client_scale is None

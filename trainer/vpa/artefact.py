@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +43,9 @@ class PersonalRewardArtefact:
     """A trained FedVPA-GP (or VPL, ``prototypes=None``) model with its feature path (module docstring).
 
     settings : ``{"d_in", "hidden", "latent_dim", "pooling", "beta"}`` of the model. z_mode : ``'mean'`` or
-    ``'prototype'``. embedder : the frozen sentence encoder of ``e(x)``, ``e(y)``.
+    ``'prototype'`` (under the global ``pi``). embedder : the frozen sentence encoder of ``e(x)``, ``e(y)``.
+    readout : ``{C: (z_mode, evidence_scale)}``, the read-out chosen per context size on validation
+    (:func:`trainer.vpa.experiment.choose_readout`): ``('client', alpha)`` where the client's own ``pi`` won.
     """
 
     model: VPAModel
@@ -52,6 +54,15 @@ class PersonalRewardArtefact:
     z_mode: str
     embedder: EmbedderConfig
     settings: dict
+    readout: dict[int, tuple[str, float]] = field(default_factory=dict)
+
+    def readout_for(self, n_pairs: int) -> tuple[str, float]:
+        """The read-out for a user with ``n_pairs`` context pairs: that of the largest chosen C <= n_pairs (the
+        smallest C below them); ``(z_mode, 1.0)`` without a per-C choice."""
+        if not self.readout:
+            return self.z_mode, 1.0
+        cs = sorted(self.readout)
+        return self.readout[max([c for c in cs if c <= n_pairs], default=cs[0])]
 
     @classmethod
     def from_run(cls, run: dict, cfg, scales: np.ndarray, embedder: EmbedderConfig | None = None
@@ -65,7 +76,7 @@ class PersonalRewardArtefact:
                     "pooling": cfg.pooling, "beta": run["beta"]}
         return cls(model, run["prototypes"], FeatureTransform(run["structure"], scales if keeps_p else None,
                                                               run["projection"]),
-                   run["z_mode"], embedder or EmbedderConfig(), settings)
+                   run["z_mode"], embedder or EmbedderConfig(), settings, dict(run.get("readout", {})))
 
     # -- the trainer's inference on text ----------------------------------------------------------------
 
@@ -80,16 +91,23 @@ class PersonalRewardArtefact:
         return self.transform.apply(self.raw(prompts, responses, cache_dir))
 
     @torch.no_grad()
-    def latent(self, phi_w: np.ndarray, phi_l: np.ndarray) -> dict[str, np.ndarray]:
+    def latent(self, phi_w: np.ndarray, phi_l: np.ndarray, client_pi: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """One user's latent from C context pairs (phi_w, phi_l: (C, d_in) float32 of the preferred / dispreferred
         response): ``z`` (d_z,) as :func:`trainer.vpa.evaluation.choose_z`, ``mu``, ``logvar`` (d_z,) of the
-        (mixture) posterior, ``responsibilities`` (K,) (``[1.0]`` under the N(0, I) prior)."""
+        (mixture) posterior, ``responsibilities`` (K,) (``[1.0]`` under the N(0, I) prior). client_pi : (K,) the
+        user's client's mixing weights (:func:`trainer.vpa.evaluation.client_log_pi`): used where
+        :meth:`readout_for` C is ``'client'``; None or elsewhere the global ``pi`` and ``z_mode``."""
         w, lo = (torch.as_tensor(x, dtype=torch.float32)[None] for x in (phi_w, phi_l))
         mask = torch.ones(1, len(phi_w))
         prior = None if self.prototypes is None else prior_tensors(self.prototypes)
-        mu, logvar = self.model.eval().infer(w, lo, mask, prior)
-        gamma = torch.ones(1, 1) if prior is None else self.model.components(w, lo, mask, *prior)[2].softmax(-1)
-        z = prior[0][gamma.argmax(1)] if self.z_mode == "prototype" and prior is not None else mu
+        z_mode, scale = self.readout_for(len(phi_w))
+        if prior is None or client_pi is None or z_mode != "client":
+            z_mode, scale = self.z_mode, 1.0
+        else:
+            prior = (prior[0], prior[1], torch.log(torch.as_tensor(client_pi, dtype=torch.float32))[None])
+        mu, logvar = self.model.eval().infer(w, lo, mask, prior, scale)
+        gamma = torch.ones(1, 1) if prior is None else self.model.components(w, lo, mask, *prior, scale)[2].softmax(-1)
+        z = prior[0][gamma.argmax(1)] if z_mode == "prototype" and prior is not None else mu
         return {"z": z[0].numpy(), "mu": mu[0].numpy(), "logvar": logvar[0].numpy(), "responsibilities": gamma[0].numpy()}
 
     @torch.no_grad()
@@ -117,6 +135,7 @@ class PersonalRewardArtefact:
                 arrays["scales"] = t.scales
             np.savez(staged / ARRAYS_FILE, **arrays)
             meta = {"format_version": FORMAT_VERSION, "kind": "personal_reward/vpa", "z_mode": self.z_mode,
+                    "readout": {str(c): list(r) for c, r in self.readout.items()},
                     "structure": t.structure, "d_emb": t.d_emb, "embedder": asdict(self.embedder), **self.settings}
             (staged / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
             replace_dir(staged, directory)
@@ -139,7 +158,9 @@ class PersonalRewardArtefact:
             protos = Prototypes(arrays["proto_mu"], arrays["proto_logvar"], arrays["proto_pi"]) if "proto_mu" in arrays else None
             transform = FeatureTransform(meta["structure"], arrays.get("scales"), projection, meta["d_emb"])
             settings = {k: meta[k] for k in ("d_in", "hidden", "latent_dim", "pooling", "beta")}
-            return cls(model.eval(), protos, transform, meta["z_mode"], EmbedderConfig(**meta["embedder"]), settings)
+            readout = {int(c): (str(m), float(a)) for c, (m, a) in meta.get("readout", {}).items()}
+            return cls(model.eval(), protos, transform, meta["z_mode"], EmbedderConfig(**meta["embedder"]), settings,
+                       readout)
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise InvalidInputError(f"{directory} is not a saved FedVPA-GP model (`fedroute vpa train --out RUN` "
                                     f"writes RUN/{ARTEFACT_DIR}): {exc}") from exc

@@ -87,21 +87,26 @@ def client_log_pi(tr: VPATrainer, model: VPAModel, protos: Prototypes, ids: np.n
 
 
 @torch.no_grad()
-def choose_z(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: Prototypes | None, z_mode: str
-             ) -> torch.Tensor:
+def choose_z(tr: VPATrainer, model: VPAModel, ids: np.ndarray, c: int, protos: Prototypes | None, z_mode: str,
+             evidence_scale: float = 1.0) -> torch.Tensor:
     """The ``z`` scored with (:data:`trainer.vpa.trainer.Z_MODES`): the posterior mean, the mean of the most
     responsible prototype, the responsibility-weighted prototype mean ``sum_k gamma_k mu_k``, or ``'likelihood'``:
     ``sum_k w_k mu_k`` with ``w_k ~ pi_k prod_i p(s_i | z = mu_k)``, the posterior of the prototype given the
     Bradley-Terry likelihood of the user's C context labels under the reward head at each prototype mean (the
     E-step of a mixture of Bradley-Terry models, the prototypes taken as points; it bypasses the encoder), or
-    ``'client'``: the mixture posterior's mean under the user's client's mixing weights (:func:`client_log_pi`)."""
+    ``'client'``: the mixture posterior's mean under the user's client's mixing weights (:func:`client_log_pi`),
+    the evidence scaled by ``evidence_scale`` (:meth:`VPAModel.components`; the other modes read it unscaled), or
+    ``'client_prototype'``: the mean of the prototype most responsible under that posterior."""
     if z_mode == "mean" or protos is None:
         return posterior(tr, model, ids, c, protos)[0]
-    if z_mode == "client":
+    if z_mode in ("client", "client_prototype"):
         idx, mask = _context_batch(tr, ids, c)
         p_mu, p_lv, _ = prior_tensors(protos)
         prior = (p_mu, p_lv, client_log_pi(tr, model, protos, ids))
-        return model.infer(*tr.context_tensors(ids, idx, mask), mask, prior)[0]
+        ctx = tr.context_tensors(ids, idx, mask)
+        if z_mode == "client":
+            return model.infer(*ctx, mask, prior, evidence_scale)[0]
+        return p_mu[model.components(*ctx, mask, *prior, evidence_scale)[2].argmax(1)]
     proto_mu = torch.tensor(protos.mu, dtype=torch.float32)
     if z_mode == "likelihood":
         idx, _ = _context_batch(tr, ids, c)

@@ -4,7 +4,8 @@ Per seed (:func:`run_seed`): draw the users (:func:`trainer.data.conflicting_use
 features (with or without ``s(y)``: the oracle's validation accuracy decides, unless the config fixes it), train
 the monolithic and per-type Bradley-Terry rewards, VPL (N(0, I) prior) and FedVPA-GP for every beta of the config,
 keep per prior the beta (and, for FedVPA-GP, the z mode) with the best validation accuracy averaged over the
-context sizes, train local-only VPL with VPL's beta, and score every method on the test users for every C.
+context sizes (FedVPA-GP is then read under each user's client's own ``pi``, ``VPAConfig.client_scale``; the
+global read-out is scored too, as ``fedvpa_gp_global_pi``), train local-only VPL with VPL's beta, and score every method on the test users for every C.
 :func:`run_experiment` repeats over seeds and reports mean and standard deviation over seeds.
 """
 
@@ -26,7 +27,8 @@ from trainer.vpa.artefact import PersonalRewardArtefact
 from trainer.vpa.features import STRUCTURES, fit_projection, pair_feature_scales, pair_features, select_structure
 from trainer.vpa.trainer import VPAConfig, VPATrainer
 
-METHODS = ("fedvpa_gp", "vpl_gaussian", "monolithic_bt", "length_per_user", "two_stage", "local_vpl", "oracle_type")
+METHODS = ("fedvpa_gp", "vpl_gaussian", "monolithic_bt", "length_per_user", "two_stage", "local_vpl", "oracle_type",
+           "fedvpa_gp_global_pi")
 Z_METHODS = ("fedvpa_gp", "vpl_gaussian", "local_vpl")
 
 
@@ -42,6 +44,24 @@ def _val_score(tr: VPATrainer, model, protos, z_mode: str) -> float:
     accs = [ev.vpa_correct(tr, model, ids, ev.choose_z(tr, model, ids, c, protos, z_mode)).mean()
             for c in tr.cfg.contexts]
     return float(np.mean(accs))
+
+
+def choose_readout(tr: VPATrainer, model, protos, z_mode: str, options: list[tuple[str, float]], choices: dict
+                   ) -> dict[int, tuple[str, float]]:
+    """Per C, FedVPA-GP's read-out of ``z`` with the best validation accuracy: ``(z_mode, 1.0)`` (the global ``pi``,
+    chosen over all C) or one of ``options``, ``(mode, alpha)`` (e.g. ``('client', 0.1)``: the client's own ``pi``,
+    evidence scaled by 0.1; :func:`trainer.vpa.evaluation.choose_z`); the first wins ties. Records every score in
+    ``choices`` (``benchmarks/vpa_readout_settings.py``)."""
+    ids = tr.users.users("val")
+    readout = {}
+    options = [(z_mode, 1.0)] + list(options)
+    for c in tr.cfg.contexts:
+        accs = [float(ev.vpa_correct(tr, model, ids, ev.choose_z(tr, model, ids, c, protos, m, a)).mean())
+                for m, a in options]
+        choices.setdefault("fedvpa_gp_readout_val_acc", {})[str(c)] = {f"{m}@{a}": v for (m, a), v in zip(options, accs)}
+        readout[c] = options[int(np.argmax(accs))]
+    choices["fedvpa_gp"]["readout"] = {str(c): list(r) for c, r in readout.items()}
+    return readout
 
 
 def run_seed(cfg: VPAConfig, pairs: pd.DataFrame, phi_full: np.ndarray, seed: int,
@@ -83,6 +103,9 @@ def run_seed(cfg: VPAConfig, pairs: pd.DataFrame, phi_full: np.ndarray, seed: in
         choices[name] = {"beta": beta, "z_mode": z_mode, "val_acc": score}
         fitted[name] = (model, protos, z_mode)
         log(f"seed {seed}: {name} beta {beta}, z {z_mode}, val acc {score:.3f}")
+    scale = cfg.client_scale
+    readout = {c: ("client", scale) if scale is not None else (fitted["fedvpa_gp"][2], 1.0) for c in cfg.contexts}
+    choices["fedvpa_gp"]["readout"] = {str(c): list(r) for c, r in readout.items()}
     local = {i: tr.train_vpa("gaussian", choices["vpl_gaussian"]["beta"], seed, clients=[i])
              for i in range(cfg.users.n_clients)}
 
@@ -108,15 +131,21 @@ def run_seed(cfg: VPAConfig, pairs: pd.DataFrame, phi_full: np.ndarray, seed: in
         switch["two_stage"][key] = ev.switching(two_ok, ev.bt_correct(tr, oracle, test_ids, guess[partner]))
         switch["oracle_type"][key] = ev.switching(oracle_ok, ev.bt_correct(tr, oracle, test_ids, t_test[partner]))
         switch["monolithic_bt"][key] = ev.switching(mono_ok, mono_ok)
-        for name in ("fedvpa_gp", "vpl_gaussian"):
-            model, protos, z_mode = fitted[name]
-            mu, _ = ev.posterior(tr, model, test_ids, c, protos)
-            z = ev.choose_z(tr, model, test_ids, c, protos, z_mode)
+        for name, source in (("fedvpa_gp", "fedvpa_gp"), ("vpl_gaussian", "vpl_gaussian"),
+                             ("fedvpa_gp_global_pi", "fedvpa_gp")):
+            model, protos, z_mode = fitted[source]
+            z_mode, scale = readout[c] if name == "fedvpa_gp" else (z_mode, 1.0)
+            z = ev.choose_z(tr, model, test_ids, c, protos, z_mode, scale)
             ok = ev.vpa_correct(tr, model, test_ids, z)
             out[name][key] = ev.summarise(ok, t_test)
-            mu_val, _ = ev.posterior(tr, model, val_ids, c, protos)
+            if z_mode == "client":  # the posterior mean under the client's prior is the z scored with
+                mu, mu_val = z, ev.choose_z(tr, model, val_ids, c, protos, z_mode, scale)
+            else:
+                mu, mu_val = ev.posterior(tr, model, test_ids, c, protos)[0], ev.posterior(tr, model, val_ids, c, protos)[0]
             collapse[name][key] = {"kl_mean": float(ev.kl_to_prior(tr, model, test_ids, c, protos).mean()),
                                    "type_acc_from_z": ev.type_probe(mu_val.numpy(), t_val, mu.numpy(), t_test)}
+            if name == "fedvpa_gp_global_pi":
+                continue
             switch[name][key] = ev.switching(ok, ev.vpa_correct(tr, model, test_ids, z[partner]))
             latent.setdefault(name, {})[key] = mu.numpy().round(4).tolist()
             if protos is not None:
@@ -134,7 +163,7 @@ def run_seed(cfg: VPAConfig, pairs: pd.DataFrame, phi_full: np.ndarray, seed: in
     latent["types"] = t_test.tolist()
     log(f"seed {seed}: C={cfg.contexts[-1]} " + ", ".join(f"{m} {out[m][str(cfg.contexts[-1])]['acc']:.3f}" for m in METHODS))
     model, protos, z_mode = fitted["fedvpa_gp"]
-    artefact = {"model": model, "prototypes": protos, "z_mode": z_mode, "structure": choices["structure"],
+    artefact = {"model": model, "prototypes": protos, "z_mode": z_mode, "readout": readout, "structure": choices["structure"],
                 "projection": projection, "beta": choices["fedvpa_gp"]["beta"]}
     return {"seed": seed, "methods": out, "collapse": collapse, "switching": switch, "choices": choices,
             "latent": latent, "artefact": artefact, "n_test_users": int(len(test_ids)),

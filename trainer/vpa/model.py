@@ -196,20 +196,28 @@ class VPAModel(nn.Module):
         return mu, logvar.clamp(-8.0, 4.0)
 
     def components(self, phi_w: torch.Tensor, phi_l: torch.Tensor, mask: torch.Tensor, proto_mu: torch.Tensor,
-                   proto_logvar: torch.Tensor, log_pi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Component posteriors and log responsibilities under the mixture prior: (m, lv (U, K or 1, d_z), logits (U, K))."""
+                   proto_logvar: torch.Tensor, log_pi: torch.Tensor, evidence_scale: float = 1.0
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Component posteriors and log responsibilities under the mixture prior: (m, lv (U, K or 1, d_z), logits (U, K)).
+
+        log_pi : (K,) or, a prior per user (a client's own mixing weights), (U, K). evidence_scale : ``alpha`` > 0,
+        the evidence ``(alpha h, alpha Lambda)`` (``pooling='natural'`` only: a tempered likelihood, so that the
+        prior weighs in against few pairs)."""
         if self.pooling == "natural":
-            return mixture_posterior(*self.evidence(phi_w, phi_l, mask), proto_mu, proto_logvar, log_pi)
+            h, lam = self.evidence(phi_w, phi_l, mask)
+            return mixture_posterior(evidence_scale * h, evidence_scale * lam, proto_mu, proto_logvar, log_pi)
         mu, logvar = self.encode(phi_w, phi_l, mask)
         return mu[:, None], logvar[:, None], assignment_logits(mu, logvar, proto_mu, proto_logvar, log_pi)
 
     def infer(self, phi_w: torch.Tensor, phi_l: torch.Tensor, mask: torch.Tensor,
-              prior: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              prior: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, evidence_scale: float = 1.0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Posterior mean and log variance (U, d_z) of ``z``: :meth:`encode` without ``prior``, else of the mixture
-        posterior under ``prior = (proto_mu (K, d_z), proto_logvar (K, d_z), log_pi (K,))`` (:func:`mixture_moments`)."""
+        posterior under ``prior = (proto_mu (K, d_z), proto_logvar (K, d_z), log_pi (K,) or (U, K))`` with the
+        evidence scaled by ``evidence_scale`` (:meth:`components`, :func:`mixture_moments`)."""
         if prior is None:
             return self.encode(phi_w, phi_l, mask)
-        m, lv, logits = self.components(phi_w, phi_l, mask, *prior)
+        m, lv, logits = self.components(phi_w, phi_l, mask, *prior, evidence_scale)
         return mixture_moments(m, lv, F.softmax(logits, dim=-1))
 
     def reward(self, phi: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

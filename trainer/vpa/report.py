@@ -39,7 +39,7 @@ def markdown(res: dict) -> str:
     lines += ["", "Posterior collapse: mean KL(q(z|C) || prior) in nats / type accuracy of a probe on z "
               "(two_stage: its classifier's accuracy):", "", "| method | " + " | ".join(f"C = {c}" for c in cs) + " |",
               "|---|" + "---|" * len(cs)]
-    for m in ("fedvpa_gp", "vpl_gaussian", "local_vpl", "two_stage"):
+    for m in ("fedvpa_gp", "fedvpa_gp_global_pi", "vpl_gaussian", "local_vpl", "two_stage"):
         cells = [f"{_num(res['collapse'][m][c]['kl_mean'], '{:.2f}')} / {_num(res['collapse'][m][c]['type_acc_from_z'])}"
                  for c in cs]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")

@@ -40,7 +40,7 @@ from trainer.vpa.prototype_kmeans import federated_kmeans
 
 PRIORS = ("gaussian", "mixture")
 #: How a user's ``z`` for scoring is read from the posterior (:func:`trainer.vpa.evaluation.choose_z`).
-Z_MODES = ("mean", "prototype", "responsibility", "likelihood", "client")
+Z_MODES = ("mean", "prototype", "responsibility", "likelihood", "client", "client_prototype")
 
 
 @dataclass
@@ -71,6 +71,11 @@ class VPAConfig:
         user's soft type) and/or ``'likelihood'`` (prototypes weighted by the context labels' likelihood under the
         reward head, :func:`trainer.vpa.evaluation.choose_z`); all but the first under the mixture prior only;
         chosen on validation.
+    client_scale : FedVPA-GP's read-out under the user's client's mixing weights ``pi_c`` (``z_mode='client'``: the
+        prior of a user is ``sum_k pi_ck N(mu_k, sigma_k^2)``, ``pi_c`` its client's users' mean responsibilities,
+        computed on the client) with the natural-parameter evidence scaled by ``alpha = client_scale`` at every C
+        (``pooling='mean'``: no scale, only ``pi_c`` counts); ``benchmarks/vpa_readout_settings.py`` chose 0.1 on
+        validation users. None: the ``z_modes`` choice under the global ``pi``.
     lambda_orth : weight of the orthogonality loss. proto_scale : distance of the initial prototype means from 0.
     proto_var_cap : largest prototype variance per latent dimension (initial variances too; at most
         :data:`~trainer.vpa.aggregation.VAR_CAP`): a tighter ``sigma_k`` lets few pairs pick a prototype.
@@ -98,6 +103,7 @@ class VPAConfig:
     kmeans_at: tuple[float, ...] = ()
     kmeans_iters: int = 10
     z_modes: tuple[str, ...] = ("mean", "prototype")
+    client_scale: float | None = 0.1
     lambda_orth: float = 1.0
     proto_scale: float = 2.0
     proto_var_cap: float = VAR_CAP
@@ -134,6 +140,8 @@ class VPAConfig:
         if self.pooling not in ("mean", "natural") or self.free_bits < 0 or not all(0 <= a < 1 for a in self.kmeans_at):
             raise InvalidInputError(f"pooling={self.pooling!r} must be mean|natural, free_bits={self.free_bits} >= 0, "
                                     f"kmeans_at={self.kmeans_at} in [0, 1)")
+        if self.client_scale is not None and not self.client_scale > 0:
+            raise InvalidInputError(f"client_scale={self.client_scale} must be > 0 or None")
         if self.betas_mixture is not None and (not self.betas_mixture or min(self.betas_mixture) < 0):
             raise InvalidInputError(f"betas_mixture={self.betas_mixture} must be >= 0")
 
