@@ -558,6 +558,21 @@ def test_simulate_refuses_the_same_file_as_train_and_test(routerbench_dir, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("online", [[], ["--online"]])
+def test_simulate_refuses_more_clients_than_training_rows(routerbench_dir, tmp_path, online):
+    """--n-clients above the training rows ran (347 s on RouterBench) with clients that held no query."""
+    import pandas as pd
+
+    for split in ("train", "test"):
+        pd.read_parquet(routerbench_dir / f"{split}.parquet").iloc[:3].to_parquet(tmp_path / f"{split}.parquet")
+    result = CliRunner().invoke(app, ["simulate", "--train", str(tmp_path / "train.parquet"), "--test",
+                                      str(tmp_path / "test.parquet"), "--n-clients", "4", "--out", str(tmp_path / "out"),
+                                      *online], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert "--n-clients 4" in flat(result.output) and " 3 training rows" in flat(result.output)
+    assert not (tmp_path / "out").exists()
+
+
 def test_simulate_refuses_a_repeated_router_kind_before_the_data(tmp_path):
     """--routers kmeans,kmeans trained K-means twice per seed and reported the second, drawn from another RNG
     state, so the figures differed from --routers kmeans without a word."""
