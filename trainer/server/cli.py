@@ -44,12 +44,13 @@ def _sqlite_file(db: str) -> Path | None:
         url = make_url(db)
     except Exception:  # noqa: BLE001 - Store(db) names the bad URL
         return None
-    return Path(url.database) if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:") else None
+    sqlite = url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:")
+    return Path(url.database) if sqlite else None
 
 
 def _store(db: str, *, existing: bool = False):
     """The :class:`~trainer.server.store.Store` at ``db``. ``existing`` (commands that read or change what is
-    there) refuses, without writing to it, a database that is not the server's (a SQLite file missing, empty
+    there) refuses, without writing to it, a database that is not the server's (e.g. a SQLite file missing, empty
     or another program's)."""
     from trainer.server.store import Store  # server extra (sqlalchemy): `fedroute --help` works without it
 
