@@ -60,7 +60,7 @@ def _need_trainer() -> None:
 
 def _load_tables(data: Optional[Path], train: Optional[Path], test: Optional[Path], n_clients: Optional[int] = None):
     """(train, test) EvalTables of --data or --train/--test; refuses ``n_clients`` (--n-clients) above the
-    training rows, where clients would hold no query."""
+    training rows, where clients would hold no query (no rows at all: the simulation names that)."""
     from trainer.data.routerbench import load_eval_file, load_routerbench_dir  # trainer extra: `fedroute --help` works without it
 
     if train is not None or test is not None:
@@ -73,7 +73,7 @@ def _load_tables(data: Optional[Path], train: Optional[Path], test: Optional[Pat
         raise typer.BadParameter("give --data DIR (with train.parquet and test.parquet) or --train FILE --test FILE")
     else:
         tables = load_routerbench_dir(data)
-    if n_clients is not None and n_clients > tables[0].n_queries:
+    if n_clients is not None and 0 < tables[0].n_queries < n_clients:
         raise typer.BadParameter(f"--n-clients {n_clients}: more clients than the {tables[0].n_queries} training rows")
     return tables
 
