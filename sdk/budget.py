@@ -121,12 +121,13 @@ class BudgetController:
     def __init__(self, router: Router, budget_usd_per_1k: float, *, window: int = 200, tolerance: float = 0.10,
                  seed: int | None = None, gain: float = DEFAULT_GAIN, max_step: float = DEFAULT_MAX_STEP,
                  on_event: Callable[[BudgetEvent], None] | None = None) -> None:
-        given = {"budget_usd_per_1k": budget_usd_per_1k, "tolerance": tolerance, "gain": gain, "max_step": max_step,
-                 "window": window, "seed": seed, "on_event": on_event}
+        given = {"router": router, "budget_usd_per_1k": budget_usd_per_1k, "tolerance": tolerance, "gain": gain,
+                 "max_step": max_step, "window": window, "seed": seed, "on_event": on_event}
         reals = {name: finite_float(given[name]) for name in ("budget_usd_per_1k", "tolerance", "gain", "max_step")}
         integral = {name: not isinstance(given[name], bool) and isinstance(given[name], numbers.Integral)
                     for name in ("window", "seed")}
-        rules = [(name, value is not None and value > 0, "a finite number > 0") for name, value in reals.items()] + [
+        rules = [("router", isinstance(router, Router), "an sdk.Router")] + [
+            (name, value is not None and value > 0, "a finite number > 0") for name, value in reals.items()] + [
             ("window", integral["window"] and 1 <= window <= MAX_WINDOW, f"an int in [1, {MAX_WINDOW}] (queries)"),
             ("seed", seed is None or (integral["seed"] and seed >= 0), "None or an int >= 0"),
             ("on_event", on_event is None or callable(on_event), "callable or None")]

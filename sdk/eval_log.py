@@ -301,7 +301,7 @@ class EvalLog:
         cell : int >= 0, the query's Voronoi cell; at least one of ``embedding`` and ``cell`` is needed.
         bundle_version : int >= 0, the routing bundle that made the decision.
         query : str, stored only with ``store_text=True``.
-        timestamp : real, unix seconds, at most a day ahead of ``clock()`` (default: ``clock()``).
+        timestamp : real >= 0, unix seconds, at most a day ahead of ``clock()`` (default: ``clock()``).
         policy, propensity : the policy that chose ``model`` (non-empty str) and the probability that it
             did (real in (0, 1]), both or neither; kept for offline evaluation, never uploaded.
 
@@ -321,8 +321,8 @@ class EvalLog:
         cell_i = None if cell is None else _index("cell", cell)
         bundle_i = None if bundle_version is None else _index("bundle_version", bundle_version)
         now = _real("clock()", self._clock(), -np.inf, np.inf)
-        ts = now if timestamp is None else _real("timestamp", timestamp, -np.inf, now + _SECONDS_PER_DAY,
-                                                 note=" (at most a day in the future)")
+        ts = now if timestamp is None else _real("timestamp", timestamp, 0.0, now + _SECONDS_PER_DAY,
+                                                 note=" (unix seconds, at most a day in the future)")
         problems = (  # (refused?, message): the first that holds is raised
             (query is not None and not isinstance(query, str), f"query must be a str or None, got {type(query).__name__}"),
             (embedding is None and cell is None,

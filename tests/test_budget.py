@@ -46,11 +46,12 @@ def test_bad_budgets_are_refused(router, budget):
     ({"window": 0}, "window"), ({"window": -5}, "window"), ({"window": 2.5}, "window"), ({"window": True}, "window"),
     ({"window": "200"}, "window"), ({"tolerance": 0.0}, "tolerance"), ({"tolerance": float("nan")}, "tolerance"),
     ({"tolerance": -0.1}, "tolerance"), ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"), ({"gain": 0}, "gain"),
-    ({"max_step": float("inf")}, "max_step"), ({"on_event": 3}, "on_event"),
+    ({"max_step": float("inf")}, "max_step"), ({"on_event": 3}, "on_event"), ({"router": None}, "router"),
+    ({"router": "bundle/"}, "router"),
 ])
 def test_bad_settings_are_refused(router, kwargs, match):
     with pytest.raises(InvalidInputError, match=match):
-        BudgetController(router, 1.0, **kwargs)
+        BudgetController(**{"router": router, "budget_usd_per_1k": 1.0, **kwargs})
 
 
 def test_a_huge_int_or_a_str_number_is_named_as_such(router):

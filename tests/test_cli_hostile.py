@@ -367,18 +367,34 @@ def test_prism_train_refuses_no_or_repeated_methods_before_the_data(tmp_path, me
     assert not (tmp_path / "run").exists()
 
 
+def _write_db_file(path: Path, content: str) -> None:
+    import sqlite3
+
+    if content == "empty file":
+        path.touch()
+    elif content == "not SQLite":
+        path.write_text("hello")
+    elif content != "absent":  # SQLite without tables, or another program's
+        with sqlite3.connect(path) as conn:
+            conn.executescript("" if content == "SQLite, no tables" else "CREATE TABLE notes (x)")
+        conn.close()
+
+
+@pytest.mark.parametrize("content", ["absent", "empty file", "SQLite, no tables", "foreign SQLite", "not SQLite"])
 @pytest.mark.parametrize("command", [["rounds", "status"], ["rounds", "close"], ["clients", "list"],
                                      ["clients", "revoke", "phone-1"], ["clients", "rotate", "phone-1"],
                                      ["publish", "--round", "1", "--bundle-dir", "B", "--signing-key", "K"]])
-def test_operator_commands_refuse_a_sqlite_database_that_does_not_exist(tmp_path, command):
+def test_operator_commands_refuse_a_file_that_is_not_a_server_database_and_write_nothing(tmp_path, command, content):
     """A typo in --db created an empty database: `rounds status` answered {"round_id": null} with exit 0 and
-    `clients list` printed nothing, as if the server had no round and no client."""
-    typo = tmp_path / "fd.db"
-    result = CliRunner().invoke(app, [*command, "--db", f"sqlite:///{typo}"], env={"COLUMNS": "500"})
+    `clients list` printed nothing, as if the server had no round and no client; an empty or another
+    program's SQLite file got the server's tables written into it."""
+    db = tmp_path / "fd.db"
+    _write_db_file(db, content)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    result = CliRunner().invoke(app, [*command, "--db", f"sqlite:///{db}"], env={"COLUMNS": "500"})
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
-    assert (f"--db sqlite:///{typo}: no database at {typo}; `fedroute clients add` or `fedroute rounds open` "
-            "creates one") in flat(result.output)
-    assert not typo.exists()
+    assert str(db) in flat(result.output)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_clients_add_still_creates_the_database(tmp_path):
@@ -401,6 +417,24 @@ def test_rounds_open_checks_its_paths_before_creating_the_database(tmp_path):
         assert named in flat(result.output) and ("no bundle folder there" in flat(result.output)
                                                  or "no key file there" in flat(result.output))
         assert not db.exists()
+
+
+@pytest.mark.parametrize("args, named", [(["--recluster"], "--recluster"), (["--clip-norm", "1"], "clip_norm"),
+                                         (["--kind", "mlp"], "--router"), (["--kind", "mlp", "--continue"], "--continue")])
+def test_a_refused_first_rounds_open_leaves_no_database(tmp_path, args, named):
+    """Options refused by the round kind (some need the database: --recluster, --continue) were refused only
+    after `rounds open` had created an empty database at --db."""
+    from export.bundle_writer import write_bundle
+    from export.signing import generate_keypair, load_signing_key
+
+    key, pub = generate_keypair(tmp_path / "keys")
+    write_bundle(tmp_path / "bundle", {"kmeans.npz": b"x"}, {"bundle_version": 1, "router_kind": "kmeans"},
+                 load_signing_key(key))
+    result = CliRunner().invoke(app, ["rounds", "open", "--bundle-dir", str(tmp_path / "bundle"), "--public-key",
+                                      str(pub), "--db", f"sqlite:///{tmp_path / 'fed.db'}", *args], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert named in flat(result.output)
+    assert not list(tmp_path.glob("fed.db*"))
 
 
 @pytest.mark.parametrize("mode, refused", [(0o600, False), (0o400, False), (0o644, True), (0o640, True),
@@ -521,6 +555,21 @@ def test_simulate_refuses_the_same_file_as_train_and_test(routerbench_dir, tmp_p
                                 env={"COLUMNS": "500"})
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert f"--train and --test are the same file ({same}); give a held-out test file" in flat(result.output)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("online", [[], ["--online"]])
+def test_simulate_refuses_more_clients_than_training_rows(routerbench_dir, tmp_path, online):
+    """--n-clients above the training rows ran (347 s on RouterBench) with clients that held no query."""
+    import pandas as pd
+
+    for split in ("train", "test"):
+        pd.read_parquet(routerbench_dir / f"{split}.parquet").iloc[:3].to_parquet(tmp_path / f"{split}.parquet")
+    result = CliRunner().invoke(app, ["simulate", "--train", str(tmp_path / "train.parquet"), "--test",
+                                      str(tmp_path / "test.parquet"), "--n-clients", "4", "--out", str(tmp_path / "out"),
+                                      *online], env={"COLUMNS": "500"})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert "--n-clients 4" in flat(result.output) and " 3 training rows" in flat(result.output)
     assert not (tmp_path / "out").exists()
 
 

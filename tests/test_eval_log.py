@@ -143,6 +143,8 @@ BAD_RECORDS = [  # (override, error type, the argument its message names)
     pytest.param(dict(embedding=None, cell=None), InvalidInputError, "embedding", id="neither-embedding-nor-cell"),
     pytest.param(dict(bundle_version=-2), InvalidInputError, "bundle_version", id="bundle<0"),
     pytest.param(dict(timestamp=float("nan")), InvalidInputError, "timestamp", id="ts-nan"),
+    pytest.param(dict(timestamp=-float("inf")), InvalidInputError, "timestamp", id="ts-minus-inf"),
+    pytest.param(dict(timestamp=-5.0), InvalidInputError, "timestamp", id="ts<0"),
     pytest.param(dict(query=b"bytes"), InvalidInputError, "query", id="query-bytes"),
 ]
 

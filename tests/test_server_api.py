@@ -459,6 +459,32 @@ def test_store_refuses_in_memory_databases_and_rotates_tokens(tmp_path):
     assert store.rotate_token("nobody") is None
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_store_opened_without_create_refuses_a_database_without_its_tables_and_writes_nothing(tmp_path, postgres,
+                                                                                             backend):
+    """Store(url, create=False) is what the operator commands that read (`clients list`, `rounds status`, ...) open."""
+    import sqlalchemy as sa
+
+    if backend == "sqlite":
+        (tmp_path / "x.db").touch()
+        url = f"sqlite:///{tmp_path / 'x.db'}"
+    else:
+        from postgres_server import fresh_database
+
+        if postgres[0] is None:
+            pytest.skip(postgres[1])
+        url = fresh_database(postgres[0])
+    with pytest.raises(ValueError, match="clients"):
+        Store(url, create=False)
+    engine = sa.create_engine(url)
+    assert sa.inspect(engine).get_table_names() == []
+    engine.dispose()
+    Store(url).close()  # the default creates them
+    store = Store(url, create=False)
+    assert store.list_clients() == []
+    store.close()
+
+
 def test_round_deadline_is_bounded(server, kmeans_bundle, signing_keys):
     from sdk.errors import InvalidInputError
 

@@ -132,7 +132,10 @@ def read_answer(sock: socket.socket) -> bytes:
 
 @BOTH_PARSERS
 def test_header_flood_is_cut_at_the_header_limit_while_others_are_served(live):
-    stop = threading.Event()
+    """While three connections flood one header, health requests are served within 1 s plus ten times the
+    slowest health request without the flood, measured just before: the bound grows with the machine's load."""
+    without_flood = max(health_latency_s(live) for _ in range(10))
+    stop, cut = threading.Event(), threading.Event()
     sent_per_connection: list[int] = []
     answers: list[bytes] = []
 
@@ -147,6 +150,7 @@ def test_header_flood_is_cut_at_the_header_limit_while_others_are_served(live):
                     sent += len(chunk)
             except OSError:
                 answers.append(read_answer(sock))
+                cut.set()
             finally:
                 sent_per_connection.append(sent)
                 sock.close()
@@ -155,13 +159,13 @@ def test_header_flood_is_cut_at_the_header_limit_while_others_are_served(live):
     for t in flooders:
         t.start()
     try:
-        time.sleep(0.3)
+        assert cut.wait(60), "no flooding connection was cut"  # the flood is on and being cut
         latencies = [health_latency_s(live) for _ in range(10)]
     finally:
         stop.set()
         for t in flooders:
             t.join(10)
-    assert max(latencies) < 1.0, latencies
+    assert max(latencies) < 1.0 + 10 * without_flood, (latencies, without_flood)
     assert len(sent_per_connection) >= 3
     # Each flooding connection was closed after a few socket buffers, far from its 120 MB.
     assert max(sent_per_connection) < 8 << 20, sent_per_connection

@@ -58,7 +58,9 @@ def _need_trainer() -> None:
         ) from exc
 
 
-def _load_tables(data: Optional[Path], train: Optional[Path], test: Optional[Path]):
+def _load_tables(data: Optional[Path], train: Optional[Path], test: Optional[Path], n_clients: Optional[int] = None):
+    """(train, test) EvalTables of --data or --train/--test; refuses ``n_clients`` (--n-clients) above the
+    training rows, where clients would hold no query (no rows at all: the simulation names that)."""
     from trainer.data.routerbench import load_eval_file, load_routerbench_dir  # trainer extra: `fedroute --help` works without it
 
     if train is not None or test is not None:
@@ -66,10 +68,14 @@ def _load_tables(data: Optional[Path], train: Optional[Path], test: Optional[Pat
             raise typer.BadParameter("--train and --test go together")
         if train.resolve() == test.resolve():  # every test query would be a training query: inflated scores
             raise typer.BadParameter(f"--train and --test are the same file ({train}); give a held-out test file")
-        return load_eval_file(train), load_eval_file(test)
-    if data is None:
+        tables = load_eval_file(train), load_eval_file(test)
+    elif data is None:
         raise typer.BadParameter("give --data DIR (with train.parquet and test.parquet) or --train FILE --test FILE")
-    return load_routerbench_dir(data)
+    else:
+        tables = load_routerbench_dir(data)
+    if n_clients is not None and 0 < tables[0].n_queries < n_clients:
+        raise typer.BadParameter(f"--n-clients {n_clients}: more clients than the {tables[0].n_queries} training rows")
+    return tables
 
 
 DataOpt = Annotated[Optional[Path], typer.Option(help="folder with train.parquet and test.parquet (RouterBench schema)")]
@@ -154,7 +160,7 @@ def simulate(
         return
     seeds = seeds or 5
     config = _config(n_clients, alpha, "mlp,kmeans" if routers is None else routers, device)
-    train_t, test_t = _load_tables(data, train, test)
+    train_t, test_t = _load_tables(data, train, test, n_clients)
     summary = run_simulation(
         train_t, test_t, out, config, range(seeds),
         EmbedderConfig(model=embedder, max_tokens=max_tokens, device=device), cache_dir,
@@ -177,7 +183,7 @@ def _simulate_online(data, train, test, out, seeds, n_clients, alpha, policies, 
         config = OnlineConfig(**{k: v for k, v in given.items() if v is not None}, n_clients=n_clients, alpha=alpha)
     except InvalidInputError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    train_t, test_t = _load_tables(data, train, test)
+    train_t, test_t = _load_tables(data, train, test, n_clients)
     with threadpool_limits(limits=threads):  # scikit-learn's K-means threads: 1 is fastest on a shared machine
         summary = run_online_simulation(train_t, test_t, out, config, range(seeds), embedder, cache_dir)
     typer.echo((out / "results.md").read_text())

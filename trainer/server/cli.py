@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import ssl
+import tempfile
 import time
 from pathlib import Path
 from typing import Annotated
@@ -35,25 +36,30 @@ clients_app = typer.Typer(cls=PathCheckedGroup, no_args_is_help=True, help="crea
 rounds_app = typer.Typer(cls=PathCheckedGroup, no_args_is_help=True, help="open, close and inspect federated rounds")
 
 
-def _store(db: str, *, existing: bool = False):
-    """The :class:`~trainer.server.store.Store` at ``db``. ``existing`` (commands that read or change what is
-    there) refuses a SQLite file that does not exist: a typo in --db created an empty database and
-    ``rounds status`` answered ``{"round_id": null}``."""
+def _sqlite_file(db: str) -> Path | None:
+    """The file of the SQLite URL ``db``; None for another backend, an in-memory database or an unparsable URL."""
     from sqlalchemy.engine import make_url  # server extra (sqlalchemy): `fedroute --help` works without it
 
+    try:
+        url = make_url(db)
+    except Exception:  # noqa: BLE001 - Store(db) names the bad URL
+        return None
+    sqlite = url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:")
+    return Path(url.database) if sqlite else None
+
+
+def _store(db: str, *, existing: bool = False):
+    """The :class:`~trainer.server.store.Store` at ``db``. ``existing`` (commands that read or change what is
+    there) refuses, without writing to it, a database that is not the server's (e.g. a SQLite file missing, empty
+    or another program's)."""
     from trainer.server.store import Store  # server extra (sqlalchemy): `fedroute --help` works without it
 
-    if existing:
-        try:
-            url = make_url(db)
-        except Exception:  # noqa: BLE001 - Store(db) below names the bad URL
-            url = None
-        if (url is not None and url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:")
-                and not Path(url.database).exists()):
-            raise typer.BadParameter(f"--db {db}: no database at {url.database}; `fedroute clients add` or "
-                                     "`fedroute rounds open` creates one")
+    path = _sqlite_file(db) if existing else None
+    if path is not None and not path.exists():
+        raise typer.BadParameter(f"--db {db}: no database at {path}; `fedroute clients add` or "
+                                 "`fedroute rounds open` creates one")
     try:
-        return Store(db)
+        return Store(db, create=not existing)
     except Exception as exc:
         # A plain file name (`--db fed.db`) was "Could not parse SQLAlchemy URL from given URL string".
         hint = f"; a SQLite file is given as a URL: --db sqlite:///{db}" if "://" not in db else ""
@@ -238,14 +244,14 @@ def rounds_open(
         raise typer.BadParameter("give exactly one of --signing-key (publish at close) or --public-key (no publishing)")
     if signing_key is not None and publisher is None:
         raise typer.BadParameter("--signing-key: this command was started without a publisher (use `fedroute`)")
-    # Checked before the database is opened: a mistyped path would otherwise leave a new, empty database.
+    # Checked first so that the error names the option (the round kind reads them again).
     if not bundle_dir.is_dir():
         raise typer.BadParameter(f"--bundle-dir {bundle_dir}: no bundle folder there")
     for option, path in (("--signing-key", signing_key), ("--public-key", public_key)):
         if path is not None and not path.is_file():
             raise typer.BadParameter(f"{option} {path}: no key file there")
     key = publisher.public_key(signing_key) if signing_key is not None else public_key
-    try:  # signature and schema only (the files are hashed by the round kind): a wrong key pair left a new database
+    try:  # signature and schema only (the files are hashed by the round kind)
         bundle_manifest.read_verified(bundle_dir, key, wanted=(), verify_unused=False)
     except BundleError as exc:
         which = f"--signing-key {signing_key}" if signing_key is not None else f"--public-key {public_key}"
@@ -257,6 +263,14 @@ def rounds_open(
         options={"recluster": recluster, "router": router, "resume": resume, "max_cost_usd": max_cost_usd,
                  "clip_norm": clip_norm, "prior_router": prior_router, "min_total_count": min_total_count})
     try:
+        if (path := _sqlite_file(db)) is not None and not path.exists():
+            # On a scratch database first: a refused first `rounds open` leaves no empty database at --db.
+            with tempfile.TemporaryDirectory() as scratch:
+                store = _store(f"sqlite:///{scratch}/fed.db")
+                try:
+                    round_kind.open(store, request)
+                finally:
+                    store.close()
         r = round_kind.open(_store(db), request)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

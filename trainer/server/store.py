@@ -114,13 +114,18 @@ def _sqlite_table_names(path: Path) -> list[str]:
             return []
 
 
-def _refuse_foreign_tables(url: str, names) -> None:
-    """Refuse (ValueError naming them) a database holding tables other than the server's."""
+def _check_tables(url: str, names, create: bool) -> None:
+    """Refuse (ValueError naming them) a database holding tables other than the server's, or, unless
+    ``create``, lacking some of the server's."""
     foreign = sorted(set(names) - set(metadata.tables) - _SQLITE_INTERNAL_TABLES)
     if foreign:
         raise ValueError(f"database {url!r} holds tables that are not the aggregation server's: "
                          f"{foreign[:10]}{' ...' if len(foreign) > 10 else ''} (a device's eval log or another "
                          "program's database?); give --db a database of its own (a new SQLite file is created)")
+    missing = sorted(set(metadata.tables) - set(names))
+    if missing and not create:
+        raise ValueError(f"database {url!r} is not an aggregation server's (it lacks the tables {missing}); "
+                         "`fedroute clients add` or `fedroute rounds open` creates one")
 
 
 #: How long a SQLite connection waits for another's lock (ms): the busy timeout, and the bound on retrying
@@ -315,7 +320,10 @@ def _round(row) -> Round:
 class Store:
     """Transactions of the server over one SQLAlchemy engine. Thread-safe (one connection per call)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, create: bool = True) -> None:
+        """Open the database at ``url``, creating the server's tables if ``create``; raises ValueError for
+        an in-memory database, one holding other tables, or (``create=False``: nothing is written) one
+        without the server's tables."""
         self.url = url
         parsed = sa.engine.make_url(url)
         if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
@@ -323,7 +331,7 @@ class Store:
         plain_sqlite = parsed.get_backend_name() == "sqlite" and not parsed.query.get("uri")
         if plain_sqlite:
             # Read with a plain read-only connection first: the engine's connections set WAL mode.
-            _refuse_foreign_tables(url, _sqlite_table_names(Path(parsed.database)))
+            _check_tables(url, _sqlite_table_names(Path(parsed.database)), create)
             _create_private(Path(parsed.database))
         self.engine = create_engine(url)
         self._writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
@@ -335,7 +343,7 @@ class Store:
         self._insert_row = _DriverStatement(_INSERT_ROW, self.engine.dialect)
         self._batch_connection = None  # SQLite: the DBAPI connection of insert_updates (under _write_lock)
         if not plain_sqlite:
-            _refuse_foreign_tables(url, sa.inspect(self.engine).get_table_names())
+            _check_tables(url, sa.inspect(self.engine).get_table_names(), create)
         self._create_tables()
         inspector = sa.inspect(self.engine)
         for table in (clients, rounds, updates):
