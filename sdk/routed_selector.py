@@ -20,6 +20,12 @@ Manifest: ``"selector_kind": "routed_onnx_pair"`` and ``"selector"`` = ``{"name"
 "files": {precision: ["expert_<k>.onnx", ...]}, "prompt_embedder": {"files": {precision: file},
 "tokenizer", "dim", "max_tokens", "truncation_side"}, "prompt_router": {"file", "hidden"}, "pair_encoding",
 "pair_features", "n_length_features", "pooling", "lora"}``, plus ``tokenizer.json`` (the experts' backbone tokenizer).
+
+A run trained with ``FedPrismConfig.generator_prior`` adds ``"generator_prior": {"strengths": {generator: beta},
+"weights": [gamma_k, one per router index]}`` (Bradley-Terry strengths in logit units from the clients' summed win
+counts): when both generators of a pair are named and in ``strengths``, ``prefer`` adds
+``gamma_k* (beta_A - beta_B)`` to the expert's logit ``(l(a, b) - l(b, a)) / 2``; otherwise it adds nothing, as the
+trainer's ``g = 0`` for an unknown generator.
 """
 
 from __future__ import annotations
@@ -77,11 +83,14 @@ class RoutedPairScorer:
     """The ``selector/routed_onnx_pair`` runtime: prompt ``embedder`` -> prompt ``router`` (:func:`load_router_arrays`)
     -> the routed one of the shipped ``experts`` (router index -> scorer)."""
 
-    def __init__(self, embedder: OnnxEmbedder, router: dict[str, F32], experts: dict[int, OnnxPairScorer]) -> None:
+    def __init__(self, embedder: OnnxEmbedder, router: dict[str, F32], experts: dict[int, OnnxPairScorer],
+                 generator_prior: dict[str, Any] | None = None) -> None:
         self._embedder = embedder
         self._router = router
         self._experts = experts
         self._shipped = np.array(sorted(experts), dtype=np.int64)
+        self._strengths: dict[str, float] = {} if generator_prior is None else generator_prior["strengths"]
+        self._weights: list[float] = [] if generator_prior is None else generator_prior["weights"]
 
     def router_logits(self, x: str) -> F32:
         """The prompt router's logits for prompt ``x``: ndarray (M,) float32 (every expert, shipped or not)."""
@@ -96,7 +105,18 @@ class RoutedPairScorer:
 
     def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]:
         """(l(a, b), l(b, a)) of the routed expert (:meth:`sdk.pair_scorer.OnnxPairScorer.logits`)."""
-        return self._experts[self.route(x)].logits(x, y_a, y_b)
+        l_ab, l_ba, _ = self.prior_logits(x, y_a, y_b, None, None)
+        return l_ab, l_ba
+
+    def prior_logits(self, x: str, y_a: str, y_b: str, generator_a: str | None,
+                     generator_b: str | None) -> tuple[float, float, float]:
+        """(l(a, b), l(b, a), prior): the routed expert's logits and its generator-prior logit
+        ``gamma_k (beta_A - beta_B)`` (0.0 unless both generators are names in the bundle's strengths table)."""
+        k = self.route(x)
+        l_ab, l_ba = self._experts[k].logits(x, y_a, y_b)
+        beta_a, beta_b = self._strengths.get(generator_a or ""), self._strengths.get(generator_b or "")
+        prior = 0.0 if beta_a is None or beta_b is None else self._weights[k] * (beta_a - beta_b)
+        return l_ab, l_ba, float(prior)
 
 
 class RoutedOnnxPairSelectorKind(kinds.ArtefactKind):
@@ -140,6 +160,11 @@ class RoutedOnnxPairSelectorKind(kinds.ArtefactKind):
         need(emb.get("truncation_side") in ("left", "right"), "selector.prompt_embedder.truncation_side must be left or right")
         for name in (fmt.TOKENIZER_FILE, EMBEDDER_TOKENIZER_FILE, ROUTER_FILE):
             need(name in files, f"{name} is not listed in files")
+        prior: Any = sel.get("generator_prior", {"strengths": {}, "weights": [0.0] * n})
+        need(isinstance(prior, dict) and isinstance(prior.get("strengths"), dict) and isinstance(prior.get("weights"), list)
+             and len(prior["weights"]) == n and all(isinstance(k, str) for k in prior["strengths"])
+             and all(_finite(v) for v in [*prior["strengths"].values(), *prior["weights"]]),
+             "selector.generator_prior must hold strengths (generator -> finite number) and n_experts finite weights")
 
     def load(self, context: kinds.LoadContext) -> RoutedPairScorer:
         sel, precision = context.manifest["selector"], context.precision
@@ -153,5 +178,9 @@ class RoutedOnnxPairSelectorKind(kinds.ArtefactKind):
         experts = {k: OnnxPairScorer(tokenizer_json, context.files[name], encoding, context.options,
                                      f"expert {k} ({precision})", names)
                    for k, name in zip(sel["experts"], sel["files"][precision])}
-        return RoutedPairScorer(embedder, router, experts)
+        return RoutedPairScorer(embedder, router, experts, sel.get("generator_prior"))
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
 
