@@ -68,6 +68,7 @@ from trainer.experts.prompt_router import PromptRouter, centroid_distillation, f
 from trainer.experts.selector import PairSelector, SegmentStore, SelectorConfig
 from trainer.routers.fedavg import fedavg
 from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
+from trainer.generator_prior import aggregate_win_counts, client_win_counts, fit_bradley_terry, generator_logit
 from trainer.experts.length_init import client_length_coefs, fedavg_length_coefs, pooled_expert_coefs, upload_bytes
 from trainer.report import write_text
 
@@ -550,8 +551,6 @@ class FedPrismTrainer:
         counts (3 values per (winner, loser, count) row, counted in ``generator_upload_bytes_``), the server sums
         them; a client's pairs get the strengths fitted on the other clients' counts, every other pair
         ``generator_strengths_`` (all counts)."""
-        from trainer.generator_prior import aggregate_win_counts, client_win_counts, fit_bradley_terry, generator_logit
-
         frame = self.data.generators.assign(label=self.data.store.label.numpy().astype(np.int64))
         ups = [client_win_counts(frame.iloc[own]) for own in self._train_parts]
         total = aggregate_win_counts(ups)
