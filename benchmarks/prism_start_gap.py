@@ -34,7 +34,8 @@ weight. Chosen on validation, then scored once on every test pair (per-seed test
 ``scale * log(1 + count)`` of each role tag of :data:`ROLE_TAGS` appended (K-means start, centroid distillation
 and routing all on that input; the same exact federated fits), per ``scale`` of :data:`ROLE_SCALES` (0 = the
 start), on every validation pair; rule: the scale with the highest validation accuracy, wired only if it beats the
-start by more than its paired SE.
+start by more than its paired SE. The chosen scale and the start are then scored once on every test pair, each
+without and with the generator prior as the cross-fitted feature of ``--part prior`` (``test_rows``).
 
 ``PYTHONPATH=. HF_HUB_OFFLINE=1 python benchmarks/prism_start_gap.py --part gap --out docs/results`` writes
 ``DIR/prism_start_gap_<part>.{json,md}`` (and, for ``gap``, a PNG of each row's gain over structure_only). Needs the prompt embeddings only (no segment cache); minutes on CPU.
@@ -370,8 +371,47 @@ def part_roles(data_dir: Path) -> dict:
     keys = [k for k in rows if k.startswith("FedPrism start")]
     best = max(keys, key=lambda k: out[k]["overall"])
     gain = out[best]["vs_start"]
+    scale = ROLE_SCALES[keys.index(best)]
     return {"part": "roles", "n_val": len(val), "seeds": list(SEEDS), "tags": list(ROLE_TAGS), "rows": out,
-            "chosen": best, "wire": bool(best != "FedPrism start" and gain["gain"] > gain["se"])}
+            "chosen": best, "wire": bool(best != "FedPrism start" and gain["gain"] > gain["se"]),
+            "test_rows": _roles_test(data_dir, scale)}
+
+
+def _roles_test(data_dir: Path, scale: float) -> dict:
+    """The start and the start with role tags x ``scale`` on every test pair, without and with the generator
+    prior as the cross-fitted feature (:func:`part_prior` (b)); gains over per-domain length-only, paired SE."""
+    from trainer.experts.experiment import PRESETS
+    from trainer.experts.length_init import pooled_expert_coefs
+    from trainer.generator_prior import aggregate_win_counts, client_win_counts, fit_bradley_terry, generator_logit
+    from trainer.length_baseline import LengthBaseline
+
+    base = PRESETS["cpu"][1]
+    names, C, M = base.selector.pair_features, base.length_C, base.n_experts
+    train, _, test, public = _frames(data_dir)
+    f_tr, y_tr, e_tr = _arrays(train, names)
+    f_te, y_te, e_te = _arrays(test, names)
+    _, _, e_pub = _arrays(public, names)
+    g_te = generator_logit(test, fit_bradley_terry(client_win_counts(train)))
+    ref = [((LengthBaseline(per_domain=True).fit(train).predict_proba(test) > 0.5) == y_te).astype(np.float64)] * len(SEEDS)
+    rows = {}
+    for seed in SEEDS:
+        clients = _clients(train, seed)
+        ups = [client_win_counts(train.iloc[c]) for c in clients]
+        total = aggregate_win_counts(ups)
+        g_tr = np.zeros(len(train))
+        for c, u in zip(clients, ups):
+            g_tr[c] = generator_logit(train.iloc[c], fit_bradley_terry(+(total - u)))
+        for sc in (0.0, scale):
+            tr, te, pub = (np.c_[e, sc * role_counts(x.prompt)].astype(np.float32)
+                           for e, x in ((e_tr, train), (e_te, test), (e_pub, public)))
+            router = _router(tr, pub, clients, seed, M)
+            a_tr, a_te = router.route(tr), router.route(te)
+            name = "start" + ("" if sc == 0 else f" + role tags x {sc:g}")
+            for tag, x_tr, x_te in (("", f_tr, f_te), (" + prior feature", np.c_[f_tr, g_tr], np.c_[f_te, g_te])):
+                w = pooled_expert_coefs(x_tr, y_tr, a_tr, clients, M, C, base.length_pool_C)[0]
+                rows.setdefault(name + tag, []).append((((x_te * w[a_te]).sum(1) > 0) == y_te).astype(np.float64))
+        print("test seed", seed, "done", flush=True)
+    return {k: _row(v, ref, test.domain.to_numpy().astype(str)) for k, v in rows.items()}
 
 
 def markdown(out: dict) -> str:
@@ -398,6 +438,12 @@ def markdown(out: dict) -> str:
             lines.append(f"| {k} | {r['overall']:.4f} | " + " / ".join(f"{d} {v:.3f}" for d, v in r["domains"].items())
                          + f" | {r['misrouted_share']} | {r['vs_length_only']['gain']:+.4f} ± {r['vs_length_only']['se']:.4f}"
                          + f" | {r['vs_start']['gain']:+.4f} ± {r['vs_start']['se']:.4f} |")
+        lines += ["", "Scored once on every test pair (the start and the chosen scale, without / with the prior feature):", "",
+                  "| router input (test) | overall | per seed | domains | vs length-only |", "|---|---|---|---|---|"]
+        for k, r in out["test_rows"].items():
+            lines.append(f"| {k} | {r['overall']:.4f} | " + " / ".join(f"{x:.4f}" for x in r["per_seed"]) + " | "
+                         + " / ".join(f"{d} {v:.3f}" for d, v in r["domains"].items())
+                         + f" | {r['vs_length_only']['gain']:+.4f} ± {r['vs_length_only']['se']:.4f} |")
         return "\n".join(lines) + "\n"
     if out["part"] == "quick_size":
         lines = [f"Quick preset's start on the validation pairs ({out['n_val']}), seeds {out['seeds']}; chosen: "
