@@ -141,6 +141,19 @@ def _ifca_labels(f_tr, y_tr, prompt_of, assign, coefs, clients, n_min, gain_min)
     return out
 
 
+def _cross_fitted_g(train, clients) -> np.ndarray:
+    """``beta_A - beta_B`` of each client's pairs from the Bradley-Terry strengths of the *other* clients' summed win
+    counts (cross-fitting: a client's labels never build its own feature): (len(train),) float64."""
+    from trainer.generator_prior import aggregate_win_counts, client_win_counts, fit_bradley_terry, generator_logit
+
+    ups = [client_win_counts(train.iloc[c]) for c in clients]
+    total = aggregate_win_counts(ups)
+    g = np.zeros(len(train))
+    for c, u in zip(clients, ups):
+        g[c] = generator_logit(train.iloc[c], fit_bradley_terry(+(total - u)))
+    return g
+
+
 def _row(correct: list, ref: list, dom: np.ndarray, extra=None) -> dict:
     """Mean over seeds, per domain, per seed, and the paired gain over ``ref`` (SE over pairs)."""
     from trainer.experts.experiment import paired_gain
@@ -151,21 +164,26 @@ def _row(correct: list, ref: list, dom: np.ndarray, extra=None) -> dict:
     return {**out, **(extra or {})}
 
 
+def _validation_setup(data_dir: Path):
+    """(CPU preset's FedPrismConfig, train, val, public frames, (f, y, e) of train and val, public embeddings)."""
+    from trainer.experts.experiment import PRESETS
+
+    base = PRESETS["cpu"][1]
+    train, val, _, public = _frames(data_dir)
+    names = base.selector.pair_features
+    return base, train, val, public, _arrays(train, names), _arrays(val, names), _arrays(public, names)[2]
+
+
 def part_gap(data_dir: Path) -> dict:
     import torch
 
     from sklearn.cluster import KMeans
 
-    from trainer.experts.experiment import PRESETS
     from trainer.experts.length_init import federated_logistic_fit, pooled_expert_coefs
     from trainer.length_baseline import LengthBaseline
 
-    base = PRESETS["cpu"][1]
+    base, train, val, public, (f_tr, y_tr, e_tr), (f_va, y_va, e_va), e_pub = _validation_setup(data_dir)
     names, C, M = base.selector.pair_features, base.length_C, base.n_experts
-    train, val, _, public = _frames(data_dir)
-    f_tr, y_tr, e_tr = _arrays(train, names)
-    f_va, y_va, e_va = _arrays(val, names)
-    _, _, e_pub = _arrays(public, names)
     doms = sorted(set(train.domain))
     dt = train.domain.map(doms.index).to_numpy()
     dv = val.domain.map(doms.index).to_numpy()
@@ -285,7 +303,7 @@ def part_quick_size(data_dir: Path) -> dict:
 def part_prior(data_dir: Path) -> dict:
     from trainer.experts.experiment import PRESETS
     from trainer.experts.length_init import pooled_expert_coefs
-    from trainer.generator_prior import aggregate_win_counts, client_win_counts, fit_bradley_terry, generator_logit
+    from trainer.generator_prior import client_win_counts, fit_bradley_terry, generator_logit
     from trainer.length_baseline import LengthBaseline
 
     base = PRESETS["cpu"][1]
@@ -306,11 +324,7 @@ def part_prior(data_dir: Path) -> dict:
         router = _router(e_tr, e_pub, clients, seed, M)
         a_tr = router.route(e_tr)
         w = pooled_expert_coefs(f_tr, y_tr, a_tr, clients, M, C, base.length_pool_C)[0]
-        ups = [client_win_counts(train.iloc[c]) for c in clients]
-        total = aggregate_win_counts(ups)
-        g_tr = np.zeros(len(train))
-        for c, u in zip(clients, ups):  # cross-fitting: the strengths of the other clients' counts
-            g_tr[c] = generator_logit(train.iloc[c], fit_bradley_terry(+(total - u)))
+        g_tr = _cross_fitted_g(train, clients)
         w_g = pooled_expert_coefs(np.c_[f_tr, g_tr], y_tr, a_tr, clients, M, C, base.length_pool_C)[0]
         for name, s in split.items():
             a = router.route(s["e"])
@@ -333,16 +347,11 @@ def part_prior(data_dir: Path) -> dict:
 
 
 def part_roles(data_dir: Path) -> dict:
-    from trainer.experts.experiment import PRESETS
     from trainer.experts.length_init import pooled_expert_coefs
     from trainer.length_baseline import LengthBaseline
 
-    base = PRESETS["cpu"][1]
-    names, C, M = base.selector.pair_features, base.length_C, base.n_experts
-    train, val, _, public = _frames(data_dir)
-    f_tr, y_tr, e_tr = _arrays(train, names)
-    f_va, y_va, e_va = _arrays(val, names)
-    _, _, e_pub = _arrays(public, names)
+    base, train, val, public, (f_tr, y_tr, e_tr), (f_va, y_va, e_va), e_pub = _validation_setup(data_dir)
+    C, M = base.length_C, base.n_experts
     r_tr, r_va, r_pub = (role_counts(x.prompt) for x in (train, val, public))
     doms = sorted(set(train.domain))
     dt, dv = (x.domain.map(doms.index).to_numpy() for x in (train, val))
@@ -382,7 +391,7 @@ def _roles_test(data_dir: Path, scale: float) -> dict:
     prior as the cross-fitted feature (:func:`part_prior` (b)); gains over per-domain length-only, paired SE."""
     from trainer.experts.experiment import PRESETS
     from trainer.experts.length_init import pooled_expert_coefs
-    from trainer.generator_prior import aggregate_win_counts, client_win_counts, fit_bradley_terry, generator_logit
+    from trainer.generator_prior import client_win_counts, fit_bradley_terry, generator_logit
     from trainer.length_baseline import LengthBaseline
 
     base = PRESETS["cpu"][1]
@@ -396,11 +405,7 @@ def _roles_test(data_dir: Path, scale: float) -> dict:
     rows = {}
     for seed in SEEDS:
         clients = _clients(train, seed)
-        ups = [client_win_counts(train.iloc[c]) for c in clients]
-        total = aggregate_win_counts(ups)
-        g_tr = np.zeros(len(train))
-        for c, u in zip(clients, ups):
-            g_tr[c] = generator_logit(train.iloc[c], fit_bradley_terry(+(total - u)))
+        g_tr = _cross_fitted_g(train, clients)
         for sc in (0.0, scale):
             tr, te, pub = (np.c_[e, sc * role_counts(x.prompt)].astype(np.float32)
                            for e, x in ((e_tr, train), (e_te, test), (e_pub, public)))
