@@ -311,7 +311,9 @@ class FedPrismTrainer:
     round (``round``, ``retrieved`` per client, ``downlink_bytes``, ``router_updated``,
     ``utilisation`` (share per expert of the eval pairs), and at evaluated rounds ``accuracy``);
     last_eval_ : the :meth:`evaluate` result of the last evaluated round (the final round's, after
-    :meth:`train`), so callers need not score the eval pairs again.
+    :meth:`train`), so callers need not score the eval pairs again. With ``generator_prior``:
+    ``generator_strengths_`` ({generator: beta}, all clients' counts), ``generator_weights_`` (ndarray (M,), each
+    expert's ``gamma_k``) and ``generator_upload_bytes_`` (the clients' count uploads); else None, None, 0.
     """
 
     def __init__(self, model: PairSelector, data: FederatedPairs, args: FedPrismConfig | None = None,
