@@ -49,17 +49,12 @@ from pathlib import Path
 
 import numpy as np
 
+from sdk.routed_selector import ROLE_TAGS, role_counts
+
 SEEDS = (0, 1, 2)
 QUICK_SIZES = ((600, 120), (1200, 120), (2400, 300), (4800, 300))
 LAMBDAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
-#: role tags of chat transcripts (HH-RLHF's "Human:" / "Assistant:", Vicuna's "USER:" / "ASSISTANT:", Alpaca's "###")
-ROLE_TAGS = ("Human:", "Assistant:", "USER:", "ASSISTANT:", "### Instruction", "### Response")
 ROLE_SCALES = (0.0, 0.1, 0.25, 0.35, 0.5, 0.7, 1.0)
-
-
-def role_counts(prompts) -> np.ndarray:
-    """``log(1 + count)`` of each of :data:`ROLE_TAGS` in each prompt: (n, len(ROLE_TAGS)) float32."""
-    return np.log1p(np.array([[p.count(t) for t in ROLE_TAGS] for p in prompts], dtype=np.float32))
 
 
 def _frames(data_dir: Path, n_train=None, n_public=300):
@@ -352,7 +347,7 @@ def part_roles(data_dir: Path) -> dict:
 
     base, train, val, public, (f_tr, y_tr, e_tr), (f_va, y_va, e_va), e_pub = _validation_setup(data_dir)
     C, M = base.length_C, base.n_experts
-    r_tr, r_va, r_pub = (role_counts(x.prompt) for x in (train, val, public))
+    r_tr, r_va, r_pub = (role_counts(list(x.prompt)) for x in (train, val, public))
     doms = sorted(set(train.domain))
     dt, dv = (x.domain.map(doms.index).to_numpy() for x in (train, val))
     p_lo = LengthBaseline(per_domain=True).fit(train).predict_proba(val)
@@ -407,7 +402,7 @@ def _roles_test(data_dir: Path, scale: float) -> dict:
         clients = _clients(train, seed)
         g_tr = _cross_fitted_g(train, clients)
         for sc in (0.0, scale):
-            tr, te, pub = (np.c_[e, sc * role_counts(x.prompt)].astype(np.float32)
+            tr, te, pub = (np.c_[e, sc * role_counts(list(x.prompt))].astype(np.float32)
                            for e, x in ((e_tr, train), (e_te, test), (e_pub, public)))
             router = _router(tr, pub, clients, seed, M)
             a_tr, a_te = router.route(tr), router.route(te)

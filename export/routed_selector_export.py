@@ -54,7 +54,7 @@ from export.selector_export import (
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
 from sdk.errors import InvalidInputError
-from sdk.routed_selector import EMBEDDER_FILES, EMBEDDER_TOKENIZER_FILE, KIND, ROUTER_FILE, expert_file
+from sdk.routed_selector import EMBEDDER_FILES, EMBEDDER_TOKENIZER_FILE, KIND, ROLE_TAGS, ROUTER_FILE, expert_file, role_counts
 from sdk.selector import FAMILY, MANIFEST_KEY, Selector
 from trainer.preference_metrics import pairwise_accuracy
 
@@ -281,11 +281,16 @@ def export_routed_selector_bundle(run_dir: Path, out: Path, signing_key: Path, p
         if missing:
             raise ExportError(f"parity_pairs lacks columns {missing}: a generator-prior run is checked with the pairs' generators")
     emb_config = EmbedderConfig()  # what `prism train` embeds prompts with (trainer.experts.experiment.prepare_data)
+    scale = float(config.get("router_role_scale", 0.0))
+
+    def router_input(prompts: list[str]) -> np.ndarray:  # the trainer's router input (FedPrismConfig.router_role_scale)
+        e = embed_texts(prompts, emb_config, cache_dir, show_progress=False)
+        return e if scale == 0 else np.c_[e, scale * role_counts(prompts)].astype(np.float32)
     shipped = list(range(n_experts))
     if top_k is not None:
         if not 1 <= top_k <= n_experts or not top_k_prompts:
             raise ExportError(f"top_k must be in [1, {n_experts}] and come with the prompts to rank experts on, got {top_k}")
-        shipped = top_experts(router, embed_texts(top_k_prompts, emb_config, cache_dir, show_progress=False), top_k)
+        shipped = top_experts(router, router_input(top_k_prompts), top_k)
         progress(f"top-{top_k} experts by their share of {len(top_k_prompts)} validation prompts: {shipped}")
     selector = load_trained_selector(run_dir / f"expert_{shipped[0]}")
     precisions = ["fp32"] + (["int8"] if int8 else [])
@@ -316,12 +321,13 @@ def export_routed_selector_bundle(run_dir: Path, out: Path, signing_key: Path, p
             "prompt_embedder": {"name": emb_config.model, "files": {p: EMBEDDER_FILES[p] for p in precisions},
                                 "tokenizer": EMBEDDER_TOKENIZER_FILE, "dim": int(emb.dim),
                                 "max_tokens": emb_config.max_tokens, "truncation_side": emb_config.truncation_side},
-            "prompt_router": {"file": ROUTER_FILE, "hidden": int(config["router_hidden"])},
+            "prompt_router": {"file": ROUTER_FILE, "hidden": int(config["router_hidden"])}
+            | ({} if scale == 0 else {"role_tags": list(ROLE_TAGS), "role_scale": scale}),
         } | ({} if prior is None else {"generator_prior": prior})
         staged = tmp / "staged"
         write_bundle(staged, files, fields, key)
         progress(f"the trainer's pipeline on {len(parity_pairs)} parity pairs (embed, route, score both orders)")
-        prompt_emb = embed_texts(parity_pairs["prompt"].tolist(), emb_config, cache_dir, show_progress=False)
+        prompt_emb = router_input(parity_pairs["prompt"].tolist())
         reference = trainer_logits(run_dir, selector, router, prompt_emb, shipped, parity_pairs)
         report = check_routed_parity(staged, key.public_key(), reference, parity_pairs, precisions, progress=progress,
                                      prior=prior)

@@ -251,6 +251,25 @@ def test_generator_prior_is_a_cross_fitted_feature_of_the_exact_start(small, tmp
         FedPrismTrainer(model, replace(data, generators=None), cfg)
 
 
+def test_router_role_tags_are_appended_to_the_router_input(small):
+    from sdk.routed_selector import role_counts
+
+    model, data = small
+    np.testing.assert_allclose(role_counts(["\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye", "Write a poem."]),
+                               [[np.log(3), np.log(2), 0, 0, 0, 0], [0] * 6], rtol=1e-6)
+    roles = np.zeros((len(data.domain), 6), np.float32)
+    roles[data.domain == "hh_harmless", 0] = 3.0  # an HH-like count on the HH prompts only
+    cfg = FedPrismConfig(n_experts=2, rounds=1, warmup_rounds=1, init_epochs=5, router_role_scale=0.5)
+    trainer = FedPrismTrainer(model, replace(data, prompt_roles=roles, public_roles=roles[:12]), cfg).setup()
+    x = np.c_[data.prompt_emb, 0.5 * roles]
+    assert trainer.router_.net[0].in_features == 390
+    np.testing.assert_array_equal(trainer._route(np.arange(len(x))), trainer.router_.route(x))
+    with pytest.raises(InvalidInputError, match="prompt_roles"):
+        FedPrismTrainer(model, data, cfg)
+    with pytest.raises(InvalidInputError, match="router_role_scale"):
+        FedPrismConfig(router_role_scale=-1.0)
+
+
 def test_router_changes_only_in_pgpd_rounds_and_experts_learn(small):
     model, data = small
     cfg = FedPrismConfig(n_experts=2, rounds=4, warmup_rounds=1, router_every=2, clients_per_round=2,

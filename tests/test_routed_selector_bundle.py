@@ -6,7 +6,9 @@ all-MiniLM-L6-v2 + LoRA in the top layer + pair head reading the presets' pair f
 sdk.pair_features.DEFAULT_FEATURES, which the device computes), K-means-initialised prompt router updated by PGPD,
 4 rounds over 4 clients holding real AlpacaEval and HH-RLHF harmless pairs, saved as `prism train` saves it.
 It is trained with the generator prior (the presets' exact federated start with the Bradley-Terry feature,
-FedPrismConfig.generator_prior), so the bundle carries the strengths table and each expert's weight.
+FedPrismConfig.generator_prior), so the bundle carries the strengths table and each expert's weight, and with the
+CPU preset's router input (role-tag counts beside the prompt embedding, router_role_scale 0.5), which the device
+computes too.
 The device's probabilities are compared with FedPrismTrainer.predict_proba on held-out pairs (the trainer's
 own routing on its prompt embeddings and its cached-lower-layer scoring), with and without the generators,
 and its routes with the trainer's.
@@ -52,6 +54,7 @@ def run(frames, tmp_path_factory):
     """(trainer, run folder RUN/fedprism_seed0, eval pair indices) of a trained 2-expert FedPrism run."""
     from trainer.embeddings import EmbedderConfig, embed_texts
     from trainer.experts.fedprism import FederatedPairs, FedPrismConfig, FedPrismTrainer
+    from sdk.routed_selector import role_counts
     from trainer.experts.selector import PairSelector, SelectorConfig, build_segment_store
 
     torch.set_num_threads(1)
@@ -69,10 +72,11 @@ def run(frames, tmp_path_factory):
                np.arange(N_TRAIN + half, 2 * N_TRAIN)]
     eval_pairs = np.arange(2 * N_TRAIN, n)
     data = FederatedPairs(store, emb[:n], allp.domain.to_numpy().astype(str), clients, emb[n:], eval_pairs,
-                          allp[["domain", "source_a", "source_b"]])
+                          allp[["domain", "source_a", "source_b"]], role_counts(list(allp.prompt)),
+                          role_counts(list(public.prompt)))
     cfg = FedPrismConfig(n_experts=2, rounds=4, warmup_rounds=1, router_every=1, clients_per_round=4, local_pairs=24,
                          batch_size=12, expert_lr=1e-2, router_epochs=3, eval_every=4, seed=0, selector=model.config,
-                         length_init="pooled", generator_prior=True)
+                         length_init="pooled", generator_prior=True, router_role_scale=0.5)
     trainer = FedPrismTrainer(model, data, cfg).train()
     folder = tmp_path_factory.mktemp("run") / "fedprism_seed0"
     trainer.save(folder)
@@ -145,8 +149,9 @@ def test_manifest_lists_router_embedder_and_every_expert(run, bundle):
                                "prompt_router.npz", "expert_0.onnx", "expert_1.onnx", "parity.json"}
     saved = json.loads((run[1] / "generator_prior.json").read_text())  # the strengths table travels as trained
     assert s["generator_prior"] == saved and len(saved["weights"]) == 2 and "chosen" not in saved["strengths"]
-    with np.load(out / "prompt_router.npz") as z:
-        assert z["w1"].shape == (128, 384) and z["w2"].shape == (2, 128)
+    with np.load(out / "prompt_router.npz") as z:  # the embedding's 384 columns + 6 role-tag counts
+        assert z["w1"].shape == (128, 390) and z["w2"].shape == (2, 128)
+    assert s["prompt_router"]["role_scale"] == 0.5 and len(s["prompt_router"]["role_tags"]) == 6
 
 
 def test_top_k_ships_the_most_used_experts_and_routes_among_them(run, bundle, signing_keys, tmp_path):

@@ -26,6 +26,7 @@ from trainer.data.preferences import DOMAINS, dirichlet_clients, load_preference
 from trainer.experts.selector import SelectorConfig
 from trainer.experts.fedprism import METHODS, FederatedPairs, FedPrismConfig, FedPrismTrainer, method_config, state_bytes
 from sdk.pair_features import DEFAULT_FEATURES
+from sdk.routed_selector import role_counts
 from trainer.length_baseline import STRUCTURE_C, LengthBaseline
 from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
 from trainer.embeddings import EmbedderConfig, default_cache_dir, embed_texts
@@ -77,8 +78,10 @@ PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
     # frozen at the federated prior, LoRA + content head at lr 1e-2) by benchmarks/prism_residual_settings.py, on
     # validation (3 seeds); the pair features by benchmarks/pair_features_settings.py. Label-free
     # (length_prior='expert'): sdk.Selector.prefer(x, y_a, y_b) has no domain input ('domain' is opt-in, docs/prism.md)
+    # ... and the router reads the prompts' role-tag counts beside the embedding (router_role_scale 0.5, chosen on the
+    # validation pairs by benchmarks/prism_start_gap.py --part roles; the quick preset is not tuned separately and keeps 0)
     "cpu": (DataPreset(), FedPrismConfig(n_experts=6, rounds=8, warmup_rounds=3, router_every=2, clients_per_round=4,
-                                         local_pairs=40, eval_every=4,
+                                         local_pairs=40, eval_every=4, router_role_scale=0.5,
                                          length_lr_scale=0.0, expert_lr=1e-2, **{**_STRUCTURE, **_START})),
     "gpu": (DataPreset(n_train=12000, n_val=1500, n_test=3000, n_public=1500), FedPrismConfig.gpu_preset()),
 }
@@ -148,7 +151,9 @@ def _federated(prep: PreparedData, preset: DataPreset, seed: int, eval_split: st
     domain = np.concatenate([prep.train.domain, prep.val.domain, prep.test.domain]).astype(str)
     generators = pd.concat([f[["domain", "source_a", "source_b"]] for f in (prep.train, prep.val, prep.test)],
                            ignore_index=True)
-    return FederatedPairs(prep.store, prep.prompt_emb, domain, clients, prep.public_emb, eval_pairs, generators)
+    prompts = [p for f in (prep.train, prep.val, prep.test) for p in f.prompt]
+    return FederatedPairs(prep.store, prep.prompt_emb, domain, clients, prep.public_emb, eval_pairs, generators,
+                          role_counts(prompts), role_counts(prep.public_prompts))
 
 
 def _summary(values: list[float]) -> dict:

@@ -131,6 +131,10 @@ class FedPrismConfig:
         domain has none. Each expert's feature path is fitted on ``[f, g]``: its last weight ``gamma_k`` is
         saved beside the strengths (``generator_prior.json``) and adds ``gamma_k g`` to the expert's logit
         (fixed, like ``v_k``). Chosen on validation by ``benchmarks/prism_start_gap.py --part prior``.
+    router_role_scale : float >= 0, > 0 appends ``router_role_scale * log(1 + count)`` of each role tag of
+        :data:`sdk.routed_selector.ROLE_TAGS` in the prompt to the router's input (K-means start, distillation,
+        routing, PGPD), which tells chat transcripts from instructions; 0 = the embedding alone. Chosen on
+        validation by ``benchmarks/prism_start_gap.py --part roles`` (0.5).
     client_val_fraction : float in [0, 0.5), share of each client's pairs kept as its local validation
         split (never trained on); 0 = off. When > 0, before round 1 and after every round every client
         scores each expert on its validation pairs routed to it and sends (loss sum, count) per expert;
@@ -166,6 +170,7 @@ class FedPrismConfig:
     length_prior: str = "expert"
     residual_scale: float = 1.0
     generator_prior: bool = False
+    router_role_scale: float = 0.0
     client_val_fraction: float = 0.0
     eval_every: int = 2
     seed: int = 0
@@ -187,6 +192,7 @@ class FedPrismConfig:
         if self.length_prior == "domain" and self.length_init != "fedavg_lr":
             raise InvalidInputError("length_prior='domain' needs length_init='fedavg_lr' (the prior is a federated fit)")
         check_real(self, "residual_scale", 0)
+        check_real(self, "router_role_scale", 0)
         check_real(self, "length_C", 0, low_open=True)
         check_real(self, "length_pool_C", 0, low_open=True)
         check_int(self, "router_init_rounds", 0)
@@ -278,6 +284,8 @@ class FederatedPairs:
     eval_pairs : ndarray of pair indices scored each evaluation (test or validation).
     generators : None, or a DataFrame indexed like the pairs with ``domain``, ``source_a``, ``source_b``
         (the responses' generators, as in the pairs frames), needed by ``FedPrismConfig.generator_prior``.
+    prompt_roles, public_roles : None, or the role-tag counts of each pair's / public prompt
+        (:func:`sdk.routed_selector.role_counts`, (n, T) float32), needed by ``FedPrismConfig.router_role_scale``.
     """
 
     store: SegmentStore
@@ -287,6 +295,8 @@ class FederatedPairs:
     public_emb: np.ndarray
     eval_pairs: np.ndarray
     generators: pd.DataFrame | None = None
+    prompt_roles: np.ndarray | None = None
+    public_roles: np.ndarray | None = None
 
 
 def _name_of(model: torch.nn.Module, param: torch.nn.Parameter) -> str:
@@ -326,6 +336,12 @@ class FedPrismTrainer:
             raise InvalidInputError("every client needs at least one train pair")
         if self.args.generator_prior and data.generators is None:
             raise InvalidInputError("generator_prior=True needs FederatedPairs.generators (the pairs' source_a / source_b)")
+        if self.args.router_role_scale > 0 and (data.prompt_roles is None or data.public_roles is None):
+            raise InvalidInputError("router_role_scale > 0 needs FederatedPairs.prompt_roles and public_roles")
+        scale = self.args.router_role_scale
+        self._emb, self._public = ((data.prompt_emb, data.public_emb) if scale == 0 else
+                                   (np.c_[data.prompt_emb, scale * data.prompt_roles].astype(np.float32),
+                                    np.c_[data.public_emb, scale * data.public_roles].astype(np.float32)))
         self.rng = np.random.default_rng(self.args.seed)
         self.retrievals_: list[tuple[int, list[int]]] = []
 
@@ -361,7 +377,7 @@ class FedPrismTrainer:
             return np.full(len(pairs), client_group, dtype=np.int64)
         if a.routing == "domain_oracle":
             return np.searchsorted(self._domains, self.data.domain[pairs]).astype(np.int64)
-        return self.router_.route(self.data.prompt_emb[pairs])
+        return self.router_.route(self._emb[pairs])
 
     def _train_expert(self, state: dict[str, np.ndarray], pairs: np.ndarray, k: int) -> dict[str, np.ndarray]:
         a = self.args
@@ -581,11 +597,11 @@ class FedPrismTrainer:
         and the client groups of ``'client_cluster'``; empties ``history_``."""
         a, d = self.args, self.data
         self.experts_ = self._init_experts()
-        self.router_ = PromptRouter(d.prompt_emb.shape[1], a.n_experts, a.router_hidden, seed=a.seed)
+        self.router_ = PromptRouter(self._emb.shape[1], a.n_experts, a.router_hidden, seed=a.seed)
         if a.routing == "router":
-            kmeans_init(self.router_, d.public_emb, lr=a.init_lr, epochs=a.init_epochs, seed=a.seed)
+            kmeans_init(self.router_, self._public, lr=a.init_lr, epochs=a.init_epochs, seed=a.seed)
             if a.router_init_rounds:
-                centroid_distillation(self.router_, d.public_emb, [d.prompt_emb[c] for c in d.clients],
+                centroid_distillation(self.router_, self._public, [self._emb[c] for c in d.clients],
                                       rounds=a.router_init_rounds, lr=a.init_lr, seed=a.seed)
         self._groups = self._client_groups() if a.routing == "client_cluster" else None
         self._domains = np.unique(self.data.domain)
@@ -628,9 +644,9 @@ class FedPrismTrainer:
             if do_pgpd:
                 ce = np.stack([self._per_sample(local[k][0], pairs, "ce", k) for k in needed], axis=1)
                 target = pgpd_pseudo_labels(ce, np.array(needed))
-                router = PromptRouter(d.prompt_emb.shape[1], a.n_experts, a.router_hidden)
+                router = PromptRouter(self._emb.shape[1], a.n_experts, a.router_hidden)
                 router.load_state(self.router_.state())
-                fit_router(router, d.prompt_emb[pairs], target, lr=a.router_lr, epochs=a.router_epochs,
+                fit_router(router, self._emb[pairs], target, lr=a.router_lr, epochs=a.router_epochs,
                            seed=int(self.rng.integers(1 << 31)))
                 router_updates.append((router.state(), float(len(pairs))))
         self.experts_ = aggregate_components(self.experts_, updates)
