@@ -30,6 +30,13 @@ feature of the exact federated fit, each client's ``beta_A - beta_B`` from the B
 the other clients' counts (cross-fitting: its own labels never build its feature), so each expert fits its own
 weight. Chosen on validation, then scored once on every test pair (per-seed test rows, paired SE over pairs).
 
+``--part roles``: the router input that separates chat transcripts from instructions: the prompt embedding with
+``scale * log(1 + count)`` of each role tag of :data:`ROLE_TAGS` appended (K-means start, centroid distillation
+and routing all on that input; the same exact federated fits), per ``scale`` of :data:`ROLE_SCALES` (0 = the
+start), on every validation pair; rule: the scale with the highest validation accuracy, wired only if it beats the
+start by more than its paired SE. The chosen scale and the start are then scored once on every test pair, each
+without and with the generator prior as the cross-fitted feature of ``--part prior`` (``test_rows``).
+
 ``PYTHONPATH=. HF_HUB_OFFLINE=1 python benchmarks/prism_start_gap.py --part gap --out docs/results`` writes
 ``DIR/prism_start_gap_<part>.{json,md}`` (and, for ``gap``, a PNG of each row's gain over structure_only). Needs the prompt embeddings only (no segment cache); minutes on CPU.
 """
@@ -42,9 +49,12 @@ from pathlib import Path
 
 import numpy as np
 
+from sdk.routed_selector import ROLE_TAGS, role_counts
+
 SEEDS = (0, 1, 2)
 QUICK_SIZES = ((600, 120), (1200, 120), (2400, 300), (4800, 300))
 LAMBDAS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+ROLE_SCALES = (0.0, 0.1, 0.25, 0.35, 0.5, 0.7, 1.0)
 
 
 def _frames(data_dir: Path, n_train=None, n_public=300):
@@ -126,6 +136,19 @@ def _ifca_labels(f_tr, y_tr, prompt_of, assign, coefs, clients, n_min, gain_min)
     return out
 
 
+def _cross_fitted_g(train, clients) -> np.ndarray:
+    """``beta_A - beta_B`` of each client's pairs from the Bradley-Terry strengths of the *other* clients' summed win
+    counts (cross-fitting: a client's labels never build its own feature): (len(train),) float64."""
+    from trainer.generator_prior import aggregate_win_counts, client_win_counts, fit_bradley_terry, generator_logit
+
+    ups = [client_win_counts(train.iloc[c]) for c in clients]
+    total = aggregate_win_counts(ups)
+    g = np.zeros(len(train))
+    for c, u in zip(clients, ups):
+        g[c] = generator_logit(train.iloc[c], fit_bradley_terry(+(total - u)))
+    return g
+
+
 def _row(correct: list, ref: list, dom: np.ndarray, extra=None) -> dict:
     """Mean over seeds, per domain, per seed, and the paired gain over ``ref`` (SE over pairs)."""
     from trainer.experts.experiment import paired_gain
@@ -136,21 +159,26 @@ def _row(correct: list, ref: list, dom: np.ndarray, extra=None) -> dict:
     return {**out, **(extra or {})}
 
 
+def _validation_setup(data_dir: Path):
+    """(CPU preset's FedPrismConfig, train, val, public frames, (f, y, e) of train and val, public embeddings)."""
+    from trainer.experts.experiment import PRESETS
+
+    base = PRESETS["cpu"][1]
+    train, val, _, public = _frames(data_dir)
+    names = base.selector.pair_features
+    return base, train, val, public, _arrays(train, names), _arrays(val, names), _arrays(public, names)[2]
+
+
 def part_gap(data_dir: Path) -> dict:
     import torch
 
     from sklearn.cluster import KMeans
 
-    from trainer.experts.experiment import PRESETS
     from trainer.experts.length_init import federated_logistic_fit, pooled_expert_coefs
     from trainer.length_baseline import LengthBaseline
 
-    base = PRESETS["cpu"][1]
+    base, train, val, public, (f_tr, y_tr, e_tr), (f_va, y_va, e_va), e_pub = _validation_setup(data_dir)
     names, C, M = base.selector.pair_features, base.length_C, base.n_experts
-    train, val, _, public = _frames(data_dir)
-    f_tr, y_tr, e_tr = _arrays(train, names)
-    f_va, y_va, e_va = _arrays(val, names)
-    _, _, e_pub = _arrays(public, names)
     doms = sorted(set(train.domain))
     dt = train.domain.map(doms.index).to_numpy()
     dv = val.domain.map(doms.index).to_numpy()
@@ -270,7 +298,7 @@ def part_quick_size(data_dir: Path) -> dict:
 def part_prior(data_dir: Path) -> dict:
     from trainer.experts.experiment import PRESETS
     from trainer.experts.length_init import pooled_expert_coefs
-    from trainer.generator_prior import aggregate_win_counts, client_win_counts, fit_bradley_terry, generator_logit
+    from trainer.generator_prior import client_win_counts, fit_bradley_terry, generator_logit
     from trainer.length_baseline import LengthBaseline
 
     base = PRESETS["cpu"][1]
@@ -291,11 +319,7 @@ def part_prior(data_dir: Path) -> dict:
         router = _router(e_tr, e_pub, clients, seed, M)
         a_tr = router.route(e_tr)
         w = pooled_expert_coefs(f_tr, y_tr, a_tr, clients, M, C, base.length_pool_C)[0]
-        ups = [client_win_counts(train.iloc[c]) for c in clients]
-        total = aggregate_win_counts(ups)
-        g_tr = np.zeros(len(train))
-        for c, u in zip(clients, ups):  # cross-fitting: the strengths of the other clients' counts
-            g_tr[c] = generator_logit(train.iloc[c], fit_bradley_terry(+(total - u)))
+        g_tr = _cross_fitted_g(train, clients)
         w_g = pooled_expert_coefs(np.c_[f_tr, g_tr], y_tr, a_tr, clients, M, C, base.length_pool_C)[0]
         for name, s in split.items():
             a = router.route(s["e"])
@@ -317,6 +341,79 @@ def part_prior(data_dir: Path) -> dict:
     return out
 
 
+def part_roles(data_dir: Path) -> dict:
+    from trainer.experts.length_init import pooled_expert_coefs
+    from trainer.length_baseline import LengthBaseline
+
+    base, train, val, public, (f_tr, y_tr, e_tr), (f_va, y_va, e_va), e_pub = _validation_setup(data_dir)
+    C, M = base.length_C, base.n_experts
+    r_tr, r_va, r_pub = (role_counts(list(x.prompt)) for x in (train, val, public))
+    doms = sorted(set(train.domain))
+    dt, dv = (x.domain.map(doms.index).to_numpy() for x in (train, val))
+    p_lo = LengthBaseline(per_domain=True).fit(train).predict_proba(val)
+    rows, misrouted = {}, {}
+    for seed in SEEDS:
+        clients = _clients(train, seed)
+        rows.setdefault("length_only (domain label)", []).append(((p_lo > 0.5) == y_va).astype(np.float64))
+        for scale in ROLE_SCALES:
+            tr, va, pub = (np.c_[e, scale * r].astype(np.float32) for e, r in ((e_tr, r_tr), (e_va, r_va), (e_pub, r_pub)))
+            router = _router(tr, pub, clients, seed, M)
+            a_tr, a_va = router.route(tr), router.route(va)
+            w = pooled_expert_coefs(f_tr, y_tr, a_tr, clients, M, C, base.length_pool_C)[0]
+            key = "FedPrism start" + ("" if scale == 0 else f", role tags x {scale:g}")
+            rows.setdefault(key, []).append((((f_va * w[a_va]).sum(1) > 0) == y_va).astype(np.float64))
+            majority = np.array([np.bincount(dt[a_tr == k], minlength=3).argmax() if (a_tr == k).any() else -1
+                                 for k in range(M)])
+            misrouted.setdefault(key, []).append(float((majority[a_va] != dv).mean()))
+        print("seed", seed, "done", flush=True)
+    ref = rows["length_only (domain label)"]
+    out = {k: _row(v, ref, val.domain.to_numpy().astype(str), {"misrouted_share": misrouted.get(k)}) for k, v in rows.items()}
+    from trainer.experts.experiment import paired_gain
+
+    for k in out:
+        out[k]["vs_start"] = paired_gain(rows[k], rows["FedPrism start"])
+    keys = [k for k in rows if k.startswith("FedPrism start")]
+    best = max(keys, key=lambda k: out[k]["overall"])
+    gain = out[best]["vs_start"]
+    scale = ROLE_SCALES[keys.index(best)]
+    return {"part": "roles", "n_val": len(val), "seeds": list(SEEDS), "tags": list(ROLE_TAGS), "rows": out,
+            "chosen": best, "wire": bool(best != "FedPrism start" and gain["gain"] > gain["se"]),
+            "test_rows": _roles_test(data_dir, scale)}
+
+
+def _roles_test(data_dir: Path, scale: float) -> dict:
+    """The start and the start with role tags x ``scale`` on every test pair, without and with the generator
+    prior as the cross-fitted feature (:func:`part_prior` (b)); gains over per-domain length-only, paired SE."""
+    from trainer.experts.experiment import PRESETS
+    from trainer.experts.length_init import pooled_expert_coefs
+    from trainer.generator_prior import client_win_counts, fit_bradley_terry, generator_logit
+    from trainer.length_baseline import LengthBaseline
+
+    base = PRESETS["cpu"][1]
+    names, C, M = base.selector.pair_features, base.length_C, base.n_experts
+    train, _, test, public = _frames(data_dir)
+    f_tr, y_tr, e_tr = _arrays(train, names)
+    f_te, y_te, e_te = _arrays(test, names)
+    _, _, e_pub = _arrays(public, names)
+    g_te = generator_logit(test, fit_bradley_terry(client_win_counts(train)))
+    ref = [((LengthBaseline(per_domain=True).fit(train).predict_proba(test) > 0.5) == y_te).astype(np.float64)] * len(SEEDS)
+    rows = {}
+    for seed in SEEDS:
+        clients = _clients(train, seed)
+        g_tr = _cross_fitted_g(train, clients)
+        for sc in (0.0, scale):
+            tr, te, pub = (np.c_[e, sc * role_counts(list(x.prompt))].astype(np.float32)
+                           for e, x in ((e_tr, train), (e_te, test), (e_pub, public)))
+            router = _router(tr, pub, clients, seed, M)
+            a_tr, a_te = router.route(tr), router.route(te)
+            name = "start" + ("" if sc == 0 else f" + role tags x {sc:g}")
+            for tag, x_tr, x_te in (("", f_tr, f_te), (" + prior feature", np.c_[f_tr, g_tr], np.c_[f_te, g_te])):
+                w = pooled_expert_coefs(x_tr, y_tr, a_tr, clients, M, C, base.length_pool_C)[0]
+                rows.setdefault(name + tag, []).append((((x_te * w[a_te]).sum(1) > 0) == y_te).astype(np.float64))
+        print("test seed", seed, "done", flush=True)
+    return {k: _row(v, ref, test.domain.to_numpy().astype(str)) for k, v in rows.items()}
+
+
 def markdown(out: dict) -> str:
     if out["part"] == "gap":
         rows = out["rows"]
@@ -331,6 +428,22 @@ def markdown(out: dict) -> str:
         lines += ["", "Misrouted pairs (routed to an expert whose training pairs are mostly another domain), per seed:", ""]
         lines += [f"- {m}" for m in out["misrouted"]]
         lines += [f"- federated domain classifier accuracy (validation): {out['domain_router_accuracy']}"]
+        return "\n".join(lines) + "\n"
+    if out["part"] == "roles":
+        lines = [f"Router input with role-tag counts ({out['tags']}), validation ({out['n_val']} pairs), seeds "
+                 f"{out['seeds']}; best: **{out['chosen']}**; wire it (beats the start by > 1 paired SE): {out['wire']}", "",
+                 "| router input | overall | domains | misrouted share per seed | vs length-only | vs the start |",
+                 "|---|---|---|---|---|---|"]
+        for k, r in out["rows"].items():
+            lines.append(f"| {k} | {r['overall']:.4f} | " + " / ".join(f"{d} {v:.3f}" for d, v in r["domains"].items())
+                         + f" | {r['misrouted_share']} | {r['vs_length_only']['gain']:+.4f} ± {r['vs_length_only']['se']:.4f}"
+                         + f" | {r['vs_start']['gain']:+.4f} ± {r['vs_start']['se']:.4f} |")
+        lines += ["", "Scored once on every test pair (the start and the chosen scale, without / with the prior feature):", "",
+                  "| router input (test) | overall | per seed | domains | vs length-only |", "|---|---|---|---|---|"]
+        for k, r in out["test_rows"].items():
+            lines.append(f"| {k} | {r['overall']:.4f} | " + " / ".join(f"{x:.4f}" for x in r["per_seed"]) + " | "
+                         + " / ".join(f"{d} {v:.3f}" for d, v in r["domains"].items())
+                         + f" | {r['vs_length_only']['gain']:+.4f} ± {r['vs_length_only']['se']:.4f} |")
         return "\n".join(lines) + "\n"
     if out["part"] == "quick_size":
         lines = [f"Quick preset's start on the validation pairs ({out['n_val']}), seeds {out['seeds']}; chosen: "
@@ -385,7 +498,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=Path("../shared/data"))
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
-    ap.add_argument("--part", choices=("gap", "quick_size", "prior"), required=True)
+    ap.add_argument("--part", choices=("gap", "quick_size", "prior", "roles"), required=True)
     ap.add_argument("--plot-only", action="store_true", help="--part gap: redraw the PNG from the saved JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -393,7 +506,7 @@ def main(argv=None) -> None:
     if args.plot_only:
         plot(json.loads(stem.with_suffix(".json").read_text()), stem.with_suffix(".png"))
         return
-    out = {"gap": part_gap, "quick_size": part_quick_size, "prior": part_prior}[args.part](args.data)
+    out = {"gap": part_gap, "quick_size": part_quick_size, "prior": part_prior, "roles": part_roles}[args.part](args.data)
     write_json(stem.with_suffix(".json"), out)
     write_text(stem.with_suffix(".md"), markdown(out))
     if args.part == "gap":

@@ -19,6 +19,12 @@ routed expert's torch module with its adapter **not** merged:
 - int8: decisions (``P(A better) > 0.5``) agree with the trainer's on ``>=``
   :data:`export.selector_export.INT8_MIN_DECISION_AGREEMENT` of the pairs (routing included).
 
+A run trained with the generator prior (``generator_prior.json``: Bradley-Terry strengths and each expert's
+weight) ships them as the manifest's ``selector.generator_prior`` (:mod:`sdk.routed_selector`); the parity pairs'
+generators (``source_a`` / ``source_b``) are then also passed to ``Selector.prefer_many`` and compared with the
+trainer's ``sigmoid((l(a, b) - l(b, a)) / 2 + gamma_k g)`` (:func:`trainer.generator_prior.generator_logit`):
+fp32 ``max |P_sdk - P_torch| <=`` :data:`export.selector_export.FP32_MAX_LOGIT_DIFF`, int8 decisions as above.
+
 A failed check raises :class:`~export.errors.ParityError` and writes nothing at ``out``.
 """
 
@@ -48,7 +54,7 @@ from export.selector_export import (
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
 from sdk.errors import InvalidInputError
-from sdk.routed_selector import EMBEDDER_FILES, EMBEDDER_TOKENIZER_FILE, KIND, ROUTER_FILE, expert_file
+from sdk.routed_selector import EMBEDDER_FILES, EMBEDDER_TOKENIZER_FILE, KIND, ROLE_TAGS, ROUTER_FILE, expert_file, role_counts
 from sdk.selector import FAMILY, MANIFEST_KEY, Selector
 from trainer.preference_metrics import pairwise_accuracy
 
@@ -59,14 +65,15 @@ def is_fedprism_run(folder: Path) -> bool:
 
 
 def load_run(run_dir: Path):
-    """(PromptRouter, n_experts, FedPrismConfig dict) of a saved FedPrism run.
+    """(PromptRouter, n_experts, FedPrismConfig dict, generator prior dict or None) of a saved FedPrism run.
 
     Raises
     ------
     ExportError
         The run's files cannot be read, its routing is not ``'router'`` (a baseline's folder: export one
         of its experts instead), or it is a ``length_prior='domain'`` run (its experts need the pair's
-        domain, which ``Selector.prefer`` does not take).
+        domain, which ``Selector.prefer`` does not take), or its ``generator_prior.json`` is not the
+        strengths and one finite weight per expert.
     """
     from safetensors.numpy import load_file  # safetensors: optional heavy dependency, imported on use
 
@@ -91,7 +98,19 @@ def load_run(run_dir: Path):
     missing = [k for k in range(n_experts) if not (run_dir / f"expert_{k}").is_dir()]
     if missing:
         raise ExportError(f"{run_dir} lacks expert folders {missing} of its {n_experts} experts")
-    return router, n_experts, config
+    prior = None
+    if (run_dir / "generator_prior.json").exists():
+        try:
+            saved = json.loads((run_dir / "generator_prior.json").read_text())
+            prior = {"strengths": {str(k): float(v) for k, v in saved["strengths"].items()},
+                     "weights": [float(v) for v in saved["weights"]]}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ExportError(f"{run_dir / 'generator_prior.json'}: not written by `fedroute prism train` "
+                              f"({type(exc).__name__}: {exc})") from exc
+        values = np.array([*prior["strengths"].values(), *prior["weights"]])
+        if len(prior["weights"]) != n_experts or not np.isfinite(values).all():
+            raise ExportError(f"{run_dir / 'generator_prior.json'}: needs {n_experts} finite weights and finite strengths")
+    return router, n_experts, config, prior
 
 
 def top_experts(router, prompt_emb: np.ndarray, k: int) -> list[int]:
@@ -127,17 +146,21 @@ def trainer_logits(run_dir: Path, selector, router, prompt_emb: np.ndarray, ship
 
 
 def check_routed_parity(bundle_dir: Path, public_key, reference: tuple[np.ndarray, np.ndarray, np.ndarray], pairs,
-                        precisions, progress: Callable[[str], None] = print) -> dict:
+                        precisions, progress: Callable[[str], None] = print, prior: dict | None = None) -> dict:
     """Parity of the staged routed bundle (loaded by ``sdk.Selector``) with the trainer's pipeline.
 
     reference : the trainer's (route, logit_ab, logit_ba) of each pair (:func:`trainer_logits`).
-    pairs : DataFrame with :data:`export.selector_export.PARITY_COLUMNS`.
+    pairs : DataFrame with :data:`export.selector_export.PARITY_COLUMNS` (and ``domain``, ``source_a``,
+        ``source_b`` with ``prior``).
+    prior : the run's generator prior (:func:`load_run`) or None.
 
     Returns
     -------
     dict with ``n_pairs`` (scored), ``n_refused_by_sdk`` (pairs with a text the SDK refuses as input: no token its
     tokenizer can read; left out), ``torch_accuracy`` (the trainer's pipeline), ``torch_route_share`` and per precision
-    ``route_agreement``, ``max_abs_logit_diff``, ``max_abs_proba_diff``, ``decision_agreement``, ``accuracy``;
+    ``route_agreement``, ``max_abs_logit_diff``, ``max_abs_proba_diff``, ``decision_agreement``, ``accuracy``
+    (with ``prior``: also ``torch_accuracy_with_generators``, ``share_with_prior`` (pairs whose two generators are
+    known) and per precision ``with_generators``: ``max_abs_proba_diff``, ``decision_agreement``, ``accuracy``);
     ``failures`` and ``passed``.
     """
     prompts, ra, rb = (pairs[c].tolist() for c in ("prompt", "response_a", "response_b"))
@@ -172,8 +195,35 @@ def check_routed_parity(bundle_dir: Path, public_key, reference: tuple[np.ndarra
                                       f"(needs 1 and <= {FP32_MAX_LOGIT_DIFF:g})")
         if precision == "int8" and not agree >= INT8_MIN_DECISION_AGREEMENT:
             report["failures"].append(f"int8 decision agreement {agree:.4f} < {INT8_MIN_DECISION_AGREEMENT}")
+    if prior is not None:
+        _check_generator_parity(report, sels, pairs[keep], (route_t, ab, ba), prior, progress)
     report["passed"] = not report["failures"]
     return report
+
+
+def _check_generator_parity(report: dict, sels: dict, pairs, reference, prior: dict, progress) -> None:
+    """The parity of ``Selector.prefer_many`` given the pairs' generators with the trainer's prior-shifted
+    probability (module docstring); adds to ``report``."""
+    from trainer.generator_prior import generator_logit  # trainer side: on use only
+
+    route_t, ab, ba = reference
+    g = generator_logit(pairs, prior["strengths"])
+    p_torch = 1.0 / (1.0 + np.exp(-(0.5 * (ab - ba) + np.asarray(prior["weights"])[route_t] * g)))
+    label = pairs["label"].to_numpy()
+    report["torch_accuracy_with_generators"] = pairwise_accuracy(p_torch, label)
+    report["share_with_prior"] = float(np.mean(g != 0))
+    texts = [pairs[c].tolist() for c in ("prompt", "response_a", "response_b", "source_a", "source_b")]
+    for precision, sel in sels.items():
+        progress(f"parity: routed {precision} selector with the pairs' generators (Bradley-Terry prior)")
+        p = sel.prefer_many(*texts)
+        entry = {"max_abs_proba_diff": float(np.max(np.abs(p - p_torch))),
+                 "decision_agreement": float(np.mean((p > 0.5) == (p_torch > 0.5))), "accuracy": pairwise_accuracy(p, label)}
+        report[precision]["with_generators"] = entry
+        if precision == "fp32" and not entry["max_abs_proba_diff"] <= FP32_MAX_LOGIT_DIFF:
+            report["failures"].append(f"fp32 with generators: max |P diff| {entry['max_abs_proba_diff']:.2e} > {FP32_MAX_LOGIT_DIFF:g}")
+        if precision == "int8" and not entry["decision_agreement"] >= INT8_MIN_DECISION_AGREEMENT:
+            report["failures"].append(f"int8 with generators: decision agreement {entry['decision_agreement']:.4f} "
+                                      f"< {INT8_MIN_DECISION_AGREEMENT}")
 
 
 def _router_npz(router) -> bytes:
@@ -225,13 +275,22 @@ def export_routed_selector_bundle(run_dir: Path, out: Path, signing_key: Path, p
     missing = [c for c in PARITY_COLUMNS if c not in getattr(parity_pairs, "columns", ())]
     if missing:
         raise ExportError(f"parity_pairs lacks columns {missing}: give a DataFrame with {list(PARITY_COLUMNS)}")
-    router, n_experts, config = load_run(run_dir)
+    router, n_experts, config, prior = load_run(run_dir)
+    if prior is not None:
+        missing = [c for c in ("domain", "source_a", "source_b") if c not in parity_pairs.columns]
+        if missing:
+            raise ExportError(f"parity_pairs lacks columns {missing}: a generator-prior run is checked with the pairs' generators")
     emb_config = EmbedderConfig()  # what `prism train` embeds prompts with (trainer.experts.experiment.prepare_data)
+    scale = float(config.get("router_role_scale", 0.0))
+
+    def router_input(prompts: list[str]) -> np.ndarray:  # the trainer's router input (FedPrismConfig.router_role_scale)
+        e = embed_texts(prompts, emb_config, cache_dir, show_progress=False)
+        return e if scale == 0 else np.c_[e, scale * role_counts(prompts)].astype(np.float32)
     shipped = list(range(n_experts))
     if top_k is not None:
         if not 1 <= top_k <= n_experts or not top_k_prompts:
             raise ExportError(f"top_k must be in [1, {n_experts}] and come with the prompts to rank experts on, got {top_k}")
-        shipped = top_experts(router, embed_texts(top_k_prompts, emb_config, cache_dir, show_progress=False), top_k)
+        shipped = top_experts(router, router_input(top_k_prompts), top_k)
         progress(f"top-{top_k} experts by their share of {len(top_k_prompts)} validation prompts: {shipped}")
     selector = load_trained_selector(run_dir / f"expert_{shipped[0]}")
     precisions = ["fp32"] + (["int8"] if int8 else [])
@@ -262,14 +321,16 @@ def export_routed_selector_bundle(run_dir: Path, out: Path, signing_key: Path, p
             "prompt_embedder": {"name": emb_config.model, "files": {p: EMBEDDER_FILES[p] for p in precisions},
                                 "tokenizer": EMBEDDER_TOKENIZER_FILE, "dim": int(emb.dim),
                                 "max_tokens": emb_config.max_tokens, "truncation_side": emb_config.truncation_side},
-            "prompt_router": {"file": ROUTER_FILE, "hidden": int(config["router_hidden"])},
-        }
+            "prompt_router": {"file": ROUTER_FILE, "hidden": int(config["router_hidden"])}
+            | ({} if scale == 0 else {"role_tags": list(ROLE_TAGS), "role_scale": scale}),
+        } | ({} if prior is None else {"generator_prior": prior})
         staged = tmp / "staged"
         write_bundle(staged, files, fields, key)
         progress(f"the trainer's pipeline on {len(parity_pairs)} parity pairs (embed, route, score both orders)")
-        prompt_emb = embed_texts(parity_pairs["prompt"].tolist(), emb_config, cache_dir, show_progress=False)
+        prompt_emb = router_input(parity_pairs["prompt"].tolist())
         reference = trainer_logits(run_dir, selector, router, prompt_emb, shipped, parity_pairs)
-        report = check_routed_parity(staged, key.public_key(), reference, parity_pairs, precisions, progress=progress)
+        report = check_routed_parity(staged, key.public_key(), reference, parity_pairs, precisions, progress=progress,
+                                     prior=prior)
         manifest = write_checked_bundle(out, files, fields, key, report, "routed selector parity check")
     progress(f"wrote routed selector bundle v{manifest['bundle_version']} ({len(shipped)} of {n_experts} experts) to {out}")
     return {"manifest": manifest, "parity": report}

@@ -150,33 +150,45 @@ class Selector:
         expert: int | None = int(route(x)) if route is not None else self._manifest["selector"]["expert"]
         return expert
 
-    def prefer(self, x: str, y_a: str, y_b: str) -> float:
+    def prefer(self, x: str, y_a: str, y_b: str, generator_a: str | None = None, generator_b: str | None = None) -> float:
         """Probability in [0, 1] that ``y_a`` is a better response to prompt ``x`` than ``y_b``:
-        ``sigmoid((l(a, b) - l(b, a)) / 2)``, so ``prefer(x, a, b) == 1 - prefer(x, b, a)``.
+        ``sigmoid((l(a, b) - l(b, a)) / 2 + prior)``, so ``prefer(x, a, b) == 1 - prefer(x, b, a)`` (generators
+        swapped with them). ``generator_a`` / ``generator_b`` name the models that wrote the responses (as a router
+        that picked them knows): with a bundle of a ``generator_prior`` run and both names in its strengths table,
+        ``prior = gamma_k (beta_A - beta_B)`` (:mod:`sdk.routed_selector`); otherwise (None, an unknown name, a bundle
+        without the table) ``prior = 0``.
 
         Raises
         ------
         InvalidInputError
             A text that is not a non-blank str, not valid Unicode, or has no token the tokenizer can read.
         """
-        l_ab, l_ba = self.logits(x, y_a, y_b)
-        return _sigmoid(0.5 * (l_ab - l_ba))
+        texts = check_text(x, "x"), check_text(y_a, "y_a"), check_text(y_b, "y_b")
+        with_prior = getattr(self._scorer, "prior_logits", None)
+        l_ab, l_ba, prior = with_prior(*texts, generator_a, generator_b) if with_prior else (*self._scorer.logits(*texts), 0.0)
+        return _sigmoid(0.5 * (l_ab - l_ba) + prior)
 
-    def prefer_many(self, x: Sequence[str], y_a: Sequence[str], y_b: Sequence[str]) -> npt.NDArray[np.float64]:
-        """:meth:`prefer` of n pairs: (n,) float64. Raises InvalidInputError for sequences of different lengths
-        or an invalid text (named ``y_a[i]``, or ``pair i: ...`` for one with no readable token)."""
-        bad = [f"{name} must be a list of str, got {type(seq).__name__}" for name, seq in (("x", x), ("y_a", y_a),
-               ("y_b", y_b)) if isinstance(seq, str) or not isinstance(seq, Sequence)]
-        if bad or not (len(x) == len(y_a) == len(y_b)):
-            raise InvalidInputError(bad[0] if bad else f"x, y_a, y_b must have one length, got {len(x)}, {len(y_a)}, "
-                                    f"{len(y_b)}")
+    def prefer_many(self, x: Sequence[str], y_a: Sequence[str], y_b: Sequence[str],
+                    generator_a: Sequence[str | None] | None = None,
+                    generator_b: Sequence[str | None] | None = None) -> npt.NDArray[np.float64]:
+        """:meth:`prefer` of n pairs: (n,) float64; ``generator_a`` / ``generator_b``: None or n names (or None).
+        Raises InvalidInputError for sequences of different lengths or an invalid text (named ``y_a[i]``, or
+        ``pair i: ...`` for one with no readable token)."""
+        gen_a = [None] * len(x) if generator_a is None else generator_a
+        gen_b = [None] * len(x) if generator_b is None else generator_b
+        named = (("x", x), ("y_a", y_a), ("y_b", y_b), ("generator_a", gen_a), ("generator_b", gen_b))
+        bad = [f"{name} must be a list of str, got {type(seq).__name__}" for name, seq in named
+               if isinstance(seq, str) or not isinstance(seq, Sequence)]
+        if bad or len({len(seq) for _, seq in named}) > 1:
+            raise InvalidInputError(bad[0] if bad else "x, y_a, y_b (and generators) must have one length, got "
+                                    + ", ".join(str(len(seq)) for _, seq in named))
         for i, texts in enumerate(zip(x, y_a, y_b)):
             for name, text in zip(("x", "y_a", "y_b"), texts):
                 check_text(text, f"{name}[{i}]")
         out = np.empty(len(x), dtype=np.float64)
-        for i, (p, a, b) in enumerate(zip(x, y_a, y_b)):
+        for i, (p, a, b, g_a, g_b) in enumerate(zip(x, y_a, y_b, gen_a, gen_b)):
             try:
-                out[i] = self.prefer(p, a, b)
+                out[i] = self.prefer(p, a, b, g_a, g_b)
             except InvalidInputError as exc:  # a text with no readable token: say which pair
                 raise InvalidInputError(f"pair {i}: {exc}") from exc
         return out

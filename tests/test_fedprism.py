@@ -133,7 +133,8 @@ def small(shared_data: Path, tmp_path_factory):
     emb = embed_texts(list(df.prompt), cache_dir=cache, show_progress=False)
     order = np.random.default_rng(0).permutation(len(df))
     clients = [np.sort(order[i::3][:14]) for i in range(3)]
-    data = FederatedPairs(store, emb, df.domain.to_numpy().astype(str), clients, emb[order[:12]], order[:18])
+    data = FederatedPairs(store, emb, df.domain.to_numpy().astype(str), clients, emb[order[:12]], order[:18],
+                          df[["domain", "source_a", "source_b"]])
     return model, data
 
 
@@ -177,7 +178,7 @@ def test_initialised_experts_reproduce_the_fedavged_length_regressions(small):
                                                          for c in data.clients)
     pairs = data.eval_pairs
     for k in range(2):  # the initialised expert predicts exactly sigmoid(w_k . f)
-        p = trainer._per_sample(trainer.experts_[k], pairs, "proba")
+        p = trainer._per_sample(trainer.experts_[k], pairs, "proba", k)
         np.testing.assert_allclose(p, 1 / (1 + np.exp(-feats[pairs] @ w[k])), atol=1e-5)
     zero = FedPrismTrainer(model, data, replace(cfg, length_init="zero")).setup()
     assert zero.length_coefs_ is None and not np.any(zero.experts_[0]["length_skip.weight"])
@@ -199,13 +200,74 @@ def test_pooled_start_is_the_exact_federated_fit_per_routed_expert(small):
     assert trainer.length_init_upload_bytes_ == 4 * 4 * n_eval * len(data.clients)
     pairs = data.eval_pairs
     for k in range(2):  # the initialised expert predicts exactly sigmoid(v_k . f)
-        p = trainer._per_sample(trainer.experts_[k], pairs, "proba")
+        p = trainer._per_sample(trainer.experts_[k], pairs, "proba", k)
         np.testing.assert_allclose(p, 1 / (1 + np.exp(-feats[pairs] @ w[k])), atol=1e-5)
     bis = FedPrismTrainer(model, data, method_config("fedbis", cfg)).setup()  # FedBis: the global fit
     glob, _ = pooled_expert_coefs(feats, labels, np.zeros(len(labels), np.int64), data.clients, 1, C=5.0, pool_C=None)
     np.testing.assert_allclose(bis.length_coefs_, glob, rtol=1e-5, atol=1e-6)
     with pytest.raises(InvalidInputError, match="length_pool_C"):
         FedPrismConfig(length_pool_C=0.0)
+
+
+def test_generator_prior_is_a_cross_fitted_feature_of_the_exact_start(small, tmp_path):
+    from collections import Counter
+
+    from trainer.experts.length_init import pooled_expert_coefs
+    from trainer.generator_prior import client_win_counts, fit_bradley_terry, generator_logit
+
+    model, data = small
+    cfg = FedPrismConfig(n_experts=2, rounds=1, warmup_rounds=1, clients_per_round=3, local_pairs=8, batch_size=4,
+                         init_epochs=5, length_init="pooled", length_C=5.0, length_pool_C=2.0, length_lr_scale=0.0,
+                         generator_prior=True)
+    trainer = FedPrismTrainer(model, data, cfg).setup()
+    feats, labels = data.store.features.numpy().astype(np.float64), data.store.label.numpy().astype(np.float64)
+    frame = data.generators.assign(label=labels.astype(int))
+    # by hand: the server sums the clients' counts; a client's pairs get the strengths of the others' counts
+    ups = [client_win_counts(frame.iloc[c]) for c in data.clients]
+    total = sum(ups, Counter())
+    assert trainer.generator_strengths_ == pytest.approx(fit_bradley_terry(total))
+    assert trainer.generator_upload_bytes_ == 12 * sum(len(u) for u in ups)
+    g = generator_logit(frame, fit_bradley_terry(total))
+    for c, u in zip(data.clients, ups):
+        g[c] = generator_logit(frame.iloc[c], fit_bradley_terry(total - u))
+    assert np.all(g[data.domain == "hh_harmless"] == 0) and np.abs(g).max() > 0.1
+    w, _ = pooled_expert_coefs(np.c_[feats, g], labels, trainer.router_.route(data.prompt_emb), data.clients, 2,
+                               C=5.0, pool_C=2.0)
+    np.testing.assert_allclose(trainer.length_coefs_, w[:, :-1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(trainer.generator_weights_, w[:, -1], rtol=1e-5, atol=1e-6)
+    assert np.all(trainer.generator_weights_ > 0)  # the stronger generator's answer is preferred
+    pairs = data.eval_pairs
+    for k in range(2):  # the initialised expert predicts exactly sigmoid(v_k . f + gamma_k g)
+        p = trainer._per_sample(trainer.experts_[k], pairs, "proba", k)
+        np.testing.assert_allclose(p, 1 / (1 + np.exp(-(np.c_[feats, g][pairs] @ w[k]))), atol=1e-5)
+    trainer.run_round(1)
+    trainer.save(tmp_path)
+    saved = json.loads((tmp_path / "generator_prior.json").read_text())
+    assert saved["weights"] == pytest.approx(w[:, -1].tolist(), rel=1e-5) and saved["strengths"] == trainer.generator_strengths_
+    assert method_config("fedprism_generator_prior", replace(cfg, generator_prior=False)).generator_prior
+    with pytest.raises(InvalidInputError, match="length_init='pooled'"):
+        FedPrismConfig(generator_prior=True)
+    with pytest.raises(InvalidInputError, match="generators"):
+        FedPrismTrainer(model, replace(data, generators=None), cfg)
+
+
+def test_router_role_tags_are_appended_to_the_router_input(small):
+    from sdk.routed_selector import role_counts
+
+    model, data = small
+    np.testing.assert_allclose(role_counts(["\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye", "Write a poem."]),
+                               [[np.log(3), np.log(2), 0, 0, 0, 0], [0] * 6], rtol=1e-6)
+    roles = np.zeros((len(data.domain), 6), np.float32)
+    roles[data.domain == "hh_harmless", 0] = 3.0  # an HH-like count on the HH prompts only
+    cfg = FedPrismConfig(n_experts=2, rounds=1, warmup_rounds=1, init_epochs=5, router_role_scale=0.5)
+    trainer = FedPrismTrainer(model, replace(data, prompt_roles=roles, public_roles=roles[:12]), cfg).setup()
+    x = np.c_[data.prompt_emb, 0.5 * roles]
+    assert trainer.router_.net[0].in_features == 390
+    np.testing.assert_array_equal(trainer._route(np.arange(len(x))), trainer.router_.route(x))
+    with pytest.raises(InvalidInputError, match="prompt_roles"):
+        FedPrismTrainer(model, data, cfg)
+    with pytest.raises(InvalidInputError, match="router_role_scale"):
+        FedPrismConfig(router_role_scale=-1.0)
 
 
 def test_router_changes_only_in_pgpd_rounds_and_experts_learn(small):
@@ -271,14 +333,14 @@ def test_domain_prior_is_the_fedavged_per_domain_regression_plus_a_residual(smal
     prior = 1 / (1 + np.exp(-(feats[pairs] * w[np.searchsorted(doms, data.domain[pairs])]).sum(1)))
     for k in range(2):  # before training every expert is exactly the per-domain length-only regression
         assert not np.any(trainer.experts_[k]["length_skip.weight"])
-        np.testing.assert_allclose(trainer._per_sample(trainer.experts_[k], pairs, "proba"), prior, atol=1e-5)
+        np.testing.assert_allclose(trainer._per_sample(trainer.experts_[k], pairs, "proba", k), prior, atol=1e-5)
     trainer.run_round(1)
     moved = [k for k in range(2) if np.abs(trainer.experts_[k]["head.2.weight"]).max() > 0]
     assert moved and all(not np.any(trainer.experts_[k]["length_skip.weight"]) for k in range(2))
-    p1 = trainer._per_sample(trainer.experts_[moved[0]], pairs, "proba")
+    p1 = trainer._per_sample(trainer.experts_[moved[0]], pairs, "proba", moved[0])
     assert np.abs(p1 - prior).max() > 1e-4  # the residual changed the prediction
     trainer.args = replace(cfg, residual_scale=0.0)  # a zero residual scale serves the prior alone
-    np.testing.assert_allclose(trainer._per_sample(trainer.served_experts[moved[0]], pairs, "proba"), prior, atol=1e-5)
+    np.testing.assert_allclose(trainer._per_sample(trainer.served_experts[moved[0]], pairs, "proba", moved[0]), prior, atol=1e-5)
     with pytest.raises(InvalidInputError, match="length_prior"):
         FedPrismConfig(length_prior="subset")
     with pytest.raises(InvalidInputError, match="length_init"):
@@ -320,7 +382,7 @@ def test_client_validation_split_and_per_expert_early_stopping(small):
         assert trainer.served_experts[k] is (sharper if better else init[k])
     # a round trains only on the clients' train parts (a spy that calls the real local training)
     seen, train_expert = [], trainer._train_expert
-    trainer._train_expert = lambda state, pairs: seen.append(pairs) or train_expert(state, pairs)
+    trainer._train_expert = lambda state, pairs, k: seen.append(pairs) or train_expert(state, pairs, k)
     trainer.run_round(1)
     assert seen and not set(np.concatenate(seen)) & set(np.concatenate(trainer._val_parts))
     with pytest.raises(InvalidInputError, match="client_val_fraction"):

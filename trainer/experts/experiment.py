@@ -26,6 +26,7 @@ from trainer.data.preferences import DOMAINS, dirichlet_clients, load_preference
 from trainer.experts.selector import SelectorConfig
 from trainer.experts.fedprism import METHODS, FederatedPairs, FedPrismConfig, FedPrismTrainer, method_config, state_bytes
 from sdk.pair_features import DEFAULT_FEATURES
+from sdk.routed_selector import role_counts
 from trainer.length_baseline import STRUCTURE_C, LengthBaseline
 from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
 from trainer.embeddings import EmbedderConfig, default_cache_dir, embed_texts
@@ -77,8 +78,10 @@ PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
     # frozen at the federated prior, LoRA + content head at lr 1e-2) by benchmarks/prism_residual_settings.py, on
     # validation (3 seeds); the pair features by benchmarks/pair_features_settings.py. Label-free
     # (length_prior='expert'): sdk.Selector.prefer(x, y_a, y_b) has no domain input ('domain' is opt-in, docs/prism.md)
+    # ... and the router reads the prompts' role-tag counts beside the embedding (router_role_scale 0.5, chosen on the
+    # validation pairs by benchmarks/prism_start_gap.py --part roles; the quick preset is not tuned separately and keeps 0)
     "cpu": (DataPreset(), FedPrismConfig(n_experts=6, rounds=8, warmup_rounds=3, router_every=2, clients_per_round=4,
-                                         local_pairs=40, eval_every=4,
+                                         local_pairs=40, eval_every=4, router_role_scale=0.5,
                                          length_lr_scale=0.0, expert_lr=1e-2, **{**_STRUCTURE, **_START})),
     "gpu": (DataPreset(n_train=12000, n_val=1500, n_test=3000, n_public=1500), FedPrismConfig.gpu_preset()),
 }
@@ -146,7 +149,11 @@ def _federated(prep: PreparedData, preset: DataPreset, seed: int, eval_split: st
     n_tr, n_va = len(prep.train), len(prep.val)
     eval_pairs = np.arange(n_tr, n_tr + n_va) if eval_split == "val" else np.arange(n_tr + n_va, n_tr + n_va + len(prep.test))
     domain = np.concatenate([prep.train.domain, prep.val.domain, prep.test.domain]).astype(str)
-    return FederatedPairs(prep.store, prep.prompt_emb, domain, clients, prep.public_emb, eval_pairs)
+    generators = pd.concat([f[["domain", "source_a", "source_b"]] for f in (prep.train, prep.val, prep.test)],
+                           ignore_index=True)
+    prompts = [p for f in (prep.train, prep.val, prep.test) for p in f.prompt]
+    return FederatedPairs(prep.store, prep.prompt_emb, domain, clients, prep.public_emb, eval_pairs, generators,
+                          role_counts(prompts), role_counts(prep.public_prompts))
 
 
 def _summary(values: list[float]) -> dict:
@@ -179,7 +186,7 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
     history: dict[str, dict[int, list]] = {m: {} for m in methods}
     bytes_per_round: dict[str, list[float]] = {m: [] for m in methods}
     util = {"max_share": [], "entropy": [], "share": []}
-    dense, length_up = [], []
+    dense, length_up, gammas, counts_up = [], [], [], []
     correct: dict[str, list[np.ndarray]] = {m: [] for m in methods}
     probas: dict[str, np.ndarray] = {}
     for seed in seeds:
@@ -201,6 +208,9 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                 proba = trainer.last_eval_["proba"]
                 history[m][seed] = trainer.history_
                 bytes_per_round[m].append(float(np.mean([h["downlink_bytes"] for h in trainer.history_])))
+                if m == "fedprism_generator_prior":
+                    gammas.append(trainer.generator_weights_.tolist())
+                    counts_up.append(float(trainer.generator_upload_bytes_))
                 if m == "fedprism":
                     share, mx, ent = expert_utilisation(trainer.last_eval_["assignment"], cfg.n_experts)
                     util["max_share"].append(mx)
@@ -210,7 +220,7 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
                     router = state_bytes(trainer.router_.state())
                     dense.append(float(cfg.clients_per_round * (cfg.n_experts * one + router)))
                     length_up.append(float(trainer.length_init_upload_bytes_))
-                if m in ("fedprism", "fedbis") and seed == seeds[0] and out is not None:
+                if m in SAVED_METHODS and seed == seeds[0] and out is not None:
                     # Phase III (trainer.experts.phase3) compares FedPrism's routed experts with FedBis's selector;
                     # staged beside the folder and swapped in with the results (_publish_saved)
                     staged = _staging(out, m)
@@ -238,6 +248,12 @@ def run_experiment(prep: PreparedData, model, preset: DataPreset, base: FedPrism
     if "length_only" in methods:
         result["paired_vs_length_only"] = {m: paired_gain(correct[m], correct["length_only"])
                                            for m in methods if m != "length_only"}
+    if {"fedprism", "fedprism_generator_prior"} <= set(methods):
+        # issue 29 item 3: the same FedPrism with and without the generator prior, side by side
+        result["generator_prior"] = {
+            "without": result["methods"]["fedprism"]["acc_mean"], "with": result["methods"]["fedprism_generator_prior"]["acc_mean"],
+            "paired_with_vs_without": paired_gain(correct["fedprism_generator_prior"], correct["fedprism"]),
+            "expert_weights_per_seed": gammas, "count_upload_bytes": float(np.mean(counts_up))}
     if "fedprism" in methods:
         result["utilisation"] = {"max_share": float(np.mean(util["max_share"])), "max_share_per_seed": util["max_share"],
                                  "entropy": float(np.mean(util["entropy"])), "share": util["share"]}
@@ -284,12 +300,16 @@ def _staging(out: Path, method: str) -> Path:
     return out / f".{method}_seed0.partial"
 
 
+#: the methods whose seed-0 run is saved as ``<method>_seed0/`` (phase3 and ``fedroute export --selector`` read them)
+SAVED_METHODS = ("fedprism", "fedprism_generator_prior", "fedbis")
+
+
 def publish_saved_methods(out: Path, methods) -> None:
-    """After ``results.json``: swap in ``<method>_seed0/`` of FedPrism and FedBis when they ran, and remove
+    """After ``results.json``: swap in ``<method>_seed0/`` of the :data:`SAVED_METHODS` that ran, and remove
     those an earlier run left in ``out`` when they did not (with ``utilisation_per_round.png`` when FedPrism
     did not run): ``prism train --methods fedprism`` over a full run kept the old ``fedbis_seed0/``, which
     ``prism label`` then compared with the new experts as if one run had trained both."""
-    for m in ("fedprism", "fedbis"):
+    for m in SAVED_METHODS:
         if m in methods:
             _publish_saved(out, m)
         else:
@@ -318,6 +338,11 @@ def markdown(result: dict) -> str:
         gain = result.get("paired_vs_length_only", {}).get(m)
         cells.append("-" if gain is None else f"{gain['gain']:+.3f} +- {gain['se']:.3f}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    if "generator_prior" in result:
+        g = result["generator_prior"]["paired_with_vs_without"]
+        lines += ["", f"Generator prior (Bradley-Terry strengths from the clients' summed win counts): FedPrism "
+                      f"{result['generator_prior']['without']:.4f} without, {result['generator_prior']['with']:.4f} with "
+                      f"({g['gain']:+.4f} +- {g['se']:.4f} paired)."]
     if "utilisation" in result:
         u, b = result["utilisation"], result["bytes"]
         lines += ["", f"FedPrism expert utilisation (final round, test pairs): max share {u['max_share']:.3f} "

@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 
 from sdk.errors import InvalidInputError
@@ -67,13 +68,14 @@ from trainer.experts.prompt_router import PromptRouter, centroid_distillation, f
 from trainer.experts.selector import PairSelector, SegmentStore, SelectorConfig
 from trainer.routers.fedavg import fedavg
 from trainer.preference_metrics import expert_utilisation, pairwise_accuracy
+from trainer.generator_prior import aggregate_win_counts, client_win_counts, fit_bradley_terry, generator_logit
 from trainer.experts.length_init import client_length_coefs, fedavg_length_coefs, pooled_expert_coefs, upload_bytes
 from trainer.report import write_text
 
 ROUTINGS = ("router", "random", "single", "client_cluster", "domain_oracle")
 LENGTH_INITS = ("fedavg_lr", "pooled", "zero")
 LENGTH_PRIORS = ("expert", "domain")
-METHODS = ("fedprism", "fedbis", "fedbiscuit", "random_routing", "frozen_router", "no_warmup")
+METHODS = ("fedprism", "fedprism_generator_prior", "fedbis", "fedbiscuit", "random_routing", "frozen_router", "no_warmup")
 
 
 @dataclass
@@ -119,6 +121,20 @@ class FedPrismConfig:
     length_lr_scale : float >= 0, the length path's learning rate is ``expert_lr * length_lr_scale``
         (0 = the length path stays at its start: the expert is the length prior plus a learned content
         residual ``w2 . tanh(...) + b2``, which starts at zero).
+    generator_prior : bool, a Bradley-Terry prior over the responses' generators as one more antisymmetric
+        feature of the exact federated start (``length_init='pooled'`` only; issue 29, item 3): every client
+        uploads its win/loss counts per (winner, loser) generator pair
+        (:func:`trainer.generator_prior.client_win_counts`), the server sums them and fits the strengths
+        ``beta`` (:func:`trainer.generator_prior.fit_bradley_terry`); a client's training pairs get
+        ``g = beta_A - beta_B`` from the strengths of the *other* clients' counts (cross-fitting: its own labels
+        never build its feature), every other pair from all counts, 0 where a generator is unknown or the
+        domain has none. Each expert's feature path is fitted on ``[f, g]``: its last weight ``gamma_k`` is
+        saved beside the strengths (``generator_prior.json``) and adds ``gamma_k g`` to the expert's logit
+        (fixed, like ``v_k``). Chosen on validation by ``benchmarks/prism_start_gap.py --part prior``.
+    router_role_scale : float >= 0, > 0 appends ``router_role_scale * log(1 + count)`` of each role tag of
+        :data:`sdk.routed_selector.ROLE_TAGS` in the prompt to the router's input (K-means start, distillation,
+        routing, PGPD), which tells chat transcripts from instructions; 0 = the embedding alone. Chosen on
+        validation by ``benchmarks/prism_start_gap.py --part roles`` (0.5).
     client_val_fraction : float in [0, 0.5), share of each client's pairs kept as its local validation
         split (never trained on); 0 = off. When > 0, before round 1 and after every round every client
         scores each expert on its validation pairs routed to it and sends (loss sum, count) per expert;
@@ -153,6 +169,8 @@ class FedPrismConfig:
     length_lr_scale: float = 1.0
     length_prior: str = "expert"
     residual_scale: float = 1.0
+    generator_prior: bool = False
+    router_role_scale: float = 0.0
     client_val_fraction: float = 0.0
     eval_every: int = 2
     seed: int = 0
@@ -174,6 +192,7 @@ class FedPrismConfig:
         if self.length_prior == "domain" and self.length_init != "fedavg_lr":
             raise InvalidInputError("length_prior='domain' needs length_init='fedavg_lr' (the prior is a federated fit)")
         check_real(self, "residual_scale", 0)
+        check_real(self, "router_role_scale", 0)
         check_real(self, "length_C", 0, low_open=True)
         check_real(self, "length_pool_C", 0, low_open=True)
         check_int(self, "router_init_rounds", 0)
@@ -182,6 +201,9 @@ class FedPrismConfig:
         for name in ("expert_lr", "router_lr", "init_lr"):
             check_real(self, name, 0, low_open=True)
         check_bool(self, "pgpd")
+        check_bool(self, "generator_prior")
+        if self.generator_prior and self.length_init != "pooled":
+            raise InvalidInputError("generator_prior=True needs length_init='pooled' (the prior is a feature of its exact fit)")
         if self.routing not in ROUTINGS:
             raise InvalidInputError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         for name in ("n_experts", "rounds", "router_every", "clients_per_round", "local_pairs", "batch_size",
@@ -230,6 +252,8 @@ def method_config(method: str, base: FedPrismConfig) -> FedPrismConfig:
     """
     if method == "fedprism":
         return replace(base, routing="router", pgpd=True)
+    if method == "fedprism_generator_prior":
+        return replace(base, routing="router", pgpd=True, generator_prior=True)
     if method == "fedbis":
         return replace(base, routing="single", pgpd=False, n_experts=1)
     if method == "fedbiscuit":
@@ -258,6 +282,10 @@ class FederatedPairs:
     clients : list of ndarrays of pair indices (train pairs of each client).
     public_emb : ndarray of shape (n_public, d_emb), float32, prompts held by no client (router init).
     eval_pairs : ndarray of pair indices scored each evaluation (test or validation).
+    generators : None, or a DataFrame indexed like the pairs with ``domain``, ``source_a``, ``source_b``
+        (the responses' generators, as in the pairs frames), needed by ``FedPrismConfig.generator_prior``.
+    prompt_roles, public_roles : None, or the role-tag counts of each pair's / public prompt
+        (:func:`sdk.routed_selector.role_counts`, (n, T) float32), needed by ``FedPrismConfig.router_role_scale``.
     """
 
     store: SegmentStore
@@ -266,6 +294,9 @@ class FederatedPairs:
     clients: list[np.ndarray]
     public_emb: np.ndarray
     eval_pairs: np.ndarray
+    generators: pd.DataFrame | None = None
+    prompt_roles: np.ndarray | None = None
+    public_roles: np.ndarray | None = None
 
 
 def _name_of(model: torch.nn.Module, param: torch.nn.Parameter) -> str:
@@ -290,7 +321,9 @@ class FedPrismTrainer:
     round (``round``, ``retrieved`` per client, ``downlink_bytes``, ``router_updated``,
     ``utilisation`` (share per expert of the eval pairs), and at evaluated rounds ``accuracy``);
     last_eval_ : the :meth:`evaluate` result of the last evaluated round (the final round's, after
-    :meth:`train`), so callers need not score the eval pairs again.
+    :meth:`train`), so callers need not score the eval pairs again. With ``generator_prior``:
+    ``generator_strengths_`` ({generator: beta}, all clients' counts), ``generator_weights_`` (ndarray (M,), each
+    expert's ``gamma_k``) and ``generator_upload_bytes_`` (the clients' count uploads); else None, None, 0.
     """
 
     def __init__(self, model: PairSelector, data: FederatedPairs, args: FedPrismConfig | None = None,
@@ -301,6 +334,14 @@ class FedPrismTrainer:
         self.progress = progress
         if not data.clients or any(len(c) == 0 for c in data.clients):
             raise InvalidInputError("every client needs at least one train pair")
+        if self.args.generator_prior and data.generators is None:
+            raise InvalidInputError("generator_prior=True needs FederatedPairs.generators (the pairs' source_a / source_b)")
+        if self.args.router_role_scale > 0 and (data.prompt_roles is None or data.public_roles is None):
+            raise InvalidInputError("router_role_scale > 0 needs FederatedPairs.prompt_roles and public_roles")
+        scale = self.args.router_role_scale
+        self._emb, self._public = ((data.prompt_emb, data.public_emb) if scale == 0 else
+                                   (np.c_[data.prompt_emb, scale * data.prompt_roles].astype(np.float32),
+                                    np.c_[data.public_emb, scale * data.public_roles].astype(np.float32)))
         self.rng = np.random.default_rng(self.args.seed)
         self.retrievals_: list[tuple[int, list[int]]] = []
 
@@ -336,9 +377,9 @@ class FedPrismTrainer:
             return np.full(len(pairs), client_group, dtype=np.int64)
         if a.routing == "domain_oracle":
             return np.searchsorted(self._domains, self.data.domain[pairs]).astype(np.int64)
-        return self.router_.route(self.data.prompt_emb[pairs])
+        return self.router_.route(self._emb[pairs])
 
-    def _train_expert(self, state: dict[str, np.ndarray], pairs: np.ndarray) -> dict[str, np.ndarray]:
+    def _train_expert(self, state: dict[str, np.ndarray], pairs: np.ndarray, k: int) -> dict[str, np.ndarray]:
         a = self.args
         self.model.load_expert_state(state)
         self.model.train()
@@ -351,7 +392,7 @@ class FedPrismTrainer:
         for s in range(0, len(order), a.batch_size):
             batch = order[s:s + a.batch_size]
             ha, hb, f, y = self.data.store.batch(self.model, batch)
-            loss = self.model.pair_loss(ha, hb, f, y, prior=self._prior(batch))
+            loss = self.model.pair_loss(ha, hb, f, y, prior=self._prior(batch), offset=self._offset(batch, k))
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -364,17 +405,24 @@ class FedPrismTrainer:
             return None
         return self._prior_w[torch.from_numpy(np.asarray(pairs, dtype=np.int64))].to(self.model.device)
 
+    def _offset(self, pairs: np.ndarray, k: int) -> torch.Tensor | None:
+        """Expert ``k``'s generator-prior logit ``gamma_k g`` of the pairs (len(pairs),), else None."""
+        if self.generator_weights_ is None:
+            return None
+        g = self._generator_g[np.asarray(pairs, dtype=np.int64)] * self.generator_weights_[k]
+        return torch.from_numpy(g.astype(np.float32)).to(self.model.device)
+
     @torch.no_grad()
-    def _per_sample(self, state: dict[str, np.ndarray], pairs: np.ndarray, what: str) -> np.ndarray:
+    def _per_sample(self, state: dict[str, np.ndarray], pairs: np.ndarray, what: str, k: int) -> np.ndarray:
         self.model.load_expert_state(state)
         self.model.train(False)
         out = []
         for s in range(0, len(pairs), 128):
             batch = pairs[s:s + 128]
             ha, hb, f, y = self.data.store.batch(self.model, batch)
-            prior = self._prior(batch)
-            v = (self.model.pair_loss(ha, hb, f, y, reduction="none", prior=prior) if what == "ce"
-                 else self.model.pair_proba(ha, hb, f, prior))
+            prior, offset = self._prior(batch), self._offset(batch, k)
+            v = (self.model.pair_loss(ha, hb, f, y, reduction="none", prior=prior, offset=offset) if what == "ce"
+                 else self.model.pair_proba(ha, hb, f, prior, offset))
             out.append(v.detach().cpu().numpy())
         return np.concatenate(out) if out else np.zeros(0)
 
@@ -384,12 +432,12 @@ class FedPrismTrainer:
         a = self.args
         served = self.served_experts
         if a.routing == "client_cluster":
-            return np.mean([self._per_sample(s, pairs, "proba") for s in served], axis=0), None
+            return np.mean([self._per_sample(s, pairs, "proba", k) for k, s in enumerate(served)], axis=0), None
         assign = self._route(pairs) if a.routing != "single" else np.zeros(len(pairs), dtype=np.int64)
         proba = np.zeros(len(pairs))
         for k in np.unique(assign):
             sel = assign == k
-            proba[sel] = self._per_sample(served[k], pairs[sel], "proba")
+            proba[sel] = self._per_sample(served[k], pairs[sel], "proba", int(k))
         return proba, assign
 
     def evaluate(self, pairs: np.ndarray | None = None) -> dict:
@@ -442,7 +490,7 @@ class FedPrismTrainer:
     def _val_ce(self, state: dict[str, np.ndarray], k: int) -> np.ndarray:
         """Per-pair CE of ``state`` on the validation pairs routed to expert ``k`` (what the clients
         holding them compute locally; they send the sum and the count, 8 bytes per expert)."""
-        return self._per_sample(state, self._val_pairs[self._val_assign == k], "ce")
+        return self._per_sample(state, self._val_pairs[self._val_assign == k], "ce", k)
 
     def _select_on_client_val(self, updated: set[int], rerouted: bool) -> None:
         """Per-expert early stopping (``client_val_fraction > 0``): an updated expert replaces its best
@@ -498,9 +546,15 @@ class FedPrismTrainer:
             for c, own in enumerate(self._train_parts):
                 assign[own] = self._route(own, None if self._groups is None else int(self._groups[c]))
             pool_C = None if a.routing == "single" else a.length_pool_C
-            self.length_coefs_, n_eval = pooled_expert_coefs(feats.astype(np.float64), labels.astype(np.float64), assign,
-                                                             self._train_parts, a.n_experts, a.length_C, pool_C)
-            self.length_init_upload_bytes_ = 4 * (feats.shape[1] + 1) * n_eval * len(self._train_parts)  # at most
+            x = feats.astype(np.float64)
+            if a.generator_prior:
+                x = np.c_[x, self._generator_feature()]
+            coefs, n_eval = pooled_expert_coefs(x, labels.astype(np.float64), assign, self._train_parts, a.n_experts,
+                                                a.length_C, pool_C)
+            self.length_coefs_ = coefs[:, :feats.shape[1]]
+            if a.generator_prior:
+                self.generator_weights_ = coefs[:, -1]
+            self.length_init_upload_bytes_ = 4 * (x.shape[1] + 1) * n_eval * len(self._train_parts)  # at most
             return self._set_length_paths()
         else:
             for c, own in enumerate(self._train_parts):
@@ -509,6 +563,24 @@ class FedPrismTrainer:
             self.length_coefs_ = fedavg_length_coefs(sent, a.n_experts, feats.shape[1])
         self.length_init_upload_bytes_ = upload_bytes(sent)
         self._set_length_paths()
+
+    def _generator_feature(self) -> np.ndarray:
+        """``g`` of every pair (n_pairs,) float64 (``FedPrismConfig.generator_prior``): the clients upload their win
+        counts (3 values per (winner, loser, count) row, counted in ``generator_upload_bytes_``), the server sums
+        them; a client's pairs get the strengths fitted on the other clients' counts, every other pair
+        ``generator_strengths_`` (all counts)."""
+        frame = self.data.generators.assign(label=self.data.store.label.numpy().astype(np.int64))
+        ups = [client_win_counts(frame.iloc[own]) for own in self._train_parts]
+        total = aggregate_win_counts(ups)
+        self.generator_upload_bytes_ = 12 * sum(len(u) for u in ups)
+        self.generator_strengths_ = fit_bradley_terry(total)
+        g = generator_logit(frame, self.generator_strengths_)
+        for c, u in enumerate(ups):
+            rest = +(total - u)  # cross-fitting: the strengths of the other clients' counts
+            own = self.data.clients[c]
+            g[own] = generator_logit(frame.iloc[own], fit_bradley_terry(rest)) if rest else 0.0
+        self._generator_g = g
+        return g
 
     def _set_length_paths(self) -> None:
         """Each expert's feature path ``v`` <- ``length_coefs_[k]``, its head's output layer <- 0."""
@@ -525,11 +597,11 @@ class FedPrismTrainer:
         and the client groups of ``'client_cluster'``; empties ``history_``."""
         a, d = self.args, self.data
         self.experts_ = self._init_experts()
-        self.router_ = PromptRouter(d.prompt_emb.shape[1], a.n_experts, a.router_hidden, seed=a.seed)
+        self.router_ = PromptRouter(self._emb.shape[1], a.n_experts, a.router_hidden, seed=a.seed)
         if a.routing == "router":
-            kmeans_init(self.router_, d.public_emb, lr=a.init_lr, epochs=a.init_epochs, seed=a.seed)
+            kmeans_init(self.router_, self._public, lr=a.init_lr, epochs=a.init_epochs, seed=a.seed)
             if a.router_init_rounds:
-                centroid_distillation(self.router_, d.public_emb, [d.prompt_emb[c] for c in d.clients],
+                centroid_distillation(self.router_, self._public, [self._emb[c] for c in d.clients],
                                       rounds=a.router_init_rounds, lr=a.init_lr, seed=a.seed)
         self._groups = self._client_groups() if a.routing == "client_cluster" else None
         self._domains = np.unique(self.data.domain)
@@ -539,6 +611,7 @@ class FedPrismTrainer:
         self._split_clients()
         self.length_coefs_, self.length_init_upload_bytes_ = None, 0
         self.domain_length_coefs_, self._prior_w = None, None
+        self.generator_weights_, self.generator_strengths_, self.generator_upload_bytes_ = None, None, 0
         if a.length_init != "zero":
             self._length_start()
         self.best_experts_, self.best_round_, self._round = list(self.experts_), [0] * a.n_experts, 0
@@ -566,14 +639,14 @@ class FedPrismTrainer:
             local = {}
             for k, state in zip(needed, experts):
                 sub = pairs[assign == k]
-                local[k] = (self._train_expert(state, sub), float(len(sub)))
+                local[k] = (self._train_expert(state, sub, k), float(len(sub)))
             updates.append(local)
             if do_pgpd:
-                ce = np.stack([self._per_sample(local[k][0], pairs, "ce") for k in needed], axis=1)
+                ce = np.stack([self._per_sample(local[k][0], pairs, "ce", k) for k in needed], axis=1)
                 target = pgpd_pseudo_labels(ce, np.array(needed))
-                router = PromptRouter(d.prompt_emb.shape[1], a.n_experts, a.router_hidden)
+                router = PromptRouter(self._emb.shape[1], a.n_experts, a.router_hidden)
                 router.load_state(self.router_.state())
-                fit_router(router, d.prompt_emb[pairs], target, lr=a.router_lr, epochs=a.router_epochs,
+                fit_router(router, self._emb[pairs], target, lr=a.router_lr, epochs=a.router_epochs,
                            seed=int(self.rng.integers(1 << 31)))
                 router_updates.append((router.state(), float(len(pairs))))
         self.experts_ = aggregate_components(self.experts_, updates)
@@ -622,6 +695,9 @@ class FedPrismTrainer:
         save_file(self.router_.state(), str(out / "router.safetensors"))
         save_selector_config(self.args.selector, out / "selector_config.json")
         write_text(out / "fedprism_config.json", json.dumps(self.args.to_dict(), indent=2))
+        if self.generator_weights_ is not None:  # generator_prior: the strengths and each expert's weight gamma_k
+            write_text(out / "generator_prior.json", json.dumps({"strengths": self.generator_strengths_,
+                                                                 "weights": self.generator_weights_.tolist()}, indent=2))
         if self.domain_length_coefs_ is not None:  # length_prior='domain': the fixed per-domain offsets
             write_text(out / "length_prior.json", json.dumps({"domains": self._domains.tolist(),
                                                               "coefs": self.domain_length_coefs_.tolist()}, indent=2))

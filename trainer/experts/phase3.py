@@ -18,6 +18,7 @@ from sdk.errors import InvalidInputError, ShapeError
 from trainer.data.preferences import ALPACA_REFERENCE, PAIR_COLUMNS
 from trainer.preference_metrics import pairwise_accuracy
 from trainer.experts.length_init import saved_length_prior
+from sdk.routed_selector import role_counts
 from trainer.embeddings import EmbedderConfig, embed_texts
 from trainer.report import save_figure, write_json, write_text
 
@@ -354,6 +355,9 @@ def run_phase3(run_dir: str | os.PathLike[str], data_dir: str | os.PathLike[str]
     store = build_segment_store(model, list(test.prompt), list(test.response_a), list(test.response_b),
                                 list(label), show_progress=progress)
     emb = embed_texts(list(test.prompt), EmbedderConfig(), cache_dir, show_progress=progress)
+    scale = float(config.get("router_role_scale", 0.0))
+    if scale:  # the router's input of FedPrismConfig.router_role_scale: the role-tag counts beside the embedding
+        emb = np.c_[emb, scale * role_counts(list(test.prompt))].astype(np.float32)
     labellers: dict[str, np.ndarray] = {}
     p_prism, expert = routed_proba(model, experts, router, store, emb, saved_length_prior(prism_dir, "alpacaeval"))
     labellers["fedprism"] = p_prism

@@ -350,37 +350,46 @@ class PairSelector(nn.Module):
         return self._pool(out, attention_mask)
 
     def pair_logits(self, h_a: torch.Tensor, h_b: torch.Tensor, feats: torch.Tensor,
-                    prior: torch.Tensor | None = None) -> torch.Tensor:
+                    prior: torch.Tensor | None = None, offset: torch.Tensor | None = None) -> torch.Tensor:
         """Logit of P(A better): h_a, h_b of shape (n, d), feats (n, F) -> (n,) (F = len(config.pair_features)).
 
         prior : optional (n, F) float32, fixed feature weights per pair (the per-domain length prior of
             ``FedPrismConfig.length_prior='domain'``): adds the offset ``prior . f``, no gradient, so the
             expert is that length-only logit plus its learned residual. Antisymmetric like ``v . f``.
+        offset : optional (n,) float32, a fixed logit added as it is (the generator prior's ``gamma_k (beta_A -
+            beta_B)`` of ``FedPrismConfig.generator_prior``); the swapped order passes its negation.
         """
         z = torch.cat([h_a, h_b, feats], dim=1)
         out = self.head(z).squeeze(1) + self.length_skip(feats).squeeze(1)
         if prior is not None:
             out = out + (prior.to(feats.dtype) * feats).sum(1)
+        if offset is not None:
+            out = out + offset.to(feats.dtype)
         return out
 
     def pair_loss(self, h_a: torch.Tensor, h_b: torch.Tensor, feats: torch.Tensor, label: torch.Tensor,
-                  reduction: str = "mean", prior: torch.Tensor | None = None) -> torch.Tensor:
+                  reduction: str = "mean", prior: torch.Tensor | None = None,
+                  offset: torch.Tensor | None = None) -> torch.Tensor:
         """BCE on each pair and its position-swapped copy, averaged per pair (design notes).
 
-        label : (n,) float 1.0 = A better; prior : optional (n, 3), see :meth:`pair_logits`. Returns a
+        label : (n,) float 1.0 = A better; prior, offset : optional, see :meth:`pair_logits`. Returns a
         scalar, or (n,) with ``reduction='none'``.
         """
         lab = label.to(h_a.dtype)
         bce = nn.functional.binary_cross_entropy_with_logits
-        straight = bce(self.pair_logits(h_a, h_b, feats, prior), lab, reduction="none")
-        swapped = bce(self.pair_logits(h_b, h_a, -feats, prior), 1.0 - lab, reduction="none")
+        neg = None if offset is None else -offset
+        straight = bce(self.pair_logits(h_a, h_b, feats, prior, offset), lab, reduction="none")
+        swapped = bce(self.pair_logits(h_b, h_a, -feats, prior, neg), 1.0 - lab, reduction="none")
         per = 0.5 * (straight + swapped)
         return per.mean() if reduction == "mean" else per
 
     def pair_proba(self, h_a: torch.Tensor, h_b: torch.Tensor, feats: torch.Tensor,
-                   prior: torch.Tensor | None = None) -> torch.Tensor:
-        """Symmetrised P(A better) = sigmoid((logit(A,B) - logit(B,A)) / 2), shape (n,)."""
-        return torch.sigmoid(0.5 * (self.pair_logits(h_a, h_b, feats, prior) - self.pair_logits(h_b, h_a, -feats, prior)))
+                   prior: torch.Tensor | None = None, offset: torch.Tensor | None = None) -> torch.Tensor:
+        """Symmetrised P(A better) = sigmoid((logit(A,B) - logit(B,A)) / 2), shape (n,) (with ``offset``:
+        ``sigmoid((l(A,B) - l(B,A)) / 2 + offset)``)."""
+        neg = None if offset is None else -offset
+        return torch.sigmoid(0.5 * (self.pair_logits(h_a, h_b, feats, prior, offset)
+                                    - self.pair_logits(h_b, h_a, -feats, prior, neg)))
 
     # ------------------------------------------------------------------ saving
 
