@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,23 @@ N_FIT_PROMPTS = 300
 N_PARITY_PROMPTS = 120
 
 
+def built_once(tmp_path_factory, name: str, build):
+    """``build(folder)``'s result, built by one test process into ``<shared tmp>/<name>/`` and reused by the
+    others: with ``-n 2`` each xdist worker would otherwise build its own copy of a session artefact
+    (pytest-xdist's recipe: the workers' base temp folders share a parent; a file lock orders them). The
+    result is pickled beside the files; tests must not change what is in the folder."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    folder, result = root / name, root / f"{name}.pickle"
+    with FileLock(f"{folder}.lock"):
+        if not result.exists():
+            folder.mkdir()
+            result.write_bytes(pickle.dumps(build(folder)))
+    return pickle.loads(result.read_bytes())
+
+
 @pytest.fixture(scope="session")
 def signing_keys(tmp_path_factory) -> tuple[Path, Path]:
     """(signing.key, signing.pub) of a fresh Ed25519 key pair."""
@@ -82,25 +101,26 @@ def exported_embedder(tmp_path_factory):
     from export.embedder_onnx import export_embedder, quantize_embedder
     from trainer.embeddings import resolve_model_path
 
-    out = tmp_path_factory.mktemp("embedder")
-    exported = export_embedder(resolve_model_path("all-MiniLM-L6-v2"), out, BUNDLE_MAX_TOKENS, "left", fuse=True)
-    return exported, quantize_embedder(exported.model, out / "embedder.int8.onnx")
+    def build(out: Path):
+        exported = export_embedder(resolve_model_path("all-MiniLM-L6-v2"), out, BUNDLE_MAX_TOKENS, "left", fuse=True)
+        return exported, quantize_embedder(exported.model, out / "embedder.int8.onnx")
+
+    return built_once(tmp_path_factory, "embedder", build)
 
 
-def _int8_all(exported_embedder) -> Path:
-    """The exported encoder quantised with the ``int8-all`` recipe (every weight MatMul in int8),
-    written once beside the int8 file."""
+def _int8_all(tmp_path_factory, exported_embedder) -> Path:
+    """The exported encoder quantised with the ``int8-all`` recipe (every weight MatMul in int8), written
+    once (:func:`built_once`)."""
     from export.embedder_onnx import quantize_precision
 
-    exported, int8_path = exported_embedder
-    out = int8_path.parent / "embedder.int8-all.onnx"
-    return out if out.exists() else quantize_precision(exported.model, out, "int8-all")
+    return built_once(tmp_path_factory, "embedder-int8-all",
+                      lambda out: quantize_precision(exported_embedder[0].model, out / "embedder.int8-all.onnx", "int8-all"))
 
 
 @pytest.fixture(scope="session")
-def int8_all_model(exported_embedder) -> Path:
+def int8_all_model(tmp_path_factory, exported_embedder) -> Path:
     """Path of the exported encoder quantised with the ``int8-all`` recipe."""
-    return _int8_all(exported_embedder)
+    return _int8_all(tmp_path_factory, exported_embedder)
 
 
 @pytest.fixture(scope="session")
@@ -129,8 +149,9 @@ def fitted_routers(routerbench_dir: Path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("routers")
     config = EmbedderConfig(max_tokens=BUNDLE_MAX_TOKENS)
     cache = tmp / "cache"
-    train_emb = embed_texts(list(train.prompts), config, cache, show_progress=False)
-    test_emb = embed_texts(list(test.prompts), config, cache, show_progress=False)
+    train_emb, test_emb, shared_cache = built_once(tmp_path_factory, "router-embeddings", lambda folder: (
+        *(embed_texts(list(t.prompts), config, folder, show_progress=False) for t in (train, test)), folder))
+    shutil.copytree(shared_cache, cache)  # this process's own copy: tests add to it (export --cache-dir)
     rows, cols = np.nonzero(train.labelled())
     dense = ClientData(train_emb[rows], cols.astype(np.int64), train.accuracy[rows, cols], train.cost[rows, cols])
     kmeans = fit_kmeans_router(dense, train.models, KMeansRouterConfig(n_clusters=6), seed=0)
@@ -154,7 +175,7 @@ def fitted_routers(routerbench_dir: Path, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def make_bundle(exported_embedder, fitted_routers, signing_keys):
+def make_bundle(tmp_path_factory, exported_embedder, fitted_routers, signing_keys):
     """``make_bundle(out, kind="kmeans", int8=True, int8_all=False, **field_overrides) -> Path``: a signed
     bundle of the fitted router, written by the exporter's own assembly and writer (no parity step)."""
     from export.bundle_writer import write_bundle
@@ -169,7 +190,7 @@ def make_bundle(exported_embedder, fitted_routers, signing_keys):
         router = fitted_routers[kind]
         quantised = {"int8": int8_path} if int8 else {}
         if int8_all:  # quantised on first use only
-            quantised["int8-all"] = _int8_all(exported_embedder)
+            quantised["int8-all"] = _int8_all(tmp_path_factory, exported_embedder)
         parts, fields = assemble(router, exported, quantised, "all-MiniLM-L6-v2",
                                  BUNDLE_MAX_TOKENS, "left", {}, 1)
         parts.update(files or {})

@@ -248,6 +248,22 @@ def test_fedroute_export_end_to_end_with_parity(kind, fitted_routers, tmp_path):
     assert Router.load(out, keys / "signing.pub").bundle_version == 2
 
 
+def test_a_process_exports_an_embedder_once_and_copies_it_after(tmp_path):
+    """A second export_embedder call with the same model folder and settings copies the first one's files
+    (same bytes, same modification times: optimum did not run again)."""
+    from export.embedder_onnx import export_embedder
+    from trainer.embeddings import resolve_model_path
+
+    path = resolve_model_path("all-MiniLM-L6-v2")
+    first = export_embedder(path, tmp_path / "a", 64, "left", fuse=True)
+    second = export_embedder(path, tmp_path / "b", 64, "left", fuse=True)
+    assert second.model == tmp_path / "b" / first.model.name and second.tokenizer == tmp_path / "b" / "tokenizer.json"
+    assert (second.dim, second.fused_ops) == (first.dim, first.fused_ops) and first.dim == 384 and first.fused_ops
+    for name in ("model.onnx", "model.fused.onnx", "tokenizer.json"):
+        a, b = tmp_path / "a" / name, tmp_path / "b" / name
+        assert a.read_bytes() == b.read_bytes() and a.stat().st_mtime_ns == b.stat().st_mtime_ns
+
+
 def test_export_without_test_data_says_what_to_pass(fitted_routers, tmp_path, signing_keys):
     import shutil
 
