@@ -488,13 +488,21 @@ class SegmentStore:
         return int(self.seg_a.shape[0])
 
     def pooled(self, model: PairSelector, segments: np.ndarray) -> torch.Tensor:
-        """Segment vectors (len(segments), d) through the model (top layers on the cache, or all layers)."""
+        """Segment vectors (len(segments), d) through the model (top layers on the cache, or all layers).
+
+        On the cache the segments run in length-sorted chunks of 64, each cut to its longest segment (segments
+        are right-padded and padding is masked, so only float rounding differs from the padded run)."""
         idx = torch.from_numpy(np.asarray(segments, dtype=np.int64))
         dev = model.device
-        mask = self.attention_mask[idx].to(dev)
-        if self.lower is not None:
-            return model.top_pooled(self.lower[idx].to(dev), mask)
-        return model.full_pooled(self.input_ids[idx].to(dev), mask, self.token_type_ids[idx].to(dev))
+        mask = self.attention_mask[idx]
+        if self.lower is None:
+            return model.full_pooled(self.input_ids[idx].to(dev), mask.to(dev), self.token_type_ids[idx].to(dev))
+        length = mask.sum(1)
+        order = torch.argsort(length, stable=True)
+        chunks = [order[s:s + 64] for s in range(0, len(order), 64)]
+        out = torch.cat([model.top_pooled(self.lower[idx[c], :int(length[c[-1]])].to(dev),
+                                          mask[c, :int(length[c[-1]])].to(dev)) for c in chunks])
+        return out[torch.argsort(order)]
 
     def batch(self, model: PairSelector, pairs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(h_a, h_b, features, label) of the pairs, on the model's device; each distinct segment is run once."""
