@@ -421,20 +421,23 @@ def test_rounds_open_checks_its_paths_before_creating_the_database(tmp_path):
 
 @pytest.mark.parametrize("args, named", [(["--recluster"], "--recluster"), (["--clip-norm", "1"], "clip_norm"),
                                          (["--kind", "mlp"], "--router"), (["--kind", "mlp", "--continue"], "--continue")])
-def test_a_refused_first_rounds_open_leaves_no_database(tmp_path, args, named):
-    """Options refused by the round kind (some need the database: --recluster, --continue) were refused only
-    after `rounds open` had created an empty database at --db."""
+@pytest.mark.parametrize("empty_file", [False, True], ids=["no_file", "empty_file"])
+def test_a_refused_first_rounds_open_leaves_no_database(tmp_path, args, named, empty_file):
+    """Options refused by the round kind (some need the database: --recluster, --continue) leave --db as it was:
+    no file, or an existing 0-byte file still 0 bytes (no schema written before the refusal)."""
     from export.bundle_writer import write_bundle
     from export.signing import generate_keypair, load_signing_key
 
     key, pub = generate_keypair(tmp_path / "keys")
     write_bundle(tmp_path / "bundle", {"kmeans.npz": b"x"}, {"bundle_version": 1, "router_kind": "kmeans"},
                  load_signing_key(key))
+    if empty_file:
+        (tmp_path / "fed.db").touch()
     result = CliRunner().invoke(app, ["rounds", "open", "--bundle-dir", str(tmp_path / "bundle"), "--public-key",
                                       str(pub), "--db", f"sqlite:///{tmp_path / 'fed.db'}", *args], env={"COLUMNS": "500"})
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert named in flat(result.output)
-    assert not list(tmp_path.glob("fed.db*"))
+    assert {p.name: p.stat().st_size for p in tmp_path.glob("fed.db*")} == ({"fed.db": 0} if empty_file else {})
 
 
 @pytest.mark.parametrize("mode, refused", [(0o600, False), (0o400, False), (0o644, True), (0o640, True),
@@ -558,18 +561,20 @@ def test_simulate_refuses_the_same_file_as_train_and_test(routerbench_dir, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("online", [[], ["--online"]])
-def test_simulate_refuses_more_clients_than_training_rows(routerbench_dir, tmp_path, online):
-    """--n-clients above the training rows ran (347 s on RouterBench) with clients that held no query."""
+@pytest.mark.parametrize("args, rows, named", [(["simulate", "--n-clients", "4"], 3, "--n-clients 4"),
+                                               (["simulate", "--online", "--n-clients", "4"], 3, "--n-clients 4"),
+                                               (["ablate"], 39, "the ablation's N = 40")])
+def test_simulate_refuses_more_clients_than_training_rows(routerbench_dir, tmp_path, args, rows, named):
+    """More clients than training rows (--n-clients, or the ablation's largest N = 40) ran (347 s on RouterBench)
+    with clients that held no query."""
     import pandas as pd
 
     for split in ("train", "test"):
-        pd.read_parquet(routerbench_dir / f"{split}.parquet").iloc[:3].to_parquet(tmp_path / f"{split}.parquet")
-    result = CliRunner().invoke(app, ["simulate", "--train", str(tmp_path / "train.parquet"), "--test",
-                                      str(tmp_path / "test.parquet"), "--n-clients", "4", "--out", str(tmp_path / "out"),
-                                      *online], env={"COLUMNS": "500"})
+        pd.read_parquet(routerbench_dir / f"{split}.parquet").iloc[:rows].to_parquet(tmp_path / f"{split}.parquet")
+    result = CliRunner().invoke(app, [*args, "--train", str(tmp_path / "train.parquet"), "--test",
+                                      str(tmp_path / "test.parquet"), "--out", str(tmp_path / "out")], env={"COLUMNS": "500"})
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
-    assert "--n-clients 4" in flat(result.output) and " 3 training rows" in flat(result.output)
+    assert named in flat(result.output) and f" {rows} training rows" in flat(result.output)
     assert not (tmp_path / "out").exists()
 
 

@@ -58,8 +58,9 @@ def _need_trainer() -> None:
         ) from exc
 
 
-def _load_tables(data: Optional[Path], train: Optional[Path], test: Optional[Path], n_clients: Optional[int] = None):
-    """(train, test) EvalTables of --data or --train/--test; refuses ``n_clients`` (--n-clients) above the
+def _load_tables(data: Optional[Path], train: Optional[Path], test: Optional[Path], n_clients: Optional[int] = None,
+                 option: str = "--n-clients"):
+    """(train, test) EvalTables of --data or --train/--test; refuses ``n_clients`` (named ``option``) above the
     training rows, where clients would hold no query (no rows at all: the simulation names that)."""
     from trainer.data.routerbench import load_eval_file, load_routerbench_dir  # trainer extra: `fedroute --help` works without it
 
@@ -74,7 +75,7 @@ def _load_tables(data: Optional[Path], train: Optional[Path], test: Optional[Pat
     else:
         tables = load_routerbench_dir(data)
     if n_clients is not None and 0 < tables[0].n_queries < n_clients:
-        raise typer.BadParameter(f"--n-clients {n_clients}: more clients than the {tables[0].n_queries} training rows")
+        raise typer.BadParameter(f"{option} {n_clients}: more clients than the {tables[0].n_queries} training rows")
     return tables
 
 
@@ -209,10 +210,10 @@ def ablate(
     _need_trainer()
     set_cpu_threads(threads)  # imports torch (trainer extra) when it runs
     from trainer.embeddings import EmbedderConfig  # trainer extra: `fedroute --help` works without it
-    from trainer.experiments import run_ablation  # trainer extra: `fedroute --help` works without it
+    from trainer.experiments import ABLATION_N, run_ablation  # trainer extra: `fedroute --help` works without it
 
     config = _config(10, 0.6, routers, device)
-    train_t, test_t = _load_tables(data, train, test)
+    train_t, test_t = _load_tables(data, train, test, max(ABLATION_N), option="the ablation's N =")
     run_ablation(train_t, test_t, out, config, range(seeds),
                  EmbedderConfig(model=embedder, max_tokens=max_tokens, device=device), cache_dir)
     typer.echo((out / "ablation.md").read_text())

@@ -263,8 +263,8 @@ def rounds_open(
         options={"recluster": recluster, "router": router, "resume": resume, "max_cost_usd": max_cost_usd,
                  "clip_norm": clip_norm, "prior_router": prior_router, "min_total_count": min_total_count})
     try:
-        if (path := _sqlite_file(db)) is not None and not path.exists():
-            # On a scratch database first: a refused first `rounds open` leaves no empty database at --db.
+        if (path := _sqlite_file(db)) is not None and (not path.exists() or path.stat().st_size == 0):
+            # On a scratch database first: a refused first `rounds open` leaves --db as it was (absent or empty).
             with tempfile.TemporaryDirectory() as scratch:
                 store = _store(f"sqlite:///{scratch}/fed.db")
                 try:
