@@ -137,7 +137,7 @@ def test_a_prior_router_of_another_pool_and_a_bundle_changed_mid_round_are_refus
     b = pools["kmeans"]
     request = OpenRequest(bundle_dir=b["wide"], public_key=signing_keys[1], deadline_s=3600, quorum=2, min_count=2,
                           options={"prior_router": str(b["narrow_router"])})
-    with pytest.raises(InvalidInputError, match="--prior-router has the model pool .* the bundle"):
+    with pytest.raises(InvalidInputError, match="--prior-router"):
         KMeansRoundKind().open(store, request)
     ok = OpenRequest(bundle_dir=b["wide"], public_key=signing_keys[1], deadline_s=3600, quorum=2, min_count=2,
                      options={"prior_router": str(b["wide_router"])})
@@ -149,7 +149,7 @@ def test_a_prior_router_of_another_pool_and_a_bundle_changed_mid_round_are_refus
     from trainer.routers.kmeans_router import KMeansRouter
 
     narrow = KMeansRouter.load(b["narrow_router"])
-    with pytest.raises(PublishRefused, match="model pool .* changed while the round ran"):
+    with pytest.raises(PublishRefused, match="model pool"):
         publish_kmeans(BundlePublisher(), b["wide"], signing_keys[0], narrow.centroids_, narrow.statistics_,
                        prior_strength=1.0, model_prior_strength=1.0, prior="model", provenance={})
 

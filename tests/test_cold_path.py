@@ -117,7 +117,7 @@ def test_the_pem_loader_is_cryptographys_public_one_and_refuses_other_keys(tmp_p
         assert fmt.public_key_id(key) == hashlib.sha256(raw).hexdigest()
     other = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    with pytest.raises(BundleError, match="public key is ECPublicKey, expected Ed25519"):
+    with pytest.raises(BundleError, match="ECPublicKey"):
         fmt.load_public_key(other)
     with pytest.raises(BundleError, match="not a PEM public key"):
         fmt.load_public_key(pem.replace(b"MCow", b"MCox"))

@@ -783,7 +783,7 @@ def test_a_mor_router_node_below_min_count_sends_no_update():
     replies = grid.send_and_receive(list(strategy.configure_train(1, initial, ConfigRecord(), grid)))
     strategy.aggregate_train(1, replies)
     assert sorted(n for _, n in strategy.last_updates_) == [2.0, 6.0] and strategy.rejected_ == []
-    with pytest.raises(InvalidInputError, match="train config key 'min-count' is set by the strategy"):
+    with pytest.raises(InvalidInputError, match="'min-count'"):
         strategy.configure_train(1, initial, ConfigRecord({"min-count": 1}), grid)
 
 
@@ -798,7 +798,7 @@ def test_rejected_reply_lives_in_a_neutral_module_and_flower_app_reexports_it():
 def test_the_round_config_may_not_set_max_cost_usd_itself(tmp_path):
     c0 = toy_log(tmp_path / "node.sqlite")
     strategy = FederatedKMeansStrategy(("a", "b"), "toy", rng=np.random.default_rng(0))
-    with pytest.raises(InvalidInputError, match=r"train config keys \['max-cost-usd'\] are set by the strategy"):
+    with pytest.raises(InvalidInputError, match=r"\['max-cost-usd'\]"):
         strategy.configure_train(1, centroids_record(c0), ConfigRecord({"max-cost-usd": 5.0}),
                                  InProcessGrid(make_client_app({0: tmp_path / "node.sqlite"}), 1))
 

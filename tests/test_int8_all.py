@@ -123,7 +123,7 @@ def test_export_refuses_an_unknown_precision_before_any_work(fitted_routers, tmp
     from export.errors import ExportError
     from export.pipeline import export_bundle
 
-    with pytest.raises(ExportError, match=r"unknown precision\(s\) \['int4'\].*\['int8', 'int8-all'\]"):
+    with pytest.raises(ExportError, match=r"\['int4'\]"):
         export_bundle(fitted_routers["dir"] / "kmeans", tmp_path / "out", signing_keys[0], precisions=("int4",),
                       progress=lambda _: None)
     assert not (tmp_path / "out").exists()

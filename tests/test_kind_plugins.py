@@ -167,7 +167,7 @@ def test_a_toy_kind_trains_saves_and_loads_through_the_trainer_registry(mean_kin
 def test_the_registries_refuse_a_kind_that_is_not_registered():
     from trainer.simulation import SimulationConfig
 
-    with pytest.raises(InvalidInputError, match=r"unknown router kind 'mean'; valid: \['kmeans', 'mlp'\]"):
+    with pytest.raises(InvalidInputError, match=r"'mean'.*\['kmeans', 'mlp'\]"):
         trainer_kinds.router_class("mean")
     with pytest.raises(InvalidInputError, match=r"unknown router kind\(s\) \['mean'\]"):
         SimulationConfig(routers=("mean",))
@@ -223,7 +223,7 @@ def test_a_bundle_of_an_unregistered_kind_is_refused_naming_the_registered_ones(
     files, fields = assemble(router, exported_embedder[0], None, "all-MiniLM-L6-v2", 64, "left", {}, 1)
     write_bundle(tmp_path / "bundle", files, fields, load_signing_key(signing_keys[0]))
     sdk_kinds.unregister("router", "mean")  # a device whose SDK lacks the plugin
-    with pytest.raises(BundleError, match=r"router_kind unknown router kind 'mean'; valid: \['kmeans', 'mlp'\]"):
+    with pytest.raises(BundleError, match=r"router_kind .*'mean'"):
         Router.load(tmp_path / "bundle", signing_keys[1])
 
 
@@ -296,7 +296,7 @@ def test_a_new_family_is_exported_loaded_and_removed_as_the_plugin_doc_says(sign
         assert "embedder" not in manifest and "models" not in manifest and "parity.json" in manifest["files"]
         bundle = bundle_manifest.read_verified(tmp_path / "bundle", signing_keys[1])
         assert sdk_kinds.load_artefact(TOY_FAMILY, bundle.manifest, bundle.files).score("hello") == 3.5
-        with pytest.raises(BundleError, match=r"^bundle carries no router .*sdk.kinds.load_bundle"):  # it declared no loader
+        with pytest.raises(BundleError, match=r"sdk\.kinds\.load_bundle"):  # it declared no loader
             Router.load(tmp_path / "bundle", signing_keys[1])
         with pytest.raises(ExportError, match="holds a lengthscore bundle"):
             write_bundle(tmp_path / "bundle", files, {"bundle_version": 2, "router_kind": "kmeans"}, key)

@@ -425,7 +425,7 @@ def test_a_pending_store_file_that_is_not_one_is_refused_at_open(router, tmp_pat
     from sdk.pending_outcomes import PendingOutcomes
 
     log = EvalLog(tmp_path / "evals.sqlite", router.model_ids)
-    with pytest.raises(EvalLogError, match="not a pending-outcome store .*'evaluations'"):
+    with pytest.raises(EvalLogError, match="'evaluations'"):
         PendingOutcomes(tmp_path / "evals.sqlite")
     log.close()
     with sqlite3.connect(tmp_path / "evals.sqlite") as conn:
@@ -435,7 +435,7 @@ def test_a_pending_store_file_that_is_not_one_is_refused_at_open(router, tmp_pat
     foreign.execute("CREATE TABLE pending (x)")
     foreign.commit()
     foreign.close()
-    with pytest.raises(EvalLogError, match="not a pending-outcome store .*pending columns \\['x'\\]"):
+    with pytest.raises(EvalLogError, match=r"pending columns \['x'\]"):
         PendingOutcomes(tmp_path / "other.sqlite")
     with pytest.raises(EvalLogError, match="not a pending-outcome store"):
         RoutedChat(router, lam=1.0, upstreams={m: Upstream("http://127.0.0.1:9/v1", api_key="k") for m in POOL},

