@@ -203,6 +203,7 @@ def main() -> None:
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     preset, base = PRESETS["cpu"]
+    base = replace(base, router_role_scale=0.0)  # the embedding-only router its recorded figures used
     model = PairSelector(base.selector, seed=0)
     prep = prepare_data(args.data, preset, model, progress=False)
     result = {"split": "val", "n_val": len(prep.val), "centralised": centralised(prep, model)}

@@ -79,6 +79,7 @@ def run_seed(data_dir: Path, seed: int, out: Path, variants=tuple(VARIANTS), met
 
     torch.set_num_threads(1)
     preset, base = PRESETS["cpu"]
+    base = replace(base, router_role_scale=0.0)  # the embedding-only router its recorded figures used
     from trainer.experts.selector import PairSelector  # imports torch: on use only
 
     model = PairSelector(base.selector, seed=0)

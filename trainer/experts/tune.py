@@ -103,6 +103,7 @@ def main(argv: list[str]) -> None:
 
     torch.set_num_threads(1)
     data_preset, base = PRESETS[args.preset]
+    base = replace(base, router_role_scale=0.0)  # the embedding-only router its recorded figures used
     model = PairSelector(base.selector)
     prep = prepare_data(args.data, data_preset, model)
     if args.part == "lr":
