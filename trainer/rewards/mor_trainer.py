@@ -80,8 +80,10 @@ DP_RM = RewardModelConfig(arch="mlp", epochs=30, lr=3e-3, weight_decay=0.0, drop
 EVERY_PAIR = 10 ** 9
 #: The embedder of :meth:`MoRConfig.full`: model2vec distilled from all-MiniLM-L6-v2 (:mod:`trainer.static_embedder`).
 STATIC_MINILM = "static:all-MiniLM-L6-v2"
-#: The full preset's settings chosen on validation by ``benchmarks/mor_pair_features_settings.py --full``.
-FULL_CHOICE: dict = {}
+#: The full preset's client settings, chosen on validation by ``benchmarks/mor_pair_features_settings.py --full``
+#: (``docs/results/mor_pair_features_settings_full.json``: router + RM sparse 0.7373 with the length columns vs 0.7372
+#: with pair-feature clients, every client's prior, and 0.7369 with ``keep_start`` too; 3 seeds).
+FULL_CHOICE: dict = {"pair_features": None, "length_prior": (True, False, True), "keep_start": False}
 
 
 @dataclass
