@@ -929,3 +929,21 @@ def test_generator_strengths_come_from_the_clients_summed_win_counts():
     assert beta == fit_bradley_terry(Counter({("A", "B"): 2, ("B", "C"): 1, ("A", "C"): 2}))
     assert beta["A"] > beta["B"] > beta["C"]
     assert generator_strengths(MoRSplit(0, [ClientSplit("hh", "hh_harmless", hh, empty, empty)], None)) is None
+
+
+def test_mor_cli_full_preset_and_quick_are_exclusive(shared_data, tmp_path):
+    """`fedroute mor eval|train --full` builds MoRConfig.full (the validation choice FULL_CHOICE included); with
+    --quick it is refused before anything trains."""
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+    from trainer.rewards.cli import _config
+    from trainer.rewards.mor_trainer import FULL_CHOICE, MoRConfig
+
+    cfg = _config(False, shared_data, 3, None, full=True)
+    assert cfg == MoRConfig.full(data_dir=str(shared_data), cache_dir=None, seeds=3)
+    assert cfg.pool_pairs == (10 ** 9,) * 3 and all(getattr(cfg, k) == v for k, v in FULL_CHOICE.items())
+    for command in ("eval", "train"):
+        r = CliRunner().invoke(app, ["mor", command, "--quick", "--full", "--out", str(tmp_path / command),
+                                     "--data", str(shared_data)])
+        assert r.exit_code != 0 and "--quick and --full are two presets" in r.output

@@ -97,9 +97,9 @@ def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     check_out_option(out)  # before training
+    cfg = _config(quick, data, seeds, cache, full)  # refuses --quick --full before the folder is claimed
     claim_results(out, "mor eval")
     set_cpu_threads(threads)
-    cfg = _config(quick, data, seeds, cache, full)
     trainer = MoRTrainer(cfg)
 
     def progress(seed, ev):
