@@ -616,6 +616,32 @@ def test_dp_config_makes_every_client_a_dp_mlp_and_audit_pools_hold_the_members(
     assert rm.privacy_["n_pairs"] == len(c.train) and rm.privacy_["delta"] == pytest.approx(1 / len(c.train))
 
 
+def test_the_full_preset_keeps_every_pair_of_each_domain_and_caps_no_split(shared_data):
+    """MoRConfig.full (issue 29, item 2): each client's pool is every pair of its domain (AlpacaEval without
+    koala), all koala pairs are held out, and a seed's train / val / test hold the whole pool (no eval cap)."""
+    from trainer.data.preferences import load_preference_pairs
+    from trainer.rewards.mor_trainer import MoRConfig, MoRTrainer
+
+    cfg = MoRConfig.full(data_dir=str(shared_data))
+    assert cfg.client_archs == ("mlp", "mlp", "mlp") and cfg.seeds == 3 and cfg.embedder.model == "static:all-MiniLM-L6-v2"
+    df = load_preference_pairs(shared_data, cfg.client_domains, seed=cfg.pool_seed)
+    alpaca = df[df["domain"] == "alpacaeval"]
+    expected = {"helpfulness": int((alpaca["subset"] != "koala").sum()), "heldout": int((alpaca["subset"] == "koala").sum()),
+                "harmlessness": int((df["domain"] == "hh_harmless").sum()), "correctness": int((df["domain"] == "routerbench").sum())}
+    assert expected["heldout"] > 1000 and expected["correctness"] > 5000  # not a subsample of the sources
+    trainer = MoRTrainer(cfg, show_progress=False)
+    pool = trainer.load_pool()
+    assert pool["client"].value_counts().to_dict() == expected
+    assert set(pool["pair_id"]) == set(df["pair_id"])
+    split = trainer.prepare(1)
+    for c in split.clients:
+        assert len(c.train) + len(c.val) + len(c.test) == expected[c.name], c.name
+        assert len(c.test) > 0.15 * expected[c.name], c.name
+    assert len(split.heldout) == expected["heldout"]
+    with pytest.raises(InvalidInputError, match="pool_pairs"):
+        MoRConfig.full(pool_pairs=(5, 5, 5))
+
+
 # ------------------------------------------------------------------ one routing rule, saved with the mixture
 
 
@@ -855,3 +881,69 @@ def test_pair_feature_prior_starts_at_the_structure_fit_and_survives_save_load(c
     back = load_reward_model(tmp_path / "pf", cache_dir=enc.cache_dir)
     assert back.encoder.pair_features == names
     np.testing.assert_allclose(back.raw_scores(both.prompts, both.chosen), rm.raw_scores(both.prompts, both.chosen), atol=1e-5)
+
+
+def test_generator_prior_beside_the_routed_reward_by_hand():
+    """prior_correct: chosen's routed reward + lam * (beta_g(chosen) - beta_g(rejected)) against the rejected's;
+    choose_prior_weight: the PRIOR_WEIGHTS entry with the best validation accuracy, ties to the smaller weight."""
+    from trainer.rewards.evaluation import EvalSet, choose_prior_weight, prior_correct
+
+    s = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.5]])  # routed-reward differences +1, -1, -0.5
+    norm = np.stack([s, s], -1)  # both clients score alike: any routing gives s
+    z = np.zeros((2, 3, 2))
+    routing = {"weighting": "equal", "sparse": "sparse|response", "soft": "soft|response|T=1"}
+    e = EvalSet("t", 0, norm, norm, {"equal": z}, np.zeros((2, 3)), np.full(3, 0.5), prior=np.array([0.0, 1.5, 0.25]))
+    for lam, want in ((0.0, [1, 0, 0]), (0.5, [1, 0, 0]), (1.0, [1, 1, 0]), (2.0, [1, 1, 0.5]), (4.0, [1, 1, 1])):
+        got = prior_correct(e, routing, lam)
+        assert set(got) == {"router_rm_sparse_generator_prior", "router_rm_soft_generator_prior"}
+        for v in got.values():
+            np.testing.assert_array_equal(v, want)
+    assert choose_prior_weight([e], routing) == 4.0
+    tie = EvalSet("t", 0, norm, norm, {"equal": z}, np.zeros((2, 3)), np.full(3, 0.5), prior=np.array([0.0, 1.5, 0.0]))
+    assert choose_prior_weight([tie], routing) == 1.0  # 2/3 at lam = 1, 2 and 4
+    none = EvalSet("t", 0, norm, norm, {"equal": z}, np.zeros((2, 3)), np.full(3, 0.5))
+    np.testing.assert_array_equal(prior_correct(none, routing, 4.0)["router_rm_sparse_generator_prior"], [1, 0, 0])
+    assert choose_prior_weight([none], routing) == 0.0
+
+
+def test_generator_strengths_come_from_the_clients_summed_win_counts():
+    """MoR's generator prior: each client's win/loss counts of its train pairs, summed (the server's view), fitted by
+    Bradley-Terry; HH-RLHF's 'chosen' / 'rejected' are no generators, so an HH-only federation has no prior."""
+    from collections import Counter
+
+    import pandas as pd
+
+    from trainer.generator_prior import fit_bradley_terry
+    from trainer.rewards.mor_trainer import ClientSplit, MoRSplit, generator_strengths
+
+    def frame(domain, rows):
+        return pd.DataFrame([{"domain": domain, "source_a": a, "source_b": b, "label": lab} for a, b, lab in rows])
+
+    empty = frame("alpacaeval", [])
+    help_ = frame("alpacaeval", [("A", "B", 1), ("B", "A", 0), ("B", "C", 1)])  # A beats B twice, B beats C
+    code = frame("routerbench", [("C", "A", 0), ("A", "C", 1)])  # A beats C twice
+    hh = frame("hh_harmless", [("chosen", "rejected", 1)])
+    split = MoRSplit(0, [ClientSplit("h", "alpacaeval", help_, empty, empty), ClientSplit("c", "routerbench", code, empty, empty),
+                         ClientSplit("hh", "hh_harmless", hh, empty, empty)], None)
+    beta = generator_strengths(split)
+    assert beta == fit_bradley_terry(Counter({("A", "B"): 2, ("B", "C"): 1, ("A", "C"): 2}))
+    assert beta["A"] > beta["B"] > beta["C"]
+    assert generator_strengths(MoRSplit(0, [ClientSplit("hh", "hh_harmless", hh, empty, empty)], None)) is None
+
+
+def test_mor_cli_full_preset_and_quick_are_exclusive(shared_data, tmp_path):
+    """`fedroute mor eval|train --full` builds MoRConfig.full (the validation choice FULL_CHOICE included); with
+    --quick it is refused before anything trains."""
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+    from trainer.rewards.cli import _config
+    from trainer.rewards.mor_trainer import FULL_CHOICE, MoRConfig
+
+    cfg = _config(False, shared_data, 3, None, full=True)
+    assert cfg == MoRConfig.full(data_dir=str(shared_data), cache_dir=None, seeds=3)
+    assert cfg.pool_pairs == (10 ** 9,) * 3 and all(getattr(cfg, k) == v for k, v in FULL_CHOICE.items())
+    for command in ("eval", "train"):
+        r = CliRunner().invoke(app, ["mor", command, "--quick", "--full", "--out", str(tmp_path / command),
+                                     "--data", str(shared_data)])
+        assert r.exit_code != 0 and "--quick and --full are two presets" in r.output

@@ -28,19 +28,22 @@ app = typer.Typer(cls=PathCheckedGroup, add_completion=False, no_args_is_help=Tr
 
 OutOpt = Annotated[Path, typer.Option(help="output folder")]
 QuickOpt = Annotated[bool, typer.Option("--quick", help="small preset (<= 5 min on a 2-core CPU)")]
+FullOpt = Annotated[bool, typer.Option("--full", help="every pair of each client's domain, all-MLP clients (MoRConfig.full)")]
 DataOpt = Annotated[Path, typer.Option(help="shared data folder (alpacaeval/, hh_rlhf_harmless/, routerbench/)")]
 SeedsOpt = Annotated[Optional[int], typer.Option(min=1, max=COUNT_MAX, help="number of seeds (default 3)")]
 CacheOpt = Annotated[Optional[Path], typer.Option(callback=cache_folder_option, help="embedding cache folder (default $FEDROUTE_CACHE or ~/.cache/fedroute)")]
 ThreadsOpt = Annotated[int, typer.Option(min=1, max=COUNT_MAX, help="torch CPU threads")]
 
 
-def _config(quick: bool, data: Path, seeds: Optional[int], cache: Optional[Path]):
+def _config(quick: bool, data: Path, seeds: Optional[int], cache: Optional[Path], full: bool = False):
     from trainer.rewards.mor_trainer import MoRConfig  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
+    if quick and full:
+        raise typer.BadParameter("--quick and --full are two presets: give one")
     over = {"data_dir": str(data), "cache_dir": str(cache) if cache else None}
     if seeds is not None:
         over["seeds"] = seeds
-    return MoRConfig.quick(**over) if quick else MoRConfig(**over)
+    return MoRConfig.quick(**over) if quick else MoRConfig.full(**over) if full else MoRConfig(**over)
 
 
 @app.command()
@@ -51,7 +54,7 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
                                                                   "(default: chosen on validation)")] = None,
           dp: Annotated[bool, typer.Option("--dp", help="train every client's reward model with DP-SGD (Opacus; all "
                                                    "clients MLP); reports (epsilon, delta) and the accuracy it costs")] = False,
-          cache: CacheOpt = None, threads: ThreadsOpt = DEFAULT_CPU_THREADS) -> None:
+          cache: CacheOpt = None, threads: ThreadsOpt = DEFAULT_CPU_THREADS, full: FullOpt = False) -> None:
     """Train the clients' reward models and the federated router on one seed's split, choose the router's
     weighting and the sparse / soft routing variants on VALIDATION pairs, and save that mixture."""
 
@@ -62,7 +65,7 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
     set_cpu_threads(threads)
     if mode not in ("sparse", "soft") or weighting not in (None, "equal", "samples"):
         raise typer.BadParameter(f"--mode must be sparse|soft and --weighting equal|samples, got {mode!r}, {weighting!r}")
-    cfg = replace(_config(quick, data, None, cache), mode=mode, dp_rm=DP_RM if dp else None)
+    cfg = replace(_config(quick, data, None, cache, full), mode=mode, dp_rm=DP_RM if dp else None)
     trainer = MoRTrainer(cfg)
     t0 = time.perf_counter()
     split = trainer.prepare(seed)
@@ -88,15 +91,15 @@ def train(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/
 
 @app.command("eval")
 def eval_(out: OutOpt, quick: QuickOpt = False, data: DataOpt = Path("../shared/data"), seeds: SeedsOpt = None,
-          cache: CacheOpt = None, threads: ThreadsOpt = DEFAULT_CPU_THREADS) -> None:
+          cache: CacheOpt = None, threads: ThreadsOpt = DEFAULT_CPU_THREADS, full: FullOpt = False) -> None:
     """MoR Table 4 analogue over seeds: results.json, results.md, results.png in OUT."""
     from trainer.rewards.evaluation import run_evaluation  # trainer.rewards.evaluation imports pandas, torch: on use only
     from trainer.rewards.mor_trainer import MoRTrainer  # trainer.rewards.mor_trainer imports pandas, torch: on use only
 
     check_out_option(out)  # before training
+    cfg = _config(quick, data, seeds, cache, full)  # refuses --quick --full before the folder is claimed
     claim_results(out, "mor eval")
     set_cpu_threads(threads)
-    cfg = _config(quick, data, seeds, cache)
     trainer = MoRTrainer(cfg)
 
     def progress(seed, ev):

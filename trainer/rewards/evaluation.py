@@ -20,7 +20,11 @@ from trainer.rewards.mor_trainer import MoRModels, MoRSplit, MoRTrainer
 from trainer.rewards.reward_models import PreferencePairs, pairwise_accuracy
 
 METHODS = ("router_rm_sparse", "router_rm_soft", "avg_rm", "random_rm", "fedavg_rm", "best_single_rm",
-           "oracle_client", "length_only", "length_only_global", "structure_only")
+           "oracle_client", "length_only", "length_only_global", "structure_only", "router_rm_sparse_generator_prior",
+           "router_rm_soft_generator_prior")
+#: Weights ``lam`` of the generator prior added to the routed reward (:func:`prior_correct`), chosen per seed on
+#: validation (0: no prior).
+PRIOR_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 #: The logistic baselines beside length_only (MoRModels.baselines).
 BASELINES = ("length_only_global", "structure_only")
 N_RANDOM_DRAWS = 20
@@ -42,6 +46,8 @@ class EvalSet:
     logits : weighting -> (2, n, K) router logits. fedavg : (2, n). length_proba : (n,) P(chosen wins).
     own : index of the client the pairs belong to (the oracle's choice).
     groups : (n,) int, the pair's prompt (pairs of one prompt share it; routing by prompt).
+    prior : (n,) float64, ``beta_g(chosen) - beta_g(rejected)`` of the generator prior (0 where a generator is
+        unknown; None: no prior, :attr:`MoRModels.generator_beta`).
     """
 
     name: str
@@ -53,6 +59,7 @@ class EvalSet:
     length_proba: np.ndarray
     groups: np.ndarray | None = None
     baseline_proba: dict | None = None
+    prior: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -75,10 +82,20 @@ def score_set(trainer: MoRTrainer, models: MoRModels, frame: pd.DataFrame, name:
     fed = np.stack([models.fedavg_rm.raw_scores_from_features(fc), models.fedavg_rm.raw_scores_from_features(fr)])
     # P(response_a wins) -> P(chosen wins): the frame's label says which side is the chosen one
     lab = frame["label"].to_numpy()
-    chosen = lambda m: np.where(lab == 1, m.predict_proba(frame), 1 - m.predict_proba(frame))  # noqa: E731
+
+    def chosen(m) -> np.ndarray:
+        q = m.predict_proba(frame)  # once: the structure baseline's features cost ~1 ms per response
+        return np.where(lab == 1, q, 1 - q)
+
+    prior = None
+    if models.generator_beta is not None:
+        from trainer.generator_prior import generator_logit  # pandas: on use
+
+        gl = generator_logit(frame, models.generator_beta)
+        prior = np.where(lab == 1, gl, -gl)
     return EvalSet(name, own, np.stack(norm, -1).astype(np.float64), np.stack(raw, -1).astype(np.float64),
                    logits, fed.astype(np.float64), chosen(models.length_baseline),
-                   pd.factorize(frame["prompt"])[0], {b: chosen(models.baselines[b]) for b in BASELINES})
+                   pd.factorize(frame["prompt"])[0], {b: chosen(models.baselines[b]) for b in BASELINES}, prior)
 
 
 def _acc(s: np.ndarray) -> float:
@@ -219,7 +236,8 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
     rng = np.random.default_rng(split.seed)
     names = [c.name for c in split.clients]
     heldout_own = trainer.args.client_domains.index("alpacaeval") if split.heldout is not None else None
-    val = {c.name: set_accuracies(score_set(trainer, models, c.val, c.name, k), rng) for k, c in enumerate(split.clients)}
+    val_sets = {c.name: score_set(trainer, models, c.val, c.name, k) for k, c in enumerate(split.clients)}
+    val = {n: set_accuracies(e, rng) for n, e in val_sets.items()}
     test_sets = {c.name: score_set(trainer, models, c.test, c.name, k) for k, c in enumerate(split.clients)}
     test = {n: set_accuracies(e, rng) for n, e in test_sets.items()}
     held, held_set = None, None
@@ -231,6 +249,7 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
     a = trainer.args
     routing = choose_routing(val, names, a.router.weighting, a.sparse_rule().variant, a.soft_rule().variant, a.routing_margin_se)
     weighting = routing["weighting"]
+    routing["prior_weight"] = choose_prior_weight(list(val_sets.values()), routing)
     val_single = [float(np.mean([val[n]["single"][j] for n in names])) for j in range(len(names))]
     best = int(np.argmax(val_single))
 
@@ -253,13 +272,16 @@ def evaluate_seed(trainer: MoRTrainer, split: MoRSplit, models: MoRModels) -> di
                 "soft_pairs_away": acc["routing_errors"][weighting][routing["soft"]]["pairs_away"],
                 "soft_routing_cost": acc["routing_errors"][weighting][routing["soft"]]["routing_cost"]}
 
-    per_client = {n: pick(test[n]) for n in names}
+    def with_prior(e: EvalSet, acc: dict) -> dict:
+        return pick(acc) | {k: float(v.mean()) for k, v in prior_correct(e, routing, routing["prior_weight"]).items()}
+
+    per_client = {n: with_prior(test_sets[n], test[n]) for n in names}
     keys = list(per_client[names[0]])
     return {"seed": split.seed, "weighting": weighting, "routing": routing, "val_router_sparse": val_router,
             "val_own_share": val_share,
             "best_single": names[best], "val_single": dict(zip(names, val_single)),
             "id": {k: float(np.mean([per_client[n][k] for n in names])) for k in keys},
-            "per_client": per_client, "heldout": pick(held) if held is not None else None,
+            "per_client": per_client, "heldout": with_prior(held_set, held) if held is not None else None,
             "heldout_routing_errors": held["routing_errors"][weighting] if held is not None else None,
             "choice_share": {n: test[n]["choice_share"] for n in names} | ({"heldout": held["choice_share"]} if held else {}),
             "n_pairs": {n: {"train": len(c.train), "val": len(c.val), "test": len(c.test)} for n, c in zip(names, split.clients)}
@@ -282,7 +304,32 @@ def pair_correct(e: EvalSet, routing: dict) -> dict:
     return {"router_rm_sparse": _won(routed_reward(e.norm, z, RoutingRule.from_variant(routing["sparse"]), e.groups)),
             "router_rm_soft": _won(routed_reward(e.norm, z, RoutingRule.from_variant(routing["soft"]), e.groups)),
             "avg_rm": _won(e.norm.mean(-1)), "fedavg_rm": _won(e.fedavg), "length_only": p(e.length_proba),
-            **{b: p(e.baseline_proba[b]) for b in BASELINES}}
+            **{b: p(e.baseline_proba[b]) for b in BASELINES}, **prior_correct(e, routing, routing["prior_weight"])}
+
+
+def prior_correct(e: EvalSet, routing: dict, lam: float) -> dict:
+    """Per-pair correctness (n,) float64 of the routed rewards of ``routing`` (its weighting, sparse and soft variants)
+    with the generator prior beside them: the chosen response's routed reward plus ``lam * (beta_g(chosen) -
+    beta_g(rejected))`` against the rejected one's (a Bradley-Terry prior over generators, as FedPrism's
+    ``generator_prior``; ``e.prior`` 0 where a generator is unknown, None: no prior). Keys
+    ``router_rm_{sparse,soft}_generator_prior``."""
+    z = e.logits[routing["weighting"]]
+    d = np.zeros(e.n) if e.prior is None else e.prior
+    out = {}
+    for mode in ("sparse", "soft"):
+        r = routed_reward(e.norm, z, RoutingRule.from_variant(routing[mode]), e.groups)
+        out[f"router_rm_{mode}_generator_prior"] = _won(np.stack([r[0] + lam * d, r[1]]))
+    return out
+
+
+def choose_prior_weight(val_sets: list[EvalSet], routing: dict) -> float:
+    """The weight of :data:`PRIOR_WEIGHTS` whose sparse routed reward + prior (:func:`prior_correct`) has the highest
+    mean validation accuracy over the clients' validation sets (ties to the smaller weight; 0 = no prior)."""
+    def score(lam: float) -> float:
+        return round(float(np.mean([prior_correct(e, routing, lam)["router_rm_sparse_generator_prior"].mean()
+                                    for e in val_sets])), 9)
+
+    return max(PRIOR_WEIGHTS, key=lambda lam: (score(lam), -lam))
 
 
 def paired_vs_length_only(seeds: list[dict]) -> dict:
@@ -354,7 +401,8 @@ def run_evaluation(trainer: MoRTrainer, progress=None) -> dict:
             "routing_errors": {k: v for k, v in methods.items() if k in ("pairs_away", "routing_cost", "soft_pairs_away",
                                                                          "soft_routing_cost")},
             "routing_variants": {k: v for k, v in methods.items() if k.startswith(("routing_sparse|", "routing_sparse<", "routing_soft|"))},
-            "routing_chosen_on_validation": [{k: s["routing"][k] for k in ("weighting", "sparse", "soft")} for s in seeds],
+            "routing_chosen_on_validation": [{k: s["routing"][k] for k in ("weighting", "sparse", "soft", "prior_weight")}
+                                             for s in seeds],
             "ablation_no_norm": {k: v for k, v in methods.items() if k.startswith("no_norm_")},
             "weighting_chosen_on_validation": [s["weighting"] for s in seeds],
             "best_single_chosen_on_validation": [s["best_single"] for s in seeds],

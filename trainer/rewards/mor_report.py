@@ -12,7 +12,8 @@ from trainer.report import save_figure, write_json, write_text
 LABELS = {"router_rm_sparse": "router + RM (sparse)", "router_rm_soft": "router + RM (soft)", "avg_rm": "AvgRM",
           "random_rm": "random RM", "fedavg_rm": "FedAvg RM", "best_single_rm": "best single RM",
           "oracle_client": "oracle client", "length_only": "length only", "length_only_global": "length only, label-free",
-          "structure_only": "structure features"}
+          "structure_only": "structure features", "router_rm_sparse_generator_prior": "router + RM (sparse) + generator prior",
+          "router_rm_soft_generator_prior": "router + RM (soft) + generator prior"}
 
 
 def _row(name: str, m: dict, paired: dict | None = None) -> str:

@@ -24,8 +24,8 @@ Data flow of one seed (:meth:`MoRTrainer.prepare` then :meth:`MoRTrainer.train`)
    on a split of its own train prompts) and fits its normaliser on them.
 4. The router is trained federatedly on the clients' train pairs, once per aggregation weighting
    (``"samples"`` and ``"equal"``, :class:`FederatedRouterTrainer`).
-5. Baselines: one MLP reward model trained by FedAvg over all clients' train pairs
-   (:func:`train_fedavg_reward_model`), the length-only logistic baseline
+5. The generator prior (evaluation only: :func:`generator_strengths`, issue 29 item 3), then baselines: one MLP
+   reward model trained by FedAvg over all clients' train pairs (:func:`train_fedavg_reward_model`), the length-only logistic baseline
    (:class:`trainer.length_baseline.LengthBaseline`, one model per domain, and one global model), and
    the structure-feature baseline (the same regression on :data:`sdk.pair_features.DEFAULT_FEATURES`).
 """
@@ -74,6 +74,16 @@ from trainer.rewards.reward_models import (
 #: decay or dropout; chosen on validation pairs by ``benchmarks/mor_defence_settings.py`` (docs/mor.md).
 DP_RM = RewardModelConfig(arch="mlp", epochs=30, lr=3e-3, weight_decay=0.0, dropout=0.0, dp_noise_multiplier=1.0,
                           dp_max_grad_norm=1.0)
+
+
+#: A pool / evaluation cap above every source's pair count: :meth:`MoRConfig.full` keeps every pair.
+EVERY_PAIR = 10 ** 9
+#: The embedder of :meth:`MoRConfig.full`: model2vec distilled from all-MiniLM-L6-v2 (:mod:`trainer.static_embedder`).
+STATIC_MINILM = "static:all-MiniLM-L6-v2"
+#: The full preset's client settings, chosen on validation by ``benchmarks/mor_pair_features_settings.py --full``
+#: (``docs/results/mor_pair_features_settings_full.json``: router + RM sparse 0.7373 with the length columns vs 0.7372
+#: with pair-feature clients, every client's prior, and 0.7369 with ``keep_start`` too; 3 seeds).
+FULL_CHOICE: dict = {"pair_features": None, "length_prior": (True, False, True), "keep_start": False}
 
 
 @dataclass
@@ -250,6 +260,20 @@ class MoRConfig:
         base = dict(pool_pairs=(300, 100, 300), heldout_pairs=120, max_eval_pairs=60, client_archs=("mlp", "mlp", "mlp"), fedavg_rm_rounds=15)
         return cls(**(base | overrides))
 
+    @classmethod
+    def full(cls, **overrides) -> MoRConfig:
+        """The ``--full`` preset (issue 29, item 2): every pair of each client's domain (no pool cap, every pair of
+        a prompt, no cap on validation and test pairs; all 1,768 koala pairs held out), every client an MLP (the LoRA
+        client's ~1 s per CPU step does not scale to ~1.4k harmlessness training pairs per seed) and the static
+        (model2vec) table distilled from MiniLM as ``e(.)`` (:mod:`trainer.static_embedder`, 256 dimensions, the whole
+        text): the 22,728 texts of the three domains embed in 42 s (after a one-off 134 s distillation) where MiniLM at
+        128 tokens embedded 1,500 in 197 s and not the next 1,500 in 7 min (2-core CPU at load 6-12: hours). Pair-feature clients or the length columns and the length priors chosen on validation by
+        ``benchmarks/mor_pair_features_settings.py --full`` (docs/mor.md)."""
+        base = dict(pool_pairs=(EVERY_PAIR,) * 3, heldout_pairs=EVERY_PAIR, pairs_per_prompt=EVERY_PAIR,
+                    max_eval_pairs=EVERY_PAIR, client_archs=("mlp", "mlp", "mlp"), lora_train_pairs=None,
+                    embedder=EmbedderConfig(model=STATIC_MINILM))
+        return cls(**(base | FULL_CHOICE | overrides))
+
     def with_members(self, n: int) -> MoRConfig:
         """This config with every client's pool grown to ``ceil(n / min(train share, val + test share) * 1.1)``
         pairs, up to 4 pairs per prompt (AlpacaEval without the held-out subset has ~490 instructions) and no
@@ -297,6 +321,7 @@ class MoRModels:
     router_bytes_per_round: int = 0
     history: dict = field(default_factory=dict)
     baselines: dict = field(default_factory=dict)
+    generator_beta: dict | None = None
 
 
 def train_fedavg_reward_model(features: list[tuple[np.ndarray, np.ndarray]], config: RewardModelConfig, encoder: PairEncoder,
@@ -334,6 +359,16 @@ def train_fedavg_reward_model(features: list[tuple[np.ndarray, np.ndarray]], con
     raw = np.concatenate([model.raw_scores_from_features(np.concatenate([fc, fr])) for fc, fr in features])
     model.normaliser_ = ScoreNormaliser.fit(raw, config.eps, config.clip)
     return model
+
+
+def generator_strengths(split: MoRSplit) -> dict[str, float] | None:
+    """Bradley-Terry strengths of the generators (:func:`trainer.generator_prior.fit_bradley_terry`, C = 1) from the
+    win/loss counts each client uploads of its train pairs (:func:`~trainer.generator_prior.client_win_counts`,
+    summed by the server); None when no client's pairs name their generators (HH-RLHF's do not)."""
+    from trainer.generator_prior import aggregate_win_counts, client_win_counts, fit_bradley_terry  # pandas, sklearn: on use
+
+    counts = aggregate_win_counts(client_win_counts(c.train) for c in split.clients)
+    return fit_bradley_terry(counts) if counts else None
 
 
 class MoRTrainer:
@@ -464,7 +499,7 @@ class MoRTrainer:
         length = LengthBaseline(per_domain=True).fit(pooled)
         baselines = {"length_only_global": LengthBaseline(per_domain=False).fit(pooled),
                      "structure_only": LengthBaseline(per_domain=True, C=STRUCTURE_C, features=DEFAULT_FEATURES).fit(pooled)}
-        return MoRModels(rms, routers, fed, length, nbytes, history, baselines)
+        return MoRModels(rms, routers, fed, length, nbytes, history, baselines, generator_strengths(split))
 
     def mixture(self, models: MoRModels, mode: str | None = None, weighting: str | None = None,
                 normalise: bool = True, routing: dict | None = None) -> RoutedReward:

@@ -64,6 +64,7 @@ class PairEncoder:
     show_progress: bool = False
     length_features: bool = True
     pair_features: tuple[str, ...] | None = None
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.pair_features is not None:
@@ -80,7 +81,17 @@ class PairEncoder:
         """The trailing columns of :meth:`encode` alone: (n, n_feature_columns) float32 (no embedding)."""
         if self.pair_features is None:
             return response_lengths(responses)
-        return (response_features_many(prompts, responses, self.pair_features) / LENGTH_SCALE).astype(np.float32)
+        # phi(x, y) of a pair already seen is reused: the regexes cost ~1 ms per response and every pool pair is
+        # encoded several times per seed (reward model, router, baselines, evaluation)
+        keys = list(zip(prompts, responses))
+        missing = [k for k in dict.fromkeys(keys) if k not in self._memo]
+        if len(self._memo) + len(missing) > MEMO_PAIRS:
+            self._memo.clear()
+            missing = list(dict.fromkeys(keys))
+        if missing:
+            phi = response_features_many([x for x, _ in missing], [y for _, y in missing], self.pair_features)
+            self._memo.update(zip(missing, (phi / LENGTH_SCALE).astype(np.float32)))
+        return np.stack([self._memo[k] for k in keys])
 
     def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> np.ndarray:
         """Parameters: prompts, responses : sequences of n non-empty str.
@@ -115,6 +126,8 @@ class PairEncoder:
 
 #: Scale of the length columns: log1p counts / LENGTH_SCALE.
 LENGTH_SCALE = 8.0
+#: Pairs whose ``phi(x, y)`` a PairEncoder keeps (cleared when full; the full MoR pool has ~45k).
+MEMO_PAIRS = 200_000
 
 
 def response_lengths(responses: Sequence[str]) -> np.ndarray:
