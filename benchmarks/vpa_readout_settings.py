@@ -55,6 +55,14 @@ def agreement(tr: VPATrainer, model, protos, c: int, z_mode: str, scale: float) 
     return max(agree, 1.0 - agree)
 
 
+def seed_inputs(pairs, phi_all: np.ndarray, base: VPAConfig, seed: int):
+    """The users of ``seed`` and their features (PCA fitted on the seed's training pairs, ``base.structure``)."""
+    users = make_users(pairs, base.users, seed=seed)
+    phi = select_structure(reduce_embeddings(phi_all, np.flatnonzero(users.part == "train"), base.pca_components),
+                           base.structure)
+    return users, phi
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="../shared/data")
@@ -77,9 +85,7 @@ def main() -> None:
     runs = []
     for s in args.seeds:
         t0 = time.time()
-        users = make_users(pairs, base.users, seed=s)
-        phi = select_structure(reduce_embeddings(phi_all, np.flatnonzero(users.part == "train"), base.pca_components),
-                               base.structure)
+        users, phi = seed_inputs(pairs, phi_all, base, s)
         tr = VPATrainer(users, phi, base)
         ids = users.users("val")
         vpl_acc = {str(c): float("nan") for c in base.contexts}

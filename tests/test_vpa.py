@@ -14,8 +14,9 @@ from sdk.errors import InvalidInputError, ShapeError
 from trainer.data.conflicting_users import UsersConfig, make_users
 from trainer.vpa import evaluation as ev
 from trainer.vpa.aggregation import ClientUpdate, PrototypeStats, Prototypes, aggregate_prototypes, aggregate_round
-from trainer.vpa.model import (VPAModel, bt_loglik, component_kl, elbo, expected_log_normal, gumbel_softmax, kl_normal,
-                               mixture_kl, mixture_moments, mixture_posterior, orthogonality_loss)
+from trainer.vpa.model import (VPAModel, bt_loglik, client_log_weights, component_kl, elbo, expected_log_normal,
+                               gumbel_softmax, kl_normal, mixture_kl, mixture_moments, mixture_posterior,
+                               orthogonality_loss)
 from trainer.vpa.prototype_kmeans import federated_kmeans, lloyd_stats, principal_split
 from trainer.vpa.trainer import VPAConfig, VPATrainer
 
@@ -192,9 +193,10 @@ def _small_cfg(**over) -> VPAConfig:
     return VPAConfig(**{**base, **over})
 
 
-def test_client_upload_holds_only_parameters_and_prototype_statistics():
+@pytest.mark.parametrize("client_prior", [False, True])
+def test_client_upload_holds_only_parameters_and_prototype_statistics(client_prior):
     pairs, phi = _synthetic()
-    cfg = _small_cfg()
+    cfg = _small_cfg(client_prior=client_prior)
     users = make_users(pairs, cfg.users, seed=0)
     tr = VPATrainer(users, phi, cfg)
     model, protos = tr.new_vpa(0), tr.init_prototypes(0)
@@ -217,7 +219,8 @@ def test_client_upload_holds_only_parameters_and_prototype_statistics():
                 assert not any(np.allclose(flat[i:i + len(row)], row) for i in range(0, len(flat) - len(row) + 1))
 
 
-@pytest.mark.parametrize("over", [{"pooling": "mean"}, {"pooling": "natural", "kmeans_at": (0.3,)}])
+@pytest.mark.parametrize("over", [{"pooling": "mean"}, {"pooling": "natural", "kmeans_at": (0.3,)},
+                                  {"pooling": "natural", "client_prior": False}])
 def test_synthetic_federation_personalises_and_the_monolithic_model_cannot(over):
     pairs, phi = _synthetic()
     cfg = _small_cfg(**over)
@@ -402,6 +405,28 @@ def test_client_prior_and_evidence_scale_hand_computed():
     # with vanishing evidence the responsibilities are the client's weights
     _, _, logits = model.components(w, lo, mask, p_mu, p_lv, log_pi, 1e-6)
     np.testing.assert_allclose(torch.softmax(logits, -1).numpy(), log_pi.exp().numpy(), atol=1e-4)
+
+
+def test_client_log_weights_hand_computed():
+    gamma, pi = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]]), torch.tensor([0.5, 0.5])
+    # (sum_u gamma_u + pi) / (U + 1) = ((1.7 + 0.5) / 4, (1.3 + 0.5) / 4)
+    np.testing.assert_allclose(client_log_weights(gamma, pi).exp().numpy(), [0.55, 0.45], rtol=1e-6)
+    # leave-one-out, user u: (sum_{v != u} gamma_v + pi) / U; user 0: ((0.8 + 0.5) / 3, (1.2 + 0.5) / 3)
+    loo = client_log_weights(gamma, pi, leave_one_out=True).exp().numpy()
+    np.testing.assert_allclose(loo, [[1.3 / 3, 1.7 / 3], [2.0 / 3, 1.0 / 3], [1.6 / 3, 1.4 / 3]], rtol=1e-6)
+    # the training prior under client_prior: a user's weights are set by the client's other users only
+    pairs, phi = _synthetic()
+    cfg = _small_cfg()
+    assert cfg.client_prior
+    tr = VPATrainer(make_users(pairs, cfg.users, seed=0), phi, cfg)
+    model, protos = tr.new_vpa(0).eval(), tr.init_prototypes(0)
+    p_mu, p_lv, log_pi = ev.prior_tensors(protos)
+    ids = tr.users.users("train", 0)
+    g = tr.client_gamma(model, ids, p_mu, p_lv, log_pi)
+    np.testing.assert_allclose(g.sum(1).numpy(), 1.0, rtol=1e-6)
+    changed = tr.client_gamma(model, ids[1:], p_mu, p_lv, log_pi)  # user 0's own pairs do not enter its weights
+    np.testing.assert_allclose(client_log_weights(g, log_pi.exp(), True)[0].numpy(),
+                               torch.log((changed.sum(0) + log_pi.exp()) / len(ids)).numpy(), rtol=1e-5)
 
 
 def test_readout_is_chosen_per_context_on_validation_and_read_back_by_context_size():

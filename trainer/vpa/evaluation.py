@@ -32,7 +32,7 @@ from sklearn.linear_model import LogisticRegression
 from sdk.pair_encoding import length_features_many
 from trainer.data.conflicting_users import TYPES
 from trainer.vpa.aggregation import Prototypes
-from trainer.vpa.model import BTReward, VPAModel, bt_loglik, component_kl, kl_normal
+from trainer.vpa.model import BTReward, VPAModel, bt_loglik, client_log_weights, component_kl, kl_normal
 from trainer.vpa.trainer import VPATrainer
 
 
@@ -79,10 +79,7 @@ def client_log_pi(tr: VPATrainer, model: VPAModel, protos: Prototypes, ids: np.n
     rows = {}
     for i in np.unique(tr.users.client[ids]):
         train = tr.users.users("train", int(i))
-        idx = torch.as_tensor(np.stack([tr.users.items[u][:tr.users.context_max] for u in train]))
-        mask = torch.ones(idx.shape, dtype=torch.float32)
-        _, _, logits = model.components(*tr.context_tensors(train, idx, mask), mask, p_mu, p_lv, log_pi)
-        rows[int(i)] = torch.log((torch.softmax(logits, 1).sum(0) + log_pi.exp()) / (len(train) + 1))
+        rows[int(i)] = client_log_weights(tr.client_gamma(model, train, p_mu, p_lv, log_pi), log_pi.exp())
     return torch.stack([rows[int(i)] for i in tr.users.client[ids]])
 
 

@@ -4,7 +4,8 @@ Per seed (:func:`run_seed`): draw the users (:func:`trainer.data.conflicting_use
 features (with or without ``s(y)``: the oracle's validation accuracy decides, unless the config fixes it), train
 the monolithic and per-type Bradley-Terry rewards, VPL (N(0, I) prior) and FedVPA-GP for every beta of the config,
 keep per prior the beta (and, for FedVPA-GP, the z mode) with the best validation accuracy averaged over the
-context sizes (FedVPA-GP is then read under each user's client's own ``pi``, ``VPAConfig.client_scale``; the
+context sizes (FedVPA-GP, trained under each client's own ``pi`` by default, ``VPAConfig.client_prior``, is then read
+under each user's client's own ``pi``, ``VPAConfig.client_scale``; the
 global read-out is scored too, as ``fedvpa_gp_global_pi``), train local-only VPL with VPL's beta, and score every method on the test users for every C.
 :func:`run_experiment` repeats over seeds and reports mean and standard deviation over seeds.
 """

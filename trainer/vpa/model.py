@@ -140,6 +140,15 @@ def mixture_moments(m: torch.Tensor, lv: torch.Tensor, gamma: torch.Tensor) -> t
     return mean, torch.log(var.clamp_min(1e-8))
 
 
+def client_log_weights(gamma: torch.Tensor, pi: torch.Tensor, leave_one_out: bool = False) -> torch.Tensor:
+    """Log mixing weights of a client from its U users' responsibilities ``gamma`` (U, K) and the global ``pi`` (K,)
+    as one pseudo-user: ``log((sum_u gamma_u + pi) / (U + 1))`` (K,), or with ``leave_one_out`` per user
+    ``log((sum_{v != u} gamma_v + pi) / U)`` (U, K), the prior of a user set by the client's other users."""
+    if leave_one_out:
+        return torch.log((gamma.sum(0) - gamma + pi) / len(gamma))
+    return torch.log((gamma.sum(0) + pi) / (len(gamma) + 1))
+
+
 def orthogonality_loss(proto_mu: torch.Tensor) -> torch.Tensor:
     """Mean squared cosine between distinct prototype means: proto_mu (K, d_z), K >= 2 -> scalar."""
     m = F.normalize(proto_mu, dim=-1)

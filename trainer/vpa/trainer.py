@@ -34,8 +34,8 @@ import torch
 from sdk.errors import InvalidInputError
 from trainer.data.conflicting_users import ConflictingUsers, UsersConfig
 from trainer.vpa.aggregation import VAR_CAP, VAR_FLOOR, ClientUpdate, PrototypeStats, Prototypes, aggregate_round
-from trainer.vpa.model import (BTReward, VPAModel, bt_loglik, component_kl, elbo, kl_normal, mixture_moments,
-                               orthogonality_loss)
+from trainer.vpa.model import (BTReward, VPAModel, bt_loglik, client_log_weights, component_kl, elbo, kl_normal,
+                               mixture_moments, orthogonality_loss)
 from trainer.vpa.prototype_kmeans import federated_kmeans
 
 PRIORS = ("gaussian", "mixture")
@@ -79,6 +79,12 @@ class VPAConfig:
     lambda_orth : weight of the orthogonality loss. proto_scale : distance of the initial prototype means from 0.
     proto_var_cap : largest prototype variance per latent dimension (initial variances too; at most
         :data:`~trainer.vpa.aggregation.VAR_CAP`): a tighter ``sigma_k`` lets few pairs pick a prototype.
+    client_prior : train FedVPA-GP under each client's own mixing weights (the prior it is read out with): in a
+        client's round a user's prior is ``sum_k pi_ck N(mu_k, sigma_k^2)`` with ``pi_c`` the client's other training
+        users' mean responsibilities and the global ``pi`` as one pseudo-user (:meth:`VPATrainer.client_gamma`,
+        computed on the client at the start of its round, leave-one-out so a user's own labels do not set its
+        prior; ``benchmarks/vpa_train_prior_settings.py`` chose it on validation users); False: the global ``pi``
+        (the responsibilities and the KL term's categorical part).
     learn_pi : aggregate the mixing weights ``pi_k`` (else they stay uniform). tau_start, tau_end : Gumbel-softmax temperatures.
     warmup : share of the rounds over which beta rises from 0.
     rounds, local_steps, lr, weight_decay : federated optimisation (every client takes part in every round).
@@ -104,6 +110,7 @@ class VPAConfig:
     kmeans_iters: int = 10
     z_modes: tuple[str, ...] = ("mean", "prototype")
     client_scale: float | None = 0.1
+    client_prior: bool = True
     lambda_orth: float = 1.0
     proto_scale: float = 2.0
     proto_var_cap: float = VAR_CAP
@@ -219,6 +226,19 @@ class VPATrainer:
             tgt[j] = order[c:c + cfg.n_targets]
         return torch.as_tensor(ctx), torch.as_tensor(mask), torch.as_tensor(tgt)
 
+    @torch.no_grad()
+    def client_gamma(self, model: VPAModel, user_ids: np.ndarray, p_mu: torch.Tensor, p_lv: torch.Tensor,
+                     log_pi: torch.Tensor) -> torch.Tensor:
+        """(U, K) responsibilities of users ``user_ids`` (one client's) under the global prior from the first
+        ``context_max`` of their pairs (the client's soft-assignment statistics, :func:`trainer.vpa.evaluation.client_log_pi`)."""
+        idx = torch.as_tensor(np.stack([self.users.items[u][:self.users.context_max] for u in user_ids]))
+        mask = torch.ones(idx.shape, dtype=torch.float32)
+        was_training = model.training
+        model.eval()
+        logits = model.components(*self.context_tensors(user_ids, idx, mask), mask, p_mu, p_lv, log_pi)[2]
+        model.train(was_training)
+        return torch.softmax(logits, 1)
+
     # ------------------------------------------------------------------ VPL / FedVPA-GP
 
     def new_vpa(self, seed: int) -> VPAModel:
@@ -248,6 +268,9 @@ class VPATrainer:
             p_mu = torch.tensor(protos.mu, dtype=torch.float32)
             p_lv = torch.tensor(protos.logvar, dtype=torch.float32)
             log_pi = torch.log(torch.tensor(protos.pi, dtype=torch.float32))
+            prior_pi = log_pi
+            if cfg.client_prior:
+                prior_pi = client_log_weights(self.client_gamma(model, user_ids, p_mu, p_lv, log_pi), log_pi.exp(), True)
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         for _ in range(cfg.local_steps):
             ctx, mask, tgt = self._train_batch(user_ids, rng)
@@ -258,8 +281,8 @@ class VPATrainer:
                 kl = kl_normal(mu, logvar, torch.zeros_like(mu), torch.zeros_like(logvar))
                 extra = 0.0
             else:
-                m, lv, logits = model.components(*ctx_phi, mask, p_mu, p_lv, log_pi)
-                kl, gamma, c = component_kl(m, lv, logits, p_mu, p_lv, log_pi, tau, gen)
+                m, lv, logits = model.components(*ctx_phi, mask, p_mu, p_lv, prior_pi)
+                kl, gamma, c = component_kl(m, lv, logits, p_mu, p_lv, prior_pi, tau, gen)
                 eps = torch.randn((len(user_ids), m.shape[-1]), generator=gen)[:, None]
                 z = (c[..., None] * (m + eps * (0.5 * lv).exp())).sum(1)
                 mean, _ = mixture_moments(m, lv, gamma)
