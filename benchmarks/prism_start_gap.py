@@ -36,6 +36,8 @@ and routing all on that input; the same exact federated fits), per ``scale`` of 
 start), on every validation pair; rule: the scale with the highest validation accuracy, wired only if it beats the
 start by more than its paired SE. The chosen scale and the start are then scored once on every test pair, each
 without and with the generator prior as the cross-fitted feature of ``--part prior`` (``test_rows``).
+``--part roles_quick``: the same grid and rule on the quick preset's training and public prompts (2,400 pairs),
+validation only (the quick preset's test figures come from ``fedroute prism train --quick``).
 
 ``PYTHONPATH=. HF_HUB_OFFLINE=1 python benchmarks/prism_start_gap.py --part gap --out docs/results`` writes
 ``DIR/prism_start_gap_<part>.{json,md}`` (and, for ``gap``, a PNG of each row's gain over structure_only). Needs the prompt embeddings only (no segment cache); minutes on CPU.
@@ -159,12 +161,13 @@ def _row(correct: list, ref: list, dom: np.ndarray, extra=None) -> dict:
     return {**out, **(extra or {})}
 
 
-def _validation_setup(data_dir: Path):
-    """(CPU preset's FedPrismConfig, train, val, public frames, (f, y, e) of train and val, public embeddings)."""
+def _validation_setup(data_dir: Path, preset: str = "cpu"):
+    """(``preset``'s FedPrismConfig, train, val, public frames, (f, y, e) of train and val, public embeddings); the
+    training and public prompts subsampled as ``preset`` does, the validation pairs always the CPU preset's (all)."""
     from trainer.experts.experiment import PRESETS
 
-    base = PRESETS["cpu"][1]
-    train, val, _, public = _frames(data_dir)
+    data, base = PRESETS[preset]
+    train, val, _, public = _frames(data_dir, data.n_train, data.n_public)
     names = base.selector.pair_features
     return base, train, val, public, _arrays(train, names), _arrays(val, names), _arrays(public, names)[2]
 
@@ -341,12 +344,12 @@ def part_prior(data_dir: Path) -> dict:
     return out
 
 
-def part_roles(data_dir: Path) -> dict:
+def part_roles(data_dir: Path, preset: str = "cpu") -> dict:
     from trainer.experts.length_init import pooled_expert_coefs
     from trainer.length_baseline import LengthBaseline
 
-    base, train, val, public, (f_tr, y_tr, e_tr), (f_va, y_va, e_va), e_pub = _validation_setup(data_dir)
-    C, M = base.length_C, base.n_experts
+    base, train, val, public, (f_tr, y_tr, e_tr), (f_va, y_va, e_va), e_pub = _validation_setup(data_dir, preset)
+    C, M, rounds = base.length_C, base.n_experts, base.router_init_rounds
     r_tr, r_va, r_pub = (role_counts(list(x.prompt)) for x in (train, val, public))
     doms = sorted(set(train.domain))
     dt, dv = (x.domain.map(doms.index).to_numpy() for x in (train, val))
@@ -357,7 +360,7 @@ def part_roles(data_dir: Path) -> dict:
         rows.setdefault("length_only (domain label)", []).append(((p_lo > 0.5) == y_va).astype(np.float64))
         for scale in ROLE_SCALES:
             tr, va, pub = (np.c_[e, scale * r].astype(np.float32) for e, r in ((e_tr, r_tr), (e_va, r_va), (e_pub, r_pub)))
-            router = _router(tr, pub, clients, seed, M)
+            router = _router(tr, pub, clients, seed, M, rounds)
             a_tr, a_va = router.route(tr), router.route(va)
             w = pooled_expert_coefs(f_tr, y_tr, a_tr, clients, M, C, base.length_pool_C)[0]
             key = "FedPrism start" + ("" if scale == 0 else f", role tags x {scale:g}")
@@ -376,9 +379,10 @@ def part_roles(data_dir: Path) -> dict:
     best = max(keys, key=lambda k: out[k]["overall"])
     gain = out[best]["vs_start"]
     scale = ROLE_SCALES[keys.index(best)]
-    return {"part": "roles", "n_val": len(val), "seeds": list(SEEDS), "tags": list(ROLE_TAGS), "rows": out,
-            "chosen": best, "wire": bool(best != "FedPrism start" and gain["gain"] > gain["se"]),
-            "test_rows": _roles_test(data_dir, scale)}
+    res = {"part": "roles", "preset": preset, "n_train": len(train), "n_val": len(val), "seeds": list(SEEDS),
+           "tags": list(ROLE_TAGS), "rows": out, "chosen": best, "scale": scale,
+           "wire": bool(best != "FedPrism start" and gain["gain"] > gain["se"])}
+    return res if preset != "cpu" else {**res, "test_rows": _roles_test(data_dir, scale)}
 
 
 def _roles_test(data_dir: Path, scale: float) -> dict:
@@ -430,7 +434,8 @@ def markdown(out: dict) -> str:
         lines += [f"- federated domain classifier accuracy (validation): {out['domain_router_accuracy']}"]
         return "\n".join(lines) + "\n"
     if out["part"] == "roles":
-        lines = [f"Router input with role-tag counts ({out['tags']}), validation ({out['n_val']} pairs), seeds "
+        lines = [f"{out.get('preset', 'cpu')} preset ({out.get('n_train', 10939)} training pairs), "
+                 f"router input with role-tag counts ({out['tags']}), validation ({out['n_val']} pairs), seeds "
                  f"{out['seeds']}; best: **{out['chosen']}**; wire it (beats the start by > 1 paired SE): {out['wire']}", "",
                  "| router input | overall | domains | misrouted share per seed | vs length-only | vs the start |",
                  "|---|---|---|---|---|---|"]
@@ -438,6 +443,8 @@ def markdown(out: dict) -> str:
             lines.append(f"| {k} | {r['overall']:.4f} | " + " / ".join(f"{d} {v:.3f}" for d, v in r["domains"].items())
                          + f" | {r['misrouted_share']} | {r['vs_length_only']['gain']:+.4f} ± {r['vs_length_only']['se']:.4f}"
                          + f" | {r['vs_start']['gain']:+.4f} ± {r['vs_start']['se']:.4f} |")
+        if "test_rows" not in out:
+            return "\n".join(lines) + "\n"
         lines += ["", "Scored once on every test pair (the start and the chosen scale, without / with the prior feature):", "",
                   "| router input (test) | overall | per seed | domains | vs length-only |", "|---|---|---|---|---|"]
         for k, r in out["test_rows"].items():
@@ -498,7 +505,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=Path("../shared/data"))
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
-    ap.add_argument("--part", choices=("gap", "quick_size", "prior", "roles"), required=True)
+    ap.add_argument("--part", choices=("gap", "quick_size", "prior", "roles", "roles_quick"), required=True,
+                    help="roles_quick: --part roles on the quick preset's training pairs (validation only)")
     ap.add_argument("--plot-only", action="store_true", help="--part gap: redraw the PNG from the saved JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -506,7 +514,8 @@ def main(argv=None) -> None:
     if args.plot_only:
         plot(json.loads(stem.with_suffix(".json").read_text()), stem.with_suffix(".png"))
         return
-    out = {"gap": part_gap, "quick_size": part_quick_size, "prior": part_prior, "roles": part_roles}[args.part](args.data)
+    out = {"gap": part_gap, "quick_size": part_quick_size, "prior": part_prior, "roles": part_roles,
+           "roles_quick": lambda d: part_roles(d, "quick")}[args.part](args.data)
     write_json(stem.with_suffix(".json"), out)
     write_text(stem.with_suffix(".md"), markdown(out))
     if args.part == "gap":

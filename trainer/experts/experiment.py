@@ -67,11 +67,13 @@ PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
     # quick: the CPU preset's M and head (not tuned separately); 2 rounds = 1 warm-up + 1 PGPD round; no validation
     # pairs (nothing is tuned on it); every test pair (4,376) so that a 0.01 difference is resolvable (paired SE
     # <= 0.005); 2,400 training pairs: the fewest of 600 / 1,200 / 2,400 / 4,800 whose start is not below
-    # length-only on the validation pairs in any domain (benchmarks/prism_start_gap.py --part quick_size)
+    # length-only on the validation pairs in any domain (benchmarks/prism_start_gap.py --part quick_size); the router
+    # reads the role-tag counts x 0.5 beside the embedding, as cpu (the same grid on the quick preset's training pairs,
+    # validation only: benchmarks/prism_start_gap.py --part roles_quick)
     "quick": (DataPreset(n_train=2400, n_val=0, n_test=None, n_public=300),
               FedPrismConfig(n_experts=6, rounds=2, warmup_rounds=1, router_every=1, clients_per_round=2,
                              local_pairs=24, batch_size=12, router_epochs=3, eval_every=2, length_lr_scale=0.0,
-                             expert_lr=1e-2, **_STRUCTURE, **_START)),
+                             router_role_scale=0.5, expert_lr=1e-2, **_STRUCTURE, **_START)),
     # every pair of the shared data (train 10.9k / val 4.3k / test 4.4k pairs); length_init = 'fedavg_lr' chosen on
     # the validation pairs (trainer.experts.tune), then n_experts = 6 (grid 3, 4, 5, 6, 8) by
     # benchmarks/prism_experts_settings.py, also on validation, then the head variant 'residual_lr1e-2' (feature path
@@ -79,7 +81,7 @@ PRESETS: dict[str, tuple[DataPreset, FedPrismConfig]] = {
     # validation (3 seeds); the pair features by benchmarks/pair_features_settings.py. Label-free
     # (length_prior='expert'): sdk.Selector.prefer(x, y_a, y_b) has no domain input ('domain' is opt-in, docs/prism.md)
     # ... and the router reads the prompts' role-tag counts beside the embedding (router_role_scale 0.5, chosen on the
-    # validation pairs by benchmarks/prism_start_gap.py --part roles; the quick preset is not tuned separately and keeps 0)
+    # validation pairs by benchmarks/prism_start_gap.py --part roles)
     "cpu": (DataPreset(), FedPrismConfig(n_experts=6, rounds=8, warmup_rounds=3, router_every=2, clients_per_round=4,
                                          local_pairs=40, eval_every=4, router_role_scale=0.5,
                                          length_lr_scale=0.0, expert_lr=1e-2, **{**_STRUCTURE, **_START})),
