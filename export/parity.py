@@ -138,7 +138,7 @@ def check_bundle(bundle_dir, public_key, router, reference: np.ndarray, test, pr
                     "trainer_auc": float(trainer_auc), "precisions": {}, "failures": []}
     fp32_pred = None
     for precision in precisions:
-        bundle = Router.load(bundle_dir, public_key, precision=precision, intra_op_threads=2)
+        bundle = Router.load(bundle_dir, public_key, precision=precision)  # one thread, as an app loads it
         # One query at a time, as choose() embeds on the device (no padding in the input).
         emb = np.concatenate([bundle.embed([q]) for q in tqdm(test.prompts, desc=f"parity {precision}",
                                                                    unit="query", leave=False)])

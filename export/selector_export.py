@@ -38,7 +38,7 @@ from export.scratch_folder import scratch_folder
 from export.torch_onnx import merged_lora_copy, module_to_onnx
 from export.signing import load_signing_key
 from sdk import bundle_manifest as fmt
-from sdk.selector import FAMILY, KIND, MANIFEST_KEY, OUTPUT_NAME, SELECTOR_FILES
+from sdk.selector import FAMILY, KIND, MANIFEST_KEY, OUTPUT_NAME, SELECTOR_FILES, SWAPPED_OUTPUT_NAME
 from export.embedder_onnx import sensitive_matmuls
 from sdk.pair_features import pair_features_many
 from sdk.selector import Selector
@@ -92,7 +92,8 @@ def selector_to_onnx(selector) -> bytes:
 
     Returns
     -------
-    bytes of an ONNX model (opset 17) with output ``logit`` of shape (batch,), float32.
+    bytes of an ONNX model (opset 17) with outputs ``logit`` and ``logit_ba`` of shape (batch,), float32: the
+    logits of (a, b) and (b, a) from one encoding of the a and b segments.
     """
     import torch  # torch: optional heavy dependency, imported on use
     from torch import nn  # torch: optional heavy dependency, imported on use
@@ -128,8 +129,12 @@ def selector_to_onnx(selector) -> bytes:
             h = self._pooled(torch.cat([input_ids_a, input_ids_b]), torch.cat([attention_mask_a, attention_mask_b]),
                              types)
             h_a, h_b = h[:n], h[n:]
-            z = torch.cat([h_a, h_b, length_features], dim=1)
-            return self.head(z).squeeze(1) + self.length_skip(length_features).squeeze(1)
+            # Both orders from the one encoding, through one head call: rows (a, b, f) then (b, a, -f).
+            z = torch.cat([torch.cat([h_a, h_b, length_features], dim=1),
+                           torch.cat([h_b, h_a, -length_features], dim=1)])
+            f = torch.cat([length_features, -length_features])
+            out = self.head(z).squeeze(1) + self.length_skip(f).squeeze(1)
+            return out[:n], out[n:]
 
     module = Exported().eval()
     seq_len = selector.config.encoding.seq_len
@@ -144,8 +149,8 @@ def selector_to_onnx(selector) -> bytes:
     # batch and sequence axes are dynamic: the SDK cuts the padding columns no segment uses (exact in fp32,
     # attention and pooling are masked) so int8 activation scales see real tokens only
     dynamic = {n: ({0: "batch"} if n == "length_features" else {0: "batch", 1: "seq"}) for n in names}
-    dynamic[OUTPUT_NAME] = {0: "batch"}
-    return module_to_onnx(module, args, names, [OUTPUT_NAME], dynamic,
+    dynamic.update({OUTPUT_NAME: {0: "batch"}, SWAPPED_OUTPUT_NAME: {0: "batch"}})
+    return module_to_onnx(module, args, names, [OUTPUT_NAME, SWAPPED_OUTPUT_NAME], dynamic,
                           {"selector_kind": KIND, "backbone": selector.config.backbone, "seq_len": str(seq_len),
                            "pooling": pooling})
 

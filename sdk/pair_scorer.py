@@ -26,6 +26,8 @@ REQUIRED_INPUTS = ("input_ids_a", "attention_mask_a", "input_ids_b", "attention_
 #: Fed only when the graph declares them (a causal-LM backbone has no token types; the exporter drops them).
 OPTIONAL_INPUTS = ("token_type_ids_a", "token_type_ids_b")
 OUTPUT_NAME = "logit"
+#: Optional output: l(b, a) from the same segments as ``logit``, so one row per pair is fed instead of both orders.
+SWAPPED_OUTPUT_NAME = "logit_ba"
 
 
 def selector_section(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -82,6 +84,7 @@ class OnnxPairScorer:
         if OUTPUT_NAME not in outputs:
             raise BundleError(f"{what}: no '{OUTPUT_NAME}' output (outputs: {outputs})")
         self._inputs = names
+        self._both_orders = SWAPPED_OUTPUT_NAME in outputs
         self._what = what
         self._feature_names = tuple(feature_names)
 
@@ -89,7 +92,7 @@ class OnnxPairScorer:
         n = len(first)
         seg_first = self._encoder.encode_segments([prompt] * n, list(first))
         seg_second = self._encoder.encode_segments([prompt] * n, list(second))
-        self._check_readable(seg_first)
+        self._check_readable(seg_first, seg_second)
         feeds = {f"{k}_a": v for k, v in seg_first.items()}
         feeds.update({f"{k}_b": v for k, v in seg_second.items()})
         # Cut the padding columns that no segment uses: exact (attention and pooling are masked), faster,
@@ -99,12 +102,13 @@ class OnnxPairScorer:
         feeds["length_features"] = pair_features_many([prompt] * n, list(first), list(second), self._feature_names)
         return {k: v for k, v in feeds.items() if k in self._inputs}
 
-    def _check_readable(self, seg: dict[str, npt.NDArray[np.int64]]) -> None:
-        """Refuse a pair whose prompt or a response gave no token (only control or zero-width characters)."""
-        mask, types = seg["attention_mask"].sum(1), seg["token_type_ids"].sum(1)
-        response_tokens = types - 1  # the response part ends with one separator
-        prompt_tokens = mask - types - 1 - (self._encoder.config.prefix_token is not None)
-        unreadable = [name for name, n in (("x", prompt_tokens[0]), ("y_a", response_tokens[0]),
+    def _check_readable(self, seg_a: dict[str, npt.NDArray[np.int64]], seg_b: dict[str, npt.NDArray[np.int64]]) -> None:
+        """Refuse a pair whose prompt or a response gave no token (only control or zero-width characters); the
+        first rows of ``seg_a`` and ``seg_b`` are the segments of (x, y_a) and (x, y_b)."""
+        mask = seg_a["attention_mask"][0].sum()
+        response_tokens = [seg["token_type_ids"][0].sum() - 1 for seg in (seg_a, seg_b)]  # each ends with a separator
+        prompt_tokens = mask - response_tokens[0] - 2 - (self._encoder.config.prefix_token is not None)
+        unreadable = [name for name, n in (("x", prompt_tokens), ("y_a", response_tokens[0]),
                                            ("y_b", response_tokens[1])) if n <= 0]
         if unreadable:
             raise InvalidInputError(
@@ -112,9 +116,14 @@ class OnnxPairScorer:
                 f"characters in the {MAX_QUERY_CHARS:,} characters read?); there is nothing to compare")
 
     def logits(self, x: str, y_a: str, y_b: str) -> tuple[float, float]:
-        """(l(a, b), l(b, a)) in one call of batch 2 (each pair runs alone). Raises InvalidInputError naming a
-        text with no readable token, BundleError when the graph fails or returns other than two finite logits."""
-        out = run_session(self._session, [OUTPUT_NAME], self._feeds(x, [y_a, y_b], [y_b, y_a]), self._what)[0]
+        """(l(a, b), l(b, a)) in one call (each pair runs alone): of batch 1 read from ``logit`` and ``logit_ba``
+        where the graph has both, else of batch 2 (both orders). Raises InvalidInputError naming a text with no
+        readable token, BundleError when the graph fails or returns other than two finite logits."""
+        if self._both_orders:
+            out = np.concatenate(run_session(self._session, [OUTPUT_NAME, SWAPPED_OUTPUT_NAME],
+                                             self._feeds(x, [y_a], [y_b]), self._what), axis=None)
+        else:
+            out = run_session(self._session, [OUTPUT_NAME], self._feeds(x, [y_a, y_b], [y_b, y_a]), self._what)[0]
         out = np.asarray(out, dtype=np.float64).reshape(-1)
         if out.shape != (2,) or not np.isfinite(out).all():
             raise BundleError(f"selector returned {out!r}, expected two finite logits")

@@ -5,10 +5,12 @@ Graph contract (``selector.onnx`` / ``selector.int8.onnx``, the backbone with it
 written by ``export.selector_export``): inputs ``input_ids_{a,b}``, ``attention_mask_{a,b}`` and optional
 ``token_type_ids_{a,b}`` (batch, seq_len) int64, the segments of (x, y_a) and (x, y_b) (:mod:`sdk.pair_encoding`),
 and ``length_features`` (batch, F) float32 (:func:`sdk.pair_features.pair_features` of the manifest's
-``selector.pair_features``); output ``logit`` (batch,) float32, the logit of P(y_a better). ``prefer`` scores both
-orders, as FedPrism's Phase III does, and returns ``sigmoid((l(a, b) - l(b, a)) / 2)``, so
-``prefer(x, a, b) + prefer(x, b, a) == 1``. Each pair runs alone (batch 2, padding columns cut): an int8 graph's
-activation scales span its whole input.
+``selector.pair_features``); output ``logit`` (batch,) float32, the logit of P(y_a better), and optionally
+``logit_ba`` (batch,) float32, the logit of P(y_b better) from the same segments with the features negated.
+``prefer`` scores both orders, as FedPrism's Phase III does, and returns ``sigmoid((l(a, b) - l(b, a)) / 2)``, so
+``prefer(x, a, b) + prefer(x, b, a) == 1``. Each pair runs alone (padding columns cut; an int8 graph's activation
+scales span its whole input): batch 1 read from both outputs where the graph has ``logit_ba`` (2 segments
+encoded), else batch 2 holding both orders (4 segments).
 
 This module declares the family ``selector`` (``needs_embedder=False``: a bundle carries its own backbone and no
 model table) and registers ``onnx_pair`` (one selector; ``selector.files`` maps precision -> file) and
@@ -34,8 +36,8 @@ from sdk.bundle_manifest import need
 from sdk.errors import InvalidInputError
 from sdk.pair_encoding import PairEncodingConfig
 from sdk.pair_scorer import (  # noqa: F401 - the graph contract's names, public here
-    FAMILY, KIND, MANIFEST_KEY, OPTIONAL_INPUTS, OUTPUT_NAME, REQUIRED_INPUTS, SELECTOR_FILES, OnnxPairScorer,
-    manifest_feature_names, selector_section,
+    FAMILY, KIND, MANIFEST_KEY, OPTIONAL_INPUTS, OUTPUT_NAME, REQUIRED_INPUTS, SELECTOR_FILES, SWAPPED_OUTPUT_NAME,
+    OnnxPairScorer, manifest_feature_names, selector_section,
 )
 from sdk.embedder import check_text
 from sdk.routed_selector import KIND as ROUTED_KIND

@@ -417,9 +417,10 @@ def test_flower_simulation_aggregates_per_component_with_sparse_retrieval(monkey
     # min_count=2: the nodes train each expert on 2 and 3 samples (the default, 5, would drop them all).
     strategy = FedPrismStrategy(experts, router, pgpd_rounds={2}, min_nodes=2, rng=np.random.default_rng(0),
                                 min_count=2)
+    # Ray on one CPU: one actor (a Python process importing the client app) runs the nodes in turn
     run_simulation(make_server_app(strategy, num_rounds=2, timeout=900.0), make_client_app(_local_step),
                    num_supernodes=2, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                                     "init_args": {"num_cpus": 2, "include_dashboard": False}})
+                                                     "init_args": {"num_cpus": 1, "include_dashboard": False}})
     sent = {(r, tuple(e)) for r, _, e in strategy.sent_}
     assert {e for r, e in sent if r == 1} == {(0, 1, 2)}  # round 1: nobody asked yet -> all
     assert {e for r, e in sent if r == 2} == {(0,), (1, 2)}  # round 2: only what each node routes to

@@ -123,8 +123,9 @@ def test_flower_simulation_gives_the_pooled_statistics_and_the_centralised_lloyd
         make_server_app(strategy, c0, num_rounds=2, timeout=900.0),
         make_client_app(logs["paths"]),
         num_supernodes=N_CLIENTS,
+        # Ray on one CPU: one actor (a Python process importing the client app) runs the nodes in turn
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                        "init_args": {"num_cpus": 2, "include_dashboard": False}},
+                        "init_args": {"num_cpus": 1, "include_dashboard": False}},
     )
 
     assert strategy.rejected_ == []

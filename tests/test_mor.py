@@ -554,10 +554,11 @@ def test_flower_router_fedavg_equals_the_simulated_federated_trainer(monkeypatch
     want = FederatedRouterTrainer(config).train([data[0], data[1]])
     strategy = RouterFedAvg("samples", fraction_evaluate=0.0, min_train_nodes=2, min_available_nodes=2)
     result: dict = {}
+    # Ray on one CPU: one actor (a Python process importing the client app) runs the nodes in turn
     run_simulation(make_router_server_app(strategy, initial_router(5, 2, config), config.rounds, result),
                    make_router_client_app(data, config, 5, 2), num_supernodes=2,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+                                   "init_args": {"num_cpus": 1, "include_dashboard": False}})
     assert sorted(n for _, n in strategy.last_updates_) == [12.0, 30.0]
     for k, v in want.get_parameters().items():
         np.testing.assert_allclose(result["parameters"][k], v, rtol=1e-5, atol=1e-6)

@@ -144,6 +144,37 @@ def test_prefer_is_antisymmetric_and_fp32_loads_when_no_int8_is_shipped(bundle, 
     assert p + sel.prefer(x, b, a) == pytest.approx(1.0, abs=1e-12)
 
 
+def test_a_graph_without_logit_ba_is_fed_both_orders_and_gives_the_same_logits(bundle, hh_pairs, signing_keys,
+                                                                              tmp_path):
+    """The exporter's graph outputs both orders (``logit``, ``logit_ba``) from one encoding of the two segments;
+    a graph with ``logit`` only (the contract's required output, as bundles exported before ``logit_ba`` carry
+    it) is fed both orders in one batch of 2 and gives the same logits."""
+    import onnx
+
+    from export.bundle_writer import write_bundle
+    from export.signing import load_signing_key
+
+    src = bundle[0].resolve()
+    manifest = json.loads((src / "manifest.json").read_text())
+    graph = onnx.load_from_string((src / "selector.onnx").read_bytes())
+    assert [o.name for o in graph.graph.output] == ["logit", "logit_ba"]
+    kept = [o for o in graph.graph.output if o.name == "logit"]
+    del graph.graph.output[:]
+    graph.graph.output.extend(kept)
+    files = {name: (src / name).read_bytes() for name in manifest["files"]}
+    files["selector.onnx"] = graph.SerializeToString()
+    fields = {k: v for k, v in manifest.items() if k not in ("format_version", "created_utc", "files", "signature")}
+    write_bundle(tmp_path / "logit-only", files, fields, load_signing_key(signing_keys[0]))
+    old = Selector.load(tmp_path / "logit-only", signing_keys[1], precision="fp32")
+    new = Selector.load(src, signing_keys[1], precision="fp32")
+    assert not old._scorer._both_orders and new._scorer._both_orders  # the two feeding paths
+    _, parity = hh_pairs
+    for x, a, b in zip(parity.prompt[:6], parity.response_a[:6], parity.response_b[:6]):
+        np.testing.assert_allclose(old.logits(x, a, b), new.logits(x, a, b), rtol=0, atol=1e-5)
+    with pytest.raises(InvalidInputError, match="^y_b has no token"):
+        old.prefer("q", "a", "\u200b")
+
+
 @pytest.mark.parametrize("args, match", [
     (("", "a", "b"), "x is empty"),
     (("q", "   ", "b"), "y_a is empty"),
